@@ -1,0 +1,403 @@
+//! Hugging Face safetensors checkpoints: memory-mapped reading of `model.safetensors` or a
+//! sharded set (`model.safetensors.index.json`), and writing a checkpoint back in that layout.
+//! This module knows files and bytes, not the model: `load` maps names to model parameters.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata};
+
+use crate::error::ModelError;
+
+const SINGLE_FILE: &str = "model.safetensors";
+const SHARD_INDEX: &str = "model.safetensors.index.json";
+
+/// One memory-mapped safetensors file with its parsed header.
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+/// A tensor read from a checkpoint, converted to f32 on the host.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+/// The storage dtype of a tensor in a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StorageDtype {
+    F32,
+    BF16,
+    F16,
+}
+
+/// An opened checkpoint directory. Files are memory-mapped: nothing is read until a tensor is
+/// asked for, and then only that tensor's bytes.
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    /// Tensor name → index into `shards`.
+    index: HashMap<String, usize>,
+}
+
+impl Checkpoint {
+    /// Opens `dir/model.safetensors.index.json` (sharded) or else `dir/model.safetensors`.
+    pub fn open(dir: &Path) -> Result<Self, ModelError> {
+        let index_path = dir.join(SHARD_INDEX);
+        let single_path = dir.join(SINGLE_FILE);
+        let files: Vec<PathBuf> = if index_path.is_file() {
+            shard_files(&index_path)?
+        } else if single_path.is_file() {
+            vec![single_path]
+        } else {
+            return Err(ModelError::NoWeights {
+                dir: dir.to_path_buf(),
+            });
+        };
+        let mut shards = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for path in files {
+            let shard = open_shard(&path)?;
+            for name in shard.metadata.tensors().keys() {
+                index.insert(name.clone(), shards.len());
+            }
+            shards.push(shard);
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            shards,
+            index,
+        })
+    }
+
+    /// The directory the checkpoint was opened from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether a tensor of this name exists in any shard.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// All tensor names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.index.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    /// The storage dtype of a tensor.
+    pub fn dtype(&self, name: &str) -> Result<StorageDtype, ModelError> {
+        let (shard, info) = self.info(name)?;
+        storage_dtype(info.dtype, &shard.path, name)
+    }
+
+    /// Reads one tensor, checks its shape and converts it to f32.
+    pub fn read(&self, name: &str, expected_shape: &[usize]) -> Result<HostTensor, ModelError> {
+        let (shard, info) = self.info(name)?;
+        if info.shape != expected_shape {
+            return Err(ModelError::ShapeMismatch {
+                path: shard.path.clone(),
+                name: name.to_owned(),
+                expected: expected_shape.to_vec(),
+                found: info.shape.clone(),
+            });
+        }
+        let dtype = storage_dtype(info.dtype, &shard.path, name)?;
+        let (start, end) = info.data_offsets;
+        let base = 8 + shard.header_len;
+        let bytes = shard.mmap.get(base + start..base + end).ok_or_else(|| {
+            ModelError::Safetensors {
+                path: shard.path.clone(),
+                reason: format!("tensor \"{name}\" lies beyond the end of the file"),
+            }
+        })?;
+        let values = match dtype {
+            StorageDtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            StorageDtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            StorageDtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        };
+        Ok(HostTensor {
+            shape: info.shape.clone(),
+            values,
+        })
+    }
+
+    fn info(&self, name: &str) -> Result<(&Shard, &safetensors::tensor::TensorInfo), ModelError> {
+        let missing = || ModelError::MissingTensor {
+            dir: self.dir.clone(),
+            name: name.to_owned(),
+        };
+        let shard = &self.shards[*self.index.get(name).ok_or_else(missing)?];
+        let info = shard.metadata.info(name).ok_or_else(missing)?;
+        Ok((shard, info))
+    }
+}
+
+fn storage_dtype(dtype: Dtype, path: &Path, name: &str) -> Result<StorageDtype, ModelError> {
+    match dtype {
+        Dtype::F32 => Ok(StorageDtype::F32),
+        Dtype::BF16 => Ok(StorageDtype::BF16),
+        Dtype::F16 => Ok(StorageDtype::F16),
+        other => Err(ModelError::UnsupportedDtype {
+            path: path.to_path_buf(),
+            name: name.to_owned(),
+            dtype: format!("{other:?}"),
+        }),
+    }
+}
+
+fn open_shard(path: &Path) -> Result<Shard, ModelError> {
+    let file = File::open(path).map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: the map is read-only; the checkpoint must not be modified while it is loaded,
+    // the same contract as every memory-mapped model loader.
+    let mmap = unsafe { Mmap::map(&file) }.map_err(|source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let (header_len, metadata) =
+        safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
+            path: path.to_path_buf(),
+            reason: describe_safetensors_error(&e),
+        })?;
+    Ok(Shard {
+        path: path.to_path_buf(),
+        mmap,
+        header_len,
+        metadata,
+    })
+}
+
+fn describe_safetensors_error(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::MetadataIncompleteBuffer | E::InvalidHeaderLength | E::HeaderTooSmall => {
+            format!("the file is truncated or its header length is wrong ({e})")
+        }
+        other => other.to_string(),
+    }
+}
+
+/// The distinct shard files named by an index, in first-seen order of their file names.
+fn shard_files(index_path: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let bad = |reason: String| ModelError::ShardIndex {
+        path: index_path.to_path_buf(),
+        reason,
+    };
+    let text = std::fs::read_to_string(index_path).map_err(|source| ModelError::Io {
+        path: index_path.to_path_buf(),
+        source,
+    })?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("no \"weight_map\" object".into()))?;
+    let dir = index_path.parent().unwrap_or(Path::new("."));
+    let mut files: Vec<PathBuf> = Vec::new();
+    for (tensor, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("\"{tensor}\" maps to a non-string")))?;
+        if file.contains('/') || file.contains('\\') {
+            return Err(bad(format!("shard name \"{file}\" must be a plain file name")));
+        }
+        let path = dir.join(file);
+        if !files.contains(&path) {
+            if !path.is_file() {
+                return Err(bad(format!("shard \"{file}\" (holding \"{tensor}\") is missing")));
+            }
+            files.push(path);
+        }
+    }
+    if files.is_empty() {
+        return Err(bad("the weight_map is empty".into()));
+    }
+    Ok(files)
+}
+
+/// A tensor to write, in HF layout, with its values in f32.
+pub struct TensorToWrite {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+/// Writes tensors as a single `model.safetensors` (f32 or bf16), atomically: the file is written
+/// under a temporary name in `dir`, synced, then renamed.
+pub fn write_safetensors(
+    dir: &Path,
+    tensors: &[TensorToWrite],
+    dtype: StorageDtype,
+) -> Result<PathBuf, ModelError> {
+    let path = dir.join(SINGLE_FILE);
+    let io = |source| ModelError::Io {
+        path: path.clone(),
+        source,
+    };
+    let mut header = BTreeMap::new();
+    let mut offset = 0usize;
+    let elem = match dtype {
+        StorageDtype::F32 => 4,
+        StorageDtype::BF16 | StorageDtype::F16 => 2,
+    };
+    let dtype_name = match dtype {
+        StorageDtype::F32 => "F32",
+        StorageDtype::BF16 => "BF16",
+        StorageDtype::F16 => "F16",
+    };
+    let mut ordered: Vec<&TensorToWrite> = tensors.iter().collect();
+    ordered.sort_by(|a, b| a.name.cmp(&b.name));
+    for t in &ordered {
+        let n: usize = t.shape.iter().product();
+        if n != t.values.len() {
+            return Err(ModelError::Input(format!(
+                "tensor \"{}\" has {} values for shape {:?}",
+                t.name,
+                t.values.len(),
+                t.shape
+            )));
+        }
+        header.insert(
+            t.name.clone(),
+            serde_json::json!({"dtype": dtype_name, "shape": t.shape, "data_offsets": [offset, offset + n * elem]}),
+        );
+        offset += n * elem;
+    }
+    let mut header_json = serde_json::to_string(&header).expect("header serialises");
+    while (8 + header_json.len()) % 8 != 0 {
+        header_json.push(' ');
+    }
+    let tmp = dir.join(format!(".{SINGLE_FILE}.tmp"));
+    {
+        let file = File::create(&tmp).map_err(io)?;
+        let mut out = std::io::BufWriter::new(file);
+        out.write_all(&(header_json.len() as u64).to_le_bytes()).map_err(io)?;
+        out.write_all(header_json.as_bytes()).map_err(io)?;
+        for t in &ordered {
+            for v in &t.values {
+                match dtype {
+                    StorageDtype::F32 => out.write_all(&v.to_le_bytes()),
+                    StorageDtype::BF16 => out.write_all(&half::bf16::from_f32(*v).to_le_bytes()),
+                    StorageDtype::F16 => out.write_all(&half::f16::from_f32(*v).to_le_bytes()),
+                }
+                .map_err(io)?;
+            }
+        }
+        let file = out.into_inner().map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)?;
+    }
+    std::fs::rename(&tmp, &path).map_err(io)?;
+    Ok(path)
+}
+
+/// Writes a text file atomically (temporary name, sync, rename).
+pub fn write_atomic(path: &Path, contents: &[u8]) -> Result<(), ModelError> {
+    let io = |source| ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp"));
+    let mut file = File::create(&tmp).map_err(io)?;
+    file.write_all(contents).map_err(io)?;
+    file.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Vec<TensorToWrite> {
+        vec![
+            TensorToWrite {
+                name: "b".into(),
+                shape: vec![2],
+                values: vec![1.0, -2.0],
+            },
+            TensorToWrite {
+                name: "a".into(),
+                shape: vec![2, 3],
+                values: (0..6).map(|i| i as f32 * 0.5).collect(),
+            },
+        ]
+    }
+
+    #[test]
+    fn write_then_read_f32_and_bf16() {
+        for dtype in [StorageDtype::F32, StorageDtype::BF16] {
+            let dir = tempfile::tempdir().unwrap();
+            write_safetensors(dir.path(), &sample(), dtype).unwrap();
+            let ckpt = Checkpoint::open(dir.path()).unwrap();
+            assert_eq!(ckpt.names(), vec!["a".to_string(), "b".to_string()]);
+            assert_eq!(ckpt.dtype("a").unwrap(), dtype);
+            let a = ckpt.read("a", &[2, 3]).unwrap();
+            assert_eq!(a.values, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+        }
+    }
+
+    #[test]
+    fn shape_mismatch_and_missing_tensor_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        write_safetensors(dir.path(), &sample(), StorageDtype::F32).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let err = ckpt.read("a", &[3, 2]).unwrap_err().to_string();
+        assert!(err.contains("\"a\"") && err.contains("[2, 3]"), "{err}");
+        let err = ckpt.read("zzz", &[1]).unwrap_err().to_string();
+        assert!(err.contains("\"zzz\"") && err.contains("missing"), "{err}");
+    }
+
+    #[test]
+    fn truncated_file_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_safetensors(dir.path(), &sample(), StorageDtype::F32).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 5]).unwrap();
+        let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(err.contains("model.safetensors") && err.contains("truncated"), "{err}");
+        std::fs::write(&path, b"garbage").unwrap();
+        let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(err.contains("model.safetensors"), "{err}");
+    }
+
+    #[test]
+    fn missing_shard_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(SHARD_INDEX),
+            r#"{"weight_map": {"x": "model-00001-of-00002.safetensors"}}"#,
+        )
+        .unwrap();
+        let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
+        assert!(err.contains("model-00001-of-00002.safetensors"), "{err}");
+        let empty = tempfile::tempdir().unwrap();
+        let err = Checkpoint::open(empty.path()).err().unwrap().to_string();
+        assert!(err.contains("no model.safetensors"), "{err}");
+    }
+}

@@ -1,0 +1,421 @@
+//! `config.json` of a Qwen3 checkpoint, in both the transformers-4 key style of real Qwen3
+//! checkpoints (`rope_theta`, `torch_dtype`) and the transformers-5 style (`rope_parameters`,
+//! `dtype`), plus the named presets that `init-model` writes.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::ModelError;
+
+/// The architecture hyper-parameters of a Qwen3 decoder, with HF's field names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Qwen3Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    /// Token ids that end generation (from `eos_token_id`, a number or a list).
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    pub pad_token_id: Option<u32>,
+    /// Storage dtype named by the checkpoint (`dtype` or `torch_dtype`), e.g. "bfloat16".
+    pub dtype: Option<String>,
+}
+
+impl Qwen3Config {
+    /// Reads and validates `config.json`.
+    pub fn from_file(path: &Path) -> Result<Self, ModelError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json_str(&text).map_err(|reason| ModelError::Config {
+            path: path.to_path_buf(),
+            reason,
+        })
+    }
+
+    /// Parses the JSON text of a `config.json`; the error is a sentence naming the bad key.
+    pub fn from_json_str(text: &str) -> Result<Self, String> {
+        let json: Value = serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
+        let obj = json.as_object().ok_or("top level is not a JSON object")?;
+        if let Some(model_type) = obj.get("model_type").and_then(Value::as_str) {
+            if model_type != "qwen3" {
+                return Err(format!(
+                    "model_type is \"{model_type}\", only \"qwen3\" is supported"
+                ));
+            }
+        }
+        let usize_key = |key: &str| -> Result<usize, String> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Err(format!("missing key \"{key}\"")),
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| n as usize)
+                    .ok_or_else(|| format!("key \"{key}\" must be a non-negative integer, got {v}")),
+            }
+        };
+        let f64_key = |key: &str| -> Result<Option<f64>, String> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .map(Some)
+                    .ok_or_else(|| format!("key \"{key}\" must be a number, got {v}")),
+            }
+        };
+        let id_key = |key: &str| -> Result<Option<u32>, String> {
+            match obj.get(key) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| Some(n as u32))
+                    .ok_or_else(|| format!("key \"{key}\" must be a token id, got {v}")),
+            }
+        };
+
+        let hidden_size = usize_key("hidden_size")?;
+        let num_attention_heads = usize_key("num_attention_heads")?;
+        let num_key_value_heads = match obj.get("num_key_value_heads") {
+            None | Some(Value::Null) => num_attention_heads,
+            Some(_) => usize_key("num_key_value_heads")?,
+        };
+        let head_dim = match obj.get("head_dim") {
+            None | Some(Value::Null) => {
+                if num_attention_heads == 0 {
+                    return Err("num_attention_heads must be positive".into());
+                }
+                hidden_size / num_attention_heads
+            }
+            Some(_) => usize_key("head_dim")?,
+        };
+        // transformers 5 nests the RoPE base in `rope_parameters`; 4.x has it at the top level.
+        let nested_theta = match obj.get("rope_parameters") {
+            Some(Value::Object(params)) => match params.get("rope_type").and_then(Value::as_str) {
+                Some("default") | None => params.get("rope_theta").and_then(Value::as_f64),
+                Some(other) => {
+                    return Err(format!(
+                        "rope_parameters.rope_type \"{other}\" is not supported (only \"default\")"
+                    ))
+                }
+            },
+            _ => None,
+        };
+        if let Some(Value::Object(scaling)) = obj.get("rope_scaling") {
+            let kind = scaling
+                .get("rope_type")
+                .or_else(|| scaling.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("unknown");
+            if kind != "default" {
+                return Err(format!("rope_scaling of type \"{kind}\" is not supported"));
+            }
+        }
+        let rope_theta = nested_theta
+            .or(f64_key("rope_theta")?)
+            .ok_or("missing key \"rope_theta\" (or \"rope_parameters.rope_theta\")")?;
+        let eos_token_ids = match obj.get("eos_token_id") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .map(|v| v.as_u64().map(|n| n as u32))
+                .collect::<Option<Vec<_>>>()
+                .ok_or("key \"eos_token_id\" must hold token ids")?,
+            Some(v) => vec![v
+                .as_u64()
+                .ok_or_else(|| format!("key \"eos_token_id\" must be a token id, got {v}"))?
+                as u32],
+        };
+        let dtype = obj
+            .get("dtype")
+            .or_else(|| obj.get("torch_dtype"))
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+
+        let config = Self {
+            vocab_size: usize_key("vocab_size")?,
+            hidden_size,
+            intermediate_size: usize_key("intermediate_size")?,
+            num_hidden_layers: usize_key("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rope_theta,
+            rms_norm_eps: f64_key("rms_norm_eps")?.unwrap_or(1e-6),
+            tie_word_embeddings: obj
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            max_position_embeddings: match obj.get("max_position_embeddings") {
+                None | Some(Value::Null) => 40960,
+                Some(_) => usize_key("max_position_embeddings")?,
+            },
+            eos_token_ids,
+            bos_token_id: id_key("bos_token_id")?,
+            pad_token_id: id_key("pad_token_id")?,
+            dtype,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks the relations between fields that the model's shapes rely on.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err(format!("\"{key}\" must be positive"));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!("head_dim ({}) must be even for RoPE", self.head_dim));
+        }
+        if !(self.rope_theta > 0.0) {
+            return Err(format!("rope_theta must be positive, got {}", self.rope_theta));
+        }
+        Ok(())
+    }
+
+    /// Number of query heads that share one key/value head.
+    pub fn num_key_value_groups(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+
+    /// Number of scalar parameters (tied embeddings counted once).
+    pub fn num_parameters(&self) -> usize {
+        let (h, i, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
+        let q = self.num_attention_heads * hd;
+        let kv = self.num_key_value_heads * hd;
+        let attention = h * q + 2 * h * kv + q * h + 2 * hd;
+        let mlp = 3 * h * i;
+        let per_layer = attention + mlp + 2 * h;
+        let embed = self.vocab_size * h;
+        let head = if self.tie_word_embeddings { 0 } else { embed };
+        embed + head + self.num_hidden_layers * per_layer + h
+    }
+
+    /// The `config.json` text in HF layout, carrying both key styles so that transformers 4.51+
+    /// and 5.x both read it.
+    pub fn to_hf_json(&self) -> Value {
+        let eos: Value = match self.eos_token_ids.as_slice() {
+            [] => Value::Null,
+            [one] => Value::from(*one),
+            many => Value::from(many.to_vec()),
+        };
+        let dtype = self.dtype.clone().unwrap_or_else(|| "float32".to_owned());
+        serde_json::json!({
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": null,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers,
+            "use_sliding_window": false,
+            "sliding_window": null,
+            "use_cache": true,
+            "initializer_range": 0.02,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+        })
+    }
+}
+
+/// Named architectures that `init-model` can write with random weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    /// 2 layers, hidden 64, vocab 512: seconds on a laptop, for demos and tests.
+    Tiny,
+    /// 4 layers, hidden 128, vocab 1024: still tiny, slightly less trivial.
+    Small,
+    /// The Qwen3-0.6B shape (28 layers, hidden 1024, 16/8 heads, head_dim 128, vocab 151936).
+    Qwen3_0_6B,
+    /// The Qwen3-1.7B shape.
+    Qwen3_1_7B,
+    /// The Qwen3-4B shape (36 layers, hidden 2560, 32/8 heads, head_dim 128).
+    Qwen3_4B,
+}
+
+impl Preset {
+    /// All presets with their CLI names.
+    pub const ALL: [(&'static str, Preset); 5] = [
+        ("tiny", Preset::Tiny),
+        ("small", Preset::Small),
+        ("qwen3-0.6b", Preset::Qwen3_0_6B),
+        ("qwen3-1.7b", Preset::Qwen3_1_7B),
+        ("qwen3-4b", Preset::Qwen3_4B),
+    ];
+
+    /// Looks a preset up by its CLI name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, p)| *p)
+    }
+
+    /// Whether the preset ships with the project's own small tokenizer (the real Qwen3
+    /// vocabulary is only used by the full-size shapes).
+    pub fn uses_tiny_tokenizer(self) -> bool {
+        matches!(self, Preset::Tiny | Preset::Small)
+    }
+
+    /// The configuration of this preset. Small presets take their vocabulary size and special
+    /// token ids from the tokenizer that goes with them.
+    pub fn config(self, vocab_size: usize, eos_token_ids: Vec<u32>) -> Qwen3Config {
+        let real = |layers, hidden, inter, heads, kv, tied| Qwen3Config {
+            vocab_size: 151_936,
+            hidden_size: hidden,
+            intermediate_size: inter,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            head_dim: 128,
+            rope_theta: 1_000_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: tied,
+            max_position_embeddings: 40_960,
+            eos_token_ids: vec![151_645, 151_643],
+            bos_token_id: Some(151_643),
+            pad_token_id: Some(151_643),
+            dtype: Some("bfloat16".to_owned()),
+        };
+        let small = |layers, hidden, inter, heads, kv, head_dim| Qwen3Config {
+            vocab_size,
+            hidden_size: hidden,
+            intermediate_size: inter,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            head_dim,
+            rope_theta: 10_000.0,
+            rms_norm_eps: 1e-6,
+            tie_word_embeddings: true,
+            max_position_embeddings: 8192,
+            eos_token_ids: eos_token_ids.clone(),
+            bos_token_id: None,
+            pad_token_id: eos_token_ids.last().copied(),
+            dtype: Some("float32".to_owned()),
+        };
+        match self {
+            Preset::Tiny => small(2, 64, 128, 4, 2, 16),
+            Preset::Small => small(4, 128, 384, 4, 2, 32),
+            Preset::Qwen3_0_6B => real(28, 1024, 3072, 16, 8, true),
+            Preset::Qwen3_1_7B => real(28, 2048, 6144, 16, 8, true),
+            Preset::Qwen3_4B => real(36, 2560, 9728, 32, 8, true),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V4_STYLE: &str = r#"{"model_type":"qwen3","vocab_size":10,"hidden_size":8,
+        "intermediate_size":16,"num_hidden_layers":1,"num_attention_heads":2,
+        "num_key_value_heads":1,"head_dim":6,"rope_theta":1000000.0,"rms_norm_eps":1e-6,
+        "tie_word_embeddings":true,"torch_dtype":"bfloat16","eos_token_id":[3,4]}"#;
+
+    #[test]
+    fn reads_transformers4_keys() {
+        let c = Qwen3Config::from_json_str(V4_STYLE).unwrap();
+        assert_eq!(c.head_dim, 6);
+        assert_eq!(c.rope_theta, 1e6);
+        assert_eq!(c.dtype.as_deref(), Some("bfloat16"));
+        assert_eq!(c.eos_token_ids, vec![3, 4]);
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.num_key_value_groups(), 2);
+    }
+
+    #[test]
+    fn reads_transformers5_keys() {
+        let text = r#"{"vocab_size":10,"hidden_size":8,"intermediate_size":16,
+            "num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":2,
+            "rope_parameters":{"rope_theta":5000.0,"rope_type":"default"},"dtype":"float32",
+            "eos_token_id":2}"#;
+        let c = Qwen3Config::from_json_str(text).unwrap();
+        assert_eq!(c.rope_theta, 5000.0);
+        assert_eq!(c.head_dim, 4, "head_dim defaults to hidden/heads");
+        assert_eq!(c.dtype.as_deref(), Some("float32"));
+        assert_eq!(c.eos_token_ids, vec![2]);
+        assert!(!c.tie_word_embeddings);
+    }
+
+    #[test]
+    fn missing_key_is_named() {
+        let text = V4_STYLE.replace("\"intermediate_size\":16,", "");
+        let err = Qwen3Config::from_json_str(&text).unwrap_err();
+        assert!(err.contains("intermediate_size"), "{err}");
+        let text = V4_STYLE.replace("\"rope_theta\":1000000.0,", "");
+        let err = Qwen3Config::from_json_str(&text).unwrap_err();
+        assert!(err.contains("rope_theta"), "{err}");
+    }
+
+    #[test]
+    fn rejects_bad_head_grouping_and_types() {
+        let text = V4_STYLE.replace("\"num_key_value_heads\":1", "\"num_key_value_heads\":3");
+        assert!(Qwen3Config::from_json_str(&text)
+            .unwrap_err()
+            .contains("multiple"));
+        let text = V4_STYLE.replace("\"hidden_size\":8", "\"hidden_size\":\"eight\"");
+        assert!(Qwen3Config::from_json_str(&text)
+            .unwrap_err()
+            .contains("hidden_size"));
+        let text = V4_STYLE.replace("\"qwen3\"", "\"llama\"");
+        assert!(Qwen3Config::from_json_str(&text)
+            .unwrap_err()
+            .contains("llama"));
+    }
+
+    #[test]
+    fn hf_json_round_trips() {
+        let c = Qwen3Config::from_json_str(V4_STYLE).unwrap();
+        let again = Qwen3Config::from_json_str(&c.to_hf_json().to_string()).unwrap();
+        assert_eq!(c, again);
+    }
+
+    #[test]
+    fn parameter_count_of_qwen3_0_6b() {
+        // Qwen3-0.6B has 596M parameters with the tied embedding counted once.
+        let n = Preset::Qwen3_0_6B.config(0, vec![]).num_parameters();
+        assert!((590_000_000..600_000_000).contains(&n), "{n}");
+    }
+}

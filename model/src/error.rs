@@ -1,0 +1,39 @@
+//! The model crate's error type: every variant names the file, tensor or key at fault.
+
+use std::path::PathBuf;
+
+/// Errors from loading configs and checkpoints, and from invalid model inputs.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: bad config: {reason}")]
+    Config { path: PathBuf, reason: String },
+    #[error("{path}: not a valid safetensors file: {reason}")]
+    Safetensors { path: PathBuf, reason: String },
+    #[error("{path}: bad shard index: {reason}")]
+    ShardIndex { path: PathBuf, reason: String },
+    #[error("{dir}: no model.safetensors and no model.safetensors.index.json")]
+    NoWeights { dir: PathBuf },
+    #[error("checkpoint {dir}: tensor \"{name}\" is missing")]
+    MissingTensor { dir: PathBuf, name: String },
+    #[error("{path}: tensor \"{name}\" has shape {found:?}, the config expects {expected:?}")]
+    ShapeMismatch {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("{path}: tensor \"{name}\" has dtype {dtype}, expected F32, BF16 or F16")]
+    UnsupportedDtype {
+        path: PathBuf,
+        name: String,
+        dtype: String,
+    },
+    #[error("invalid input: {0}")]
+    Input(String),
+}

@@ -1,0 +1,307 @@
+//! Batched generation with a KV cache: left-padded prompts, greedy or sampled decoding
+//! (temperature, top-k, top-p), seeded per-row RNGs, stop tokens and a token budget.
+
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::batch::{Padding, TokenBatch};
+use crate::error::ModelError;
+use crate::qwen3::Qwen3ForCausalLM;
+
+/// How tokens are chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingConfig {
+    /// Maximum number of new tokens per sequence.
+    pub max_new_tokens: usize,
+    /// 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens (`None` or 0: all).
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches `p` (`None` or 1.0: all).
+    pub top_p: Option<f32>,
+    /// Seed of the per-row random generators: the same seed gives the same tokens.
+    pub seed: u64,
+    /// A sequence ends after emitting any of these (the stop token is included in the output).
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Default for SamplingConfig {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 64,
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            seed: 0,
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+impl SamplingConfig {
+    fn validate(&self) -> Result<(), ModelError> {
+        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
+            return Err(ModelError::Input(format!(
+                "temperature must be finite and >= 0, got {}",
+                self.temperature
+            )));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ModelError::Input(format!("top_p must be in (0, 1], got {p}")));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// It emitted a stop token.
+    Stop,
+    /// It reached `max_new_tokens`.
+    Length,
+}
+
+/// The new tokens of one sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedSequence {
+    pub tokens: Vec<u32>,
+    /// Log-probability of each new token under the distribution it was drawn from before top-k /
+    /// top-p truncation: `log_softmax(logits / T)`, or `log_softmax(logits)` when greedy.
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+}
+
+/// Generates continuations of every prompt in one left-padded batch.
+pub fn generate<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    prompts: &[Vec<u32>],
+    config: &SamplingConfig,
+    pad_id: u32,
+) -> Result<Vec<GeneratedSequence>, ModelError> {
+    config.validate()?;
+    for p in prompts {
+        model.check_token_ids(p)?;
+    }
+    let device = model.device();
+    let batch = TokenBatch::<B>::new(prompts, Padding::Left, pad_id, &device)?;
+    let n = prompts.len();
+    let mut outputs: Vec<GeneratedSequence> = (0..n)
+        .map(|_| GeneratedSequence {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: FinishReason::Length,
+        })
+        .collect();
+    if config.max_new_tokens == 0 {
+        return Ok(outputs);
+    }
+    let mut rngs: Vec<StdRng> = (0..n).map(|i| row_rng(config.seed, i)).collect();
+    let mut cache = model.new_cache();
+
+    // Host copies of the per-row state; `active[j]` is the original row of batch row j.
+    let mut active: Vec<usize> = (0..n).collect();
+    let mut key_mask: Vec<Vec<i64>> = batch
+        .lengths
+        .iter()
+        .map(|&l| (0..batch.len).map(|j| i64::from(j >= batch.len - l)).collect())
+        .collect();
+    let mut next_position: Vec<i64> = batch.lengths.iter().map(|&l| l as i64).collect();
+
+    let logits = model.forward(
+        batch.input_ids.clone(),
+        batch.position_ids.clone(),
+        batch.mask(),
+        Some(&mut cache),
+    );
+    let mut last = logits.narrow(1, batch.len - 1, 1);
+    let vocab = model.config.vocab_size;
+
+    for step in 0..config.max_new_tokens {
+        let rows = active.len();
+        let values: Vec<f32> = last
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .map_err(|e| ModelError::Input(format!("reading logits: {e:?}")))?;
+        let mut next_tokens = Vec::with_capacity(rows);
+        let mut still_active = Vec::with_capacity(rows);
+        for (j, &row) in active.iter().enumerate() {
+            let row_logits = &values[j * vocab..(j + 1) * vocab];
+            let (token, logprob) = choose_token(row_logits, config, &mut rngs[row]);
+            let out = &mut outputs[row];
+            out.tokens.push(token);
+            out.logprobs.push(logprob);
+            if config.stop_token_ids.contains(&token) {
+                out.finish_reason = FinishReason::Stop;
+            } else {
+                still_active.push(j);
+                next_tokens.push(token);
+            }
+        }
+        if still_active.is_empty() || step + 1 == config.max_new_tokens {
+            break;
+        }
+        if still_active.len() < rows {
+            cache.select_rows(&still_active);
+            key_mask = still_active.iter().map(|&j| key_mask[j].clone()).collect();
+            next_position = still_active.iter().map(|&j| next_position[j]).collect();
+            active = still_active.iter().map(|&j| active[j]).collect();
+        }
+        let rows = active.len();
+        for m in &mut key_mask {
+            m.push(1);
+        }
+        let ids = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(next_tokens.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(), [rows, 1]),
+            &device,
+        );
+        let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(next_position.clone(), [rows, 1]), &device);
+        let padded = key_mask.iter().any(|m| m.contains(&0));
+        let mask = padded.then(|| {
+            let width = key_mask[0].len();
+            Tensor::<B, 2, Int>::from_data(
+                TensorData::new(key_mask.concat(), [rows, width]),
+                &device,
+            )
+        });
+        for p in &mut next_position {
+            *p += 1;
+        }
+        last = model.forward(ids, positions, mask.as_ref(), Some(&mut cache));
+    }
+    Ok(outputs)
+}
+
+/// An independent, reproducible generator for each batch row (so a row's tokens do not depend
+/// on which other rows share its batch).
+fn row_rng(seed: u64, row: usize) -> StdRng {
+    let mut z = seed ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    StdRng::seed_from_u64(z ^ (z >> 31))
+}
+
+/// Picks the next token from one row of logits; returns it with its log-probability.
+pub fn choose_token(logits: &[f32], config: &SamplingConfig, rng: &mut impl Rng) -> (u32, f32) {
+    if config.temperature == 0.0 {
+        let (best, _) = logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |acc, (i, &x)| if x > acc.1 { (i, x) } else { acc });
+        return (best as u32, log_softmax_at(logits, best, 1.0));
+    }
+    let t = config.temperature;
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    let k = config.top_k.filter(|&k| k > 0 && k < logits.len());
+    if let Some(k) = k {
+        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
+        order.truncate(k);
+    }
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    let max = logits[order[0]] / t;
+    let mut probs: Vec<f64> = order
+        .iter()
+        .map(|&i| f64::from(logits[i] / t - max).exp())
+        .collect();
+    let total: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= total);
+    if let Some(p) = config.top_p.filter(|&p| p < 1.0) {
+        let mut mass = 0.0;
+        let keep = probs
+            .iter()
+            .position(|&q| {
+                mass += q;
+                mass >= f64::from(p)
+            })
+            .map_or(probs.len(), |i| i + 1);
+        probs.truncate(keep);
+        order.truncate(keep);
+    }
+    let total: f64 = probs.iter().sum();
+    let mut u = rng.random::<f64>() * total;
+    let mut pick = order[order.len() - 1];
+    for (&i, &q) in order.iter().zip(&probs) {
+        if u < q {
+            pick = i;
+            break;
+        }
+        u -= q;
+    }
+    (pick as u32, log_softmax_at(logits, pick, t))
+}
+
+/// `log_softmax(logits / t)[i]`, computed in f64.
+fn log_softmax_at(logits: &[f32], i: usize, t: f32) -> f32 {
+    let t = f64::from(t);
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64 / t;
+    let lse = logits.iter().map(|&x| (f64::from(x) / t - max).exp()).sum::<f64>().ln() + max;
+    (f64::from(logits[i]) / t - lse) as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(temperature: f32, top_k: Option<usize>, top_p: Option<f32>) -> SamplingConfig {
+        SamplingConfig {
+            temperature,
+            top_k,
+            top_p,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn greedy_takes_argmax_with_its_logprob() {
+        let mut rng = row_rng(0, 0);
+        let (tok, lp) = choose_token(&[0.0, 2.0, 1.0], &cfg(0.0, None, None), &mut rng);
+        assert_eq!(tok, 1);
+        let expected = 2.0 - (1.0f64 + 2f64.exp() + 1f64.exp()).ln();
+        assert!((f64::from(lp) - expected).abs() < 1e-6);
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_top_p_small_keeps_the_best() {
+        let logits = [0.5, 3.0, 2.9, -1.0];
+        for seed in 0..20 {
+            let mut rng = row_rng(seed, 0);
+            assert_eq!(choose_token(&logits, &cfg(1.0, Some(1), None), &mut rng).0, 1);
+            assert_eq!(choose_token(&logits, &cfg(1.0, None, Some(0.01)), &mut rng).0, 1);
+        }
+    }
+
+    #[test]
+    fn top_k_restricts_the_support() {
+        let logits = [0.0, 1.0, 1.0, 1.0, 5.0];
+        let mut rng = row_rng(7, 0);
+        for _ in 0..200 {
+            let (tok, _) = choose_token(&logits, &cfg(5.0, Some(2), None), &mut rng);
+            assert!(tok == 4 || (1..=3).contains(&tok), "{tok}");
+        }
+    }
+
+    #[test]
+    fn sampling_frequencies_follow_the_distribution() {
+        // p = softmax([0, ln 3]) = [0.25, 0.75].
+        let logits = [0.0, 3f32.ln()];
+        let mut rng = row_rng(1, 0);
+        let n = 4000;
+        let ones = (0..n)
+            .filter(|_| choose_token(&logits, &cfg(1.0, None, None), &mut rng).0 == 1)
+            .count();
+        let freq = ones as f64 / n as f64;
+        assert!((freq - 0.75).abs() < 0.03, "{freq}");
+    }
+
+    #[test]
+    fn invalid_settings_are_rejected() {
+        assert!(cfg(-1.0, None, None).validate().is_err());
+        assert!(cfg(1.0, None, Some(0.0)).validate().is_err());
+        assert!(cfg(1.0, None, Some(1.5)).validate().is_err());
+        assert!(cfg(f32::NAN, None, None).validate().is_err());
+    }
+}

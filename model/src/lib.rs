@@ -1,0 +1,25 @@
+//! Qwen3 in burn: Hugging Face checkpoints in, logits identical to transformers out.
+//!
+//! - [`config`]: `config.json` in both transformers key styles, and the `init-model` presets.
+//! - [`checkpoint`]: memory-mapped safetensors files (single or sharded), and writing them.
+//! - [`weights`]: HF tensor names ↔ model parameters (import/export, apart from the math).
+//! - [`qwen3`]: the decoder itself, module by module with HF's names.
+//! - [`batch`], [`logprobs`], [`generation`]: padded batches, per-token log-probs (what GRPO
+//!   needs) and KV-cache generation.
+
+pub mod batch;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod generation;
+pub mod logprobs;
+pub mod qwen3;
+pub mod weights;
+
+pub use config::{Preset, Qwen3Config};
+pub use error::ModelError;
+pub use qwen3::{KvCache, Qwen3ForCausalLM};
+pub use batch::{Padding, TokenBatch};
+pub use generation::{generate, FinishReason, GeneratedSequence, SamplingConfig};
+pub use logprobs::{completion_logprobs, token_logprobs};
+pub use weights::{load_pretrained, save_pretrained, LoadOptions};

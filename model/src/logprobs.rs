@@ -1,0 +1,105 @@
+//! Per-token log-probabilities of given tokens, the quantity GRPO's ratios and KL are built from.
+//! Logits are formed a chunk of positions at a time and reduced at once to
+//! `logit[chosen] - logsumexp(logits)`, so a full `[b, len, vocab]` log-softmax never exists.
+
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
+
+use crate::batch::{Padding, TokenBatch};
+use crate::error::ModelError;
+use crate::qwen3::Qwen3ForCausalLM;
+
+/// Upper bound on the logits materialised at once (elements), ~256 MB in f32.
+const LOGITS_CHUNK_ELEMENTS: usize = 64 * 1024 * 1024;
+
+/// `out[b, j] = log p(ids[b, start + j] | ids[b, ..start + j])` for `j in 0..len - start`, for a
+/// right-padded batch (values at padding are meaningless; mask them). Works under autodiff.
+pub fn token_logprobs<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    batch: &TokenBatch<B>,
+    start: usize,
+) -> Result<Tensor<B, 2>, ModelError> {
+    if batch.padding != Padding::Right {
+        return Err(ModelError::Input("token_logprobs needs a right-padded batch".into()));
+    }
+    if start == 0 || start >= batch.len {
+        return Err(ModelError::Input(format!(
+            "scored positions must start in 1..{} (got {start})",
+            batch.len
+        )));
+    }
+    let b = batch.batch_size();
+    let hidden = model
+        .model
+        .forward(
+            batch.input_ids.clone(),
+            batch.position_ids.clone(),
+            batch.mask(),
+            None,
+            false,
+        )
+        .last_hidden_state;
+    let vocab = model.config.vocab_size;
+    let chunk = (LOGITS_CHUNK_ELEMENTS / (b * vocab)).max(1);
+    let mut pieces = Vec::new();
+    let mut from = start - 1;
+    while from < batch.len - 1 {
+        let to = (from + chunk).min(batch.len - 1);
+        let h = hidden.clone().narrow(1, from, to - from);
+        let targets = batch.input_ids.clone().narrow(1, from + 1, to - from);
+        pieces.push(chosen_logprobs(model.logits(h), targets));
+        from = to;
+    }
+    Ok(Tensor::cat(pieces, 1))
+}
+
+/// `logits[.., target] - logsumexp(logits)` over the vocabulary, in f32: `[b, n, vocab]`,
+/// `[b, n]` → `[b, n]`.
+pub fn chosen_logprobs<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+    let logits = if logits.dtype() == DType::F32 {
+        logits
+    } else {
+        logits.cast(DType::F32)
+    };
+    let [b, n, _] = logits.dims();
+    let max = logits.clone().max_dim(2).detach();
+    let lse = (logits.clone() - max.clone()).exp().sum_dim(2).log() + max;
+    let chosen = logits.gather(2, targets.reshape([b, n, 1]));
+    (chosen - lse).reshape([b, n])
+}
+
+/// The log-probs of each completion given its prompt, for pairs of different lengths: one
+/// right-padded forward pass; returns one vector per pair.
+pub fn completion_logprobs<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    pairs: &[(Vec<u32>, Vec<u32>)],
+    pad_id: u32,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    if let Some(i) = pairs.iter().position(|(p, c)| p.is_empty() || c.is_empty()) {
+        return Err(ModelError::Input(format!(
+            "pair {i}: prompt and completion must both be non-empty"
+        )));
+    }
+    let sequences: Vec<Vec<u32>> = pairs
+        .iter()
+        .map(|(p, c)| p.iter().chain(c).copied().collect())
+        .collect();
+    for s in &sequences {
+        model.check_token_ids(s)?;
+    }
+    let batch = TokenBatch::new(&sequences, Padding::Right, pad_id, &model.device())?;
+    let logprobs = token_logprobs(model, &batch, 1)?;
+    let width = batch.len - 1;
+    let values: Vec<f32> = logprobs
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| ModelError::Input(format!("reading log-probs: {e:?}")))?;
+    Ok(pairs
+        .iter()
+        .enumerate()
+        .map(|(i, (p, c))| {
+            let row = &values[i * width..(i + 1) * width];
+            row[p.len() - 1..p.len() - 1 + c.len()].to_vec()
+        })
+        .collect())
+}

@@ -1,0 +1,129 @@
+//! `Qwen3Model` (embeddings → layers → final norm) and `Qwen3ForCausalLM` (+ `lm_head`, tied to
+//! the embedding when the config says so).
+
+use burn::module::{Module, Param};
+use burn::nn::Embedding;
+use burn::tensor::{backend::Backend, module::linear, Int, Tensor};
+
+use super::cache::KvCache;
+use super::decoder_layer::Qwen3DecoderLayer;
+use super::mask::attention_bias;
+use super::rms_norm::Qwen3RMSNorm;
+use super::rotary::Qwen3RotaryEmbedding;
+use crate::config::Qwen3Config;
+use crate::error::ModelError;
+
+/// The decoder stack without the language-model head.
+#[derive(Module, Debug)]
+pub struct Qwen3Model<B: Backend> {
+    pub embed_tokens: Embedding<B>,
+    pub layers: Vec<Qwen3DecoderLayer<B>>,
+    pub norm: Qwen3RMSNorm<B>,
+    #[module(skip)]
+    pub rotary_emb: Qwen3RotaryEmbedding,
+}
+
+/// What a forward pass returns besides logits.
+#[derive(Debug, Clone)]
+pub struct ModelOutput<B: Backend> {
+    /// The final-norm output, `[b, q, hidden]`.
+    pub last_hidden_state: Tensor<B, 3>,
+    /// When asked for: the embeddings and the output of every layer (before the final norm).
+    pub hidden_states: Option<Vec<Tensor<B, 3>>>,
+}
+
+impl<B: Backend> Qwen3Model<B> {
+    /// Runs the decoder on `input_ids` `[b, q]` at `position_ids` `[b, q]`.
+    ///
+    /// `attention_mask` is `[b, past + q]` (1 = real token, 0 = padding) or `None` for no padding;
+    /// `cache`, when given, holds `past` positions and receives the new ones.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        position_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<&Tensor<B, 2, Int>>,
+        mut cache: Option<&mut KvCache<B>>,
+        output_hidden_states: bool,
+    ) -> ModelOutput<B> {
+        let [b, q_len] = input_ids.dims();
+        let past = cache.as_ref().map_or(0, |c| c.len());
+        let device = input_ids.device();
+        let mut hidden_states = self.embed_tokens.forward(input_ids);
+        let dtype = hidden_states.dtype();
+        let (cos, sin) = self.rotary_emb.cos_sin(position_ids, dtype);
+        let bias = attention_bias(attention_mask, b, past, q_len, dtype, &device);
+
+        let mut all_hidden = output_hidden_states.then(|| vec![hidden_states.clone()]);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            hidden_states = layer.forward(hidden_states, &cos, &sin, &bias, layer_cache);
+            if let Some(all) = all_hidden.as_mut() {
+                all.push(hidden_states.clone());
+            }
+        }
+        ModelOutput {
+            last_hidden_state: self.norm.forward(hidden_states),
+            hidden_states: all_hidden,
+        }
+    }
+}
+
+/// Qwen3 with its language-model head.
+#[derive(Module, Debug)]
+pub struct Qwen3ForCausalLM<B: Backend> {
+    pub model: Qwen3Model<B>,
+    /// `[hidden, vocab]` (burn layout); `None` when tied to `model.embed_tokens`.
+    pub lm_head: Option<Param<Tensor<B, 2>>>,
+    #[module(skip)]
+    pub config: Qwen3Config,
+}
+
+impl<B: Backend> Qwen3ForCausalLM<B> {
+    /// Logits `[b, q, vocab]` for every input position.
+    pub fn forward(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        position_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<&Tensor<B, 2, Int>>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let out = self
+            .model
+            .forward(input_ids, position_ids, attention_mask, cache, false);
+        self.logits(out.last_hidden_state)
+    }
+
+    /// Applies the language-model head to final hidden states `[b, q, hidden]`.
+    pub fn logits(&self, hidden_states: Tensor<B, 3>) -> Tensor<B, 3> {
+        match &self.lm_head {
+            Some(weight) => linear(hidden_states, weight.val(), None),
+            None => linear(
+                hidden_states,
+                self.model.embed_tokens.weight.val().transpose(),
+                None,
+            ),
+        }
+    }
+
+    /// An empty KV cache sized for this model.
+    pub fn new_cache(&self) -> KvCache<B> {
+        KvCache::new(self.model.layers.len())
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> B::Device {
+        self.model.embed_tokens.weight.val().device()
+    }
+
+    /// Checks that token ids are inside the vocabulary (an out-of-range id would otherwise
+    /// index past the embedding table).
+    pub fn check_token_ids(&self, ids: &[u32]) -> Result<(), ModelError> {
+        match ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
+            Some(bad) => Err(ModelError::Input(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.config.vocab_size
+            ))),
+            None => Ok(()),
+        }
+    }
+}

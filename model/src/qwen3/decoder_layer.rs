@@ -1,0 +1,37 @@
+//! `Qwen3DecoderLayer`: pre-norm attention and MLP blocks with residual connections.
+
+use burn::module::Module;
+use burn::tensor::{backend::Backend, Tensor};
+
+use super::attention::Qwen3Attention;
+use super::cache::LayerKvCache;
+use super::mlp::Qwen3MLP;
+use super::rms_norm::Qwen3RMSNorm;
+
+/// One transformer block.
+#[derive(Module, Debug)]
+pub struct Qwen3DecoderLayer<B: Backend> {
+    pub self_attn: Qwen3Attention<B>,
+    pub mlp: Qwen3MLP<B>,
+    pub input_layernorm: Qwen3RMSNorm<B>,
+    pub post_attention_layernorm: Qwen3RMSNorm<B>,
+}
+
+impl<B: Backend> Qwen3DecoderLayer<B> {
+    /// `[b, q, hidden] -> [b, q, hidden]`.
+    pub fn forward(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        cos: &Tensor<B, 4>,
+        sin: &Tensor<B, 4>,
+        bias: &Tensor<B, 4>,
+        cache: Option<&mut LayerKvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let residual = hidden_states.clone();
+        let hidden_states = self.input_layernorm.forward(hidden_states);
+        let hidden_states = residual + self.self_attn.forward(hidden_states, cos, sin, bias, cache);
+        let residual = hidden_states.clone();
+        let hidden_states = self.post_attention_layernorm.forward(hidden_states);
+        residual + self.mlp.forward(hidden_states)
+    }
+}

@@ -1,0 +1,21 @@
+//! `Qwen3MLP`: SwiGLU, `down_proj(silu(gate_proj(x)) * up_proj(x))`, no biases.
+
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::{activation::silu, backend::Backend, Tensor};
+
+/// The gated feed-forward block of a decoder layer.
+#[derive(Module, Debug)]
+pub struct Qwen3MLP<B: Backend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+}
+
+impl<B: Backend> Qwen3MLP<B> {
+    /// `[.., hidden] -> [.., hidden]`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let gate = silu(self.gate_proj.forward(x.clone()));
+        self.down_proj.forward(gate * self.up_proj.forward(x))
+    }
+}

@@ -1,0 +1,22 @@
+//! The Qwen3 decoder, module by module as in `modeling_qwen3.py`: `Qwen3RMSNorm`,
+//! `Qwen3RotaryEmbedding` (+ `rotate_half`), `Qwen3Attention`, `Qwen3MLP`, `Qwen3DecoderLayer`,
+//! `Qwen3Model` and `Qwen3ForCausalLM`. The model is immutable in use (`&self`): the KV cache,
+//! the attention mask and the positions are values passed in.
+
+mod attention;
+mod cache;
+mod causal_lm;
+mod decoder_layer;
+mod mask;
+mod mlp;
+mod rms_norm;
+mod rotary;
+
+pub use attention::Qwen3Attention;
+pub use cache::{KvCache, LayerKvCache};
+pub use causal_lm::{ModelOutput, Qwen3ForCausalLM, Qwen3Model};
+pub use decoder_layer::Qwen3DecoderLayer;
+pub use mask::{attention_bias, MASK_VALUE};
+pub use mlp::Qwen3MLP;
+pub use rms_norm::Qwen3RMSNorm;
+pub use rotary::{apply_rotary_pos_emb, rotate_half, Qwen3RotaryEmbedding};

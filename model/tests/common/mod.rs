@@ -1,0 +1,59 @@
+//! Shared helpers of the model crate's integration tests: locating `../shared` and reading the
+//! reference fixtures made by `shared/fixtures/make_fixture.py`.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+
+/// `<workspace>/../shared`, or `None` (with the reason printed) when it is absent outside CI.
+/// In CI (`CI=true`) a missing shared folder fails the test.
+pub fn shared_dir() -> Option<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared");
+    if dir.is_dir() {
+        return Some(dir);
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("CI=true but the shared folder {} is missing", dir.display());
+    }
+    eprintln!("skipped: {} not found (it sits beside the checkout in CI)", dir.display());
+    None
+}
+
+/// A fixture directory under `shared/fixtures/` with its parsed `fixture.json`.
+pub struct Fixture {
+    pub dir: PathBuf,
+    pub json: Value,
+}
+
+pub fn fixture(name: &str) -> Option<Fixture> {
+    let dir = shared_dir()?.join("fixtures").join(name);
+    let text = std::fs::read_to_string(dir.join("fixture.json")).expect("fixture.json readable");
+    Some(Fixture {
+        json: serde_json::from_str(&text).expect("fixture.json parses"),
+        dir,
+    })
+}
+
+pub fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+pub fn floats(v: &Value) -> Vec<f32> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+}
+
+/// Flattens a nested JSON array of numbers.
+pub fn flat(v: &Value) -> Vec<f32> {
+    match v {
+        Value::Array(items) => items.iter().flat_map(flat).collect(),
+        Value::Number(n) => vec![n.as_f64().unwrap() as f32],
+        other => panic!("not a number: {other}"),
+    }
+}
+
+/// Largest absolute difference; panics if lengths differ.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
