@@ -100,6 +100,11 @@ impl Checkpoint {
         storage_dtype(info.dtype, &shard.path, name)
     }
 
+    /// The shape of a tensor as stored.
+    pub fn shape(&self, name: &str) -> Result<Vec<usize>, ModelError> {
+        Ok(self.info(name)?.1.shape.clone())
+    }
+
     /// Reads one tensor, checks its shape and converts it to f32.
     pub fn read(&self, name: &str, expected_shape: &[usize]) -> Result<HostTensor, ModelError> {
         let (shard, info) = self.info(name)?;
@@ -251,37 +256,42 @@ pub fn write_safetensors(
     tensors: &[TensorToWrite],
     dtype: StorageDtype,
 ) -> Result<PathBuf, ModelError> {
+    let entries: Vec<(String, Vec<usize>)> =
+        tensors.iter().map(|t| (t.name.clone(), t.shape.clone())).collect();
+    write_safetensors_with(dir, &entries, dtype, |name| {
+        let t = tensors.iter().find(|t| t.name == name).expect("entries come from tensors");
+        Ok(t.values.clone())
+    })
+}
+
+/// Streaming form of [`write_safetensors`]: `entries` name every tensor and its shape, and
+/// `values(name)` produces one tensor's values at a time, so a checkpoint larger than memory can
+/// be written.
+pub fn write_safetensors_with(
+    dir: &Path,
+    entries: &[(String, Vec<usize>)],
+    dtype: StorageDtype,
+    mut values: impl FnMut(&str) -> Result<Vec<f32>, ModelError>,
+) -> Result<PathBuf, ModelError> {
     let path = dir.join(SINGLE_FILE);
     let io = |source| ModelError::Io {
         path: path.clone(),
         source,
     };
+    let (elem, dtype_name) = match dtype {
+        StorageDtype::F32 => (4, "F32"),
+        StorageDtype::BF16 => (2, "BF16"),
+        StorageDtype::F16 => (2, "F16"),
+    };
+    let mut ordered: Vec<&(String, Vec<usize>)> = entries.iter().collect();
+    ordered.sort_by(|a, b| a.0.cmp(&b.0));
     let mut header = BTreeMap::new();
     let mut offset = 0usize;
-    let elem = match dtype {
-        StorageDtype::F32 => 4,
-        StorageDtype::BF16 | StorageDtype::F16 => 2,
-    };
-    let dtype_name = match dtype {
-        StorageDtype::F32 => "F32",
-        StorageDtype::BF16 => "BF16",
-        StorageDtype::F16 => "F16",
-    };
-    let mut ordered: Vec<&TensorToWrite> = tensors.iter().collect();
-    ordered.sort_by(|a, b| a.name.cmp(&b.name));
-    for t in &ordered {
-        let n: usize = t.shape.iter().product();
-        if n != t.values.len() {
-            return Err(ModelError::Input(format!(
-                "tensor \"{}\" has {} values for shape {:?}",
-                t.name,
-                t.values.len(),
-                t.shape
-            )));
-        }
+    for (name, shape) in &ordered {
+        let n: usize = shape.iter().product();
         header.insert(
-            t.name.clone(),
-            serde_json::json!({"dtype": dtype_name, "shape": t.shape, "data_offsets": [offset, offset + n * elem]}),
+            name.clone(),
+            serde_json::json!({"dtype": dtype_name, "shape": shape, "data_offsets": [offset, offset + n * elem]}),
         );
         offset += n * elem;
     }
@@ -292,18 +302,29 @@ pub fn write_safetensors(
     let tmp = dir.join(format!(".{SINGLE_FILE}.tmp"));
     {
         let file = File::create(&tmp).map_err(io)?;
-        let mut out = std::io::BufWriter::new(file);
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
         out.write_all(&(header_json.len() as u64).to_le_bytes()).map_err(io)?;
         out.write_all(header_json.as_bytes()).map_err(io)?;
-        for t in &ordered {
-            for v in &t.values {
-                match dtype {
-                    StorageDtype::F32 => out.write_all(&v.to_le_bytes()),
-                    StorageDtype::BF16 => out.write_all(&half::bf16::from_f32(*v).to_le_bytes()),
-                    StorageDtype::F16 => out.write_all(&half::f16::from_f32(*v).to_le_bytes()),
-                }
-                .map_err(io)?;
+        let mut bytes = Vec::new();
+        for (name, shape) in &ordered {
+            let data = values(name)?;
+            let n: usize = shape.iter().product();
+            if data.len() != n {
+                return Err(ModelError::Input(format!(
+                    "tensor \"{name}\" has {} values for shape {shape:?}",
+                    data.len()
+                )));
             }
+            bytes.clear();
+            bytes.reserve(n * elem);
+            for v in &data {
+                match dtype {
+                    StorageDtype::F32 => bytes.extend_from_slice(&v.to_le_bytes()),
+                    StorageDtype::BF16 => bytes.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes()),
+                    StorageDtype::F16 => bytes.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes()),
+                }
+            }
+            out.write_all(&bytes).map_err(io)?;
         }
         let file = out.into_inner().map_err(|e| io(e.into_error()))?;
         file.sync_all().map_err(io)?;

@@ -4,16 +4,22 @@
 //! - [`checkpoint`]: memory-mapped safetensors files (single or sharded), and writing them.
 //! - [`weights`]: HF tensor names ↔ model parameters (import/export, apart from the math).
 //! - [`qwen3`]: the decoder itself, module by module with HF's names.
+//! - [`tokenizer`], [`chat_template`], [`tiny_tokenizer`]: Qwen3's tokenizer and ChatML template,
+//!   and the small BPE tokenizer the tiny presets ship with.
 //! - [`batch`], [`logprobs`], [`generation`]: padded batches, per-token log-probs (what GRPO
 //!   needs) and KV-cache generation.
 
 pub mod batch;
+pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod generation;
+pub mod init;
 pub mod logprobs;
 pub mod qwen3;
+pub mod tiny_tokenizer;
+pub mod tokenizer;
 pub mod weights;
 
 pub use config::{Preset, Qwen3Config};

@@ -8,7 +8,7 @@ use burn::module::Param;
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
-use crate::checkpoint::{Checkpoint, HostTensor, StorageDtype, TensorToWrite};
+use crate::checkpoint::{Checkpoint, HostTensor, StorageDtype};
 use crate::config::Qwen3Config;
 use crate::error::ModelError;
 use crate::qwen3::{
@@ -270,25 +270,8 @@ pub fn to_hf_layout<B: Backend, const D: usize>(tensor: Tensor<B, D>, kind: Para
     }
 }
 
-/// The model's weights as HF tensors, ready for [`crate::checkpoint::write_safetensors`].
-pub fn export_tensors<B: Backend>(model: &Qwen3ForCausalLM<B>) -> Vec<TensorToWrite> {
-    named_parameters(model)
-        .into_iter()
-        .map(|(name, param)| {
-            let host = match param {
-                NamedParam::Matrix(p, kind) => to_hf_layout(p.val(), kind),
-                NamedParam::Vector(p) => to_hf_layout(p.val(), ParamKind::Norm),
-            };
-            TensorToWrite {
-                name,
-                shape: host.shape,
-                values: host.values,
-            }
-        })
-        .collect()
-}
-
-/// Writes `config.json` and `model.safetensors` for the model into `dir` (created if needed).
+/// Writes `config.json` and `model.safetensors` for the model into `dir` (created if needed),
+/// one tensor at a time.
 pub fn save_pretrained<B: Backend>(
     model: &Qwen3ForCausalLM<B>,
     dir: &Path,
@@ -298,7 +281,34 @@ pub fn save_pretrained<B: Backend>(
         path: dir.to_path_buf(),
         source,
     })?;
-    let mut config = model.config.clone();
+    let params = named_parameters(model);
+    let entries: Vec<(String, Vec<usize>)> = params
+        .iter()
+        .map(|(name, p)| {
+            let shape = match p {
+                NamedParam::Matrix(t, ParamKind::Linear) => {
+                    let [i, o] = t.val().dims();
+                    vec![o, i]
+                }
+                NamedParam::Matrix(t, _) => t.val().dims().to_vec(),
+                NamedParam::Vector(t) => t.val().dims().to_vec(),
+            };
+            (name.clone(), shape)
+        })
+        .collect();
+    crate::checkpoint::write_safetensors_with(dir, &entries, dtype, |name| {
+        let (_, param) = params.iter().find(|(n, _)| n == name).expect("named above");
+        Ok(match param {
+            NamedParam::Matrix(p, kind) => to_hf_layout(p.val(), *kind).values,
+            NamedParam::Vector(p) => to_hf_layout(p.val(), ParamKind::Norm).values,
+        })
+    })?;
+    write_config(&model.config, dir, dtype)
+}
+
+/// Writes `config.json` (both transformers key styles) with the storage dtype recorded.
+pub fn write_config(config: &Qwen3Config, dir: &Path, dtype: StorageDtype) -> Result<(), ModelError> {
+    let mut config = config.clone();
     config.dtype = Some(
         match dtype {
             StorageDtype::F32 => "float32",
@@ -307,7 +317,6 @@ pub fn save_pretrained<B: Backend>(
         }
         .to_owned(),
     );
-    crate::checkpoint::write_safetensors(dir, &export_tensors(model), dtype)?;
     let json = serde_json::to_string_pretty(&config.to_hf_json()).expect("config serialises");
     crate::checkpoint::write_atomic(&dir.join("config.json"), json.as_bytes())
 }
