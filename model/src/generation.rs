@@ -111,13 +111,18 @@ pub fn generate<B: Backend>(
         .collect();
     let mut next_position: Vec<i64> = batch.lengths.iter().map(|&l| l as i64).collect();
 
-    let logits = model.forward(
-        batch.input_ids.clone(),
-        batch.position_ids.clone(),
-        batch.mask(),
-        Some(&mut cache),
-    );
-    let mut last = logits.narrow(1, batch.len - 1, 1);
+    let hidden = model
+        .model
+        .forward(
+            batch.input_ids.clone(),
+            batch.position_ids.clone(),
+            batch.mask(),
+            Some(&mut cache),
+            false,
+        )
+        .last_hidden_state;
+    // Only the last position's logits are needed: the others would cost a vocab-sized matmul each.
+    let mut last = model.logits(hidden.narrow(1, batch.len - 1, 1));
     let vocab = model.config.vocab_size;
 
     for step in 0..config.max_new_tokens {

@@ -87,8 +87,10 @@ pub fn completion_logprobs<B: Backend>(
         model.check_token_ids(s)?;
     }
     let batch = TokenBatch::new(&sequences, Padding::Right, pad_id, &model.device())?;
-    let logprobs = token_logprobs(model, &batch, 1)?;
-    let width = batch.len - 1;
+    // Positions before the shortest prompt's last token need no logits.
+    let start = pairs.iter().map(|(p, _)| p.len()).min().unwrap_or(1);
+    let logprobs = token_logprobs(model, &batch, start)?;
+    let width = batch.len - start;
     let values: Vec<f32> = logprobs
         .into_data()
         .convert::<f32>()
@@ -99,7 +101,7 @@ pub fn completion_logprobs<B: Backend>(
         .enumerate()
         .map(|(i, (p, c))| {
             let row = &values[i * width..(i + 1) * width];
-            row[p.len() - 1..p.len() - 1 + c.len()].to_vec()
+            row[p.len() - start..p.len() - start + c.len()].to_vec()
         })
         .collect())
 }

@@ -199,13 +199,18 @@ fn lin<B: Backend>(l: &Linear<B>) -> NamedParam<'_, B> {
     NamedParam::Matrix(&l.weight, ParamKind::Linear)
 }
 
-/// `[rows, cols]` → `[cols, rows]`.
+/// `[rows, cols]` → `[cols, rows]`, in cache-sized tiles.
 fn transpose(t: HostTensor) -> HostTensor {
+    const TILE: usize = 64;
     let (rows, cols) = (t.shape[0], t.shape[1]);
     let mut values = vec![0.0f32; rows * cols];
-    for r in 0..rows {
-        for c in 0..cols {
-            values[c * rows + r] = t.values[r * cols + c];
+    for r0 in (0..rows).step_by(TILE) {
+        for c0 in (0..cols).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                for c in c0..(c0 + TILE).min(cols) {
+                    values[c * rows + r] = t.values[r * cols + c];
+                }
+            }
         }
     }
     HostTensor {

@@ -68,6 +68,17 @@ impl<B: Backend> Qwen3Model<B> {
     }
 }
 
+/// `hidden @ embedᵀ` computed as `(embed @ hiddenᵀ)ᵀ`: the `[vocab, hidden]` table is used as
+/// stored, and only the small activations are transposed (a transposed view of the table would
+/// be copied into a fresh vocab×hidden buffer on every call by backends that need contiguous
+/// matmul operands).
+fn tied_head<B: Backend>(hidden_states: Tensor<B, 3>, embed: Tensor<B, 2>) -> Tensor<B, 3> {
+    let [b, q, h] = hidden_states.dims();
+    let vocab = embed.dims()[0];
+    let columns = hidden_states.reshape([b * q, h]).transpose();
+    embed.matmul(columns).transpose().reshape([b, q, vocab])
+}
+
 /// Qwen3 with its language-model head.
 #[derive(Module, Debug)]
 pub struct Qwen3ForCausalLM<B: Backend> {
@@ -97,11 +108,7 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
     pub fn logits(&self, hidden_states: Tensor<B, 3>) -> Tensor<B, 3> {
         match &self.lm_head {
             Some(weight) => linear(hidden_states, weight.val(), None),
-            None => linear(
-                hidden_states,
-                self.model.embed_tokens.weight.val().transpose(),
-                None,
-            ),
+            None => tied_head(hidden_states, self.model.embed_tokens.weight.val()),
         }
     }
 

@@ -1,0 +1,172 @@
+//! `prompt-r1 bench`: throughput and peak memory of the model on random weights: load,
+//! prefill, KV-cache decode at several batch sizes, and per-token log-prob scoring.
+//! Figures are wall-clock on this machine; compare runs only on the same machine.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use burn::tensor::{backend::Backend, DType};
+use clap::Args as ClapArgs;
+use model::checkpoint::StorageDtype;
+use model::init::write_random_checkpoint;
+use model::{completion_logprobs, generate, load_pretrained, LoadOptions, Preset, SamplingConfig};
+use serde::Serialize;
+
+use crate::device::{run_on, DeviceChoice, OnBackend};
+use crate::model_dir::parse_dtype;
+
+/// Measure load time, prefill, decode and scoring speed with peak memory.
+#[derive(ClapArgs, Debug, Clone)]
+pub struct Args {
+    /// Architecture to benchmark (random weights are written to a temporary directory).
+    #[arg(long, default_value = "qwen3-0.6b")]
+    pub preset: String,
+    /// Benchmark an existing checkpoint directory instead of a random preset.
+    #[arg(long, conflicts_with = "preset")]
+    pub model: Option<PathBuf>,
+    /// Prompt length for prefill and scoring.
+    #[arg(long, default_value_t = 256)]
+    pub prompt_len: usize,
+    /// Tokens generated per decode measurement.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+    /// Batch sizes for the decode measurement.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub decode_batch: Vec<usize>,
+    /// Compute device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Weight dtype on the device: f32 or bf16.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
+    /// Print the results as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measured workload.
+#[derive(Debug, Serialize)]
+struct Figure {
+    workload: String,
+    seconds: f64,
+    tokens_per_second: Option<f64>,
+    peak_rss_mb: Option<f64>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let device = args.device;
+    run_on(device, args)
+}
+
+impl OnBackend for Args {
+    type Output = ();
+
+    fn run<B: Backend>(self, device: B::Device) -> Result<()> {
+        let temp;
+        let dir = match &self.model {
+            Some(dir) => dir.clone(),
+            None => {
+                let preset = Preset::from_name(&self.preset)
+                    .with_context(|| format!("unknown preset \"{}\"", self.preset))?;
+                temp = tempfile::tempdir()?;
+                let config = preset.config(512, vec![2]);
+                eprintln!("writing random {} weights ({} parameters)...", self.preset, config.num_parameters());
+                write_random_checkpoint(&config, temp.path(), 0, StorageDtype::BF16)?;
+                temp.path().to_path_buf()
+            }
+        };
+        let mut figures = Vec::new();
+
+        reset_peak_rss();
+        let start = Instant::now();
+        let model = load_pretrained::<B>(&dir, &device, LoadOptions { dtype: self.dtype })?;
+        B::sync(&device)?;
+        figures.push(Figure {
+            workload: "load".into(),
+            seconds: start.elapsed().as_secs_f64(),
+            tokens_per_second: None,
+            peak_rss_mb: peak_rss_mb(),
+        });
+        let vocab = model.config.vocab_size as u32;
+        let prompt: Vec<u32> = (0..self.prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+
+        // Warm-up: one short forward so kernel compilation / allocation is not timed.
+        generate(&model, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() }, 0)?;
+
+        reset_peak_rss();
+        let start = Instant::now();
+        generate(&model, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() }, 0)?;
+        let seconds = start.elapsed().as_secs_f64();
+        figures.push(Figure {
+            workload: format!("prefill {} tokens", self.prompt_len),
+            seconds,
+            tokens_per_second: Some(self.prompt_len as f64 / seconds),
+            peak_rss_mb: peak_rss_mb(),
+        });
+
+        for &batch in &self.decode_batch {
+            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| prompt[b % 8..b % 8 + 16].to_vec()).collect();
+            let config = SamplingConfig {
+                max_new_tokens: self.decode_tokens,
+                temperature: 1.0,
+                seed: 1,
+                ..Default::default()
+            };
+            // Time the decode steps only: subtract a prefill-plus-one-token run.
+            let one = SamplingConfig { max_new_tokens: 1, ..config.clone() };
+            let start = Instant::now();
+            generate(&model, &prompts, &one, 0)?;
+            let prefill = start.elapsed().as_secs_f64();
+            reset_peak_rss();
+            let start = Instant::now();
+            generate(&model, &prompts, &config, 0)?;
+            let seconds = (start.elapsed().as_secs_f64() - prefill).max(1e-9);
+            let tokens = (batch * (self.decode_tokens - 1)) as f64;
+            figures.push(Figure {
+                workload: format!("decode batch {batch}"),
+                seconds,
+                tokens_per_second: Some(tokens / seconds),
+                peak_rss_mb: peak_rss_mb(),
+            });
+        }
+
+        reset_peak_rss();
+        let half = self.prompt_len / 2;
+        let pairs = vec![(prompt[..half].to_vec(), prompt[half..].to_vec()); 2];
+        let start = Instant::now();
+        completion_logprobs(&model, &pairs, 0)?;
+        let seconds = start.elapsed().as_secs_f64();
+        figures.push(Figure {
+            workload: format!("score 2 x {} tokens", self.prompt_len),
+            seconds,
+            tokens_per_second: Some((2 * self.prompt_len) as f64 / seconds),
+            peak_rss_mb: peak_rss_mb(),
+        });
+
+        if self.json {
+            println!("{}", serde_json::to_string_pretty(&figures)?);
+        } else {
+            println!("{:<28} {:>10} {:>12} {:>14}", "workload", "seconds", "tokens/s", "peak RSS (MB)");
+            for f in &figures {
+                let rate = f.tokens_per_second.map_or("-".into(), |r| format!("{r:.1}"));
+                let rss = f.peak_rss_mb.map_or("-".into(), |m| format!("{m:.0}"));
+                println!("{:<28} {:>10.3} {:>12} {:>14}", f.workload, f.seconds, rate, rss);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Resets the kernel's peak-RSS counter of this process (Linux; no-op elsewhere).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// Peak resident set size since the last reset, from `/proc/self/status` (Linux).
+fn peak_rss_mb() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}

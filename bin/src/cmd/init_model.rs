@@ -1,0 +1,93 @@
+//! `prompt-r1 init-model`: a randomly initialised checkpoint in Hugging Face layout, so a fresh
+//! machine with no downloads can run everything and benchmarks have real-sized models.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use model::checkpoint::StorageDtype;
+use model::init::write_random_checkpoint;
+use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
+use model::Preset;
+
+/// Write a random Qwen3 checkpoint (config.json + model.safetensors [+ tokenizer]).
+#[derive(ClapArgs, Debug, Clone)]
+pub struct Args {
+    /// Architecture: tiny, small (both with the project's own 512-token BPE tokenizer), or the
+    /// real shapes qwen3-0.6b, qwen3-1.7b, qwen3-4b (vocabulary 151,936).
+    #[arg(long, default_value = "tiny", value_parser = parse_preset)]
+    pub preset: Preset,
+    /// Output directory (created; must not already hold a checkpoint unless --force).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Storage dtype: f32 (default for tiny/small) or bf16 (default for the real shapes).
+    #[arg(long, value_parser = parse_storage)]
+    pub dtype: Option<StorageDtype>,
+    /// A Qwen3 tokenizer.json to copy into the directory (for the real shapes).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Overwrite an existing checkpoint in --out.
+    #[arg(long)]
+    pub force: bool,
+}
+
+fn parse_preset(s: &str) -> Result<Preset, String> {
+    Preset::from_name(s).ok_or_else(|| {
+        let names: Vec<&str> = Preset::ALL.iter().map(|(n, _)| *n).collect();
+        format!("unknown preset \"{s}\": one of {}", names.join(", "))
+    })
+}
+
+fn parse_storage(s: &str) -> Result<StorageDtype, String> {
+    match s {
+        "f32" | "float32" => Ok(StorageDtype::F32),
+        "bf16" | "bfloat16" => Ok(StorageDtype::BF16),
+        other => Err(format!("unknown dtype \"{other}\": use f32 or bf16")),
+    }
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.out.join("model.safetensors").exists() && !args.force {
+        bail!("{} already holds a checkpoint; pass --force to overwrite it", args.out.display());
+    }
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let config = if args.preset.uses_tiny_tokenizer() {
+        let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE)?;
+        write_tokenizer_files(&tokenizer, &args.out)?;
+        let special = tokenizer.special();
+        args.preset
+            .config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext])
+    } else {
+        if let Some(path) = &args.tokenizer {
+            std::fs::copy(path, args.out.join("tokenizer.json"))
+                .with_context(|| format!("copying {}", path.display()))?;
+        }
+        args.preset.config(0, vec![])
+    };
+    if args.preset.uses_tiny_tokenizer() && args.tokenizer.is_some() {
+        bail!("--tokenizer is for the real Qwen3 shapes; the small presets bring their own");
+    }
+    let dtype = args.dtype.unwrap_or(if args.preset.uses_tiny_tokenizer() {
+        StorageDtype::F32
+    } else {
+        StorageDtype::BF16
+    });
+    let progress = indicatif::ProgressBar::new_spinner()
+        .with_message(format!("writing {} parameters to {}", config.num_parameters(), args.out.display()));
+    progress.enable_steady_tick(std::time::Duration::from_millis(200));
+    write_random_checkpoint(&config, &args.out, args.seed, dtype)?;
+    progress.finish_and_clear();
+    eprintln!(
+        "wrote {} ({} parameters, {} layers, hidden {}, vocab {}) to {}",
+        Preset::ALL.iter().find(|(_, p)| *p == args.preset).map_or("model", |(n, _)| n),
+        config.num_parameters(),
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.vocab_size,
+        args.out.display()
+    );
+    Ok(())
+}

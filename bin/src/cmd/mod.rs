@@ -1,0 +1,10 @@
+//! One module per subcommand: each has an `Args` (clap) and a `run(args) -> anyhow::Result<()>`.
+
+pub mod env_check;
+pub mod bench;
+pub mod demo;
+pub mod generate;
+pub mod init_model;
+pub mod score;
+pub mod reward;
+pub mod metrics;

@@ -1,0 +1,54 @@
+//! `prompt-r1`: the command-line entry point. Each subcommand lives in its own module under
+//! `cmd/`; this file only parses arguments and dispatches.
+
+mod cmd;
+mod device;
+mod model_dir;
+
+use clap::{Parser, Subcommand};
+
+/// Prompt-R1 in Rust: a small Qwen3 agent trained with GRPO to prompt a large LLM.
+#[derive(Parser)]
+#[command(name = "prompt-r1", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the built-in demo on a fresh machine (no downloads).
+    Demo(cmd::demo::Args),
+    /// Send one short request to the environment LLM: latency and reply, or what is wrong.
+    EnvCheck(cmd::env_check::Args),
+    /// Generate text or token ids from a model directory.
+    Generate(cmd::generate::Args),
+    /// Print the log-probability of each completion token given a prompt.
+    Score(cmd::score::Args),
+    /// Write a randomly initialised checkpoint (no download needed).
+    InitModel(cmd::init_model::Args),
+    /// Measure load, prefill, decode and scoring speed with peak memory.
+    Bench(cmd::bench::Args),
+    /// Score a saved episode with the double-constrained reward (format terms, gate, F1).
+    Reward(cmd::reward::Args),
+    /// EM, SM, F1 (and SSim) of a predictions file, per data source.
+    Metrics(cmd::metrics::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(args) => cmd::demo::run(args),
+        Command::EnvCheck(args) => cmd::env_check::run(args),
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::Score(args) => cmd::score::run(args),
+        Command::InitModel(args) => cmd::init_model::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+        Command::Reward(args) => cmd::reward::run(args),
+        Command::Metrics(args) => cmd::metrics::run(args),
+    };
+    if let Err(err) = result {
+        eprintln!("error: {err:#}");
+        std::process::exit(1);
+    }
+}

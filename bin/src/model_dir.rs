@@ -1,0 +1,103 @@
+//! Opening a model directory for the commands: weights, and the tokenizer when there is one.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use burn::tensor::{backend::Backend, DType};
+use model::tokenizer::Qwen3Tokenizer;
+use model::{load_pretrained, LoadOptions, Qwen3ForCausalLM};
+
+/// A loaded checkpoint and its optional tokenizer.
+pub struct LoadedModel<B: Backend> {
+    pub model: Qwen3ForCausalLM<B>,
+    pub tokenizer: Option<Qwen3Tokenizer>,
+}
+
+impl<B: Backend> LoadedModel<B> {
+    /// Loads `dir` (config.json + safetensors; tokenizer.json if present) onto `device`.
+    pub fn open(dir: &Path, device: &B::Device, dtype: DType) -> Result<Self> {
+        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype })
+            .with_context(|| format!("loading the model in {}", dir.display()))?;
+        let tokenizer = if dir.join("tokenizer.json").is_file() {
+            Some(Qwen3Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?)
+        } else {
+            None
+        };
+        Ok(Self { model, tokenizer })
+    }
+
+    /// The tokenizer, or an error saying the directory has none.
+    pub fn require_tokenizer(&self, dir: &Path, what: &str) -> Result<&Qwen3Tokenizer> {
+        self.tokenizer.as_ref().with_context(|| {
+            format!("{what} needs a tokenizer, but {} has no tokenizer.json (pass token ids instead)", dir.display())
+        })
+    }
+
+    /// Token ids that end a sequence: the config's EOS ids plus `<|im_end|>` when known.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        let mut ids = self.model.config.eos_token_ids.clone();
+        if let Some(t) = &self.tokenizer {
+            ids.push(t.special().im_end);
+        }
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// The id used to pad batches.
+    pub fn pad_id(&self) -> u32 {
+        let config = &self.model.config;
+        config
+            .pad_token_id
+            .or(config.eos_token_ids.first().copied())
+            .unwrap_or(0)
+    }
+}
+
+/// Token ids given on the command line as `1,2,3` (one flag value, not repeated flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenIds(pub Vec<u32>);
+
+impl std::str::FromStr for TokenIds {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        parse_ids(s).map(TokenIds)
+    }
+}
+
+/// Parses `1,2,3` (spaces allowed) into token ids.
+pub fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
+    let ids: Result<Vec<u32>, _> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u32>().map_err(|_| format!("\"{s}\" is not a token id")))
+        .collect();
+    let ids = ids?;
+    if ids.is_empty() {
+        return Err("no token ids given".into());
+    }
+    Ok(ids)
+}
+
+/// Parses the `--dtype` flag of the model commands.
+pub fn parse_dtype(text: &str) -> Result<DType, String> {
+    match text {
+        "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        other => Err(format!("unknown dtype \"{other}\": use f32 or bf16")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_id_lists() {
+        assert_eq!(parse_ids("1, 2,3"), Ok(vec![1, 2, 3]));
+        assert!(parse_ids("1,x").unwrap_err().contains("\"x\""));
+        assert!(parse_ids(" ").is_err());
+    }
+}

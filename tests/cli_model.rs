@@ -1,0 +1,150 @@
+//! CLI tests: the `prompt-r1` binary's model commands (`init-model`, `generate`, `score`,
+//! `demo`), run as a user would run them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn prompt_r1(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn ok_stdout(args: &[&str]) -> String {
+    let out = prompt_r1(args);
+    assert!(
+        out.status.success(),
+        "prompt-r1 {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    serde_json::from_str(ok_stdout(args).trim()).expect("one JSON object on stdout")
+}
+
+fn tiny_model(dir: &Path) -> String {
+    let out = dir.join("tiny");
+    ok_stdout(&["init-model", "--preset", "tiny", "--out", out.to_str().unwrap(), "--seed", "3"]);
+    out.to_str().unwrap().to_owned()
+}
+
+#[test]
+fn init_model_then_generate_text_and_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(Path::new(&model).join(file).is_file(), "{file} written");
+    }
+    let args = ["generate", "--model", &model, "--prompt", "The question is", "--max-new-tokens", "6", "--json"];
+    let greedy = json(&args);
+    let tokens = greedy["tokens"].as_array().unwrap();
+    assert!(!tokens.is_empty() && tokens.len() <= 6);
+    assert!(greedy["text"].is_string());
+    assert_eq!(json(&args), greedy, "greedy decoding is deterministic");
+
+    let sampled = |seed: &str| {
+        json(&[
+            "generate", "--model", &model, "--prompt-ids", "10,20,30", "--max-new-tokens", "12",
+            "--temperature", "1.5", "--top-k", "100", "--top-p", "0.95", "--seed", seed, "--json",
+        ])
+    };
+    assert_eq!(sampled("1"), sampled("1"), "same seed, same tokens");
+    let differs = (2..6).any(|s| sampled(&s.to_string()) != sampled("1"));
+    assert!(differs, "different seeds give different samples");
+}
+
+#[test]
+fn refusing_to_overwrite_and_bad_presets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let again = prompt_r1(&["init-model", "--preset", "tiny", "--out", &model]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
+    let bad = prompt_r1(&["init-model", "--preset", "huge", "--out", &model]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown preset"));
+}
+
+/// A model directory without tokenizer.json works with ids and prints `"text": null`.
+#[test]
+fn model_without_tokenizer_uses_ids() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    std::fs::remove_file(Path::new(&model).join("tokenizer.json")).unwrap();
+    let out = json(&["generate", "--model", &model, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]);
+    assert!(out["text"].is_null());
+    assert_eq!(out["tokens"].as_array().unwrap().len(), 4);
+    let err = prompt_r1(&["generate", "--model", &model, "--prompt", "hi"]);
+    assert!(!err.status.success());
+    assert!(String::from_utf8_lossy(&err.stderr).contains("no tokenizer.json"));
+}
+
+fn shared_fixture(name: &str) -> Option<PathBuf> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures").join(name);
+    if dir.is_dir() {
+        return Some(dir);
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("CI=true but {} is missing", dir.display());
+    }
+    eprintln!("skipped: {} not found", dir.display());
+    None
+}
+
+/// `score` prints the same log-probs as transformers for the fixture's completion.
+#[test]
+fn score_matches_the_reference_logprobs() {
+    let Some(dir) = shared_fixture("tiny") else { return };
+    let fixture: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("fixture.json")).unwrap()).unwrap();
+    let spec = &fixture["completion_logprobs"];
+    let ids = |v: &serde_json::Value| {
+        v.as_array().unwrap().iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+    };
+    let out = json(&[
+        "score", "--model", dir.to_str().unwrap(),
+        "--prompt-ids", &ids(&spec["prompts"][0]),
+        "--completion-ids", &ids(&spec["completions"][0]),
+        "--json",
+    ]);
+    let got = out["token_logprobs"].as_array().unwrap();
+    let expected = spec["token_logprobs"][0].as_array().unwrap();
+    assert_eq!(got.len(), expected.len());
+    for (g, e) in got.iter().zip(expected) {
+        assert!((g.as_f64().unwrap() - e.as_f64().unwrap()).abs() < 1e-4);
+    }
+    let sum = out["sum_logprob"].as_f64().unwrap();
+    assert!((sum - spec["sum_logprobs"][0].as_f64().unwrap()).abs() < 1e-3);
+}
+
+#[test]
+fn clear_errors_for_bad_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("nope");
+    let out = prompt_r1(&["generate", "--model", missing.to_str().unwrap(), "--prompt-ids", "1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("nope") && stderr.contains("config.json"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let model = tiny_model(tmp.path());
+    let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1,99999"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("99999") && stderr.contains("vocabulary"), "{stderr}");
+    let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1,x"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("\"x\" is not a token id"));
+    let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1", "--device", "cuda"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn demo_runs_on_a_fresh_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = prompt_r1(&["demo", "--out", tmp.path().to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(tmp.path().join("tiny-model/model.safetensors").is_file());
+    assert!(!out.stdout.is_empty(), "the demo prints the generated reply");
+}
