@@ -29,9 +29,7 @@ enum Command {
     InitModel(cmd::init_model::Args),
     /// Measure load, prefill, decode and scoring speed with peak memory.
     Bench(cmd::bench::Args),
-    /// Score a saved episode with the double-constrained reward (format terms, gate, F1).
     Reward(cmd::reward::Args),
-    /// EM, SM, F1 (and SSim) of a predictions file, per data source.
     Metrics(cmd::metrics::Args),
 }
 

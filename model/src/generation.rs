@@ -75,14 +75,35 @@ pub struct GeneratedSequence {
     pub finish_reason: FinishReason,
 }
 
-/// Generates continuations of every prompt in one left-padded batch.
+/// Generates continuations of every prompt in one left-padded batch. Row `i` samples from a
+/// generator seeded by `config.seed` and `i`.
 pub fn generate<B: Backend>(
     model: &Qwen3ForCausalLM<B>,
     prompts: &[Vec<u32>],
     config: &SamplingConfig,
     pad_id: u32,
 ) -> Result<Vec<GeneratedSequence>, ModelError> {
+    let seeds: Vec<u64> = (0..prompts.len()).map(|i| row_seed(config.seed, i as u64)).collect();
+    generate_seeded(model, prompts, config, pad_id, &seeds)
+}
+
+/// [`generate`] with an explicit seed per row (`config.seed` is ignored), so that a sequence's
+/// samples do not depend on which other sequences share its batch.
+pub fn generate_seeded<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    prompts: &[Vec<u32>],
+    config: &SamplingConfig,
+    pad_id: u32,
+    seeds: &[u64],
+) -> Result<Vec<GeneratedSequence>, ModelError> {
     config.validate()?;
+    if seeds.len() != prompts.len() {
+        return Err(ModelError::Input(format!(
+            "{} seeds for {} prompts",
+            seeds.len(),
+            prompts.len()
+        )));
+    }
     for p in prompts {
         model.check_token_ids(p)?;
     }
@@ -99,7 +120,7 @@ pub fn generate<B: Backend>(
     if config.max_new_tokens == 0 {
         return Ok(outputs);
     }
-    let mut rngs: Vec<StdRng> = (0..n).map(|i| row_rng(config.seed, i)).collect();
+    let mut rngs: Vec<StdRng> = seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect();
     let mut cache = model.new_cache();
 
     // Host copies of the per-row state; `active[j]` is the original row of batch row j.
@@ -181,13 +202,13 @@ pub fn generate<B: Backend>(
     Ok(outputs)
 }
 
-/// An independent, reproducible generator for each batch row (so a row's tokens do not depend
-/// on which other rows share its batch).
-fn row_rng(seed: u64, row: usize) -> StdRng {
-    let mut z = seed ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+/// Mixes a base seed with a stream number (splitmix64), giving independent, reproducible seeds
+/// for batch rows, episodes or turns.
+pub fn row_seed(seed: u64, stream: u64) -> u64 {
+    let mut z = seed ^ stream.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    StdRng::seed_from_u64(z ^ (z >> 31))
+    z ^ (z >> 31)
 }
 
 /// Picks the next token from one row of logits; returns it with its log-probability.
@@ -262,7 +283,7 @@ mod tests {
 
     #[test]
     fn greedy_takes_argmax_with_its_logprob() {
-        let mut rng = row_rng(0, 0);
+        let mut rng = StdRng::seed_from_u64(row_seed(0, 0));
         let (tok, lp) = choose_token(&[0.0, 2.0, 1.0], &cfg(0.0, None, None), &mut rng);
         assert_eq!(tok, 1);
         let expected = 2.0 - (1.0f64 + 2f64.exp() + 1f64.exp()).ln();
@@ -273,7 +294,7 @@ mod tests {
     fn top_k_one_is_greedy_and_top_p_small_keeps_the_best() {
         let logits = [0.5, 3.0, 2.9, -1.0];
         for seed in 0..20 {
-            let mut rng = row_rng(seed, 0);
+            let mut rng = StdRng::seed_from_u64(row_seed(seed, 0));
             assert_eq!(choose_token(&logits, &cfg(1.0, Some(1), None), &mut rng).0, 1);
             assert_eq!(choose_token(&logits, &cfg(1.0, None, Some(0.01)), &mut rng).0, 1);
         }
@@ -282,7 +303,7 @@ mod tests {
     #[test]
     fn top_k_restricts_the_support() {
         let logits = [0.0, 1.0, 1.0, 1.0, 5.0];
-        let mut rng = row_rng(7, 0);
+        let mut rng = StdRng::seed_from_u64(row_seed(7, 0));
         for _ in 0..200 {
             let (tok, _) = choose_token(&logits, &cfg(5.0, Some(2), None), &mut rng);
             assert!(tok == 4 || (1..=3).contains(&tok), "{tok}");
@@ -293,7 +314,7 @@ mod tests {
     fn sampling_frequencies_follow_the_distribution() {
         // p = softmax([0, ln 3]) = [0.25, 0.75].
         let logits = [0.0, 3f32.ln()];
-        let mut rng = row_rng(1, 0);
+        let mut rng = StdRng::seed_from_u64(row_seed(1, 0));
         let n = 4000;
         let ones = (0..n)
             .filter(|_| choose_token(&logits, &cfg(1.0, None, None), &mut rng).0 == 1)

@@ -1,0 +1,121 @@
+//! `prompt-r1 env-check`: one short request to the environment LLM, reporting latency and the
+//! reply, or exactly what is wrong.
+
+use std::time::Instant;
+
+use anyhow::anyhow;
+use env::{
+    ChatMessage, ClientConfig, OpenAiClient, RetryPolicy, SamplingParams, DEFAULT_API_KEY_ENV,
+};
+use serde_json::json;
+
+/// The question sent; short so that the check costs next to nothing.
+const PROBE: &str = "Reply with the single word: OK";
+
+/// Send one short request to an OpenAI-compatible server and report the latency and reply, or
+/// what is wrong (unreachable, bad key, unknown model, timeout, malformed reply).
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Base URL of the API, e.g. https://api.openai.com/v1 or http://127.0.0.1:8000/v1.
+    #[arg(long, value_name = "URL")]
+    pub env_url: String,
+    /// Model name to ask.
+    #[arg(long, value_name = "NAME")]
+    pub env_model: String,
+    /// Environment variable holding the API key (the key itself is never taken from a flag).
+    #[arg(long, value_name = "VAR", default_value = DEFAULT_API_KEY_ENV)]
+    pub api_key_env: String,
+    /// Seconds to wait for the reply.
+    #[arg(long, value_name = "S", default_value_t = 30.0)]
+    pub timeout: f64,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs the check; fails (exit status 1) when the server cannot answer.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = ClientConfig {
+        api_key_env: args.api_key_env.clone(),
+        connect_timeout_secs: args.timeout.min(10.0),
+        read_timeout_secs: args.timeout,
+        retry: RetryPolicy::none(),
+        max_concurrency: 1,
+        ..ClientConfig::new(&args.env_url, &args.env_model)
+    };
+    let client = OpenAiClient::new(config)
+        .map_err(|err| report_failure(&args, None, &err.to_string(), "config"))?;
+    let started = Instant::now();
+    let result = client.chat(&[ChatMessage::user(PROBE)], &SamplingParams::default());
+    let latency_ms = started.elapsed().as_millis();
+    let reply = match result {
+        Ok(reply) => reply,
+        Err(err) => {
+            let kind = serde_json::to_value(err.kind())?;
+            let kind = kind.as_str().unwrap_or("unknown").to_string();
+            return Err(report_failure(
+                &args,
+                Some((&client, latency_ms)),
+                &err.to_string(),
+                &kind,
+            ));
+        }
+    };
+    let model = reply
+        .model
+        .clone()
+        .unwrap_or_else(|| args.env_model.clone());
+    if args.json {
+        let report = json!({
+            "ok": true,
+            "endpoint": client.endpoint(),
+            "model": model,
+            "latency_ms": latency_ms,
+            "reply": reply.content,
+            "finish_reason": reply.finish_reason,
+            "usage": reply.usage,
+            "api_key_env": args.api_key_env,
+            "api_key_set": client.has_api_key(),
+        });
+        println!("{report}");
+    } else {
+        let key = if client.has_api_key() {
+            "set"
+        } else {
+            "not set"
+        };
+        let text = reply.content.trim();
+        println!("ok: {} answered in {latency_ms} ms", client.endpoint());
+        println!("model: {model}");
+        println!("api key: ${} {key}", args.api_key_env);
+        if text.is_empty() {
+            println!("reply: (empty)");
+        } else {
+            println!("reply: {text}");
+        }
+    }
+    Ok(())
+}
+
+/// Prints the JSON failure report when asked for, and returns the error for the exit status.
+fn report_failure(
+    args: &Args,
+    sent: Option<(&OpenAiClient, u128)>,
+    message: &str,
+    kind: &str,
+) -> anyhow::Error {
+    if args.json {
+        let report = json!({
+            "ok": false,
+            "endpoint": sent.map(|(client, _)| client.endpoint()),
+            "model": args.env_model,
+            "latency_ms": sent.map(|(_, ms)| ms),
+            "error": message,
+            "kind": kind,
+            "api_key_env": args.api_key_env,
+            "api_key_set": sent.map(|(client, _)| client.has_api_key()),
+        });
+        println!("{report}");
+    }
+    anyhow!("environment check failed: {message}")
+}

@@ -1,0 +1,89 @@
+//! CSV datasets: `id,data_source,question,answers`, `answers` a JSON array of strings.
+
+use std::fs::File;
+use std::path::Path;
+
+use csv::{ByteRecord, ReaderBuilder, StringRecord};
+
+use crate::error::{DataError, RowProblem};
+use crate::example::Example;
+use crate::load::{answers_from_json, RowSink};
+
+/// Column positions in the header.
+struct Columns {
+    count: usize,
+    id: Option<usize>,
+    data_source: Option<usize>,
+    question: usize,
+    answers: usize,
+}
+
+impl Columns {
+    fn find(header: &StringRecord, path: &Path) -> Result<Self, DataError> {
+        let position = |name: &str| header.iter().position(|h| h.trim() == name);
+        let required = |column: &'static str| {
+            position(column).ok_or_else(|| DataError::MissingColumn {
+                path: path.to_path_buf(),
+                column,
+            })
+        };
+        Ok(Self {
+            count: header.len(),
+            id: position("id"),
+            data_source: position("data_source"),
+            question: required("question")?,
+            answers: required("answers")?,
+        })
+    }
+}
+
+pub(crate) fn read(path: &Path, sink: &mut RowSink) -> Result<(), DataError> {
+    let file = File::open(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let csv_error = |source| DataError::Csv {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut reader = ReaderBuilder::new().flexible(true).from_reader(file);
+    let columns = Columns::find(reader.headers().map_err(csv_error)?, path)?;
+    let mut record = ByteRecord::new();
+    let mut index = 0usize;
+    while reader.read_byte_record(&mut record).map_err(csv_error)? {
+        let line = record.position().map(|p| p.line());
+        let example = parse_row(&record, &columns, index, sink);
+        sink.push(index + 1, line, example)?;
+        index += 1;
+    }
+    Ok(())
+}
+
+fn parse_row(
+    record: &ByteRecord,
+    columns: &Columns,
+    index: usize,
+    sink: &RowSink,
+) -> Result<Example, RowProblem> {
+    if record.len() != columns.count {
+        return Err(RowProblem::FieldCount {
+            expected: columns.count,
+            found: record.len(),
+        });
+    }
+    let field = |i: usize| std::str::from_utf8(&record[i]).map_err(|_| RowProblem::NotUtf8);
+    let id = match columns.id {
+        Some(i) => field(i)?.to_owned(),
+        None => sink.default_id(index),
+    };
+    let data_source = match columns.data_source {
+        Some(i) => field(i)?.to_owned(),
+        None => sink.default_source().to_owned(),
+    };
+    let question = field(columns.question)?;
+    let answers_json = field(columns.answers)?;
+    let answers = serde_json::from_str(answers_json)
+        .map_err(|e| RowProblem::AnswersNotJson(e.to_string()))
+        .and_then(answers_from_json)?;
+    Example::new(id, data_source, question, answers)
+}

@@ -1,0 +1,70 @@
+//! JSONL datasets: one JSON object per line with `question`, `answers` (array of strings)
+//! and optional `id` and `data_source`.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::{DataError, RowProblem};
+use crate::example::Example;
+use crate::load::{answers_from_json, RowSink};
+
+pub(crate) fn read(path: &Path, sink: &mut RowSink) -> Result<(), DataError> {
+    let io_error = |source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let mut reader = BufReader::new(File::open(path).map_err(io_error)?);
+    let mut bytes = Vec::new();
+    let mut line_number = 0usize;
+    let mut index = 0usize;
+    loop {
+        bytes.clear();
+        if reader.read_until(b'\n', &mut bytes).map_err(io_error)? == 0 {
+            return Ok(());
+        }
+        line_number += 1;
+        let example = match std::str::from_utf8(&bytes) {
+            Ok(line) if line.trim().is_empty() => continue,
+            Ok(line) => parse_line(line, index, sink),
+            Err(_) => Err(RowProblem::NotUtf8),
+        };
+        sink.push(line_number, None, example)?;
+        index += 1;
+    }
+}
+
+fn parse_line(line: &str, index: usize, sink: &RowSink) -> Result<Example, RowProblem> {
+    let value: Value =
+        serde_json::from_str(line).map_err(|e| RowProblem::NotJsonObject(e.to_string()))?;
+    let Value::Object(object) = value else {
+        return Err(RowProblem::NotJsonObject("found another JSON value".into()));
+    };
+    let id = optional_string(&object, "id")?.unwrap_or_else(|| sink.default_id(index));
+    let data_source = optional_string(&object, "data_source")?
+        .unwrap_or_else(|| sink.default_source().to_owned());
+    let question =
+        optional_string(&object, "question")?.ok_or(RowProblem::MissingField("question"))?;
+    let answers = match object.get("answers") {
+        None | Some(Value::Null) => return Err(RowProblem::MissingField("answers")),
+        Some(value) => answers_from_json(value.clone())?,
+    };
+    Example::new(id, data_source, question, answers)
+}
+
+/// A string field; absent or null is `None`, another type is an error.
+fn optional_string(
+    object: &Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<String>, RowProblem> {
+    match object.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(RowProblem::WrongType {
+            field,
+            expected: "a string",
+        }),
+    }
+}

@@ -1,0 +1,327 @@
+//! The OpenAI chat-completions wire format: messages, sampling parameters, the request body
+//! and the parsed reply.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Who wrote a chat message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Instructions for the model.
+    System,
+    /// The caller's turn.
+    User,
+    /// The model's turn.
+    Assistant,
+}
+
+/// One chat message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// Author of the message.
+    pub role: Role,
+    /// Text of the message.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A system message.
+    pub fn system(content: impl Into<String>) -> Self {
+        Self {
+            role: Role::System,
+            content: content.into(),
+        }
+    }
+
+    /// A user message.
+    pub fn user(content: impl Into<String>) -> Self {
+        Self {
+            role: Role::User,
+            content: content.into(),
+        }
+    }
+
+    /// An assistant message.
+    pub fn assistant(content: impl Into<String>) -> Self {
+        Self {
+            role: Role::Assistant,
+            content: content.into(),
+        }
+    }
+}
+
+/// Optional sampling parameters of a request; `None` (or an empty `stop`) leaves the server's
+/// default in place and is not sent.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SamplingParams {
+    /// Sampling temperature.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    /// Nucleus-sampling probability mass.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
+    /// Upper bound on generated tokens.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    /// Seed for servers that support reproducible sampling.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+    /// Strings that end generation (the server leaves them out of the reply).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub stop: Vec<String>,
+}
+
+/// Token counts a server reports for one request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Tokens of the request's messages.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub completion_tokens: u64,
+}
+
+/// The first choice of a chat-completions reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatReply {
+    /// The message text (`""` when the server sent an empty string).
+    pub content: String,
+    /// Reasoning text that servers with a reasoning parser (vLLM, Ollama, ...) return apart
+    /// from `content` (`reasoning_content` or `reasoning`).
+    pub reasoning: Option<String>,
+    /// Why generation ended (`stop`, `length`, ...), when the server says.
+    pub finish_reason: Option<String>,
+    /// Token counts, when the server reports them.
+    pub usage: Option<Usage>,
+    /// The model that answered, when the server says.
+    pub model: Option<String>,
+}
+
+/// The JSON body of `POST /chat/completions`.
+#[derive(Serialize)]
+pub(crate) struct ChatRequest<'a> {
+    pub model: &'a str,
+    pub messages: &'a [ChatMessage],
+    #[serde(flatten)]
+    pub params: &'a SamplingParams,
+    pub stream: bool,
+}
+
+/// Parses a 2xx reply body; the error says what is wrong with it.
+pub(crate) fn parse_chat_reply(body: &str) -> Result<ChatReply, String> {
+    if body.trim().is_empty() {
+        return Err("empty body".to_string());
+    }
+    let value: Value = serde_json::from_str(body)
+        .map_err(|err| format!("body is not JSON ({err}): {}", excerpt(body)))?;
+    let Some(object) = value.as_object() else {
+        return Err(format!("body is not a JSON object: {}", excerpt(body)));
+    };
+    if let Some(error) = object.get("error").filter(|e| !e.is_null()) {
+        return Err(format!("server reported an error: {}", error_text(error)));
+    }
+    let choice = match object.get("choices") {
+        Some(Value::Array(choices)) => choices
+            .first()
+            .ok_or_else(|| "reply has no choices".to_string())?,
+        Some(_) => return Err("`choices` is not an array".to_string()),
+        None => return Err(format!("reply has no `choices`: {}", excerpt(body))),
+    };
+    let message = choice
+        .get("message")
+        .and_then(Value::as_object)
+        .ok_or_else(|| "first choice has no `message` object".to_string())?;
+    let finish_reason = choice
+        .get("finish_reason")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let reasoning = ["reasoning_content", "reasoning"]
+        .iter()
+        .find_map(|key| message.get(*key).and_then(Value::as_str))
+        .filter(|text| !text.is_empty())
+        .map(str::to_string);
+    let content = match message.get("content") {
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect(),
+        Some(Value::Null) | None if reasoning.is_some() => String::new(),
+        Some(Value::Null) | None => {
+            let reason = finish_reason.as_deref().unwrap_or("unknown");
+            return Err(format!("message has no content (finish_reason: {reason})"));
+        }
+        Some(other) => {
+            return Err(format!(
+                "message content is not text: {}",
+                excerpt(&other.to_string())
+            ))
+        }
+    };
+    let usage = object.get("usage").and_then(|usage| {
+        Some(Usage {
+            prompt_tokens: usage.get("prompt_tokens")?.as_u64()?,
+            completion_tokens: usage.get("completion_tokens")?.as_u64()?,
+        })
+    });
+    let model = object
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    Ok(ChatReply {
+        content,
+        reasoning,
+        finish_reason,
+        usage,
+        model,
+    })
+}
+
+/// The human-readable part of an error body (`{"error": {"message": ...}}` and common variants),
+/// or an excerpt of the body itself.
+pub(crate) fn error_message(body: &str) -> String {
+    match serde_json::from_str::<Value>(body) {
+        Ok(value) => ["error", "message", "detail"]
+            .iter()
+            .find_map(|key| value.get(*key).filter(|v| !v.is_null()))
+            .map(error_text)
+            .unwrap_or_else(|| excerpt(body)),
+        Err(_) => excerpt(body),
+    }
+}
+
+fn error_text(error: &Value) -> String {
+    match error {
+        Value::String(text) => excerpt(text),
+        Value::Object(fields) => fields
+            .get("message")
+            .and_then(Value::as_str)
+            .map(excerpt)
+            .unwrap_or_else(|| excerpt(&error.to_string())),
+        other => excerpt(&other.to_string()),
+    }
+}
+
+/// At most 300 characters of `text`, trimmed, for error messages.
+pub(crate) fn excerpt(text: &str) -> String {
+    const LIMIT: usize = 300;
+    let text = text.trim();
+    match text.char_indices().nth(LIMIT) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_leaves_out_unset_parameters() {
+        let messages = [ChatMessage::user("hi")];
+        let params = SamplingParams {
+            temperature: Some(0.5),
+            ..Default::default()
+        };
+        let body = serde_json::to_value(ChatRequest {
+            model: "m",
+            messages: &messages,
+            params: &params,
+            stream: false,
+        })
+        .unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                "temperature": 0.5, "stream": false})
+        );
+    }
+
+    #[test]
+    fn request_carries_every_set_parameter() {
+        let params = SamplingParams {
+            temperature: Some(1.0),
+            top_p: Some(0.9),
+            max_tokens: Some(7),
+            seed: Some(3),
+            stop: vec!["</answer>".into()],
+        };
+        let body = serde_json::to_value(ChatRequest {
+            model: "m",
+            messages: &[],
+            params: &params,
+            stream: false,
+        })
+        .unwrap();
+        assert_eq!(body["top_p"], 0.9);
+        assert_eq!(body["max_tokens"], 7);
+        assert_eq!(body["seed"], 3);
+        assert_eq!(body["stop"], serde_json::json!(["</answer>"]));
+    }
+
+    #[test]
+    fn parses_a_standard_reply() {
+        let reply = parse_chat_reply(
+            r#"{"model":"gpt","choices":[{"message":{"role":"assistant","content":"Paris"},
+               "finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#,
+        )
+        .unwrap();
+        assert_eq!(reply.content, "Paris");
+        assert_eq!(reply.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(
+            reply.usage,
+            Some(Usage {
+                prompt_tokens: 5,
+                completion_tokens: 1
+            })
+        );
+        assert_eq!(reply.model.as_deref(), Some("gpt"));
+        assert_eq!(reply.reasoning, None);
+    }
+
+    #[test]
+    fn keeps_reasoning_apart_from_content() {
+        let reply = parse_chat_reply(
+            r#"{"choices":[{"message":{"content":"4","reasoning_content":"2+2"}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(reply.reasoning.as_deref(), Some("2+2"));
+        assert_eq!(reply.content, "4");
+    }
+
+    #[test]
+    fn malformed_bodies_are_errors() {
+        for (body, expected) in [
+            ("", "empty body"),
+            ("not json", "not JSON"),
+            ("[1]", "not a JSON object"),
+            ("{}", "no `choices`"),
+            (r#"{"choices":[]}"#, "no choices"),
+            (r#"{"choices":[{"finish_reason":"stop"}]}"#, "no `message`"),
+            (
+                r#"{"choices":[{"message":{"content":null},"finish_reason":"length"}]}"#,
+                "no content",
+            ),
+            (r#"{"error":{"message":"overloaded"}}"#, "overloaded"),
+        ] {
+            let err = parse_chat_reply(body).unwrap_err();
+            assert!(err.contains(expected), "{body:?} gave {err:?}");
+        }
+    }
+
+    #[test]
+    fn error_message_finds_the_servers_words() {
+        assert_eq!(
+            error_message(r#"{"error":{"message":"bad key","type":"x"}}"#),
+            "bad key"
+        );
+        assert_eq!(
+            error_message(r#"{"error":"model not loaded"}"#),
+            "model not loaded"
+        );
+        assert_eq!(error_message(r#"{"detail":"Not Found"}"#), "Not Found");
+        assert_eq!(error_message("  plain text  "), "plain text");
+        assert!(error_message(&"x".repeat(1000)).chars().count() <= 301);
+    }
+}

@@ -1,0 +1,439 @@
+//! The episode loop shared by inference and training (SPEC §2): turn-synchronous over a batch,
+//! with the environment calls of a turn sent in parallel.
+
+use std::time::{Duration, Instant};
+
+use crate::agent::{Agent, AgentContext, Exchange, TurnEnd};
+use crate::environment::{environment_messages, Environment, ENV_SYSTEM_MESSAGE};
+use crate::parallel::ParallelRunner;
+use crate::prompts::PromptTexts;
+use crate::reply::{environment_text, ReplyFormat, IM_END, NEXT_TURN_PREFIX};
+use crate::trajectory::{StopReason, Timings, Trajectory, TurnRecord};
+use crate::turn::{parse_turn, TurnAction};
+
+/// Limits and texts of an episode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EpisodeConfig {
+    /// Most environment calls per episode. After the last allowed call the agent gets one more
+    /// turn to answer; a further call ends the episode with [`StopReason::TurnLimit`].
+    pub max_turns: usize,
+    /// Most tokens the agent may generate in one turn.
+    pub max_turn_tokens: usize,
+    /// Most tokens after the prompt (agent and environment together).
+    pub max_response_tokens: usize,
+    /// How replies are shown to the agent (length limit, escaping).
+    pub reply: ReplyFormat,
+    /// Most environment calls in flight at once.
+    pub env_concurrency: usize,
+    /// The agent's system message and instruction.
+    pub prompts: PromptTexts,
+    /// The environment's system message.
+    pub env_system: String,
+}
+
+impl Default for EpisodeConfig {
+    /// The training settings: 5 calls, 1024 tokens per turn, 8192 response tokens, replies
+    /// cut to 2048 characters.
+    fn default() -> Self {
+        Self {
+            max_turns: 5,
+            max_turn_tokens: 1024,
+            max_response_tokens: 8192,
+            reply: ReplyFormat::default(),
+            env_concurrency: 32,
+            prompts: PromptTexts::default(),
+            env_system: ENV_SYSTEM_MESSAGE.to_string(),
+        }
+    }
+}
+
+impl EpisodeConfig {
+    /// The training settings (the default).
+    pub fn training() -> Self {
+        Self::default()
+    }
+
+    /// The inference settings: as training, but replies cut to 8192 characters.
+    pub fn inference() -> Self {
+        Self {
+            reply: ReplyFormat {
+                max_chars: 8192,
+                ..ReplyFormat::default()
+            },
+            ..Self::default()
+        }
+    }
+}
+
+/// Hears about progress while episodes run (e.g. to print each turn as it happens).
+pub trait EpisodeObserver {
+    /// A turn is complete: answered, ended the episode, or got its environment reply.
+    fn turn_finished(&mut self, _episode: usize, _turn: &TurnRecord) {}
+    /// An episode is over.
+    fn episode_finished(&mut self, _episode: usize, _trajectory: &Trajectory) {}
+}
+
+/// An observer that ignores everything.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoObserver;
+
+impl EpisodeObserver for NoObserver {}
+
+/// Runs one episode per question and returns the trajectories in question order.
+pub fn run_episodes<A, E, Q>(
+    agent: &mut A,
+    env: &E,
+    questions: &[Q],
+    config: &EpisodeConfig,
+) -> Vec<Trajectory>
+where
+    A: Agent + ?Sized,
+    E: Environment + ?Sized,
+    Q: AsRef<str>,
+{
+    run_episodes_observed(agent, env, questions, config, &mut NoObserver)
+}
+
+/// [`run_episodes`], reporting progress to `observer`.
+pub fn run_episodes_observed<A, E, Q>(
+    agent: &mut A,
+    env: &E,
+    questions: &[Q],
+    config: &EpisodeConfig,
+    observer: &mut dyn EpisodeObserver,
+) -> Vec<Trajectory>
+where
+    A: Agent + ?Sized,
+    E: Environment + ?Sized,
+    Q: AsRef<str>,
+{
+    let mut run = Run {
+        agent,
+        observer,
+        start: Instant::now(),
+    };
+    let mut episodes: Vec<Episode> = questions
+        .iter()
+        .enumerate()
+        .map(|(index, question)| {
+            let question = question.as_ref();
+            Episode::new(AgentContext::new(
+                index,
+                question,
+                config.prompts.first_prompt(question),
+            ))
+        })
+        .collect();
+    for episode in &mut episodes {
+        match run.agent.begin_episode(&mut episode.ctx) {
+            Ok(()) => episode.prompt_len = episode.ctx.trace().len(),
+            Err(err) => run.finish(
+                episode,
+                StopReason::AgentFailure,
+                None,
+                Some(err.to_string()),
+            ),
+        }
+    }
+    loop {
+        for episode in episodes.iter_mut().filter(|e| e.is_running()) {
+            let left = config
+                .max_response_tokens
+                .saturating_sub(episode.response_tokens);
+            if left == 0 || config.max_turn_tokens == 0 {
+                run.finish(episode, StopReason::TokenLimit, None, None);
+            } else {
+                episode
+                    .ctx
+                    .set_turn_budget(left.min(config.max_turn_tokens));
+            }
+        }
+        let active: Vec<usize> = (0..episodes.len())
+            .filter(|&i| episodes[i].is_running())
+            .collect();
+        if active.is_empty() {
+            break;
+        }
+        let calls = run.generate(&mut episodes, &active, config);
+        run.call_environment(&mut episodes, calls, env, config);
+    }
+    episodes
+        .into_iter()
+        .map(|episode| episode.done.unwrap_or_else(|| unfinished(&episode.ctx)))
+        .collect()
+}
+
+/// One episode's state while it runs.
+struct Episode {
+    ctx: AgentContext,
+    turns: Vec<TurnRecord>,
+    prompt_len: usize,
+    calls: usize,
+    response_tokens: usize,
+    response_text: String,
+    agent_time: Duration,
+    env_time: Duration,
+    done: Option<Trajectory>,
+}
+
+impl Episode {
+    fn new(ctx: AgentContext) -> Self {
+        Self {
+            ctx,
+            turns: Vec::new(),
+            prompt_len: 0,
+            calls: 0,
+            response_tokens: 0,
+            response_text: String::new(),
+            agent_time: Duration::ZERO,
+            env_time: Duration::ZERO,
+            done: None,
+        }
+    }
+
+    fn is_running(&self) -> bool {
+        self.done.is_none()
+    }
+}
+
+/// A call waiting for the environment.
+struct PendingCall {
+    episode: usize,
+    messages: Vec<crate::chat::ChatMessage>,
+    prompt: String,
+    agent_emitted_im_end: bool,
+}
+
+struct Run<'a, A: ?Sized> {
+    agent: &'a mut A,
+    observer: &'a mut dyn EpisodeObserver,
+    start: Instant,
+}
+
+impl<A: Agent + ?Sized> Run<'_, A> {
+    /// Generates one turn for every active episode and returns the calls to make.
+    fn generate(
+        &mut self,
+        episodes: &mut [Episode],
+        active: &[usize],
+        config: &EpisodeConfig,
+    ) -> Vec<PendingCall> {
+        let started = Instant::now();
+        let results = {
+            let mut contexts: Vec<&mut AgentContext> = episodes
+                .iter_mut()
+                .filter(|e| e.is_running())
+                .map(|e| &mut e.ctx)
+                .collect();
+            self.agent.generate_turns(&mut contexts)
+        };
+        let elapsed = started.elapsed();
+        if results.len() != active.len() {
+            let error = format!(
+                "the agent returned {} turns for {} episodes",
+                results.len(),
+                active.len()
+            );
+            for &i in active {
+                self.finish(
+                    &mut episodes[i],
+                    StopReason::AgentFailure,
+                    None,
+                    Some(error.clone()),
+                );
+            }
+            return Vec::new();
+        }
+        let mut calls = Vec::new();
+        for (&i, result) in active.iter().zip(results) {
+            let episode = &mut episodes[i];
+            episode.agent_time += elapsed;
+            let turn = match result {
+                Ok(turn) => turn,
+                Err(err) => {
+                    self.finish(
+                        episode,
+                        StopReason::AgentFailure,
+                        None,
+                        Some(err.to_string()),
+                    );
+                    continue;
+                }
+            };
+            let text = format!("{}{}", episode.ctx.turn_prefix(), turn.text);
+            episode.response_text.push_str(&turn.text);
+            if turn.end == TurnEnd::ImEnd {
+                episode.response_text.push_str(IM_END);
+            }
+            episode.response_tokens += turn.tokens;
+            let parsed = parse_turn(&text);
+            let mut record = TurnRecord {
+                think: parsed.think,
+                prompt: None,
+                response: None,
+                response_truncated: false,
+                answer: None,
+                text,
+                tokens: turn.tokens,
+                end: turn.end,
+                env_ms: None,
+            };
+            let stop = match parsed.action {
+                TurnAction::Answer(answer) => {
+                    record.answer = Some(answer);
+                    StopReason::Answer
+                }
+                TurnAction::Call(call) => {
+                    record.prompt = Some(call.prompt.clone());
+                    if episode.calls >= config.max_turns {
+                        StopReason::TurnLimit
+                    } else if episode.response_tokens >= config.max_response_tokens {
+                        StopReason::TokenLimit
+                    } else {
+                        calls.push(PendingCall {
+                            episode: i,
+                            messages: environment_messages(
+                                &config.env_system,
+                                episode.ctx.exchanges(),
+                                &call.prompt,
+                            ),
+                            prompt: call.prompt,
+                            agent_emitted_im_end: turn.end == TurnEnd::ImEnd,
+                        });
+                        episode.turns.push(record);
+                        continue;
+                    }
+                }
+                TurnAction::Nothing if turn.end == TurnEnd::Length => StopReason::TokenLimit,
+                TurnAction::Nothing => StopReason::NoCall,
+            };
+            let answer = record.answer.clone();
+            self.observer.turn_finished(i, &record);
+            episode.turns.push(record);
+            self.finish(episode, stop, answer, None);
+        }
+        calls
+    }
+
+    /// Sends the calls in parallel and appends each reply to its episode.
+    fn call_environment<E: Environment + ?Sized>(
+        &mut self,
+        episodes: &mut [Episode],
+        calls: Vec<PendingCall>,
+        env: &E,
+        config: &EpisodeConfig,
+    ) {
+        let replies = ParallelRunner::new(config.env_concurrency).map(&calls, |_, call| {
+            let started = Instant::now();
+            let reply = env.complete(&call.messages);
+            (reply, started.elapsed())
+        });
+        for (call, (reply, elapsed)) in calls.into_iter().zip(replies) {
+            let episode = &mut episodes[call.episode];
+            episode.env_time += elapsed;
+            episode.calls += 1;
+            let Some(mut record) = episode.turns.pop() else {
+                continue;
+            };
+            record.env_ms = Some(millis(elapsed));
+            let reply = match reply {
+                Ok(reply) => reply.trim().to_string(),
+                Err(err) => {
+                    self.observer.turn_finished(call.episode, &record);
+                    episode.turns.push(record);
+                    self.finish(episode, StopReason::EnvFailure, None, Some(err.to_string()));
+                    continue;
+                }
+            };
+            let shown = config.reply.show(&reply);
+            let text = environment_text(&shown.text, call.agent_emitted_im_end);
+            record.response = Some(reply.clone());
+            record.response_truncated = shown.truncated;
+            match self.agent.append_environment(&mut episode.ctx, &text) {
+                Ok(tokens) => {
+                    episode.response_tokens += tokens;
+                    episode.response_text.push_str(&text);
+                    let exchange = Exchange {
+                        turn_text: record.text.clone(),
+                        prompt: call.prompt,
+                        reply,
+                        shown_reply: shown.text,
+                    };
+                    episode.ctx.push_exchange(exchange, NEXT_TURN_PREFIX);
+                    self.observer.turn_finished(call.episode, &record);
+                    episode.turns.push(record);
+                }
+                Err(err) => {
+                    self.observer.turn_finished(call.episode, &record);
+                    episode.turns.push(record);
+                    self.finish(
+                        episode,
+                        StopReason::AgentFailure,
+                        None,
+                        Some(err.to_string()),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Ends an episode: frees the agent's state, builds the trajectory and reports it.
+    fn finish(
+        &mut self,
+        episode: &mut Episode,
+        stop_reason: StopReason,
+        answer: Option<String>,
+        error: Option<String>,
+    ) {
+        self.agent.end_episode(&mut episode.ctx);
+        let trace = episode.ctx.take_trace();
+        let trajectory = Trajectory {
+            question: episode.ctx.question().to_string(),
+            answer,
+            stop_reason,
+            error,
+            turns: std::mem::take(&mut episode.turns),
+            prompt_text: episode.ctx.prompt().chatml(),
+            response_text: std::mem::take(&mut episode.response_text),
+            token_ids: trace.ids().to_vec(),
+            loss_mask: trace.loss_mask().to_vec(),
+            logprobs: trace.logprobs().to_vec(),
+            prompt_len: episode.prompt_len,
+            response_tokens: episode.response_tokens,
+            env_calls: episode.calls,
+            timings: Timings {
+                total_ms: millis(self.start.elapsed()),
+                agent_ms: millis(episode.agent_time),
+                env_ms: millis(episode.env_time),
+            },
+        };
+        self.observer
+            .episode_finished(episode.ctx.index(), &trajectory);
+        episode.done = Some(trajectory);
+    }
+}
+
+/// The trajectory of an episode the loop left without a stop reason (does not happen; kept so
+/// that no path can panic).
+fn unfinished(ctx: &AgentContext) -> Trajectory {
+    Trajectory {
+        question: ctx.question().to_string(),
+        answer: None,
+        stop_reason: StopReason::AgentFailure,
+        error: Some("the episode ended without a stop reason".to_string()),
+        turns: Vec::new(),
+        prompt_text: ctx.prompt().chatml(),
+        response_text: String::new(),
+        token_ids: Vec::new(),
+        loss_mask: Vec::new(),
+        logprobs: Vec::new(),
+        prompt_len: 0,
+        response_tokens: 0,
+        env_calls: 0,
+        timings: Timings::default(),
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}

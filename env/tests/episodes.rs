@@ -1,0 +1,653 @@
+//! The episode loop with a scripted token-level agent (a toy char-level tokenizer) and a
+//! scripted environment.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use prompt_r1_env::{
+    run_episodes, run_episodes_observed, Agent, AgentContext, AgentError, ChatMessage, EnvError,
+    Environment, EpisodeConfig, EpisodeObserver, ReplyFormat, StopReason, Trajectory, TurnEnd,
+    TurnRecord, TurnText, ENV_SYSTEM_MESSAGE, REFERENCE_INSTRUCTION, REFERENCE_SYSTEM,
+};
+
+const IM_START_ID: u32 = 151_644;
+const IM_END_ID: u32 = 151_645;
+
+/// Char-level tokens, with `<|im_start|>` and `<|im_end|>` as single special tokens.
+fn tokenize(text: &str) -> Vec<u32> {
+    let mut ids = Vec::new();
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if let Some(after) = rest.strip_prefix("<|im_start|>") {
+            ids.push(IM_START_ID);
+            rest = after;
+        } else if let Some(after) = rest.strip_prefix("<|im_end|>") {
+            ids.push(IM_END_ID);
+            rest = after;
+        } else {
+            ids.push(c as u32);
+            rest = &rest[c.len_utf8()..];
+        }
+    }
+    ids
+}
+
+fn decode(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|&id| match id {
+            IM_START_ID => "<|im_start|>".to_string(),
+            IM_END_ID => "<|im_end|>".to_string(),
+            id => char::from_u32(id).unwrap().to_string(),
+        })
+        .collect()
+}
+
+/// A scripted turn: the text the agent "samples" and whether it then samples `<|im_end|>`.
+#[derive(Clone)]
+struct Scripted {
+    text: String,
+    im_end: bool,
+}
+
+fn turn(text: &str) -> Scripted {
+    Scripted {
+        text: text.to_string(),
+        im_end: true,
+    }
+}
+
+/// Plays scripted turns per question, recording tokens like the local model will.
+#[derive(Default)]
+struct ScriptedAgent {
+    scripts: HashMap<String, Vec<Scripted>>,
+    fail_on: Option<String>,
+    played: HashMap<usize, usize>,
+    batch_sizes: Vec<usize>,
+    prefixes_seen: Vec<(usize, String)>,
+    ended: Vec<usize>,
+}
+
+impl ScriptedAgent {
+    fn new(scripts: &[(&str, Vec<Scripted>)]) -> Self {
+        Self {
+            scripts: scripts
+                .iter()
+                .map(|(q, turns)| (q.to_string(), turns.clone()))
+                .collect(),
+            ..Self::default()
+        }
+    }
+}
+
+impl Agent for ScriptedAgent {
+    fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), AgentError> {
+        let ids = tokenize(&ctx.prompt().chatml());
+        ctx.record_context_tokens(&ids);
+        Ok(())
+    }
+
+    fn generate_turns(
+        &mut self,
+        episodes: &mut [&mut AgentContext],
+    ) -> Vec<Result<TurnText, AgentError>> {
+        self.batch_sizes.push(episodes.len());
+        episodes
+            .iter_mut()
+            .map(|ctx| {
+                if self.fail_on.as_deref() == Some(ctx.question()) {
+                    return Err(AgentError::Model("out of memory".into()));
+                }
+                self.prefixes_seen
+                    .push((ctx.index(), ctx.turn_prefix().to_string()));
+                let n = self.played.entry(ctx.index()).or_insert(0);
+                let script = &self.scripts[ctx.question()];
+                let scripted = script[(*n).min(script.len() - 1)].clone();
+                *n += 1;
+                let mut ids = tokenize(&scripted.text);
+                let budget = ctx.turn_budget();
+                let mut end = if scripted.im_end {
+                    TurnEnd::ImEnd
+                } else {
+                    TurnEnd::StopString
+                };
+                if ids.len() + usize::from(scripted.im_end) > budget {
+                    ids.truncate(budget);
+                    end = TurnEnd::Length;
+                }
+                for (k, &id) in ids.iter().enumerate() {
+                    ctx.record_agent_token(id, -0.01 * (k as f32 + 1.0));
+                }
+                let mut tokens = ids.len();
+                if end == TurnEnd::ImEnd {
+                    ctx.record_agent_token(IM_END_ID, -0.001);
+                    tokens += 1;
+                }
+                Ok(TurnText {
+                    text: decode(&ids),
+                    tokens,
+                    end,
+                })
+            })
+            .collect()
+    }
+
+    fn append_environment(
+        &mut self,
+        ctx: &mut AgentContext,
+        text: &str,
+    ) -> Result<usize, AgentError> {
+        let ids = tokenize(text);
+        ctx.record_context_tokens(&ids);
+        Ok(ids.len())
+    }
+
+    fn end_episode(&mut self, ctx: &mut AgentContext) {
+        self.ended.push(ctx.index());
+    }
+}
+
+/// Answers by a function of the messages and logs every call.
+struct ScriptedEnv<F> {
+    reply: F,
+    calls: Mutex<Vec<Vec<ChatMessage>>>,
+}
+
+impl<F: Fn(&[ChatMessage]) -> Result<String, EnvError> + Sync> ScriptedEnv<F> {
+    fn new(reply: F) -> Self {
+        Self {
+            reply,
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn calls(&self) -> Vec<Vec<ChatMessage>> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+impl<F: Fn(&[ChatMessage]) -> Result<String, EnvError> + Sync> Environment for ScriptedEnv<F> {
+    fn complete(&self, messages: &[ChatMessage]) -> Result<String, EnvError> {
+        self.calls.lock().unwrap().push(messages.to_vec());
+        (self.reply)(messages)
+    }
+}
+
+fn last_user(messages: &[ChatMessage]) -> &str {
+    &messages.last().unwrap().content
+}
+
+fn env_text(reply_json: &str) -> String {
+    format!(
+        "\n<|im_start|>user\n<interaction_response>\n{reply_json}\n</interaction_response><|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+}
+
+/// The loss mask expected for agent segments (`true`) and context segments (`false`).
+fn expected_mask(segments: &[(&str, bool)]) -> Vec<u8> {
+    segments
+        .iter()
+        .flat_map(|(text, agent)| vec![u8::from(*agent); tokenize(text).len()])
+        .collect()
+}
+
+const T1: &str = "<think>\nThe question asks about X.\n</think>\n<interaction_prompt>\n{\"name\": \"prompt\", \"arguments\": {\"prompt\": \"What is X?\"}}\n</interaction_prompt>";
+const T2: &str =
+    "X is x, let me check.\n</think>\n<interaction_prompt>Check that X is x.</interaction_prompt>";
+const T3: &str = "Confirmed.\n</think>\n<answer>x</answer>";
+
+#[test]
+fn a_full_episode_builds_the_reference_context_token_by_token() {
+    let mut agent = ScriptedAgent::new(&[("What is X?", vec![turn(T1), turn(T2), turn(T3)])]);
+    let env = ScriptedEnv::new(|messages: &[ChatMessage]| {
+        Ok(match last_user(messages) {
+            "What is X?" => " X is x. ".to_string(),
+            _ => "Yes, \"x\".".to_string(),
+        })
+    });
+    let trajectories = run_episodes(
+        &mut agent,
+        &env,
+        &["What is X?"],
+        &EpisodeConfig::training(),
+    );
+    let t = &trajectories[0];
+
+    assert_eq!(t.stop_reason, StopReason::Answer);
+    assert_eq!(t.answer.as_deref(), Some("x"));
+    assert_eq!(t.error, None);
+    assert_eq!(t.env_calls, 2);
+
+    // The first prompt: reference system text, `Question: {q}\n{instruction}`.
+    let prompt = format!(
+        "<|im_start|>system\n{REFERENCE_SYSTEM}<|im_end|>\n<|im_start|>user\nQuestion: What is X?\n{REFERENCE_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(t.prompt_text, prompt);
+    assert_eq!(t.prompt_len, tokenize(&prompt).len());
+
+    // The context decodes to the reference format with one <|im_end|> per turn boundary.
+    let reply1 = r#"{"results": ["X is x."]}"#;
+    let reply2 = r#"{"results": ["Yes, \"x\"."]}"#;
+    let reference = format!(
+        "{prompt}{T1}<|im_end|>{}{T2}<|im_end|>{}{T3}<|im_end|>",
+        env_text(reply1),
+        env_text(reply2)
+    );
+    assert_eq!(decode(&t.token_ids), reference);
+    assert_eq!(t.context_text(), reference);
+    assert!(!reference.contains("<|im_end|><|im_end|>"));
+    assert_eq!(t.response_tokens, t.token_ids.len() - t.prompt_len);
+
+    // Loss mask: 1 on exactly the agent's tokens (its <|im_end|> included).
+    let mask = expected_mask(&[
+        (&prompt, false),
+        (T1, true),
+        ("<|im_end|>", true),
+        (&env_text(reply1), false),
+        (T2, true),
+        ("<|im_end|>", true),
+        (&env_text(reply2), false),
+        (T3, true),
+        ("<|im_end|>", true),
+    ]);
+    assert_eq!(t.loss_mask, mask);
+    assert_eq!(t.logprobs.len(), t.token_ids.len());
+    for (logprob, mask) in t.logprobs.iter().zip(&t.loss_mask) {
+        assert_eq!(*logprob < 0.0, *mask == 1);
+    }
+
+    // What the environment saw: system message, earlier pairs, the new prompt; never <think>.
+    assert_eq!(
+        env.calls(),
+        vec![
+            vec![
+                ChatMessage::system(ENV_SYSTEM_MESSAGE),
+                ChatMessage::user("What is X?")
+            ],
+            vec![
+                ChatMessage::system(ENV_SYSTEM_MESSAGE),
+                ChatMessage::user("What is X?"),
+                ChatMessage::assistant("X is x."),
+                ChatMessage::user("Check that X is x."),
+            ],
+        ]
+    );
+
+    // Turns as users see them.
+    let turns: Vec<_> = t
+        .turns
+        .iter()
+        .map(|r| {
+            (
+                r.think.as_deref(),
+                r.prompt.as_deref(),
+                r.response.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        turns,
+        vec![
+            (
+                Some("The question asks about X."),
+                Some("What is X?"),
+                Some("X is x.")
+            ),
+            (
+                Some("X is x, let me check."),
+                Some("Check that X is x."),
+                Some("Yes, \"x\".")
+            ),
+            (Some("Confirmed."), None, None),
+        ]
+    );
+    assert!(t.turns[1].text.starts_with("<think>\n"));
+    assert_eq!(t.turns[2].answer.as_deref(), Some("x"));
+
+    assert_eq!(
+        agent.prefixes_seen,
+        vec![
+            (0, "".into()),
+            (0, "<think>\n".into()),
+            (0, "<think>\n".into())
+        ]
+    );
+    assert_eq!(agent.ended, vec![0]);
+}
+
+#[test]
+fn batches_are_turn_synchronous_and_masks_stay_per_episode() {
+    let call = |p: &str| {
+        turn(&format!(
+            "<think>t</think><interaction_prompt>{p}</interaction_prompt>"
+        ))
+    };
+    let mut agent = ScriptedAgent::new(&[
+        ("one", vec![turn("<think>t</think><answer>1</answer>")]),
+        ("two", vec![call("p"), turn("t</think><answer>2</answer>")]),
+        (
+            "three",
+            vec![call("p"), call("q"), turn("t</think><answer>3</answer>")],
+        ),
+    ]);
+    let env = ScriptedEnv::new(|m: &[ChatMessage]| Ok(format!("re {}", last_user(m))));
+    let questions = ["one", "two", "three"];
+    let trajectories = run_episodes(&mut agent, &env, &questions, &EpisodeConfig::default());
+    assert_eq!(agent.batch_sizes, vec![3, 2, 1]);
+    let answers: Vec<_> = trajectories.iter().map(|t| t.answer.as_deref()).collect();
+    assert_eq!(answers, vec![Some("1"), Some("2"), Some("3")]);
+    for t in &trajectories {
+        assert!(decode(&t.token_ids).contains(&format!("Question: {}\n", t.question)));
+        let agent_text: String = t
+            .token_ids
+            .iter()
+            .zip(&t.loss_mask)
+            .filter(|(_, m)| **m == 1)
+            .map(|(id, _)| decode(&[*id]))
+            .collect();
+        let expected: String = t
+            .turns
+            .iter()
+            .map(|r| agent_part(&r.text) + "<|im_end|>")
+            .collect();
+        assert_eq!(agent_text, expected, "{}", t.question);
+    }
+}
+
+/// The agent-sampled part of a turn's text (without the `<think>\n` the environment added).
+fn agent_part(text: &str) -> String {
+    text.strip_prefix("<think>\n").unwrap_or(text).to_string()
+}
+
+#[test]
+fn stop_reasons() {
+    let call = turn("<think>again</think><interaction_prompt>more</interaction_prompt>");
+    let mut agent = ScriptedAgent::new(&[
+        (
+            "answers",
+            vec![turn("<think>easy</think><answer>42</answer>")],
+        ),
+        (
+            "no call",
+            vec![turn("<think>hmm</think> I will just stop here.")],
+        ),
+        ("keeps calling", vec![call.clone()]),
+        ("rambles", vec![turn(&"a".repeat(500))]),
+    ]);
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("reply".to_string()));
+    let config = EpisodeConfig {
+        max_turns: 2,
+        max_turn_tokens: 100,
+        ..EpisodeConfig::default()
+    };
+    let questions = ["answers", "no call", "keeps calling", "rambles"];
+    let trajectories = run_episodes(&mut agent, &env, &questions, &config);
+    let reasons: Vec<_> = trajectories.iter().map(|t| t.stop_reason).collect();
+    assert_eq!(
+        reasons,
+        vec![
+            StopReason::Answer,
+            StopReason::NoCall,
+            StopReason::TurnLimit,
+            StopReason::TokenLimit
+        ]
+    );
+    let limited = &trajectories[2];
+    assert_eq!((limited.env_calls, limited.turns.len()), (2, 3));
+    assert_eq!(limited.turns[2].prompt.as_deref(), Some("more"));
+    assert_eq!(limited.turns[2].response, None);
+    assert_eq!(env.calls().len(), 2);
+    let rambling = &trajectories[3];
+    assert_eq!(rambling.turns[0].tokens, 100);
+    assert_eq!(rambling.turns[0].end, TurnEnd::Length);
+    assert!(trajectories.iter().all(|t| t.error.is_none()));
+}
+
+#[test]
+fn the_total_token_budget_ends_episodes() {
+    let call = turn("<think>t</think><interaction_prompt>p</interaction_prompt>");
+    let mut agent = ScriptedAgent::new(&[("q", vec![call])]);
+    // 59 tokens per call turn, 142 per environment text: the second turn has 49 left.
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("r".repeat(50)));
+    let config = EpisodeConfig {
+        max_response_tokens: 250,
+        max_turn_tokens: 1000,
+        ..EpisodeConfig::default()
+    };
+    let t = &run_episodes(&mut agent, &env, &["q"], &config)[0];
+    assert_eq!(t.stop_reason, StopReason::TokenLimit);
+    assert_eq!(t.env_calls, 1);
+    assert_eq!(t.response_tokens, 250);
+    // The second turn got only what was left of the budget.
+    assert_eq!(t.turns.len(), 2);
+    assert_eq!((t.turns[1].tokens, t.turns[1].end), (49, TurnEnd::Length));
+    assert_eq!(t.response_tokens, t.token_ids.len() - t.prompt_len);
+}
+
+#[test]
+fn long_replies_are_cut_for_the_agent_but_kept_whole_in_the_record() {
+    let script = vec![
+        turn("<think>t</think><interaction_prompt>long please</interaction_prompt>"),
+        turn("t</think><answer>done</answer>"),
+    ];
+    let long = "é".repeat(3000);
+    let long_reply = long.clone();
+    let env = ScriptedEnv::new(move |_: &[ChatMessage]| Ok(long_reply.clone()));
+
+    let mut agent = ScriptedAgent::new(&[("q", script.clone())]);
+    let training = EpisodeConfig {
+        reply: ReplyFormat {
+            max_chars: 100,
+            ascii_escape: true,
+        },
+        ..EpisodeConfig::training()
+    };
+    let t = &run_episodes(&mut agent, &env, &["q"], &training)[0];
+    let shown = format!("{{\"results\": [\"{}\\u...", "\\u00e9".repeat(14));
+    assert_eq!(shown.chars().count(), 103);
+    assert!(t.response_text.contains(&format!(
+        "<interaction_response>\n{shown}\n</interaction_response>"
+    )));
+    assert_eq!(t.turns[0].response.as_deref(), Some(long.as_str()));
+    assert!(t.turns[0].response_truncated);
+
+    // Inference keeps 8192 characters: 1000 escaped characters (6000) fit.
+    assert_eq!(EpisodeConfig::inference().reply.max_chars, 8192);
+    assert_eq!(EpisodeConfig::training().reply.max_chars, 2048);
+    let mut agent = ScriptedAgent::new(&[("q", script)]);
+    let short_env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("é".repeat(1000)));
+    let t = &run_episodes(&mut agent, &short_env, &["q"], &EpisodeConfig::inference())[0];
+    assert!(!t.turns[0].response_truncated);
+    assert!(t
+        .response_text
+        .contains(&format!("{}\"]}}", "\\u00e9".repeat(1000))));
+}
+
+#[test]
+fn environment_failures_end_the_episode_and_never_reach_the_agent() {
+    let mut agent = ScriptedAgent::new(&[
+        (
+            "fails",
+            vec![turn(
+                "<think>t</think><interaction_prompt>doomed</interaction_prompt>",
+            )],
+        ),
+        (
+            "works",
+            vec![
+                turn("<think>t</think><interaction_prompt>p</interaction_prompt>"),
+                turn("t</think><answer>ok</answer>"),
+            ],
+        ),
+    ]);
+    let env = ScriptedEnv::new(|m: &[ChatMessage]| {
+        if last_user(m) == "doomed" {
+            Err(EnvError::Http {
+                url: "http://llm/v1/chat/completions".into(),
+                status: 503,
+                message: "upstream overloaded".into(),
+                attempts: 6,
+            })
+        } else {
+            Ok("fine".to_string())
+        }
+    });
+    let trajectories = run_episodes(
+        &mut agent,
+        &env,
+        &["fails", "works"],
+        &EpisodeConfig::default(),
+    );
+    let (failed, ok) = (&trajectories[0], &trajectories[1]);
+    assert_eq!(failed.stop_reason, StopReason::EnvFailure);
+    assert!(failed.stop_reason.is_failure());
+    let error = failed.error.as_deref().unwrap();
+    assert!(
+        error.contains("HTTP 503") && error.contains("upstream overloaded"),
+        "{error}"
+    );
+    let after_prompt = decode(&failed.token_ids[failed.prompt_len..]);
+    assert_eq!(
+        after_prompt,
+        "<think>t</think><interaction_prompt>doomed</interaction_prompt><|im_end|>"
+    );
+    assert_eq!(failed.response_text, after_prompt);
+    assert_eq!(failed.token_ids.last(), Some(&IM_END_ID));
+    assert_eq!(failed.turns[0].prompt.as_deref(), Some("doomed"));
+    assert_eq!(failed.turns[0].response, None);
+    assert_eq!(failed.env_calls, 1);
+    assert_eq!(ok.stop_reason, StopReason::Answer);
+    assert_eq!(ok.error, None);
+}
+
+#[test]
+fn agent_failures_are_recorded() {
+    let mut agent = ScriptedAgent::new(&[
+        ("bad", vec![turn("x")]),
+        ("good", vec![turn("<answer>g</answer>")]),
+    ]);
+    agent.fail_on = Some("bad".into());
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok(String::new()));
+    let trajectories = run_episodes(
+        &mut agent,
+        &env,
+        &["bad", "good"],
+        &EpisodeConfig::default(),
+    );
+    assert_eq!(trajectories[0].stop_reason, StopReason::AgentFailure);
+    assert_eq!(
+        trajectories[0].error.as_deref(),
+        Some("agent model failed: out of memory")
+    );
+    assert_eq!(trajectories[1].answer.as_deref(), Some("g"));
+    assert_eq!(agent.ended.len(), 2);
+}
+
+#[test]
+fn only_the_first_call_of_a_turn_runs() {
+    let mut agent = ScriptedAgent::new(&[(
+        "q",
+        vec![
+            turn("<think>t</think><interaction_prompt>first</interaction_prompt><interaction_prompt>second</interaction_prompt>"),
+            turn("t</think><answer>a</answer>"),
+        ],
+    )]);
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("r".to_string()));
+    run_episodes(&mut agent, &env, &["q"], &EpisodeConfig::default());
+    let prompts: Vec<_> = env
+        .calls()
+        .iter()
+        .map(|m| last_user(m).to_string())
+        .collect();
+    assert_eq!(prompts, vec!["first"]);
+}
+
+#[test]
+fn a_turn_ended_by_a_stop_string_gets_the_full_wrapper() {
+    let mut agent = ScriptedAgent::new(&[(
+        "q",
+        vec![
+            Scripted {
+                text: "<think>t</think><interaction_prompt>p</interaction_prompt>".into(),
+                im_end: false,
+            },
+            turn("t</think><answer>a</answer>"),
+        ],
+    )]);
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("r".to_string()));
+    let t = &run_episodes(&mut agent, &env, &["q"], &EpisodeConfig::default())[0];
+    let expected_env = format!("<|im_end|>{}", env_text(r#"{"results": ["r"]}"#));
+    assert!(t
+        .response_text
+        .contains(&format!("</interaction_prompt>{expected_env}")));
+    assert_eq!(decode(&t.token_ids), t.context_text());
+    assert!(!t.context_text().contains("<|im_end|><|im_end|>"));
+}
+
+#[derive(Default)]
+struct Recorder {
+    turns: Vec<(usize, Option<String>)>,
+    finished: Vec<(usize, StopReason)>,
+}
+
+impl EpisodeObserver for Recorder {
+    fn turn_finished(&mut self, episode: usize, turn: &TurnRecord) {
+        self.turns.push((episode, turn.response.clone()));
+    }
+
+    fn episode_finished(&mut self, episode: usize, trajectory: &Trajectory) {
+        self.finished.push((episode, trajectory.stop_reason));
+    }
+}
+
+#[test]
+fn observers_hear_each_turn_as_it_completes() {
+    let mut agent = ScriptedAgent::new(&[(
+        "q",
+        vec![
+            turn("<think>t</think><interaction_prompt>p</interaction_prompt>"),
+            turn("t</think><answer>a</answer>"),
+        ],
+    )]);
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("r".to_string()));
+    let mut recorder = Recorder::default();
+    run_episodes_observed(
+        &mut agent,
+        &env,
+        &["q"],
+        &EpisodeConfig::default(),
+        &mut recorder,
+    );
+    assert_eq!(recorder.turns, vec![(0, Some("r".to_string())), (0, None)]);
+    assert_eq!(recorder.finished, vec![(0, StopReason::Answer)]);
+}
+
+#[test]
+fn trajectory_json_has_the_cli_shape() {
+    let mut agent = ScriptedAgent::new(&[(
+        "q",
+        vec![
+            turn("<think>t</think><interaction_prompt>p</interaction_prompt>"),
+            turn("u</think><answer>a</answer>"),
+        ],
+    )]);
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("r".to_string()));
+    let t = &run_episodes(&mut agent, &env, &["q"], &EpisodeConfig::default())[0];
+    let json = serde_json::to_value(t).unwrap();
+    assert_eq!(json["answer"], "a");
+    assert_eq!(json["stop_reason"], "answer");
+    assert_eq!(json["error"], serde_json::Value::Null);
+    assert_eq!(json["turns"][0]["think"], "t");
+    assert_eq!(json["turns"][0]["prompt"], "p");
+    assert_eq!(json["turns"][0]["response"], "r");
+    assert_eq!(json["turns"][1]["think"], "u");
+    let back: Trajectory = serde_json::from_value(json).unwrap();
+    assert_eq!(&back, t);
+}
+
+#[test]
+fn no_questions_no_episodes() {
+    let mut agent = ScriptedAgent::default();
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok(String::new()));
+    let none: [&str; 0] = [];
+    assert!(run_episodes(&mut agent, &env, &none, &EpisodeConfig::default()).is_empty());
+}

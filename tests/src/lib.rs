@@ -1,0 +1,1 @@
+//! Cross-crate tests live in `cross/` (declared as test targets in this package's Cargo.toml).

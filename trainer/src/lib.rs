@@ -1,0 +1,13 @@
+//! GRPO training of the Prompt-R1 agent.
+//!
+//! - [`grpo`]: group-relative advantages, the clipped policy loss with its KL and entropy
+//!   terms, loss aggregation, and the learning step on prepared sequences (mini-batches,
+//!   micro-batches with gradient accumulation).
+//! - [`rollout`]: the local burn model as the episode agent (batched, turn-synchronous,
+//!   token-level contexts with loss masks and log-probs).
+//! - [`optim`]: AdamW with PyTorch's defaults, clipping by the global gradient norm, and the
+//!   skipping of steps whose gradient norm is not finite.
+
+pub mod grpo;
+pub mod optim;
+pub mod rollout;

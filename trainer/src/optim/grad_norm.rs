@@ -1,0 +1,170 @@
+//! The L2 norm of the gradient over all parameters, and clipping by it (PyTorch's
+//! `clip_grad_norm_`). burn's `GradientClippingConfig::Norm` clips each parameter by its own
+//! norm instead, which changes the update's direction.
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::{backend::AutodiffBackend, DType, ElementConversion, Tensor};
+
+/// Added to the norm before dividing, as PyTorch does.
+pub const CLIP_EPS: f32 = 1e-6;
+
+/// `sqrt(Σ_params Σ g²)` over every gradient of `module`'s parameters held in `grads`, summed in
+/// f32 on the device and read back once. NaN or inf when a gradient is.
+pub fn global_grad_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    grads: &GradientsParams,
+    module: &M,
+) -> f32 {
+    let mut visitor = SquaredSums::<B> {
+        grads,
+        sums: Vec::new(),
+    };
+    module.visit(&mut visitor);
+    if visitor.sums.is_empty() {
+        return 0.0;
+    }
+    let total: f32 = Tensor::cat(visitor.sums, 0).sum().into_scalar().elem();
+    total.sqrt()
+}
+
+/// Multiplies every gradient of `module`'s parameters by `factor`.
+pub fn scale_grads<B: AutodiffBackend, M: AutodiffModule<B>>(
+    grads: &mut GradientsParams,
+    module: &M,
+    factor: f32,
+) {
+    let mut visitor = Scale::<B> {
+        grads,
+        factor,
+        backend: std::marker::PhantomData,
+    };
+    module.visit(&mut visitor);
+}
+
+/// PyTorch's `clip_grad_norm_`: `n = ‖g‖₂` over all parameters; if `c = max_norm / (n + 1e-6)`
+/// is below 1, every gradient is multiplied by `c`. Returns `n` (before clipping). A
+/// non-finite `n` leaves the gradients alone: such a step is to be skipped, not applied.
+pub fn clip_grad_norm_global<B: AutodiffBackend, M: AutodiffModule<B>>(
+    grads: &mut GradientsParams,
+    module: &M,
+    max_norm: f32,
+) -> f32 {
+    let norm = global_grad_norm::<B, M>(grads, module);
+    let coef = max_norm / (norm + CLIP_EPS);
+    if norm.is_finite() && coef < 1.0 {
+        scale_grads::<B, M>(grads, module, coef);
+    }
+    norm
+}
+
+struct SquaredSums<'a, B: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    sums: Vec<Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for SquaredSums<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            self.sums.push(g.cast(DType::F32).square().sum());
+        }
+    }
+}
+
+struct Scale<'a, B> {
+    grads: &'a mut GradientsParams,
+    factor: f32,
+    backend: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads.register(param.id, g.mul_scalar(self.factor));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::Module;
+    use burn::tensor::{backend::Backend, TensorData};
+
+    type B = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Two<B: Backend> {
+        a: Param<Tensor<B, 1>>,
+        b: Param<Tensor<B, 2>>,
+    }
+
+    fn module() -> Two<B> {
+        let device = Default::default();
+        Two {
+            a: Param::from_tensor(Tensor::from_data(
+                TensorData::new(vec![0.5f32; 3], [3]),
+                &device,
+            )),
+            b: Param::from_tensor(Tensor::from_data(
+                TensorData::new(vec![-1.0f32; 4], [2, 2]),
+                &device,
+            )),
+        }
+    }
+
+    /// Gradients of `Σ ca·a + Σ cb·b` are `ca` and `cb`.
+    fn grads(m: &Two<B>, ca: [f32; 3], cb: [f32; 4]) -> GradientsParams {
+        let device = Default::default();
+        let ca = Tensor::<B, 1>::from_data(TensorData::new(ca.to_vec(), [3]), &device);
+        let cb = Tensor::<B, 2>::from_data(TensorData::new(cb.to_vec(), [2, 2]), &device);
+        let loss = (m.a.val() * ca).sum() + (m.b.val() * cb).sum();
+        GradientsParams::from_grads(loss.backward(), m)
+    }
+
+    fn host<const D: usize>(g: &GradientsParams, id: burn::module::ParamId) -> Vec<f32> {
+        g.get::<Flex, D>(id)
+            .unwrap()
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .unwrap()
+    }
+
+    #[test]
+    fn clips_by_the_norm_over_all_parameters() {
+        // ‖(1, 2, 2)‖² = 9, ‖(4, 0, 0, 0)‖² = 16 → global norm 5; max 1 → every gradient × 1/5.
+        // (Per-parameter clipping would give a = (1/3, 2/3, 2/3) and b = (1, 0, 0, 0).)
+        let m = module();
+        let mut g = grads(&m, [1.0, 2.0, 2.0], [4.0, 0.0, 0.0, 0.0]);
+        let norm = clip_grad_norm_global::<B, _>(&mut g, &m, 1.0);
+        assert!((norm - 5.0).abs() < 1e-6);
+        let (a, b) = (host::<1>(&g, m.a.id), host::<2>(&g, m.b.id));
+        for (got, want) in a.iter().chain(&b).zip([0.2, 0.4, 0.4, 0.8, 0.0, 0.0, 0.0]) {
+            assert!((got - want).abs() < 1e-6, "{a:?} {b:?}");
+        }
+        assert!((global_grad_norm::<B, _>(&g, &m) - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn leaves_small_gradients_alone() {
+        // Norm 5 ≤ 10: unchanged.
+        let m = module();
+        let mut g = grads(&m, [1.0, 2.0, 2.0], [4.0, 0.0, 0.0, 0.0]);
+        assert!((clip_grad_norm_global::<B, _>(&mut g, &m, 10.0) - 5.0).abs() < 1e-6);
+        assert_eq!(host::<1>(&g, m.a.id), vec![1.0, 2.0, 2.0]);
+    }
+
+    #[test]
+    fn non_finite_norm_is_reported_and_leaves_gradients() {
+        let m = module();
+        let mut g = grads(&m, [1.0, f32::NAN, 2.0], [4.0, 0.0, 0.0, 0.0]);
+        assert!(clip_grad_norm_global::<B, _>(&mut g, &m, 1.0).is_nan());
+        assert_eq!(host::<2>(&g, m.b.id), vec![4.0, 0.0, 0.0, 0.0]);
+        let mut g = grads(&m, [1.0, f32::INFINITY, 2.0], [4.0, 0.0, 0.0, 0.0]);
+        assert_eq!(
+            clip_grad_norm_global::<B, _>(&mut g, &m, 1.0),
+            f32::INFINITY
+        );
+    }
+}
