@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use burn::module::Param;
+use burn::module::{Param, ParamId};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
 
@@ -119,31 +119,38 @@ pub fn build<B: Backend>(
 ) -> Result<Qwen3ForCausalLM<B>, ModelError> {
     let specs = parameter_specs(&config);
     let mut specs = specs.iter();
-    let mut next = |expected: ParamKind| -> Result<HostTensor, ModelError> {
+    // Each host tensor travels with the id of its parameter, derived from its HF name.
+    let mut next = |expected: ParamKind| -> Result<(ParamId, HostTensor), ModelError> {
         let spec = specs.next().expect("specs cover every parameter");
         debug_assert_eq!(spec.kind, expected);
         let host = fetch(spec)?;
-        Ok(match spec.kind {
+        let host = match spec.kind {
             ParamKind::Linear => transpose(host),
             ParamKind::Embedding | ParamKind::Norm => host,
-        })
+        };
+        Ok((param_id(&spec.name), host))
     };
     let dtype = options.dtype;
-    let matrix = |t: HostTensor| -> Tensor<B, 2> {
-        Tensor::from_data(TensorData::new(t.values, t.shape), (device, dtype))
+    let matrix = |(id, t): (ParamId, HostTensor)| -> Param<Tensor<B, 2>> {
+        let tensor = Tensor::from_data(TensorData::new(t.values, t.shape), (device, dtype));
+        Param::initialized(id, tensor.require_grad())
     };
-    let vector = |t: HostTensor| -> Tensor<B, 1> {
-        Tensor::from_data(TensorData::new(t.values, t.shape), (device, dtype))
+    let vector = |(id, t): (ParamId, HostTensor)| -> Param<Tensor<B, 1>> {
+        let tensor = Tensor::from_data(TensorData::new(t.values, t.shape), (device, dtype));
+        Param::initialized(id, tensor.require_grad())
     };
-    let linear = |t: HostTensor| Linear {
-        weight: Param::from_tensor(matrix(t)),
+    let linear = |t| Linear {
+        weight: matrix(t),
         bias: None,
     };
     let eps = config.rms_norm_eps;
-    let norm = |t: HostTensor| Qwen3RMSNorm::new(vector(t), eps);
+    let norm = |t| Qwen3RMSNorm {
+        weight: vector(t),
+        variance_epsilon: eps,
+    };
 
     let embed_tokens = Embedding {
-        weight: Param::from_tensor(matrix(next(ParamKind::Embedding)?)),
+        weight: matrix(next(ParamKind::Embedding)?),
     };
     let mut layers = Vec::with_capacity(config.num_hidden_layers);
     for _ in 0..config.num_hidden_layers {
@@ -181,7 +188,7 @@ pub fn build<B: Backend>(
     let lm_head = if config.tie_word_embeddings {
         None
     } else {
-        Some(Param::from_tensor(matrix(next(ParamKind::Linear)?)))
+        Some(matrix(next(ParamKind::Linear)?))
     };
     Ok(Qwen3ForCausalLM {
         model: Qwen3Model {
@@ -197,6 +204,15 @@ pub fn build<B: Backend>(
 
 fn lin<B: Backend>(l: &Linear<B>) -> NamedParam<'_, B> {
     NamedParam::Matrix(&l.weight, ParamKind::Linear)
+}
+
+/// The parameter id of an HF tensor name (FNV-1a of the name): the same on every load, so that
+/// optimiser state saved with a checkpoint finds its parameters again after a reload.
+pub fn param_id(name: &str) -> ParamId {
+    let hash = name
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    ParamId::from(hash)
 }
 
 /// `[rows, cols]` → `[cols, rows]`, in cache-sized tiles.

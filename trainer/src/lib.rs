@@ -5,9 +5,12 @@
 //!   micro-batches with gradient accumulation).
 //! - [`rollout`]: the local burn model as the episode agent (batched, turn-synchronous,
 //!   token-level contexts with loss masks and log-probs).
+//! - [`run`]: a training run (TOML config, the GRPO step over rollouts, validation,
+//!   metrics.jsonl, atomic checkpoints that resume exactly).
 //! - [`optim`]: AdamW with PyTorch's defaults, clipping by the global gradient norm, and the
 //!   skipping of steps whose gradient norm is not finite.
 
 pub mod grpo;
 pub mod optim;
 pub mod rollout;
+pub mod run;

@@ -1,0 +1,271 @@
+//! The run configuration (`run.toml`): model, data, environment, episode limits, reward, GRPO
+//! and optimiser settings. Every section and key has the reference run's default (SPEC §5), so a
+//! file names only what differs. Unknown keys are errors.
+
+use std::path::{Path, PathBuf};
+
+use env::ClientConfig;
+use rewards::RewardConfig;
+use serde::{Deserialize, Serialize};
+
+use super::error::TrainError;
+use crate::grpo::{AdvantageMode, LearnConfig};
+use crate::rollout::AgentSampling;
+
+/// Everything a run needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// The initial policy, an HF checkpoint directory with `tokenizer.json`. The frozen
+    /// reference policy is this checkpoint too.
+    pub model: PathBuf,
+    pub data: DataSection,
+    /// The large LLM (an OpenAI-compatible endpoint); the API key comes from the variable
+    /// named by `api_key_env`.
+    #[serde(default)]
+    pub environment: ClientConfig,
+    #[serde(default)]
+    pub episode: EpisodeSection,
+    #[serde(default)]
+    pub rollout: RolloutSection,
+    #[serde(default)]
+    pub reward: RewardConfig,
+    #[serde(default)]
+    pub grpo: LearnConfig,
+    #[serde(default)]
+    pub run: RunSection,
+}
+
+/// Training and validation data.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSection {
+    /// CSV, JSONL or parquet files, concatenated.
+    pub train: Vec<PathBuf>,
+    /// Held-out files for greedy validation (empty: no validation).
+    #[serde(default)]
+    pub validation: Vec<PathBuf>,
+    /// Validate on at most this many held-out questions.
+    #[serde(default)]
+    pub validation_limit: Option<usize>,
+    /// `fail` (default) or `skip` malformed rows.
+    #[serde(default = "default_on_bad_row")]
+    pub on_bad_row: String,
+}
+
+fn default_on_bad_row() -> String {
+    "fail".into()
+}
+
+/// Limits of one episode (SPEC §2/§5).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EpisodeSection {
+    pub max_turns: usize,
+    pub max_turn_tokens: usize,
+    pub max_response_tokens: usize,
+    /// Replies are cut to this many characters before the agent sees them.
+    pub reply_chars: usize,
+    /// Most environment calls in flight at once.
+    pub env_concurrency: usize,
+    /// A file replacing the reference system prompt of the agent.
+    pub system_prompt: Option<PathBuf>,
+    /// A file replacing the reference instruction after `Question: ...`.
+    pub instruction: Option<PathBuf>,
+}
+
+impl Default for EpisodeSection {
+    fn default() -> Self {
+        Self {
+            max_turns: 5,
+            max_turn_tokens: 1024,
+            max_response_tokens: 8192,
+            reply_chars: 2048,
+            env_concurrency: 32,
+            system_prompt: None,
+            instruction: None,
+        }
+    }
+}
+
+impl EpisodeSection {
+    /// The `env` crate's episode settings (reads the prompt files, if any).
+    pub fn episode_config(&self) -> Result<env::EpisodeConfig, TrainError> {
+        let mut config = env::EpisodeConfig::training();
+        config.prompts = env::PromptTexts::load(self.system_prompt.as_deref(), self.instruction.as_deref())
+            .map_err(|e| TrainError::Invalid(e.to_string()))?;
+        config.max_turns = self.max_turns;
+        config.max_turn_tokens = self.max_turn_tokens;
+        config.max_response_tokens = self.max_response_tokens;
+        config.reply.max_chars = self.reply_chars;
+        config.env_concurrency = self.env_concurrency.max(1);
+        Ok(config)
+    }
+}
+
+/// How episodes are sampled each step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutSection {
+    /// Questions per step.
+    pub batch_size: usize,
+    /// Episodes per question (the GRPO group).
+    pub n: usize,
+    /// Episodes generated together in one batched forward pass.
+    pub generation_batch: usize,
+    /// Sampling of the agent during rollouts (validation is greedy).
+    pub sampling: AgentSampling,
+    /// `grpo` (normalised by the group's std) or `dr_grpo` (mean-only).
+    pub advantage: AdvantageMode,
+}
+
+impl Default for RolloutSection {
+    fn default() -> Self {
+        Self {
+            batch_size: 128,
+            n: 5,
+            generation_batch: 64,
+            sampling: AgentSampling::default(),
+            advantage: AdvantageMode::Grpo,
+        }
+    }
+}
+
+/// Length, seed, outputs and cadence of the run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunSection {
+    /// Where checkpoints, `metrics.jsonl` and plots go.
+    pub out_dir: PathBuf,
+    /// Total GRPO steps.
+    pub steps: u64,
+    /// Checkpoint every this many steps (and at the end).
+    pub save_every: u64,
+    /// Greedy validation every this many steps (0: never).
+    pub validate_every: u64,
+    /// Seed of the data order and of the agent's sampling.
+    pub seed: u64,
+    /// Keep at most this many checkpoints (oldest removed first; 0 keeps all).
+    pub keep_checkpoints: usize,
+}
+
+impl Default for RunSection {
+    fn default() -> Self {
+        Self {
+            out_dir: PathBuf::from("runs/train"),
+            steps: 100,
+            save_every: 10,
+            validate_every: 10,
+            seed: 0,
+            keep_checkpoints: 3,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Reads a TOML file; relative paths inside are taken relative to the file's folder.
+    pub fn from_toml_file(path: &Path) -> Result<Self, TrainError> {
+        let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
+        let mut config: Self = toml::from_str(&text).map_err(|e| TrainError::Config {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        config.resolve_paths(base);
+        config.validate().map_err(|reason| TrainError::Config {
+            path: path.to_path_buf(),
+            reason,
+        })?;
+        Ok(config)
+    }
+
+    /// Makes relative paths absolute against `base`.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        fix(&mut self.model);
+        self.data.train.iter_mut().for_each(fix);
+        self.data.validation.iter_mut().for_each(fix);
+        fix(&mut self.run.out_dir);
+        if let Some(p) = self.episode.system_prompt.as_mut() {
+            fix(p);
+        }
+        if let Some(p) = self.episode.instruction.as_mut() {
+            fix(p);
+        }
+    }
+
+    /// Checks the settings that a run relies on; the message names the key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.data.train.is_empty() {
+            return Err("data.train names no file".into());
+        }
+        if self.rollout.batch_size == 0 || self.rollout.n == 0 || self.rollout.generation_batch == 0 {
+            return Err("rollout.batch_size, rollout.n and rollout.generation_batch must be at least 1".into());
+        }
+        if self.run.save_every == 0 {
+            return Err("run.save_every must be at least 1".into());
+        }
+        if !matches!(self.data.on_bad_row.as_str(), "fail" | "skip") {
+            return Err(format!("data.on_bad_row must be \"fail\" or \"skip\", not \"{}\"", self.data.on_bad_row));
+        }
+        self.grpo.validate().map_err(|e| format!("grpo: {e}"))?;
+        Ok(())
+    }
+
+    /// The `--on-bad-row` policy of the data files.
+    pub fn on_bad_row(&self) -> data::OnBadRow {
+        if self.data.on_bad_row == "skip" {
+            data::OnBadRow::Skip
+        } else {
+            data::OnBadRow::Fail
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_reference_run() {
+        let config: TrainConfig = toml::from_str("model = \"m\"\n[data]\ntrain = [\"t.csv\"]\n").unwrap();
+        assert_eq!(config.rollout.n, 5);
+        assert_eq!(config.rollout.sampling.temperature, 1.0);
+        assert_eq!(config.episode.max_turns, 5);
+        assert_eq!(config.episode.max_turn_tokens, 1024);
+        assert_eq!(config.grpo.loss.clip_low, 0.2);
+        assert_eq!(config.grpo.loss.dual_clip, 3.0);
+        assert_eq!(config.grpo.loss.kl_coef, 0.001);
+        assert_eq!(config.grpo.optimizer.lr, 1e-6);
+        assert_eq!(config.grpo.optimizer.eps, 1e-8);
+        assert_eq!(config.grpo.optimizer.weight_decay, 0.01);
+        assert_eq!(config.grpo.optimizer.grad_clip, 1.0);
+        assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, "model = \"m\"\n[data]\ntrain = [\"t.csv\"]\n[rollout]\nn_samples = 3\n").unwrap();
+        let err = TrainConfig::from_toml_file(&path).unwrap_err().to_string();
+        assert!(err.contains("run.toml") && err.contains("n_samples"), "{err}");
+        std::fs::write(&path, "model = \"m\"\n[data]\ntrain = []\n").unwrap();
+        let err = TrainConfig::from_toml_file(&path).unwrap_err().to_string();
+        assert!(err.contains("data.train"), "{err}");
+    }
+
+    #[test]
+    fn relative_paths_follow_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, "model = \"m\"\n[data]\ntrain = [\"t.csv\"]\n").unwrap();
+        let config = TrainConfig::from_toml_file(&path).unwrap();
+        assert_eq!(config.model, dir.path().join("m"));
+        assert_eq!(config.data.train[0], dir.path().join("t.csv"));
+    }
+}

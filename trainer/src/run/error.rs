@@ -1,0 +1,41 @@
+//! Errors of a training run.
+
+use std::path::PathBuf;
+
+/// Why a run could not start, step, save or resume.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("{path}: {reason}")]
+    Config { path: PathBuf, reason: String },
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
+    #[error(transparent)]
+    Tokenizer(#[from] model::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Data(#[from] data::DataError),
+    #[error(transparent)]
+    Sampler(#[from] data::SamplerError),
+    #[error(transparent)]
+    Grpo(#[from] crate::grpo::GrpoError),
+    #[error(transparent)]
+    Optim(#[from] crate::optim::OptimError),
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint { path: PathBuf, reason: String },
+    #[error("every episode of step {step} failed in the environment (first error: {first})")]
+    AllEpisodesFailed { step: u64, first: String },
+}
+
+impl TrainError {
+    pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| Self::Io { path, source }
+    }
+}

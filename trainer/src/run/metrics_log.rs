@@ -1,0 +1,96 @@
+//! `metrics.jsonl`: one JSON object per training step, appended and flushed as the run goes.
+
+use std::io::Write;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::error::TrainError;
+
+/// File name of the per-step metrics inside the run directory.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+
+/// What one GRPO step did.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub epoch: u64,
+    pub reward_mean: f32,
+    pub reward_std: f32,
+    pub format_mean: Option<f32>,
+    pub f1_mean: Option<f32>,
+    pub loss: f32,
+    pub pg_loss: f32,
+    pub kl: Option<f32>,
+    pub entropy: Option<f32>,
+    pub clip_frac: f32,
+    pub dual_clip_frac: f32,
+    pub approx_kl: f32,
+    pub grad_norm: Option<f32>,
+    pub optimizer_steps: usize,
+    /// Optimiser steps skipped because the gradient norm was not finite (this step).
+    pub skipped_steps: usize,
+    /// Episodes dropped because the environment failed (this step).
+    pub env_failures: usize,
+    pub episodes: usize,
+    pub agent_tokens: usize,
+    pub mean_response_tokens: f32,
+    pub mean_turns: f32,
+    pub rollout_secs: f32,
+    pub learn_secs: f32,
+    /// Agent tokens generated per second during the rollout.
+    pub rollout_tokens_per_sec: f32,
+    /// Greedy validation reward, on the steps that validate.
+    pub validation_reward: Option<f32>,
+    pub validation_f1: Option<f32>,
+    /// Peak resident memory of the process so far (Linux), to see that steps do not leak.
+    pub peak_rss_mb: Option<f32>,
+}
+
+/// Appends one record as a line and flushes it to disk.
+pub fn append_record(run_dir: &Path, record: &StepRecord) -> Result<(), TrainError> {
+    let path = run_dir.join(METRICS_FILE);
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(TrainError::io(&path))?;
+    let line = serde_json::to_string(record).expect("records serialise");
+    writeln!(file, "{line}").map_err(TrainError::io(&path))?;
+    file.sync_data().map_err(TrainError::io(&path))
+}
+
+/// Reads `metrics.jsonl`; a malformed line is an error naming its number.
+pub fn read_metrics(run_dir: &Path) -> Result<Vec<StepRecord>, TrainError> {
+    let path = run_dir.join(METRICS_FILE);
+    let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, line)| {
+            serde_json::from_str(line).map_err(|e| TrainError::Config {
+                path: path.clone(),
+                reason: format!("line {}: {e}", i + 1),
+            })
+        })
+        .collect()
+}
+
+/// Drops records of steps after `step` (used on resume, so a crash between a metrics line and
+/// its checkpoint does not leave duplicate steps).
+pub fn truncate_after(run_dir: &Path, step: u64) -> Result<(), TrainError> {
+    let path = run_dir.join(METRICS_FILE);
+    if !path.exists() {
+        return Ok(());
+    }
+    let kept: Vec<StepRecord> = read_metrics(run_dir)?.into_iter().filter(|r| r.step <= step).collect();
+    let mut text = String::new();
+    for r in &kept {
+        text.push_str(&serde_json::to_string(r).expect("records serialise"));
+        text.push('\n');
+    }
+    model::checkpoint::write_atomic(&path, text.as_bytes()).map_err(|e| TrainError::Checkpoint {
+        path,
+        reason: e.to_string(),
+    })
+}

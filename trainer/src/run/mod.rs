@@ -1,0 +1,16 @@
+//! A training run: its TOML configuration, the GRPO step over rollouts against an environment,
+//! validation, metrics, and checkpoints that resume exactly.
+
+mod checkpoint;
+mod config;
+mod error;
+mod metrics_log;
+mod reward;
+mod trainer;
+
+pub use checkpoint::{latest_checkpoint, CHECKPOINTS_DIR, LATEST_FILE};
+pub use config::{DataSection, EpisodeSection, RolloutSection, RunSection, TrainConfig};
+pub use error::TrainError;
+pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};
+pub use reward::{EpisodeScore, EpisodeScorer, PromptR1Scorer};
+pub use trainer::{Trainer, ValidationReport};

@@ -1,0 +1,371 @@
+//! The GRPO training loop: rollouts with the current policy on the plain backend, rewards,
+//! group-relative advantages, old and reference log-probs without autodiff, then the clipped
+//! policy update on the autodiff backend.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::optim::Optimizer;
+use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use data::{BatchSampler, Example, SamplerConfig};
+use env::{Environment, StopReason, Trajectory};
+use model::checkpoint::StorageDtype;
+use model::tokenizer::Qwen3Tokenizer;
+use model::{load_pretrained, save_pretrained, LoadOptions, Qwen3ForCausalLM};
+
+use super::checkpoint::{
+    checkpoint_name, latest_checkpoint, publish, staging_dir, TrainerState, OPTIMIZER_FILE, STATE_FILE,
+};
+use super::config::TrainConfig;
+use super::error::TrainError;
+use super::metrics_log::{append_record, truncate_after, StepRecord};
+use super::reward::{EpisodeScore, EpisodeScorer};
+use crate::grpo::{group_advantages, learn_step, sequence_logprobs, PolicyBatch, PolicySequence};
+use crate::optim::AdamWOptimizer;
+use crate::rollout::{AgentSampling, LocalAgent};
+
+type Policy<B> = Qwen3ForCausalLM<B>;
+type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+
+/// Files copied from the initial model into every checkpoint, so that a checkpoint is a
+/// complete HF directory.
+const TOKENIZER_FILES: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
+
+/// Greedy validation results.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidationReport {
+    pub reward_mean: f32,
+    pub f1_mean: Option<f32>,
+    pub episodes: usize,
+    pub env_failures: usize,
+}
+
+/// A GRPO run in progress.
+pub struct Trainer<B: AutodiffBackend> {
+    config: TrainConfig,
+    device: B::Device,
+    policy: Option<Policy<B>>,
+    reference: Option<Policy<Inner<B>>>,
+    optimizer: AdamWOptimizer<Policy<B>, B>,
+    tokenizer: Qwen3Tokenizer,
+    train: Vec<Example>,
+    validation: Vec<Example>,
+    sampler: BatchSampler,
+    step: u64,
+}
+
+impl<B: AutodiffBackend> Trainer<B> {
+    /// Starts a run from `config.model`, or continues the newest checkpoint in
+    /// `config.run.out_dir` when `resume` is set and one exists.
+    pub fn start(config: TrainConfig, device: B::Device, resume: bool) -> Result<Self, TrainError> {
+        config.validate().map_err(TrainError::Invalid)?;
+        let run_dir = config.run.out_dir.clone();
+        std::fs::create_dir_all(&run_dir).map_err(TrainError::io(&run_dir))?;
+        let checkpoint = if resume { latest_checkpoint(&run_dir)? } else { None };
+        if !resume && latest_checkpoint(&run_dir)?.is_some() {
+            return Err(TrainError::Invalid(format!(
+                "{} already holds checkpoints: pass --resume to continue it, or choose another run.out_dir",
+                run_dir.display()
+            )));
+        }
+
+        let tokenizer = Qwen3Tokenizer::from_dir(&config.model)?;
+        let train = load_examples(&config.data.train, &config)?;
+        let mut validation = load_examples(&config.data.validation, &config)?;
+        if let Some(limit) = config.data.validation_limit {
+            validation.truncate(limit);
+        }
+        let reference = if config.grpo.loss.uses_kl() {
+            Some(load_pretrained::<Inner<B>>(&config.model, &device, LoadOptions::default())?)
+        } else {
+            None
+        };
+        let mut optimizer = config.grpo.optimizer.init::<B, Policy<B>>()?;
+
+        let (policy, sampler, step) = match &checkpoint {
+            Some(dir) => {
+                let state: TrainerState = read_json(&dir.join(STATE_FILE))?;
+                let policy = load_pretrained::<B>(dir, &device, LoadOptions::default())?;
+                let record = BinFileRecorder::<FullPrecisionSettings>::new()
+                    .load(dir.join(OPTIMIZER_FILE), &device)
+                    .map_err(|e| TrainError::Checkpoint {
+                        path: dir.clone(),
+                        reason: format!("optimizer state: {e}"),
+                    })?;
+                optimizer = optimizer.load_record(record);
+                let sampler = BatchSampler::resume(state.cursor, train.len())?;
+                truncate_after(&run_dir, state.step)?;
+                (policy, sampler, state.step)
+            }
+            None => {
+                let policy = load_pretrained::<B>(&config.model, &device, LoadOptions::default())?;
+                let sampler = BatchSampler::new(
+                    train.len(),
+                    SamplerConfig {
+                        batch_size: config.rollout.batch_size,
+                        seed: config.run.seed,
+                        shuffle: true,
+                        drop_last: false,
+                    },
+                )?;
+                (policy, sampler, 0)
+            }
+        };
+        let config_path = run_dir.join("run_config.json");
+        let json = serde_json::to_string_pretty(&config).expect("config serialises");
+        model::checkpoint::write_atomic(&config_path, json.as_bytes())?;
+        Ok(Self {
+            config,
+            device,
+            policy: Some(policy),
+            reference,
+            optimizer,
+            tokenizer,
+            train,
+            validation,
+            sampler,
+            step,
+        })
+    }
+
+    /// Steps completed so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// The run's configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// The current policy.
+    pub fn policy(&self) -> &Policy<B> {
+        self.policy.as_ref().expect("the policy is only absent inside a learn step")
+    }
+
+    /// One GRPO step: a batch of questions, `n` episodes each, rewards, advantages, update.
+    /// The record is also appended to `metrics.jsonl`.
+    pub fn train_step(&mut self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<StepRecord, TrainError> {
+        let step = self.step + 1;
+        let batch = self.sampler.next_batch();
+        let n = self.config.rollout.n;
+        let examples: Vec<&Example> = batch
+            .indices
+            .iter()
+            .flat_map(|&i| std::iter::repeat_n(&self.train[i], n))
+            .collect();
+
+        let rollout_start = Instant::now();
+        let rollout_model = self.policy().valid();
+        let trajectories = self.rollouts(&rollout_model, env, &examples, step, &self.config.rollout.sampling)?;
+        let rollout_secs = rollout_start.elapsed().as_secs_f32();
+
+        // Score, drop failed episodes, group by question.
+        let mut kept: Vec<(usize, &Trajectory, EpisodeScore)> = Vec::new();
+        let mut env_failures = 0;
+        let mut first_error = None;
+        for (k, (t, ex)) in trajectories.iter().zip(&examples).enumerate() {
+            if t.stop_reason == StopReason::EnvFailure {
+                env_failures += 1;
+                first_error.get_or_insert_with(|| t.error.clone().unwrap_or_default());
+                continue;
+            }
+            kept.push((k / n, t, scorer.score(t, ex.answers())));
+        }
+        if kept.is_empty() {
+            return Err(TrainError::AllEpisodesFailed {
+                step,
+                first: first_error.unwrap_or_else(|| "no episodes".into()),
+            });
+        }
+        let rewards: Vec<f32> = kept.iter().map(|(_, _, s)| s.reward).collect();
+        let groups: Vec<usize> = kept.iter().map(|(g, _, _)| *g).collect();
+        let advantages = group_advantages(&rewards, &groups, self.config.rollout.advantage)?;
+
+        // Old (rollout policy) and reference log-probs, without autodiff.
+        let sequences: Vec<Vec<u32>> = kept.iter().map(|(_, t, _)| t.token_ids.clone()).collect();
+        let pad = self.tokenizer.special().endoftext;
+        let chunk = self.config.grpo.micro_batch_size.max(1);
+        let old = sequence_logprobs(&rollout_model, &sequences, pad, chunk)?;
+        let reference = match &self.reference {
+            Some(r) => Some(sequence_logprobs(r, &sequences, pad, chunk)?),
+            None => None,
+        };
+        drop(rollout_model);
+        let policy_sequences: Vec<PolicySequence> = kept
+            .iter()
+            .enumerate()
+            .map(|(i, (_, t, _))| PolicySequence {
+                tokens: t.token_ids.clone(),
+                loss_mask: t.loss_mask.clone(),
+                old_logprobs: old[i].clone(),
+                ref_logprobs: reference.as_ref().map(|r| r[i].clone()),
+                advantage: advantages[i],
+            })
+            .collect();
+        let batch_data = PolicyBatch::new(policy_sequences)?;
+
+        let learn_start = Instant::now();
+        let policy = self.policy.take().expect("policy present between steps");
+        let (policy, stats) = learn_step(policy, &mut self.optimizer, &batch_data, &self.config.grpo)?;
+        self.policy = Some(policy);
+        let learn_secs = learn_start.elapsed().as_secs_f32();
+        self.step = step;
+
+        let mean = |xs: &[f32]| xs.iter().sum::<f32>() / xs.len().max(1) as f32;
+        let reward_mean = mean(&rewards);
+        let reward_std = (rewards.iter().map(|r| (r - reward_mean).powi(2)).sum::<f32>()
+            / rewards.len().max(1) as f32)
+            .sqrt();
+        let optional_mean = |f: fn(&EpisodeScore) -> Option<f32>| {
+            let values: Vec<f32> = kept.iter().filter_map(|(_, _, s)| f(s)).collect();
+            (!values.is_empty()).then(|| mean(&values))
+        };
+        let agent_tokens: usize = trajectories.iter().map(|t| t.loss_mask.iter().filter(|&&m| m == 1).count()).sum();
+        let mut record = StepRecord {
+            step,
+            epoch: batch.epoch,
+            reward_mean,
+            reward_std,
+            format_mean: optional_mean(|s| s.format),
+            f1_mean: optional_mean(|s| s.f1),
+            loss: stats.loss,
+            pg_loss: stats.pg_loss,
+            kl: stats.kl,
+            entropy: stats.entropy,
+            clip_frac: stats.clip_frac,
+            dual_clip_frac: stats.dual_clip_frac,
+            approx_kl: stats.approx_kl,
+            grad_norm: stats.mean_grad_norm(),
+            optimizer_steps: stats.optimizer_steps,
+            skipped_steps: stats.skipped_steps,
+            env_failures,
+            episodes: trajectories.len(),
+            agent_tokens,
+            mean_response_tokens: mean(&trajectories.iter().map(|t| t.response_tokens as f32).collect::<Vec<_>>()),
+            mean_turns: mean(&trajectories.iter().map(|t| t.turns.len() as f32).collect::<Vec<_>>()),
+            rollout_secs,
+            learn_secs,
+            rollout_tokens_per_sec: agent_tokens as f32 / rollout_secs.max(1e-6),
+            validation_reward: None,
+            validation_f1: None,
+            peak_rss_mb: peak_rss_mb(),
+        };
+        let every = self.config.run.validate_every;
+        if every > 0 && step % every == 0 && !self.validation.is_empty() {
+            let report = self.validate(env, scorer)?;
+            record.validation_reward = Some(report.reward_mean);
+            record.validation_f1 = report.f1_mean;
+        }
+        append_record(&self.config.run.out_dir, &record)?;
+        Ok(record)
+    }
+
+    /// Greedy episodes on the held-out set with the current policy.
+    pub fn validate(&self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<ValidationReport, TrainError> {
+        let model = self.policy().valid();
+        let examples: Vec<&Example> = self.validation.iter().collect();
+        let greedy = AgentSampling {
+            temperature: 0.0,
+            ..self.config.rollout.sampling.clone()
+        };
+        let trajectories = self.rollouts(&model, env, &examples, 0, &greedy)?;
+        let mut scores = Vec::new();
+        let mut env_failures = 0;
+        for (t, ex) in trajectories.iter().zip(&examples) {
+            if t.stop_reason == StopReason::EnvFailure {
+                env_failures += 1;
+            } else {
+                scores.push(scorer.score(t, ex.answers()));
+            }
+        }
+        let n = scores.len().max(1) as f32;
+        let f1: Vec<f32> = scores.iter().filter_map(|s| s.f1).collect();
+        Ok(ValidationReport {
+            reward_mean: scores.iter().map(|s| s.reward).sum::<f32>() / n,
+            f1_mean: (!f1.is_empty()).then(|| f1.iter().sum::<f32>() / f1.len() as f32),
+            episodes: trajectories.len(),
+            env_failures,
+        })
+    }
+
+    /// Runs one episode per example, `generation_batch` at a time. Every chunk samples from its
+    /// own stream of `sampling.seed`, `stream` and the chunk number.
+    fn rollouts(
+        &self,
+        model: &Policy<Inner<B>>,
+        env: &dyn Environment,
+        examples: &[&Example],
+        stream: u64,
+        sampling: &AgentSampling,
+    ) -> Result<Vec<Trajectory>, TrainError> {
+        let mut agent = LocalAgent::new(model, &self.tokenizer, sampling.clone());
+        let episode = self.config.episode.episode_config()?;
+        let mut out = Vec::with_capacity(examples.len());
+        for (c, chunk) in examples.chunks(self.config.rollout.generation_batch).enumerate() {
+            agent.set_batch_stream((stream << 20) | c as u64);
+            let questions: Vec<&str> = chunk.iter().map(|e| e.question()).collect();
+            out.extend(env::run_episodes(&mut agent, env, &questions, &episode));
+        }
+        Ok(out)
+    }
+
+    /// Writes a checkpoint of the current state (see the module docs of `checkpoint`).
+    pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        let run_dir = &self.config.run.out_dir;
+        let name = checkpoint_name(self.step);
+        let tmp = staging_dir(run_dir, &name)?;
+        save_pretrained(&self.policy().valid(), &tmp, StorageDtype::F32)?;
+        for file in TOKENIZER_FILES {
+            let from = self.config.model.join(file);
+            if from.is_file() {
+                std::fs::copy(&from, tmp.join(file)).map_err(TrainError::io(&from))?;
+            }
+        }
+        BinFileRecorder::<FullPrecisionSettings>::new()
+            .record(self.optimizer.to_record(), tmp.join(OPTIMIZER_FILE))
+            .map_err(|e| TrainError::Checkpoint {
+                path: tmp.clone(),
+                reason: format!("optimizer state: {e}"),
+            })?;
+        let state = TrainerState {
+            step: self.step,
+            cursor: self.sampler.cursor(),
+            seed: self.config.run.seed,
+        };
+        let json = serde_json::to_string_pretty(&state).expect("state serialises");
+        model::checkpoint::write_atomic(&tmp.join(STATE_FILE), json.as_bytes())?;
+        publish(run_dir, &tmp, &name, self.config.run.keep_checkpoints)
+    }
+
+    /// The device the run computes on.
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+}
+
+/// Peak resident memory of the process so far, from `/proc/self/status` (Linux).
+fn peak_rss_mb() -> Option<f32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f32 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+fn load_examples(files: &[PathBuf], config: &TrainConfig) -> Result<Vec<Example>, TrainError> {
+    let mut all = Vec::new();
+    for file in files {
+        all.extend(data::load(file, config.on_bad_row())?.into_examples());
+    }
+    Ok(all)
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, TrainError> {
+    let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
+    serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })
+}

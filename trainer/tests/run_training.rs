@@ -1,0 +1,232 @@
+//! Whole training runs on a tiny random Qwen3 with a scripted environment: the policy learns a
+//! behaviour whose reward is known, resuming equals never stopping, a killed save leaves the
+//! previous checkpoint usable, and a checkpoint reloads to the same logits.
+
+use std::path::{Path, PathBuf};
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
+use burn::tensor::{Int, Tensor};
+use env::{ChatMessage, EnvError, Environment, Trajectory};
+use model::checkpoint::StorageDtype;
+use model::init::write_random_checkpoint;
+use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
+use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
+use model::{load_pretrained, LoadOptions, Preset, Qwen3ForCausalLM};
+use prompt_r1_trainer::run::{latest_checkpoint, EpisodeScore, EpisodeScorer, StepRecord, TrainConfig, Trainer};
+
+type B = Autodiff<Flex>;
+
+/// Replies with a fixed sentence; it is never reached when the agent makes no call.
+struct Scripted;
+
+impl Environment for Scripted {
+    fn complete(&self, _messages: &[ChatMessage]) -> Result<String, EnvError> {
+        Ok("The answer is Paris.".into())
+    }
+}
+
+/// The known best behaviour: emit only byte-level tokens (ids below 256). A random policy
+/// scores about 256/512 = 0.5 per token; the best policy scores 1.
+struct ByteTokens;
+
+impl EpisodeScorer for ByteTokens {
+    fn score(&self, t: &Trajectory, _answers: &[String]) -> EpisodeScore {
+        let agent: Vec<u32> = t
+            .token_ids
+            .iter()
+            .zip(&t.loss_mask)
+            .filter(|(_, &m)| m == 1)
+            .map(|(&id, _)| id)
+            .collect();
+        let bytes = agent.iter().filter(|&&id| id < 256).count();
+        EpisodeScore {
+            reward: bytes as f32 / agent.len().max(1) as f32,
+            format: None,
+            f1: None,
+        }
+    }
+}
+
+/// A tiny model with its tokenizer, short prompts and a 6-question dataset.
+fn setup(dir: &Path) -> TrainConfig {
+    let model_dir = dir.join("model");
+    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+    write_tokenizer_files(&tokenizer, &model_dir).unwrap();
+    let special = *tokenizer.special();
+    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext]);
+    write_random_checkpoint(&config, &model_dir, 1, StorageDtype::F32).unwrap();
+    std::fs::write(dir.join("system.txt"), "You help.").unwrap();
+    std::fs::write(dir.join("instruction.txt"), "Answer.").unwrap();
+    let rows: String = ["Paris?", "Rome?", "Oslo?", "Lima?", "Bern?", "Kyiv?"]
+        .iter()
+        .enumerate()
+        .map(|(i, q)| format!("{{\"id\":\"q{i}\",\"data_source\":\"toy\",\"question\":\"{q}\",\"answers\":[\"x\"]}}\n"))
+        .collect();
+    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
+    let toml = r#"
+model = "model"
+[data]
+train = ["train.jsonl"]
+[episode]
+max_turns = 1
+max_turn_tokens = 8
+max_response_tokens = 64
+system_prompt = "system.txt"
+instruction = "instruction.txt"
+[rollout]
+batch_size = 3
+n = 4
+generation_batch = 12
+[rollout.sampling]
+seed = 7
+[grpo]
+mini_batch_size = 12
+micro_batch_size = 6
+[grpo.loss]
+kl_coef = 0.0
+[grpo.optimizer]
+lr = 0.003
+[run]
+out_dir = "run"
+steps = 40
+save_every = 10
+validate_every = 0
+"#;
+    std::fs::write(dir.join("run.toml"), toml).unwrap();
+    TrainConfig::from_toml_file(&dir.join("run.toml")).unwrap()
+}
+
+fn train(config: TrainConfig, steps: u64, resume: bool) -> (Trainer<B>, Vec<StepRecord>) {
+    let mut trainer = Trainer::<B>::start(config, Default::default(), resume).unwrap();
+    let records = (0..steps).map(|_| trainer.train_step(&Scripted, &ByteTokens).unwrap()).collect();
+    (trainer, records)
+}
+
+fn first_last_gap(records: &[StepRecord]) -> (f32, f32) {
+    let mean = |rs: &[StepRecord]| rs.iter().map(|r| r.reward_mean).sum::<f32>() / rs.len() as f32;
+    (mean(&records[..5]), mean(&records[records.len() - 5..]))
+}
+
+/// The mean reward of the last 5 of 40 steps exceeds the first 5 by more than 0.15: a random
+/// policy sits near 0.5 with a per-step standard error of about 0.04 (12 episodes × 8 tokens),
+/// so 0.15 is several standard errors and about a third of the room to the optimum.
+#[test]
+fn the_policy_learns_the_rewarded_behaviour() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = setup(dir.path());
+    let (_, records) = train(config, 40, false);
+    let (first, last) = first_last_gap(&records);
+    println!("reward: first 5 steps {first:.3}, last 5 steps {last:.3}");
+    assert!(last - first > 0.15, "first {first}, last {last}");
+    assert!(records.iter().all(|r| r.skipped_steps == 0 && r.env_failures == 0));
+    assert!(records.iter().all(|r| r.kl.is_none()), "KL is off");
+}
+
+#[test]
+fn the_policy_learns_with_the_kl_term_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    config.grpo.loss.kl_coef = 0.001;
+    let (_, records) = train(config, 40, false);
+    let (first, last) = first_last_gap(&records);
+    println!("with KL: first 5 steps {first:.3}, last 5 steps {last:.3}, final kl {:?}", records[39].kl);
+    assert!(last - first > 0.15, "first {first}, last {last}");
+    assert!(records.iter().all(|r| r.kl.is_some()));
+    assert!(records[39].kl.unwrap() > 0.0, "the policy moved away from the reference");
+}
+
+fn weights(model: &Qwen3ForCausalLM<Flex>) -> Vec<(String, Vec<f32>)> {
+    named_parameters(model)
+        .into_iter()
+        .map(|(name, p)| {
+            let host = match p {
+                NamedParam::Matrix(t, kind) => to_hf_layout(t.val(), kind),
+                NamedParam::Vector(t) => to_hf_layout(t.val(), ParamKind::Norm),
+            };
+            (name, host.values)
+        })
+        .collect()
+}
+
+/// Training 4 steps equals training 2, saving, starting a new trainer from the checkpoint and
+/// training 2 more: the same losses, rewards and weights.
+#[test]
+fn resuming_equals_never_stopping() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    config.grpo.loss.kl_coef = 0.001;
+    let mut straight = config.clone();
+    straight.run.out_dir = dir.path().join("straight");
+    let (trainer, all) = train(straight, 4, false);
+    let expected = weights(&trainer.policy().valid());
+
+    let mut split = config.clone();
+    split.run.out_dir = dir.path().join("split");
+    let (first, head) = train(split.clone(), 2, false);
+    first.save_checkpoint().unwrap();
+    drop(first);
+    let (resumed, tail) = train(split.clone(), 2, true);
+    assert_eq!(resumed.step_count(), 4);
+    for (a, b) in all.iter().zip(head.iter().chain(&tail)) {
+        assert_eq!(a.step, b.step);
+        assert_eq!(a.reward_mean, b.reward_mean, "step {}", a.step);
+        assert!((a.loss - b.loss).abs() < 1e-6, "step {}: {} vs {}", a.step, a.loss, b.loss);
+    }
+    let got = weights(&resumed.policy().valid());
+    for ((name, e), (_, g)) in expected.iter().zip(&got) {
+        let diff = e.iter().zip(g).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(diff < 1e-6, "{name}: {diff}");
+    }
+    // metrics.jsonl of the split run holds each step once.
+    let steps: Vec<u64> = prompt_r1_trainer::run::read_metrics(&split.run.out_dir).unwrap().iter().map(|r| r.step).collect();
+    assert_eq!(steps, vec![1, 2, 3, 4]);
+}
+
+/// A save killed half-way (a staging folder with a partial model, `latest` not yet moved)
+/// leaves the previous checkpoint the one a resume starts from.
+#[test]
+fn a_killed_save_leaves_the_previous_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = setup(dir.path());
+    let (trainer, _) = train(config.clone(), 1, false);
+    let saved = trainer.save_checkpoint().unwrap();
+    drop(trainer);
+    let checkpoints = config.run.out_dir.join("checkpoints");
+    let partial = checkpoints.join(".tmp-step-0000002");
+    std::fs::create_dir_all(&partial).unwrap();
+    std::fs::write(partial.join("model.safetensors"), b"half a file").unwrap();
+    assert_eq!(latest_checkpoint(&config.run.out_dir).unwrap(), Some(saved.clone()));
+    let (resumed, records) = train(config.clone(), 1, true);
+    assert_eq!(records[0].step, 2);
+    // The next save replaces the leftover staging folder.
+    let next = resumed.save_checkpoint().unwrap();
+    assert_eq!(next, checkpoints.join("step-0000002"));
+    assert!(!partial.exists());
+    // A `latest` naming an incomplete folder is a clear error, not a panic.
+    std::fs::write(checkpoints.join("latest"), "step-0000009").unwrap();
+    let err = latest_checkpoint(&config.run.out_dir).unwrap_err().to_string();
+    assert!(err.contains("step-0000009") && err.contains("incomplete"), "{err}");
+}
+
+/// A checkpoint is a complete HF directory: reloading it gives the policy's logits.
+#[test]
+fn a_checkpoint_reloads_to_the_same_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = setup(dir.path());
+    let (trainer, _) = train(config.clone(), 2, false);
+    let saved: PathBuf = trainer.save_checkpoint().unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        assert!(saved.join(file).is_file(), "{file}");
+    }
+    let reloaded = load_pretrained::<Flex>(&saved, &Default::default(), LoadOptions::default()).unwrap();
+    let policy = trainer.policy().valid();
+    let ids = Tensor::<Flex, 2, Int>::from_ints([[1, 50, 300, 7, 99]], &Default::default());
+    let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 1, 2, 3, 4]], &Default::default());
+    let a: Vec<f32> = policy.forward(ids.clone(), pos.clone(), None, None).into_data().to_vec().unwrap();
+    let b: Vec<f32> = reloaded.forward(ids, pos, None, None).into_data().to_vec().unwrap();
+    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    assert!(diff < 1e-6, "{diff}");
+    // And a fresh start refuses to overwrite the run.
+    assert!(Trainer::<B>::start(config, Default::default(), false).is_err());
+}
