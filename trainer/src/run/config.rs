@@ -269,3 +269,22 @@ mod tests {
         assert_eq!(config.data.train[0], dir.path().join("t.csv"));
     }
 }
+
+#[cfg(test)]
+mod example_file {
+    use super::*;
+
+    /// The documented example configuration parses, and its values are the defaults.
+    #[test]
+    fn the_example_config_is_valid_and_holds_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/run.example.toml");
+        let config = TrainConfig::from_toml_file(&path).unwrap();
+        let defaults: TrainConfig = toml::from_str("model = \"m\"\n[data]\ntrain = [\"t\"]\n").unwrap();
+        assert_eq!(config.episode, defaults.episode);
+        assert_eq!(config.rollout, defaults.rollout);
+        assert_eq!(config.reward, defaults.reward);
+        assert_eq!(config.grpo, defaults.grpo);
+        assert_eq!(config.environment.retry, defaults.environment.retry);
+        assert_eq!(config.run.steps, defaults.run.steps);
+    }
+}

@@ -1,0 +1,145 @@
+//! `prompt-r1 train --config run.toml`: GRPO training of the agent against a large LLM.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use clap::Args as ClapArgs;
+use env::OpenAiClient;
+use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
+
+use crate::device::{run_on, DeviceChoice, OnBackend};
+
+/// Train the agent with GRPO (settings in a TOML file; see `assets/run.example.toml`).
+#[derive(ClapArgs, Debug, Clone)]
+pub struct Args {
+    /// The run configuration (TOML). Paths inside it are relative to the file.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Continue from the newest checkpoint in the run directory.
+    #[arg(long)]
+    pub resume: bool,
+    /// Override run.steps.
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Override run.out_dir.
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+    /// Override run.seed (data order and sampling).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Override the initial model directory.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Override grpo.optimizer.lr.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Override environment.base_url (the large LLM's OpenAI-compatible endpoint).
+    #[arg(long)]
+    pub env_url: Option<String>,
+    /// Override environment.model.
+    #[arg(long)]
+    pub env_model: Option<String>,
+    /// Compute device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+}
+
+impl Args {
+    /// The configuration file with the flags applied.
+    pub fn config(&self) -> Result<TrainConfig> {
+        let mut config = TrainConfig::from_toml_file(&self.config)?;
+        if let Some(steps) = self.steps {
+            config.run.steps = steps;
+        }
+        if let Some(dir) = &self.out_dir {
+            config.run.out_dir = dir.clone();
+        }
+        if let Some(seed) = self.seed {
+            config.run.seed = seed;
+            config.rollout.sampling.seed = seed;
+        }
+        if let Some(model) = &self.model {
+            config.model = model.clone();
+        }
+        if let Some(lr) = self.lr {
+            config.grpo.optimizer.lr = lr;
+        }
+        if let Some(url) = &self.env_url {
+            config.environment.base_url = url.clone();
+        }
+        if let Some(name) = &self.env_model {
+            config.environment.model = name.clone();
+        }
+        config.validate().map_err(anyhow::Error::msg).context("invalid configuration")?;
+        if config.environment.base_url.is_empty() || config.environment.model.is_empty() {
+            bail!("set environment.base_url and environment.model in the config (or --env-url/--env-model)");
+        }
+        Ok(config)
+    }
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let config = args.config()?;
+    run_on(args.device, Training { config, resume: args.resume }).map(drop)
+}
+
+/// A configured run, ready to start on a backend.
+pub struct Training {
+    pub config: TrainConfig,
+    pub resume: bool,
+}
+
+impl OnBackend for Training {
+    type Output = Vec<StepRecord>;
+
+    fn run<B: Backend>(self, device: B::Device) -> Result<Vec<StepRecord>> {
+        let env = OpenAiClient::new(self.config.environment.clone()).context("environment client")?;
+        let scorer = PromptR1Scorer {
+            config: self.config.reward.clone(),
+        };
+        let steps = self.config.run.steps;
+        let save_every = self.config.run.save_every;
+        let mut trainer = Trainer::<Autodiff<B>>::start(self.config, device, self.resume)?;
+        let out_dir = trainer.config().run.out_dir.clone();
+        let done = trainer.step_count();
+        if done >= steps {
+            eprintln!("{} is already at step {done} of {steps}", out_dir.display());
+            return Ok(Vec::new());
+        }
+        let bar = indicatif::ProgressBar::new(steps).with_position(done);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+                .expect("valid template"),
+        );
+        let mut records = Vec::new();
+        while trainer.step_count() < steps {
+            let record = trainer
+                .train_step(&env, &scorer)
+                .with_context(|| format!("step {}", trainer.step_count() + 1))?;
+            bar.set_message(format!(
+                "reward {:.3} kl {} clip {:.3} {:.0} tok/s",
+                record.reward_mean,
+                record.kl.map_or("-".into(), |k| format!("{k:.4}")),
+                record.clip_frac,
+                record.rollout_tokens_per_sec
+            ));
+            bar.inc(1);
+            if let Some(v) = record.validation_reward {
+                bar.println(format!("step {}: validation reward {v:.3}", record.step));
+            }
+            if record.env_failures > 0 {
+                bar.println(format!("step {}: {} episodes dropped (environment failures)", record.step, record.env_failures));
+            }
+            if record.step % save_every == 0 || record.step == steps {
+                let dir = trainer.save_checkpoint()?;
+                bar.println(format!("checkpoint {}", dir.display()));
+            }
+            records.push(record);
+        }
+        bar.finish();
+        eprintln!("metrics in {}", out_dir.join(trainer::run::METRICS_FILE).display());
+        Ok(records)
+    }
+}
