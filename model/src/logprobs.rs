@@ -18,8 +18,22 @@ pub fn token_logprobs<B: Backend>(
     batch: &TokenBatch<B>,
     start: usize,
 ) -> Result<Tensor<B, 2>, ModelError> {
+    let pieces = map_logits_chunks(model, batch, start, chosen_logprobs)?;
+    Ok(Tensor::cat(pieces, 1))
+}
+
+/// Runs the decoder once over a right-padded batch and hands `f` the logits that predict tokens
+/// `start..len`, a chunk of positions at a time, with those tokens: `f(logits [b, c, vocab],
+/// targets [b, c])`. Returns `f`'s results in position order. Only one chunk's logits exist at a
+/// time outside autodiff (under autodiff, whatever `f` keeps for backward stays alive).
+pub fn map_logits_chunks<B: Backend, T>(
+    model: &Qwen3ForCausalLM<B>,
+    batch: &TokenBatch<B>,
+    start: usize,
+    mut f: impl FnMut(Tensor<B, 3>, Tensor<B, 2, Int>) -> T,
+) -> Result<Vec<T>, ModelError> {
     if batch.padding != Padding::Right {
-        return Err(ModelError::Input("token_logprobs needs a right-padded batch".into()));
+        return Err(ModelError::Input("scoring needs a right-padded batch".into()));
     }
     if start == 0 || start >= batch.len {
         return Err(ModelError::Input(format!(
@@ -40,16 +54,16 @@ pub fn token_logprobs<B: Backend>(
         .last_hidden_state;
     let vocab = model.config.vocab_size;
     let chunk = (LOGITS_CHUNK_ELEMENTS / (b * vocab)).max(1);
-    let mut pieces = Vec::new();
+    let mut out = Vec::new();
     let mut from = start - 1;
     while from < batch.len - 1 {
         let to = (from + chunk).min(batch.len - 1);
         let h = hidden.clone().narrow(1, from, to - from);
         let targets = batch.input_ids.clone().narrow(1, from + 1, to - from);
-        pieces.push(chosen_logprobs(model.logits(h), targets));
+        out.push(f(model.logits(h), targets));
         from = to;
     }
-    Ok(Tensor::cat(pieces, 1))
+    Ok(out)
 }
 
 /// `logits[.., target] - logsumexp(logits)` over the vocabulary, in f32: `[b, n, vocab]`,

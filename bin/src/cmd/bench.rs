@@ -40,6 +40,9 @@ pub struct Args {
     /// Weight dtype on the device: f32 or bf16.
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: DType,
+    /// Also time one GRPO training step (forward + backward + AdamW) on 2 sequences.
+    #[arg(long)]
+    pub train_step: bool,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -144,6 +147,18 @@ impl OnBackend for Args {
             peak_rss_mb: peak_rss_mb(),
         });
 
+        if self.train_step {
+            drop(model);
+            reset_peak_rss();
+            let seconds = train_step_seconds::<B>(&dir, &device, &prompt, self.dtype)?;
+            figures.push(Figure {
+                workload: format!("train step 2 x {}", self.prompt_len),
+                seconds,
+                tokens_per_second: Some((2 * self.prompt_len) as f64 / seconds),
+                peak_rss_mb: peak_rss_mb(),
+            });
+        }
+
         if self.json {
             println!("{}", serde_json::to_string_pretty(&figures)?);
         } else {
@@ -156,6 +171,37 @@ impl OnBackend for Args {
         }
         Ok(())
     }
+}
+
+/// One learn step of the GRPO trainer on two sequences of the prompt (every token an agent
+/// token, advantages +1/−1), timed after a warm-up step.
+fn train_step_seconds<B: Backend>(dir: &std::path::Path, device: &B::Device, prompt: &[u32], dtype: DType) -> Result<f64> {
+    use burn::backend::Autodiff;
+    use trainer::grpo::{learn_step, LearnConfig, PolicyBatch, PolicySequence};
+
+    let policy = load_pretrained::<Autodiff<B>>(dir, device, LoadOptions { dtype })?;
+    let config = LearnConfig {
+        mini_batch_size: 2,
+        micro_batch_size: 2,
+        track_entropy: false,
+        ..LearnConfig::default()
+    };
+    let mut optimizer = config.optimizer.init::<Autodiff<B>, _>()?;
+    let sequence = |advantage: f32| PolicySequence {
+        tokens: prompt.to_vec(),
+        loss_mask: std::iter::once(0).chain(std::iter::repeat_n(1, prompt.len() - 1)).collect(),
+        old_logprobs: vec![-1.0; prompt.len()],
+        ref_logprobs: Some(vec![-1.0; prompt.len()]),
+        advantage,
+    };
+    let batch = PolicyBatch::new(vec![sequence(1.0), sequence(-1.0)])?;
+    let (policy, _) = learn_step(policy, &mut optimizer, &batch, &config)?;
+    let start = Instant::now();
+    let (policy, _) = learn_step(policy, &mut optimizer, &batch, &config)?;
+    B::sync(device)?;
+    let seconds = start.elapsed().as_secs_f64();
+    drop(policy);
+    Ok(seconds)
 }
 
 /// Resets the kernel's peak-RSS counter of this process (Linux; no-op elsewhere).

@@ -3,11 +3,8 @@
 //! in the same forward pass as the chosen tokens' log-probs.
 
 use burn::tensor::{backend::Backend, DType, Tensor};
-use model::logprobs::chosen_logprobs;
-use model::{ModelError, Padding, Qwen3ForCausalLM, TokenBatch};
-
-/// Upper bound on the logits materialised at once (elements), ~256 MB in f32.
-const LOGITS_CHUNK_ELEMENTS: usize = 64 * 1024 * 1024;
+use model::logprobs::{chosen_logprobs, map_logits_chunks};
+use model::{ModelError, Qwen3ForCausalLM, TokenBatch};
 
 /// Whether gradients flow through the entropy (only needed when it is part of the loss).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,42 +38,14 @@ pub fn token_logprobs_and_entropy<B: Backend>(
     start: usize,
     entropy_grad: EntropyGrad,
 ) -> Result<(Tensor<B, 2>, Tensor<B, 2>), ModelError> {
-    if batch.padding != Padding::Right {
-        return Err(ModelError::Input(
-            "token_logprobs_and_entropy needs a right-padded batch".into(),
-        ));
-    }
-    if start == 0 || start >= batch.len {
-        return Err(ModelError::Input(format!(
-            "scored positions must start in 1..{} (got {start})",
-            batch.len
-        )));
-    }
-    let b = batch.batch_size();
-    let hidden = model
-        .model
-        .forward(
-            batch.input_ids.clone(),
-            batch.position_ids.clone(),
-            batch.mask(),
-            None,
-            false,
-        )
-        .last_hidden_state;
-    let chunk = (LOGITS_CHUNK_ELEMENTS / (b * model.config.vocab_size)).max(1);
-    let (mut logprobs, mut entropies) = (Vec::new(), Vec::new());
-    let mut from = start - 1;
-    while from < batch.len - 1 {
-        let to = (from + chunk).min(batch.len - 1);
-        let logits = model.logits(hidden.clone().narrow(1, from, to - from));
-        let targets = batch.input_ids.clone().narrow(1, from + 1, to - from);
-        entropies.push(entropy_from_logits(match entropy_grad {
+    let pieces = map_logits_chunks(model, batch, start, |logits, targets| {
+        let entropy = entropy_from_logits(match entropy_grad {
             EntropyGrad::Tracked => logits.clone(),
             EntropyGrad::Detached => logits.clone().detach(),
-        }));
-        logprobs.push(chosen_logprobs(logits, targets));
-        from = to;
-    }
+        });
+        (chosen_logprobs(logits, targets), entropy)
+    })?;
+    let (logprobs, entropies): (Vec<_>, Vec<_>) = pieces.into_iter().unzip();
     Ok((Tensor::cat(logprobs, 1), Tensor::cat(entropies, 1)))
 }
 

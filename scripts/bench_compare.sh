@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Runs `prompt-r1 bench` and the same workloads in PyTorch + transformers on one random
+# checkpoint of the given shape, on this machine, and prints ours/PyTorch for each figure.
+# PyTorch goes into a throwaway virtualenv under target/ (from PyPI; not a CI dependency).
+#   scripts/bench_compare.sh [preset=qwen3-0.6b] [dtype=f32]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+preset=${1:-qwen3-0.6b}
+dtype=${2:-f32}
+venv=target/bench-venv
+work=target/bench-work
+mkdir -p "$work"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q torch transformers
+fi
+cargo build --release -p prompt-r1
+bin=target/release/prompt-r1
+model="$work/$preset"
+[ -f "$model/model.safetensors" ] || "$bin" init-model --preset "$preset" --out "$model"
+"$bin" bench --model "$model" --dtype "$dtype" --train-step --json > "$work/ours.json"
+OMP_NUM_THREADS=$(nproc) "$venv/bin/python" scripts/bench_pytorch.py --model "$model" --dtype "$dtype" \
+  --threads "$(nproc)" > "$work/pytorch.json"
+python3 - "$work/ours.json" "$work/pytorch.json" <<'PY'
+import json, sys
+ours, torch = (json.load(open(p)) for p in sys.argv[1:3])
+print(f"{'workload':<26}{'ours tok/s':>12}{'torch tok/s':>12}{'ratio':>8}{'ours s':>9}{'torch s':>9}{'ours MB':>9}{'torch MB':>9}")
+for a, b in zip(ours, torch):
+    assert a["workload"] == b["workload"], (a["workload"], b["workload"])
+    rate = lambda f: f["tokens_per_second"]
+    ratio = (rate(a) / rate(b)) if rate(a) and rate(b) else b["seconds"] / a["seconds"]
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    print(f"{a['workload']:<26}{fmt(rate(a)):>12}{fmt(rate(b)):>12}{ratio:>8.2f}"
+          f"{a['seconds']:>9.2f}{b['seconds']:>9.2f}{a['peak_rss_mb']:>9.0f}{b['peak_rss_mb']:>9.0f}")
+PY

@@ -1,0 +1,97 @@
+"""The workloads of `prompt-r1 bench`, run with PyTorch + transformers on the same checkpoint.
+
+Prints one JSON list of {"workload", "seconds", "tokens_per_second", "peak_rss_mb"} in the same
+order and with the same names as `prompt-r1 bench --json --train-step`, so the two can be
+divided line by line (scripts/bench_compare.sh does that). Not a CI dependency.
+"""
+import argparse
+import json
+import resource
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def peak_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def figure(name, seconds, tokens=None):
+    return {
+        "workload": name,
+        "seconds": seconds,
+        "tokens_per_second": None if tokens is None else tokens / seconds,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--decode-batch", default="1,8")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = torch.float32 if args.dtype == "f32" else torch.bfloat16
+
+    figures = []
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, attn_implementation="eager")
+    model.eval()
+    figures.append(figure("load", time.perf_counter() - start))
+    vocab = model.config.vocab_size
+    prompt = [(i * 7919 + 13) % vocab for i in range(args.prompt_len)]
+
+    with torch.no_grad():
+        model.generate(torch.tensor([prompt[:8]]), max_new_tokens=2, do_sample=False)
+        start = time.perf_counter()
+        model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)
+        seconds = time.perf_counter() - start
+        figures.append(figure(f"prefill {args.prompt_len} tokens", seconds, args.prompt_len))
+
+        for batch in [int(b) for b in args.decode_batch.split(",")]:
+            ids = torch.tensor([prompt[b % 8 : b % 8 + 16] for b in range(batch)])
+            kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, **kwargs)
+            seconds = max(time.perf_counter() - start - prefill, 1e-9)
+            figures.append(figure(f"decode batch {batch}", seconds, batch * (args.decode_tokens - 1)))
+
+        half = args.prompt_len // 2
+        ids = torch.tensor([prompt, prompt])
+        start = time.perf_counter()
+        logits = model(ids).logits[:, half - 1 : -1].float()
+        torch.log_softmax(logits, -1).gather(-1, ids[:, half:, None])
+        seconds = time.perf_counter() - start
+        figures.append(figure(f"score 2 x {args.prompt_len} tokens", seconds, 2 * args.prompt_len))
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, eps=1e-8)
+    ids = torch.tensor([prompt, prompt])
+    advantages = torch.tensor([1.0, -1.0])
+
+    def step():
+        logits = model(ids).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(advantages[:, None] * logp).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    start = time.perf_counter()
+    step()
+    figures.append(figure(f"train step 2 x {args.prompt_len}", time.perf_counter() - start, 2 * args.prompt_len))
+    print(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
