@@ -140,11 +140,20 @@ fn clear_errors_for_bad_input() {
     assert!(!out.status.success() && !stderr.contains("panicked"), "{stderr}");
 }
 
+/// The README's main job: models, `serve`, GRPO steps, a checkpoint, `infer`, the plot.
 #[test]
-fn demo_runs_on_a_fresh_directory() {
+fn demo_runs_the_whole_loop_on_a_fresh_directory() {
     let tmp = tempfile::tempdir().unwrap();
-    let out = prompt_r1(&["demo", "--out", tmp.path().to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(tmp.path().join("tiny-model/model.safetensors").is_file());
-    assert!(!out.stdout.is_empty(), "the demo prints the generated reply");
+    let out = prompt_r1(&["demo", "--out", tmp.path().to_str().unwrap(), "--steps", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(tmp.path().join("agent/model.safetensors").is_file());
+    assert!(tmp.path().join("environment-llm/tokenizer.json").is_file());
+    let run = tmp.path().join("train");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 2, "one metrics line per step");
+    assert!(run.join("checkpoints/step-0000002/model.safetensors").is_file());
+    assert!(run.join("curves.png").is_file());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("stop reason"), "infer printed its episode: {stdout}");
 }

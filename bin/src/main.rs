@@ -1,9 +1,12 @@
 //! `prompt-r1`: the command-line entry point. Each subcommand lives in its own module under
 //! `cmd/`; this file only parses arguments and dispatches.
 
+mod agent_flags;
 mod cmd;
 mod device;
 mod model_dir;
+mod plot;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -17,6 +20,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Train the agent with GRPO against a large LLM (config in TOML).
+    Train(cmd::train::Args),
+    /// Export a training checkpoint as a Hugging Face model directory.
+    Export(cmd::export::Args),
     /// Run the built-in demo on a fresh machine (no downloads).
     Demo(cmd::demo::Args),
     /// Send one short request to the environment LLM: latency and reply, or what is wrong.
@@ -31,11 +38,18 @@ enum Command {
     Bench(cmd::bench::Args),
     Reward(cmd::reward::Args),
     Metrics(cmd::metrics::Args),
+    Serve(cmd::serve::Args),
+    Infer(cmd::infer::Args),
+    Eval(cmd::eval::Args),
+    /// Draw a run's training curves (metrics.jsonl) to a PNG.
+    Plot(cmd::plot::Args),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Train(args) => cmd::train::run(args),
+        Command::Export(args) => cmd::export::run(args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::EnvCheck(args) => cmd::env_check::run(args),
         Command::Generate(args) => cmd::generate::run(args),
@@ -44,6 +58,10 @@ fn main() {
         Command::Bench(args) => cmd::bench::run(args),
         Command::Reward(args) => cmd::reward::run(args),
         Command::Metrics(args) => cmd::metrics::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
+        Command::Infer(args) => cmd::infer::run(args),
+        Command::Eval(args) => cmd::eval::run(args),
+        Command::Plot(args) => cmd::plot::run(args),
     };
     if let Err(err) = result {
         eprintln!("error: {err:#}");

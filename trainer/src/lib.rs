@@ -1,5 +1,7 @@
 //! GRPO training of the Prompt-R1 agent.
 //!
+//! - [`autodiff_lock`]: serialises autodiff work across threads (burn 0.21 loses gradients
+//!   when backward passes run concurrently).
 //! - [`grpo`]: group-relative advantages, the clipped policy loss with its KL and entropy
 //!   terms, loss aggregation, and the learning step on prepared sequences (mini-batches,
 //!   micro-batches with gradient accumulation).
@@ -10,6 +12,7 @@
 //! - [`optim`]: AdamW with PyTorch's defaults, clipping by the global gradient norm, and the
 //!   skipping of steps whose gradient norm is not finite.
 
+pub mod autodiff_lock;
 pub mod grpo;
 pub mod optim;
 pub mod rollout;

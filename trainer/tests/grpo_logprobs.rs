@@ -105,6 +105,7 @@ fn chunked_entropy_matches_full_logits() {
 
 #[test]
 fn global_norm_matches_an_independent_sum_over_parameters() {
+    let _autodiff = prompt_r1_trainer::autodiff_lock::exclusive_autodiff();
     type B = Autodiff<Flex>;
     let dir = tiny_checkpoint();
     let model = load::<B>(dir.path());

@@ -102,6 +102,7 @@ mod tests {
 
     #[test]
     fn k3_values_and_gradient() {
+        let _autodiff = crate::autodiff_lock::exclusive_autodiff();
         // x = [−0.5, 1]: e^−0.5 + 0.5 − 1 = 0.106531, e − 1 − 1 = 0.718282.
         let logp = row(&LOGP).require_grad();
         let kl = kl_penalty(logp.clone(), row(&REF), KlEstimator::K3);
@@ -113,6 +114,7 @@ mod tests {
 
     #[test]
     fn k3_is_clamped() {
+        let _autodiff = crate::autodiff_lock::exclusive_autodiff();
         // x = 5: e⁵ − 6 = 142.41 → 10; x = 100: clamped to 20 first, still → 10 (no inf);
         // x = −100 → x = −20: e^−20 + 20 − 1 = 19.000000002 → 10. Clamped tokens pass no
         // gradient.

@@ -310,6 +310,7 @@ mod tests {
     /// Loss and gradients with wild values at the mask-0 tokens: the same as with tame ones.
     #[test]
     fn masked_tokens_contribute_nothing() {
+        let _autodiff = crate::autodiff_lock::exclusive_autodiff();
         let config = GrpoLossConfig {
             kl_coef: 0.5,
             entropy_coef: 0.1,

@@ -119,6 +119,7 @@ where
     B: AutodiffBackend,
     O: Optimizer<Qwen3ForCausalLM<B>, B>,
 {
+    let _autodiff = crate::autodiff_lock::exclusive_autodiff();
     config.validate()?;
     if config.loss.uses_kl() && !batch.has_ref_logprobs() {
         return Err(GrpoError::Input(

@@ -79,6 +79,7 @@ mod tests {
     }
 
     fn grads(m: &Vector<B>, c: [f32; 2]) -> GradientsParams {
+        let _autodiff = crate::autodiff_lock::exclusive_autodiff();
         let c = Tensor::<B, 1>::from_data(TensorData::new(c.to_vec(), [2]), &Default::default());
         GradientsParams::from_grads((m.w.val() * c).sum().backward(), m)
     }

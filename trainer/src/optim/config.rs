@@ -148,6 +148,7 @@ mod tests {
     /// (burn's default eps 1e-5 would give 0.999 − 0.0090909 = 0.9899091.)
     #[test]
     fn adamw_step_matches_pytorch_formula() {
+        let _autodiff = crate::autodiff_lock::exclusive_autodiff();
         let device = Default::default();
         let module = Scalar::<B> {
             w: Param::from_tensor(Tensor::from_data(

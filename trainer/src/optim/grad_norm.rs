@@ -115,6 +115,7 @@ mod tests {
 
     /// Gradients of `Σ ca·a + Σ cb·b` are `ca` and `cb`.
     fn grads(m: &Two<B>, ca: [f32; 3], cb: [f32; 4]) -> GradientsParams {
+        let _autodiff = crate::autodiff_lock::exclusive_autodiff();
         let device = Default::default();
         let ca = Tensor::<B, 1>::from_data(TensorData::new(ca.to_vec(), [3]), &device);
         let cb = Tensor::<B, 2>::from_data(TensorData::new(cb.to_vec(), [2, 2]), &device);

@@ -1,0 +1,183 @@
+//! `prompt-r1 plot`: training curves of a run directory's `metrics.jsonl`, drawn to a PNG.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use trainer::run::{read_metrics, StepRecord, METRICS_FILE};
+
+use crate::plot::chart::{BLUE, BROWN, GREEN, LIGHT_BLUE, ORANGE, PURPLE, RED};
+use crate::plot::{Band, Figure, Panel, Series, Style};
+
+/// Draw a run's training curves (from RUN_DIR/metrics.jsonl) as a grid of charts in a PNG.
+///
+/// Panels: reward mean with a ±std band and validation points, format and F1 means, loss and
+/// policy-gradient loss, KL, clip fractions, gradient norm, entropy, response tokens and turns,
+/// peak memory. A quantity the run did not record is drawn as an empty panel saying "n/a".
+#[derive(ClapArgs, Debug, Clone)]
+pub struct Args {
+    /// Run directory holding metrics.jsonl.
+    pub run_dir: PathBuf,
+    /// PNG file to write (atomically); default RUN_DIR/curves.png.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Image width in pixels (300 to 8000).
+    #[arg(long, default_value_t = 1500)]
+    pub width: u32,
+    /// Image height in pixels (200 to 8000).
+    #[arg(long, default_value_t = 1000)]
+    pub height: u32,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if !(300..=8000).contains(&args.width) || !(200..=8000).contains(&args.height) {
+        bail!(
+            "image size {}x{} is out of range (width 300 to 8000, height 200 to 8000)",
+            args.width,
+            args.height
+        );
+    }
+    let metrics = args.run_dir.join(METRICS_FILE);
+    if !metrics.is_file() {
+        bail!(
+            "{}: not found (is {} a training run directory?)",
+            metrics.display(),
+            args.run_dir.display()
+        );
+    }
+    let mut records = read_metrics(&args.run_dir)?;
+    if records.is_empty() {
+        bail!("{}: no steps recorded", metrics.display());
+    }
+    records.sort_by_key(|r| r.step);
+    let figure = Figure {
+        title: figure_title(&args.run_dir, &records),
+        cols: 3,
+        panels: panels(&records),
+    };
+    let png = figure
+        .render(args.width, args.height)
+        .to_png()
+        .context("cannot encode the PNG")?;
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| args.run_dir.join("curves.png"));
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    model::checkpoint::write_atomic(&out, &png)
+        .with_context(|| format!("cannot write {}", out.display()))?;
+    println!("wrote {} ({})", out.display(), steps(records.len()));
+    Ok(())
+}
+
+fn steps(n: usize) -> String {
+    if n == 1 {
+        "1 step".into()
+    } else {
+        format!("{n} steps")
+    }
+}
+
+fn figure_title(run_dir: &Path, records: &[StepRecord]) -> String {
+    let name = run_dir
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| run_dir.display().to_string());
+    let last = records.last().expect("records are not empty");
+    format!(
+        "run {name}: {}, last step {}, reward {:.3}",
+        steps(records.len()),
+        last.step,
+        last.reward_mean
+    )
+}
+
+/// The nine panels, in reading order.
+pub fn panels(records: &[StepRecord]) -> Vec<Panel> {
+    let xs: Vec<f64> = records.iter().map(|r| r.step as f64).collect();
+    let req = |f: fn(&StepRecord) -> f32| -> Vec<Option<f64>> {
+        records.iter().map(|r| Some(f(r) as f64)).collect()
+    };
+    let opt = |f: fn(&StepRecord) -> Option<f32>| -> Vec<Option<f64>> {
+        records.iter().map(|r| f(r).map(|v| v as f64)).collect()
+    };
+    let line = |name: &str, color, values| Series::new(name, color, Style::Line, values);
+    let points = |name: &str, color, values| Series::new(name, color, Style::Points, values);
+    let panel = |title: &str| Panel::new(title, xs.clone());
+    let band = Band {
+        name: "\u{b1}std".into(),
+        color: LIGHT_BLUE,
+        lo: req(|r| r.reward_mean - r.reward_std),
+        hi: req(|r| r.reward_mean + r.reward_std),
+    };
+    vec![
+        panel("reward")
+            .band(band)
+            .left(line("mean", BLUE, req(|r| r.reward_mean)))
+            .left(points("validation", ORANGE, opt(|r| r.validation_reward))),
+        panel("format & F1")
+            .left(line("format", GREEN, opt(|r| r.format_mean)))
+            .left(line("f1", PURPLE, opt(|r| r.f1_mean)))
+            .left(points("val f1", ORANGE, opt(|r| r.validation_f1))),
+        panel("loss")
+            .left(line("loss", BLUE, req(|r| r.loss)))
+            .left(line("pg_loss", ORANGE, req(|r| r.pg_loss))),
+        panel("KL").left(line("kl", RED, opt(|r| r.kl))).left(line(
+            "approx_kl",
+            PURPLE,
+            req(|r| r.approx_kl),
+        )),
+        panel("clip fraction")
+            .left(line("clip", BLUE, req(|r| r.clip_frac)))
+            .left(line("dual clip", ORANGE, req(|r| r.dual_clip_frac))),
+        panel("grad norm").left(line("grad norm", BLUE, opt(|r| r.grad_norm))),
+        panel("entropy").left(line("entropy", GREEN, opt(|r| r.entropy))),
+        panel("tokens & turns")
+            .left(line("tokens", BLUE, req(|r| r.mean_response_tokens)))
+            .right(line("turns", ORANGE, req(|r| r.mean_turns))),
+        panel("peak RSS (MB)").left(line("peak rss", BROWN, opt(|r| r.peak_rss_mb))),
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn records() -> Vec<StepRecord> {
+        (1..=4)
+            .map(|s| StepRecord {
+                step: s,
+                reward_mean: 0.1 * s as f32,
+                reward_std: 0.05,
+                kl: Some(0.01),
+                validation_reward: (s % 2 == 0).then_some(0.5),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn panels_follow_the_records_and_missing_series_are_n_a() {
+        let panels = panels(&records());
+        assert_eq!(panels.len(), 9);
+        let by_title = |t: &str| panels.iter().find(|p| p.title == t).unwrap();
+        let reward = by_title("reward");
+        assert_eq!(reward.xs, vec![1.0, 2.0, 3.0, 4.0]);
+        assert!((reward.left[0].values[3].unwrap() - 0.4).abs() < 1e-6);
+        assert_eq!(
+            reward.left[1].values,
+            vec![None, Some(0.5), None, Some(0.5)]
+        );
+        let band = reward.band.as_ref().unwrap();
+        assert!((band.hi[0].unwrap() - band.lo[0].unwrap() - 0.1).abs() < 1e-6);
+        assert!(by_title("KL").has_data());
+        for t in ["format & F1", "grad norm", "entropy", "peak RSS (MB)"] {
+            assert!(!by_title(t).has_data(), "{t} should be n/a");
+        }
+        assert_eq!(by_title("tokens & turns").right.len(), 1);
+    }
+}

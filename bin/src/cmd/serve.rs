@@ -1,0 +1,188 @@
+//! `prompt-r1 serve`: an OpenAI-compatible chat server over a local checkpoint.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use burn::tensor::{backend::Backend, DType};
+use clap::Args as ClapArgs;
+use model::chat_template::{ChatTemplate, ChatTemplateError};
+
+use crate::device::{run_on, DeviceChoice, OnBackend};
+use crate::model_dir::{parse_dtype, LoadedModel};
+use crate::serve::{serve, SamplingDefaults, Served, Settings};
+
+/// Serve a model over the OpenAI chat-completions API.
+///
+/// Serves a Qwen3 checkpoint: the trained agent (for `infer`/`eval --agent-url`) or a local
+/// large LLM as a zero-cost environment (for `--env-url`). Routes: POST /v1/chat/completions (streaming and not; temperature, top_p, top_k,
+/// max_tokens / max_completion_tokens, seed, stop, n = 1, stream_options.include_usage,
+/// chat_template_kwargs.enable_thinking), GET /v1/models, GET /health. Parameters a request
+/// leaves out come from the checkpoint's generation_config.json (else temperature 1). A request
+/// without a seed gets a random one. Concurrent requests are decoded together in batches of up
+/// to --max-batch; each request's tokens depend only on its own messages and seed.
+#[derive(ClapArgs, Debug, Clone)]
+pub struct Args {
+    /// Model directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json,
+    /// tokenizer_config.json with the Qwen3 chat template).
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on; 0 picks a free one (the URL printed at start names it).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Compute device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Weight dtype on the device: f32 or bf16.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
+    /// Model name clients ask for (default: the model directory's name).
+    #[arg(long, value_name = "NAME")]
+    pub served_model_name: Option<String>,
+    /// Most requests decoded together in one batch.
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_batch: u64,
+    /// Completion tokens when a request gives no max_tokens (capped by the context length).
+    #[arg(long, value_name = "N", default_value_t = 2048)]
+    pub default_max_tokens: usize,
+    /// Render prompts with thinking off (an empty <think></think> block) unless a request asks
+    /// for it with chat_template_kwargs.enable_thinking.
+    #[arg(long)]
+    pub no_thinking: bool,
+    /// Do not log one line per request on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let device = args.device;
+    run_on(device, args)
+}
+
+impl OnBackend for Args {
+    type Output = ();
+
+    fn run<B: Backend>(self, device: B::Device) -> Result<()> {
+        let loaded = LoadedModel::<B>::open(&self.model, &device, self.dtype)?;
+        let tokenizer = loaded.require_tokenizer(&self.model, "serve")?;
+        let template = chat_template(&self.model)?;
+        let mut stop_ids = loaded.stop_ids();
+        stop_ids.push(tokenizer.special().endoftext);
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
+        let settings = Settings {
+            host: self.host.clone(),
+            port: self.port,
+            model_name: self
+                .served_model_name
+                .clone()
+                .unwrap_or_else(|| dir_name(&self.model)),
+            max_batch: self.max_batch as usize,
+            default_max_tokens: self.default_max_tokens.max(1),
+            enable_thinking: !self.no_thinking,
+            defaults: sampling_defaults(&self.model)?,
+            quiet: self.quiet,
+        };
+        let served = Served {
+            model: &loaded.model,
+            tokenizer,
+            template,
+            stop_ids,
+            pad_id: loaded.pad_id(),
+        };
+        serve(served, settings)
+    }
+}
+
+/// The directory's chat template; Qwen3's when the directory has none.
+fn chat_template(dir: &Path) -> Result<ChatTemplate> {
+    match ChatTemplate::from_dir(dir) {
+        Ok(template) => Ok(template),
+        Err(ChatTemplateError::MissingTemplate { .. } | ChatTemplateError::Read { .. }) => {
+            eprintln!(
+                "note: {} has no chat template; using Qwen3's",
+                dir.display()
+            );
+            Ok(ChatTemplate::Qwen3)
+        }
+        Err(err) => Err(err).context("serve renders prompts with the Qwen3 chat template"),
+    }
+}
+
+/// The last component of the model path (after resolving `.` and the like).
+fn dir_name(dir: &Path) -> String {
+    let resolved = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    resolved
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "prompt-r1".to_string())
+}
+
+/// `temperature`, `top_p` and `top_k` of generation_config.json, as vLLM uses them.
+fn sampling_defaults(dir: &Path) -> Result<SamplingDefaults> {
+    let path = dir.join("generation_config.json");
+    let mut defaults = SamplingDefaults::default();
+    if !path.is_file() {
+        return Ok(defaults);
+    }
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let config: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    let number = |key: &str| config.get(key).and_then(serde_json::Value::as_f64);
+    if config.get("do_sample").and_then(serde_json::Value::as_bool) == Some(false) {
+        defaults.temperature = 0.0;
+    } else if let Some(t) = number("temperature") {
+        defaults.temperature = t as f32;
+    }
+    if let Some(p) = number("top_p").filter(|p| *p > 0.0 && *p < 1.0) {
+        defaults.top_p = Some(p as f32);
+    }
+    if let Some(k) = config
+        .get("top_k")
+        .and_then(serde_json::Value::as_u64)
+        .filter(|k| *k > 0)
+    {
+        defaults.top_k = Some(k as usize);
+    }
+    if !(defaults.temperature >= 0.0 && defaults.temperature.is_finite()) {
+        bail!(
+            "{}: temperature {} is not a number >= 0",
+            path.display(),
+            defaults.temperature
+        );
+    }
+    Ok(defaults)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_sampling_defaults_from_generation_config() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(
+            sampling_defaults(dir.path()).unwrap(),
+            SamplingDefaults::default()
+        );
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": true}"#,
+        )
+        .unwrap();
+        let d = sampling_defaults(dir.path()).unwrap();
+        assert_eq!(
+            (d.temperature, d.top_p, d.top_k),
+            (0.6, Some(0.95), Some(20))
+        );
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"do_sample": false}"#,
+        )
+        .unwrap();
+        assert_eq!(sampling_defaults(dir.path()).unwrap().temperature, 0.0);
+    }
+}

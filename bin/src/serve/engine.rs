@@ -1,0 +1,282 @@
+//! The generation worker: the one thread that owns the model. It takes queued requests in
+//! batches (those waiting when it becomes free, up to `max_batch`), decodes them together in
+//! one left-padded batch with a KV cache, each row with its own sampling settings and seeded
+//! generator, and sends every row's text out as it grows. A row ends at an EOS token, a stop
+//! string, its token limit, or when its client has gone (its event channel is closed).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use model::generation::{choose_token, row_seed};
+use model::tokenizer::Qwen3Tokenizer;
+use model::{Padding, Qwen3ForCausalLM, SamplingConfig, TokenBatch};
+use rand::{rngs::StdRng, SeedableRng};
+
+use super::stop::{SentText, StopStrings};
+
+/// How long the worker waits for more requests to join a batch once it has one.
+const BATCH_WINDOW: Duration = Duration::from_millis(5);
+
+/// How one request is sampled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenParams {
+    /// At least 1.
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f32,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    /// The row's generator is seeded as `prompt-r1 generate --seed` seeds batch row 0.
+    pub seed: u64,
+    pub stop: StopStrings,
+}
+
+/// A request waiting for the worker.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    pub events: Sender<Event>,
+}
+
+/// What the worker tells a request's handler.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// More text (never part of a stop string, never half a character).
+    Text(String),
+    /// The row is over.
+    Done {
+        finish: Finish,
+        completion_tokens: usize,
+    },
+    /// Generation failed.
+    Failed(String),
+}
+
+/// Why a row ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An EOS token or a stop string.
+    Stop,
+    /// The token limit.
+    Length,
+}
+
+impl Finish {
+    /// The OpenAI `finish_reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// The model and what decoding needs besides it.
+pub struct Engine<'m, B: Backend> {
+    pub model: &'m Qwen3ForCausalLM<B>,
+    pub tokenizer: &'m Qwen3Tokenizer,
+    /// Token ids that end a row (not part of its text).
+    pub stop_ids: Vec<u32>,
+    pub pad_id: u32,
+    pub max_batch: usize,
+}
+
+impl<B: Backend> Engine<'_, B> {
+    /// Serves jobs until every sender is gone.
+    pub fn run(&self, jobs: &Receiver<Job>) {
+        while let Ok(first) = jobs.recv() {
+            let mut batch = vec![first];
+            let deadline = Instant::now() + BATCH_WINDOW;
+            while batch.len() < self.max_batch.max(1) {
+                let wait = deadline.saturating_duration_since(Instant::now());
+                match jobs.recv_timeout(wait) {
+                    Ok(job) => batch.push(job),
+                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            let senders: Vec<Sender<Event>> = batch.iter().map(|j| j.events.clone()).collect();
+            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| self.run_batch(batch))) {
+                let text = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown error");
+                for sender in senders {
+                    let _ = sender.send(Event::Failed(format!("generation failed: {text}")));
+                }
+            }
+        }
+    }
+
+    /// Decodes one batch to the end of its last row.
+    fn run_batch(&self, jobs: Vec<Job>) {
+        let prompts: Vec<Vec<u32>> = jobs.iter().map(|j| j.prompt.clone()).collect();
+        let mut rows: Vec<Row> = jobs.into_iter().map(Row::new).collect();
+        // `active[j]` is the row of `rows` at batch position j.
+        let mut active: Vec<usize> = (0..rows.len()).collect();
+        let device = self.model.device();
+        let batch = match TokenBatch::<B>::new(&prompts, Padding::Left, self.pad_id, &device) {
+            Ok(batch) => batch,
+            Err(err) => return fail(&rows, &active, &err.to_string()),
+        };
+        let vocab = self.model.config.vocab_size;
+        let mut cache = self.model.new_cache();
+        let mut key_mask: Vec<Vec<i64>> = batch
+            .lengths
+            .iter()
+            .map(|&l| {
+                (0..batch.len)
+                    .map(|j| i64::from(j >= batch.len - l))
+                    .collect()
+            })
+            .collect();
+        let mut next_position: Vec<i64> = batch.lengths.iter().map(|&l| l as i64).collect();
+        let hidden = self
+            .model
+            .model
+            .forward(
+                batch.input_ids.clone(),
+                batch.position_ids.clone(),
+                batch.mask(),
+                Some(&mut cache),
+                false,
+            )
+            .last_hidden_state;
+        let mut last = self.model.logits(hidden.narrow(1, batch.len - 1, 1));
+        loop {
+            let values: Vec<f32> = match last.into_data().convert::<f32>().to_vec() {
+                Ok(values) => values,
+                Err(err) => return fail(&rows, &active, &format!("reading logits: {err:?}")),
+            };
+            let mut keep = Vec::with_capacity(active.len());
+            let mut next_tokens = Vec::with_capacity(active.len());
+            for (j, &r) in active.iter().enumerate() {
+                let row = &mut rows[r];
+                let (token, _) = choose_token(
+                    &values[j * vocab..(j + 1) * vocab],
+                    &row.sampling,
+                    &mut row.rng,
+                );
+                if row.push(token, &self.stop_ids, self.tokenizer) {
+                    keep.push(j);
+                    next_tokens.push(token);
+                }
+            }
+            if keep.is_empty() {
+                return;
+            }
+            if keep.len() < active.len() {
+                cache.select_rows(&keep);
+                key_mask = keep.iter().map(|&j| key_mask[j].clone()).collect();
+                next_position = keep.iter().map(|&j| next_position[j]).collect();
+                active = keep.iter().map(|&j| active[j]).collect();
+            }
+            let n = active.len();
+            for mask in &mut key_mask {
+                mask.push(1);
+            }
+            let ids: Vec<i64> = next_tokens.iter().map(|&t| i64::from(t)).collect();
+            let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, 1]), &device);
+            let positions = Tensor::<B, 2, Int>::from_data(
+                TensorData::new(next_position.clone(), [n, 1]),
+                &device,
+            );
+            let mask = key_mask.iter().any(|m| m.contains(&0)).then(|| {
+                let width = key_mask[0].len();
+                Tensor::<B, 2, Int>::from_data(
+                    TensorData::new(key_mask.concat(), [n, width]),
+                    &device,
+                )
+            });
+            for p in &mut next_position {
+                *p += 1;
+            }
+            last = self
+                .model
+                .forward(ids, positions, mask.as_ref(), Some(&mut cache));
+        }
+    }
+}
+
+/// Tells the rows `which` of `rows` that generation failed.
+fn fail(rows: &[Row], which: &[usize], message: &str) {
+    for &r in which {
+        let _ = rows[r].events.send(Event::Failed(message.to_string()));
+    }
+}
+
+/// One request inside a batch.
+struct Row {
+    events: Sender<Event>,
+    sampling: SamplingConfig,
+    rng: StdRng,
+    max_tokens: usize,
+    stop: StopStrings,
+    tokens: Vec<u32>,
+    generated: usize,
+    sent: SentText,
+}
+
+impl Row {
+    fn new(job: Job) -> Self {
+        let p = job.params;
+        Self {
+            events: job.events,
+            sampling: SamplingConfig {
+                max_new_tokens: p.max_tokens,
+                temperature: p.temperature,
+                top_k: p.top_k,
+                top_p: p.top_p,
+                seed: p.seed,
+                stop_token_ids: Vec::new(),
+            },
+            rng: StdRng::seed_from_u64(row_seed(p.seed, 0)),
+            max_tokens: p.max_tokens.max(1),
+            stop: p.stop,
+            tokens: Vec::new(),
+            generated: 0,
+            sent: SentText::default(),
+        }
+    }
+
+    /// Takes the next token; returns whether the row goes on.
+    fn push(&mut self, token: u32, stop_ids: &[u32], tokenizer: &Qwen3Tokenizer) -> bool {
+        self.generated += 1;
+        if stop_ids.contains(&token) {
+            return self.finish(Finish::Stop);
+        }
+        self.tokens.push(token);
+        let text = match tokenizer.decode(&self.tokens, true) {
+            Ok(text) => text,
+            Err(err) => {
+                let _ = self.events.send(Event::Failed(format!("decoding: {err}")));
+                return false;
+            }
+        };
+        if let Some(at) = self.stop.first_match(&text) {
+            return self.send_text(&text, at) && self.finish(Finish::Stop);
+        }
+        if self.generated >= self.max_tokens {
+            return self.send_text(&text, text.len()) && self.finish(Finish::Length);
+        }
+        let safe = self.stop.safe_len(&text);
+        self.send_text(&text, safe)
+    }
+
+    /// Sends the unsent part of `text[..upto]`; false when the client is gone.
+    fn send_text(&mut self, text: &str, upto: usize) -> bool {
+        let new = self.sent.take(text, upto);
+        new.is_empty() || self.events.send(Event::Text(new.to_string())).is_ok()
+    }
+
+    /// Reports the end of the row; always false (the row does not go on).
+    fn finish(&mut self, finish: Finish) -> bool {
+        let _ = self.events.send(Event::Done {
+            finish,
+            completion_tokens: self.generated,
+        });
+        false
+    }
+}

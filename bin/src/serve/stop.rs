@@ -1,0 +1,104 @@
+//! Stop strings and streaming text: where the generated text must be cut, and how much of it
+//! can be sent before the next token (never the start of a stop string, never half a
+//! character).
+
+/// The stop strings of one request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopStrings(Vec<String>);
+
+impl StopStrings {
+    /// Empty strings never match and are dropped.
+    pub fn new(stops: Vec<String>) -> Self {
+        Self(stops.into_iter().filter(|s| !s.is_empty()).collect())
+    }
+
+    /// Byte offset of the earliest stop string in `text`: the text is cut there.
+    pub fn first_match(&self, text: &str) -> Option<usize> {
+        self.0
+            .iter()
+            .filter_map(|stop| text.find(stop.as_str()))
+            .min()
+    }
+
+    /// Length of the prefix of `text` that is safe to send: it leaves out a trailing part that
+    /// could still become a stop string, and trailing U+FFFD (a character whose bytes have not
+    /// all been generated yet).
+    pub fn safe_len(&self, text: &str) -> usize {
+        let held = self
+            .0
+            .iter()
+            .map(|stop| partial_stop_len(text, stop))
+            .max()
+            .unwrap_or(0);
+        let safe = &text[..text.len() - held];
+        safe.trim_end_matches('\u{FFFD}').len()
+    }
+}
+
+/// Length of the longest suffix of `text` that is a proper prefix of `stop`.
+fn partial_stop_len(text: &str, stop: &str) -> usize {
+    let longest = (stop.len() - 1).min(text.len());
+    (1..=longest)
+        .rev()
+        .find(|&k| {
+            let start = text.len() - k;
+            text.is_char_boundary(start) && stop.starts_with(&text[start..])
+        })
+        .unwrap_or(0)
+}
+
+/// What of a growing text has been sent, so that only the new part goes out.
+#[derive(Debug, Default)]
+pub struct SentText {
+    sent: usize,
+}
+
+impl SentText {
+    /// The part of `text[..upto]` not sent yet (empty when the text changed under an earlier
+    /// part, which byte-level decoding does not do once characters are complete).
+    pub fn take<'t>(&mut self, text: &'t str, upto: usize) -> &'t str {
+        if upto <= self.sent || !text.is_char_boundary(self.sent) || !text.is_char_boundary(upto) {
+            return "";
+        }
+        let new = &text[self.sent..upto];
+        self.sent = upto;
+        new
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stops(items: &[&str]) -> StopStrings {
+        StopStrings::new(items.iter().map(|s| s.to_string()).collect())
+    }
+
+    #[test]
+    fn earliest_stop_string_wins() {
+        let s = stops(&["</answer>", "b", ""]);
+        assert_eq!(s.first_match("a b </answer>"), Some(2));
+        assert_eq!(s.first_match("nothing"), None);
+        assert_eq!(stops(&[]).first_match("x"), None);
+    }
+
+    #[test]
+    fn holds_back_a_possible_stop_string_and_partial_characters() {
+        let s = stops(&["</answer>"]);
+        assert_eq!(s.safe_len("x </ans"), 2);
+        assert_eq!(s.safe_len("x <"), 2);
+        assert_eq!(s.safe_len("x </b"), 5);
+        assert_eq!(s.safe_len("é\u{FFFD}"), "é".len());
+        assert_eq!(stops(&[]).safe_len("abc"), 3);
+        assert_eq!(stops(&["é!"]).safe_len("aé"), 1);
+    }
+
+    #[test]
+    fn sends_each_part_once() {
+        let mut sent = SentText::default();
+        assert_eq!(sent.take("ab", 2), "ab");
+        assert_eq!(sent.take("abcd", 3), "c");
+        assert_eq!(sent.take("abcd", 3), "");
+        assert_eq!(sent.take("abcdé", 6), "dé");
+    }
+}

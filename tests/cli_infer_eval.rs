@@ -1,0 +1,644 @@
+//! `prompt-r1 infer` and `prompt-r1 eval` end to end: `serve` on the tiny random model plays
+//! the large LLM; the agent is the tiny model itself (it rarely writes the tags, so those tests
+//! check structure) or a scripted chat server that makes one call and then answers "4".
+
+#[path = "../env/tests/common/mod.rs"]
+mod common;
+#[path = "serve_harness/mod.rs"]
+mod harness;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use common::{Action, ScriptedServer};
+use harness::{text, Server};
+use serde_json::Value;
+
+const STOP_REASONS: [&str; 6] = [
+    "answer",
+    "no_call",
+    "turn_limit",
+    "token_limit",
+    "env_failure",
+    "agent_failure",
+];
+
+/// An agent behind a chat API: first turn calls the large LLM, the next one answers "4".
+fn scripted_agent() -> ScriptedServer {
+    ScriptedServer::start_with(|request| {
+        let turns = request.json()["messages"].as_array().map_or(0, Vec::len);
+        if turns <= 2 {
+            Action::ok("<think>I should ask.</think>\n<interaction_prompt>What is 2+2?</interaction_prompt>")
+        } else {
+            Action::ok("<think>It answered.</think>\n<answer>4</answer>")
+        }
+    })
+}
+
+/// A base URL on which nothing listens.
+fn dead_url() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    format!("http://127.0.0.1:{port}/v1")
+}
+
+fn run(args: &[&str]) -> Output {
+    std::process::Command::new(harness::bin())
+        .args(args)
+        .env_remove("OPENAI_API_KEY")
+        .output()
+        .expect("run prompt-r1")
+}
+
+fn ok(args: &[&str]) -> String {
+    let output = run(args);
+    assert!(
+        output.status.success(),
+        "{args:?} failed:\n{}\n{}",
+        text(&output.stdout),
+        text(&output.stderr)
+    );
+    text(&output.stdout)
+}
+
+fn env_flags(server: &Server) -> Vec<String> {
+    [
+        "--env-url",
+        &server.base_url,
+        "--env-model",
+        "tiny",
+        "--env-max-tokens",
+        "24",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn with<'a>(base: &'a [&'a str], extra: &'a [String]) -> Vec<&'a str> {
+    base.iter()
+        .copied()
+        .chain(extra.iter().map(String::as_str))
+        .collect()
+}
+
+fn check_trajectory(value: &Value) {
+    assert!(
+        value["answer"].is_null() || value["answer"].is_string(),
+        "{value}"
+    );
+    let reason = value["stop_reason"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no stop_reason: {value}"));
+    assert!(STOP_REASONS.contains(&reason), "{reason}");
+    assert!(value["error"].is_null() || value["error"].is_string());
+    let turns = value["turns"].as_array().expect("turns");
+    assert!(!turns.is_empty());
+    for turn in turns {
+        for key in ["think", "prompt", "response"] {
+            let field = turn
+                .get(key)
+                .unwrap_or_else(|| panic!("no {key} in {turn}"));
+            assert!(field.is_null() || field.is_string(), "{turn}");
+        }
+    }
+}
+
+#[test]
+fn infer_with_the_local_agent_against_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let server = Server::start(&model, &[]);
+    let env = env_flags(&server);
+    let base = [
+        "infer",
+        "--agent",
+        model.to_str().unwrap(),
+        "--question",
+        "What is 2+2?",
+        "--max-turn-tokens",
+        "48",
+    ];
+    let stdout = ok(&with(&base, &env)
+        .into_iter()
+        .chain(["--json"])
+        .collect::<Vec<_>>());
+    let trajectory: Value = serde_json::from_str(stdout.trim()).expect("one JSON object");
+    check_trajectory(&trajectory);
+    assert_eq!(trajectory["question"], "What is 2+2?");
+    assert!(trajectory["token_ids"]
+        .as_array()
+        .is_some_and(|ids| !ids.is_empty()));
+    // Greedy by default: the same episode again.
+    let again: Value = serde_json::from_str(
+        ok(&with(&base, &env)
+            .into_iter()
+            .chain(["--json"])
+            .collect::<Vec<_>>())
+        .trim(),
+    )
+    .unwrap();
+    assert_eq!(again["turns"], trajectory["turns"]);
+
+    let shown = ok(&with(&base, &env));
+    assert!(shown.contains("── turn 1 ──"), "{shown}");
+    assert!(
+        shown.contains("\nanswer: ") && shown.contains("\nstop reason: "),
+        "{shown}"
+    );
+}
+
+#[test]
+fn infer_shows_each_turn_and_the_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&harness::tiny_model(dir.path()), &[]);
+    let agent = scripted_agent();
+    let env = env_flags(&server);
+    let base = [
+        "infer",
+        "--agent-url",
+        &agent.base_url,
+        "--agent-model",
+        "scripted",
+        "--question",
+        "What is 2+2?",
+    ];
+    let shown = ok(&with(&base, &env));
+    for expected in [
+        "── turn 1 ──",
+        "think:\n  I should ask.",
+        "prompt:\n  What is 2+2?",
+        "reply (",
+        "── turn 2 ──",
+        "answer: 4",
+        "stop reason: answer (1 call to the large LLM",
+    ] {
+        assert!(
+            shown.contains(expected),
+            "missing {expected:?} in:\n{shown}"
+        );
+    }
+    let json: Value = serde_json::from_str(
+        ok(&with(&base, &env)
+            .into_iter()
+            .chain(["--json"])
+            .collect::<Vec<_>>())
+        .trim(),
+    )
+    .unwrap();
+    check_trajectory(&json);
+    assert_eq!(json["answer"], "4");
+    assert_eq!(json["stop_reason"], "answer");
+    assert_eq!(json["turns"][0]["prompt"], "What is 2+2?");
+    assert!(json["turns"][0]["response"].is_string());
+    assert_eq!(json["turns"][1]["think"], "It answered.");
+    assert!(json["error"].is_null());
+}
+
+#[test]
+fn infer_reports_an_unreachable_environment() {
+    let agent = scripted_agent();
+    let dead = dead_url();
+    let output = run(&[
+        "infer",
+        "--agent-url",
+        &agent.base_url,
+        "--agent-model",
+        "scripted",
+        "--question",
+        "q?",
+        "--env-url",
+        &dead,
+        "--env-model",
+        "m",
+        "--env-attempts",
+        "1",
+        "--json",
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    let json: Value = serde_json::from_str(text(&output.stdout).trim()).unwrap();
+    check_trajectory(&json);
+    assert_eq!(json["stop_reason"], "env_failure");
+    assert!(
+        json["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("connection")),
+        "{json}"
+    );
+    assert!(json["answer"].is_null());
+    let stderr = text(&output.stderr);
+    assert!(stderr.starts_with("error: the episode failed"), "{stderr}");
+}
+
+#[test]
+fn infer_needs_an_agent_and_an_environment() {
+    let output = run(&[
+        "infer",
+        "--question",
+        "q",
+        "--env-url",
+        "http://127.0.0.1:1/v1",
+        "--env-model",
+        "m",
+    ]);
+    assert!(!output.status.success());
+    assert!(
+        text(&output.stderr).contains("--agent"),
+        "{}",
+        text(&output.stderr)
+    );
+    let output = run(&["infer", "--question", "q", "--agent", "/nonexistent"]);
+    assert!(
+        text(&output.stderr).contains("--env-url"),
+        "{}",
+        text(&output.stderr)
+    );
+}
+
+/// Three questions in two data sources.
+fn questions(dir: &Path) -> PathBuf {
+    let path = dir.join("questions.jsonl");
+    let rows = [
+        r#"{"id": "a", "data_source": "toy", "question": "What is 2+2?", "answers": ["4"]}"#,
+        r#"{"id": "b", "data_source": "toy", "question": "Capital of France?", "answers": ["Paris"]}"#,
+        r#"{"id": "c", "data_source": "toy2", "question": "Two plus two?", "answers": ["four", "4"]}"#,
+    ];
+    std::fs::write(&path, rows.join("\n") + "\n").unwrap();
+    path
+}
+
+fn rows(out: &Path) -> Vec<Value> {
+    std::fs::read_to_string(out.join("predictions.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("a JSON line"))
+        .collect()
+}
+
+fn check_rows(rows: &[Value], mode: &str) {
+    for row in rows {
+        for key in [
+            "id",
+            "data_source",
+            "question",
+            "prediction",
+            "answers",
+            "mode",
+            "trajectory",
+            "stop_reason",
+            "failed",
+        ] {
+            assert!(row.get(key).is_some(), "no {key} in {row}");
+        }
+        assert_eq!(row["mode"], mode);
+        assert!(row["prediction"].is_string());
+        assert!(STOP_REASONS.contains(&row["stop_reason"].as_str().unwrap()));
+    }
+}
+
+fn metrics(out: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("metrics.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn eval_writes_predictions_and_metrics_then_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&harness::tiny_model(dir.path()), &[]);
+    let agent = scripted_agent();
+    let data = questions(dir.path());
+    let out = dir.path().join("out");
+    let env = env_flags(&server);
+    let base = [
+        "eval",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--agent-url",
+        &agent.base_url,
+        "--agent-model",
+        "scripted",
+        "--batch-size",
+        "2",
+    ];
+    let args = with(&base, &env);
+    let stdout = ok(&args);
+    assert!(
+        stdout.contains("overall") && stdout.contains("3 answered now"),
+        "{stdout}"
+    );
+    let first = rows(&out);
+    assert_eq!(first.len(), 3);
+    check_rows(&first, "agent");
+    assert!(first
+        .iter()
+        .all(|r| r["prediction"] == "4" && r["stop_reason"] == "answer"));
+    assert!(first.iter().all(|r| r["trajectory"]["env_calls"] == 1));
+    let report = metrics(&out);
+    // toy: "4" is right once in two (EM 50), toy2: right (EM 100); overall: their mean.
+    assert_eq!(report["datasets"]["toy"]["em"], 50.0);
+    assert_eq!(report["datasets"]["toy2"]["em"], 100.0);
+    assert_eq!(report["overall"]["em"], 75.0);
+    assert_eq!(report["overall"]["n"], 3);
+    assert_eq!(report["failed"], 0);
+    let metrics_text = std::fs::read_to_string(out.join("metrics.json")).unwrap();
+    let predictions_text = std::fs::read_to_string(out.join("predictions.jsonl")).unwrap();
+
+    // A second run has nothing to do.
+    let asked = agent.count();
+    let stdout = ok(&args);
+    assert!(
+        stdout.contains("0 answered now, 3 from earlier runs"),
+        "{stdout}"
+    );
+    assert_eq!(agent.count(), asked);
+    assert_eq!(
+        std::fs::read_to_string(out.join("predictions.jsonl")).unwrap(),
+        predictions_text
+    );
+    assert_eq!(
+        std::fs::read_to_string(out.join("metrics.json")).unwrap(),
+        metrics_text
+    );
+
+    // An interrupted run: one finished row and half a line. The next run keeps the row, drops
+    // the half line and answers the other two (two agent turns each).
+    let first_line = predictions_text.lines().next().unwrap();
+    std::fs::write(
+        out.join("predictions.jsonl"),
+        format!("{first_line}\n{{\"id\": \"b\", \"data_so"),
+    )
+    .unwrap();
+    let stdout = ok(&args);
+    assert!(
+        stdout.contains("2 answered now, 1 from earlier runs"),
+        "{stdout}"
+    );
+    assert_eq!(agent.count(), asked + 4);
+    let resumed = std::fs::read_to_string(out.join("predictions.jsonl")).unwrap();
+    assert_eq!(resumed.lines().count(), 3);
+    assert_eq!(resumed.lines().next(), Some(first_line));
+    assert_eq!(
+        std::fs::read_to_string(out.join("metrics.json")).unwrap(),
+        metrics_text
+    );
+
+    // Another mode does not write into the same directory.
+    let output = run(&with(
+        &[
+            "eval",
+            "--data",
+            data.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--mode",
+            "direct",
+        ],
+        &env,
+    ));
+    assert!(!output.status.success());
+    assert!(
+        text(&output.stderr).contains("--mode agent"),
+        "{}",
+        text(&output.stderr)
+    );
+}
+
+#[test]
+fn eval_with_the_local_agent_and_every_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let server = Server::start(&model, &[]);
+    let data = questions(dir.path());
+    let env = env_flags(&server);
+    let out = |name: &str| dir.path().join(name);
+    let model = model.to_str().unwrap();
+    let data = data.to_str().unwrap();
+
+    let agent_out = out("agent");
+    ok(&with(
+        &[
+            "eval",
+            "--data",
+            data,
+            "--out",
+            agent_out.to_str().unwrap(),
+            "--agent",
+            model,
+            "--max-turn-tokens",
+            "32",
+        ],
+        &env,
+    ));
+    let agent_rows = rows(&agent_out);
+    assert_eq!(agent_rows.len(), 3);
+    check_rows(&agent_rows, "agent");
+    for row in &agent_rows {
+        check_trajectory(&row["trajectory"]);
+    }
+    assert_eq!(metrics(&agent_out)["overall"]["n"], 3);
+
+    for mode in ["direct", "cot"] {
+        let mode_out = out(mode);
+        ok(&with(
+            &[
+                "eval",
+                "--data",
+                data,
+                "--out",
+                mode_out.to_str().unwrap(),
+                "--mode",
+                mode,
+            ],
+            &env,
+        ));
+        let mode_rows = rows(&mode_out);
+        assert_eq!(mode_rows.len(), 3);
+        check_rows(&mode_rows, mode);
+        for row in &mode_rows {
+            let reply = row["trajectory"]["reply"].as_str().expect("the reply");
+            assert_eq!(row["stop_reason"], "answer");
+            if !reply.contains("<answer>") && !reply.contains("</think>") {
+                assert_eq!(row["prediction"].as_str(), Some(reply.trim()));
+            }
+            let sent = row["trajectory"]["messages"][0]["content"]
+                .as_str()
+                .unwrap();
+            assert_eq!(sent.contains("<answer>"), mode == "cot", "{sent}");
+        }
+        assert_eq!(metrics(&mode_out)["mode"], mode);
+    }
+
+    let alone = out("agent-only");
+    ok(&[
+        "eval",
+        "--data",
+        data,
+        "--out",
+        alone.to_str().unwrap(),
+        "--mode",
+        "agent-only",
+        "--agent",
+        model,
+        "--max-turn-tokens",
+        "32",
+        "--limit",
+        "2",
+    ]);
+    let alone_rows = rows(&alone);
+    assert_eq!(alone_rows.len(), 2, "--limit 2");
+    check_rows(&alone_rows, "agent-only");
+    assert!(alone_rows.iter().all(|r| r["trajectory"]["env_calls"] == 0));
+    assert!(no_responses(&alone_rows));
+}
+
+/// Agent-only rows never reach the large LLM: no turn has a response.
+fn no_responses(rows: &[Value]) -> bool {
+    rows.iter()
+        .flat_map(|r| {
+            r["trajectory"]["turns"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .all(|turn| turn["response"].is_null())
+}
+
+#[test]
+fn eval_counts_failed_episodes_and_reruns_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = questions(dir.path());
+    let out = dir.path().join("out");
+    let dead = dead_url();
+    let base = [
+        "eval",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--mode",
+        "direct",
+        "--env-model",
+        "tiny",
+    ];
+    let output = run(&with(
+        &base,
+        &[
+            "--env-url".into(),
+            dead,
+            "--env-attempts".into(),
+            "1".into(),
+        ],
+    ));
+    assert_eq!(output.status.code(), Some(1), "every question failed");
+    let stderr = text(&output.stderr);
+    assert!(
+        stderr.contains("every question of this run failed") && stderr.contains("connection"),
+        "{stderr}"
+    );
+    let failed = rows(&out);
+    assert_eq!(failed.len(), 3);
+    assert!(failed.iter().all(|r| r["failed"] == true
+        && r["prediction"] == ""
+        && r["stop_reason"] == "env_failure"
+        && r["error"].is_string()));
+    assert_eq!(metrics(&out)["failed"], 3);
+    assert_eq!(metrics(&out)["overall"]["f1"], 0.0);
+
+    // With the large LLM back, the failed rows are run again.
+    let server = Server::start(&harness::tiny_model(dir.path()), &[]);
+    let stdout = ok(&with(&base, &["--env-url".into(), server.base_url.clone()]));
+    assert!(stdout.contains("3 answered now"), "{stdout}");
+    assert_eq!(rows(&out).len(), 6);
+    assert_eq!(metrics(&out)["failed"], 0);
+    assert_eq!(metrics(&out)["stop_reasons"]["answer"], 3);
+}
+
+#[test]
+fn eval_on_the_reference_datasets() {
+    let Some(shared) = harness::shared_dir() else {
+        return;
+    };
+    let csv = shared.join("data/prompt-r1/csv/eval_data/hotpot.csv");
+    let parquet = shared.join("data/prompt-r1/parquet/eval_data/gsm8k.parquet");
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&harness::tiny_model(dir.path()), &[]);
+    let out = dir.path().join("out");
+    let args = [
+        "eval",
+        "--data",
+        csv.to_str().unwrap(),
+        parquet.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--mode",
+        "direct",
+        "--limit",
+        "2",
+    ];
+    let stdout = ok(&with(&args, &env_flags(&server)));
+    assert!(stdout.contains("4 questions"), "{stdout}");
+    let report = metrics(&out);
+    assert_eq!(report["overall"]["n"], 4);
+    assert_eq!(
+        report["datasets"].as_object().map(|d| d.len()),
+        Some(2),
+        "{report}"
+    );
+    let rows = rows(&out);
+    assert!(rows
+        .iter()
+        .all(|r| r["answers"].as_array().is_some_and(|a| !a.is_empty())));
+    assert!(
+        rows.iter()
+            .all(|r| !r["question"].as_str().unwrap().contains("<answer>")),
+        "the raw question, without the agent instruction"
+    );
+}
+
+#[test]
+fn eval_explains_what_a_mode_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = questions(dir.path());
+    let out = dir.path().join("out");
+    let output = run(&[
+        "eval",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(
+        text(&output.stderr).contains("--mode agent needs the agent"),
+        "{}",
+        text(&output.stderr)
+    );
+    let output = run(&[
+        "eval",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--mode",
+        "cot",
+    ]);
+    assert!(
+        text(&output.stderr).contains("--env-url"),
+        "{}",
+        text(&output.stderr)
+    );
+    let output = run(&[
+        "eval",
+        "--data",
+        "missing.jsonl",
+        "--out",
+        out.to_str().unwrap(),
+        "--mode",
+        "cot",
+    ]);
+    assert!(
+        text(&output.stderr).contains("missing.jsonl"),
+        "{}",
+        text(&output.stderr)
+    );
+}

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Tests `prompt-r1 serve` with the official `openai` Python client from PyPI.
+#
+# Builds nothing: run `cargo build --release -p prompt-r1` first (or point PROMPT_R1_BIN at a
+# binary). Creates a throwaway virtual environment under the target directory, installs
+# `openai` into it, starts `serve` on a fresh tiny random model on a free port, runs
+# test_serve_openai.py, and removes everything it made. Exits non-zero on any failure.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+target="${CARGO_TARGET_DIR:-$root/target}"
+bin="${PROMPT_R1_BIN:-$target/release/prompt-r1}"
+if [ ! -x "$bin" ]; then
+    echo "error: no prompt-r1 binary at $bin (run: cargo build --release -p prompt-r1)" >&2
+    exit 1
+fi
+
+mkdir -p "$target"
+work="$(mktemp -d "$target/python-openai-test.XXXXXX")"
+server=""
+cleanup() {
+    if [ -n "$server" ]; then
+        kill "$server" 2>/dev/null || true
+        wait "$server" 2>/dev/null || true
+    fi
+    rm -rf "$work"
+}
+trap cleanup EXIT
+
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install --quiet --disable-pip-version-check openai
+
+if ! "$bin" init-model --preset tiny --out "$work/tiny" >"$work/init.log" 2>&1; then
+    cat "$work/init.log" >&2
+    exit 1
+fi
+"$bin" serve --model "$work/tiny" --port 0 --served-model-name tiny --quiet \
+    >"$work/serve.out" 2>"$work/serve.err" &
+server=$!
+
+url=""
+for _ in $(seq 1 600); do
+    url="$(grep -o 'http://[^ ]*' "$work/serve.out" || true)"
+    [ -n "$url" ] && break
+    if ! kill -0 "$server" 2>/dev/null; then
+        echo "error: prompt-r1 serve exited:" >&2
+        cat "$work/serve.err" >&2
+        exit 1
+    fi
+    sleep 0.1
+done
+if [ -z "$url" ]; then
+    echo "error: prompt-r1 serve printed no URL within 60 s" >&2
+    exit 1
+fi
+
+"$work/venv/bin/python" "$here/test_serve_openai.py" "$url" tiny
