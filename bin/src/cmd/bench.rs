@@ -15,6 +15,7 @@ use serde::Serialize;
 
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_dtype;
+use trainer::run::{peak_rss_mb, reset_peak_rss};
 
 /// Measure load time, prefill, decode and scoring speed with peak memory.
 #[derive(ClapArgs, Debug, Clone)]
@@ -202,17 +203,4 @@ fn train_step_seconds<B: Backend>(dir: &std::path::Path, device: &B::Device, pro
     let seconds = start.elapsed().as_secs_f64();
     drop(policy);
     Ok(seconds)
-}
-
-/// Resets the kernel's peak-RSS counter of this process (Linux; no-op elsewhere).
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
-}
-
-/// Peak resident set size since the last reset, from `/proc/self/status` (Linux).
-fn peak_rss_mb() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
 }

@@ -4,6 +4,7 @@
 mod checkpoint;
 mod config;
 mod error;
+mod memory;
 mod metrics_log;
 mod reward;
 mod trainer;
@@ -11,6 +12,7 @@ mod trainer;
 pub use checkpoint::{latest_checkpoint, CHECKPOINTS_DIR, LATEST_FILE};
 pub use config::{DataSection, EpisodeSection, RolloutSection, RunSection, TrainConfig};
 pub use error::TrainError;
+pub use memory::{peak_rss_mb, reset_peak_rss};
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};
 pub use reward::{EpisodeScore, EpisodeScorer, PromptR1Scorer};
 pub use trainer::{Trainer, ValidationReport};

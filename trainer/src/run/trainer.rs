@@ -20,6 +20,7 @@ use super::checkpoint::{
 };
 use super::config::TrainConfig;
 use super::error::TrainError;
+use super::memory::peak_rss_mb;
 use super::metrics_log::{append_record, truncate_after, StepRecord};
 use super::reward::{EpisodeScore, EpisodeScorer};
 use crate::grpo::{group_advantages, learn_step, sequence_logprobs, PolicyBatch, PolicySequence};
@@ -251,7 +252,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             rollout_tokens_per_sec: agent_tokens as f32 / rollout_secs.max(1e-6),
             validation_reward: None,
             validation_f1: None,
-            peak_rss_mb: peak_rss_mb(),
+            peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
         };
         let every = self.config.run.validate_every;
         if every > 0 && step % every == 0 && !self.validation.is_empty() {
@@ -344,14 +345,6 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub fn device(&self) -> &B::Device {
         &self.device
     }
-}
-
-/// Peak resident memory of the process so far, from `/proc/self/status` (Linux).
-fn peak_rss_mb() -> Option<f32> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: f32 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb / 1024.0)
 }
 
 fn load_examples(files: &[PathBuf], config: &TrainConfig) -> Result<Vec<Example>, TrainError> {
