@@ -52,13 +52,30 @@ fn run_on_cuda<T: OnBackend>(index: usize, task: T) -> Result<T::Output> {
 }
 
 /// Touches the device once so that a missing driver or toolkit becomes an error message rather
-/// than a panic deep inside a command (cudarc and cubecl panic when libcuda or NVRTC is absent).
+/// than a panic deep inside a command (cudarc and cubecl panic when libcuda or NVRTC is absent,
+/// on cubecl's own device thread: the first panic message of any thread is the cause).
 #[cfg(feature = "cuda")]
 fn probe_cuda(device: &burn::backend::cuda::CudaDevice) -> Result<()> {
+    use std::sync::{Arc, Mutex};
+
     use burn::backend::Cuda;
     use burn::tensor::Tensor;
+
+    let first_panic: Arc<Mutex<Option<String>>> = Arc::default();
+    let record = Arc::clone(&first_panic);
     let previous = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
+    std::panic::set_hook(Box::new(move |info| {
+        let mut slot = record.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            let text = info
+                .payload()
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| info.payload().downcast_ref::<&str>().copied())
+                .unwrap_or("unknown error");
+            *slot = Some(text.to_owned());
+        }
+    }));
     let probe = std::panic::catch_unwind(|| {
         let t = Tensor::<Cuda, 1>::from_floats([1.0, 2.0], device);
         t.sum().into_scalar()
@@ -67,14 +84,14 @@ fn probe_cuda(device: &burn::backend::cuda::CudaDevice) -> Result<()> {
     match probe {
         Ok(v) if v == 3.0 => Ok(()),
         Ok(v) => bail!("CUDA device {device:?} answered 1 + 2 = {v}; refusing to run on it"),
-        Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("unknown error");
+        Err(_) => {
+            let cause = first_panic
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+                .unwrap_or_else(|| "unknown error".into());
             bail!(
-                "CUDA is not usable on this machine: {text}. \
+                "CUDA is not usable on this machine: {cause}. \
                  It needs an NVIDIA driver (libcuda) and the CUDA toolkit headers for NVRTC \
                  (set CUDA_PATH); use --device cpu otherwise"
             )
