@@ -144,22 +144,7 @@ impl<B: Backend> BertLayer<B> {
                 inner,
                 device,
             )?,
-            output: BertOutput {
-                dense: Linear::load(
-                    weights,
-                    &format!("{prefix}.output.dense"),
-                    inner,
-                    hidden,
-                    device,
-                )?,
-                layer_norm: LayerNorm::load(
-                    weights,
-                    &format!("{prefix}.output.LayerNorm"),
-                    hidden,
-                    config.layer_norm_eps,
-                    device,
-                )?,
-            },
+            output: BertOutput::load(weights, &format!("{prefix}.output"), inner, config, device)?,
         })
     }
 
@@ -193,16 +178,7 @@ impl<B: Backend> BertAttention<B> {
                 value: linear("self.value")?,
                 num_heads: config.num_attention_heads,
             },
-            output: BertOutput {
-                dense: linear("output.dense")?,
-                layer_norm: LayerNorm::load(
-                    weights,
-                    &format!("{prefix}.output.LayerNorm"),
-                    hidden,
-                    config.layer_norm_eps,
-                    device,
-                )?,
-            },
+            output: BertOutput::load(weights, &format!("{prefix}.output"), hidden, config, device)?,
         })
     }
 
@@ -250,6 +226,28 @@ struct BertOutput<B: Backend> {
 }
 
 impl<B: Backend> BertOutput<B> {
+    /// `{prefix}.dense` (`input` → hidden) and `{prefix}.LayerNorm`: the shape shared by
+    /// `BertSelfOutput` and `BertOutput`.
+    fn load(
+        weights: &WeightReader<'_>,
+        prefix: &str,
+        input: usize,
+        config: &BertConfig,
+        device: &B::Device,
+    ) -> Result<Self, SsimError> {
+        let hidden = config.hidden_size;
+        Ok(Self {
+            dense: Linear::load(weights, &format!("{prefix}.dense"), input, hidden, device)?,
+            layer_norm: LayerNorm::load(
+                weights,
+                &format!("{prefix}.LayerNorm"),
+                hidden,
+                config.layer_norm_eps,
+                device,
+            )?,
+        })
+    }
+
     fn forward(&self, x: Tensor<B, 3>, residual: Tensor<B, 3>) -> Tensor<B, 3> {
         self.layer_norm.forward(self.dense.forward(x) + residual)
     }
