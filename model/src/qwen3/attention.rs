@@ -3,11 +3,11 @@
 
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::{activation::softmax, backend::Backend, DType, Tensor};
+use burn::tensor::{activation::softmax, backend::Backend, DType, Int, Tensor};
 
 use super::cache::LayerKvCache;
 use super::rms_norm::Qwen3RMSNorm;
-use super::rotary::apply_rotary_pos_emb;
+use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
 
 /// Self-attention of one decoder layer. Projections have no bias.
 #[derive(Module, Debug)]
@@ -23,15 +23,48 @@ pub struct Qwen3Attention<B: Backend> {
     pub head_dim: usize,
 }
 
+/// What every layer's attention takes from one forward pass, built once and shared by all
+/// layers: RoPE tables for the query and the key heads, and the additive mask already repeated
+/// to the grouped score layout `[b, kv, groups * q, k]`, so per-layer element-wise work runs on
+/// contiguous tensors of equal shape.
+#[derive(Debug, Clone)]
+pub struct AttentionInputs<B: Backend> {
+    pub rotary_q: RotaryTables<B>,
+    pub rotary_k: RotaryTables<B>,
+    pub bias: Tensor<B, 4>,
+}
+
+impl<B: Backend> AttentionInputs<B> {
+    /// `bias` is `[b, 1, q, k]` (see [`super::attention_bias`]).
+    pub fn new(
+        rotary: &Qwen3RotaryEmbedding,
+        position_ids: Tensor<B, 2, Int>,
+        bias: Tensor<B, 4>,
+        num_heads: usize,
+        num_key_value_heads: usize,
+    ) -> Self {
+        let dtype = bias.dtype();
+        let [b, _, q_len, k_len] = bias.dims();
+        let groups = num_heads / num_key_value_heads;
+        let bias = bias
+            .reshape([b, 1, q_len * k_len])
+            .repeat_dim(1, num_key_value_heads * groups)
+            .reshape([b, num_key_value_heads, groups * q_len, k_len]);
+        Self {
+            rotary_q: rotary.tables(position_ids.clone(), num_heads, dtype),
+            rotary_k: rotary.tables(position_ids, num_key_value_heads, dtype),
+            bias,
+        }
+    }
+}
+
 impl<B: Backend> Qwen3Attention<B> {
-    /// `hidden_states` `[b, q, hidden]`; `cos`/`sin` `[b, 1, q, head_dim]`; `bias` `[b, 1, q, k]`
-    /// where `k` counts cached plus new positions. Returns `[b, q, hidden]`.
+    /// `hidden_states` `[b, q, hidden]`; `inputs` built for these positions, with `k` counting
+    /// cached plus new positions. Returns `[b, q, hidden]`.
     pub fn forward(
         &self,
         hidden_states: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
-        bias: &Tensor<B, 4>,
+        inputs: &AttentionInputs<B>,
         cache: Option<&mut LayerKvCache<B>>,
     ) -> Tensor<B, 3> {
         let [b, q_len, _] = hidden_states.dims();
@@ -39,25 +72,24 @@ impl<B: Backend> Qwen3Attention<B> {
 
         let query_states = self
             .q_norm
-            .forward(self.q_proj.forward(hidden_states.clone()).reshape([b, q_len, h, d]))
-            .swap_dims(1, 2);
+            .forward(self.q_proj.forward(hidden_states.clone()).reshape([b, q_len, h, d]));
         let key_states = self
             .k_norm
-            .forward(self.k_proj.forward(hidden_states.clone()).reshape([b, q_len, kv, d]))
-            .swap_dims(1, 2);
+            .forward(self.k_proj.forward(hidden_states.clone()).reshape([b, q_len, kv, d]));
+        let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q).swap_dims(1, 2);
+        let key_states = apply_rotary_pos_emb(key_states, &inputs.rotary_k).swap_dims(1, 2);
         let value_states = self
             .v_proj
             .forward(hidden_states)
             .reshape([b, q_len, kv, d])
             .swap_dims(1, 2);
 
-        let (query_states, key_states) = apply_rotary_pos_emb(query_states, key_states, cos, sin);
         let (key_states, value_states) = match cache {
             Some(cache) => cache.append(key_states, value_states),
             None => (key_states, value_states),
         };
 
-        let attn_output = grouped_attention(query_states, key_states, value_states, bias, d);
+        let attn_output = grouped_attention(query_states, key_states, value_states, &inputs.bias, d);
         let attn_output = attn_output.swap_dims(1, 2).reshape([b, q_len, h * d]);
         self.o_proj.forward(attn_output)
     }
@@ -67,7 +99,8 @@ impl<B: Backend> Qwen3Attention<B> {
 ///
 /// Equivalent to HF's `repeat_kv` followed by plain attention, without materialising the repeated
 /// heads: the `h / kv` query heads of a group are stacked along the query axis, so each group does
-/// one matmul against its own keys. The softmax runs in f32 as in HF's eager attention.
+/// one matmul against its own keys. `bias` is in that stacked layout, `[b, kv, groups * q, k]`.
+/// The softmax runs in f32 as in HF's eager attention.
 fn grouped_attention<B: Backend>(
     query: Tensor<B, 4>,
     key: Tensor<B, 4>,
@@ -76,19 +109,17 @@ fn grouped_attention<B: Backend>(
     head_dim: usize,
 ) -> Tensor<B, 4> {
     let [b, h, q_len, d] = query.dims();
-    let [_, kv, k_len, _] = key.dims();
+    let kv = key.dims()[1];
     let groups = h / kv;
     let dtype = query.dtype();
     let scaling = (head_dim as f64).powf(-0.5);
 
     let query = query.reshape([b, kv, groups * q_len, d]);
-    let scores = query.matmul(key.swap_dims(2, 3)).mul_scalar(scaling);
-    let scores = scores.reshape([b, kv, groups, q_len, k_len]) + bias.clone().unsqueeze_dim::<5>(2);
+    let scores = query.matmul(key.swap_dims(2, 3)).mul_scalar(scaling) + bias.clone();
     let probs = if dtype == DType::F32 {
-        softmax(scores, 4)
+        softmax(scores, 3)
     } else {
-        softmax(scores.cast(DType::F32), 4).cast(dtype)
+        softmax(scores.cast(DType::F32), 3).cast(dtype)
     };
-    let out = probs.reshape([b, kv, groups * q_len, k_len]).matmul(value);
-    out.reshape([b, h, q_len, d])
+    probs.matmul(value).reshape([b, h, q_len, d])
 }

@@ -5,6 +5,7 @@ use burn::module::{Module, Param};
 use burn::nn::Embedding;
 use burn::tensor::{backend::Backend, module::linear, Int, Tensor};
 
+use super::attention::AttentionInputs;
 use super::cache::KvCache;
 use super::decoder_layer::Qwen3DecoderLayer;
 use super::mask::attention_bias;
@@ -50,15 +51,17 @@ impl<B: Backend> Qwen3Model<B> {
         let device = input_ids.device();
         let mut hidden_states = self.embed_tokens.forward(input_ids);
         let dtype = hidden_states.dtype();
-        let (cos, sin) = self.rotary_emb.cos_sin(position_ids, dtype);
         let bias = attention_bias(attention_mask, b, past, q_len, dtype, &device);
-
         let mut all_hidden = output_hidden_states.then(|| vec![hidden_states.clone()]);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-            hidden_states = layer.forward(hidden_states, &cos, &sin, &bias, layer_cache);
-            if let Some(all) = all_hidden.as_mut() {
-                all.push(hidden_states.clone());
+        if let Some(first) = self.layers.first() {
+            let (heads, kv_heads) = (first.self_attn.num_heads, first.self_attn.num_key_value_heads);
+            let inputs = AttentionInputs::new(&self.rotary_emb, position_ids, bias, heads, kv_heads);
+            for (i, layer) in self.layers.iter().enumerate() {
+                let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+                hidden_states = layer.forward(hidden_states, &inputs, layer_cache);
+                if let Some(all) = all_hidden.as_mut() {
+                    all.push(hidden_states.clone());
+                }
             }
         }
         ModelOutput {

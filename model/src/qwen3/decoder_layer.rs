@@ -3,7 +3,7 @@
 use burn::module::Module;
 use burn::tensor::{backend::Backend, Tensor};
 
-use super::attention::Qwen3Attention;
+use super::attention::{AttentionInputs, Qwen3Attention};
 use super::cache::LayerKvCache;
 use super::mlp::Qwen3MLP;
 use super::rms_norm::Qwen3RMSNorm;
@@ -22,14 +22,12 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
     pub fn forward(
         &self,
         hidden_states: Tensor<B, 3>,
-        cos: &Tensor<B, 4>,
-        sin: &Tensor<B, 4>,
-        bias: &Tensor<B, 4>,
+        inputs: &AttentionInputs<B>,
         cache: Option<&mut LayerKvCache<B>>,
     ) -> Tensor<B, 3> {
         let residual = hidden_states.clone();
         let hidden_states = self.input_layernorm.forward(hidden_states);
-        let hidden_states = residual + self.self_attn.forward(hidden_states, cos, sin, bias, cache);
+        let hidden_states = residual + self.self_attn.forward(hidden_states, inputs, cache);
         let residual = hidden_states.clone();
         let hidden_states = self.post_attention_layernorm.forward(hidden_states);
         residual + self.mlp.forward(hidden_states)

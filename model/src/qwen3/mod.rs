@@ -1,5 +1,5 @@
 //! The Qwen3 decoder, module by module as in `modeling_qwen3.py`: `Qwen3RMSNorm`,
-//! `Qwen3RotaryEmbedding` (+ `rotate_half`), `Qwen3Attention`, `Qwen3MLP`, `Qwen3DecoderLayer`,
+//! `Qwen3RotaryEmbedding` (with `rotate_half` folded into its tables), `Qwen3Attention`, `Qwen3MLP`, `Qwen3DecoderLayer`,
 //! `Qwen3Model` and `Qwen3ForCausalLM`. The model is immutable in use (`&self`): the KV cache,
 //! the attention mask and the positions are values passed in.
 
@@ -12,11 +12,11 @@ mod mlp;
 mod rms_norm;
 mod rotary;
 
-pub use attention::Qwen3Attention;
+pub use attention::{AttentionInputs, Qwen3Attention};
 pub use cache::{KvCache, LayerKvCache};
 pub use causal_lm::{ModelOutput, Qwen3ForCausalLM, Qwen3Model};
 pub use decoder_layer::Qwen3DecoderLayer;
 pub use mask::{attention_bias, MASK_VALUE};
 pub use mlp::Qwen3MLP;
 pub use rms_norm::Qwen3RMSNorm;
-pub use rotary::{apply_rotary_pos_emb, rotate_half, Qwen3RotaryEmbedding};
+pub use rotary::{apply_rotary_pos_emb, swap_halves, Qwen3RotaryEmbedding, RotaryTables};

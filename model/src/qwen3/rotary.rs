@@ -1,5 +1,12 @@
 //! Rotary position embedding in HF's "rotate_half" layout (the first half of each head pairs
 //! with the second half), not burn's interleaved `RotaryEncoding`.
+//!
+//! HF computes `q * cos + rotate_half(q) * sin` with `rotate_half(x) = cat(-x2, x1)`. Here the
+//! sign lives in the table instead: `rotate_half(x) * sin == swap_halves(x) * signed_sin` with
+//! `swap_halves(x) = cat(x2, x1)` and `signed_sin = cat(-sin1, sin2)`, which saves a negation per
+//! layer. The tables are expanded to every head once per forward pass and laid out
+//! `[b, q, heads, head_dim]`, the layout of the projections, so each layer multiplies contiguous
+//! tensors of equal shape (the fast element-wise path of CPU backends).
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
@@ -9,8 +16,14 @@ pub struct Qwen3RotaryEmbedding {
     inv_freq: Vec<f32>,
 }
 
+/// `cos` and `signed_sin` for one forward pass, `[b, q, heads, head_dim]`.
+#[derive(Debug, Clone)]
+pub struct RotaryTables<B: Backend> {
+    pub cos: Tensor<B, 4>,
+    pub signed_sin: Tensor<B, 4>,
+}
+
 impl Qwen3RotaryEmbedding {
-    /// Frequencies for heads of `head_dim` with base `rope_theta`.
     pub fn new(head_dim: usize, rope_theta: f64) -> Self {
         let inv_freq = (0..head_dim / 2)
             .map(|i| (1.0 / rope_theta.powf((2 * i) as f64 / head_dim as f64)) as f32)
@@ -18,72 +31,98 @@ impl Qwen3RotaryEmbedding {
         Self { inv_freq }
     }
 
-    /// `(cos, sin)` of shape `[batch, 1, seq, head_dim]` for the given positions, in `dtype`.
-    pub fn cos_sin<B: Backend>(
+    /// The tables for `position_ids` `[b, q]`, repeated over `heads`, in `dtype` (computed in
+    /// f32 as HF does, then cast).
+    pub fn tables<B: Backend>(
         &self,
         position_ids: Tensor<B, 2, Int>,
+        heads: usize,
         dtype: DType,
-    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    ) -> RotaryTables<B> {
         let device = position_ids.device();
         let half = self.inv_freq.len();
         let inv_freq = Tensor::<B, 1>::from_data(self.inv_freq.as_slice(), (&device, DType::F32))
             .reshape([1, 1, half]);
         let positions = position_ids.float().cast(DType::F32).unsqueeze_dim::<3>(2);
         let freqs = positions * inv_freq;
-        let emb = Tensor::cat(vec![freqs.clone(), freqs], 2).unsqueeze_dim::<4>(1);
-        let (cos, sin) = (emb.clone().cos(), emb.sin());
-        if dtype == DType::F32 {
-            (cos, sin)
-        } else {
-            (cos.cast(dtype), sin.cast(dtype))
+        let cos = freqs.clone().cos();
+        let sin = freqs.sin();
+        let cos = Tensor::cat(vec![cos.clone(), cos], 2);
+        let signed_sin = Tensor::cat(vec![sin.clone().neg(), sin], 2);
+        let per_head = |t: Tensor<B, 3>| {
+            let t = t.unsqueeze_dim::<4>(2).repeat_dim(2, heads);
+            if dtype == DType::F32 { t } else { t.cast(dtype) }
+        };
+        RotaryTables {
+            cos: per_head(cos),
+            signed_sin: per_head(signed_sin),
         }
     }
 }
 
-/// Rotates half the hidden dims: `cat(-x[..., d/2:], x[..., :d/2])`.
-pub fn rotate_half<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+/// `cat(x2, x1)` over the last axis: HF's `rotate_half` without its negation.
+pub fn swap_halves<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
     let d = x.dims()[3];
     let x1 = x.clone().narrow(3, 0, d / 2);
     let x2 = x.narrow(3, d / 2, d / 2);
-    Tensor::cat(vec![x2.neg(), x1], 3)
+    Tensor::cat(vec![x2, x1], 3)
 }
 
-/// Applies RoPE to queries `[b, heads, seq, d]` and keys `[b, kv_heads, seq, d]`.
-pub fn apply_rotary_pos_emb<B: Backend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    cos: &Tensor<B, 4>,
-    sin: &Tensor<B, 4>,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let q_embed = q.clone() * cos.clone() + rotate_half(q) * sin.clone();
-    let k_embed = k.clone() * cos.clone() + rotate_half(k) * sin.clone();
-    (q_embed, k_embed)
+/// HF's `apply_rotary_pos_emb` for one of q or k, `[b, q, heads, head_dim]`.
+pub fn apply_rotary_pos_emb<B: Backend>(x: Tensor<B, 4>, tables: &RotaryTables<B>) -> Tensor<B, 4> {
+    x.clone() * tables.cos.clone() + swap_halves(x) * tables.signed_sin.clone()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use burn::backend::Flex;
+    use burn::tensor::Distribution;
 
     #[test]
-    fn rotate_half_swaps_and_negates() {
+    fn swap_halves_swaps() {
         let x = Tensor::<Flex, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &Default::default())
             .reshape([1, 1, 1, 4]);
-        let r: Vec<f32> = rotate_half(x).into_data().to_vec().unwrap();
-        assert_eq!(r, vec![-3.0, -4.0, 1.0, 2.0]);
+        let r: Vec<f32> = swap_halves(x).into_data().to_vec().unwrap();
+        assert_eq!(r, vec![3.0, 4.0, 1.0, 2.0]);
     }
 
     #[test]
     fn position_zero_is_identity() {
         let rope = Qwen3RotaryEmbedding::new(4, 10_000.0);
         let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 1]], &Default::default());
-        let (cos, sin) = rope.cos_sin(pos, DType::F32);
-        let cos: Vec<f32> = cos.into_data().to_vec().unwrap();
-        let sin: Vec<f32> = sin.into_data().to_vec().unwrap();
-        assert_eq!(&cos[..4], &[1.0; 4]);
-        assert_eq!(&sin[..4], &[0.0; 4]);
-        // position 1, frequency index 0: angle 1 rad; index 1: 1/100 rad.
-        assert!((sin[4] - 1f32.sin()).abs() < 1e-6 && (sin[5] - 0.01f32.sin()).abs() < 1e-6);
-        assert_eq!(sin[4], sin[6]);
+        let tables = rope.tables(pos, 2, DType::F32);
+        assert_eq!(tables.cos.dims(), [1, 2, 2, 4]);
+        let cos: Vec<f32> = tables.cos.into_data().to_vec().unwrap();
+        let sin: Vec<f32> = tables.signed_sin.into_data().to_vec().unwrap();
+        assert_eq!(&cos[..8], &[1.0; 8]);
+        assert!(sin[..8].iter().all(|s| *s == 0.0));
+        let (s0, s1) = (1f32.sin(), 0.01f32.sin());
+        for head in [8, 12] {
+            assert_eq!(&sin[head..head + 4], &[-s0, -s1, s0, s1]);
+        }
+    }
+
+    /// Matches HF's `q * cos + rotate_half(q) * sin` with `rotate_half(x) = cat(-x2, x1)`.
+    #[test]
+    fn matches_rotate_half_formula() {
+        let device = Default::default();
+        let (b, q, h, d) = (2, 3, 2, 8);
+        let rope = Qwen3RotaryEmbedding::new(d, 10_000.0);
+        let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 5, 9], [3, 4, 100]], &device);
+        let x = Tensor::<Flex, 4>::random([b, q, h, d], Distribution::Normal(0.0, 1.0), &device);
+        let ours: Vec<f32> = apply_rotary_pos_emb(x.clone(), &rope.tables(pos, h, DType::F32))
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let xs: Vec<f32> = x.into_data().to_vec().unwrap();
+        let positions = [[0.0f32, 5.0, 9.0], [3.0, 4.0, 100.0]];
+        for (i, got) in ours.iter().enumerate() {
+            let (bi, qi, j) = (i / (q * h * d), (i / (h * d)) % q, i % d);
+            let freq = positions[bi][qi] * (1.0 / 10_000f32.powf((2 * (j % (d / 2))) as f32 / d as f32));
+            let rotated = if j < d / 2 { -xs[i + d / 2] } else { xs[i - d / 2] };
+            let want = xs[i] * freq.cos() + rotated * freq.sin();
+            assert!((got - want).abs() < 1e-4, "element {i}: {got} vs {want}");
+        }
     }
 }
