@@ -8,11 +8,13 @@
 //!   and the small BPE tokenizer the tiny presets ship with.
 //! - [`batch`], [`logprobs`], [`generation`]: padded batches, per-token log-probs (what GRPO
 //!   needs) and KV-cache generation.
+//! - `cpu_kernels` (private): bf16-weight matmuls for the burn-flex CPU backend.
 
 pub mod batch;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
+mod cpu_kernels;
 pub mod error;
 pub mod generation;
 pub mod init;

@@ -6,6 +6,7 @@ use burn::nn::Linear;
 use burn::tensor::{activation::softmax, backend::Backend, DType, Int, Tensor};
 
 use super::cache::LayerKvCache;
+use super::linear::linear;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
 
@@ -72,15 +73,13 @@ impl<B: Backend> Qwen3Attention<B> {
 
         let query_states = self
             .q_norm
-            .forward(self.q_proj.forward(hidden_states.clone()).reshape([b, q_len, h, d]));
+            .forward(linear(&self.q_proj, hidden_states.clone()).reshape([b, q_len, h, d]));
         let key_states = self
             .k_norm
-            .forward(self.k_proj.forward(hidden_states.clone()).reshape([b, q_len, kv, d]));
+            .forward(linear(&self.k_proj, hidden_states.clone()).reshape([b, q_len, kv, d]));
         let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q).swap_dims(1, 2);
         let key_states = apply_rotary_pos_emb(key_states, &inputs.rotary_k).swap_dims(1, 2);
-        let value_states = self
-            .v_proj
-            .forward(hidden_states)
+        let value_states = linear(&self.v_proj, hidden_states)
             .reshape([b, q_len, kv, d])
             .swap_dims(1, 2);
 
@@ -91,7 +90,7 @@ impl<B: Backend> Qwen3Attention<B> {
 
         let attn_output = grouped_attention(query_states, key_states, value_states, &inputs.bias, d);
         let attn_output = attn_output.swap_dims(1, 2).reshape([b, q_len, h * d]);
-        self.o_proj.forward(attn_output)
+        linear(&self.o_proj, attn_output)
     }
 }
 

@@ -12,6 +12,7 @@ use super::mask::attention_bias;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::Qwen3RotaryEmbedding;
 use crate::config::Qwen3Config;
+use crate::cpu_kernels::{bf16_weight_matmul, WeightLayout};
 use crate::error::ModelError;
 
 /// The decoder stack without the language-model head.
@@ -109,9 +110,16 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
 
     /// Applies the language-model head to final hidden states `[b, q, hidden]`.
     pub fn logits(&self, hidden_states: Tensor<B, 3>) -> Tensor<B, 3> {
-        match &self.lm_head {
-            Some(weight) => linear(hidden_states, weight.val(), None),
-            None => tied_head(hidden_states, self.model.embed_tokens.weight.val()),
+        let (weight, layout) = match &self.lm_head {
+            Some(weight) => (weight.val(), WeightLayout::InOut),
+            None => (self.model.embed_tokens.weight.val(), WeightLayout::OutIn),
+        };
+        if let Some(logits) = bf16_weight_matmul(&hidden_states, &weight, layout) {
+            return logits;
+        }
+        match layout {
+            WeightLayout::InOut => linear(hidden_states, weight, None),
+            WeightLayout::OutIn => tied_head(hidden_states, weight),
         }
     }
 

@@ -4,6 +4,8 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{activation::silu, backend::Backend, Tensor};
 
+use super::linear::linear;
+
 /// The gated feed-forward block of a decoder layer.
 #[derive(Module, Debug)]
 pub struct Qwen3MLP<B: Backend> {
@@ -15,7 +17,7 @@ pub struct Qwen3MLP<B: Backend> {
 impl<B: Backend> Qwen3MLP<B> {
     /// `[.., hidden] -> [.., hidden]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let gate = silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(gate * self.up_proj.forward(x))
+        let gate = silu(linear(&self.gate_proj, x.clone()));
+        linear(&self.down_proj, gate * linear(&self.up_proj, x))
     }
 }

@@ -7,6 +7,7 @@ mod attention;
 mod cache;
 mod causal_lm;
 mod decoder_layer;
+mod linear;
 mod mask;
 mod mlp;
 mod rms_norm;

@@ -1,0 +1,1344 @@
+//! Linear-layer matrix products with bf16 weights on the CPU.
+//!
+//! [`matmul_bf16`] and [`matmul_f32_bf16`] compute `y[m, n] = sum_k x[m, k] * w[k, n]`
+//! (row-major, contiguous) with f32 accumulation; the `_nt` variants take the weights transposed,
+//! `e[n, k]` (e.g. a tied embedding table used as the language-model head). On x86_64 with
+//! AVX-512 (F, BW, VL, BF16) a hand-written SIMD path is used:
+//!
+//! * `m <= 16` (decode): memory-bound streaming over `w`. Column blocks are spread over the
+//!   rayon pool and read several rows at a time with software prefetch; each 32-column bf16
+//!   vector is widened to f32 (even/odd lanes via shift/mask) and FMA'd against broadcast f32
+//!   activations (bf16 activations are widened first, exactly). In the transposed layout rows
+//!   of `e` are spread over the pool instead and dotted, four rows from separate pages at a
+//!   time, with every row of `x` (`vdpbf16ps` for bf16 activations, widened f32 FMA otherwise).
+//! * larger `m` (prefill): GotoBLAS-style blocking. `x` is packed once; per k-block each
+//!   32-column panel of `w` is packed into an L1-sized buffer and an 8 x 32 register-blocked
+//!   microkernel sweeps all rows. `matmul_bf16` packs k-pairs and uses `vdpbf16ps`;
+//!   `matmul_f32_bf16` packs `w` widened to f32 and uses f32 FMA. Transposed weights only
+//!   change how a panel is packed (16 x 16 word blocks transposed in registers).
+//!
+//! Everywhere else a portable, auto-vectorisable fallback produces the same results up to f32
+//! summation order.
+
+use half::bf16;
+use rayon::prelude::*;
+
+/// `y[m, n] = sum_k x[m, k] * w[k, n]`, all row-major and contiguous.
+///
+/// `x`: bf16 `[m, k]`; `w`: bf16 `[k, n]` (in x out). Products are accumulated in f32 and the
+/// result is rounded to bf16 (nearest-even) once at the end.
+pub fn matmul_bf16(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
+    check_shapes(x.len(), w.len(), m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the required CPU features were detected at runtime.
+        return unsafe { avx512::matmul_bf16(x, w, avx512::Layout::Kn, m, k, n) };
+    }
+    matmul_bf16_portable(x, w, m, k, n)
+}
+
+/// Same as [`matmul_bf16`] with f32 activations and an f32 result.
+///
+/// `x` is used exactly: each bf16 weight is widened to f32 (exact) and the product is a plain f32
+/// FMA, so the only rounding is that of f32 accumulation.
+pub fn matmul_f32_bf16(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+    check_shapes(x.len(), w.len(), m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the required CPU features were detected at runtime.
+        return unsafe { avx512::matmul_f32_bf16(x, w, avx512::Layout::Kn, m, k, n) };
+    }
+    matmul_f32_bf16_portable(x, w, m, k, n)
+}
+
+/// `y[m, j] = sum_i x[m, i] * e[j, i]`: [`matmul_bf16`] with the weights stored transposed.
+///
+/// `x`: bf16 `[m, k]`; `e`: bf16 `[n, k]` (each output column is one row of `e`). Same precision
+/// as [`matmul_bf16`].
+pub fn matmul_bf16_nt(x: &[bf16], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
+    check_shapes(x.len(), e.len(), m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the required CPU features were detected at runtime.
+        return unsafe { avx512::matmul_bf16(x, e, avx512::Layout::Nk, m, k, n) };
+    }
+    matmul_bf16_nt_portable(x, e, m, k, n)
+}
+
+/// Same as [`matmul_bf16_nt`] with f32 activations and an f32 result (precision as
+/// [`matmul_f32_bf16`]).
+pub fn matmul_f32_bf16_nt(x: &[f32], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+    check_shapes(x.len(), e.len(), m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the required CPU features were detected at runtime.
+        return unsafe { avx512::matmul_f32_bf16(x, e, avx512::Layout::Nk, m, k, n) };
+    }
+    matmul_f32_bf16_nt_portable(x, e, m, k, n)
+}
+
+fn check_shapes(x_len: usize, w_len: usize, m: usize, k: usize, n: usize) {
+    assert_eq!(x_len, m * k, "x must have m * k elements");
+    assert_eq!(w_len, k * n, "the weights must have k * n elements");
+}
+
+/// Raw pointer that may be shared across rayon tasks writing disjoint regions.
+struct SyncPtr<T>(*mut T);
+impl<T> Clone for SyncPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SyncPtr<T> {}
+// SAFETY: only used for writes to disjoint output regions and reads of shared immutable data.
+unsafe impl<T> Send for SyncPtr<T> {}
+unsafe impl<T> Sync for SyncPtr<T> {}
+impl<T> SyncPtr<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// Portable path of [`matmul_bf16`] (public for tests and benchmarks only).
+#[doc(hidden)]
+pub fn matmul_bf16_portable(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
+    check_shapes(x.len(), w.len(), m, k, n);
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    portable_f32(&xf, w, m, k, n)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
+}
+
+/// Portable path of [`matmul_f32_bf16`] (public for tests and benchmarks only).
+#[doc(hidden)]
+pub fn matmul_f32_bf16_portable(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+    check_shapes(x.len(), w.len(), m, k, n);
+    portable_f32(x, w, m, k, n)
+}
+
+/// Blocked f32 product: per task a column block of `PB` columns; rows in groups of `PR` whose
+/// accumulators stay in a small stack array; each weight row slice is widened once per group.
+fn portable_f32(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+    const PB: usize = 128;
+    const PR: usize = 4;
+    let mut y = vec![0f32; m * n];
+    let yp = SyncPtr(y.as_mut_ptr());
+    let blocks = n.div_ceil(PB);
+    (0..blocks).into_par_iter().for_each(|b| {
+        let c0 = b * PB;
+        let nc = PB.min(n - c0);
+        let mut wf = [0f32; PB];
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = PR.min(m - r0);
+            let mut acc = [[0f32; PB]; PR];
+            for kk in 0..k {
+                let wrow = &w[kk * n + c0..kk * n + c0 + nc];
+                for (d, s) in wf.iter_mut().zip(wrow) {
+                    *d = f32::from_bits((s.to_bits() as u32) << 16);
+                }
+                for (r, acc_r) in acc.iter_mut().enumerate().take(rows) {
+                    let xv = x[(r0 + r) * k + kk];
+                    for (a, wv) in acc_r.iter_mut().zip(&wf[..nc]) {
+                        *a += xv * wv;
+                    }
+                }
+            }
+            for (r, acc_r) in acc.iter().enumerate().take(rows) {
+                // SAFETY: each task writes only its own columns `c0..c0 + nc` of each row.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(yp.get().add((r0 + r) * n + c0), nc) };
+                dst.copy_from_slice(&acc_r[..nc]);
+            }
+            r0 += rows;
+        }
+    });
+    y
+}
+
+/// Portable path of [`matmul_bf16_nt`] (public for tests and benchmarks only).
+#[doc(hidden)]
+pub fn matmul_bf16_nt_portable(x: &[bf16], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
+    check_shapes(x.len(), e.len(), m, k, n);
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    portable_f32_nt(&xf, e, m, k, n)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect()
+}
+
+/// Portable path of [`matmul_f32_bf16_nt`] (public for tests and benchmarks only).
+#[doc(hidden)]
+pub fn matmul_f32_bf16_nt_portable(
+    x: &[f32],
+    e: &[bf16],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    check_shapes(x.len(), e.len(), m, k, n);
+    portable_f32_nt(x, e, m, k, n)
+}
+
+/// Transposed-layout product: per task a block of `PB` rows of `e`; each row is widened once and
+/// dotted with every row of `x`.
+fn portable_f32_nt(x: &[f32], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+    const PB: usize = 64;
+    let mut y = vec![0f32; m * n];
+    let yp = SyncPtr(y.as_mut_ptr());
+    (0..n.div_ceil(PB)).into_par_iter().for_each(|b| {
+        let mut ef = vec![0f32; k];
+        for j in b * PB..n.min(b * PB + PB) {
+            for (d, s) in ef.iter_mut().zip(&e[j * k..j * k + k]) {
+                *d = f32::from_bits((s.to_bits() as u32) << 16);
+            }
+            for r in 0..m {
+                let v = dot(&x[r * k..r * k + k], &ef);
+                // SAFETY: each task writes only its own columns `b * PB..` of each row.
+                unsafe { *yp.get().add(r * n + j) = v };
+            }
+        }
+    });
+    y
+}
+
+/// Dot product with 16 independent partial sums (auto-vectorisable).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const L: usize = 16;
+    let mut acc = [0f32; L];
+    let (ac, bc) = (a.chunks_exact(L), b.chunks_exact(L));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(p, q)| p * q)
+        .sum();
+    for (pa, pb) in ac.zip(bc) {
+        for ((s, p), q) in acc.iter_mut().zip(pa).zip(pb) {
+            *s += p * q;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::SyncPtr;
+    use core::arch::x86_64::*;
+    use half::bf16;
+    use rayon::prelude::*;
+    use std::cell::RefCell;
+    use std::sync::OnceLock;
+
+    /// Up to this many rows the streaming (memory-bound) kernel is used.
+    const SMALL_M: usize = 16;
+    /// Rows per microkernel tile of the packed (large-m) path.
+    const MR: usize = 8;
+    /// Columns per packed panel (two zmm of f32 results).
+    const NR: usize = 32;
+    /// Columns per rayon task of the streaming (small-m) kernel: each weight row is read in
+    /// `2 * SCOLS`-byte contiguous runs.
+    const SCOLS: usize = 256;
+    /// Weight rows widened and held in registers at once by the streaming kernel.
+    const SKU: usize = 8;
+    /// Rows of `x` sharing the widened weights per pass of the streaming kernel.
+    const SRG: usize = 4;
+    /// Rows ahead of the current block that the streaming kernel prefetches.
+    const SPF: usize = 16;
+    /// Rows of `e` per rayon task of the transposed streaming kernel.
+    const TROWS: usize = 128;
+    /// Rows of `e` dotted at once by the transposed streaming kernel (sharing each `x` load).
+    const TER: usize = 4;
+    /// Rows of `x` per pass of the transposed streaming kernel (sharing each `e` load).
+    const TXR: usize = 4;
+
+    /// Storage order of the weights.
+    #[derive(Clone, Copy)]
+    pub(super) enum Layout {
+        /// `w[k, n]`, row-major.
+        Kn,
+        /// `e[n, k]`, row-major: each output column is one contiguous row.
+        Nk,
+    }
+
+    pub(super) fn available() -> bool {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bf16")
+        })
+    }
+
+    /// One 64-byte aligned cache line of scratch data.
+    #[derive(Clone, Copy)]
+    #[repr(C, align(64))]
+    struct Line([u32; 16]);
+
+    thread_local! {
+        static SCRATCH: RefCell<(Vec<Line>, Vec<Line>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    }
+
+    /// Runs `f` with this thread's two scratch buffers, grown to at least `a` and `b` cache lines.
+    fn with_scratch<R>(a: usize, b: usize, f: impl FnOnce(*mut u32, *mut u32) -> R) -> R {
+        SCRATCH.with(|s| {
+            let (sa, sb) = &mut *s.borrow_mut();
+            for (v, len) in [(&mut *sa, a), (&mut *sb, b)] {
+                if v.len() < len {
+                    v.resize(len, Line([0; 16]));
+                }
+            }
+            f(sa.as_mut_ptr() as *mut u32, sb.as_mut_ptr() as *mut u32)
+        })
+    }
+
+    fn as_u16(v: &[bf16]) -> &[u16] {
+        bytemuck::cast_slice(v)
+    }
+
+    /// Mask of the first `len.min(16)` lanes.
+    #[inline(always)]
+    fn mask16(len: usize) -> __mmask16 {
+        if len >= 16 {
+            0xffff
+        } else {
+            ((1u32 << len) - 1) as __mmask16
+        }
+    }
+
+    /// Mask of the first `len.min(32)` lanes.
+    #[inline(always)]
+    fn mask32(len: usize) -> __mmask32 {
+        if len >= 32 {
+            u32::MAX
+        } else {
+            (1u32 << len) - 1
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn matmul_bf16(
+        x: &[bf16],
+        w: &[bf16],
+        layout: Layout,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<bf16> {
+        if m <= SMALL_M {
+            let y = match layout {
+                Layout::Kn => {
+                    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                    streaming(&xf, as_u16(w), m, k, n)
+                }
+                Layout::Nk => streaming_nt::<DotPairs>(as_u16(x), as_u16(w), m, k, n),
+            };
+            return f32_to_bf16(&y);
+        }
+        let mut y = vec![bf16::ZERO; m * n];
+        let yp = SyncPtr(y.as_mut_ptr() as *mut u16);
+        packed::<Bf16Pairs>(as_u16(x), as_u16(w), layout, m, k, n, yp);
+        y
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn matmul_f32_bf16(
+        x: &[f32],
+        w: &[bf16],
+        layout: Layout,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<f32> {
+        if m <= SMALL_M {
+            return match layout {
+                Layout::Kn => streaming(x, as_u16(w), m, k, n),
+                Layout::Nk => streaming_nt::<DotWide>(x, as_u16(w), m, k, n),
+            };
+        }
+        let mut y = vec![0f32; m * n];
+        let yp = SyncPtr(y.as_mut_ptr());
+        packed::<F32Wide>(x, as_u16(w), layout, m, k, n, yp);
+        y
+    }
+
+    /// Rounds f32 to bf16 (nearest-even) with `vcvtneps2bf16`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn f32_to_bf16(y: &[f32]) -> Vec<bf16> {
+        let mut out = vec![bf16::ZERO; y.len()];
+        let dst = out.as_mut_ptr() as *mut u16;
+        let mut i = 0;
+        while i < y.len() {
+            let mk = mask16(y.len() - i);
+            let v = _mm512_maskz_loadu_ps(mk, y.as_ptr().add(i));
+            let h: __m256i = core::mem::transmute(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(dst.add(i) as *mut i16, mk, h);
+            i += 16;
+        }
+        out
+    }
+
+    // ---------------------------------------------------------------- streaming (small m)
+
+    /// Small-m product. Each rayon task owns `SCOLS` columns and walks down `w` `SKU` rows at a
+    /// time. Partial sums live in per-thread scratch laid out `[32-column slice][row][32]`
+    /// (even columns, then odd), so they stay in L1 without cache-set conflicts.
+    fn streaming(x: &[f32], w: &[u16], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut y = vec![0f32; m * n];
+        let yp = SyncPtr(y.as_mut_ptr());
+        let wp = SyncPtr(w.as_ptr() as *mut u16);
+        (0..n.div_ceil(SCOLS)).into_par_iter().for_each(|t| {
+            let c0 = t * SCOLS;
+            let cw = SCOLS.min(n - c0);
+            with_scratch(m * SCOLS / 16, 0, |acc, _| {
+                let acc = acc as *mut f32;
+                // SAFETY: `x`, `w`, `y` hold `m * k`, `k * n`, `m * n` elements and `acc`
+                // `m * SCOLS` f32; this task touches only columns `c0..c0 + cw` of `y`;
+                // features were checked by the caller.
+                unsafe {
+                    let wc = wp.get().add(c0) as *const u16;
+                    stream_zero(acc, m, cw);
+                    let main = k - k % SKU;
+                    for k0 in (0..main).step_by(SKU) {
+                        stream_rows::<SKU>(x, m, k, k0, wc, n, cw, acc);
+                    }
+                    for k0 in main..k {
+                        stream_rows::<1>(x, m, k, k0, wc, n, cw, acc);
+                    }
+                    stream_store(acc, m, cw, yp.get().add(c0), n);
+                }
+            });
+        });
+        y
+    }
+
+    /// Zeroes the scratch sums of `m` rows x `cw` columns.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn stream_zero(acc: *mut f32, m: usize, cw: usize) {
+        for i in (0..m * cw.next_multiple_of(32)).step_by(16) {
+            _mm512_store_ps(acc.add(i), _mm512_setzero_ps());
+        }
+    }
+
+    /// Copies the scratch sums into `y[:, 0..cw]` (row stride `n`), re-interleaving the even
+    /// and odd column halves of each 32-column slice.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn stream_store(acc: *const f32, m: usize, cw: usize, y: *mut f32, n: usize) {
+        let idx_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        let idx_hi =
+            _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        for j in (0..cw).step_by(32) {
+            for r in 0..m {
+                let src = acc.add(j * m + r * 32);
+                let (even, odd) = (_mm512_load_ps(src), _mm512_load_ps(src.add(16)));
+                let dst = y.add(r * n + j);
+                let lo = _mm512_permutex2var_ps(even, idx_lo, odd);
+                let hi = _mm512_permutex2var_ps(even, idx_hi, odd);
+                _mm512_mask_storeu_ps(dst, mask16(cw - j), lo);
+                _mm512_mask_storeu_ps(dst.add(16), mask16((cw - j).saturating_sub(16)), hi);
+            }
+        }
+    }
+
+    /// Adds `x[:, k0..k0 + KU] * w[k0..k0 + KU, 0..cw]` into the scratch sums (`w` offset to
+    /// the task's first column, row stride `n`). A 32-column slice of a weight row is one
+    /// 512-bit load, split into even and odd columns as f32 (`<< 16` and `& 0xffff0000` on the
+    /// 32-bit lanes) and reused for all rows of `x`; sums are kept in that even/odd order.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn stream_rows<const KU: usize>(
+        x: &[f32],
+        m: usize,
+        k: usize,
+        k0: usize,
+        w: *const u16,
+        n: usize,
+        cw: usize,
+        acc: *mut f32,
+    ) {
+        let x = x.as_ptr().add(k0);
+        let hi_mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        for j in (0..cw).step_by(32) {
+            let mk = mask32(cw - j);
+            if k0 + SPF + KU <= k {
+                for u in 0..KU {
+                    _mm_prefetch::<_MM_HINT_T0>(w.add((k0 + SPF + u) * n + j) as *const i8);
+                }
+            }
+            let mut wv = [[_mm512_setzero_ps(); 2]; KU];
+            for (u, wu) in wv.iter_mut().enumerate() {
+                let v = _mm512_maskz_loadu_epi16(mk, w.add((k0 + u) * n + j) as *const i16);
+                wu[0] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                wu[1] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
+            }
+            let slice = acc.add(j * m);
+            let mut r0 = 0;
+            while r0 < m {
+                let (xr, ar) = (x.add(r0 * k), slice.add(r0 * 32));
+                match m - r0 {
+                    1 => stream_fma::<KU, 1>(&wv, xr, k, ar),
+                    2 => stream_fma::<KU, 2>(&wv, xr, k, ar),
+                    3 => stream_fma::<KU, 3>(&wv, xr, k, ar),
+                    _ => stream_fma::<KU, SRG>(&wv, xr, k, ar),
+                }
+                r0 += SRG;
+            }
+        }
+    }
+
+    /// `R` rows: `acc[r][0..32] += sum_u x[r, u] * wv[u]` (even/odd column order).
+    #[inline(always)]
+    unsafe fn stream_fma<const KU: usize, const R: usize>(
+        wv: &[[__m512; 2]; KU],
+        x: *const f32,
+        k: usize,
+        acc: *mut f32,
+    ) {
+        let mut a: [[__m512; 2]; R] = core::array::from_fn(|r| {
+            let p = acc.add(r * 32);
+            [_mm512_load_ps(p), _mm512_load_ps(p.add(16))]
+        });
+        for (u, wu) in wv.iter().enumerate() {
+            for (r, ar) in a.iter_mut().enumerate() {
+                let xv = _mm512_set1_ps(*x.add(r * k + u));
+                ar[0] = _mm512_fmadd_ps(xv, wu[0], ar[0]);
+                ar[1] = _mm512_fmadd_ps(xv, wu[1], ar[1]);
+            }
+        }
+        for (r, ar) in a.iter().enumerate() {
+            let p = acc.add(r * 32);
+            _mm512_store_ps(p, ar[0]);
+            _mm512_store_ps(p.add(16), ar[1]);
+        }
+    }
+
+    // ------------------------------------------------- transposed streaming (small m)
+
+    /// How a 32-element chunk of a row of `e` meets the matching chunk of a row of `x`. Rows of
+    /// `x` are rewritten once per call into zero-padded rows of `k.next_multiple_of(32)`.
+    trait RowDot {
+        type X: Copy + Default + Sync;
+        /// A chunk of `e`, ready to multiply.
+        type E: Copy;
+        /// A chunk of `x`.
+        type Xv: Copy;
+        /// Rewrites one row of `x` into `dst` (already zeroed, padded length).
+        fn prep_x(row: &[Self::X], dst: &mut [Self::X]);
+        unsafe fn load_e(p: *const u16, mk: __mmask32) -> Self::E;
+        unsafe fn load_x(p: *const Self::X) -> Self::Xv;
+        /// `acc + e . x`, folded into 16 f32 lanes.
+        unsafe fn dot(acc: __m512, e: Self::E, x: Self::Xv) -> __m512;
+    }
+
+    /// bf16 activations: `x` copied as is, one `vdpbf16ps` per chunk.
+    struct DotPairs;
+
+    impl RowDot for DotPairs {
+        type X = u16;
+        type E = __m512bh;
+        type Xv = __m512bh;
+
+        fn prep_x(row: &[u16], dst: &mut [u16]) {
+            dst[..row.len()].copy_from_slice(row);
+        }
+
+        #[inline(always)]
+        unsafe fn load_e(p: *const u16, mk: __mmask32) -> __m512bh {
+            core::mem::transmute(_mm512_maskz_loadu_epi16(mk, p as *const i16))
+        }
+
+        #[inline(always)]
+        unsafe fn load_x(p: *const u16) -> __m512bh {
+            core::mem::transmute(_mm512_loadu_si512(p as *const __m512i))
+        }
+
+        #[inline(always)]
+        unsafe fn dot(acc: __m512, e: __m512bh, x: __m512bh) -> __m512 {
+            _mm512_dpbf16_ps(acc, e, x)
+        }
+    }
+
+    /// f32 activations: a chunk of `e` is split into even and odd elements widened to f32
+    /// (`<< 16` and `& 0xffff0000` on the 32-bit lanes); each 32-element chunk of `x` is stored
+    /// as its 16 even elements followed by its 16 odd ones to match.
+    struct DotWide;
+
+    impl RowDot for DotWide {
+        type X = f32;
+        type E = [__m512; 2];
+        type Xv = [__m512; 2];
+
+        fn prep_x(row: &[f32], dst: &mut [f32]) {
+            for (i, &v) in row.iter().enumerate() {
+                dst[i / 32 * 32 + i % 2 * 16 + i % 32 / 2] = v;
+            }
+        }
+
+        #[inline(always)]
+        unsafe fn load_e(p: *const u16, mk: __mmask32) -> [__m512; 2] {
+            let v = _mm512_maskz_loadu_epi16(mk, p as *const i16);
+            let hi = _mm512_and_si512(v, _mm512_set1_epi32(0xffff_0000u32 as i32));
+            [
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)),
+                _mm512_castsi512_ps(hi),
+            ]
+        }
+
+        #[inline(always)]
+        unsafe fn load_x(p: *const f32) -> [__m512; 2] {
+            [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
+        }
+
+        #[inline(always)]
+        unsafe fn dot(acc: __m512, e: [__m512; 2], x: [__m512; 2]) -> __m512 {
+            _mm512_fmadd_ps(e[1], x[1], _mm512_fmadd_ps(e[0], x[0], acc))
+        }
+    }
+
+    /// Small-m product with transposed weights. Each rayon task owns `TROWS` rows of `e`
+    /// (output columns), split into `TER` equal runs that are streamed in lockstep, one row of
+    /// each at a time; those rows stay in L1 while every row of `x` is dotted with them. (Rows
+    /// from distant pages keep the hardware prefetcher at full bandwidth; adjacent rows,
+    /// interleaved, halve it.) Leftover rows are done one by one.
+    fn streaming_nt<D: RowDot>(x: &[D::X], e: &[u16], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let kp = k.next_multiple_of(32);
+        let mut xp = vec![D::X::default(); m * kp];
+        for r in 0..m {
+            D::prep_x(&x[r * k..r * k + k], &mut xp[r * kp..r * kp + kp]);
+        }
+        let mut y = vec![0f32; m * n];
+        let yp = SyncPtr(y.as_mut_ptr());
+        (0..n.div_ceil(TROWS)).into_par_iter().for_each(|t| {
+            let (j0, end) = (t * TROWS, n.min(t * TROWS + TROWS));
+            let sp = (end - j0) / TER;
+            // SAFETY: `e` holds `n * k` elements, `xp` `m * kp` and `y` `m * n`; this task
+            // writes only columns `j0..end` of `y`; features were checked by the caller.
+            unsafe {
+                for j in j0..j0 + sp {
+                    let (ej, yj) = (e.as_ptr().add(j * k), yp.get().add(j));
+                    nt_rows::<D, TER>(ej, k, sp, &xp, kp, m, yj, n);
+                }
+                for j in j0 + TER * sp..end {
+                    let (ej, yj) = (e.as_ptr().add(j * k), yp.get().add(j));
+                    nt_rows::<D, 1>(ej, k, 1, &xp, kp, m, yj, n);
+                }
+            }
+        });
+        y
+    }
+
+    /// `y[r, u * sp] = e[u * sp, :] . x[r, :]` for `u < ER` (rows of `e` `sp` apart) and all `m`
+    /// rows of `x` (prepared, row stride `kp`); `y` has row stride `n`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn nt_rows<D: RowDot, const ER: usize>(
+        e: *const u16,
+        k: usize,
+        sp: usize,
+        x: &[D::X],
+        kp: usize,
+        m: usize,
+        y: *mut f32,
+        n: usize,
+    ) {
+        let mut r0 = 0;
+        while r0 < m {
+            let (xr, yr) = (x.as_ptr().add(r0 * kp), y.add(r0 * n));
+            match m - r0 {
+                1 => nt_tile::<D, ER, 1>(e, k, sp, xr, kp, yr, n),
+                2 => nt_tile::<D, ER, 2>(e, k, sp, xr, kp, yr, n),
+                3 => nt_tile::<D, ER, 3>(e, k, sp, xr, kp, yr, n),
+                _ => nt_tile::<D, ER, TXR>(e, k, sp, xr, kp, yr, n),
+            }
+            r0 += TXR;
+        }
+    }
+
+    /// `ER` rows of `e` x `XR` rows of `x`: one zmm of partial sums per pair, reduced at the end.
+    #[inline(always)]
+    unsafe fn nt_tile<D: RowDot, const ER: usize, const XR: usize>(
+        e: *const u16,
+        k: usize,
+        sp: usize,
+        x: *const D::X,
+        kp: usize,
+        y: *mut f32,
+        n: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); XR]; ER];
+        for i in (0..k).step_by(32) {
+            let mk = mask32(k - i);
+            let ev: [D::E; ER] = core::array::from_fn(|u| D::load_e(e.add(u * sp * k + i), mk));
+            for r in 0..XR {
+                let xv = D::load_x(x.add(r * kp + i));
+                for (acc_u, &evu) in acc.iter_mut().zip(&ev) {
+                    acc_u[r] = D::dot(acc_u[r], evu, xv);
+                }
+            }
+        }
+        for (u, acc_u) in acc.iter().enumerate() {
+            for (r, &a) in acc_u.iter().enumerate() {
+                *y.add(r * n + u * sp) = _mm512_reduce_add_ps(a);
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- packed (large m)
+
+    /// Reduction steps per k-block: the packed `w` slice of one panel (`KC * NR` words, 16 KiB)
+    /// stays in L1 while the microkernel sweeps all row blocks.
+    const KC: usize = 128;
+    // `pack_transposed` writes whole 16-step blocks.
+    const _: () = assert!(KC.is_multiple_of(16));
+    /// Columns per rayon task (a multiple of `NR`); each k-block of packed `x` is reused across
+    /// them from L2.
+    const NC: usize = 4 * NR;
+
+    /// Destination of a tile's final store: `rows` x `nc` elements at `y` with row stride `n`.
+    struct Out<Y> {
+        y: *mut Y,
+        n: usize,
+        rows: usize,
+        nc: usize,
+    }
+
+    /// A packed-panel microkernel family. Both operands are packed into 32-bit words per
+    /// "step" (`STEP` consecutive k): `x` row blocks as `[steps][MR]` (one broadcast word per
+    /// row) and `w` column panels as `[steps][NR]` (two zmm per step).
+    trait PanelKernel {
+        type X: Copy + Sync;
+        type Y;
+        /// k elements per step.
+        const STEP: usize;
+        /// Packs `x.len() / k` (at most `MR`) rows of `x` into `dst` (`[steps][MR]`, pre-zeroed).
+        fn pack_x(x: &[Self::X], k: usize, dst: &mut [u32]);
+        /// Packs `kr` rows and columns `0..nc` of `w` (row stride `n`) into `[steps][NR]`,
+        /// zero padding.
+        unsafe fn pack_kn(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32);
+        /// As `pack_kn` for transposed weights: column `j` is `kr` elements at `e + j * k`.
+        /// `dst` must hold `steps` rounded up to 16 rows.
+        unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32);
+        /// `MR` x `NR` tile over `steps` steps. Accumulators start at zero if `first`, else
+        /// from `c` (f32, row stride `NC`); they end in `out` if given, else back in `c`.
+        unsafe fn tile(
+            steps: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut f32,
+            first: bool,
+            out: Option<Out<Self::Y>>,
+        );
+    }
+
+    /// GotoBLAS-style blocking: `x` is packed once (row blocks in parallel); rayon tasks own
+    /// `NC` columns; per k-block each `KC x NR` panel of `w` is packed into L1-sized scratch and
+    /// the microkernel runs over all row blocks, with partial sums kept in an f32 scratch tile.
+    fn packed<K: PanelKernel>(
+        x: &[K::X],
+        w: &[u16],
+        layout: Layout,
+        m: usize,
+        k: usize,
+        n: usize,
+        y: SyncPtr<K::Y>,
+    ) {
+        let steps = k.div_ceil(K::STEP);
+        let block = steps * MR;
+        let blocks = m.div_ceil(MR);
+        let mut a = vec![0u32; blocks * block];
+        if block > 0 {
+            a.par_chunks_mut(block)
+                .zip(x.par_chunks(MR * k))
+                .for_each(|(dst, xs)| K::pack_x(xs, k, dst));
+        }
+        let a = &a;
+        let wp = SyncPtr(w.as_ptr() as *mut u16);
+        let c_lines = if steps > KC { blocks * MR * NC / 16 } else { 0 };
+        (0..n.div_ceil(NC)).into_par_iter().for_each(|t| {
+            with_scratch(KC * NR / 16, c_lines, |panel, c| {
+                let c = c as *mut f32;
+                for s0 in (0..steps.max(1)).step_by(KC) {
+                    let ks = KC.min(steps - s0);
+                    let k0 = s0 * K::STEP;
+                    let kr = (ks * K::STEP).min(k - k0);
+                    let first = s0 == 0;
+                    let last = s0 + KC >= steps;
+                    for c0 in (t * NC..n.min(t * NC + NC)).step_by(NR) {
+                        let nc = NR.min(n - c0);
+                        // SAFETY: `w` covers `k * n` and `y` `m * n` elements; the panel holds
+                        // `KC * NR` words (`KC` is a multiple of 16), `c` holds `blocks * MR` rows of `NC` f32, `a` holds
+                        // `steps * MR` words per row block; this task writes only its own
+                        // columns; features were checked by the caller.
+                        unsafe {
+                            match layout {
+                                Layout::Kn => {
+                                    K::pack_kn(wp.get().add(k0 * n + c0), kr, n, nc, panel)
+                                }
+                                Layout::Nk => {
+                                    K::pack_nk(wp.get().add(c0 * k + k0), kr, k, nc, panel)
+                                }
+                            }
+                            for blk in 0..blocks {
+                                let r0 = blk * MR;
+                                let out = last.then(|| Out {
+                                    y: y.get().add(r0 * n + c0),
+                                    n,
+                                    rows: MR.min(m - r0),
+                                    nc,
+                                });
+                                K::tile(
+                                    ks,
+                                    a.as_ptr().add(blk * block + s0 * MR),
+                                    panel,
+                                    c.wrapping_add(r0 * NC + c0 - t * NC),
+                                    first,
+                                    out,
+                                );
+                            }
+                        }
+                    }
+                }
+            });
+        });
+    }
+
+    /// bf16 activations, `vdpbf16ps` on k-pairs: a word holds elements `2p` (low half) and
+    /// `2p + 1` (high half, zero past the end) of a row of `x` or a column of `w`.
+    struct Bf16Pairs;
+
+    impl PanelKernel for Bf16Pairs {
+        type X = u16;
+        type Y = u16;
+        const STEP: usize = 2;
+
+        fn pack_x(x: &[u16], k: usize, dst: &mut [u32]) {
+            for (r, row) in x.chunks_exact(k).enumerate() {
+                for (p, pair) in row.chunks(2).enumerate() {
+                    let hi = pair.get(1).copied().unwrap_or(0);
+                    dst[p * MR + r] = pair[0] as u32 | (hi as u32) << 16;
+                }
+            }
+        }
+
+        #[inline]
+        unsafe fn pack_kn(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+            pack_pairs(w, kr, n, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+            pack_transposed::<2>(e, kr, k, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn tile(
+            steps: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut f32,
+            first: bool,
+            out: Option<Out<u16>>,
+        ) {
+            dp_tile(steps, a, b, c, first, out)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn pack_pairs(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+        let mk = mask32(nc);
+        let idx_a = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+        let idx_b = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+        let zero = _mm512_setzero_si512();
+        for p in 0..kr.div_ceil(2) {
+            let a = _mm512_maskz_loadu_epi16(mk, w.add(2 * p * n) as *const i16);
+            let b = if 2 * p + 1 < kr {
+                _mm512_maskz_loadu_epi16(mk, w.add((2 * p + 1) * n) as *const i16)
+            } else {
+                zero
+            };
+            // Per 128-bit lane: lo = columns 0..4 interleaved, hi = columns 4..8.
+            let lo = _mm512_unpacklo_epi16(a, b);
+            let hi = _mm512_unpackhi_epi16(a, b);
+            let d = dst.add(p * NR) as *mut __m512i;
+            _mm512_store_si512(d, _mm512_permutex2var_epi64(lo, idx_a, hi));
+            _mm512_store_si512(d.add(1), _mm512_permutex2var_epi64(lo, idx_b, hi));
+        }
+    }
+
+    /// Packs a transposed panel (see [`PanelKernel::pack_nk`]) whose words are `STEP` bf16
+    /// (`STEP == 1`: widened to f32). Blocks of 16 steps x 16 columns are loaded as one
+    /// 16-word run per column and transposed in registers.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn pack_transposed<const STEP: usize>(
+        e: *const u16,
+        kr: usize,
+        k: usize,
+        nc: usize,
+        dst: *mut u32,
+    ) {
+        for s0 in (0..kr.div_ceil(STEP)).step_by(16) {
+            let (k0, left) = (s0 * STEP, kr - s0 * STEP);
+            for h in 0..NR / 16 {
+                let mut cols = [_mm512_setzero_si512(); 16];
+                for (i, col) in cols.iter_mut().enumerate().take(nc.saturating_sub(16 * h)) {
+                    let src = e.add((16 * h + i) * k + k0) as *const i16;
+                    *col = if STEP == 2 {
+                        _mm512_maskz_loadu_epi16(mask32(left), src)
+                    } else {
+                        let v = _mm256_maskz_loadu_epi16(mask16(left), src);
+                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v))
+                    };
+                }
+                for (i, v) in transpose16(cols).into_iter().enumerate() {
+                    _mm512_store_si512(dst.add((s0 + i) * NR + 16 * h) as *mut __m512i, v);
+                }
+            }
+        }
+    }
+
+    /// Transposes a 16 x 16 matrix of 32-bit words held one row per register.
+    #[inline(always)]
+    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // Within each 128-bit lane: 2 x 2 blocks of words, then 4 x 4 blocks.
+        let mut a = r;
+        for i in (0..16).step_by(2) {
+            a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+            a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        }
+        let mut b = a;
+        for i in (0..16).step_by(4) {
+            b[i] = _mm512_unpacklo_epi64(a[i], a[i + 2]);
+            b[i + 1] = _mm512_unpackhi_epi64(a[i], a[i + 2]);
+            b[i + 2] = _mm512_unpacklo_epi64(a[i + 1], a[i + 3]);
+            b[i + 3] = _mm512_unpackhi_epi64(a[i + 1], a[i + 3]);
+        }
+        // `b[4q + c]` lane `l` holds rows `4q..4q + 4` of column `4l + c`: transpose the lanes.
+        let mut out = b;
+        for c in 0..4 {
+            let d0 = _mm512_shuffle_i32x4::<0x44>(b[c], b[4 + c]);
+            let d1 = _mm512_shuffle_i32x4::<0xee>(b[c], b[4 + c]);
+            let d2 = _mm512_shuffle_i32x4::<0x44>(b[8 + c], b[12 + c]);
+            let d3 = _mm512_shuffle_i32x4::<0xee>(b[8 + c], b[12 + c]);
+            out[c] = _mm512_shuffle_i32x4::<0x88>(d0, d2);
+            out[4 + c] = _mm512_shuffle_i32x4::<0xdd>(d0, d2);
+            out[8 + c] = _mm512_shuffle_i32x4::<0x88>(d1, d3);
+            out[12 + c] = _mm512_shuffle_i32x4::<0xdd>(d1, d3);
+        }
+        out
+    }
+
+    /// Loads (or zeroes) the `MR x NR` f32 accumulators.
+    #[inline(always)]
+    unsafe fn acc_init(c: *const f32, first: bool) -> [[__m512; 2]; MR] {
+        core::array::from_fn(|r| {
+            core::array::from_fn(|v| {
+                if first {
+                    _mm512_setzero_ps()
+                } else {
+                    _mm512_loadu_ps(c.add(r * NC + 16 * v))
+                }
+            })
+        })
+    }
+
+    /// Stores the accumulators back to the f32 scratch tile.
+    #[inline(always)]
+    unsafe fn acc_spill(acc: &[[__m512; 2]; MR], c: *mut f32) {
+        for (r, acc_r) in acc.iter().enumerate() {
+            _mm512_storeu_ps(c.add(r * NC), acc_r[0]);
+            _mm512_storeu_ps(c.add(r * NC + 16), acc_r[1]);
+        }
+    }
+
+    /// `MR` x 32 tile: per k-pair, two panel loads and `2 * MR` `vdpbf16ps` against the
+    /// broadcast `(x[r, 2p], x[r, 2p + 1])` word; the final store rounds to bf16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn dp_tile(
+        steps: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        first: bool,
+        out: Option<Out<u16>>,
+    ) {
+        let mut acc = acc_init(c, first);
+        for s in 0..steps {
+            let bs = b.add(s * NR) as *const __m512i;
+            let b0: __m512bh = core::mem::transmute(_mm512_load_si512(bs));
+            let b1: __m512bh = core::mem::transmute(_mm512_load_si512(bs.add(1)));
+            let as_ = a.add(s * MR);
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let xv: __m512bh = core::mem::transmute(_mm512_set1_epi32(*as_.add(r) as i32));
+                acc_r[0] = _mm512_dpbf16_ps(acc_r[0], xv, b0);
+                acc_r[1] = _mm512_dpbf16_ps(acc_r[1], xv, b1);
+            }
+        }
+        let Some(o) = out else {
+            return acc_spill(&acc, c);
+        };
+        let m0 = mask16(o.nc);
+        let m1 = mask16(o.nc.saturating_sub(16));
+        for (r, acc_r) in acc.iter().enumerate().take(o.rows) {
+            let dst = o.y.add(r * o.n) as *mut i16;
+            let h0: __m256i = core::mem::transmute(_mm512_cvtneps_pbh(acc_r[0]));
+            let h1: __m256i = core::mem::transmute(_mm512_cvtneps_pbh(acc_r[1]));
+            _mm256_mask_storeu_epi16(dst, m0, h0);
+            _mm256_mask_storeu_epi16(dst.add(16), m1, h1);
+        }
+    }
+
+    /// f32 activations, FMA against weights widened to f32; a word is one f32.
+    struct F32Wide;
+
+    impl PanelKernel for F32Wide {
+        type X = f32;
+        type Y = f32;
+        const STEP: usize = 1;
+
+        fn pack_x(x: &[f32], k: usize, dst: &mut [u32]) {
+            for (r, row) in x.chunks_exact(k).enumerate() {
+                for (kk, v) in row.iter().enumerate() {
+                    dst[kk * MR + r] = v.to_bits();
+                }
+            }
+        }
+
+        #[inline]
+        unsafe fn pack_kn(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+            pack_wide(w, kr, n, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+            pack_transposed::<1>(e, kr, k, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn tile(
+            steps: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut f32,
+            first: bool,
+            out: Option<Out<f32>>,
+        ) {
+            fma_tile(steps, a, b, c, first, out)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn pack_wide(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+        let m0 = mask16(nc);
+        let m1 = mask16(nc.saturating_sub(16));
+        for kk in 0..kr {
+            let src = w.add(kk * n) as *const i16;
+            let lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, src));
+            let hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, src.add(16)));
+            let d = dst.add(kk * NR) as *mut __m512i;
+            _mm512_store_si512(d, _mm512_slli_epi32::<16>(lo));
+            _mm512_store_si512(d.add(1), _mm512_slli_epi32::<16>(hi));
+        }
+    }
+
+    /// `MR` x 32 tile of f32 FMAs against the widened panel.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn fma_tile(
+        steps: usize,
+        a: *const u32,
+        b: *const u32,
+        c: *mut f32,
+        first: bool,
+        out: Option<Out<f32>>,
+    ) {
+        let mut acc = acc_init(c, first);
+        for s in 0..steps {
+            let bs = b.add(s * NR) as *const f32;
+            let b0 = _mm512_load_ps(bs);
+            let b1 = _mm512_load_ps(bs.add(16));
+            let as_ = a.add(s * MR) as *const f32;
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let xv = _mm512_set1_ps(*as_.add(r));
+                acc_r[0] = _mm512_fmadd_ps(xv, b0, acc_r[0]);
+                acc_r[1] = _mm512_fmadd_ps(xv, b1, acc_r[1]);
+            }
+        }
+        let Some(o) = out else {
+            return acc_spill(&acc, c);
+        };
+        let m0 = mask16(o.nc);
+        let m1 = mask16(o.nc.saturating_sub(16));
+        for (r, acc_r) in acc.iter().enumerate().take(o.rows) {
+            let dst = o.y.add(r * o.n);
+            _mm512_mask_storeu_ps(dst, m0, acc_r[0]);
+            _mm512_mask_storeu_ps(dst.add(16), m1, acc_r[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1).
+    fn lcg(seed: u64, len: usize) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// f64 reference: `(y, sum_k |x * w|)` per output element.
+    fn reference(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<(f64, f64)> {
+        let mut out = vec![(0f64, 0f64); m * n];
+        for i in 0..m {
+            for kk in 0..k {
+                let xv = x[i * k + kk] as f64;
+                for j in 0..n {
+                    let t = xv * w[kk * n + j].to_f64();
+                    out[i * n + j].0 += t;
+                    out[i * n + j].1 += t.abs();
+                }
+            }
+        }
+        out
+    }
+
+    const MS: [usize; 6] = [1, 2, 7, 8, 33, 256];
+    const KS: [usize; 5] = [1, 3, 64, 1023, 1024];
+    const NS: [usize; 5] = [1, 17, 32, 1000, 1024];
+    const MS_NT: [usize; 7] = [1, 2, 7, 16, 17, 33, 256];
+    const NS_NT: [usize; 4] = [1, 17, 32, 1000];
+
+    fn shapes_of(
+        ms: &'static [usize],
+        ns: &'static [usize],
+    ) -> impl Iterator<Item = (usize, usize, usize)> {
+        ms.iter().flat_map(move |&m| {
+            KS.iter()
+                .flat_map(move |&k| ns.iter().map(move |&n| (m, k, n)))
+                // Keep the f64 reference cheap: skip the largest combinations.
+                .filter(|&(m, k, n)| m * k * n <= 64 * 1024 * 1024)
+        })
+    }
+
+    fn shapes() -> impl Iterator<Item = (usize, usize, usize)> {
+        shapes_of(&MS, &NS)
+    }
+
+    /// `w[rows, cols]` -> `w^T[cols, rows]`.
+    fn transpose(w: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+        (0..cols * rows)
+            .map(|i| w[(i % rows) * cols + i / rows])
+            .collect()
+    }
+
+    fn inputs(m: usize, k: usize, n: usize) -> (Vec<f32>, Vec<bf16>) {
+        let x = lcg((m * 31 + k * 7 + n) as u64, m * k);
+        let w = lcg((m + k * 13 + n * 5) as u64 ^ 0xabcd, k * n)
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        (x, w)
+    }
+
+    /// bf16 results: one bf16 rounding of the exact value (relative 2^-9, allow 2^-8) plus f32
+    /// accumulation error, bounded by `1e-4 * sum |x * w|`.
+    fn check_bf16(got: &[bf16], refv: &[(f64, f64)], what: &str, shape: (usize, usize, usize)) {
+        assert_eq!(got.len(), refv.len());
+        for (i, (g, &(r, s))) in got.iter().zip(refv).enumerate() {
+            let tol = r.abs() / 256.0 + 1e-4 * s + 1e-30;
+            let d = (g.to_f64() - r).abs();
+            assert!(
+                d <= tol,
+                "{what} {shape:?} at {i}: got {g} want {r} (diff {d}, tol {tol})"
+            );
+        }
+    }
+
+    /// f32 results: f32 accumulation error, bounded by `1e-4 * sum |x * w|`.
+    fn check_f32(got: &[f32], refv: &[(f64, f64)], what: &str, shape: (usize, usize, usize)) {
+        assert_eq!(got.len(), refv.len());
+        for (i, (&g, &(r, s))) in got.iter().zip(refv).enumerate() {
+            let tol = 1e-4 * s + 1e-30;
+            let d = (g as f64 - r).abs();
+            assert!(
+                d <= tol,
+                "{what} {shape:?} at {i}: got {g} want {r} (diff {d}, tol {tol})"
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_matches_reference() {
+        for (m, k, n) in shapes() {
+            let (x, w) = inputs(m, k, n);
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+            let refv = reference(&xr, &w, m, k, n);
+            check_bf16(&matmul_bf16(&xb, &w, m, k, n), &refv, "fast", (m, k, n));
+            check_bf16(
+                &matmul_bf16_portable(&xb, &w, m, k, n),
+                &refv,
+                "portable",
+                (m, k, n),
+            );
+        }
+    }
+
+    #[test]
+    fn f32_matches_reference() {
+        for (m, k, n) in shapes() {
+            let (x, w) = inputs(m, k, n);
+            let refv = reference(&x, &w, m, k, n);
+            check_f32(&matmul_f32_bf16(&x, &w, m, k, n), &refv, "fast", (m, k, n));
+            check_f32(
+                &matmul_f32_bf16_portable(&x, &w, m, k, n),
+                &refv,
+                "portable",
+                (m, k, n),
+            );
+        }
+    }
+
+    #[test]
+    fn bf16_nt_matches_reference() {
+        for (m, k, n) in shapes_of(&MS_NT, &NS_NT) {
+            let (x, w) = inputs(m, k, n);
+            let e = transpose(&w, k, n);
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+            let refv = reference(&xr, &w, m, k, n);
+            check_bf16(
+                &matmul_bf16_nt(&xb, &e, m, k, n),
+                &refv,
+                "fast nt",
+                (m, k, n),
+            );
+            check_bf16(
+                &matmul_bf16_nt_portable(&xb, &e, m, k, n),
+                &refv,
+                "portable nt",
+                (m, k, n),
+            );
+        }
+    }
+
+    #[test]
+    fn f32_nt_matches_reference() {
+        for (m, k, n) in shapes_of(&MS_NT, &NS_NT) {
+            let (x, w) = inputs(m, k, n);
+            let e = transpose(&w, k, n);
+            let refv = reference(&x, &w, m, k, n);
+            check_f32(
+                &matmul_f32_bf16_nt(&x, &e, m, k, n),
+                &refv,
+                "fast nt",
+                (m, k, n),
+            );
+            check_f32(
+                &matmul_f32_bf16_nt_portable(&x, &e, m, k, n),
+                &refv,
+                "portable nt",
+                (m, k, n),
+            );
+        }
+    }
+
+    #[test]
+    fn nt_matches_nn_on_transpose() {
+        for m in MS_NT {
+            for (k, n) in [(1, 1), (3, 17), (64, 32), (1023, 100), (1024, 1000)] {
+                // Small integers sum exactly in f32: every path agrees bit for bit.
+                let x: Vec<bf16> = (0..m * k)
+                    .map(|i| bf16::from_f32((i % 7) as f32 - 3.0))
+                    .collect();
+                let e: Vec<bf16> = (0..n * k)
+                    .map(|i| bf16::from_f32((i % 5) as f32 - 2.0))
+                    .collect();
+                let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                let w = transpose(&e, n, k);
+                assert_eq!(
+                    matmul_bf16_nt(&x, &e, m, k, n),
+                    matmul_bf16(&x, &w, m, k, n)
+                );
+                assert_eq!(
+                    matmul_f32_bf16_nt(&xf, &e, m, k, n),
+                    matmul_f32_bf16(&xf, &w, m, k, n)
+                );
+                // The packed path feeds the same panels to the same microkernel in both
+                // layouts, so arbitrary values agree bit for bit too.
+                if m > 16 {
+                    let (xf, w) = inputs(m, k, n);
+                    let x: Vec<bf16> = xf.iter().map(|&v| bf16::from_f32(v)).collect();
+                    let e = transpose(&w, k, n);
+                    assert_eq!(
+                        matmul_bf16_nt(&x, &e, m, k, n),
+                        matmul_bf16(&x, &w, m, k, n)
+                    );
+                    assert_eq!(
+                        matmul_f32_bf16_nt(&xf, &e, m, k, n),
+                        matmul_f32_bf16(&xf, &w, m, k, n)
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn all_sizes_near_thresholds() {
+        for m in 1..=20 {
+            for (k, n) in [(1, 1), (2, 31), (5, 33), (17, 65), (40, 95)] {
+                let (x, w) = inputs(m, k, n);
+                let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+                let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+                let (refb, reff) = (reference(&xr, &w, m, k, n), reference(&x, &w, m, k, n));
+                let e = transpose(&w, k, n);
+                check_bf16(&matmul_bf16(&xb, &w, m, k, n), &refb, "fast", (m, k, n));
+                check_bf16(
+                    &matmul_bf16_nt(&xb, &e, m, k, n),
+                    &refb,
+                    "fast nt",
+                    (m, k, n),
+                );
+                check_f32(&matmul_f32_bf16(&x, &w, m, k, n), &reff, "fast", (m, k, n));
+                check_f32(
+                    &matmul_f32_bf16_nt(&x, &e, m, k, n),
+                    &reff,
+                    "fast nt",
+                    (m, k, n),
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn exact_small_integers() {
+        // Small integer products sum exactly in f32, so every path must agree bit for bit.
+        let (m, k, n) = (37, 129, 70);
+        let x: Vec<bf16> = (0..m * k)
+            .map(|i| bf16::from_f32((i % 7) as f32 - 3.0))
+            .collect();
+        let w: Vec<bf16> = (0..k * n)
+            .map(|i| bf16::from_f32((i % 5) as f32 - 2.0))
+            .collect();
+        let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+        let want: Vec<f32> = reference(&xf, &w, m, k, n)
+            .iter()
+            .map(|r| r.0 as f32)
+            .collect();
+        let want_b: Vec<bf16> = want.iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(matmul_bf16(&x, &w, m, k, n), want_b);
+        assert_eq!(matmul_bf16_portable(&x, &w, m, k, n), want_b);
+        assert_eq!(matmul_f32_bf16(&xf, &w, m, k, n), want);
+        assert_eq!(matmul_f32_bf16(&xf[..3 * k], &w, 3, k, n), want[..3 * n]);
+    }
+}

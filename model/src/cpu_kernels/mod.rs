@@ -1,0 +1,126 @@
+//! Hand-written CPU kernels for the one thing burn-flex does slowly that matters here: matmuls
+//! with bf16 weights. burn-flex 0.21 upcasts both operands of a bf16 matmul to fresh f32
+//! buffers on every call, i.e. the whole weight matrix per generated token.
+//!
+//! [`bf16_weight_matmul`] is reached only when the backend is burn-flex itself (checked at run
+//! time by type, so the model stays generic over its backend) and the weight is bf16; every
+//! other backend, dtype and autodiff keeps burn's own ops.
+
+mod bf16_linear;
+
+use std::any::Any;
+
+use burn::tensor::{backend::Backend, bf16, Bytes, DType, Shape, Tensor, TensorPrimitive};
+use burn_flex::{FlexTensor, Layout};
+
+/// How a weight matrix is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WeightLayout {
+    /// `[in, out]`, burn's `Linear` layout: `y = x · w`.
+    InOut,
+    /// `[out, in]`, an embedding table used as the head: `y = x · wᵀ`.
+    OutIn,
+}
+
+/// `x · w` (or `x · wᵀ`) through the bf16 kernels when `B` is burn-flex, `w` is a contiguous
+/// bf16 matrix and `x` is bf16 or f32 (the result has `x`'s dtype); `None` otherwise, for the
+/// caller to use burn's matmul.
+pub(crate) fn bf16_weight_matmul<B: Backend, const D: usize>(
+    x: &Tensor<B, D>,
+    w: &Tensor<B, 2>,
+    layout: WeightLayout,
+) -> Option<Tensor<B, D>> {
+    if w.dtype() != DType::BF16 || !matches!(x.dtype(), DType::BF16 | DType::F32) {
+        return None;
+    }
+    let weight = to_flex(w.clone())?;
+    let weight = weight.as_slice::<bf16>()?;
+    let input = to_flex(x.clone())?.to_contiguous();
+    let [rows, cols] = w.dims();
+    let (k, n) = match layout {
+        WeightLayout::InOut => (rows, cols),
+        WeightLayout::OutIn => (cols, rows),
+    };
+    let mut dims = x.dims();
+    if dims[D - 1] != k {
+        return None;
+    }
+    let m = dims[..D - 1].iter().product();
+    dims[D - 1] = n;
+    let (bytes, dtype) = match input.dtype() {
+        DType::BF16 => {
+            let x = input.as_slice::<bf16>()?;
+            let y = match layout {
+                WeightLayout::InOut => bf16_linear::matmul_bf16(x, weight, m, k, n),
+                WeightLayout::OutIn => bf16_linear::matmul_bf16_nt(x, weight, m, k, n),
+            };
+            (Bytes::from_elems(y), DType::BF16)
+        }
+        _ => {
+            let x = input.as_slice::<f32>()?;
+            let y = match layout {
+                WeightLayout::InOut => bf16_linear::matmul_f32_bf16(x, weight, m, k, n),
+                WeightLayout::OutIn => bf16_linear::matmul_f32_bf16_nt(x, weight, m, k, n),
+            };
+            (Bytes::from_elems(y), DType::F32)
+        }
+    };
+    let out = FlexTensor::new(bytes, Layout::contiguous(Shape::from(dims.to_vec())), dtype);
+    from_flex::<B>(out).map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
+}
+
+/// The burn-flex tensor behind `t`, when `B` is burn-flex.
+fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
+    let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
+    primitive.downcast::<FlexTensor>().ok().map(|t| *t)
+}
+
+/// `t` as `B`'s float primitive, when `B` is burn-flex.
+fn from_flex<B: Backend>(t: FlexTensor) -> Option<B::FloatTensorPrimitive> {
+    let primitive: Box<dyn Any> = Box::new(t);
+    primitive.downcast::<B::FloatTensorPrimitive>().ok().map(|t| *t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::tensor::Distribution;
+
+    fn max_diff<B: Backend>(a: Tensor<B, 3>, b: Tensor<B, 3>) -> f32 {
+        let a: Vec<f32> = a.cast(DType::F32).into_data().to_vec().unwrap();
+        let b: Vec<f32> = b.cast(DType::F32).into_data().to_vec().unwrap();
+        a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    /// Both layouts and both activation dtypes agree with burn's own matmul, for a decode-sized
+    /// and a prefill-sized input; bf16 results within a few bf16 ulps of values of size ~10.
+    #[test]
+    fn flex_bf16_weights_match_burn_matmul() {
+        let device = Default::default();
+        let w = Tensor::<Flex, 2>::random([96, 80], Distribution::Normal(0.0, 1.0), &device).cast(DType::BF16);
+        for rows in [1, 40] {
+            let x = Tensor::<Flex, 3>::random([2, rows, 96], Distribution::Normal(0.0, 1.0), &device);
+            for dtype in [DType::F32, DType::BF16] {
+                let x = x.clone().cast(dtype);
+                let want = x.clone().cast(DType::F32).matmul(w.clone().cast(DType::F32).unsqueeze());
+                let got = bf16_weight_matmul(&x, &w, WeightLayout::InOut).expect("flex + bf16 takes the kernel");
+                assert_eq!(got.dtype(), dtype);
+                assert!(max_diff(got, want.clone()) < 0.2, "in-out, {rows} rows, {dtype:?}");
+                let wt = w.clone().transpose().cast(DType::F32).cast(DType::BF16);
+                let got = bf16_weight_matmul(&x, &wt, WeightLayout::OutIn).expect("flex + bf16 takes the kernel");
+                assert!(max_diff(got, want) < 0.2, "out-in, {rows} rows, {dtype:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn other_dtypes_and_backends_keep_burns_matmul() {
+        let device = Default::default();
+        let x = Tensor::<Flex, 3>::ones([1, 2, 4], &device);
+        assert!(bf16_weight_matmul(&x, &Tensor::ones([4, 3], &device), WeightLayout::InOut).is_none());
+        let x = Tensor::<Autodiff<Flex>, 3>::ones([1, 2, 4], &device);
+        let w = Tensor::<Autodiff<Flex>, 2>::ones([4, 3], &device).cast(DType::BF16);
+        assert!(bf16_weight_matmul(&x, &w, WeightLayout::InOut).is_none());
+    }
+}
