@@ -1,12 +1,15 @@
-//! Hand-written CPU kernels for the one thing burn-flex does slowly that matters here: matmuls
-//! with bf16 weights. burn-flex 0.21 upcasts both operands of a bf16 matmul to fresh f32
-//! buffers on every call, i.e. the whole weight matrix per generated token.
+//! Hand-written CPU kernels for what burn-flex does slowly on the inference path:
+//! - matmuls with bf16 weights: burn-flex 0.21 upcasts both operands of a bf16 matmul to fresh
+//!   f32 buffers on every call, i.e. the whole weight matrix per generated token;
+//! - RMSNorm and the SwiGLU product: several single-threaded passes (and strided broadcasts in
+//!   bf16) become one parallel pass.
 //!
-//! [`bf16_weight_matmul`] is reached only when the backend is burn-flex itself (checked at run
-//! time by type, so the model stays generic over its backend) and the weight is bf16; every
-//! other backend, dtype and autodiff keeps burn's own ops.
+//! Each entry point returns `None` unless the backend is burn-flex itself (checked at run time
+//! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
+//! handles; the caller then uses burn's own ops. Autodiff never reaches the kernels.
 
 mod bf16_linear;
+mod fused;
 
 use std::any::Any;
 
@@ -65,6 +68,53 @@ pub(crate) fn bf16_weight_matmul<B: Backend, const D: usize>(
             (Bytes::from_elems(y), DType::F32)
         }
     };
+    flex_output(bytes, dims, dtype)
+}
+
+/// HF's `Qwen3RMSNorm` (see [`fused::rms_norm_f32`]) when `B` is burn-flex and `x` and `weight`
+/// are both f32 or both bf16.
+pub(crate) fn rms_norm<B: Backend, const D: usize>(
+    x: &Tensor<B, D>,
+    weight: &Tensor<B, 1>,
+    eps: f64,
+) -> Option<Tensor<B, D>> {
+    if x.dims()[D - 1] != weight.dims()[0] {
+        return None;
+    }
+    let weight = to_flex(weight.clone())?;
+    let input = to_flex(x.clone())?.to_contiguous();
+    let eps = eps as f32;
+    let (bytes, dtype) = match (input.dtype(), weight.dtype()) {
+        (DType::F32, DType::F32) => {
+            let y = fused::rms_norm_f32(input.as_slice()?, weight.as_slice()?, eps);
+            (Bytes::from_elems(y), DType::F32)
+        }
+        (DType::BF16, DType::BF16) => {
+            let y = fused::rms_norm_bf16(input.as_slice()?, weight.as_slice()?, eps);
+            (Bytes::from_elems(y), DType::BF16)
+        }
+        _ => return None,
+    };
+    flex_output(bytes, x.dims(), dtype)
+}
+
+/// `silu(gate) * up` when `B` is burn-flex and both are f32 or both bf16, of one shape.
+pub(crate) fn silu_mul<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+    if gate.dims() != up.dims() {
+        return None;
+    }
+    let g = to_flex(gate.clone())?.to_contiguous();
+    let u = to_flex(up.clone())?.to_contiguous();
+    let (bytes, dtype) = match (g.dtype(), u.dtype()) {
+        (DType::F32, DType::F32) => (Bytes::from_elems(fused::silu_mul_f32(g.as_slice()?, u.as_slice()?)), DType::F32),
+        (DType::BF16, DType::BF16) => (Bytes::from_elems(fused::silu_mul_bf16(g.as_slice()?, u.as_slice()?)), DType::BF16),
+        _ => return None,
+    };
+    flex_output(bytes, gate.dims(), dtype)
+}
+
+/// A contiguous burn-flex result as a tensor of `B` (which is burn-flex when this is reached).
+fn flex_output<B: Backend, const D: usize>(bytes: Bytes, dims: [usize; D], dtype: DType) -> Option<Tensor<B, D>> {
     let out = FlexTensor::new(bytes, Layout::contiguous(Shape::from(dims.to_vec())), dtype);
     from_flex::<B>(out).map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
 }

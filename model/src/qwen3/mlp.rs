@@ -5,6 +5,7 @@ use burn::nn::Linear;
 use burn::tensor::{activation::silu, backend::Backend, Tensor};
 
 use super::linear::linear;
+use crate::cpu_kernels::silu_mul;
 
 /// The gated feed-forward block of a decoder layer.
 #[derive(Module, Debug)]
@@ -17,7 +18,9 @@ pub struct Qwen3MLP<B: Backend> {
 impl<B: Backend> Qwen3MLP<B> {
     /// `[.., hidden] -> [.., hidden]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let gate = silu(linear(&self.gate_proj, x.clone()));
-        linear(&self.down_proj, gate * linear(&self.up_proj, x))
+        let gate = linear(&self.gate_proj, x.clone());
+        let up = linear(&self.up_proj, x);
+        let hidden = silu_mul(&gate, &up).unwrap_or_else(|| silu(gate) * up);
+        linear(&self.down_proj, hidden)
     }
 }

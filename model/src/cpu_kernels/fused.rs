@@ -1,0 +1,131 @@
+//! Fused element-wise kernels over contiguous rows: one pass over memory where burn's ops take
+//! several (and run single-threaded on burn-flex). Rows are spread over the rayon pool. Rounding
+//! follows PyTorch's half-precision semantics step by step, so bf16 results equal HF's.
+
+use half::bf16;
+use rayon::prelude::*;
+
+/// Rows per rayon task: enough work per task to amortise scheduling.
+fn rows_per_task(row_len: usize) -> usize {
+    (16 * 1024 / row_len.max(1)).max(1)
+}
+
+/// HF's `Qwen3RMSNorm` over rows of `weight.len()` elements, in f32:
+/// `weight * (x * rsqrt(mean(x²) + eps))`.
+pub fn rms_norm_f32(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let d = weight.len();
+    let mut out = vec![0.0f32; x.len()];
+    out.par_chunks_mut(d * rows_per_task(d))
+        .zip(x.par_chunks(d * rows_per_task(d)))
+        .for_each(|(out, x)| {
+            for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                let r = inverse_rms(x.iter().copied(), d, eps);
+                for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+                    *o = w * (v * r);
+                }
+            }
+        });
+    out
+}
+
+/// The same for bf16 input and weight: statistics and scaling in f32, the normalised row rounded
+/// to bf16, then the bf16 product with the weight (an f32 product rounded once, as PyTorch does).
+pub fn rms_norm_bf16(x: &[bf16], weight: &[bf16], eps: f32) -> Vec<bf16> {
+    let d = weight.len();
+    let weight: Vec<f32> = weight.iter().map(|w| w.to_f32()).collect();
+    let mut out = vec![bf16::ZERO; x.len()];
+    out.par_chunks_mut(d * rows_per_task(d))
+        .zip(x.par_chunks(d * rows_per_task(d)))
+        .for_each(|(out, x)| {
+            for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                let r = inverse_rms(x.iter().map(|v| v.to_f32()), d, eps);
+                for ((o, v), &w) in out.iter_mut().zip(x).zip(&weight) {
+                    let normed = bf16::from_f32(v.to_f32() * r).to_f32();
+                    *o = bf16::from_f32(w * normed);
+                }
+            }
+        });
+    out
+}
+
+/// `1 / sqrt(mean(x²) + eps)` of one row, accumulated in f32 over 8 lanes.
+fn inverse_rms(x: impl Iterator<Item = f32>, d: usize, eps: f32) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    for (i, v) in x.enumerate() {
+        lanes[i % 8] += v * v;
+    }
+    1.0 / (lanes.iter().sum::<f32>() / d as f32 + eps).sqrt()
+}
+
+/// `silu(gate) * up`, the SwiGLU product, in f32.
+pub fn silu_mul_f32(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0f32; gate.len()];
+    out.par_chunks_mut(16 * 1024)
+        .zip(gate.par_chunks(16 * 1024).zip(up.par_chunks(16 * 1024)))
+        .for_each(|(out, (gate, up))| {
+            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *o = silu(g) * u;
+            }
+        });
+    out
+}
+
+/// The same in bf16: `silu(gate)` rounded to bf16, then the bf16 product with `up`.
+pub fn silu_mul_bf16(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
+    let mut out = vec![bf16::ZERO; gate.len()];
+    out.par_chunks_mut(16 * 1024)
+        .zip(gate.par_chunks(16 * 1024).zip(up.par_chunks(16 * 1024)))
+        .for_each(|(out, (gate, up))| {
+            for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+                let activated = bf16::from_f32(silu(g.to_f32())).to_f32();
+                *o = bf16::from_f32(activated * u.to_f32());
+            }
+        });
+    out
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_matches_the_formula() {
+        let x: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let w: Vec<f32> = (0..8).map(|i| 0.5 + i as f32 * 0.1).collect();
+        let y = rms_norm_f32(&x, &w, 1e-6);
+        for (row, out) in x.chunks(8).zip(y.chunks(8)) {
+            let rms = (row.iter().map(|v| v * v).sum::<f32>() / 8.0 + 1e-6).sqrt();
+            for i in 0..8 {
+                assert!((out[i] - w[i] * row[i] / rms).abs() < 1e-5);
+            }
+        }
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        let yb = rms_norm_bf16(&xb, &wb, 1e-6);
+        for (a, b) in yb.iter().zip(&y) {
+            assert!((a.to_f32() - b).abs() <= b.abs() / 64.0 + 1e-3);
+        }
+    }
+
+    #[test]
+    fn silu_mul_matches_the_formula() {
+        let g: Vec<f32> = (0..40_000).map(|i| (i as f32 * 0.001) - 20.0).collect();
+        let u: Vec<f32> = (0..40_000).map(|i| (i as f32 * 0.01).cos()).collect();
+        let y = silu_mul_f32(&g, &u);
+        for i in (0..40_000).step_by(997) {
+            let want = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+            assert!((y[i] - want).abs() < 1e-5 * want.abs().max(1.0));
+        }
+        let gb: Vec<bf16> = g.iter().map(|&v| bf16::from_f32(v)).collect();
+        let ub: Vec<bf16> = u.iter().map(|&v| bf16::from_f32(v)).collect();
+        let yb = silu_mul_bf16(&gb, &ub);
+        for i in (0..40_000).step_by(997) {
+            let activated = bf16::from_f32(silu(gb[i].to_f32())).to_f32();
+            assert_eq!(yb[i], bf16::from_f32(activated * ub[i].to_f32()));
+        }
+    }
+}
