@@ -5,7 +5,21 @@
 use std::str::FromStr;
 
 use anyhow::{bail, Result};
-use burn::tensor::backend::Backend;
+use burn::tensor::{backend::Backend, DType};
+
+use crate::model_dir::parse_dtype;
+
+/// `--device` and `--dtype`, for every command that runs a model for inference.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ComputeArgs {
+    /// Compute device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Weight dtype on the device: f32 or bf16. bf16 halves the memory; on CPUs with AVX-512
+    /// BF16 it is also the faster choice.
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
+}
 
 /// A device named on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,8 +13,7 @@ use model::init::write_random_checkpoint;
 use model::{completion_logprobs, generate, load_pretrained, LoadOptions, Preset, SamplingConfig};
 use serde::Serialize;
 
-use crate::device::{run_on, DeviceChoice, OnBackend};
-use crate::model_dir::parse_dtype;
+use crate::device::{run_on, ComputeArgs, OnBackend};
 use trainer::run::{peak_rss_mb, reset_peak_rss};
 
 /// Measure load time, prefill, decode and scoring speed with peak memory.
@@ -35,12 +34,8 @@ pub struct Args {
     /// Batch sizes for the decode measurement.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     pub decode_batch: Vec<usize>,
-    /// Compute device: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    pub device: DeviceChoice,
-    /// Weight dtype on the device: f32 or bf16.
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
-    pub dtype: DType,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
     /// Also time one GRPO training step (forward + backward + AdamW) on 2 sequences.
     #[arg(long)]
     pub train_step: bool,
@@ -59,7 +54,7 @@ struct Figure {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let device = args.device;
+    let device = args.compute.device;
     run_on(device, args)
 }
 
@@ -84,7 +79,7 @@ impl OnBackend for Args {
 
         reset_peak_rss();
         let start = Instant::now();
-        let model = load_pretrained::<B>(&dir, &device, LoadOptions { dtype: self.dtype })?;
+        let model = load_pretrained::<B>(&dir, &device, LoadOptions { dtype: self.compute.dtype })?;
         B::sync(&device)?;
         figures.push(Figure {
             workload: "load".into(),
@@ -151,7 +146,7 @@ impl OnBackend for Args {
         if self.train_step {
             drop(model);
             reset_peak_rss();
-            let seconds = train_step_seconds::<B>(&dir, &device, &prompt, self.dtype)?;
+            let seconds = train_step_seconds::<B>(&dir, &device, &prompt, self.compute.dtype)?;
             figures.push(Figure {
                 workload: format!("train step 2 x {}", self.prompt_len),
                 seconds,

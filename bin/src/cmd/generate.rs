@@ -3,13 +3,13 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Result};
-use burn::tensor::{backend::Backend, DType};
+use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
 use model::{generate, SamplingConfig};
 
-use crate::device::{run_on, DeviceChoice, OnBackend};
-use crate::model_dir::{parse_dtype, LoadedModel, TokenIds};
+use crate::device::{run_on, ComputeArgs, OnBackend};
+use crate::model_dir::{LoadedModel, TokenIds};
 
 /// Generate text (or token ids) from a Qwen3 checkpoint.
 #[derive(ClapArgs, Debug, Clone)]
@@ -44,19 +44,15 @@ pub struct Args {
     /// Extra token ids that stop generation (the config's EOS ids and <|im_end|> always do).
     #[arg(long)]
     pub stop_ids: Option<TokenIds>,
-    /// Compute device: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    pub device: DeviceChoice,
-    /// Weight dtype on the device: f32 or bf16.
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
-    pub dtype: DType,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
     /// Print one JSON object {"tokens": [...], "text": ...} instead of the text.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let device = args.device;
+    let device = args.compute.device;
     run_on(device, args)
 }
 
@@ -64,7 +60,7 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open(&self.model, &device, self.dtype)?;
+        let loaded = LoadedModel::<B>::open(&self.model, &device, self.compute.dtype)?;
         let prompt_ids = match (&self.prompt, &self.prompt_ids) {
             (_, Some(ids)) => ids.0.clone(),
             (Some(text), None) => {

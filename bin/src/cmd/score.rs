@@ -3,12 +3,12 @@
 use std::path::PathBuf;
 
 use anyhow::Result;
-use burn::tensor::{backend::Backend, DType};
+use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::completion_logprobs;
 
-use crate::device::{run_on, DeviceChoice, OnBackend};
-use crate::model_dir::{parse_dtype, LoadedModel, TokenIds};
+use crate::device::{run_on, ComputeArgs, OnBackend};
+use crate::model_dir::{LoadedModel, TokenIds};
 
 /// Score a completion: log p(completion token t | prompt, completion tokens before t).
 #[derive(ClapArgs, Debug, Clone)]
@@ -28,19 +28,15 @@ pub struct Args {
     /// Completion text instead of ids (needs tokenizer.json).
     #[arg(long, conflicts_with = "completion_ids")]
     pub completion: Option<String>,
-    /// Compute device: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    pub device: DeviceChoice,
-    /// Weight dtype on the device: f32 or bf16.
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
-    pub dtype: DType,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
     /// Print {"token_logprobs": [...], "sum_logprob": x}.
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let device = args.device;
+    let device = args.compute.device;
     run_on(device, args)
 }
 
@@ -48,7 +44,7 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open(&self.model, &device, self.dtype)?;
+        let loaded = LoadedModel::<B>::open(&self.model, &device, self.compute.dtype)?;
         let ids = |given: &Option<TokenIds>, text: &Option<String>, flag: &str| -> Result<Vec<u32>> {
             match (given, text) {
                 (Some(ids), _) => Ok(ids.0.clone()),

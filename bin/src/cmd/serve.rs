@@ -3,12 +3,12 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use burn::tensor::{backend::Backend, DType};
+use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::chat_template::{ChatTemplate, ChatTemplateError};
 
-use crate::device::{run_on, DeviceChoice, OnBackend};
-use crate::model_dir::{parse_dtype, LoadedModel};
+use crate::device::{run_on, ComputeArgs, OnBackend};
+use crate::model_dir::LoadedModel;
 use crate::serve::{serve, SamplingDefaults, Served, Settings};
 
 /// Serve a model over the OpenAI chat-completions API.
@@ -32,12 +32,8 @@ pub struct Args {
     /// Port to listen on; 0 picks a free one (the URL printed at start names it).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Compute device: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
-    pub device: DeviceChoice,
-    /// Weight dtype on the device: f32 or bf16.
-    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
-    pub dtype: DType,
+    #[command(flatten)]
+    pub compute: ComputeArgs,
     /// Model name clients ask for (default: the model directory's name).
     #[arg(long, value_name = "NAME")]
     pub served_model_name: Option<String>,
@@ -57,7 +53,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let device = args.device;
+    let device = args.compute.device;
     run_on(device, args)
 }
 
@@ -65,7 +61,7 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open(&self.model, &device, self.dtype)?;
+        let loaded = LoadedModel::<B>::open(&self.model, &device, self.compute.dtype)?;
         let tokenizer = loaded.require_tokenizer(&self.model, "serve")?;
         let template = chat_template(&self.model)?;
         let mut stop_ids = loaded.stop_ids();
