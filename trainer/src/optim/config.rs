@@ -2,13 +2,14 @@
 //! weight decay 1e-4), and the reference run's learning rate and gradient clip.
 
 use burn::module::AutodiffModule;
-use burn::optim::{adaptor::OptimizerAdaptor, AdamW, AdamWConfig};
+use burn::optim::adaptor::OptimizerAdaptor;
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
+use super::adamw::AdamW;
 use super::error::OptimError;
 
-/// burn's AdamW wrapped for a module `M` (its state is keyed by parameter id).
+/// Our AdamW wrapped for a module `M` (its state is keyed by parameter id).
 pub type AdamWOptimizer<M, B> = OptimizerAdaptor<AdamW, M, B>;
 
 /// AdamW (decoupled weight decay, as `torch.optim.AdamW`) with a constant learning rate.
@@ -62,15 +63,14 @@ impl OptimizerConfig {
         Ok(())
     }
 
-    /// burn's config with these values and no built-in clipping (see
-    /// [`super::clip_grad_norm_global`]).
-    pub fn adamw(&self) -> AdamWConfig {
-        AdamWConfig::new()
-            .with_beta_1(self.betas[0])
-            .with_beta_2(self.betas[1])
-            .with_epsilon(self.eps)
-            .with_weight_decay(self.weight_decay)
-            .with_grad_clipping(None)
+    /// The optimiser with these values (clipping is separate: [`super::clip_grad_norm_global`]).
+    pub fn adamw(&self) -> AdamW {
+        AdamW {
+            beta_1: self.betas[0],
+            beta_2: self.betas[1],
+            epsilon: self.eps,
+            weight_decay: self.weight_decay,
+        }
     }
 
     /// A fresh optimiser for module `M`, after [`Self::validate`].

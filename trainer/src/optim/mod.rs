@@ -2,11 +2,13 @@
 //! gradient norm (burn's built-in clipping is per parameter), and skipping steps whose gradient
 //! norm is not finite.
 
+pub mod adamw;
 pub mod apply;
 pub mod config;
 pub mod error;
 pub mod grad_norm;
 
+pub use adamw::{AdamW, AdamWState};
 pub use apply::{clip_and_step, StepOutcome};
 pub use config::{AdamWOptimizer, OptimizerConfig};
 pub use error::OptimError;
