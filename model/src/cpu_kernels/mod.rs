@@ -1,6 +1,8 @@
 //! Hand-written CPU kernels for what burn-flex does slowly on the inference path:
 //! - matmuls with bf16 weights: burn-flex 0.21 upcasts both operands of a bf16 matmul to fresh
 //!   f32 buffers on every call, i.e. the whole weight matrix per generated token;
+//! - matmuls of a few rows (decode) with f32 weights: memory-bound, so a streaming kernel reads
+//!   the weights at full bandwidth where a general GEMM does not;
 //! - RMSNorm and the SwiGLU product: several single-threaded passes (and strided broadcasts in
 //!   bf16) become one parallel pass.
 //!
@@ -8,8 +10,8 @@
 //! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
 //! handles; the caller then uses burn's own ops. Autodiff never reaches the kernels.
 
-mod bf16_linear;
 mod fused;
+mod weight_matmul;
 
 use std::any::Any;
 
@@ -25,45 +27,60 @@ pub(crate) enum WeightLayout {
     OutIn,
 }
 
-/// `x · w` (or `x · wᵀ`) through the bf16 kernels when `B` is burn-flex, `w` is a contiguous
-/// bf16 matrix and `x` is bf16 or f32 (the result has `x`'s dtype); `None` otherwise, for the
-/// caller to use burn's matmul.
-pub(crate) fn bf16_weight_matmul<B: Backend, const D: usize>(
+/// `x · w` (or `x · wᵀ`) through [`weight_matmul`] when `B` is burn-flex, `w` is a contiguous
+/// matrix and either `w` is bf16 and `x` bf16 or f32 (the result has `x`'s dtype), or both are
+/// f32 with at most [`weight_matmul::SMALL_M`] rows on a CPU with the SIMD kernels; `None`
+/// otherwise, for the caller to use burn's matmul.
+pub(crate) fn weight_matmul<B: Backend, const D: usize>(
     x: &Tensor<B, D>,
     w: &Tensor<B, 2>,
     layout: WeightLayout,
 ) -> Option<Tensor<B, D>> {
-    if w.dtype() != DType::BF16 || !matches!(x.dtype(), DType::BF16 | DType::F32) {
-        return None;
-    }
-    let weight = to_flex(w.clone())?;
-    let weight = weight.as_slice::<bf16>()?;
-    let input = to_flex(x.clone())?.to_contiguous();
     let [rows, cols] = w.dims();
     let (k, n) = match layout {
         WeightLayout::InOut => (rows, cols),
         WeightLayout::OutIn => (cols, rows),
     };
     let mut dims = x.dims();
-    if dims[D - 1] != k {
+    let m: usize = dims[..D - 1].iter().product();
+    let small_f32 = m <= weight_matmul::SMALL_M && weight_matmul::has_fast_path();
+    let handled = match (w.dtype(), x.dtype()) {
+        (DType::BF16, DType::BF16 | DType::F32) => true,
+        (DType::F32, DType::F32) => small_f32,
+        _ => false,
+    };
+    if !handled || dims[D - 1] != k {
         return None;
     }
-    let m = dims[..D - 1].iter().product();
+    let weight = to_flex(w.clone())?;
+    let input = to_flex(x.clone())?.to_contiguous();
     dims[D - 1] = n;
-    let (bytes, dtype) = match input.dtype() {
-        DType::BF16 => {
-            let x = input.as_slice::<bf16>()?;
-            let y = match layout {
-                WeightLayout::InOut => bf16_linear::matmul_bf16(x, weight, m, k, n),
-                WeightLayout::OutIn => bf16_linear::matmul_bf16_nt(x, weight, m, k, n),
+    let nt = layout == WeightLayout::OutIn;
+    let (bytes, dtype) = match (weight.dtype(), input.dtype()) {
+        (DType::BF16, DType::BF16) => {
+            let (x, w) = (input.as_slice::<bf16>()?, weight.as_slice::<bf16>()?);
+            let y = if nt {
+                weight_matmul::matmul_bf16_nt(x, w, m, k, n)
+            } else {
+                weight_matmul::matmul_bf16(x, w, m, k, n)
             };
             (Bytes::from_elems(y), DType::BF16)
         }
+        (DType::BF16, _) => {
+            let (x, w) = (input.as_slice::<f32>()?, weight.as_slice::<bf16>()?);
+            let y = if nt {
+                weight_matmul::matmul_f32_bf16_nt(x, w, m, k, n)
+            } else {
+                weight_matmul::matmul_f32_bf16(x, w, m, k, n)
+            };
+            (Bytes::from_elems(y), DType::F32)
+        }
         _ => {
-            let x = input.as_slice::<f32>()?;
-            let y = match layout {
-                WeightLayout::InOut => bf16_linear::matmul_f32_bf16(x, weight, m, k, n),
-                WeightLayout::OutIn => bf16_linear::matmul_f32_bf16_nt(x, weight, m, k, n),
+            let (x, w) = (input.as_slice::<f32>()?, weight.as_slice::<f32>()?);
+            let y = if nt {
+                weight_matmul::matmul_f32_small_nt(x, w, m, k, n)?
+            } else {
+                weight_matmul::matmul_f32_small(x, w, m, k, n)?
             };
             (Bytes::from_elems(y), DType::F32)
         }
@@ -99,22 +116,35 @@ pub(crate) fn rms_norm<B: Backend, const D: usize>(
 }
 
 /// `silu(gate) * up` when `B` is burn-flex and both are f32 or both bf16, of one shape.
-pub(crate) fn silu_mul<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+pub(crate) fn silu_mul<B: Backend, const D: usize>(
+    gate: &Tensor<B, D>,
+    up: &Tensor<B, D>,
+) -> Option<Tensor<B, D>> {
     if gate.dims() != up.dims() {
         return None;
     }
     let g = to_flex(gate.clone())?.to_contiguous();
     let u = to_flex(up.clone())?.to_contiguous();
     let (bytes, dtype) = match (g.dtype(), u.dtype()) {
-        (DType::F32, DType::F32) => (Bytes::from_elems(fused::silu_mul_f32(g.as_slice()?, u.as_slice()?)), DType::F32),
-        (DType::BF16, DType::BF16) => (Bytes::from_elems(fused::silu_mul_bf16(g.as_slice()?, u.as_slice()?)), DType::BF16),
+        (DType::F32, DType::F32) => (
+            Bytes::from_elems(fused::silu_mul_f32(g.as_slice()?, u.as_slice()?)),
+            DType::F32,
+        ),
+        (DType::BF16, DType::BF16) => (
+            Bytes::from_elems(fused::silu_mul_bf16(g.as_slice()?, u.as_slice()?)),
+            DType::BF16,
+        ),
         _ => return None,
     };
     flex_output(bytes, gate.dims(), dtype)
 }
 
 /// A contiguous burn-flex result as a tensor of `B` (which is burn-flex when this is reached).
-fn flex_output<B: Backend, const D: usize>(bytes: Bytes, dims: [usize; D], dtype: DType) -> Option<Tensor<B, D>> {
+fn flex_output<B: Backend, const D: usize>(
+    bytes: Bytes,
+    dims: [usize; D],
+    dtype: DType,
+) -> Option<Tensor<B, D>> {
     let out = FlexTensor::new(bytes, Layout::contiguous(Shape::from(dims.to_vec())), dtype);
     from_flex::<B>(out).map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
 }
@@ -128,7 +158,10 @@ fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
 /// `t` as `B`'s float primitive, when `B` is burn-flex.
 fn from_flex<B: Backend>(t: FlexTensor) -> Option<B::FloatTensorPrimitive> {
     let primitive: Box<dyn Any> = Box::new(t);
-    primitive.downcast::<B::FloatTensorPrimitive>().ok().map(|t| *t)
+    primitive
+        .downcast::<B::FloatTensorPrimitive>()
+        .ok()
+        .map(|t| *t)
 }
 
 #[cfg(test)]
@@ -140,7 +173,10 @@ mod tests {
     fn max_diff<B: Backend>(a: Tensor<B, 3>, b: Tensor<B, 3>) -> f32 {
         let a: Vec<f32> = a.cast(DType::F32).into_data().to_vec().unwrap();
         let b: Vec<f32> = b.cast(DType::F32).into_data().to_vec().unwrap();
-        a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
     }
 
     /// Both layouts and both activation dtypes agree with burn's own matmul, for a decode-sized
@@ -148,29 +184,66 @@ mod tests {
     #[test]
     fn flex_bf16_weights_match_burn_matmul() {
         let device = Default::default();
-        let w = Tensor::<Flex, 2>::random([96, 80], Distribution::Normal(0.0, 1.0), &device).cast(DType::BF16);
+        let w = Tensor::<Flex, 2>::random([96, 80], Distribution::Normal(0.0, 1.0), &device)
+            .cast(DType::BF16);
         for rows in [1, 40] {
-            let x = Tensor::<Flex, 3>::random([2, rows, 96], Distribution::Normal(0.0, 1.0), &device);
+            let x =
+                Tensor::<Flex, 3>::random([2, rows, 96], Distribution::Normal(0.0, 1.0), &device);
             for dtype in [DType::F32, DType::BF16] {
                 let x = x.clone().cast(dtype);
-                let want = x.clone().cast(DType::F32).matmul(w.clone().cast(DType::F32).unsqueeze());
-                let got = bf16_weight_matmul(&x, &w, WeightLayout::InOut).expect("flex + bf16 takes the kernel");
+                let want = x
+                    .clone()
+                    .cast(DType::F32)
+                    .matmul(w.clone().cast(DType::F32).unsqueeze());
+                let got = weight_matmul(&x, &w, WeightLayout::InOut)
+                    .expect("flex + bf16 takes the kernel");
                 assert_eq!(got.dtype(), dtype);
-                assert!(max_diff(got, want.clone()) < 0.2, "in-out, {rows} rows, {dtype:?}");
+                assert!(
+                    max_diff(got, want.clone()) < 0.2,
+                    "in-out, {rows} rows, {dtype:?}"
+                );
                 let wt = w.clone().transpose().cast(DType::F32).cast(DType::BF16);
-                let got = bf16_weight_matmul(&x, &wt, WeightLayout::OutIn).expect("flex + bf16 takes the kernel");
+                let got = weight_matmul(&x, &wt, WeightLayout::OutIn)
+                    .expect("flex + bf16 takes the kernel");
                 assert!(max_diff(got, want) < 0.2, "out-in, {rows} rows, {dtype:?}");
             }
         }
     }
 
+    /// f32 weights take the streaming kernel for decode-sized inputs only.
+    #[test]
+    fn flex_f32_weights_match_burn_matmul_for_few_rows() {
+        let device = Default::default();
+        let w = Tensor::<Flex, 2>::random([96, 80], Distribution::Normal(0.0, 1.0), &device);
+        let x = Tensor::<Flex, 3>::random([2, 3, 96], Distribution::Normal(0.0, 1.0), &device);
+        let want = x.clone().matmul(w.clone().unsqueeze());
+        let wt = Tensor::<Flex, 2>::from_data(w.clone().transpose().into_data(), &device);
+        for (got, layout) in [
+            (weight_matmul(&x, &w, WeightLayout::InOut), "in-out"),
+            (weight_matmul(&x, &wt, WeightLayout::OutIn), "out-in"),
+        ] {
+            match got {
+                Some(got) => assert!(max_diff(got, want.clone()) < 1e-4, "{layout}"),
+                None => assert!(
+                    !weight_matmul::has_fast_path(),
+                    "{layout}: kernel not taken"
+                ),
+            }
+        }
+        let many = Tensor::<Flex, 3>::ones([2, 9, 96], &device);
+        assert!(
+            weight_matmul(&many, &w, WeightLayout::InOut).is_none(),
+            "18 rows go to burn's GEMM"
+        );
+    }
+
     #[test]
     fn other_dtypes_and_backends_keep_burns_matmul() {
         let device = Default::default();
-        let x = Tensor::<Flex, 3>::ones([1, 2, 4], &device);
-        assert!(bf16_weight_matmul(&x, &Tensor::ones([4, 3], &device), WeightLayout::InOut).is_none());
+        let x = Tensor::<Flex, 3>::ones([1, 2, 4], &device).cast(DType::BF16);
+        assert!(weight_matmul(&x, &Tensor::ones([4, 3], &device), WeightLayout::InOut).is_none());
         let x = Tensor::<Autodiff<Flex>, 3>::ones([1, 2, 4], &device);
         let w = Tensor::<Autodiff<Flex>, 2>::ones([4, 3], &device).cast(DType::BF16);
-        assert!(bf16_weight_matmul(&x, &w, WeightLayout::InOut).is_none());
+        assert!(weight_matmul(&x, &w, WeightLayout::InOut).is_none());
     }
 }

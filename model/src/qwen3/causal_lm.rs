@@ -12,7 +12,7 @@ use super::mask::attention_bias;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::Qwen3RotaryEmbedding;
 use crate::config::Qwen3Config;
-use crate::cpu_kernels::{bf16_weight_matmul, WeightLayout};
+use crate::cpu_kernels::{weight_matmul, WeightLayout};
 use crate::error::ModelError;
 
 /// The decoder stack without the language-model head.
@@ -55,8 +55,12 @@ impl<B: Backend> Qwen3Model<B> {
         let bias = attention_bias(attention_mask, b, past, q_len, dtype, &device);
         let mut all_hidden = output_hidden_states.then(|| vec![hidden_states.clone()]);
         if let Some(first) = self.layers.first() {
-            let (heads, kv_heads) = (first.self_attn.num_heads, first.self_attn.num_key_value_heads);
-            let inputs = AttentionInputs::new(&self.rotary_emb, position_ids, bias, heads, kv_heads);
+            let (heads, kv_heads) = (
+                first.self_attn.num_heads,
+                first.self_attn.num_key_value_heads,
+            );
+            let inputs =
+                AttentionInputs::new(&self.rotary_emb, position_ids, bias, heads, kv_heads);
             for (i, layer) in self.layers.iter().enumerate() {
                 let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
                 hidden_states = layer.forward(hidden_states, &inputs, layer_cache);
@@ -114,7 +118,7 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
             Some(weight) => (weight.val(), WeightLayout::InOut),
             None => (self.model.embed_tokens.weight.val(), WeightLayout::OutIn),
         };
-        if let Some(logits) = bf16_weight_matmul(&hidden_states, &weight, layout) {
+        if let Some(logits) = weight_matmul(&hidden_states, &weight, layout) {
             return logits;
         }
         match layout {
@@ -136,7 +140,10 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
     /// Checks that token ids are inside the vocabulary (an out-of-range id would otherwise
     /// index past the embedding table).
     pub fn check_token_ids(&self, ids: &[u32]) -> Result<(), ModelError> {
-        match ids.iter().find(|&&id| id as usize >= self.config.vocab_size) {
+        match ids
+            .iter()
+            .find(|&&id| id as usize >= self.config.vocab_size)
+        {
             Some(bad) => Err(ModelError::Input(format!(
                 "token id {bad} is outside the vocabulary (size {})",
                 self.config.vocab_size

@@ -4,12 +4,12 @@
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, Tensor};
 
-use crate::cpu_kernels::{bf16_weight_matmul, WeightLayout};
+use crate::cpu_kernels::{weight_matmul, WeightLayout};
 
 /// `layer.forward(x)`.
 pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
     let fast = match layer.bias {
-        None => bf16_weight_matmul(&x, &layer.weight.val(), WeightLayout::InOut),
+        None => weight_matmul(&x, &layer.weight.val(), WeightLayout::InOut),
         Some(_) => None,
     };
     fast.unwrap_or_else(|| layer.forward(x))

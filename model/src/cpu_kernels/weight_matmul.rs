@@ -1,4 +1,4 @@
-//! Linear-layer matrix products with bf16 weights on the CPU.
+//! Linear-layer matrix products on the CPU: bf16 weights at any size, f32 weights for few rows.
 //!
 //! [`matmul_bf16`] and [`matmul_f32_bf16`] compute `y[m, n] = sum_k x[m, k] * w[k, n]`
 //! (row-major, contiguous) with f32 accumulation; the `_nt` variants take the weights transposed,
@@ -17,11 +17,18 @@
 //!   `matmul_f32_bf16` packs `w` widened to f32 and uses f32 FMA. Transposed weights only
 //!   change how a panel is packed (16 x 16 word blocks transposed in registers).
 //!
+//! [`matmul_f32_small`] and [`matmul_f32_small_nt`] do the same for f32 weights and at most
+//! [`SMALL_M`] rows (decode), reusing the streaming kernels: a 32-weight chunk is loaded as two
+//! f32 vectors directly instead of being widened.
+//!
 //! Everywhere else a portable, auto-vectorisable fallback produces the same results up to f32
 //! summation order.
 
 use half::bf16;
 use rayon::prelude::*;
+
+/// Up to this many rows of `x` the memory-bound streaming kernels are used.
+pub const SMALL_M: usize = 16;
 
 /// `y[m, n] = sum_k x[m, k] * w[k, n]`, all row-major and contiguous.
 ///
@@ -77,6 +84,38 @@ pub fn matmul_f32_bf16_nt(x: &[f32], e: &[bf16], m: usize, k: usize, n: usize) -
     matmul_f32_bf16_nt_portable(x, e, m, k, n)
 }
 
+/// `y = x · w` for f32 `x` `[m, k]` and f32 `w` `[k, n]` (row-major) when `m <= SMALL_M`;
+/// `None` for larger `m` (use a general GEMM then).
+pub fn matmul_f32_small(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Option<Vec<f32>> {
+    check_shapes(x.len(), w.len(), m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if m <= SMALL_M && avx512::available() {
+        // SAFETY: the required CPU features were detected at runtime.
+        return Some(unsafe { avx512::matmul_f32_small(x, w, avx512::Layout::Kn, m, k, n) });
+    }
+    matmul_f32_small_portable(x, w, m, k, n)
+}
+
+/// [`matmul_f32_small`] with the weights given as `e` `[n, k]` (`y = x · eᵀ`), e.g. a tied
+/// embedding table used as the language-model head.
+pub fn matmul_f32_small_nt(x: &[f32], e: &[f32], m: usize, k: usize, n: usize) -> Option<Vec<f32>> {
+    check_shapes(x.len(), e.len(), m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if m <= SMALL_M && avx512::available() {
+        // SAFETY: the required CPU features were detected at runtime.
+        return Some(unsafe { avx512::matmul_f32_small(x, e, avx512::Layout::Nk, m, k, n) });
+    }
+    matmul_f32_small_nt_portable(x, e, m, k, n)
+}
+
+/// Whether the hand-written SIMD kernels run on this CPU (otherwise the portable fallback does).
+pub fn has_fast_path() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return avx512::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 fn check_shapes(x_len: usize, w_len: usize, m: usize, k: usize, n: usize) {
     assert_eq!(x_len, m * k, "x must have m * k elements");
     assert_eq!(w_len, k * n, "the weights must have k * n elements");
@@ -99,6 +138,25 @@ impl<T> SyncPtr<T> {
     }
 }
 
+/// A weight element of the portable paths.
+trait Widen: Copy + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
 /// Portable path of [`matmul_bf16`] (public for tests and benchmarks only).
 #[doc(hidden)]
 pub fn matmul_bf16_portable(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
@@ -117,9 +175,22 @@ pub fn matmul_f32_bf16_portable(x: &[f32], w: &[bf16], m: usize, k: usize, n: us
     portable_f32(x, w, m, k, n)
 }
 
+/// Portable path of [`matmul_f32_small`] (public for tests and benchmarks only).
+#[doc(hidden)]
+pub fn matmul_f32_small_portable(
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Option<Vec<f32>> {
+    check_shapes(x.len(), w.len(), m, k, n);
+    (m <= SMALL_M).then(|| portable_f32(x, w, m, k, n))
+}
+
 /// Blocked f32 product: per task a column block of `PB` columns; rows in groups of `PR` whose
 /// accumulators stay in a small stack array; each weight row slice is widened once per group.
-fn portable_f32(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+fn portable_f32<W: Widen>(x: &[f32], w: &[W], m: usize, k: usize, n: usize) -> Vec<f32> {
     const PB: usize = 128;
     const PR: usize = 4;
     let mut y = vec![0f32; m * n];
@@ -136,7 +207,7 @@ fn portable_f32(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32>
             for kk in 0..k {
                 let wrow = &w[kk * n + c0..kk * n + c0 + nc];
                 for (d, s) in wf.iter_mut().zip(wrow) {
-                    *d = f32::from_bits((s.to_bits() as u32) << 16);
+                    *d = s.widen();
                 }
                 for (r, acc_r) in acc.iter_mut().enumerate().take(rows) {
                     let xv = x[(r0 + r) * k + kk];
@@ -181,9 +252,22 @@ pub fn matmul_f32_bf16_nt_portable(
     portable_f32_nt(x, e, m, k, n)
 }
 
+/// Portable path of [`matmul_f32_small_nt`] (public for tests and benchmarks only).
+#[doc(hidden)]
+pub fn matmul_f32_small_nt_portable(
+    x: &[f32],
+    e: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Option<Vec<f32>> {
+    check_shapes(x.len(), e.len(), m, k, n);
+    (m <= SMALL_M).then(|| portable_f32_nt(x, e, m, k, n))
+}
+
 /// Transposed-layout product: per task a block of `PB` rows of `e`; each row is widened once and
 /// dotted with every row of `x`.
-fn portable_f32_nt(x: &[f32], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+fn portable_f32_nt<W: Widen>(x: &[f32], e: &[W], m: usize, k: usize, n: usize) -> Vec<f32> {
     const PB: usize = 64;
     let mut y = vec![0f32; m * n];
     let yp = SyncPtr(y.as_mut_ptr());
@@ -191,7 +275,7 @@ fn portable_f32_nt(x: &[f32], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<f
         let mut ef = vec![0f32; k];
         for j in b * PB..n.min(b * PB + PB) {
             for (d, s) in ef.iter_mut().zip(&e[j * k..j * k + k]) {
-                *d = f32::from_bits((s.to_bits() as u32) << 16);
+                *d = s.widen();
             }
             for r in 0..m {
                 let v = dot(&x[r * k..r * k + k], &ef);
@@ -224,22 +308,21 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::SyncPtr;
+    use super::{SyncPtr, SMALL_M};
     use core::arch::x86_64::*;
+    use core::marker::PhantomData;
     use half::bf16;
     use rayon::prelude::*;
     use std::cell::RefCell;
     use std::sync::OnceLock;
-
-    /// Up to this many rows the streaming (memory-bound) kernel is used.
-    const SMALL_M: usize = 16;
     /// Rows per microkernel tile of the packed (large-m) path.
     const MR: usize = 8;
     /// Columns per packed panel (two zmm of f32 results).
     const NR: usize = 32;
-    /// Columns per rayon task of the streaming (small-m) kernel: each weight row is read in
-    /// `2 * SCOLS`-byte contiguous runs.
-    const SCOLS: usize = 256;
+    /// Bytes of f32 partial sums (rows of `x` x columns) per rayon task of the streaming
+    /// (small-m) kernel: they stay in L1. Within it, tasks are as wide as possible, up to one per
+    /// thread, so that each weight row is read in long contiguous runs.
+    const SACC: usize = 16 << 10;
     /// Weight rows widened and held in registers at once by the streaming kernel.
     const SKU: usize = 8;
     /// Rows of `x` sharing the widened weights per pass of the streaming kernel.
@@ -355,13 +438,29 @@ mod avx512 {
         if m <= SMALL_M {
             return match layout {
                 Layout::Kn => streaming(x, as_u16(w), m, k, n),
-                Layout::Nk => streaming_nt::<DotWide>(x, as_u16(w), m, k, n),
+                Layout::Nk => streaming_nt::<DotWide<u16>>(x, as_u16(w), m, k, n),
             };
         }
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
         packed::<F32Wide>(x, as_u16(w), layout, m, k, n, yp);
         y
+    }
+
+    /// Streaming product with f32 weights; `m <= SMALL_M`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn matmul_f32_small(
+        x: &[f32],
+        w: &[f32],
+        layout: Layout,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<f32> {
+        match layout {
+            Layout::Kn => streaming(x, w, m, k, n),
+            Layout::Nk => streaming_nt::<DotWide<f32>>(x, w, m, k, n),
+        }
     }
 
     /// Rounds f32 to bf16 (nearest-even) with `vcvtneps2bf16`.
@@ -382,32 +481,75 @@ mod avx512 {
 
     // ---------------------------------------------------------------- streaming (small m)
 
-    /// Small-m product. Each rayon task owns `SCOLS` columns and walks down `w` `SKU` rows at a
-    /// time. Partial sums live in per-thread scratch laid out `[32-column slice][row][32]`
-    /// (even columns, then odd), so they stay in L1 without cache-set conflicts.
-    fn streaming(x: &[f32], w: &[u16], m: usize, k: usize, n: usize) -> Vec<f32> {
+    /// A weight element of the streaming kernels: bf16 bits (`u16`) or f32.
+    trait Weight: Copy + Sync {
+        /// Whether [`Weight::load32`] yields the even and the odd elements (bf16), rather than
+        /// elements `0..16` and `16..32` (f32).
+        const SPLIT: bool;
+        /// Loads the first `mk` of 32 consecutive weights as two f32 vectors (zero past `mk`).
+        unsafe fn load32(p: *const Self, mk: __mmask32) -> [__m512; 2];
+    }
+
+    impl Weight for u16 {
+        const SPLIT: bool = true;
+
+        /// One 512-bit load, widened on the 32-bit lanes by `<< 16` and `& 0xffff0000`.
+        #[inline(always)]
+        unsafe fn load32(p: *const u16, mk: __mmask32) -> [__m512; 2] {
+            let v = _mm512_maskz_loadu_epi16(mk, p as *const i16);
+            let hi = _mm512_and_si512(v, _mm512_set1_epi32(0xffff_0000u32 as i32));
+            [
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)),
+                _mm512_castsi512_ps(hi),
+            ]
+        }
+    }
+
+    impl Weight for f32 {
+        const SPLIT: bool = false;
+
+        #[inline(always)]
+        unsafe fn load32(p: *const f32, mk: __mmask32) -> [__m512; 2] {
+            [
+                _mm512_maskz_loadu_ps(mk as __mmask16, p),
+                _mm512_maskz_loadu_ps((mk >> 16) as __mmask16, p.add(16)),
+            ]
+        }
+    }
+
+    /// Small-m product. Each rayon task owns a block of columns (see [`SACC`]) and walks down
+    /// `w` `SKU` rows at a time. Partial sums live in per-thread scratch laid out
+    /// `[32-column slice][row][32]` (in [`Weight::load32`] order), so they stay in L1 without
+    /// cache-set conflicts.
+    fn streaming<W: Weight>(x: &[f32], w: &[W], m: usize, k: usize, n: usize) -> Vec<f32> {
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
-        let wp = SyncPtr(w.as_ptr() as *mut u16);
-        (0..n.div_ceil(SCOLS)).into_par_iter().for_each(|t| {
-            let c0 = t * SCOLS;
-            let cw = SCOLS.min(n - c0);
-            with_scratch(m * SCOLS / 16, 0, |acc, _| {
+        let wp = SyncPtr(w.as_ptr() as *mut W);
+        let cap = (SACC / 4 / m.max(1)) & !31;
+        let cols = n
+            .div_ceil(rayon::current_num_threads())
+            .next_multiple_of(32)
+            .min(cap)
+            .max(32);
+        (0..n.div_ceil(cols)).into_par_iter().for_each(|t| {
+            let c0 = t * cols;
+            let cw = cols.min(n - c0);
+            with_scratch(m * cols / 16, 0, |acc, _| {
                 let acc = acc as *mut f32;
                 // SAFETY: `x`, `w`, `y` hold `m * k`, `k * n`, `m * n` elements and `acc`
-                // `m * SCOLS` f32; this task touches only columns `c0..c0 + cw` of `y`;
+                // `m * cols` f32; this task touches only columns `c0..c0 + cw` of `y`;
                 // features were checked by the caller.
                 unsafe {
-                    let wc = wp.get().add(c0) as *const u16;
+                    let wc = wp.get().add(c0) as *const W;
                     stream_zero(acc, m, cw);
                     let main = k - k % SKU;
                     for k0 in (0..main).step_by(SKU) {
-                        stream_rows::<SKU>(x, m, k, k0, wc, n, cw, acc);
+                        stream_rows::<W, SKU>(x, m, k, k0, wc, n, cw, acc);
                     }
                     for k0 in main..k {
-                        stream_rows::<1>(x, m, k, k0, wc, n, cw, acc);
+                        stream_rows::<W, 1>(x, m, k, k0, wc, n, cw, acc);
                     }
-                    stream_store(acc, m, cw, yp.get().add(c0), n);
+                    stream_store(acc, m, cw, yp.get().add(c0), n, W::SPLIT);
                 }
             });
         });
@@ -423,19 +565,32 @@ mod avx512 {
     }
 
     /// Copies the scratch sums into `y[:, 0..cw]` (row stride `n`), re-interleaving the even
-    /// and odd column halves of each 32-column slice.
+    /// and odd column halves of each 32-column slice if `split`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    unsafe fn stream_store(acc: *const f32, m: usize, cw: usize, y: *mut f32, n: usize) {
+    unsafe fn stream_store(
+        acc: *const f32,
+        m: usize,
+        cw: usize,
+        y: *mut f32,
+        n: usize,
+        split: bool,
+    ) {
         let idx_lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
         let idx_hi =
             _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
         for j in (0..cw).step_by(32) {
             for r in 0..m {
                 let src = acc.add(j * m + r * 32);
-                let (even, odd) = (_mm512_load_ps(src), _mm512_load_ps(src.add(16)));
+                let (a, b) = (_mm512_load_ps(src), _mm512_load_ps(src.add(16)));
                 let dst = y.add(r * n + j);
-                let lo = _mm512_permutex2var_ps(even, idx_lo, odd);
-                let hi = _mm512_permutex2var_ps(even, idx_hi, odd);
+                let (lo, hi) = if split {
+                    (
+                        _mm512_permutex2var_ps(a, idx_lo, b),
+                        _mm512_permutex2var_ps(a, idx_hi, b),
+                    )
+                } else {
+                    (a, b)
+                };
                 _mm512_mask_storeu_ps(dst, mask16(cw - j), lo);
                 _mm512_mask_storeu_ps(dst.add(16), mask16((cw - j).saturating_sub(16)), hi);
             }
@@ -443,36 +598,34 @@ mod avx512 {
     }
 
     /// Adds `x[:, k0..k0 + KU] * w[k0..k0 + KU, 0..cw]` into the scratch sums (`w` offset to
-    /// the task's first column, row stride `n`). A 32-column slice of a weight row is one
-    /// 512-bit load, split into even and odd columns as f32 (`<< 16` and `& 0xffff0000` on the
-    /// 32-bit lanes) and reused for all rows of `x`; sums are kept in that even/odd order.
+    /// the task's first column, row stride `n`). A 32-column slice of a weight row is loaded
+    /// as two f32 vectors ([`Weight::load32`]) and reused for all rows of `x`.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    unsafe fn stream_rows<const KU: usize>(
+    unsafe fn stream_rows<W: Weight, const KU: usize>(
         x: &[f32],
         m: usize,
         k: usize,
         k0: usize,
-        w: *const u16,
+        w: *const W,
         n: usize,
         cw: usize,
         acc: *mut f32,
     ) {
         let x = x.as_ptr().add(k0);
-        let hi_mask = _mm512_set1_epi32(0xffff_0000u32 as i32);
+        let slice_bytes = 32 * size_of::<W>();
         for j in (0..cw).step_by(32) {
             let mk = mask32(cw - j);
             if k0 + SPF + KU <= k {
                 for u in 0..KU {
-                    _mm_prefetch::<_MM_HINT_T0>(w.add((k0 + SPF + u) * n + j) as *const i8);
+                    let p = w.add((k0 + SPF + u) * n + j) as *const i8;
+                    for b in (0..slice_bytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(p.add(b));
+                    }
                 }
             }
-            let mut wv = [[_mm512_setzero_ps(); 2]; KU];
-            for (u, wu) in wv.iter_mut().enumerate() {
-                let v = _mm512_maskz_loadu_epi16(mk, w.add((k0 + u) * n + j) as *const i16);
-                wu[0] = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
-                wu[1] = _mm512_castsi512_ps(_mm512_and_si512(v, hi_mask));
-            }
+            let wv: [[__m512; 2]; KU] =
+                core::array::from_fn(|u| W::load32(w.add((k0 + u) * n + j), mk));
             let slice = acc.add(j * m);
             let mut r0 = 0;
             while r0 < m {
@@ -520,13 +673,15 @@ mod avx512 {
     /// `x` are rewritten once per call into zero-padded rows of `k.next_multiple_of(32)`.
     trait RowDot {
         type X: Copy + Default + Sync;
+        /// An element of `e`.
+        type W: Copy + Sync;
         /// A chunk of `e`, ready to multiply.
         type E: Copy;
         /// A chunk of `x`.
         type Xv: Copy;
         /// Rewrites one row of `x` into `dst` (already zeroed, padded length).
         fn prep_x(row: &[Self::X], dst: &mut [Self::X]);
-        unsafe fn load_e(p: *const u16, mk: __mmask32) -> Self::E;
+        unsafe fn load_e(p: *const Self::W, mk: __mmask32) -> Self::E;
         unsafe fn load_x(p: *const Self::X) -> Self::Xv;
         /// `acc + e . x`, folded into 16 f32 lanes.
         unsafe fn dot(acc: __m512, e: Self::E, x: Self::Xv) -> __m512;
@@ -537,6 +692,7 @@ mod avx512 {
 
     impl RowDot for DotPairs {
         type X = u16;
+        type W = u16;
         type E = __m512bh;
         type Xv = __m512bh;
 
@@ -560,30 +716,30 @@ mod avx512 {
         }
     }
 
-    /// f32 activations: a chunk of `e` is split into even and odd elements widened to f32
-    /// (`<< 16` and `& 0xffff0000` on the 32-bit lanes); each 32-element chunk of `x` is stored
-    /// as its 16 even elements followed by its 16 odd ones to match.
-    struct DotWide;
+    /// f32 activations: a chunk of `e` is loaded as two f32 vectors ([`Weight::load32`]); for
+    /// bf16 `e` (even and odd elements) each 32-element chunk of `x` is stored as its 16 even
+    /// elements followed by its 16 odd ones to match.
+    struct DotWide<W>(PhantomData<W>);
 
-    impl RowDot for DotWide {
+    impl<W: Weight> RowDot for DotWide<W> {
         type X = f32;
+        type W = W;
         type E = [__m512; 2];
         type Xv = [__m512; 2];
 
         fn prep_x(row: &[f32], dst: &mut [f32]) {
-            for (i, &v) in row.iter().enumerate() {
-                dst[i / 32 * 32 + i % 2 * 16 + i % 32 / 2] = v;
+            if W::SPLIT {
+                for (i, &v) in row.iter().enumerate() {
+                    dst[i / 32 * 32 + i % 2 * 16 + i % 32 / 2] = v;
+                }
+            } else {
+                dst[..row.len()].copy_from_slice(row);
             }
         }
 
         #[inline(always)]
-        unsafe fn load_e(p: *const u16, mk: __mmask32) -> [__m512; 2] {
-            let v = _mm512_maskz_loadu_epi16(mk, p as *const i16);
-            let hi = _mm512_and_si512(v, _mm512_set1_epi32(0xffff_0000u32 as i32));
-            [
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v)),
-                _mm512_castsi512_ps(hi),
-            ]
+        unsafe fn load_e(p: *const W, mk: __mmask32) -> [__m512; 2] {
+            W::load32(p, mk)
         }
 
         #[inline(always)]
@@ -601,9 +757,11 @@ mod avx512 {
     /// (output columns), split into `TER` equal runs that are streamed in lockstep, one row of
     /// each at a time; those rows stay in L1 while every row of `x` is dotted with them. (Rows
     /// from distant pages keep the hardware prefetcher at full bandwidth; adjacent rows,
-    /// interleaved, halve it.) Leftover rows are done one by one.
-    fn streaming_nt<D: RowDot>(x: &[D::X], e: &[u16], m: usize, k: usize, n: usize) -> Vec<f32> {
-        let kp = k.next_multiple_of(32);
+    /// interleaved, halve it.) Leftover rows are done one by one. Prepared rows of `x` are one
+    /// cache line longer than needed so that, with `e` rows a multiple of 4 KiB, they do not
+    /// all map to the same L1 set as the rows of `e`.
+    fn streaming_nt<D: RowDot>(x: &[D::X], e: &[D::W], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let kp = k.next_multiple_of(32) + 64 / size_of::<D::X>();
         let mut xp = vec![D::X::default(); m * kp];
         for r in 0..m {
             D::prep_x(&x[r * k..r * k + k], &mut xp[r * kp..r * kp + kp]);
@@ -634,7 +792,7 @@ mod avx512 {
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     unsafe fn nt_rows<D: RowDot, const ER: usize>(
-        e: *const u16,
+        e: *const D::W,
         k: usize,
         sp: usize,
         x: &[D::X],
@@ -659,7 +817,7 @@ mod avx512 {
     /// `ER` rows of `e` x `XR` rows of `x`: one zmm of partial sums per pair, reduced at the end.
     #[inline(always)]
     unsafe fn nt_tile<D: RowDot, const ER: usize, const XR: usize>(
-        e: *const u16,
+        e: *const D::W,
         k: usize,
         sp: usize,
         x: *const D::X,
@@ -1097,13 +1255,19 @@ mod tests {
     }
 
     /// f64 reference: `(y, sum_k |x * w|)` per output element.
-    fn reference(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<(f64, f64)> {
+    fn reference<W: Copy + Into<f64>>(
+        x: &[f32],
+        w: &[W],
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<(f64, f64)> {
         let mut out = vec![(0f64, 0f64); m * n];
         for i in 0..m {
             for kk in 0..k {
                 let xv = x[i * k + kk] as f64;
                 for j in 0..n {
-                    let t = xv * w[kk * n + j].to_f64();
+                    let t = xv * w[kk * n + j].into();
                     out[i * n + j].0 += t;
                     out[i * n + j].1 += t.abs();
                 }
@@ -1116,6 +1280,7 @@ mod tests {
     const KS: [usize; 5] = [1, 3, 64, 1023, 1024];
     const NS: [usize; 5] = [1, 17, 32, 1000, 1024];
     const MS_NT: [usize; 7] = [1, 2, 7, 16, 17, 33, 256];
+    const MS_SMALL: [usize; 5] = [1, 2, 7, 8, 16];
     const NS_NT: [usize; 4] = [1, 17, 32, 1000];
 
     fn shapes_of(
@@ -1135,7 +1300,7 @@ mod tests {
     }
 
     /// `w[rows, cols]` -> `w^T[cols, rows]`.
-    fn transpose(w: &[bf16], rows: usize, cols: usize) -> Vec<bf16> {
+    fn transpose<T: Copy>(w: &[T], rows: usize, cols: usize) -> Vec<T> {
         (0..cols * rows)
             .map(|i| w[(i % rows) * cols + i / rows])
             .collect()
@@ -1254,6 +1419,34 @@ mod tests {
     }
 
     #[test]
+    fn f32_small_matches_reference() {
+        for (m, k, n) in shapes_of(&MS_SMALL, &NS) {
+            let x = lcg((m * 31 + k * 7 + n) as u64, m * k);
+            let w = lcg((m + k * 13 + n * 5) as u64 ^ 0x1234, k * n);
+            let e = transpose(&w, k, n);
+            let refv = reference(&x, &w, m, k, n);
+            for (what, got) in [
+                ("fast", matmul_f32_small(&x, &w, m, k, n)),
+                ("portable", matmul_f32_small_portable(&x, &w, m, k, n)),
+                ("fast nt", matmul_f32_small_nt(&x, &e, m, k, n)),
+                ("portable nt", matmul_f32_small_nt_portable(&x, &e, m, k, n)),
+            ] {
+                check_f32(&got.expect("m <= SMALL_M"), &refv, what, (m, k, n));
+            }
+        }
+    }
+
+    #[test]
+    fn f32_small_rejects_large_m() {
+        let (m, k, n) = (SMALL_M + 1, 8, 8);
+        let (x, w) = (vec![0f32; m * k], vec![0f32; k * n]);
+        assert!(matmul_f32_small(&x, &w, m, k, n).is_none());
+        assert!(matmul_f32_small_portable(&x, &w, m, k, n).is_none());
+        assert!(matmul_f32_small_nt(&x, &w, m, k, n).is_none());
+        assert!(matmul_f32_small_nt_portable(&x, &w, m, k, n).is_none());
+    }
+
+    #[test]
     fn nt_matches_nn_on_transpose() {
         for m in MS_NT {
             for (k, n) in [(1, 1), (3, 17), (64, 32), (1023, 100), (1024, 1000)] {
@@ -1316,6 +1509,16 @@ mod tests {
                     "fast nt",
                     (m, k, n),
                 );
+                let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+                let ef = transpose(&wf, k, n);
+                let small = matmul_f32_small(&x, &wf, m, k, n);
+                let small_nt = matmul_f32_small_nt(&x, &ef, m, k, n);
+                if m <= SMALL_M {
+                    check_f32(&small.unwrap(), &reff, "small", (m, k, n));
+                    check_f32(&small_nt.unwrap(), &reff, "small nt", (m, k, n));
+                } else {
+                    assert!(small.is_none() && small_nt.is_none());
+                }
             }
         }
     }
