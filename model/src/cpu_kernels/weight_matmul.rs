@@ -11,9 +11,10 @@
 //!   activations (bf16 activations are widened first, exactly). In the transposed layout rows
 //!   of `e` are spread over the pool instead and dotted, four rows from separate pages at a
 //!   time, with every row of `x` (`vdpbf16ps` for bf16 activations, widened f32 FMA otherwise).
-//! * larger `m` (prefill): GotoBLAS-style blocking. `x` is packed once; per k-block each
-//!   32-column panel of `w` is packed into an L1-sized buffer and an 8 x 32 register-blocked
-//!   microkernel sweeps all rows. `matmul_bf16` packs k-pairs and uses `vdpbf16ps`;
+//! * larger `m` (prefill): GotoBLAS-style blocking. `x` is packed once; per k-block a
+//!   128-column block of `w` (prefetched during the previous block) is packed into 32-column
+//!   panels, and an 8 x 32 register-blocked microkernel sweeps all rows against each panel
+//!   while it sits in L1. `matmul_bf16` packs k-pairs and uses `vdpbf16ps`;
 //!   `matmul_f32_bf16` packs `w` widened to f32 and uses f32 FMA. Transposed weights only
 //!   change how a panel is packed (16 x 16 word blocks transposed in registers).
 //!
@@ -871,12 +872,12 @@ mod avx512 {
         /// k elements per step.
         const STEP: usize;
         /// Packs `x.len() / k` (at most `MR`) rows of `x` into `dst` (`[steps][MR]`, pre-zeroed).
-        fn pack_x(x: &[Self::X], k: usize, dst: &mut [u32]);
-        /// Packs `kr` rows and columns `0..nc` of `w` (row stride `n`) into `[steps][NR]`,
-        /// zero padding.
+        unsafe fn pack_x(x: &[Self::X], k: usize, dst: &mut [u32]);
+        /// Packs `kr` rows and columns `0..nc` (at most `NC`) of `w` (row stride `n`) into
+        /// `nc.div_ceil(NR)` panels `[steps][NR]`, `KC * NR` words apart, zero padding.
         unsafe fn pack_kn(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32);
-        /// As `pack_kn` for transposed weights: column `j` is `kr` elements at `e + j * k`.
-        /// `dst` must hold `steps` rounded up to 16 rows.
+        /// As `pack_kn` for one panel (`nc <= NR`) of transposed weights: column `j` is `kr`
+        /// elements at `e + j * k`. `dst` must hold `steps` rounded up to 16 rows.
         unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32);
         /// `MR` x `NR` tile over `steps` steps. Accumulators start at zero if `first`, else
         /// from `c` (f32, row stride `NC`); they end in `out` if given, else back in `c`.
@@ -891,8 +892,11 @@ mod avx512 {
     }
 
     /// GotoBLAS-style blocking: `x` is packed once (row blocks in parallel); rayon tasks own
-    /// `NC` columns; per k-block each `KC x NR` panel of `w` is packed into L1-sized scratch and
-    /// the microkernel runs over all row blocks, with partial sums kept in an f32 scratch tile.
+    /// `NC` columns. Per k-block the task's `KC x NC` block of `w` is packed into L2-sized
+    /// scratch as `NR`-column panels, and the microkernel runs over all row blocks of one panel
+    /// (then in L1) before the next, with partial sums kept in an f32 scratch tile. Meanwhile
+    /// the source of the next block (in this task, else the first of the next task) is
+    /// prefetched a slice per tile, so packing does not wait on memory.
     fn packed<K: PanelKernel>(
         x: &[K::X],
         w: &[u16],
@@ -909,48 +913,81 @@ mod avx512 {
         if block > 0 {
             a.par_chunks_mut(block)
                 .zip(x.par_chunks(MR * k))
-                .for_each(|(dst, xs)| K::pack_x(xs, k, dst));
+                // SAFETY: features were checked by the caller.
+                .for_each(|(dst, xs)| unsafe { K::pack_x(xs, k, dst) });
         }
         let a = &a;
         let wp = SyncPtr(w.as_ptr() as *mut u16);
         let c_lines = if steps > KC { blocks * MR * NC / 16 } else { 0 };
-        (0..n.div_ceil(NC)).into_par_iter().for_each(|t| {
-            with_scratch(KC * NR / 16, c_lines, |panel, c| {
+        let tasks = n.div_ceil(NC);
+        // The part of `w` that the block at step `s0`, columns `c0..c1` is packed from.
+        let source = |s0: usize, c0: usize, c1: usize| {
+            let k0 = s0 * K::STEP;
+            let (kr, nc) = ((KC * K::STEP).min(k - k0), c1 - c0);
+            match layout {
+                Layout::Kn => Source {
+                    start: k0 * n + c0,
+                    rows: kr,
+                    stride: n,
+                    len: nc,
+                },
+                Layout::Nk => Source {
+                    start: c0 * k + k0,
+                    rows: nc,
+                    stride: k,
+                    len: kr,
+                },
+            }
+        };
+        (0..tasks).into_par_iter().for_each(|t| {
+            with_scratch(KC * NC / 16, c_lines, |panels, c| {
                 let c = c as *mut f32;
+                let (c0, c1) = (t * NC, n.min(t * NC + NC));
+                let tiles = c1.div_ceil(NR) - c0 / NR;
                 for s0 in (0..steps.max(1)).step_by(KC) {
                     let ks = KC.min(steps - s0);
                     let k0 = s0 * K::STEP;
                     let kr = (ks * K::STEP).min(k - k0);
                     let first = s0 == 0;
                     let last = s0 + KC >= steps;
-                    for c0 in (t * NC..n.min(t * NC + NC)).step_by(NR) {
-                        let nc = NR.min(n - c0);
-                        // SAFETY: `w` covers `k * n` and `y` `m * n` elements; the panel holds
-                        // `KC * NR` words (`KC` is a multiple of 16), `c` holds `blocks * MR` rows of `NC` f32, `a` holds
-                        // `steps * MR` words per row block; this task writes only its own
-                        // columns; features were checked by the caller.
-                        unsafe {
-                            match layout {
-                                Layout::Kn => {
-                                    K::pack_kn(wp.get().add(k0 * n + c0), kr, n, nc, panel)
-                                }
-                                Layout::Nk => {
-                                    K::pack_nk(wp.get().add(c0 * k + k0), kr, k, nc, panel)
+                    let next = if !last {
+                        Some(source(s0 + KC, c0, c1))
+                    } else {
+                        (t + 1 < tasks && steps > 0).then(|| source(0, c1, n.min(c1 + NC)))
+                    };
+                    // SAFETY: `w` covers `k * n` and `y` `m * n` elements; `panels` holds
+                    // `KC * NC` words (`KC` is a multiple of 16), `c` holds `blocks * MR`
+                    // rows of `NC` f32, `a` holds `steps * MR` words per row block; this
+                    // task writes only its own columns; features were checked by the caller.
+                    unsafe {
+                        match layout {
+                            Layout::Kn => {
+                                K::pack_kn(wp.get().add(k0 * n + c0), kr, n, c1 - c0, panels)
+                            }
+                            Layout::Nk => {
+                                for (i, j) in (c0..c1).step_by(NR).enumerate() {
+                                    let dst = panels.add(i * KC * NR);
+                                    K::pack_nk(wp.get().add(j * k + k0), kr, k, NR.min(c1 - j), dst)
                                 }
                             }
+                        }
+                        for (i, j) in (c0..c1).step_by(NR).enumerate() {
                             for blk in 0..blocks {
+                                if let Some(s) = &next {
+                                    s.prefetch(wp.get(), i * blocks + blk, tiles * blocks);
+                                }
                                 let r0 = blk * MR;
                                 let out = last.then(|| Out {
-                                    y: y.get().add(r0 * n + c0),
+                                    y: y.get().add(r0 * n + j),
                                     n,
                                     rows: MR.min(m - r0),
-                                    nc,
+                                    nc: NR.min(c1 - j),
                                 });
                                 K::tile(
                                     ks,
                                     a.as_ptr().add(blk * block + s0 * MR),
-                                    panel,
-                                    c.wrapping_add(r0 * NC + c0 - t * NC),
+                                    panels.add(i * KC * NR),
+                                    c.wrapping_add(r0 * NC + j - c0),
                                     first,
                                     out,
                                 );
@@ -962,6 +999,30 @@ mod avx512 {
         });
     }
 
+    /// The part of `w` a block is packed from: `rows` runs of `len` elements, `stride` apart,
+    /// from element `start`.
+    struct Source {
+        start: usize,
+        rows: usize,
+        stride: usize,
+        len: usize,
+    }
+
+    impl Source {
+        /// Prefetches part `part` of `parts` (a share of the rows) into all cache levels.
+        #[inline(always)]
+        unsafe fn prefetch(&self, w: *const u16, part: usize, parts: usize) {
+            let bytes = 2 * self.len;
+            for r in self.rows * part / parts..self.rows * (part + 1) / parts {
+                let p = w.add(self.start + r * self.stride) as *const i8;
+                for off in (0..bytes).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.add(off));
+                }
+                _mm_prefetch::<_MM_HINT_T0>(p.add(bytes - 1));
+            }
+        }
+    }
+
     /// bf16 activations, `vdpbf16ps` on k-pairs: a word holds elements `2p` (low half) and
     /// `2p + 1` (high half, zero past the end) of a row of `x` or a column of `w`.
     struct Bf16Pairs;
@@ -971,13 +1032,9 @@ mod avx512 {
         type Y = u16;
         const STEP: usize = 2;
 
-        fn pack_x(x: &[u16], k: usize, dst: &mut [u32]) {
-            for (r, row) in x.chunks_exact(k).enumerate() {
-                for (p, pair) in row.chunks(2).enumerate() {
-                    let hi = pair.get(1).copied().unwrap_or(0);
-                    dst[p * MR + r] = pair[0] as u32 | (hi as u32) << 16;
-                }
-            }
+        #[inline]
+        unsafe fn pack_x(x: &[u16], k: usize, dst: &mut [u32]) {
+            pack_x_pairs(x, k, dst)
         }
 
         #[inline]
@@ -1003,25 +1060,60 @@ mod avx512 {
         }
     }
 
+    /// [`Bf16Pairs::pack_x`]: per 32 steps, 64 elements of each row are loaded as two
+    /// registers (rows `r` and `8 + r` of a 16 x 16 word matrix) and transposed, giving steps
+    /// `j` and `16 + j` of all rows in one register. Leftover steps are packed one by one.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn pack_x_pairs(x: &[u16], k: usize, dst: &mut [u32]) {
+        const _: () = assert!(MR == 8);
+        let rows = x.len() / k;
+        let main = k / 64 * 32;
+        let d = dst.as_mut_ptr();
+        for p0 in (0..main).step_by(32) {
+            let mut v = [_mm512_setzero_si512(); 16];
+            for r in 0..rows {
+                let src = x.as_ptr().add(r * k + 2 * p0) as *const __m512i;
+                v[r] = _mm512_loadu_si512(src);
+                v[MR + r] = _mm512_loadu_si512(src.add(1));
+            }
+            for (j, t) in transpose16(v).into_iter().enumerate() {
+                let lo = d.add((p0 + j) * MR) as *mut __m256i;
+                let hi = d.add((p0 + 16 + j) * MR) as *mut __m256i;
+                _mm256_storeu_si256(lo, _mm512_castsi512_si256(t));
+                _mm256_storeu_si256(hi, _mm512_extracti64x4_epi64::<1>(t));
+            }
+        }
+        for p in main..k.div_ceil(2) {
+            for r in 0..rows {
+                let row = &x[r * k..r * k + k];
+                let hi = row.get(2 * p + 1).copied().unwrap_or(0);
+                dst[p * MR + r] = row[2 * p] as u32 | (hi as u32) << 16;
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     unsafe fn pack_pairs(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
-        let mk = mask32(nc);
         let idx_a = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
         let idx_b = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
         let zero = _mm512_setzero_si512();
         for p in 0..kr.div_ceil(2) {
-            let a = _mm512_maskz_loadu_epi16(mk, w.add(2 * p * n) as *const i16);
-            let b = if 2 * p + 1 < kr {
-                _mm512_maskz_loadu_epi16(mk, w.add((2 * p + 1) * n) as *const i16)
-            } else {
-                zero
-            };
-            // Per 128-bit lane: lo = columns 0..4 interleaved, hi = columns 4..8.
-            let lo = _mm512_unpacklo_epi16(a, b);
-            let hi = _mm512_unpackhi_epi16(a, b);
-            let d = dst.add(p * NR) as *mut __m512i;
-            _mm512_store_si512(d, _mm512_permutex2var_epi64(lo, idx_a, hi));
-            _mm512_store_si512(d.add(1), _mm512_permutex2var_epi64(lo, idx_b, hi));
+            let (ra, rb) = (w.add(2 * p * n), w.add((2 * p + 1) * n));
+            for j in (0..nc).step_by(NR) {
+                let mk = mask32(nc - j);
+                let a = _mm512_maskz_loadu_epi16(mk, ra.add(j) as *const i16);
+                let b = if 2 * p + 1 < kr {
+                    _mm512_maskz_loadu_epi16(mk, rb.add(j) as *const i16)
+                } else {
+                    zero
+                };
+                // Per 128-bit lane: lo = columns 0..4 interleaved, hi = columns 4..8.
+                let lo = _mm512_unpacklo_epi16(a, b);
+                let hi = _mm512_unpackhi_epi16(a, b);
+                let d = dst.add(j * KC + p * NR) as *mut __m512i;
+                _mm512_store_si512(d, _mm512_permutex2var_epi64(lo, idx_a, hi));
+                _mm512_store_si512(d.add(1), _mm512_permutex2var_epi64(lo, idx_b, hi));
+            }
         }
     }
 
@@ -1090,15 +1182,14 @@ mod avx512 {
     /// Loads (or zeroes) the `MR x NR` f32 accumulators.
     #[inline(always)]
     unsafe fn acc_init(c: *const f32, first: bool) -> [[__m512; 2]; MR] {
-        core::array::from_fn(|r| {
-            core::array::from_fn(|v| {
-                if first {
-                    _mm512_setzero_ps()
-                } else {
-                    _mm512_loadu_ps(c.add(r * NC + 16 * v))
-                }
-            })
-        })
+        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        if !first {
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                acc_r[0] = _mm512_loadu_ps(c.add(r * NC));
+                acc_r[1] = _mm512_loadu_ps(c.add(r * NC + 16));
+            }
+        }
+        acc
     }
 
     /// Stores the accumulators back to the f32 scratch tile.
@@ -1155,7 +1246,7 @@ mod avx512 {
         type Y = f32;
         const STEP: usize = 1;
 
-        fn pack_x(x: &[f32], k: usize, dst: &mut [u32]) {
+        unsafe fn pack_x(x: &[f32], k: usize, dst: &mut [u32]) {
             for (r, row) in x.chunks_exact(k).enumerate() {
                 for (kk, v) in row.iter().enumerate() {
                     dst[kk * MR + r] = v.to_bits();
@@ -1188,15 +1279,17 @@ mod avx512 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     unsafe fn pack_wide(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
-        let m0 = mask16(nc);
-        let m1 = mask16(nc.saturating_sub(16));
         for kk in 0..kr {
-            let src = w.add(kk * n) as *const i16;
-            let lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, src));
-            let hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, src.add(16)));
-            let d = dst.add(kk * NR) as *mut __m512i;
-            _mm512_store_si512(d, _mm512_slli_epi32::<16>(lo));
-            _mm512_store_si512(d.add(1), _mm512_slli_epi32::<16>(hi));
+            for j in (0..nc).step_by(NR) {
+                let src = w.add(kk * n + j) as *const i16;
+                let m0 = mask16(nc - j);
+                let m1 = mask16((nc - j).saturating_sub(16));
+                let lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, src));
+                let hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, src.add(16)));
+                let d = dst.add(j * KC + kk * NR) as *mut __m512i;
+                _mm512_store_si512(d, _mm512_slli_epi32::<16>(lo));
+                _mm512_store_si512(d.add(1), _mm512_slli_epi32::<16>(hi));
+            }
         }
     }
 
