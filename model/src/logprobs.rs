@@ -8,7 +8,7 @@ use crate::batch::{Padding, TokenBatch};
 use crate::error::ModelError;
 use crate::qwen3::Qwen3ForCausalLM;
 
-/// Upper bound on the logits materialised at once (elements), ~256 MB in f32.
+/// Upper bound on the logits materialised at once (elements), 512 MiB in f32.
 const LOGITS_CHUNK_ELEMENTS: usize = 128 * 1024 * 1024;
 
 /// `out[b, j] = log p(ids[b, start + j] | ids[b, ..start + j])` for `j in 0..len - start`, for a

@@ -49,11 +49,12 @@ impl<B: Backend> AttentionInputs<B> {
         let groups = num_heads / num_key_value_heads;
         let bias = bias
             .reshape([b, 1, q_len * k_len])
-            .repeat_dim(1, num_key_value_heads * groups)
+            .repeat_dim(1, num_heads)
             .reshape([b, num_key_value_heads, groups * q_len, k_len]);
+        let tables = rotary.tables(position_ids, dtype);
         Self {
-            rotary_q: rotary.tables(position_ids.clone(), num_heads, dtype),
-            rotary_k: rotary.tables(position_ids, num_key_value_heads, dtype),
+            rotary_q: tables.repeat_heads(num_heads),
+            rotary_k: tables.repeat_heads(num_key_value_heads),
             bias,
         }
     }

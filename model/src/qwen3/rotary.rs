@@ -31,14 +31,9 @@ impl Qwen3RotaryEmbedding {
         Self { inv_freq }
     }
 
-    /// The tables for `position_ids` `[b, q]`, repeated over `heads`, in `dtype` (computed in
-    /// f32 as HF does, then cast).
-    pub fn tables<B: Backend>(
-        &self,
-        position_ids: Tensor<B, 2, Int>,
-        heads: usize,
-        dtype: DType,
-    ) -> RotaryTables<B> {
+    /// The tables for `position_ids` `[b, q]` for one head, `[b, q, 1, head_dim]`, in `dtype`
+    /// (computed in f32 as HF does, then cast); [`RotaryTables::repeat_heads`] widens them.
+    pub fn tables<B: Backend>(&self, position_ids: Tensor<B, 2, Int>, dtype: DType) -> RotaryTables<B> {
         let device = position_ids.device();
         let half = self.inv_freq.len();
         let inv_freq = Tensor::<B, 1>::from_data(self.inv_freq.as_slice(), (&device, DType::F32))
@@ -49,13 +44,23 @@ impl Qwen3RotaryEmbedding {
         let sin = freqs.sin();
         let cos = Tensor::cat(vec![cos.clone(), cos], 2);
         let signed_sin = Tensor::cat(vec![sin.clone().neg(), sin], 2);
-        let per_head = |t: Tensor<B, 3>| {
-            let t = t.unsqueeze_dim::<4>(2).repeat_dim(2, heads);
+        let one_head = |t: Tensor<B, 3>| {
+            let t = t.unsqueeze_dim::<4>(2);
             if dtype == DType::F32 { t } else { t.cast(dtype) }
         };
         RotaryTables {
-            cos: per_head(cos),
-            signed_sin: per_head(signed_sin),
+            cos: one_head(cos),
+            signed_sin: one_head(signed_sin),
+        }
+    }
+}
+
+impl<B: Backend> RotaryTables<B> {
+    /// The tables repeated (materialised) over `heads` along the head axis.
+    pub fn repeat_heads(&self, heads: usize) -> Self {
+        Self {
+            cos: self.cos.clone().repeat_dim(2, heads),
+            signed_sin: self.signed_sin.clone().repeat_dim(2, heads),
         }
     }
 }
@@ -91,7 +96,7 @@ mod tests {
     fn position_zero_is_identity() {
         let rope = Qwen3RotaryEmbedding::new(4, 10_000.0);
         let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 1]], &Default::default());
-        let tables = rope.tables(pos, 2, DType::F32);
+        let tables = rope.tables(pos, DType::F32).repeat_heads(2);
         assert_eq!(tables.cos.dims(), [1, 2, 2, 4]);
         let cos: Vec<f32> = tables.cos.into_data().to_vec().unwrap();
         let sin: Vec<f32> = tables.signed_sin.into_data().to_vec().unwrap();
@@ -111,7 +116,7 @@ mod tests {
         let rope = Qwen3RotaryEmbedding::new(d, 10_000.0);
         let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 5, 9], [3, 4, 100]], &device);
         let x = Tensor::<Flex, 4>::random([b, q, h, d], Distribution::Normal(0.0, 1.0), &device);
-        let ours: Vec<f32> = apply_rotary_pos_emb(x.clone(), &rope.tables(pos, h, DType::F32))
+        let ours: Vec<f32> = apply_rotary_pos_emb(x.clone(), &rope.tables(pos, DType::F32).repeat_heads(h))
             .into_data()
             .to_vec()
             .unwrap();
