@@ -69,6 +69,9 @@ pub fn map_logits_chunks<B: Backend, T>(
 /// `logits[.., target] - logsumexp(logits)` over the vocabulary, in f32: `[b, n, vocab]`,
 /// `[b, n]` → `[b, n]`.
 pub fn chosen_logprobs<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+    if let Some(fused) = crate::cpu_kernels::chosen_logprobs(&logits, &targets) {
+        return fused;
+    }
     let logits = if logits.dtype() == DType::F32 {
         logits
     } else {

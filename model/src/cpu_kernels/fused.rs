@@ -84,6 +84,26 @@ pub fn silu_mul_bf16(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
     out
 }
 
+/// `row[target] - logsumexp(row)` in f32 for each row of `vocab` logits (the log-probability
+/// of the target token), rows spread over the pool: one pass for the maximum and one for the
+/// sum of exponentials, where the tensor formula takes six passes and five temporaries.
+pub fn chosen_logprobs<T: Copy + Sync>(
+    logits: &[T],
+    vocab: usize,
+    targets: &[usize],
+    widen: impl Fn(T) -> f32 + Sync,
+) -> Vec<f32> {
+    logits
+        .par_chunks(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, &target)| {
+            let max = row.iter().map(|&x| widen(x)).fold(f32::NEG_INFINITY, f32::max);
+            let sum: f32 = row.iter().map(|&x| (widen(x) - max).exp()).sum();
+            widen(row[target]) - (sum.ln() + max)
+        })
+        .collect()
+}
+
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
@@ -109,6 +129,24 @@ mod tests {
         for (a, b) in yb.iter().zip(&y) {
             assert!((a.to_f32() - b).abs() <= b.abs() / 64.0 + 1e-3);
         }
+    }
+
+    #[test]
+    fn chosen_logprobs_match_the_formula() {
+        let vocab = 1000;
+        let logits: Vec<f32> = (0..3 * vocab).map(|i| (i as f32 * 0.731).sin() * 8.0).collect();
+        let targets = [0, 517, 999];
+        let got = chosen_logprobs(&logits, vocab, &targets, |x| x);
+        for ((row, &t), got) in logits.chunks(vocab).zip(&targets).zip(got) {
+            let lse = row.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+            assert!((got as f64 - (row[t] as f64 - lse)).abs() < 1e-5);
+        }
+        let halves: Vec<bf16> = logits.iter().map(|&x| bf16::from_f32(x)).collect();
+        let widened: Vec<f32> = halves.iter().map(|x| x.to_f32()).collect();
+        assert_eq!(
+            chosen_logprobs(&halves, vocab, &targets, |x| x.to_f32()),
+            chosen_logprobs(&widened, vocab, &targets, |x| x)
+        );
     }
 
     #[test]

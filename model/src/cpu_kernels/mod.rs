@@ -4,18 +4,23 @@
 //! - matmuls of a few rows (decode) with f32 weights: memory-bound, so a streaming kernel reads
 //!   the weights at full bandwidth where a general GEMM does not;
 //! - RMSNorm and the SwiGLU product: several single-threaded passes (and strided broadcasts in
-//!   bf16) become one parallel pass.
+//!   bf16) become one parallel pass;
+//! - the log-probability of chosen tokens: one parallel reduction per row of logits instead of
+//!   six single-threaded passes over `[b, n, vocab]`;
+//! - attention: scores, mask, softmax and the weighted sum of values in one parallel pass over
+//!   the strided query/key/value views, where burn's ops copy, upcast and broadcast each step.
 //!
 //! Each entry point returns `None` unless the backend is burn-flex itself (checked at run time
 //! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
 //! handles; the caller then uses burn's own ops. Autodiff never reaches the kernels.
 
+mod attention;
 mod fused;
 mod weight_matmul;
 
 use std::any::Any;
 
-use burn::tensor::{backend::Backend, bf16, Bytes, DType, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Shape, Tensor, TensorPrimitive};
 use burn_flex::{FlexTensor, Layout};
 
 /// How a weight matrix is stored.
@@ -139,6 +144,120 @@ pub(crate) fn silu_mul<B: Backend, const D: usize>(
     flex_output(bytes, gate.dims(), dtype)
 }
 
+/// Grouped-query attention through [`attention::grouped_attention`] when `B` is burn-flex and
+/// the operands are all f32 or all bf16: `query` `[b, q, heads, d]`, `key` and `value`
+/// `[b, kv_heads, k, d]` (views with any non-negative strides), `bias` `[b, 1, q, k]`. Returns
+/// `[b, q, heads * d]`.
+pub(crate) fn grouped_attention<B: Backend>(
+    query: &Tensor<B, 4>,
+    key: &Tensor<B, 4>,
+    value: &Tensor<B, 4>,
+    bias: &Tensor<B, 4>,
+    scale: f32,
+) -> Option<Tensor<B, 3>> {
+    let [batch, queries, heads, head_dim] = query.dims();
+    let [_, kv_heads, keys, _] = key.dims();
+    let shapes_agree = key.dims() == [batch, kv_heads, keys, head_dim]
+        && value.dims() == key.dims()
+        && bias.dims() == [batch, 1, queries, keys]
+        && kv_heads > 0
+        && heads % kv_heads == 0;
+    let dtype = query.dtype();
+    let dtypes_agree = [key.dtype(), value.dtype(), bias.dtype()].iter().all(|&t| t == dtype);
+    if !shapes_agree || !dtypes_agree || !matches!(dtype, DType::F32 | DType::BF16) {
+        return None;
+    }
+    let [q, k, v, m] = [query, key, value, bias].map(|t| to_flex(t.clone()).map(rows_contiguous));
+    let (q, k, v, m) = (q?, k?, v?, m?);
+    let shape = attention::AttentionShape {
+        batch,
+        queries,
+        keys,
+        heads,
+        kv_heads,
+        head_dim,
+    };
+    fn run<T: attention::Element + burn::tensor::Element + bytemuck::Pod>(
+        [q, k, v, m]: [&FlexTensor; 4],
+        shape: attention::AttentionShape,
+        scale: f32,
+    ) -> Bytes {
+        fn heads<T: burn::tensor::Element + bytemuck::Pod>(
+            t: &FlexTensor,
+            [batch, head, position]: [usize; 3],
+        ) -> attention::Heads<'_, T> {
+            let s = t.layout().strides();
+            attention::Heads {
+                data: t.storage::<T>(),
+                offset: t.layout().start_offset(),
+                batch_stride: s[batch] as usize,
+                head_stride: s[head] as usize,
+                position_stride: s[position] as usize,
+            }
+        }
+        let s = m.layout().strides();
+        let bias = attention::Bias {
+            data: m.storage::<T>(),
+            offset: m.layout().start_offset(),
+            batch_stride: s[0] as usize,
+            query_stride: s[2] as usize,
+            key_stride: s[3] as usize,
+        };
+        let out = attention::grouped_attention(
+            heads::<T>(q, [0, 2, 1]),
+            heads::<T>(k, [0, 1, 2]),
+            heads::<T>(v, [0, 1, 2]),
+            bias,
+            shape,
+            scale,
+        );
+        Bytes::from_elems(out)
+    }
+    let operands = [&q, &k, &v, &m];
+    let bytes = match dtype {
+        DType::F32 => run::<f32>(operands, shape, scale),
+        _ => run::<bf16>(operands, shape, scale),
+    };
+    flex_output(bytes, [batch, queries, heads * head_dim], dtype)
+}
+
+/// The log-probability of each target token, `[b, n]` f32, from `logits` `[b, n, vocab]` (f32 or
+/// bf16) and `targets` `[b, n]` (see [`fused::chosen_logprobs`]) when `B` is burn-flex; `None`
+/// otherwise or for a target outside the vocabulary.
+pub(crate) fn chosen_logprobs<B: Backend>(
+    logits: &Tensor<B, 3>,
+    targets: &Tensor<B, 2, Int>,
+) -> Option<Tensor<B, 2>> {
+    let [b, n, vocab] = logits.dims();
+    let ids = to_flex_int(targets.clone())?;
+    let ids: Vec<usize> = match ids.dtype() {
+        DType::I64 => ids.to_contiguous().as_slice::<i64>()?.iter().map(|&t| t as usize).collect(),
+        DType::I32 => ids.to_contiguous().as_slice::<i32>()?.iter().map(|&t| t as usize).collect(),
+        _ => return None,
+    };
+    if ids.len() != b * n || ids.iter().any(|&t| t >= vocab) {
+        return None;
+    }
+    let logits = to_flex(logits.clone())?.to_contiguous();
+    let values = match logits.dtype() {
+        DType::F32 => fused::chosen_logprobs(logits.as_slice::<f32>()?, vocab, &ids, |x| x),
+        DType::BF16 => fused::chosen_logprobs(logits.as_slice::<bf16>()?, vocab, &ids, |x| x.to_f32()),
+        _ => return None,
+    };
+    flex_output(Bytes::from_elems(values), [b, n], DType::F32)
+}
+
+/// `t` itself when its strides are non-negative and its last axis is contiguous, else a
+/// contiguous copy.
+fn rows_contiguous(t: FlexTensor) -> FlexTensor {
+    let strides = t.layout().strides();
+    if strides.last() == Some(&1) && strides.iter().all(|&s| s >= 0) {
+        t
+    } else {
+        t.to_contiguous()
+    }
+}
+
 /// A contiguous burn-flex result as a tensor of `B` (which is burn-flex when this is reached).
 fn flex_output<B: Backend, const D: usize>(
     bytes: Bytes,
@@ -152,6 +271,12 @@ fn flex_output<B: Backend, const D: usize>(
 /// The burn-flex tensor behind `t`, when `B` is burn-flex.
 fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
     let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
+    primitive.downcast::<FlexTensor>().ok().map(|t| *t)
+}
+
+/// The burn-flex tensor behind the integer tensor `t`, when `B` is burn-flex.
+fn to_flex_int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Option<FlexTensor> {
+    let primitive: Box<dyn Any> = Box::new(t.into_primitive());
     primitive.downcast::<FlexTensor>().ok().map(|t| *t)
 }
 

@@ -9,6 +9,7 @@ use super::cache::LayerKvCache;
 use super::linear::linear;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
+use crate::cpu_kernels;
 
 /// Self-attention of one decoder layer. Projections have no bias.
 #[derive(Module, Debug)]
@@ -25,14 +26,15 @@ pub struct Qwen3Attention<B: Backend> {
 }
 
 /// What every layer's attention takes from one forward pass, built once and shared by all
-/// layers: RoPE tables for the query and the key heads, and the additive mask already repeated
-/// to the grouped score layout `[b, kv, groups * q, k]`, so per-layer element-wise work runs on
-/// contiguous tensors of equal shape.
+/// layers: RoPE tables for the query and the key heads, and the additive mask, `[b, 1, q, k]`
+/// and repeated to the grouped score layout `[b, kv, groups * q, k]`, so per-layer element-wise
+/// work runs on contiguous tensors of equal shape.
 #[derive(Debug, Clone)]
 pub struct AttentionInputs<B: Backend> {
     pub rotary_q: RotaryTables<B>,
     pub rotary_k: RotaryTables<B>,
     pub bias: Tensor<B, 4>,
+    pub grouped_bias: Tensor<B, 4>,
 }
 
 impl<B: Backend> AttentionInputs<B> {
@@ -47,7 +49,8 @@ impl<B: Backend> AttentionInputs<B> {
         let dtype = bias.dtype();
         let [b, _, q_len, k_len] = bias.dims();
         let groups = num_heads / num_key_value_heads;
-        let bias = bias
+        let grouped_bias = bias
+            .clone()
             .reshape([b, 1, q_len * k_len])
             .repeat_dim(1, num_heads)
             .reshape([b, num_key_value_heads, groups * q_len, k_len]);
@@ -56,6 +59,7 @@ impl<B: Backend> AttentionInputs<B> {
             rotary_q: tables.repeat_heads(num_heads),
             rotary_k: tables.repeat_heads(num_key_value_heads),
             bias,
+            grouped_bias,
         }
     }
 }
@@ -78,7 +82,7 @@ impl<B: Backend> Qwen3Attention<B> {
         let key_states = self
             .k_norm
             .forward(linear(&self.k_proj, hidden_states.clone()).reshape([b, q_len, kv, d]));
-        let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q).swap_dims(1, 2);
+        let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q);
         let key_states = apply_rotary_pos_emb(key_states, &inputs.rotary_k).swap_dims(1, 2);
         let value_states = linear(&self.v_proj, hidden_states)
             .reshape([b, q_len, kv, d])
@@ -89,8 +93,20 @@ impl<B: Backend> Qwen3Attention<B> {
             None => (key_states, value_states),
         };
 
-        let attn_output = grouped_attention(query_states, key_states, value_states, &inputs.bias, d);
-        let attn_output = attn_output.swap_dims(1, 2).reshape([b, q_len, h * d]);
+        let scaling = (d as f64).powf(-0.5);
+        let fused = cpu_kernels::grouped_attention(
+            &query_states,
+            &key_states,
+            &value_states,
+            &inputs.bias,
+            scaling as f32,
+        );
+        let attn_output = fused.unwrap_or_else(|| {
+            let query_states = query_states.swap_dims(1, 2);
+            grouped_attention(query_states, key_states, value_states, &inputs.grouped_bias, scaling)
+                .swap_dims(1, 2)
+                .reshape([b, q_len, h * d])
+        });
         linear(&self.o_proj, attn_output)
     }
 }
@@ -106,13 +122,12 @@ fn grouped_attention<B: Backend>(
     key: Tensor<B, 4>,
     value: Tensor<B, 4>,
     bias: &Tensor<B, 4>,
-    head_dim: usize,
+    scaling: f64,
 ) -> Tensor<B, 4> {
     let [b, h, q_len, d] = query.dims();
     let kv = key.dims()[1];
     let groups = h / kv;
     let dtype = query.dtype();
-    let scaling = (head_dim as f64).powf(-0.5);
 
     let query = query.reshape([b, kv, groups * q_len, d]);
     let scores = query.matmul(key.swap_dims(2, 3)).mul_scalar(scaling) + bias.clone();

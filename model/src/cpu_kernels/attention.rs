@@ -1,0 +1,585 @@
+//! Grouped-query attention on the CPU in one parallel pass: `softmax(Q Kᵀ · scale + bias) V`
+//! for `heads` query heads sharing `kv_heads` key/value heads, without materialising the score
+//! tensor, the repeated keys or any transposed copy.
+//!
+//! Work is split into tasks of (batch row, key/value head, block of query positions). A task
+//! packs the keys it needs transposed (`Kᵀ`, `[d, columns]`) and the values (`[columns, d]`) in
+//! f32 once, then serves every query head of its group: scores, softmax and `P V` for
+//! `groups × block` rows at a time. Keys past the last one any row of the block may attend to
+//! (the causal future) are never read: their softmax weight would be exactly zero.
+//!
+//! Rounding follows HF's eager attention in the operands' dtype: for bf16 the product `Q Kᵀ`, the
+//! scaled scores and the biased scores are each rounded to bf16, the softmax runs in f32 and its
+//! probabilities are rounded to bf16 before `P V`, whose f32 sums are rounded once.
+
+use half::bf16;
+use rayon::prelude::*;
+
+/// A bias at or below this marks a key a query does not attend to. The masks this crate builds
+/// use -1e9; any score that low gives a softmax weight of exactly zero next to an attended key.
+const MASKED_BELOW: f32 = -1.0e7;
+
+/// Query positions per task.
+const QUERY_BLOCK: usize = 32;
+
+/// Key columns are packed in multiples of this (one 4 × 16-lane tile of scores).
+const COLUMN_TILE: usize = 64;
+
+/// An element type the kernel reads and writes.
+pub trait Element: Copy + Send + Sync + 'static {
+    /// The value as f32 (exact).
+    fn widen(self) -> f32;
+    /// `x` rounded to this type's precision, as f32.
+    fn round(x: f32) -> f32;
+    /// `x` rounded to this type.
+    fn narrow(x: f32) -> Self;
+}
+
+impl Element for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+    fn round(x: f32) -> f32 {
+        x
+    }
+    fn narrow(x: f32) -> Self {
+        x
+    }
+}
+
+impl Element for bf16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn round(x: f32) -> f32 {
+        bf16::from_f32(x).to_f32()
+    }
+    fn narrow(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+/// A `[batch, heads, positions, d]` operand read through strides (in elements); each row of `d`
+/// values is contiguous. The axes may be stored in any order (e.g. queries as `[b, q, h, d]`).
+#[derive(Debug, Clone, Copy)]
+pub struct Heads<'a, T> {
+    pub data: &'a [T],
+    pub offset: usize,
+    pub batch_stride: usize,
+    pub head_stride: usize,
+    pub position_stride: usize,
+}
+
+impl<T> Heads<'_, T> {
+    fn row(&self, batch: usize, head: usize, position: usize, d: usize) -> &[T] {
+        let start = self.offset
+            + batch * self.batch_stride
+            + head * self.head_stride
+            + position * self.position_stride;
+        &self.data[start..start + d]
+    }
+}
+
+/// The additive bias `[batch, queries, keys]`, shared by all heads, read through strides.
+#[derive(Debug, Clone, Copy)]
+pub struct Bias<'a, T> {
+    pub data: &'a [T],
+    pub offset: usize,
+    pub batch_stride: usize,
+    pub query_stride: usize,
+    pub key_stride: usize,
+}
+
+impl<T: Element> Bias<'_, T> {
+    fn at(&self, batch: usize, query: usize, key: usize) -> f32 {
+        self.data[self.offset + batch * self.batch_stride + query * self.query_stride + key * self.key_stride]
+            .widen()
+    }
+
+    /// One past the last key `query` attends to; every key when it attends to none (such a row,
+    /// e.g. a left-padding query, then gets the same softmax over all keys as unfused attention).
+    fn attended_end(&self, batch: usize, query: usize, keys: usize) -> usize {
+        (0..keys)
+            .rev()
+            .find(|&j| self.at(batch, query, j) > MASKED_BELOW)
+            .map_or(keys, |j| j + 1)
+    }
+}
+
+/// Sizes of one attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub batch: usize,
+    pub queries: usize,
+    pub keys: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// `softmax(Q Kᵀ · scale + bias) V`, returned as `[batch, queries, heads, head_dim]` (contiguous),
+/// the layout the output projection reads. Query head `h` uses key/value head
+/// `h / (heads / kv_heads)`, as HF's `repeat_kv` does.
+pub fn grouped_attention<T: Element>(
+    query: Heads<'_, T>,
+    key: Heads<'_, T>,
+    value: Heads<'_, T>,
+    bias: Bias<'_, T>,
+    shape: AttentionShape,
+    scale: f32,
+) -> Vec<T> {
+    let AttentionShape { batch, queries, heads, kv_heads, head_dim: d, .. } = shape;
+    assert!(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+    let blocks = queries.div_ceil(QUERY_BLOCK);
+    let tasks: Vec<(usize, usize, usize)> = (0..batch)
+        .flat_map(|b| (0..kv_heads).flat_map(move |g| (0..blocks).map(move |blk| (b, g, blk))))
+        .collect();
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(b, g, blk)| {
+            let rows = blk * QUERY_BLOCK..((blk + 1) * QUERY_BLOCK).min(queries);
+            task(&query, &key, &value, &bias, shape, scale, b, g, rows)
+        })
+        .collect();
+
+    let groups = heads / kv_heads;
+    let mut out = vec![T::narrow(0.0); batch * queries * heads * d];
+    for (&(b, g, blk), result) in tasks.iter().zip(&results) {
+        let first = blk * QUERY_BLOCK;
+        let block = ((blk + 1) * QUERY_BLOCK).min(queries) - first;
+        for (r, row) in result.chunks_exact(d).enumerate() {
+            let (head, i) = (g * groups + r / block, first + r % block);
+            let start = ((b * queries + i) * heads + head) * d;
+            for (o, &x) in out[start..start + d].iter_mut().zip(row) {
+                *o = T::narrow(x);
+            }
+        }
+    }
+    out
+}
+
+/// One task: query positions `rows` of every head in group `g` of batch row `b`. Returns
+/// `[groups * rows.len(), d]` (head-major) rounded to `T`'s precision, in f32.
+#[allow(clippy::too_many_arguments)]
+fn task<T: Element>(
+    query: &Heads<'_, T>,
+    key: &Heads<'_, T>,
+    value: &Heads<'_, T>,
+    bias: &Bias<'_, T>,
+    shape: AttentionShape,
+    scale: f32,
+    b: usize,
+    g: usize,
+    rows: std::ops::Range<usize>,
+) -> Vec<f32> {
+    let d = shape.head_dim;
+    let groups = shape.heads / shape.kv_heads;
+    let ends: Vec<usize> = rows.clone().map(|i| bias.attended_end(b, i, shape.keys)).collect();
+    let columns = ends.iter().copied().max().unwrap_or(0);
+    let padded = columns.div_ceil(COLUMN_TILE) * COLUMN_TILE;
+
+    let mut kt = vec![0.0f32; d * padded];
+    let mut v = vec![0.0f32; columns * d];
+    for j in 0..columns {
+        for (dd, x) in key.row(b, g, j, d).iter().enumerate() {
+            kt[dd * padded + j] = x.widen();
+        }
+        for (dst, x) in v[j * d..(j + 1) * d].iter_mut().zip(value.row(b, g, j, d)) {
+            *dst = x.widen();
+        }
+    }
+    let m = groups * rows.len();
+    let mut q = Vec::with_capacity(m * d);
+    for head in g * groups..(g + 1) * groups {
+        for i in rows.clone() {
+            q.extend(query.row(b, head, i, d).iter().map(|x| x.widen()));
+        }
+    }
+
+    let mut scores = vec![0.0f32; m * padded];
+    kernels::scores(&q, m, d, &kt, padded, &mut scores);
+    for (r, row) in scores.chunks_exact_mut(padded).enumerate() {
+        let i = rows.start + r % rows.len();
+        softmax_row::<T>(&mut row[..columns], |j| bias.at(b, i, j), scale);
+    }
+    let mut out = vec![0.0f32; m * d];
+    kernels::weighted_values(&scores, padded, m, columns, &v, d, &mut out);
+    out
+}
+
+/// Turns raw dot products into attention probabilities in place, with `T`'s rounding at each
+/// step HF rounds (see the module docs).
+fn softmax_row<T: Element>(row: &mut [f32], bias: impl Fn(usize) -> f32, scale: f32) {
+    let mut max = f32::NEG_INFINITY;
+    for (j, s) in row.iter_mut().enumerate() {
+        *s = T::round(T::round(T::round(*s) * scale) + bias(j));
+        max = max.max(*s);
+    }
+    let mut sum = 0.0f32;
+    for s in row.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    for s in row.iter_mut() {
+        *s = T::round(*s / sum);
+    }
+}
+
+/// The two matrix products, with an AVX-512 path and a portable one.
+mod kernels {
+    /// `scores[r, j] = q[r, :] · kt[:, j]` for `m` rows of `q` (`[m, d]`) and the `padded`
+    /// columns of `kt` (`[d, padded]`, `padded` a multiple of 64).
+    pub fn scores(q: &[f32], m: usize, d: usize, kt: &[f32], padded: usize, scores: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if avx512::available() {
+            // SAFETY: the CPU has AVX-512F; the slices have the sizes documented above.
+            unsafe { avx512::scores(q, m, d, kt, padded, scores) };
+            return;
+        }
+        for (qr, sr) in q.chunks_exact(d).zip(scores.chunks_exact_mut(padded)) {
+            for (&x, ktr) in qr.iter().zip(kt.chunks_exact(padded)) {
+                for (s, &k) in sr.iter_mut().zip(ktr) {
+                    *s += x * k;
+                }
+            }
+        }
+    }
+
+    /// `out[r, :] = Σ_{j < columns} p[r, j] · v[j, :]` for `m` rows of `p` (row stride
+    /// `padded`) and `v` `[columns, d]`.
+    pub fn weighted_values(
+        p: &[f32],
+        padded: usize,
+        m: usize,
+        columns: usize,
+        v: &[f32],
+        d: usize,
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if d % 16 == 0 && avx512::available() {
+            // SAFETY: the CPU has AVX-512F; `d` is a multiple of 16 and the sizes are as above.
+            unsafe { avx512::weighted_values(p, padded, m, columns, v, d, out) };
+            return;
+        }
+        for (pr, or) in p.chunks_exact(padded).zip(out.chunks_exact_mut(d)).take(m) {
+            for (&w, vr) in pr[..columns].iter().zip(v.chunks_exact(d)) {
+                for (o, &x) in or.iter_mut().zip(vr) {
+                    *o += w * x;
+                }
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod avx512 {
+        use std::arch::x86_64::*;
+        use std::sync::OnceLock;
+
+        pub fn available() -> bool {
+            static HAS: OnceLock<bool> = OnceLock::new();
+            *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn scores(q: &[f32], m: usize, d: usize, kt: &[f32], padded: usize, s: &mut [f32]) {
+            assert!(q.len() >= m * d && kt.len() >= d * padded && s.len() >= m * padded);
+            for c in (0..padded).step_by(64) {
+                let (k, mut r) = (kt.as_ptr().add(c), 0);
+                while r + 4 <= m {
+                    scores_tile::<4>(q.as_ptr().add(r * d), d, k, padded, s.as_mut_ptr().add(r * padded + c));
+                    r += 4;
+                }
+                while r < m {
+                    scores_tile::<1>(q.as_ptr().add(r * d), d, k, padded, s.as_mut_ptr().add(r * padded + c));
+                    r += 1;
+                }
+            }
+        }
+
+        /// `R` rows × 64 columns of scores, four 16-lane accumulators per row.
+        #[inline(always)]
+        unsafe fn scores_tile<const R: usize>(q: *const f32, d: usize, kt: *const f32, padded: usize, s: *mut f32) {
+            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+            for dd in 0..d {
+                let row = kt.add(dd * padded);
+                let k = [
+                    _mm512_loadu_ps(row),
+                    _mm512_loadu_ps(row.add(16)),
+                    _mm512_loadu_ps(row.add(32)),
+                    _mm512_loadu_ps(row.add(48)),
+                ];
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*q.add(r * d + dd));
+                    for (a, k) in acc.iter_mut().zip(k) {
+                        *a = _mm512_fmadd_ps(x, k, *a);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (u, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(s.add(r * padded + 16 * u), *a);
+                }
+            }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn weighted_values(
+            p: &[f32],
+            padded: usize,
+            m: usize,
+            columns: usize,
+            v: &[f32],
+            d: usize,
+            out: &mut [f32],
+        ) {
+            assert!(p.len() >= m * padded && v.len() >= columns * d && out.len() >= m * d);
+            let (pp, vp, op) = (p.as_ptr(), v.as_ptr(), out.as_mut_ptr());
+            let mut c = 0;
+            while c < d {
+                let wide = d - c >= 64;
+                let mut r = 0;
+                while r + 4 <= m {
+                    let (pr, or) = (pp.add(r * padded), op.add(r * d + c));
+                    if wide {
+                        values_tile::<4, 4>(pr, padded, columns, vp.add(c), d, or);
+                    } else {
+                        values_tile::<4, 1>(pr, padded, columns, vp.add(c), d, or);
+                    }
+                    r += 4;
+                }
+                while r < m {
+                    let (pr, or) = (pp.add(r * padded), op.add(r * d + c));
+                    if wide {
+                        values_tile::<1, 4>(pr, padded, columns, vp.add(c), d, or);
+                    } else {
+                        values_tile::<1, 1>(pr, padded, columns, vp.add(c), d, or);
+                    }
+                    r += 1;
+                }
+                c += if wide { 64 } else { 16 };
+            }
+        }
+
+        /// `R` rows × `16 * NV` output columns.
+        #[inline(always)]
+        unsafe fn values_tile<const R: usize, const NV: usize>(
+            p: *const f32,
+            padded: usize,
+            columns: usize,
+            v: *const f32,
+            d: usize,
+            out: *mut f32,
+        ) {
+            let mut acc = [[_mm512_setzero_ps(); NV]; R];
+            for j in 0..columns {
+                let row = v.add(j * d);
+                let mut x = [_mm512_setzero_ps(); NV];
+                for (u, x) in x.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(row.add(16 * u));
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*p.add(r * padded + j));
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = _mm512_fmadd_ps(w, x, *a);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (u, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(out.add(r * d + 16 * u), *a);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Plain attention with HF's repeat_kv and rounding, element by element in f64 sums.
+    fn reference<T: Element>(
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        bias: &[T],
+        s: AttentionShape,
+        scale: f32,
+    ) -> Vec<f32> {
+        let AttentionShape { batch, queries, keys, heads, kv_heads, head_dim: d } = s;
+        let mut out = vec![0.0f32; batch * queries * heads * d];
+        for b in 0..batch {
+            for h in 0..heads {
+                let g = h / (heads / kv_heads);
+                for i in 0..queries {
+                    let qr = &q[((b * queries + i) * heads + h) * d..][..d];
+                    let mut row: Vec<f32> = (0..keys)
+                        .map(|j| {
+                            let kr = &k[((b * kv_heads + g) * keys + j) * d..][..d];
+                            let dot: f64 = qr.iter().zip(kr).map(|(a, c)| a.widen() as f64 * c.widen() as f64).sum();
+                            let biased = T::round(T::round(dot as f32) * scale)
+                                + bias[(b * queries + i) * keys + j].widen();
+                            T::round(biased)
+                        })
+                        .collect();
+                    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let sum: f32 = row.iter_mut().map(|x| {
+                        *x = (*x - max).exp();
+                        *x
+                    }).sum();
+                    for x in &mut row {
+                        *x = T::round(*x / sum);
+                    }
+                    for c in 0..d {
+                        let acc: f64 = (0..keys)
+                            .map(|j| row[j] as f64 * v[((b * kv_heads + g) * keys + j) * d + c].widen() as f64)
+                            .sum();
+                        out[((b * queries + i) * heads + h) * d + c] = T::round(acc as f32);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Deterministic values in [-2, 2).
+    fn values<T: Element>(n: usize, seed: u64) -> Vec<T> {
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                T::narrow((state >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
+            })
+            .collect()
+    }
+
+    /// A causal mask after `past` cached keys, with the first `pad` keys of batch row 1 masked
+    /// (left padding: its first `pad - past` queries attend to nothing).
+    fn causal_bias<T: Element>(s: AttentionShape, past: usize, pad: usize) -> Vec<T> {
+        let mut bias = Vec::new();
+        for b in 0..s.batch {
+            for i in 0..s.queries {
+                for j in 0..s.keys {
+                    let masked = j > past + i || (b == 1 && j < pad);
+                    bias.push(T::narrow(if masked { -1.0e9 } else { 0.0 }));
+                }
+            }
+        }
+        bias
+    }
+
+    fn run<T: Element>(s: AttentionShape, past: usize, pad: usize) -> (Vec<f32>, Vec<f32>) {
+        let d = s.head_dim;
+        let q = values::<T>(s.batch * s.queries * s.heads * d, 1);
+        let k = values::<T>(s.batch * s.kv_heads * s.keys * d, 2);
+        let v = values::<T>(s.batch * s.kv_heads * s.keys * d, 3);
+        let bias = causal_bias::<T>(s, past, pad);
+        let scale = (d as f32).powf(-0.5);
+        let heads = |data, outer, inner, rows| Heads {
+            data,
+            offset: 0,
+            batch_stride: outer * inner * rows * d,
+            head_stride: rows * d,
+            position_stride: d,
+        };
+        let query = Heads {
+            data: &q[..],
+            offset: 0,
+            batch_stride: s.queries * s.heads * d,
+            head_stride: d,
+            position_stride: s.heads * d,
+        };
+        let bias_view = Bias {
+            data: &bias[..],
+            offset: 0,
+            batch_stride: s.queries * s.keys,
+            query_stride: s.keys,
+            key_stride: 1,
+        };
+        let got = grouped_attention(
+            query,
+            heads(&k[..], s.kv_heads, 1, s.keys),
+            heads(&v[..], s.kv_heads, 1, s.keys),
+            bias_view,
+            s,
+            scale,
+        );
+        let got = got.iter().map(|x| x.widen()).collect();
+        (got, reference(&q, &k, &v, &bias, s, scale))
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    fn shapes() -> Vec<(AttentionShape, usize, usize)> {
+        let shape = |queries, keys, head_dim| AttentionShape {
+            batch: 2,
+            queries,
+            keys,
+            heads: 6,
+            kv_heads: 2,
+            head_dim,
+        };
+        vec![
+            (shape(37, 37, 32), 0, 5),
+            (shape(70, 70, 128), 0, 3),
+            (shape(1, 81, 128), 80, 4),
+            (shape(3, 9, 16), 6, 8),
+            (shape(5, 5, 24), 0, 0),
+        ]
+    }
+
+    /// f32: equal to plain attention up to summation order, causal skipping and padded
+    /// (fully masked) query rows included, for SIMD-sized and odd head dims.
+    #[test]
+    fn f32_matches_plain_attention() {
+        for (s, past, pad) in shapes() {
+            let (got, want) = run::<f32>(s, past, pad);
+            assert!(max_diff(&got, &want) < 1e-5, "{s:?}: {}", max_diff(&got, &want));
+        }
+    }
+
+    /// bf16: the same rounding steps as HF, so results differ by at most a bf16 rounding of
+    /// values of size ~2 where f32 summation order flips a rounded score or probability.
+    #[test]
+    fn bf16_matches_plain_attention() {
+        for (s, past, pad) in shapes() {
+            let (got, want) = run::<bf16>(s, past, pad);
+            let diff = max_diff(&got, &want);
+            assert!(diff <= 0.05, "{s:?}: {diff}");
+            let exact = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+            assert!(exact * 10 >= got.len() * 9, "{s:?}: only {exact} of {} equal", got.len());
+        }
+    }
+
+    #[test]
+    fn kernels_equal_plain_loops() {
+        let (m, d, columns) = (7, 48, 70usize);
+        let padded = columns.div_ceil(COLUMN_TILE) * COLUMN_TILE;
+        let q = values::<f32>(m * d, 4);
+        let kt = values::<f32>(d * padded, 5);
+        let v = values::<f32>(columns * d, 6);
+        let mut fast = vec![0.0; m * padded];
+        kernels::scores(&q, m, d, &kt, padded, &mut fast);
+        let mut plain = vec![0.0f32; m * padded];
+        for r in 0..m {
+            for j in 0..padded {
+                plain[r * padded + j] = (0..d).map(|dd| q[r * d + dd] * kt[dd * padded + j]).sum();
+            }
+        }
+        assert!(max_diff(&fast, &plain) < 1e-4);
+        let mut fast_out = vec![0.0; m * d];
+        kernels::weighted_values(&plain, padded, m, columns, &v, d, &mut fast_out);
+        let mut plain_out = vec![0.0f32; m * d];
+        for r in 0..m {
+            for c in 0..d {
+                plain_out[r * d + c] = (0..columns).map(|j| plain[r * padded + j] * v[j * d + c]).sum();
+            }
+        }
+        assert!(max_diff(&fast_out, &plain_out) < 1e-3);
+    }
+}
