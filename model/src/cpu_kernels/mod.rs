@@ -60,33 +60,20 @@ pub(crate) fn weight_matmul<B: Backend, const D: usize>(
     let weight = to_flex(w.clone())?;
     let input = to_flex(x.clone())?.to_contiguous();
     dims[D - 1] = n;
-    let nt = layout == WeightLayout::OutIn;
     let (bytes, dtype) = match (weight.dtype(), input.dtype()) {
         (DType::BF16, DType::BF16) => {
             let (x, w) = (input.as_slice::<bf16>()?, weight.as_slice::<bf16>()?);
-            let y = if nt {
-                weight_matmul::matmul_bf16_nt(x, w, m, k, n)
-            } else {
-                weight_matmul::matmul_bf16(x, w, m, k, n)
-            };
+            let y = weight_matmul::matmul_bf16(x, w, layout, m, k, n);
             (Bytes::from_elems(y), DType::BF16)
         }
         (DType::BF16, _) => {
             let (x, w) = (input.as_slice::<f32>()?, weight.as_slice::<bf16>()?);
-            let y = if nt {
-                weight_matmul::matmul_f32_bf16_nt(x, w, m, k, n)
-            } else {
-                weight_matmul::matmul_f32_bf16(x, w, m, k, n)
-            };
+            let y = weight_matmul::matmul_f32_bf16(x, w, layout, m, k, n);
             (Bytes::from_elems(y), DType::F32)
         }
         _ => {
             let (x, w) = (input.as_slice::<f32>()?, weight.as_slice::<f32>()?);
-            let y = if nt {
-                weight_matmul::matmul_f32_small_nt(x, w, m, k, n)?
-            } else {
-                weight_matmul::matmul_f32_small(x, w, m, k, n)?
-            };
+            let y = weight_matmul::matmul_f32_small(x, w, layout, m, k, n)?;
             (Bytes::from_elems(y), DType::F32)
         }
     };

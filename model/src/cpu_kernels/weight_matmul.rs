@@ -1,8 +1,8 @@
 //! Linear-layer matrix products on the CPU: bf16 weights at any size, f32 weights for few rows.
 //!
 //! [`matmul_bf16`] and [`matmul_f32_bf16`] compute `y[m, n] = sum_k x[m, k] * w[k, n]`
-//! (row-major, contiguous) with f32 accumulation; the `_nt` variants take the weights transposed,
-//! `e[n, k]` (e.g. a tied embedding table used as the language-model head). On x86_64 with
+//! (row-major, contiguous) with f32 accumulation; with [`WeightLayout::OutIn`] they take the
+//! weights transposed, `e[n, k]` (e.g. a tied embedding table used as the language-model head). On x86_64 with
 //! AVX-512 (F, BW, VL, BF16) a hand-written SIMD path is used:
 //!
 //! * `m <= 16` (decode): memory-bound streaming over `w`. Column blocks are spread over the
@@ -18,7 +18,7 @@
 //!   `matmul_f32_bf16` packs `w` widened to f32 and uses f32 FMA. Transposed weights only
 //!   change how a panel is packed (16 x 16 word blocks transposed in registers).
 //!
-//! [`matmul_f32_small`] and [`matmul_f32_small_nt`] do the same for f32 weights and at most
+//! [`matmul_f32_small`] does the same for f32 weights and at most
 //! [`SMALL_M`] rows (decode), reusing the streaming kernels: a 32-weight chunk is loaded as two
 //! f32 vectors directly instead of being widened.
 //!
@@ -28,85 +28,57 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use super::WeightLayout;
+
 /// Up to this many rows of `x` the memory-bound streaming kernels are used.
 pub const SMALL_M: usize = 16;
 
-/// `y[m, n] = sum_k x[m, k] * w[k, n]`, all row-major and contiguous.
+/// `y[m, n] = sum_k x[m, k] * w[k, n]` with `w` stored as `layout` says: `[k, n]` (in × out)
+/// or `[n, k]` (out × in, e.g. a tied embedding table as the head). All row-major, contiguous.
 ///
-/// `x`: bf16 `[m, k]`; `w`: bf16 `[k, n]` (in x out). Products are accumulated in f32 and the
-/// result is rounded to bf16 (nearest-even) once at the end.
-pub fn matmul_bf16(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
+/// `x` and `w` bf16: products are accumulated in f32 and the result is rounded to bf16
+/// (nearest-even) once at the end.
+pub fn matmul_bf16(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<bf16> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
         // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_bf16(x, w, avx512::Layout::Kn, m, k, n) };
+        return unsafe { avx512::matmul_bf16(x, w, layout, m, k, n) };
     }
-    matmul_bf16_portable(x, w, m, k, n)
+    matmul_bf16_portable(x, w, layout, m, k, n)
 }
 
 /// Same as [`matmul_bf16`] with f32 activations and an f32 result.
 ///
 /// `x` is used exactly: each bf16 weight is widened to f32 (exact) and the product is a plain f32
 /// FMA, so the only rounding is that of f32 accumulation.
-pub fn matmul_f32_bf16(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+pub fn matmul_f32_bf16(x: &[f32], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
         // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_f32_bf16(x, w, avx512::Layout::Kn, m, k, n) };
+        return unsafe { avx512::matmul_f32_bf16(x, w, layout, m, k, n) };
     }
-    matmul_f32_bf16_portable(x, w, m, k, n)
+    matmul_f32_bf16_portable(x, w, layout, m, k, n)
 }
 
-/// `y[m, j] = sum_i x[m, i] * e[j, i]`: [`matmul_bf16`] with the weights stored transposed.
-///
-/// `x`: bf16 `[m, k]`; `e`: bf16 `[n, k]` (each output column is one row of `e`). Same precision
-/// as [`matmul_bf16`].
-pub fn matmul_bf16_nt(x: &[bf16], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
-    check_shapes(x.len(), e.len(), m, k, n);
-    #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_bf16(x, e, avx512::Layout::Nk, m, k, n) };
-    }
-    matmul_bf16_nt_portable(x, e, m, k, n)
-}
-
-/// Same as [`matmul_bf16_nt`] with f32 activations and an f32 result (precision as
-/// [`matmul_f32_bf16`]).
-pub fn matmul_f32_bf16_nt(x: &[f32], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
-    check_shapes(x.len(), e.len(), m, k, n);
-    #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_f32_bf16(x, e, avx512::Layout::Nk, m, k, n) };
-    }
-    matmul_f32_bf16_nt_portable(x, e, m, k, n)
-}
-
-/// `y = x · w` for f32 `x` `[m, k]` and f32 `w` `[k, n]` (row-major) when `m <= SMALL_M`;
-/// `None` for larger `m` (use a general GEMM then).
-pub fn matmul_f32_small(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Option<Vec<f32>> {
+/// The same for f32 `x` and f32 `w` when `m <= SMALL_M`; `None` for larger `m` (use a general
+/// GEMM then).
+pub fn matmul_f32_small(
+    x: &[f32],
+    w: &[f32],
+    layout: WeightLayout,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Option<Vec<f32>> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
     if m <= SMALL_M && avx512::available() {
         // SAFETY: the required CPU features were detected at runtime.
-        return Some(unsafe { avx512::matmul_f32_small(x, w, avx512::Layout::Kn, m, k, n) });
+        return Some(unsafe { avx512::matmul_f32_small(x, w, layout, m, k, n) });
     }
-    matmul_f32_small_portable(x, w, m, k, n)
-}
-
-/// [`matmul_f32_small`] with the weights given as `e` `[n, k]` (`y = x · eᵀ`), e.g. a tied
-/// embedding table used as the language-model head.
-pub fn matmul_f32_small_nt(x: &[f32], e: &[f32], m: usize, k: usize, n: usize) -> Option<Vec<f32>> {
-    check_shapes(x.len(), e.len(), m, k, n);
-    #[cfg(target_arch = "x86_64")]
-    if m <= SMALL_M && avx512::available() {
-        // SAFETY: the required CPU features were detected at runtime.
-        return Some(unsafe { avx512::matmul_f32_small(x, e, avx512::Layout::Nk, m, k, n) });
-    }
-    matmul_f32_small_nt_portable(x, e, m, k, n)
+    matmul_f32_small_portable(x, w, layout, m, k, n)
 }
 
 /// Whether the hand-written SIMD kernels run on this CPU (otherwise the portable fallback does).
@@ -160,10 +132,16 @@ impl Widen for f32 {
 
 /// Portable path of [`matmul_bf16`] (public for tests and benchmarks only).
 #[doc(hidden)]
-pub fn matmul_bf16_portable(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
-    check_shapes(x.len(), w.len(), m, k, n);
+pub fn matmul_bf16_portable(
+    x: &[bf16],
+    w: &[bf16],
+    layout: WeightLayout,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<bf16> {
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    portable_f32(&xf, w, m, k, n)
+    matmul_f32_bf16_portable(&xf, w, layout, m, k, n)
         .into_iter()
         .map(bf16::from_f32)
         .collect()
@@ -171,9 +149,19 @@ pub fn matmul_bf16_portable(x: &[bf16], w: &[bf16], m: usize, k: usize, n: usize
 
 /// Portable path of [`matmul_f32_bf16`] (public for tests and benchmarks only).
 #[doc(hidden)]
-pub fn matmul_f32_bf16_portable(x: &[f32], w: &[bf16], m: usize, k: usize, n: usize) -> Vec<f32> {
+pub fn matmul_f32_bf16_portable(
+    x: &[f32],
+    w: &[bf16],
+    layout: WeightLayout,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
     check_shapes(x.len(), w.len(), m, k, n);
-    portable_f32(x, w, m, k, n)
+    match layout {
+        WeightLayout::InOut => portable_f32(x, w, m, k, n),
+        WeightLayout::OutIn => portable_f32_nt(x, w, m, k, n),
+    }
 }
 
 /// Portable path of [`matmul_f32_small`] (public for tests and benchmarks only).
@@ -181,12 +169,16 @@ pub fn matmul_f32_bf16_portable(x: &[f32], w: &[bf16], m: usize, k: usize, n: us
 pub fn matmul_f32_small_portable(
     x: &[f32],
     w: &[f32],
+    layout: WeightLayout,
     m: usize,
     k: usize,
     n: usize,
 ) -> Option<Vec<f32>> {
     check_shapes(x.len(), w.len(), m, k, n);
-    (m <= SMALL_M).then(|| portable_f32(x, w, m, k, n))
+    (m <= SMALL_M).then(|| match layout {
+        WeightLayout::InOut => portable_f32(x, w, m, k, n),
+        WeightLayout::OutIn => portable_f32_nt(x, w, m, k, n),
+    })
 }
 
 /// Blocked f32 product: per task a column block of `PB` columns; rows in groups of `PR` whose
@@ -227,43 +219,6 @@ fn portable_f32<W: Widen>(x: &[f32], w: &[W], m: usize, k: usize, n: usize) -> V
         }
     });
     y
-}
-
-/// Portable path of [`matmul_bf16_nt`] (public for tests and benchmarks only).
-#[doc(hidden)]
-pub fn matmul_bf16_nt_portable(x: &[bf16], e: &[bf16], m: usize, k: usize, n: usize) -> Vec<bf16> {
-    check_shapes(x.len(), e.len(), m, k, n);
-    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    portable_f32_nt(&xf, e, m, k, n)
-        .into_iter()
-        .map(bf16::from_f32)
-        .collect()
-}
-
-/// Portable path of [`matmul_f32_bf16_nt`] (public for tests and benchmarks only).
-#[doc(hidden)]
-pub fn matmul_f32_bf16_nt_portable(
-    x: &[f32],
-    e: &[bf16],
-    m: usize,
-    k: usize,
-    n: usize,
-) -> Vec<f32> {
-    check_shapes(x.len(), e.len(), m, k, n);
-    portable_f32_nt(x, e, m, k, n)
-}
-
-/// Portable path of [`matmul_f32_small_nt`] (public for tests and benchmarks only).
-#[doc(hidden)]
-pub fn matmul_f32_small_nt_portable(
-    x: &[f32],
-    e: &[f32],
-    m: usize,
-    k: usize,
-    n: usize,
-) -> Option<Vec<f32>> {
-    check_shapes(x.len(), e.len(), m, k, n);
-    (m <= SMALL_M).then(|| portable_f32_nt(x, e, m, k, n))
 }
 
 /// Transposed-layout product: per task a block of `PB` rows of `e`; each row is widened once and
@@ -309,7 +264,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{SyncPtr, SMALL_M};
+    use super::{SyncPtr, WeightLayout, SMALL_M};
     use core::arch::x86_64::*;
     use core::marker::PhantomData;
     use half::bf16;
@@ -337,14 +292,6 @@ mod avx512 {
     /// Rows of `x` per pass of the transposed streaming kernel (sharing each `e` load).
     const TXR: usize = 4;
 
-    /// Storage order of the weights.
-    #[derive(Clone, Copy)]
-    pub(super) enum Layout {
-        /// `w[k, n]`, row-major.
-        Kn,
-        /// `e[n, k]`, row-major: each output column is one contiguous row.
-        Nk,
-    }
 
     pub(super) fn available() -> bool {
         static HAS: OnceLock<bool> = OnceLock::new();
@@ -406,18 +353,18 @@ mod avx512 {
     pub(super) unsafe fn matmul_bf16(
         x: &[bf16],
         w: &[bf16],
-        layout: Layout,
+        layout: WeightLayout,
         m: usize,
         k: usize,
         n: usize,
     ) -> Vec<bf16> {
         if m <= SMALL_M {
             let y = match layout {
-                Layout::Kn => {
+                WeightLayout::InOut => {
                     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                     streaming(&xf, as_u16(w), m, k, n)
                 }
-                Layout::Nk => streaming_nt::<DotPairs>(as_u16(x), as_u16(w), m, k, n),
+                WeightLayout::OutIn => streaming_nt::<DotPairs>(as_u16(x), as_u16(w), m, k, n),
             };
             return f32_to_bf16(&y);
         }
@@ -431,15 +378,15 @@ mod avx512 {
     pub(super) unsafe fn matmul_f32_bf16(
         x: &[f32],
         w: &[bf16],
-        layout: Layout,
+        layout: WeightLayout,
         m: usize,
         k: usize,
         n: usize,
     ) -> Vec<f32> {
         if m <= SMALL_M {
             return match layout {
-                Layout::Kn => streaming(x, as_u16(w), m, k, n),
-                Layout::Nk => streaming_nt::<DotWide<u16>>(x, as_u16(w), m, k, n),
+                WeightLayout::InOut => streaming(x, as_u16(w), m, k, n),
+                WeightLayout::OutIn => streaming_nt::<DotWide<u16>>(x, as_u16(w), m, k, n),
             };
         }
         let mut y = vec![0f32; m * n];
@@ -453,14 +400,14 @@ mod avx512 {
     pub(super) unsafe fn matmul_f32_small(
         x: &[f32],
         w: &[f32],
-        layout: Layout,
+        layout: WeightLayout,
         m: usize,
         k: usize,
         n: usize,
     ) -> Vec<f32> {
         match layout {
-            Layout::Kn => streaming(x, w, m, k, n),
-            Layout::Nk => streaming_nt::<DotWide<f32>>(x, w, m, k, n),
+            WeightLayout::InOut => streaming(x, w, m, k, n),
+            WeightLayout::OutIn => streaming_nt::<DotWide<f32>>(x, w, m, k, n),
         }
     }
 
@@ -900,7 +847,7 @@ mod avx512 {
     fn packed<K: PanelKernel>(
         x: &[K::X],
         w: &[u16],
-        layout: Layout,
+        layout: WeightLayout,
         m: usize,
         k: usize,
         n: usize,
@@ -925,13 +872,13 @@ mod avx512 {
             let k0 = s0 * K::STEP;
             let (kr, nc) = ((KC * K::STEP).min(k - k0), c1 - c0);
             match layout {
-                Layout::Kn => Source {
+                WeightLayout::InOut => Source {
                     start: k0 * n + c0,
                     rows: kr,
                     stride: n,
                     len: nc,
                 },
-                Layout::Nk => Source {
+                WeightLayout::OutIn => Source {
                     start: c0 * k + k0,
                     rows: nc,
                     stride: k,
@@ -961,10 +908,10 @@ mod avx512 {
                     // task writes only its own columns; features were checked by the caller.
                     unsafe {
                         match layout {
-                            Layout::Kn => {
+                            WeightLayout::InOut => {
                                 K::pack_kn(wp.get().add(k0 * n + c0), kr, n, c1 - c0, panels)
                             }
-                            Layout::Nk => {
+                            WeightLayout::OutIn => {
                                 for (i, j) in (c0..c1).step_by(NR).enumerate() {
                                     let dst = panels.add(i * KC * NR);
                                     K::pack_nk(wp.get().add(j * k + k0), kr, k, NR.min(c1 - j), dst)
@@ -1442,9 +1389,9 @@ mod tests {
             let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
             let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
             let refv = reference(&xr, &w, m, k, n);
-            check_bf16(&matmul_bf16(&xb, &w, m, k, n), &refv, "fast", (m, k, n));
+            check_bf16(&matmul_bf16(&xb, &w, WeightLayout::InOut, m, k, n), &refv, "fast", (m, k, n));
             check_bf16(
-                &matmul_bf16_portable(&xb, &w, m, k, n),
+                &matmul_bf16_portable(&xb, &w, WeightLayout::InOut, m, k, n),
                 &refv,
                 "portable",
                 (m, k, n),
@@ -1457,9 +1404,9 @@ mod tests {
         for (m, k, n) in shapes() {
             let (x, w) = inputs(m, k, n);
             let refv = reference(&x, &w, m, k, n);
-            check_f32(&matmul_f32_bf16(&x, &w, m, k, n), &refv, "fast", (m, k, n));
+            check_f32(&matmul_f32_bf16(&x, &w, WeightLayout::InOut, m, k, n), &refv, "fast", (m, k, n));
             check_f32(
-                &matmul_f32_bf16_portable(&x, &w, m, k, n),
+                &matmul_f32_bf16_portable(&x, &w, WeightLayout::InOut, m, k, n),
                 &refv,
                 "portable",
                 (m, k, n),
@@ -1476,13 +1423,13 @@ mod tests {
             let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
             let refv = reference(&xr, &w, m, k, n);
             check_bf16(
-                &matmul_bf16_nt(&xb, &e, m, k, n),
+                &matmul_bf16(&xb, &e, WeightLayout::OutIn, m, k, n),
                 &refv,
                 "fast nt",
                 (m, k, n),
             );
             check_bf16(
-                &matmul_bf16_nt_portable(&xb, &e, m, k, n),
+                &matmul_bf16_portable(&xb, &e, WeightLayout::OutIn, m, k, n),
                 &refv,
                 "portable nt",
                 (m, k, n),
@@ -1497,13 +1444,13 @@ mod tests {
             let e = transpose(&w, k, n);
             let refv = reference(&x, &w, m, k, n);
             check_f32(
-                &matmul_f32_bf16_nt(&x, &e, m, k, n),
+                &matmul_f32_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
                 &refv,
                 "fast nt",
                 (m, k, n),
             );
             check_f32(
-                &matmul_f32_bf16_nt_portable(&x, &e, m, k, n),
+                &matmul_f32_bf16_portable(&x, &e, WeightLayout::OutIn, m, k, n),
                 &refv,
                 "portable nt",
                 (m, k, n),
@@ -1519,10 +1466,10 @@ mod tests {
             let e = transpose(&w, k, n);
             let refv = reference(&x, &w, m, k, n);
             for (what, got) in [
-                ("fast", matmul_f32_small(&x, &w, m, k, n)),
-                ("portable", matmul_f32_small_portable(&x, &w, m, k, n)),
-                ("fast nt", matmul_f32_small_nt(&x, &e, m, k, n)),
-                ("portable nt", matmul_f32_small_nt_portable(&x, &e, m, k, n)),
+                ("fast", matmul_f32_small(&x, &w, WeightLayout::InOut, m, k, n)),
+                ("portable", matmul_f32_small_portable(&x, &w, WeightLayout::InOut, m, k, n)),
+                ("fast nt", matmul_f32_small(&x, &e, WeightLayout::OutIn, m, k, n)),
+                ("portable nt", matmul_f32_small_portable(&x, &e, WeightLayout::OutIn, m, k, n)),
             ] {
                 check_f32(&got.expect("m <= SMALL_M"), &refv, what, (m, k, n));
             }
@@ -1533,10 +1480,10 @@ mod tests {
     fn f32_small_rejects_large_m() {
         let (m, k, n) = (SMALL_M + 1, 8, 8);
         let (x, w) = (vec![0f32; m * k], vec![0f32; k * n]);
-        assert!(matmul_f32_small(&x, &w, m, k, n).is_none());
-        assert!(matmul_f32_small_portable(&x, &w, m, k, n).is_none());
-        assert!(matmul_f32_small_nt(&x, &w, m, k, n).is_none());
-        assert!(matmul_f32_small_nt_portable(&x, &w, m, k, n).is_none());
+        assert!(matmul_f32_small(&x, &w, WeightLayout::InOut, m, k, n).is_none());
+        assert!(matmul_f32_small_portable(&x, &w, WeightLayout::InOut, m, k, n).is_none());
+        assert!(matmul_f32_small(&x, &w, WeightLayout::OutIn, m, k, n).is_none());
+        assert!(matmul_f32_small_portable(&x, &w, WeightLayout::OutIn, m, k, n).is_none());
     }
 
     #[test]
@@ -1553,12 +1500,12 @@ mod tests {
                 let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                 let w = transpose(&e, n, k);
                 assert_eq!(
-                    matmul_bf16_nt(&x, &e, m, k, n),
-                    matmul_bf16(&x, &w, m, k, n)
+                    matmul_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
+                    matmul_bf16(&x, &w, WeightLayout::InOut, m, k, n)
                 );
                 assert_eq!(
-                    matmul_f32_bf16_nt(&xf, &e, m, k, n),
-                    matmul_f32_bf16(&xf, &w, m, k, n)
+                    matmul_f32_bf16(&xf, &e, WeightLayout::OutIn, m, k, n),
+                    matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n)
                 );
                 // The packed path feeds the same panels to the same microkernel in both
                 // layouts, so arbitrary values agree bit for bit too.
@@ -1567,12 +1514,12 @@ mod tests {
                     let x: Vec<bf16> = xf.iter().map(|&v| bf16::from_f32(v)).collect();
                     let e = transpose(&w, k, n);
                     assert_eq!(
-                        matmul_bf16_nt(&x, &e, m, k, n),
-                        matmul_bf16(&x, &w, m, k, n)
+                        matmul_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
+                        matmul_bf16(&x, &w, WeightLayout::InOut, m, k, n)
                     );
                     assert_eq!(
-                        matmul_f32_bf16_nt(&xf, &e, m, k, n),
-                        matmul_f32_bf16(&xf, &w, m, k, n)
+                        matmul_f32_bf16(&xf, &e, WeightLayout::OutIn, m, k, n),
+                        matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n)
                     );
                 }
             }
@@ -1588,24 +1535,24 @@ mod tests {
                 let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
                 let (refb, reff) = (reference(&xr, &w, m, k, n), reference(&x, &w, m, k, n));
                 let e = transpose(&w, k, n);
-                check_bf16(&matmul_bf16(&xb, &w, m, k, n), &refb, "fast", (m, k, n));
+                check_bf16(&matmul_bf16(&xb, &w, WeightLayout::InOut, m, k, n), &refb, "fast", (m, k, n));
                 check_bf16(
-                    &matmul_bf16_nt(&xb, &e, m, k, n),
+                    &matmul_bf16(&xb, &e, WeightLayout::OutIn, m, k, n),
                     &refb,
                     "fast nt",
                     (m, k, n),
                 );
-                check_f32(&matmul_f32_bf16(&x, &w, m, k, n), &reff, "fast", (m, k, n));
+                check_f32(&matmul_f32_bf16(&x, &w, WeightLayout::InOut, m, k, n), &reff, "fast", (m, k, n));
                 check_f32(
-                    &matmul_f32_bf16_nt(&x, &e, m, k, n),
+                    &matmul_f32_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
                     &reff,
                     "fast nt",
                     (m, k, n),
                 );
                 let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
                 let ef = transpose(&wf, k, n);
-                let small = matmul_f32_small(&x, &wf, m, k, n);
-                let small_nt = matmul_f32_small_nt(&x, &ef, m, k, n);
+                let small = matmul_f32_small(&x, &wf, WeightLayout::InOut, m, k, n);
+                let small_nt = matmul_f32_small(&x, &ef, WeightLayout::OutIn, m, k, n);
                 if m <= SMALL_M {
                     check_f32(&small.unwrap(), &reff, "small", (m, k, n));
                     check_f32(&small_nt.unwrap(), &reff, "small nt", (m, k, n));
@@ -1632,9 +1579,9 @@ mod tests {
             .map(|r| r.0 as f32)
             .collect();
         let want_b: Vec<bf16> = want.iter().map(|&v| bf16::from_f32(v)).collect();
-        assert_eq!(matmul_bf16(&x, &w, m, k, n), want_b);
-        assert_eq!(matmul_bf16_portable(&x, &w, m, k, n), want_b);
-        assert_eq!(matmul_f32_bf16(&xf, &w, m, k, n), want);
-        assert_eq!(matmul_f32_bf16(&xf[..3 * k], &w, 3, k, n), want[..3 * n]);
+        assert_eq!(matmul_bf16(&x, &w, WeightLayout::InOut, m, k, n), want_b);
+        assert_eq!(matmul_bf16_portable(&x, &w, WeightLayout::InOut, m, k, n), want_b);
+        assert_eq!(matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n), want);
+        assert_eq!(matmul_f32_bf16(&xf[..3 * k], &w, WeightLayout::InOut, 3, k, n), want[..3 * n]);
     }
 }
