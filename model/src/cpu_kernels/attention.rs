@@ -15,6 +15,8 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use super::bf16_bits;
+
 /// A bias at or below this marks a key a query does not attend to. The masks this crate builds
 /// use -1e9; any score that low gives a softmax weight of exactly zero next to an attended key.
 const MASKED_BELOW: f32 = -1.0e7;
@@ -36,26 +38,32 @@ pub trait Element: Copy + Send + Sync + 'static {
 }
 
 impl Element for f32 {
+    #[inline(always)]
     fn widen(self) -> f32 {
         self
     }
+    #[inline(always)]
     fn round(x: f32) -> f32 {
         x
     }
+    #[inline(always)]
     fn narrow(x: f32) -> Self {
         x
     }
 }
 
 impl Element for bf16 {
+    #[inline(always)]
     fn widen(self) -> f32 {
-        self.to_f32()
+        bf16_bits::widen(self)
     }
+    #[inline(always)]
     fn round(x: f32) -> f32 {
-        bf16::from_f32(x).to_f32()
+        bf16_bits::round(x)
     }
+    #[inline(always)]
     fn narrow(x: f32) -> Self {
-        bf16::from_f32(x)
+        bf16_bits::narrow(x)
     }
 }
 
@@ -91,13 +99,31 @@ pub struct Bias<'a, T> {
 }
 
 impl<T: Element> Bias<'_, T> {
+    #[inline(always)]
     fn at(&self, batch: usize, query: usize, key: usize) -> f32 {
         self.data[self.offset + batch * self.batch_stride + query * self.query_stride + key * self.key_stride]
             .widen()
     }
 
+    /// The first `keys` biases of one query, widened into `row`.
+    #[inline(always)]
+    fn read_row(&self, batch: usize, query: usize, row: &mut [f32]) {
+        let start = self.offset + batch * self.batch_stride + query * self.query_stride;
+        let len = row.len();
+        if self.key_stride == 1 {
+            for (dst, x) in row.iter_mut().zip(&self.data[start..start + len]) {
+                *dst = x.widen();
+            }
+        } else {
+            for (j, dst) in row.iter_mut().enumerate() {
+                *dst = self.data[start + j * self.key_stride].widen();
+            }
+        }
+    }
+
     /// One past the last key `query` attends to; every key when it attends to none (such a row,
     /// e.g. a left-padding query, then gets the same softmax over all keys as unfused attention).
+    #[inline(always)]
     fn attended_end(&self, batch: usize, query: usize, keys: usize) -> usize {
         (0..keys)
             .rev()
@@ -159,7 +185,8 @@ pub fn grouped_attention<T: Element>(
 }
 
 /// One task: query positions `rows` of every head in group `g` of batch row `b`. Returns
-/// `[groups * rows.len(), d]` (head-major) rounded to `T`'s precision, in f32.
+/// `[groups * rows.len(), d]` (head-major) rounded to `T`'s precision, in f32. The packing and
+/// softmax loops are compiled for AVX-512 too, and that copy runs when the CPU has it.
 #[allow(clippy::too_many_arguments)]
 fn task<T: Element>(
     query: &Heads<'_, T>,
@@ -172,19 +199,47 @@ fn task<T: Element>(
     g: usize,
     rows: std::ops::Range<usize>,
 ) -> Vec<f32> {
+    wide_simd!(task_body(query, key, value, bias, shape, scale, b, g, rows))
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn task_body<T: Element>(
+    query: &Heads<'_, T>,
+    key: &Heads<'_, T>,
+    value: &Heads<'_, T>,
+    bias: &Bias<'_, T>,
+    shape: AttentionShape,
+    scale: f32,
+    b: usize,
+    g: usize,
+    rows: std::ops::Range<usize>,
+) -> Vec<f32> {
     let d = shape.head_dim;
     let groups = shape.heads / shape.kv_heads;
-    let ends: Vec<usize> = rows.clone().map(|i| bias.attended_end(b, i, shape.keys)).collect();
-    let columns = ends.iter().copied().max().unwrap_or(0);
+    let columns = rows.clone().map(|i| bias.attended_end(b, i, shape.keys)).max().unwrap_or(0);
     let padded = columns.div_ceil(COLUMN_TILE) * COLUMN_TILE;
 
+    // Keys are widened 16 rows at a time into `tile`, then written transposed, 16 contiguous
+    // columns per row of `kt`.
     let mut kt = vec![0.0f32; d * padded];
-    let mut v = vec![0.0f32; columns * d];
-    for j in 0..columns {
-        for (dd, x) in key.row(b, g, j, d).iter().enumerate() {
-            kt[dd * padded + j] = x.widen();
+    let mut tile = vec![0.0f32; 16 * d];
+    for j0 in (0..columns).step_by(16) {
+        let n = 16.min(columns - j0);
+        for (jj, dst) in tile.chunks_exact_mut(d).take(n).enumerate() {
+            for (dst, x) in dst.iter_mut().zip(key.row(b, g, j0 + jj, d)) {
+                *dst = x.widen();
+            }
         }
-        for (dst, x) in v[j * d..(j + 1) * d].iter_mut().zip(value.row(b, g, j, d)) {
+        for (dd, dst) in kt.chunks_exact_mut(padded).enumerate() {
+            for (jj, dst) in dst[j0..j0 + n].iter_mut().enumerate() {
+                *dst = tile[jj * d + dd];
+            }
+        }
+    }
+    let mut v = vec![0.0f32; columns * d];
+    for (j, dst) in v.chunks_exact_mut(d).enumerate() {
+        for (dst, x) in dst.iter_mut().zip(value.row(b, g, j, d)) {
             *dst = x.widen();
         }
     }
@@ -198,9 +253,13 @@ fn task<T: Element>(
 
     let mut scores = vec![0.0f32; m * padded];
     kernels::scores(&q, m, d, &kt, padded, &mut scores);
+    let mut biases = vec![0.0f32; rows.len() * columns];
+    for (i, row) in rows.clone().zip(biases.chunks_exact_mut(columns)) {
+        bias.read_row(b, i, row);
+    }
     for (r, row) in scores.chunks_exact_mut(padded).enumerate() {
-        let i = rows.start + r % rows.len();
-        softmax_row::<T>(&mut row[..columns], |j| bias.at(b, i, j), scale);
+        let biases = &biases[(r % rows.len()) * columns..][..columns];
+        softmax_row::<T>(&mut row[..columns], biases, scale);
     }
     let mut out = vec![0.0f32; m * d];
     kernels::weighted_values(&scores, padded, m, columns, &v, d, &mut out);
@@ -209,12 +268,12 @@ fn task<T: Element>(
 
 /// Turns raw dot products into attention probabilities in place, with `T`'s rounding at each
 /// step HF rounds (see the module docs).
-fn softmax_row<T: Element>(row: &mut [f32], bias: impl Fn(usize) -> f32, scale: f32) {
-    let mut max = f32::NEG_INFINITY;
-    for (j, s) in row.iter_mut().enumerate() {
-        *s = T::round(T::round(T::round(*s) * scale) + bias(j));
-        max = max.max(*s);
+#[inline(always)]
+fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) {
+    for (s, &bias) in row.iter_mut().zip(bias) {
+        *s = T::round(T::round(T::round(*s) * scale) + bias);
     }
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
     for s in row.iter_mut() {
         *s = (*s - max).exp();

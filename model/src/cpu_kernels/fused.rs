@@ -5,6 +5,8 @@
 use half::bf16;
 use rayon::prelude::*;
 
+use super::bf16_bits::{narrow, widen};
+
 /// Rows per rayon task: enough work per task to amortise scheduling.
 fn rows_per_task(row_len: usize) -> usize {
     (16 * 1024 / row_len.max(1)).max(1)
@@ -18,12 +20,12 @@ pub fn rms_norm_f32(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     out.par_chunks_mut(d * rows_per_task(d))
         .zip(x.par_chunks(d * rows_per_task(d)))
         .for_each(|(out, x)| {
-            for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                let r = inverse_rms(x.iter().copied(), d, eps);
+            wide_simd!(for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                let r = inverse_rms(x, |&v| v, eps);
                 for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
                     *o = w * (v * r);
                 }
-            }
+            })
         });
     out
 }
@@ -32,29 +34,39 @@ pub fn rms_norm_f32(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 /// to bf16, then the bf16 product with the weight (an f32 product rounded once, as PyTorch does).
 pub fn rms_norm_bf16(x: &[bf16], weight: &[bf16], eps: f32) -> Vec<bf16> {
     let d = weight.len();
-    let weight: Vec<f32> = weight.iter().map(|w| w.to_f32()).collect();
+    let weight: Vec<f32> = weight.iter().map(|&w| widen(w)).collect();
     let mut out = vec![bf16::ZERO; x.len()];
     out.par_chunks_mut(d * rows_per_task(d))
         .zip(x.par_chunks(d * rows_per_task(d)))
         .for_each(|(out, x)| {
-            for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
-                let r = inverse_rms(x.iter().map(|v| v.to_f32()), d, eps);
-                for ((o, v), &w) in out.iter_mut().zip(x).zip(&weight) {
-                    let normed = bf16::from_f32(v.to_f32() * r).to_f32();
-                    *o = bf16::from_f32(w * normed);
+            wide_simd!(for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+                let r = inverse_rms(x, |&v| widen(v), eps);
+                for ((o, &v), &w) in out.iter_mut().zip(x).zip(&weight) {
+                    let normed = widen(narrow(widen(v) * r));
+                    *o = narrow(w * normed);
                 }
-            }
+            })
         });
     out
 }
 
 /// `1 / sqrt(mean(x²) + eps)` of one row, accumulated in f32 over 8 lanes.
-fn inverse_rms(x: impl Iterator<Item = f32>, d: usize, eps: f32) -> f32 {
+#[inline(always)]
+fn inverse_rms<T>(x: &[T], widen: impl Fn(&T) -> f32, eps: f32) -> f32 {
     let mut lanes = [0.0f32; 8];
-    for (i, v) in x.enumerate() {
-        lanes[i % 8] += v * v;
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, v) in lanes.iter_mut().zip(chunk) {
+            let v = widen(v);
+            *lane += v * v;
+        }
     }
-    1.0 / (lanes.iter().sum::<f32>() / d as f32 + eps).sqrt()
+    for (lane, v) in lanes.iter_mut().zip(tail) {
+        let v = widen(v);
+        *lane += v * v;
+    }
+    1.0 / (lanes.iter().sum::<f32>() / x.len() as f32 + eps).sqrt()
 }
 
 /// `silu(gate) * up`, the SwiGLU product, in f32.
@@ -63,9 +75,9 @@ pub fn silu_mul_f32(gate: &[f32], up: &[f32]) -> Vec<f32> {
     out.par_chunks_mut(16 * 1024)
         .zip(gate.par_chunks(16 * 1024).zip(up.par_chunks(16 * 1024)))
         .for_each(|(out, (gate, up))| {
-            for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            wide_simd!(for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
                 *o = silu(g) * u;
-            }
+            })
         });
     out
 }
@@ -76,10 +88,10 @@ pub fn silu_mul_bf16(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
     out.par_chunks_mut(16 * 1024)
         .zip(gate.par_chunks(16 * 1024).zip(up.par_chunks(16 * 1024)))
         .for_each(|(out, (gate, up))| {
-            for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-                let activated = bf16::from_f32(silu(g.to_f32())).to_f32();
-                *o = bf16::from_f32(activated * u.to_f32());
-            }
+            wide_simd!(for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                let activated = widen(narrow(silu(widen(g))));
+                *o = narrow(activated * widen(u));
+            })
         });
     out
 }
@@ -97,13 +109,16 @@ pub fn chosen_logprobs<T: Copy + Sync>(
         .par_chunks(vocab)
         .zip(targets.par_iter())
         .map(|(row, &target)| {
-            let max = row.iter().map(|&x| widen(x)).fold(f32::NEG_INFINITY, f32::max);
-            let sum: f32 = row.iter().map(|&x| (widen(x) - max).exp()).sum();
-            widen(row[target]) - (sum.ln() + max)
+            wide_simd!({
+                let max = row.iter().map(|&x| widen(x)).fold(f32::NEG_INFINITY, f32::max);
+                let sum: f32 = row.iter().map(|&x| (widen(x) - max).exp()).sum();
+                widen(row[target]) - (sum.ln() + max)
+            })
         })
         .collect()
 }
 
+#[inline(always)]
 fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
