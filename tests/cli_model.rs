@@ -157,3 +157,24 @@ fn demo_runs_the_whole_loop_on_a_fresh_directory() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("stop reason"), "infer printed its episode: {stdout}");
 }
+
+#[test]
+fn bench_reports_every_workload_and_rejects_short_prompts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let figures = json(&[
+        "bench", "--model", &model, "--prompt-len", "8", "--decode-tokens", "3", "--decode-batch", "1,8",
+        "--train-step", "--json",
+    ]);
+    let names: Vec<&str> = figures.as_array().unwrap().iter().map(|f| f["workload"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        ["load", "prefill 8 tokens", "decode batch 1", "decode batch 8", "score 2 x 8 tokens", "train step 2 x 8"]
+    );
+    for figure in figures.as_array().unwrap() {
+        assert!(figure["seconds"].as_f64().unwrap() > 0.0, "{figure}");
+    }
+    let out = prompt_r1(&["bench", "--model", &model, "--prompt-len", "4"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--prompt-len must be at least 8"));
+}

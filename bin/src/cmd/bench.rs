@@ -25,7 +25,7 @@ pub struct Args {
     /// Benchmark an existing checkpoint directory instead of a random preset.
     #[arg(long, conflicts_with = "preset")]
     pub model: Option<PathBuf>,
-    /// Prompt length for prefill and scoring.
+    /// Prompt length for prefill and scoring (at least 8).
     #[arg(long, default_value_t = 256)]
     pub prompt_len: usize,
     /// Tokens generated per decode measurement.
@@ -62,6 +62,9 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
+        if self.prompt_len < 8 {
+            anyhow::bail!("--prompt-len must be at least 8 (got {})", self.prompt_len);
+        }
         let temp;
         let dir = match &self.model {
             Some(dir) => dir.clone(),
@@ -88,7 +91,10 @@ impl OnBackend for Args {
             peak_rss_mb: peak_rss_mb(),
         });
         let vocab = model.config.vocab_size as u32;
-        let prompt: Vec<u32> = (0..self.prompt_len as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        let tokens = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect() };
+        let prompt = tokens(self.prompt_len);
+        // Decode prompts are 16-token windows of one fixed sequence, whatever --prompt-len is.
+        let decode_source = tokens(16 + 7);
 
         // Warm-up: one short forward so kernel compilation / allocation is not timed.
         generate(&model, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() }, 0)?;
@@ -105,7 +111,7 @@ impl OnBackend for Args {
         });
 
         for &batch in &self.decode_batch {
-            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| prompt[b % 8..b % 8 + 16].to_vec()).collect();
+            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + 16].to_vec()).collect();
             let config = SamplingConfig {
                 max_new_tokens: self.decode_tokens,
                 temperature: 1.0,
