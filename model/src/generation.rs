@@ -3,6 +3,7 @@
 
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use rayon::prelude::*;
 
 use crate::batch::{Padding, TokenBatch};
 use crate::error::ModelError;
@@ -155,9 +156,18 @@ pub fn generate_seeded<B: Backend>(
             .map_err(|e| ModelError::Input(format!("reading logits: {e:?}")))?;
         let mut next_tokens = Vec::with_capacity(rows);
         let mut still_active = Vec::with_capacity(rows);
-        for (j, &row) in active.iter().enumerate() {
-            let row_logits = &values[j * vocab..(j + 1) * vocab];
-            let (token, logprob) = choose_token(row_logits, config, &mut rngs[row]);
+        // `active` is ascending, so the generators of the active rows come out in its order.
+        let mut active_rngs: Vec<&mut StdRng> = rngs
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(row, rng)| active.binary_search(&row).is_ok().then_some(rng))
+            .collect();
+        let choices: Vec<(u32, f32)> = values
+            .par_chunks(vocab)
+            .zip(active_rngs.par_iter_mut())
+            .map(|(row_logits, rng)| choose_token(row_logits, config, &mut **rng))
+            .collect();
+        for ((j, &row), &(token, logprob)) in active.iter().enumerate().zip(&choices) {
             let out = &mut outputs[row];
             out.tokens.push(token);
             out.logprobs.push(logprob);
@@ -234,15 +244,22 @@ pub fn choose_token(logits: &[f32], config: &SamplingConfig, rng: &mut impl Rng)
     let weights: Vec<f64> = support.iter().map(|&i| weight(i)).collect();
     let total: f64 = weights.iter().sum();
     let mut u = rng.random::<f64>() * total;
-    let mut pick = support[support.len() - 1];
-    for (&i, &w) in support.iter().zip(&weights) {
+    let mut picked = support.len() - 1;
+    for (j, &w) in weights.iter().enumerate() {
         if u < w {
-            pick = i;
+            picked = j;
             break;
         }
         u -= w;
     }
-    (pick as u32, log_softmax_at(logits, pick, t))
+    let pick = support[picked];
+    // Over the whole vocabulary the normaliser is already summed: log p = log w - log Σw.
+    let logprob = if support.len() == logits.len() {
+        (weights[picked].ln() - total.ln()) as f32
+    } else {
+        log_softmax_at(logits, pick, t)
+    };
+    (pick as u32, logprob)
 }
 
 /// Higher logit first, then lower index: the order of a stable descending sort.
@@ -337,6 +354,21 @@ mod tests {
             .count();
         let freq = ones as f64 / n as f64;
         assert!((freq - 0.75).abs() < 0.03, "{freq}");
+    }
+
+    /// The log-probability returned with a sample is `log_softmax(logits / t)` at the token,
+    /// whether it comes from the sampling weights (full support) or a separate pass (truncated).
+    #[test]
+    fn sampled_logprob_is_the_log_softmax() {
+        let logits: Vec<f32> = (0..5000).map(|i| (i as f32 * 0.37).sin() * 6.0).collect();
+        let mut rng = StdRng::seed_from_u64(7);
+        for config in [cfg(0.7, None, None), cfg(1.3, Some(50), None), cfg(1.0, None, Some(0.9))] {
+            for _ in 0..20 {
+                let (token, logprob) = choose_token(&logits, &config, &mut rng);
+                let want = log_softmax_at(&logits, token as usize, config.temperature);
+                assert!((logprob - want).abs() < 1e-5, "{config:?}: {logprob} vs {want}");
+            }
+        }
     }
 
     /// The lazily sorted nucleus equals the one from sorting everything, across sizes that need
