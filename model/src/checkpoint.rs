@@ -30,6 +30,14 @@ pub struct HostTensor {
     pub values: Vec<f32>,
 }
 
+/// A tensor's bytes as stored (little-endian), borrowed from the checkpoint's memory map.
+#[derive(Debug, Clone, Copy)]
+pub struct RawTensor<'a> {
+    pub dtype: StorageDtype,
+    pub shape: &'a [usize],
+    pub bytes: &'a [u8],
+}
+
 /// The storage dtype of a tensor in a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StorageDtype {
@@ -107,6 +115,40 @@ impl Checkpoint {
 
     /// Reads one tensor, checks its shape and converts it to f32.
     pub fn read(&self, name: &str, expected_shape: &[usize]) -> Result<HostTensor, ModelError> {
+        self.with_raw(name, expected_shape, |raw| {
+            let values = match raw.dtype {
+                StorageDtype::F32 => raw
+                    .bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+                StorageDtype::BF16 => raw
+                    .bytes
+                    .chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+                StorageDtype::F16 => raw
+                    .bytes
+                    .chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+            };
+            HostTensor {
+                shape: raw.shape.to_vec(),
+                values,
+            }
+        })
+    }
+
+    /// Checks one tensor's shape and hands its stored bytes to `f`. Afterwards the pages that
+    /// hold only this tensor are dropped from the process (they stay in the page cache), so a
+    /// load keeps in memory the tensor it converts, not the whole mapped file.
+    pub fn with_raw<R>(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        f: impl FnOnce(RawTensor<'_>) -> R,
+    ) -> Result<R, ModelError> {
         let (shard, info) = self.info(name)?;
         if info.shape != expected_shape {
             return Err(ModelError::ShapeMismatch {
@@ -118,31 +160,34 @@ impl Checkpoint {
         }
         let dtype = storage_dtype(info.dtype, &shard.path, name)?;
         let (start, end) = info.data_offsets;
-        let base = 8 + shard.header_len;
-        let bytes = shard.mmap.get(base + start..base + end).ok_or_else(|| {
-            ModelError::Safetensors {
-                path: shard.path.clone(),
-                reason: format!("tensor \"{name}\" lies beyond the end of the file"),
-            }
-        })?;
-        let values = match dtype {
-            StorageDtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            StorageDtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            StorageDtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
+        let (start, end) = (8 + shard.header_len + start, 8 + shard.header_len + end);
+        let bad = |reason: String| ModelError::Safetensors {
+            path: shard.path.clone(),
+            reason,
         };
-        Ok(HostTensor {
-            shape: info.shape.clone(),
-            values,
-        })
+        let bytes = shard
+            .mmap
+            .get(start..end)
+            .ok_or_else(|| bad(format!("tensor \"{name}\" lies beyond the end of the file")))?;
+        let elem = match dtype {
+            StorageDtype::F32 => 4,
+            StorageDtype::BF16 | StorageDtype::F16 => 2,
+        };
+        let count: usize = info.shape.iter().product();
+        if bytes.len() != count * elem {
+            return Err(bad(format!(
+                "tensor \"{name}\" has {} bytes for shape {:?}",
+                bytes.len(),
+                info.shape
+            )));
+        }
+        let out = f(RawTensor {
+            dtype,
+            shape: &info.shape,
+            bytes,
+        });
+        shard.release(start, end);
+        Ok(out)
     }
 
     fn info(&self, name: &str) -> Result<(&Shard, &safetensors::tensor::TensorInfo), ModelError> {
@@ -153,6 +198,26 @@ impl Checkpoint {
         let shard = &self.shards[*self.index.get(name).ok_or_else(missing)?];
         let info = shard.metadata.info(name).ok_or_else(missing)?;
         Ok((shard, info))
+    }
+}
+
+impl Shard {
+    /// Drops the whole pages within `start..end` from this process's resident memory. Only a
+    /// hint: failure is ignored, and the pages stay in the page cache for any later read.
+    fn release(&self, start: usize, end: usize) {
+        const PAGE: usize = 4096;
+        let (first, last) = (start.div_ceil(PAGE) * PAGE, end / PAGE * PAGE);
+        #[cfg(unix)]
+        if first < last {
+            // SAFETY: the map is read-only and backed by the file, so a dropped page is read
+            // back from it, unchanged, by the next access to it from any thread.
+            let _ = unsafe {
+                self.mmap
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, first, last - first)
+            };
+        }
+        #[cfg(not(unix))]
+        let _ = (first, last);
     }
 }
 
@@ -380,6 +445,24 @@ mod tests {
             assert_eq!(ckpt.dtype("a").unwrap(), dtype);
             let a = ckpt.read("a", &[2, 3]).unwrap();
             assert_eq!(a.values, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+        }
+    }
+
+    #[test]
+    fn a_tensor_reads_the_same_after_its_pages_are_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = TensorToWrite {
+            name: "big".into(),
+            shape: vec![3, 5000],
+            values: (0..15_000).map(|i| i as f32 * 0.25).collect(),
+        };
+        write_safetensors(dir.path(), &[big], StorageDtype::F32).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        let len = ckpt.with_raw("big", &[3, 5000], |raw| raw.bytes.len()).unwrap();
+        assert_eq!(len, 60_000);
+        for _ in 0..2 {
+            let t = ckpt.read("big", &[3, 5000]).unwrap();
+            assert!(t.values.iter().enumerate().all(|(i, &v)| v == i as f32 * 0.25));
         }
     }
 

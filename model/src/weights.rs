@@ -2,13 +2,15 @@
 //! weight`, ...) and the parameters of [`Qwen3ForCausalLM`]. Linear weights are `[out, in]` in
 //! HF files and `[in, out]` in burn; the transpose happens here, once, on the host.
 
+use std::borrow::Cow;
 use std::path::Path;
 
 use burn::module::{Param, ParamId};
 use burn::nn::{Embedding, Linear};
-use burn::tensor::{backend::Backend, DType, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Bytes, DType, Tensor, TensorData};
+use rayon::prelude::*;
 
-use crate::checkpoint::{Checkpoint, HostTensor, StorageDtype};
+use crate::checkpoint::{Checkpoint, HostTensor, RawTensor, StorageDtype};
 use crate::config::Qwen3Config;
 use crate::error::ModelError;
 use crate::qwen3::{
@@ -105,8 +107,9 @@ pub fn from_checkpoint<B: Backend>(
     device: &B::Device,
     options: LoadOptions,
 ) -> Result<Qwen3ForCausalLM<B>, ModelError> {
-    build(config, device, options, |spec| {
-        checkpoint.read(&spec.name, &spec.shape)
+    let dtype = options.dtype;
+    assemble(config, device, dtype, |spec| {
+        checkpoint.with_raw(&spec.name, &spec.shape, |raw| device_data(raw, spec.kind, dtype))
     })
 }
 
@@ -117,27 +120,37 @@ pub fn build<B: Backend>(
     options: LoadOptions,
     mut fetch: impl FnMut(&ParamSpec) -> Result<HostTensor, ModelError>,
 ) -> Result<Qwen3ForCausalLM<B>, ModelError> {
-    let specs = parameter_specs(&config);
-    let mut specs = specs.iter();
-    // Each host tensor travels with the id of its parameter, derived from its HF name.
-    let mut next = |expected: ParamKind| -> Result<(ParamId, HostTensor), ModelError> {
-        let spec = specs.next().expect("specs cover every parameter");
-        debug_assert_eq!(spec.kind, expected);
+    assemble(config, device, options.dtype, |spec| {
         let host = fetch(spec)?;
         let host = match spec.kind {
             ParamKind::Linear => transpose(host),
             ParamKind::Embedding | ParamKind::Norm => host,
         };
-        Ok((param_id(&spec.name), host))
+        Ok(TensorData::new(host.values, host.shape))
+    })
+}
+
+/// Assembles the model from `data`, which gives each tensor of [`parameter_specs`] in burn
+/// layout and any float dtype (`from_data` converts it to `dtype`).
+fn assemble<B: Backend>(
+    config: Qwen3Config,
+    device: &B::Device,
+    dtype: DType,
+    mut data: impl FnMut(&ParamSpec) -> Result<TensorData, ModelError>,
+) -> Result<Qwen3ForCausalLM<B>, ModelError> {
+    let specs = parameter_specs(&config);
+    let mut specs = specs.iter();
+    // Each tensor travels with the id of its parameter, derived from its HF name.
+    let mut next = |expected: ParamKind| -> Result<(ParamId, TensorData), ModelError> {
+        let spec = specs.next().expect("specs cover every parameter");
+        debug_assert_eq!(spec.kind, expected);
+        Ok((param_id(&spec.name), data(spec)?))
     };
-    let dtype = options.dtype;
-    let matrix = |(id, t): (ParamId, HostTensor)| -> Param<Tensor<B, 2>> {
-        let tensor = Tensor::from_data(TensorData::new(t.values, t.shape), (device, dtype));
-        Param::initialized(id, tensor.require_grad())
+    let matrix = |(id, data): (ParamId, TensorData)| -> Param<Tensor<B, 2>> {
+        Param::initialized(id, Tensor::from_data(data, (device, dtype)).require_grad())
     };
-    let vector = |(id, t): (ParamId, HostTensor)| -> Param<Tensor<B, 1>> {
-        let tensor = Tensor::from_data(TensorData::new(t.values, t.shape), (device, dtype));
-        Param::initialized(id, tensor.require_grad())
+    let vector = |(id, data): (ParamId, TensorData)| -> Param<Tensor<B, 1>> {
+        Param::initialized(id, Tensor::from_data(data, (device, dtype)).require_grad())
     };
     let linear = |t| Linear {
         weight: matrix(t),
@@ -215,24 +228,163 @@ pub fn param_id(name: &str) -> ParamId {
     ParamId::from(hash)
 }
 
-/// `[rows, cols]` → `[cols, rows]`, in cache-sized tiles.
+/// `[rows, cols]` → `[cols, rows]`.
 fn transpose(t: HostTensor) -> HostTensor {
-    const TILE: usize = 64;
     let (rows, cols) = (t.shape[0], t.shape[1]);
-    let mut values = vec![0.0f32; rows * cols];
-    for r0 in (0..rows).step_by(TILE) {
-        for c0 in (0..cols).step_by(TILE) {
-            for r in r0..(r0 + TILE).min(rows) {
-                for c in c0..(c0 + TILE).min(cols) {
-                    values[c * rows + r] = t.values[r * cols + c];
-                }
-            }
-        }
-    }
     HostTensor {
         shape: vec![cols, rows],
-        values,
+        values: relayout(&t.values, rows, cols, true, |v| v),
     }
+}
+
+/// An element type the loader builds device tensors in, straight from checkpoint storage, with
+/// the same rounding as converting through f32 (`half`'s, round to nearest even).
+trait LoadElem: Copy + Send + Sync + bytemuck::NoUninit {
+    /// The dtype of a buffer of these.
+    const DTYPE: DType;
+    /// All-zero bits, so that a fresh buffer comes zeroed from the allocator.
+    const ZERO: Self;
+    fn from_bf16(bits: u16) -> Self;
+    fn from_f16(bits: u16) -> Self;
+    fn from_f32(value: f32) -> Self;
+}
+
+impl LoadElem for f32 {
+    const DTYPE: DType = DType::F32;
+    const ZERO: Self = 0.0;
+    fn from_bf16(bits: u16) -> Self {
+        half::bf16::from_bits(bits).to_f32()
+    }
+    fn from_f16(bits: u16) -> Self {
+        half::f16::from_bits(bits).to_f32()
+    }
+    fn from_f32(value: f32) -> Self {
+        value
+    }
+}
+
+/// bf16 held as its bit pattern.
+impl LoadElem for u16 {
+    const DTYPE: DType = DType::BF16;
+    const ZERO: Self = 0;
+    /// The bits unchanged, except that a NaN gets its quiet bit, as a round trip through f32
+    /// (`half`'s) gives it.
+    fn from_bf16(bits: u16) -> Self {
+        if bits & 0x7FFF > 0x7F80 {
+            bits | 0x0040
+        } else {
+            bits
+        }
+    }
+    fn from_f16(bits: u16) -> Self {
+        half::bf16::from_f32(half::f16::from_bits(bits).to_f32()).to_bits()
+    }
+    fn from_f32(value: f32) -> Self {
+        half::bf16::from_f32(value).to_bits()
+    }
+}
+
+/// One stored tensor in burn layout (Linear weights transposed): in bf16 or f32 when `dtype`
+/// is one of those, else in f32 for `from_data` to convert.
+fn device_data(raw: RawTensor<'_>, kind: ParamKind, dtype: DType) -> TensorData {
+    match dtype {
+        DType::BF16 => relayout_raw::<u16>(raw, kind),
+        _ => relayout_raw::<f32>(raw, kind),
+    }
+}
+
+fn relayout_raw<T: LoadElem>(raw: RawTensor<'_>, kind: ParamKind) -> TensorData {
+    let (rows, cols, shape) = match (kind, raw.shape) {
+        (ParamKind::Linear, &[rows, cols]) => (rows, cols, vec![cols, rows]),
+        _ => (1, raw.shape.iter().product(), raw.shape.to_vec()),
+    };
+    let transpose = kind == ParamKind::Linear;
+    let values: Vec<T> = match raw.dtype {
+        StorageDtype::BF16 => relayout(&words(raw.bytes), rows, cols, transpose, |b: u16| {
+            T::from_bf16(u16::from_le(b))
+        }),
+        StorageDtype::F16 => relayout(&words(raw.bytes), rows, cols, transpose, |b: u16| {
+            T::from_f16(u16::from_le(b))
+        }),
+        StorageDtype::F32 => relayout(&words(raw.bytes), rows, cols, transpose, |w: u32| {
+            T::from_f32(f32::from_bits(u32::from_le(w)))
+        }),
+    };
+    TensorData::from_bytes(Bytes::from_elems(values), shape, T::DTYPE)
+}
+
+/// Stored bytes as words, borrowed where aligned (copied where not).
+fn words<W: bytemuck::Pod>(bytes: &[u8]) -> Cow<'_, [W]> {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(words) => Cow::Borrowed(words),
+        Err(_) => Cow::Owned(
+            bytes
+                .chunks_exact(size_of::<W>())
+                .map(bytemuck::pod_read_unaligned)
+                .collect(),
+        ),
+    }
+}
+
+/// The row-major `[rows, cols]` matrix `src` converted by `conv`, laid out as `[cols, rows]`
+/// when `transpose`; in parallel.
+fn relayout<S: Copy + Sync, T: LoadElem>(
+    src: &[S],
+    rows: usize,
+    cols: usize,
+    transpose: bool,
+    conv: impl Fn(S) -> T + Sync,
+) -> Vec<T> {
+    const CHUNK: usize = 1 << 16;
+    assert_eq!(src.len(), rows * cols, "matrix size");
+    let mut out = vec![T::ZERO; src.len()];
+    if transpose {
+        transpose_into(src, rows, cols, &mut out, conv);
+    } else {
+        out.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(out, src)| {
+            for (o, s) in out.iter_mut().zip(src) {
+                *o = conv(*s);
+            }
+        });
+    }
+    out
+}
+
+/// Writes `src` (`[rows, cols]`, converted by `conv`) into `out` as `[cols, rows]`. Each task
+/// fills a block of whole output rows, 8 source rows at a time: 8 sequential read streams,
+/// and runs of 8 contiguous elements written.
+fn transpose_into<S: Copy + Sync, T: Copy + Send>(
+    src: &[S],
+    rows: usize,
+    cols: usize,
+    out: &mut [T],
+    conv: impl Fn(S) -> T + Sync,
+) {
+    const BLOCK: usize = 128;
+    const STRIP: usize = 8;
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    out.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(b, block)| {
+        let c0 = b * BLOCK;
+        let width = block.len() / rows;
+        let mut r = 0;
+        while r + STRIP <= rows {
+            let strip: [&[S]; STRIP] =
+                std::array::from_fn(|i| &src[(r + i) * cols + c0..][..width]);
+            for (j, row) in block.chunks_exact_mut(rows).enumerate() {
+                let run: &mut [T; STRIP] =
+                    (&mut row[r..r + STRIP]).try_into().expect("a run of STRIP elements");
+                *run = std::array::from_fn(|i| conv(strip[i][j]));
+            }
+            r += STRIP;
+        }
+        for (j, row) in block.chunks_exact_mut(rows).enumerate() {
+            for (i, o) in row[r..].iter_mut().enumerate() {
+                *o = conv(src[(r + i) * cols + c0 + j]);
+            }
+        }
+    });
 }
 
 /// A parameter of the model under its HF name, in burn layout (see [`ParamKind`]).
@@ -340,4 +492,104 @@ pub fn write_config(config: &Qwen3Config, dir: &Path, dtype: StorageDtype) -> Re
     );
     let json = serde_json::to_string_pretty(&config.to_hf_json()).expect("config serialises");
     crate::checkpoint::write_atomic(&dir.join("config.json"), json.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive_transpose<T: Copy>(src: &[T], rows: usize, cols: usize) -> Vec<T> {
+        (0..rows * cols).map(|k| src[(k % rows) * cols + k / rows]).collect()
+    }
+
+    /// Deterministic bit patterns covering every exponent, NaNs and infinities included, led by
+    /// special cases: signalling NaNs, ties to even and subnormals, as f32 and as 16 bits.
+    fn bits(n: usize, seed: u64) -> Vec<u32> {
+        let special = [0x7F81, 0x7F80_0001, 0x3F80_8000, 0x3F81_8000, 0xFFC1, 0xFC01, u32::MAX];
+        let mut x = seed;
+        let random = std::iter::repeat_with(move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u32
+        });
+        special.into_iter().chain(random).take(n).collect()
+    }
+
+    #[test]
+    fn parallel_transpose_matches_naive() {
+        let shapes = [(37, 91), (91, 37), (8, 8), (1, 300), (300, 1), (7, 129), (16, 257)];
+        for (rows, cols) in shapes.into_iter().chain([(129, 300), (0, 5)]) {
+            let src: Vec<u32> = bits(rows * cols, 7);
+            let expected: Vec<u16> =
+                naive_transpose(&src, rows, cols).iter().map(|&w| w as u16).collect();
+            assert_eq!(relayout(&src, rows, cols, true, |w| w as u16), expected, "{rows}x{cols}");
+            let host = HostTensor {
+                shape: vec![rows, cols],
+                values: src.iter().map(|&w| f32::from_bits(w)).collect(),
+            };
+            let t = transpose(host.clone());
+            assert_eq!(t.shape, vec![cols, rows]);
+            let expected = naive_transpose(&host.values, rows, cols);
+            assert!(t.values.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
+    /// The loader before direct conversion: f32 values in HF layout, transposed, then converted
+    /// to the device dtype by `TensorData`.
+    fn through_f32(raw: RawTensor<'_>, kind: ParamKind, dtype: DType) -> TensorData {
+        let (b, s) = (raw.bytes, raw.shape);
+        let values: Vec<f32> = match raw.dtype {
+            StorageDtype::F32 => {
+                b.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+            }
+            StorageDtype::BF16 => {
+                b.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+            StorageDtype::F16 => {
+                b.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            }
+        };
+        let (values, shape) = match (kind, s) {
+            (ParamKind::Linear, &[r, c]) => (naive_transpose(&values, r, c), vec![c, r]),
+            _ => (values, s.to_vec()),
+        };
+        TensorData::new(values, shape).convert_dtype(dtype)
+    }
+
+    #[test]
+    fn direct_conversion_is_bit_identical_to_going_through_f32() {
+        for storage in [StorageDtype::F32, StorageDtype::BF16, StorageDtype::F16] {
+            let kinds = [
+                (ParamKind::Linear, vec![37, 91]),
+                (ParamKind::Embedding, vec![13, 21]),
+                (ParamKind::Norm, vec![91]),
+            ];
+            for (kind, shape) in kinds {
+                let mut payload = Vec::new();
+                for w in bits(shape.iter().product(), 11) {
+                    match storage {
+                        StorageDtype::F32 => payload.extend_from_slice(&w.to_le_bytes()),
+                        _ => payload.extend_from_slice(&(w as u16).to_le_bytes()),
+                    }
+                }
+                // The payload at a 4-aligned offset, then at an odd one (copied as words).
+                for offset in [4, 1] {
+                    let mut backing = vec![0u32; payload.len() / 4 + 2];
+                    let buffer: &mut [u8] = bytemuck::cast_slice_mut(&mut backing);
+                    let bytes = &mut buffer[offset..offset + payload.len()];
+                    bytes.copy_from_slice(&payload);
+                    let raw = RawTensor { dtype: storage, shape: &shape, bytes: &*bytes };
+                    for dtype in [DType::F32, DType::BF16, DType::F16] {
+                        let got = device_data(raw, kind, dtype).convert_dtype(dtype);
+                        let expected = through_f32(raw, kind, dtype);
+                        let case = format!("{storage:?} {kind:?} {dtype:?} at offset {offset}");
+                        assert_eq!(got.dtype, expected.dtype, "{case}");
+                        assert_eq!(got.shape, expected.shape, "{case}");
+                        assert_eq!(got.as_bytes(), expected.as_bytes(), "{case}");
+                    }
+                }
+            }
+        }
+    }
 }
