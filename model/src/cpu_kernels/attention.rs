@@ -276,7 +276,7 @@ fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f32;
     for s in row.iter_mut() {
-        *s = (*s - max).exp();
+        *s = super::fused::exp(*s - max);
         sum += *s;
     }
     for s in row.iter_mut() {
