@@ -6,19 +6,19 @@
 //! ```
 //!
 //! with the operations in the order burn's own `AdamW` uses. On burn-flex, where each tensor op is a separate single-threaded pass,
-//! the whole update of a parameter is one parallel loop over θ, g, m and v; other backends
-//! (CUDA) run the same formula as tensor ops.
-
-use std::any::Any;
+//! the whole update of a parameter is one parallel loop over θ, g, m and v that writes θ, m and v
+//! into their own buffers when these are not shared (a parameter's worth of fresh memory per
+//! tensor and step otherwise); other backends (CUDA) run the same formula as tensor ops.
 
 use burn::module::AutodiffModule;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{LearningRate, SimpleOptimizer};
 use burn::record::Record;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Bytes, DType, Tensor, TensorPrimitive};
-use burn_flex::{FlexTensor, Layout};
+use burn::tensor::{DType, Tensor};
 use rayon::prelude::*;
+
+use super::flex::{from_flex, into_flex, is_flex, owned_f32, values_mut, zeros_f32, CHUNK};
 
 /// AdamW's hyper-parameters (the learning rate comes with each step).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -79,33 +79,34 @@ impl AdamW {
         (updated, AdamWState { time, moment_1, moment_2 })
     }
 
-    /// The same update in one parallel pass, when `B` is burn-flex and everything is f32.
+    /// The same update in one parallel pass, when `B` is burn-flex and everything is f32;
+    /// otherwise the inputs come back untouched. The weights and moments are updated in their
+    /// own buffers when these are not shared (else in copies), and on the first step the
+    /// gradient's buffer becomes the first moment.
     fn step_flex<B: Backend, const D: usize>(
         &self,
         lr: LearningRate,
-        tensor: &Tensor<B, D>,
-        grad: &Tensor<B, D>,
-        state: Option<&AdamWState<B, D>>,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<AdamWState<B, D>>,
         time: usize,
-    ) -> Option<(Tensor<B, D>, AdamWState<B, D>)> {
-        let f32_only = [tensor.dtype(), grad.dtype()].iter().all(|d| *d == DType::F32);
-        if !f32_only {
-            return None;
+    ) -> Result<(Tensor<B, D>, AdamWState<B, D>), Inputs<B, D>> {
+        let moments = state.iter().flat_map(|s| [s.moment_1.dtype(), s.moment_2.dtype()]);
+        let f32_only = [tensor.dtype(), grad.dtype()]
+            .into_iter()
+            .chain(moments)
+            .all(|d| d == DType::F32);
+        if !(is_flex::<B>() && f32_only) {
+            return Err((tensor, grad, state));
         }
-        let theta = to_flex(tensor.clone())?.to_contiguous();
-        let g = to_flex(grad.clone())?.to_contiguous();
-        let moments = match state {
-            Some(s) => Some((
-                to_flex(s.moment_1.clone())?.to_contiguous(),
-                to_flex(s.moment_2.clone())?.to_contiguous(),
-            )),
-            None => None,
+        let flex = |t: Tensor<B, D>| {
+            into_flex(t).unwrap_or_else(|_| unreachable!("a float tensor of burn-flex"))
         };
-        let theta = theta.as_slice::<f32>()?;
-        let g = g.as_slice::<f32>()?;
-        let (m, v) = match &moments {
-            Some((m, v)) => (Some(m.as_slice::<f32>()?), Some(v.as_slice::<f32>()?)),
-            None => (None, None),
+        let mut theta = owned_f32(flex(tensor));
+        let grad = flex(grad);
+        let (mut m, mut v, grad) = match state {
+            Some(s) => (owned_f32(flex(s.moment_1)), owned_f32(flex(s.moment_2)), Some(grad)),
+            None => (owned_f32(grad), zeros_f32(theta.layout().shape().clone()), None),
         };
         let (decay, correction_1, correction_2) = self.factors(lr, time);
         let step = Constants {
@@ -117,18 +118,28 @@ impl AdamW {
             correction_2,
             lr: lr as f32,
         };
-        let (theta, m, v) = fused_update(theta, g, m, v, &step);
-        let dims = tensor.dims();
-        Some((
-            from_flex(theta, dims)?,
+        let grad = grad.map(|g| if g.is_contiguous() { g } else { g.to_contiguous() });
+        let g = grad.as_ref().map(|g| g.as_slice::<f32>().expect("contiguous f32"));
+        fused_update(
+            values_mut(&mut theta),
+            values_mut(&mut m),
+            values_mut(&mut v),
+            g,
+            &step,
+        );
+        Ok((
+            from_flex(theta),
             AdamWState {
                 time,
-                moment_1: from_flex(m, dims)?,
-                moment_2: from_flex(v, dims)?,
+                moment_1: from_flex(m),
+                moment_2: from_flex(v),
             },
         ))
     }
 }
+
+/// A parameter, its gradient and its state, as given to [`AdamW::step_flex`].
+type Inputs<B, const D: usize> = (Tensor<B, D>, Tensor<B, D>, Option<AdamWState<B, D>>);
 
 impl<B: Backend> SimpleOptimizer<B> for AdamW {
     type State<const D: usize> = AdamWState<B, D>;
@@ -141,9 +152,9 @@ impl<B: Backend> SimpleOptimizer<B> for AdamW {
         state: Option<Self::State<D>>,
     ) -> (Tensor<B, D>, Option<Self::State<D>>) {
         let time = state.as_ref().map_or(1, |s| s.time + 1);
-        let (tensor, state) = match self.step_flex(lr, &tensor, &grad, state.as_ref(), time) {
-            Some(done) => done,
-            None => self.step_tensors(lr, tensor, grad, state, time),
+        let (tensor, state) = match self.step_flex(lr, tensor, grad, state, time) {
+            Ok(done) => done,
+            Err((tensor, grad, state)) => self.step_tensors(lr, tensor, grad, state, time),
         };
         (tensor, Some(state))
     }
@@ -168,71 +179,63 @@ struct Constants {
     lr: f32,
 }
 
-/// Elements per rayon task.
-const CHUNK: usize = 64 * 1024;
-
-/// `(θ', m', v')` from θ, g and the moments (`None`: zero, the first step), element by element in
-/// the order of [`AdamW::step_tensors`].
+/// One AdamW step in place, element by element in the order of [`AdamW::step_tensors`]. With
+/// `g`, `m` and `v` hold the moments; without (the first step), `m` holds the gradient and `v`'s
+/// contents are not read.
 fn fused_update(
-    theta: &[f32],
-    g: &[f32],
-    m: Option<&[f32]>,
-    v: Option<&[f32]>,
+    theta: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: Option<&[f32]>,
     c: &Constants,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+) {
     let n = theta.len();
-    let (mut theta_out, mut m_out, mut v_out) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
-    theta_out
+    assert!(m.len() == n && v.len() == n && g.is_none_or(|g| g.len() == n));
+    theta
         .par_chunks_mut(CHUNK)
-        .zip(m_out.par_chunks_mut(CHUNK))
-        .zip(v_out.par_chunks_mut(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
         .enumerate()
-        .for_each(|(chunk, ((theta_out, m_out), v_out))| {
-            let from = chunk * CHUNK;
-            for i in 0..theta_out.len() {
-                let j = from + i;
-                let grad = g[j];
-                let m1 = match m {
-                    Some(m) => m[j] * c.b1 + grad * (1.0 - c.b1),
-                    None => grad * (1.0 - c.b1),
-                };
-                let m2 = match v {
-                    Some(v) => v[j] * c.b2 + grad * grad * (1.0 - c.b2),
-                    None => grad * grad * (1.0 - c.b2),
-                };
-                let delta = (m1 / c.correction_1) / ((m2 / c.correction_2).sqrt() + c.eps);
-                let decayed = c.decay.map_or(theta[j], |d| theta[j] * d);
-                theta_out[i] = decayed - delta * c.lr;
-                m_out[i] = m1;
-                v_out[i] = m2;
+        .for_each(|(chunk, ((theta, m), v))| match g {
+            Some(g) => {
+                let g = &g[chunk * CHUNK..][..theta.len()];
+                for i in 0..theta.len() {
+                    let grad = g[i];
+                    let m1 = m[i] * c.b1 + grad * (1.0 - c.b1);
+                    let m2 = v[i] * c.b2 + grad * grad * (1.0 - c.b2);
+                    theta[i] = c.apply(theta[i], m1, m2);
+                    m[i] = m1;
+                    v[i] = m2;
+                }
+            }
+            None => {
+                for i in 0..theta.len() {
+                    let grad = m[i];
+                    let m1 = grad * (1.0 - c.b1);
+                    let m2 = grad * grad * (1.0 - c.b2);
+                    theta[i] = c.apply(theta[i], m1, m2);
+                    m[i] = m1;
+                    v[i] = m2;
+                }
             }
         });
-    (theta_out, m_out, v_out)
 }
 
-/// The burn-flex tensor behind `t`, when `B` is burn-flex.
-fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
-    let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
-    primitive.downcast::<FlexTensor>().ok().map(|t| *t)
-}
-
-/// An f32 buffer as a tensor of `B` (burn-flex when this is reached).
-fn from_flex<B: Backend, const D: usize>(values: Vec<f32>, dims: [usize; D]) -> Option<Tensor<B, D>> {
-    let flex = FlexTensor::new(
-        Bytes::from_elems(values),
-        Layout::contiguous(burn::tensor::Shape::from(dims.to_vec())),
-        DType::F32,
-    );
-    let primitive: Box<dyn Any> = Box::new(flex);
-    let primitive = primitive.downcast::<B::FloatTensorPrimitive>().ok()?;
-    Some(Tensor::from_primitive(TensorPrimitive::Float(*primitive)))
+impl Constants {
+    /// The new weight from the old one and the new moments.
+    #[inline(always)]
+    fn apply(&self, theta: f32, m1: f32, m2: f32) -> f32 {
+        let delta = (m1 / self.correction_1) / ((m2 / self.correction_2).sqrt() + self.eps);
+        let decayed = self.decay.map_or(theta, |d| theta * d);
+        decayed - delta * self.lr
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use burn::backend::Flex;
-    use burn::tensor::Distribution;
+    use burn::tensor::{Distribution, TensorPrimitive};
 
     const ADAMW: AdamW = AdamW {
         beta_1: 0.9,
@@ -245,30 +248,90 @@ mod tests {
         t.into_data().to_vec().unwrap()
     }
 
-    /// Three steps through the one-pass loop equal three through tensor ops, bit for bit.
+    fn random(seed: u64) -> Tensor<Flex, 2> {
+        let device = Default::default();
+        <Flex as Backend>::seed(&device, seed);
+        Tensor::random([300, 257], Distribution::Normal(0.0, 1.0), &device)
+    }
+
+    /// Where `t`'s elements are stored.
+    fn address<const D: usize>(t: &Tensor<Flex, D>) -> *const u8 {
+        match t.clone().into_primitive() {
+            TensorPrimitive::Float(flex) => flex.bytes().as_ptr(),
+            TensorPrimitive::QFloat(_) => unreachable!(),
+        }
+    }
+
+    /// Three steps through the one-pass loop equal three through tensor ops, bit for bit, both
+    /// in place and on shared (copied) inputs.
     #[test]
     fn fused_pass_equals_the_tensor_formula() {
-        let device = Default::default();
-        let random = |seed| {
-            <Flex as Backend>::seed(&device, seed);
-            Tensor::<Flex, 2>::random([300, 257], Distribution::Normal(0.0, 1.0), &device)
-        };
-        let (mut fused, mut plain) = (random(1), random(1));
-        let (mut fused_state, mut plain_state) = (None, None);
-        for (time, seed) in (1..=3).zip(10..) {
-            let grad = random(seed).mul_scalar(1e-3);
-            let (t, s) = ADAMW
-                .step_flex(1e-2, &fused, &grad, fused_state.as_ref(), time)
-                .expect("flex f32 takes the fused pass");
-            (fused, fused_state) = (t, Some(s));
-            let (t, s) = ADAMW.step_tensors(1e-2, plain, grad, plain_state, time);
-            (plain, plain_state) = (t, Some(s));
+        for share in [false, true] {
+            let (mut fused, mut plain) = (random(1), random(1));
+            let (mut fused_state, mut plain_state) = (None::<AdamWState<Flex, 2>>, None);
+            for (time, seed) in (1..=3).zip(10..) {
+                let grad = random(seed).mul_scalar(1e-3);
+                let shared = share.then(|| (fused.clone(), grad.clone(), fused_state.clone()));
+                let (t, s) = ADAMW
+                    .step_flex(1e-2, fused, grad, fused_state, time)
+                    .ok()
+                    .expect("flex f32 takes the fused pass");
+                drop(shared);
+                (fused, fused_state) = (t, Some(s));
+                let grad = random(seed).mul_scalar(1e-3);
+                let (t, s) = ADAMW.step_tensors(1e-2, plain, grad, plain_state, time);
+                (plain, plain_state) = (t, Some(s));
+            }
+            assert_eq!(values(fused), values(plain));
+            let (f, p) = (fused_state.unwrap(), plain_state.unwrap());
+            assert_eq!(f.time, p.time);
+            assert_eq!(values(f.moment_1), values(p.moment_1));
+            assert_eq!(values(f.moment_2), values(p.moment_2));
         }
-        assert_eq!(values(fused), values(plain));
-        let (f, p) = (fused_state.unwrap(), plain_state.unwrap());
-        assert_eq!(f.time, p.time);
-        assert_eq!(values(f.moment_1), values(p.moment_1));
-        assert_eq!(values(f.moment_2), values(p.moment_2));
+    }
+
+    /// Unshared buffers are updated where they are: the weights in theirs, the first moment in
+    /// the first gradient's, then both moments in their own.
+    #[test]
+    fn unique_buffers_are_updated_in_place() {
+        let (theta, grad) = (random(1), random(2).mul_scalar(1e-3));
+        let (theta_at, grad_at) = (address(&theta), address(&grad));
+        let (theta, state) = ADAMW.step_flex(1e-2, theta, grad, None, 1).ok().unwrap();
+        assert_eq!(address(&theta), theta_at);
+        assert_eq!(address(&state.moment_1), grad_at);
+        let moments_at = (address(&state.moment_1), address(&state.moment_2));
+        let grad = random(3).mul_scalar(1e-3);
+        let (theta, state) = ADAMW.step_flex(1e-2, theta, grad, Some(state), 2).ok().unwrap();
+        assert_eq!(address(&theta), theta_at);
+        assert_eq!((address(&state.moment_1), address(&state.moment_2)), moments_at);
+    }
+
+    /// Inputs that are shared elsewhere keep their values; the results are in new buffers.
+    #[test]
+    fn shared_inputs_are_left_unchanged() {
+        let (theta, grad) = (random(1), random(2).mul_scalar(1e-3));
+        let (theta_values, grad_values) = (values(theta.clone()), values(grad.clone()));
+        let (updated, state) = ADAMW
+            .step_flex(1e-2, theta.clone(), grad.clone(), None, 1)
+            .ok()
+            .unwrap();
+        assert_ne!(address(&updated), address(&theta));
+        assert_ne!(address(&state.moment_1), address(&grad));
+        assert_eq!(values(theta), theta_values);
+        assert_eq!(values(grad), grad_values);
+
+        let kept = (
+            values(updated.clone()),
+            values(state.moment_1.clone()),
+            values(state.moment_2.clone()),
+        );
+        let grad = random(3).mul_scalar(1e-3);
+        let (next, _) = ADAMW
+            .step_flex(1e-2, updated.clone(), grad, Some(state.clone()), 2)
+            .ok()
+            .unwrap();
+        assert_ne!(values(next), kept.0);
+        assert_eq!((values(updated), values(state.moment_1), values(state.moment_2)), kept);
     }
 
     #[test]
@@ -276,8 +339,10 @@ mod tests {
         type Ad = burn::backend::Autodiff<Flex>;
         let device = Default::default();
         let t = Tensor::<Ad, 1>::ones([4], &device);
-        assert!(ADAMW.step_flex(0.1, &t, &t, None, 1).is_none());
+        let (back, _, _) = ADAMW.step_flex(0.1, t.clone(), t.clone(), None, 1).err().unwrap();
+        assert_eq!(back.into_data().to_vec::<f32>().unwrap(), vec![1.0; 4]);
         let b = Tensor::<Flex, 1>::ones([4], &device).cast(DType::BF16);
-        assert!(ADAMW.step_flex(0.1, &b, &b, None, 1).is_none());
+        let (back, _, _) = ADAMW.step_flex(0.1, b.clone(), b, None, 1).err().unwrap();
+        assert_eq!(back.dtype(), DType::BF16);
     }
 }

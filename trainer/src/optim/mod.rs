@@ -6,6 +6,7 @@ pub mod adamw;
 pub mod apply;
 pub mod config;
 pub mod error;
+mod flex;
 pub mod grad_norm;
 
 pub use adamw::{AdamW, AdamWState};
