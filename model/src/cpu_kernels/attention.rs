@@ -164,7 +164,7 @@ pub fn grouped_attention<T: Element>(
         .par_iter()
         .map(|&(b, g, blk)| {
             let rows = blk * QUERY_BLOCK..((blk + 1) * QUERY_BLOCK).min(queries);
-            task(&query, &key, &value, &bias, shape, scale, b, g, rows)
+            wide_simd!(task(&query, &key, &value, &bias, shape, scale, b, g, rows))
         })
         .collect();
 
@@ -185,26 +185,11 @@ pub fn grouped_attention<T: Element>(
 }
 
 /// One task: query positions `rows` of every head in group `g` of batch row `b`. Returns
-/// `[groups * rows.len(), d]` (head-major) rounded to `T`'s precision, in f32. The packing and
-/// softmax loops are compiled for AVX-512 too, and that copy runs when the CPU has it.
-#[allow(clippy::too_many_arguments)]
-fn task<T: Element>(
-    query: &Heads<'_, T>,
-    key: &Heads<'_, T>,
-    value: &Heads<'_, T>,
-    bias: &Bias<'_, T>,
-    shape: AttentionShape,
-    scale: f32,
-    b: usize,
-    g: usize,
-    rows: std::ops::Range<usize>,
-) -> Vec<f32> {
-    wide_simd!(task_body(query, key, value, bias, shape, scale, b, g, rows))
-}
-
+/// `[groups * rows.len(), d]` (head-major) rounded to `T`'s precision, in f32. Inlined into a
+/// `wide_simd!` call, so its packing and softmax loops also get an AVX-512 copy.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn task_body<T: Element>(
+fn task<T: Element>(
     query: &Heads<'_, T>,
     key: &Heads<'_, T>,
     value: &Heads<'_, T>,
