@@ -331,38 +331,12 @@ mod kernels {
             for c in (0..padded).step_by(64) {
                 let (k, mut r) = (kt.as_ptr().add(c), 0);
                 while r + 4 <= m {
-                    scores_tile::<4>(q.as_ptr().add(r * d), d, k, padded, s.as_mut_ptr().add(r * padded + c));
+                    tile::<4, 4>(q.as_ptr().add(r * d), d, k, padded, d, s.as_mut_ptr().add(r * padded + c), padded);
                     r += 4;
                 }
                 while r < m {
-                    scores_tile::<1>(q.as_ptr().add(r * d), d, k, padded, s.as_mut_ptr().add(r * padded + c));
+                    tile::<1, 4>(q.as_ptr().add(r * d), d, k, padded, d, s.as_mut_ptr().add(r * padded + c), padded);
                     r += 1;
-                }
-            }
-        }
-
-        /// `R` rows × 64 columns of scores, four 16-lane accumulators per row.
-        #[inline(always)]
-        unsafe fn scores_tile<const R: usize>(q: *const f32, d: usize, kt: *const f32, padded: usize, s: *mut f32) {
-            let mut acc = [[_mm512_setzero_ps(); 4]; R];
-            for dd in 0..d {
-                let row = kt.add(dd * padded);
-                let k = [
-                    _mm512_loadu_ps(row),
-                    _mm512_loadu_ps(row.add(16)),
-                    _mm512_loadu_ps(row.add(32)),
-                    _mm512_loadu_ps(row.add(48)),
-                ];
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let x = _mm512_set1_ps(*q.add(r * d + dd));
-                    for (a, k) in acc.iter_mut().zip(k) {
-                        *a = _mm512_fmadd_ps(x, k, *a);
-                    }
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                for (u, a) in acc.iter().enumerate() {
-                    _mm512_storeu_ps(s.add(r * padded + 16 * u), *a);
                 }
             }
         }
@@ -386,18 +360,18 @@ mod kernels {
                 while r + 4 <= m {
                     let (pr, or) = (pp.add(r * padded), op.add(r * d + c));
                     if wide {
-                        values_tile::<4, 4>(pr, padded, columns, vp.add(c), d, or);
+                        tile::<4, 4>(pr, padded, vp.add(c), d, columns, or, d);
                     } else {
-                        values_tile::<4, 1>(pr, padded, columns, vp.add(c), d, or);
+                        tile::<4, 1>(pr, padded, vp.add(c), d, columns, or, d);
                     }
                     r += 4;
                 }
                 while r < m {
                     let (pr, or) = (pp.add(r * padded), op.add(r * d + c));
                     if wide {
-                        values_tile::<1, 4>(pr, padded, columns, vp.add(c), d, or);
+                        tile::<1, 4>(pr, padded, vp.add(c), d, columns, or, d);
                     } else {
-                        values_tile::<1, 1>(pr, padded, columns, vp.add(c), d, or);
+                        tile::<1, 1>(pr, padded, vp.add(c), d, columns, or, d);
                     }
                     r += 1;
                 }
@@ -405,25 +379,30 @@ mod kernels {
             }
         }
 
-        /// `R` rows × `16 * NV` output columns.
+        /// `out[r, 16u + i] = Σ_t a[r, t] · b[t, 16u + i]` for `r < R`, `u < NV`, `t < steps`:
+        /// `R × NV` accumulators, one broadcast of `a` and `NV` loads of `b` per step. Row
+        /// strides (in elements) are `a_stride`, `b_stride` and `out_stride`. Serves both
+        /// `Q · Kᵀ` (`b` = packed `Kᵀ`) and `P · V`.
+        #[allow(clippy::too_many_arguments)]
         #[inline(always)]
-        unsafe fn values_tile<const R: usize, const NV: usize>(
-            p: *const f32,
-            padded: usize,
-            columns: usize,
-            v: *const f32,
-            d: usize,
+        unsafe fn tile<const R: usize, const NV: usize>(
+            a: *const f32,
+            a_stride: usize,
+            b: *const f32,
+            b_stride: usize,
+            steps: usize,
             out: *mut f32,
+            out_stride: usize,
         ) {
             let mut acc = [[_mm512_setzero_ps(); NV]; R];
-            for j in 0..columns {
-                let row = v.add(j * d);
+            for t in 0..steps {
+                let row = b.add(t * b_stride);
                 let mut x = [_mm512_setzero_ps(); NV];
                 for (u, x) in x.iter_mut().enumerate() {
                     *x = _mm512_loadu_ps(row.add(16 * u));
                 }
                 for (r, acc) in acc.iter_mut().enumerate() {
-                    let w = _mm512_set1_ps(*p.add(r * padded + j));
+                    let w = _mm512_set1_ps(*a.add(r * a_stride + t));
                     for (a, x) in acc.iter_mut().zip(x) {
                         *a = _mm512_fmadd_ps(w, x, *a);
                     }
@@ -431,7 +410,7 @@ mod kernels {
             }
             for (r, acc) in acc.iter().enumerate() {
                 for (u, a) in acc.iter().enumerate() {
-                    _mm512_storeu_ps(out.add(r * d + 16 * u), *a);
+                    _mm512_storeu_ps(out.add(r * out_stride + 16 * u), *a);
                 }
             }
         }
