@@ -3,11 +3,12 @@
 
 use burn::module::{Module, Param};
 use burn::nn::Embedding;
-use burn::tensor::{backend::Backend, module::linear, Int, Tensor};
+use burn::tensor::{backend::Backend, Int, Tensor};
 
 use super::attention::AttentionInputs;
 use super::cache::KvCache;
 use super::decoder_layer::Qwen3DecoderLayer;
+use super::linear::linear_rows;
 use super::mask::attention_bias;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::Qwen3RotaryEmbedding;
@@ -122,7 +123,7 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
             return logits;
         }
         match layout {
-            WeightLayout::InOut => linear(hidden_states, weight, None),
+            WeightLayout::InOut => linear_rows(hidden_states, weight, None),
             WeightLayout::OutIn => tied_head(hidden_states, weight),
         }
     }
