@@ -4,6 +4,8 @@
 mod agent_flags;
 mod cmd;
 mod device;
+#[cfg(target_os = "linux")]
+mod large_alloc;
 mod model_dir;
 mod plot;
 mod serve;
@@ -45,7 +47,17 @@ enum Command {
     Plot(cmd::plot::Args),
 }
 
+/// Keeps freed tensor buffers for reuse instead of returning them to the kernel.
+#[cfg(target_os = "linux")]
+#[global_allocator]
+static ALLOCATOR: large_alloc::CachingAllocator = large_alloc::CachingAllocator;
+
 fn main() {
+    #[cfg(target_os = "linux")]
+    if let Err(e) = large_alloc::configure_from_env() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),
