@@ -27,7 +27,7 @@ const SMALL_UNIT: usize = 64 << 10;
 /// From this size on, buffers are mapped in whole huge pages.
 const HUGE: usize = 2 << 20;
 /// Cached buffers kept at most (a fixed table: the allocator may not allocate for itself).
-const SLOTS: usize = 256;
+const SLOTS: usize = 4096;
 /// Alignment every mapping has.
 const PAGE: usize = 4096;
 /// Not yet configured: [`configure_from_env`] has not run.
