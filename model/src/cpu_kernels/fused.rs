@@ -99,12 +99,13 @@ pub fn silu_mul_bf16(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
 /// `row[target] - logsumexp(row)` in f32 for each row of `vocab` logits (the log-probability
 /// of the target token), rows spread over the pool: one pass for the maximum and one for the
 /// sum of exponentials, where the tensor formula takes six passes and five temporaries.
+/// Returns the log-probabilities and each row's `logsumexp`.
 pub fn chosen_logprobs<T: Copy + Sync>(
     logits: &[T],
     vocab: usize,
     targets: &[usize],
     widen: impl Fn(T) -> f32 + Sync,
-) -> Vec<f32> {
+) -> (Vec<f32>, Vec<f32>) {
     logits
         .par_chunks(vocab)
         .zip(targets.par_iter())
@@ -112,10 +113,34 @@ pub fn chosen_logprobs<T: Copy + Sync>(
             wide_simd!({
                 let max = row.iter().map(|&x| widen(x)).fold(f32::NEG_INFINITY, f32::max);
                 let sum: f32 = row.iter().map(|&x| exp(widen(x) - max)).sum();
-                widen(row[target]) - (sum.ln() + max)
+                let lse = sum.ln() + max;
+                (widen(row[target]) - lse, lse)
             })
         })
-        .collect()
+        .unzip()
+}
+
+/// The gradient of [`chosen_logprobs`] with respect to f32 logits, given the gradient `grad` of
+/// each row's log-probability and the rows' `logsumexp`:
+/// `grad[r] · (onehot(target[r]) - softmax(row r))`, one parallel pass.
+pub fn chosen_logprobs_backward(
+    logits: &[f32],
+    vocab: usize,
+    targets: &[usize],
+    lse: &[f32],
+    grad: &[f32],
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; logits.len()];
+    out.par_chunks_mut(vocab)
+        .zip(logits.par_chunks(vocab))
+        .zip(targets.par_iter().zip(lse).zip(grad))
+        .for_each(|((out, row), ((&target, &lse), &g))| {
+            wide_simd!(for (o, &x) in out.iter_mut().zip(row) {
+                *o = -g * exp(x - lse);
+            });
+            out[target] += g;
+        });
+    out
 }
 
 #[inline(always)]
@@ -208,9 +233,10 @@ mod tests {
         let vocab = 1000;
         let logits: Vec<f32> = (0..3 * vocab).map(|i| (i as f32 * 0.731).sin() * 8.0).collect();
         let targets = [0, 517, 999];
-        let got = chosen_logprobs(&logits, vocab, &targets, |x| x);
-        for ((row, &t), got) in logits.chunks(vocab).zip(&targets).zip(got) {
+        let (got, lse) = chosen_logprobs(&logits, vocab, &targets, |x| x);
+        for (((row, &t), got), lse_got) in logits.chunks(vocab).zip(&targets).zip(got).zip(lse) {
             let lse = row.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+            assert!((lse_got as f64 - lse).abs() < 1e-5);
             assert!((got as f64 - (row[t] as f64 - lse)).abs() < 1e-5);
         }
         let halves: Vec<bf16> = logits.iter().map(|&x| bf16::from_f32(x)).collect();
@@ -219,6 +245,28 @@ mod tests {
             chosen_logprobs(&halves, vocab, &targets, |x| x.to_f32()),
             chosen_logprobs(&widened, vocab, &targets, |x| x)
         );
+    }
+
+    /// Against central differences of the forward pass, in f64 from the f32 results.
+    #[test]
+    fn chosen_logprobs_backward_matches_finite_differences() {
+        let vocab = 37;
+        let logits: Vec<f32> = (0..2 * vocab).map(|i| (i as f32 * 1.37).cos() * 3.0).collect();
+        let targets = [5, 36];
+        let grad = [0.7f32, -1.3];
+        let (_, lse) = chosen_logprobs(&logits, vocab, &targets, |x| x);
+        let got = chosen_logprobs_backward(&logits, vocab, &targets, &lse, &grad);
+        let loss = |l: &[f32]| -> f64 {
+            let (lp, _) = chosen_logprobs(l, vocab, &targets, |x| x);
+            lp.iter().zip(&grad).map(|(&p, &g)| p as f64 * g as f64).sum()
+        };
+        for i in 0..logits.len() {
+            let (mut up, mut down) = (logits.clone(), logits.clone());
+            up[i] += 1e-2;
+            down[i] -= 1e-2;
+            let want = (loss(&up) - loss(&down)) / 2e-2;
+            assert!((got[i] as f64 - want).abs() < 2e-3, "logit {i}: {} vs {want}", got[i]);
+        }
     }
 
     #[test]

@@ -12,7 +12,9 @@
 //!
 //! Each entry point returns `None` unless the backend is burn-flex itself (checked at run time
 //! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
-//! handles; the caller then uses burn's own ops. Autodiff never reaches the kernels.
+//! handles; the caller then uses burn's own ops. Under autodiff only the chosen-token
+//! log-probability has a kernel, registered as one operation of the graph with its own backward
+//! (see `tracked`); everything else records burn's ops.
 
 /// Evaluates `$body` in a copy compiled with AVX-512 enabled when the CPU has it, so that the
 /// loops inlined into it vectorise 16 lanes wide; otherwise as compiled for the baseline.
@@ -41,6 +43,7 @@ macro_rules! wide_simd {
 mod attention;
 mod bf16_bits;
 mod fused;
+mod tracked;
 mod weight_matmul;
 
 use std::any::Any;
@@ -234,29 +237,40 @@ pub(crate) fn grouped_attention<B: Backend>(
 }
 
 /// The log-probability of each target token, `[b, n]` f32, from `logits` `[b, n, vocab]` (f32 or
-/// bf16) and `targets` `[b, n]` (see [`fused::chosen_logprobs`]) when `B` is burn-flex; `None`
-/// otherwise or for a target outside the vocabulary.
+/// bf16) and `targets` `[b, n]` (see [`fused::chosen_logprobs`]) when `B` is burn-flex, or when
+/// it is burn-flex under autodiff and the logits are f32 (see [`tracked`]); `None` otherwise or
+/// for a target outside the vocabulary.
 pub(crate) fn chosen_logprobs<B: Backend>(
     logits: &Tensor<B, 3>,
     targets: &Tensor<B, 2, Int>,
 ) -> Option<Tensor<B, 2>> {
     let [b, n, vocab] = logits.dims();
-    let ids = to_flex_int(targets.clone())?;
-    let ids: Vec<usize> = match ids.dtype() {
-        DType::I64 => ids.to_contiguous().as_slice::<i64>()?.iter().map(|&t| t as usize).collect(),
-        DType::I32 => ids.to_contiguous().as_slice::<i32>()?.iter().map(|&t| t as usize).collect(),
-        _ => return None,
+    let ids = target_ids(targets, b * n, vocab)?;
+    let Some(flex) = to_flex(logits.clone()) else {
+        return tracked::chosen_logprobs(logits, ids, [b, n, vocab]);
     };
-    if ids.len() != b * n || ids.iter().any(|&t| t >= vocab) {
-        return None;
-    }
-    let logits = to_flex(logits.clone())?.to_contiguous();
-    let values = match logits.dtype() {
+    let logits = flex.to_contiguous();
+    let (values, _) = match logits.dtype() {
         DType::F32 => fused::chosen_logprobs(logits.as_slice::<f32>()?, vocab, &ids, |x| x),
         DType::BF16 => fused::chosen_logprobs(logits.as_slice::<bf16>()?, vocab, &ids, |x| x.to_f32()),
         _ => return None,
     };
     flex_output(Bytes::from_elems(values), [b, n], DType::F32)
+}
+
+/// The `len` ids of a burn-flex integer tensor, when all are below `vocab`.
+fn target_ids<B: Backend, const D: usize>(
+    targets: &Tensor<B, D, Int>,
+    len: usize,
+    vocab: usize,
+) -> Option<Vec<usize>> {
+    let ids = to_flex_int(targets.clone())?.to_contiguous();
+    let ids: Vec<usize> = match ids.dtype() {
+        DType::I64 => ids.as_slice::<i64>()?.iter().map(|&t| t as usize).collect(),
+        DType::I32 => ids.as_slice::<i32>()?.iter().map(|&t| t as usize).collect(),
+        _ => return None,
+    };
+    (ids.len() == len && ids.iter().all(|&t| t < vocab)).then_some(ids)
 }
 
 /// `t` itself when its strides are non-negative and its last axis is contiguous, else a
