@@ -245,7 +245,7 @@ pub(crate) fn chosen_logprobs<B: Backend>(
     targets: &Tensor<B, 2, Int>,
 ) -> Option<Tensor<B, 2>> {
     let [b, n, vocab] = logits.dims();
-    let ids = target_ids(targets, b * n, vocab)?;
+    let ids = token_ids(targets, b * n, vocab)?;
     let Some(flex) = to_flex(logits.clone()) else {
         return tracked::chosen_logprobs(logits, ids, [b, n, vocab]);
     };
@@ -258,8 +258,16 @@ pub(crate) fn chosen_logprobs<B: Backend>(
     flex_output(Bytes::from_elems(values), [b, n], DType::F32)
 }
 
+/// `weight[ids]` `[b, s, hidden]` for a `[vocab, hidden]` table when `B` is burn-flex under
+/// autodiff and the table is f32 (see [`tracked`]); `None` otherwise.
+pub(crate) fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> Option<Tensor<B, 3>> {
+    let [b, s] = ids.dims();
+    let token_ids = token_ids(ids, b * s, weight.dims()[0])?;
+    tracked::embedding(weight, token_ids, [b, s])
+}
+
 /// The `len` ids of a burn-flex integer tensor, when all are below `vocab`.
-fn target_ids<B: Backend, const D: usize>(
+fn token_ids<B: Backend, const D: usize>(
     targets: &Tensor<B, D, Int>,
     len: usize,
     vocab: usize,

@@ -1,5 +1,6 @@
 //! Kernels under autodiff: operations recorded in burn's graph as one node with a hand-written
-//! backward, for burn-flex wrapped in `Autodiff` (the training backend on the CPU).
+//! backward, for burn-flex wrapped in `Autodiff` (the training backend on the CPU): the
+//! chosen-token log-probability and the embedding lookup.
 //!
 //! The chosen-token log-probability of a training step's logits (`[b, n, vocab]`, 78M elements
 //! for 2 × 256 tokens of Qwen3) takes burn's ops about eight single-threaded passes and as many
@@ -17,6 +18,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Bytes, DType, Shape, Tensor, TensorPrimitive};
 use burn_flex::{FlexTensor, Layout};
+
+use rayon::prelude::*;
 
 use super::fused;
 
@@ -42,6 +45,38 @@ pub(super) fn chosen_logprobs<B: Backend>(
             let state = ChosenState { logits: values, targets: Arc::new(ids), lse: Arc::new(lse) };
             prep.finish(state, output)
         }
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    };
+    let primitive: Box<dyn Any> = Box::new(node);
+    let primitive = *primitive.downcast::<B::FloatTensorPrimitive>().ok()?;
+    Some(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
+}
+
+/// `weight[ids]`, `[b, s, hidden]`, as one autodiff node when `B` is `Autodiff<Flex>` and the
+/// `[vocab, hidden]` table is f32; `None` otherwise. `ids` (`b · s` of them) are already checked
+/// against `vocab`. Its backward adds each position's gradient row into a zeroed table in one
+/// pass, where burn-flex fills a table with zeros, copies it to realign it and copies it again
+/// inside `select_add` (three table-sized passes; Qwen3-0.6B's table is 622 MB).
+pub(super) fn embedding<B: Backend>(
+    weight: &Tensor<B, 2>,
+    ids: Vec<usize>,
+    [b, s]: [usize; 2],
+) -> Option<Tensor<B, 3>> {
+    let primitive: Box<dyn Any> = Box::new(weight.clone().into_primitive().tensor());
+    let tracked = *primitive.downcast::<FloatTensor<TrackedFlex>>().ok()?;
+    let table = tracked.primitive.to_contiguous();
+    if table.dtype() != DType::F32 {
+        return None;
+    }
+    let [vocab, hidden]: [usize; 2] = table.layout().shape().dims();
+    let rows = table.as_slice::<f32>()?;
+    let mut out = vec![0.0f32; ids.len() * hidden];
+    out.par_chunks_mut(hidden)
+        .zip(ids.par_iter())
+        .for_each(|(out, &id)| out.copy_from_slice(&rows[id * hidden..(id + 1) * hidden]));
+    let output = contiguous(Bytes::from_elems(out), [b, s, hidden]);
+    let node = match EmbeddingRows.prepare::<NoCheckpointing>([tracked.node.clone()]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(EmbeddingState { ids: Arc::new(ids), vocab }, output),
         OpsKind::UnTracked(prep) => prep.finish(output),
     };
     let primitive: Box<dyn Any> = Box::new(node);
@@ -82,6 +117,39 @@ impl Backward<Flex, 1> for ChosenLogprobs {
     }
 }
 
+/// The node: rows of an embedding table.
+#[derive(Debug)]
+struct EmbeddingRows;
+
+/// What the backward needs: the row of each position and the table's height.
+#[derive(Debug, Clone)]
+struct EmbeddingState {
+    ids: Arc<Vec<usize>>,
+    vocab: usize,
+}
+
+impl Backward<Flex, 1> for EmbeddingRows {
+    type State = EmbeddingState;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let EmbeddingState { ids, vocab } = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+            let grad = grad.to_contiguous();
+            let hidden = grad.layout().shape().dims::<3>()[2];
+            let Some(grad) = grad.as_slice::<f32>() else {
+                unreachable!("the forward pass only records an f32 table, and its gradient is f32")
+            };
+            let mut table = vec![0.0f32; vocab * hidden];
+            for (&id, row) in ids.iter().zip(grad.chunks_exact(hidden)) {
+                for (t, &g) in table[id * hidden..(id + 1) * hidden].iter_mut().zip(row) {
+                    *t += g;
+                }
+            }
+            contiguous(Bytes::from_elems(table), [vocab, hidden])
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, Flex};
@@ -112,5 +180,29 @@ mod tests {
         let fused_grad = fused_in.grad(&fused_grads).unwrap().into_data().to_vec().unwrap();
         let plain_grad = plain_in.grad(&plain_grads).unwrap().into_data().to_vec().unwrap();
         assert!(close(fused_grad, plain_grad));
+    }
+
+    /// Rows and the table's gradient (a repeated id accumulates) equal burn's `embedding`.
+    #[test]
+    fn embedding_rows_and_gradient_match_burn() {
+        type B = Autodiff<Flex>;
+        let device = Default::default();
+        let (vocab, hidden) = (11, 6);
+        let values: Vec<f32> = (0..vocab * hidden).map(|i| (i as f32 * 0.61).cos()).collect();
+        let table = || Tensor::<B, 2>::from_data(TensorData::new(values.clone(), [vocab, hidden]), &device).require_grad();
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![3i64, 10, 3, 0, 7, 3], [2, 3]), &device);
+        let weights: Vec<f32> = (0..2 * 3 * hidden).map(|i| i as f32 * 0.1 - 1.0).collect();
+        let weights = Tensor::<B, 3>::from_data(TensorData::new(weights, [2, 3, hidden]), &device);
+
+        let fused_in = table();
+        let fused = super::super::embedding(&fused_in, &ids).expect("Autodiff<Flex> f32 is handled");
+        let plain_in = table();
+        let plain = burn::tensor::module::embedding(plain_in.clone(), ids.clone());
+        let values = |t: Tensor<Flex, 3>| t.into_data().to_vec::<f32>().unwrap();
+        assert_eq!(values(fused.clone().inner()), values(plain.clone().inner()));
+        let fused_grads = (fused * weights.clone()).sum().backward();
+        let plain_grads = (plain * weights).sum().backward();
+        let grad = |t: &Tensor<B, 2>, g| t.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        assert_eq!(grad(&fused_in, &fused_grads), grad(&plain_in, &plain_grads));
     }
 }
