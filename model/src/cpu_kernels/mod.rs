@@ -13,8 +13,8 @@
 //! Each entry point returns `None` unless the backend is burn-flex itself (checked at run time
 //! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
 //! handles; the caller then uses burn's own ops. Under autodiff only the chosen-token
-//! log-probability has a kernel, registered as one operation of the graph with its own backward
-//! (see `tracked`); everything else records burn's ops.
+//! log-probability and the embedding lookup have kernels, each registered as one operation of
+//! the graph with its own backward (see `tracked`); everything else records burn's ops.
 
 /// Evaluates `$body` in a copy compiled with AVX-512 enabled when the CPU has it, so that the
 /// loops inlined into it vectorise 16 lanes wide; otherwise as compiled for the baseline.
@@ -268,11 +268,11 @@ pub(crate) fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, In
 
 /// The `len` ids of a burn-flex integer tensor, when all are below `vocab`.
 fn token_ids<B: Backend, const D: usize>(
-    targets: &Tensor<B, D, Int>,
+    ids: &Tensor<B, D, Int>,
     len: usize,
     vocab: usize,
 ) -> Option<Vec<usize>> {
-    let ids = to_flex_int(targets.clone())?.to_contiguous();
+    let ids = to_flex_int(ids.clone())?.to_contiguous();
     let ids: Vec<usize> = match ids.dtype() {
         DType::I64 => ids.as_slice::<i64>()?.iter().map(|&t| t as usize).collect(),
         DType::I32 => ids.as_slice::<i32>()?.iter().map(|&t| t as usize).collect(),
