@@ -84,6 +84,16 @@ pub fn chosen_logprobs<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, I
     (chosen - lse).reshape([b, n])
 }
 
+/// The entropy of each position's next-token distribution, `[b, n]` f32, from f32 logits
+/// `[b, n, vocab]`, as a value without gradient, in one parallel pass when the backend is
+/// burn-flex (plain or under autodiff); `None` otherwise, for the caller's tensor formula.
+pub fn entropy_without_grad<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
+    if logits.dtype() != DType::F32 {
+        return None;
+    }
+    crate::cpu_kernels::entropy(logits)
+}
+
 /// The log-probs of each completion given its prompt, for pairs of different lengths: one
 /// right-padded forward pass; returns one vector per pair.
 pub fn completion_logprobs<B: Backend>(

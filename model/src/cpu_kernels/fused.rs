@@ -143,6 +143,39 @@ pub fn chosen_logprobs_backward(
     out
 }
 
+/// The entropy `logsumexp(z) − Σ_v softmax(z)_v · z_v` of each row of `vocab` f32 logits (with
+/// `z` shifted by the row maximum, which leaves it unchanged), rows in parallel: one pass for
+/// the maximum and one for the exponentials and their weighted sum, over 16 lanes.
+pub fn row_entropy(logits: &[f32], vocab: usize) -> Vec<f32> {
+    logits
+        .par_chunks(vocab)
+        .map(|row| {
+            wide_simd!({
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let (mut sum, mut weighted) = ([0.0f32; 16], [0.0f32; 16]);
+                let chunks = row.chunks_exact(16);
+                let tail = chunks.remainder();
+                for chunk in chunks {
+                    for ((s, w), &x) in sum.iter_mut().zip(&mut weighted).zip(chunk) {
+                        let z = x - max;
+                        let e = exp(z);
+                        *s += e;
+                        *w += e * z;
+                    }
+                }
+                for (i, &x) in tail.iter().enumerate() {
+                    let z = x - max;
+                    let e = exp(z);
+                    sum[i] += e;
+                    weighted[i] += e * z;
+                }
+                let (sum, weighted): (f32, f32) = (sum.iter().sum(), weighted.iter().sum());
+                sum.ln() - weighted / sum
+            })
+        })
+        .collect()
+}
+
 #[inline(always)]
 fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
@@ -267,6 +300,19 @@ mod tests {
             let want = (loss(&up) - loss(&down)) / 2e-2;
             assert!((got[i] as f64 - want).abs() < 2e-3, "logit {i}: {} vs {want}", got[i]);
         }
+    }
+
+    #[test]
+    fn row_entropy_matches_the_formula() {
+        let vocab = 1003;
+        let logits: Vec<f32> = (0..3 * vocab).map(|i| (i as f32 * 0.0731).sin() * 6.0).collect();
+        for (row, got) in logits.chunks(vocab).zip(row_entropy(&logits, vocab)) {
+            let lse = row.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
+            let want: f64 = -row.iter().map(|&x| { let lp = x as f64 - lse; lp.exp() * lp }).sum::<f64>();
+            assert!((got as f64 - want).abs() < 1e-4, "{got} vs {want}");
+        }
+        assert!(row_entropy(&[1000.0, 0.0], 2)[0].abs() < 1e-6);
+        assert!((row_entropy(&[7.0, 7.0], 2)[0] - std::f32::consts::LN_2).abs() < 1e-6);
     }
 
     #[test]

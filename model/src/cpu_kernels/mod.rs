@@ -258,6 +258,19 @@ pub(crate) fn chosen_logprobs<B: Backend>(
     flex_output(Bytes::from_elems(values), [b, n], DType::F32)
 }
 
+/// The entropy of each row's softmax, `[b, n]` f32, from f32 `logits` `[b, n, vocab]`, as a value
+/// without gradient (see [`fused::row_entropy`]) when `B` is burn-flex, plain or under autodiff;
+/// `None` otherwise.
+pub(crate) fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
+    let [b, n, vocab] = logits.dims();
+    let Some(flex) = to_flex(logits.clone()) else {
+        return tracked::untracked_entropy(logits, [b, n, vocab]);
+    };
+    let logits = flex.to_contiguous();
+    let values = fused::row_entropy(logits.as_slice::<f32>()?, vocab);
+    flex_output(Bytes::from_elems(values), [b, n], DType::F32)
+}
+
 /// `weight[ids]` `[b, s, hidden]` for a `[vocab, hidden]` table when `B` is burn-flex under
 /// autodiff and the table is f32 (see [`tracked`]); `None` otherwise.
 pub(crate) fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> Option<Tensor<B, 3>> {

@@ -1,6 +1,7 @@
 //! Kernels under autodiff: operations recorded in burn's graph as one node with a hand-written
 //! backward, for burn-flex wrapped in `Autodiff` (the training backend on the CPU): the
-//! chosen-token log-probability and the embedding lookup.
+//! chosen-token log-probability and the embedding lookup. Also the entropy of the logits as a
+//! value outside the graph (the trainer's metric).
 //!
 //! The chosen-token log-probability of a training step's logits (`[b, n, vocab]`, 78M elements
 //! for 2 × 256 tokens of Qwen3) takes burn's ops about eight single-threaded passes and as many
@@ -80,6 +81,23 @@ pub(super) fn embedding<B: Backend>(
         OpsKind::UnTracked(prep) => prep.finish(output),
     };
     let primitive: Box<dyn Any> = Box::new(node);
+    let primitive = *primitive.downcast::<B::FloatTensorPrimitive>().ok()?;
+    Some(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
+}
+
+/// [`fused::row_entropy`] of f32 logits when `B` is `Autodiff<Flex>`, as a tensor outside the
+/// graph (no gradient flows back through it); `None` otherwise.
+pub(super) fn untracked_entropy<B: Backend>(
+    logits: &Tensor<B, 3>,
+    [b, n, vocab]: [usize; 3],
+) -> Option<Tensor<B, 2>> {
+    let primitive: Box<dyn Any> = Box::new(logits.clone().into_primitive().tensor());
+    let tracked = *primitive.downcast::<FloatTensor<TrackedFlex>>().ok()?;
+    let values = tracked.primitive.to_contiguous();
+    let entropy = fused::row_entropy(values.as_slice::<f32>()?, vocab);
+    let inner = contiguous(Bytes::from_elems(entropy), [b, n]);
+    let outside = Tensor::<TrackedFlex, 2>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(inner)));
+    let primitive: Box<dyn Any> = Box::new(outside.into_primitive().tensor());
     let primitive = *primitive.downcast::<B::FloatTensorPrimitive>().ok()?;
     Some(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
 }

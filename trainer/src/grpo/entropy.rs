@@ -3,7 +3,7 @@
 //! in the same forward pass as the chosen tokens' log-probs.
 
 use burn::tensor::{backend::Backend, DType, Tensor};
-use model::logprobs::{chosen_logprobs, map_logits_chunks};
+use model::logprobs::{chosen_logprobs, entropy_without_grad, map_logits_chunks};
 use model::{ModelError, Qwen3ForCausalLM, TokenBatch};
 
 /// Whether gradients flow through the entropy (only needed when it is part of the loss).
@@ -39,10 +39,11 @@ pub fn token_logprobs_and_entropy<B: Backend>(
     entropy_grad: EntropyGrad,
 ) -> Result<(Tensor<B, 2>, Tensor<B, 2>), ModelError> {
     let pieces = map_logits_chunks(model, batch, start, |logits, targets| {
-        let entropy = entropy_from_logits(match entropy_grad {
-            EntropyGrad::Tracked => logits.clone(),
-            EntropyGrad::Detached => logits.clone().detach(),
-        });
+        let entropy = match entropy_grad {
+            EntropyGrad::Tracked => entropy_from_logits(logits.clone()),
+            EntropyGrad::Detached => entropy_without_grad(&logits)
+                .unwrap_or_else(|| entropy_from_logits(logits.clone().detach())),
+        };
         (chosen_logprobs(logits, targets), entropy)
     })?;
     let (logprobs, entropies): (Vec<_>, Vec<_>) = pieces.into_iter().unzip();
@@ -54,6 +55,25 @@ mod tests {
     use super::*;
     use burn::backend::Flex;
     use burn::tensor::TensorData;
+
+    /// The one-pass kernel (plain burn-flex and under autodiff, where it is outside the graph)
+    /// agrees with the tensor formula.
+    #[test]
+    fn one_pass_entropy_matches_the_formula() {
+        use burn::backend::Autodiff;
+        let (b, n, vocab) = (2, 3, 301);
+        let values: Vec<f32> = (0..b * n * vocab).map(|i| (i as f32 * 0.173).sin() * 5.0).collect();
+        let data = TensorData::new(values, [b, n, vocab]);
+        let plain = |t: Tensor<Flex, 2>| t.into_data().to_vec::<f32>().unwrap();
+        let logits = Tensor::<Flex, 3>::from_data(data.clone(), &Default::default());
+        let want = plain(entropy_from_logits(logits.clone()));
+        let close = |got: Vec<f32>| got.iter().zip(&want).all(|(g, w)| (g - w).abs() < 1e-4);
+        assert!(close(plain(entropy_without_grad(&logits).unwrap())));
+        let tracked = Tensor::<Autodiff<Flex>, 3>::from_data(data, &Default::default()).require_grad();
+        let entropy = entropy_without_grad(&tracked).unwrap();
+        assert!(!entropy.is_require_grad());
+        assert!(close(plain(entropy.inner())));
+    }
 
     #[test]
     fn entropy_of_known_distributions() {
