@@ -33,8 +33,7 @@ pub(super) fn chosen_logprobs<B: Backend>(
     ids: Vec<usize>,
     [b, n, vocab]: [usize; 3],
 ) -> Option<Tensor<B, 2>> {
-    let primitive: Box<dyn Any> = Box::new(logits.clone().into_primitive().tensor());
-    let tracked = *primitive.downcast::<FloatTensor<TrackedFlex>>().ok()?;
+    let tracked = as_tracked(logits)?;
     let values = tracked.primitive.to_contiguous();
     if values.dtype() != DType::F32 {
         return None;
@@ -48,9 +47,7 @@ pub(super) fn chosen_logprobs<B: Backend>(
         }
         OpsKind::UnTracked(prep) => prep.finish(output),
     };
-    let primitive: Box<dyn Any> = Box::new(node);
-    let primitive = *primitive.downcast::<B::FloatTensorPrimitive>().ok()?;
-    Some(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
+    from_tracked(node)
 }
 
 /// `weight[ids]`, `[b, s, hidden]`, as one autodiff node when `B` is `Autodiff<Flex>` and the
@@ -63,8 +60,7 @@ pub(super) fn embedding<B: Backend>(
     ids: Vec<usize>,
     [b, s]: [usize; 2],
 ) -> Option<Tensor<B, 3>> {
-    let primitive: Box<dyn Any> = Box::new(weight.clone().into_primitive().tensor());
-    let tracked = *primitive.downcast::<FloatTensor<TrackedFlex>>().ok()?;
+    let tracked = as_tracked(weight)?;
     let table = tracked.primitive.to_contiguous();
     if table.dtype() != DType::F32 {
         return None;
@@ -80,9 +76,7 @@ pub(super) fn embedding<B: Backend>(
         OpsKind::Tracked(prep) => prep.finish(EmbeddingState { ids: Arc::new(ids), vocab }, output),
         OpsKind::UnTracked(prep) => prep.finish(output),
     };
-    let primitive: Box<dyn Any> = Box::new(node);
-    let primitive = *primitive.downcast::<B::FloatTensorPrimitive>().ok()?;
-    Some(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
+    from_tracked(node)
 }
 
 /// [`fused::row_entropy`] of f32 logits when `B` is `Autodiff<Flex>`, as a tensor outside the
@@ -91,13 +85,23 @@ pub(super) fn untracked_entropy<B: Backend>(
     logits: &Tensor<B, 3>,
     [b, n, vocab]: [usize; 3],
 ) -> Option<Tensor<B, 2>> {
-    let primitive: Box<dyn Any> = Box::new(logits.clone().into_primitive().tensor());
-    let tracked = *primitive.downcast::<FloatTensor<TrackedFlex>>().ok()?;
+    let tracked = as_tracked(logits)?;
     let values = tracked.primitive.to_contiguous();
     let entropy = fused::row_entropy(values.as_slice::<f32>()?, vocab);
     let inner = contiguous(Bytes::from_elems(entropy), [b, n]);
     let outside = Tensor::<TrackedFlex, 2>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(inner)));
-    let primitive: Box<dyn Any> = Box::new(outside.into_primitive().tensor());
+    from_tracked(outside.into_primitive().tensor())
+}
+
+/// The `Autodiff<Flex>` tensor behind `t`, when `B` is `Autodiff<Flex>`.
+fn as_tracked<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<FloatTensor<TrackedFlex>> {
+    let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
+    primitive.downcast::<FloatTensor<TrackedFlex>>().ok().map(|t| *t)
+}
+
+/// `t` as a tensor of `B` (which is `Autodiff<Flex>` when this is reached).
+fn from_tracked<B: Backend, const D: usize>(t: FloatTensor<TrackedFlex>) -> Option<Tensor<B, D>> {
+    let primitive: Box<dyn Any> = Box::new(t);
     let primitive = *primitive.downcast::<B::FloatTensorPrimitive>().ok()?;
     Some(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
 }
