@@ -274,9 +274,10 @@ pub(crate) fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>>
 /// `weight[ids]` `[b, s, hidden]` for a `[vocab, hidden]` table when `B` is burn-flex under
 /// autodiff and the table is f32 (see [`tracked`]); `None` otherwise.
 pub(crate) fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> Option<Tensor<B, 3>> {
+    let table = tracked::as_tracked(weight)?;
     let [b, s] = ids.dims();
     let token_ids = token_ids(ids, b * s, weight.dims()[0])?;
-    tracked::embedding(weight, token_ids, [b, s])
+    tracked::embedding(table, token_ids, [b, s])
 }
 
 /// The `len` ids of a burn-flex integer tensor, when all are below `vocab`.

@@ -50,17 +50,16 @@ pub(super) fn chosen_logprobs<B: Backend>(
     from_tracked(node)
 }
 
-/// `weight[ids]`, `[b, s, hidden]`, as one autodiff node when `B` is `Autodiff<Flex>` and the
-/// `[vocab, hidden]` table is f32; `None` otherwise. `ids` (`b · s` of them) are already checked
-/// against `vocab`. Its backward adds each position's gradient row into a zeroed table in one
+/// `weight[ids]`, `[b, s, hidden]`, as one autodiff node, for the table of an `Autodiff<Flex>`
+/// tensor (see [`as_tracked`]) when it is f32; `None` otherwise. `ids` (`b · s` of them) are
+/// already checked against `vocab`. Its backward adds each position's gradient row into a zeroed table in one
 /// pass, where burn-flex fills a table with zeros, copies it to realign it and copies it again
 /// inside `select_add` (three table-sized passes; Qwen3-0.6B's table is 622 MB).
 pub(super) fn embedding<B: Backend>(
-    weight: &Tensor<B, 2>,
+    tracked: FloatTensor<TrackedFlex>,
     ids: Vec<usize>,
     [b, s]: [usize; 2],
 ) -> Option<Tensor<B, 3>> {
-    let tracked = as_tracked(weight)?;
     let table = tracked.primitive.to_contiguous();
     if table.dtype() != DType::F32 {
         return None;
@@ -94,7 +93,7 @@ pub(super) fn untracked_entropy<B: Backend>(
 }
 
 /// The `Autodiff<Flex>` tensor behind `t`, when `B` is `Autodiff<Flex>`.
-fn as_tracked<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<FloatTensor<TrackedFlex>> {
+pub(super) fn as_tracked<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<FloatTensor<TrackedFlex>> {
     let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
     primitive.downcast::<FloatTensor<TrackedFlex>>().ok().map(|t| *t)
 }
