@@ -9,11 +9,16 @@
 //! the next request of that length. Buffers from 2 MiB up are mapped in whole 2 MiB units and
 //! marked for transparent huge pages, so a fault maps 2 MiB at once.
 //!
-//! The cache holds at most [`cache_limit`] bytes (set once at start-up from
-//! `PROMPT_R1_ALLOC_CACHE_MB`, default 1/8 of physical memory, at most 4 GiB; 0 turns caching
-//! off); beyond it a freed buffer is unmapped. When a new mapping fails the cache is emptied and
-//! the mapping tried again, so the cache never causes an out-of-memory that would not happen
-//! without it.
+//! Two bounds keep the cache from costing memory:
+//! - it never raises the process's peak: cached plus in-use large buffers stay within the most
+//!   the process has had in use at once. A request that needs a fresh mapping first unmaps the
+//!   least recently freed cached buffers until the total fits that peak, so buffers of lengths a
+//!   workload stopped asking for (a finished prefill's, say) make way;
+//! - it holds at most [`cache_limit`] bytes (set once at start-up from `PROMPT_R1_ALLOC_CACHE_MB`,
+//!   default half of physical memory; 0 turns caching off), also by unmapping the least
+//!   recently freed buffers first.
+//!
+//! When a new mapping still fails, the cache is emptied and the mapping tried again.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr;
@@ -30,47 +35,83 @@ const HUGE: usize = 2 << 20;
 const SLOTS: usize = 4096;
 /// Alignment every mapping has.
 const PAGE: usize = 4096;
+/// Cached plus in-use large buffers stay within the most in use at once plus this fraction of it.
+const PEAK_HEADROOM: usize = 4;
 /// Not yet configured: [`configure_from_env`] has not run.
 const UNSET: usize = usize::MAX;
 
 static LIMIT: AtomicUsize = AtomicUsize::new(UNSET);
-static CACHE: Mutex<Cache> = Mutex::new(Cache {
-    blocks: [(ptr::null_mut(), 0); SLOTS],
-    len: 0,
-    bytes: 0,
-});
+static CACHE: Mutex<Cache> = Mutex::new(Cache::EMPTY);
 
 /// The allocator; install with `#[global_allocator]`.
 pub struct CachingAllocator;
 
+/// Free buffers, oldest first, and the bytes of large buffers in use.
 struct Cache {
     /// `(address, mapped length)` of free buffers; the first `len` entries are used.
     blocks: [(*mut u8, usize); SLOTS],
     len: usize,
+    /// Mapped bytes of the free buffers.
     bytes: usize,
+    /// Mapped bytes handed out and not yet freed.
+    live: usize,
+    /// The most `live` has been.
+    peak: usize,
 }
 
 // SAFETY: the raw pointers are owned mappings that no one else refers to while cached.
 unsafe impl Send for Cache {}
 
 impl Cache {
+    const EMPTY: Cache = Cache { blocks: [(ptr::null_mut(), 0); SLOTS], len: 0, bytes: 0, live: 0, peak: 0 };
+
+    /// Hands out the most recently freed block of this mapped length, if one is cached.
     fn take(&mut self, mapped: usize) -> Option<*mut u8> {
         let i = self.blocks[..self.len].iter().rposition(|&(_, l)| l == mapped)?;
         let (block, _) = self.blocks[i];
+        self.blocks.copy_within(i + 1..self.len, i);
         self.len -= 1;
-        self.blocks[i] = self.blocks[self.len];
         self.bytes -= mapped;
+        self.live += mapped;
         Some(block)
     }
 
-    fn put(&mut self, block: *mut u8, mapped: usize, limit: usize) -> bool {
-        if self.len == SLOTS || self.bytes + mapped > limit {
-            return false;
+    /// Counts a fresh mapping of `mapped` bytes as handed out; returns the least recently freed
+    /// block to unmap first while cached plus live bytes would pass the peak before it.
+    fn grow(&mut self, mapped: usize) -> Option<(*mut u8, usize)> {
+        let bound = self.peak + self.peak / PEAK_HEADROOM;
+        if self.len > 0 && self.bytes + self.live + mapped > bound {
+            return Some(self.evict_oldest());
         }
+        self.live += mapped;
+        self.peak = self.peak.max(self.live);
+        None
+    }
+
+    /// Takes a freed block back (`Ok`), or `Err` with the least recently freed block to unmap
+    /// first while keeping it would pass `limit` or use more than every slot. `Err` with the
+    /// block itself when it alone passes `limit`: it is unmapped, not cached.
+    fn free(&mut self, block: *mut u8, mapped: usize, limit: usize) -> Result<(), (*mut u8, usize)> {
+        if mapped > limit {
+            self.live -= mapped;
+            return Err((block, mapped));
+        }
+        if self.len == SLOTS || self.bytes + mapped > limit {
+            return Err(self.evict_oldest());
+        }
+        self.live -= mapped;
         self.blocks[self.len] = (block, mapped);
         self.len += 1;
         self.bytes += mapped;
-        true
+        Ok(())
+    }
+
+    fn evict_oldest(&mut self) -> (*mut u8, usize) {
+        let oldest = self.blocks[0];
+        self.blocks.copy_within(1..self.len, 0);
+        self.len -= 1;
+        self.bytes -= oldest.1;
+        oldest
     }
 
     fn drain(&mut self) -> impl Iterator<Item = (*mut u8, usize)> + '_ {
@@ -103,12 +144,12 @@ pub fn cache_limit() -> usize {
     }
 }
 
-/// 1/8 of physical memory, at most 4 GiB.
+/// Half of physical memory.
 fn default_limit() -> usize {
     // SAFETY: sysconf has no preconditions.
     let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
     let physical = (pages.max(0) as usize).saturating_mul(page.max(0) as usize);
-    (physical / 8).min(4 << 30)
+    physical / 2
 }
 
 /// Whether a layout is served by mappings (a pure function of the layout, so `dealloc` agrees
@@ -159,7 +200,7 @@ fn unmap(block: *mut u8, mapped: usize) {
 fn release_cache() {
     let mut drained = [(ptr::null_mut(), 0); SLOTS];
     let n = {
-        let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cache = lock_cache();
         let mut n = 0;
         for block in cache.drain() {
             drained[n] = block;
@@ -173,10 +214,30 @@ fn release_cache() {
 }
 
 /// A large buffer: from the cache when one of the same mapped length is free (`Ok`, contents
-/// arbitrary), else a fresh zeroed mapping (`Err`).
+/// arbitrary), else a fresh zeroed mapping (`Err`, null when the system has no memory left).
 fn large_block(mapped: usize) -> Result<*mut u8, *mut u8> {
-    let cached = CACHE.lock().unwrap_or_else(|e| e.into_inner()).take(mapped);
-    cached.ok_or_else(|| map(mapped))
+    loop {
+        let mut cache = lock_cache();
+        if let Some(block) = cache.take(mapped) {
+            return Ok(block);
+        }
+        match cache.grow(mapped) {
+            Some((oldest, length)) => {
+                drop(cache);
+                unmap(oldest, length);
+            }
+            None => break,
+        }
+    }
+    let block = map(mapped);
+    if block.is_null() {
+        lock_cache().live -= mapped;
+    }
+    Err(block)
+}
+
+fn lock_cache() -> std::sync::MutexGuard<'static, Cache> {
+    CACHE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 unsafe impl GlobalAlloc for CachingAllocator {
@@ -208,13 +269,18 @@ unsafe impl GlobalAlloc for CachingAllocator {
             // SAFETY: forwarded with the caller's guarantees.
             return unsafe { System.dealloc(block, layout) };
         }
-        let mapped = mapped_len(layout.size());
-        let kept = CACHE
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .put(block, mapped, cache_limit());
-        if !kept {
-            unmap(block, mapped);
+        let (mapped, limit) = (mapped_len(layout.size()), cache_limit());
+        loop {
+            let kept = lock_cache().free(block, mapped, limit);
+            match kept {
+                Ok(()) => return,
+                Err((unkept, length)) => {
+                    unmap(unkept, length);
+                    if unkept == block {
+                        return;
+                    }
+                }
+            }
         }
     }
 
@@ -256,17 +322,36 @@ mod tests {
     }
 
     #[test]
-    fn cache_hands_back_blocks_of_the_same_length_within_its_limit() {
-        let mut cache = Cache { blocks: [(ptr::null_mut(), 0); SLOTS], len: 0, bytes: 0 };
-        let (a, b) = (0x1000 as *mut u8, 0x2000 as *mut u8);
-        assert!(cache.put(a, HUGE, 3 * HUGE));
-        assert!(cache.put(b, 2 * HUGE, 3 * HUGE));
-        assert!(!cache.put(0x3000 as *mut u8, HUGE, 3 * HUGE), "over the limit");
-        assert_eq!(cache.take(3 * HUGE), None);
-        assert_eq!(cache.take(2 * HUGE), Some(b));
-        assert_eq!(cache.take(HUGE), Some(a));
-        assert_eq!((cache.len, cache.bytes), (0, 0));
-        assert!(cache.put(a, HUGE, usize::MAX));
+    fn cache_reuses_the_latest_block_of_a_length_and_unmaps_the_oldest_first() {
+        let mut cache = Cache::EMPTY;
+        let [a, b, c, d] = [0x1000, 0x2000, 0x3000, 0x4000].map(|p| p as *mut u8);
+        let limit = 4 * HUGE;
+        for mapped in [HUGE, 2 * HUGE, HUGE] {
+            assert_eq!(cache.grow(mapped), None, "nothing cached to give up");
+        }
+        assert_eq!((cache.live, cache.peak), (4 * HUGE, 4 * HUGE));
+        for (block, mapped) in [(a, HUGE), (b, 2 * HUGE), (c, HUGE)] {
+            assert_eq!(cache.free(block, mapped, limit), Ok(()));
+        }
+        assert_eq!((cache.live, cache.bytes), (0, 4 * HUGE));
+        assert_eq!(cache.take(HUGE), Some(c), "the most recent of two of one length");
+        assert_eq!(cache.free(c, HUGE, limit), Ok(()));
+
+        // A length not cached: the oldest buffers are given up until cached + live fit the peak.
+        assert_eq!(cache.grow(2 * HUGE), Some((a, HUGE)));
+        assert_eq!(cache.grow(2 * HUGE), Some((b, 2 * HUGE)));
+        assert_eq!(cache.grow(2 * HUGE), None);
+        assert_eq!((cache.live, cache.bytes, cache.peak), (2 * HUGE, HUGE, 4 * HUGE));
+
+        // Past the limit: the oldest cached buffer goes first, a buffer over the limit itself.
+        assert_eq!(cache.free(d, 2 * HUGE, 2 * HUGE), Err((c, HUGE)));
+        assert_eq!(cache.free(d, 2 * HUGE, 2 * HUGE), Ok(()));
+        assert_eq!(cache.take(2 * HUGE), Some(d));
+        assert_eq!(cache.free(d, 2 * HUGE, HUGE), Err((d, 2 * HUGE)));
+        assert_eq!((cache.live, cache.bytes, cache.len), (0, 0, 0));
+
+        assert_eq!(cache.grow(HUGE), None);
+        assert_eq!(cache.free(a, HUGE, limit), Ok(()));
         assert_eq!(cache.drain().count(), 1);
         assert_eq!((cache.len, cache.bytes), (0, 0));
     }
