@@ -50,6 +50,53 @@ pub fn rms_norm_bf16(x: &[bf16], weight: &[bf16], eps: f32) -> Vec<bf16> {
     out
 }
 
+/// The gradients of [`rms_norm_f32`] with respect to `x` and `weight`, given the gradient
+/// `grad` of its output. Per row, with `r = 1 / sqrt(mean(x²) + eps)` and `gw = grad ⊙ weight`:
+/// `dx = r · gw − x · r³ · mean(gw ⊙ x)`, and `dweight` sums `grad ⊙ x · r` over the rows.
+/// Rows in parallel, each task summing its own `dweight` before the tasks' sums are added.
+pub fn rms_norm_backward_f32(x: &[f32], weight: &[f32], grad: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+    let d = weight.len();
+    let chunk = d * rows_per_task(d);
+    let mut dx = vec![0.0f32; x.len()];
+    let dweight = dx
+        .par_chunks_mut(chunk)
+        .zip(x.par_chunks(chunk).zip(grad.par_chunks(chunk)))
+        .map(|(dx, (x, grad))| {
+            let mut dweight = vec![0.0f32; d];
+            wide_simd!(for ((dx, x), grad) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(grad.chunks_exact(d)) {
+                let r = inverse_rms(x, |&v| v, eps);
+                let c = triple_dot(grad, weight, x) * r * r * r / d as f32;
+                for ((((dx, dw), &g), &w), &v) in dx.iter_mut().zip(&mut dweight).zip(grad).zip(weight).zip(x) {
+                    *dx = r * (g * w) - v * c;
+                    *dw += g * (v * r);
+                }
+            });
+            dweight
+        })
+        .reduce(
+            || vec![0.0f32; d],
+            |mut sum, part| {
+                sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+                sum
+            },
+        );
+    (dx, dweight)
+}
+
+/// `Σ a ⊙ b ⊙ c`, accumulated in f32 over 8 lanes.
+#[inline(always)]
+fn triple_dot(a: &[f32], b: &[f32], c: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let split = a.len() / 8 * 8;
+    for ((a, b), c) in a[..split].chunks_exact(8).zip(b[..split].chunks_exact(8)).zip(c[..split].chunks_exact(8)) {
+        for k in 0..8 {
+            lanes[k] += a[k] * b[k] * c[k];
+        }
+    }
+    let tail: f32 = a[split..].iter().zip(&b[split..]).zip(&c[split..]).map(|((a, b), c)| a * b * c).sum();
+    lanes.iter().sum::<f32>() + tail
+}
+
 /// `1 / sqrt(mean(x²) + eps)` of one row, accumulated in f32 over 8 lanes.
 #[inline(always)]
 fn inverse_rms<T>(x: &[T], widen: impl Fn(&T) -> f32, eps: f32) -> f32 {
@@ -80,6 +127,26 @@ pub fn silu_mul_f32(gate: &[f32], up: &[f32]) -> Vec<f32> {
             })
         });
     out
+}
+
+/// The gradients of [`silu_mul_f32`] with respect to `gate` and `up`, given the gradient
+/// `grad` of its output: `dgate = grad · up · σ(g) · (1 + g · (1 − σ(g)))`,
+/// `dup = grad · silu(g)`. One parallel pass.
+pub fn silu_mul_backward_f32(gate: &[f32], up: &[f32], grad: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (mut dgate, mut dup) = (vec![0.0f32; gate.len()], vec![0.0f32; gate.len()]);
+    const CHUNK: usize = 16 * 1024;
+    dgate
+        .par_chunks_mut(CHUNK)
+        .zip(dup.par_chunks_mut(CHUNK))
+        .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)).zip(grad.par_chunks(CHUNK)))
+        .for_each(|((dgate, dup), ((gate, up), grad))| {
+            wide_simd!(for ((((dg, du), &g), &u), &y) in dgate.iter_mut().zip(dup.iter_mut()).zip(gate).zip(up).zip(grad) {
+                let sigmoid = 1.0 / (1.0 + exp(-g));
+                *dg = y * u * sigmoid * (1.0 + g * (1.0 - sigmoid));
+                *du = y * (g * sigmoid);
+            })
+        });
+    (dgate, dup)
 }
 
 /// The same in bf16: `silu(gate)` rounded to bf16, then the bf16 product with `up`.
@@ -313,6 +380,62 @@ mod tests {
         }
         assert!(row_entropy(&[1000.0, 0.0], 2)[0].abs() < 1e-6);
         assert!((row_entropy(&[7.0, 7.0], 2)[0] - std::f32::consts::LN_2).abs() < 1e-6);
+    }
+
+    /// Central differences of `Σ c ⊙ f(inputs)` (in f64 from the f32 forward kernels) against
+    /// the backward kernels' gradients.
+    fn assert_matches_finite_differences(
+        inputs: &[f32],
+        forward: impl Fn(&[f32]) -> Vec<f32>,
+        cotangent: &[f32],
+        gradient: &[f32],
+        tolerance: f64,
+    ) {
+        let loss = |v: &[f32]| -> f64 { forward(v).iter().zip(cotangent).map(|(&y, &c)| y as f64 * c as f64).sum() };
+        for i in 0..inputs.len() {
+            let (mut up, mut down) = (inputs.to_vec(), inputs.to_vec());
+            up[i] += 1e-2;
+            down[i] -= 1e-2;
+            let want = (loss(&up) - loss(&down)) / 2e-2;
+            assert!((gradient[i] as f64 - want).abs() < tolerance, "input {i}: {} vs {want}", gradient[i]);
+        }
+    }
+
+    #[test]
+    fn rms_norm_backward_matches_finite_differences() {
+        let d = 20;
+        let x: Vec<f32> = (0..3 * d).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
+        let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 * 0.05).collect();
+        let grad: Vec<f32> = (0..3 * d).map(|i| (i as f32 * 0.91).cos()).collect();
+        let (dx, dw) = rms_norm_backward_f32(&x, &w, &grad, 1e-6);
+        assert_matches_finite_differences(&x, |x| rms_norm_f32(x, &w, 1e-6), &grad, &dx, 2e-3);
+        assert_matches_finite_differences(&w, |w| rms_norm_f32(&x, w, 1e-6), &grad, &dw, 2e-3);
+    }
+
+    #[test]
+    fn rms_norm_backward_sums_the_weight_gradient_over_every_task() {
+        let d = 128;
+        let rows = 3 * rows_per_task(d) + 5;
+        let x: Vec<f32> = (0..rows * d).map(|i| (i as f32 * 0.013).sin()).collect();
+        let w = vec![1.0f32; d];
+        let grad = vec![1.0f32; rows * d];
+        let (_, dw) = rms_norm_backward_f32(&x, &w, &grad, 1e-6);
+        let normed = rms_norm_f32(&x, &w, 1e-6);
+        for (j, &got) in dw.iter().enumerate() {
+            let want: f64 = normed.iter().skip(j).step_by(d).map(|&v| v as f64).sum();
+            assert!((got as f64 - want).abs() < 1e-3, "column {j}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn silu_mul_backward_matches_finite_differences() {
+        let n = 40;
+        let gate: Vec<f32> = (0..n).map(|i| (i as f32 - 20.0) * 0.4).collect();
+        let up: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).cos() * 2.0).collect();
+        let grad: Vec<f32> = (0..n).map(|i| (i as f32 * 0.3).sin()).collect();
+        let (dgate, dup) = silu_mul_backward_f32(&gate, &up, &grad);
+        assert_matches_finite_differences(&gate, |g| silu_mul_f32(g, &up), &grad, &dgate, 2e-3);
+        assert_matches_finite_differences(&up, |u| silu_mul_f32(&gate, u), &grad, &dup, 2e-3);
     }
 
     #[test]

@@ -12,9 +12,10 @@
 //!
 //! Each entry point returns `None` unless the backend is burn-flex itself (checked at run time
 //! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
-//! handles; the caller then uses burn's own ops. Under autodiff only the chosen-token
-//! log-probability and the embedding lookup have kernels, each registered as one operation of
-//! the graph with its own backward (see `tracked`); everything else records burn's ops.
+//! handles; the caller then uses burn's own ops. Under autodiff the chosen-token
+//! log-probability, the embedding lookup, RMSNorm and SwiGLU have kernels, each registered as one
+//! operation of the graph with its own backward (see `tracked`); everything else records burn's
+//! ops.
 
 /// Evaluates `$body` in a copy compiled with AVX-512 enabled when the CPU has it, so that the
 /// loops inlined into it vectorise 16 lanes wide; otherwise as compiled for the baseline.
@@ -109,7 +110,8 @@ pub(crate) fn weight_matmul<B: Backend, const D: usize>(
 }
 
 /// HF's `Qwen3RMSNorm` (see [`fused::rms_norm_f32`]) when `B` is burn-flex and `x` and `weight`
-/// are both f32 or both bf16.
+/// are both f32 or both bf16, or when it is burn-flex under autodiff and both are f32 (see
+/// [`tracked`]).
 pub(crate) fn rms_norm<B: Backend, const D: usize>(
     x: &Tensor<B, D>,
     weight: &Tensor<B, 1>,
@@ -118,9 +120,11 @@ pub(crate) fn rms_norm<B: Backend, const D: usize>(
     if x.dims()[D - 1] != weight.dims()[0] {
         return None;
     }
-    let weight = to_flex(weight.clone())?;
-    let input = to_flex(x.clone())?.to_contiguous();
     let eps = eps as f32;
+    let Some(weight) = to_flex(weight.clone()) else {
+        return tracked::rms_norm(x, weight, eps);
+    };
+    let input = to_flex(x.clone())?.to_contiguous();
     let (bytes, dtype) = match (input.dtype(), weight.dtype()) {
         (DType::F32, DType::F32) => {
             let y = fused::rms_norm_f32(input.as_slice()?, weight.as_slice()?, eps);
@@ -135,7 +139,8 @@ pub(crate) fn rms_norm<B: Backend, const D: usize>(
     flex_output(bytes, x.dims(), dtype)
 }
 
-/// `silu(gate) * up` when `B` is burn-flex and both are f32 or both bf16, of one shape.
+/// `silu(gate) * up` when `B` is burn-flex and both are f32 or both bf16, of one shape, or when
+/// it is burn-flex under autodiff and both are f32 (see [`tracked`]).
 pub(crate) fn silu_mul<B: Backend, const D: usize>(
     gate: &Tensor<B, D>,
     up: &Tensor<B, D>,
@@ -143,7 +148,9 @@ pub(crate) fn silu_mul<B: Backend, const D: usize>(
     if gate.dims() != up.dims() {
         return None;
     }
-    let g = to_flex(gate.clone())?.to_contiguous();
+    let Some(g) = to_flex(gate.clone()).map(|g| g.to_contiguous()) else {
+        return tracked::silu_mul(gate, up);
+    };
     let u = to_flex(up.clone())?.to_contiguous();
     let (bytes, dtype) = match (g.dtype(), u.dtype()) {
         (DType::F32, DType::F32) => (

@@ -1,7 +1,12 @@
 //! Kernels under autodiff: operations recorded in burn's graph as one node with a hand-written
 //! backward, for burn-flex wrapped in `Autodiff` (the training backend on the CPU): the
-//! chosen-token log-probability and the embedding lookup. Also the entropy of the logits as a
-//! value outside the graph (the trainer's metric).
+//! chosen-token log-probability, the embedding lookup, RMSNorm and the SwiGLU product. Also the
+//! entropy of the logits as a value outside the graph (the trainer's metric).
+//!
+//! RMSNorm takes burn's ops seven single-threaded passes forward (square, mean, add, sqrt,
+//! reciprocal, two broadcast products) and more backward, each keeping its temporaries for the
+//! backward; SwiGLU takes four each way. As nodes, each is one parallel pass each way that keeps
+//! only its inputs.
 //!
 //! The chosen-token log-probability of a training step's logits (`[b, n, vocab]`, 78M elements
 //! for 2 × 256 tokens of Qwen3) takes burn's ops about eight single-threaded passes and as many
@@ -14,6 +19,7 @@ use std::sync::Arc;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
@@ -92,6 +98,40 @@ pub(super) fn untracked_entropy<B: Backend>(
     from_tracked(outside.into_primitive().tensor())
 }
 
+/// HF's RMSNorm (see [`fused::rms_norm_f32`]) as one autodiff node when `x` and `weight` are
+/// f32 tensors of `Autodiff<Flex>`; `None` otherwise.
+pub(super) fn rms_norm<B: Backend, const D: usize>(
+    x: &Tensor<B, D>,
+    weight: &Tensor<B, 1>,
+    eps: f32,
+) -> Option<Tensor<B, D>> {
+    let (x, weight) = (as_tracked(x)?, as_tracked(weight)?);
+    let (xs, ws) = (x.primitive.to_contiguous(), weight.primitive.to_contiguous());
+    let y = fused::rms_norm_f32(xs.as_slice::<f32>()?, ws.as_slice::<f32>()?, eps);
+    let output = with_shape(y, xs.layout().shape());
+    let parents = [x.node.clone(), weight.node.clone()];
+    let node = match RmsNorm.prepare::<NoCheckpointing>(parents).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(RmsNormState { x: xs, weight: ws, eps }, output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    };
+    from_tracked(node)
+}
+
+/// `silu(gate) * up` (see [`fused::silu_mul_f32`]) as one autodiff node when both are f32
+/// tensors of `Autodiff<Flex>` of one shape; `None` otherwise.
+pub(super) fn silu_mul<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+    let (gate, up) = (as_tracked(gate)?, as_tracked(up)?);
+    let (gs, us) = (gate.primitive.to_contiguous(), up.primitive.to_contiguous());
+    let y = fused::silu_mul_f32(gs.as_slice::<f32>()?, us.as_slice::<f32>()?);
+    let output = with_shape(y, gs.layout().shape());
+    let parents = [gate.node.clone(), up.node.clone()];
+    let node = match SiluMul.prepare::<NoCheckpointing>(parents).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(SiluMulState { gate: gs, up: us }, output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    };
+    from_tracked(node)
+}
+
 /// The `Autodiff<Flex>` tensor behind `t`, when `B` is `Autodiff<Flex>`.
 pub(super) fn as_tracked<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<FloatTensor<TrackedFlex>> {
     let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
@@ -107,6 +147,21 @@ fn from_tracked<B: Backend, const D: usize>(t: FloatTensor<TrackedFlex>) -> Opti
 
 fn contiguous<const D: usize>(bytes: Bytes, dims: [usize; D]) -> FlexTensor {
     FlexTensor::new(bytes, Layout::contiguous(Shape::from(dims.to_vec())), DType::F32)
+}
+
+/// f32 `values` as a contiguous tensor of `shape`.
+fn with_shape(values: Vec<f32>, shape: &Shape) -> FlexTensor {
+    FlexTensor::new(Bytes::from_elems(values), Layout::contiguous(shape.clone()), DType::F32)
+}
+
+/// Registers the gradients of a two-input node for those inputs that take one.
+fn register_pair(parents: [Option<NodeId>; 2], grads: &mut Gradients, [first, second]: [FlexTensor; 2]) {
+    let [a, b] = parents;
+    for (parent, grad) in [(a, first), (b, second)] {
+        if let Some(parent) = parent {
+            grads.register::<Flex>(parent, grad);
+        }
+    }
 }
 
 /// The node: `logprobs = logits[target] - logsumexp(logits)` per row.
@@ -171,6 +226,61 @@ impl Backward<Flex, 1> for EmbeddingRows {
     }
 }
 
+/// The node: `weight ⊙ x / sqrt(mean(x²) + eps)` over the last axis.
+#[derive(Debug)]
+struct RmsNorm;
+
+/// What the backward needs: the contiguous f32 input and weight, and `eps`.
+#[derive(Debug, Clone)]
+struct RmsNormState {
+    x: FlexTensor,
+    weight: FlexTensor,
+    eps: f32,
+}
+
+impl Backward<Flex, 2> for RmsNorm {
+    type State = RmsNormState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let RmsNormState { x, weight, eps } = ops.state;
+        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let (Some(xv), Some(wv), Some(gv)) = (x.as_slice::<f32>(), weight.as_slice::<f32>(), grad.as_slice::<f32>())
+        else {
+            unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
+        };
+        let (dx, dweight) = fused::rms_norm_backward_f32(xv, wv, gv, eps);
+        let pair = [with_shape(dx, x.layout().shape()), with_shape(dweight, weight.layout().shape())];
+        register_pair(ops.parents.map(|p| p.map(|p| p.id)), grads, pair);
+    }
+}
+
+/// The node: `silu(gate) ⊙ up`.
+#[derive(Debug)]
+struct SiluMul;
+
+/// What the backward needs: both contiguous f32 inputs.
+#[derive(Debug, Clone)]
+struct SiluMulState {
+    gate: FlexTensor,
+    up: FlexTensor,
+}
+
+impl Backward<Flex, 2> for SiluMul {
+    type State = SiluMulState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let SiluMulState { gate, up } = ops.state;
+        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let (Some(gv), Some(uv), Some(yv)) = (gate.as_slice::<f32>(), up.as_slice::<f32>(), grad.as_slice::<f32>())
+        else {
+            unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
+        };
+        let (dgate, dup) = fused::silu_mul_backward_f32(gv, uv, yv);
+        let shape = gate.layout().shape();
+        register_pair(ops.parents.map(|p| p.map(|p| p.id)), grads, [with_shape(dgate, shape), with_shape(dup, shape)]);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use burn::backend::{Autodiff, Flex};
@@ -225,5 +335,43 @@ mod tests {
         let plain_grads = (plain * weights).sum().backward();
         let grad = |t: &Tensor<B, 2>, g| t.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
         assert_eq!(grad(&fused_in, &fused_grads), grad(&plain_in, &plain_grads));
+    }
+
+    /// The RMSNorm and SwiGLU nodes' values and their gradients for both inputs equal those of
+    /// burn's ops on the same formulas (the model's fallbacks).
+    #[test]
+    fn rms_norm_and_silu_mul_nodes_match_burn() {
+        type B = Autodiff<Flex>;
+        let device = Default::default();
+        let (rows, d) = (5, 24);
+        let series = |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin() * 2.0).collect() };
+        let tensor = |v: &Vec<f32>, dims: [usize; 2]| Tensor::<B, 2>::from_data(TensorData::new(v.clone(), dims), &device).require_grad();
+        let grad = |t: &Tensor<B, 2>, g| t.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        let values = |t: Tensor<B, 2>| t.into_data().to_vec::<f32>().unwrap();
+        let close = |a: Vec<f32>, b: Vec<f32>| a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4 * y.abs().max(1.0));
+        let cotangent = Tensor::<B, 2>::from_data(TensorData::new(series(rows * d, 0.77), [rows, d]), &device);
+
+        let (x, w) = (series(rows * d, 0.31), series(d, 0.53));
+        let weight = || Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [d]), &device).require_grad();
+        let (fx, fw) = (tensor(&x, [rows, d]), weight());
+        let fused = super::super::rms_norm(&fx, &fw, 1e-6).expect("Autodiff<Flex> f32 is handled");
+        let (px, pw) = (tensor(&x, [rows, d]), weight());
+        let variance = px.clone().square().mean_dim(1);
+        let plain = px.clone() * (variance + 1e-6).sqrt().recip() * pw.clone().unsqueeze();
+        assert!(close(values(fused.clone()), values(plain.clone())));
+        let (fg, pg) = ((fused * cotangent.clone()).sum().backward(), (plain * cotangent.clone()).sum().backward());
+        assert!(close(grad(&fx, &fg), grad(&px, &pg)), "d x");
+        let grad_1d = |t: &Tensor<B, 1>, g| t.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        assert!(close(grad_1d(&fw, &fg), grad_1d(&pw, &pg)), "d weight");
+
+        let (gate, up) = (series(rows * d, 0.9), series(rows * d, 0.2));
+        let (fgate, fup) = (tensor(&gate, [rows, d]), tensor(&up, [rows, d]));
+        let fused = super::super::silu_mul(&fgate, &fup).expect("Autodiff<Flex> f32 is handled");
+        let (pgate, pup) = (tensor(&gate, [rows, d]), tensor(&up, [rows, d]));
+        let plain = burn::tensor::activation::silu(pgate.clone()) * pup.clone();
+        assert!(close(values(fused.clone()), values(plain.clone())));
+        let (fg, pg) = ((fused * cotangent.clone()).sum().backward(), (plain * cotangent).sum().backward());
+        assert!(close(grad(&fgate, &fg), grad(&pgate, &pg)), "d gate");
+        assert!(close(grad(&fup, &fg), grad(&pup, &pg)), "d up");
     }
 }
