@@ -18,7 +18,11 @@ cargo build --release -p prompt-r1
 bin=target/release/prompt-r1
 model="$work/$preset"
 [ -f "$model/model.safetensors" ] || "$bin" init-model --preset "$preset" --out "$model"
+# Both sides load from a warm page cache: each reads the checkpoint once first (otherwise the
+# first to run reads it from disk and the second from memory).
+cat "$model"/*.safetensors > /dev/null
 "$bin" bench --model "$model" --dtype "$dtype" --train-step --json > "$work/ours.json"
+cat "$model"/*.safetensors > /dev/null
 OMP_NUM_THREADS=$(nproc) "$venv/bin/python" scripts/bench_pytorch.py --model "$model" --dtype "$dtype" \
   --threads "$(nproc)" > "$work/pytorch.json"
 python3 - "$work/ours.json" "$work/pytorch.json" <<'PY'
