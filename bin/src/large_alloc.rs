@@ -10,10 +10,12 @@
 //! marked for transparent huge pages, so a fault maps 2 MiB at once.
 //!
 //! Two bounds keep the cache from costing memory:
-//! - it never raises the process's peak: cached plus in-use large buffers stay within the most
-//!   the process has had in use at once. A request that needs a fresh mapping first unmaps the
-//!   least recently freed cached buffers until the total fits that peak, so buffers of lengths a
-//!   workload stopped asking for (a finished prefill's, say) make way;
+//! - it raises the process's peak by at most a quarter: cached plus in-use large buffers stay
+//!   within 1.25 × the most the process has had in use at once (with no headroom at all, a
+//!   training step's gradients found no room among its freed activations and were mapped afresh
+//!   every step). A request that needs a fresh mapping first unmaps the least recently freed
+//!   cached buffers until the total fits, so buffers of lengths a workload stopped asking for (a
+//!   finished prefill's, say) make way;
 //! - it holds at most [`cache_limit`] bytes (set once at start-up from `PROMPT_R1_ALLOC_CACHE_MB`,
 //!   default half of physical memory; 0 turns caching off), also by unmapping the least
 //!   recently freed buffers first.
@@ -35,7 +37,8 @@ const HUGE: usize = 2 << 20;
 const SLOTS: usize = 4096;
 /// Alignment every mapping has.
 const PAGE: usize = 4096;
-/// Cached plus in-use large buffers stay within the most in use at once plus this fraction of it.
+/// Cached plus in-use large buffers stay within the most in use at once plus 1/`PEAK_HEADROOM`
+/// of it.
 const PEAK_HEADROOM: usize = 4;
 /// Not yet configured: [`configure_from_env`] has not run.
 const UNSET: usize = usize::MAX;
@@ -77,7 +80,8 @@ impl Cache {
     }
 
     /// Counts a fresh mapping of `mapped` bytes as handed out; returns the least recently freed
-    /// block to unmap first while cached plus live bytes would pass the peak before it.
+    /// block to unmap first while cached plus live bytes would pass the peak before it plus
+    /// its headroom.
     fn grow(&mut self, mapped: usize) -> Option<(*mut u8, usize)> {
         let bound = self.peak + self.peak / PEAK_HEADROOM;
         if self.len > 0 && self.bytes + self.live + mapped > bound {
