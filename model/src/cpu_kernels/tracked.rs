@@ -45,7 +45,7 @@ pub(super) fn chosen_logprobs<B: Backend>(
         return None;
     }
     let (logprobs, lse) = fused::chosen_logprobs(values.as_slice::<f32>()?, vocab, &ids, |x| x);
-    let output = contiguous(Bytes::from_elems(logprobs), [b, n]);
+    let output = f32_tensor(logprobs, [b, n]);
     let node = match ChosenLogprobs.prepare::<NoCheckpointing>([tracked.node.clone()]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => {
             let state = ChosenState { logits: values, targets: Arc::new(ids), lse: Arc::new(lse) };
@@ -76,7 +76,7 @@ pub(super) fn embedding<B: Backend>(
     out.par_chunks_mut(hidden)
         .zip(ids.par_iter())
         .for_each(|(out, &id)| out.copy_from_slice(&rows[id * hidden..(id + 1) * hidden]));
-    let output = contiguous(Bytes::from_elems(out), [b, s, hidden]);
+    let output = f32_tensor(out, [b, s, hidden]);
     let node = match EmbeddingRows.prepare::<NoCheckpointing>([tracked.node.clone()]).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish(EmbeddingState { ids: Arc::new(ids), vocab }, output),
         OpsKind::UnTracked(prep) => prep.finish(output),
@@ -93,7 +93,7 @@ pub(super) fn untracked_entropy<B: Backend>(
     let tracked = as_tracked(logits)?;
     let values = tracked.primitive.to_contiguous();
     let entropy = fused::row_entropy(values.as_slice::<f32>()?, vocab);
-    let inner = contiguous(Bytes::from_elems(entropy), [b, n]);
+    let inner = f32_tensor(entropy, [b, n]);
     let outside = Tensor::<TrackedFlex, 2>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(inner)));
     from_tracked(outside.into_primitive().tensor())
 }
@@ -108,7 +108,7 @@ pub(super) fn rms_norm<B: Backend, const D: usize>(
     let (x, weight) = (as_tracked(x)?, as_tracked(weight)?);
     let (xs, ws) = (x.primitive.to_contiguous(), weight.primitive.to_contiguous());
     let y = fused::rms_norm_f32(xs.as_slice::<f32>()?, ws.as_slice::<f32>()?, eps);
-    let output = with_shape(y, xs.layout().shape());
+    let output = f32_tensor(y, xs.layout().shape().clone());
     let parents = [x.node.clone(), weight.node.clone()];
     let node = match RmsNorm.prepare::<NoCheckpointing>(parents).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish(RmsNormState { x: xs, weight: ws, eps }, output),
@@ -123,7 +123,7 @@ pub(super) fn silu_mul<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Ten
     let (gate, up) = (as_tracked(gate)?, as_tracked(up)?);
     let (gs, us) = (gate.primitive.to_contiguous(), up.primitive.to_contiguous());
     let y = fused::silu_mul_f32(gs.as_slice::<f32>()?, us.as_slice::<f32>()?);
-    let output = with_shape(y, gs.layout().shape());
+    let output = f32_tensor(y, gs.layout().shape().clone());
     let parents = [gate.node.clone(), up.node.clone()];
     let node = match SiluMul.prepare::<NoCheckpointing>(parents).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish(SiluMulState { gate: gs, up: us }, output),
@@ -145,13 +145,9 @@ fn from_tracked<B: Backend, const D: usize>(t: FloatTensor<TrackedFlex>) -> Opti
     Some(Tensor::from_primitive(TensorPrimitive::Float(primitive)))
 }
 
-fn contiguous<const D: usize>(bytes: Bytes, dims: [usize; D]) -> FlexTensor {
-    FlexTensor::new(bytes, Layout::contiguous(Shape::from(dims.to_vec())), DType::F32)
-}
-
 /// f32 `values` as a contiguous tensor of `shape`.
-fn with_shape(values: Vec<f32>, shape: &Shape) -> FlexTensor {
-    FlexTensor::new(Bytes::from_elems(values), Layout::contiguous(shape.clone()), DType::F32)
+fn f32_tensor(values: Vec<f32>, shape: impl Into<Shape>) -> FlexTensor {
+    FlexTensor::new(Bytes::from_elems(values), Layout::contiguous(shape.into()), DType::F32)
 }
 
 /// Registers the gradients of a two-input node for those inputs that take one.
@@ -188,7 +184,7 @@ impl Backward<Flex, 1> for ChosenLogprobs {
                 (Some(logits), Some(grad)) => fused::chosen_logprobs_backward(logits, dims[2], &targets, &lse, grad),
                 _ => unreachable!("the forward pass only records f32 logits, and its gradient is f32"),
             };
-            contiguous(Bytes::from_elems(values), dims)
+            f32_tensor(values, dims)
         });
     }
 }
@@ -221,7 +217,7 @@ impl Backward<Flex, 1> for EmbeddingRows {
                     *t += g;
                 }
             }
-            contiguous(Bytes::from_elems(table), [vocab, hidden])
+            f32_tensor(table, [vocab, hidden])
         });
     }
 }
@@ -249,7 +245,7 @@ impl Backward<Flex, 2> for RmsNorm {
             unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
         };
         let (dx, dweight) = fused::rms_norm_backward_f32(xv, wv, gv, eps);
-        let pair = [with_shape(dx, x.layout().shape()), with_shape(dweight, weight.layout().shape())];
+        let pair = [f32_tensor(dx, x.layout().shape().clone()), f32_tensor(dweight, weight.layout().shape().clone())];
         register_pair(ops.parents.map(|p| p.map(|p| p.id)), grads, pair);
     }
 }
@@ -277,7 +273,7 @@ impl Backward<Flex, 2> for SiluMul {
         };
         let (dgate, dup) = fused::silu_mul_backward_f32(gv, uv, yv);
         let shape = gate.layout().shape();
-        register_pair(ops.parents.map(|p| p.map(|p| p.id)), grads, [with_shape(dgate, shape), with_shape(dup, shape)]);
+        register_pair(ops.parents.map(|p| p.map(|p| p.id)), grads, [f32_tensor(dgate, shape.clone()), f32_tensor(dup, shape.clone())]);
     }
 }
 
