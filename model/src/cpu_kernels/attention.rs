@@ -8,6 +8,9 @@
 //! `groups × block` rows at a time. Keys past the last one any row of the block may attend to
 //! (the causal future) are never read: their softmax weight would be exactly zero.
 //!
+//! Training reuses this forward pass (see `tracked`): it also returns each query row's softmax
+//! maximum and sum, from which `attention_backward` recomputes the probabilities.
+//!
 //! Rounding follows HF's eager attention in the operands' dtype: for bf16 the product `Q Kᵀ`, the
 //! scaled scores and the biased scores are each rounded to bf16, the softmax runs in f32 and its
 //! probabilities are rounded to bf16 before `P V`, whose f32 sums are rounded once.
@@ -79,7 +82,7 @@ pub struct Heads<'a, T> {
 }
 
 impl<T> Heads<'_, T> {
-    fn row(&self, batch: usize, head: usize, position: usize, d: usize) -> &[T] {
+    pub(super) fn row(&self, batch: usize, head: usize, position: usize, d: usize) -> &[T] {
         let start = self.offset
             + batch * self.batch_stride
             + head * self.head_stride
@@ -154,65 +157,132 @@ pub fn grouped_attention<T: Element>(
     shape: AttentionShape,
     scale: f32,
 ) -> Vec<T> {
-    let AttentionShape { batch, queries, heads, kv_heads, head_dim: d, .. } = shape;
-    assert!(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
-    let blocks = queries.div_ceil(QUERY_BLOCK);
-    let tasks: Vec<(usize, usize, usize)> = (0..batch)
-        .flat_map(|b| (0..kv_heads).flat_map(move |g| (0..blocks).map(move |blk| (b, g, blk))))
-        .collect();
-    let results: Vec<Vec<f32>> = tasks
+    grouped_attention_with_stats(query, key, value, bias, shape, scale).0
+}
+
+/// The softmax of one query row: the maximum of its biased, scaled scores and the sum of their
+/// exponentials after subtracting it. The probability of score `s` is `exp(s - max) / sum`.
+///
+/// Kept as two numbers, not as `max + ln(sum)`: a query that attends to nothing has scores near
+/// the mask's -1e9, where f32 cannot hold `ln(sum)` next to `max`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SoftmaxStats {
+    pub max: f32,
+    pub sum: f32,
+}
+
+/// [`grouped_attention`] and each query row's [`SoftmaxStats`] (`[batch, heads, queries]`),
+/// from which the backward pass recomputes the probabilities.
+pub fn grouped_attention_with_stats<T: Element>(
+    query: Heads<'_, T>,
+    key: Heads<'_, T>,
+    value: Heads<'_, T>,
+    bias: Bias<'_, T>,
+    shape: AttentionShape,
+    scale: f32,
+) -> (Vec<T>, Vec<SoftmaxStats>) {
+    let AttentionShape { queries, heads, head_dim: d, .. } = shape;
+    let tasks = Task::all(shape);
+    let results: Vec<(Vec<f32>, Vec<SoftmaxStats>)> = tasks
         .par_iter()
-        .map(|&(b, g, blk)| {
-            let rows = blk * QUERY_BLOCK..((blk + 1) * QUERY_BLOCK).min(queries);
-            wide_simd!(task(&query, &key, &value, &bias, shape, scale, b, g, rows))
-        })
+        .map(|t| wide_simd!(task(&query, &key, &value, &bias, shape, scale, t)))
         .collect();
 
-    let groups = heads / kv_heads;
-    let mut out = vec![T::narrow(0.0); batch * queries * heads * d];
-    for (&(b, g, blk), result) in tasks.iter().zip(&results) {
-        let first = blk * QUERY_BLOCK;
-        let block = ((blk + 1) * QUERY_BLOCK).min(queries) - first;
-        for (r, row) in result.chunks_exact(d).enumerate() {
-            let (head, i) = (g * groups + r / block, first + r % block);
-            let start = ((b * queries + i) * heads + head) * d;
+    let mut out = vec![T::narrow(0.0); shape.batch * queries * heads * d];
+    let mut stats = vec![SoftmaxStats::default(); shape.batch * heads * queries];
+    for (t, (result, row_stats)) in tasks.iter().zip(&results) {
+        for (r, (row, &st)) in result.chunks_exact(d).zip(row_stats).enumerate() {
+            let (head, i) = t.head_and_query(r, shape);
+            let start = ((t.batch * queries + i) * heads + head) * d;
             for (o, &x) in out[start..start + d].iter_mut().zip(row) {
                 *o = T::narrow(x);
             }
+            stats[(t.batch * heads + head) * queries + i] = st;
         }
     }
-    out
+    (out, stats)
 }
 
-/// One task: query positions `rows` of every head in group `g` of batch row `b`. Returns
-/// `[groups * rows.len(), d]` (head-major) rounded to `T`'s precision, in f32. Inlined into a
-/// `wide_simd!` call, so its packing and softmax loops also get an AVX-512 copy.
-#[allow(clippy::too_many_arguments)]
+/// One unit of parallel work: query positions `rows` of every head in key/value group `group`
+/// of batch row `batch`.
+#[derive(Debug, Clone)]
+pub(super) struct Task {
+    pub batch: usize,
+    pub group: usize,
+    pub rows: std::ops::Range<usize>,
+}
+
+impl Task {
+    /// Every task of a call, batch row by group by block of [`QUERY_BLOCK`] queries.
+    pub fn all(shape: AttentionShape) -> Vec<Task> {
+        let AttentionShape { batch, queries, heads, kv_heads, .. } = shape;
+        assert!(kv_heads > 0 && heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+        let blocks = queries.div_ceil(QUERY_BLOCK);
+        (0..batch)
+            .flat_map(|b| (0..kv_heads).flat_map(move |g| (0..blocks).map(move |blk| (b, g, blk))))
+            .map(|(batch, group, blk)| Task {
+                batch,
+                group,
+                rows: blk * QUERY_BLOCK..((blk + 1) * QUERY_BLOCK).min(queries),
+            })
+            .collect()
+    }
+
+    /// The query head and position of row `r` of this task's head-major rows.
+    pub fn head_and_query(&self, r: usize, shape: AttentionShape) -> (usize, usize) {
+        let (groups, block) = (shape.heads / shape.kv_heads, self.rows.len());
+        (self.group * groups + r / block, self.rows.start + r % block)
+    }
+
+    /// One past the last key any row of the task attends to (see [`Bias::attended_end`]).
+    #[inline(always)]
+    pub fn columns<T: Element>(&self, bias: &Bias<'_, T>, keys: usize) -> usize {
+        self.rows.clone().map(|i| bias.attended_end(self.batch, i, keys)).max().unwrap_or(0)
+    }
+
+    /// The task's query rows of `heads` (every head of the group, head-major), in f32:
+    /// `[groups * rows.len(), d]`.
+    #[inline(always)]
+    pub fn gather_rows<T: Element>(&self, heads: &Heads<'_, T>, shape: AttentionShape) -> Vec<f32> {
+        let (d, groups) = (shape.head_dim, shape.heads / shape.kv_heads);
+        let mut out = Vec::with_capacity(groups * self.rows.len() * d);
+        for head in self.group * groups..(self.group + 1) * groups {
+            for i in self.rows.clone() {
+                out.extend(heads.row(self.batch, head, i, d).iter().map(|x| x.widen()));
+            }
+        }
+        out
+    }
+
+    /// The biases of the task's queries against its first `columns` keys, `[rows.len(), columns]`.
+    #[inline(always)]
+    pub fn biases<T: Element>(&self, bias: &Bias<'_, T>, columns: usize) -> Vec<f32> {
+        let mut out = vec![0.0f32; self.rows.len() * columns];
+        for (i, row) in self.rows.clone().zip(out.chunks_exact_mut(columns.max(1))) {
+            bias.read_row(self.batch, i, &mut row[..columns]);
+        }
+        out
+    }
+}
+
+/// Keys `0..columns` of head `g` of batch row `b`, transposed into `[d, padded]` f32 (zeros past
+/// `columns`). Rows are widened 16 at a time into a tile, then written 16 contiguous columns per
+/// row of the result.
 #[inline(always)]
-fn task<T: Element>(
-    query: &Heads<'_, T>,
-    key: &Heads<'_, T>,
-    value: &Heads<'_, T>,
-    bias: &Bias<'_, T>,
-    shape: AttentionShape,
-    scale: f32,
+pub(super) fn pack_transposed<T: Element>(
+    heads: &Heads<'_, T>,
     b: usize,
     g: usize,
-    rows: std::ops::Range<usize>,
+    columns: usize,
+    padded: usize,
+    d: usize,
 ) -> Vec<f32> {
-    let d = shape.head_dim;
-    let groups = shape.heads / shape.kv_heads;
-    let columns = rows.clone().map(|i| bias.attended_end(b, i, shape.keys)).max().unwrap_or(0);
-    let padded = columns.div_ceil(COLUMN_TILE) * COLUMN_TILE;
-
-    // Keys are widened 16 rows at a time into `tile`, then written transposed, 16 contiguous
-    // columns per row of `kt`.
     let mut kt = vec![0.0f32; d * padded];
     let mut tile = vec![0.0f32; 16 * d];
     for j0 in (0..columns).step_by(16) {
         let n = 16.min(columns - j0);
         for (jj, dst) in tile.chunks_exact_mut(d).take(n).enumerate() {
-            for (dst, x) in dst.iter_mut().zip(key.row(b, g, j0 + jj, d)) {
+            for (dst, x) in dst.iter_mut().zip(heads.row(b, g, j0 + jj, d)) {
                 *dst = x.widen();
             }
         }
@@ -222,39 +292,69 @@ fn task<T: Element>(
             }
         }
     }
-    let mut v = vec![0.0f32; columns * d];
-    for (j, dst) in v.chunks_exact_mut(d).enumerate() {
-        for (dst, x) in dst.iter_mut().zip(value.row(b, g, j, d)) {
+    kt
+}
+
+/// Rows `0..columns` of head `g` of batch row `b`, as `[columns, d]` f32.
+#[inline(always)]
+pub(super) fn pack_rows<T: Element>(heads: &Heads<'_, T>, b: usize, g: usize, columns: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; columns * d];
+    for (j, dst) in out.chunks_exact_mut(d).enumerate() {
+        for (dst, x) in dst.iter_mut().zip(heads.row(b, g, j, d)) {
             *dst = x.widen();
         }
     }
-    let m = groups * rows.len();
-    let mut q = Vec::with_capacity(m * d);
-    for head in g * groups..(g + 1) * groups {
-        for i in rows.clone() {
-            q.extend(query.row(b, head, i, d).iter().map(|x| x.widen()));
-        }
-    }
-
-    let mut scores = vec![0.0f32; m * padded];
-    kernels::scores(&q, m, d, &kt, padded, &mut scores);
-    let mut biases = vec![0.0f32; rows.len() * columns];
-    for (i, row) in rows.clone().zip(biases.chunks_exact_mut(columns)) {
-        bias.read_row(b, i, row);
-    }
-    for (r, row) in scores.chunks_exact_mut(padded).enumerate() {
-        let biases = &biases[(r % rows.len()) * columns..][..columns];
-        softmax_row::<T>(&mut row[..columns], biases, scale);
-    }
-    let mut out = vec![0.0f32; m * d];
-    kernels::weighted_values(&scores, padded, m, columns, &v, d, &mut out);
     out
 }
 
-/// Turns raw dot products into attention probabilities in place, with `T`'s rounding at each
-/// step HF rounds (see the module docs).
+/// Key columns padded up to a whole number of score tiles.
+pub(super) fn padded(columns: usize) -> usize {
+    columns.div_ceil(COLUMN_TILE) * COLUMN_TILE
+}
+
+/// One task's output rows `[groups * rows.len(), d]` (head-major), rounded to `T`'s precision,
+/// in f32, and each row's [`SoftmaxStats`]. Inlined into a `wide_simd!` call, so its packing and
+/// softmax loops also get an AVX-512 copy.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) {
+fn task<T: Element>(
+    query: &Heads<'_, T>,
+    key: &Heads<'_, T>,
+    value: &Heads<'_, T>,
+    bias: &Bias<'_, T>,
+    shape: AttentionShape,
+    scale: f32,
+    t: &Task,
+) -> (Vec<f32>, Vec<SoftmaxStats>) {
+    let d = shape.head_dim;
+    let columns = t.columns(bias, shape.keys);
+    let padded = padded(columns);
+    let kt = pack_transposed(key, t.batch, t.group, columns, padded, d);
+    let v = pack_rows(value, t.batch, t.group, columns, d);
+    let q = t.gather_rows(query, shape);
+    let m = q.len() / d;
+
+    let mut scores = vec![0.0f32; m * padded];
+    kernels::scores(&q, m, d, &kt, padded, &mut scores);
+    let biases = t.biases(bias, columns);
+    let block = t.rows.len();
+    let stats = scores
+        .chunks_exact_mut(padded)
+        .enumerate()
+        .map(|(r, row)| {
+            let biases = &biases[(r % block) * columns..][..columns];
+            softmax_row::<T>(&mut row[..columns], biases, scale)
+        })
+        .collect();
+    let mut out = vec![0.0f32; m * d];
+    kernels::weighted_values(&scores, padded, m, columns, &v, d, &mut out);
+    (out, stats)
+}
+
+/// Turns raw dot products into attention probabilities in place, with `T`'s rounding at each
+/// step HF rounds (see the module docs); returns the row's [`SoftmaxStats`].
+#[inline(always)]
+fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) -> SoftmaxStats {
     for (s, &bias) in row.iter_mut().zip(bias) {
         *s = T::round(T::round(T::round(*s) * scale) + bias);
     }
@@ -267,10 +367,11 @@ fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) {
     for s in row.iter_mut() {
         *s = T::round(*s / sum);
     }
+    SoftmaxStats { max, sum }
 }
 
 /// The two matrix products, with an AVX-512 path and a portable one.
-mod kernels {
+pub(super) mod kernels {
     /// `scores[r, j] = q[r, :] · kt[:, j]` for `m` rows of `q` (`[m, d]`) and the `padded`
     /// columns of `kt` (`[d, padded]`, `padded` a multiple of 64).
     pub fn scores(q: &[f32], m: usize, d: usize, kt: &[f32], padded: usize, scores: &mut [f32]) {

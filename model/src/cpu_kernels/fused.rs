@@ -116,6 +116,46 @@ fn inverse_rms<T>(x: &[T], widen: impl Fn(&T) -> f32, eps: f32) -> f32 {
     1.0 / (lanes.iter().sum::<f32>() / x.len() as f32 + eps).sqrt()
 }
 
+/// HF's `apply_rotary_pos_emb` for rows of `d` values in f32, with the sign of `rotate_half` in
+/// the table (see `qwen3::rotary`): `y = x ⊙ cos + swap_halves(x) ⊙ signed_sin`, where
+/// `swap_halves` exchanges the two halves of a row. `cos` and `signed_sin` are `x`'s shape.
+pub fn rotary_f32(x: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f32> {
+    rotate(x, cos, signed_sin, d, 1.0)
+}
+
+/// The gradient of [`rotary_f32`] with respect to `x`, given the gradient `grad` of its output.
+/// RoPE turns each pair `(x[j], x[j + d/2])` by an angle; the transpose of a rotation is the
+/// turn by the opposite angle, i.e. the same formula with `-signed_sin`. (This uses HF's
+/// tables, whose two halves hold the same angles.)
+pub fn rotary_backward_f32(grad: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f32> {
+    rotate(grad, cos, signed_sin, d, -1.0)
+}
+
+/// `x ⊙ cos + swap_halves(x) ⊙ (sign · signed_sin)` over rows of `d`, rows in parallel.
+fn rotate(x: &[f32], cos: &[f32], signed_sin: &[f32], d: usize, sign: f32) -> Vec<f32> {
+    let half = d / 2;
+    let mut out = vec![0.0f32; x.len()];
+    let chunk = d * rows_per_task(d);
+    out.par_chunks_mut(chunk)
+        .zip(x.par_chunks(chunk).zip(cos.par_chunks(chunk)).zip(signed_sin.par_chunks(chunk)))
+        .for_each(|(out, ((x, cos), sin))| {
+            wide_simd!(for (((o, x), c), s) in out
+                .chunks_exact_mut(d)
+                .zip(x.chunks_exact(d))
+                .zip(cos.chunks_exact(d))
+                .zip(sin.chunks_exact(d))
+            {
+                let (x1, x2) = x.split_at(half);
+                let (o1, o2) = o.split_at_mut(half);
+                for j in 0..half {
+                    o1[j] = x1[j] * c[j] + x2[j] * (sign * s[j]);
+                    o2[j] = x2[j] * c[half + j] + x1[j] * (sign * s[half + j]);
+                }
+            })
+        });
+    out
+}
+
 /// `silu(gate) * up`, the SwiGLU product, in f32.
 pub fn silu_mul_f32(gate: &[f32], up: &[f32]) -> Vec<f32> {
     let mut out = vec![0.0f32; gate.len()];

@@ -3,8 +3,8 @@
 //!   f32 buffers on every call, i.e. the whole weight matrix per generated token;
 //! - matmuls of a few rows (decode) with f32 weights: memory-bound, so a streaming kernel reads
 //!   the weights at full bandwidth where a general GEMM does not;
-//! - RMSNorm and the SwiGLU product: several single-threaded passes (and strided broadcasts in
-//!   bf16) become one parallel pass;
+//! - RMSNorm, the SwiGLU product and RoPE (f32): several single-threaded passes (and strided
+//!   broadcasts in bf16) become one parallel pass;
 //! - the log-probability of chosen tokens: one parallel reduction per row of logits instead of
 //!   six single-threaded passes over `[b, n, vocab]`;
 //! - attention: scores, mask, softmax and the weighted sum of values in one parallel pass over
@@ -13,9 +13,9 @@
 //! Each entry point returns `None` unless the backend is burn-flex itself (checked at run time
 //! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
 //! handles; the caller then uses burn's own ops. Under autodiff the chosen-token
-//! log-probability, the embedding lookup, RMSNorm and SwiGLU have kernels, each registered as one
-//! operation of the graph with its own backward (see `tracked`); everything else records burn's
-//! ops.
+//! log-probability, the embedding lookup, RMSNorm, SwiGLU, RoPE and attention have kernels, each
+//! registered as one operation of the graph with its own backward (see `tracked`); everything
+//! else records burn's ops.
 
 /// Evaluates `$body` in a copy compiled with AVX-512 enabled when the CPU has it, so that the
 /// loops inlined into it vectorise 16 lanes wide; otherwise as compiled for the baseline.
@@ -42,6 +42,7 @@ macro_rules! wide_simd {
 }
 
 mod attention;
+mod attention_backward;
 mod bf16_bits;
 mod fused;
 mod tracked;
@@ -166,10 +167,33 @@ pub(crate) fn silu_mul<B: Backend, const D: usize>(
     flex_output(bytes, gate.dims(), dtype)
 }
 
+/// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex or burn-flex
+/// under autodiff (see [`tracked`]) and `x` and both tables are f32 of one shape; `None`
+/// otherwise. The tables take no gradient.
+pub(crate) fn rotary<B: Backend>(
+    x: &Tensor<B, 4>,
+    cos: &Tensor<B, 4>,
+    signed_sin: &Tensor<B, 4>,
+) -> Option<Tensor<B, 4>> {
+    let dims = x.dims();
+    if cos.dims() != dims || signed_sin.dims() != dims || !dims[3].is_multiple_of(2) {
+        return None;
+    }
+    let Some(input) = to_flex(x.clone()) else {
+        return tracked::rotary(x, cos, signed_sin);
+    };
+    let [x, c, s] = [input, to_flex(cos.clone())?, to_flex(signed_sin.clone())?].map(|t| t.to_contiguous());
+    if [&x, &c, &s].iter().any(|t| t.dtype() != DType::F32) {
+        return None;
+    }
+    let y = fused::rotary_f32(x.as_slice()?, c.as_slice()?, s.as_slice()?, dims[3]);
+    flex_output(Bytes::from_elems(y), dims, DType::F32)
+}
+
 /// Grouped-query attention through [`attention::grouped_attention`] when `B` is burn-flex and
-/// the operands are all f32 or all bf16: `query` `[b, q, heads, d]`, `key` and `value`
-/// `[b, kv_heads, k, d]` (views with any non-negative strides), `bias` `[b, 1, q, k]`. Returns
-/// `[b, q, heads * d]`.
+/// the operands are all f32 or all bf16, or when it is burn-flex under autodiff and they are f32
+/// (see [`tracked`]): `query` `[b, q, heads, d]`, `key` and `value` `[b, kv_heads, k, d]` (views
+/// with any non-negative strides), `bias` `[b, 1, q, k]`. Returns `[b, q, heads * d]`.
 pub(crate) fn grouped_attention<B: Backend>(
     query: &Tensor<B, 4>,
     key: &Tensor<B, 4>,
@@ -189,8 +213,6 @@ pub(crate) fn grouped_attention<B: Backend>(
     if !shapes_agree || !dtypes_agree || !matches!(dtype, DType::F32 | DType::BF16) {
         return None;
     }
-    let [q, k, v, m] = [query, key, value, bias].map(|t| to_flex(t.clone()).map(rows_contiguous));
-    let (q, k, v, m) = (q?, k?, v?, m?);
     let shape = attention::AttentionShape {
         batch,
         queries,
@@ -199,37 +221,21 @@ pub(crate) fn grouped_attention<B: Backend>(
         kv_heads,
         head_dim,
     };
+    let Some(q) = to_flex(query.clone()).map(rows_contiguous) else {
+        return tracked::grouped_attention(query, key, value, bias, shape, scale);
+    };
+    let [k, v, m] = [key, value, bias].map(|t| to_flex(t.clone()).map(rows_contiguous));
+    let (k, v, m) = (k?, v?, m?);
     fn run<T: attention::Element + burn::tensor::Element + bytemuck::Pod>(
         [q, k, v, m]: [&FlexTensor; 4],
         shape: attention::AttentionShape,
         scale: f32,
     ) -> Bytes {
-        fn heads<T: burn::tensor::Element + bytemuck::Pod>(
-            t: &FlexTensor,
-            [batch, head, position]: [usize; 3],
-        ) -> attention::Heads<'_, T> {
-            let s = t.layout().strides();
-            attention::Heads {
-                data: t.storage::<T>(),
-                offset: t.layout().start_offset(),
-                batch_stride: s[batch] as usize,
-                head_stride: s[head] as usize,
-                position_stride: s[position] as usize,
-            }
-        }
-        let s = m.layout().strides();
-        let bias = attention::Bias {
-            data: m.storage::<T>(),
-            offset: m.layout().start_offset(),
-            batch_stride: s[0] as usize,
-            query_stride: s[2] as usize,
-            key_stride: s[3] as usize,
-        };
         let out = attention::grouped_attention(
-            heads::<T>(q, [0, 2, 1]),
-            heads::<T>(k, [0, 1, 2]),
-            heads::<T>(v, [0, 1, 2]),
-            bias,
+            query_view::<T>(q),
+            kv_view::<T>(k),
+            kv_view::<T>(v),
+            bias_view::<T>(m),
             shape,
             scale,
         );
@@ -241,6 +247,43 @@ pub(crate) fn grouped_attention<B: Backend>(
         _ => run::<bf16>(operands, shape, scale),
     };
     flex_output(bytes, [batch, queries, heads * head_dim], dtype)
+}
+
+/// A query view `[b, q, heads, d]` (rows contiguous) as the attention kernel reads it.
+fn query_view<T: burn::tensor::Element + bytemuck::Pod>(t: &FlexTensor) -> attention::Heads<'_, T> {
+    heads_view(t, [0, 2, 1])
+}
+
+/// A key or value view `[b, kv_heads, k, d]` (rows contiguous) as the attention kernel reads it.
+fn kv_view<T: burn::tensor::Element + bytemuck::Pod>(t: &FlexTensor) -> attention::Heads<'_, T> {
+    heads_view(t, [0, 1, 2])
+}
+
+/// `t` read through its strides, with its axes `[batch, head, position]` at the given indices.
+fn heads_view<T: burn::tensor::Element + bytemuck::Pod>(
+    t: &FlexTensor,
+    [batch, head, position]: [usize; 3],
+) -> attention::Heads<'_, T> {
+    let s = t.layout().strides();
+    attention::Heads {
+        data: t.storage::<T>(),
+        offset: t.layout().start_offset(),
+        batch_stride: s[batch] as usize,
+        head_stride: s[head] as usize,
+        position_stride: s[position] as usize,
+    }
+}
+
+/// A bias view `[b, 1, q, k]` as the attention kernel reads it.
+fn bias_view<T: burn::tensor::Element + bytemuck::Pod>(m: &FlexTensor) -> attention::Bias<'_, T> {
+    let s = m.layout().strides();
+    attention::Bias {
+        data: m.storage::<T>(),
+        offset: m.layout().start_offset(),
+        batch_stride: s[0] as usize,
+        query_stride: s[2] as usize,
+        key_stride: s[3] as usize,
+    }
 }
 
 /// The log-probability of each target token, `[b, n]` f32, from `logits` `[b, n, vocab]` (f32 or

@@ -1,17 +1,24 @@
 //! Kernels under autodiff: operations recorded in burn's graph as one node with a hand-written
 //! backward, for burn-flex wrapped in `Autodiff` (the training backend on the CPU): the
-//! chosen-token log-probability, the embedding lookup, RMSNorm and the SwiGLU product. Also the
-//! entropy of the logits as a value outside the graph (the trainer's metric).
+//! chosen-token log-probability, the embedding lookup, RMSNorm, the SwiGLU product, RoPE and
+//! grouped-query attention. Also the entropy of the logits as a value outside the graph (the
+//! trainer's metric).
 //!
 //! RMSNorm takes burn's ops seven single-threaded passes forward (square, mean, add, sqrt,
 //! reciprocal, two broadcast products) and more backward, each keeping its temporaries for the
-//! backward; SwiGLU takes four each way. As nodes, each is one parallel pass each way that keeps
-//! only its inputs.
+//! backward; SwiGLU takes four each way, and RoPE five (two halves, their concatenation, two
+//! products and a sum). As nodes, each is one parallel pass each way that keeps only its inputs
+//! (RoPE only its tables: its backward is the opposite rotation).
 //!
 //! The chosen-token log-probability of a training step's logits (`[b, n, vocab]`, 78M elements
 //! for 2 × 256 tokens of Qwen3) takes burn's ops about eight single-threaded passes and as many
 //! logits-sized temporaries forward and as many again backward. Here it is one parallel pass
 //! each way; the node keeps the logits and each row's `logsumexp` for the backward.
+//!
+//! Attention under burn's ops is a matmul, a scale, the mask's addition, a five-pass softmax and
+//! a matmul, each keeping a `[b, heads, q, k]` result for the backward, with copies to
+//! broadcast the mask and lay out the operands. As a node it runs the inference kernel forward
+//! (keeping two floats per query row) and one parallel pass backward.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -28,7 +35,8 @@ use burn_flex::{FlexTensor, Layout};
 
 use rayon::prelude::*;
 
-use super::fused;
+use super::attention::{self, AttentionShape, SoftmaxStats};
+use super::{attention_backward, bias_view, fused, kv_view, query_view, rows_contiguous};
 
 type TrackedFlex = Autodiff<Flex>;
 
@@ -132,6 +140,69 @@ pub(super) fn silu_mul<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Ten
     from_tracked(node)
 }
 
+/// RoPE (see [`fused::rotary_f32`]) as one autodiff node when `x` and both tables are f32
+/// tensors of `Autodiff<Flex>` of one shape; `None` otherwise. The tables take no gradient.
+pub(super) fn rotary<B: Backend>(
+    x: &Tensor<B, 4>,
+    cos: &Tensor<B, 4>,
+    signed_sin: &Tensor<B, 4>,
+) -> Option<Tensor<B, 4>> {
+    let (x, cos, signed_sin) = (as_tracked(x)?, as_tracked(cos)?, as_tracked(signed_sin)?);
+    let [xs, cos, sin] = [&x, &cos, &signed_sin].map(|t| t.primitive.to_contiguous());
+    if [&xs, &cos, &sin].iter().any(|t| t.dtype() != DType::F32) {
+        return None;
+    }
+    let dims: [usize; 4] = xs.layout().shape().dims();
+    let y = fused::rotary_f32(xs.as_slice::<f32>()?, cos.as_slice::<f32>()?, sin.as_slice::<f32>()?, dims[3]);
+    let output = f32_tensor(y, dims);
+    let node = match Rotary.prepare::<NoCheckpointing>([x.node.clone()]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(RotaryState { cos, signed_sin: sin }, output),
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    };
+    from_tracked(node)
+}
+
+/// Grouped-query attention (see [`attention::grouped_attention`]) as one autodiff node when
+/// `query`, `key`, `value` and `bias` are f32 tensors of `Autodiff<Flex>`; `None` otherwise.
+/// Layouts as for [`super::grouped_attention`]; the bias takes no gradient. The node keeps its
+/// operands (views, not copies), its output and each query row's softmax maximum and sum; the
+/// backward recomputes the probabilities from them (see [`attention_backward`]).
+pub(super) fn grouped_attention<B: Backend>(
+    query: &Tensor<B, 4>,
+    key: &Tensor<B, 4>,
+    value: &Tensor<B, 4>,
+    bias: &Tensor<B, 4>,
+    shape: AttentionShape,
+    scale: f32,
+) -> Option<Tensor<B, 3>> {
+    let [query, key, value, bias] = [query, key, value, bias].map(as_tracked);
+    let (query, key, value, bias) = (query?, key?, value?, bias?);
+    let operands = [&query, &key, &value, &bias].map(|t| rows_contiguous(t.primitive.clone()));
+    if operands.iter().any(|t| t.dtype() != DType::F32) {
+        return None;
+    }
+    let [q, k, v, m] = operands;
+    let (out, stats) = attention::grouped_attention_with_stats(
+        query_view::<f32>(&q),
+        kv_view::<f32>(&k),
+        kv_view::<f32>(&v),
+        bias_view::<f32>(&m),
+        shape,
+        scale,
+    );
+    let AttentionShape { batch, queries, heads, head_dim, .. } = shape;
+    let output = f32_tensor(out, [batch, queries, heads * head_dim]);
+    let parents = [query.node.clone(), key.node.clone(), value.node.clone()];
+    let node = match Attention.prepare::<NoCheckpointing>(parents).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => {
+            let state = AttentionState { operands: [q, k, v, m], out: output.clone(), stats: Arc::new(stats), shape, scale };
+            prep.finish(state, output)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(output),
+    };
+    from_tracked(node)
+}
+
 /// The `Autodiff<Flex>` tensor behind `t`, when `B` is `Autodiff<Flex>`.
 pub(super) fn as_tracked<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<FloatTensor<TrackedFlex>> {
     let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
@@ -150,10 +221,9 @@ fn f32_tensor(values: Vec<f32>, shape: impl Into<Shape>) -> FlexTensor {
     FlexTensor::new(Bytes::from_elems(values), Layout::contiguous(shape.into()), DType::F32)
 }
 
-/// Registers the gradients of a two-input node for those inputs that take one.
-fn register_pair(parents: [Option<NodeId>; 2], grads: &mut Gradients, [first, second]: [FlexTensor; 2]) {
-    let [a, b] = parents;
-    for (parent, grad) in [(a, first), (b, second)] {
+/// Registers the gradients of a node's inputs for those inputs that take one.
+fn register_each<const N: usize>(parents: [Option<NodeId>; N], grads: &mut Gradients, values: [FlexTensor; N]) {
+    for (parent, grad) in parents.into_iter().zip(values) {
         if let Some(parent) = parent {
             grads.register::<Flex>(parent, grad);
         }
@@ -246,7 +316,7 @@ impl Backward<Flex, 2> for RmsNorm {
         };
         let (dx, dweight) = fused::rms_norm_backward_f32(xv, wv, gv, eps);
         let pair = [f32_tensor(dx, x.layout().shape().clone()), f32_tensor(dweight, weight.layout().shape().clone())];
-        register_pair(ops.parents.map(|p| p.map(|p| p.id)), grads, pair);
+        register_each(ops.parents.map(|p| p.map(|p| p.id)), grads, pair);
     }
 }
 
@@ -273,7 +343,80 @@ impl Backward<Flex, 2> for SiluMul {
         };
         let (dgate, dup) = fused::silu_mul_backward_f32(gv, uv, yv);
         let shape = gate.layout().shape();
-        register_pair(ops.parents.map(|p| p.map(|p| p.id)), grads, [f32_tensor(dgate, shape.clone()), f32_tensor(dup, shape.clone())]);
+        register_each(ops.parents.map(|p| p.map(|p| p.id)), grads, [f32_tensor(dgate, shape.clone()), f32_tensor(dup, shape.clone())]);
+    }
+}
+
+/// The node: RoPE's rotation of each pair of a row's halves.
+#[derive(Debug)]
+struct Rotary;
+
+/// What the backward needs: the contiguous f32 tables.
+#[derive(Debug, Clone)]
+struct RotaryState {
+    cos: FlexTensor,
+    signed_sin: FlexTensor,
+}
+
+impl Backward<Flex, 1> for Rotary {
+    type State = RotaryState;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let RotaryState { cos, signed_sin } = ops.state;
+        unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
+            let grad = grad.to_contiguous();
+            let dims: [usize; 4] = grad.layout().shape().dims();
+            let (Some(g), Some(c), Some(s)) = (grad.as_slice::<f32>(), cos.as_slice::<f32>(), signed_sin.as_slice::<f32>())
+            else {
+                unreachable!("the forward pass only records f32 tables, and its gradient is f32")
+            };
+            f32_tensor(fused::rotary_backward_f32(g, c, s, dims[3]), dims)
+        });
+    }
+}
+
+/// The node: `softmax(Q Kᵀ · scale + bias) V` over grouped key/value heads.
+#[derive(Debug)]
+struct Attention;
+
+/// What the backward needs: the f32 query, key, value and bias views, the output and each query
+/// row's softmax statistics.
+#[derive(Debug, Clone)]
+struct AttentionState {
+    operands: [FlexTensor; 4],
+    out: FlexTensor,
+    stats: Arc<Vec<SoftmaxStats>>,
+    shape: AttentionShape,
+    scale: f32,
+}
+
+impl Backward<Flex, 3> for Attention {
+    type State = AttentionState;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let AttentionState { operands: [q, k, v, m], out, stats, shape, scale } = ops.state;
+        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let (Some(out), Some(grad)) = (out.as_slice::<f32>(), grad.as_slice::<f32>()) else {
+            unreachable!("the forward pass only records f32 operands, and its gradient is f32")
+        };
+        let g = attention_backward::grouped_attention_backward(
+            query_view::<f32>(&q),
+            kv_view::<f32>(&k),
+            kv_view::<f32>(&v),
+            bias_view::<f32>(&m),
+            out,
+            &stats,
+            grad,
+            shape,
+            scale,
+        );
+        let AttentionShape { batch, queries, keys, heads, kv_heads, head_dim } = shape;
+        let values = [
+            f32_tensor(g.query, [batch, queries, heads, head_dim]),
+            f32_tensor(g.key, [batch, kv_heads, keys, head_dim]),
+            f32_tensor(g.value, [batch, kv_heads, keys, head_dim]),
+        ];
+        register_each(ops.parents.map(|p| p.map(|p| p.id)), grads, values);
     }
 }
 
@@ -281,6 +424,8 @@ impl Backward<Flex, 2> for SiluMul {
 mod tests {
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::{Int, Tensor, TensorData};
+
+    use super::AttentionShape;
 
     /// The node's value and gradient equal those of burn's ops on the same formula.
     #[test]
@@ -369,5 +514,94 @@ mod tests {
         let (fg, pg) = ((fused * cotangent.clone()).sum().backward(), (plain * cotangent).sum().backward());
         assert!(close(grad(&fgate, &fg), grad(&pgate, &pg)), "d gate");
         assert!(close(grad(&fup, &fg), grad(&pup, &pg)), "d up");
+    }
+
+    /// The attention node's output and the gradients of query, key and value equal burn's ops
+    /// on `repeat_kv` attention, for strided query and key views, two query blocks and a
+    /// left-padded causal mask (queries that attend to nothing included).
+    #[test]
+    fn attention_node_matches_burn() {
+        type B = Autodiff<Flex>;
+        let device = Default::default();
+        let (b, n, h, kv, d) = (2, 37, 4, 2, 16);
+        let series = |len: usize, f: f32| -> Vec<f32> { (0..len).map(|i| (i as f32 * f).sin()).collect() };
+        let leaf = |v: Vec<f32>, dims: [usize; 4]| Tensor::<B, 4>::from_data(TensorData::new(v, dims), &device).require_grad();
+        let mask: Vec<f32> = (0..b * n * n)
+            .map(|x| {
+                let (row, i, j) = (x / (n * n), x / n % n, x % n);
+                if j > i || (row == 1 && j < 3) { -1.0e9 } else { 0.0 }
+            })
+            .collect();
+        let bias = Tensor::<B, 4>::from_data(TensorData::new(mask, [b, 1, n, n]), &device);
+        let cotangent = Tensor::<B, 3>::from_data(TensorData::new(series(b * n * h * d, 0.41), [b, n, h * d]), &device);
+        let scale = (d as f32).powf(-0.5);
+        let inputs = || {
+            let q = leaf(series(b * h * n * d, 0.37), [b, h, n, d]);
+            let k = leaf(series(b * n * kv * d, 0.23), [b, n, kv, d]);
+            let v = leaf(series(b * kv * n * d, 0.61), [b, kv, n, d]);
+            (q, k, v)
+        };
+
+        let (fq, fk, fv) = inputs();
+        let shape = AttentionShape { batch: b, queries: n, keys: n, heads: h, kv_heads: kv, head_dim: d };
+        let fused = super::grouped_attention(&fq.clone().swap_dims(1, 2), &fk.clone().swap_dims(1, 2), &fv, &bias, shape, scale)
+            .expect("Autodiff<Flex> f32 is handled");
+        let (pq, pk, pv) = inputs();
+        let repeat = |t: Tensor<B, 4>| t.reshape([b, kv, 1, n, d]).repeat_dim(2, h / kv).reshape([b, h, n, d]);
+        let scores = pq.clone().matmul(repeat(pk.clone().swap_dims(1, 2)).swap_dims(2, 3)).mul_scalar(scale) + bias.clone();
+        let plain = burn::tensor::activation::softmax(scores, 3)
+            .matmul(repeat(pv.clone()))
+            .swap_dims(1, 2)
+            .reshape([b, n, h * d]);
+
+        let values = |t: Tensor<B, 3>| t.into_data().to_vec::<f32>().unwrap();
+        let close = |a: Vec<f32>, b: Vec<f32>| a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4 * y.abs().max(1.0));
+        assert!(close(values(fused.clone()), values(plain.clone())), "output");
+        let fg = (fused * cotangent.clone()).sum().backward();
+        let pg = (plain * cotangent).sum().backward();
+        let grad = |t: &Tensor<B, 4>, g| t.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        for (name, f, p) in [("query", &fq, &pq), ("key", &fk, &pk), ("value", &fv, &pv)] {
+            let (got, want) = (grad(f, &fg), grad(p, &pg));
+            assert_eq!(got.len(), want.len(), "{name}");
+            assert!(close(got, want), "d {name}");
+        }
+    }
+
+    /// The RoPE node's value and gradient equal burn's ops on HF's formula with tables laid out
+    /// as HF's (both halves of a row hold the same angles).
+    #[test]
+    fn rotary_node_matches_burn() {
+        type B = Autodiff<Flex>;
+        let device = Default::default();
+        let (b, n, h, d) = (2, 5, 3, 8);
+        let rows = b * n * h;
+        let angles: Vec<f32> = (0..rows * d / 2).map(|i| i as f32 * 0.13).collect();
+        let table = |f: fn(f32) -> f32, first_sign: f32| {
+            let values: Vec<f32> = (0..rows * d)
+                .map(|i| {
+                    let (row, j) = (i / d, i % d);
+                    let sign = if j < d / 2 { first_sign } else { 1.0 };
+                    sign * f(angles[row * d / 2 + j % (d / 2)])
+                })
+                .collect();
+            Tensor::<B, 4>::from_data(TensorData::new(values, [b, n, h, d]), &device)
+        };
+        let (cos, sin) = (table(f32::cos, 1.0), table(f32::sin, -1.0));
+        let values: Vec<f32> = (0..rows * d).map(|i| (i as f32 * 0.71).sin() * 2.0).collect();
+        let input = || Tensor::<B, 4>::from_data(TensorData::new(values.clone(), [b, n, h, d]), &device).require_grad();
+        let cotangent: Vec<f32> = (0..rows * d).map(|i| (i as f32 * 0.29).cos()).collect();
+        let cotangent = Tensor::<B, 4>::from_data(TensorData::new(cotangent, [b, n, h, d]), &device);
+
+        let fx = input();
+        let fused = super::super::rotary(&fx, &cos, &sin).expect("Autodiff<Flex> f32 is handled");
+        let px = input();
+        let swapped = Tensor::cat(vec![px.clone().narrow(3, d / 2, d / 2), px.clone().narrow(3, 0, d / 2)], 3);
+        let plain = px.clone() * cos.clone() + swapped * sin.clone();
+        let values = |t: Tensor<B, 4>| t.into_data().to_vec::<f32>().unwrap();
+        assert_eq!(values(fused.clone()), values(plain.clone()));
+        let (fg, pg) = ((fused * cotangent.clone()).sum().backward(), (plain * cotangent).sum().backward());
+        let grad = |t: &Tensor<B, 4>, g| t.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
+        let (got, want) = (grad(&fx, &fg), grad(&px, &pg));
+        assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "{got:?} vs {want:?}");
     }
 }

@@ -10,6 +10,8 @@
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
+use crate::cpu_kernels;
+
 /// The inverse frequencies `1 / theta^(2i/d)` of the default RoPE.
 #[derive(Debug, Clone)]
 pub struct Qwen3RotaryEmbedding {
@@ -75,6 +77,9 @@ pub fn swap_halves<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
 
 /// HF's `apply_rotary_pos_emb` for one of q or k, `[b, q, heads, head_dim]`.
 pub fn apply_rotary_pos_emb<B: Backend>(x: Tensor<B, 4>, tables: &RotaryTables<B>) -> Tensor<B, 4> {
+    if let Some(y) = cpu_kernels::rotary(&x, &tables.cos, &tables.signed_sin) {
+        return y;
+    }
     x.clone() * tables.cos.clone() + swap_halves(x) * tables.signed_sin.clone()
 }
 
