@@ -30,4 +30,4 @@ pub use qwen3::{KvCache, Qwen3ForCausalLM};
 pub use batch::{Padding, TokenBatch};
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
 pub use logprobs::{completion_logprobs, map_logits_chunks, token_logprobs};
-pub use weights::{load_pretrained, save_pretrained, LoadOptions};
+pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::path::Path;
 
-use burn::module::{Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::nn::{Embedding, Linear};
 use burn::tensor::{backend::Backend, Bytes, DType, Tensor, TensorData};
 use rayon::prelude::*;
@@ -111,6 +111,25 @@ pub fn from_checkpoint<B: Backend>(
     assemble(config, device, dtype, |spec| {
         checkpoint.with_raw(&spec.name, &spec.shape, |raw| device_data(raw, spec.kind, dtype))
     })
+}
+
+/// `model` with every weight cast to `dtype` (activations follow the weights' dtype), as
+/// [`load_pretrained`] with that dtype would have placed them (f32 to bf16 rounds to nearest,
+/// ties to even): e.g. a bf16 copy of an f32 policy for rollouts. Parameter ids are kept.
+pub fn with_dtype<B: Backend>(model: Qwen3ForCausalLM<B>, dtype: DType) -> Qwen3ForCausalLM<B> {
+    struct Cast(DType);
+    impl<B: Backend> ModuleMapper<B> for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let tensor = match (tensor.dtype(), self.0) {
+                (from, to) if from == to => tensor,
+                (DType::F32, DType::BF16) => crate::cpu_kernels::to_bf16(&tensor).unwrap_or_else(|| tensor.cast(DType::BF16)),
+                (_, to) => tensor.cast(to),
+            };
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    model.map(&mut Cast(dtype))
 }
 
 /// Builds the model from host tensors supplied in HF layout by `fetch`.
@@ -591,5 +610,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// An f32 model cast to bf16 holds the same weights and computes the same logits as the
+    /// checkpoint loaded in bf16.
+    #[test]
+    fn with_dtype_equals_loading_in_that_dtype() {
+        use burn::backend::Flex;
+        use burn::tensor::Int;
+        let config = crate::config::Preset::Tiny.config(300, vec![299]);
+        let dir = tempfile::tempdir().unwrap();
+        crate::init::write_random_checkpoint(&config, dir.path(), 3, StorageDtype::F32).unwrap();
+        let device = Default::default();
+        let f32_model = load_pretrained::<Flex>(dir.path(), &device, LoadOptions::default()).unwrap();
+        let cast = with_dtype(f32_model, DType::BF16);
+        let loaded = load_pretrained::<Flex>(dir.path(), &device, LoadOptions { dtype: DType::BF16 }).unwrap();
+        let ids = Tensor::<Flex, 2, Int>::from_ints([[1, 5, 9, 200, 7]], &device);
+        let positions = Tensor::<Flex, 2, Int>::from_ints([[0, 1, 2, 3, 4]], &device);
+        let logits = |m: &Qwen3ForCausalLM<Flex>| {
+            let out = m.forward(ids.clone(), positions.clone(), None, None);
+            assert_eq!(out.dtype(), DType::BF16);
+            out.into_data().convert::<f32>().to_vec::<f32>().unwrap()
+        };
+        assert_eq!(logits(&cast), logits(&loaded));
     }
 }

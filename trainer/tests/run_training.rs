@@ -13,7 +13,9 @@ use model::init::write_random_checkpoint;
 use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
 use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
 use model::{load_pretrained, LoadOptions, Preset, Qwen3ForCausalLM};
-use prompt_r1_trainer::run::{latest_checkpoint, EpisodeScore, EpisodeScorer, StepRecord, TrainConfig, Trainer};
+use prompt_r1_trainer::run::{
+    latest_checkpoint, EpisodeScore, EpisodeScorer, InferenceDtype, StepRecord, TrainConfig, Trainer,
+};
 
 type B = Autodiff<Flex>;
 
@@ -134,6 +136,21 @@ fn the_policy_learns_with_the_kl_term_on() {
     assert!(last - first > 0.15, "first {first}, last {last}");
     assert!(records.iter().all(|r| r.kl.is_some()));
     assert!(records[39].kl.unwrap() > 0.0, "the policy moved away from the reference");
+}
+
+/// With bf16 rollouts and a bf16 reference the policy still learns, and the KL against the
+/// reference is measured (it starts at the bf16 rounding of the weights, not at zero).
+#[test]
+fn the_policy_learns_with_bf16_rollouts_and_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    config.grpo.loss.kl_coef = 0.001;
+    config.rollout.dtype = InferenceDtype::Bf16;
+    let (_, records) = train(config, 40, false);
+    let (first, last) = first_last_gap(&records);
+    println!("bf16 rollouts: first 5 steps {first:.3}, last 5 steps {last:.3}, final kl {:?}", records[39].kl);
+    assert!(last - first > 0.15, "first {first}, last {last}");
+    assert!(records.iter().all(|r| r.kl.is_some_and(f32::is_finite)));
 }
 
 fn weights(model: &Qwen3ForCausalLM<Flex>) -> Vec<(String, Vec<f32>)> {

@@ -52,6 +52,7 @@ use std::any::Any;
 
 use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Shape, Tensor, TensorPrimitive};
 use burn_flex::{FlexTensor, Layout};
+use rayon::prelude::*;
 
 /// How a weight matrix is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,6 +166,21 @@ pub(crate) fn silu_mul<B: Backend, const D: usize>(
         _ => return None,
     };
     flex_output(bytes, gate.dims(), dtype)
+}
+
+/// `t` rounded to bf16 (to nearest, ties to even, as PyTorch's `.to(torch.bfloat16)`) when `B`
+/// is burn-flex and `t` is f32; `None` otherwise. burn-flex 0.21's own `cast` rounds some values
+/// the other way (e.g. f32 bits `0xbc468001` to `0xbc46` where round-to-nearest gives `0xbc47`).
+pub(crate) fn to_bf16<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+    let values = to_flex(t.clone())?.to_contiguous();
+    let values: &[f32] = values.as_slice()?;
+    let mut out = vec![bf16::ZERO; values.len()];
+    out.par_chunks_mut(1 << 16)
+        .zip(values.par_chunks(1 << 16))
+        .for_each(|(out, x)| wide_simd!(for (o, &x) in out.iter_mut().zip(x) {
+            *o = bf16_bits::narrow(x);
+        }));
+    flex_output(Bytes::from_elems(out), t.dims(), DType::BF16)
 }
 
 /// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex or burn-flex

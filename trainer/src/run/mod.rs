@@ -10,7 +10,7 @@ mod reward;
 mod trainer;
 
 pub use checkpoint::{latest_checkpoint, CHECKPOINTS_DIR, LATEST_FILE};
-pub use config::{DataSection, EpisodeSection, RolloutSection, RunSection, TrainConfig};
+pub use config::{DataSection, EpisodeSection, InferenceDtype, RolloutSection, RunSection, TrainConfig};
 pub use error::TrainError;
 pub use memory::{peak_rss_mb, reset_peak_rss};
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};

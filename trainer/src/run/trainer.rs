@@ -13,12 +13,12 @@ use data::{BatchSampler, Example, SamplerConfig};
 use env::{Environment, StopReason, Trajectory};
 use model::checkpoint::StorageDtype;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, save_pretrained, LoadOptions, Qwen3ForCausalLM};
+use model::{load_pretrained, save_pretrained, with_dtype, LoadOptions, Qwen3ForCausalLM};
 
 use super::checkpoint::{
     checkpoint_name, latest_checkpoint, publish, staging_dir, TrainerState, OPTIMIZER_FILE, STATE_FILE,
 };
-use super::config::TrainConfig;
+use super::config::{InferenceDtype, TrainConfig};
 use super::error::TrainError;
 use super::memory::peak_rss_mb;
 use super::metrics_log::{append_record, truncate_after, StepRecord};
@@ -79,7 +79,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             validation.truncate(limit);
         }
         let reference = if config.grpo.loss.uses_kl() {
-            Some(load_pretrained::<Inner<B>>(&config.model, &device, LoadOptions::default())?)
+            Some(load_pretrained::<Inner<B>>(&config.model, &device, LoadOptions { dtype: config.rollout.dtype.dtype() })?)
         } else {
             None
         };
@@ -159,8 +159,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             .collect();
 
         let rollout_start = Instant::now();
-        let rollout_model = self.policy().valid();
+        let policy_model = self.policy().valid();
+        let rollout_model = self.for_rollouts(policy_model.clone());
         let trajectories = self.rollouts(&rollout_model, env, &examples, step, &self.config.rollout.sampling)?;
+        drop(rollout_model);
         let rollout_secs = rollout_start.elapsed().as_secs_f32();
 
         // Score, drop failed episodes, group by question.
@@ -185,16 +187,16 @@ impl<B: AutodiffBackend> Trainer<B> {
         let groups: Vec<usize> = kept.iter().map(|(g, _, _)| *g).collect();
         let advantages = group_advantages(&rewards, &groups, self.config.rollout.advantage)?;
 
-        // Old (rollout policy) and reference log-probs, without autodiff.
+        // Old (the policy before this update, in f32) and reference log-probs, without autodiff.
         let sequences: Vec<Vec<u32>> = kept.iter().map(|(_, t, _)| t.token_ids.clone()).collect();
         let pad = self.tokenizer.special().endoftext;
         let chunk = self.config.grpo.micro_batch_size.max(1);
-        let old = sequence_logprobs(&rollout_model, &sequences, pad, chunk)?;
+        let old = sequence_logprobs(&policy_model, &sequences, pad, chunk)?;
         let reference = match &self.reference {
             Some(r) => Some(sequence_logprobs(r, &sequences, pad, chunk)?),
             None => None,
         };
-        drop(rollout_model);
+        drop(policy_model);
         let policy_sequences: Vec<PolicySequence> = kept
             .iter()
             .enumerate()
@@ -266,7 +268,7 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// Greedy episodes on the held-out set with the current policy.
     pub fn validate(&self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<ValidationReport, TrainError> {
-        let model = self.policy().valid();
+        let model = self.for_rollouts(self.policy().valid());
         let examples: Vec<&Example> = self.validation.iter().collect();
         let greedy = AgentSampling {
             temperature: 0.0,
@@ -290,6 +292,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             episodes: trajectories.len(),
             env_failures,
         })
+    }
+
+    /// The model episodes sample from: the policy itself, or its copy in `rollout.dtype`.
+    fn for_rollouts(&self, policy: Policy<Inner<B>>) -> Policy<Inner<B>> {
+        match self.config.rollout.dtype {
+            InferenceDtype::F32 => policy,
+            other => with_dtype(policy, other.dtype()),
+        }
     }
 
     /// Runs one episode per example, `generation_batch` at a time. Every chunk samples from its
