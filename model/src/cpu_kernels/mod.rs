@@ -198,10 +198,11 @@ pub(crate) fn rotary<B: Backend>(
     let Some(input) = to_flex(x.clone()) else {
         return tracked::rotary(x, cos, signed_sin);
     };
-    let [x, c, s] = [input, to_flex(cos.clone())?, to_flex(signed_sin.clone())?].map(|t| t.to_contiguous());
-    if [&x, &c, &s].iter().any(|t| t.dtype() != DType::F32) {
+    let operands = [input, to_flex(cos.clone())?, to_flex(signed_sin.clone())?];
+    if operands.iter().any(|t| t.dtype() != DType::F32) {
         return None;
     }
+    let [x, c, s] = operands.map(|t| t.to_contiguous());
     let y = fused::rotary_f32(x.as_slice()?, c.as_slice()?, s.as_slice()?, dims[3]);
     flex_output(Bytes::from_elems(y), dims, DType::F32)
 }

@@ -148,10 +148,10 @@ pub(super) fn rotary<B: Backend>(
     signed_sin: &Tensor<B, 4>,
 ) -> Option<Tensor<B, 4>> {
     let (x, cos, signed_sin) = (as_tracked(x)?, as_tracked(cos)?, as_tracked(signed_sin)?);
-    let [xs, cos, sin] = [&x, &cos, &signed_sin].map(|t| t.primitive.to_contiguous());
-    if [&xs, &cos, &sin].iter().any(|t| t.dtype() != DType::F32) {
+    if [&x, &cos, &signed_sin].iter().any(|t| t.primitive.dtype() != DType::F32) {
         return None;
     }
+    let [xs, cos, sin] = [&x, &cos, &signed_sin].map(|t| t.primitive.to_contiguous());
     let dims: [usize; 4] = xs.layout().shape().dims();
     let y = fused::rotary_f32(xs.as_slice::<f32>()?, cos.as_slice::<f32>()?, sin.as_slice::<f32>()?, dims[3]);
     let output = f32_tensor(y, dims);
@@ -177,11 +177,10 @@ pub(super) fn grouped_attention<B: Backend>(
 ) -> Option<Tensor<B, 3>> {
     let [query, key, value, bias] = [query, key, value, bias].map(as_tracked);
     let (query, key, value, bias) = (query?, key?, value?, bias?);
-    let operands = [&query, &key, &value, &bias].map(|t| rows_contiguous(t.primitive.clone()));
-    if operands.iter().any(|t| t.dtype() != DType::F32) {
+    if [&query, &key, &value, &bias].iter().any(|t| t.primitive.dtype() != DType::F32) {
         return None;
     }
-    let [q, k, v, m] = operands;
+    let [q, k, v, m] = [&query, &key, &value, &bias].map(|t| rows_contiguous(t.primitive.clone()));
     let (out, stats) = attention::grouped_attention_with_stats(
         query_view::<f32>(&q),
         kv_view::<f32>(&k),
