@@ -519,7 +519,7 @@ pub(super) mod kernels {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// Plain attention with HF's repeat_kv and rounding, element by element in f64 sums.
@@ -568,7 +568,7 @@ mod tests {
     }
 
     /// Deterministic values in [-2, 2).
-    fn values<T: Element>(n: usize, seed: u64) -> Vec<T> {
+    pub(in crate::cpu_kernels) fn values<T: Element>(n: usize, seed: u64) -> Vec<T> {
         let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         (0..n)
             .map(|_| {

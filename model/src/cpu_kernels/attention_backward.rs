@@ -180,15 +180,7 @@ mod tests {
 
     /// Deterministic values in [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
+        attention::tests::values::<f32>(n, seed).iter().map(|x| x * 0.5).collect()
     }
 
     /// The loss `Σ out ⊙ cotangent` of attention in f64, element by element, for finite

@@ -248,14 +248,8 @@ pub(crate) fn grouped_attention<B: Backend>(
         shape: attention::AttentionShape,
         scale: f32,
     ) -> Bytes {
-        let out = attention::grouped_attention(
-            query_view::<T>(q),
-            kv_view::<T>(k),
-            kv_view::<T>(v),
-            bias_view::<T>(m),
-            shape,
-            scale,
-        );
+        let (q, k, v, m) = attention_views::<T>([q, k, v, m]);
+        let out = attention::grouped_attention(q, k, v, m, shape, scale);
         Bytes::from_elems(out)
     }
     let operands = [&q, &k, &v, &m];
@@ -266,14 +260,13 @@ pub(crate) fn grouped_attention<B: Backend>(
     flex_output(bytes, [batch, queries, heads * head_dim], dtype)
 }
 
-/// A query view `[b, q, heads, d]` (rows contiguous) as the attention kernel reads it.
-fn query_view<T: burn::tensor::Element + bytemuck::Pod>(t: &FlexTensor) -> attention::Heads<'_, T> {
-    heads_view(t, [0, 2, 1])
-}
-
-/// A key or value view `[b, kv_heads, k, d]` (rows contiguous) as the attention kernel reads it.
-fn kv_view<T: burn::tensor::Element + bytemuck::Pod>(t: &FlexTensor) -> attention::Heads<'_, T> {
-    heads_view(t, [0, 1, 2])
+/// The attention operands `[query, key, value, bias]` (layouts as for [`grouped_attention`], rows
+/// contiguous) as the attention kernels read them.
+#[allow(clippy::type_complexity)]
+fn attention_views<T: burn::tensor::Element + bytemuck::Pod>(
+    [q, k, v, m]: [&FlexTensor; 4],
+) -> (attention::Heads<'_, T>, attention::Heads<'_, T>, attention::Heads<'_, T>, attention::Bias<'_, T>) {
+    (heads_view(q, [0, 2, 1]), heads_view(k, [0, 1, 2]), heads_view(v, [0, 1, 2]), bias_view(m))
 }
 
 /// `t` read through its strides, with its axes `[batch, head, position]` at the given indices.

@@ -36,7 +36,7 @@ use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
 use super::attention::{self, AttentionShape, SoftmaxStats};
-use super::{attention_backward, bias_view, fused, kv_view, query_view, rows_contiguous};
+use super::{attention_backward, attention_views, fused, rows_contiguous};
 
 type TrackedFlex = Autodiff<Flex>;
 
@@ -181,14 +181,8 @@ pub(super) fn grouped_attention<B: Backend>(
         return None;
     }
     let [q, k, v, m] = [&query, &key, &value, &bias].map(|t| rows_contiguous(t.primitive.clone()));
-    let (out, stats) = attention::grouped_attention_with_stats(
-        query_view::<f32>(&q),
-        kv_view::<f32>(&k),
-        kv_view::<f32>(&v),
-        bias_view::<f32>(&m),
-        shape,
-        scale,
-    );
+    let (qv, kv, vv, mv) = attention_views::<f32>([&q, &k, &v, &m]);
+    let (out, stats) = attention::grouped_attention_with_stats(qv, kv, vv, mv, shape, scale);
     let AttentionShape { batch, queries, heads, head_dim, .. } = shape;
     let output = f32_tensor(out, [batch, queries, heads * head_dim]);
     let parents = [query.node.clone(), key.node.clone(), value.node.clone()];
@@ -398,11 +392,12 @@ impl Backward<Flex, 3> for Attention {
         let (Some(out), Some(grad)) = (out.as_slice::<f32>(), grad.as_slice::<f32>()) else {
             unreachable!("the forward pass only records f32 operands, and its gradient is f32")
         };
+        let (qv, kv, vv, mv) = attention_views::<f32>([&q, &k, &v, &m]);
         let g = attention_backward::grouped_attention_backward(
-            query_view::<f32>(&q),
-            kv_view::<f32>(&k),
-            kv_view::<f32>(&v),
-            bias_view::<f32>(&m),
+            qv,
+            kv,
+            vv,
+            mv,
             out,
             &stats,
             grad,
