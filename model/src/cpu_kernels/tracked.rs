@@ -27,7 +27,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::NoCheckpointing;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::NodeId;
-use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind, OpsPrep};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, Bytes, DType, Shape, Tensor, TensorPrimitive};
@@ -54,14 +54,8 @@ pub(super) fn chosen_logprobs<B: Backend>(
     }
     let (logprobs, lse) = fused::chosen_logprobs(values.as_slice::<f32>()?, vocab, &ids, |x| x);
     let output = f32_tensor(logprobs, [b, n]);
-    let node = match ChosenLogprobs.prepare::<NoCheckpointing>([tracked.node.clone()]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => {
-            let state = ChosenState { logits: values, targets: Arc::new(ids), lse: Arc::new(lse) };
-            prep.finish(state, output)
-        }
-        OpsKind::UnTracked(prep) => prep.finish(output),
-    };
-    from_tracked(node)
+    let state = || ChosenState { logits: values, targets: Arc::new(ids), lse: Arc::new(lse) };
+    from_tracked(record(ChosenLogprobs.prepare([tracked.node.clone()]), state, output))
 }
 
 /// `weight[ids]`, `[b, s, hidden]`, as one autodiff node, for the table of an `Autodiff<Flex>`
@@ -85,11 +79,8 @@ pub(super) fn embedding<B: Backend>(
         .zip(ids.par_iter())
         .for_each(|(out, &id)| out.copy_from_slice(&rows[id * hidden..(id + 1) * hidden]));
     let output = f32_tensor(out, [b, s, hidden]);
-    let node = match EmbeddingRows.prepare::<NoCheckpointing>([tracked.node.clone()]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(EmbeddingState { ids: Arc::new(ids), vocab }, output),
-        OpsKind::UnTracked(prep) => prep.finish(output),
-    };
-    from_tracked(node)
+    let state = || EmbeddingState { ids: Arc::new(ids), vocab };
+    from_tracked(record(EmbeddingRows.prepare([tracked.node.clone()]), state, output))
 }
 
 /// [`fused::row_entropy`] of f32 logits when `B` is `Autodiff<Flex>`, as a tensor outside the
@@ -118,11 +109,7 @@ pub(super) fn rms_norm<B: Backend, const D: usize>(
     let y = fused::rms_norm_f32(xs.as_slice::<f32>()?, ws.as_slice::<f32>()?, eps);
     let output = f32_tensor(y, xs.layout().shape().clone());
     let parents = [x.node.clone(), weight.node.clone()];
-    let node = match RmsNorm.prepare::<NoCheckpointing>(parents).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(RmsNormState { x: xs, weight: ws, eps }, output),
-        OpsKind::UnTracked(prep) => prep.finish(output),
-    };
-    from_tracked(node)
+    from_tracked(record(RmsNorm.prepare(parents), || RmsNormState { x: xs, weight: ws, eps }, output))
 }
 
 /// `silu(gate) * up` (see [`fused::silu_mul_f32`]) as one autodiff node when both are f32
@@ -133,11 +120,7 @@ pub(super) fn silu_mul<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Ten
     let y = fused::silu_mul_f32(gs.as_slice::<f32>()?, us.as_slice::<f32>()?);
     let output = f32_tensor(y, gs.layout().shape().clone());
     let parents = [gate.node.clone(), up.node.clone()];
-    let node = match SiluMul.prepare::<NoCheckpointing>(parents).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(SiluMulState { gate: gs, up: us }, output),
-        OpsKind::UnTracked(prep) => prep.finish(output),
-    };
-    from_tracked(node)
+    from_tracked(record(SiluMul.prepare(parents), || SiluMulState { gate: gs, up: us }, output))
 }
 
 /// RoPE (see [`fused::rotary_f32`]) as one autodiff node when `x` and both tables are f32
@@ -155,11 +138,7 @@ pub(super) fn rotary<B: Backend>(
     let dims: [usize; 4] = xs.layout().shape().dims();
     let y = fused::rotary_f32(xs.as_slice::<f32>()?, cos.as_slice::<f32>()?, sin.as_slice::<f32>()?, dims[3]);
     let output = f32_tensor(y, dims);
-    let node = match Rotary.prepare::<NoCheckpointing>([x.node.clone()]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => prep.finish(RotaryState { cos, signed_sin: sin }, output),
-        OpsKind::UnTracked(prep) => prep.finish(output),
-    };
-    from_tracked(node)
+    from_tracked(record(Rotary.prepare([x.node.clone()]), || RotaryState { cos, signed_sin: sin }, output))
 }
 
 /// Grouped-query attention (see [`attention::grouped_attention`]) as one autodiff node when
@@ -186,14 +165,26 @@ pub(super) fn grouped_attention<B: Backend>(
     let AttentionShape { batch, queries, heads, head_dim, .. } = shape;
     let output = f32_tensor(out, [batch, queries, heads * head_dim]);
     let parents = [query.node.clone(), key.node.clone(), value.node.clone()];
-    let node = match Attention.prepare::<NoCheckpointing>(parents).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => {
-            let state = AttentionState { operands: [q, k, v, m], out: output.clone(), stats: Arc::new(stats), shape, scale };
-            prep.finish(state, output)
-        }
+    let out = output.clone();
+    let state = || AttentionState { operands: [q, k, v, m], out, stats: Arc::new(stats), shape, scale };
+    from_tracked(record(Attention.prepare(parents), state, output))
+}
+
+/// Records a compute-bound node with output `output`; its backward's `state` is built (and kept)
+/// only when some parent takes a gradient.
+fn record<Op, S, const N: usize>(
+    prep: OpsPrep<Op, Flex, S, NoCheckpointing, N>,
+    state: impl FnOnce() -> S,
+    output: FlexTensor,
+) -> FloatTensor<TrackedFlex>
+where
+    Op: Backward<Flex, N, State = S>,
+    S: Clone + Send + std::fmt::Debug + 'static,
+{
+    match prep.compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish(state(), output),
         OpsKind::UnTracked(prep) => prep.finish(output),
-    };
-    from_tracked(node)
+    }
 }
 
 /// The `Autodiff<Flex>` tensor behind `t`, when `B` is `Autodiff<Flex>`.
