@@ -121,12 +121,7 @@ pub fn with_dtype<B: Backend>(model: Qwen3ForCausalLM<B>, dtype: DType) -> Qwen3
     impl<B: Backend> ModuleMapper<B> for Cast {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
-            let tensor = match (tensor.dtype(), self.0) {
-                (from, to) if from == to => tensor,
-                (DType::F32, DType::BF16) => crate::cpu_kernels::to_bf16(&tensor).unwrap_or_else(|| tensor.cast(DType::BF16)),
-                (_, to) => tensor.cast(to),
-            };
-            Param::from_mapped_value(id, tensor, mapper)
+            Param::from_mapped_value(id, crate::cpu_kernels::cast(tensor, self.0), mapper)
         }
     }
     model.map(&mut Cast(dtype))

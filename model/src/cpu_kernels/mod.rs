@@ -168,10 +168,21 @@ pub(crate) fn silu_mul<B: Backend, const D: usize>(
     flex_output(bytes, gate.dims(), dtype)
 }
 
-/// `t` rounded to bf16 (to nearest, ties to even, as PyTorch's `.to(torch.bfloat16)`) when `B`
-/// is burn-flex and `t` is f32; `None` otherwise. burn-flex 0.21's own `cast` rounds some values
-/// the other way (e.g. f32 bits `0xbc468001` to `0xbc46` where round-to-nearest gives `0xbc47`).
-pub(crate) fn to_bf16<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+/// `t` in `dtype`, f32 to bf16 rounding to nearest, ties to even, as PyTorch's `.to()` does.
+/// burn-flex 0.21's own `cast` rounds some values the other way (e.g. f32 bits `0xbc468001` to
+/// `0xbc46` where round-to-nearest gives `0xbc47`), so on burn-flex that conversion goes through
+/// [`to_bf16`]; everything else is burn's `cast`.
+pub(crate) fn cast<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+    match (t.dtype(), dtype) {
+        (from, to) if from == to => t,
+        (DType::F32, DType::BF16) => to_bf16(&t).unwrap_or_else(|| t.cast(dtype)),
+        _ => t.cast(dtype),
+    }
+}
+
+/// `t` rounded to bf16 (to nearest, ties to even) when `B` is burn-flex and `t` is f32; `None`
+/// otherwise.
+fn to_bf16<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<Tensor<B, D>> {
     let values = to_flex(t.clone())?.to_contiguous();
     let values: &[f32] = values.as_slice()?;
     let mut out = vec![bf16::ZERO; values.len()];

@@ -134,7 +134,7 @@ fn grouped_attention<B: Backend>(
     let probs = if dtype == DType::F32 {
         softmax(scores, 3)
     } else {
-        softmax(scores.cast(DType::F32), 3).cast(dtype)
+        cpu_kernels::cast(softmax(scores.cast(DType::F32), 3), dtype)
     };
     probs.matmul(value).reshape([b, h, q_len, d])
 }

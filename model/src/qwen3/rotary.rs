@@ -46,10 +46,7 @@ impl Qwen3RotaryEmbedding {
         let sin = freqs.sin();
         let cos = Tensor::cat(vec![cos.clone(), cos], 2);
         let signed_sin = Tensor::cat(vec![sin.clone().neg(), sin], 2);
-        let one_head = |t: Tensor<B, 3>| {
-            let t = t.unsqueeze_dim::<4>(2);
-            if dtype == DType::F32 { t } else { t.cast(dtype) }
-        };
+        let one_head = |t: Tensor<B, 3>| cpu_kernels::cast(t.unsqueeze_dim::<4>(2), dtype);
         RotaryTables {
             cos: one_head(cos),
             signed_sin: one_head(signed_sin),
