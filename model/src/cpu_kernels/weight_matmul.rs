@@ -48,6 +48,20 @@ pub fn matmul_bf16(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: us
     matmul_bf16_portable(x, w, layout, m, k, n)
 }
 
+/// Same as [`matmul_bf16`] with the f32 sums returned as they are, not rounded to bf16: the
+/// product of two bf16 operands with f32 accumulation (what a training step's bf16 matmuls
+/// compute for f32 activations and gradients).
+pub fn matmul_bf16_f32(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
+    check_shapes(x.len(), w.len(), m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the required CPU features were detected at runtime.
+        return unsafe { avx512::matmul_bf16_f32(x, w, layout, m, k, n) };
+    }
+    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+    matmul_f32_bf16_portable(&xf, w, layout, m, k, n)
+}
+
 /// Same as [`matmul_bf16`] with f32 activations and an f32 result.
 ///
 /// `x` is used exactly: each bf16 weight is widened to f32 (exact) and the product is a plain f32
@@ -370,7 +384,31 @@ mod avx512 {
         }
         let mut y = vec![bf16::ZERO; m * n];
         let yp = SyncPtr(y.as_mut_ptr() as *mut u16);
-        packed::<Bf16Pairs>(as_u16(x), as_u16(w), layout, m, k, n, yp);
+        packed::<Bf16Pairs<u16>>(as_u16(x), as_u16(w), layout, m, k, n, yp);
+        y
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn matmul_bf16_f32(
+        x: &[bf16],
+        w: &[bf16],
+        layout: WeightLayout,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<f32> {
+        if m <= SMALL_M {
+            return match layout {
+                WeightLayout::InOut => {
+                    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                    streaming(&xf, as_u16(w), m, k, n)
+                }
+                WeightLayout::OutIn => streaming_nt::<DotPairs>(as_u16(x), as_u16(w), m, k, n),
+            };
+        }
+        let mut y = vec![0f32; m * n];
+        let yp = SyncPtr(y.as_mut_ptr());
+        packed::<Bf16Pairs<f32>>(as_u16(x), as_u16(w), layout, m, k, n, yp);
         y
     }
 
@@ -971,12 +1009,13 @@ mod avx512 {
     }
 
     /// bf16 activations, `vdpbf16ps` on k-pairs: a word holds elements `2p` (low half) and
-    /// `2p + 1` (high half, zero past the end) of a row of `x` or a column of `w`.
-    struct Bf16Pairs;
+    /// `2p + 1` (high half, zero past the end) of a row of `x` or a column of `w`. The result
+    /// is stored as `Y`: bf16 bits (`u16`) or f32.
+    struct Bf16Pairs<Y>(core::marker::PhantomData<Y>);
 
-    impl PanelKernel for Bf16Pairs {
+    impl<Y: TileStore> PanelKernel for Bf16Pairs<Y> {
         type X = u16;
-        type Y = u16;
+        type Y = Y;
         const STEP: usize = 2;
 
         #[inline]
@@ -1001,7 +1040,7 @@ mod avx512 {
             b: *const u32,
             c: *mut f32,
             first: bool,
-            out: Option<Out<u16>>,
+            out: Option<Out<Y>>,
         ) {
             dp_tile(steps, a, b, c, first, out)
         }
@@ -1149,15 +1188,15 @@ mod avx512 {
     }
 
     /// `MR` x 32 tile: per k-pair, two panel loads and `2 * MR` `vdpbf16ps` against the
-    /// broadcast `(x[r, 2p], x[r, 2p + 1])` word; the final store rounds to bf16.
+    /// broadcast `(x[r, 2p], x[r, 2p + 1])` word.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    unsafe fn dp_tile(
+    unsafe fn dp_tile<Y: TileStore>(
         steps: usize,
         a: *const u32,
         b: *const u32,
         c: *mut f32,
         first: bool,
-        out: Option<Out<u16>>,
+        out: Option<Out<Y>>,
     ) {
         let mut acc = acc_init(c, first);
         for s in 0..steps {
@@ -1171,17 +1210,44 @@ mod avx512 {
                 acc_r[1] = _mm512_dpbf16_ps(acc_r[1], xv, b1);
             }
         }
-        let Some(o) = out else {
-            return acc_spill(&acc, c);
-        };
-        let m0 = mask16(o.nc);
-        let m1 = mask16(o.nc.saturating_sub(16));
-        for (r, acc_r) in acc.iter().enumerate().take(o.rows) {
-            let dst = o.y.add(r * o.n) as *mut i16;
-            let h0: __m256i = core::mem::transmute(_mm512_cvtneps_pbh(acc_r[0]));
-            let h1: __m256i = core::mem::transmute(_mm512_cvtneps_pbh(acc_r[1]));
-            _mm256_mask_storeu_epi16(dst, m0, h0);
-            _mm256_mask_storeu_epi16(dst.add(16), m1, h1);
+        match out {
+            Some(o) => Y::store(&acc, o),
+            None => acc_spill(&acc, c),
+        }
+    }
+
+    /// How a finished tile's accumulators are written to the result.
+    trait TileStore: Sized {
+        unsafe fn store(acc: &[[__m512; 2]; MR], o: Out<Self>);
+    }
+
+    /// Rounded to bf16 (nearest-even).
+    impl TileStore for u16 {
+        #[inline(always)]
+        unsafe fn store(acc: &[[__m512; 2]; MR], o: Out<u16>) {
+            let m0 = mask16(o.nc);
+            let m1 = mask16(o.nc.saturating_sub(16));
+            for (r, acc_r) in acc.iter().enumerate().take(o.rows) {
+                let dst = o.y.add(r * o.n) as *mut i16;
+                let h0: __m256i = core::mem::transmute(_mm512_cvtneps_pbh(acc_r[0]));
+                let h1: __m256i = core::mem::transmute(_mm512_cvtneps_pbh(acc_r[1]));
+                _mm256_mask_storeu_epi16(dst, m0, h0);
+                _mm256_mask_storeu_epi16(dst.add(16), m1, h1);
+            }
+        }
+    }
+
+    /// As they are.
+    impl TileStore for f32 {
+        #[inline(always)]
+        unsafe fn store(acc: &[[__m512; 2]; MR], o: Out<f32>) {
+            let m0 = mask16(o.nc);
+            let m1 = mask16(o.nc.saturating_sub(16));
+            for (r, acc_r) in acc.iter().enumerate().take(o.rows) {
+                let dst = o.y.add(r * o.n);
+                _mm512_mask_storeu_ps(dst, m0, acc_r[0]);
+                _mm512_mask_storeu_ps(dst.add(16), m1, acc_r[1]);
+            }
         }
     }
 
@@ -1262,15 +1328,9 @@ mod avx512 {
                 acc_r[1] = _mm512_fmadd_ps(xv, b1, acc_r[1]);
             }
         }
-        let Some(o) = out else {
-            return acc_spill(&acc, c);
-        };
-        let m0 = mask16(o.nc);
-        let m1 = mask16(o.nc.saturating_sub(16));
-        for (r, acc_r) in acc.iter().enumerate().take(o.rows) {
-            let dst = o.y.add(r * o.n);
-            _mm512_mask_storeu_ps(dst, m0, acc_r[0]);
-            _mm512_mask_storeu_ps(dst.add(16), m1, acc_r[1]);
+        match out {
+            Some(o) => f32::store(&acc, o),
+            None => acc_spill(&acc, c),
         }
     }
 }
@@ -1396,6 +1456,19 @@ mod tests {
                 "portable",
                 (m, k, n),
             );
+        }
+    }
+
+    #[test]
+    fn bf16_with_f32_result_matches_reference() {
+        for (m, k, n) in shapes_of(&MS_NT, &NS) {
+            let (x, w) = inputs(m, k, n);
+            let e = transpose(&w, k, n);
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+            let refv = reference(&xr, &w, m, k, n);
+            check_f32(&matmul_bf16_f32(&xb, &w, WeightLayout::InOut, m, k, n), &refv, "in-out", (m, k, n));
+            check_f32(&matmul_bf16_f32(&xb, &e, WeightLayout::OutIn, m, k, n), &refv, "out-in", (m, k, n));
         }
     }
 
