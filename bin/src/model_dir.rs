@@ -5,7 +5,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use burn::tensor::{backend::Backend, DType};
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, LoadOptions, Qwen3ForCausalLM};
+use model::{load_pretrained, LoadOptions, MatmulPrecision, Qwen3ForCausalLM};
 
 /// A loaded checkpoint and its optional tokenizer.
 pub struct LoadedModel<B: Backend> {
@@ -87,6 +87,15 @@ pub fn parse_dtype(text: &str) -> Result<DType, String> {
         "f32" | "float32" => Ok(DType::F32),
         "bf16" | "bfloat16" => Ok(DType::BF16),
         other => Err(format!("unknown dtype \"{other}\": use f32 or bf16")),
+    }
+}
+
+/// Parses the `--matmul` flag (the precision of f32 matrix products).
+pub fn parse_matmul(text: &str) -> Result<MatmulPrecision, String> {
+    match text {
+        "f32" => Ok(MatmulPrecision::F32),
+        "bf16" => Ok(MatmulPrecision::Bf16),
+        other => Err(format!("unknown matmul precision \"{other}\": use f32 or bf16")),
     }
 }
 

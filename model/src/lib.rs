@@ -26,7 +26,7 @@ pub mod weights;
 
 pub use config::{Preset, Qwen3Config};
 pub use error::ModelError;
-pub use qwen3::{KvCache, Qwen3ForCausalLM};
+pub use qwen3::{KvCache, MatmulPrecision, Qwen3ForCausalLM};
 pub use batch::{Padding, TokenBatch};
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
 pub use logprobs::{completion_logprobs, map_logits_chunks, token_logprobs};

@@ -14,7 +14,7 @@ use crate::checkpoint::{Checkpoint, HostTensor, RawTensor, StorageDtype};
 use crate::config::Qwen3Config;
 use crate::error::ModelError;
 use crate::qwen3::{
-    Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, Qwen3RMSNorm,
+    MatmulPrecision, Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
 };
 
@@ -223,6 +223,7 @@ fn assemble<B: Backend>(
             layers,
             norm: final_norm,
             rotary_emb: Qwen3RotaryEmbedding::new(config.head_dim, config.rope_theta),
+            matmul: MatmulPrecision::F32,
         },
         lm_head,
         config,

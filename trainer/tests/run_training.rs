@@ -12,7 +12,7 @@ use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
 use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
-use model::{load_pretrained, LoadOptions, Preset, Qwen3ForCausalLM};
+use model::{load_pretrained, LoadOptions, MatmulPrecision, Preset, Qwen3ForCausalLM};
 use prompt_r1_trainer::run::{
     latest_checkpoint, EpisodeScore, EpisodeScorer, InferenceDtype, StepRecord, TrainConfig, Trainer,
 };
@@ -151,6 +151,22 @@ fn the_policy_learns_with_bf16_rollouts_and_reference() {
     println!("bf16 rollouts: first 5 steps {first:.3}, last 5 steps {last:.3}, final kl {:?}", records[39].kl);
     assert!(last - first > 0.15, "first {first}, last {last}");
     assert!(records.iter().all(|r| r.kl.is_some_and(f32::is_finite)));
+}
+
+/// With bf16 products (`grpo.matmul = "bf16"`) the policy learns as in f32, and the old
+/// log-probs are scored at the same precision as the update: with one optimiser step per step,
+/// every ratio is exactly 1 (no approximate KL, nothing clipped).
+#[test]
+fn the_policy_learns_with_bf16_products() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    config.grpo.matmul = MatmulPrecision::Bf16;
+    let (trainer, records) = train(config, 40, false);
+    let (first, last) = first_last_gap(&records);
+    println!("bf16 products: first 5 steps {first:.3}, last 5 steps {last:.3}");
+    assert!(last - first > 0.15, "first {first}, last {last}");
+    assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.approx_kl == 0.0 && r.clip_frac == 0.0));
+    assert_eq!(trainer.policy().model.matmul, MatmulPrecision::Bf16, "the optimiser keeps the setting");
 }
 
 fn weights(model: &Qwen3ForCausalLM<Flex>) -> Vec<(String, Vec<f32>)> {

@@ -3,6 +3,8 @@
 //!   f32 buffers on every call, i.e. the whole weight matrix per generated token;
 //! - matmuls of a few rows (decode) with f32 weights: memory-bound, so a streaming kernel reads
 //!   the weights at full bandwidth where a general GEMM does not;
+//! - f32 matmuls at bf16 precision (`MatmulPrecision::Bf16`): operands rounded to bf16 and
+//!   multiplied with `vdpbf16ps`, about twice the f32 GEMM's throughput;
 //! - RMSNorm, the SwiGLU product and RoPE (f32): several single-threaded passes (and strided
 //!   broadcasts in bf16) become one parallel pass;
 //! - the log-probability of chosen tokens: one parallel reduction per row of logits instead of
@@ -13,9 +15,9 @@
 //! Each entry point returns `None` unless the backend is burn-flex itself (checked at run time
 //! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
 //! handles; the caller then uses burn's own ops. Under autodiff the chosen-token
-//! log-probability, the embedding lookup, RMSNorm, SwiGLU, RoPE and attention have kernels, each
-//! registered as one operation of the graph with its own backward (see `tracked`); everything
-//! else records burn's ops.
+//! log-probability, the embedding lookup, RMSNorm, SwiGLU, RoPE, attention and the
+//! bf16-precision matmul have kernels, each registered as one operation of the graph with its
+//! own backward (see `tracked`); everything else records burn's ops.
 
 /// Evaluates `$body` in a copy compiled with AVX-512 enabled when the CPU has it, so that the
 /// loops inlined into it vectorise 16 lanes wide; otherwise as compiled for the baseline.
@@ -63,6 +65,16 @@ pub(crate) enum WeightLayout {
     OutIn,
 }
 
+impl WeightLayout {
+    /// `(k, n)` of `y[m, n] = x[m, k] · w` for a weight of shape `dims` stored this way.
+    fn inner_outer(self, [rows, cols]: [usize; 2]) -> (usize, usize) {
+        match self {
+            WeightLayout::InOut => (rows, cols),
+            WeightLayout::OutIn => (cols, rows),
+        }
+    }
+}
+
 /// `x · w` (or `x · wᵀ`) through [`weight_matmul`] when `B` is burn-flex, `w` is a contiguous
 /// matrix and either `w` is bf16 and `x` bf16 or f32 (the result has `x`'s dtype), or both are
 /// f32 with at most [`weight_matmul::SMALL_M`] rows on a CPU with the SIMD kernels; `None`
@@ -72,11 +84,7 @@ pub(crate) fn weight_matmul<B: Backend, const D: usize>(
     w: &Tensor<B, 2>,
     layout: WeightLayout,
 ) -> Option<Tensor<B, D>> {
-    let [rows, cols] = w.dims();
-    let (k, n) = match layout {
-        WeightLayout::InOut => (rows, cols),
-        WeightLayout::OutIn => (cols, rows),
-    };
+    let (k, n) = layout.inner_outer(w.dims());
     let mut dims = x.dims();
     let m: usize = dims[..D - 1].iter().product();
     let small_f32 = m <= weight_matmul::SMALL_M && weight_matmul::has_fast_path();
@@ -109,6 +117,34 @@ pub(crate) fn weight_matmul<B: Backend, const D: usize>(
         }
     };
     flex_output(bytes, dims, dtype)
+}
+
+/// `x · w` (or `x · wᵀ`) for f32 `x` and `w` with both operands rounded to bf16 (to nearest,
+/// ties to even) and the products summed in f32, through [`weight_matmul::matmul_bf16_f32`], when
+/// `B` is burn-flex or burn-flex under autodiff (one node, see [`tracked`]) on a CPU with the
+/// AVX-512 BF16 kernels; `None` otherwise.
+pub(crate) fn bf16_matmul<B: Backend, const D: usize>(
+    x: &Tensor<B, D>,
+    w: &Tensor<B, 2>,
+    layout: WeightLayout,
+) -> Option<Tensor<B, D>> {
+    let (k, n) = layout.inner_outer(w.dims());
+    let mut dims = x.dims();
+    let handled = weight_matmul::has_fast_path() && x.dtype() == DType::F32 && w.dtype() == DType::F32;
+    if !handled || dims[D - 1] != k {
+        return None;
+    }
+    if let Some(y) = tracked::bf16_matmul(x, w, layout, k, n) {
+        return Some(y);
+    }
+    let weight = to_flex(w.clone())?;
+    let input = to_flex(x.clone())?.to_contiguous();
+    let m = input.layout().num_elements() / k;
+    let xb = narrow_all(input.as_slice()?);
+    let wb = narrow_all(weight.as_slice()?);
+    let y = weight_matmul::matmul_bf16_f32(&xb, &wb, layout, m, k, n);
+    dims[D - 1] = n;
+    flex_output(Bytes::from_elems(y), dims, DType::F32)
 }
 
 /// HF's `Qwen3RMSNorm` (see [`fused::rms_norm_f32`]) when `B` is burn-flex and `x` and `weight`
@@ -184,14 +220,42 @@ pub(crate) fn cast<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) ->
 /// otherwise.
 fn to_bf16<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<Tensor<B, D>> {
     let values = to_flex(t.clone())?.to_contiguous();
-    let values: &[f32] = values.as_slice()?;
+    flex_output(Bytes::from_elems(narrow_all(values.as_slice()?)), t.dims(), DType::BF16)
+}
+
+/// `values` rounded to bf16 (to nearest, ties to even), in parallel.
+fn narrow_all(values: &[f32]) -> Vec<bf16> {
     let mut out = vec![bf16::ZERO; values.len()];
     out.par_chunks_mut(1 << 16)
         .zip(values.par_chunks(1 << 16))
         .for_each(|(out, x)| wide_simd!(for (o, &x) in out.iter_mut().zip(x) {
             *o = bf16_bits::narrow(x);
         }));
-    flex_output(Bytes::from_elems(out), t.dims(), DType::BF16)
+    out
+}
+
+/// The `[cols, rows]` transpose of the row-major `[rows, cols]` matrix `values`, in parallel
+/// over blocks of output rows.
+fn transpose<T: Copy + Default + Send + Sync>(values: &[T], rows: usize, cols: usize) -> Vec<T> {
+    const BLOCK: usize = 64;
+    assert_eq!(values.len(), rows * cols, "a {rows} x {cols} matrix");
+    let mut out = vec![T::default(); values.len()];
+    if rows == 0 {
+        return out;
+    }
+    out.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(b, dst)| {
+        let c0 = b * BLOCK;
+        let width = dst.len() / rows;
+        for r0 in (0..rows).step_by(BLOCK) {
+            for r in r0..rows.min(r0 + BLOCK) {
+                let src = &values[r * cols + c0..r * cols + c0 + width];
+                for (c, &v) in src.iter().enumerate() {
+                    dst[c * rows + r] = v;
+                }
+            }
+        }
+    });
+    out
 }
 
 /// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex or burn-flex
@@ -425,6 +489,18 @@ mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::Distribution;
+
+    #[test]
+    fn transpose_moves_every_element() {
+        for (rows, cols) in [(0, 5), (1, 1), (3, 130), (150, 7), (129, 65)] {
+            let values: Vec<u32> = (0..(rows * cols) as u32).collect();
+            let t = transpose(&values, rows, cols);
+            for (i, &v) in t.iter().enumerate() {
+                let (c, r) = (i / rows, i % rows);
+                assert_eq!(v as usize, r * cols + c, "{rows} x {cols} at ({r}, {c})");
+            }
+        }
+    }
 
     fn max_diff<B: Backend>(a: Tensor<B, 3>, b: Tensor<B, 3>) -> f32 {
         let a: Vec<f32> = a.cast(DType::F32).into_data().to_vec().unwrap();

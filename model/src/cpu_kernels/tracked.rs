@@ -1,8 +1,8 @@
 //! Kernels under autodiff: operations recorded in burn's graph as one node with a hand-written
 //! backward, for burn-flex wrapped in `Autodiff` (the training backend on the CPU): the
-//! chosen-token log-probability, the embedding lookup, RMSNorm, the SwiGLU product, RoPE and
-//! grouped-query attention. Also the entropy of the logits as a value outside the graph (the
-//! trainer's metric).
+//! chosen-token log-probability, the embedding lookup, RMSNorm, the SwiGLU product, RoPE,
+//! grouped-query attention and matmuls at bf16 precision. Also the entropy of the logits as a
+//! value outside the graph (the trainer's metric).
 //!
 //! RMSNorm takes burn's ops seven single-threaded passes forward (square, mean, add, sqrt,
 //! reciprocal, two broadcast products) and more backward, each keeping its temporaries for the
@@ -30,13 +30,13 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind, OpsPrep};
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{backend::Backend, Bytes, DType, Shape, Tensor, TensorPrimitive};
+use burn::tensor::{backend::Backend, bf16, Bytes, DType, Shape, Tensor, TensorPrimitive};
 use burn_flex::{FlexTensor, Layout};
 
 use rayon::prelude::*;
 
 use super::attention::{self, AttentionShape, SoftmaxStats};
-use super::{attention_backward, attention_views, fused, rows_contiguous};
+use super::{attention_backward, attention_views, fused, narrow_all, rows_contiguous, transpose, weight_matmul, WeightLayout};
 
 type TrackedFlex = Autodiff<Flex>;
 
@@ -168,6 +168,32 @@ pub(super) fn grouped_attention<B: Backend>(
     let out = output.clone();
     let state = || AttentionState { operands: [q, k, v, m], out, stats: Arc::new(stats), shape, scale };
     from_tracked(record(Attention.prepare(parents), state, output))
+}
+
+/// `x · w` (or `x · wᵀ`) with bf16 operands and f32 sums (see [`super::bf16_matmul`]) as one
+/// autodiff node when `x` and `w` are f32 tensors of `Autodiff<Flex>`; `None` otherwise. `w`
+/// gives `y[m, n] = x[m, k] · w` as `layout` says. Both gradients are bf16 products too (the
+/// output gradient, `x` and `w` rounded, f32 sums), as under PyTorch's bf16 autocast. The node
+/// keeps `x` rounded to bf16 and `w` as it is, rounding it again in the backward rather than
+/// keeping a bf16 copy of every weight alive for the whole step.
+pub(super) fn bf16_matmul<B: Backend, const D: usize>(
+    x: &Tensor<B, D>,
+    w: &Tensor<B, 2>,
+    layout: WeightLayout,
+    k: usize,
+    n: usize,
+) -> Option<Tensor<B, D>> {
+    let (x, w) = (as_tracked(x)?, as_tracked(w)?);
+    let (xs, ws) = (x.primitive.to_contiguous(), w.primitive.clone());
+    let (xb, wb) = (narrow_all(xs.as_slice::<f32>()?), narrow_all(ws.as_slice::<f32>()?));
+    let m = xb.len() / k;
+    let y = weight_matmul::matmul_bf16_f32(&xb, &wb, layout, m, k, n);
+    let mut dims: [usize; D] = xs.layout().shape().dims();
+    dims[D - 1] = n;
+    let output = f32_tensor(y, dims);
+    let parents = [x.node.clone(), w.node.clone()];
+    let state = || Bf16MatmulState { x: Arc::new(xb), weight: ws, x_shape: xs.layout().shape().clone(), layout, m, k, n };
+    from_tracked(record(Bf16Matmul.prepare(parents), state, output))
 }
 
 /// Records a compute-bound node with output `output`; its backward's `state` is built (and kept)
@@ -328,6 +354,59 @@ impl Backward<Flex, 2> for SiluMul {
         let (dgate, dup) = fused::silu_mul_backward_f32(gv, uv, yv);
         let shape = gate.layout().shape();
         register_each(ops.parents.map(|p| p.map(|p| p.id)), grads, [f32_tensor(dgate, shape.clone()), f32_tensor(dup, shape.clone())]);
+    }
+}
+
+/// The node: `y = x · w` with bf16 operands and f32 sums.
+#[derive(Debug)]
+struct Bf16Matmul;
+
+/// What the backward needs: `x` rounded to bf16 (`[m, k]`), the f32 weight and the shapes.
+#[derive(Debug, Clone)]
+struct Bf16MatmulState {
+    x: Arc<Vec<bf16>>,
+    weight: FlexTensor,
+    x_shape: Shape,
+    layout: WeightLayout,
+    m: usize,
+    k: usize,
+    n: usize,
+}
+
+impl Backward<Flex, 2> for Bf16Matmul {
+    type State = Bf16MatmulState;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let Bf16MatmulState { x, weight, x_shape, layout, m, k, n } = ops.state;
+        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let (Some(gv), Some(wv)) = (grad.as_slice::<f32>(), weight.as_slice::<f32>()) else {
+            unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
+        };
+        let [x_parent, w_parent] = ops.parents.map(|p| p.map(|p| p.id));
+        let gb = narrow_all(gv);
+        drop(grad);
+        if let Some(parent) = x_parent {
+            // dx[m, k] = dy[m, n] · wᵀ: the weight read the other way round.
+            let flipped = match layout {
+                WeightLayout::InOut => WeightLayout::OutIn,
+                WeightLayout::OutIn => WeightLayout::InOut,
+            };
+            let dx = weight_matmul::matmul_bf16_f32(&gb, &narrow_all(wv), flipped, m, n, k);
+            grads.register::<Flex>(parent, f32_tensor(dx, x_shape));
+        }
+        if let Some(parent) = w_parent {
+            let dw = match layout {
+                // dw[k, n] = xᵀ · dy
+                WeightLayout::InOut => weight_matmul::matmul_bf16_f32(&transpose(&x, m, k), &gb, WeightLayout::InOut, k, m, n),
+                // dw[n, k] = dyᵀ · x
+                WeightLayout::OutIn => {
+                    let gt = transpose(&gb, m, n);
+                    drop(gb);
+                    weight_matmul::matmul_bf16_f32(&gt, &x, WeightLayout::InOut, n, m, k)
+                }
+            };
+            grads.register::<Flex>(parent, f32_tensor(dw, weight.layout().shape().clone()));
+        }
     }
 }
 
@@ -588,5 +667,58 @@ mod tests {
         let grad = |t: &Tensor<B, 4>, g| t.grad(g).unwrap().into_data().to_vec::<f32>().unwrap();
         let (got, want) = (grad(&fx, &fg), grad(&px, &pg));
         assert!(got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5), "{got:?} vs {want:?}");
+    }
+
+    /// The bf16-product node, both layouts, against burn's f32 ops on the operands and the
+    /// output gradient rounded to bf16 beforehand: values and both gradients agree up to f32
+    /// summation order. Plain burn-flex gives the node's forward values.
+    #[test]
+    fn bf16_matmul_node_matches_f32_ops_on_rounded_operands() {
+        use super::super::{bf16_bits::round, bf16_matmul, WeightLayout};
+        type B = Autodiff<Flex>;
+        let device = Default::default();
+        if !super::weight_matmul::has_fast_path() {
+            eprintln!("skipped: this CPU lacks the AVX-512 BF16 kernels, so the node is not used");
+            return;
+        }
+        let series = |n: usize, f: f32| -> Vec<f32> { (0..n).map(|i| (i as f32 * f).sin() * 2.0 + 0.01).collect() };
+        let rounded = |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| round(x)).collect() };
+        let tensor = |v: &[f32], dims: [usize; 2]| Tensor::<B, 2>::from_data(TensorData::new(v.to_vec(), dims), &device).require_grad();
+        let to_vec = |t: Tensor<B, 2>| t.into_data().to_vec::<f32>().unwrap();
+        fn grad(t: &Tensor<B, 2>, g: &super::Gradients) -> Vec<f32> {
+            t.grad(g).unwrap().into_data().to_vec::<f32>().unwrap()
+        }
+        let close = |got: Vec<f32>, want: Vec<f32>, what: &str| {
+            assert_eq!(got.len(), want.len());
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "{what} at {i}: {a} vs {b}");
+            }
+        };
+        for (m, k, n) in [(37, 70, 45), (3, 33, 20)] {
+            let (x, g) = (series(m * k, 0.31), series(m * n, 0.77));
+            for layout in [WeightLayout::InOut, WeightLayout::OutIn] {
+                let w_dims = match layout {
+                    WeightLayout::InOut => [k, n],
+                    WeightLayout::OutIn => [n, k],
+                };
+                let w = series(k * n, 0.53);
+                let (fx, fw) = (tensor(&x, [m, k]), tensor(&w, w_dims));
+                let fused = bf16_matmul(&fx, &fw, layout).expect("Autodiff<Flex> f32 is handled");
+                let (px, pw) = (tensor(&rounded(&x), [m, k]), tensor(&rounded(&w), w_dims));
+                let plain = match layout {
+                    WeightLayout::InOut => px.clone().matmul(pw.clone()),
+                    WeightLayout::OutIn => px.clone().matmul(pw.clone().transpose()),
+                };
+                let what = format!("{m}x{k}x{n} {layout:?}");
+                close(to_vec(fused.clone()), to_vec(plain.clone()), &format!("{what} y"));
+                let inner = bf16_matmul(&fx.clone().inner(), &fw.clone().inner(), layout).expect("Flex f32 is handled");
+                assert_eq!(inner.into_data().to_vec::<f32>().unwrap(), to_vec(fused.clone()), "{what}: plain Flex");
+                let cotangent = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [m, n]), &device);
+                let fg = (fused * cotangent(g.clone())).sum().backward();
+                let pg = (plain * cotangent(rounded(&g))).sum().backward();
+                close(grad(&fx, &fg), grad(&px, &pg), &format!("{what} dx"));
+                close(grad(&fw, &fg), grad(&pw, &pg), &format!("{what} dw"));
+            }
+        }
     }
 }

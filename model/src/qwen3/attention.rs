@@ -6,7 +6,7 @@ use burn::nn::Linear;
 use burn::tensor::{activation::softmax, backend::Backend, DType, Int, Tensor};
 
 use super::cache::LayerKvCache;
-use super::linear::linear;
+use super::linear::{linear, MatmulPrecision};
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
 use crate::cpu_kernels;
@@ -66,25 +66,26 @@ impl<B: Backend> AttentionInputs<B> {
 
 impl<B: Backend> Qwen3Attention<B> {
     /// `hidden_states` `[b, q, hidden]`; `inputs` built for these positions, with `k` counting
-    /// cached plus new positions. Returns `[b, q, hidden]`.
+    /// cached plus new positions; projections at precision `matmul`. Returns `[b, q, hidden]`.
     pub fn forward(
         &self,
         hidden_states: Tensor<B, 3>,
         inputs: &AttentionInputs<B>,
         cache: Option<&mut LayerKvCache<B>>,
+        matmul: MatmulPrecision,
     ) -> Tensor<B, 3> {
         let [b, q_len, _] = hidden_states.dims();
         let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
 
         let query_states = self
             .q_norm
-            .forward(linear(&self.q_proj, hidden_states.clone()).reshape([b, q_len, h, d]));
+            .forward(linear(&self.q_proj, hidden_states.clone(), matmul).reshape([b, q_len, h, d]));
         let key_states = self
             .k_norm
-            .forward(linear(&self.k_proj, hidden_states.clone()).reshape([b, q_len, kv, d]));
+            .forward(linear(&self.k_proj, hidden_states.clone(), matmul).reshape([b, q_len, kv, d]));
         let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q);
         let key_states = apply_rotary_pos_emb(key_states, &inputs.rotary_k).swap_dims(1, 2);
-        let value_states = linear(&self.v_proj, hidden_states)
+        let value_states = linear(&self.v_proj, hidden_states, matmul)
             .reshape([b, q_len, kv, d])
             .swap_dims(1, 2);
 
@@ -107,7 +108,7 @@ impl<B: Backend> Qwen3Attention<B> {
                 .swap_dims(1, 2)
                 .reshape([b, q_len, h * d])
         });
-        linear(&self.o_proj, attn_output)
+        linear(&self.o_proj, attn_output, matmul)
     }
 }
 

@@ -8,12 +8,12 @@ use burn::tensor::{backend::Backend, Int, Tensor};
 use super::attention::AttentionInputs;
 use super::cache::KvCache;
 use super::decoder_layer::Qwen3DecoderLayer;
-use super::linear::linear_rows;
+use super::linear::{project, MatmulPrecision};
 use super::mask::attention_bias;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::Qwen3RotaryEmbedding;
 use crate::config::Qwen3Config;
-use crate::cpu_kernels::{self, weight_matmul, WeightLayout};
+use crate::cpu_kernels::{self, WeightLayout};
 use crate::error::ModelError;
 
 /// The decoder stack without the language-model head.
@@ -24,6 +24,9 @@ pub struct Qwen3Model<B: Backend> {
     pub norm: Qwen3RMSNorm<B>,
     #[module(skip)]
     pub rotary_emb: Qwen3RotaryEmbedding,
+    /// The precision of every projection's f32 products, the head's included.
+    #[module(skip)]
+    pub matmul: MatmulPrecision,
 }
 
 /// What a forward pass returns besides logits.
@@ -65,7 +68,7 @@ impl<B: Backend> Qwen3Model<B> {
                 AttentionInputs::new(&self.rotary_emb, position_ids, bias, heads, kv_heads);
             for (i, layer) in self.layers.iter().enumerate() {
                 let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-                hidden_states = layer.forward(hidden_states, &inputs, layer_cache);
+                hidden_states = layer.forward(hidden_states, &inputs, layer_cache, self.matmul);
                 if let Some(all) = all_hidden.as_mut() {
                     all.push(hidden_states.clone());
                 }
@@ -76,17 +79,6 @@ impl<B: Backend> Qwen3Model<B> {
             hidden_states: all_hidden,
         }
     }
-}
-
-/// `hidden @ embedᵀ` computed as `(embed @ hiddenᵀ)ᵀ`: the `[vocab, hidden]` table is used as
-/// stored, and only the small activations are transposed (a transposed view of the table would
-/// be copied into a fresh vocab×hidden buffer on every call by backends that need contiguous
-/// matmul operands).
-fn tied_head<B: Backend>(hidden_states: Tensor<B, 3>, embed: Tensor<B, 2>) -> Tensor<B, 3> {
-    let [b, q, h] = hidden_states.dims();
-    let vocab = embed.dims()[0];
-    let columns = hidden_states.reshape([b * q, h]).transpose();
-    embed.matmul(columns).transpose().reshape([b, q, vocab])
 }
 
 /// Qwen3 with its language-model head.
@@ -120,13 +112,13 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
             Some(weight) => (weight.val(), WeightLayout::InOut),
             None => (self.model.embed_tokens.weight.val(), WeightLayout::OutIn),
         };
-        if let Some(logits) = weight_matmul(&hidden_states, &weight, layout) {
-            return logits;
-        }
-        match layout {
-            WeightLayout::InOut => linear_rows(hidden_states, weight, None),
-            WeightLayout::OutIn => tied_head(hidden_states, weight),
-        }
+        project(hidden_states, weight, layout, self.model.matmul)
+    }
+
+    /// This model with its f32 products at precision `matmul` (see [`MatmulPrecision`]).
+    pub fn with_matmul_precision(mut self, matmul: MatmulPrecision) -> Self {
+        self.model.matmul = matmul;
+        self
     }
 
     /// An empty KV cache sized for this model.

@@ -5,6 +5,7 @@ use burn::tensor::{backend::Backend, Tensor};
 
 use super::attention::{AttentionInputs, Qwen3Attention};
 use super::cache::LayerKvCache;
+use super::linear::MatmulPrecision;
 use super::mlp::Qwen3MLP;
 use super::rms_norm::Qwen3RMSNorm;
 
@@ -24,12 +25,13 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         hidden_states: Tensor<B, 3>,
         inputs: &AttentionInputs<B>,
         cache: Option<&mut LayerKvCache<B>>,
+        matmul: MatmulPrecision,
     ) -> Tensor<B, 3> {
         let residual = hidden_states.clone();
         let hidden_states = self.input_layernorm.forward(hidden_states);
-        let hidden_states = residual + self.self_attn.forward(hidden_states, inputs, cache);
+        let hidden_states = residual + self.self_attn.forward(hidden_states, inputs, cache, matmul);
         let residual = hidden_states.clone();
         let hidden_states = self.post_attention_layernorm.forward(hidden_states);
-        residual + self.mlp.forward(hidden_states)
+        residual + self.mlp.forward(hidden_states, matmul)
     }
 }

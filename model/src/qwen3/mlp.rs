@@ -4,7 +4,7 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{activation::silu, backend::Backend, Tensor};
 
-use super::linear::linear;
+use super::linear::{linear, MatmulPrecision};
 use crate::cpu_kernels::silu_mul;
 
 /// The gated feed-forward block of a decoder layer.
@@ -16,11 +16,11 @@ pub struct Qwen3MLP<B: Backend> {
 }
 
 impl<B: Backend> Qwen3MLP<B> {
-    /// `[.., hidden] -> [.., hidden]`.
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let gate = linear(&self.gate_proj, x.clone());
-        let up = linear(&self.up_proj, x);
+    /// `[.., hidden] -> [.., hidden]`, the projections at precision `matmul`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>, matmul: MatmulPrecision) -> Tensor<B, D> {
+        let gate = linear(&self.gate_proj, x.clone(), matmul);
+        let up = linear(&self.up_proj, x, matmul);
         let hidden = silu_mul(&gate, &up).unwrap_or_else(|| silu(gate) * up);
-        linear(&self.down_proj, hidden)
+        linear(&self.down_proj, hidden, matmul)
     }
 }

@@ -5,7 +5,7 @@
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::{backend::AutodiffBackend, backend::Backend, Tensor, TensorData};
-use model::{token_logprobs, Padding, Qwen3ForCausalLM, TokenBatch};
+use model::{token_logprobs, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
 use serde::{Deserialize, Serialize};
 
 use super::batch::{PolicyBatch, PolicySequence};
@@ -29,6 +29,10 @@ pub struct LearnConfig {
     /// Compute the policy's entropy for the statistics even when `entropy_coef` is 0 (without
     /// gradients; costs one more pass over each chunk of logits).
     pub track_entropy: bool,
+    /// The precision of the policy's f32 matrix products in the update: `f32`, or `bf16`
+    /// (operands rounded to bf16, f32 sums; f32 weights, gradients and optimiser state). The
+    /// trainer scores the old log-probs at the same precision, so a step's first ratio is 1.
+    pub matmul: MatmulPrecision,
     pub loss: GrpoLossConfig,
     pub optimizer: OptimizerConfig,
 }
@@ -39,6 +43,7 @@ impl Default for LearnConfig {
             mini_batch_size: 64,
             micro_batch_size: 8,
             track_entropy: true,
+            matmul: MatmulPrecision::F32,
             loss: GrpoLossConfig::default(),
             optimizer: OptimizerConfig::default(),
         }
@@ -121,6 +126,7 @@ where
 {
     let _autodiff = crate::autodiff_lock::exclusive_autodiff();
     config.validate()?;
+    model = model.with_matmul_precision(config.matmul);
     if config.loss.uses_kl() && !batch.has_ref_logprobs() {
         return Err(GrpoError::Input(
             "kl_coef ≠ 0 but some sequences have no reference log-probs".into(),

@@ -257,6 +257,7 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use model::MatmulPrecision;
 
     #[test]
     fn defaults_are_the_reference_run() {
@@ -296,6 +297,17 @@ mod tests {
         assert_eq!(parse("f32").unwrap().rollout.dtype.dtype(), DType::F32);
         let err = parse("fp16").unwrap_err().to_string();
         assert!(err.contains("fp16") && err.contains("bf16"), "{err}");
+    }
+
+    #[test]
+    fn grpo_matmul_is_f32_or_bf16() {
+        let parse = |matmul: &str| {
+            toml::from_str::<TrainConfig>(&format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n[grpo]\nmatmul = \"{matmul}\"\n"))
+        };
+        assert_eq!(parse("bf16").unwrap().grpo.matmul, MatmulPrecision::Bf16);
+        assert_eq!(parse("f32").unwrap().grpo.matmul, MatmulPrecision::F32);
+        let err = parse("tf32").unwrap_err().to_string();
+        assert!(err.contains("tf32") && err.contains("bf16"), "{err}");
     }
 
     #[test]

@@ -79,7 +79,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             validation.truncate(limit);
         }
         let reference = if config.grpo.loss.uses_kl() {
-            Some(load_pretrained::<Inner<B>>(&config.model, &device, LoadOptions { dtype: config.rollout.dtype.dtype() })?)
+            let options = LoadOptions { dtype: config.rollout.dtype.dtype() };
+            Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?.with_matmul_precision(config.grpo.matmul))
         } else {
             None
         };
@@ -88,7 +89,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         let (policy, sampler, step) = match &checkpoint {
             Some(dir) => {
                 let state: TrainerState = read_json(&dir.join(STATE_FILE))?;
-                let policy = load_pretrained::<B>(dir, &device, LoadOptions::default())?;
+                let policy = load_pretrained::<B>(dir, &device, LoadOptions::default())?
+                    .with_matmul_precision(config.grpo.matmul);
                 let record = BinFileRecorder::<FullPrecisionSettings>::new()
                     .load(dir.join(OPTIMIZER_FILE), &device)
                     .map_err(|e| TrainError::Checkpoint {
@@ -101,7 +103,8 @@ impl<B: AutodiffBackend> Trainer<B> {
                 (policy, sampler, state.step)
             }
             None => {
-                let policy = load_pretrained::<B>(&config.model, &device, LoadOptions::default())?;
+                let policy = load_pretrained::<B>(&config.model, &device, LoadOptions::default())?
+                    .with_matmul_precision(config.grpo.matmul);
                 let sampler = BatchSampler::new(
                     train.len(),
                     SamplerConfig {
