@@ -120,7 +120,7 @@ pub(crate) fn weight_matmul<B: Backend, const D: usize>(
 }
 
 /// `x · w` (or `x · wᵀ`) for f32 `x` and `w` with both operands rounded to bf16 (to nearest,
-/// ties to even) and the products summed in f32, through [`weight_matmul::matmul_bf16_f32`], when
+/// ties to even) and the products summed in f32, through [`weight_matmul::matmul_rounded`], when
 /// `B` is burn-flex or burn-flex under autodiff (one node, see [`tracked`]) on a CPU with the
 /// AVX-512 BF16 kernels; `None` otherwise.
 pub(crate) fn bf16_matmul<B: Backend, const D: usize>(
@@ -141,8 +141,7 @@ pub(crate) fn bf16_matmul<B: Backend, const D: usize>(
     let input = to_flex(x.clone())?.to_contiguous();
     let m = input.layout().num_elements() / k;
     let xb = narrow_all(input.as_slice()?);
-    let wb = narrow_all(weight.as_slice()?);
-    let y = weight_matmul::matmul_bf16_f32(&xb, &wb, layout, m, k, n);
+    let y = weight_matmul::matmul_rounded(&xb, weight.as_slice()?, layout, m, k, n);
     dims[D - 1] = n;
     flex_output(Bytes::from_elems(y), dims, DType::F32)
 }

@@ -173,9 +173,9 @@ pub(super) fn grouped_attention<B: Backend>(
 /// `x · w` (or `x · wᵀ`) with bf16 operands and f32 sums (see [`super::bf16_matmul`]) as one
 /// autodiff node when `x` and `w` are f32 tensors of `Autodiff<Flex>`; `None` otherwise. `w`
 /// gives `y[m, n] = x[m, k] · w` as `layout` says. Both gradients are bf16 products too (the
-/// output gradient, `x` and `w` rounded, f32 sums), as under PyTorch's bf16 autocast. The node
-/// keeps `x` rounded to bf16 and `w` as it is, rounding it again in the backward rather than
-/// keeping a bf16 copy of every weight alive for the whole step.
+/// output gradient, `x` and `w` rounded, f32 sums), as under PyTorch's bf16 autocast. The
+/// weight is rounded as the kernel packs it, never copied; the node keeps `x` rounded to bf16
+/// and `w` as it is.
 pub(super) fn bf16_matmul<B: Backend, const D: usize>(
     x: &Tensor<B, D>,
     w: &Tensor<B, 2>,
@@ -185,9 +185,9 @@ pub(super) fn bf16_matmul<B: Backend, const D: usize>(
 ) -> Option<Tensor<B, D>> {
     let (x, w) = (as_tracked(x)?, as_tracked(w)?);
     let (xs, ws) = (x.primitive.to_contiguous(), w.primitive.clone());
-    let (xb, wb) = (narrow_all(xs.as_slice::<f32>()?), narrow_all(ws.as_slice::<f32>()?));
+    let xb = narrow_all(xs.as_slice::<f32>()?);
     let m = xb.len() / k;
-    let y = weight_matmul::matmul_bf16_f32(&xb, &wb, layout, m, k, n);
+    let y = weight_matmul::matmul_rounded(&xb, ws.as_slice::<f32>()?, layout, m, k, n);
     let mut dims: [usize; D] = xs.layout().shape().dims();
     dims[D - 1] = n;
     let output = f32_tensor(y, dims);
@@ -384,22 +384,26 @@ impl Backward<Flex, 2> for Bf16Matmul {
         };
         let [x_parent, w_parent] = ops.parents.map(|p| p.map(|p| p.id));
         let gb = narrow_all(gv);
-        drop(grad);
         if let Some(parent) = x_parent {
             // dx[m, k] = dy[m, n] · wᵀ: the weight read the other way round.
             let flipped = match layout {
                 WeightLayout::InOut => WeightLayout::OutIn,
                 WeightLayout::OutIn => WeightLayout::InOut,
             };
-            let dx = weight_matmul::matmul_bf16_f32(&gb, &narrow_all(wv), flipped, m, n, k);
+            let dx = weight_matmul::matmul_rounded(&gb, wv, flipped, m, n, k);
             grads.register::<Flex>(parent, f32_tensor(dx, x_shape));
         }
         if let Some(parent) = w_parent {
             let dw = match layout {
                 // dw[k, n] = xᵀ · dy
-                WeightLayout::InOut => weight_matmul::matmul_bf16_f32(&transpose(&x, m, k), &gb, WeightLayout::InOut, k, m, n),
-                // dw[n, k] = dyᵀ · x
+                WeightLayout::InOut => {
+                    drop(gb);
+                    weight_matmul::matmul_rounded(&transpose(&x, m, k), gv, WeightLayout::InOut, k, m, n)
+                }
+                // dw[n, k] = dyᵀ · x (for the head, dy is the largest tensor of the step: free
+                // it before its transpose is allocated)
                 WeightLayout::OutIn => {
+                    drop(grad);
                     let gt = transpose(&gb, m, n);
                     drop(gb);
                     weight_matmul::matmul_bf16_f32(&gt, &x, WeightLayout::InOut, n, m, k)

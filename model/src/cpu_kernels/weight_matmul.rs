@@ -62,6 +62,19 @@ pub fn matmul_bf16_f32(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k
     matmul_f32_bf16_portable(&xf, w, layout, m, k, n)
 }
 
+/// [`matmul_bf16_f32`] with `w` given in f32 and rounded to bf16 (to nearest, ties to even) as
+/// it is read, so no rounded copy of the weights is made.
+pub fn matmul_rounded(x: &[bf16], w: &[f32], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
+    check_shapes(x.len(), w.len(), m, k, n);
+    #[cfg(target_arch = "x86_64")]
+    if avx512::available() {
+        // SAFETY: the required CPU features were detected at runtime.
+        return unsafe { avx512::matmul_rounded(x, w, layout, m, k, n) };
+    }
+    let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+    matmul_bf16_f32(x, &wb, layout, m, k, n)
+}
+
 /// Same as [`matmul_bf16`] with f32 activations and an f32 result.
 ///
 /// `x` is used exactly: each bf16 weight is widened to f32 (exact) and the product is a plain f32
@@ -430,6 +443,25 @@ mod avx512 {
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
         packed::<F32Wide>(x, as_u16(w), layout, m, k, n, yp);
+        y
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn matmul_rounded(
+        x: &[bf16],
+        w: &[f32],
+        layout: WeightLayout,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Vec<f32> {
+        if m <= SMALL_M {
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            return matmul_bf16_f32(x, &wb, layout, m, k, n);
+        }
+        let mut y = vec![0f32; m * n];
+        let yp = SyncPtr(y.as_mut_ptr());
+        packed::<RoundedPairs>(as_u16(x), w, layout, m, k, n, yp);
         y
     }
 
@@ -853,6 +885,8 @@ mod avx512 {
     /// row) and `w` column panels as `[steps][NR]` (two zmm per step).
     trait PanelKernel {
         type X: Copy + Sync;
+        /// The element `w` is stored as: bf16 bits (`u16`) or f32.
+        type W: Copy + Sync;
         type Y;
         /// k elements per step.
         const STEP: usize;
@@ -860,10 +894,10 @@ mod avx512 {
         unsafe fn pack_x(x: &[Self::X], k: usize, dst: &mut [u32]);
         /// Packs `kr` rows and columns `0..nc` (at most `NC`) of `w` (row stride `n`) into
         /// `nc.div_ceil(NR)` panels `[steps][NR]`, `KC * NR` words apart, zero padding.
-        unsafe fn pack_kn(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32);
+        unsafe fn pack_kn(w: *const Self::W, kr: usize, n: usize, nc: usize, dst: *mut u32);
         /// As `pack_kn` for one panel (`nc <= NR`) of transposed weights: column `j` is `kr`
         /// elements at `e + j * k`. `dst` must hold `steps` rounded up to 16 rows.
-        unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32);
+        unsafe fn pack_nk(e: *const Self::W, kr: usize, k: usize, nc: usize, dst: *mut u32);
         /// `MR` x `NR` tile over `steps` steps. Accumulators start at zero if `first`, else
         /// from `c` (f32, row stride `NC`); they end in `out` if given, else back in `c`.
         unsafe fn tile(
@@ -884,7 +918,7 @@ mod avx512 {
     /// prefetched a slice per tile, so packing does not wait on memory.
     fn packed<K: PanelKernel>(
         x: &[K::X],
-        w: &[u16],
+        w: &[K::W],
         layout: WeightLayout,
         m: usize,
         k: usize,
@@ -902,7 +936,7 @@ mod avx512 {
                 .for_each(|(dst, xs)| unsafe { K::pack_x(xs, k, dst) });
         }
         let a = &a;
-        let wp = SyncPtr(w.as_ptr() as *mut u16);
+        let wp = SyncPtr(w.as_ptr() as *mut K::W);
         let c_lines = if steps > KC { blocks * MR * NC / 16 } else { 0 };
         let tasks = n.div_ceil(NC);
         // The part of `w` that the block at step `s0`, columns `c0..c1` is packed from.
@@ -996,8 +1030,8 @@ mod avx512 {
     impl Source {
         /// Prefetches part `part` of `parts` (a share of the rows) into all cache levels.
         #[inline(always)]
-        unsafe fn prefetch(&self, w: *const u16, part: usize, parts: usize) {
-            let bytes = 2 * self.len;
+        unsafe fn prefetch<T>(&self, w: *const T, part: usize, parts: usize) {
+            let bytes = size_of::<T>() * self.len;
             for r in self.rows * part / parts..self.rows * (part + 1) / parts {
                 let p = w.add(self.start + r * self.stride) as *const i8;
                 for off in (0..bytes).step_by(64) {
@@ -1015,6 +1049,7 @@ mod avx512 {
 
     impl<Y: TileStore> PanelKernel for Bf16Pairs<Y> {
         type X = u16;
+        type W = u16;
         type Y = Y;
         const STEP: usize = 2;
 
@@ -1030,7 +1065,7 @@ mod avx512 {
 
         #[inline]
         unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32) {
-            pack_transposed::<2>(e, kr, k, nc, dst)
+            pack_transposed::<Bf16Run>(e, kr, k, nc, dst)
         }
 
         #[inline]
@@ -1043,6 +1078,66 @@ mod avx512 {
             out: Option<Out<Y>>,
         ) {
             dp_tile(steps, a, b, c, first, out)
+        }
+    }
+
+    /// bf16 activations against f32 weights rounded to bf16 while they are packed: the product
+    /// of [`Bf16Pairs`] without a rounded copy of the weights.
+    struct RoundedPairs;
+
+    impl PanelKernel for RoundedPairs {
+        type X = u16;
+        type W = f32;
+        type Y = f32;
+        const STEP: usize = 2;
+
+        #[inline]
+        unsafe fn pack_x(x: &[u16], k: usize, dst: &mut [u32]) {
+            pack_x_pairs(x, k, dst)
+        }
+
+        #[inline]
+        unsafe fn pack_kn(w: *const f32, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+            pack_rounded_pairs(w, kr, n, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn pack_nk(e: *const f32, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+            pack_transposed::<RoundedRun>(e, kr, k, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn tile(
+            steps: usize,
+            a: *const u32,
+            b: *const u32,
+            c: *mut f32,
+            first: bool,
+            out: Option<Out<f32>>,
+        ) {
+            dp_tile(steps, a, b, c, first, out)
+        }
+    }
+
+    /// [`RoundedPairs::pack_kn`]: rows `2p` and `2p + 1` rounded to bf16, 16 columns at a time,
+    /// and interleaved into words (the even row in the low half).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn pack_rounded_pairs(w: *const f32, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+        /// 16 f32 rounded to bf16, each in the low half of a word.
+        #[inline(always)]
+        unsafe fn round(p: *const f32, mk: __mmask16) -> __m512i {
+            _mm512_cvtepu16_epi32(core::mem::transmute(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, p))))
+        }
+        for p in 0..kr.div_ceil(2) {
+            let (ra, rb) = (w.add(2 * p * n), w.add((2 * p + 1) * n));
+            // Whole panels: the zero words past `nc` are the panel's padding.
+            for j in (0..nc.next_multiple_of(NR)).step_by(16) {
+                let mk = mask16(nc.saturating_sub(j));
+                let a = round(ra.add(j), mk);
+                let b = if 2 * p + 1 < kr { round(rb.add(j), mk) } else { _mm512_setzero_si512() };
+                let d = dst.add((j - j % NR) * KC + p * NR + j % NR) as *mut __m512i;
+                _mm512_store_si512(d, _mm512_or_si512(a, _mm512_slli_epi32::<16>(b)));
+            }
         }
     }
 
@@ -1103,29 +1198,64 @@ mod avx512 {
         }
     }
 
-    /// Packs a transposed panel (see [`PanelKernel::pack_nk`]) whose words are `STEP` bf16
-    /// (`STEP == 1`: widened to f32). Blocks of 16 steps x 16 columns are loaded as one
-    /// 16-word run per column and transposed in registers.
+    /// How [`pack_transposed`] reads one column's run of 16 words (`STEP` elements each).
+    trait Run {
+        type T;
+        const STEP: usize;
+        /// The 16 words from `src`, where `left` elements of the column remain (zero past them).
+        unsafe fn load(src: *const Self::T, left: usize) -> __m512i;
+    }
+
+    /// bf16 pairs as stored.
+    struct Bf16Run;
+
+    impl Run for Bf16Run {
+        type T = u16;
+        const STEP: usize = 2;
+        #[inline(always)]
+        unsafe fn load(src: *const u16, left: usize) -> __m512i {
+            _mm512_maskz_loadu_epi16(mask32(left), src as *const i16)
+        }
+    }
+
+    /// bf16 widened to f32, one per word.
+    struct WideRun;
+
+    impl Run for WideRun {
+        type T = u16;
+        const STEP: usize = 1;
+        #[inline(always)]
+        unsafe fn load(src: *const u16, left: usize) -> __m512i {
+            let v = _mm256_maskz_loadu_epi16(mask16(left), src as *const i16);
+            _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v))
+        }
+    }
+
+    /// f32 rounded to bf16 pairs (`vcvtne2ps2bf16`, to nearest even).
+    struct RoundedRun;
+
+    impl Run for RoundedRun {
+        type T = f32;
+        const STEP: usize = 2;
+        #[inline(always)]
+        unsafe fn load(src: *const f32, left: usize) -> __m512i {
+            let lo = _mm512_maskz_loadu_ps(mask16(left), src);
+            let hi = _mm512_maskz_loadu_ps(mask16(left.saturating_sub(16)), src.add(16));
+            core::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+        }
+    }
+
+    /// Packs a transposed panel (see [`PanelKernel::pack_nk`]) whose words `R` reads. Blocks of
+    /// 16 steps x 16 columns are loaded as one 16-word run per column and transposed in
+    /// registers.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    unsafe fn pack_transposed<const STEP: usize>(
-        e: *const u16,
-        kr: usize,
-        k: usize,
-        nc: usize,
-        dst: *mut u32,
-    ) {
-        for s0 in (0..kr.div_ceil(STEP)).step_by(16) {
-            let (k0, left) = (s0 * STEP, kr - s0 * STEP);
+    unsafe fn pack_transposed<R: Run>(e: *const R::T, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+        for s0 in (0..kr.div_ceil(R::STEP)).step_by(16) {
+            let (k0, left) = (s0 * R::STEP, kr - s0 * R::STEP);
             for h in 0..NR / 16 {
                 let mut cols = [_mm512_setzero_si512(); 16];
                 for (i, col) in cols.iter_mut().enumerate().take(nc.saturating_sub(16 * h)) {
-                    let src = e.add((16 * h + i) * k + k0) as *const i16;
-                    *col = if STEP == 2 {
-                        _mm512_maskz_loadu_epi16(mask32(left), src)
-                    } else {
-                        let v = _mm256_maskz_loadu_epi16(mask16(left), src);
-                        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v))
-                    };
+                    *col = R::load(e.add((16 * h + i) * k + k0), left);
                 }
                 for (i, v) in transpose16(cols).into_iter().enumerate() {
                     _mm512_store_si512(dst.add((s0 + i) * NR + 16 * h) as *mut __m512i, v);
@@ -1256,6 +1386,7 @@ mod avx512 {
 
     impl PanelKernel for F32Wide {
         type X = f32;
+        type W = u16;
         type Y = f32;
         const STEP: usize = 1;
 
@@ -1274,7 +1405,7 @@ mod avx512 {
 
         #[inline]
         unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32) {
-            pack_transposed::<1>(e, kr, k, nc, dst)
+            pack_transposed::<WideRun>(e, kr, k, nc, dst)
         }
 
         #[inline]
@@ -1469,6 +1600,23 @@ mod tests {
             let refv = reference(&xr, &w, m, k, n);
             check_f32(&matmul_bf16_f32(&xb, &w, WeightLayout::InOut, m, k, n), &refv, "in-out", (m, k, n));
             check_f32(&matmul_bf16_f32(&xb, &e, WeightLayout::OutIn, m, k, n), &refv, "out-in", (m, k, n));
+        }
+    }
+
+    /// Rounding the weights while packing gives the same bits as rounding them first.
+    #[test]
+    fn rounded_weights_equal_prerounded_ones() {
+        for (m, k, n) in shapes_of(&MS_NT, &NS) {
+            let x: Vec<bf16> = lcg((m * 31 + k * 7 + n) as u64, m * k).into_iter().map(bf16::from_f32).collect();
+            let w = lcg((m + k * 13 + n * 5) as u64 ^ 0x5678, k * n);
+            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+            for (layout, w, wb) in [
+                (WeightLayout::InOut, w.clone(), wb.clone()),
+                (WeightLayout::OutIn, transpose(&w, k, n), transpose(&wb, k, n)),
+            ] {
+                let want = matmul_bf16_f32(&x, &wb, layout, m, k, n);
+                assert_eq!(matmul_rounded(&x, &w, layout, m, k, n), want, "{layout:?} {:?}", (m, k, n));
+            }
         }
     }
 
