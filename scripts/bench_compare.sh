@@ -2,11 +2,13 @@
 # Runs `prompt-r1 bench` and the same workloads in PyTorch + transformers on one random
 # checkpoint of the given shape, on this machine, and prints ours/PyTorch for each figure.
 # PyTorch goes into a throwaway virtualenv under target/ (from PyPI; not a CI dependency).
-#   scripts/bench_compare.sh [preset=qwen3-0.6b] [dtype=f32]
+#   scripts/bench_compare.sh [preset=qwen3-0.6b] [dtype=f32] [matmul=f32]
+# matmul=bf16: f32 weights with bf16 products (ours `--matmul bf16`, PyTorch's bf16 autocast).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-qwen3-0.6b}
 dtype=${2:-f32}
+matmul=${3:-f32}
 venv=target/bench-venv
 work=target/bench-work
 mkdir -p "$work"
@@ -21,10 +23,10 @@ model="$work/$preset"
 # Both sides load from a warm page cache: each reads the checkpoint once first (otherwise the
 # first to run reads it from disk and the second from memory).
 cat "$model"/*.safetensors > /dev/null
-"$bin" bench --model "$model" --dtype "$dtype" --train-step --json > "$work/ours.json"
+"$bin" bench --model "$model" --dtype "$dtype" --matmul "$matmul" --train-step --json > "$work/ours.json"
 cat "$model"/*.safetensors > /dev/null
 OMP_NUM_THREADS=$(nproc) "$venv/bin/python" scripts/bench_pytorch.py --model "$model" --dtype "$dtype" \
-  --threads "$(nproc)" > "$work/pytorch.json"
+  --threads "$(nproc)" --matmul "$matmul" > "$work/pytorch.json"
 python3 - "$work/ours.json" "$work/pytorch.json" <<'PY'
 import json, sys
 ours, torch = (json.load(open(p)) for p in sys.argv[1:3])

@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--decode-batch", default="1,8")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--matmul", default="f32", choices=["f32", "bf16"],
+                    help="bf16: every workload under torch.autocast(cpu, bfloat16), as `prompt-r1 bench --matmul bf16`")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "f32" else torch.bfloat16
@@ -46,7 +48,8 @@ def main():
     vocab = model.config.vocab_size
     prompt = [(i * 7919 + 13) % vocab for i in range(args.prompt_len)]
 
-    with torch.no_grad():
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.matmul == "bf16")
+    with torch.no_grad(), autocast:
         model.generate(torch.tensor([prompt[:8]]), max_new_tokens=2, do_sample=False)
         start = time.perf_counter()
         model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)
@@ -78,7 +81,8 @@ def main():
     advantages = torch.tensor([1.0, -1.0])
 
     def step():
-        logits = model(ids).logits[:, :-1].float()
+        with autocast:
+            logits = model(ids).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = -(advantages[:, None] * logp).mean()
         loss.backward()
