@@ -7,6 +7,7 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use env::OpenAiClient;
+use model::MatmulPrecision;
 use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
 
 use crate::device::{run_on, DeviceChoice, OnBackend};
@@ -82,6 +83,12 @@ impl Args {
 
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
+    if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu && !model::has_bf16_kernels() {
+        eprintln!(
+            "note: grpo.matmul = \"bf16\" but this CPU lacks AVX-512 BF16: the products go through \
+             burn's bf16 ops, slower than matmul = \"f32\""
+        );
+    }
     run_on(args.device, Training { config, resume: args.resume }).map(drop)
 }
 

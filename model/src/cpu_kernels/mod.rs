@@ -146,6 +146,12 @@ pub(crate) fn bf16_matmul<B: Backend, const D: usize>(
     flex_output(Bytes::from_elems(y), dims, DType::F32)
 }
 
+/// Whether this CPU runs bf16 products through the AVX-512 BF16 kernels (otherwise bf16 weights
+/// and [`crate::MatmulPrecision::Bf16`] fall back to slower portable loops or burn's ops).
+pub fn has_bf16_kernels() -> bool {
+    weight_matmul::has_fast_path()
+}
+
 /// HF's `Qwen3RMSNorm` (see [`fused::rms_norm_f32`]) when `B` is burn-flex and `x` and `weight`
 /// are both f32 or both bf16, or when it is burn-flex under autodiff and both are f32 (see
 /// [`tracked`]).
