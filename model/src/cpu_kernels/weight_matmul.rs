@@ -22,6 +22,10 @@
 //! [`SMALL_M`] rows (decode), reusing the streaming kernels: a 32-weight chunk is loaded as two
 //! f32 vectors directly instead of being widened.
 //!
+//! [`matmul_bf16_f32`] returns the f32 sums of `matmul_bf16` unrounded (training at bf16
+//! precision), and [`matmul_rounded`] takes the weights in f32 and rounds them to bf16 as the
+//! panels are packed.
+//!
 //! Everywhere else a portable, auto-vectorisable fallback produces the same results up to f32
 //! summation order.
 
@@ -397,7 +401,7 @@ mod avx512 {
         }
         let mut y = vec![bf16::ZERO; m * n];
         let yp = SyncPtr(y.as_mut_ptr() as *mut u16);
-        packed::<Bf16Pairs<u16>>(as_u16(x), as_u16(w), layout, m, k, n, yp);
+        packed::<Bf16Pairs<u16, u16>>(as_u16(x), as_u16(w), layout, m, k, n, yp);
         y
     }
 
@@ -421,7 +425,7 @@ mod avx512 {
         }
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
-        packed::<Bf16Pairs<f32>>(as_u16(x), as_u16(w), layout, m, k, n, yp);
+        packed::<Bf16Pairs<u16, f32>>(as_u16(x), as_u16(w), layout, m, k, n, yp);
         y
     }
 
@@ -461,7 +465,7 @@ mod avx512 {
         }
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
-        packed::<RoundedPairs>(as_u16(x), w, layout, m, k, n, yp);
+        packed::<Bf16Pairs<f32, f32>>(as_u16(x), w, layout, m, k, n, yp);
         y
     }
 
@@ -1043,13 +1047,44 @@ mod avx512 {
     }
 
     /// bf16 activations, `vdpbf16ps` on k-pairs: a word holds elements `2p` (low half) and
-    /// `2p + 1` (high half, zero past the end) of a row of `x` or a column of `w`. The result
-    /// is stored as `Y`: bf16 bits (`u16`) or f32.
-    struct Bf16Pairs<Y>(core::marker::PhantomData<Y>);
+    /// `2p + 1` (high half, zero past the end) of a row of `x` or a column of `w`. The weights
+    /// are `S`: bf16 bits (`u16`), or f32 rounded to bf16 as they are packed (no rounded copy of
+    /// the weights is made). The result is stored as `Y`: bf16 bits (`u16`) or f32.
+    struct Bf16Pairs<S, Y>(core::marker::PhantomData<(S, Y)>);
 
-    impl<Y: TileStore> PanelKernel for Bf16Pairs<Y> {
+    /// What [`Bf16Pairs`] packs its weight panels from.
+    trait PairSource: Copy + Sync + Sized {
+        unsafe fn pack_kn(w: *const Self, kr: usize, n: usize, nc: usize, dst: *mut u32);
+        unsafe fn pack_nk(e: *const Self, kr: usize, k: usize, nc: usize, dst: *mut u32);
+    }
+
+    impl PairSource for u16 {
+        #[inline]
+        unsafe fn pack_kn(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+            pack_pairs(w, kr, n, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+            pack_transposed::<Bf16Run>(e, kr, k, nc, dst)
+        }
+    }
+
+    impl PairSource for f32 {
+        #[inline]
+        unsafe fn pack_kn(w: *const f32, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+            pack_rounded_pairs(w, kr, n, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn pack_nk(e: *const f32, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+            pack_transposed::<RoundedRun>(e, kr, k, nc, dst)
+        }
+    }
+
+    impl<S: PairSource, Y: TileStore> PanelKernel for Bf16Pairs<S, Y> {
         type X = u16;
-        type W = u16;
+        type W = S;
         type Y = Y;
         const STEP: usize = 2;
 
@@ -1059,13 +1094,13 @@ mod avx512 {
         }
 
         #[inline]
-        unsafe fn pack_kn(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
-            pack_pairs(w, kr, n, nc, dst)
+        unsafe fn pack_kn(w: *const S, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+            S::pack_kn(w, kr, n, nc, dst)
         }
 
         #[inline]
-        unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32) {
-            pack_transposed::<Bf16Run>(e, kr, k, nc, dst)
+        unsafe fn pack_nk(e: *const S, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+            S::pack_nk(e, kr, k, nc, dst)
         }
 
         #[inline]
@@ -1081,45 +1116,7 @@ mod avx512 {
         }
     }
 
-    /// bf16 activations against f32 weights rounded to bf16 while they are packed: the product
-    /// of [`Bf16Pairs`] without a rounded copy of the weights.
-    struct RoundedPairs;
-
-    impl PanelKernel for RoundedPairs {
-        type X = u16;
-        type W = f32;
-        type Y = f32;
-        const STEP: usize = 2;
-
-        #[inline]
-        unsafe fn pack_x(x: &[u16], k: usize, dst: &mut [u32]) {
-            pack_x_pairs(x, k, dst)
-        }
-
-        #[inline]
-        unsafe fn pack_kn(w: *const f32, kr: usize, n: usize, nc: usize, dst: *mut u32) {
-            pack_rounded_pairs(w, kr, n, nc, dst)
-        }
-
-        #[inline]
-        unsafe fn pack_nk(e: *const f32, kr: usize, k: usize, nc: usize, dst: *mut u32) {
-            pack_transposed::<RoundedRun>(e, kr, k, nc, dst)
-        }
-
-        #[inline]
-        unsafe fn tile(
-            steps: usize,
-            a: *const u32,
-            b: *const u32,
-            c: *mut f32,
-            first: bool,
-            out: Option<Out<f32>>,
-        ) {
-            dp_tile(steps, a, b, c, first, out)
-        }
-    }
-
-    /// [`RoundedPairs::pack_kn`]: rows `2p` and `2p + 1` rounded to bf16, 16 columns at a time,
+    /// `pack_kn` of f32 weights for [`Bf16Pairs`]: rows `2p` and `2p + 1` rounded to bf16, 16 columns at a time,
     /// and interleaved into words (the even row in the low half).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     unsafe fn pack_rounded_pairs(w: *const f32, kr: usize, n: usize, nc: usize, dst: *mut u32) {
