@@ -158,6 +158,22 @@ fn demo_runs_the_whole_loop_on_a_fresh_directory() {
     assert!(stdout.contains("stop reason"), "infer printed its episode: {stdout}");
 }
 
+/// `--products` adds each projection shape at both precisions, with a GFLOP/s rate.
+#[test]
+fn bench_times_the_projection_products() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let figures = json(&["bench", "--model", &model, "--prompt-len", "16", "--decode-batch", "1", "--products", "--json"]);
+    let products: Vec<&serde_json::Value> =
+        figures.as_array().unwrap().iter().filter(|f| f["workload"].as_str().unwrap().starts_with("product ")).collect();
+    assert_eq!(products.len(), 6, "{figures}");
+    for (i, figure) in products.iter().enumerate() {
+        let name = figure["workload"].as_str().unwrap();
+        assert!(name.starts_with("product 32 x ") && name.ends_with(["f32", "bf16"][i % 2]), "{name}");
+        assert!(figure["gflop_per_second"].as_f64().unwrap() > 0.0, "{figure}");
+    }
+}
+
 #[test]
 fn bench_reports_every_workload_and_rejects_short_prompts() {
     let tmp = tempfile::tempdir().unwrap();

@@ -46,6 +46,11 @@ pub struct Args {
     /// 3 steps after a warm-up step.
     #[arg(long)]
     pub train_step: bool,
+    /// Also time the projections' matrix products alone, f32 operands at f32 and at bf16
+    /// precision, on the training step's 2 × prompt-len rows and the model's projection shapes
+    /// (GFLOP/s; the median of 5 after a warm-up).
+    #[arg(long)]
+    pub products: bool,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -57,7 +62,17 @@ struct Figure {
     workload: String,
     seconds: f64,
     tokens_per_second: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    gflop_per_second: Option<f64>,
     peak_rss_mb: Option<f64>,
+}
+
+impl Figure {
+    /// A workload measured in tokens.
+    fn tokens(workload: String, seconds: f64, tokens: Option<f64>, peak_rss_mb: Option<f64>) -> Self {
+        let tokens_per_second = tokens.map(|t| t / seconds);
+        Figure { workload, seconds, tokens_per_second, gflop_per_second: None, peak_rss_mb }
+    }
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -92,12 +107,7 @@ impl OnBackend for Args {
         let model = load_pretrained::<B>(&dir, &device, LoadOptions { dtype: self.compute.dtype })?
             .with_matmul_precision(self.matmul);
         B::sync(&device)?;
-        figures.push(Figure {
-            workload: "load".into(),
-            seconds: start.elapsed().as_secs_f64(),
-            tokens_per_second: None,
-            peak_rss_mb: peak_rss_mb(),
-        });
+        figures.push(Figure::tokens("load".into(), start.elapsed().as_secs_f64(), None, peak_rss_mb()));
         let vocab = model.config.vocab_size as u32;
         let tokens = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect() };
         let prompt = tokens(self.prompt_len);
@@ -111,12 +121,8 @@ impl OnBackend for Args {
         let start = Instant::now();
         generate(&model, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() }, 0)?;
         let seconds = start.elapsed().as_secs_f64();
-        figures.push(Figure {
-            workload: format!("prefill {} tokens", self.prompt_len),
-            seconds,
-            tokens_per_second: Some(self.prompt_len as f64 / seconds),
-            peak_rss_mb: peak_rss_mb(),
-        });
+        let workload = format!("prefill {} tokens", self.prompt_len);
+        figures.push(Figure::tokens(workload, seconds, Some(self.prompt_len as f64), peak_rss_mb()));
 
         for &batch in &self.decode_batch {
             let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + 16].to_vec()).collect();
@@ -136,12 +142,7 @@ impl OnBackend for Args {
             generate(&model, &prompts, &config, 0)?;
             let seconds = (start.elapsed().as_secs_f64() - prefill).max(1e-9);
             let tokens = (batch * (self.decode_tokens - 1)) as f64;
-            figures.push(Figure {
-                workload: format!("decode batch {batch}"),
-                seconds,
-                tokens_per_second: Some(tokens / seconds),
-                peak_rss_mb: peak_rss_mb(),
-            });
+            figures.push(Figure::tokens(format!("decode batch {batch}"), seconds, Some(tokens), peak_rss_mb()));
         }
 
         reset_peak_rss();
@@ -150,33 +151,39 @@ impl OnBackend for Args {
         let start = Instant::now();
         completion_logprobs(&model, &pairs, 0)?;
         let seconds = start.elapsed().as_secs_f64();
-        figures.push(Figure {
-            workload: format!("score 2 x {} tokens", self.prompt_len),
-            seconds,
-            tokens_per_second: Some((2 * self.prompt_len) as f64 / seconds),
-            peak_rss_mb: peak_rss_mb(),
-        });
+        let workload = format!("score 2 x {} tokens", self.prompt_len);
+        figures.push(Figure::tokens(workload, seconds, Some((2 * self.prompt_len) as f64), peak_rss_mb()));
+
+        let c = &model.config;
+        let shapes = [
+            (c.hidden_size, c.num_attention_heads * c.head_dim),
+            (c.hidden_size, c.intermediate_size),
+            (c.intermediate_size, c.hidden_size),
+        ];
+        drop(model);
+        if self.products {
+            figures.extend(product_figures::<B>(&device, 2 * self.prompt_len, &shapes)?);
+        }
 
         if self.train_step {
-            drop(model);
             reset_peak_rss();
             let seconds = train_step_seconds::<B>(&dir, &device, &prompt, self.compute.dtype, self.matmul)?;
-            figures.push(Figure {
-                workload: format!("train step 2 x {}", self.prompt_len),
-                seconds,
-                tokens_per_second: Some((2 * self.prompt_len) as f64 / seconds),
-                peak_rss_mb: peak_rss_mb(),
-            });
+            let workload = format!("train step 2 x {}", self.prompt_len);
+            figures.push(Figure::tokens(workload, seconds, Some((2 * self.prompt_len) as f64), peak_rss_mb()));
         }
 
         if self.json {
             println!("{}", serde_json::to_string_pretty(&figures)?);
         } else {
-            println!("{:<28} {:>10} {:>12} {:>14}", "workload", "seconds", "tokens/s", "peak RSS (MB)");
+            println!("{:<34} {:>10} {:>16} {:>14}", "workload", "seconds", "tokens/s", "peak RSS (MB)");
             for f in &figures {
-                let rate = f.tokens_per_second.map_or("-".into(), |r| format!("{r:.1}"));
+                let rate = match (f.tokens_per_second, f.gflop_per_second) {
+                    (Some(r), _) => format!("{r:.1}"),
+                    (None, Some(g)) => format!("{g:.1} GFLOP/s"),
+                    (None, None) => "-".into(),
+                };
                 let rss = f.peak_rss_mb.map_or("-".into(), |m| format!("{m:.0}"));
-                println!("{:<28} {:>10.3} {:>12} {:>14}", f.workload, f.seconds, rate, rss);
+                println!("{:<34} {:>10.3} {:>16} {:>14}", f.workload, f.seconds, rate, rss);
             }
         }
         Ok(())
@@ -225,6 +232,43 @@ fn train_step_seconds<B: Backend>(
     seconds.sort_by(f64::total_cmp);
     Ok(seconds[TIMED_STEPS / 2])
 }
+
+/// `--products`: `x[rows, k] · w[k, n]` for each `(k, n)`, f32 operands at both precisions,
+/// through the projections' own path ([`model::qwen3::product`]); the median of
+/// [`TIMED_PRODUCTS`] after a warm-up.
+fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize, usize)]) -> Result<Vec<Figure>> {
+    use burn::tensor::{Distribution, Tensor};
+    let mut figures = Vec::new();
+    for &(k, n) in shapes {
+        let x = Tensor::<B, 2>::random([rows, k], Distribution::Uniform(-1.0, 1.0), device);
+        let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.05, 0.05), device);
+        for (matmul, name) in [(MatmulPrecision::F32, "f32"), (MatmulPrecision::Bf16, "bf16")] {
+            let run = || -> Result<f64> {
+                let start = Instant::now();
+                let y = model::qwen3::product(x.clone(), w.clone(), matmul);
+                B::sync(device)?;
+                drop(y);
+                Ok(start.elapsed().as_secs_f64())
+            };
+            run()?;
+            let mut seconds = (0..TIMED_PRODUCTS).map(|_| run()).collect::<Result<Vec<_>>>()?;
+            seconds.sort_by(f64::total_cmp);
+            let seconds = seconds[TIMED_PRODUCTS / 2];
+            let gflop = 2.0 * (rows * k * n) as f64 / 1e9;
+            figures.push(Figure {
+                workload: format!("product {rows} x {k} x {n} {name}"),
+                seconds,
+                tokens_per_second: None,
+                gflop_per_second: Some(gflop / seconds),
+                peak_rss_mb: None,
+            });
+        }
+    }
+    Ok(figures)
+}
+
+/// Products timed per shape and precision by `--products` (the median is reported).
+const TIMED_PRODUCTS: usize = 5;
 
 /// Training steps timed by `--train-step` (the median is reported); `scripts/bench_pytorch.py`
 /// times PyTorch the same way.

@@ -36,6 +36,12 @@ pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>, ma
     }
 }
 
+/// `x · w` for a `[in, out]` weight at precision `matmul`, by the path every projection takes
+/// (for benchmarks and callers outside the model).
+pub fn product<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, matmul: MatmulPrecision) -> Tensor<B, D> {
+    project(x, w, WeightLayout::InOut, matmul)
+}
+
 /// `x · w` for a bias-free projection whose weight is stored as `layout` says, at precision
 /// `matmul`; `tied_head` computes the transposed layout when no kernel applies.
 pub(crate) fn project<B: Backend, const D: usize>(
