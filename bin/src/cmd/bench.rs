@@ -1,5 +1,6 @@
 //! `prompt-r1 bench`: throughput and peak memory of the model on random weights: load,
-//! prefill, KV-cache decode at several batch sizes, and per-token log-prob scoring.
+//! prefill, KV-cache decode at several batch sizes, and per-token log-prob scoring; optionally a
+//! GRPO training step and the projections' matrix products alone.
 //! Figures are wall-clock on this machine; compare runs only on the same machine.
 
 use std::path::PathBuf;
