@@ -11,6 +11,7 @@ use model::MatmulPrecision;
 use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
 
 use crate::device::{run_on, DeviceChoice, OnBackend};
+use crate::model_dir::parse_matmul;
 
 /// Train the agent with GRPO (settings in a TOML file; see `assets/run.example.toml`).
 #[derive(ClapArgs, Debug, Clone)]
@@ -36,6 +37,10 @@ pub struct Args {
     /// Override grpo.optimizer.lr.
     #[arg(long)]
     pub lr: Option<f64>,
+    /// Override grpo.matmul: f32, or bf16 (f32 weights with bf16 products and f32 sums; about
+    /// 1.5x faster steps on CPUs with AVX-512 BF16).
+    #[arg(long, value_parser = parse_matmul)]
+    pub matmul: Option<MatmulPrecision>,
     /// Override environment.base_url (the large LLM's OpenAI-compatible endpoint).
     #[arg(long)]
     pub env_url: Option<String>,
@@ -66,6 +71,9 @@ impl Args {
         }
         if let Some(lr) = self.lr {
             config.grpo.optimizer.lr = lr;
+        }
+        if let Some(matmul) = self.matmul {
+            config.grpo.matmul = matmul;
         }
         if let Some(url) = &self.env_url {
             config.environment.base_url = url.clone();
@@ -148,5 +156,35 @@ impl OnBackend for Training {
         bar.finish();
         eprintln!("metrics in {}", out_dir.join(trainer::run::METRICS_FILE).display());
         Ok(records)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// `--matmul` overrides the file's `grpo.matmul`; without it the file's value stands.
+    #[test]
+    fn matmul_flag_overrides_the_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        let toml = "model = \"m\"\n[data]\ntrain = [\"t.jsonl\"]\n[environment]\nbase_url = \"http://x\"\nmodel = \"big\"\n[grpo]\nmatmul = \"bf16\"\n";
+        std::fs::write(&path, toml).unwrap();
+        let config = |extra: &[&str]| {
+            let mut argv = vec!["train", "--config", path.to_str().unwrap()];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv).unwrap().args.config().unwrap()
+        };
+        assert_eq!(config(&[]).grpo.matmul, MatmulPrecision::Bf16);
+        assert_eq!(config(&["--matmul", "f32"]).grpo.matmul, MatmulPrecision::F32);
+        let err = Cli::try_parse_from(["train", "--config", "x", "--matmul", "fp8"]).err().unwrap().to_string();
+        assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
     }
 }
