@@ -71,12 +71,12 @@ pub fn matmul_bf16_f32(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k
 pub fn matmul_rounded(x: &[bf16], w: &[f32], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
+    if m > SMALL_M && avx512::available() {
         // SAFETY: the required CPU features were detected at runtime.
         return unsafe { avx512::matmul_rounded(x, w, layout, m, k, n) };
     }
-    let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-    matmul_bf16_f32(x, &wb, layout, m, k, n)
+    // Few rows stream the weights once anyway: round them first.
+    matmul_bf16_f32(x, &super::narrow_all(w), layout, m, k, n)
 }
 
 /// Same as [`matmul_bf16`] with f32 activations and an f32 result.
@@ -390,14 +390,7 @@ mod avx512 {
         n: usize,
     ) -> Vec<bf16> {
         if m <= SMALL_M {
-            let y = match layout {
-                WeightLayout::InOut => {
-                    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-                    streaming(&xf, as_u16(w), m, k, n)
-                }
-                WeightLayout::OutIn => streaming_nt::<DotPairs>(as_u16(x), as_u16(w), m, k, n),
-            };
-            return f32_to_bf16(&y);
+            return f32_to_bf16(&matmul_bf16_f32(x, w, layout, m, k, n));
         }
         let mut y = vec![bf16::ZERO; m * n];
         let yp = SyncPtr(y.as_mut_ptr() as *mut u16);
@@ -450,6 +443,7 @@ mod avx512 {
         y
     }
 
+    /// The packed path; `m > SMALL_M`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     pub(super) unsafe fn matmul_rounded(
         x: &[bf16],
@@ -459,10 +453,6 @@ mod avx512 {
         k: usize,
         n: usize,
     ) -> Vec<f32> {
-        if m <= SMALL_M {
-            let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-            return matmul_bf16_f32(x, &wb, layout, m, k, n);
-        }
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
         packed::<Bf16Pairs<f32, f32>>(as_u16(x), w, layout, m, k, n, yp);
