@@ -5,7 +5,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::bf16_bits::{narrow, widen};
+use super::bf16_bits::{narrow, round, widen};
 
 /// Rows per rayon task: enough work per task to amortise scheduling.
 fn rows_per_task(row_len: usize) -> usize {
@@ -120,7 +120,15 @@ fn inverse_rms<T>(x: &[T], widen: impl Fn(&T) -> f32, eps: f32) -> f32 {
 /// the table (see `qwen3::rotary`): `y = x ⊙ cos + swap_halves(x) ⊙ signed_sin`, where
 /// `swap_halves` exchanges the two halves of a row. `cos` and `signed_sin` are `x`'s shape.
 pub fn rotary_f32(x: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f32> {
-    rotate(x, cos, signed_sin, d, 1.0)
+    rotate(x, cos, signed_sin, d, |x, c, other, s| x * c + other * s)
+}
+
+/// The same in bf16, rounding as PyTorch does: each product rounded to bf16, then their sum
+/// (the negation `rotate_half` applies is exact, so the signed table gives the same bits).
+pub fn rotary_bf16(x: &[bf16], cos: &[bf16], signed_sin: &[bf16], d: usize) -> Vec<bf16> {
+    rotate(x, cos, signed_sin, d, |x, c, other, s| {
+        narrow(round(widen(x) * widen(c)) + round(widen(other) * widen(s)))
+    })
 }
 
 /// The gradient of [`rotary_f32`] with respect to `x`, given the gradient `grad` of its output.
@@ -128,13 +136,20 @@ pub fn rotary_f32(x: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f
 /// turn by the opposite angle, i.e. the same formula with `-signed_sin`. (This uses HF's
 /// tables, whose two halves hold the same angles.)
 pub fn rotary_backward_f32(grad: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f32> {
-    rotate(grad, cos, signed_sin, d, -1.0)
+    rotate(grad, cos, signed_sin, d, |x, c, other, s| x * c + other * -s)
 }
 
-/// `x ⊙ cos + swap_halves(x) ⊙ (sign · signed_sin)` over rows of `d`, rows in parallel.
-fn rotate(x: &[f32], cos: &[f32], signed_sin: &[f32], d: usize, sign: f32) -> Vec<f32> {
+/// `turn(x[j], cos[j], swap_halves(x)[j], signed_sin[j])` for every element, over rows of `d`,
+/// rows in parallel.
+fn rotate<T: Copy + Default + Send + Sync>(
+    x: &[T],
+    cos: &[T],
+    signed_sin: &[T],
+    d: usize,
+    turn: impl Fn(T, T, T, T) -> T + Sync,
+) -> Vec<T> {
     let half = d / 2;
-    let mut out = vec![0.0f32; x.len()];
+    let mut out = vec![T::default(); x.len()];
     let chunk = d * rows_per_task(d);
     out.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk).zip(cos.par_chunks(chunk)).zip(signed_sin.par_chunks(chunk)))
@@ -148,8 +163,8 @@ fn rotate(x: &[f32], cos: &[f32], signed_sin: &[f32], d: usize, sign: f32) -> Ve
                 let (x1, x2) = x.split_at(half);
                 let (o1, o2) = o.split_at_mut(half);
                 for j in 0..half {
-                    o1[j] = x1[j] * c[j] + x2[j] * (sign * s[j]);
-                    o2[j] = x2[j] * c[half + j] + x1[j] * (sign * s[half + j]);
+                    o1[j] = turn(x1[j], c[j], x2[j], s[j]);
+                    o2[j] = turn(x2[j], c[half + j], x1[j], s[half + j]);
                 }
             })
         });
@@ -218,13 +233,33 @@ pub fn chosen_logprobs<T: Copy + Sync>(
         .zip(targets.par_iter())
         .map(|(row, &target)| {
             wide_simd!({
-                let max = row.iter().map(|&x| widen(x)).fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = row.iter().map(|&x| exp(widen(x) - max)).sum();
+                let max = lanes(row, f32::NEG_INFINITY, |lane, x| lane.max(widen(x)))
+                    .into_iter()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let sum: f32 = lanes(row, 0.0, |lane, x| lane + exp(widen(x) - max)).iter().sum();
                 let lse = sum.ln() + max;
                 (widen(row[target]) - lse, lse)
             })
         })
         .unzip()
+}
+
+/// `row` folded into 16 running values, element `i` into value `i % 16`, so that the fold
+/// vectorises (a single f32 accumulator fixes the order of the additions and does not).
+#[inline(always)]
+pub(super) fn lanes<T: Copy>(row: &[T], init: f32, step: impl Fn(f32, T) -> f32) -> [f32; 16] {
+    let mut lanes = [init; 16];
+    let chunks = row.chunks_exact(16);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane = step(*lane, x);
+        }
+    }
+    for (lane, &x) in lanes.iter_mut().zip(tail) {
+        *lane = step(*lane, x);
+    }
+    lanes
 }
 
 /// The gradient of [`chosen_logprobs`] with respect to f32 logits, given the gradient `grad` of

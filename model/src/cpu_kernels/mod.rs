@@ -263,9 +263,9 @@ fn transpose<T: Copy + Default + Send + Sync>(values: &[T], rows: usize, cols: u
     out
 }
 
-/// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex or burn-flex
-/// under autodiff (see [`tracked`]) and `x` and both tables are f32 of one shape; `None`
-/// otherwise. The tables take no gradient.
+/// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex and `x` and
+/// both tables are f32 or all bf16 of one shape, or burn-flex under autodiff (see [`tracked`])
+/// and they are f32; `None` otherwise. The tables take no gradient.
 pub(crate) fn rotary<B: Backend>(
     x: &Tensor<B, 4>,
     cos: &Tensor<B, 4>,
@@ -279,12 +279,18 @@ pub(crate) fn rotary<B: Backend>(
         return tracked::rotary(x, cos, signed_sin);
     };
     let operands = [input, to_flex(cos.clone())?, to_flex(signed_sin.clone())?];
-    if operands.iter().any(|t| t.dtype() != DType::F32) {
+    let dtype = operands[0].dtype();
+    if operands.iter().any(|t| t.dtype() != dtype) {
         return None;
     }
     let [x, c, s] = operands.map(|t| t.to_contiguous());
-    let y = fused::rotary_f32(x.as_slice()?, c.as_slice()?, s.as_slice()?, dims[3]);
-    flex_output(Bytes::from_elems(y), dims, DType::F32)
+    let d = dims[3];
+    let y = match dtype {
+        DType::F32 => Bytes::from_elems(fused::rotary_f32(x.as_slice()?, c.as_slice()?, s.as_slice()?, d)),
+        DType::BF16 => Bytes::from_elems(fused::rotary_bf16(x.as_slice()?, c.as_slice()?, s.as_slice()?, d)),
+        _ => return None,
+    };
+    flex_output(y, dims, dtype)
 }
 
 /// Grouped-query attention through [`attention::grouped_attention`] when `B` is burn-flex and
@@ -392,7 +398,7 @@ pub(crate) fn chosen_logprobs<B: Backend>(
     let logits = flex.to_contiguous();
     let (values, _) = match logits.dtype() {
         DType::F32 => fused::chosen_logprobs(logits.as_slice::<f32>()?, vocab, &ids, |x| x),
-        DType::BF16 => fused::chosen_logprobs(logits.as_slice::<bf16>()?, vocab, &ids, |x| x.to_f32()),
+        DType::BF16 => fused::chosen_logprobs(logits.as_slice::<bf16>()?, vocab, &ids, bf16_bits::widen),
         _ => return None,
     };
     flex_output(Bytes::from_elems(values), [b, n], DType::F32)

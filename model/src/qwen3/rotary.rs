@@ -132,4 +132,23 @@ mod tests {
             assert!((got - want).abs() < 1e-4, "element {i}: {got} vs {want}");
         }
     }
+
+    /// In bf16 the fused kernel gives the bits of the tensor formula, where each product and
+    /// the sum are rounded to bf16 as in PyTorch.
+    #[test]
+    fn bf16_kernel_matches_the_tensor_formula() {
+        let device = Default::default();
+        let (q, h, d) = (5, 3, 16);
+        let rope = Qwen3RotaryEmbedding::new(d, 1_000_000.0);
+        let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 1, 7, 300, 4095]], &device);
+        let tables = rope.tables(pos, DType::BF16).repeat_heads(h);
+        let x = Tensor::<Flex, 4>::random([1, q, h, d], Distribution::Normal(0.0, 3.0), &device).cast(DType::BF16);
+        let fused = cpu_kernels::rotary(&x, &tables.cos, &tables.signed_sin).expect("bf16 on burn-flex is fused");
+        let formula = x.clone() * tables.cos.clone() + swap_halves(x) * tables.signed_sin.clone();
+        assert_eq!(fused.dtype(), DType::BF16);
+        let bits = |t: Tensor<Flex, 4>| -> Vec<u16> {
+            t.into_data().to_vec::<half::bf16>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        assert_eq!(bits(fused), bits(formula));
+    }
 }
