@@ -339,14 +339,13 @@ fn task<T: Element>(
     kernels::scores(&q, m, d, &kt, padded, &mut scores);
     let biases = t.biases(bias, columns);
     let block = t.rows.len();
-    let stats = scores
-        .chunks_exact_mut(padded)
-        .enumerate()
-        .map(|(r, row)| {
-            let biases = &biases[(r % block) * columns..][..columns];
-            softmax_row::<T>(&mut row[..columns], biases, scale)
-        })
-        .collect();
+    // A loop, not `map(..).collect()`: the closure would run in `Map::fold`, a function of its
+    // own that is compiled without the caller's AVX-512.
+    let mut stats = Vec::with_capacity(m);
+    for (r, row) in scores.chunks_exact_mut(padded).enumerate() {
+        let biases = &biases[(r % block) * columns..][..columns];
+        stats.push(softmax_row::<T>(&mut row[..columns], biases, scale));
+    }
     let mut out = vec![0.0f32; m * d];
     kernels::weighted_values(&scores, padded, m, columns, &v, d, &mut out);
     (out, stats)

@@ -97,7 +97,7 @@ pub(crate) fn weight_matmul<B: Backend, const D: usize>(
         return None;
     }
     let weight = to_flex(w.clone())?;
-    let input = to_flex(x.clone())?.to_contiguous();
+    let input = flex_contiguous(&to_flex(x.clone())?);
     dims[D - 1] = n;
     let (bytes, dtype) = match (weight.dtype(), input.dtype()) {
         (DType::BF16, DType::BF16) => {
@@ -138,7 +138,7 @@ pub(crate) fn bf16_matmul<B: Backend, const D: usize>(
         return Some(y);
     }
     let weight = to_flex(w.clone())?;
-    let input = to_flex(x.clone())?.to_contiguous();
+    let input = flex_contiguous(&to_flex(x.clone())?);
     let m = input.layout().num_elements() / k;
     let xb = narrow_all(input.as_slice()?);
     let y = weight_matmul::matmul_rounded(&xb, weight.as_slice()?, layout, m, k, n);
@@ -167,7 +167,7 @@ pub(crate) fn rms_norm<B: Backend, const D: usize>(
     let Some(weight) = to_flex(weight.clone()) else {
         return tracked::rms_norm(x, weight, eps);
     };
-    let input = to_flex(x.clone())?.to_contiguous();
+    let input = flex_contiguous(&to_flex(x.clone())?);
     let (bytes, dtype) = match (input.dtype(), weight.dtype()) {
         (DType::F32, DType::F32) => {
             let y = fused::rms_norm_f32(input.as_slice()?, weight.as_slice()?, eps);
@@ -191,10 +191,10 @@ pub(crate) fn silu_mul<B: Backend, const D: usize>(
     if gate.dims() != up.dims() {
         return None;
     }
-    let Some(g) = to_flex(gate.clone()).map(|g| g.to_contiguous()) else {
+    let Some(g) = to_flex(gate.clone()).map(|g| flex_contiguous(&g)) else {
         return tracked::silu_mul(gate, up);
     };
-    let u = to_flex(up.clone())?.to_contiguous();
+    let u = flex_contiguous(&to_flex(up.clone())?);
     let (bytes, dtype) = match (g.dtype(), u.dtype()) {
         (DType::F32, DType::F32) => (
             Bytes::from_elems(fused::silu_mul_f32(g.as_slice()?, u.as_slice()?)),
@@ -224,7 +224,7 @@ pub(crate) fn cast<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) ->
 /// `t` rounded to bf16 (to nearest, ties to even) when `B` is burn-flex and `t` is f32; `None`
 /// otherwise.
 fn to_bf16<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<Tensor<B, D>> {
-    let values = to_flex(t.clone())?.to_contiguous();
+    let values = flex_contiguous(&to_flex(t.clone())?);
     flex_output(Bytes::from_elems(narrow_all(values.as_slice()?)), t.dims(), DType::BF16)
 }
 
@@ -283,7 +283,7 @@ pub(crate) fn rotary<B: Backend>(
     if operands.iter().any(|t| t.dtype() != dtype) {
         return None;
     }
-    let [x, c, s] = operands.map(|t| t.to_contiguous());
+    let [x, c, s] = operands.map(|t| flex_contiguous(&t));
     let d = dims[3];
     let y = match dtype {
         DType::F32 => Bytes::from_elems(fused::rotary_f32(x.as_slice()?, c.as_slice()?, s.as_slice()?, d)),
@@ -395,7 +395,7 @@ pub(crate) fn chosen_logprobs<B: Backend>(
     let Some(flex) = to_flex(logits.clone()) else {
         return tracked::chosen_logprobs(logits, ids, [b, n, vocab]);
     };
-    let logits = flex.to_contiguous();
+    let logits = flex_contiguous(&flex);
     let (values, _) = match logits.dtype() {
         DType::F32 => fused::chosen_logprobs(logits.as_slice::<f32>()?, vocab, &ids, |x| x),
         DType::BF16 => fused::chosen_logprobs(logits.as_slice::<bf16>()?, vocab, &ids, bf16_bits::widen),
@@ -412,7 +412,7 @@ pub(crate) fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>>
     let Some(flex) = to_flex(logits.clone()) else {
         return tracked::untracked_entropy(logits, [b, n, vocab]);
     };
-    let logits = flex.to_contiguous();
+    let logits = flex_contiguous(&flex);
     let values = fused::row_entropy(logits.as_slice::<f32>()?, vocab);
     flex_output(Bytes::from_elems(values), [b, n], DType::F32)
 }
@@ -450,6 +450,59 @@ fn rows_contiguous(t: FlexTensor) -> FlexTensor {
     } else {
         t.to_contiguous()
     }
+}
+
+/// `t` laid out contiguously when `B` is burn-flex (see [`flex_contiguous`]); unchanged
+/// otherwise (other backends make their own copies where their ops need them).
+pub(crate) fn contiguous<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    match to_flex(t.clone()) {
+        Some(flex) => from_flex::<B>(flex_contiguous(&flex))
+            .map_or(t, |p| Tensor::from_primitive(TensorPrimitive::Float(p))),
+        None => t,
+    }
+}
+
+/// `t` with its elements in row-major order from offset 0, like burn-flex's `to_contiguous`.
+/// An f32 or bf16 view whose last axis is contiguous (e.g. after `swap_dims` of two other
+/// axes) is copied a row at a time, in parallel: burn-flex walks views that keep more than
+/// two axes after merging one element at a time, on one thread.
+pub(super) fn flex_contiguous(t: &FlexTensor) -> FlexTensor {
+    let layout = t.layout();
+    let whole = t.is_contiguous()
+        && layout.start_offset() == 0
+        && t.bytes().len() == layout.num_elements() * t.dtype().size();
+    if whole {
+        return t.clone();
+    }
+    let strides = layout.strides();
+    let dims = layout.shape().to_vec();
+    if strides.last() != Some(&1) || strides.iter().any(|&s| s < 0) || dims.contains(&0) {
+        return t.to_contiguous();
+    }
+    let strides: Vec<usize> = strides.iter().map(|&s| s as usize).collect();
+    let offset = layout.start_offset();
+    fn copy_rows<T: Copy + Default + Send + Sync>(src: &[T], dims: &[usize], strides: &[usize], offset: usize) -> Vec<T> {
+        let d = *dims.last().expect("a view has at least one axis");
+        let rows_per_task = (1 << 14) / d + 1;
+        let mut out = vec![T::default(); dims.iter().product()];
+        out.par_chunks_mut(d * rows_per_task).enumerate().for_each(|(task, rows)| {
+            for (r, dst) in rows.chunks_exact_mut(d).enumerate() {
+                let (mut rest, mut start) = (task * rows_per_task + r, offset);
+                for (&n, &stride) in dims[..dims.len() - 1].iter().zip(strides).rev() {
+                    start += (rest % n) * stride;
+                    rest /= n;
+                }
+                dst.copy_from_slice(&src[start..start + d]);
+            }
+        });
+        out
+    }
+    let bytes = match t.dtype() {
+        DType::F32 => Bytes::from_elems(copy_rows(t.storage::<f32>(), &dims, &strides, offset)),
+        DType::BF16 => Bytes::from_elems(copy_rows(t.storage::<bf16>(), &dims, &strides, offset)),
+        _ => return t.to_contiguous(),
+    };
+    FlexTensor::new(bytes, Layout::contiguous(Shape::from(dims)), t.dtype())
 }
 
 /// A contiguous burn-flex result as a tensor of `B` (which is burn-flex when this is reached).
@@ -500,6 +553,29 @@ mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::Distribution;
+
+    /// Row-wise parallel copies give burn's element order for views of both float dtypes:
+    /// swapped axes, a slice with an offset, and a view that is already contiguous.
+    #[test]
+    fn contiguous_copies_views_in_row_major_order() {
+        let device = Default::default();
+        let base = Tensor::<Flex, 4>::random([2, 37, 8, 16], Distribution::Normal(0.0, 1.0), &device);
+        for dtype in [DType::F32, DType::BF16] {
+            let base = base.clone().cast(dtype);
+            let views = [
+                base.clone().swap_dims(1, 2),
+                base.clone().swap_dims(1, 2).slice([0..2, 1..7, 3..30, 0..16]),
+                base.clone().slice([1..2, 0..37, 0..8, 0..16]),
+            ];
+            for view in views {
+                let ours = contiguous(view.clone());
+                let flex = to_flex(ours.clone()).unwrap();
+                assert!(flex.is_contiguous() && flex.layout().start_offset() == 0);
+                assert_eq!(ours.dims(), view.dims());
+                assert_eq!(ours.into_data(), view.into_data());
+            }
+        }
+    }
 
     #[test]
     fn transpose_moves_every_element() {

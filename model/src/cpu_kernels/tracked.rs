@@ -36,7 +36,7 @@ use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
 use super::attention::{self, AttentionShape, SoftmaxStats};
-use super::{attention_backward, attention_views, fused, narrow_all, rows_contiguous, transpose, weight_matmul, WeightLayout};
+use super::{attention_backward, attention_views, flex_contiguous, fused, narrow_all, rows_contiguous, transpose, weight_matmul, WeightLayout};
 
 type TrackedFlex = Autodiff<Flex>;
 
@@ -48,7 +48,7 @@ pub(super) fn chosen_logprobs<B: Backend>(
     [b, n, vocab]: [usize; 3],
 ) -> Option<Tensor<B, 2>> {
     let tracked = as_tracked(logits)?;
-    let values = tracked.primitive.to_contiguous();
+    let values = flex_contiguous(&tracked.primitive);
     if values.dtype() != DType::F32 {
         return None;
     }
@@ -68,7 +68,7 @@ pub(super) fn embedding<B: Backend>(
     ids: Vec<usize>,
     [b, s]: [usize; 2],
 ) -> Option<Tensor<B, 3>> {
-    let table = tracked.primitive.to_contiguous();
+    let table = flex_contiguous(&tracked.primitive);
     if table.dtype() != DType::F32 {
         return None;
     }
@@ -90,7 +90,7 @@ pub(super) fn untracked_entropy<B: Backend>(
     [b, n, vocab]: [usize; 3],
 ) -> Option<Tensor<B, 2>> {
     let tracked = as_tracked(logits)?;
-    let values = tracked.primitive.to_contiguous();
+    let values = flex_contiguous(&tracked.primitive);
     let entropy = fused::row_entropy(values.as_slice::<f32>()?, vocab);
     let inner = f32_tensor(entropy, [b, n]);
     let outside = Tensor::<TrackedFlex, 2>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(inner)));
@@ -105,7 +105,7 @@ pub(super) fn rms_norm<B: Backend, const D: usize>(
     eps: f32,
 ) -> Option<Tensor<B, D>> {
     let (x, weight) = (as_tracked(x)?, as_tracked(weight)?);
-    let (xs, ws) = (x.primitive.to_contiguous(), weight.primitive.to_contiguous());
+    let (xs, ws) = (flex_contiguous(&x.primitive), flex_contiguous(&weight.primitive));
     let y = fused::rms_norm_f32(xs.as_slice::<f32>()?, ws.as_slice::<f32>()?, eps);
     let output = f32_tensor(y, xs.layout().shape().clone());
     let parents = [x.node.clone(), weight.node.clone()];
@@ -116,7 +116,7 @@ pub(super) fn rms_norm<B: Backend, const D: usize>(
 /// tensors of `Autodiff<Flex>` of one shape; `None` otherwise.
 pub(super) fn silu_mul<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B, D>) -> Option<Tensor<B, D>> {
     let (gate, up) = (as_tracked(gate)?, as_tracked(up)?);
-    let (gs, us) = (gate.primitive.to_contiguous(), up.primitive.to_contiguous());
+    let (gs, us) = (flex_contiguous(&gate.primitive), flex_contiguous(&up.primitive));
     let y = fused::silu_mul_f32(gs.as_slice::<f32>()?, us.as_slice::<f32>()?);
     let output = f32_tensor(y, gs.layout().shape().clone());
     let parents = [gate.node.clone(), up.node.clone()];
@@ -134,7 +134,7 @@ pub(super) fn rotary<B: Backend>(
     if [&x, &cos, &signed_sin].iter().any(|t| t.primitive.dtype() != DType::F32) {
         return None;
     }
-    let [xs, cos, sin] = [&x, &cos, &signed_sin].map(|t| t.primitive.to_contiguous());
+    let [xs, cos, sin] = [&x, &cos, &signed_sin].map(|t| flex_contiguous(&t.primitive));
     let dims: [usize; 4] = xs.layout().shape().dims();
     let y = fused::rotary_f32(xs.as_slice::<f32>()?, cos.as_slice::<f32>()?, sin.as_slice::<f32>()?, dims[3]);
     let output = f32_tensor(y, dims);
@@ -184,7 +184,7 @@ pub(super) fn bf16_matmul<B: Backend, const D: usize>(
     n: usize,
 ) -> Option<Tensor<B, D>> {
     let (x, w) = (as_tracked(x)?, as_tracked(w)?);
-    let (xs, ws) = (x.primitive.to_contiguous(), w.primitive.clone());
+    let (xs, ws) = (flex_contiguous(&x.primitive), w.primitive.clone());
     let xb = narrow_all(xs.as_slice::<f32>()?);
     let m = xb.len() / k;
     let y = weight_matmul::matmul_rounded(&xb, ws.as_slice::<f32>()?, layout, m, k, n);
@@ -258,7 +258,7 @@ impl Backward<Flex, 1> for ChosenLogprobs {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let ChosenState { logits, targets, lse } = ops.state;
         unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
-            let grad = grad.to_contiguous();
+            let grad = flex_contiguous(&grad);
             let dims: [usize; 3] = logits.layout().shape().dims();
             let values = match (logits.as_slice::<f32>(), grad.as_slice::<f32>()) {
                 (Some(logits), Some(grad)) => fused::chosen_logprobs_backward(logits, dims[2], &targets, &lse, grad),
@@ -286,7 +286,7 @@ impl Backward<Flex, 1> for EmbeddingRows {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let EmbeddingState { ids, vocab } = ops.state;
         unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
-            let grad = grad.to_contiguous();
+            let grad = flex_contiguous(&grad);
             let hidden = grad.layout().shape().dims::<3>()[2];
             let Some(grad) = grad.as_slice::<f32>() else {
                 unreachable!("the forward pass only records an f32 table, and its gradient is f32")
@@ -319,7 +319,7 @@ impl Backward<Flex, 2> for RmsNorm {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let RmsNormState { x, weight, eps } = ops.state;
-        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let grad = flex_contiguous(&grads.consume::<Flex>(&ops.node));
         let (Some(xv), Some(wv), Some(gv)) = (x.as_slice::<f32>(), weight.as_slice::<f32>(), grad.as_slice::<f32>())
         else {
             unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
@@ -346,7 +346,7 @@ impl Backward<Flex, 2> for SiluMul {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let SiluMulState { gate, up } = ops.state;
-        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let grad = flex_contiguous(&grads.consume::<Flex>(&ops.node));
         let (Some(gv), Some(uv), Some(yv)) = (gate.as_slice::<f32>(), up.as_slice::<f32>(), grad.as_slice::<f32>())
         else {
             unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
@@ -378,7 +378,7 @@ impl Backward<Flex, 2> for Bf16Matmul {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let Bf16MatmulState { x, weight, x_shape, layout, m, k, n } = ops.state;
-        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let grad = flex_contiguous(&grads.consume::<Flex>(&ops.node));
         let (Some(gv), Some(wv)) = (grad.as_slice::<f32>(), weight.as_slice::<f32>()) else {
             unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
         };
@@ -431,7 +431,7 @@ impl Backward<Flex, 1> for Rotary {
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let RotaryState { cos, signed_sin } = ops.state;
         unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
-            let grad = grad.to_contiguous();
+            let grad = flex_contiguous(&grad);
             let dims: [usize; 4] = grad.layout().shape().dims();
             let (Some(g), Some(c), Some(s)) = (grad.as_slice::<f32>(), cos.as_slice::<f32>(), signed_sin.as_slice::<f32>())
             else {
@@ -462,7 +462,7 @@ impl Backward<Flex, 3> for Attention {
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let AttentionState { operands: [q, k, v, m], out, stats, shape, scale } = ops.state;
-        let grad = grads.consume::<Flex>(&ops.node).to_contiguous();
+        let grad = flex_contiguous(&grads.consume::<Flex>(&ops.node));
         let (Some(out), Some(grad)) = (out.as_slice::<f32>(), grad.as_slice::<f32>()) else {
             unreachable!("the forward pass only records f32 operands, and its gradient is f32")
         };
