@@ -174,6 +174,22 @@ fn bench_times_the_projection_products() {
     }
 }
 
+/// `--portable-ops` runs every workload with the fused CPU kernels off, and says so.
+#[test]
+fn bench_runs_through_the_portable_ops() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let args = ["bench", "--model", &model, "--prompt-len", "8", "--decode-tokens", "3", "--decode-batch", "2"];
+    let out = prompt_r1(&[&args[..], &["--train-step", "--portable-ops", "--json"]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("fused CPU kernels off"), "{stderr}");
+    let figures: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(figures.as_array().unwrap().len(), 5, "{figures}");
+    let fused = prompt_r1(&args);
+    assert!(!String::from_utf8_lossy(&fused.stderr).contains("fused CPU kernels off"));
+}
+
 #[test]
 fn bench_reports_every_workload_and_rejects_short_prompts() {
     let tmp = tempfile::tempdir().unwrap();

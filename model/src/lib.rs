@@ -28,7 +28,7 @@ pub use config::{Preset, Qwen3Config};
 pub use error::ModelError;
 pub use qwen3::{KvCache, MatmulPrecision, Qwen3ForCausalLM};
 pub use batch::{Padding, TokenBatch};
-pub use cpu_kernels::has_bf16_kernels;
+pub use cpu_kernels::{has_bf16_kernels, portable_ops, set_portable_ops};
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
 pub use logprobs::{completion_logprobs, map_logits_chunks, token_logprobs};
 pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

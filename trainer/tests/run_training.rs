@@ -2,113 +2,17 @@
 //! behaviour whose reward is known, resuming equals never stopping, a killed save leaves the
 //! previous checkpoint usable, and a checkpoint reloads to the same logits.
 
-use std::path::{Path, PathBuf};
+mod common;
 
-use burn::backend::{Autodiff, Flex};
+use std::path::PathBuf;
+
+use burn::backend::Flex;
 use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor};
-use env::{ChatMessage, EnvError, Environment, Trajectory};
-use model::checkpoint::StorageDtype;
-use model::init::write_random_checkpoint;
-use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
+use common::{first_last_gap, setup, train, B};
 use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
-use model::{load_pretrained, LoadOptions, MatmulPrecision, Preset, Qwen3ForCausalLM};
-use prompt_r1_trainer::run::{
-    latest_checkpoint, EpisodeScore, EpisodeScorer, InferenceDtype, StepRecord, TrainConfig, Trainer,
-};
-
-type B = Autodiff<Flex>;
-
-/// Replies with a fixed sentence; it is never reached when the agent makes no call.
-struct Scripted;
-
-impl Environment for Scripted {
-    fn complete(&self, _messages: &[ChatMessage]) -> Result<String, EnvError> {
-        Ok("The answer is Paris.".into())
-    }
-}
-
-/// The known best behaviour: emit only byte-level tokens (ids below 256). A random policy
-/// scores about 256/512 = 0.5 per token; the best policy scores 1.
-struct ByteTokens;
-
-impl EpisodeScorer for ByteTokens {
-    fn score(&self, t: &Trajectory, _answers: &[String]) -> EpisodeScore {
-        let agent: Vec<u32> = t
-            .token_ids
-            .iter()
-            .zip(&t.loss_mask)
-            .filter(|(_, &m)| m == 1)
-            .map(|(&id, _)| id)
-            .collect();
-        let bytes = agent.iter().filter(|&&id| id < 256).count();
-        EpisodeScore {
-            reward: bytes as f32 / agent.len().max(1) as f32,
-            format: None,
-            f1: None,
-        }
-    }
-}
-
-/// A tiny model with its tokenizer, short prompts and a 6-question dataset.
-fn setup(dir: &Path) -> TrainConfig {
-    let model_dir = dir.join("model");
-    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
-    write_tokenizer_files(&tokenizer, &model_dir).unwrap();
-    let special = *tokenizer.special();
-    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext]);
-    write_random_checkpoint(&config, &model_dir, 1, StorageDtype::F32).unwrap();
-    std::fs::write(dir.join("system.txt"), "You help.").unwrap();
-    std::fs::write(dir.join("instruction.txt"), "Answer.").unwrap();
-    let rows: String = ["Paris?", "Rome?", "Oslo?", "Lima?", "Bern?", "Kyiv?"]
-        .iter()
-        .enumerate()
-        .map(|(i, q)| format!("{{\"id\":\"q{i}\",\"data_source\":\"toy\",\"question\":\"{q}\",\"answers\":[\"x\"]}}\n"))
-        .collect();
-    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
-    let toml = r#"
-model = "model"
-[data]
-train = ["train.jsonl"]
-[episode]
-max_turns = 1
-max_turn_tokens = 8
-max_response_tokens = 64
-system_prompt = "system.txt"
-instruction = "instruction.txt"
-[rollout]
-batch_size = 3
-n = 4
-generation_batch = 12
-[rollout.sampling]
-seed = 7
-[grpo]
-mini_batch_size = 12
-micro_batch_size = 6
-[grpo.loss]
-kl_coef = 0.0
-[grpo.optimizer]
-lr = 0.003
-[run]
-out_dir = "run"
-steps = 40
-save_every = 10
-validate_every = 0
-"#;
-    std::fs::write(dir.join("run.toml"), toml).unwrap();
-    TrainConfig::from_toml_file(&dir.join("run.toml")).unwrap()
-}
-
-fn train(config: TrainConfig, steps: u64, resume: bool) -> (Trainer<B>, Vec<StepRecord>) {
-    let mut trainer = Trainer::<B>::start(config, Default::default(), resume).unwrap();
-    let records = (0..steps).map(|_| trainer.train_step(&Scripted, &ByteTokens).unwrap()).collect();
-    (trainer, records)
-}
-
-fn first_last_gap(records: &[StepRecord]) -> (f32, f32) {
-    let mean = |rs: &[StepRecord]| rs.iter().map(|r| r.reward_mean).sum::<f32>() / rs.len() as f32;
-    (mean(&records[..5]), mean(&records[records.len() - 5..]))
-}
+use model::{load_pretrained, LoadOptions, MatmulPrecision, Qwen3ForCausalLM};
+use prompt_r1_trainer::run::{latest_checkpoint, InferenceDtype, Trainer};
 
 /// The mean reward of the last 5 of 40 steps exceeds the first 5 by more than 0.15: a random
 /// policy sits near 0.5 with a per-step standard error of about 0.04 (12 episodes × 8 tokens),

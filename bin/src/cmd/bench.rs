@@ -52,6 +52,11 @@ pub struct Args {
     /// (GFLOP/s; the median of 5 after a warm-up).
     #[arg(long)]
     pub products: bool,
+    /// Switch the fused CPU kernels off: every op runs through burn's portable tensor ops, the
+    /// path the CUDA backend takes (measures what the kernels gain; the environment variable
+    /// PROMPT_R1_PORTABLE_OPS=1 does the same for any command).
+    #[arg(long)]
+    pub portable_ops: bool,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -77,6 +82,12 @@ impl Figure {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    if args.portable_ops {
+        model::set_portable_ops(true);
+    }
+    if model::portable_ops() {
+        eprintln!("fused CPU kernels off: every op runs through burn's portable tensor ops");
+    }
     let device = args.compute.device;
     run_on(device, args)
 }

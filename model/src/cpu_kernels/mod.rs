@@ -51,6 +51,7 @@ mod tracked;
 mod weight_matmul;
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Shape, Tensor, TensorPrimitive};
 use burn_flex::{FlexTensor, Layout};
@@ -529,12 +530,43 @@ fn has_avx512() -> bool {
 
 /// The burn-flex tensor behind `t`, when `B` is burn-flex.
 fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
+    if portable_ops() {
+        return None;
+    }
     let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
     primitive.downcast::<FlexTensor>().ok().map(|t| *t)
 }
 
+/// Whether the fused CPU kernels are switched off (see [`set_portable_ops`]).
+pub fn portable_ops() -> bool {
+    const UNSET: u8 = 0;
+    const ON: u8 = 2;
+    match PORTABLE_OPS.load(Ordering::Relaxed) {
+        UNSET => {
+            let on = std::env::var_os("PROMPT_R1_PORTABLE_OPS").is_some_and(|v| v == "1");
+            set_portable_ops(on);
+            on
+        }
+        state => state == ON,
+    }
+}
+
+/// Switches the fused CPU kernels off (`true`) or on, for the whole process. Off, every op runs
+/// through burn's portable tensor ops: the path the CUDA backend takes, so that CPU tests check
+/// that path and benchmarks measure what the kernels gain. Until this is called the setting
+/// comes from the environment: `PROMPT_R1_PORTABLE_OPS=1` switches the kernels off.
+pub fn set_portable_ops(on: bool) {
+    PORTABLE_OPS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// 0 until [`portable_ops`] or [`set_portable_ops`] first runs, then 1 (kernels on) or 2 (off).
+static PORTABLE_OPS: AtomicU8 = AtomicU8::new(0);
+
 /// The burn-flex tensor behind the integer tensor `t`, when `B` is burn-flex.
 fn to_flex_int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Option<FlexTensor> {
+    if portable_ops() {
+        return None;
+    }
     let primitive: Box<dyn Any> = Box::new(t.into_primitive());
     primitive.downcast::<FlexTensor>().ok().map(|t| *t)
 }

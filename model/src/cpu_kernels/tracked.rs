@@ -215,6 +215,9 @@ where
 
 /// The `Autodiff<Flex>` tensor behind `t`, when `B` is `Autodiff<Flex>`.
 pub(super) fn as_tracked<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<FloatTensor<TrackedFlex>> {
+    if super::portable_ops() {
+        return None;
+    }
     let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
     primitive.downcast::<FloatTensor<TrackedFlex>>().ok().map(|t| *t)
 }

@@ -10,9 +10,10 @@ use burn_flex::{FlexTensor, Layout};
 /// Elements per rayon task in the optimiser's loops.
 pub(crate) const CHUNK: usize = 64 * 1024;
 
-/// Whether `B`'s float tensors are burn-flex tensors.
+/// Whether `B`'s float tensors are burn-flex tensors and the CPU loops are on (they are off,
+/// with the model's fused kernels, under [`model::portable_ops`]).
 pub(crate) fn is_flex<B: Backend>() -> bool {
-    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>()
+    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>() && !model::portable_ops()
 }
 
 /// The burn-flex tensor behind `t`, or `t` back when `B` is another backend or `t` is quantized.

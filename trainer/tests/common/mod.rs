@@ -1,0 +1,107 @@
+//! Shared parts of the trainer's whole-run tests: a tiny random Qwen3 with its tokenizer, a
+//! scripted environment and a reward whose best behaviour is known.
+#![allow(dead_code)]
+
+use std::path::Path;
+
+use burn::backend::{Autodiff, Flex};
+use env::{ChatMessage, EnvError, Environment, Trajectory};
+use model::checkpoint::StorageDtype;
+use model::init::write_random_checkpoint;
+use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
+use model::Preset;
+use prompt_r1_trainer::run::{EpisodeScore, EpisodeScorer, StepRecord, TrainConfig, Trainer};
+
+pub type B = Autodiff<Flex>;
+
+/// Replies with a fixed sentence; it is never reached when the agent makes no call.
+pub struct Scripted;
+
+impl Environment for Scripted {
+    fn complete(&self, _messages: &[ChatMessage]) -> Result<String, EnvError> {
+        Ok("The answer is Paris.".into())
+    }
+}
+
+/// The known best behaviour: emit only byte-level tokens (ids below 256). A random policy
+/// scores about 256/512 = 0.5 per token; the best policy scores 1.
+pub struct ByteTokens;
+
+impl EpisodeScorer for ByteTokens {
+    fn score(&self, t: &Trajectory, _answers: &[String]) -> EpisodeScore {
+        let agent: Vec<u32> = t
+            .token_ids
+            .iter()
+            .zip(&t.loss_mask)
+            .filter(|(_, &m)| m == 1)
+            .map(|(&id, _)| id)
+            .collect();
+        let bytes = agent.iter().filter(|&&id| id < 256).count();
+        EpisodeScore {
+            reward: bytes as f32 / agent.len().max(1) as f32,
+            format: None,
+            f1: None,
+        }
+    }
+}
+
+/// A tiny model with its tokenizer, short prompts and a 6-question dataset.
+pub fn setup(dir: &Path) -> TrainConfig {
+    let model_dir = dir.join("model");
+    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+    write_tokenizer_files(&tokenizer, &model_dir).unwrap();
+    let special = *tokenizer.special();
+    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext]);
+    write_random_checkpoint(&config, &model_dir, 1, StorageDtype::F32).unwrap();
+    std::fs::write(dir.join("system.txt"), "You help.").unwrap();
+    std::fs::write(dir.join("instruction.txt"), "Answer.").unwrap();
+    let rows: String = ["Paris?", "Rome?", "Oslo?", "Lima?", "Bern?", "Kyiv?"]
+        .iter()
+        .enumerate()
+        .map(|(i, q)| format!("{{\"id\":\"q{i}\",\"data_source\":\"toy\",\"question\":\"{q}\",\"answers\":[\"x\"]}}\n"))
+        .collect();
+    std::fs::write(dir.join("train.jsonl"), rows).unwrap();
+    let toml = r#"
+model = "model"
+[data]
+train = ["train.jsonl"]
+[episode]
+max_turns = 1
+max_turn_tokens = 8
+max_response_tokens = 64
+system_prompt = "system.txt"
+instruction = "instruction.txt"
+[rollout]
+batch_size = 3
+n = 4
+generation_batch = 12
+[rollout.sampling]
+seed = 7
+[grpo]
+mini_batch_size = 12
+micro_batch_size = 6
+[grpo.loss]
+kl_coef = 0.0
+[grpo.optimizer]
+lr = 0.003
+[run]
+out_dir = "run"
+steps = 40
+save_every = 10
+validate_every = 0
+"#;
+    std::fs::write(dir.join("run.toml"), toml).unwrap();
+    TrainConfig::from_toml_file(&dir.join("run.toml")).unwrap()
+}
+
+pub fn train(config: TrainConfig, steps: u64, resume: bool) -> (Trainer<B>, Vec<StepRecord>) {
+    let mut trainer = Trainer::<B>::start(config, Default::default(), resume).unwrap();
+    let records = (0..steps).map(|_| trainer.train_step(&Scripted, &ByteTokens).unwrap()).collect();
+    (trainer, records)
+}
+
+pub fn first_last_gap(records: &[StepRecord]) -> (f32, f32) {
+    let mean = |rs: &[StepRecord]| rs.iter().map(|r| r.reward_mean).sum::<f32>() / rs.len() as f32;
+    (mean(&records[..5]), mean(&records[records.len() - 5..]))
+}
+
