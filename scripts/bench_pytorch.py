@@ -26,6 +26,12 @@ def figure(name, seconds, tokens=None):
     }
 
 
+def median(run, runs=3):
+    """The median of `runs` calls of `run` (each returns seconds), as `prompt-r1 bench` times
+    every workload after load."""
+    return sorted(run() for _ in range(runs))[runs // 2]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -51,29 +57,38 @@ def main():
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.matmul == "bf16")
     with torch.no_grad(), autocast:
         model.generate(torch.tensor([prompt[:8]]), max_new_tokens=2, do_sample=False)
-        start = time.perf_counter()
-        model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)
-        seconds = time.perf_counter() - start
-        figures.append(figure(f"prefill {args.prompt_len} tokens", seconds, args.prompt_len))
+
+        def prefill():
+            start = time.perf_counter()
+            model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)
+            return time.perf_counter() - start
+
+        figures.append(figure(f"prefill {args.prompt_len} tokens", median(prefill), args.prompt_len))
 
         for batch in [int(b) for b in args.decode_batch.split(",")]:
             ids = torch.tensor([prompt[b % 8 : b % 8 + 16] for b in range(batch)])
             kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-            start = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
-            prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            model.generate(ids, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, **kwargs)
-            seconds = max(time.perf_counter() - start - prefill, 1e-9)
-            figures.append(figure(f"decode batch {batch}", seconds, batch * (args.decode_tokens - 1)))
+
+            def decode():
+                start = time.perf_counter()
+                model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+                prefill = time.perf_counter() - start
+                start = time.perf_counter()
+                model.generate(ids, max_new_tokens=args.decode_tokens, min_new_tokens=args.decode_tokens, **kwargs)
+                return max(time.perf_counter() - start - prefill, 1e-9)
+
+            figures.append(figure(f"decode batch {batch}", median(decode), batch * (args.decode_tokens - 1)))
 
         half = args.prompt_len // 2
         ids = torch.tensor([prompt, prompt])
-        start = time.perf_counter()
-        logits = model(ids).logits[:, half - 1 : -1].float()
-        torch.log_softmax(logits, -1).gather(-1, ids[:, half:, None])
-        seconds = time.perf_counter() - start
-        figures.append(figure(f"score 2 x {args.prompt_len} tokens", seconds, 2 * args.prompt_len))
+
+        def score():
+            start = time.perf_counter()
+            logits = model(ids).logits[:, half - 1 : -1].float()
+            torch.log_softmax(logits, -1).gather(-1, ids[:, half:, None])
+            return time.perf_counter() - start
+
+        figures.append(figure(f"score 2 x {args.prompt_len} tokens", median(score), 2 * args.prompt_len))
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, eps=1e-8)
@@ -90,15 +105,14 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
 
-    # One warm-up step, then the median of three (as `prompt-r1 bench --train-step`).
-    step()
-    seconds = []
-    for _ in range(3):
+    def timed_step():
         start = time.perf_counter()
         step()
-        seconds.append(time.perf_counter() - start)
-    seconds.sort()
-    figures.append(figure(f"train step 2 x {args.prompt_len}", seconds[1], 2 * args.prompt_len))
+        return time.perf_counter() - start
+
+    # One warm-up step, then the median of three (as `prompt-r1 bench --train-step`).
+    step()
+    figures.append(figure(f"train step 2 x {args.prompt_len}", median(timed_step), 2 * args.prompt_len))
     print(json.dumps(figures, indent=1))
 
 

@@ -1,7 +1,8 @@
 //! `prompt-r1 bench`: throughput and peak memory of the model on random weights: load,
 //! prefill, KV-cache decode at several batch sizes, and per-token log-prob scoring; optionally a
 //! GRPO training step and the projections' matrix products alone.
-//! Figures are wall-clock on this machine; compare runs only on the same machine.
+//! Figures are wall-clock on this machine, each the median of several runs after a warm-up;
+//! compare runs only on the same machine.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -19,6 +20,8 @@ use crate::model_dir::parse_matmul;
 use trainer::run::{peak_rss_mb, reset_peak_rss};
 
 /// Measure load time, prefill, decode and scoring speed with peak memory.
+///
+/// Prefill, each decode batch and scoring are the median of 3 runs after a warm-up.
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// Architecture to benchmark (random weights are written to a temporary directory).
@@ -130,9 +133,11 @@ impl OnBackend for Args {
         generate(&model, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() }, 0)?;
 
         reset_peak_rss();
-        let start = Instant::now();
-        generate(&model, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() }, 0)?;
-        let seconds = start.elapsed().as_secs_f64();
+        let seconds = median_seconds(TIMED_RUNS, || {
+            let start = Instant::now();
+            generate(&model, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() }, 0)?;
+            Ok(start.elapsed().as_secs_f64())
+        })?;
         let workload = format!("prefill {} tokens", self.prompt_len);
         figures.push(Figure::tokens(workload, seconds, Some(self.prompt_len as f64), peak_rss_mb()));
 
@@ -146,13 +151,15 @@ impl OnBackend for Args {
             };
             // Time the decode steps only: subtract a prefill-plus-one-token run.
             let one = SamplingConfig { max_new_tokens: 1, ..config.clone() };
-            let start = Instant::now();
-            generate(&model, &prompts, &one, 0)?;
-            let prefill = start.elapsed().as_secs_f64();
             reset_peak_rss();
-            let start = Instant::now();
-            generate(&model, &prompts, &config, 0)?;
-            let seconds = (start.elapsed().as_secs_f64() - prefill).max(1e-9);
+            let seconds = median_seconds(TIMED_RUNS, || {
+                let start = Instant::now();
+                generate(&model, &prompts, &one, 0)?;
+                let prefill = start.elapsed().as_secs_f64();
+                let start = Instant::now();
+                generate(&model, &prompts, &config, 0)?;
+                Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
+            })?;
             let tokens = (batch * (self.decode_tokens - 1)) as f64;
             figures.push(Figure::tokens(format!("decode batch {batch}"), seconds, Some(tokens), peak_rss_mb()));
         }
@@ -160,9 +167,11 @@ impl OnBackend for Args {
         reset_peak_rss();
         let half = self.prompt_len / 2;
         let pairs = vec![(prompt[..half].to_vec(), prompt[half..].to_vec()); 2];
-        let start = Instant::now();
-        completion_logprobs(&model, &pairs, 0)?;
-        let seconds = start.elapsed().as_secs_f64();
+        let seconds = median_seconds(TIMED_RUNS, || {
+            let start = Instant::now();
+            completion_logprobs(&model, &pairs, 0)?;
+            Ok(start.elapsed().as_secs_f64())
+        })?;
         let workload = format!("score 2 x {} tokens", self.prompt_len);
         figures.push(Figure::tokens(workload, seconds, Some((2 * self.prompt_len) as f64), peak_rss_mb()));
 
@@ -233,16 +242,15 @@ fn train_step_seconds<B: Backend>(
         advantage,
     };
     let batch = PolicyBatch::new(vec![sequence(1.0), sequence(-1.0)])?;
-    let (mut policy, _) = learn_step(policy, &mut optimizer, &batch, &config)?;
-    let mut seconds = Vec::with_capacity(TIMED_STEPS);
-    for _ in 0..TIMED_STEPS {
+    let (policy, _) = learn_step(policy, &mut optimizer, &batch, &config)?;
+    let mut policy = Some(policy);
+    median_seconds(TIMED_STEPS, || {
         let start = Instant::now();
-        (policy, _) = learn_step(policy, &mut optimizer, &batch, &config)?;
+        let (stepped, _) = learn_step(policy.take().expect("each step returns the policy"), &mut optimizer, &batch, &config)?;
         B::sync(device)?;
-        seconds.push(start.elapsed().as_secs_f64());
-    }
-    seconds.sort_by(f64::total_cmp);
-    Ok(seconds[TIMED_STEPS / 2])
+        policy = Some(stepped);
+        Ok(start.elapsed().as_secs_f64())
+    })
 }
 
 /// `--products`: `x[rows, k] · w[k, n]` for each `(k, n)`, f32 operands at both precisions,
@@ -263,9 +271,7 @@ fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize
                 Ok(start.elapsed().as_secs_f64())
             };
             run()?;
-            let mut seconds = (0..TIMED_PRODUCTS).map(|_| run()).collect::<Result<Vec<_>>>()?;
-            seconds.sort_by(f64::total_cmp);
-            let seconds = seconds[TIMED_PRODUCTS / 2];
+            let seconds = median_seconds(TIMED_PRODUCTS, run)?;
             let gflop = 2.0 * (rows * k * n) as f64 / 1e9;
             figures.push(Figure {
                 workload: format!("product {rows} x {k} x {n} {name}"),
@@ -278,6 +284,18 @@ fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize
     }
     Ok(figures)
 }
+
+/// The median of `runs` calls of `time`, each returning the seconds it measured.
+fn median_seconds(runs: usize, mut time: impl FnMut() -> Result<f64>) -> Result<f64> {
+    let mut seconds = (0..runs).map(|_| time()).collect::<Result<Vec<_>>>()?;
+    seconds.sort_by(f64::total_cmp);
+    Ok(seconds[runs / 2])
+}
+
+/// Runs timed per inference workload (prefill, each decode batch, scoring; the median is
+/// reported): one run of a shared VM can be a third slower than the next.
+/// `scripts/bench_pytorch.py` times PyTorch the same way.
+const TIMED_RUNS: usize = 3;
 
 /// Products timed per shape and precision by `--products` (the median is reported).
 const TIMED_PRODUCTS: usize = 5;
