@@ -190,6 +190,22 @@ fn bench_runs_through_the_portable_ops() {
     assert!(!String::from_utf8_lossy(&fused.stderr).contains("fused CPU kernels off"));
 }
 
+/// `check-device` compares the portable ops with the fused kernels on the CPU: five checks, all
+/// within their tolerances; CUDA in a CPU-only build is a clear error.
+#[test]
+fn check_device_passes_on_the_cpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let stdout = ok_stdout(&["check-device", "--model", &model]);
+    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 5, "{stdout}");
+    let out = prompt_r1(&["check-device", "--device", "cuda", "--model", &model]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if cfg!(not(feature = "cuda")) {
+        assert!(!out.status.success() && stderr.contains("built without CUDA support"), "{stderr}");
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
 #[test]
 fn bench_reports_every_workload_and_rejects_short_prompts() {
     let tmp = tempfile::tempdir().unwrap();

@@ -38,6 +38,8 @@ enum Command {
     InitModel(cmd::init_model::Args),
     /// Measure load, prefill, decode and scoring speed with peak memory.
     Bench(cmd::bench::Args),
+    /// Compare a device's results with the CPU reference on one model (a GPU host's self-test).
+    CheckDevice(cmd::check_device::Args),
     Reward(cmd::reward::Args),
     Metrics(cmd::metrics::Args),
     Serve(cmd::serve::Args),
@@ -68,6 +70,7 @@ fn main() {
         Command::Score(args) => cmd::score::run(args),
         Command::InitModel(args) => cmd::init_model::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::CheckDevice(args) => cmd::check_device::run(args),
         Command::Reward(args) => cmd::reward::run(args),
         Command::Metrics(args) => cmd::metrics::run(args),
         Command::Serve(args) => cmd::serve::run(args),

@@ -2,6 +2,7 @@
 
 pub mod env_check;
 pub mod bench;
+pub mod check_device;
 pub mod demo;
 pub mod export;
 pub mod generate;

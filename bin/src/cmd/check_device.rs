@@ -1,0 +1,193 @@
+//! `prompt-r1 check-device`: runs one model on a device and on the CPU reference (burn-flex with
+//! the fused kernels) and compares what they compute: logits of a padded batch, greedy tokens,
+//! completion log-probs, and one GRPO learn step (loss and gradient norm). A self-test for a new
+//! GPU host; with `--device cpu` it checks burn's portable tensor ops (the path every other
+//! backend takes) against the fused CPU kernels.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use burn::backend::Autodiff;
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use clap::Args as ClapArgs;
+use model::checkpoint::StorageDtype;
+use model::init::write_random_checkpoint;
+use model::{completion_logprobs, generate, load_pretrained, LoadOptions, Preset, SamplingConfig};
+use trainer::grpo::{learn_step, LearnConfig, PolicyBatch, PolicySequence};
+
+use crate::device::{run_on, DeviceChoice, OnBackend};
+
+/// Compare a device's results with the CPU reference on one model (a GPU host's self-test).
+///
+/// Runs the same model on the CPU (burn-flex with the fused kernels, f32) and on --device, and
+/// checks: the logits of a right- and a left-padded batch, 16 greedy tokens per prompt,
+/// completion log-probs, and one GRPO learn step (loss and gradient norm). Exits non-zero when a
+/// check fails. `--device cpu` compares burn's portable tensor ops (the path CUDA takes) with the
+/// fused kernels.
+#[derive(ClapArgs, Debug, Clone)]
+pub struct Args {
+    /// Device to check: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Model directory to run; without it, a random `--preset` model is written to a temporary
+    /// directory.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Architecture of the random model.
+    #[arg(long, default_value = "tiny", conflicts_with = "model")]
+    pub preset: String,
+    /// Largest |difference| allowed for logits and log-probs (f32 on both sides).
+    #[arg(long, default_value_t = 2e-3)]
+    pub atol: f32,
+}
+
+/// What one side computed.
+struct Results {
+    logits: Vec<Vec<f32>>,
+    greedy: Vec<Vec<u32>>,
+    logprobs: Vec<Vec<f32>>,
+    loss: f32,
+    grad_norm: f32,
+}
+
+/// The same fixed inputs for both sides.
+struct Probe {
+    dir: PathBuf,
+    prompts: Vec<Vec<u32>>,
+}
+
+impl<'a> OnBackend for &'a Probe {
+    type Output = Results;
+
+    fn run<B: Backend>(self, device: B::Device) -> Result<Results> {
+        let model = load_pretrained::<B>(&self.dir, &device, LoadOptions { dtype: DType::F32 })?;
+        let mut logits = Vec::new();
+        for left in [false, true] {
+            logits.push(padded_logits(&model, &self.prompts, left, &device)?);
+        }
+        let config = SamplingConfig { max_new_tokens: 16, temperature: 0.0, ..Default::default() };
+        let greedy = generate(&model, &self.prompts, &config, 0)?.into_iter().map(|s| s.tokens).collect();
+        let pairs: Vec<(Vec<u32>, Vec<u32>)> =
+            self.prompts.iter().map(|p| (p[..p.len() / 2].to_vec(), p[p.len() / 2..].to_vec())).collect();
+        let logprobs = completion_logprobs(&model, &pairs, 0)?;
+        drop(model);
+
+        let policy = load_pretrained::<Autodiff<B>>(&self.dir, &device, LoadOptions { dtype: DType::F32 })?;
+        let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, ..LearnConfig::default() };
+        let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
+        // Old log-probs of a uniform policy, which a random model is close to: ratios near 1,
+        // so the clipped objective still depends on every token.
+        let uniform = -(model_vocab(&self.dir)? as f32).ln();
+        let sequence = |tokens: &Vec<u32>, advantage: f32| PolicySequence {
+            tokens: tokens.clone(),
+            loss_mask: std::iter::once(0).chain(std::iter::repeat_n(1, tokens.len() - 1)).collect(),
+            old_logprobs: vec![uniform; tokens.len()],
+            ref_logprobs: Some(vec![uniform; tokens.len()]),
+            advantage,
+        };
+        let batch = PolicyBatch::new(vec![sequence(&self.prompts[0], 1.0), sequence(&self.prompts[1], -1.0)])?;
+        let (_, stats) = learn_step(policy, &mut optimizer, &batch, &learn)?;
+        let grad_norm = *stats.grad_norms.first().context("the learn step computed no gradient")?;
+        Ok(Results { logits, greedy, logprobs, loss: stats.loss, grad_norm })
+    }
+}
+
+/// The logits of `prompts` padded to one length (on the left or the right), real positions only.
+fn padded_logits<B: Backend>(
+    model: &model::Qwen3ForCausalLM<B>,
+    prompts: &[Vec<u32>],
+    left: bool,
+    device: &B::Device,
+) -> Result<Vec<f32>> {
+    let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let (mut ids, mut mask, mut positions) = (Vec::new(), Vec::new(), Vec::new());
+    for p in prompts {
+        let pad = width - p.len();
+        let real = |j: usize| if left { j >= pad } else { j < p.len() };
+        for j in 0..width {
+            let k = if left { j.wrapping_sub(pad) } else { j };
+            ids.push(if real(j) { i64::from(p[k]) } else { 0 });
+            mask.push(i64::from(real(j)));
+            positions.push(if real(j) { k as i64 } else { 0 });
+        }
+    }
+    let tensor = |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [prompts.len(), width]), device);
+    let mask = tensor(mask.clone());
+    let logits: Vec<f32> = model
+        .forward(tensor(ids), tensor(positions), Some(&mask), None)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+    let vocab = logits.len() / (prompts.len() * width);
+    let real = mask.into_data().convert::<i64>().to_vec::<i64>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(logits.chunks(vocab).zip(real).filter(|(_, m)| *m == 1).flat_map(|(row, _)| row.to_vec()).collect())
+}
+
+/// The vocabulary size in a model directory's `config.json`.
+fn model_vocab(dir: &std::path::Path) -> Result<usize> {
+    Ok(model::Qwen3Config::from_file(&dir.join("config.json"))?.vocab_size)
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let temp;
+    let dir = match &args.model {
+        Some(dir) => dir.clone(),
+        None => {
+            let preset = Preset::from_name(&args.preset).with_context(|| format!("unknown preset \"{}\"", args.preset))?;
+            temp = tempfile::tempdir()?;
+            write_random_checkpoint(&preset.config(512, vec![2]), temp.path(), 7, StorageDtype::F32)?;
+            temp.path().to_path_buf()
+        }
+    };
+    let vocab = model_vocab(&dir)? as u32;
+    let prompt = |len: u32, salt: u32| -> Vec<u32> { (0..len).map(|i| (i * 7919 + salt) % vocab).collect() };
+    let probe = Probe { dir, prompts: vec![prompt(24, 13), prompt(17, 101)] };
+
+    eprintln!("reference: CPU, fused kernels");
+    model::set_portable_ops(false);
+    let reference = run_on(DeviceChoice::Cpu, &probe)?;
+    let target = match args.device {
+        DeviceChoice::Cpu => {
+            eprintln!("checked: CPU, burn's portable tensor ops");
+            model::set_portable_ops(true);
+            run_on(DeviceChoice::Cpu, &probe)
+        }
+        device => {
+            eprintln!("checked: {device:?}");
+            run_on(device, &probe)
+        }
+    }?;
+
+    let relative = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(1e-6);
+    let checks = [
+        ("logits, right- and left-padded batch", max_diff(&reference.logits, &target.logits), args.atol),
+        ("completion log-probs", max_diff(&reference.logprobs, &target.logprobs), args.atol),
+        ("greedy tokens differing (2 x 16)", differing(&reference.greedy, &target.greedy) as f32, 0.0),
+        ("learn step loss (relative)", relative(reference.loss, target.loss), 1e-3),
+        ("learn step gradient norm (relative)", relative(reference.grad_norm, target.grad_norm), 1e-3),
+    ];
+    println!("{:<40} {:>12} {:>12}  result", "check", "measured", "allowed");
+    let mut failed = 0;
+    for (name, measured, allowed) in checks {
+        let ok = measured <= allowed;
+        failed += usize::from(!ok);
+        println!("{name:<40} {measured:>12.3e} {allowed:>12.3e}  {}", if ok { "ok" } else { "FAILED" });
+    }
+    if failed > 0 {
+        bail!("{failed} of 5 checks failed on {:?}", args.device);
+    }
+    Ok(())
+}
+
+/// Generated tokens that differ between the two sides (a shorter sequence counts its missing ones).
+fn differing(a: &[Vec<u32>], b: &[Vec<u32>]) -> usize {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| x.iter().zip(y).filter(|(p, q)| p != q).count() + x.len().abs_diff(y.len()))
+        .sum()
+}
