@@ -11,6 +11,7 @@ use burn::tensor::{backend::Backend, Bytes, DType, Tensor, TensorData};
 use rayon::prelude::*;
 
 use crate::checkpoint::{Checkpoint, HostTensor, RawTensor, StorageDtype};
+use crate::cpu_kernels::transpose_into;
 use crate::config::Qwen3Config;
 use crate::error::ModelError;
 use crate::qwen3::{
@@ -363,43 +364,6 @@ fn relayout<S: Copy + Sync, T: LoadElem>(
         });
     }
     out
-}
-
-/// Writes `src` (`[rows, cols]`, converted by `conv`) into `out` as `[cols, rows]`. Each task
-/// fills a block of whole output rows, 8 source rows at a time: 8 sequential read streams,
-/// and runs of 8 contiguous elements written.
-fn transpose_into<S: Copy + Sync, T: Copy + Send>(
-    src: &[S],
-    rows: usize,
-    cols: usize,
-    out: &mut [T],
-    conv: impl Fn(S) -> T + Sync,
-) {
-    const BLOCK: usize = 128;
-    const STRIP: usize = 8;
-    if rows == 0 || cols == 0 {
-        return;
-    }
-    out.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(b, block)| {
-        let c0 = b * BLOCK;
-        let width = block.len() / rows;
-        let mut r = 0;
-        while r + STRIP <= rows {
-            let strip: [&[S]; STRIP] =
-                std::array::from_fn(|i| &src[(r + i) * cols + c0..][..width]);
-            for (j, row) in block.chunks_exact_mut(rows).enumerate() {
-                let run: &mut [T; STRIP] =
-                    (&mut row[r..r + STRIP]).try_into().expect("a run of STRIP elements");
-                *run = std::array::from_fn(|i| conv(strip[i][j]));
-            }
-            r += STRIP;
-        }
-        for (j, row) in block.chunks_exact_mut(rows).enumerate() {
-            for (i, o) in row[r..].iter_mut().enumerate() {
-                *o = conv(src[(r + i) * cols + c0 + j]);
-            }
-        }
-    });
 }
 
 /// A parameter of the model under its HF name, in burn layout (see [`ParamKind`]).

@@ -240,28 +240,40 @@ fn narrow_all(values: &[f32]) -> Vec<bf16> {
     out
 }
 
-/// The `[cols, rows]` transpose of the row-major `[rows, cols]` matrix `values`, in parallel
-/// over blocks of output rows. Within a block, 32 × 32 tiles go through a small buffer in L1, so
-/// that both the reads and the writes are runs of contiguous elements.
+/// The `[cols, rows]` transpose of the row-major `[rows, cols]` matrix `values` (see
+/// [`transpose_into`]).
 fn transpose<T: Copy + Default + Send + Sync>(values: &[T], rows: usize, cols: usize) -> Vec<T> {
+    let mut out = vec![T::default(); values.len()];
+    transpose_into(values, rows, cols, &mut out, |v| v);
+    out
+}
+
+/// Writes the row-major `[rows, cols]` matrix `src`, converted by `conv`, into `out` as
+/// `[cols, rows]`, in parallel over blocks of output rows. Within a block, 32 × 32 tiles go
+/// through a small buffer in L1, so that both the reads and the writes are runs of contiguous
+/// elements.
+pub(crate) fn transpose_into<S: Copy + Sync, T: Copy + Send>(
+    src: &[S],
+    rows: usize,
+    cols: usize,
+    out: &mut [T],
+    conv: impl Fn(S) -> T + Sync,
+) {
     const BLOCK: usize = 256;
     const TILE: usize = 32;
-    assert_eq!(values.len(), rows * cols, "a {rows} x {cols} matrix");
-    let mut out = vec![T::default(); values.len()];
-    if rows == 0 {
-        return out;
-    }
+    assert!(src.len() == rows * cols && out.len() == src.len(), "a {rows} x {cols} matrix");
+    let Some(&first) = src.first() else { return };
     out.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(b, dst)| {
         let c0 = b * BLOCK;
         let width = dst.len() / rows;
-        let mut tile = [[T::default(); TILE]; TILE];
+        let mut tile = [[conv(first); TILE]; TILE];
         for r0 in (0..rows).step_by(TILE) {
             let height = TILE.min(rows - r0);
             for j0 in (0..width).step_by(TILE) {
                 let run = TILE.min(width - j0);
                 for (i, r) in (r0..r0 + height).enumerate() {
-                    for (j, &v) in values[r * cols + c0 + j0..][..run].iter().enumerate() {
-                        tile[j][i] = v;
+                    for (j, &v) in src[r * cols + c0 + j0..][..run].iter().enumerate() {
+                        tile[j][i] = conv(v);
                     }
                 }
                 for (j, column) in tile.iter().enumerate().take(run) {
@@ -270,7 +282,6 @@ fn transpose<T: Copy + Default + Send + Sync>(values: &[T], rows: usize, cols: u
             }
         }
     });
-    out
 }
 
 /// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex and `x` and
