@@ -8,11 +8,11 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use burn::backend::Autodiff;
-use burn::tensor::{backend::Backend, bf16, DType, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, bf16, DType, Tensor, TensorData};
 use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
-use model::{completion_logprobs, generate, load_pretrained, LoadOptions, Preset, SamplingConfig};
+use model::{completion_logprobs, generate, load_pretrained, LoadOptions, Padding, Preset, SamplingConfig, TokenBatch};
 use trainer::grpo::{learn_step, LearnConfig, PolicyBatch, PolicySequence};
 
 use crate::device::{run_on, DeviceChoice, OnBackend};
@@ -56,6 +56,7 @@ struct Results {
 /// The same fixed inputs for both sides.
 struct Probe {
     dir: PathBuf,
+    vocab: usize,
     prompts: Vec<Vec<u32>>,
 }
 
@@ -82,8 +83,8 @@ impl<'a> OnBackend for &'a Probe {
     fn run<B: Backend>(self, device: B::Device) -> Result<Results> {
         let model = load_pretrained::<B>(&self.dir, &device, LoadOptions { dtype: DType::F32 })?;
         let mut logits = Vec::new();
-        for left in [false, true] {
-            logits.push(padded_logits(&model, &self.prompts, left, &device)?);
+        for padding in [Padding::Right, Padding::Left] {
+            logits.push(padded_logits(&model, &self.prompts, padding, &device)?);
         }
         let config = SamplingConfig { max_new_tokens: 16, temperature: 0.0, ..Default::default() };
         let greedy = generate(&model, &self.prompts, &config, 0)?.into_iter().map(|s| s.tokens).collect();
@@ -97,7 +98,7 @@ impl<'a> OnBackend for &'a Probe {
         let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
         // Old log-probs of a uniform policy, which a random model is close to: ratios near 1,
         // so the clipped objective still depends on every token.
-        let uniform = -(model_vocab(&self.dir)? as f32).ln();
+        let uniform = -(self.vocab as f32).ln();
         let sequence = |tokens: &Vec<u32>, advantage: f32| PolicySequence {
             tokens: tokens.clone(),
             loss_mask: std::iter::once(0).chain(std::iter::repeat_n(1, tokens.len() - 1)).collect(),
@@ -116,37 +117,27 @@ impl<'a> OnBackend for &'a Probe {
 fn padded_logits<B: Backend>(
     model: &model::Qwen3ForCausalLM<B>,
     prompts: &[Vec<u32>],
-    left: bool,
+    padding: Padding,
     device: &B::Device,
 ) -> Result<Vec<f32>> {
-    let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let (mut ids, mut mask, mut positions) = (Vec::new(), Vec::new(), Vec::new());
-    for p in prompts {
-        let pad = width - p.len();
-        let real = |j: usize| if left { j >= pad } else { j < p.len() };
-        for j in 0..width {
-            let k = if left { j.wrapping_sub(pad) } else { j };
-            ids.push(if real(j) { i64::from(p[k]) } else { 0 });
-            mask.push(i64::from(real(j)));
-            positions.push(if real(j) { k as i64 } else { 0 });
-        }
-    }
-    let tensor = |v: Vec<i64>| Tensor::<B, 2, Int>::from_data(TensorData::new(v, [prompts.len(), width]), device);
-    let mask = tensor(mask.clone());
+    let batch = TokenBatch::<B>::new(prompts, padding, 0, device)?;
     let logits: Vec<f32> = model
-        .forward(tensor(ids), tensor(positions), Some(&mask), None)
+        .forward(batch.input_ids.clone(), batch.position_ids.clone(), batch.mask(), None)
         .into_data()
         .convert::<f32>()
         .to_vec()
         .map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
-    let vocab = logits.len() / (prompts.len() * width);
-    let real = mask.into_data().convert::<i64>().to_vec::<i64>().map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    Ok(logits.chunks(vocab).zip(real).filter(|(_, m)| *m == 1).flat_map(|(row, _)| row.to_vec()).collect())
-}
-
-/// The vocabulary size in a model directory's `config.json`.
-fn model_vocab(dir: &std::path::Path) -> Result<usize> {
-    Ok(model::Qwen3Config::from_file(&dir.join("config.json"))?.vocab_size)
+    let row_len = logits.len() / prompts.len();
+    let vocab = row_len / batch.len;
+    Ok(logits
+        .chunks(row_len)
+        .zip(&batch.lengths)
+        .flat_map(|(row, &len)| match padding {
+            Padding::Right => &row[..len * vocab],
+            Padding::Left => &row[(batch.len - len) * vocab..],
+        })
+        .copied()
+        .collect())
 }
 
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
@@ -164,9 +155,9 @@ pub fn run(args: Args) -> Result<()> {
             temp.path().to_path_buf()
         }
     };
-    let vocab = model_vocab(&dir)? as u32;
-    let prompt = |len: u32, salt: u32| -> Vec<u32> { (0..len).map(|i| (i * 7919 + salt) % vocab).collect() };
-    let probe = Probe { dir, prompts: vec![prompt(24, 13), prompt(17, 101)] };
+    let vocab = model::Qwen3Config::from_file(&dir.join("config.json"))?.vocab_size;
+    let prompt = |len: usize, salt: usize| -> Vec<u32> { (0..len).map(|i| ((i * 7919 + salt) % vocab) as u32).collect() };
+    let probe = Probe { dir, vocab, prompts: vec![prompt(24, 13), prompt(17, 101)] };
 
     eprintln!("reference: CPU, fused kernels");
     model::set_portable_ops(false);
