@@ -19,7 +19,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::bf16_bits;
-use super::fused::lanes;
+use super::fused::{lanes, row_max};
 
 /// A bias at or below this marks a key a query does not attend to. The masks this crate builds
 /// use -1e9; any score that low gives a softmax weight of exactly zero next to an attended key.
@@ -358,9 +358,7 @@ fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) -> Softmax
     for (s, &bias) in row.iter_mut().zip(bias) {
         *s = T::round(T::round(T::round(*s) * scale) + bias);
     }
-    let max = lanes(row, f32::NEG_INFINITY, |lane, s| lane.max(s))
-        .into_iter()
-        .fold(f32::NEG_INFINITY, f32::max);
+    let max = row_max(row, |s| s);
     for s in row.iter_mut() {
         *s = super::fused::exp(*s - max);
     }

@@ -233,15 +233,21 @@ pub fn chosen_logprobs<T: Copy + Sync>(
         .zip(targets.par_iter())
         .map(|(row, &target)| {
             wide_simd!({
-                let max = lanes(row, f32::NEG_INFINITY, |lane, x| lane.max(widen(x)))
-                    .into_iter()
-                    .fold(f32::NEG_INFINITY, f32::max);
+                let max = row_max(row, &widen);
                 let sum: f32 = lanes(row, 0.0, |lane, x| lane + exp(widen(x) - max)).iter().sum();
                 let lse = sum.ln() + max;
                 (widen(row[target]) - lse, lse)
             })
         })
         .unzip()
+}
+
+/// The largest element of `row` as f32 (NaNs ignored, as `f32::max` does), over 16 lanes.
+#[inline(always)]
+pub(super) fn row_max<T: Copy>(row: &[T], widen: impl Fn(T) -> f32) -> f32 {
+    lanes(row, f32::NEG_INFINITY, |lane, x| lane.max(widen(x)))
+        .into_iter()
+        .fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// `row` folded into 16 running values, element `i` into value `i % 16`, so that the fold
@@ -293,7 +299,7 @@ pub fn row_entropy(logits: &[f32], vocab: usize) -> Vec<f32> {
         .par_chunks(vocab)
         .map(|row| {
             wide_simd!({
-                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let max = row_max(row, |x| x);
                 let (mut sum, mut weighted) = ([0.0f32; 16], [0.0f32; 16]);
                 let chunks = row.chunks_exact(16);
                 let tail = chunks.remainder();

@@ -559,15 +559,13 @@ fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
 
 /// Whether the fused CPU kernels are switched off (see [`set_portable_ops`]).
 pub fn portable_ops() -> bool {
-    const UNSET: u8 = 0;
-    const ON: u8 = 2;
     match PORTABLE_OPS.load(Ordering::Relaxed) {
-        UNSET => {
+        PORTABLE_UNSET => {
             let on = std::env::var_os("PROMPT_R1_PORTABLE_OPS").is_some_and(|v| v == "1");
             set_portable_ops(on);
             on
         }
-        state => state == ON,
+        state => state == PORTABLE_ON,
     }
 }
 
@@ -576,11 +574,14 @@ pub fn portable_ops() -> bool {
 /// that path and benchmarks measure what the kernels gain. Until this is called the setting
 /// comes from the environment: `PROMPT_R1_PORTABLE_OPS=1` switches the kernels off.
 pub fn set_portable_ops(on: bool) {
-    PORTABLE_OPS.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    PORTABLE_OPS.store(if on { PORTABLE_ON } else { PORTABLE_OFF }, Ordering::Relaxed);
 }
 
-/// 0 until [`portable_ops`] or [`set_portable_ops`] first runs, then 1 (kernels on) or 2 (off).
-static PORTABLE_OPS: AtomicU8 = AtomicU8::new(0);
+/// The portable-ops setting: unset until [`portable_ops`] or [`set_portable_ops`] first runs.
+static PORTABLE_OPS: AtomicU8 = AtomicU8::new(PORTABLE_UNSET);
+const PORTABLE_UNSET: u8 = 0;
+const PORTABLE_OFF: u8 = 1;
+const PORTABLE_ON: u8 = 2;
 
 /// The burn-flex tensor behind the integer tensor `t`, when `B` is burn-flex.
 fn to_flex_int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Option<FlexTensor> {
