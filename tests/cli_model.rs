@@ -190,14 +190,15 @@ fn bench_runs_through_the_portable_ops() {
     assert!(!String::from_utf8_lossy(&fused.stderr).contains("fused CPU kernels off"));
 }
 
-/// `check-device` compares the portable ops with the fused kernels on the CPU: five checks, all
-/// within their tolerances; CUDA in a CPU-only build is a clear error.
+/// `check-device` compares the portable ops with the fused kernels on the CPU: six checks
+/// (greedy and sampled tokens among them), all within their tolerances; CUDA in a CPU-only build
+/// is a clear error.
 #[test]
 fn check_device_passes_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model(tmp.path());
     let stdout = ok_stdout(&["check-device", "--model", &model]);
-    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 5, "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 6, "{stdout}");
     let out = prompt_r1(&["check-device", "--device", "cuda", "--model", &model]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if cfg!(not(feature = "cuda")) {

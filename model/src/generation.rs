@@ -1,11 +1,15 @@
 //! Batched generation with a KV cache: left-padded prompts, greedy or sampled decoding
 //! (temperature, top-k, top-p), seeded per-row RNGs, stop tokens and a token budget.
+//! Off the CPU kernels' backend (a GPU, or the portable ops) greedy and plain-temperature
+//! tokens are chosen on the device from the same per-row draws (`device_sampling`), so a step
+//! reads back a token and a log-prob per row rather than a row of logits.
 
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
 
 use crate::batch::{Padding, TokenBatch};
+use crate::device_sampling;
 use crate::error::ModelError;
 use crate::qwen3::Qwen3ForCausalLM;
 
@@ -123,14 +127,15 @@ pub fn generate_seeded<B: Backend>(
     }
     let mut rngs: Vec<StdRng> = seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect();
     let mut cache = model.new_cache();
+    // On the CPU kernels' backend the logits are already in host memory; elsewhere only the
+    // chosen tokens come back (top-k and top-p still sort the row on the host).
+    let on_device = !crate::cpu_kernels_active::<B>() && device_sampling::supported(config);
 
-    // Host copies of the per-row state; `active[j]` is the original row of batch row j.
+    // `active[j]` is the original row of batch row j; the key mask stays on the device and is
+    // dropped once no active row has padding.
     let mut active: Vec<usize> = (0..n).collect();
-    let mut key_mask: Vec<Vec<i64>> = batch
-        .lengths
-        .iter()
-        .map(|&l| (0..batch.len).map(|j| i64::from(j >= batch.len - l)).collect())
-        .collect();
+    let mut padding: Vec<usize> = batch.lengths.iter().map(|&l| batch.len - l).collect();
+    let mut mask = batch.mask().cloned();
     let mut next_position: Vec<i64> = batch.lengths.iter().map(|&l| l as i64).collect();
 
     let hidden = model
@@ -138,7 +143,7 @@ pub fn generate_seeded<B: Backend>(
         .forward(
             batch.input_ids.clone(),
             batch.position_ids.clone(),
-            batch.mask(),
+            mask.as_ref(),
             Some(&mut cache),
             false,
         )
@@ -149,24 +154,33 @@ pub fn generate_seeded<B: Backend>(
 
     for step in 0..config.max_new_tokens {
         let rows = active.len();
-        let values: Vec<f32> = last
-            .into_data()
-            .convert::<f32>()
-            .to_vec()
-            .map_err(|e| ModelError::Input(format!("reading logits: {e:?}")))?;
-        let mut next_tokens = Vec::with_capacity(rows);
-        let mut still_active = Vec::with_capacity(rows);
         // `active` is ascending, so the generators of the active rows come out in its order.
         let mut active_rngs: Vec<&mut StdRng> = rngs
             .iter_mut()
             .enumerate()
             .filter_map(|(row, rng)| active.binary_search(&row).is_ok().then_some(rng))
             .collect();
-        let choices: Vec<(u32, f32)> = values
-            .par_chunks(vocab)
-            .zip(active_rngs.par_iter_mut())
-            .map(|(row_logits, rng)| choose_token(row_logits, config, &mut **rng))
-            .collect();
+        let choices = if on_device {
+            let uniforms: Vec<f64> = if config.temperature == 0.0 {
+                Vec::new()
+            } else {
+                active_rngs.iter_mut().map(|rng| rng.random::<f64>()).collect()
+            };
+            device_sampling::choose_tokens(last.reshape([rows, vocab]), config.temperature, &uniforms)?
+        } else {
+            let values: Vec<f32> = last
+                .into_data()
+                .convert::<f32>()
+                .to_vec()
+                .map_err(|e| ModelError::Input(format!("reading logits: {e:?}")))?;
+            values
+                .par_chunks(vocab)
+                .zip(active_rngs.par_iter_mut())
+                .map(|(row_logits, rng)| choose_token(row_logits, config, &mut **rng))
+                .collect()
+        };
+        let mut next_tokens = Vec::with_capacity(rows);
+        let mut still_active = Vec::with_capacity(rows);
         for ((j, &row), &(token, logprob)) in active.iter().enumerate().zip(&choices) {
             let out = &mut outputs[row];
             out.tokens.push(token);
@@ -183,33 +197,38 @@ pub fn generate_seeded<B: Backend>(
         }
         if still_active.len() < rows {
             cache.select_rows(&still_active);
-            key_mask = still_active.iter().map(|&j| key_mask[j].clone()).collect();
+            padding = still_active.iter().map(|&j| padding[j]).collect();
             next_position = still_active.iter().map(|&j| next_position[j]).collect();
             active = still_active.iter().map(|&j| active[j]).collect();
+            mask = if padding.iter().all(|&p| p == 0) {
+                None
+            } else {
+                mask.map(|m| select_rows(m, &still_active))
+            };
         }
         let rows = active.len();
-        for m in &mut key_mask {
-            m.push(1);
-        }
+        mask = mask.map(|m| {
+            let ones = Tensor::<B, 2, Int>::ones([rows, 1], &device);
+            Tensor::cat(vec![m, ones], 1)
+        });
         let ids = Tensor::<B, 2, Int>::from_data(
             TensorData::new(next_tokens.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(), [rows, 1]),
             &device,
         );
         let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(next_position.clone(), [rows, 1]), &device);
-        let padded = key_mask.iter().any(|m| m.contains(&0));
-        let mask = padded.then(|| {
-            let width = key_mask[0].len();
-            Tensor::<B, 2, Int>::from_data(
-                TensorData::new(key_mask.concat(), [rows, width]),
-                &device,
-            )
-        });
         for p in &mut next_position {
             *p += 1;
         }
         last = model.forward(ids, positions, mask.as_ref(), Some(&mut cache));
     }
     Ok(outputs)
+}
+
+/// Rows `rows` of `t`, in that order.
+fn select_rows<B: Backend>(t: Tensor<B, 2, Int>, rows: &[usize]) -> Tensor<B, 2, Int> {
+    let device = t.device();
+    let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+    t.select(0, Tensor::<B, 1, Int>::from_data(rows.as_slice(), &device))
 }
 
 /// Mixes a base seed with a stream number (splitmix64), giving independent, reproducible seeds

@@ -1,7 +1,7 @@
 //! `prompt-r1 check-device`: runs one model on a device and on the CPU reference (burn-flex with
-//! the fused kernels) and compares what they compute: logits of a padded batch, greedy tokens,
-//! completion log-probs, one GRPO learn step (loss and gradient norm) and the device's f32 → bf16
-//! rounding. A self-test for a new GPU host; with `--device cpu` it checks burn's portable tensor
+//! the fused kernels) and compares what they compute: logits of a padded batch, greedy and
+//! sampled tokens (chosen on the device off the CPU kernels), completion log-probs, one GRPO
+//! learn step (loss and gradient norm) and the device's f32 → bf16 rounding. A self-test for a new GPU host; with `--device cpu` it checks burn's portable tensor
 //! ops (the path every other backend takes) against the fused CPU kernels.
 
 use std::path::PathBuf;
@@ -20,7 +20,8 @@ use crate::device::{run_on, DeviceChoice, OnBackend};
 /// Compare a device's results with the CPU reference on one model (a GPU host's self-test).
 ///
 /// Runs the same model on the CPU (burn-flex with the fused kernels, f32) and on --device, and
-/// checks: the logits of a right- and a left-padded batch, 16 greedy tokens per prompt,
+/// checks: the logits of a right- and a left-padded batch, 16 greedy and 16 sampled tokens per
+/// prompt (same seeds; off the CPU kernels tokens are chosen on the device),
 /// completion log-probs, one GRPO learn step (loss and gradient norm) and, off the CPU, that the
 /// device's f32 → bf16 cast rounds to nearest even (bf16 rollout copies use it). Exits non-zero
 /// when a check fails. `--device cpu` compares burn's portable tensor ops (the path CUDA takes) with the
@@ -46,6 +47,8 @@ pub struct Args {
 struct Results {
     logits: Vec<Vec<f32>>,
     greedy: Vec<Vec<u32>>,
+    /// Temperature 1, seed 3.
+    sampled: Vec<Vec<u32>>,
     logprobs: Vec<Vec<f32>>,
     loss: f32,
     grad_norm: f32,
@@ -88,6 +91,8 @@ impl<'a> OnBackend for &'a Probe {
         }
         let config = SamplingConfig { max_new_tokens: 16, temperature: 0.0, ..Default::default() };
         let greedy = generate(&model, &self.prompts, &config, 0)?.into_iter().map(|s| s.tokens).collect();
+        let config = SamplingConfig { temperature: 1.0, seed: 3, ..config };
+        let sampled = generate(&model, &self.prompts, &config, 0)?.into_iter().map(|s| s.tokens).collect();
         let pairs: Vec<(Vec<u32>, Vec<u32>)> =
             self.prompts.iter().map(|p| (p[..p.len() / 2].to_vec(), p[p.len() / 2..].to_vec())).collect();
         let logprobs = completion_logprobs(&model, &pairs, 0)?;
@@ -109,7 +114,7 @@ impl<'a> OnBackend for &'a Probe {
         let batch = PolicyBatch::new(vec![sequence(&self.prompts[0], 1.0), sequence(&self.prompts[1], -1.0)])?;
         let (_, stats) = learn_step(policy, &mut optimizer, &batch, &learn)?;
         let grad_norm = *stats.grad_norms.first().context("the learn step computed no gradient")?;
-        Ok(Results { logits, greedy, logprobs, loss: stats.loss, grad_norm, cast_errors: cast_errors::<B>(&device)? })
+        Ok(Results { logits, greedy, sampled, logprobs, loss: stats.loss, grad_norm, cast_errors: cast_errors::<B>(&device)? })
     }
 }
 
@@ -179,6 +184,7 @@ pub fn run(args: Args) -> Result<()> {
         ("logits, right- and left-padded batch", max_diff(&reference.logits, &target.logits), args.atol),
         ("completion log-probs", max_diff(&reference.logprobs, &target.logprobs), args.atol),
         ("greedy tokens differing (2 x 16)", differing(&reference.greedy, &target.greedy) as f32, 0.0),
+        ("sampled tokens differing (2 x 16, T = 1)", differing(&reference.sampled, &target.sampled) as f32, 0.0),
         ("learn step loss (relative)", relative(reference.loss, target.loss), 1e-3),
         ("learn step gradient norm (relative)", relative(reference.grad_norm, target.grad_norm), 1e-3),
     ];

@@ -50,7 +50,7 @@ mod fused;
 mod tracked;
 mod weight_matmul;
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Shape, Tensor, TensorPrimitive};
@@ -555,6 +555,12 @@ fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
     }
     let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
     primitive.downcast::<FlexTensor>().ok().map(|t| *t)
+}
+
+/// Whether `B`'s float tensors are burn-flex tensors (not under autodiff) and the fused kernels
+/// are on: then tensor data already lives in host memory and host loops over it are cheap.
+pub fn cpu_kernels_active<B: Backend>() -> bool {
+    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>() && !portable_ops()
 }
 
 /// Whether the fused CPU kernels are switched off (see [`set_portable_ops`]).

@@ -1,7 +1,7 @@
 //! Access to burn-flex's tensor primitive from code generic over the backend, for the
 //! optimiser's loops that read and update parameter-sized buffers without allocating.
 
-use std::any::{Any, TypeId};
+use std::any::Any;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bytes, DType, Tensor, TensorPrimitive};
@@ -13,7 +13,7 @@ pub(crate) const CHUNK: usize = 64 * 1024;
 /// Whether `B`'s float tensors are burn-flex tensors and the CPU loops are on (they are off,
 /// with the model's fused kernels, under [`model::portable_ops`]).
 pub(crate) fn is_flex<B: Backend>() -> bool {
-    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>() && !model::portable_ops()
+    model::cpu_kernels_active::<B>()
 }
 
 /// The burn-flex tensor behind `t`, or `t` back when `B` is another backend or `t` is quantized.
