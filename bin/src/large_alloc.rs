@@ -6,8 +6,12 @@
 //! above its mmap threshold back to the kernel on free, so each new one is page-faulted and
 //! zeroed by the kernel again: millions of page faults, a fifth of a step's time. Here a freed
 //! large buffer goes into a small cache keyed by its mapped length and is handed out again for
-//! the next request of that length. Buffers from 2 MiB up are mapped in whole 2 MiB units and
-//! marked for transparent huge pages, so a fault maps 2 MiB at once.
+//! the next request of that length. Buffers from 2 MiB up are mapped in whole 2 MiB units, so
+//! that where transparent huge pages are on for all memory they can be backed by them. They are
+//! not marked `MADV_HUGEPAGE`: under the common `defrag = madvise` setting that makes each fault
+//! compact memory synchronously when no free huge page is at hand, which made loading the 0.6B
+//! model 2.5-3.5 times slower (BENCHMARKS.md, ninth session); once the cache serves a workload's
+//! buffers there are few faults left for huge pages to save.
 //!
 //! Two bounds keep the cache from costing memory:
 //! - it raises the process's peak by at most a quarter: cached plus in-use large buffers stay
@@ -31,7 +35,7 @@ use std::sync::Mutex;
 const LARGE: usize = 1 << 20;
 /// Page-sized granularity for large buffers below [`HUGE`].
 const SMALL_UNIT: usize = 64 << 10;
-/// From this size on, buffers are mapped in whole huge pages.
+/// From this size on, buffers are mapped in whole units of this size (a huge page's).
 const HUGE: usize = 2 << 20;
 /// Cached buffers kept at most (a fixed table: the allocator may not allocate for itself).
 const SLOTS: usize = 4096;
@@ -187,10 +191,6 @@ fn map(mapped: usize) -> *mut u8 {
         if block == libc::MAP_FAILED {
             return ptr::null_mut();
         }
-    }
-    if mapped >= HUGE {
-        // SAFETY: advice on our own mapping; failure (no THP support) only loses the hint.
-        unsafe { libc::madvise(block, mapped, libc::MADV_HUGEPAGE) };
     }
     block.cast()
 }
