@@ -57,6 +57,18 @@ pub fn run_on<T: OnBackend>(choice: DeviceChoice, task: T) -> Result<T::Output> 
     }
 }
 
+/// Fails with the reason when the chosen device cannot run work (no CUDA support in this
+/// build, no driver), before any work starts.
+pub fn check_available(choice: DeviceChoice) -> Result<()> {
+    match choice {
+        DeviceChoice::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(index) => probe_cuda(&burn::backend::cuda::CudaDevice::new(index)),
+        #[cfg(not(feature = "cuda"))]
+        DeviceChoice::Cuda(_) => bail!(NO_CUDA),
+    }
+}
+
 #[cfg(feature = "cuda")]
 fn run_on_cuda<T: OnBackend>(index: usize, task: T) -> Result<T::Output> {
     use burn::backend::{cuda::CudaDevice, Cuda};
@@ -115,8 +127,12 @@ fn probe_cuda(device: &burn::backend::cuda::CudaDevice) -> Result<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn run_on_cuda<T: OnBackend>(_index: usize, _task: T) -> Result<T::Output> {
-    bail!("this binary was built without CUDA support: rebuild with `cargo build --release --features cuda`, or use --device cpu")
+    bail!(NO_CUDA)
 }
+
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str =
+    "this binary was built without CUDA support: rebuild with `cargo build --release --features cuda`, or use --device cpu";
 
 #[cfg(test)]
 mod tests {

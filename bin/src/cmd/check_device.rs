@@ -150,6 +150,8 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    // Before the CPU reference, which takes a while for a large model.
+    crate::device::check_available(args.device)?;
     let temp;
     let dir = match &args.model {
         Some(dir) => dir.clone(),
