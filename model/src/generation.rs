@@ -8,7 +8,7 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
 
-use crate::batch::{Padding, TokenBatch};
+use crate::batch::{row_index, Padding, TokenBatch};
 use crate::device_sampling;
 use crate::error::ModelError;
 use crate::qwen3::Qwen3ForCausalLM;
@@ -203,7 +203,10 @@ pub fn generate_seeded<B: Backend>(
             mask = if padding.iter().all(|&p| p == 0) {
                 None
             } else {
-                mask.map(|m| select_rows(m, &still_active))
+                mask.map(|m| {
+                    let idx = row_index(&still_active, &device);
+                    m.select(0, idx)
+                })
             };
         }
         let rows = active.len();
@@ -222,13 +225,6 @@ pub fn generate_seeded<B: Backend>(
         last = model.forward(ids, positions, mask.as_ref(), Some(&mut cache));
     }
     Ok(outputs)
-}
-
-/// Rows `rows` of `t`, in that order.
-fn select_rows<B: Backend>(t: Tensor<B, 2, Int>, rows: &[usize]) -> Tensor<B, 2, Int> {
-    let device = t.device();
-    let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-    t.select(0, Tensor::<B, 1, Int>::from_data(rows.as_slice(), &device))
 }
 
 /// Mixes a base seed with a stream number (splitmix64), giving independent, reproducible seeds

@@ -1,8 +1,9 @@
 //! `prompt-r1 check-device`: runs one model on a device and on the CPU reference (burn-flex with
 //! the fused kernels) and compares what they compute: logits of a padded batch, greedy and
 //! sampled tokens (chosen on the device off the CPU kernels), completion log-probs, one GRPO
-//! learn step (loss and gradient norm) and the device's f32 → bf16 rounding. A self-test for a new GPU host; with `--device cpu` it checks burn's portable tensor
-//! ops (the path every other backend takes) against the fused CPU kernels.
+//! learn step (loss and gradient norm) and the device's f32 → bf16 rounding. A self-test for a
+//! new GPU host; with `--device cpu` it checks burn's portable tensor ops (the path every other
+//! backend takes) against the fused CPU kernels.
 
 use std::path::PathBuf;
 

@@ -58,11 +58,7 @@ impl<B: Backend> LayerKvCache<B> {
     pub fn select_rows(&mut self, rows: &[usize]) {
         for buffer in [&mut self.keys, &mut self.values] {
             if let Some(t) = buffer.take() {
-                let device = t.device();
-                let idx = Tensor::<B, 1, burn::tensor::Int>::from_data(
-                    rows.iter().map(|&r| r as i64).collect::<Vec<_>>().as_slice(),
-                    &device,
-                );
+                let idx = crate::batch::row_index(rows, &t.device());
                 *buffer = Some(t.select(0, idx));
             }
         }
