@@ -118,14 +118,7 @@ mod tests {
 
     /// Seeded normal logits; row 0 has a dominant token.
     fn logits(rows: usize, vocab: usize, seed: u64) -> (Tensor<Flex, 2>, Vec<f32>) {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let mut values: Vec<f32> = (0..rows * vocab)
-            .map(|_| {
-                // Box-Muller: normal with standard deviation 2.
-                let (u, v) = (1.0 - rng.random::<f64>(), rng.random::<f64>());
-                (2.0 * (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-            })
-            .collect();
+        let mut values = crate::init::normal_values(&mut StdRng::seed_from_u64(seed), rows * vocab, 2.0);
         values[3] = 12.0;
         let t = Tensor::from_data(TensorData::new(values.clone(), [rows, vocab]), &Default::default());
         (t, values)

@@ -44,7 +44,7 @@ pub fn write_random_checkpoint(
 }
 
 /// `n` draws from N(0, std²) by the Box–Muller transform.
-fn normal_values(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
+pub(crate) fn normal_values(rng: &mut StdRng, n: usize, std: f32) -> Vec<f32> {
     let mut out = Vec::with_capacity(n + 1);
     while out.len() < n {
         let u1: f32 = rng.random::<f32>().max(f32::MIN_POSITIVE);
