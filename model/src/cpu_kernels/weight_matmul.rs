@@ -5,12 +5,15 @@
 //! weights transposed, `e[n, k]` (e.g. a tied embedding table used as the language-model head). On x86_64 with
 //! AVX-512 (F, BW, VL, BF16) a hand-written SIMD path is used:
 //!
-//! * `m <= 16` (decode): memory-bound streaming over `w`. Column blocks are spread over the
-//!   rayon pool and read several rows at a time with software prefetch; each 32-column bf16
-//!   vector is widened to f32 (even/odd lanes via shift/mask) and FMA'd against broadcast f32
-//!   activations (bf16 activations are widened first, exactly). In the transposed layout rows
-//!   of `e` are spread over the pool instead and dotted, four rows from separate pages at a
-//!   time, with every row of `x` (`vdpbf16ps` for bf16 activations, widened f32 FMA otherwise).
+//! * `m <= 16` (decode): memory-bound streaming over `w`. One row of `x` (batch-1 decode):
+//!   bands of 256 weight rows are spread over the rayon pool, each read as four contiguous
+//!   runs in lockstep, and their partial sums added in band order. More rows: column blocks
+//!   are spread over the pool and read several rows at a time with software prefetch. Each
+//!   32-column bf16 vector is widened to f32 (even/odd lanes via shift/mask) and FMA'd against
+//!   broadcast f32 activations (bf16 activations are widened first, exactly). In the transposed
+//!   layout rows of `e` are spread over the pool instead and dotted, four rows from separate
+//!   pages at a time, with every row of `x` (`vdpbf16ps` for bf16 activations, widened f32 FMA
+//!   otherwise).
 //! * larger `m` (prefill): GotoBLAS-style blocking. `x` is packed once; per k-block a
 //!   128-column block of `w` (prefetched during the previous block) is packed into 32-column
 //!   panels, and an 8 x 32 register-blocked microkernel sweeps all rows against each panel
@@ -316,6 +319,13 @@ mod avx512 {
     const SRG: usize = 4;
     /// Rows ahead of the current block that the streaming kernel prefetches.
     const SPF: usize = 16;
+    /// Weight rows per band of the one-row streaming kernel: each band's partial sums are kept
+    /// apart and added in band order at the end.
+    const BAND: usize = 256;
+    /// Runs of a band walked in lockstep by the one-row kernel.
+    const SB: usize = 4;
+    /// Fewest columns per task of the one-row kernel when bands are split by columns.
+    const MIN_BAND_COLS: usize = 256;
     /// Rows of `e` per rayon task of the transposed streaming kernel.
     const TROWS: usize = 128;
     /// Rows of `e` dotted at once by the transposed streaming kernel (sharing each `x` load).
@@ -529,11 +539,14 @@ mod avx512 {
         }
     }
 
-    /// Small-m product. Each rayon task owns a block of columns (see [`SACC`]) and walks down
-    /// `w` `SKU` rows at a time. Partial sums live in per-thread scratch laid out
-    /// `[32-column slice][row][32]` (in [`Weight::load32`] order), so they stay in L1 without
-    /// cache-set conflicts.
+    /// Small-m product (one row: [`streaming_row`]). Each rayon task owns a block of columns
+    /// (see [`SACC`]) and walks down `w` `SKU` rows at a time. Partial sums live in per-thread
+    /// scratch laid out `[32-column slice][row][32]` (in [`Weight::load32`] order), so they stay
+    /// in L1 without cache-set conflicts.
     fn streaming<W: Weight>(x: &[f32], w: &[W], m: usize, k: usize, n: usize) -> Vec<f32> {
+        if m == 1 {
+            return streaming_row(x, w, k, n);
+        }
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
         let wp = SyncPtr(w.as_ptr() as *mut W);
@@ -566,6 +579,101 @@ mod avx512 {
             });
         });
         y
+    }
+
+    /// One-row product (`m = 1`): `w`'s rows are cut into bands of [`BAND`] rows, each summed
+    /// apart and added in band order at the end (so the result does not depend on the thread
+    /// count). A task walks its band as [`SB`] runs in lockstep, each one contiguous stream,
+    /// with the row's partial sums in L1. Bands are split by columns only when there are fewer
+    /// of them than threads.
+    fn streaming_row<W: Weight>(x: &[f32], w: &[W], k: usize, n: usize) -> Vec<f32> {
+        let np = n.next_multiple_of(32);
+        let bands = k.div_ceil(BAND);
+        let blocks = rayon::current_num_threads()
+            .div_ceil(bands)
+            .min(n.div_ceil(MIN_BAND_COLS))
+            .max(1);
+        let cols = n.div_ceil(blocks).next_multiple_of(32);
+        let blocks = n.div_ceil(cols);
+        let mut partial = vec![Line([0; 16]); bands * np / 16];
+        let pp = SyncPtr(partial.as_mut_ptr() as *mut f32);
+        let wp = SyncPtr(w.as_ptr() as *mut W);
+        (0..bands * blocks).into_par_iter().for_each(|t| {
+            let (b, c0) = (t / blocks, t % blocks * cols);
+            let cw = cols.min(n - c0);
+            let (r0, r1) = (b * BAND, k.min(b * BAND + BAND));
+            let run = (r1 - r0) / SB;
+            // SAFETY: `x`, `w` hold `k`, `k * n` elements and `partial` `bands * np` f32; this
+            // task writes only band `b`'s sums of columns `c0..c0 + cw`; features were checked
+            // by the caller.
+            unsafe {
+                let acc = pp.get().add(b * np + c0);
+                let wc = wp.get().add(c0) as *const W;
+                for i in 0..run {
+                    row_runs::<W, SB>(x.as_ptr(), r0 + i, run, wc, n, cw, acc);
+                }
+                for r in r0 + SB * run..r1 {
+                    row_runs::<W, 1>(x.as_ptr(), r, 0, wc, n, cw, acc);
+                }
+            }
+        });
+        let mut y = vec![0f32; n];
+        for c in (0..n).step_by(32) {
+            // SAFETY: slice `c` of every band's sums lies inside `partial`, and `y` holds `n`.
+            unsafe { band_sum(&partial, bands, np, c, n, y.as_mut_ptr(), W::SPLIT) };
+        }
+        y
+    }
+
+    /// `acc[0..cw] += sum_u x[k0 + u * stride] * w[k0 + u * stride, 0..cw]` (`w` offset to the
+    /// task's first column, row stride `n`; `acc` in [`Weight::load32`] order).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn row_runs<W: Weight, const KU: usize>(
+        x: *const f32,
+        k0: usize,
+        stride: usize,
+        w: *const W,
+        n: usize,
+        cw: usize,
+        acc: *mut f32,
+    ) {
+        let xs: [__m512; KU] = core::array::from_fn(|u| _mm512_set1_ps(*x.add(k0 + u * stride)));
+        let rows: [*const W; KU] = core::array::from_fn(|u| w.add((k0 + u * stride) * n));
+        let step = |j: usize, mk: __mmask32| {
+            let p = acc.add(j);
+            let mut a = [_mm512_load_ps(p), _mm512_load_ps(p.add(16))];
+            for u in 0..KU {
+                let wv = W::load32(rows[u].add(j), mk);
+                a[0] = _mm512_fmadd_ps(xs[u], wv[0], a[0]);
+                a[1] = _mm512_fmadd_ps(xs[u], wv[1], a[1]);
+            }
+            _mm512_store_ps(p, a[0]);
+            _mm512_store_ps(p.add(16), a[1]);
+        };
+        let full = cw - cw % 32;
+        for j in (0..full).step_by(32) {
+            step(j, !0);
+        }
+        if full < cw {
+            step(full, mask32(cw - full));
+        }
+    }
+
+    /// Adds the `bands` one-row partial sums of the 32-column slice at `c` (in band order) and
+    /// stores them into `y[c..]`, re-interleaved if `split`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn band_sum(partial: &[Line], bands: usize, np: usize, c: usize, n: usize, y: *mut f32, split: bool) {
+        let src = (partial.as_ptr() as *const f32).add(c);
+        let mut sum = [_mm512_setzero_ps(); 2];
+        for b in 0..bands {
+            sum[0] = _mm512_add_ps(sum[0], _mm512_load_ps(src.add(b * np)));
+            sum[1] = _mm512_add_ps(sum[1], _mm512_load_ps(src.add(b * np + 16)));
+        }
+        let mut out = [Line([0; 16]); 2];
+        let o = out.as_mut_ptr() as *mut f32;
+        _mm512_store_ps(o, sum[0]);
+        _mm512_store_ps(o.add(16), sum[1]);
+        stream_store(o, 1, 32.min(n - c), y.add(c), n, split);
     }
 
     /// Zeroes the scratch sums of `m` rows x `cw` columns.
@@ -1767,6 +1875,32 @@ mod tests {
                 } else {
                     assert!(small.is_none() && small_nt.is_none());
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn one_row_does_not_depend_on_the_thread_count() {
+        // The one-row kernel splits the reduction into bands; their sums must be added in the
+        // same order whatever the pool's size (and whether bands are split by columns).
+        for (k, n) in [(1, 5), (64, 1000), (1023, 1000), (3000, 40)] {
+            let (x, w) = inputs(1, k, n);
+            let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+            let refv = reference(&x, &w, 1, k, n);
+            let run = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                pool.install(|| {
+                    (
+                        matmul_f32_bf16(&x, &w, WeightLayout::InOut, 1, k, n),
+                        matmul_f32_small(&x, &wf, WeightLayout::InOut, 1, k, n).unwrap(),
+                    )
+                })
+            };
+            let one = run(1);
+            check_f32(&one.0, &refv, "bf16 weights", (1, k, n));
+            check_f32(&one.1, &refv, "f32 weights", (1, k, n));
+            for threads in [2, 3, 8] {
+                assert_eq!(run(threads), one, "{threads} threads, k {k}, n {n}");
             }
         }
     }
