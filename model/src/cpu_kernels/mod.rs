@@ -48,6 +48,7 @@ mod attention_backward;
 mod bf16_bits;
 mod fused;
 mod tracked;
+mod transpose;
 mod weight_matmul;
 
 use std::any::{Any, TypeId};
@@ -56,6 +57,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Shape, Tensor, TensorPrimitive};
 use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
+
+pub(crate) use transpose::transpose_into;
+use transpose::transpose;
 
 /// How a weight matrix is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,50 +242,6 @@ fn narrow_all(values: &[f32]) -> Vec<bf16> {
             *o = bf16_bits::narrow(x);
         }));
     out
-}
-
-/// The `[cols, rows]` transpose of the row-major `[rows, cols]` matrix `values` (see
-/// [`transpose_into`]).
-fn transpose<T: Copy + Default + Send + Sync>(values: &[T], rows: usize, cols: usize) -> Vec<T> {
-    let mut out = vec![T::default(); values.len()];
-    transpose_into(values, rows, cols, &mut out, |v| v);
-    out
-}
-
-/// Writes the row-major `[rows, cols]` matrix `src`, converted by `conv`, into `out` as
-/// `[cols, rows]`, in parallel over blocks of output rows. Within a block, 32 × 32 tiles go
-/// through a small buffer in L1, so that both the reads and the writes are runs of contiguous
-/// elements.
-pub(crate) fn transpose_into<S: Copy + Sync, T: Copy + Send>(
-    src: &[S],
-    rows: usize,
-    cols: usize,
-    out: &mut [T],
-    conv: impl Fn(S) -> T + Sync,
-) {
-    const BLOCK: usize = 256;
-    const TILE: usize = 32;
-    assert!(src.len() == rows * cols && out.len() == src.len(), "a {rows} x {cols} matrix");
-    let Some(&first) = src.first() else { return };
-    out.par_chunks_mut(BLOCK * rows).enumerate().for_each(|(b, dst)| {
-        let c0 = b * BLOCK;
-        let width = dst.len() / rows;
-        let mut tile = [[conv(first); TILE]; TILE];
-        for r0 in (0..rows).step_by(TILE) {
-            let height = TILE.min(rows - r0);
-            for j0 in (0..width).step_by(TILE) {
-                let run = TILE.min(width - j0);
-                for (i, r) in (r0..r0 + height).enumerate() {
-                    for (j, &v) in src[r * cols + c0 + j0..][..run].iter().enumerate() {
-                        tile[j][i] = conv(v);
-                    }
-                }
-                for (j, column) in tile.iter().enumerate().take(run) {
-                    dst[(j0 + j) * rows + r0..][..height].copy_from_slice(&column[..height]);
-                }
-            }
-        }
-    });
 }
 
 /// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex and `x` and
@@ -632,18 +592,6 @@ mod tests {
                 assert!(flex.is_contiguous() && flex.layout().start_offset() == 0);
                 assert_eq!(ours.dims(), view.dims());
                 assert_eq!(ours.into_data(), view.into_data());
-            }
-        }
-    }
-
-    #[test]
-    fn transpose_moves_every_element() {
-        for (rows, cols) in [(0, 5), (1, 1), (3, 130), (150, 7), (129, 65), (40, 600), (33, 257)] {
-            let values: Vec<u32> = (0..(rows * cols) as u32).collect();
-            let t = transpose(&values, rows, cols);
-            for (i, &v) in t.iter().enumerate() {
-                let (c, r) = (i / rows, i % rows);
-                assert_eq!(v as usize, r * cols + c, "{rows} x {cols} at ({r}, {c})");
             }
         }
     }
