@@ -29,7 +29,7 @@ pub use config::{Preset, Qwen3Config};
 pub use error::ModelError;
 pub use qwen3::{KvCache, MatmulPrecision, Qwen3ForCausalLM};
 pub use batch::{Padding, TokenBatch};
-pub use cpu_kernels::{cpu_kernels_active, has_bf16_kernels, portable_ops, set_portable_ops};
+pub use cpu_kernels::{bf16_mac_ratio, cpu_kernels_active, has_bf16_kernels, portable_ops, set_portable_ops};
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
 pub use logprobs::{completion_logprobs, map_logits_chunks, token_logprobs};
 pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

@@ -37,8 +37,9 @@ pub struct Args {
     /// Override grpo.optimizer.lr.
     #[arg(long)]
     pub lr: Option<f64>,
-    /// Override grpo.matmul: f32, or bf16 (f32 weights with bf16 products and f32 sums; about
-    /// 1.5x faster steps on CPUs with AVX-512 BF16).
+    /// Override grpo.matmul: f32, or bf16 (f32 weights with bf16 products and f32 sums; 1.5x
+    /// faster steps on CPUs whose bf16 dot products outrun their f32 FMAs, such as AMD Zen 4,
+    /// slower on others: `prompt-r1 bench --products` compares them).
     #[arg(long, value_parser = parse_matmul)]
     pub matmul: Option<MatmulPrecision>,
     /// Override environment.base_url (the large LLM's OpenAI-compatible endpoint).
@@ -89,13 +90,37 @@ impl Args {
     }
 }
 
+/// Below this ratio of bf16 to f32 multiply-adds per second ([`model::bf16_mac_ratio`]), bf16
+/// products (which also round and repack their operands) are slower than f32 ones: where they
+/// ran at twice the f32 GEMM's rate (AMD Zen 4) a 0.6B step was ~1.5x faster, at a ratio of 0.5
+/// (an Intel Xeon) ~1.6x slower (BENCHMARKS.md).
+const BF16_PAYS: f64 = 1.5;
+
+/// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will be slower
+/// than f32: `kernels` says whether the AVX-512 BF16 kernels run, `ratio` is
+/// [`model::bf16_mac_ratio`].
+fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
+    if !kernels {
+        return Some(
+            "grpo.matmul = \"bf16\" but this CPU lacks AVX-512 BF16: the products go through burn's \
+             bf16 ops, slower than matmul = \"f32\""
+                .to_owned(),
+        );
+    }
+    let ratio = ratio.filter(|&r| r < BF16_PAYS)?;
+    Some(format!(
+        "grpo.matmul = \"bf16\" is likely slower than \"f32\" on this CPU: its bf16 dot products do \
+         {ratio:.1}x the multiply-adds per second of its f32 FMAs (they pay from about {BF16_PAYS}x); \
+         `prompt-r1 bench --products` compares the two"
+    ))
+}
+
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
-    if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu && !model::has_bf16_kernels() {
-        eprintln!(
-            "note: grpo.matmul = \"bf16\" but this CPU lacks AVX-512 BF16: the products go through \
-             burn's bf16 ops, slower than matmul = \"f32\""
-        );
+    if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
+        if let Some(note) = bf16_products_note(model::has_bf16_kernels(), model::bf16_mac_ratio()) {
+            eprintln!("note: {note}");
+        }
     }
     run_on(args.device, Training { config, resume: args.resume }).map(drop)
 }
@@ -168,6 +193,17 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         args: Args,
+    }
+
+    /// The note on bf16 products: always without the kernels, only below the break-even ratio
+    /// with them, and naming the measured ratio.
+    #[test]
+    fn bf16_note_depends_on_the_measured_rate() {
+        assert!(bf16_products_note(false, None).unwrap().contains("lacks AVX-512 BF16"));
+        let slow = bf16_products_note(true, Some(1.0)).unwrap();
+        assert!(slow.contains("1.0x") && slow.contains("bench --products"), "{slow}");
+        assert_eq!(bf16_products_note(true, Some(2.0)), None);
+        assert_eq!(bf16_products_note(true, None), None);
     }
 
     /// `--matmul` overrides the file's `grpo.matmul`; without it the file's value stands.

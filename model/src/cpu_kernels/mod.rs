@@ -46,6 +46,7 @@ macro_rules! wide_simd {
 mod attention;
 mod attention_backward;
 mod bf16_bits;
+mod bf16_rate;
 mod fused;
 mod tracked;
 mod transpose;
@@ -58,6 +59,7 @@ use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Shape, Tensor, Ten
 use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
+pub use bf16_rate::bf16_mac_ratio;
 pub(crate) use transpose::transpose_into;
 use transpose::transpose;
 

@@ -18,8 +18,10 @@ pub enum MatmulPrecision {
     F32,
     /// Both operands rounded to bf16 (to nearest, ties to even) and the products summed in f32,
     /// forward and backward: PyTorch's bf16 autocast, i.e. mixed precision with f32 weights.
-    /// On CPUs with AVX-512 BF16 these products run about twice as fast as f32 ones. Products
-    /// of at most 16 rows (decode steps) stay f32: they are memory-bound, and rounding the
+    /// On CPUs whose `vdpbf16ps` keeps pace with their f32 FMAs (AMD Zen 4) these products run
+    /// about twice as fast as f32 ones; where it issues half as often (the Intel Xeon of
+    /// BENCHMARKS.md's tenth session) at about half the speed (see `crate::bf16_mac_ratio`).
+    /// Products of at most 16 rows (decode steps) stay f32: they are memory-bound, and rounding the
     /// weights would cost more than it saves.
     Bf16,
 }
