@@ -79,7 +79,41 @@ fn main() {
         Command::Plot(args) => cmd::plot::run(args),
     };
     if let Err(err) = result {
-        eprintln!("error: {err:#}");
+        eprintln!("error: {}", error_text(&err));
         std::process::exit(1);
+    }
+}
+
+/// `err` and its causes joined by ": ", leaving out a cause whose text already ends the line
+/// (our error types name their source in their own message, e.g. "cannot read tokenizer file
+/// F: No such file or directory", which `{:#}` would repeat).
+fn error_text(err: &anyhow::Error) -> String {
+    let mut text = err.to_string();
+    for cause in err.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.ends_with(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use model::tokenizer::TokenizerError;
+
+    #[test]
+    fn causes_are_named_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let read = TokenizerError::Read { path: "t.json".into(), source: io() };
+        let err = anyhow::Error::new(read);
+        let once = "cannot read tokenizer file t.json: no such file";
+        assert_eq!(format!("{err:#}"), format!("{once}: no such file"));
+        assert_eq!(error_text(&err), once);
+        let err = err.context("loading the agent");
+        assert_eq!(error_text(&err), format!("loading the agent: {once}"));
+        let err = anyhow::Error::new(io()).context("reading data/train.csv");
+        assert_eq!(error_text(&err), "reading data/train.csv: no such file");
     }
 }
