@@ -23,17 +23,24 @@ cargo build --release -p prompt-r1
 bin=target/release/prompt-r1
 model="$work/$preset"
 [ -f "$model/model.safetensors" ] || "$bin" init-model --preset "$preset" --out "$model"
-# Both sides load from a warm page cache: each reads the checkpoint once first (otherwise the
-# first to run reads it from disk and the second from memory).
-cat "$model"/*.safetensors > /dev/null
+# Every side starts warm: it reads the checkpoint once first (otherwise the first to run reads
+# it from disk and the next from memory), and 6 GiB of memory is touched and freed before it
+# runs. On a VM that hands idle memory back to its host, the first process to fault in gigabytes
+# after a pause waits on the host for each page: the first load after a minute's idle took
+# 10.3 s where the same one took 1.4 s right after.
+warm() {
+  cat "$model"/*.safetensors > /dev/null
+  python3 -c 'b = bytearray(6 << 30); b[::4096] = bytes(len(range(0, len(b), 4096)))'
+}
+warm
 "$bin" bench --model "$model" --dtype "$dtype" --matmul "$matmul" --train-step --json > "$work/ours.json"
-cat "$model"/*.safetensors > /dev/null
+warm
 OMP_NUM_THREADS=$(nproc) "$venv/bin/python" scripts/bench_pytorch.py --model "$model" --dtype "$dtype" \
   --threads "$(nproc)" --matmul "$matmul" > "$work/pytorch.json"
 echo '[]' > "$work/candle.json"
 if [ "${WITH_CANDLE:-0}" = 1 ] && [ "$matmul" = f32 ]; then
   cargo build --release --manifest-path scripts/bench_candle/Cargo.toml --target-dir target/bench-candle
-  cat "$model"/*.safetensors > /dev/null
+  warm
   target/bench-candle/release/bench-candle "$model" "$dtype" > "$work/candle.json"
 fi
 python3 - "$work/ours.json" "$work/pytorch.json" "$work/candle.json" <<'PY'
