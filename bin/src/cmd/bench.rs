@@ -43,8 +43,8 @@ pub struct Args {
     pub compute: ComputeArgs,
     /// Precision of products with f32 weights, for every workload but decode (whose few rows
     /// stay f32): f32, or bf16 (operands rounded to bf16, sums in f32: the trainer's
-    /// `grpo.matmul = "bf16"`; about twice as fast as f32 on AMD Zen 4, half as fast on Intel
-    /// Xeons whose bf16 dot products issue every other cycle: `--products` shows which).
+    /// `grpo.matmul = "bf16"`; about twice as fast as f32 on AMD Zen 4, about as fast as f32 on
+    /// Intel Xeons whose bf16 dot products issue every other cycle: `--products` shows which).
     #[arg(long, default_value = "f32", value_parser = parse_matmul)]
     pub matmul: MatmulPrecision,
     /// Also time a GRPO training step (forward + backward + AdamW) on 2 sequences: the median of

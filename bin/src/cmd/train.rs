@@ -39,7 +39,7 @@ pub struct Args {
     pub lr: Option<f64>,
     /// Override grpo.matmul: f32, or bf16 (f32 weights with bf16 products and f32 sums; 1.5x
     /// faster steps on CPUs whose bf16 dot products outrun their f32 FMAs, such as AMD Zen 4,
-    /// slower on others: `prompt-r1 bench --products` compares them).
+    /// about as fast as f32 on others: `prompt-r1 bench --products` compares them).
     #[arg(long, value_parser = parse_matmul)]
     pub matmul: Option<MatmulPrecision>,
     /// Override environment.base_url (the large LLM's OpenAI-compatible endpoint).
@@ -91,13 +91,14 @@ impl Args {
 }
 
 /// Below this ratio of bf16 to f32 multiply-adds per second ([`model::bf16_mac_ratio`]), bf16
-/// products (which also round and repack their operands) are slower than f32 ones: where they
-/// ran at twice the f32 GEMM's rate (AMD Zen 4) a 0.6B step was ~1.5x faster, at a ratio of 0.5
-/// (an Intel Xeon) ~1.6x slower (BENCHMARKS.md).
+/// products (which also round and repack their operands) gain nothing over f32 ones: where
+/// they ran at twice the f32 GEMM's rate (AMD Zen 4) a 0.6B step was ~1.5x faster; at a ratio
+/// of 0.5 (an Intel Xeon) the kernels widen the rounded operands to f32 FMAs and the step takes
+/// about as long as an f32 one (BENCHMARKS.md).
 const BF16_PAYS: f64 = 1.5;
 
-/// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will be slower
-/// than f32: `kernels` says whether the AVX-512 BF16 kernels run, `ratio` is
+/// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will not be
+/// faster than f32: `kernels` says whether the AVX-512 BF16 kernels run, `ratio` is
 /// [`model::bf16_mac_ratio`].
 fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
     if !kernels {
@@ -109,9 +110,9 @@ fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
     }
     let ratio = ratio.filter(|&r| r < BF16_PAYS)?;
     Some(format!(
-        "grpo.matmul = \"bf16\" is likely slower than \"f32\" on this CPU: its bf16 dot products do \
-         {ratio:.1}x the multiply-adds per second of its f32 FMAs (they pay from about {BF16_PAYS}x); \
-         `prompt-r1 bench --products` compares the two"
+        "grpo.matmul = \"bf16\" is unlikely to be faster than \"f32\" on this CPU: its bf16 dot \
+         products do {ratio:.1}x the multiply-adds per second of its f32 FMAs (they pay from about \
+         {BF16_PAYS}x); `prompt-r1 bench --products` compares the two"
     ))
 }
 

@@ -5,7 +5,8 @@
 //! ran at twice the f32 GEMM's rate; on the Intel Xeon of the tenth session a `vdpbf16ps`
 //! issues every other cycle and an FMA twice a cycle, so bf16 multiply-adds come at half the
 //! f32 rate. Nothing in CPUID says which, so [`bf16_mac_ratio`] times both instructions on
-//! independent register chains (about a millisecond each, no memory traffic).
+//! independent register chains (about a millisecond each, no memory traffic). The packed
+//! bf16 products use it to choose between `vdpbf16ps` and f32 FMAs on widened operands.
 
 /// Multiply-adds per second of `vdpbf16ps` over those of an f32 FMA on this core, from the
 /// faster of three timings each; `None` where the AVX-512 BF16 kernels do not run.

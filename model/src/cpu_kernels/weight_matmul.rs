@@ -17,9 +17,13 @@
 //! * larger `m` (prefill): GotoBLAS-style blocking. `x` is packed once; per k-block a
 //!   128-column block of `w` (prefetched during the previous block) is packed into 32-column
 //!   panels, and an 8 x 32 register-blocked microkernel sweeps all rows against each panel
-//!   while it sits in L1. `matmul_bf16` packs k-pairs and uses `vdpbf16ps`;
-//!   `matmul_f32_bf16` packs `w` widened to f32 and uses f32 FMA. Transposed weights only
-//!   change how a panel is packed (16 x 16 word blocks transposed in registers).
+//!   while it sits in L1. `matmul_f32_bf16` packs `w` widened to f32 and uses f32 FMA.
+//!   `matmul_bf16` packs k-pairs and uses `vdpbf16ps` where this CPU issues bf16
+//!   multiply-adds at least as fast as f32 ones (AMD Zen 4: twice as fast), else widens both
+//!   operands and uses f32 FMA (an Intel Xeon without AMX: `vdpbf16ps` at half the rate);
+//!   bf16 products are exact in f32, so both give the same sums up to f32 rounding.
+//!   Transposed weights only change how a panel is packed (16 x 16 word blocks transposed in
+//!   registers).
 //!
 //! [`matmul_f32_small`] does the same for f32 weights and at most
 //! [`SMALL_M`] rows (decode), reusing the streaming kernels: a 32-weight chunk is loaded as two
@@ -50,7 +54,7 @@ pub fn matmul_bf16(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: us
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
         // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_bf16(x, w, layout, m, k, n) };
+        return unsafe { avx512::matmul_bf16(x, w, layout, m, k, n, avx512::pairs_pay()) };
     }
     matmul_bf16_portable(x, w, layout, m, k, n)
 }
@@ -63,7 +67,7 @@ pub fn matmul_bf16_f32(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k
     #[cfg(target_arch = "x86_64")]
     if avx512::available() {
         // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_bf16_f32(x, w, layout, m, k, n) };
+        return unsafe { avx512::matmul_bf16_f32(x, w, layout, m, k, n, avx512::pairs_pay()) };
     }
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
     matmul_f32_bf16_portable(&xf, w, layout, m, k, n)
@@ -76,7 +80,7 @@ pub fn matmul_rounded(x: &[bf16], w: &[f32], layout: WeightLayout, m: usize, k: 
     #[cfg(target_arch = "x86_64")]
     if m > SMALL_M && avx512::available() {
         // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_rounded(x, w, layout, m, k, n) };
+        return unsafe { avx512::matmul_rounded(x, w, layout, m, k, n, avx512::pairs_pay()) };
     }
     // Few rows stream the weights once anyway: round them first.
     matmul_bf16_f32(x, &super::narrow_all(w), layout, m, k, n)
@@ -344,6 +348,16 @@ mod avx512 {
         })
     }
 
+    /// Whether the packed bf16 products multiply k-pairs with `vdpbf16ps` ([`Bf16Pairs`])
+    /// rather than widen both operands to f32 and FMA ([`WideFma`]): where the CPU issues at
+    /// least as many multiply-adds per second with the former (timed once per process by
+    /// [`bf16_mac_ratio`](super::super::bf16_mac_ratio); twice as many on AMD Zen 4, half as
+    /// many on an Intel Xeon without AMX).
+    pub(super) fn pairs_pay() -> bool {
+        static PAYS: OnceLock<bool> = OnceLock::new();
+        *PAYS.get_or_init(|| super::super::bf16_mac_ratio().is_some_and(|r| r >= 1.0))
+    }
+
     /// One 64-byte aligned cache line of scratch data.
     #[derive(Clone, Copy)]
     #[repr(C, align(64))]
@@ -398,13 +412,18 @@ mod avx512 {
         m: usize,
         k: usize,
         n: usize,
+        pairs: bool,
     ) -> Vec<bf16> {
         if m <= SMALL_M {
-            return f32_to_bf16(&matmul_bf16_f32(x, w, layout, m, k, n));
+            return f32_to_bf16(&matmul_bf16_f32(x, w, layout, m, k, n, pairs));
         }
         let mut y = vec![bf16::ZERO; m * n];
         let yp = SyncPtr(y.as_mut_ptr() as *mut u16);
-        packed::<Bf16Pairs<u16, u16>>(as_u16(x), as_u16(w), layout, m, k, n, yp);
+        let (x, w) = (as_u16(x), as_u16(w));
+        match pairs {
+            true => packed::<Bf16Pairs<u16, u16>>(x, w, layout, m, k, n, yp),
+            false => packed::<WideFma<u16, u16, u16>>(x, w, layout, m, k, n, yp),
+        }
         y
     }
 
@@ -416,6 +435,7 @@ mod avx512 {
         m: usize,
         k: usize,
         n: usize,
+        pairs: bool,
     ) -> Vec<f32> {
         if m <= SMALL_M {
             return match layout {
@@ -428,7 +448,11 @@ mod avx512 {
         }
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
-        packed::<Bf16Pairs<u16, f32>>(as_u16(x), as_u16(w), layout, m, k, n, yp);
+        let (x, w) = (as_u16(x), as_u16(w));
+        match pairs {
+            true => packed::<Bf16Pairs<u16, f32>>(x, w, layout, m, k, n, yp),
+            false => packed::<WideFma<u16, u16, f32>>(x, w, layout, m, k, n, yp),
+        }
         y
     }
 
@@ -449,7 +473,7 @@ mod avx512 {
         }
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
-        packed::<F32Wide>(x, as_u16(w), layout, m, k, n, yp);
+        packed::<WideFma<f32, u16, f32>>(x, as_u16(w), layout, m, k, n, yp);
         y
     }
 
@@ -462,10 +486,14 @@ mod avx512 {
         m: usize,
         k: usize,
         n: usize,
+        pairs: bool,
     ) -> Vec<f32> {
         let mut y = vec![0f32; m * n];
         let yp = SyncPtr(y.as_mut_ptr());
-        packed::<Bf16Pairs<f32, f32>>(as_u16(x), w, layout, m, k, n, yp);
+        match pairs {
+            true => packed::<Bf16Pairs<f32, f32>>(as_u16(x), w, layout, m, k, n, yp),
+            false => packed::<WideFma<u16, f32, f32>>(as_u16(x), w, layout, m, k, n, yp),
+        }
         y
     }
 
@@ -1218,22 +1246,24 @@ mod avx512 {
     /// and interleaved into words (the even row in the low half).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     unsafe fn pack_rounded_pairs(w: *const f32, kr: usize, n: usize, nc: usize, dst: *mut u32) {
-        /// 16 f32 rounded to bf16, each in the low half of a word.
-        #[inline(always)]
-        unsafe fn round(p: *const f32, mk: __mmask16) -> __m512i {
-            _mm512_cvtepu16_epi32(core::mem::transmute(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, p))))
-        }
         for p in 0..kr.div_ceil(2) {
             let (ra, rb) = (w.add(2 * p * n), w.add((2 * p + 1) * n));
             // Whole panels: the zero words past `nc` are the panel's padding.
             for j in (0..nc.next_multiple_of(NR)).step_by(16) {
                 let mk = mask16(nc.saturating_sub(j));
-                let a = round(ra.add(j), mk);
-                let b = if 2 * p + 1 < kr { round(rb.add(j), mk) } else { _mm512_setzero_si512() };
+                let a = round16(ra.add(j), mk);
+                let b = if 2 * p + 1 < kr { round16(rb.add(j), mk) } else { _mm512_setzero_si512() };
                 let d = dst.add((j - j % NR) * KC + p * NR + j % NR) as *mut __m512i;
                 _mm512_store_si512(d, _mm512_or_si512(a, _mm512_slli_epi32::<16>(b)));
             }
         }
+    }
+
+    /// The first `mk` of 16 f32 rounded to bf16 (nearest-even), each in the low half of a word.
+    #[inline(always)]
+    unsafe fn round16(p: *const f32, mk: __mmask16) -> __m512i {
+        let h: __m256i = core::mem::transmute(_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, p)));
+        _mm512_cvtepu16_epi32(h)
     }
 
     /// [`Bf16Pairs::pack_x`]: per 32 steps, 64 elements of each row are loaded as two
@@ -1321,8 +1351,7 @@ mod avx512 {
         const STEP: usize = 1;
         #[inline(always)]
         unsafe fn load(src: *const u16, left: usize) -> __m512i {
-            let v = _mm256_maskz_loadu_epi16(mask16(left), src as *const i16);
-            _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v))
+            u16::load16(src, mask16(left))
         }
     }
 
@@ -1476,31 +1505,85 @@ mod avx512 {
         }
     }
 
-    /// f32 activations, FMA against weights widened to f32; a word is one f32.
-    struct F32Wide;
+    /// f32 FMA against operands widened to f32; a word is one f32. Activations `X` are f32 or
+    /// bf16 bits (`u16`, widened exactly as `x` is packed); weights `S` are bf16 bits, or f32
+    /// rounded to bf16 as they are packed; the result is stored as `Y`. With bf16 operands the
+    /// products are exact in f32 as with `vdpbf16ps`, so this computes what [`Bf16Pairs`] does
+    /// up to f32 rounding of the sums: it is the kernel for CPUs that issue f32 FMAs faster than
+    /// `vdpbf16ps` (see [`pairs_pay`]).
+    struct WideFma<X, S, Y>(PhantomData<(X, S, Y)>);
 
-    impl PanelKernel for F32Wide {
-        type X = f32;
-        type W = u16;
-        type Y = f32;
-        const STEP: usize = 1;
+    /// An activation element of [`WideFma`] as the f32 bits it packs to.
+    trait WideActivation: Copy + Sync {
+        fn bits(self) -> u32;
+    }
 
-        unsafe fn pack_x(x: &[f32], k: usize, dst: &mut [u32]) {
-            for (r, row) in x.chunks_exact(k).enumerate() {
-                for (kk, v) in row.iter().enumerate() {
-                    dst[kk * MR + r] = v.to_bits();
-                }
-            }
+    impl WideActivation for f32 {
+        #[inline(always)]
+        fn bits(self) -> u32 {
+            self.to_bits()
         }
+    }
 
+    impl WideActivation for u16 {
+        #[inline(always)]
+        fn bits(self) -> u32 {
+            (self as u32) << 16
+        }
+    }
+
+    /// What [`WideFma`] packs its weight panels from.
+    trait WideSource: Copy + Sync + Sized {
+        unsafe fn pack_kn(w: *const Self, kr: usize, n: usize, nc: usize, dst: *mut u32);
+        unsafe fn pack_nk(e: *const Self, kr: usize, k: usize, nc: usize, dst: *mut u32);
+    }
+
+    impl WideSource for u16 {
         #[inline]
         unsafe fn pack_kn(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
-            pack_wide(w, kr, n, nc, dst)
+            pack_wide::<u16>(w, kr, n, nc, dst)
         }
 
         #[inline]
         unsafe fn pack_nk(e: *const u16, kr: usize, k: usize, nc: usize, dst: *mut u32) {
             pack_transposed::<WideRun>(e, kr, k, nc, dst)
+        }
+    }
+
+    impl WideSource for f32 {
+        #[inline]
+        unsafe fn pack_kn(w: *const f32, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+            pack_wide::<f32>(w, kr, n, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn pack_nk(e: *const f32, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+            pack_transposed::<RoundedWideRun>(e, kr, k, nc, dst)
+        }
+    }
+
+    impl<X: WideActivation, S: WideSource, Y: TileStore> PanelKernel for WideFma<X, S, Y> {
+        type X = X;
+        type W = S;
+        type Y = Y;
+        const STEP: usize = 1;
+
+        unsafe fn pack_x(x: &[X], k: usize, dst: &mut [u32]) {
+            for (r, row) in x.chunks_exact(k).enumerate() {
+                for (kk, v) in row.iter().enumerate() {
+                    dst[kk * MR + r] = v.bits();
+                }
+            }
+        }
+
+        #[inline]
+        unsafe fn pack_kn(w: *const S, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+            S::pack_kn(w, kr, n, nc, dst)
+        }
+
+        #[inline]
+        unsafe fn pack_nk(e: *const S, kr: usize, k: usize, nc: usize, dst: *mut u32) {
+            S::pack_nk(e, kr, k, nc, dst)
         }
 
         #[inline]
@@ -1510,37 +1593,66 @@ mod avx512 {
             b: *const u32,
             c: *mut f32,
             first: bool,
-            out: Option<Out<f32>>,
+            out: Option<Out<Y>>,
         ) {
             fma_tile(steps, a, b, c, first, out)
         }
     }
 
+    /// 16 weights as f32 words: bf16 bits shifted into the high half, or f32 rounded to bf16
+    /// (nearest-even) and widened back.
+    trait WideLoad: Copy {
+        unsafe fn load16(p: *const Self, mk: __mmask16) -> __m512i;
+    }
+
+    impl WideLoad for u16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const u16, mk: __mmask16) -> __m512i {
+            let v = _mm256_maskz_loadu_epi16(mk, p as *const i16);
+            _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(v))
+        }
+    }
+
+    impl WideLoad for f32 {
+        #[inline(always)]
+        unsafe fn load16(p: *const f32, mk: __mmask16) -> __m512i {
+            _mm512_slli_epi32::<16>(round16(p, mk))
+        }
+    }
+
+    /// f32 rounded to bf16 and widened back, one per word.
+    struct RoundedWideRun;
+
+    impl Run for RoundedWideRun {
+        type T = f32;
+        const STEP: usize = 1;
+        #[inline(always)]
+        unsafe fn load(src: *const f32, left: usize) -> __m512i {
+            f32::load16(src, mask16(left))
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    unsafe fn pack_wide(w: *const u16, kr: usize, n: usize, nc: usize, dst: *mut u32) {
+    unsafe fn pack_wide<T: WideLoad>(w: *const T, kr: usize, n: usize, nc: usize, dst: *mut u32) {
         for kk in 0..kr {
             for j in (0..nc).step_by(NR) {
-                let src = w.add(kk * n + j) as *const i16;
-                let m0 = mask16(nc - j);
-                let m1 = mask16((nc - j).saturating_sub(16));
-                let lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, src));
-                let hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, src.add(16)));
+                let src = w.add(kk * n + j);
                 let d = dst.add(j * KC + kk * NR) as *mut __m512i;
-                _mm512_store_si512(d, _mm512_slli_epi32::<16>(lo));
-                _mm512_store_si512(d.add(1), _mm512_slli_epi32::<16>(hi));
+                _mm512_store_si512(d, T::load16(src, mask16(nc - j)));
+                _mm512_store_si512(d.add(1), T::load16(src.add(16), mask16((nc - j).saturating_sub(16))));
             }
         }
     }
 
     /// `MR` x 32 tile of f32 FMAs against the widened panel.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-    unsafe fn fma_tile(
+    unsafe fn fma_tile<Y: TileStore>(
         steps: usize,
         a: *const u32,
         b: *const u32,
         c: *mut f32,
         first: bool,
-        out: Option<Out<f32>>,
+        out: Option<Out<Y>>,
     ) {
         let mut acc = acc_init(c, first);
         for s in 0..steps {
@@ -1555,7 +1667,7 @@ mod avx512 {
             }
         }
         match out {
-            Some(o) => f32::store(&acc, o),
+            Some(o) => Y::store(&acc, o),
             None => acc_spill(&acc, c),
         }
     }
@@ -1699,6 +1811,43 @@ mod tests {
     }
 
     /// Rounding the weights while packing gives the same bits as rounding them first.
+    /// Both packed bf16 kernels (`vdpbf16ps` on pairs and widened FMA), whichever this CPU
+    /// picks, against the reference, in both layouts, with bf16 and f32 results; f32 weights
+    /// rounded as they are packed give what the pre-rounded ones give.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn both_packed_kernels_match_reference() {
+        if !has_fast_path() {
+            eprintln!("skipped: this CPU has no AVX-512 BF16, only the portable path runs");
+            return;
+        }
+        for (m, k, n) in shapes_of(&[17, 33, 256], &NS) {
+            let xb: Vec<bf16> = lcg((m * 31 + k * 7 + n) as u64, m * k).into_iter().map(bf16::from_f32).collect();
+            let wf = lcg((m + k * 13 + n * 5) as u64 ^ 0x5678, k * n);
+            let w: Vec<bf16> = wf.iter().map(|&v| bf16::from_f32(v)).collect();
+            let (e, ef) = (transpose(&w, k, n), transpose(&wf, k, n));
+            let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+            let refv = reference(&xr, &w, m, k, n);
+            for pairs in [true, false] {
+                let what = if pairs { "pairs" } else { "widened" };
+                for (layout, w, wf) in [(WeightLayout::InOut, &w, &wf), (WeightLayout::OutIn, &e, &ef)] {
+                    // SAFETY: `has_fast_path` checked the CPU features.
+                    let (yb, yf, yr) = unsafe {
+                        (
+                            avx512::matmul_bf16(&xb, w, layout, m, k, n, pairs),
+                            avx512::matmul_bf16_f32(&xb, w, layout, m, k, n, pairs),
+                            avx512::matmul_rounded(&xb, wf, layout, m, k, n, pairs),
+                        )
+                    };
+                    check_bf16(&yb, &refv, &format!("{what} {layout:?}"), (m, k, n));
+                    check_f32(&yf, &refv, &format!("{what} {layout:?} f32"), (m, k, n));
+                    assert_eq!(yr, yf, "{what} {layout:?} rounded {:?}", (m, k, n));
+                }
+            }
+        }
+    }
+
+
     #[test]
     fn rounded_weights_equal_prerounded_ones() {
         for (m, k, n) in shapes_of(&MS_NT, &NS) {

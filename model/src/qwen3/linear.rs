@@ -20,7 +20,8 @@ pub enum MatmulPrecision {
     /// forward and backward: PyTorch's bf16 autocast, i.e. mixed precision with f32 weights.
     /// On CPUs whose `vdpbf16ps` keeps pace with their f32 FMAs (AMD Zen 4) these products run
     /// about twice as fast as f32 ones; where it issues half as often (the Intel Xeon of
-    /// BENCHMARKS.md's tenth session) at about half the speed (see `crate::bf16_mac_ratio`).
+    /// BENCHMARKS.md's tenth session) the rounded operands are widened to f32 FMAs instead,
+    /// about as fast as f32 products (see `crate::bf16_mac_ratio`).
     /// Products of at most 16 rows (decode steps) stay f32: they are memory-bound, and rounding the
     /// weights would cost more than it saves.
     Bf16,
