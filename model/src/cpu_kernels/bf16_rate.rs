@@ -9,8 +9,14 @@
 //! bf16 products use it to choose between `vdpbf16ps` and f32 FMAs on widened operands.
 
 /// Multiply-adds per second of `vdpbf16ps` over those of an f32 FMA on this core, from the
-/// faster of three timings each; `None` where the AVX-512 BF16 kernels do not run.
+/// faster of three timings each, measured once per process (so the kernels and whoever reports
+/// on them see the same figure); `None` where the AVX-512 BF16 kernels do not run.
 pub fn bf16_mac_ratio() -> Option<f64> {
+    static RATIO: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
+    *RATIO.get_or_init(measure)
+}
+
+fn measure() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     if super::weight_matmul::has_fast_path() {
         let best = |run: &dyn Fn() -> f32| {

@@ -354,8 +354,7 @@ mod avx512 {
     /// [`bf16_mac_ratio`](super::super::bf16_mac_ratio); twice as many on AMD Zen 4, half as
     /// many on an Intel Xeon without AMX).
     pub(super) fn pairs_pay() -> bool {
-        static PAYS: OnceLock<bool> = OnceLock::new();
-        *PAYS.get_or_init(|| super::super::bf16_mac_ratio().is_some_and(|r| r >= 1.0))
+        super::super::bf16_mac_ratio().is_some_and(|r| r >= 1.0)
     }
 
     /// One 64-byte aligned cache line of scratch data.
