@@ -129,7 +129,7 @@ pub fn generate_seeded<B: Backend>(
     let mut cache = model.new_cache();
     // On the CPU kernels' backend the logits are already in host memory; elsewhere only the
     // chosen tokens come back (top-k and top-p still sort the row on the host).
-    let on_device = !crate::cpu_kernels_active::<B>() && device_sampling::supported(config);
+    let on_device = !cpu_kernels::active::<B>() && device_sampling::supported(config);
 
     // `active[j]` is the original row of batch row j; the key mask stays on the device and is
     // dropped once no active row has padding.

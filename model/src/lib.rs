@@ -8,17 +8,18 @@
 //!   and the small BPE tokenizer the tiny presets ship with.
 //! - [`batch`], [`logprobs`], [`generation`]: padded batches, per-token log-probs (what GRPO
 //!   needs) and KV-cache generation.
-//! - `cpu_kernels` (private): bf16-weight matmuls for the burn-flex CPU backend.
+//! - `kernels` (private): the named points where the CPU kernels of [`cpu_kernels`] (the
+//!   `prompt-r1-cpu-kernels` crate, re-exported) stand in for burn's ops on burn-flex.
 
 pub mod batch;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
-mod cpu_kernels;
 mod device_sampling;
 pub mod error;
 pub mod generation;
 pub mod init;
+mod kernels;
 pub mod logprobs;
 pub mod qwen3;
 pub mod tiny_tokenizer;
@@ -29,7 +30,7 @@ pub use config::{Preset, Qwen3Config};
 pub use error::ModelError;
 pub use qwen3::{KvCache, MatmulPrecision, Qwen3ForCausalLM};
 pub use batch::{Padding, TokenBatch};
-pub use cpu_kernels::{bf16_mac_ratio, cpu_kernels_active, has_bf16_kernels, portable_ops, set_portable_ops};
+pub use cpu_kernels;
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
 pub use logprobs::{completion_logprobs, map_logits_chunks, token_logprobs};
 pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

@@ -69,7 +69,7 @@ pub fn map_logits_chunks<B: Backend, T>(
 /// `logits[.., target] - logsumexp(logits)` over the vocabulary, in f32: `[b, n, vocab]`,
 /// `[b, n]` → `[b, n]`.
 pub fn chosen_logprobs<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
-    if let Some(fused) = crate::cpu_kernels::chosen_logprobs(&logits, &targets) {
+    if let Some(fused) = crate::kernels::chosen_logprobs(&logits, &targets) {
         return fused;
     }
     let logits = if logits.dtype() == DType::F32 {
@@ -91,7 +91,7 @@ pub fn entropy_without_grad<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<
     if logits.dtype() != DType::F32 {
         return None;
     }
-    crate::cpu_kernels::entropy(logits)
+    crate::kernels::entropy(logits)
 }
 
 /// The log-probs of each completion given its prompt, for pairs of different lengths: one

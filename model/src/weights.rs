@@ -11,7 +11,7 @@ use burn::tensor::{backend::Backend, Bytes, DType, Tensor, TensorData};
 use rayon::prelude::*;
 
 use crate::checkpoint::{Checkpoint, HostTensor, RawTensor, StorageDtype};
-use crate::cpu_kernels::transpose_into;
+use crate::kernels::transpose_into;
 use crate::config::Qwen3Config;
 use crate::error::ModelError;
 use crate::qwen3::{
@@ -122,7 +122,7 @@ pub fn with_dtype<B: Backend>(model: Qwen3ForCausalLM<B>, dtype: DType) -> Qwen3
     impl<B: Backend> ModuleMapper<B> for Cast {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
-            Param::from_mapped_value(id, crate::cpu_kernels::cast(tensor, self.0), mapper)
+            Param::from_mapped_value(id, crate::kernels::cast(tensor, self.0), mapper)
         }
     }
     model.map(&mut Cast(dtype))

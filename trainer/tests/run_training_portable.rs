@@ -1,5 +1,5 @@
 //! A whole training run with the fused CPU kernels and the optimiser's CPU loops switched off
-//! (`model::set_portable_ops`): rollouts, scoring, the GRPO loss, its gradients and AdamW all
+//! (`model::cpu_kernels::set_portable_ops`): rollouts, scoring, the GRPO loss, its gradients and AdamW all
 //! run through burn's portable tensor ops, the path a CUDA host trains on. The policy learns as
 //! it does with the kernels (see `run_training.rs` for the threshold).
 
@@ -9,7 +9,7 @@ use common::{first_last_gap, setup, train};
 
 #[test]
 fn the_policy_learns_through_the_portable_ops() {
-    model::set_portable_ops(true);
+    model::cpu_kernels::set_portable_ops(true);
     let dir = tempfile::tempdir().unwrap();
     let mut config = setup(dir.path());
     config.grpo.loss.kl_coef = 0.001;

@@ -87,9 +87,9 @@ impl Figure {
 
 pub fn run(args: Args) -> Result<()> {
     if args.portable_ops {
-        model::set_portable_ops(true);
+        model::cpu_kernels::set_portable_ops(true);
     }
-    if model::portable_ops() {
+    if model::cpu_kernels::portable_ops() {
         eprintln!("fused CPU kernels off: every op runs through burn's portable tensor ops");
     }
     let device = args.compute.device;

@@ -168,12 +168,12 @@ pub fn run(args: Args) -> Result<()> {
     let probe = Probe { dir, vocab, prompts: vec![prompt(24, 13), prompt(17, 101)] };
 
     eprintln!("reference: CPU, fused kernels");
-    model::set_portable_ops(false);
+    model::cpu_kernels::set_portable_ops(false);
     let reference = run_on(DeviceChoice::Cpu, &probe)?;
     let target = match args.device {
         DeviceChoice::Cpu => {
             eprintln!("checked: CPU, burn's portable tensor ops");
-            model::set_portable_ops(true);
+            model::cpu_kernels::set_portable_ops(true);
             run_on(DeviceChoice::Cpu, &probe)
         }
         device => {

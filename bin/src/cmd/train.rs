@@ -90,7 +90,7 @@ impl Args {
     }
 }
 
-/// Below this ratio of bf16 to f32 multiply-adds per second ([`model::bf16_mac_ratio`]), bf16
+/// Below this ratio of bf16 to f32 multiply-adds per second ([`model::cpu_kernels::bf16_mac_ratio`]), bf16
 /// products (which also round and repack their operands) gain nothing over f32 ones: where
 /// they ran at twice the f32 GEMM's rate (AMD Zen 4) a 0.6B step was ~1.5x faster; at a ratio
 /// of 0.5 (an Intel Xeon) the kernels widen the rounded operands to f32 FMAs and the step takes
@@ -99,7 +99,7 @@ const BF16_PAYS: f64 = 1.5;
 
 /// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will not be
 /// faster than f32: `kernels` says whether the AVX-512 BF16 kernels run, `ratio` is
-/// [`model::bf16_mac_ratio`].
+/// [`model::cpu_kernels::bf16_mac_ratio`].
 fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
     if !kernels {
         return Some(
@@ -119,7 +119,7 @@ fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
-        if let Some(note) = bf16_products_note(model::has_bf16_kernels(), model::bf16_mac_ratio()) {
+        if let Some(note) = bf16_products_note(model::cpu_kernels::has_bf16_kernels(), model::cpu_kernels::bf16_mac_ratio()) {
             eprintln!("note: {note}");
         }
     }

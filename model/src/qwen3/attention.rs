@@ -9,7 +9,7 @@ use super::cache::LayerKvCache;
 use super::linear::{linear, MatmulPrecision};
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
-use crate::cpu_kernels;
+use crate::kernels;
 
 /// Self-attention of one decoder layer. Projections have no bias.
 #[derive(Module, Debug)]
@@ -95,16 +95,10 @@ impl<B: Backend> Qwen3Attention<B> {
         };
 
         let scaling = (d as f64).powf(-0.5);
-        let fused = cpu_kernels::grouped_attention(
-            &query_states,
-            &key_states,
-            &value_states,
-            &inputs.bias,
-            scaling as f32,
-        );
+        let fused = kernels::grouped_attention(&query_states, &key_states, &value_states, &inputs.bias, scaling as f32);
         let attn_output = fused.unwrap_or_else(|| {
             let query_states = query_states.swap_dims(1, 2);
-            grouped_attention(query_states, key_states, value_states, &inputs.grouped_bias, scaling)
+            eager_attention_forward(query_states, key_states, value_states, &inputs.grouped_bias, scaling)
                 .swap_dims(1, 2)
                 .reshape([b, q_len, h * d])
         });
@@ -118,7 +112,7 @@ impl<B: Backend> Qwen3Attention<B> {
 /// heads: the `h / kv` query heads of a group are stacked along the query axis, so each group does
 /// one matmul against its own keys. `bias` is in that stacked layout, `[b, kv, groups * q, k]`.
 /// The softmax runs in f32 as in HF's eager attention.
-fn grouped_attention<B: Backend>(
+fn eager_attention_forward<B: Backend>(
     query: Tensor<B, 4>,
     key: Tensor<B, 4>,
     value: Tensor<B, 4>,
@@ -132,10 +126,6 @@ fn grouped_attention<B: Backend>(
 
     let query = query.reshape([b, kv, groups * q_len, d]);
     let scores = query.matmul(key.swap_dims(2, 3)).mul_scalar(scaling) + bias.clone();
-    let probs = if dtype == DType::F32 {
-        softmax(scores, 3)
-    } else {
-        cpu_kernels::cast(softmax(scores.cast(DType::F32), 3), dtype)
-    };
+    let probs = softmax(scores.cast(DType::F32), 3).cast(dtype);
     probs.matmul(value).reshape([b, h, q_len, d])
 }

@@ -3,7 +3,7 @@
 
 use burn::tensor::{backend::Backend, Tensor};
 
-use crate::cpu_kernels;
+use crate::kernels;
 
 /// Cached keys and values of one layer, `[b, kv_heads, capacity, head_dim]`, first `len` valid.
 #[derive(Debug, Clone)]
@@ -38,8 +38,8 @@ impl<B: Backend> LayerKvCache<B> {
     pub fn append(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let [b, h, new, d] = k.dims();
         let end = self.len + new;
-        // Usually views of `[b, new, kv_heads, d]` tensors; copied here in parallel.
-        let (k, v) = (cpu_kernels::contiguous(k), cpu_kernels::contiguous(v));
+        // Usually views of `[b, new, kv_heads, d]` tensors; copied here in parallel on the CPU.
+        let (k, v) = (kernels::contiguous(k), kernels::contiguous(v));
         let keys = grow(self.keys.take(), &k, end);
         let values = grow(self.values.take(), &v, end);
         let keys = keys.slice_assign([0..b, 0..h, self.len..end, 0..d], k);

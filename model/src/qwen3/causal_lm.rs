@@ -13,7 +13,7 @@ use super::mask::attention_bias;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::Qwen3RotaryEmbedding;
 use crate::config::Qwen3Config;
-use crate::cpu_kernels::{self, WeightLayout};
+use crate::kernels::{self, WeightLayout};
 use crate::error::ModelError;
 
 /// The decoder stack without the language-model head.
@@ -54,7 +54,7 @@ impl<B: Backend> Qwen3Model<B> {
         let [b, q_len] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let device = input_ids.device();
-        let mut hidden_states = cpu_kernels::embedding(&self.embed_tokens.weight.val(), &input_ids)
+        let mut hidden_states = kernels::embedding(&self.embed_tokens.weight.val(), &input_ids)
             .unwrap_or_else(|| self.embed_tokens.forward(input_ids));
         let dtype = hidden_states.dtype();
         let bias = attention_bias(attention_mask, b, past, q_len, dtype, &device);

@@ -1,12 +1,10 @@
-//! `nn.Linear` without bias (every Qwen3 projection), with bf16 weights on the burn-flex CPU
-//! backend routed to the hand-written kernels (see `cpu_kernels`), and the precision of f32
-//! products.
+//! `nn.Linear` without bias (every Qwen3 projection), and the precision of f32 products.
 
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, module, DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::cpu_kernels::{self, weight_matmul, WeightLayout};
+use crate::kernels::{self, WeightLayout};
 
 /// How the projections multiply f32 activations by f32 weights (bf16 weights always give bf16
 /// products).
@@ -17,13 +15,16 @@ pub enum MatmulPrecision {
     #[default]
     F32,
     /// Both operands rounded to bf16 (to nearest, ties to even) and the products summed in f32,
-    /// forward and backward: PyTorch's bf16 autocast, i.e. mixed precision with f32 weights.
-    /// On CPUs whose `vdpbf16ps` keeps pace with their f32 FMAs (AMD Zen 4) these products run
-    /// about twice as fast as f32 ones; where it issues half as often (the Intel Xeon of
-    /// BENCHMARKS.md's tenth session) the rounded operands are widened to f32 FMAs instead,
-    /// about as fast as f32 products (see `crate::bf16_mac_ratio`).
-    /// Products of at most 16 rows (decode steps) stay f32: they are memory-bound, and rounding the
-    /// weights would cost more than it saves.
+    /// forward and backward (the output gradient rounded too): PyTorch's bf16 autocast, i.e.
+    /// mixed precision with f32 weights. Products of at most 16 rows (decode steps) stay f32:
+    /// they are memory-bound, and rounding the weights would cost more than it saves.
+    ///
+    /// Every path computes the same products for scoring and for the update, so a step's first
+    /// ratio is exactly 1. On the CPU the f32 sums are kept as they are (the kernels of
+    /// `prompt-r1-cpu-kernels`, at every instruction-set level); through burn's ops (GPU
+    /// backends, or the kernels switched off) the operands are cast to bf16, multiplied by the
+    /// backend's bf16 matmul and its bf16 result cast back to f32, as PyTorch's autocast returns
+    /// a bf16 tensor. Whether bf16 pays on a CPU: see `cpu_kernels::bf16_mac_ratio`.
     Bf16,
 }
 
@@ -46,26 +47,21 @@ pub fn product<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, mat
 }
 
 /// `x · w` for a bias-free projection whose weight is stored as `layout` says, at precision
-/// `matmul`; `tied_head` computes the transposed layout when no kernel applies.
+/// `matmul`.
 pub(crate) fn project<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     w: Tensor<B, 2>,
     layout: WeightLayout,
     matmul: MatmulPrecision,
 ) -> Tensor<B, D> {
-    if let Some(y) = weight_matmul(&x, &w, layout) {
-        return y;
-    }
     let rows: usize = x.dims()[..D - 1].iter().product();
-    let bf16 = matmul == MatmulPrecision::Bf16 && rows > F32_ROWS && x.dtype() == DType::F32 && w.dtype() == DType::F32;
-    if !bf16 {
-        return plain_product(x, w, layout);
+    let f32_operands = x.dtype() == DType::F32 && w.dtype() == DType::F32;
+    if matmul == MatmulPrecision::Bf16 && rows > F32_ROWS && f32_operands {
+        return kernels::linear_bf16(&x, &w, layout).unwrap_or_else(|| {
+            plain_product(x.cast(DType::BF16), w.cast(DType::BF16), layout).cast(DType::F32)
+        });
     }
-    if let Some(y) = cpu_kernels::bf16_matmul(&x, &w, layout) {
-        return y;
-    }
-    let (xb, wb) = (cpu_kernels::cast(x, DType::BF16), cpu_kernels::cast(w, DType::BF16));
-    plain_product(xb, wb, layout).cast(DType::F32)
+    kernels::linear(&x, &w, layout).unwrap_or_else(|| plain_product(x, w, layout))
 }
 
 /// `x · w` through burn's ops.

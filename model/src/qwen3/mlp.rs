@@ -5,7 +5,7 @@ use burn::nn::Linear;
 use burn::tensor::{activation::silu, backend::Backend, Tensor};
 
 use super::linear::{linear, MatmulPrecision};
-use crate::cpu_kernels::silu_mul;
+use crate::kernels;
 
 /// The gated feed-forward block of a decoder layer.
 #[derive(Module, Debug)]
@@ -20,7 +20,7 @@ impl<B: Backend> Qwen3MLP<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>, matmul: MatmulPrecision) -> Tensor<B, D> {
         let gate = linear(&self.gate_proj, x.clone(), matmul);
         let up = linear(&self.up_proj, x, matmul);
-        let hidden = silu_mul(&gate, &up).unwrap_or_else(|| silu(gate) * up);
+        let hidden = kernels::silu_mul(&gate, &up).unwrap_or_else(|| silu(gate) * up);
         linear(&self.down_proj, hidden, matmul)
     }
 }

@@ -3,7 +3,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-use crate::cpu_kernels::rms_norm;
+use crate::kernels;
 
 /// Root-mean-square layer norm over the last dimension.
 #[derive(Module, Debug)]
@@ -21,17 +21,15 @@ impl<B: Backend> Qwen3RMSNorm<B> {
         }
     }
 
-    /// Normalises `x` over its last dimension; the statistics are taken in f32.
-    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+    /// Normalises `hidden_states` over its last dimension; the statistics are taken in f32.
+    pub fn forward<const D: usize>(&self, hidden_states: Tensor<B, D>) -> Tensor<B, D> {
         let weight = self.weight.val();
-        if let Some(normed) = rms_norm(&x, &weight, self.variance_epsilon) {
-            return normed;
-        }
-        let dtype = x.dtype();
-        let x32 = if dtype == DType::F32 { x } else { x.cast(DType::F32) };
-        let variance = x32.clone().square().mean_dim(D - 1);
-        let normed = x32 * (variance + self.variance_epsilon).sqrt().recip();
-        let normed = if dtype == DType::F32 { normed } else { normed.cast(dtype) };
-        normed * weight.unsqueeze()
+        kernels::rms_norm(&hidden_states, &weight, self.variance_epsilon).unwrap_or_else(|| {
+            let input_dtype = hidden_states.dtype();
+            let hidden_states = hidden_states.cast(DType::F32);
+            let variance = hidden_states.clone().square().mean_dim(D - 1);
+            let hidden_states = hidden_states * (variance + self.variance_epsilon).sqrt().recip();
+            weight.unsqueeze() * hidden_states.cast(input_dtype)
+        })
     }
 }

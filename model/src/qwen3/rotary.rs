@@ -10,7 +10,7 @@
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
-use crate::cpu_kernels;
+use crate::kernels;
 
 /// The inverse frequencies `1 / theta^(2i/d)` of the default RoPE.
 #[derive(Debug, Clone)]
@@ -46,7 +46,7 @@ impl Qwen3RotaryEmbedding {
         let sin = freqs.sin();
         let cos = Tensor::cat(vec![cos.clone(), cos], 2);
         let signed_sin = Tensor::cat(vec![sin.clone().neg(), sin], 2);
-        let one_head = |t: Tensor<B, 3>| cpu_kernels::cast(t.unsqueeze_dim::<4>(2), dtype);
+        let one_head = |t: Tensor<B, 3>| kernels::cast(t.unsqueeze_dim::<4>(2), dtype);
         RotaryTables {
             cos: one_head(cos),
             signed_sin: one_head(signed_sin),
@@ -74,10 +74,8 @@ pub fn swap_halves<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
 
 /// HF's `apply_rotary_pos_emb` for one of q or k, `[b, q, heads, head_dim]`.
 pub fn apply_rotary_pos_emb<B: Backend>(x: Tensor<B, 4>, tables: &RotaryTables<B>) -> Tensor<B, 4> {
-    if let Some(y) = cpu_kernels::rotary(&x, &tables.cos, &tables.signed_sin) {
-        return y;
-    }
-    x.clone() * tables.cos.clone() + swap_halves(x) * tables.signed_sin.clone()
+    kernels::rotary(&x, &tables.cos, &tables.signed_sin)
+        .unwrap_or_else(|| x.clone() * tables.cos.clone() + swap_halves(x) * tables.signed_sin.clone())
 }
 
 #[cfg(test)]
@@ -143,7 +141,7 @@ mod tests {
         let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 1, 7, 300, 4095]], &device);
         let tables = rope.tables(pos, DType::BF16).repeat_heads(h);
         let x = Tensor::<Flex, 4>::random([1, q, h, d], Distribution::Normal(0.0, 3.0), &device).cast(DType::BF16);
-        let fused = cpu_kernels::rotary(&x, &tables.cos, &tables.signed_sin).expect("bf16 on burn-flex is fused");
+        let fused = kernels::rotary(&x, &tables.cos, &tables.signed_sin).expect("bf16 on burn-flex is fused");
         let formula = x.clone() * tables.cos.clone() + swap_halves(x) * tables.signed_sin.clone();
         assert_eq!(fused.dtype(), DType::BF16);
         let bits = |t: Tensor<Flex, 4>| -> Vec<u16> {

@@ -13,7 +13,7 @@ type B = Autodiff<Flex>;
 
 /// The fixture, with the fused CPU kernels switched as the including test file says.
 fn fixture(name: &str) -> Option<Fixture> {
-    prompt_r1_model::set_portable_ops(PORTABLE);
+    prompt_r1_model::cpu_kernels::set_portable_ops(PORTABLE);
     common::fixture(name)
 }
 

@@ -14,7 +14,7 @@ const ATOL: f32 = 1e-4;
 
 /// The fixture, with the fused CPU kernels switched as the including test file says.
 fn fixture(name: &str) -> Option<Fixture> {
-    prompt_r1_model::set_portable_ops(PORTABLE);
+    prompt_r1_model::cpu_kernels::set_portable_ops(PORTABLE);
     common::fixture(name)
 }
 

@@ -11,9 +11,9 @@ use burn_flex::{FlexTensor, Layout};
 pub(crate) const CHUNK: usize = 64 * 1024;
 
 /// Whether `B`'s float tensors are burn-flex tensors and the CPU loops are on (they are off,
-/// with the model's fused kernels, under [`model::portable_ops`]).
+/// with the model's fused kernels, under [`model::cpu_kernels::portable_ops`]).
 pub(crate) fn is_flex<B: Backend>() -> bool {
-    model::cpu_kernels_active::<B>()
+    model::cpu_kernels::active::<B>()
 }
 
 /// The burn-flex tensor behind `t`, or `t` back when `B` is another backend or `t` is quantized.

@@ -28,7 +28,7 @@ pub(super) fn transpose<T: Copy + Default + Send + Sync>(
 
 /// Writes the row-major `[rows, cols]` matrix `src`, converted by `conv`, into `out` as
 /// `[cols, rows]`, in parallel over blocks of output rows.
-pub(crate) fn transpose_into<S: Copy + Sync, T: Copy + Send>(
+pub fn transpose_into<S: Copy + Sync, T: Copy + Send>(
     src: &[S],
     rows: usize,
     cols: usize,

@@ -39,7 +39,7 @@
 use half::bf16;
 use rayon::prelude::*;
 
-use super::WeightLayout;
+use crate::ops::WeightLayout;
 
 /// Up to this many rows of `x` the memory-bound streaming kernels are used.
 pub const SMALL_M: usize = 16;
@@ -61,7 +61,9 @@ pub fn matmul_bf16(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: us
 
 /// Same as [`matmul_bf16`] with the f32 sums returned as they are, not rounded to bf16: the
 /// product of two bf16 operands with f32 accumulation (what a training step's bf16 matmuls
-/// compute for f32 activations and gradients).
+/// compute for f32 activations and gradients). Below the AVX-512 BF16 level both operands are
+/// widened to f32 (exactly) and multiplied by burn-flex's f32 GEMM: the products of bf16
+/// values are exact in f32, so only the order of the f32 sums differs between levels.
 pub fn matmul_bf16_f32(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
@@ -69,21 +71,60 @@ pub fn matmul_bf16_f32(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k
         // SAFETY: the required CPU features were detected at runtime.
         return unsafe { avx512::matmul_bf16_f32(x, w, layout, m, k, n, avx512::pairs_pay()) };
     }
-    let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-    matmul_f32_bf16_portable(&xf, w, layout, m, k, n)
+    gemm_f32(widen_all(x), widen_all(w), layout, m, k, n)
 }
 
 /// [`matmul_bf16_f32`] with `w` given in f32 and rounded to bf16 (to nearest, ties to even) as
-/// it is read, so no rounded copy of the weights is made.
+/// it is read, so no rounded copy of the weights is made (below the AVX-512 BF16 level, a
+/// rounded f32 copy lives for the duration of the call, as burn-flex's own bf16 matmul makes).
+/// Bit for bit what [`matmul_bf16_f32`] gives for the rounded weights, at every level.
 pub fn matmul_rounded(x: &[bf16], w: &[f32], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if m > SMALL_M && avx512::available() {
-        // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_rounded(x, w, layout, m, k, n, avx512::pairs_pay()) };
+    if avx512::available() {
+        if m > SMALL_M {
+            // SAFETY: the required CPU features were detected at runtime.
+            return unsafe { avx512::matmul_rounded(x, w, layout, m, k, n, avx512::pairs_pay()) };
+        }
+        // Few rows stream the weights once anyway: round them first.
+        return matmul_bf16_f32(x, &crate::flex::narrow_all(w), layout, m, k, n);
     }
-    // Few rows stream the weights once anyway: round them first.
-    matmul_bf16_f32(x, &super::narrow_all(w), layout, m, k, n)
+    gemm_f32(widen_all(x), round_all(w), layout, m, k, n)
+}
+
+/// `values` widened to f32 (exact), in parallel.
+fn widen_all(values: &[bf16]) -> Vec<f32> {
+    let mut out = vec![0f32; values.len()];
+    out.par_chunks_mut(1 << 16).zip(values.par_chunks(1 << 16)).for_each(|(out, v)| {
+        for (o, &v) in out.iter_mut().zip(v) {
+            *o = crate::bf16_bits::widen(v);
+        }
+    });
+    out
+}
+
+/// `values` rounded to bf16 precision (to nearest, ties to even), kept in f32, in parallel.
+fn round_all(values: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; values.len()];
+    out.par_chunks_mut(1 << 16).zip(values.par_chunks(1 << 16)).for_each(|(out, v)| {
+        for (o, &v) in out.iter_mut().zip(v) {
+            *o = crate::bf16_bits::round(v);
+        }
+    });
+    out
+}
+
+/// `x[m, k] · w` (`w` stored as `layout` says) by burn-flex's f32 matmul.
+fn gemm_f32(x: Vec<f32>, w: Vec<f32>, layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
+    use burn::backend::Flex;
+    use burn::tensor::{Tensor, TensorData};
+    let device = Default::default();
+    let x = Tensor::<Flex, 2>::from_data(TensorData::new(x, [m, k]), &device);
+    let w = match layout {
+        WeightLayout::InOut => Tensor::<Flex, 2>::from_data(TensorData::new(w, [k, n]), &device),
+        WeightLayout::OutIn => Tensor::<Flex, 2>::from_data(TensorData::new(w, [n, k]), &device).transpose(),
+    };
+    x.matmul(w).into_data().into_vec::<f32>().expect("an f32 matmul gives f32 values")
 }
 
 /// Same as [`matmul_bf16`] with f32 activations and an f32 result.
@@ -119,7 +160,8 @@ pub fn matmul_f32_small(
     matmul_f32_small_portable(x, w, layout, m, k, n)
 }
 
-/// Whether the hand-written SIMD kernels run on this CPU (otherwise the portable fallback does).
+/// Whether the hand-written SIMD kernels run at the current level (otherwise the portable
+/// fallback does).
 pub fn has_fast_path() -> bool {
     #[cfg(target_arch = "x86_64")]
     return avx512::available();
@@ -302,13 +344,13 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{SyncPtr, WeightLayout, SMALL_M};
+    use super::{SyncPtr, SMALL_M};
+    use crate::ops::WeightLayout;
     use core::arch::x86_64::*;
     use core::marker::PhantomData;
     use half::bf16;
     use rayon::prelude::*;
     use std::cell::RefCell;
-    use std::sync::OnceLock;
     /// Rows per microkernel tile of the packed (large-m) path.
     const MR: usize = 8;
     /// Columns per packed panel (two zmm of f32 results).
@@ -337,24 +379,18 @@ mod avx512 {
     /// Rows of `x` per pass of the transposed streaming kernel (sharing each `e` load).
     const TXR: usize = 4;
 
-
+    /// Whether the kernels run at the AVX-512 BF16 level (see [`crate::isa`]).
     pub(super) fn available() -> bool {
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512bf16")
-        })
+        crate::isa::avx512_bf16()
     }
 
     /// Whether the packed bf16 products multiply k-pairs with `vdpbf16ps` ([`Bf16Pairs`])
     /// rather than widen both operands to f32 and FMA ([`WideFma`]): where the CPU issues at
     /// least as many multiply-adds per second with the former (timed once per process by
-    /// [`bf16_mac_ratio`](super::super::bf16_mac_ratio); twice as many on AMD Zen 4, half as
+    /// [`bf16_mac_ratio`](crate::bf16_mac_ratio); twice as many on AMD Zen 4, half as
     /// many on an Intel Xeon without AMX).
     pub(super) fn pairs_pay() -> bool {
-        super::super::bf16_mac_ratio().is_some_and(|r| r >= 1.0)
+        crate::bf16_mac_ratio().is_some_and(|r| r >= 1.0)
     }
 
     /// One 64-byte aligned cache line of scratch data.
@@ -1752,12 +1788,19 @@ mod tests {
         (x, w)
     }
 
-    /// bf16 results: one bf16 rounding of the exact value (relative 2^-9, allow 2^-8) plus f32
-    /// accumulation error, bounded by `1e-4 * sum |x * w|`.
+    /// The error bound of f32 arithmetic on `k` products summed in any order: each product and
+    /// each of the `k` additions rounds once, at most 2^-24 relative, so the result is off by at
+    /// most `(k + 1) * 2^-24 * sum |x * w|` (whatever the order: blocked, paired, SIMD lanes).
+    fn f32_sum_bound(k: usize, abs_sum: f64) -> f64 {
+        (k + 1) as f64 * f64::powi(2.0, -24) * abs_sum + 1e-30
+    }
+
+    /// bf16 results: one bf16 rounding of the exact value (relative 2^-9, allow 2^-8) plus the
+    /// f32 accumulation error.
     fn check_bf16(got: &[bf16], refv: &[(f64, f64)], what: &str, shape: (usize, usize, usize)) {
         assert_eq!(got.len(), refv.len());
         for (i, (g, &(r, s))) in got.iter().zip(refv).enumerate() {
-            let tol = r.abs() / 256.0 + 1e-4 * s + 1e-30;
+            let tol = r.abs() / 256.0 + f32_sum_bound(shape.1, s);
             let d = (g.to_f64() - r).abs();
             assert!(
                 d <= tol,
@@ -1766,11 +1809,11 @@ mod tests {
         }
     }
 
-    /// f32 results: f32 accumulation error, bounded by `1e-4 * sum |x * w|`.
+    /// f32 results: within the f32 accumulation bound of the exact value.
     fn check_f32(got: &[f32], refv: &[(f64, f64)], what: &str, shape: (usize, usize, usize)) {
         assert_eq!(got.len(), refv.len());
         for (i, (&g, &(r, s))) in got.iter().zip(refv).enumerate() {
-            let tol = 1e-4 * s + 1e-30;
+            let tol = f32_sum_bound(shape.1, s);
             let d = (g as f64 - r).abs();
             assert!(
                 d <= tol,
@@ -1971,20 +2014,32 @@ mod tests {
                     matmul_f32_bf16(&xf, &e, WeightLayout::OutIn, m, k, n),
                     matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n)
                 );
-                // The packed path feeds the same panels to the same microkernel in both
-                // layouts, so arbitrary values agree bit for bit too.
+                // Arbitrary values: both layouts within the f32 bound of the exact product. The
+                // portable loops sum the two layouts in different orders; the AVX-512 packed
+                // path feeds the same panels to the same microkernel in both, so there they
+                // agree bit for bit.
                 if m > 16 {
                     let (xf, w) = inputs(m, k, n);
                     let x: Vec<bf16> = xf.iter().map(|&v| bf16::from_f32(v)).collect();
                     let e = transpose(&w, k, n);
-                    assert_eq!(
+                    let xr: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                    let (refb, reff) = (reference(&xr, &w, m, k, n), reference(&xf, &w, m, k, n));
+                    let (nt, nn) = (
                         matmul_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
-                        matmul_bf16(&x, &w, WeightLayout::InOut, m, k, n)
+                        matmul_bf16(&x, &w, WeightLayout::InOut, m, k, n),
                     );
-                    assert_eq!(
+                    let (nt_f, nn_f) = (
                         matmul_f32_bf16(&xf, &e, WeightLayout::OutIn, m, k, n),
-                        matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n)
+                        matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n),
                     );
+                    check_bf16(&nt, &refb, "bf16 out-in", (m, k, n));
+                    check_bf16(&nn, &refb, "bf16 in-out", (m, k, n));
+                    check_f32(&nt_f, &reff, "f32 out-in", (m, k, n));
+                    check_f32(&nn_f, &reff, "f32 in-out", (m, k, n));
+                    if has_fast_path() {
+                        assert_eq!(nt, nn, "packed bf16 {:?}", (m, k, n));
+                        assert_eq!(nt_f, nn_f, "packed f32 {:?}", (m, k, n));
+                    }
                 }
             }
         }

@@ -176,7 +176,7 @@ fn transpose(a: &[f32], rows: usize, stride: usize, columns: usize) -> Vec<f32> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu_kernels::attention::grouped_attention_with_stats;
+    use crate::attention::grouped_attention_with_stats;
 
     /// Deterministic values in [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f32> {

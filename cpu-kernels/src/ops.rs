@@ -1,71 +1,17 @@
-//! Hand-written CPU kernels for what burn-flex does slowly on the inference path:
-//! - matmuls with bf16 weights: burn-flex 0.21 upcasts both operands of a bf16 matmul to fresh
-//!   f32 buffers on every call, i.e. the whole weight matrix per generated token;
-//! - matmuls of a few rows (decode) with f32 weights: memory-bound, so a streaming kernel reads
-//!   the weights at full bandwidth where a general GEMM does not;
-//! - f32 matmuls at bf16 precision (`MatmulPrecision::Bf16`): operands rounded to bf16 and
-//!   multiplied with `vdpbf16ps`, about twice the f32 GEMM's throughput;
-//! - RMSNorm, the SwiGLU product and RoPE (f32): several single-threaded passes (and strided
-//!   broadcasts in bf16) become one parallel pass;
-//! - the log-probability of chosen tokens: one parallel reduction per row of logits instead of
-//!   six single-threaded passes over `[b, n, vocab]`;
-//! - attention: scores, mask, softmax and the weighted sum of values in one parallel pass over
-//!   the strided query/key/value views, where burn's ops copy, upcast and broadcast each step.
-//!
-//! Each entry point returns `None` unless the backend is burn-flex itself (checked at run time
-//! by type, so the model stays generic over its backend) and the dtypes are ones the kernel
-//! handles; the caller then uses burn's own ops. Under autodiff the chosen-token
-//! log-probability, the embedding lookup, RMSNorm, SwiGLU, RoPE, attention and the
-//! bf16-precision matmul have kernels, each registered as one operation of the graph with its
-//! own backward (see `tracked`); everything else records burn's ops.
+//! The named points where the model hands work to the kernels. Each takes tensors of any
+//! backend and returns `None` unless the backend is burn-flex (plain, or under autodiff where
+//! the kernel has a backward), the kernels are on and the dtypes are ones the kernel handles;
+//! the caller then computes the same thing with burn's ops.
 
-/// Evaluates `$body` in a copy compiled with AVX-512 enabled when the CPU has it, so that the
-/// loops inlined into it vectorise 16 lanes wide; otherwise as compiled for the baseline.
-macro_rules! wide_simd {
-    ($body:expr) => {{
-        #[cfg(target_arch = "x86_64")]
-        {
-            if $crate::cpu_kernels::has_avx512() {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-                unsafe fn run<R>(f: impl FnOnce() -> R) -> R {
-                    f()
-                }
-                // SAFETY: the CPU has the features `run` is compiled for.
-                unsafe { run(#[inline(always)] || $body) }
-            } else {
-                $body
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            $body
-        }
-    }};
-}
+use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Tensor, TensorPrimitive};
+use burn_flex::FlexTensor;
 
-mod attention;
-mod attention_backward;
-mod bf16_bits;
-mod bf16_rate;
-mod fused;
-mod tracked;
-mod transpose;
-mod weight_matmul;
-
-use std::any::{Any, TypeId};
-use std::sync::atomic::{AtomicU8, Ordering};
-
-use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Shape, Tensor, TensorPrimitive};
-use burn_flex::{FlexTensor, Layout};
-use rayon::prelude::*;
-
-pub use bf16_rate::bf16_mac_ratio;
-pub(crate) use transpose::transpose_into;
-use transpose::transpose;
+use crate::flex::{flex_contiguous, flex_output, from_flex, narrow_all, rows_contiguous, to_flex, token_ids};
+use crate::{attention, bf16_bits, fused, tracked, weight_matmul};
 
 /// How a weight matrix is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WeightLayout {
+pub enum WeightLayout {
     /// `[in, out]`, burn's `Linear` layout: `y = x · w`.
     InOut,
     /// `[out, in]`, an embedding table used as the head: `y = x · wᵀ`.
@@ -82,11 +28,12 @@ impl WeightLayout {
     }
 }
 
-/// `x · w` (or `x · wᵀ`) through [`weight_matmul`] when `B` is burn-flex, `w` is a contiguous
-/// matrix and either `w` is bf16 and `x` bf16 or f32 (the result has `x`'s dtype), or both are
-/// f32 with at most [`weight_matmul::SMALL_M`] rows on a CPU with the SIMD kernels; `None`
+/// `x · w` (or `x · wᵀ`, see [`WeightLayout`]) at the operands' precision when `B` is
+/// burn-flex, `w` is a contiguous matrix, and either `w` is bf16 and `x` bf16 or f32 (the
+/// result has `x`'s dtype; f32 sums), or both are f32 with at most 16 rows (decode) at the
+/// AVX-512 BF16 level, whose streaming kernel reads the weights at full bandwidth; `None`
 /// otherwise, for the caller to use burn's matmul.
-pub(crate) fn weight_matmul<B: Backend, const D: usize>(
+pub fn linear<B: Backend, const D: usize>(
     x: &Tensor<B, D>,
     w: &Tensor<B, 2>,
     layout: WeightLayout,
@@ -126,19 +73,21 @@ pub(crate) fn weight_matmul<B: Backend, const D: usize>(
     flex_output(bytes, dims, dtype)
 }
 
-/// `x · w` (or `x · wᵀ`) for f32 `x` and `w` with both operands rounded to bf16 (to nearest,
-/// ties to even) and the products summed in f32, through [`weight_matmul::matmul_rounded`], when
-/// `B` is burn-flex or burn-flex under autodiff (one node, see [`tracked`]) on a CPU with the
-/// AVX-512 BF16 kernels; `None` otherwise.
-pub(crate) fn bf16_matmul<B: Backend, const D: usize>(
+/// `x · w` (or `x · wᵀ`) of f32 operands at bf16 precision: both rounded to bf16 (to nearest,
+/// ties to even), their products (exact in f32) summed in f32, and the f32 sums returned
+/// unrounded. When `B` is burn-flex, plain or under autodiff (one node whose backward rounds
+/// the output gradient too, see [`tracked`]), at every instruction-set level: the AVX-512 BF16
+/// kernels where they run, else the rounded operands through burn-flex's f32 GEMM. Scoring
+/// (plain) and the update (autodiff) therefore compute the same sums, bit for bit. `None` for
+/// other backends and dtypes.
+pub fn linear_bf16<B: Backend, const D: usize>(
     x: &Tensor<B, D>,
     w: &Tensor<B, 2>,
     layout: WeightLayout,
 ) -> Option<Tensor<B, D>> {
     let (k, n) = layout.inner_outer(w.dims());
     let mut dims = x.dims();
-    let handled = weight_matmul::has_fast_path() && x.dtype() == DType::F32 && w.dtype() == DType::F32;
-    if !handled || dims[D - 1] != k {
+    if x.dtype() != DType::F32 || w.dtype() != DType::F32 || dims[D - 1] != k {
         return None;
     }
     if let Some(y) = tracked::bf16_matmul(x, w, layout, k, n) {
@@ -153,8 +102,9 @@ pub(crate) fn bf16_matmul<B: Backend, const D: usize>(
     flex_output(Bytes::from_elems(y), dims, DType::F32)
 }
 
-/// Whether this CPU runs bf16 products through the AVX-512 BF16 kernels (otherwise bf16 weights
-/// and [`crate::MatmulPrecision::Bf16`] fall back to slower portable loops or burn's ops).
+/// Whether bf16 products run through the hand-written AVX-512 BF16 kernels at the current level
+/// (otherwise bf16 weights take portable loops, and bf16-precision products burn-flex's f32
+/// GEMM on rounded operands).
 pub fn has_bf16_kernels() -> bool {
     weight_matmul::has_fast_path()
 }
@@ -162,7 +112,7 @@ pub fn has_bf16_kernels() -> bool {
 /// HF's `Qwen3RMSNorm` (see [`fused::rms_norm_f32`]) when `B` is burn-flex and `x` and `weight`
 /// are both f32 or both bf16, or when it is burn-flex under autodiff and both are f32 (see
 /// [`tracked`]).
-pub(crate) fn rms_norm<B: Backend, const D: usize>(
+pub fn rms_norm<B: Backend, const D: usize>(
     x: &Tensor<B, D>,
     weight: &Tensor<B, 1>,
     eps: f64,
@@ -191,7 +141,7 @@ pub(crate) fn rms_norm<B: Backend, const D: usize>(
 
 /// `silu(gate) * up` when `B` is burn-flex and both are f32 or both bf16, of one shape, or when
 /// it is burn-flex under autodiff and both are f32 (see [`tracked`]).
-pub(crate) fn silu_mul<B: Backend, const D: usize>(
+pub fn silu_mul<B: Backend, const D: usize>(
     gate: &Tensor<B, D>,
     up: &Tensor<B, D>,
 ) -> Option<Tensor<B, D>> {
@@ -220,7 +170,7 @@ pub(crate) fn silu_mul<B: Backend, const D: usize>(
 /// burn-flex 0.21's own `cast` rounds some values the other way (e.g. f32 bits `0xbc468001` to
 /// `0xbc46` where round-to-nearest gives `0xbc47`), so on burn-flex that conversion goes through
 /// [`to_bf16`]; everything else is burn's `cast`.
-pub(crate) fn cast<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+pub fn cast<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
     match (t.dtype(), dtype) {
         (from, to) if from == to => t,
         (DType::F32, DType::BF16) => to_bf16(&t).unwrap_or_else(|| t.cast(dtype)),
@@ -235,21 +185,10 @@ fn to_bf16<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<Tensor<B, D>>
     flex_output(Bytes::from_elems(narrow_all(values.as_slice()?)), t.dims(), DType::BF16)
 }
 
-/// `values` rounded to bf16 (to nearest, ties to even), in parallel.
-fn narrow_all(values: &[f32]) -> Vec<bf16> {
-    let mut out = vec![bf16::ZERO; values.len()];
-    out.par_chunks_mut(1 << 16)
-        .zip(values.par_chunks(1 << 16))
-        .for_each(|(out, x)| wide_simd!(for (o, &x) in out.iter_mut().zip(x) {
-            *o = bf16_bits::narrow(x);
-        }));
-    out
-}
-
 /// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex and `x` and
 /// both tables are f32 or all bf16 of one shape, or burn-flex under autodiff (see [`tracked`])
 /// and they are f32; `None` otherwise. The tables take no gradient.
-pub(crate) fn rotary<B: Backend>(
+pub fn rotary<B: Backend>(
     x: &Tensor<B, 4>,
     cos: &Tensor<B, 4>,
     signed_sin: &Tensor<B, 4>,
@@ -280,7 +219,7 @@ pub(crate) fn rotary<B: Backend>(
 /// the operands are all f32 or all bf16, or when it is burn-flex under autodiff and they are f32
 /// (see [`tracked`]): `query` `[b, q, heads, d]`, `key` and `value` `[b, kv_heads, k, d]` (views
 /// with any non-negative strides), `bias` `[b, 1, q, k]`. Returns `[b, q, heads * d]`.
-pub(crate) fn grouped_attention<B: Backend>(
+pub fn grouped_attention<B: Backend>(
     query: &Tensor<B, 4>,
     key: &Tensor<B, 4>,
     value: &Tensor<B, 4>,
@@ -332,7 +271,7 @@ pub(crate) fn grouped_attention<B: Backend>(
 /// The attention operands `[query, key, value, bias]` (layouts as for [`grouped_attention`], rows
 /// contiguous) as the attention kernels read them.
 #[allow(clippy::type_complexity)]
-fn attention_views<T: burn::tensor::Element + bytemuck::Pod>(
+pub(crate) fn attention_views<T: burn::tensor::Element + bytemuck::Pod>(
     [q, k, v, m]: [&FlexTensor; 4],
 ) -> (attention::Heads<'_, T>, attention::Heads<'_, T>, attention::Heads<'_, T>, attention::Bias<'_, T>) {
     (heads_view(q, [0, 2, 1]), heads_view(k, [0, 1, 2]), heads_view(v, [0, 1, 2]), bias_view(m))
@@ -369,7 +308,7 @@ fn bias_view<T: burn::tensor::Element + bytemuck::Pod>(m: &FlexTensor) -> attent
 /// bf16) and `targets` `[b, n]` (see [`fused::chosen_logprobs`]) when `B` is burn-flex, or when
 /// it is burn-flex under autodiff and the logits are f32 (see [`tracked`]); `None` otherwise or
 /// for a target outside the vocabulary.
-pub(crate) fn chosen_logprobs<B: Backend>(
+pub fn chosen_logprobs<B: Backend>(
     logits: &Tensor<B, 3>,
     targets: &Tensor<B, 2, Int>,
 ) -> Option<Tensor<B, 2>> {
@@ -390,7 +329,7 @@ pub(crate) fn chosen_logprobs<B: Backend>(
 /// The entropy of each row's softmax, `[b, n]` f32, from f32 `logits` `[b, n, vocab]`, as a value
 /// without gradient (see [`fused::row_entropy`]) when `B` is burn-flex, plain or under autodiff;
 /// `None` otherwise.
-pub(crate) fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
+pub fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
     let [b, n, vocab] = logits.dims();
     let Some(flex) = to_flex(logits.clone()) else {
         return tracked::untracked_entropy(logits, [b, n, vocab]);
@@ -402,171 +341,21 @@ pub(crate) fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>>
 
 /// `weight[ids]` `[b, s, hidden]` for a `[vocab, hidden]` table when `B` is burn-flex under
 /// autodiff and the table is f32 (see [`tracked`]); `None` otherwise.
-pub(crate) fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> Option<Tensor<B, 3>> {
+pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> Option<Tensor<B, 3>> {
     let table = tracked::as_tracked(weight)?;
     let [b, s] = ids.dims();
     let token_ids = token_ids(ids, b * s, weight.dims()[0])?;
     tracked::embedding(table, token_ids, [b, s])
 }
 
-/// The `len` ids of a burn-flex integer tensor, when all are below `vocab`.
-fn token_ids<B: Backend, const D: usize>(
-    ids: &Tensor<B, D, Int>,
-    len: usize,
-    vocab: usize,
-) -> Option<Vec<usize>> {
-    let ids = to_flex_int(ids.clone())?.to_contiguous();
-    let ids: Vec<usize> = match ids.dtype() {
-        DType::I64 => ids.as_slice::<i64>()?.iter().map(|&t| t as usize).collect(),
-        DType::I32 => ids.as_slice::<i32>()?.iter().map(|&t| t as usize).collect(),
-        _ => return None,
-    };
-    (ids.len() == len && ids.iter().all(|&t| t < vocab)).then_some(ids)
-}
-
-/// `t` itself when its strides are non-negative and its last axis is contiguous, else a
-/// contiguous copy.
-fn rows_contiguous(t: FlexTensor) -> FlexTensor {
-    let strides = t.layout().strides();
-    if strides.last() == Some(&1) && strides.iter().all(|&s| s >= 0) {
-        t
-    } else {
-        t.to_contiguous()
-    }
-}
-
 /// `t` laid out contiguously when `B` is burn-flex (see [`flex_contiguous`]); unchanged
 /// otherwise (other backends make their own copies where their ops need them).
-pub(crate) fn contiguous<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+pub fn contiguous<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
     match to_flex(t.clone()) {
         Some(flex) => from_flex::<B>(flex_contiguous(&flex))
             .map_or(t, |p| Tensor::from_primitive(TensorPrimitive::Float(p))),
         None => t,
     }
-}
-
-/// `t` with its elements in row-major order from offset 0, like burn-flex's `to_contiguous`.
-/// An f32 or bf16 view whose last axis is contiguous (e.g. after `swap_dims` of two other
-/// axes) is copied a row at a time, in parallel: burn-flex walks views that keep more than
-/// two axes after merging one element at a time, on one thread.
-pub(super) fn flex_contiguous(t: &FlexTensor) -> FlexTensor {
-    let layout = t.layout();
-    let whole = t.is_contiguous()
-        && layout.start_offset() == 0
-        && t.bytes().len() == layout.num_elements() * t.dtype().size();
-    if whole {
-        return t.clone();
-    }
-    let strides = layout.strides();
-    let dims = layout.shape().to_vec();
-    if strides.last() != Some(&1) || strides.iter().any(|&s| s < 0) || dims.contains(&0) {
-        return t.to_contiguous();
-    }
-    let strides: Vec<usize> = strides.iter().map(|&s| s as usize).collect();
-    let offset = layout.start_offset();
-    fn copy_rows<T: Copy + Default + Send + Sync>(src: &[T], dims: &[usize], strides: &[usize], offset: usize) -> Vec<T> {
-        let d = *dims.last().expect("a view has at least one axis");
-        let rows_per_task = (1 << 14) / d + 1;
-        let mut out = vec![T::default(); dims.iter().product()];
-        out.par_chunks_mut(d * rows_per_task).enumerate().for_each(|(task, rows)| {
-            for (r, dst) in rows.chunks_exact_mut(d).enumerate() {
-                let (mut rest, mut start) = (task * rows_per_task + r, offset);
-                for (&n, &stride) in dims[..dims.len() - 1].iter().zip(strides).rev() {
-                    start += (rest % n) * stride;
-                    rest /= n;
-                }
-                dst.copy_from_slice(&src[start..start + d]);
-            }
-        });
-        out
-    }
-    let bytes = match t.dtype() {
-        DType::F32 => Bytes::from_elems(copy_rows(t.storage::<f32>(), &dims, &strides, offset)),
-        DType::BF16 => Bytes::from_elems(copy_rows(t.storage::<bf16>(), &dims, &strides, offset)),
-        _ => return t.to_contiguous(),
-    };
-    FlexTensor::new(bytes, Layout::contiguous(Shape::from(dims)), t.dtype())
-}
-
-/// A contiguous burn-flex result as a tensor of `B` (which is burn-flex when this is reached).
-fn flex_output<B: Backend, const D: usize>(
-    bytes: Bytes,
-    dims: [usize; D],
-    dtype: DType,
-) -> Option<Tensor<B, D>> {
-    let out = FlexTensor::new(bytes, Layout::contiguous(Shape::from(dims.to_vec())), dtype);
-    from_flex::<B>(out).map(|p| Tensor::from_primitive(TensorPrimitive::Float(p)))
-}
-
-/// Whether the CPU has the AVX-512 subset that the element-wise loops are compiled for in their
-/// wide variants (see `fused` and `attention`).
-#[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-    })
-}
-
-/// The burn-flex tensor behind `t`, when `B` is burn-flex.
-fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
-    if portable_ops() {
-        return None;
-    }
-    let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
-    primitive.downcast::<FlexTensor>().ok().map(|t| *t)
-}
-
-/// Whether `B`'s float tensors are burn-flex tensors (not under autodiff) and the fused kernels
-/// are on: then tensor data already lives in host memory and host loops over it are cheap.
-pub fn cpu_kernels_active<B: Backend>() -> bool {
-    TypeId::of::<B::FloatTensorPrimitive>() == TypeId::of::<FlexTensor>() && !portable_ops()
-}
-
-/// Whether the fused CPU kernels are switched off (see [`set_portable_ops`]).
-pub fn portable_ops() -> bool {
-    match PORTABLE_OPS.load(Ordering::Relaxed) {
-        PORTABLE_UNSET => {
-            let on = std::env::var_os("PROMPT_R1_PORTABLE_OPS").is_some_and(|v| v == "1");
-            set_portable_ops(on);
-            on
-        }
-        state => state == PORTABLE_ON,
-    }
-}
-
-/// Switches the fused CPU kernels off (`true`) or on, for the whole process. Off, every op runs
-/// through burn's portable tensor ops: the path the CUDA backend takes, so that CPU tests check
-/// that path and benchmarks measure what the kernels gain. Until this is called the setting
-/// comes from the environment: `PROMPT_R1_PORTABLE_OPS=1` switches the kernels off.
-pub fn set_portable_ops(on: bool) {
-    PORTABLE_OPS.store(if on { PORTABLE_ON } else { PORTABLE_OFF }, Ordering::Relaxed);
-}
-
-/// The portable-ops setting: unset until [`portable_ops`] or [`set_portable_ops`] first runs.
-static PORTABLE_OPS: AtomicU8 = AtomicU8::new(PORTABLE_UNSET);
-const PORTABLE_UNSET: u8 = 0;
-const PORTABLE_OFF: u8 = 1;
-const PORTABLE_ON: u8 = 2;
-
-/// The burn-flex tensor behind the integer tensor `t`, when `B` is burn-flex.
-fn to_flex_int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Option<FlexTensor> {
-    if portable_ops() {
-        return None;
-    }
-    let primitive: Box<dyn Any> = Box::new(t.into_primitive());
-    primitive.downcast::<FlexTensor>().ok().map(|t| *t)
-}
-
-/// `t` as `B`'s float primitive, when `B` is burn-flex.
-fn from_flex<B: Backend>(t: FlexTensor) -> Option<B::FloatTensorPrimitive> {
-    let primitive: Box<dyn Any> = Box::new(t);
-    primitive
-        .downcast::<B::FloatTensorPrimitive>()
-        .ok()
-        .map(|t| *t)
 }
 
 #[cfg(test)]
@@ -623,7 +412,7 @@ mod tests {
                     .clone()
                     .cast(DType::F32)
                     .matmul(w.clone().cast(DType::F32).unsqueeze());
-                let got = weight_matmul(&x, &w, WeightLayout::InOut)
+                let got = linear(&x, &w, WeightLayout::InOut)
                     .expect("flex + bf16 takes the kernel");
                 assert_eq!(got.dtype(), dtype);
                 assert!(
@@ -631,7 +420,7 @@ mod tests {
                     "in-out, {rows} rows, {dtype:?}"
                 );
                 let wt = w.clone().transpose().cast(DType::F32).cast(DType::BF16);
-                let got = weight_matmul(&x, &wt, WeightLayout::OutIn)
+                let got = linear(&x, &wt, WeightLayout::OutIn)
                     .expect("flex + bf16 takes the kernel");
                 assert!(max_diff(got, want) < 0.2, "out-in, {rows} rows, {dtype:?}");
             }
@@ -647,8 +436,8 @@ mod tests {
         let want = x.clone().matmul(w.clone().unsqueeze());
         let wt = Tensor::<Flex, 2>::from_data(w.clone().transpose().into_data(), &device);
         for (got, layout) in [
-            (weight_matmul(&x, &w, WeightLayout::InOut), "in-out"),
-            (weight_matmul(&x, &wt, WeightLayout::OutIn), "out-in"),
+            (linear(&x, &w, WeightLayout::InOut), "in-out"),
+            (linear(&x, &wt, WeightLayout::OutIn), "out-in"),
         ] {
             match got {
                 Some(got) => assert!(max_diff(got, want.clone()) < 1e-4, "{layout}"),
@@ -660,7 +449,7 @@ mod tests {
         }
         let many = Tensor::<Flex, 3>::ones([2, 9, 96], &device);
         assert!(
-            weight_matmul(&many, &w, WeightLayout::InOut).is_none(),
+            linear(&many, &w, WeightLayout::InOut).is_none(),
             "18 rows go to burn's GEMM"
         );
     }
@@ -669,9 +458,9 @@ mod tests {
     fn other_dtypes_and_backends_keep_burns_matmul() {
         let device = Default::default();
         let x = Tensor::<Flex, 3>::ones([1, 2, 4], &device).cast(DType::BF16);
-        assert!(weight_matmul(&x, &Tensor::ones([4, 3], &device), WeightLayout::InOut).is_none());
+        assert!(linear(&x, &Tensor::ones([4, 3], &device), WeightLayout::InOut).is_none());
         let x = Tensor::<Autodiff<Flex>, 3>::ones([1, 2, 4], &device);
         let w = Tensor::<Autodiff<Flex>, 2>::ones([4, 3], &device).cast(DType::BF16);
-        assert!(weight_matmul(&x, &w, WeightLayout::InOut).is_none());
+        assert!(linear(&x, &w, WeightLayout::InOut).is_none());
     }
 }

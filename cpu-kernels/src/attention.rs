@@ -418,11 +418,10 @@ pub(super) mod kernels {
     #[cfg(target_arch = "x86_64")]
     mod avx512 {
         use std::arch::x86_64::*;
-        use std::sync::OnceLock;
 
+        /// Whether the kernels run at the AVX-512 level (see [`crate::isa`]).
         pub fn available() -> bool {
-            static HAS: OnceLock<bool> = OnceLock::new();
-            *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+            crate::isa::avx512()
         }
 
         #[target_feature(enable = "avx512f")]
@@ -567,7 +566,7 @@ pub(super) mod tests {
     }
 
     /// Deterministic values in [-2, 2).
-    pub(in crate::cpu_kernels) fn values<T: Element>(n: usize, seed: u64) -> Vec<T> {
+    pub(crate) fn values<T: Element>(n: usize, seed: u64) -> Vec<T> {
         let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         (0..n)
             .map(|_| {

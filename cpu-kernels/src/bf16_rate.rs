@@ -10,15 +10,19 @@
 
 /// Multiply-adds per second of `vdpbf16ps` over those of an f32 FMA on this core, from the
 /// faster of three timings each, measured once per process (so the kernels and whoever reports
-/// on them see the same figure); `None` where the AVX-512 BF16 kernels do not run.
+/// on them see the same figure); `None` where the AVX-512 BF16 kernels do not run (the CPU
+/// lacks them, or the level is capped below them, see [`crate::isa`]).
 pub fn bf16_mac_ratio() -> Option<f64> {
     static RATIO: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
+    if !crate::isa::avx512_bf16() {
+        return None;
+    }
     *RATIO.get_or_init(measure)
 }
 
 fn measure() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
-    if super::weight_matmul::has_fast_path() {
+    if crate::Isa::host() >= crate::Isa::Avx512Bf16 {
         let best = |run: &dyn Fn() -> f32| {
             (0..3)
                 .map(|_| {
@@ -28,7 +32,7 @@ fn measure() -> Option<f64> {
                 })
                 .fold(f64::INFINITY, f64::min)
         };
-        // SAFETY: `has_fast_path` checked AVX-512 F and BF16.
+        // SAFETY: the host has AVX-512 F and BF16.
         let fma = best(&|| unsafe { avx512::fma_chains(ROUNDS) });
         let dot = best(&|| unsafe { avx512::dot_chains(ROUNDS) });
         // A dot product does twice the multiply-adds of an FMA.
@@ -83,7 +87,7 @@ mod tests {
     fn ratio_is_a_plausible_rate() {
         match bf16_mac_ratio() {
             Some(ratio) => assert!((0.3..=4.0).contains(&ratio), "bf16 / f32 multiply-add ratio {ratio}"),
-            None => assert!(!super::super::has_bf16_kernels()),
+            None => assert!(!crate::has_bf16_kernels()),
         }
     }
 }

@@ -1,0 +1,238 @@
+//! Which of the kernels' code paths run: the instruction-set level (the host's best, or lower
+//! when capped with `PROMPT_R1_CPU_ISA` or [`set_isa_cap`]) and the switch that turns every
+//! kernel off ([`set_portable_ops`]).
+//!
+//! The kernels have code for three tiers: plain Rust loops compiled for the target's baseline
+//! (x86-64: SSE2) and auto-vectorised; the same loops compiled with AVX-512 F/BW/VL, plus
+//! AVX-512 attention tiles; and hand-written AVX-512 BF16 matrix products. Capping the level
+//! makes a host run the paths a lesser host runs, so that one machine can test them all.
+//! burn-flex's own f32 GEMM (the `gemm` crate) picks its instructions by itself and is not
+//! capped: results may differ from a real lesser host's in the last bits of f32 sums, never more.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
+
+use burn::tensor::backend::Backend;
+use burn_flex::FlexTensor;
+
+/// The environment variable that caps the instruction-set level (see [`Isa`]).
+pub const ISA_ENV: &str = "PROMPT_R1_CPU_ISA";
+
+/// The environment variable that switches the kernels off (`1`), see [`set_portable_ops`].
+pub const PORTABLE_OPS_ENV: &str = "PROMPT_R1_PORTABLE_OPS";
+
+/// An instruction-set level of the kernels' code paths, lowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// The plain loops, compiled for the target's baseline: what any CPU runs.
+    Portable,
+    /// An x86-64 CPU with AVX2 and FMA but no AVX-512 (e.g. AMD Zen 2/3). The kernels have no
+    /// AVX2-specific code, so they run the portable loops here; the level names the host class
+    /// that a capped run stands in for.
+    Avx2,
+    /// AVX-512 F, BW and VL (e.g. Intel Ice Lake): element-wise loops 16 lanes wide and
+    /// AVX-512 attention tiles.
+    Avx512,
+    /// AVX-512 BF16 as well (AMD Zen 4, Intel Sapphire Rapids): the hand-written matrix
+    /// products for bf16 weights, bf16-precision products and few-row f32 products.
+    Avx512Bf16,
+}
+
+impl Isa {
+    /// Every level, lowest first.
+    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16];
+
+    /// The name used by `PROMPT_R1_CPU_ISA`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+            Isa::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// The highest level this CPU has.
+    pub fn host() -> Isa {
+        static HOST: OnceLock<Isa> = OnceLock::new();
+        *HOST.get_or_init(detect)
+    }
+
+    /// The levels this CPU can run, lowest first.
+    pub fn available() -> impl Iterator<Item = Isa> {
+        Isa::ALL.into_iter().filter(|&level| level <= Isa::host())
+    }
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A `PROMPT_R1_CPU_ISA` value that names no level.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownIsa(pub String);
+
+impl fmt::Display for UnknownIsa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = Isa::ALL.iter().map(|l| l.name()).collect();
+        write!(f, "unknown instruction-set level '{}' (expected one of: {})", self.0, names.join(", "))
+    }
+}
+
+impl std::error::Error for UnknownIsa {}
+
+impl FromStr for Isa {
+    type Err = UnknownIsa;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let wanted = s.trim().to_ascii_lowercase();
+        Isa::ALL
+            .into_iter()
+            .find(|level| level.name() == wanted)
+            .ok_or_else(|| UnknownIsa(s.to_string()))
+    }
+}
+
+fn detect() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx512 = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl");
+        if avx512 && is_x86_feature_detected!("avx512bf16") {
+            return Isa::Avx512Bf16;
+        }
+        if avx512 {
+            return Isa::Avx512;
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Portable
+}
+
+/// The cap from `PROMPT_R1_CPU_ISA`: `Ok(None)` when unset or empty.
+pub fn isa_cap_from_env() -> Result<Option<Isa>, UnknownIsa> {
+    match std::env::var(ISA_ENV) {
+        Ok(value) if !value.trim().is_empty() => value.parse().map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// The level the kernels run at: the host's, lowered by the cap. Until [`set_isa_cap`] is
+/// called the cap comes from `PROMPT_R1_CPU_ISA`; a value there that names no level is
+/// reported once on stderr and ignored (command-line tools should check it first with
+/// [`isa_cap_from_env`] and refuse it).
+pub fn isa() -> Isa {
+    let cap = match CAP.load(Ordering::Relaxed) {
+        CAP_UNSET => {
+            let cap = isa_cap_from_env().unwrap_or_else(|e| {
+                eprintln!("warning: {ISA_ENV}: {e}; the kernels use this CPU's best");
+                None
+            });
+            set_isa_cap(cap);
+            cap
+        }
+        stored => decode(stored),
+    };
+    cap.map_or(Isa::host(), |cap| cap.min(Isa::host()))
+}
+
+/// Caps the kernels' level for the whole process (`None`: the host's best). A cap above the
+/// host's level runs at the host's. Meant to be set between runs, not while one is under way:
+/// a backward pass uses the level of the moment, not that of its forward pass.
+pub fn set_isa_cap(cap: Option<Isa>) {
+    CAP.store(cap.map_or(CAP_NONE, |l| l as u8 + CAP_LEVELS), Ordering::Relaxed);
+}
+
+static CAP: AtomicU8 = AtomicU8::new(CAP_UNSET);
+const CAP_UNSET: u8 = 0;
+const CAP_NONE: u8 = 1;
+const CAP_LEVELS: u8 = 2;
+
+fn decode(stored: u8) -> Option<Isa> {
+    Isa::ALL.into_iter().find(|&l| l as u8 + CAP_LEVELS == stored)
+}
+
+/// Whether the kernels are switched off (see [`set_portable_ops`]).
+pub fn portable_ops() -> bool {
+    match PORTABLE_OPS.load(Ordering::Relaxed) {
+        PORTABLE_UNSET => {
+            let on = std::env::var_os(PORTABLE_OPS_ENV).is_some_and(|v| v == "1");
+            set_portable_ops(on);
+            on
+        }
+        state => state == PORTABLE_ON,
+    }
+}
+
+/// Switches every kernel off (`true`) or on, for the whole process. Off, every op runs through
+/// burn's portable tensor ops: the path the GPU backends take, so that CPU tests check that
+/// path and benchmarks measure what the kernels gain. Until this is called the setting comes
+/// from the environment: `PROMPT_R1_PORTABLE_OPS=1` switches the kernels off.
+pub fn set_portable_ops(on: bool) {
+    PORTABLE_OPS.store(if on { PORTABLE_ON } else { PORTABLE_OFF }, Ordering::Relaxed);
+}
+
+static PORTABLE_OPS: AtomicU8 = AtomicU8::new(PORTABLE_UNSET);
+const PORTABLE_UNSET: u8 = 0;
+const PORTABLE_OFF: u8 = 1;
+const PORTABLE_ON: u8 = 2;
+
+/// Whether `B`'s float tensors are burn-flex tensors (not under autodiff) and the kernels are
+/// on: then tensor data already lives in host memory and host loops over it are cheap.
+pub fn active<B: Backend>() -> bool {
+    std::any::TypeId::of::<B::FloatTensorPrimitive>() == std::any::TypeId::of::<FlexTensor>() && !portable_ops()
+}
+
+/// Whether the element-wise loops and attention run their AVX-512 variants.
+pub(crate) fn avx512() -> bool {
+    isa() >= Isa::Avx512
+}
+
+/// Whether the hand-written AVX-512 BF16 matrix products run.
+pub(crate) fn avx512_bf16() -> bool {
+    isa() >= Isa::Avx512Bf16
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_errors() {
+        for level in Isa::ALL {
+            assert_eq!(level.name().parse::<Isa>(), Ok(level));
+            assert_eq!(level.name().to_uppercase().parse::<Isa>(), Ok(level));
+        }
+        let err = "avx1024".parse::<Isa>().unwrap_err().to_string();
+        assert!(err.contains("avx1024") && err.contains("portable, avx2, avx512, avx512bf16"), "{err}");
+    }
+
+    /// A typo in `PROMPT_R1_CPU_ISA` (as CI sets it) must fail a test rather than let the
+    /// kernels silently run at the host's level.
+    #[test]
+    fn the_environment_cap_parses() {
+        match isa_cap_from_env() {
+            Ok(cap) => println!("{ISA_ENV}: {cap:?}; host {}; running at {}", Isa::host(), isa()),
+            Err(e) => panic!("{ISA_ENV}: {e}"),
+        }
+    }
+
+    #[test]
+    fn levels_are_ordered_and_available_ones_end_at_the_host() {
+        assert!(Isa::Portable < Isa::Avx2 && Isa::Avx2 < Isa::Avx512 && Isa::Avx512 < Isa::Avx512Bf16);
+        let available: Vec<Isa> = Isa::available().collect();
+        assert_eq!(available.first(), Some(&Isa::Portable));
+        assert_eq!(available.last(), Some(&Isa::host()));
+        for stored in Isa::ALL {
+            assert_eq!(decode(stored as u8 + CAP_LEVELS), Some(stored));
+        }
+        assert_eq!(decode(CAP_NONE), None);
+    }
+}
