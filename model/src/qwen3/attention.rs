@@ -3,7 +3,7 @@
 
 use burn::module::Module;
 use burn::nn::Linear;
-use burn::tensor::{activation::softmax, backend::Backend, DType, Int, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use super::cache::LayerKvCache;
 use super::linear::{linear, MatmulPrecision};
@@ -128,4 +128,15 @@ fn eager_attention_forward<B: Backend>(
     let scores = query.matmul(key.swap_dims(2, 3)).mul_scalar(scaling) + bias.clone();
     let probs = softmax(scores.cast(DType::F32), 3).cast(dtype);
     probs.matmul(value).reshape([b, h, q_len, d])
+}
+
+/// `softmax(x)` along `dim`, written out as burn's default (and autodiff's) decomposition:
+/// `exp(x − max) / Σ exp(x − max)`. burn-flex's fused softmax multiplies by the reciprocal of
+/// the sum instead and so differs in the last bits; written out, scoring (plain backend) and the
+/// update (autodiff) give the same probabilities on every backend.
+fn softmax<B: Backend, const D: usize>(x: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
+    let max = x.clone().detach().max_dim(dim);
+    let exp = (x - max).exp();
+    let sum = exp.clone().sum_dim(dim);
+    exp / sum
 }
