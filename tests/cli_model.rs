@@ -190,6 +190,33 @@ fn bench_runs_through_the_portable_ops() {
     assert!(!String::from_utf8_lossy(&fused.stderr).contains("fused CPU kernels off"));
 }
 
+/// `--cpu-isa` caps the kernels' instruction set and bench says at which level they ran; a level
+/// that does not exist, by flag or in `PROMPT_R1_CPU_ISA`, is refused before any work.
+#[test]
+fn bench_caps_the_kernels_instruction_set() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let args = ["bench", "--model", &model, "--prompt-len", "8", "--decode-tokens", "2", "--decode-batch", "1"];
+    let out = prompt_r1(&[&args[..], &["--cpu-isa", "portable"]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("CPU kernels at the portable level"), "{stderr}");
+
+    let out = prompt_r1(&[&args[..], &["--cpu-isa", "avx9"]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("unknown instruction-set level 'avx9'"), "{stderr}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        .args(["score", "--model", &model, "--prompt-ids", "1,2", "--completion-ids", "3"])
+        .env("PROMPT_R1_CPU_ISA", "avx9")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("PROMPT_R1_CPU_ISA: unknown instruction-set level 'avx9'"), "{stderr}");
+    assert!(stderr.contains("portable, avx2, avx512, avx512bf16"), "{stderr}");
+}
+
 /// `check-device` compares the portable ops with the fused kernels on the CPU: six checks
 /// (greedy and sampled tokens among them), all within their tolerances; CUDA in a CPU-only build
 /// is a clear error.

@@ -60,6 +60,10 @@ fn main() {
         eprintln!("error: {e}");
         std::process::exit(2);
     }
+    if let Err(e) = model::cpu_kernels::isa::isa_cap_from_env() {
+        eprintln!("error: {}: {e}", model::cpu_kernels::isa::ISA_ENV);
+        std::process::exit(2);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),

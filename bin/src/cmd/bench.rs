@@ -4,6 +4,7 @@
 //! Figures are wall-clock on this machine, each the median of several runs after a warm-up;
 //! compare runs only on the same machine.
 
+use model::cpu_kernels::Isa;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -61,6 +62,10 @@ pub struct Args {
     /// PROMPT_R1_PORTABLE_OPS=1 does the same for any command).
     #[arg(long)]
     pub portable_ops: bool,
+    /// Cap the instruction set the CPU kernels use: portable, avx2, avx512 or avx512bf16 (a
+    /// level above this CPU's runs at the CPU's; PROMPT_R1_CPU_ISA does the same for any command).
+    #[arg(long, value_name = "LEVEL")]
+    pub cpu_isa: Option<Isa>,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -89,8 +94,13 @@ pub fn run(args: Args) -> Result<()> {
     if args.portable_ops {
         model::cpu_kernels::set_portable_ops(true);
     }
+    if let Some(level) = args.cpu_isa {
+        model::cpu_kernels::set_isa_cap(Some(level));
+    }
     if model::cpu_kernels::portable_ops() {
         eprintln!("fused CPU kernels off: every op runs through burn's portable tensor ops");
+    } else {
+        eprintln!("CPU kernels at the {} level (this CPU's best: {})", model::cpu_kernels::isa(), Isa::host());
     }
     let device = args.compute.device;
     run_on(device, args)
