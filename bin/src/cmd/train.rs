@@ -90,8 +90,8 @@ impl Args {
     }
 }
 
-/// Below this ratio of bf16 to f32 multiply-adds per second ([`model::cpu_kernels::bf16_mac_ratio`]), bf16
-/// products (which also round and repack their operands) gain nothing over f32 ones: where
+/// Below this ratio of bf16 to f32 multiply-adds per second
+/// ([`model::cpu_kernels::bf16_mac_ratio`]), bf16 products (which also round and repack their operands) gain nothing over f32 ones: where
 /// they ran at twice the f32 GEMM's rate (AMD Zen 4) a 0.6B step was ~1.5x faster; at a ratio
 /// of 0.5 (an Intel Xeon) the kernels widen the rounded operands to f32 FMAs and the step takes
 /// about as long as an f32 one (BENCHMARKS.md).
@@ -103,8 +103,9 @@ const BF16_PAYS: f64 = 1.5;
 fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
     if !kernels {
         return Some(
-            "grpo.matmul = \"bf16\" but this CPU lacks AVX-512 BF16: the products go through burn's \
-             bf16 ops, slower than matmul = \"f32\""
+            "grpo.matmul = \"bf16\" but the CPU kernels run without AVX-512 BF16 (this CPU lacks it, \
+             or PROMPT_R1_CPU_ISA caps it): the products round their operands and go through the f32 \
+             GEMM, a little slower than matmul = \"f32\""
                 .to_owned(),
         );
     }
@@ -119,7 +120,8 @@ fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
-        if let Some(note) = bf16_products_note(model::cpu_kernels::has_bf16_kernels(), model::cpu_kernels::bf16_mac_ratio()) {
+        let kernels = model::cpu_kernels::has_bf16_kernels();
+        if let Some(note) = bf16_products_note(kernels, model::cpu_kernels::bf16_mac_ratio()) {
             eprintln!("note: {note}");
         }
     }
@@ -200,7 +202,7 @@ mod tests {
     /// with them, and naming the measured ratio.
     #[test]
     fn bf16_note_depends_on_the_measured_rate() {
-        assert!(bf16_products_note(false, None).unwrap().contains("lacks AVX-512 BF16"));
+        assert!(bf16_products_note(false, None).unwrap().contains("without AVX-512 BF16"));
         let slow = bf16_products_note(true, Some(1.0)).unwrap();
         assert!(slow.contains("1.0x") && slow.contains("bench --products"), "{slow}");
         assert_eq!(bf16_products_note(true, Some(2.0)), None);
