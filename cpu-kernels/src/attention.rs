@@ -419,7 +419,7 @@ pub(super) mod kernels {
     mod avx512 {
         use std::arch::x86_64::*;
 
-        /// Whether the kernels run at the AVX-512 level (see [`crate::isa`]).
+        /// Whether the kernels run at the AVX-512 level (see [`mod@crate::isa`]).
         pub fn available() -> bool {
             crate::isa::avx512()
         }

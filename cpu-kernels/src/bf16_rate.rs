@@ -11,7 +11,7 @@
 /// Multiply-adds per second of `vdpbf16ps` over those of an f32 FMA on this core, from the
 /// faster of three timings each, measured once per process (so the kernels and whoever reports
 /// on them see the same figure); `None` where the AVX-512 BF16 kernels do not run (the CPU
-/// lacks them, or the level is capped below them, see [`crate::isa`]).
+/// lacks them, or the level is capped below them, see [`mod@crate::isa`]).
 pub fn bf16_mac_ratio() -> Option<f64> {
     static RATIO: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
     if !crate::isa::avx512_bf16() {

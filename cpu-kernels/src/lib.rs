@@ -19,7 +19,7 @@
 //! attention and the bf16-precision matmul are each recorded as one node of burn's graph with
 //! a hand-written backward (see `tracked`).
 //!
-//! [`isa`] says which code paths run: the host's best instruction-set level, or a lower one
+//! [`mod@isa`] says which code paths run: the host's best instruction-set level, or a lower one
 //! (`PROMPT_R1_CPU_ISA=portable|avx2|avx512|avx512bf16`), or none at all
 //! (`PROMPT_R1_PORTABLE_OPS=1`: burn's ops everywhere, the path GPU backends take).
 

@@ -76,7 +76,7 @@ pub fn linear<B: Backend, const D: usize>(
 /// `x · w` (or `x · wᵀ`) of f32 operands at bf16 precision: both rounded to bf16 (to nearest,
 /// ties to even), their products (exact in f32) summed in f32, and the f32 sums returned
 /// unrounded. When `B` is burn-flex, plain or under autodiff (one node whose backward rounds
-/// the output gradient too, see [`tracked`]), at every instruction-set level: the AVX-512 BF16
+/// the output gradient too, see `tracked`), at every instruction-set level: the AVX-512 BF16
 /// kernels where they run, else the rounded operands through burn-flex's f32 GEMM. Scoring
 /// (plain) and the update (autodiff) therefore compute the same sums, bit for bit. `None` for
 /// other backends and dtypes.
@@ -109,9 +109,9 @@ pub fn has_bf16_kernels() -> bool {
     weight_matmul::has_fast_path()
 }
 
-/// HF's `Qwen3RMSNorm` (see [`fused::rms_norm_f32`]) when `B` is burn-flex and `x` and `weight`
+/// HF's `Qwen3RMSNorm` (see `fused::rms_norm_f32`) when `B` is burn-flex and `x` and `weight`
 /// are both f32 or both bf16, or when it is burn-flex under autodiff and both are f32 (see
-/// [`tracked`]).
+/// `tracked`).
 pub fn rms_norm<B: Backend, const D: usize>(
     x: &Tensor<B, D>,
     weight: &Tensor<B, 1>,
@@ -140,7 +140,7 @@ pub fn rms_norm<B: Backend, const D: usize>(
 }
 
 /// `silu(gate) * up` when `B` is burn-flex and both are f32 or both bf16, of one shape, or when
-/// it is burn-flex under autodiff and both are f32 (see [`tracked`]).
+/// it is burn-flex under autodiff and both are f32 (see `tracked`).
 pub fn silu_mul<B: Backend, const D: usize>(
     gate: &Tensor<B, D>,
     up: &Tensor<B, D>,
@@ -169,7 +169,7 @@ pub fn silu_mul<B: Backend, const D: usize>(
 /// `t` in `dtype`, f32 to bf16 rounding to nearest, ties to even, as PyTorch's `.to()` does.
 /// burn-flex 0.21's own `cast` rounds some values the other way (e.g. f32 bits `0xbc468001` to
 /// `0xbc46` where round-to-nearest gives `0xbc47`), so on burn-flex that conversion goes through
-/// [`to_bf16`]; everything else is burn's `cast`.
+/// `to_bf16`; everything else is burn's `cast`.
 pub fn cast<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
     match (t.dtype(), dtype) {
         (from, to) if from == to => t,
@@ -185,8 +185,8 @@ fn to_bf16<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<Tensor<B, D>>
     flex_output(Bytes::from_elems(narrow_all(values.as_slice()?)), t.dims(), DType::BF16)
 }
 
-/// HF's `apply_rotary_pos_emb` (see [`fused::rotary_f32`]) when `B` is burn-flex and `x` and
-/// both tables are f32 or all bf16 of one shape, or burn-flex under autodiff (see [`tracked`])
+/// HF's `apply_rotary_pos_emb` (see `fused::rotary_f32`) when `B` is burn-flex and `x` and
+/// both tables are f32 or all bf16 of one shape, or burn-flex under autodiff (see `tracked`)
 /// and they are f32; `None` otherwise. The tables take no gradient.
 pub fn rotary<B: Backend>(
     x: &Tensor<B, 4>,
@@ -215,9 +215,9 @@ pub fn rotary<B: Backend>(
     flex_output(y, dims, dtype)
 }
 
-/// Grouped-query attention through [`attention::grouped_attention`] when `B` is burn-flex and
+/// Grouped-query attention through `attention::grouped_attention` when `B` is burn-flex and
 /// the operands are all f32 or all bf16, or when it is burn-flex under autodiff and they are f32
-/// (see [`tracked`]): `query` `[b, q, heads, d]`, `key` and `value` `[b, kv_heads, k, d]` (views
+/// (see `tracked`): `query` `[b, q, heads, d]`, `key` and `value` `[b, kv_heads, k, d]` (views
 /// with any non-negative strides), `bias` `[b, 1, q, k]`. Returns `[b, q, heads * d]`.
 pub fn grouped_attention<B: Backend>(
     query: &Tensor<B, 4>,
@@ -305,8 +305,8 @@ fn bias_view<T: burn::tensor::Element + bytemuck::Pod>(m: &FlexTensor) -> attent
 }
 
 /// The log-probability of each target token, `[b, n]` f32, from `logits` `[b, n, vocab]` (f32 or
-/// bf16) and `targets` `[b, n]` (see [`fused::chosen_logprobs`]) when `B` is burn-flex, or when
-/// it is burn-flex under autodiff and the logits are f32 (see [`tracked`]); `None` otherwise or
+/// bf16) and `targets` `[b, n]` (see `fused::chosen_logprobs`) when `B` is burn-flex, or when
+/// it is burn-flex under autodiff and the logits are f32 (see `tracked`); `None` otherwise or
 /// for a target outside the vocabulary.
 pub fn chosen_logprobs<B: Backend>(
     logits: &Tensor<B, 3>,
@@ -327,7 +327,7 @@ pub fn chosen_logprobs<B: Backend>(
 }
 
 /// The entropy of each row's softmax, `[b, n]` f32, from f32 `logits` `[b, n, vocab]`, as a value
-/// without gradient (see [`fused::row_entropy`]) when `B` is burn-flex, plain or under autodiff;
+/// without gradient (see `fused::row_entropy`) when `B` is burn-flex, plain or under autodiff;
 /// `None` otherwise.
 pub fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
     let [b, n, vocab] = logits.dims();
@@ -340,7 +340,7 @@ pub fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
 }
 
 /// `weight[ids]` `[b, s, hidden]` for a `[vocab, hidden]` table when `B` is burn-flex under
-/// autodiff and the table is f32 (see [`tracked`]); `None` otherwise.
+/// autodiff and the table is f32 (see `tracked`); `None` otherwise.
 pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> Option<Tensor<B, 3>> {
     let table = tracked::as_tracked(weight)?;
     let [b, s] = ids.dims();
@@ -348,7 +348,7 @@ pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> 
     tracked::embedding(table, token_ids, [b, s])
 }
 
-/// `t` laid out contiguously when `B` is burn-flex (see [`flex_contiguous`]); unchanged
+/// `t` laid out contiguously when `B` is burn-flex (see `flex_contiguous`); unchanged
 /// otherwise (other backends make their own copies where their ops need them).
 pub fn contiguous<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
     match to_flex(t.clone()) {

@@ -33,8 +33,9 @@
 //! precision), and [`matmul_rounded`] takes the weights in f32 and rounds them to bf16 as the
 //! panels are packed.
 //!
-//! Everywhere else a portable, auto-vectorisable fallback produces the same results up to f32
-//! summation order.
+//! Below the AVX-512 BF16 level, `matmul_bf16_f32` and `matmul_rounded` widen their (rounded)
+//! operands to f32 and use burn-flex's f32 GEMM, and the others portable, auto-vectorisable
+//! loops: the same results up to f32 summation order.
 
 use half::bf16;
 use rayon::prelude::*;
@@ -378,7 +379,7 @@ mod avx512 {
     /// Rows of `x` per pass of the transposed streaming kernel (sharing each `e` load).
     const TXR: usize = 4;
 
-    /// Whether the kernels run at the AVX-512 BF16 level (see [`crate::isa`]).
+    /// Whether the kernels run at the AVX-512 BF16 level (see [`mod@crate::isa`]).
     pub(super) fn available() -> bool {
         crate::isa::avx512_bf16()
     }
