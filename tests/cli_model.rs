@@ -217,15 +217,15 @@ fn bench_caps_the_kernels_instruction_set() {
     assert!(stderr.contains("portable, avx2, avx512, avx512bf16"), "{stderr}");
 }
 
-/// `check-device` compares the portable ops with the fused kernels on the CPU: six checks
-/// (greedy and sampled tokens among them), all within their tolerances; CUDA in a CPU-only build
-/// is a clear error.
+/// `check-device` compares the portable ops with the fused kernels on the CPU: eight checks
+/// (greedy and sampled tokens, and the first ratio at f32 and bf16 products, among them), all
+/// within their tolerances; CUDA in a CPU-only build is a clear error.
 #[test]
 fn check_device_passes_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model(tmp.path());
     let stdout = ok_stdout(&["check-device", "--model", &model]);
-    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 6, "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 8, "{stdout}");
     let out = prompt_r1(&["check-device", "--device", "cuda", "--model", &model]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if cfg!(not(feature = "cuda")) {

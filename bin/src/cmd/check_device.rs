@@ -1,7 +1,8 @@
 //! `prompt-r1 check-device`: runs one model on a device and on the CPU reference (burn-flex with
 //! the fused kernels) and compares what they compute: logits of a padded batch, greedy and
 //! sampled tokens (chosen on the device off the CPU kernels), completion log-probs, one GRPO
-//! learn step (loss and gradient norm) and the device's f32 → bf16 rounding. A self-test for a
+//! learn step (loss and gradient norm), that the device's scoring and update agree (the first
+//! PPO ratio is exactly 1) and the device's f32 → bf16 rounding. A self-test for a
 //! new GPU host; with `--device cpu` it checks burn's portable tensor ops (the path every other
 //! backend takes) against the fused CPU kernels.
 
@@ -9,12 +10,15 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use burn::backend::Autodiff;
+use burn::module::AutodiffModule;
 use burn::tensor::{backend::Backend, bf16, DType, Tensor, TensorData};
 use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
-use model::{completion_logprobs, generate, load_pretrained, LoadOptions, Padding, Preset, SamplingConfig, TokenBatch};
-use trainer::grpo::{learn_step, LearnConfig, PolicyBatch, PolicySequence};
+use model::{
+    completion_logprobs, generate, load_pretrained, LoadOptions, MatmulPrecision, Padding, Preset, SamplingConfig, TokenBatch,
+};
+use trainer::grpo::{learn_step, sequence_logprobs, LearnConfig, PolicyBatch, PolicySequence};
 
 use crate::device::{run_on, DeviceChoice, OnBackend};
 
@@ -23,8 +27,10 @@ use crate::device::{run_on, DeviceChoice, OnBackend};
 /// Runs the same model on the CPU (burn-flex with the fused kernels, f32) and on --device, and
 /// checks: the logits of a right- and a left-padded batch, 16 greedy and 16 sampled tokens per
 /// prompt (same seeds; off the CPU kernels tokens are chosen on the device),
-/// completion log-probs, one GRPO learn step (loss and gradient norm) and, off the CPU, that the
-/// device's f32 → bf16 cast rounds to nearest even (bf16 rollout copies use it). Exits non-zero
+/// completion log-probs, one GRPO learn step (loss and gradient norm), that the device scores
+/// old log-probs exactly as its update computes them (the first ratio is 1, with f32 and bf16
+/// products) and, off the CPU, that the device's f32 → bf16 cast rounds to nearest even (bf16
+/// rollout copies use it). Exits non-zero
 /// when a check fails. `--device cpu` compares burn's portable tensor ops (the path CUDA takes) with the
 /// fused kernels.
 #[derive(ClapArgs, Debug, Clone)]
@@ -53,6 +59,9 @@ struct Results {
     logprobs: Vec<Vec<f32>>,
     loss: f32,
     grad_norm: f32,
+    /// `approx_kl + clip_frac` of a learn step whose old log-probs this backend scored without
+    /// autodiff, with f32 and with bf16 products: 0 when scoring and update agree bit for bit.
+    ratio_drift: [f32; 2],
     /// Values whose f32 → bf16 cast on this backend is not the nearest bf16 (ties to even).
     cast_errors: usize,
 }
@@ -115,7 +124,45 @@ impl<'a> OnBackend for &'a Probe {
         let batch = PolicyBatch::new(vec![sequence(&self.prompts[0], 1.0), sequence(&self.prompts[1], -1.0)])?;
         let (_, stats) = learn_step(policy, &mut optimizer, &batch, &learn)?;
         let grad_norm = *stats.grad_norms.first().context("the learn step computed no gradient")?;
-        Ok(Results { logits, greedy, sampled, logprobs, loss: stats.loss, grad_norm, cast_errors: cast_errors::<B>(&device)? })
+        let ratio_drift = [self.ratio_drift::<B>(&device, MatmulPrecision::F32)?, self.ratio_drift::<B>(&device, MatmulPrecision::Bf16)?];
+        Ok(Results {
+            logits,
+            greedy,
+            sampled,
+            logprobs,
+            loss: stats.loss,
+            grad_norm,
+            ratio_drift,
+            cast_errors: cast_errors::<B>(&device)?,
+        })
+    }
+}
+
+impl Probe {
+    /// One learn step whose old log-probs are the policy's own, scored on the plain backend as
+    /// the trainer does, with products at `matmul`: its `approx_kl + clip_frac`, which is 0 when
+    /// scoring and the update compute the same log-probs (every ratio exactly 1).
+    fn ratio_drift<B: Backend>(&self, device: &B::Device, matmul: MatmulPrecision) -> Result<f32> {
+        let policy = load_pretrained::<Autodiff<B>>(&self.dir, device, LoadOptions { dtype: DType::F32 })?
+            .with_matmul_precision(matmul);
+        let old = sequence_logprobs(&policy.valid(), &self.prompts, 0, 2)?;
+        let sequences = self
+            .prompts
+            .iter()
+            .zip(old)
+            .zip([1.0, -1.0])
+            .map(|((tokens, old), advantage)| PolicySequence {
+                tokens: tokens.clone(),
+                loss_mask: std::iter::once(0).chain(std::iter::repeat_n(1, tokens.len() - 1)).collect(),
+                ref_logprobs: Some(old.clone()),
+                old_logprobs: old,
+                advantage,
+            })
+            .collect();
+        let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, matmul, ..LearnConfig::default() };
+        let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
+        let (_, stats) = learn_step(policy, &mut optimizer, &PolicyBatch::new(sequences)?, &learn)?;
+        Ok(stats.approx_kl.abs() + stats.clip_frac)
     }
 }
 
@@ -190,6 +237,8 @@ pub fn run(args: Args) -> Result<()> {
         ("sampled tokens differing (2 x 16, T = 1)", differing(&reference.sampled, &target.sampled) as f32, 0.0),
         ("learn step loss (relative)", relative(reference.loss, target.loss), 1e-3),
         ("learn step gradient norm (relative)", relative(reference.grad_norm, target.grad_norm), 1e-3),
+        ("first ratio off 1, f32 products", target.ratio_drift[0], 0.0),
+        ("first ratio off 1, bf16 products", target.ratio_drift[1], 0.0),
     ];
     // On the CPU the model rounds to bf16 through its own kernel, not burn-flex's cast (which
     // does not round every value to the nearest bf16; see BENCHMARKS.md, sixth session).
