@@ -104,11 +104,16 @@ pub(crate) fn flex_output<B: Backend, const D: usize>(
 
 /// `values` rounded to bf16 (to nearest, ties to even), in parallel.
 pub(crate) fn narrow_all(values: &[f32]) -> Vec<bf16> {
-    let mut out = vec![bf16::ZERO; values.len()];
+    map_all(values, bf16_bits::narrow)
+}
+
+/// `f` of every value, in parallel chunks, each loop vectorised as wide as the level allows.
+pub(crate) fn map_all<S: Copy + Sync, T: Copy + Default + Send>(values: &[S], f: impl Fn(S) -> T + Sync) -> Vec<T> {
+    let mut out = vec![T::default(); values.len()];
     out.par_chunks_mut(1 << 16)
         .zip(values.par_chunks(1 << 16))
         .for_each(|(out, x)| wide_simd!(for (o, &x) in out.iter_mut().zip(x) {
-            *o = bf16_bits::narrow(x);
+            *o = f(x);
         }));
     out
 }

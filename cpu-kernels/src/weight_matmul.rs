@@ -95,23 +95,12 @@ pub fn matmul_rounded(x: &[bf16], w: &[f32], layout: WeightLayout, m: usize, k: 
 
 /// `values` widened to f32 (exact), in parallel.
 fn widen_all(values: &[bf16]) -> Vec<f32> {
-    map_all(values, crate::bf16_bits::widen)
+    crate::flex::map_all(values, crate::bf16_bits::widen)
 }
 
 /// `values` rounded to bf16 precision (to nearest, ties to even), kept in f32, in parallel.
 fn round_all(values: &[f32]) -> Vec<f32> {
-    map_all(values, crate::bf16_bits::round)
-}
-
-/// `f` of every value, in parallel chunks.
-fn map_all<S: Copy + Sync>(values: &[S], f: impl Fn(S) -> f32 + Sync) -> Vec<f32> {
-    let mut out = vec![0f32; values.len()];
-    out.par_chunks_mut(1 << 16).zip(values.par_chunks(1 << 16)).for_each(|(out, v)| {
-        for (o, &v) in out.iter_mut().zip(v) {
-            *o = f(v);
-        }
-    });
-    out
+    crate::flex::map_all(values, crate::bf16_bits::round)
 }
 
 /// `x[m, k] · w` (`w` stored as `layout` says) by burn-flex's f32 matmul.

@@ -114,17 +114,11 @@ impl<'a> OnBackend for &'a Probe {
         // Old log-probs of a uniform policy, which a random model is close to: ratios near 1,
         // so the clipped objective still depends on every token.
         let uniform = -(self.vocab as f32).ln();
-        let sequence = |tokens: &Vec<u32>, advantage: f32| PolicySequence {
-            tokens: tokens.clone(),
-            loss_mask: std::iter::once(0).chain(std::iter::repeat_n(1, tokens.len() - 1)).collect(),
-            old_logprobs: vec![uniform; tokens.len()],
-            ref_logprobs: Some(vec![uniform; tokens.len()]),
-            advantage,
-        };
-        let batch = PolicyBatch::new(vec![sequence(&self.prompts[0], 1.0), sequence(&self.prompts[1], -1.0)])?;
-        let (_, stats) = learn_step(policy, &mut optimizer, &batch, &learn)?;
+        let old = self.prompts.iter().map(|p| vec![uniform; p.len()]).collect();
+        let (_, stats) = learn_step(policy, &mut optimizer, &self.batch(old)?, &learn)?;
         let grad_norm = *stats.grad_norms.first().context("the learn step computed no gradient")?;
-        let ratio_drift = [self.ratio_drift::<B>(&device, MatmulPrecision::F32)?, self.ratio_drift::<B>(&device, MatmulPrecision::Bf16)?];
+        let ratio_drift =
+            [self.ratio_drift::<B>(&device, MatmulPrecision::F32)?, self.ratio_drift::<B>(&device, MatmulPrecision::Bf16)?];
         Ok(Results {
             logits,
             greedy,
@@ -146,6 +140,15 @@ impl Probe {
         let policy = load_pretrained::<Autodiff<B>>(&self.dir, device, LoadOptions { dtype: DType::F32 })?
             .with_matmul_precision(matmul);
         let old = sequence_logprobs(&policy.valid(), &self.prompts, 0, 2)?;
+        let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, matmul, ..LearnConfig::default() };
+        let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
+        let (_, stats) = learn_step(policy, &mut optimizer, &self.batch(old)?, &learn)?;
+        Ok(stats.approx_kl.abs() + stats.clip_frac)
+    }
+
+    /// The learn steps' batch: the two prompts with advantages +1 and −1, every token after the
+    /// first in the loss, and `old` (one row per prompt) as both old and reference log-probs.
+    fn batch(&self, old: Vec<Vec<f32>>) -> Result<PolicyBatch> {
         let sequences = self
             .prompts
             .iter()
@@ -159,10 +162,7 @@ impl Probe {
                 advantage,
             })
             .collect();
-        let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, matmul, ..LearnConfig::default() };
-        let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
-        let (_, stats) = learn_step(policy, &mut optimizer, &PolicyBatch::new(sequences)?, &learn)?;
-        Ok(stats.approx_kl.abs() + stats.clip_frac)
+        Ok(PolicyBatch::new(sequences)?)
     }
 }
 

@@ -91,10 +91,10 @@ impl Args {
 }
 
 /// Below this ratio of bf16 to f32 multiply-adds per second
-/// ([`model::cpu_kernels::bf16_mac_ratio`]), bf16 products (which also round and repack their operands) gain nothing over f32 ones: where
-/// they ran at twice the f32 GEMM's rate (AMD Zen 4) a 0.6B step was ~1.5x faster; at a ratio
-/// of 0.5 (an Intel Xeon) the kernels widen the rounded operands to f32 FMAs and the step takes
-/// about as long as an f32 one (BENCHMARKS.md).
+/// ([`model::cpu_kernels::bf16_mac_ratio`]), bf16 products (which also round and repack their
+/// operands) gain nothing over f32 ones: where they ran at twice the f32 GEMM's rate (AMD Zen
+/// 4) a 0.6B step was ~1.5x faster; at a ratio of 0.5 (an Intel Xeon) the kernels widen the
+/// rounded operands to f32 FMAs and the step takes about as long as an f32 one (BENCHMARKS.md).
 const BF16_PAYS: f64 = 1.5;
 
 /// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will not be
