@@ -241,8 +241,9 @@ impl EnvFlags {
 /// Limits and texts of an episode (defaults: `EpisodeConfig::inference()`).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct EpisodeFlags {
-    /// Most calls to the large LLM per episode (after the last one the agent gets one more
-    /// turn to answer).
+    /// Most agent turns (generation rounds) per episode, as the reference's `max_turns`: 5 fit
+    /// 4 calls and an answer; a call in the last round is sent, then the episode ends without
+    /// an answer.
     #[arg(long, value_name = "N", default_value_t = 5, help_heading = "Episode")]
     pub max_turns: usize,
     /// Most tokens the agent generates in one turn.

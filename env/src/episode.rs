@@ -14,9 +14,15 @@ use crate::turn::{parse_turn, TurnAction};
 /// Limits and texts of an episode.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EpisodeConfig {
-    /// Most environment calls per episode. After the last allowed call the agent gets one more
-    /// turn to answer; a further call ends the episode with [`StopReason::TurnLimit`].
+    /// Most agent generation rounds per episode, as the reference's `max_turns`: every round
+    /// is one agent turn (a call, an answer, or neither), with no extra answer round after the
+    /// last. A call in the last round is still sent and its reply appended to the context; the
+    /// episode then ends with [`StopReason::TurnLimit`], without an answer. So 5 rounds fit 4
+    /// calls and an answer.
     pub max_turns: usize,
+    /// Whether calls are sent at all. When false a call ends the episode with
+    /// [`StopReason::TurnLimit`] without reaching the environment (the agent answering alone).
+    pub allow_calls: bool,
     /// Most tokens the agent may generate in one turn.
     pub max_turn_tokens: usize,
     /// Most tokens after the prompt (agent and environment together).
@@ -32,11 +38,12 @@ pub struct EpisodeConfig {
 }
 
 impl Default for EpisodeConfig {
-    /// The training settings: 5 calls, 1024 tokens per turn, 8192 response tokens, replies
+    /// The training settings: 5 rounds, 1024 tokens per turn, 8192 response tokens, replies
     /// cut to 2048 characters.
     fn default() -> Self {
         Self {
             max_turns: 5,
+            allow_calls: true,
             max_turn_tokens: 1024,
             max_response_tokens: 8192,
             reply: ReplyFormat::default(),
@@ -137,6 +144,10 @@ where
     }
     loop {
         for episode in episodes.iter_mut().filter(|e| e.is_running()) {
+            if episode.turns.len() >= config.max_turns {
+                run.finish(episode, StopReason::TurnLimit, None, None);
+                continue;
+            }
             let left = config
                 .max_response_tokens
                 .saturating_sub(episode.response_tokens);
@@ -285,7 +296,7 @@ impl<A: Agent + ?Sized> Run<'_, A> {
                 }
                 TurnAction::Call(call) => {
                     record.prompt = Some(call.prompt.clone());
-                    if episode.calls >= config.max_turns {
+                    if !config.allow_calls {
                         StopReason::TurnLimit
                     } else if episode.response_tokens >= config.max_response_tokens {
                         StopReason::TokenLimit

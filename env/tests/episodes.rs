@@ -391,15 +391,79 @@ fn stop_reasons() {
             StopReason::TokenLimit
         ]
     );
+    // Two rounds, both calls: the second call is still sent (as the reference does), then
+    // the round limit ends the episode without a third turn.
     let limited = &trajectories[2];
-    assert_eq!((limited.env_calls, limited.turns.len()), (2, 3));
-    assert_eq!(limited.turns[2].prompt.as_deref(), Some("more"));
-    assert_eq!(limited.turns[2].response, None);
+    assert_eq!((limited.env_calls, limited.turns.len()), (2, 2));
+    assert_eq!(limited.turns[1].prompt.as_deref(), Some("more"));
+    assert_eq!(limited.turns[1].response.as_deref(), Some("reply"));
     assert_eq!(env.calls().len(), 2);
     let rambling = &trajectories[3];
     assert_eq!(rambling.turns[0].tokens, 100);
     assert_eq!(rambling.turns[0].end, TurnEnd::Length);
     assert!(trajectories.iter().all(|t| t.error.is_none()));
+}
+
+/// `max_turns` counts agent generation rounds, as the reference's `for turn in range(max_turns)`:
+/// 5 rounds fit 4 calls and an answer; a 5th call is sent, its reply appended, and the
+/// episode ends there (no 6th round to answer in).
+#[test]
+fn max_turns_counts_generation_rounds() {
+    let call = turn("<think>t</think><interaction_prompt>p</interaction_prompt>");
+    let answer = turn("t</think><answer>a</answer>");
+    let mut four_then_answer = vec![call.clone(); 4];
+    four_then_answer.push(answer.clone());
+    let mut agent = ScriptedAgent::new(&[
+        ("four calls", four_then_answer),
+        ("five calls", vec![call.clone(); 5]),
+    ]);
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("r".to_string()));
+    let config = EpisodeConfig::training();
+    assert_eq!(config.max_turns, 5);
+    let t = run_episodes(&mut agent, &env, &["four calls", "five calls"], &config);
+    assert_eq!(t[0].stop_reason, StopReason::Answer);
+    assert_eq!((t[0].env_calls, t[0].turns.len()), (4, 5));
+    assert_eq!(t[0].answer.as_deref(), Some("a"));
+    assert_eq!(t[1].stop_reason, StopReason::TurnLimit);
+    assert_eq!((t[1].env_calls, t[1].turns.len()), (5, 5));
+    assert_eq!(t[1].answer, None);
+    assert_eq!(t[1].turns[4].response.as_deref(), Some("r"));
+    // The text stops after the 5th reply, at the `<think>\n` the context opens the next turn
+    // with, exactly where the reference's decoded episode stops.
+    assert!(t[1].response_text.ends_with(&env_text("{\"results\": [\"r\"]}")));
+    assert_eq!(env.calls().len(), 9);
+
+    // No rounds: the episode ends before the agent speaks.
+    let mut agent = ScriptedAgent::new(&[("q", vec![answer])]);
+    let none = EpisodeConfig {
+        max_turns: 0,
+        ..EpisodeConfig::training()
+    };
+    let t = &run_episodes(&mut agent, &env, &["q"], &none)[0];
+    assert_eq!((t.stop_reason, t.turns.len()), (StopReason::TurnLimit, 0));
+}
+
+/// With calls not allowed, a call ends the episode unsent; an answer still ends it normally.
+#[test]
+fn calls_can_be_disallowed() {
+    let mut agent = ScriptedAgent::new(&[
+        (
+            "calls",
+            vec![turn("<think>t</think><interaction_prompt>p</interaction_prompt>")],
+        ),
+        ("answers", vec![turn("<think>t</think><answer>a</answer>")]),
+    ]);
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("r".to_string()));
+    let config = EpisodeConfig {
+        max_turns: 1,
+        allow_calls: false,
+        ..EpisodeConfig::inference()
+    };
+    let t = run_episodes(&mut agent, &env, &["calls", "answers"], &config);
+    assert_eq!((t[0].stop_reason, t[0].env_calls), (StopReason::TurnLimit, 0));
+    assert_eq!(t[0].turns[0].prompt.as_deref(), Some("p"));
+    assert_eq!(t[1].stop_reason, StopReason::Answer);
+    assert!(env.calls().is_empty());
 }
 
 #[test]

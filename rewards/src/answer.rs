@@ -4,7 +4,8 @@
 //! references. A prediction whose normal form is empty (blank, or only punctuation and
 //! articles) scores 0 on all three. This differs from the reference evaluation script, which
 //! counts an empty prediction as a substring match of every reference (and, when the
-//! reference is empty too, as an exact match with F1 1.0).
+//! reference is empty too, as an exact match with F1 1.0). SM otherwise follows that script:
+//! either normalised string may contain the other.
 
 use std::collections::HashMap;
 
@@ -17,7 +18,8 @@ use crate::normalize::{answer_tokens, normalize_answer};
 pub struct AnswerScores {
     /// Exact match: the normalised prediction equals a normalised reference.
     pub em: f64,
-    /// Substring match: a non-empty normalised reference occurs in the normalised prediction.
+    /// Substring match, both ways: a non-empty normalised reference occurs in the normalised
+    /// prediction, or the prediction occurs in the reference.
     pub sm: f64,
     /// Token F1 with multiset overlap (SQuAD).
     pub f1: f64,
@@ -45,7 +47,8 @@ impl AnswerScores {
     fn against(normal: &str, tokens: &[String], reference: &str) -> Self {
         let reference_normal = normalize_answer(reference);
         let em = normal == reference_normal;
-        let sm = !reference_normal.is_empty() && normal.contains(&reference_normal);
+        let sm = !reference_normal.is_empty()
+            && (normal.contains(&reference_normal) || reference_normal.contains(normal));
         Self {
             em: indicator(em),
             sm: indicator(sm),
@@ -131,10 +134,24 @@ mod tests {
         let s = scores("New York", &["Troy", "New York City"]);
         assert!((s.f1 - 0.8).abs() < 1e-12);
         assert_eq!(s.em, 0.0);
-        // "new york city" is not contained in "new york".
-        assert_eq!(s.sm, 0.0);
+        // "new york" is contained in "new york city": a substring match the other way round.
+        assert_eq!(s.sm, 1.0);
         let s = scores("troy", &["Troy", "New York City"]);
         assert_eq!((s.em, s.sm, s.f1), (1.0, 1.0, 1.0));
+    }
+
+    #[test]
+    fn substring_match_goes_both_ways() {
+        // Reference inside prediction: "paris" ⊂ "paris france".
+        assert_eq!(scores("Paris, France", &["Paris"]).sm, 1.0);
+        // Prediction inside reference: "york" ⊂ "new york city"; EM 0, F1 = 2·1·(1/3)/(1+1/3) = 0.5.
+        let s = scores("York", &["New York City"]);
+        assert_eq!((s.em, s.sm), (0.0, 1.0));
+        assert!((s.f1 - 0.5).abs() < 1e-12);
+        // Neither inside the other.
+        assert_eq!(scores("Lyon", &["Paris"]).sm, 0.0);
+        // Characters, not tokens: "96" ⊂ "1964" either way round.
+        assert_eq!(scores("96", &["1964"]).sm, 1.0);
     }
 
     #[test]

@@ -7,19 +7,24 @@ const TURN_END: &str = "<|im_end|>";
 const ANSWER_OPEN: &str = "<answer>";
 const ANSWER_CLOSE: &str = "</answer>";
 
-/// The agent's turns of a decoded episode: the text of every complete
-/// `<|im_start|>assistant\n … <|im_end|>` block, in order.
+/// The agent's turns of a decoded episode: the text of every
+/// `<|im_start|>assistant\n … <|im_end|>` block, in order, the last one possibly cut short.
 ///
-/// This is the reference's `re.findall(r'<\|im_start\|>assistant\n(.*?)<\|im_end\|>', text, re.DOTALL)`:
-/// a trailing assistant block without `<|im_end|>` is not a turn, and the environment's
-/// replies (user blocks) are skipped. After an environment reply the next turn starts with
-/// the `<think>\n` the environment put in the context; it is part of the turn's text.
+/// This is what the reference does: it appends `<|im_end|>` to the decoded episode when the
+/// text does not end with it, then takes
+/// `re.findall(r'<\|im_start\|>assistant\n(.*?)<\|im_end\|>', text, re.DOTALL)`. So a final
+/// turn cut by the token limit (no `<|im_end|>`) is still a turn, running to the end of the
+/// text, and an episode that stops after an environment reply ends with a turn holding only
+/// the `<think>\n` the context opened it with. The environment's replies (user blocks) are
+/// skipped. After a reply the next turn starts with that `<think>\n`; it is part of the
+/// turn's text.
 pub fn agent_turns(episode_text: &str) -> Vec<&str> {
     let mut turns = Vec::new();
     let mut rest = episode_text;
     while let Some(open) = rest.find(ASSISTANT_OPEN) {
         let body = &rest[open + ASSISTANT_OPEN.len()..];
         let Some(end) = body.find(TURN_END) else {
+            turns.push(body);
             break;
         };
         turns.push(&body[..end]);
@@ -63,9 +68,14 @@ mod tests {
     }
 
     #[test]
-    fn an_unterminated_block_is_not_a_turn() {
+    fn an_unterminated_last_block_runs_to_the_end() {
         let text = "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>assistant\n<think>\ncut off";
-        assert_eq!(agent_turns(text), vec!["A"]);
+        assert_eq!(agent_turns(text), vec!["A", "<think>\ncut off"]);
+        // Stopped right after a reply: the last turn is the `<think>\n` of the context.
+        let text = "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nR<|im_end|>\n<|im_start|>assistant\n<think>\n";
+        assert_eq!(agent_turns(text), vec!["A", "<think>\n"]);
+        // A closed last block followed by other text gains no turn.
+        assert_eq!(agent_turns("<|im_start|>assistant\nA<|im_end|>\n"), vec!["A"]);
         assert!(agent_turns("no blocks here").is_empty());
         assert!(agent_turns("<|im_start|>assistant no newline<|im_end|>").is_empty());
     }

@@ -32,7 +32,10 @@ impl RewardBreakdown {
     /// Scores an episode given as the agent's turn texts, the final (answer) turn last.
     ///
     /// A turn after an environment reply must include the `<think>\n` the environment put
-    /// in the context. No turns scores a format of 0 and a reward of −1.
+    /// in the context; a last turn cut by the token limit counts as the final turn, and an
+    /// episode that stopped right after a reply has a final turn of just that `<think>\n`
+    /// (as [`agent_turns`] reads the decoded text). No turns scores a format of 0 and a
+    /// reward of −1.
     pub fn from_turns<T: AsRef<str>, A: AsRef<str>>(
         turns: &[T],
         references: &[A],
@@ -84,8 +87,9 @@ impl RewardBreakdown {
         }
     }
 
-    /// Scores a decoded episode text (special tokens kept): its turns are the complete
-    /// `<|im_start|>assistant\n … <|im_end|>` blocks (see [`agent_turns`]).
+    /// Scores a decoded episode text (special tokens kept): its turns are the
+    /// `<|im_start|>assistant\n … <|im_end|>` blocks, a last one without `<|im_end|>` included
+    /// (see [`agent_turns`]).
     pub fn from_text<A: AsRef<str>>(
         episode_text: &str,
         references: &[A],

@@ -267,7 +267,8 @@ fn run_agent(
             let mut config = args
                 .episode
                 .config_with(&args.env, modes::agent_only_prompts())?;
-            config.max_turns = 0;
+            config.max_turns = 1;
+            config.allow_calls = false;
             (Box::new(NoEnvironment), config)
         }
         _ => (

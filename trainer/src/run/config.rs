@@ -62,6 +62,8 @@ fn default_on_bad_row() -> String {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EpisodeSection {
+    /// Most agent turns (generation rounds) per episode, as the reference's `max_turns`: 5 fit
+    /// 4 calls and an answer; a call in the last round is sent, then the episode ends.
     pub max_turns: usize,
     pub max_turn_tokens: usize,
     pub max_response_tokens: usize,
