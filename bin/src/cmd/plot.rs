@@ -46,6 +46,8 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let mut records = read_metrics(&args.run_dir)?;
+    // Step 0 holds only the validation before training, no training metrics.
+    records.retain(|r| r.step > 0);
     if records.is_empty() {
         bail!("{}: no steps recorded", metrics.display());
     }

@@ -151,6 +151,15 @@ impl OnBackend for Training {
             eprintln!("{} is already at step {done} of {steps}", out_dir.display());
             return Ok(Vec::new());
         }
+        if let Some(record) = trainer.validate_before_training(&env, &scorer).context("validation before training")? {
+            eprintln!(
+                "validation before training: reward {:.3}",
+                record.validation_reward.unwrap_or_default()
+            );
+            if let Some(report) = trainer.last_validation() {
+                eprint!("{report}");
+            }
+        }
         let bar = indicatif::ProgressBar::new(steps).with_position(done);
         bar.set_style(
             indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
@@ -171,6 +180,15 @@ impl OnBackend for Training {
             bar.inc(1);
             if let Some(v) = record.validation_reward {
                 bar.println(format!("step {}: validation reward {v:.3}", record.step));
+                if let Some(report) = trainer.last_validation() {
+                    bar.println(report.to_string().trim_end());
+                }
+            }
+            if record.groups_dropped > 0 {
+                bar.println(format!(
+                    "step {}: {} groups without signal left out (dynamic sampling)",
+                    record.step, record.groups_dropped
+                ));
             }
             if record.env_failures > 0 {
                 bar.println(format!("step {}: {} episodes dropped (environment failures)", record.step, record.env_failures));

@@ -124,6 +124,10 @@ pub struct RolloutSection {
     /// validation sample from, and the frozen reference. The update and the old log-probs always
     /// use the f32 policy.
     pub dtype: InferenceDtype,
+    /// DAPO-style dynamic sampling: leave out of the update the groups whose rewards are all
+    /// equal (their advantages are 0). They are counted in `metrics.jsonl` either way
+    /// (`batch/groups_no_signal`, `batch/groups_dropped`). Off by default, as the reference.
+    pub dynamic_sampling: bool,
 }
 
 /// The weight precision of the inference-only models (see [`RolloutSection::dtype`]).
@@ -157,6 +161,7 @@ impl Default for RolloutSection {
             sampling: AgentSampling::default(),
             advantage: AdvantageMode::Grpo,
             dtype: InferenceDtype::F32,
+            dynamic_sampling: false,
         }
     }
 }
@@ -173,6 +178,9 @@ pub struct RunSection {
     pub save_every: u64,
     /// Greedy validation every this many steps (0: never).
     pub validate_every: u64,
+    /// Greedy validation before the first step too, as the reference (`val_before_train`);
+    /// its results are the `step` 0 line of `metrics.jsonl`.
+    pub validate_before_train: bool,
     /// Seed of the data order and of the agent's sampling.
     pub seed: u64,
     /// Keep at most this many checkpoints (oldest removed first; 0 keeps all).
@@ -186,6 +194,7 @@ impl Default for RunSection {
             steps: 100,
             save_every: 10,
             validate_every: 10,
+            validate_before_train: true,
             seed: 0,
             keep_checkpoints: 3,
         }

@@ -1,5 +1,7 @@
-//! `metrics.jsonl`: one JSON object per training step, appended and flushed as the run goes.
+//! `metrics.jsonl`: one JSON object per training step, appended and flushed as the run goes;
+//! a first object with `step` 0 holds the validation run before training, when there is one.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
@@ -45,6 +47,18 @@ pub struct StepRecord {
     pub validation_f1: Option<f32>,
     /// Peak resident memory of the process so far (Linux), to see that steps do not leak.
     pub peak_rss_mb: Option<f32>,
+    /// Groups whose episodes all got the same reward, so zero advantages (this step), counted
+    /// whether dynamic sampling is on or off.
+    #[serde(rename = "batch/groups_no_signal", default)]
+    pub groups_no_signal: usize,
+    /// Groups left out of the update by dynamic sampling (`rollout.dynamic_sampling`).
+    #[serde(rename = "batch/groups_dropped", default)]
+    pub groups_dropped: usize,
+    /// Greedy validation per data source, as `val/<source>/<metric>` keys (see
+    /// `ValidationReport::metrics`), on the steps that validate. Step 0, when present, holds
+    /// only the validation run before training.
+    #[serde(flatten)]
+    pub validation_by_source: BTreeMap<String, f32>,
 }
 
 /// Appends one record as a line and flushes it to disk.

@@ -3,11 +3,13 @@
 
 mod checkpoint;
 mod config;
+mod dynamic_sampling;
 mod error;
 mod memory;
 mod metrics_log;
 mod reward;
 mod trainer;
+mod validation;
 
 pub use checkpoint::{latest_checkpoint, CHECKPOINTS_DIR, LATEST_FILE};
 pub use config::{DataSection, EpisodeSection, InferenceDtype, RolloutSection, RunSection, TrainConfig};
@@ -15,4 +17,6 @@ pub use error::TrainError;
 pub use memory::{peak_rss_mb, reset_peak_rss};
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};
 pub use reward::{EpisodeScore, EpisodeScorer, PromptR1Scorer};
-pub use trainer::{Trainer, ValidationReport};
+pub use dynamic_sampling::groups_without_signal;
+pub use trainer::Trainer;
+pub use validation::{SourceValidation, ValidationReport};

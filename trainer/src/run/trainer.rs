@@ -2,6 +2,7 @@
 //! group-relative advantages, old and reference log-probs without autodiff, then the clipped
 //! policy update on the autodiff backend.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -22,8 +23,10 @@ use super::config::{InferenceDtype, TrainConfig};
 use super::error::TrainError;
 use super::memory::peak_rss_mb;
 use super::metrics_log::{append_record, truncate_after, StepRecord};
+use super::dynamic_sampling::groups_without_signal;
 use super::reward::{EpisodeScore, EpisodeScorer};
-use crate::grpo::{group_advantages, learn_step, sequence_logprobs, PolicyBatch, PolicySequence};
+use super::validation::ValidationReport;
+use crate::grpo::{group_advantages, learn_step, sequence_logprobs, PolicyBatch, PolicySequence, StepStats};
 use crate::optim::AdamWOptimizer;
 use crate::rollout::{AgentSampling, LocalAgent};
 
@@ -33,15 +36,6 @@ type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 /// Files copied from the initial model into every checkpoint, so that a checkpoint is a
 /// complete HF directory.
 const TOKENIZER_FILES: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
-
-/// Greedy validation results.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ValidationReport {
-    pub reward_mean: f32,
-    pub f1_mean: Option<f32>,
-    pub episodes: usize,
-    pub env_failures: usize,
-}
 
 /// A GRPO run in progress.
 pub struct Trainer<B: AutodiffBackend> {
@@ -55,6 +49,7 @@ pub struct Trainer<B: AutodiffBackend> {
     validation: Vec<Example>,
     sampler: BatchSampler,
     step: u64,
+    last_validation: Option<ValidationReport>,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -131,6 +126,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             validation,
             sampler,
             step,
+            last_validation: None,
         })
     }
 
@@ -188,35 +184,22 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
         let rewards: Vec<f32> = kept.iter().map(|(_, _, s)| s.reward).collect();
         let groups: Vec<usize> = kept.iter().map(|(g, _, _)| *g).collect();
-        let advantages = group_advantages(&rewards, &groups, self.config.rollout.advantage)?;
-
-        // Old (the policy before this update, in f32) and reference log-probs, without autodiff.
-        let sequences: Vec<Vec<u32>> = kept.iter().map(|(_, t, _)| t.token_ids.clone()).collect();
-        let pad = self.tokenizer.special().endoftext;
-        let chunk = self.config.grpo.micro_batch_size.max(1);
-        let old = sequence_logprobs(&policy_model, &sequences, pad, chunk)?;
-        let reference = match &self.reference {
-            Some(r) => Some(sequence_logprobs(r, &sequences, pad, chunk)?),
-            None => None,
+        let no_signal = groups_without_signal(&rewards, &groups);
+        let scored = kept.clone();
+        let groups_dropped = if self.config.rollout.dynamic_sampling {
+            kept.retain(|(g, _, _)| !no_signal.contains(g));
+            no_signal.len()
+        } else {
+            0
         };
-        drop(policy_model);
-        let policy_sequences: Vec<PolicySequence> = kept
-            .iter()
-            .enumerate()
-            .map(|(i, (_, t, _))| PolicySequence {
-                tokens: t.token_ids.clone(),
-                loss_mask: t.loss_mask.clone(),
-                old_logprobs: old[i].clone(),
-                ref_logprobs: reference.as_ref().map(|r| r[i].clone()),
-                advantage: advantages[i],
-            })
-            .collect();
-        let batch_data = PolicyBatch::new(policy_sequences)?;
-
         let learn_start = Instant::now();
-        let policy = self.policy.take().expect("policy present between steps");
-        let (policy, stats) = learn_step(policy, &mut self.optimizer, &batch_data, &self.config.grpo)?;
-        self.policy = Some(policy);
+        let stats = if kept.is_empty() {
+            // Dynamic sampling dropped every group: nothing to learn from this step.
+            drop(policy_model);
+            StepStats::default()
+        } else {
+            self.learn(policy_model, &kept)?
+        };
         let learn_secs = learn_start.elapsed().as_secs_f32();
         self.step = step;
 
@@ -226,7 +209,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             / rewards.len().max(1) as f32)
             .sqrt();
         let optional_mean = |f: fn(&EpisodeScore) -> Option<f32>| {
-            let values: Vec<f32> = kept.iter().filter_map(|(_, _, s)| f(s)).collect();
+            let values: Vec<f32> = scored.iter().filter_map(|(_, _, s)| f(s)).collect();
             (!values.is_empty()).then(|| mean(&values))
         };
         let agent_tokens: usize = trajectories.iter().map(|t| t.loss_mask.iter().filter(|&&m| m == 1).count()).sum();
@@ -258,15 +241,96 @@ impl<B: AutodiffBackend> Trainer<B> {
             validation_reward: None,
             validation_f1: None,
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
+            groups_no_signal: no_signal.len(),
+            groups_dropped,
+            validation_by_source: BTreeMap::new(),
         };
         let every = self.config.run.validate_every;
+        self.last_validation = None;
         if every > 0 && step % every == 0 && !self.validation.is_empty() {
-            let report = self.validate(env, scorer)?;
-            record.validation_reward = Some(report.reward_mean);
-            record.validation_f1 = report.f1_mean;
+            self.validate_into(&mut record, env, scorer)?;
         }
         append_record(&self.config.run.out_dir, &record)?;
         Ok(record)
+    }
+
+    /// Validates the initial policy before the first step when `run.validate_before_train`
+    /// asks for it and there is validation data, writing the results as the `step` 0 line of
+    /// `metrics.jsonl`. Does nothing (and returns `None`) otherwise, or after step 0.
+    pub fn validate_before_training(
+        &mut self,
+        env: &dyn Environment,
+        scorer: &dyn EpisodeScorer,
+    ) -> Result<Option<StepRecord>, TrainError> {
+        if self.step != 0 || !self.config.run.validate_before_train || self.validation.is_empty() {
+            return Ok(None);
+        }
+        let mut record = StepRecord {
+            peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
+            ..StepRecord::default()
+        };
+        self.validate_into(&mut record, env, scorer)?;
+        append_record(&self.config.run.out_dir, &record)?;
+        Ok(Some(record))
+    }
+
+    /// The validation of the last step that validated (or of [`Self::validate_before_training`]),
+    /// with its per-source table.
+    pub fn last_validation(&self) -> Option<&ValidationReport> {
+        self.last_validation.as_ref()
+    }
+
+    fn validate_into(
+        &mut self,
+        record: &mut StepRecord,
+        env: &dyn Environment,
+        scorer: &dyn EpisodeScorer,
+    ) -> Result<(), TrainError> {
+        let report = self.validate(env, scorer)?;
+        record.validation_reward = Some(report.reward_mean);
+        record.validation_f1 = report.f1_mean;
+        record.validation_by_source = report.metrics();
+        self.last_validation = Some(report);
+        Ok(())
+    }
+
+    /// Advantages, old and reference log-probs (without autodiff), then the clipped policy
+    /// update on the `(group, trajectory, score)` episodes.
+    fn learn(
+        &mut self,
+        policy_model: Policy<Inner<B>>,
+        kept: &[(usize, &Trajectory, EpisodeScore)],
+    ) -> Result<StepStats, TrainError> {
+        let rewards: Vec<f32> = kept.iter().map(|(_, _, s)| s.reward).collect();
+        let groups: Vec<usize> = kept.iter().map(|(g, _, _)| *g).collect();
+        let advantages = group_advantages(&rewards, &groups, self.config.rollout.advantage)?;
+
+        // Old (the policy before this update, in f32) and reference log-probs, without autodiff.
+        let sequences: Vec<Vec<u32>> = kept.iter().map(|(_, t, _)| t.token_ids.clone()).collect();
+        let pad = self.tokenizer.special().endoftext;
+        let chunk = self.config.grpo.micro_batch_size.max(1);
+        let old = sequence_logprobs(&policy_model, &sequences, pad, chunk)?;
+        let reference = match &self.reference {
+            Some(r) => Some(sequence_logprobs(r, &sequences, pad, chunk)?),
+            None => None,
+        };
+        drop(policy_model);
+        let policy_sequences: Vec<PolicySequence> = kept
+            .iter()
+            .enumerate()
+            .map(|(i, (_, t, _))| PolicySequence {
+                tokens: t.token_ids.clone(),
+                loss_mask: t.loss_mask.clone(),
+                old_logprobs: old[i].clone(),
+                ref_logprobs: reference.as_ref().map(|r| r[i].clone()),
+                advantage: advantages[i],
+            })
+            .collect();
+        let batch_data = PolicyBatch::new(policy_sequences)?;
+        let policy = self.policy.take().expect("policy present between steps");
+        let (policy, stats) = learn_step(policy, &mut self.optimizer, &batch_data, &self.config.grpo)?;
+        self.policy = Some(policy);
+        Ok(stats)
     }
 
     /// Greedy episodes on the held-out set with the current policy.
@@ -278,23 +342,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             ..self.config.rollout.sampling.clone()
         };
         let trajectories = self.rollouts(&model, env, &examples, 0, &greedy)?;
-        let mut scores = Vec::new();
-        let mut env_failures = 0;
-        for (t, ex) in trajectories.iter().zip(&examples) {
-            if t.stop_reason == StopReason::EnvFailure {
-                env_failures += 1;
-            } else {
-                scores.push(scorer.score(t, ex.answers()));
-            }
-        }
-        let n = scores.len().max(1) as f32;
-        let f1: Vec<f32> = scores.iter().filter_map(|s| s.f1).collect();
-        Ok(ValidationReport {
-            reward_mean: scores.iter().map(|s| s.reward).sum::<f32>() / n,
-            f1_mean: (!f1.is_empty()).then(|| f1.iter().sum::<f32>() / f1.len() as f32),
-            episodes: trajectories.len(),
-            env_failures,
-        })
+        Ok(ValidationReport::from_scores(trajectories.iter().zip(&examples).map(|(t, ex)| {
+            let score = (t.stop_reason != StopReason::EnvFailure).then(|| scorer.score(t, ex.answers()));
+            (ex.data_source(), score)
+        })))
     }
 
     /// The model episodes sample from: the policy itself, or its copy in `rollout.dtype`.
