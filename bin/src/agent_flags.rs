@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use burn::tensor::{backend::Backend, DType};
-use clap::Args as ClapArgs;
+use clap::{Args as ClapArgs, ValueEnum};
 use env::{
     Agent, ClientConfig, EpisodeConfig, OpenAiClient, PromptTexts, RemoteAgent, RetryPolicy,
     SamplingParams, DEFAULT_API_KEY_ENV,
@@ -53,10 +53,11 @@ pub struct AgentFlags {
     /// Environment variable holding the agent server's API key (unset: no key is sent).
     #[arg(long, value_name = "VAR", default_value = AGENT_API_KEY_ENV, help_heading = "Agent")]
     pub agent_api_key_env: String,
-    /// Agent sampling temperature; 0 = greedy.
-    #[arg(long, value_name = "T", default_value_t = 0.0, help_heading = "Agent")]
-    pub temperature: f32,
-    /// Agent nucleus sampling: keep the most likely tokens whose probabilities add up to P.
+    /// Agent sampling temperature; 0 = greedy [default: 0, or the --preset's].
+    #[arg(long, value_name = "T", help_heading = "Agent")]
+    pub temperature: Option<f32>,
+    /// Agent nucleus sampling: keep the most likely tokens whose probabilities add up to P
+    /// [default: off, or the --preset's].
     #[arg(long, value_name = "P", help_heading = "Agent")]
     pub top_p: Option<f32>,
     /// Agent sampling among the K most likely tokens (local agent only).
@@ -79,9 +80,22 @@ impl AgentFlags {
         self.agent.is_some() || self.agent_url.is_some()
     }
 
+    /// Fills the sampling settings left unset with `preset`'s.
+    pub fn apply_preset(&mut self, preset: Preset) {
+        let settings = preset.settings();
+        self.temperature = self.temperature.or(Some(settings.temperature));
+        self.top_p = self.top_p.or(settings.top_p);
+    }
+
+    /// The sampling temperature (0, greedy, unless set or filled by a preset).
+    pub fn temperature(&self) -> f32 {
+        self.temperature.unwrap_or(0.0)
+    }
+
     /// Runs `work` with the chosen agent (loading the local checkpoint on the chosen device).
     pub fn with_agent<T>(&self, work: impl FnOnce(&mut dyn Agent) -> Result<T>) -> Result<T> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+        let temperature = self.temperature();
+        if !(temperature >= 0.0 && temperature.is_finite()) {
             bail!("--temperature must be a number >= 0");
         }
         match (&self.agent, &self.agent_url, &self.agent_model) {
@@ -91,7 +105,7 @@ impl AgentFlags {
                     dir,
                     dtype: self.dtype,
                     sampling: AgentSampling {
-                        temperature: self.temperature,
+                        temperature,
                         top_k: self.top_k,
                         top_p: self.top_p,
                         seed: self.seed,
@@ -108,7 +122,7 @@ impl AgentFlags {
                 let client =
                     OpenAiClient::new(config).map_err(|err| anyhow!("agent client: {err}"))?;
                 let sampling = SamplingParams {
-                    temperature: Some(f64::from(self.temperature)),
+                    temperature: Some(f64::from(temperature)),
                     top_p: self.top_p.map(f64::from),
                     seed: Some(self.seed),
                     ..SamplingParams::default()
@@ -238,38 +252,85 @@ impl EnvFlags {
     }
 }
 
-/// Limits and texts of an episode (defaults: `EpisodeConfig::inference()`).
+/// Named sets of agent sampling and episode limits; flags given explicitly override them.
+#[derive(ValueEnum, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Preset {
+    /// Greedy agent, 5 turns of at most 1,024 tokens, 8,192 tokens after the prompt, replies
+    /// cut at 8,192 characters: the training limits with inference's longer replies.
+    #[default]
+    Standard,
+    /// The reference's batch inference (`batch_inference.py`, whose outputs its
+    /// `eval_scores.py` scores): temperature 0.7, top-p 0.8, 10 turns of at most 8,192 tokens,
+    /// replies cut at 8,192 characters, and 32,768 tokens after the prompt (it stops an episode
+    /// whose context would pass Qwen3's 40,960 tokens).
+    ReferenceBatch,
+}
+
+/// The values a [`Preset`] stands for.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PresetSettings {
+    pub temperature: f32,
+    pub top_p: Option<f32>,
+    pub max_turns: usize,
+    pub max_turn_tokens: usize,
+    pub max_response_tokens: usize,
+    pub reply_chars: usize,
+}
+
+impl Preset {
+    /// The settings the preset stands for.
+    pub fn settings(self) -> PresetSettings {
+        match self {
+            Self::Standard => PresetSettings {
+                temperature: 0.0,
+                top_p: None,
+                max_turns: 5,
+                max_turn_tokens: 1024,
+                max_response_tokens: 8192,
+                reply_chars: 8192,
+            },
+            Self::ReferenceBatch => PresetSettings {
+                temperature: 0.7,
+                top_p: Some(0.8),
+                max_turns: 10,
+                max_turn_tokens: 8192,
+                max_response_tokens: 32768,
+                reply_chars: 8192,
+            },
+        }
+    }
+}
+
+/// Limits and texts of an episode (defaults: the `--preset`'s).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct EpisodeFlags {
+    /// Settings of the agent's sampling and the episode limits, each overridden by its own flag:
+    /// `standard` (greedy, 5 turns of 1,024 tokens) or `reference-batch` (the reference's batch
+    /// inference: temperature 0.7, top-p 0.8, 10 turns of 8,192 tokens, replies cut at 8,192
+    /// characters).
+    #[arg(
+        long,
+        value_enum,
+        default_value = "standard",
+        help_heading = "Episode"
+    )]
+    pub preset: Preset,
     /// Most agent turns (generation rounds) per episode, as the reference's `max_turns`: 5 fit
     /// 4 calls and an answer; a call in the last round is sent, then the episode ends without
-    /// an answer.
-    #[arg(long, value_name = "N", default_value_t = 5, help_heading = "Episode")]
-    pub max_turns: usize,
-    /// Most tokens the agent generates in one turn.
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 1024,
-        help_heading = "Episode"
-    )]
-    pub max_turn_tokens: usize,
-    /// Most tokens after the first prompt (agent and environment together).
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 8192,
-        help_heading = "Episode"
-    )]
-    pub max_response_tokens: usize,
-    /// Most characters of each reply shown to the agent (as {"results": [...]} JSON text).
-    #[arg(
-        long,
-        value_name = "N",
-        default_value_t = 8192,
-        help_heading = "Episode"
-    )]
-    pub reply_chars: usize,
+    /// an answer [default: 5, or the --preset's].
+    #[arg(long, value_name = "N", help_heading = "Episode")]
+    pub max_turns: Option<usize>,
+    /// Most tokens the agent generates in one turn [default: 1024, or the --preset's].
+    #[arg(long, value_name = "N", help_heading = "Episode")]
+    pub max_turn_tokens: Option<usize>,
+    /// Most tokens after the first prompt, agent and environment together [default: 8192, or
+    /// the --preset's].
+    #[arg(long, value_name = "N", help_heading = "Episode")]
+    pub max_response_tokens: Option<usize>,
+    /// Most characters of each reply shown to the agent, as {"results": [...]} JSON text
+    /// [default: 8192].
+    #[arg(long, value_name = "N", help_heading = "Episode")]
+    pub reply_chars: Option<usize>,
     /// File replacing the agent's reference system message.
     #[arg(long, value_name = "FILE", help_heading = "Episode")]
     pub system_prompt: Option<PathBuf>,
@@ -286,11 +347,14 @@ impl EpisodeFlags {
 
     /// The episode settings with `prompts` as the texts the files do not replace.
     pub fn config_with(&self, env: &EnvFlags, prompts: PromptTexts) -> Result<EpisodeConfig> {
+        let preset = self.preset.settings();
         let mut config = EpisodeConfig::inference();
-        config.max_turns = self.max_turns;
-        config.max_turn_tokens = self.max_turn_tokens;
-        config.max_response_tokens = self.max_response_tokens;
-        config.reply.max_chars = self.reply_chars;
+        config.max_turns = self.max_turns.unwrap_or(preset.max_turns);
+        config.max_turn_tokens = self.max_turn_tokens.unwrap_or(preset.max_turn_tokens);
+        config.max_response_tokens = self
+            .max_response_tokens
+            .unwrap_or(preset.max_response_tokens);
+        config.reply.max_chars = self.reply_chars.unwrap_or(preset.reply_chars);
         config.env_concurrency = env.env_concurrency.max(1);
         let files = PromptTexts::load(self.system_prompt.as_deref(), self.instruction.as_deref())
             .context("reading the prompt files")?;
@@ -307,5 +371,60 @@ impl EpisodeFlags {
             },
         };
         Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        agent: AgentFlags,
+        #[command(flatten)]
+        env: EnvFlags,
+        #[command(flatten)]
+        episode: EpisodeFlags,
+    }
+
+    fn parse(flags: &[&str]) -> (AgentFlags, EpisodeConfig) {
+        let mut argv = vec!["x", "--agent-url", "http://a/v1", "--agent-model", "m"];
+        argv.extend_from_slice(flags);
+        let mut cli = Cli::try_parse_from(argv).unwrap();
+        cli.agent.apply_preset(cli.episode.preset);
+        let config = cli.episode.config(&cli.env).unwrap();
+        (cli.agent, config)
+    }
+
+    #[test]
+    fn standard_is_greedy_with_the_training_limits() {
+        let (agent, config) = parse(&[]);
+        assert_eq!((agent.temperature(), agent.top_p), (0.0, None));
+        assert_eq!(
+            (config.max_turns, config.max_turn_tokens, config.max_response_tokens),
+            (5, 1024, 8192)
+        );
+        assert_eq!(config.reply.max_chars, 8192);
+    }
+
+    #[test]
+    fn reference_batch_has_the_reference_inference_settings() {
+        let (agent, config) = parse(&["--preset", "reference-batch"]);
+        assert_eq!((agent.temperature(), agent.top_p), (0.7, Some(0.8)));
+        assert_eq!((config.max_turns, config.max_turn_tokens), (10, 8192));
+        assert_eq!(config.reply.max_chars, 8192);
+        // Flags given explicitly win over the preset.
+        let (agent, config) = parse(&[
+            "--preset",
+            "reference-batch",
+            "--temperature",
+            "0",
+            "--max-turns",
+            "3",
+        ]);
+        assert_eq!((agent.temperature(), agent.top_p), (0.0, Some(0.8)));
+        assert_eq!((config.max_turns, config.max_turn_tokens), (3, 8192));
     }
 }

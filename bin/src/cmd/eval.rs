@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use clap::Args as ClapArgs;
+use clap::{Args as ClapArgs, ValueEnum};
 use data::{Example, OnBadRow};
 use env::{
     run_episodes_observed, ChatMessage, EnvError, Environment, EpisodeObserver, ParallelRunner,
@@ -69,7 +69,8 @@ pub struct Args {
     pub episode: EpisodeFlags,
 }
 
-pub fn run(args: Args) -> Result<()> {
+pub fn run(mut args: Args) -> Result<()> {
+    args.agent.apply_preset(args.episode.preset);
     let mode = args.mode;
     if mode.uses_agent() && !args.agent.is_given() {
         bail!(
@@ -137,6 +138,11 @@ pub fn run(args: Args) -> Result<()> {
     let failed = finished.iter().filter(|row| row.failed).count();
     let mut metrics = serde_json::to_value(&report)?;
     metrics["mode"] = json!(mode.name());
+    metrics["preset"] = json!(args
+        .episode
+        .preset
+        .to_possible_value()
+        .map(|v| v.get_name().to_string()));
     metrics["failed"] = json!(failed);
     metrics["stop_reasons"] = json!(stop_reasons);
     let metrics_path = args.out.join("metrics.json");

@@ -32,10 +32,11 @@ pub struct Args {
     pub episode: EpisodeFlags,
 }
 
-pub fn run(args: Args) -> Result<()> {
+pub fn run(mut args: Args) -> Result<()> {
     if args.question.trim().is_empty() {
         bail!("--question is empty");
     }
+    args.agent.apply_preset(args.episode.preset);
     let env = args.env.client("infer")?;
     let config = args.episode.config(&args.env)?;
     let trajectory = args.agent.with_agent(|agent| {
