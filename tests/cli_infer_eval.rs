@@ -404,6 +404,67 @@ fn eval_writes_predictions_and_metrics_then_resumes() {
     );
 }
 
+/// `eval` against `serve` lays the results out like the paper: the data sources map to the
+/// paper's data sets, each scored with its own metric, with the averages and the published rows.
+#[test]
+fn eval_writes_the_paper_table_against_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&harness::tiny_model(dir.path()), &[]);
+    let agent = scripted_agent();
+    let data = dir.path().join("paper.jsonl");
+    let rows = [
+        r#"{"id": "h", "data_source": "hotpot-256-test", "question": "Capital of France?", "answers": ["Paris"]}"#,
+        r#"{"id": "g", "data_source": "gsm8k-256-test", "question": "What is 2+2?", "answers": ["4"]}"#,
+        r#"{"id": "t", "data_source": "triviaqa_train-128-eval_ood", "question": "Two plus two?", "answers": ["four", "4"]}"#,
+        r#"{"id": "x", "data_source": "not-in-the-paper", "question": "Two and two?", "answers": ["4"]}"#,
+    ];
+    std::fs::write(&data, rows.join("\n") + "\n").unwrap();
+    let out = dir.path().join("out");
+    let base = [
+        "eval",
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--agent-url",
+        &agent.base_url,
+        "--agent-model",
+        "scripted",
+        "--paper-table",
+    ];
+    let stdout = ok(&with(&base, &env_flags(&server)));
+    // The agent answers "4" everywhere: HotpotQA F1 0, GSM8K EM 100, TriviaQA EM 100.
+    // In-distribution average (0 + 100)/2 = 50 over 2 of 8 data sets; out-of-distribution 100
+    // over 1 of 4.
+    let md = std::fs::read_to_string(out.join("paper_table.md")).unwrap();
+    assert!(stdout.contains(md.lines().next().unwrap()), "{stdout}");
+    let ours = md
+        .lines()
+        .find(|l| l.starts_with("| this run (agent, tiny) |"))
+        .unwrap_or_else(|| panic!("{md}"));
+    assert!(ours.contains("| 50.00 (2 of 8) |"), "{ours}");
+    assert!(ours.contains("| 100.00 (1 of 4) |"), "{ours}");
+    assert!(md.contains("GPT-4o-mini (paper)"), "{md}");
+    assert!(md.contains("not-in-the-paper"), "{md}");
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("paper_table.json")).unwrap())
+            .unwrap();
+    let names: Vec<&str> = json["datasets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    let ours = json["rows"].as_array().unwrap().last().unwrap().clone();
+    let value = |name: &str| ours["values"][names.iter().position(|n| *n == name).unwrap()].clone();
+    assert_eq!(value("HotpotQA"), 0.0);
+    assert_eq!(value("GSM8K"), 100.0);
+    assert_eq!(value("TriviaQA"), 100.0);
+    assert!(value("2Wiki").is_null());
+    assert_eq!(ours["averages"]["in"], 50.0);
+    assert_eq!(json["unmapped_data_sources"][0], "not-in-the-paper");
+}
+
 #[test]
 fn eval_with_the_local_agent_and_every_mode() {
     let dir = tempfile::tempdir().unwrap();
@@ -585,6 +646,22 @@ fn eval_on_the_reference_datasets() {
         Some(2),
         "{report}"
     );
+    // The reference's data-source ids map to the paper's data sets.
+    let paper: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("paper_table.json")).unwrap())
+            .unwrap();
+    assert_eq!(paper["unmapped_data_sources"], serde_json::json!([]));
+    let names: Vec<&str> = paper["datasets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    let ours = &paper["rows"].as_array().unwrap().last().unwrap()["values"];
+    for name in ["HotpotQA", "GSM8K"] {
+        let i = names.iter().position(|n| *n == name).unwrap();
+        assert!(ours[i].is_number(), "{name}: {paper}");
+    }
     let rows = rows(&out);
     assert!(rows
         .iter()

@@ -308,12 +308,7 @@ pub struct EpisodeFlags {
     /// `standard` (greedy, 5 turns of 1,024 tokens) or `reference-batch` (the reference's batch
     /// inference: temperature 0.7, top-p 0.8, 10 turns of 8,192 tokens, replies cut at 8,192
     /// characters).
-    #[arg(
-        long,
-        value_enum,
-        default_value = "standard",
-        help_heading = "Episode"
-    )]
+    #[arg(long, value_enum, default_value = "standard", help_heading = "Episode")]
     pub preset: Preset,
     /// Most agent turns (generation rounds) per episode, as the reference's `max_turns`: 5 fit
     /// 4 calls and an answer; a call in the last round is sent, then the episode ends without
@@ -403,7 +398,11 @@ mod tests {
         let (agent, config) = parse(&[]);
         assert_eq!((agent.temperature(), agent.top_p), (0.0, None));
         assert_eq!(
-            (config.max_turns, config.max_turn_tokens, config.max_response_tokens),
+            (
+                config.max_turns,
+                config.max_turn_tokens,
+                config.max_response_tokens
+            ),
             (5, 1024, 8192)
         );
         assert_eq!(config.reply.max_chars, 8192);

@@ -430,7 +430,9 @@ fn max_turns_counts_generation_rounds() {
     assert_eq!(t[1].turns[4].response.as_deref(), Some("r"));
     // The text stops after the 5th reply, at the `<think>\n` the context opens the next turn
     // with, exactly where the reference's decoded episode stops.
-    assert!(t[1].response_text.ends_with(&env_text("{\"results\": [\"r\"]}")));
+    assert!(t[1]
+        .response_text
+        .ends_with(&env_text("{\"results\": [\"r\"]}")));
     assert_eq!(env.calls().len(), 9);
 
     // No rounds: the episode ends before the agent speaks.
@@ -449,7 +451,9 @@ fn calls_can_be_disallowed() {
     let mut agent = ScriptedAgent::new(&[
         (
             "calls",
-            vec![turn("<think>t</think><interaction_prompt>p</interaction_prompt>")],
+            vec![turn(
+                "<think>t</think><interaction_prompt>p</interaction_prompt>",
+            )],
         ),
         ("answers", vec![turn("<think>t</think><answer>a</answer>")]),
     ]);
@@ -460,7 +464,10 @@ fn calls_can_be_disallowed() {
         ..EpisodeConfig::inference()
     };
     let t = run_episodes(&mut agent, &env, &["calls", "answers"], &config);
-    assert_eq!((t[0].stop_reason, t[0].env_calls), (StopReason::TurnLimit, 0));
+    assert_eq!(
+        (t[0].stop_reason, t[0].env_calls),
+        (StopReason::TurnLimit, 0)
+    );
     assert_eq!(t[0].turns[0].prompt.as_deref(), Some("p"));
     assert_eq!(t[1].stop_reason, StopReason::Answer);
     assert!(env.calls().is_empty());

@@ -75,7 +75,10 @@ mod tests {
         let text = "<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nR<|im_end|>\n<|im_start|>assistant\n<think>\n";
         assert_eq!(agent_turns(text), vec!["A", "<think>\n"]);
         // A closed last block followed by other text gains no turn.
-        assert_eq!(agent_turns("<|im_start|>assistant\nA<|im_end|>\n"), vec!["A"]);
+        assert_eq!(
+            agent_turns("<|im_start|>assistant\nA<|im_end|>\n"),
+            vec!["A"]
+        );
         assert!(agent_turns("no blocks here").is_empty());
         assert!(agent_turns("<|im_start|>assistant no newline<|im_end|>").is_empty());
     }

@@ -68,7 +68,11 @@ fn score_ending(turns: &[&str], end: End, references: &[&str]) -> RewardBreakdow
 fn score(turns: &[&str], finished: bool, references: &[&str]) -> RewardBreakdown {
     score_ending(
         turns,
-        if finished { End::Closed } else { End::AfterReply },
+        if finished {
+            End::Closed
+        } else {
+            End::AfterReply
+        },
         references,
     )
 }
@@ -222,7 +226,11 @@ fn round_limit_after_two_calls() {
 
 #[test]
 fn a_cut_final_turn_is_still_a_turn() {
-    let b = score_ending(&[CALL, "The model says Paris, so the answer"], End::Cut, &["Paris"]);
+    let b = score_ending(
+        &[CALL, "The model says Paris, so the answer"],
+        End::Cut,
+        &["Paris"],
+    );
     // A well-formed call (0.4), then a final turn cut by the token limit, without an answer
     // (0): the reference closes the cut turn and scores it as the final turn, so the call
     // counts: format 0.4 → R = 0.4 − 1 = −0.6 (not −1: the call is not the last turn).
@@ -254,7 +262,11 @@ fn a_cut_turn_keeps_a_complete_answer() {
 
 #[test]
 fn a_cut_first_turn_scores_minus_one() {
-    let b = score_ending(&["<think>A long plan that never ends"], End::Cut, &["Paris"]);
+    let b = score_ending(
+        &["<think>A long plan that never ends"],
+        End::Cut,
+        &["Paris"],
+    );
     // One turn, the final one, with no answer: format 0 → R = −1.
     assert_eq!(b.turns.len(), 1);
     assert_eq!((b.format_raw, b.reward), (0.0, -1.0));

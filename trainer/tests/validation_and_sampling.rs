@@ -48,7 +48,10 @@ fn validation_before_training_and_per_source() {
     let out_dir = config.run.out_dir.clone();
     let mut trainer = Trainer::<B>::start(config, Default::default(), false).unwrap();
 
-    let before = trainer.validate_before_training(&Scripted, &ByteTokens).unwrap().unwrap();
+    let before = trainer
+        .validate_before_training(&Scripted, &ByteTokens)
+        .unwrap()
+        .unwrap();
     assert_eq!(before.step, 0);
     let report = trainer.last_validation().unwrap().clone();
     assert_eq!(report.episodes, 3);
@@ -64,7 +67,10 @@ fn validation_before_training_and_per_source() {
     assert!(first.validation_by_source.is_empty() && first.validation_reward.is_none());
     let second = trainer.train_step(&Scripted, &ByteTokens).unwrap();
     assert!(second.validation_by_source.contains_key("val/alpha/reward"));
-    assert!(trainer.validate_before_training(&Scripted, &ByteTokens).unwrap().is_none());
+    assert!(trainer
+        .validate_before_training(&Scripted, &ByteTokens)
+        .unwrap()
+        .is_none());
 
     // metrics.jsonl: the step 0 line, then one line per step, the per-source keys read back.
     let text = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
@@ -106,7 +112,11 @@ fn dynamic_sampling_drops_groups_without_signal() {
     assert_eq!((record.groups_no_signal, record.groups_dropped), (3, 3));
     assert_eq!(record.optimizer_steps, 0);
     assert_eq!(record.reward_mean, -1.0);
-    assert_eq!(before, weights(&trainer), "no group left: the policy must not move");
+    assert_eq!(
+        before,
+        weights(&trainer),
+        "no group left: the policy must not move"
+    );
 
     // With a reward that varies, groups keep their signal and the update runs.
     on.run.out_dir = dir.path().join("on-varied");

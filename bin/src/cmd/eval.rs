@@ -2,6 +2,7 @@
 //! they come, and score them per data source.
 
 mod modes;
+mod paper;
 mod predictions;
 mod scoring;
 
@@ -30,7 +31,9 @@ use predictions::{key_of, PredictionsFile, Row};
 /// "error", "trajectory"} as soon as it is done. Run the same command again to resume: rows
 /// already in the file are not redone (failed ones are). The end prints
 /// EM, SM, F1 (and SSim with --ssim-model) ×100 per data source and their mean, also written to
-/// OUT/metrics.json.
+/// OUT/metrics.json, and laid out like the paper's Tables 1–2 (one metric per data set, the in-
+/// and out-of-distribution averages, the paper's published rows beside) in OUT/paper_table.md
+/// and OUT/paper_table.json (printed with --paper-table).
 ///
 /// Modes (the paper's comparison rows): `agent` — the agent prompts the large LLM, then answers;
 /// `direct` — the large LLM gets the bare question; `cot` — the large LLM is asked to think step
@@ -58,6 +61,10 @@ pub struct Args {
     /// all-MiniLM-L6-v2 folder (config.json, tokenizer.json, model.safetensors): adds SSim.
     #[arg(long, value_name = "DIR")]
     pub ssim_model: Option<PathBuf>,
+    /// Also print the results laid out like the paper's Tables 1–2 (always written to
+    /// OUT/paper_table.md and OUT/paper_table.json).
+    #[arg(long)]
+    pub paper_table: bool,
     /// What to do with a malformed dataset row: fail or skip.
     #[arg(long, value_name = "POLICY", default_value_t = OnBadRow::Fail)]
     pub on_bad_row: OnBadRow,
@@ -150,7 +157,21 @@ pub fn run(mut args: Args) -> Result<()> {
     model::checkpoint::write_atomic(&metrics_path, text.as_bytes())
         .with_context(|| format!("cannot write {}", metrics_path.display()))?;
 
+    let paper = paper::PaperSpec::reference()?.table(&report, &run_label(&args));
+    let paper_md = args.out.join("paper_table.md");
+    let paper_json = args.out.join("paper_table.json");
+    model::checkpoint::write_atomic(&paper_md, paper.markdown().as_bytes())
+        .with_context(|| format!("cannot write {}", paper_md.display()))?;
+    let text = format!("{}\n", serde_json::to_string_pretty(&paper)?);
+    model::checkpoint::write_atomic(&paper_json, text.as_bytes())
+        .with_context(|| format!("cannot write {}", paper_json.display()))?;
+
     print!("{report}");
+    if args.paper_table {
+        println!();
+        print!("{}", paper.markdown());
+        println!();
+    }
     let reasons: Vec<String> = stop_reasons
         .iter()
         .map(|(r, n)| format!("{r} {n}"))
@@ -169,9 +190,11 @@ pub fn run(mut args: Args) -> Result<()> {
         );
     }
     println!(
-        "wrote {} and {}",
+        "wrote {}, {}, {} and {}",
         predictions_path.display(),
-        metrics_path.display()
+        metrics_path.display(),
+        paper_md.display(),
+        paper_json.display()
     );
     if counts.run > 0 && counts.failed == counts.run {
         bail!(
@@ -180,6 +203,14 @@ pub fn run(mut args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The name of this run's row in the paper table: the mode and the large LLM, if one is used.
+fn run_label(args: &Args) -> String {
+    match (&args.env.env_model, args.mode.uses_env()) {
+        (Some(model), true) => format!("this run ({}, {model})", args.mode.name()),
+        _ => format!("this run ({})", args.mode.name()),
+    }
 }
 
 /// Loads the files in order, at most `limit` examples from each, dropping repeated keys.

@@ -35,7 +35,9 @@ mod tests {
         // episode left (the others failed); group 3: all 0.5.
         let rewards = [-1.0, -1.0, -1.0, 0.5, -1.0, 0.2, 0.5, 0.5];
         let groups = [0, 0, 0, 1, 1, 2, 3, 3];
-        let none: Vec<usize> = groups_without_signal(&rewards, &groups).into_iter().collect();
+        let none: Vec<usize> = groups_without_signal(&rewards, &groups)
+            .into_iter()
+            .collect();
         assert_eq!(none, [0, 2, 3]);
         assert!(groups_without_signal(&[], &[]).is_empty());
         // Rewards that differ in the last bit still carry a signal.

@@ -82,7 +82,10 @@ impl ValidationReport {
         let mut sources: BTreeMap<String, Sums> = BTreeMap::new();
         for (source, score) in scores {
             all.add(score.as_ref());
-            sources.entry(source.to_string()).or_default().add(score.as_ref());
+            sources
+                .entry(source.to_string())
+                .or_default()
+                .add(score.as_ref());
         }
         let overall = all.source();
         Self {
@@ -90,7 +93,10 @@ impl ValidationReport {
             f1_mean: overall.f1_mean,
             episodes: overall.episodes,
             env_failures: overall.env_failures,
-            by_source: sources.iter().map(|(name, sums)| (name.clone(), sums.source())).collect(),
+            by_source: sources
+                .iter()
+                .map(|(name, sums)| (name.clone(), sums.source()))
+                .collect(),
         }
     }
 
@@ -126,7 +132,8 @@ impl fmt::Display for ValidationReport {
             .chain(["data_source".len()])
             .max()
             .unwrap_or_default();
-        let optional = |value: Option<f32>| value.map_or_else(|| "-".to_string(), |v| format!("{v:.3}"));
+        let optional =
+            |value: Option<f32>| value.map_or_else(|| "-".to_string(), |v| format!("{v:.3}"));
         writeln!(
             f,
             "{:<width$} {:>6} {:>6} {:>8} {:>8} {:>8}",
@@ -184,7 +191,10 @@ mod tests {
         assert_eq!(hotpot.f1_mean, Some(0.5));
         // gsm8k: one failed episode, left out of the means.
         let gsm8k = &report.by_source["gsm8k"];
-        assert_eq!((gsm8k.episodes, gsm8k.env_failures, gsm8k.reward_mean), (2, 1, 0.5));
+        assert_eq!(
+            (gsm8k.episodes, gsm8k.env_failures, gsm8k.reward_mean),
+            (2, 1, 0.5)
+        );
         // overall over the 3 scored episodes: reward (1 − 0.6 + 0.5)/3 = 0.3, F1 1.5/3 = 0.5.
         assert_eq!((report.episodes, report.env_failures), (4, 1));
         assert!((report.reward_mean - 0.3).abs() < 1e-6);
