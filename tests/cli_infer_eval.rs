@@ -23,15 +23,36 @@ const STOP_REASONS: [&str; 6] = [
     "agent_failure",
 ];
 
-/// An agent behind a chat API: first turn calls the large LLM, the next one answers "4".
+const SCRIPTED_CALL: &str =
+    "<think>I should ask.</think>\n<interaction_prompt>What is 2+2?</interaction_prompt>";
+const SCRIPTED_ANSWER: &str = "<think>It answered.</think>\n<answer>4</answer>";
+
+/// A served agent, on /v1/completions (the raw context) and /v1/chat/completions: its first
+/// turn calls the large LLM, the next one answers "4".
 fn scripted_agent() -> ScriptedServer {
     ScriptedServer::start_with(|request| {
-        let turns = request.json()["messages"].as_array().map_or(0, Vec::len);
-        if turns <= 2 {
-            Action::ok("<think>I should ask.</think>\n<interaction_prompt>What is 2+2?</interaction_prompt>")
-        } else {
-            Action::ok("<think>It answered.</think>\n<answer>4</answer>")
+        let body = request.json();
+        if request.path.ends_with("/chat/completions") {
+            let turns = body["messages"].as_array().map_or(0, Vec::len);
+            return Action::ok(if turns <= 2 {
+                SCRIPTED_CALL
+            } else {
+                SCRIPTED_ANSWER
+            });
         }
+        let prompt = body["prompt"].as_str().unwrap_or_default();
+        // A reply in the context: the instruction itself names the tag, so look for the frame.
+        let text = if prompt.contains("<|im_start|>user\n<interaction_response>") {
+            SCRIPTED_ANSWER
+        } else {
+            SCRIPTED_CALL
+        };
+        let reply = serde_json::json!({
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+        });
+        Action::json(200, reply.to_string())
     })
 }
 
@@ -193,6 +214,78 @@ fn infer_shows_each_turn_and_the_answer() {
     assert!(json["turns"][0]["response"].is_string());
     assert_eq!(json["turns"][1]["think"], "It answered.");
     assert!(json["error"].is_null());
+
+    // By default the agent got the raw context it was trained on: the second turn's prompt
+    // holds the first turn whole, its `<think>` included, and the reply as the local agent's
+    // context frames it.
+    let requests = agent.requests();
+    assert!(requests.iter().all(|r| r.path == "/v1/completions"));
+    let second = requests[1].json()["prompt"].as_str().unwrap().to_string();
+    assert!(
+        second.starts_with("<|im_start|>system\n")
+            && second.contains(&format!(
+                "<|im_start|>assistant\n{SCRIPTED_CALL}<|im_end|>\n<|im_start|>user\n<interaction_response>\n"
+            ))
+            && second.ends_with("</interaction_response><|im_end|>\n<|im_start|>assistant\n<think>\n"),
+        "{second}"
+    );
+    // `--agent-api chat` sends messages instead, and the episode is the same.
+    let chat: Value = serde_json::from_str(
+        ok(&with(&base, &env)
+            .into_iter()
+            .chain(["--json", "--agent-api", "chat"])
+            .collect::<Vec<_>>())
+        .trim(),
+    )
+    .unwrap();
+    assert_eq!(chat["answer"], "4");
+    assert_eq!(chat["turns"][1]["think"], "It answered.");
+    let requests = agent.requests();
+    assert!(requests[requests.len() - 1]
+        .path
+        .ends_with("/chat/completions"));
+}
+
+/// A served agent (`serve` on the tiny model, greedy) writes the same first turn as the same
+/// model run locally: the completions prompt is the local agent's context.
+#[test]
+fn a_served_agent_sees_the_local_agent_s_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let env_server = Server::start(&model, &[]);
+    let agent_server = Server::start(&model, &[]);
+    let env = env_flags(&env_server);
+    let common = [
+        "infer",
+        "--question",
+        "What is 2+2?",
+        "--max-turn-tokens",
+        "24",
+        "--json",
+    ];
+    let local: Value = serde_json::from_str(
+        ok(&with(&common, &env)
+            .into_iter()
+            .chain(["--agent", model.to_str().unwrap()])
+            .collect::<Vec<_>>())
+        .trim(),
+    )
+    .unwrap();
+    let served: Value = serde_json::from_str(
+        ok(&with(&common, &env)
+            .into_iter()
+            .chain([
+                "--agent-url",
+                &agent_server.base_url,
+                "--agent-model",
+                "tiny",
+            ])
+            .collect::<Vec<_>>())
+        .trim(),
+    )
+    .unwrap();
+    check_trajectory(&served);
+    assert_eq!(served["turns"][0]["text"], local["turns"][0]["text"]);
 }
 
 #[test]

@@ -69,7 +69,7 @@ fn health_models_and_unknown_routes() {
     assert_eq!(server.get("/v1/models/other").status, 404);
     for (method, path, status) in [
         ("GET", "/nope", 404),
-        ("POST", "/v1/completions", 404),
+        ("POST", "/v1/embeddings", 404),
         ("GET", "/v1/chat/completions", 405),
         ("DELETE", "/v1/models", 405),
     ] {
@@ -136,6 +136,56 @@ fn chat_completion_has_the_openai_shape_and_limits() {
     let too_long = server.chat(&json!({"messages": user("hi"), "max_tokens": 100000}));
     assert_eq!(too_long.status, 400);
     assert_eq!(too_long.json()["error"]["code"], "context_length_exceeded");
+}
+
+/// `/v1/completions` takes the raw ChatML text: the same context as the chat messages gives the
+/// same greedy text, with the text-completion shape.
+#[test]
+fn text_completions_take_the_raw_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&harness::tiny_model(dir.path()), &[]);
+    let chat = server
+        .chat(&json!({
+            "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}],
+            "max_tokens": 12, "temperature": 0
+        }))
+        .json();
+    let prompt =
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n";
+    let reply = server.post(
+        "/v1/completions",
+        &json!({"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0}).to_string(),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let body = reply.json();
+    assert_eq!(body["object"], "text_completion");
+    assert!(body["id"]
+        .as_str()
+        .is_some_and(|id| id.starts_with("cmpl-")));
+    assert_eq!(
+        body["choices"][0]["text"],
+        chat["choices"][0]["message"]["content"]
+    );
+    assert_eq!(
+        body["choices"][0]["finish_reason"],
+        chat["choices"][0]["finish_reason"]
+    );
+    assert_eq!(body["usage"], chat["usage"]);
+
+    let error = |body: Value| {
+        let reply = server.post("/v1/completions", &body.to_string());
+        (reply.status, reply.json()["error"]["param"].clone())
+    };
+    assert_eq!(
+        error(json!({"prompt": prompt, "stream": true})),
+        (400, json!("stream"))
+    );
+    assert_eq!(error(json!({"max_tokens": 3})), (400, json!("prompt")));
+    assert_eq!(
+        error(json!({"prompt": prompt, "temperature": 9})),
+        (400, json!("temperature"))
+    );
+    assert_eq!(server.get("/v1/completions").status, 405);
 }
 
 #[test]

@@ -8,7 +8,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use burn::tensor::{backend::Backend, DType};
 use clap::{Args as ClapArgs, ValueEnum};
 use env::{
-    Agent, ClientConfig, EpisodeConfig, OpenAiClient, PromptTexts, RemoteAgent, RetryPolicy,
+    Agent, AgentApi, ClientConfig, EpisodeConfig, OpenAiClient, PromptTexts, RemoteAgent, RetryPolicy,
     SamplingParams, DEFAULT_API_KEY_ENV,
 };
 use trainer::rollout::{AgentSampling, LocalAgent};
@@ -50,6 +50,17 @@ pub struct AgentFlags {
         help_heading = "Agent"
     )]
     pub agent_model: Option<String>,
+    /// How the served agent is asked: `completions` sends the raw context it was trained on to
+    /// /v1/completions (earlier turns whole, their <think> included); `chat` sends messages to
+    /// /v1/chat/completions, where Qwen3's chat template drops the <think> of earlier turns.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "completions",
+        requires = "agent_url",
+        help_heading = "Agent"
+    )]
+    pub agent_api: AgentApiFlag,
     /// Environment variable holding the agent server's API key (unset: no key is sent).
     #[arg(long, value_name = "VAR", default_value = AGENT_API_KEY_ENV, help_heading = "Agent")]
     pub agent_api_key_env: String,
@@ -127,7 +138,11 @@ impl AgentFlags {
                     seed: Some(self.seed),
                     ..SamplingParams::default()
                 };
-                work(&mut RemoteAgent::new(client, sampling))
+                let api = match self.agent_api {
+                    AgentApiFlag::Completions => AgentApi::Completions,
+                    AgentApiFlag::Chat => AgentApi::Chat,
+                };
+                work(&mut RemoteAgent::new(client, sampling).with_api(api))
             }
             (None, Some(_), None) => bail!("--agent-url needs --agent-model NAME"),
             (None, None, _) => {
@@ -135,6 +150,15 @@ impl AgentFlags {
             }
         }
     }
+}
+
+/// The `--agent-api` values.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AgentApiFlag {
+    /// POST /v1/completions with the raw training context.
+    Completions,
+    /// POST /v1/chat/completions with messages (the server's chat template applies).
+    Chat,
 }
 
 /// Loading the local agent on the chosen backend and running the work with it.

@@ -108,8 +108,19 @@ pub(crate) struct ChatRequest<'a> {
     pub stream: bool,
 }
 
-/// Parses a 2xx reply body; the error says what is wrong with it.
-pub(crate) fn parse_chat_reply(body: &str) -> Result<ChatReply, String> {
+/// The body of a text-completion request (`POST …/completions`): the raw prompt, no chat
+/// template.
+#[derive(Serialize)]
+pub(crate) struct CompletionRequest<'a> {
+    pub model: &'a str,
+    pub prompt: &'a str,
+    #[serde(flatten)]
+    pub params: &'a SamplingParams,
+    pub stream: bool,
+}
+
+/// The reply object of a 2xx body, checked to hold at least one choice.
+fn reply_object(body: &str) -> Result<Value, String> {
     if body.trim().is_empty() {
         return Err("empty body".to_string());
     }
@@ -121,13 +132,56 @@ pub(crate) fn parse_chat_reply(body: &str) -> Result<ChatReply, String> {
     if let Some(error) = object.get("error").filter(|e| !e.is_null()) {
         return Err(format!("server reported an error: {}", error_text(error)));
     }
-    let choice = match object.get("choices") {
-        Some(Value::Array(choices)) => choices
-            .first()
-            .ok_or_else(|| "reply has no choices".to_string())?,
-        Some(_) => return Err("`choices` is not an array".to_string()),
-        None => return Err(format!("reply has no `choices`: {}", excerpt(body))),
+    match object.get("choices") {
+        Some(Value::Array(choices)) if choices.is_empty() => {
+            Err("reply has no choices".to_string())
+        }
+        Some(Value::Array(_)) => Ok(value),
+        Some(_) => Err("`choices` is not an array".to_string()),
+        None => Err(format!("reply has no `choices`: {}", excerpt(body))),
+    }
+}
+
+fn usage_and_model(object: &Value) -> (Option<Usage>, Option<String>) {
+    let usage = object.get("usage").and_then(|usage| {
+        Some(Usage {
+            prompt_tokens: usage.get("prompt_tokens")?.as_u64()?,
+            completion_tokens: usage.get("completion_tokens")?.as_u64()?,
+        })
+    });
+    let model = object
+        .get("model")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    (usage, model)
+}
+
+/// Parses a 2xx reply body of a text completion: the first choice's `text`.
+pub(crate) fn parse_completion_reply(body: &str) -> Result<ChatReply, String> {
+    let value = reply_object(body)?;
+    let choice = &value["choices"][0];
+    let finish_reason = choice
+        .get("finish_reason")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let content = match choice.get("text") {
+        Some(Value::String(text)) => text.clone(),
+        _ => return Err("first choice has no `text` string".to_string()),
     };
+    let (usage, model) = usage_and_model(&value);
+    Ok(ChatReply {
+        content,
+        reasoning: None,
+        finish_reason,
+        usage,
+        model,
+    })
+}
+
+/// Parses a 2xx reply body; the error says what is wrong with it.
+pub(crate) fn parse_chat_reply(body: &str) -> Result<ChatReply, String> {
+    let value = reply_object(body)?;
+    let choice = &value["choices"][0];
     let message = choice
         .get("message")
         .and_then(Value::as_object)
@@ -159,16 +213,7 @@ pub(crate) fn parse_chat_reply(body: &str) -> Result<ChatReply, String> {
             ))
         }
     };
-    let usage = object.get("usage").and_then(|usage| {
-        Some(Usage {
-            prompt_tokens: usage.get("prompt_tokens")?.as_u64()?,
-            completion_tokens: usage.get("completion_tokens")?.as_u64()?,
-        })
-    });
-    let model = object
-        .get("model")
-        .and_then(Value::as_str)
-        .map(str::to_string);
+    let (usage, model) = usage_and_model(&value);
     Ok(ChatReply {
         content,
         reasoning,
@@ -308,6 +353,39 @@ mod tests {
             let err = parse_chat_reply(body).unwrap_err();
             assert!(err.contains(expected), "{body:?} gave {err:?}");
         }
+    }
+
+    #[test]
+    fn completion_requests_and_replies() {
+        let params = SamplingParams {
+            max_tokens: Some(9),
+            ..SamplingParams::default()
+        };
+        let body = serde_json::to_value(CompletionRequest {
+            model: "m",
+            prompt: "<|im_start|>user\nq<|im_end|>\n",
+            params: &params,
+            stream: false,
+        })
+        .unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"model": "m", "prompt": "<|im_start|>user\nq<|im_end|>\n",
+                "max_tokens": 9, "stream": false})
+        );
+        let reply = parse_completion_reply(
+            r#"{"object":"text_completion","model":"a","choices":[{"index":0,"text":" Paris","finish_reason":"length"}],
+               "usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6}}"#,
+        )
+        .unwrap();
+        assert_eq!(reply.content, " Paris");
+        assert_eq!(reply.finish_reason.as_deref(), Some("length"));
+        assert_eq!(reply.usage.map(|u| u.completion_tokens), Some(2));
+        let chat_shaped = r#"{"choices":[{"message":{"content":"x"}}]}"#;
+        assert!(parse_completion_reply(chat_shaped)
+            .unwrap_err()
+            .contains("text"));
+        assert!(parse_completion_reply(r#"{"choices":[]}"#).is_err());
     }
 
     #[test]

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use crate::backoff::{parse_retry_after, retry_wait};
 use crate::chat::{
-    error_message, excerpt, parse_chat_reply, ChatMessage, ChatReply, ChatRequest, SamplingParams,
+    error_message, excerpt, parse_chat_reply, parse_completion_reply, ChatMessage, ChatReply,
+    ChatRequest, CompletionRequest, SamplingParams,
 };
 use crate::config::ClientConfig;
 use crate::error::EnvError;
@@ -15,11 +16,13 @@ use crate::secret::ApiKey;
 use crate::stats::{ClientStats, StatsSnapshot};
 use crate::throttle::{RateLimiter, Semaphore};
 
-/// A blocking client for `POST {base_url}/chat/completions`. `Send + Sync`: share one client
-/// between threads so that its concurrency cap, rate cap and counters cover them all.
+/// A blocking client for `POST {base_url}/chat/completions` (and `…/completions` for raw text
+/// prompts). `Send + Sync`: share one client between threads so that its concurrency cap, rate
+/// cap and counters cover them all.
 pub struct OpenAiClient {
     config: ClientConfig,
     endpoint: String,
+    completions_endpoint: String,
     api_key: Option<ApiKey>,
     http: ureq::Agent,
     in_flight: Semaphore,
@@ -47,11 +50,9 @@ impl OpenAiClient {
     pub fn with_api_key(config: ClientConfig, api_key: Option<ApiKey>) -> Result<Self, EnvError> {
         config.validate()?;
         let base = config.base_url.trim().trim_end_matches('/');
-        let endpoint = if base.ends_with("/chat/completions") {
-            base.to_string()
-        } else {
-            format!("{base}/chat/completions")
-        };
+        let root = base.strip_suffix("/chat/completions").unwrap_or(base);
+        let endpoint = format!("{root}/chat/completions");
+        let completions_endpoint = format!("{root}/completions");
         let mut builder = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .max_redirects(0)
@@ -72,6 +73,7 @@ impl OpenAiClient {
             stats: ClientStats::default(),
             config,
             endpoint,
+            completions_endpoint,
             api_key,
             http,
         })
@@ -97,6 +99,11 @@ impl OpenAiClient {
         self.stats.snapshot()
     }
 
+    /// The URL text completions go to.
+    pub fn completions_endpoint(&self) -> &str {
+        &self.completions_endpoint
+    }
+
     /// Sends one chat completion request, retrying transient failures (connection errors,
     /// timeouts, HTTP 408, 409, 429 and 5xx) with jittered exponential backoff or the server's
     /// `Retry-After`. Other errors return at once.
@@ -105,14 +112,41 @@ impl OpenAiClient {
         messages: &[ChatMessage],
         params: &SamplingParams,
     ) -> Result<ChatReply, EnvError> {
-        self.stats.call_started();
         let request = ChatRequest {
             model: &self.config.model,
             messages,
             params,
             stream: false,
         };
-        let body = match serde_json::to_vec(&request) {
+        self.post(&self.endpoint, &request, parse_chat_reply)
+    }
+
+    /// Sends one text completion request (`…/completions`): `prompt` goes to the model as it
+    /// is, without a chat template; the reply's `content` is the generated text. Retries as
+    /// [`Self::chat`].
+    pub fn complete_text(
+        &self,
+        prompt: &str,
+        params: &SamplingParams,
+    ) -> Result<ChatReply, EnvError> {
+        let request = CompletionRequest {
+            model: &self.config.model,
+            prompt,
+            params,
+            stream: false,
+        };
+        self.post(&self.completions_endpoint, &request, parse_completion_reply)
+    }
+
+    /// Posts `request` to `url` with retries and parses a 2xx body with `parse`.
+    fn post<R: serde::Serialize>(
+        &self,
+        url: &str,
+        request: &R,
+        parse: fn(&str) -> Result<ChatReply, String>,
+    ) -> Result<ChatReply, EnvError> {
+        self.stats.call_started();
+        let body = match serde_json::to_vec(request) {
             Ok(body) => body,
             Err(err) => {
                 let error = EnvError::Config(format!("cannot encode the request: {err}"));
@@ -128,7 +162,7 @@ impl OpenAiClient {
             let outcome = {
                 let _permit = self.in_flight.acquire();
                 self.stats.request_sent();
-                self.send_once(&body)
+                self.send_once(url, &body, parse)
             };
             let failed = match outcome {
                 Ok(reply) => {
@@ -156,10 +190,15 @@ impl OpenAiClient {
         }
     }
 
-    fn send_once(&self, body: &[u8]) -> Result<ChatReply, FailedAttempt> {
+    fn send_once(
+        &self,
+        url: &str,
+        body: &[u8],
+        parse: fn(&str) -> Result<ChatReply, String>,
+    ) -> Result<ChatReply, FailedAttempt> {
         let mut request = self
             .http
-            .post(&self.endpoint)
+            .post(url)
             .header("content-type", "application/json")
             .header("accept", "application/json");
         if let Some(key) = &self.api_key {
@@ -167,7 +206,7 @@ impl OpenAiClient {
         }
         let mut response = request
             .send(body)
-            .map_err(|err| self.transport_failure(err))?;
+            .map_err(|err| self.transport_failure(url, err))?;
         let status = response.status().as_u16();
         let retry_after = response
             .headers()
@@ -181,13 +220,15 @@ impl OpenAiClient {
             .map(str::to_string);
         let body = match response.body_mut().read_to_vec() {
             Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-            Err(err) if (200..300).contains(&status) => return Err(self.transport_failure(err)),
+            Err(err) if (200..300).contains(&status) => {
+                return Err(self.transport_failure(url, err))
+            }
             Err(_) => String::new(),
         };
         if (200..300).contains(&status) {
-            return parse_chat_reply(&body).map_err(|detail| FailedAttempt {
+            return parse(&body).map_err(|detail| FailedAttempt {
                 error: EnvError::Malformed {
-                    url: self.endpoint.clone(),
+                    url: url.to_string(),
                     detail,
                     attempts: 1,
                 },
@@ -199,7 +240,7 @@ impl OpenAiClient {
         if message.is_empty() {
             message = http_reason(status).to_string();
         }
-        let url = self.endpoint.clone();
+        let url = url.to_string();
         let (error, retryable) = match status {
             401 | 403 => (
                 EnvError::Unauthorized {
@@ -259,8 +300,8 @@ impl OpenAiClient {
         })
     }
 
-    fn transport_failure(&self, err: ureq::Error) -> FailedAttempt {
-        let url = self.endpoint.clone();
+    fn transport_failure(&self, url: &str, err: ureq::Error) -> FailedAttempt {
+        let url = url.to_string();
         let timeout = |detail: String| EnvError::Timeout {
             url: url.clone(),
             detail,
@@ -401,6 +442,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(client.endpoint(), "http://h/v1/chat/completions");
+        assert_eq!(client.completions_endpoint(), "http://h/v1/completions");
     }
 
     #[test]

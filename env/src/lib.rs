@@ -42,7 +42,7 @@ pub use parallel::ParallelRunner;
 pub use prompts::{
     FirstPrompt, PromptFileError, PromptTexts, REFERENCE_INSTRUCTION, REFERENCE_SYSTEM,
 };
-pub use remote_agent::RemoteAgent;
+pub use remote_agent::{AgentApi, RemoteAgent};
 pub use reply::{
     environment_text, response_message, ReplyFormat, ShownReply, IM_END, NEXT_TURN_PREFIX,
     RESPONSE_CLOSE, RESPONSE_OPEN,

@@ -1,18 +1,33 @@
-//! An agent served behind an OpenAI-compatible chat API (e.g. the trained agent on vLLM or
+//! An agent served behind an OpenAI-compatible API (e.g. the trained agent on vLLM or
 //! `prompt-r1 serve`), driven with text only.
 
 use crate::agent::{estimate_tokens, Agent, AgentContext, AgentError, TurnEnd, TurnText};
 use crate::chat::{ChatMessage, ChatReply, SamplingParams};
 use crate::client::OpenAiClient;
 use crate::parallel::ParallelRunner;
-use crate::reply::response_message;
+use crate::reply::{environment_text, response_message, NEXT_TURN_PREFIX};
 use crate::turn::{ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN, THINK_OPEN};
 
-/// Drives a remote agent through the chat API.
+/// Which endpoint a [`RemoteAgent`] is driven through.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AgentApi {
+    /// `…/completions` with the raw ChatML context the agent was trained on: the first prompt,
+    /// every earlier turn whole (its `<think>` included) and every reply, exactly as the local
+    /// agent's tokens read (see [`RemoteAgent::completion_prompt`]).
+    #[default]
+    Completions,
+    /// `…/chat/completions` with the context as messages. The server's chat template decides
+    /// what the agent sees: Qwen3's stock template drops the `<think>` of earlier turns, so the
+    /// agent then sees another context than in training.
+    Chat,
+}
+
+/// Drives a remote agent through a completions or chat API.
 ///
-/// Each turn sends the first prompt, then for every earlier call the agent's turn as an
-/// assistant message and `<interaction_response>\nREPLY\n</interaction_response>` as a user
-/// message. Generation stops after `</interaction_prompt>` or `</answer>` (the stop string,
+/// With [`AgentApi::Completions`] each turn sends the context as one raw text. With
+/// [`AgentApi::Chat`] it sends the first prompt, then for every earlier call the agent's turn
+/// as an assistant message and `<interaction_response>\nREPLY\n</interaction_response>` as a
+/// user message. Generation stops after `</interaction_prompt>` or `</answer>` (the stop string,
 /// which servers leave out, is put back). Reasoning returned apart from the content is put
 /// back into `<think>…</think>`. A leading `<think>` is folded into the turn prefix the local
 /// model would have been given, so trajectories read the same for both kinds of agent.
@@ -20,13 +35,37 @@ use crate::turn::{ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN, THINK_OPEN};
 pub struct RemoteAgent {
     client: OpenAiClient,
     sampling: SamplingParams,
+    api: AgentApi,
 }
 
 impl RemoteAgent {
-    /// An agent behind `client`, sampled with `sampling` (its `max_tokens` is replaced by each
-    /// turn's budget and its stop strings by the turn-ending tags).
+    /// An agent behind `client`'s chat endpoint, sampled with `sampling` (its `max_tokens` is
+    /// replaced by each turn's budget and its stop strings by the turn-ending tags).
     pub fn new(client: OpenAiClient, sampling: SamplingParams) -> Self {
-        Self { client, sampling }
+        Self {
+            client,
+            sampling,
+            api: AgentApi::Chat,
+        }
+    }
+
+    /// The same agent, driven through `api`.
+    pub fn with_api(self, api: AgentApi) -> Self {
+        Self { api, ..self }
+    }
+
+    /// The raw text of the coming turn's context, as the local agent's tokens decode: the
+    /// first prompt in ChatML, each earlier turn whole followed by the environment's text, and
+    /// the turn prefix (`<think>\n` after a reply).
+    pub fn completion_prompt(ctx: &AgentContext) -> String {
+        let mut text = ctx.prompt().chatml();
+        for exchange in ctx.exchanges() {
+            text.push_str(&exchange.turn_text);
+            let reply = environment_text(&exchange.shown_reply, false);
+            text.push_str(reply.strip_suffix(NEXT_TURN_PREFIX).unwrap_or(&reply));
+        }
+        text.push_str(ctx.turn_prefix());
+        text
     }
 
     /// The client (for its counters).
@@ -54,7 +93,7 @@ impl Agent for RemoteAgent {
         &mut self,
         episodes: &mut [&mut AgentContext],
     ) -> Vec<Result<TurnText, AgentError>> {
-        let requests: Vec<(Vec<ChatMessage>, SamplingParams, &'static str)> = episodes
+        let requests: Vec<(Request, SamplingParams, &'static str)> = episodes
             .iter()
             .map(|ctx| {
                 let params = SamplingParams {
@@ -62,14 +101,21 @@ impl Agent for RemoteAgent {
                     stop: vec![CALL_CLOSE.to_string(), ANSWER_CLOSE.to_string()],
                     ..self.sampling.clone()
                 };
-                (Self::messages(ctx), params, ctx.turn_prefix())
+                let request = match self.api {
+                    AgentApi::Completions => Request::Text(Self::completion_prompt(ctx)),
+                    AgentApi::Chat => Request::Messages(Self::messages(ctx)),
+                };
+                (request, params, ctx.turn_prefix())
             })
             .collect();
         let client = &self.client;
         ParallelRunner::new(client.config().max_concurrency).map(
             &requests,
-            |_, (messages, params, prefix)| {
-                let reply = client.chat(messages, params)?;
+            |_, (request, params, prefix)| {
+                let reply = match request {
+                    Request::Text(prompt) => client.complete_text(prompt, params)?,
+                    Request::Messages(messages) => client.chat(messages, params)?,
+                };
                 Ok(turn_from_reply(reply, prefix))
             },
         )
@@ -82,6 +128,12 @@ impl Agent for RemoteAgent {
     ) -> Result<usize, AgentError> {
         Ok(estimate_tokens(text))
     }
+}
+
+/// What one turn sends.
+enum Request {
+    Text(String),
+    Messages(Vec<ChatMessage>),
 }
 
 /// Turns a chat reply into the generated text after `prefix`.
@@ -212,6 +264,48 @@ mod tests {
         assert_eq!(turn.text, "x</think>");
         let turn = turn_from_reply(reply("no think", None, "stop"), "<think>\n");
         assert_eq!(turn.text, "no think");
+    }
+
+    #[test]
+    fn the_completion_prompt_is_the_training_context() {
+        let prompt = FirstPrompt {
+            system: "S".into(),
+            user: "U".into(),
+        };
+        let mut ctx = AgentContext::new(0, "q", prompt);
+        assert_eq!(
+            RemoteAgent::completion_prompt(&ctx),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n"
+        );
+        ctx.push_exchange(
+            Exchange {
+                turn_text: "<think>t</think><interaction_prompt>p</interaction_prompt>".into(),
+                prompt: "p".into(),
+                reply: "r".into(),
+                shown_reply: "{\"results\": [\"r\"]}".into(),
+            },
+            "<think>\n",
+        );
+        ctx.push_exchange(
+            Exchange {
+                turn_text: "<think>\nu</think><interaction_prompt>p2</interaction_prompt>".into(),
+                prompt: "p2".into(),
+                reply: "r2".into(),
+                shown_reply: "{\"results\": [\"r2\"]}".into(),
+            },
+            "<think>\n",
+        );
+        // Earlier turns whole, `<think>` included (Qwen3's chat template would drop it), each
+        // reply framed as the local agent's context holds it, and the open `<think>\n`.
+        assert_eq!(
+            RemoteAgent::completion_prompt(&ctx),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n\
+             <think>t</think><interaction_prompt>p</interaction_prompt><|im_end|>\n\
+             <|im_start|>user\n<interaction_response>\n{\"results\": [\"r\"]}\n</interaction_response><|im_end|>\n\
+             <|im_start|>assistant\n<think>\nu</think><interaction_prompt>p2</interaction_prompt><|im_end|>\n\
+             <|im_start|>user\n<interaction_response>\n{\"results\": [\"r2\"]}\n</interaction_response><|im_end|>\n\
+             <|im_start|>assistant\n<think>\n"
+        );
     }
 
     #[test]

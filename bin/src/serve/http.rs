@@ -1,5 +1,5 @@
 //! Routes and replies: `/health`, `/v1/models`, `/v1/chat/completions` (JSON or server-sent
-//! events), OpenAI-style errors for everything else.
+//! events), `/v1/completions` (in `completions`), OpenAI-style errors for everything else.
 
 use std::io::{self, Read, Write};
 use std::sync::mpsc::{self, Receiver};
@@ -9,6 +9,7 @@ use model::chat_template::RenderOptions;
 use serde_json::{json, Value};
 use tiny_http::{HTTPVersion, Header, Method, Request, Response};
 
+use super::completions;
 use super::engine::{Event, Finish, GenParams, Job};
 use super::error::ApiError;
 use super::request::{self, CompletionRequest};
@@ -42,10 +43,13 @@ pub fn handle(request: Request, shared: &Shared) {
             }
         }
         (Method::Post, "/v1/chat/completions") => chat(request, shared),
-        (_, "/health" | "/v1/models" | "/v1/chat/completions") => respond_error(
-            request,
-            &ApiError::method_not_allowed(method.as_str(), &path),
-        ),
+        (Method::Post, "/v1/completions") => completions::handle(request, shared),
+        (_, "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions") => {
+            respond_error(
+                request,
+                &ApiError::method_not_allowed(method.as_str(), &path),
+            )
+        }
         _ => respond_error(request, &ApiError::not_found(method.as_str(), &path)),
     }
 }
@@ -60,13 +64,13 @@ fn model_card(shared: &Shared) -> Value {
     })
 }
 
-/// What the reply to an accepted chat request needs.
-struct Accepted {
-    id: String,
-    created: u64,
-    prompt_tokens: usize,
-    stream: bool,
-    include_usage: bool,
+/// What the reply to an accepted request needs.
+pub(super) struct Accepted {
+    pub id: String,
+    pub created: u64,
+    pub prompt_tokens: usize,
+    pub stream: bool,
+    pub include_usage: bool,
 }
 
 fn chat(mut request: Request, shared: &Shared) {
@@ -97,7 +101,7 @@ fn chat(mut request: Request, shared: &Shared) {
     );
 }
 
-fn read_body(request: &mut Request) -> Result<Vec<u8>, ApiError> {
+pub(super) fn read_body(request: &mut Request) -> Result<Vec<u8>, ApiError> {
     if request.body_length().is_some_and(|n| n > MAX_BODY_BYTES) {
         return Err(ApiError::too_large(MAX_BODY_BYTES));
     }
@@ -123,29 +127,41 @@ fn prepare(body: &[u8], shared: &Shared) -> Result<(Job, Receiver<Event>, Accept
     let text = shared
         .template
         .render(&req.messages, RenderOptions::generation(thinking));
+    job(&text, req, shared, "messages", "chatcmpl")
+}
+
+/// Tokenizes `text` (from the request's `param`) and makes the job for `req`'s sampling, with
+/// an id starting with `id_prefix`.
+pub(super) fn job(
+    text: &str,
+    req: CompletionRequest,
+    shared: &Shared,
+    param: &str,
+    id_prefix: &str,
+) -> Result<(Job, Receiver<Event>, Accepted), ApiError> {
     let prompt = shared
         .tokenizer
-        .encode(&text)
-        .map_err(|err| ApiError::internal(format!("cannot tokenize the messages: {err}")))?;
+        .encode(text)
+        .map_err(|err| ApiError::internal(format!("cannot tokenize the {param}: {err}")))?;
     if let Some(bad) = prompt.iter().find(|&&id| id as usize >= shared.vocab_size) {
         return Err(ApiError::invalid(
             format!(
-                "The messages encode to token id {bad}, outside the model's vocabulary of {}.",
+                "The {param} encode to token id {bad}, outside the model's vocabulary of {}.",
                 shared.vocab_size
             ),
-            Some("messages"),
+            Some(param),
         ));
     }
     let room = shared.context_len.saturating_sub(prompt.len());
     let context_error = |wanted: usize| {
         ApiError::invalid(
             format!(
-                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {wanted} in the completion).",
+                "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the {param}, {wanted} in the completion).",
                 shared.context_len,
                 prompt.len() + wanted,
                 prompt.len()
             ),
-            Some("messages"),
+            Some(param),
         )
         .with_code("context_length_exceeded")
     };
@@ -167,7 +183,7 @@ fn prepare(body: &[u8], shared: &Shared) -> Result<(Job, Receiver<Event>, Accept
     let (sender, events) = mpsc::channel();
     let accepted = Accepted {
         id: format!(
-            "chatcmpl-{:016x}{:08x}",
+            "{id_prefix}-{:016x}{:08x}",
             rand::random::<u64>(),
             rand::random::<u32>()
         ),
@@ -364,7 +380,7 @@ impl EventStream {
     }
 }
 
-fn respond_json(request: Request, status: u16, body: &Value) {
+pub(super) fn respond_json(request: Request, status: u16, body: &Value) {
     let mut response = Response::from_string(body.to_string()).with_status_code(status);
     if let Ok(header) = Header::from_bytes("Content-Type", "application/json") {
         response = response.with_header(header);
@@ -373,7 +389,7 @@ fn respond_json(request: Request, status: u16, body: &Value) {
     let _ = request.respond(response);
 }
 
-fn respond_error(request: Request, err: &ApiError) {
+pub(super) fn respond_error(request: Request, err: &ApiError) {
     respond_json(request, err.status, &err.body());
 }
 

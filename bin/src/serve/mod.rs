@@ -1,9 +1,11 @@
-//! `prompt-r1 serve`: an OpenAI-compatible chat server over a local Qwen3 checkpoint.
+//! `prompt-r1 serve`: an OpenAI-compatible chat (and text-completion) server over a local Qwen3
+//! checkpoint.
 //!
 //! HTTP handler threads (one per request) parse and check requests, render the chat template
 //! and tokenize, then queue a [`engine::Job`]; the one worker thread that owns the model
 //! decodes queued jobs in batches and streams each row's text back over the job's channel.
 
+mod completions;
 mod engine;
 mod error;
 mod http;
@@ -113,7 +115,7 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         max_batch: settings.max_batch,
     };
     println!(
-        "serving {} at http://{addr}/v1 (POST /v1/chat/completions, GET /v1/models, GET /health)",
+        "serving {} at http://{addr}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health)",
         settings.model_name
     );
     std::io::stdout().flush()?;
