@@ -80,6 +80,17 @@ def main(base_url, model):
     )
     check(text.usage.completion_tokens <= 3, text.usage)
 
+    # Text completions take the raw ChatML prompt (how infer/eval ask a served agent).
+    raw = client.completions.create(
+        model=model,
+        prompt="<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+        max_tokens=5,
+        temperature=0,
+    )
+    check(raw.object == "text_completion", raw)
+    check(isinstance(raw.choices[0].text, str), raw)
+    check(raw.usage.completion_tokens <= 5, raw.usage)
+
     # Errors come back as the client's exception types.
     try:
         client.chat.completions.create(model="no-such-model", messages=messages)
@@ -93,7 +104,7 @@ def main(base_url, model):
         check(err.status_code == 400, err)
         check("n" == (err.body or {}).get("param"), err.body)
 
-    print(f"ok: openai {openai.__version__} against {base_url}: models, chat, streaming, errors")
+    print(f"ok: openai {openai.__version__} against {base_url}: models, chat, streaming, completions, errors")
 
 
 if __name__ == "__main__":

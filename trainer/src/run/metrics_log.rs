@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize};
 
 use super::error::TrainError;
 
@@ -57,8 +58,21 @@ pub struct StepRecord {
     /// Greedy validation per data source, as `val/<source>/<metric>` keys (see
     /// `ValidationReport::metrics`), on the steps that validate. Step 0, when present, holds
     /// only the validation run before training.
-    #[serde(flatten)]
+    #[serde(flatten, deserialize_with = "validation_keys")]
     pub validation_by_source: BTreeMap<String, f32>,
+}
+
+/// The `val/…` keys of a record among the keys no other field took (others are ignored, as
+/// for every record); a `val/…` key must hold a number.
+fn validation_keys<'de, D: Deserializer<'de>>(deserializer: D) -> Result<BTreeMap<String, f32>, D::Error> {
+    let rest = BTreeMap::<String, serde_json::Value>::deserialize(deserializer)?;
+    rest.into_iter()
+        .filter(|(key, _)| key.starts_with("val/"))
+        .map(|(key, value)| match value.as_f64() {
+            Some(number) => Ok((key, number as f32)),
+            None => Err(D::Error::custom(format!("{key} must be a number, not {value}"))),
+        })
+        .collect()
 }
 
 /// Appends one record as a line and flushes it to disk.
@@ -107,4 +121,28 @@ pub fn truncate_after(run_dir: &Path, step: u64) -> Result<(), TrainError> {
         path,
         reason: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_keys_round_trip_and_other_keys_are_ignored() {
+        let record = StepRecord {
+            step: 3,
+            groups_no_signal: 2,
+            validation_by_source: BTreeMap::from([("val/hotpot/reward".to_string(), 0.5)]),
+            ..StepRecord::default()
+        };
+        let mut json = serde_json::to_value(&record).unwrap();
+        assert_eq!(json["val/hotpot/reward"], 0.5);
+        assert_eq!(json["batch/groups_no_signal"], 2);
+        json["someone_elses_key"] = serde_json::json!(null);
+        let back: StepRecord = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(back, record);
+        json["val/hotpot/f1"] = serde_json::json!("high");
+        let err = serde_json::from_value::<StepRecord>(json).unwrap_err().to_string();
+        assert!(err.contains("val/hotpot/f1"), "{err}");
+    }
 }
