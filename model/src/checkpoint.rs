@@ -375,6 +375,12 @@ pub fn write_safetensors_with(
         return Err(e);
     }
     File::open(&tmp).and_then(|f| f.sync_all()).map_err(io)?;
+    // The serializer's temporary file is private (0600); a model is meant to be read by others.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).map_err(io)?;
+    }
     std::fs::rename(&tmp, &path).map_err(io)?;
     Ok(path)
 }
