@@ -55,10 +55,7 @@ pub fn run(args: Args) -> Result<()> {
         cols: 3,
         panels: panels(&records),
     };
-    let png = figure
-        .render(args.width, args.height)
-        .to_png()
-        .context("cannot encode the PNG")?;
+    let png = figure.render_png(args.width, args.height)?;
     let out = args
         .out
         .clone()
