@@ -205,11 +205,11 @@ fn missing_or_empty_metrics_fails() {
 fn bad_size_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     twenty_steps(dir.path());
-    let output = plot(&[dir.path().to_str().unwrap(), "--width", "10"]);
-    assert_eq!(output.status.code(), Some(1));
-    assert!(
-        text(&output.stderr).contains("out of range"),
-        "{}",
-        text(&output.stderr)
-    );
+    for (flag, value, range) in [("--width", "10", "300..=8000"), ("--height", "9000", "200..=8000")] {
+        let output = plot(&[dir.path().to_str().unwrap(), flag, value]);
+        assert_eq!(output.status.code(), Some(2), "clap's usage error");
+        let err = text(&output.stderr);
+        assert!(err.contains(flag) && err.contains(range), "{err}");
+    }
+    assert!(!dir.path().join("curves.png").exists());
 }
