@@ -4,8 +4,6 @@
 mod agent_flags;
 mod cmd;
 mod device;
-#[cfg(target_os = "linux")]
-mod large_alloc;
 mod model_dir;
 mod plot;
 mod serve;
@@ -52,11 +50,11 @@ enum Command {
 /// Keeps freed tensor buffers for reuse instead of returning them to the kernel.
 #[cfg(target_os = "linux")]
 #[global_allocator]
-static ALLOCATOR: large_alloc::CachingAllocator = large_alloc::CachingAllocator;
+static ALLOCATOR: model::cpu_kernels::large_alloc::CachingAllocator = model::cpu_kernels::large_alloc::CachingAllocator;
 
 fn main() {
     #[cfg(target_os = "linux")]
-    if let Err(e) = large_alloc::configure_from_env() {
+    if let Err(e) = model::cpu_kernels::large_alloc::configure_from_env() {
         eprintln!("error: {e}");
         std::process::exit(2);
     }
