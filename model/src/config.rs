@@ -288,6 +288,11 @@ impl Preset {
             .map(|(_, p)| *p)
     }
 
+    /// The preset's CLI name.
+    pub fn name(self) -> &'static str {
+        Self::ALL.iter().find(|(_, p)| *p == self).map_or("model", |(n, _)| n)
+    }
+
     /// Whether the preset ships with the project's own small tokenizer (the real Qwen3
     /// vocabulary is only used by the full-size shapes).
     pub fn uses_tiny_tokenizer(self) -> bool {

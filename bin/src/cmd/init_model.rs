@@ -69,7 +69,7 @@ pub fn run(args: Args) -> Result<()> {
     progress.finish_and_clear();
     eprintln!(
         "wrote {} ({} parameters, {} layers, hidden {}, vocab {}) to {}",
-        Preset::ALL.iter().find(|(_, p)| *p == args.preset).map_or("model", |(n, _)| n),
+        args.preset.name(),
         config.num_parameters(),
         config.num_hidden_layers,
         config.hidden_size,
