@@ -9,6 +9,8 @@ mod plot;
 mod serve;
 
 use clap::{Parser, Subcommand};
+#[cfg(target_os = "linux")]
+use model::cpu_kernels::large_alloc;
 
 /// Prompt-R1 in Rust: a small Qwen3 agent trained with GRPO to prompt a large LLM.
 #[derive(Parser)]
@@ -50,11 +52,11 @@ enum Command {
 /// Keeps freed tensor buffers for reuse instead of returning them to the kernel.
 #[cfg(target_os = "linux")]
 #[global_allocator]
-static ALLOCATOR: model::cpu_kernels::large_alloc::CachingAllocator = model::cpu_kernels::large_alloc::CachingAllocator;
+static ALLOCATOR: large_alloc::CachingAllocator = large_alloc::CachingAllocator;
 
 fn main() {
     #[cfg(target_os = "linux")]
-    if let Err(e) = model::cpu_kernels::large_alloc::configure_from_env() {
+    if let Err(e) = large_alloc::configure_from_env() {
         eprintln!("error: {e}");
         std::process::exit(2);
     }

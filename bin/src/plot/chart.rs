@@ -32,12 +32,15 @@ const FONT_BYTES: &[u8] = include_bytes!("../../../assets/fonts/DejaVuSans-Latin
 /// Registers the embedded font with plotters once per process.
 fn register_font() -> Result<()> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();
-    let ok = *REGISTERED
-        .get_or_init(|| plotters::style::register_font(FONT, FontStyle::Normal, FONT_BYTES).is_ok());
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font(FONT, FontStyle::Normal, FONT_BYTES).is_ok()
+    });
     if ok {
         Ok(())
     } else {
-        Err(anyhow!("the embedded plot font is not a valid TrueType font"))
+        Err(anyhow!(
+            "the embedded plot font is not a valid TrueType font"
+        ))
     }
 }
 
@@ -174,7 +177,9 @@ impl Panel {
     }
 
     fn y_range(series: &[Series], band: Option<&Band>) -> Option<Range<f64>> {
-        let values = series.iter().flat_map(|s| (0..s.values.len()).filter_map(move |i| s.value(i)));
+        let values = series
+            .iter()
+            .flat_map(|s| (0..s.values.len()).filter_map(move |i| s.value(i)));
         let band_values = band
             .into_iter()
             .flat_map(|b| (0..b.lo.len().max(b.hi.len())).filter_map(move |i| b.at(i)))
@@ -186,10 +191,12 @@ impl Panel {
 /// The range of `values` widened by `margin` of its span on each side (a single value gets a
 /// unit-wide range), or `None` without finite values.
 fn padded(values: impl Iterator<Item = f64>, margin: f64) -> Option<Range<f64>> {
-    let (lo, hi) = values.filter(|v| v.is_finite()).fold(None, |acc, v| match acc {
-        None => Some((v, v)),
-        Some((lo, hi)) => Some((f64::min(lo, v), f64::max(hi, v))),
-    })?;
+    let (lo, hi) = values
+        .filter(|v| v.is_finite())
+        .fold(None, |acc, v| match acc {
+            None => Some((v, v)),
+            Some((lo, hi)) => Some((f64::min(lo, v), f64::max(hi, v))),
+        })?;
     let span = hi - lo;
     if span > 0.0 {
         Some(lo - margin * span..hi + margin * span)
@@ -256,7 +263,8 @@ impl Figure {
                 let (top, body) = root.split_vertically(header);
                 let font = (FONT, text as f64 * 1.3).into_font().color(&INK);
                 let style = font.pos(Pos::new(HPos::Left, VPos::Center));
-                top.draw_text(&self.title, &style, (12, header as i32 / 2)).map_err(draw_error)?;
+                top.draw_text(&self.title, &style, (12, header as i32 / 2))
+                    .map_err(draw_error)?;
                 body
             };
             for (area, panel) in body.split_evenly((rows, cols)).iter().zip(&self.panels) {
@@ -273,7 +281,8 @@ fn draw_error<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) ->
 }
 
 type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
-type DrawResult<'a> = Result<(), DrawingAreaErrorKind<<BitMapBackend<'a> as DrawingBackend>::ErrorType>>;
+type DrawResult<'a> =
+    Result<(), DrawingAreaErrorKind<<BitMapBackend<'a> as DrawingBackend>::ErrorType>>;
 
 fn draw_panel<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
     let label = (FONT, text as f64).into_font();
@@ -295,7 +304,11 @@ fn draw_panel<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
         .build_cartesian_2d(x_range.clone(), left_range.clone())?;
     let x_span = x_range.end - x_range.start;
     let y_span = left_range.end - left_range.start;
-    let left_color = if right_range.is_some() { panel.left[0].color } else { INK };
+    let left_color = if right_range.is_some() {
+        panel.left[0].color
+    } else {
+        INK
+    };
     chart
         .configure_mesh()
         .light_line_style(WHITE)
@@ -314,7 +327,11 @@ fn draw_panel<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
         let color = band.color;
         let outlines = band.polygons(&panel.xs);
         chart
-            .draw_series(outlines.into_iter().map(|o| Polygon::new(o, color.filled())))?
+            .draw_series(
+                outlines
+                    .into_iter()
+                    .map(|o| Polygon::new(o, color.filled())),
+            )?
             .label(band.name.as_str())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
         entries += 1;
@@ -322,11 +339,18 @@ fn draw_panel<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
     for series in panel.left.iter().filter(|s| s.has_data()) {
         let (paths, dots) = shapes(panel, series);
         let color = series.color;
-        let lines = chart.draw_series(paths.into_iter().map(|p| PathElement::new(p, color.stroke_width(2))))?;
+        let lines = chart.draw_series(
+            paths
+                .into_iter()
+                .map(|p| PathElement::new(p, color.stroke_width(2))),
+        )?;
         if series.style == Style::Line {
             legend_line(lines, series);
         }
-        let points = chart.draw_series(dots.into_iter().map(|p| Circle::new(p, marker, color.filled())))?;
+        let points = chart.draw_series(
+            dots.into_iter()
+                .map(|p| Circle::new(p, marker, color.filled())),
+        )?;
         if series.style == Style::Points {
             legend_point(points, series, marker);
         }
@@ -347,7 +371,10 @@ fn draw_panel<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
     };
     // plotters' primary mesh labels every y label area: blank the right one for the right axis.
     let (w, h) = area.dim_in_pixel();
-    let right_labels = [(w as i32 - margin - 4 * text as i32, 0), (w as i32, h as i32)];
+    let right_labels = [
+        (w as i32 - margin - 4 * text as i32, 0),
+        (w as i32, h as i32),
+    ];
     area.draw(&Rectangle::new(right_labels, WHITE.filled()))?;
     let right_span = right_range.end - right_range.start;
     let color = panel.right[0].color;
@@ -362,11 +389,18 @@ fn draw_panel<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
     for series in panel.right.iter().filter(|s| s.has_data()) {
         let (paths, dots) = shapes(panel, series);
         let color = series.color;
-        let lines = chart.draw_secondary_series(paths.into_iter().map(|p| PathElement::new(p, color.stroke_width(2))))?;
+        let lines = chart.draw_secondary_series(
+            paths
+                .into_iter()
+                .map(|p| PathElement::new(p, color.stroke_width(2))),
+        )?;
         if series.style == Style::Line {
             legend_line(lines, series);
         }
-        let points = chart.draw_secondary_series(dots.into_iter().map(|p| Circle::new(p, marker, color.filled())))?;
+        let points = chart.draw_secondary_series(
+            dots.into_iter()
+                .map(|p| Circle::new(p, marker, color.filled())),
+        )?;
         if series.style == Style::Points {
             legend_point(points, series, marker);
         }
@@ -382,7 +416,11 @@ fn draw_panel<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
 }
 
 /// The corner of the plot with the fewest data points near it, where the legend hides least.
-fn quietest_corner(panel: &Panel, left: &Range<f64>, right: Option<&Range<f64>>) -> SeriesLabelPosition {
+fn quietest_corner(
+    panel: &Panel,
+    left: &Range<f64>,
+    right: Option<&Range<f64>>,
+) -> SeriesLabelPosition {
     let (Some(x0), Some(x1)) = (panel.xs.first(), panel.xs.last()) else {
         return SeriesLabelPosition::UpperRight;
     };
@@ -407,9 +445,16 @@ fn quietest_corner(panel: &Panel, left: &Range<f64>, right: Option<&Range<f64>>)
         (SeriesLabelPosition::LowerLeft, 0.0, 0.0),
     ];
     let crowd = |&(_, x, y): &(SeriesLabelPosition, f64, f64)| {
-        points.iter().filter(|p| (x..x + 0.45).contains(&p.0) && (y..y + 0.45).contains(&p.1)).count()
+        points
+            .iter()
+            .filter(|p| (x..x + 0.45).contains(&p.0) && (y..y + 0.45).contains(&p.1))
+            .count()
     };
-    corners.iter().min_by_key(|c| crowd(c)).map(|c| c.0.clone()).unwrap_or(SeriesLabelPosition::UpperRight)
+    corners
+        .iter()
+        .min_by_key(|c| crowd(c))
+        .map(|c| c.0.clone())
+        .unwrap_or(SeriesLabelPosition::UpperRight)
 }
 
 /// A series as paths (runs of two or more values, when drawn as a line) and single points
@@ -444,12 +489,21 @@ fn legend_point<DB: DrawingBackend>(anno: &mut SeriesAnno<'_, DB>, series: &Seri
 fn draw_empty<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
     let (w, h) = area.dim_in_pixel();
     let margin = text as i32 / 2 + 4;
-    let title = (FONT, text as f64 * 1.15).into_font().color(&INK).pos(Pos::new(HPos::Center, VPos::Top));
+    let title = (FONT, text as f64 * 1.15)
+        .into_font()
+        .color(&INK)
+        .pos(Pos::new(HPos::Center, VPos::Top));
     area.draw_text(&panel.title, &title, (w as i32 / 2, margin))?;
     let top = margin + 2 * text as i32;
-    let frame = [(margin + 4 * text as i32, top), (w as i32 - margin, h as i32 - margin - 2 * text as i32)];
+    let frame = [
+        (margin + 4 * text as i32, top),
+        (w as i32 - margin, h as i32 - margin - 2 * text as i32),
+    ];
     area.draw(&Rectangle::new(frame, MUTED))?;
-    let na = (FONT, text as f64 * 2.0).into_font().color(&MUTED).pos(Pos::new(HPos::Center, VPos::Center));
+    let na = (FONT, text as f64 * 2.0)
+        .into_font()
+        .color(&MUTED)
+        .pos(Pos::new(HPos::Center, VPos::Center));
     let centre = ((frame[0].0 + frame[1].0) / 2, (frame[0].1 + frame[1].1) / 2);
     area.draw_text("n/a", &na, centre)
 }
@@ -459,7 +513,13 @@ mod tests {
     use super::*;
 
     /// Pixels of exactly `color` within columns `x0..x1` and rows `y0..y1` of an RGB image.
-    fn count(pixels: &[u8], width: u32, (x0, x1): (u32, u32), (y0, y1): (u32, u32), color: Rgb) -> usize {
+    fn count(
+        pixels: &[u8],
+        width: u32,
+        (x0, x1): (u32, u32),
+        (y0, y1): (u32, u32),
+        color: Rgb,
+    ) -> usize {
         let mut n = 0;
         for y in y0..y1 {
             for x in x0..x1 {
@@ -473,7 +533,12 @@ mod tests {
     #[test]
     fn panels_draw_their_series_or_say_n_a() {
         let xs: Vec<f64> = (1..=10).map(f64::from).collect();
-        let rising = Series::new("a", BLUE, Style::Line, xs.iter().map(|&x| Some(x * x)).collect());
+        let rising = Series::new(
+            "a",
+            BLUE,
+            Style::Line,
+            xs.iter().map(|&x| Some(x * x)).collect(),
+        );
         let empty = Series::new("b", ORANGE, Style::Line, vec![None; 10]);
         let fig = Figure {
             title: "test".into(),
@@ -485,9 +550,16 @@ mod tests {
         };
         let pixels = fig.render(900, 400).unwrap();
         assert_eq!(pixels.len(), 900 * 400 * 3);
-        assert!(count(&pixels, 900, (0, 450), (0, 400), BLUE) > 200, "line drawn");
+        assert!(
+            count(&pixels, 900, (0, 450), (0, 400), BLUE) > 200,
+            "line drawn"
+        );
         assert_eq!(count(&pixels, 900, (450, 900), (0, 400), BLUE), 0);
-        assert_eq!(count(&pixels, 900, (450, 900), (0, 400), ORANGE), 0, "no data, no line");
+        assert_eq!(
+            count(&pixels, 900, (450, 900), (0, 400), ORANGE),
+            0,
+            "no data, no line"
+        );
         // The frame and "n/a" of the empty panel, in muted grey.
         assert!(count(&pixels, 900, (450, 900), (40, 400), MUTED) > 300);
     }
@@ -514,17 +586,33 @@ mod tests {
     #[test]
     fn nan_and_missing_values_leave_gaps() {
         let xs: Vec<f64> = (0..5).map(f64::from).collect();
-        let s = Series::new("a", RED, Style::Line, vec![Some(f64::NAN), None, Some(f64::INFINITY)]);
+        let s = Series::new(
+            "a",
+            RED,
+            Style::Line,
+            vec![Some(f64::NAN), None, Some(f64::INFINITY)],
+        );
         assert!(!Panel::new("t", xs.clone()).left(s).has_data());
-        let s = Series::new("a", RED, Style::Line, vec![Some(1.0), Some(2.0), None, Some(3.0), Some(f64::NAN)]);
-        assert_eq!(s.runs(&xs), vec![vec![(0.0, 1.0), (1.0, 2.0)], vec![(3.0, 3.0)]]);
+        let s = Series::new(
+            "a",
+            RED,
+            Style::Line,
+            vec![Some(1.0), Some(2.0), None, Some(3.0), Some(f64::NAN)],
+        );
+        assert_eq!(
+            s.runs(&xs),
+            vec![vec![(0.0, 1.0), (1.0, 2.0)], vec![(3.0, 3.0)]]
+        );
         let band = Band {
             name: "b".into(),
             color: LIGHT_BLUE,
             lo: vec![Some(0.0), Some(1.0), None],
             hi: vec![Some(2.0), Some(3.0), Some(4.0)],
         };
-        assert_eq!(band.polygons(&xs), vec![vec![(0.0, 2.0), (1.0, 3.0), (1.0, 1.0), (0.0, 0.0)]]);
+        assert_eq!(
+            band.polygons(&xs),
+            vec![vec![(0.0, 2.0), (1.0, 3.0), (1.0, 1.0), (0.0, 0.0)]]
+        );
     }
 
     #[test]

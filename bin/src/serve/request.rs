@@ -93,18 +93,34 @@ struct ChatTemplateKwargs {
 
 /// Parses and checks a request body.
 pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
-    let body: Body = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body))
-        .map_err(deserialize_error)?;
+    let body: Body =
+        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body))
+            .map_err(deserialize_error)?;
     if integer(body.n.as_ref(), "n", 1)?.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid_value("Only n = 1 is supported.", "n"));
     }
     if body.logprobs == Some(true) {
-        return Err(ApiError::invalid_value("logprobs are not supported by this server.", "logprobs"));
+        return Err(ApiError::invalid_value(
+            "logprobs are not supported by this server.",
+            "logprobs",
+        ));
     }
-    if body.tools.as_ref().and_then(Value::as_array).is_some_and(|tools| !tools.is_empty()) {
-        return Err(ApiError::invalid_value("Tools are not supported by this server.", "tools"));
+    if body
+        .tools
+        .as_ref()
+        .and_then(Value::as_array)
+        .is_some_and(|tools| !tools.is_empty())
+    {
+        return Err(ApiError::invalid_value(
+            "Tools are not supported by this server.",
+            "tools",
+        ));
     }
-    let max_tokens = match integer(body.max_completion_tokens.as_ref(), "max_completion_tokens", 1)? {
+    let max_tokens = match integer(
+        body.max_completion_tokens.as_ref(),
+        "max_completion_tokens",
+        1,
+    )? {
         Some(n) => Some(n),
         None => integer(body.max_tokens.as_ref(), "max_tokens", 1)?,
     };
@@ -113,12 +129,16 @@ pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
         messages: messages(body.messages)?,
         temperature: in_range(body.temperature, "temperature", 0.0, 2.0, true)?,
         top_p: in_range(body.top_p, "top_p", 0.0, 1.0, false)?,
-        top_k: integer(body.top_k.as_ref(), "top_k", 0)?.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
+        top_k: integer(body.top_k.as_ref(), "top_k", 0)?
+            .map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
         max_tokens: max_tokens.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         seed: body.seed.map(|n| seed(&n)).transpose()?,
         stop: stop(body.stop)?,
         stream: body.stream.unwrap_or(false),
-        include_usage: body.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+        include_usage: body
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
         enable_thinking: body.chat_template_kwargs.and_then(|k| k.enable_thinking),
     })
 }
@@ -129,7 +149,10 @@ fn deserialize_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiErr
     let param = e.path().to_string();
     let inner = e.into_inner();
     if inner.is_syntax() || inner.is_eof() {
-        ApiError::invalid(format!("We could not parse the JSON body of your request ({inner})."), None)
+        ApiError::invalid(
+            format!("We could not parse the JSON body of your request ({inner})."),
+            None,
+        )
     } else if param == "." || param.starts_with('[') {
         // serde would read a struct from an array too: a path into one means the body is one.
         ApiError::invalid("The request body must be a JSON object.", None)
@@ -139,12 +162,19 @@ fn deserialize_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiErr
 }
 
 fn type_error(param: &str, expected: &str) -> ApiError {
-    ApiError::invalid(format!("Invalid type for '{param}': {expected}."), Some(param)).with_code("invalid_type")
+    ApiError::invalid(
+        format!("Invalid type for '{param}': {expected}."),
+        Some(param),
+    )
+    .with_code("invalid_type")
 }
 
 fn missing(param: &str) -> ApiError {
-    ApiError::invalid(format!("Missing required parameter: '{param}'."), Some(param))
-        .with_code("missing_required_parameter")
+    ApiError::invalid(
+        format!("Missing required parameter: '{param}'."),
+        Some(param),
+    )
+    .with_code("missing_required_parameter")
 }
 
 /// A whole number `>= min` (`7.0` counts as 7).
@@ -152,24 +182,39 @@ fn integer(value: Option<&Number>, key: &str, min: u64) -> Result<Option<u64>, A
     let Some(value) = value else {
         return Ok(None);
     };
-    let n = value
-        .as_u64()
-        .or_else(|| value.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0).map(|f| f as u64));
+    let n = value.as_u64().or_else(|| {
+        value
+            .as_f64()
+            .filter(|f| f.fract() == 0.0 && *f >= 0.0)
+            .map(|f| f as u64)
+    });
     match n {
         Some(n) if n >= min => Ok(Some(n)),
-        _ => Err(ApiError::invalid_value(format!("'{key}' must be an integer >= {min}, got {value}."), key)),
+        _ => Err(ApiError::invalid_value(
+            format!("'{key}' must be an integer >= {min}, got {value}."),
+            key,
+        )),
     }
 }
 
 /// A number in `[min, max]` (`(min, max]` when `min_inclusive` is false).
-fn in_range(value: Option<f64>, key: &str, min: f64, max: f64, min_inclusive: bool) -> Result<Option<f32>, ApiError> {
+fn in_range(
+    value: Option<f64>,
+    key: &str,
+    min: f64,
+    max: f64,
+    min_inclusive: bool,
+) -> Result<Option<f32>, ApiError> {
     let Some(x) = value else {
         return Ok(None);
     };
     let above = if min_inclusive { x >= min } else { x > min };
     if !(above && x <= max) {
         let open = if min_inclusive { '[' } else { '(' };
-        return Err(ApiError::invalid_value(format!("'{key}' must be in {open}{min}, {max}], got {x}."), key));
+        return Err(ApiError::invalid_value(
+            format!("'{key}' must be in {open}{min}, {max}], got {x}."),
+            key,
+        ));
     }
     Ok(Some(x as f32))
 }
@@ -200,32 +245,43 @@ fn stop(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
 fn messages(items: Option<Vec<Message>>) -> Result<Vec<ChatMessage>, ApiError> {
     let items = items.ok_or_else(|| missing("messages"))?;
     if items.is_empty() {
-        return Err(ApiError::invalid_value("'messages' must hold at least one message.", "messages"));
+        return Err(ApiError::invalid_value(
+            "'messages' must hold at least one message.",
+            "messages",
+        ));
     }
-    items.into_iter().enumerate().map(|(i, item)| message(i, item)).collect()
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| message(i, item))
+        .collect()
 }
 
 fn message(index: usize, item: Message) -> Result<ChatMessage, ApiError> {
     let param = |field: &str| format!("messages[{index}].{field}");
-    let role = match item.role.as_deref() {
-        Some("system" | "developer") => Role::System,
-        Some("user") => Role::User,
-        Some("assistant") => Role::Assistant,
-        Some(other) => {
-            return Err(ApiError::invalid_value(
-                format!("Role '{other}' is not supported: use system, developer, user or assistant."),
+    let role =
+        match item.role.as_deref() {
+            Some("system" | "developer") => Role::System,
+            Some("user") => Role::User,
+            Some("assistant") => Role::Assistant,
+            Some(other) => return Err(ApiError::invalid_value(
+                format!(
+                    "Role '{other}' is not supported: use system, developer, user or assistant."
+                ),
                 &param("role"),
-            ))
-        }
-        None => return Err(missing(&param("role"))),
-    };
+            )),
+            None => return Err(missing(&param("role"))),
+        };
     let content = match item.content {
         Some(Content::Text(text)) => text,
         Some(Content::Parts(parts)) => parts
             .iter()
             .map(|part| match (part.kind.as_deref(), &part.text) {
                 (Some("text") | None, Some(Value::String(text))) => Ok(text.as_str()),
-                _ => Err(ApiError::invalid_value("Only text content parts are supported.", &param("content"))),
+                _ => Err(ApiError::invalid_value(
+                    "Only text content parts are supported.",
+                    &param("content"),
+                )),
             })
             .collect::<Result<String, _>>()?,
         None if role == Role::Assistant => String::new(),
@@ -290,15 +346,23 @@ mod tests {
 
     #[test]
     fn a_wrong_type_deep_in_the_body_names_its_path() {
-        let body = r#"{"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": 5}]}"#;
+        let body =
+            r#"{"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": 5}]}"#;
         let err = parse_str(body).unwrap_err();
         assert_eq!(err.param.as_deref(), Some("messages[1].content"));
         assert_eq!(err.code, Some("invalid_type"));
-        assert!(err.message.contains("a string or an array of text parts"), "{}", err.message);
+        assert!(
+            err.message.contains("a string or an array of text parts"),
+            "{}",
+            err.message
+        );
         let body = r#"{"messages": [{"role": 3, "content": "q"}]}"#;
         assert_eq!(param_of(body).as_deref(), Some("messages[0].role"));
         let body = r#"{"messages": [{"role": "user", "content": "q"}], "stream_options": {"include_usage": 1}}"#;
-        assert_eq!(param_of(body).as_deref(), Some("stream_options.include_usage"));
+        assert_eq!(
+            param_of(body).as_deref(),
+            Some("stream_options.include_usage")
+        );
     }
 
     #[test]

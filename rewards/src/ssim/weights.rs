@@ -122,9 +122,16 @@ mod tests {
     #[test]
     fn rejects_a_file_that_is_not_safetensors() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("model.safetensors"), b"not a safetensors file").unwrap();
+        std::fs::write(
+            dir.path().join("model.safetensors"),
+            b"not a safetensors file",
+        )
+        .unwrap();
         let err = WeightReader::open(dir.path()).err().unwrap();
-        assert!(matches!(err, SsimError::Weights(ModelError::Safetensors { .. })), "{err}");
+        assert!(
+            matches!(err, SsimError::Weights(ModelError::Safetensors { .. })),
+            "{err}"
+        );
         assert!(err.to_string().contains("model.safetensors"), "{err}");
     }
 }
