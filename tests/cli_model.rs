@@ -64,7 +64,8 @@ fn refusing_to_overwrite_and_bad_presets() {
     assert!(!again.status.success());
     assert!(String::from_utf8_lossy(&again.stderr).contains("--force"));
     let bad = prompt_r1(&["init-model", "--preset", "huge", "--out", &model]);
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown preset"));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("'huge'") && err.contains("possible values: tiny, small"), "{err}");
 }
 
 /// A model directory without tokenizer.json works with ids and prints `"text": null`.

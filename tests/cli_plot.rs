@@ -15,13 +15,13 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// One metrics line per step, as the trainer writes them; validation every 5 steps, no
+/// One metrics line per step, as the trainer writes them (verl's metric names); validation every 5 steps, no
 /// entropy or peak RSS (those panels say n/a).
 fn metrics_line(step: u64) -> String {
     let s = step as f32;
     let validation = if step % 5 == 0 {
         format!(
-            r#","validation_reward":{},"validation_f1":{}"#,
+            r#","val/reward/mean":{},"val/f1/mean":{}"#,
             0.2 + 0.02 * s,
             0.3 + 0.02 * s
         )
@@ -30,12 +30,14 @@ fn metrics_line(step: u64) -> String {
     };
     format!(
         concat!(
-            r#"{{"step":{step},"epoch":0,"reward_mean":{rm},"reward_std":{rs},"format_mean":{fm},"#,
-            r#""f1_mean":{f1},"loss":{loss},"pg_loss":{pg},"kl":{kl},"clip_frac":{cf},"#,
-            r#""dual_clip_frac":0.0,"approx_kl":{akl},"grad_norm":{gn},"optimizer_steps":1,"#,
-            r#""skipped_steps":0,"env_failures":0,"episodes":8,"agent_tokens":1200,"#,
-            r#""mean_response_tokens":{tok},"mean_turns":{turns},"rollout_secs":3.5,"#,
-            r#""learn_secs":1.25,"rollout_tokens_per_sec":340.0{validation}}}"#
+            r#"{{"training/global_step":{step},"training/epoch":0,"critic/score/mean":{rm},"#,
+            r#""critic/score/std":{rs},"reward/format/mean":{fm},"reward/f1/mean":{f1},"#,
+            r#""actor/loss":{loss},"actor/pg_loss":{pg},"actor/kl_loss":{kl},"actor/pg_clipfrac":{cf},"#,
+            r#""actor/pg_clipfrac_lower":0.0,"actor/ppo_kl":{akl},"actor/grad_norm":{gn},"#,
+            r#""actor/optimizer_steps":1,"actor/skipped_steps":0,"rollout/env_failures":0,"#,
+            r#""rollout/episodes":8,"rollout/agent_tokens":1200,"response_length/mean":{tok},"#,
+            r#""num_turns/mean":{turns},"timing_s/gen":3.5,"timing_s/update_actor":1.25,"#,
+            r#""perf/gen_tokens_per_s":340.0{validation}}}"#
         ),
         step = step,
         rm = 0.1 + 0.03 * s,
@@ -203,11 +205,11 @@ fn missing_or_empty_metrics_fails() {
 fn bad_size_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     twenty_steps(dir.path());
-    let output = plot(&[dir.path().to_str().unwrap(), "--width", "10"]);
-    assert_eq!(output.status.code(), Some(1));
-    assert!(
-        text(&output.stderr).contains("out of range"),
-        "{}",
-        text(&output.stderr)
-    );
+    for (flag, value, range) in [("--width", "10", "300..=8000"), ("--height", "9000", "200..=8000")] {
+        let output = plot(&[dir.path().to_str().unwrap(), flag, value]);
+        assert_eq!(output.status.code(), Some(2), "clap's usage error");
+        let err = text(&output.stderr);
+        assert!(err.contains(flag) && err.contains(range), "{err}");
+    }
+    assert!(!dir.path().join("curves.png").exists());
 }

@@ -4,13 +4,13 @@
 mod agent_flags;
 mod cmd;
 mod device;
-#[cfg(target_os = "linux")]
-mod large_alloc;
 mod model_dir;
 mod plot;
 mod serve;
 
 use clap::{Parser, Subcommand};
+#[cfg(target_os = "linux")]
+use model::cpu_kernels::large_alloc;
 
 /// Prompt-R1 in Rust: a small Qwen3 agent trained with GRPO to prompt a large LLM.
 #[derive(Parser)]

@@ -4,8 +4,9 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use burn::tensor::{backend::Backend, DType};
+use model::checkpoint::StorageDtype;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, LoadOptions, MatmulPrecision, Qwen3ForCausalLM};
+use model::{load_pretrained, LoadOptions, MatmulPrecision, Preset, Qwen3ForCausalLM};
 
 /// A loaded checkpoint and its optional tokenizer.
 pub struct LoadedModel<B: Backend> {
@@ -79,6 +80,31 @@ pub fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
         return Err("no token ids given".into());
     }
     Ok(ids)
+}
+
+/// The dtype of weights written to a file (`init-model --dtype`, `export --dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FileDtype {
+    #[value(alias = "float32")]
+    F32,
+    #[value(alias = "bfloat16")]
+    Bf16,
+}
+
+impl From<FileDtype> for StorageDtype {
+    fn from(dtype: FileDtype) -> Self {
+        match dtype {
+            FileDtype::F32 => StorageDtype::F32,
+            FileDtype::Bf16 => StorageDtype::BF16,
+        }
+    }
+}
+
+/// The `--preset` flag: one of the names in [`Preset::ALL`], listed by `--help` and in errors.
+pub fn preset_parser() -> impl clap::builder::TypedValueParser<Value = Preset> {
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(Preset::ALL.map(|(name, _)| name))
+        .map(|name| Preset::from_name(&name).expect("the parser admits only listed names"))
 }
 
 /// Parses the `--dtype` flag of the model commands.

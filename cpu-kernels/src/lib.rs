@@ -22,6 +22,9 @@
 //! [`mod@isa`] says which code paths run: the host's best instruction-set level, or a lower one
 //! (`PROMPT_R1_CPU_ISA=portable|avx2|avx512|avx512bf16`), or none at all
 //! (`PROMPT_R1_PORTABLE_OPS=1`: burn's ops everywhere, the path GPU backends take).
+//!
+//! On Linux, [`large_alloc`] is a global allocator for the binary that keeps the large buffers
+//! the CPU backend's tensors live in for reuse instead of handing them back to the kernel.
 
 /// Evaluates `$body` in a copy compiled with AVX-512 enabled when the kernels run at that level
 /// (see [`isa`]), so that the loops inlined into it vectorise 16 lanes wide; otherwise as
@@ -55,6 +58,8 @@ mod bf16_rate;
 mod flex;
 mod fused;
 pub mod isa;
+#[cfg(target_os = "linux")]
+pub mod large_alloc;
 pub mod ops;
 mod tracked;
 mod transpose;

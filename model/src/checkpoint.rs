@@ -2,13 +2,15 @@
 //! sharded set (`model.safetensors.index.json`), and writing a checkpoint back in that layout.
 //! This module knows files and bytes, not the model: `load` maps names to model parameters.
 
-use std::collections::{BTreeMap, HashMap};
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
-use safetensors::tensor::{Dtype, Metadata};
+use safetensors::tensor::{Dtype, Metadata, View};
 
 use crate::error::ModelError;
 
@@ -331,71 +333,128 @@ pub fn write_safetensors(
 
 /// Streaming form of [`write_safetensors`]: `entries` name every tensor and its shape, and
 /// `values(name)` produces one tensor's values at a time, so a checkpoint larger than memory can
-/// be written.
+/// be written. The file is written by the `safetensors` crate with the `{"format": "pt"}` header
+/// metadata that transformers expects, under a temporary name, synced, then renamed.
 pub fn write_safetensors_with(
     dir: &Path,
     entries: &[(String, Vec<usize>)],
     dtype: StorageDtype,
-    mut values: impl FnMut(&str) -> Result<Vec<f32>, ModelError>,
+    values: impl FnMut(&str) -> Result<Vec<f32>, ModelError>,
 ) -> Result<PathBuf, ModelError> {
     let path = dir.join(SINGLE_FILE);
+    let tmp = dir.join(format!(".{SINGLE_FILE}.tmp"));
     let io = |source| ModelError::Io {
         path: path.clone(),
         source,
     };
-    let (elem, dtype_name) = match dtype {
-        StorageDtype::F32 => (4, "F32"),
-        StorageDtype::BF16 => (2, "BF16"),
-        StorageDtype::F16 => (2, "F16"),
+    let source = TensorSource {
+        values: RefCell::new(values),
+        failure: RefCell::new(None),
     };
-    let mut ordered: Vec<&(String, Vec<usize>)> = entries.iter().collect();
-    ordered.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut header = BTreeMap::new();
-    let mut offset = 0usize;
-    for (name, shape) in &ordered {
-        let n: usize = shape.iter().product();
-        header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype_name, "shape": shape, "data_offsets": [offset, offset + n * elem]}),
-        );
-        offset += n * elem;
+    let views = entries.iter().map(|(name, shape)| {
+        let view = LazyTensor {
+            name,
+            shape,
+            dtype,
+            source: &source,
+        };
+        (name.as_str(), view)
+    });
+    let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    let written = safetensors::serialize_to_file(views, Some(metadata), &tmp);
+    let failure = source.failure.into_inner();
+    if let Err(e) = written.map_err(|e| ModelError::Safetensors {
+        path: path.clone(),
+        reason: e.to_string(),
+    }) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(failure.unwrap_or(e));
     }
-    let mut header_json = serde_json::to_string(&header).expect("header serialises");
-    while (8 + header_json.len()) % 8 != 0 {
-        header_json.push(' ');
+    if let Some(e) = failure {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
-    let tmp = dir.join(format!(".{SINGLE_FILE}.tmp"));
+    File::open(&tmp).and_then(|f| f.sync_all()).map_err(io)?;
+    // The serializer's temporary file is private (0600); a model is meant to be read by others.
+    #[cfg(unix)]
     {
-        let file = File::create(&tmp).map_err(io)?;
-        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
-        out.write_all(&(header_json.len() as u64).to_le_bytes()).map_err(io)?;
-        out.write_all(header_json.as_bytes()).map_err(io)?;
-        let mut bytes = Vec::new();
-        for (name, shape) in &ordered {
-            let data = values(name)?;
-            let n: usize = shape.iter().product();
-            if data.len() != n {
-                return Err(ModelError::Input(format!(
-                    "tensor \"{name}\" has {} values for shape {shape:?}",
-                    data.len()
-                )));
-            }
-            bytes.clear();
-            bytes.reserve(n * elem);
-            for v in &data {
-                match dtype {
-                    StorageDtype::F32 => bytes.extend_from_slice(&v.to_le_bytes()),
-                    StorageDtype::BF16 => bytes.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes()),
-                    StorageDtype::F16 => bytes.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes()),
-                }
-            }
-            out.write_all(&bytes).map_err(io)?;
-        }
-        let file = out.into_inner().map_err(|e| io(e.into_error()))?;
-        file.sync_all().map_err(io)?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).map_err(io)?;
     }
     std::fs::rename(&tmp, &path).map_err(io)?;
     Ok(path)
+}
+
+/// The producer of tensor values shared by the views of one write, and the first error it gave.
+struct TensorSource<F> {
+    values: RefCell<F>,
+    failure: RefCell<Option<ModelError>>,
+}
+
+/// One tensor of a write, converted to its storage dtype only when the serializer asks for its
+/// bytes (so one tensor at a time is in memory).
+struct LazyTensor<'a, F> {
+    name: &'a str,
+    shape: &'a [usize],
+    dtype: StorageDtype,
+    source: &'a TensorSource<F>,
+}
+
+impl<F: FnMut(&str) -> Result<Vec<f32>, ModelError>> View for LazyTensor<'_, F> {
+    fn dtype(&self) -> Dtype {
+        match self.dtype {
+            StorageDtype::F32 => Dtype::F32,
+            StorageDtype::BF16 => Dtype::BF16,
+            StorageDtype::F16 => Dtype::F16,
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let count: usize = self.shape.iter().product();
+        let values = (self.source.values.borrow_mut())(self.name).and_then(|v| {
+            if v.len() == count {
+                Ok(v)
+            } else {
+                Err(ModelError::Input(format!(
+                    "tensor \"{}\" has {} values for shape {:?}",
+                    self.name,
+                    v.len(),
+                    self.shape
+                )))
+            }
+        });
+        let values = match values {
+            Ok(v) => v,
+            Err(e) => {
+                self.source.failure.borrow_mut().get_or_insert(e);
+                // The write is abandoned; these bytes only keep the file's length consistent.
+                return Cow::Owned(vec![0; self.data_len()]);
+            }
+        };
+        Cow::Owned(match self.dtype {
+            StorageDtype::F32 => bytemuck::cast_slice(&values).to_vec(),
+            StorageDtype::BF16 => {
+                let halves: Vec<half::bf16> = values.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                bytemuck::cast_slice(&halves).to_vec()
+            }
+            StorageDtype::F16 => {
+                let halves: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+                bytemuck::cast_slice(&halves).to_vec()
+            }
+        })
+    }
+
+    fn data_len(&self) -> usize {
+        let elem = match self.dtype {
+            StorageDtype::F32 => 4,
+            StorageDtype::BF16 | StorageDtype::F16 => 2,
+        };
+        self.shape.iter().product::<usize>() * elem
+    }
 }
 
 /// Writes a text file atomically (temporary name, sync, rename).
@@ -446,6 +505,33 @@ mod tests {
             let a = ckpt.read("a", &[2, 3]).unwrap();
             assert_eq!(a.values, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
         }
+    }
+
+    #[test]
+    fn written_file_carries_the_pytorch_format_metadata() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_safetensors(dir.path(), &sample(), StorageDtype::BF16).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let (_, metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let extra = metadata.metadata().as_ref().expect("metadata written");
+        assert_eq!(extra.get("format").map(String::as_str), Some("pt"));
+    }
+
+    #[test]
+    fn a_failed_write_keeps_the_previous_file_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_safetensors(dir.path(), &sample(), StorageDtype::F32).unwrap();
+        let before = std::fs::read(&path).unwrap();
+        let entries = vec![("a".to_owned(), vec![2, 3]), ("b".to_owned(), vec![2])];
+        let err = write_safetensors_with(dir.path(), &entries, StorageDtype::F32, |name| {
+            Ok(if name == "a" { vec![0.0; 6] } else { vec![0.0; 3] })
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("\"b\"") && err.contains("3 values"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(SINGLE_FILE)]);
     }
 
     #[test]

@@ -46,123 +46,58 @@ impl Qwen3Config {
 
     /// Parses the JSON text of a `config.json`; the error is a sentence naming the bad key.
     pub fn from_json_str(text: &str) -> Result<Self, String> {
-        let json: Value = serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
-        let obj = json.as_object().ok_or("top level is not a JSON object")?;
-        if let Some(model_type) = obj.get("model_type").and_then(Value::as_str) {
-            if model_type != "qwen3" {
-                return Err(format!(
-                    "model_type is \"{model_type}\", only \"qwen3\" is supported"
-                ));
-            }
+        let raw: HfConfig = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text))
+            .map_err(describe_json_error)?;
+        if let Some(model_type) = raw.model_type.as_deref().filter(|t| *t != "qwen3") {
+            return Err(format!("model_type is \"{model_type}\", only \"qwen3\" is supported"));
         }
-        let usize_key = |key: &str| -> Result<usize, String> {
-            match obj.get(key) {
-                None | Some(Value::Null) => Err(format!("missing key \"{key}\"")),
-                Some(v) => v
-                    .as_u64()
-                    .map(|n| n as usize)
-                    .ok_or_else(|| format!("key \"{key}\" must be a non-negative integer, got {v}")),
-            }
-        };
-        let f64_key = |key: &str| -> Result<Option<f64>, String> {
-            match obj.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_f64()
-                    .map(Some)
-                    .ok_or_else(|| format!("key \"{key}\" must be a number, got {v}")),
-            }
-        };
-        let id_key = |key: &str| -> Result<Option<u32>, String> {
-            match obj.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .map(|n| Some(n as u32))
-                    .ok_or_else(|| format!("key \"{key}\" must be a token id, got {v}")),
-            }
-        };
-
-        let hidden_size = usize_key("hidden_size")?;
-        let num_attention_heads = usize_key("num_attention_heads")?;
-        let num_key_value_heads = match obj.get("num_key_value_heads") {
-            None | Some(Value::Null) => num_attention_heads,
-            Some(_) => usize_key("num_key_value_heads")?,
-        };
-        let head_dim = match obj.get("head_dim") {
-            None | Some(Value::Null) => {
-                if num_attention_heads == 0 {
-                    return Err("num_attention_heads must be positive".into());
-                }
-                hidden_size / num_attention_heads
-            }
-            Some(_) => usize_key("head_dim")?,
+        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        let head_dim = match raw.head_dim {
+            Some(head_dim) => head_dim,
+            None if raw.num_attention_heads == 0 => return Err("num_attention_heads must be positive".into()),
+            None => raw.hidden_size / raw.num_attention_heads,
         };
         // transformers 5 nests the RoPE base in `rope_parameters`; 4.x has it at the top level.
-        let nested_theta = match obj.get("rope_parameters") {
-            Some(Value::Object(params)) => match params.get("rope_type").and_then(Value::as_str) {
-                Some("default") | None => params.get("rope_theta").and_then(Value::as_f64),
+        let nested_theta = match raw.rope_parameters {
+            Some(params) => match params.rope_type.as_deref() {
+                Some("default") | None => params.rope_theta,
                 Some(other) => {
                     return Err(format!(
                         "rope_parameters.rope_type \"{other}\" is not supported (only \"default\")"
                     ))
                 }
             },
-            _ => None,
+            None => None,
         };
-        if let Some(Value::Object(scaling)) = obj.get("rope_scaling") {
-            let kind = scaling
-                .get("rope_type")
-                .or_else(|| scaling.get("type"))
-                .and_then(Value::as_str)
-                .unwrap_or("unknown");
+        if let Some(scaling) = raw.rope_scaling {
+            let kind = scaling.rope_type.or(scaling.kind).unwrap_or_else(|| "unknown".into());
             if kind != "default" {
                 return Err(format!("rope_scaling of type \"{kind}\" is not supported"));
             }
         }
         let rope_theta = nested_theta
-            .or(f64_key("rope_theta")?)
+            .or(raw.rope_theta)
             .ok_or("missing key \"rope_theta\" (or \"rope_parameters.rope_theta\")")?;
-        let eos_token_ids = match obj.get("eos_token_id") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(ids)) => ids
-                .iter()
-                .map(|v| v.as_u64().map(|n| n as u32))
-                .collect::<Option<Vec<_>>>()
-                .ok_or("key \"eos_token_id\" must hold token ids")?,
-            Some(v) => vec![v
-                .as_u64()
-                .ok_or_else(|| format!("key \"eos_token_id\" must be a token id, got {v}"))?
-                as u32],
-        };
-        let dtype = obj
-            .get("dtype")
-            .or_else(|| obj.get("torch_dtype"))
-            .and_then(Value::as_str)
-            .map(str::to_owned);
-
         let config = Self {
-            vocab_size: usize_key("vocab_size")?,
-            hidden_size,
-            intermediate_size: usize_key("intermediate_size")?,
-            num_hidden_layers: usize_key("num_hidden_layers")?,
-            num_attention_heads,
+            vocab_size: raw.vocab_size,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: raw.num_attention_heads,
             num_key_value_heads,
             head_dim,
             rope_theta,
-            rms_norm_eps: f64_key("rms_norm_eps")?.unwrap_or(1e-6),
-            tie_word_embeddings: obj
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            max_position_embeddings: match obj.get("max_position_embeddings") {
-                None | Some(Value::Null) => 40960,
-                Some(_) => usize_key("max_position_embeddings")?,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(40960),
+            eos_token_ids: match raw.eos_token_id {
+                None => Vec::new(),
+                Some(TokenIds::One(id)) => vec![id],
+                Some(TokenIds::Many(ids)) => ids,
             },
-            eos_token_ids,
-            bos_token_id: id_key("bos_token_id")?,
-            pad_token_id: id_key("pad_token_id")?,
-            dtype,
+            bos_token_id: raw.bos_token_id,
+            pad_token_id: raw.pad_token_id,
+            dtype: raw.dtype.or(raw.torch_dtype),
         };
         config.validate()?;
         Ok(config)
@@ -259,6 +194,67 @@ impl Qwen3Config {
     }
 }
 
+/// `config.json` as transformers 4.x or 5.x writes it, before defaults and checks: the keys this
+/// crate reads (others are ignored). A missing optional key and `null` mean the same.
+#[derive(Deserialize)]
+struct HfConfig {
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    rope_theta: Option<f64>,
+    rope_parameters: Option<RopeParameters>,
+    rope_scaling: Option<RopeScaling>,
+    rms_norm_eps: Option<f64>,
+    tie_word_embeddings: Option<bool>,
+    max_position_embeddings: Option<usize>,
+    eos_token_id: Option<TokenIds>,
+    bos_token_id: Option<u32>,
+    pad_token_id: Option<u32>,
+    dtype: Option<String>,
+    torch_dtype: Option<String>,
+}
+
+/// transformers 5's `rope_parameters`.
+#[derive(Deserialize)]
+struct RopeParameters {
+    rope_type: Option<String>,
+    rope_theta: Option<f64>,
+}
+
+/// `rope_scaling`, whose kind is `rope_type` (or `type` in older files).
+#[derive(Deserialize)]
+struct RopeScaling {
+    rope_type: Option<String>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+}
+
+/// `eos_token_id`: one id or a list of them.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenIds {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+/// A deserialisation error as one sentence that names the key at fault.
+fn describe_json_error(e: serde_path_to_error::Error<serde_json::Error>) -> String {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    if inner.is_syntax() || inner.is_eof() {
+        format!("invalid JSON: {inner}")
+    } else if path == "." {
+        inner.to_string()
+    } else {
+        format!("key \"{path}\": {inner}")
+    }
+}
+
 /// Named architectures that `init-model` can write with random weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Preset {
@@ -290,6 +286,11 @@ impl Preset {
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, p)| *p)
+    }
+
+    /// The preset's CLI name.
+    pub fn name(self) -> &'static str {
+        Self::ALL.iter().find(|(_, p)| *p == self).map_or("model", |(n, _)| n)
     }
 
     /// Whether the preset ships with the project's own small tokenizer (the real Qwen3
@@ -403,6 +404,18 @@ mod tests {
         assert!(Qwen3Config::from_json_str(&text)
             .unwrap_err()
             .contains("llama"));
+    }
+
+    #[test]
+    fn a_bad_value_names_its_key_path() {
+        let text = V4_STYLE.replace("\"rope_theta\":1000000.0", "\"rope_parameters\":{\"rope_theta\":\"big\"}");
+        let err = Qwen3Config::from_json_str(&text).unwrap_err();
+        assert!(err.contains("\"rope_parameters.rope_theta\""), "{err}");
+        let text = V4_STYLE.replace("[3,4]", "[3,\"four\"]");
+        let err = Qwen3Config::from_json_str(&text).unwrap_err();
+        assert!(err.contains("\"eos_token_id\""), "{err}");
+        let err = Qwen3Config::from_json_str("{\"vocab_size\": 3,").unwrap_err();
+        assert!(err.starts_with("invalid JSON"), "{err}");
     }
 
     #[test]

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use burn::backend::Flex;
 use prompt_r1_rewards::metrics::Similarity;
+use model::ModelError;
 use prompt_r1_rewards::ssim::{cosine, SentenceEncoder, SsimError, MAX_TOKENS};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -349,7 +350,7 @@ fn missing_files_are_named() {
     tiny::write(dir.path(), &tiny::tensor_shapes(), Dtype::F32);
     std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
     let err = load(dir.path()).err().unwrap();
-    assert!(matches!(err, SsimError::Io { .. }), "{err}");
+    assert!(matches!(err, SsimError::Weights(ModelError::NoWeights { .. })), "{err}");
     assert!(err.to_string().contains("model.safetensors"), "{err}");
 
     tiny::write(dir.path(), &tiny::tensor_shapes(), Dtype::F32);
@@ -369,7 +370,7 @@ fn missing_tensor_is_named() {
     tiny::write(dir.path(), &tensors, Dtype::F32);
     let err = load(dir.path()).err().unwrap();
     assert!(
-        matches!(&err, SsimError::MissingTensor { name, .. } if name == missing),
+        matches!(&err, SsimError::Weights(ModelError::MissingTensor { name, .. }) if name == missing),
         "{err}"
     );
     assert!(err.to_string().contains(missing), "{err}");
@@ -393,15 +394,15 @@ fn wrong_shape_is_named() {
     tiny::write(dir.path(), &tensors, Dtype::F32);
     let err = load(dir.path()).err().unwrap();
     match &err {
-        SsimError::WrongShape {
+        SsimError::Weights(ModelError::ShapeMismatch {
             name,
             expected,
-            actual,
+            found,
             ..
-        } => {
+        }) => {
             assert_eq!(name, misshapen);
             assert_eq!(expected, &[8, tiny::HIDDEN]);
-            assert_eq!(actual, &[tiny::HIDDEN, 8]);
+            assert_eq!(found, &[tiny::HIDDEN, 8]);
         }
         other => panic!("expected WrongShape, got {other}"),
     }

@@ -8,7 +8,7 @@ use model::cpu_kernels::Isa;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use burn::tensor::{backend::Backend, DType};
 use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
@@ -17,7 +17,7 @@ use model::{completion_logprobs, generate, load_pretrained, LoadOptions, MatmulP
 use serde::Serialize;
 
 use crate::device::{run_on, ComputeArgs, OnBackend};
-use crate::model_dir::parse_matmul;
+use crate::model_dir::{parse_matmul, preset_parser};
 use trainer::run::{peak_rss_mb, reset_peak_rss};
 
 /// Measure load time, prefill, decode and scoring speed with peak memory.
@@ -26,8 +26,8 @@ use trainer::run::{peak_rss_mb, reset_peak_rss};
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// Architecture to benchmark (random weights are written to a temporary directory).
-    #[arg(long, default_value = "qwen3-0.6b")]
-    pub preset: String,
+    #[arg(long, default_value = "qwen3-0.6b", value_parser = preset_parser())]
+    pub preset: Preset,
     /// Benchmark an existing checkpoint directory instead of a random preset.
     #[arg(long, conflicts_with = "preset")]
     pub model: Option<PathBuf>,
@@ -59,12 +59,13 @@ pub struct Args {
     pub products: bool,
     /// Switch the fused CPU kernels off: every op runs through burn's portable tensor ops, the
     /// path the CUDA backend takes (measures what the kernels gain; the environment variable
-    /// PROMPT_R1_PORTABLE_OPS=1 does the same for any command).
-    #[arg(long)]
+    /// does the same for any command).
+    #[arg(long, env = "PROMPT_R1_PORTABLE_OPS")]
     pub portable_ops: bool,
     /// Cap the instruction set the CPU kernels use: portable, avx2, avx512 or avx512bf16 (a
-    /// level above this CPU's runs at the CPU's; PROMPT_R1_CPU_ISA does the same for any command).
-    #[arg(long, value_name = "LEVEL")]
+    /// level above this CPU's runs at the CPU's; the environment variable does the same for any
+    /// command).
+    #[arg(long, value_name = "LEVEL", env = "PROMPT_R1_CPU_ISA")]
     pub cpu_isa: Option<Isa>,
     /// Print the results as JSON.
     #[arg(long)]
@@ -117,11 +118,10 @@ impl OnBackend for Args {
         let dir = match &self.model {
             Some(dir) => dir.clone(),
             None => {
-                let preset = Preset::from_name(&self.preset)
-                    .with_context(|| format!("unknown preset \"{}\"", self.preset))?;
+                let preset = self.preset;
                 temp = tempfile::tempdir()?;
                 let config = preset.config(512, vec![2]);
-                eprintln!("writing random {} weights ({} parameters)...", self.preset, config.num_parameters());
+                eprintln!("writing random {} weights ({} parameters)...", preset.name(), config.num_parameters());
                 write_random_checkpoint(&config, temp.path(), 0, StorageDtype::BF16)?;
                 temp.path().to_path_buf()
             }

@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use burn::backend::Flex;
 use clap::Args as ClapArgs;
-use model::checkpoint::StorageDtype;
 use model::{load_pretrained, save_pretrained, LoadOptions};
+
+use crate::model_dir::FileDtype;
 
 /// Export a training checkpoint as an HF model directory.
 #[derive(ClapArgs, Debug, Clone)]
@@ -18,9 +19,9 @@ pub struct Args {
     /// Output directory (created; must not hold a model unless --force).
     #[arg(long)]
     pub out: PathBuf,
-    /// Weight dtype of the exported file: bf16 (default, what Qwen3 ships) or f32.
-    #[arg(long, default_value = "bf16")]
-    pub dtype: String,
+    /// Weight dtype of the exported file: bf16 (what Qwen3 ships) or f32.
+    #[arg(long, value_enum, default_value_t = FileDtype::Bf16)]
+    pub dtype: FileDtype,
     /// Overwrite an existing model in --out.
     #[arg(long)]
     pub force: bool,
@@ -29,25 +30,20 @@ pub struct Args {
 const COPIED: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
 
 pub fn run(args: Args) -> Result<()> {
-    let dtype = match args.dtype.as_str() {
-        "bf16" | "bfloat16" => StorageDtype::BF16,
-        "f32" | "float32" => StorageDtype::F32,
-        other => bail!("unknown dtype \"{other}\": use bf16 or f32"),
-    };
     let source = resolve(&args.checkpoint)?;
     if args.out.join("model.safetensors").exists() && !args.force {
         bail!("{} already holds a model; pass --force to overwrite it", args.out.display());
     }
     let model = load_pretrained::<Flex>(&source, &Default::default(), LoadOptions::default())
         .with_context(|| format!("loading {}", source.display()))?;
-    save_pretrained(&model, &args.out, dtype)?;
+    save_pretrained(&model, &args.out, args.dtype.into())?;
     for file in COPIED {
         let from = source.join(file);
         if from.is_file() {
             std::fs::copy(&from, args.out.join(file)).with_context(|| format!("copying {}", from.display()))?;
         }
     }
-    eprintln!("exported {} to {} ({})", source.display(), args.out.display(), args.dtype);
+    eprintln!("exported {} to {} ({:?})", source.display(), args.out.display(), args.dtype);
     Ok(())
 }
 

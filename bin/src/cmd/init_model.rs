@@ -10,12 +10,14 @@ use model::init::write_random_checkpoint;
 use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
 use model::Preset;
 
+use crate::model_dir::{preset_parser, FileDtype};
+
 /// Write a random Qwen3 checkpoint (config.json + model.safetensors [+ tokenizer]).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// Architecture: tiny, small (both with the project's own 512-token BPE tokenizer), or the
     /// real shapes qwen3-0.6b, qwen3-1.7b, qwen3-4b (vocabulary 151,936).
-    #[arg(long, default_value = "tiny", value_parser = parse_preset)]
+    #[arg(long, default_value = "tiny", value_parser = preset_parser())]
     pub preset: Preset,
     /// Output directory (created; must not already hold a checkpoint unless --force).
     #[arg(long)]
@@ -24,29 +26,14 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Storage dtype: f32 (default for tiny/small) or bf16 (default for the real shapes).
-    #[arg(long, value_parser = parse_storage)]
-    pub dtype: Option<StorageDtype>,
+    #[arg(long, value_enum)]
+    pub dtype: Option<FileDtype>,
     /// A Qwen3 tokenizer.json to copy into the directory (for the real shapes).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Overwrite an existing checkpoint in --out.
     #[arg(long)]
     pub force: bool,
-}
-
-fn parse_preset(s: &str) -> Result<Preset, String> {
-    Preset::from_name(s).ok_or_else(|| {
-        let names: Vec<&str> = Preset::ALL.iter().map(|(n, _)| *n).collect();
-        format!("unknown preset \"{s}\": one of {}", names.join(", "))
-    })
-}
-
-fn parse_storage(s: &str) -> Result<StorageDtype, String> {
-    match s {
-        "f32" | "float32" => Ok(StorageDtype::F32),
-        "bf16" | "bfloat16" => Ok(StorageDtype::BF16),
-        other => Err(format!("unknown dtype \"{other}\": use f32 or bf16")),
-    }
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -70,7 +57,7 @@ pub fn run(args: Args) -> Result<()> {
     if args.preset.uses_tiny_tokenizer() && args.tokenizer.is_some() {
         bail!("--tokenizer is for the real Qwen3 shapes; the small presets bring their own");
     }
-    let dtype = args.dtype.unwrap_or(if args.preset.uses_tiny_tokenizer() {
+    let dtype = args.dtype.map(StorageDtype::from).unwrap_or(if args.preset.uses_tiny_tokenizer() {
         StorageDtype::F32
     } else {
         StorageDtype::BF16
@@ -82,7 +69,7 @@ pub fn run(args: Args) -> Result<()> {
     progress.finish_and_clear();
     eprintln!(
         "wrote {} ({} parameters, {} layers, hidden {}, vocab {}) to {}",
-        Preset::ALL.iter().find(|(_, p)| *p == args.preset).map_or("model", |(n, _)| n),
+        args.preset.name(),
         config.num_parameters(),
         config.num_hidden_layers,
         config.hidden_size,

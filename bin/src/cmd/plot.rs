@@ -22,21 +22,14 @@ pub struct Args {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Image width in pixels (300 to 8000).
-    #[arg(long, default_value_t = 1500)]
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(300..=8000))]
     pub width: u32,
     /// Image height in pixels (200 to 8000).
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(200..=8000))]
     pub height: u32,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if !(300..=8000).contains(&args.width) || !(200..=8000).contains(&args.height) {
-        bail!(
-            "image size {}x{} is out of range (width 300 to 8000, height 200 to 8000)",
-            args.width,
-            args.height
-        );
-    }
     let metrics = args.run_dir.join(METRICS_FILE);
     if !metrics.is_file() {
         bail!(
@@ -57,10 +50,7 @@ pub fn run(args: Args) -> Result<()> {
         cols: 3,
         panels: panels(&records),
     };
-    let png = figure
-        .render(args.width, args.height)
-        .to_png()
-        .context("cannot encode the PNG")?;
+    let png = figure.render_png(args.width, args.height)?;
     let out = args
         .out
         .clone()

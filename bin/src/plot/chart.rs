@@ -1,147 +1,47 @@
-//! Line charts laid out as a grid of panels: nice axis ticks, number labels, series drawn as
-//! lines or points, an optional shaded band and an optional right-hand axis.
+//! Line charts laid out as a grid of panels: series drawn as lines or points on a left axis, an
+//! optional right-hand axis, an optional shaded band, a legend, and "n/a" for a panel without
+//! data.
 
-use super::canvas::{Canvas, Rect, Rgb};
+use std::ops::Range;
+use std::sync::OnceLock;
 
-pub const WHITE: Rgb = [255, 255, 255];
-pub const INK: Rgb = [34, 34, 34];
-pub const AXIS: Rgb = [90, 90, 90];
-pub const GRID: Rgb = [215, 215, 215];
-pub const MUTED: Rgb = [150, 150, 150];
-pub const BLUE: Rgb = [31, 119, 180];
-pub const ORANGE: Rgb = [255, 127, 14];
-pub const GREEN: Rgb = [44, 160, 44];
-pub const RED: Rgb = [214, 39, 40];
-pub const PURPLE: Rgb = [148, 103, 189];
-pub const BROWN: Rgb = [140, 86, 75];
-pub const LIGHT_BLUE: Rgb = [198, 219, 239];
+use anyhow::{anyhow, Result};
+use plotters::chart::SeriesAnno;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
-/// A linear map from a data interval `[d0, d1]` onto a pixel interval `[p0, p1]` (either may
-/// be decreasing: y grows downwards in pixels).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Scale {
-    d0: f64,
-    d1: f64,
-    p0: f64,
-    p1: f64,
-}
+pub type Rgb = RGBColor;
 
-impl Scale {
-    pub fn new(d0: f64, d1: f64, p0: f64, p1: f64) -> Self {
-        Self { d0, d1, p0, p1 }
-    }
+pub const WHITE: Rgb = RGBColor(255, 255, 255);
+pub const INK: Rgb = RGBColor(34, 34, 34);
+pub const GRID: Rgb = RGBColor(225, 225, 225);
+pub const MUTED: Rgb = RGBColor(150, 150, 150);
+pub const BLUE: Rgb = RGBColor(31, 119, 180);
+pub const ORANGE: Rgb = RGBColor(255, 127, 14);
+pub const GREEN: Rgb = RGBColor(44, 160, 44);
+pub const RED: Rgb = RGBColor(214, 39, 40);
+pub const PURPLE: Rgb = RGBColor(148, 103, 189);
+pub const BROWN: Rgb = RGBColor(140, 86, 75);
+pub const LIGHT_BLUE: Rgb = RGBColor(198, 219, 239);
 
-    pub fn map(&self, v: f64) -> f64 {
-        if self.d1 == self.d0 {
-            return (self.p0 + self.p1) / 2.0;
-        }
-        self.p0 + (v - self.d0) / (self.d1 - self.d0) * (self.p1 - self.p0)
-    }
+/// The family name the embedded font is registered under.
+const FONT: &str = "prompt-r1-sans";
+const FONT_BYTES: &[u8] = include_bytes!("../../../assets/fonts/DejaVuSans-Latin.ttf");
 
-    /// `map`, rounded to a pixel.
-    pub fn px(&self, v: f64) -> i32 {
-        self.map(v).round() as i32
-    }
-}
-
-/// An axis range rounded out to "nice" numbers, and its ticks (`lo` and `hi` included).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Axis {
-    pub lo: f64,
-    pub hi: f64,
-    pub step: f64,
-    pub ticks: Vec<f64>,
-}
-
-/// A step of 1, 2 or 5 × 10^k close to `raw`, at least `raw`.
-fn nice_step(raw: f64) -> f64 {
-    let mag = 10f64.powf(raw.log10().floor());
-    let norm = raw / mag;
-    let nice = if norm <= 1.0 + 1e-9 {
-        1.0
-    } else if norm <= 2.0 + 1e-9 {
-        2.0
-    } else if norm <= 5.0 + 1e-9 {
-        5.0
+/// Registers the embedded font with plotters once per process.
+fn register_font() -> Result<()> {
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    let ok = *REGISTERED.get_or_init(|| {
+        plotters::style::register_font(FONT, FontStyle::Normal, FONT_BYTES).is_ok()
+    });
+    if ok {
+        Ok(())
     } else {
-        10.0
-    };
-    nice * mag
-}
-
-/// About `target` intervals covering `[min, max]`, with ends on multiples of the step.
-/// `integer` keeps the step a whole number (for step counts). A point range is widened.
-pub fn nice_axis(min: f64, max: f64, target: usize, integer: bool) -> Axis {
-    let (mut min, mut max) = if min.is_finite() && max.is_finite() && min <= max {
-        (min, max)
-    } else {
-        (0.0, 1.0)
-    };
-    if max - min <= f64::EPSILON * min.abs().max(max.abs()) {
-        if integer {
-            min -= 1.0;
-            max += 1.0;
-        } else if min == 0.0 {
-            max = 1.0;
-        } else {
-            let d = min.abs() * 0.1;
-            min -= d;
-            max += d;
-        }
+        Err(anyhow!(
+            "the embedded plot font is not a valid TrueType font"
+        ))
     }
-    let mut step = nice_step((max - min) / target.max(1) as f64);
-    if integer {
-        step = step.max(1.0).round();
-    }
-    let lo = (min / step + 1e-9).floor() * step;
-    let hi = (max / step - 1e-9).ceil() * step;
-    let n = ((hi - lo) / step).round().max(1.0) as usize;
-    let ticks = (0..=n).map(|i| lo + i as f64 * step).collect();
-    Axis {
-        lo,
-        hi: lo + n as f64 * step,
-        step,
-        ticks,
-    }
-}
-
-/// Fewest decimals (up to 8) that write multiples of `step` exactly.
-fn decimals_for(step: f64) -> usize {
-    for d in 0..=8 {
-        let s = step * 10f64.powi(d as i32);
-        if (s - s.round()).abs() < 1e-6 * s.abs().max(1.0) {
-            return d;
-        }
-    }
-    8
-}
-
-/// A tick label for `v` on an axis with this `step` and largest magnitude `max_abs`: plain
-/// decimals, or `2.5e-4` style when the numbers are very large or very small.
-pub fn format_tick(v: f64, step: f64, max_abs: f64) -> String {
-    let v = if v.abs() < step.abs() * 1e-6 { 0.0 } else { v };
-    if v == 0.0 {
-        return "0".into();
-    }
-    let text = if max_abs >= 1e5 || max_abs < 1e-3 {
-        let e = max_abs.log10().floor() as i32;
-        let scale = 10f64.powi(e);
-        format!("{:.*}e{e}", decimals_for(step / scale), v / scale)
-    } else {
-        format!("{:.*}", decimals_for(step), v)
-    };
-    match text.strip_prefix('-') {
-        Some(rest) if rest.chars().all(|c| c == '0' || c == '.') => rest.into(),
-        _ => text,
-    }
-}
-
-fn tick_labels(axis: &Axis) -> Vec<String> {
-    let max_abs = axis.lo.abs().max(axis.hi.abs());
-    axis.ticks
-        .iter()
-        .map(|&t| format_tick(t, axis.step, max_abs))
-        .collect()
 }
 
 /// How a series is drawn.
@@ -173,16 +73,29 @@ impl Series {
     }
 
     fn value(&self, i: usize) -> Option<f64> {
-        self.values
-            .get(i)
-            .copied()
-            .flatten()
-            .filter(|v| v.is_finite())
+        finite(self.values.get(i).copied().flatten())
     }
 
     fn has_data(&self) -> bool {
         (0..self.values.len()).any(|i| self.value(i).is_some())
     }
+
+    /// Runs of consecutive points with values, as (x, y) pairs.
+    fn runs(&self, xs: &[f64]) -> Vec<Vec<(f64, f64)>> {
+        let mut runs = vec![Vec::new()];
+        for (i, &x) in xs.iter().enumerate() {
+            match self.value(i) {
+                Some(y) => runs.last_mut().expect("never empty").push((x, y)),
+                None => runs.push(Vec::new()),
+            }
+        }
+        runs.retain(|r| !r.is_empty());
+        runs
+    }
+}
+
+fn finite(v: Option<f64>) -> Option<f64> {
+    v.filter(|v| v.is_finite())
 }
 
 /// A shaded region between two series (e.g. mean ± std), drawn under the lines.
@@ -196,19 +109,28 @@ pub struct Band {
 
 impl Band {
     fn at(&self, i: usize) -> Option<(f64, f64)> {
-        let lo = self
-            .lo
-            .get(i)
-            .copied()
-            .flatten()
-            .filter(|v| v.is_finite())?;
-        let hi = self
-            .hi
-            .get(i)
-            .copied()
-            .flatten()
-            .filter(|v| v.is_finite())?;
+        let lo = finite(self.lo.get(i).copied().flatten())?;
+        let hi = finite(self.hi.get(i).copied().flatten())?;
         Some((lo, hi))
+    }
+
+    /// One closed outline (the high edge forwards, the low edge back) per run of steps.
+    fn polygons(&self, xs: &[f64]) -> Vec<Vec<(f64, f64)>> {
+        let mut runs: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new()];
+        for (i, &x) in xs.iter().enumerate() {
+            match self.at(i) {
+                Some((lo, hi)) => runs.last_mut().expect("never empty").push((x, lo, hi)),
+                None => runs.push(Vec::new()),
+            }
+        }
+        runs.into_iter()
+            .filter(|r| !r.is_empty())
+            .map(|run| {
+                let upper = run.iter().map(|&(x, _, hi)| (x, hi));
+                let lower = run.iter().rev().map(|&(x, lo, _)| (x, lo));
+                upper.chain(lower).collect()
+            })
+            .collect()
     }
 }
 
@@ -254,41 +176,53 @@ impl Panel {
         self.left.iter().chain(&self.right).any(Series::has_data)
     }
 
-    fn x_range(&self) -> Option<(f64, f64)> {
-        min_max(self.xs.iter().copied())
-    }
-
-    fn y_range(series: &[Series], band: Option<&Band>) -> Option<(f64, f64)> {
-        let n = series.iter().map(|s| s.values.len()).max().unwrap_or(0);
+    fn y_range(series: &[Series], band: Option<&Band>) -> Option<Range<f64>> {
         let values = series
             .iter()
-            .flat_map(|s| (0..n).filter_map(move |i| s.value(i)));
+            .flat_map(|s| (0..s.values.len()).filter_map(move |i| s.value(i)));
         let band_values = band
             .into_iter()
             .flat_map(|b| (0..b.lo.len().max(b.hi.len())).filter_map(move |i| b.at(i)))
             .flat_map(|(lo, hi)| [lo, hi]);
-        min_max(values.chain(band_values))
+        padded(values.chain(band_values), 0.05)
     }
 }
 
-fn min_max(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
-    values
+/// The range of `values` widened by `margin` of its span on each side (a single value gets a
+/// unit-wide range), or `None` without finite values.
+fn padded(values: impl Iterator<Item = f64>, margin: f64) -> Option<Range<f64>> {
+    let (lo, hi) = values
         .filter(|v| v.is_finite())
         .fold(None, |acc, v| match acc {
             None => Some((v, v)),
-            Some((lo, hi)) => Some((lo.min(v), hi.max(v))),
-        })
+            Some((lo, hi)) => Some((f64::min(lo, v), f64::max(hi, v))),
+        })?;
+    let span = hi - lo;
+    if span > 0.0 {
+        Some(lo - margin * span..hi + margin * span)
+    } else {
+        let half = (lo.abs() * 0.1).max(0.5);
+        Some(lo - half..hi + half)
+    }
 }
 
-/// Text sizes (integer pixel scales of the 5×7 font).
-#[derive(Debug, Clone, Copy)]
-struct Fonts {
-    title: i32,
-    label: i32,
+/// A tick label: as few digits as tell neighbouring ticks apart.
+fn tick_label(v: f64, span: f64) -> String {
+    if v.abs() < span * 1e-9 {
+        return "0".into();
+    }
+    let magnitude = v.abs().max(span);
+    if !(1e-3..1e5).contains(&magnitude) {
+        return format!("{v:.1e}");
+    }
+    let decimals = (2.0 - span.log10().floor()).clamp(0.0, 6.0) as usize;
+    let text = format!("{v:.decimals$}");
+    if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_owned()
+    } else {
+        text
+    }
 }
-
-const TICK: i32 = 4;
-const GAP: i32 = 4;
 
 /// A whole figure: a title line and panels in a grid of `cols` columns.
 pub struct Figure {
@@ -298,353 +232,299 @@ pub struct Figure {
 }
 
 impl Figure {
-    /// Draws the figure onto a `width`×`height` white canvas.
-    pub fn render(&self, width: u32, height: u32) -> Canvas {
-        let mut canvas = Canvas::new(width, height, WHITE);
-        let cols = self.cols.max(1);
-        let rows = self.panels.len().div_ceil(cols).max(1);
-        let (w, h) = (width as i32, height as i32);
-        let big = w / cols as i32 >= 420 && h / rows as i32 >= 260;
-        let fonts = if big {
-            Fonts { title: 2, label: 2 }
-        } else {
-            Fonts { title: 1, label: 1 }
-        };
-        let header = if self.title.is_empty() {
-            0
-        } else {
-            Canvas::text_height(fonts.title) + 12
-        };
-        if header > 0 {
-            canvas.text(12, 8, &self.title, INK, fonts.title);
-            canvas.line(0, header - 3, w - 1, header - 3, GRID);
+    /// Draws the figure on a `width`×`height` white image and encodes it as PNG.
+    pub fn render_png(&self, width: u32, height: u32) -> Result<Vec<u8>> {
+        let pixels = self.render(width, height)?;
+        let mut png = Vec::new();
+        let mut encoder = png::Encoder::new(&mut png, width, height);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.set_depth(png::BitDepth::Eight);
+        let mut writer = encoder.write_header()?;
+        writer.write_image_data(&pixels)?;
+        writer.finish()?;
+        Ok(png)
+    }
+
+    /// Draws the figure as RGB bytes, row by row.
+    pub fn render(&self, width: u32, height: u32) -> Result<Vec<u8>> {
+        register_font()?;
+        let mut pixels = vec![255u8; width as usize * height as usize * 3];
+        {
+            let root = BitMapBackend::with_buffer(&mut pixels, (width, height)).into_drawing_area();
+            root.fill(&WHITE).map_err(draw_error)?;
+            let cols = self.cols.max(1);
+            let rows = self.panels.len().div_ceil(cols).max(1);
+            let cell_h = height / rows as u32;
+            let text = (cell_h / 22).clamp(10, 20);
+            let body = if self.title.is_empty() {
+                root
+            } else {
+                let header = (text * 2).min(height / 4);
+                let (top, body) = root.split_vertically(header);
+                let font = (FONT, text as f64 * 1.3).into_font().color(&INK);
+                let style = font.pos(Pos::new(HPos::Left, VPos::Center));
+                top.draw_text(&self.title, &style, (12, header as i32 / 2))
+                    .map_err(draw_error)?;
+                body
+            };
+            for (area, panel) in body.split_evenly((rows, cols)).iter().zip(&self.panels) {
+                draw_panel(area, panel, text).map_err(draw_error)?;
+            }
+            body.present().map_err(draw_error)?;
         }
-        let cell_w = w / cols as i32;
-        let cell_h = (h - header) / rows as i32;
-        for (k, panel) in self.panels.iter().enumerate() {
-            let (r, c) = ((k / cols) as i32, (k % cols) as i32);
-            let cell = Rect::new(c * cell_w, header + r * cell_h, cell_w, cell_h);
-            draw_panel(&mut canvas, cell, panel, fonts);
-        }
-        canvas
+        Ok(pixels)
     }
 }
 
-fn draw_panel(canvas: &mut Canvas, cell: Rect, panel: &Panel, fonts: Fonts) {
-    let pad = 6 + 4 * fonts.label;
-    let title_h = Canvas::text_height(fonts.title);
-    canvas.text(cell.x + pad, cell.y + pad, &panel.title, INK, fonts.title);
-    let label_h = Canvas::text_height(fonts.label);
-    let top = cell.y + pad + title_h + 4 + 3 * fonts.label;
+fn draw_error<E: std::error::Error + Send + Sync>(e: DrawingAreaErrorKind<E>) -> anyhow::Error {
+    anyhow!("cannot draw the chart: {e}")
+}
 
-    let x_range = panel.x_range();
+type Area<'a> = DrawingArea<BitMapBackend<'a>, Shift>;
+type DrawResult<'a> =
+    Result<(), DrawingAreaErrorKind<<BitMapBackend<'a> as DrawingBackend>::ErrorType>>;
+
+fn draw_panel<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
+    let label = (FONT, text as f64).into_font();
+    let title = (FONT, text as f64 * 1.15).into_font().color(&INK);
+    let x_range = padded(panel.xs.iter().copied(), 0.02);
     let left_range = Panel::y_range(&panel.left, panel.band.as_ref());
-    if !panel.has_data() || x_range.is_none() || left_range.is_none() && panel.right.is_empty() {
-        let plot = Rect::new(
-            cell.x + pad + 4 * fonts.label * 6,
-            top,
-            cell.w - 2 * pad - 4 * fonts.label * 6,
-            cell.bottom() - pad - label_h - TICK - GAP - top,
-        );
-        canvas.stroke_rect(plot, MUTED);
-        let s = fonts.title * 2;
-        let text = "n/a";
-        let tx = plot.x + (plot.w - Canvas::text_width(text, s)) / 2;
-        let ty = plot.y + (plot.h - 7 * s) / 2;
-        canvas.text(tx, ty, text, MUTED, s);
-        return;
-    }
-    let (x_min, x_max) = x_range.unwrap();
-    let x_axis = nice_axis(x_min, x_max, 6, true);
-    let left_axis = left_range.map(|(lo, hi)| nice_axis(lo, hi, 5, false));
-    let right_axis = Panel::y_range(&panel.right, None).map(|(lo, hi)| nice_axis(lo, hi, 5, false));
-    let left_labels = left_axis.as_ref().map(tick_labels).unwrap_or_default();
-    let right_labels = right_axis.as_ref().map(tick_labels).unwrap_or_default();
-    let x_labels = tick_labels(&x_axis);
-    let widest = |labels: &[String]| {
-        labels
-            .iter()
-            .map(|l| Canvas::text_width(l, fonts.label))
-            .max()
-            .unwrap_or(0)
+    let right_range = Panel::y_range(&panel.right, None);
+    let (Some(x_range), true) = (x_range, panel.has_data()) else {
+        return draw_empty(area, panel, text);
     };
-    let left_w = widest(&left_labels).max(Canvas::text_width("0.0", fonts.label));
-    let right_w = if right_axis.is_some() {
-        widest(&right_labels) + TICK + GAP
+    let left_range = left_range.unwrap_or(0.0..1.0);
+    let margin = text as i32 / 2 + 4;
+    let mut chart = ChartBuilder::on(area)
+        .caption(&panel.title, title)
+        .margin(margin)
+        .x_label_area_size(text * 2)
+        .y_label_area_size(text * 4)
+        .right_y_label_area_size(if right_range.is_some() { text * 4 } else { 0 })
+        .build_cartesian_2d(x_range.clone(), left_range.clone())?;
+    let x_span = x_range.end - x_range.start;
+    let y_span = left_range.end - left_range.start;
+    let left_color = if right_range.is_some() {
+        panel.left[0].color
     } else {
-        0
+        INK
     };
-    let plot = Rect::new(
-        cell.x + pad + left_w + TICK + GAP,
-        top,
-        cell.w - 2 * pad - left_w - TICK - GAP - right_w,
-        cell.bottom() - pad - label_h - TICK - GAP - top,
-    );
-    if plot.w < 10 || plot.h < 10 {
-        return;
+    chart
+        .configure_mesh()
+        .light_line_style(WHITE)
+        .bold_line_style(GRID)
+        .axis_style(MUTED)
+        .x_labels(6)
+        .y_labels(6)
+        .label_style(label.clone())
+        .y_label_style(label.clone().color(&left_color))
+        .x_label_formatter(&|v| tick_label(*v, x_span))
+        .y_label_formatter(&|v| tick_label(*v, y_span))
+        .draw()?;
+    let marker = (text / 4).max(2);
+    let mut entries = 0;
+    if let Some(band) = &panel.band {
+        let color = band.color;
+        let outlines = band.polygons(&panel.xs);
+        chart
+            .draw_series(
+                outlines
+                    .into_iter()
+                    .map(|o| Polygon::new(o, color.filled())),
+            )?
+            .label(band.name.as_str())
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+        entries += 1;
     }
-    let xs = Scale::new(
-        x_axis.lo,
-        x_axis.hi,
-        plot.x as f64,
-        (plot.right() - 1) as f64,
-    );
-    let y_scale = |a: &Axis| Scale::new(a.lo, a.hi, (plot.bottom() - 1) as f64, plot.y as f64);
-
-    // Frame, grid inside it, then the data clipped to the plot (over the frame, so that values
-    // on the edge of the range stay visible).
-    canvas.stroke_rect(plot, AXIS);
-    canvas.set_clip(Some(Rect::new(
-        plot.x + 1,
-        plot.y + 1,
-        plot.w - 2,
-        plot.h - 2,
-    )));
-    for &t in &x_axis.ticks {
-        canvas.dotted_vline(xs.px(t), plot.y, plot.bottom() - 1, 2, GRID);
-    }
-    if let Some(a) = &left_axis {
-        let ys = y_scale(a);
-        for &t in &a.ticks {
-            canvas.dotted_hline(plot.x, plot.right() - 1, ys.px(t), 2, GRID);
+    for series in panel.left.iter().filter(|s| s.has_data()) {
+        let (paths, dots) = shapes(panel, series);
+        let color = series.color;
+        let lines = chart.draw_series(
+            paths
+                .into_iter()
+                .map(|p| PathElement::new(p, color.stroke_width(2))),
+        )?;
+        if series.style == Style::Line {
+            legend_line(lines, series);
         }
-        if let Some(band) = &panel.band {
-            draw_band(canvas, &panel.xs, band, &xs, &ys);
+        let points = chart.draw_series(
+            dots.into_iter()
+                .map(|p| Circle::new(p, marker, color.filled())),
+        )?;
+        if series.style == Style::Points {
+            legend_point(points, series, marker);
+        }
+        entries += 1;
+    }
+    let corner = quietest_corner(panel, &left_range, right_range.as_ref());
+    let Some(right_range) = right_range else {
+        if entries > 1 {
+            chart
+                .configure_series_labels()
+                .position(corner)
+                .label_font(label)
+                .border_style(GRID)
+                .background_style(WHITE.mix(0.85))
+                .draw()?;
+        }
+        return Ok(());
+    };
+    // plotters' primary mesh labels every y label area: blank the right one for the right axis.
+    let (w, h) = area.dim_in_pixel();
+    let right_labels = [
+        (w as i32 - margin - 4 * text as i32, 0),
+        (w as i32, h as i32),
+    ];
+    area.draw(&Rectangle::new(right_labels, WHITE.filled()))?;
+    let right_span = right_range.end - right_range.start;
+    let color = panel.right[0].color;
+    let mut chart = chart.set_secondary_coord(x_range, right_range);
+    chart
+        .configure_secondary_axes()
+        .axis_style(MUTED)
+        .y_labels(6)
+        .label_style(label.clone().color(&color))
+        .y_label_formatter(&|v| tick_label(*v, right_span))
+        .draw()?;
+    for series in panel.right.iter().filter(|s| s.has_data()) {
+        let (paths, dots) = shapes(panel, series);
+        let color = series.color;
+        let lines = chart.draw_secondary_series(
+            paths
+                .into_iter()
+                .map(|p| PathElement::new(p, color.stroke_width(2))),
+        )?;
+        if series.style == Style::Line {
+            legend_line(lines, series);
+        }
+        let points = chart.draw_secondary_series(
+            dots.into_iter()
+                .map(|p| Circle::new(p, marker, color.filled())),
+        )?;
+        if series.style == Style::Points {
+            legend_point(points, series, marker);
         }
     }
-    // Lines stay inside the plot; point markers may overhang its edge by their radius.
-    let thick = fonts.label;
-    let r = 2 + thick;
-    let overhang = Rect::new(plot.x - r, plot.y - r, plot.w + 2 * r, plot.h + 2 * r);
-    for style in [Style::Line, Style::Points] {
-        canvas.set_clip(Some(if style == Style::Line { plot } else { overhang }));
-        let all = panel.right.iter().map(|s| (s, &right_axis));
-        for (series, axis) in all.chain(panel.left.iter().map(|s| (s, &left_axis))) {
-            if let (Some(a), true) = (axis, series.style == style) {
-                draw_series(canvas, &panel.xs, series, &xs, &y_scale(a), thick);
-            }
-        }
-    }
-    canvas.set_clip(None);
-
-    // Ticks and labels.
-    let s = fonts.label;
-    let cap = 7 * s;
-    let mut last_right = i32::MIN;
-    for (t, label) in x_axis.ticks.iter().zip(&x_labels) {
-        let x = xs.px(*t);
-        canvas.line(x, plot.bottom(), x, plot.bottom() + TICK - 1, AXIS);
-        let lw = Canvas::text_width(label, s);
-        let lx = (x - lw / 2).clamp(cell.x + 2, cell.right() - 2 - lw);
-        if lx > last_right + 2 * s {
-            canvas.text(lx, plot.bottom() + TICK + GAP, label, AXIS, s);
-            last_right = lx + lw;
-        }
-    }
-    let two_axes = right_axis.is_some() && left_axis.is_some();
-    if let Some(a) = &left_axis {
-        let color = if two_axes { panel.left[0].color } else { AXIS };
-        let ys = y_scale(a);
-        for (t, label) in a.ticks.iter().zip(&left_labels) {
-            let y = ys.px(*t);
-            canvas.line(plot.x - TICK, y, plot.x - 1, y, AXIS);
-            let lw = Canvas::text_width(label, s);
-            canvas.text(plot.x - TICK - GAP - lw, y - cap / 2, label, color, s);
-        }
-    }
-    if let Some(a) = &right_axis {
-        let color = panel.right[0].color;
-        let ys = y_scale(a);
-        for (t, label) in a.ticks.iter().zip(&right_labels) {
-            let y = ys.px(*t);
-            canvas.line(plot.right(), y, plot.right() + TICK - 1, y, AXIS);
-            canvas.text(plot.right() + TICK + GAP, y - cap / 2, label, color, s);
-        }
-    }
-    draw_legend(canvas, cell, pad, title_h, panel, fonts);
+    chart
+        .configure_series_labels()
+        .position(corner)
+        .label_font(label)
+        .border_style(GRID)
+        .background_style(WHITE.mix(0.85))
+        .draw()?;
+    Ok(())
 }
 
-fn draw_band(canvas: &mut Canvas, xs: &[f64], band: &Band, x_scale: &Scale, y_scale: &Scale) {
-    let mut prev: Option<(f64, f64, f64)> = None;
-    for (i, &x) in xs.iter().enumerate() {
-        let Some((lo, hi)) = band.at(i) else {
-            prev = None;
-            continue;
-        };
-        let cur = (x_scale.map(x), y_scale.map(lo), y_scale.map(hi));
-        if let Some(p) = prev {
-            let (xa, xb) = (p.0.round() as i32, cur.0.round() as i32);
-            for px in xa.min(xb)..=xa.max(xb) {
-                let t = if xb == xa {
-                    0.0
-                } else {
-                    (px - xa) as f64 / (xb - xa) as f64
-                };
-                let y_lo = p.1 + t * (cur.1 - p.1);
-                let y_hi = p.2 + t * (cur.2 - p.2);
-                canvas.line(px, y_lo.round() as i32, px, y_hi.round() as i32, band.color);
-            }
-        } else {
-            canvas.line(
-                cur.0 as i32,
-                cur.1 as i32,
-                cur.0 as i32,
-                cur.2 as i32,
-                band.color,
-            );
-        }
-        prev = Some(cur);
-    }
-}
-
-fn draw_series(
-    canvas: &mut Canvas,
-    xs: &[f64],
-    series: &Series,
-    x_scale: &Scale,
-    y_scale: &Scale,
-    thick: i32,
-) {
-    let point = |i: usize| series.value(i).map(|v| (x_scale.px(xs[i]), y_scale.px(v)));
-    let n = xs.len().min(series.values.len());
-    for i in 0..n {
-        let Some((x, y)) = point(i) else { continue };
-        match series.style {
-            Style::Points => canvas.marker(x, y, 1 + thick, series.color),
-            Style::Line => {
-                let prev = if i > 0 { point(i - 1) } else { None };
-                let next = if i + 1 < n { point(i + 1) } else { None };
-                if let Some((px, py)) = prev {
-                    canvas.thick_line(px, py, x, y, thick, series.color);
-                } else if next.is_none() {
-                    canvas.marker(x, y, thick + 1, series.color);
-                }
-            }
-        }
-    }
-}
-
-/// Legend entries (swatch + name), right-aligned on the title line, when a panel has more
-/// than one thing drawn.
-fn draw_legend(
-    canvas: &mut Canvas,
-    cell: Rect,
-    pad: i32,
-    title_h: i32,
+/// The corner of the plot with the fewest data points near it, where the legend hides least.
+fn quietest_corner(
     panel: &Panel,
-    fonts: Fonts,
-) {
-    let mut entries: Vec<(&str, Rgb, Option<Style>)> = Vec::new();
-    for s in panel.left.iter().chain(&panel.right) {
-        if s.has_data() {
-            entries.push((&s.name, s.color, Some(s.style)));
-        }
+    left: &Range<f64>,
+    right: Option<&Range<f64>>,
+) -> SeriesLabelPosition {
+    let (Some(x0), Some(x1)) = (panel.xs.first(), panel.xs.last()) else {
+        return SeriesLabelPosition::UpperRight;
+    };
+    let unit = |v: f64, r: &Range<f64>| (v - r.start) / (r.end - r.start);
+    let x_span = (x0.min(*x1)..x0.max(*x1) + f64::EPSILON).clone();
+    let on = |series: &[Series], range: &Range<f64>| -> Vec<(f64, f64)> {
+        series
+            .iter()
+            .flat_map(|s| s.runs(&panel.xs))
+            .flatten()
+            .map(|(x, y)| (unit(x, &x_span), unit(y, range)))
+            .collect()
+    };
+    let mut points = on(&panel.left, left);
+    if let Some(right) = right {
+        points.extend(on(&panel.right, right));
     }
-    if let Some(b) = &panel.band {
-        entries.push((&b.name, b.color, None));
-    }
-    if entries.len() < 2 {
-        return;
-    }
-    let s = fonts.label;
-    let swatch = 7 * s;
-    let entry_w = |name: &str| swatch + 2 * s + Canvas::text_width(name, s);
-    let total: i32 = entries
+    let corners = [
+        (SeriesLabelPosition::UpperRight, 0.55, 0.55),
+        (SeriesLabelPosition::UpperLeft, 0.0, 0.55),
+        (SeriesLabelPosition::LowerRight, 0.55, 0.0),
+        (SeriesLabelPosition::LowerLeft, 0.0, 0.0),
+    ];
+    let crowd = |&(_, x, y): &(SeriesLabelPosition, f64, f64)| {
+        points
+            .iter()
+            .filter(|p| (x..x + 0.45).contains(&p.0) && (y..y + 0.45).contains(&p.1))
+            .count()
+    };
+    corners
         .iter()
-        .map(|(n, _, _)| entry_w(n) + 5 * s)
-        .sum::<i32>()
-        - 5 * s;
-    let title_right = cell.x + pad + Canvas::text_width(&panel.title, fonts.title);
-    let mut x = (cell.right() - pad - total).max(title_right + 6 * s);
-    let y = cell.y + pad + (title_h - 7 * s) / 2;
-    let mid = y + 7 * s / 2;
-    for (name, color, style) in entries {
-        match style {
-            Some(Style::Line) => canvas.thick_line(x, mid, x + swatch - 1, mid, s, color),
-            Some(Style::Points) => canvas.marker(x + swatch / 2, mid, 1 + s, color),
-            None => canvas.fill_rect(Rect::new(x, y, swatch, 7 * s), color),
+        .min_by_key(|c| crowd(c))
+        .map(|c| c.0.clone())
+        .unwrap_or(SeriesLabelPosition::UpperRight)
+}
+
+/// A series as paths (runs of two or more values, when drawn as a line) and single points
+/// (every value when drawn as points; an isolated value of a line).
+type Shapes = (Vec<Vec<(f64, f64)>>, Vec<(f64, f64)>);
+
+fn shapes(panel: &Panel, series: &Series) -> Shapes {
+    let (mut paths, mut dots) = (Vec::new(), Vec::new());
+    for run in series.runs(&panel.xs) {
+        if series.style == Style::Line && run.len() > 1 {
+            paths.push(run);
+        } else {
+            dots.extend(run);
         }
-        canvas.text(x + swatch + 2 * s, y, name, INK, s);
-        x += entry_w(name) + 5 * s;
     }
+    (paths, dots)
+}
+
+fn legend_line<DB: DrawingBackend>(anno: &mut SeriesAnno<'_, DB>, series: &Series) {
+    let color = series.color;
+    anno.label(series.name.as_str())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 14, y)], color.stroke_width(2)));
+}
+
+fn legend_point<DB: DrawingBackend>(anno: &mut SeriesAnno<'_, DB>, series: &Series, marker: u32) {
+    let color = series.color;
+    anno.label(series.name.as_str())
+        .legend(move |(x, y)| Circle::new((x + 7, y), marker, color.filled()));
+}
+
+/// A panel without data: its title and a framed "n/a".
+fn draw_empty<'a>(area: &Area<'a>, panel: &Panel, text: u32) -> DrawResult<'a> {
+    let (w, h) = area.dim_in_pixel();
+    let margin = text as i32 / 2 + 4;
+    let title = (FONT, text as f64 * 1.15)
+        .into_font()
+        .color(&INK)
+        .pos(Pos::new(HPos::Center, VPos::Top));
+    area.draw_text(&panel.title, &title, (w as i32 / 2, margin))?;
+    let top = margin + 2 * text as i32;
+    let frame = [
+        (margin + 4 * text as i32, top),
+        (w as i32 - margin, h as i32 - margin - 2 * text as i32),
+    ];
+    area.draw(&Rectangle::new(frame, MUTED))?;
+    let na = (FONT, text as f64 * 2.0)
+        .into_font()
+        .color(&MUTED)
+        .pos(Pos::new(HPos::Center, VPos::Center));
+    let centre = ((frame[0].0 + frame[1].0) / 2, (frame[0].1 + frame[1].1) / 2);
+    area.draw_text("n/a", &na, centre)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn scale_maps_min_and_max_to_the_edges() {
-        let plot = Rect::new(40, 20, 300, 200);
-        let xs = Scale::new(-3.0, 7.0, plot.x as f64, (plot.right() - 1) as f64);
-        assert_eq!(xs.px(-3.0), plot.x);
-        assert_eq!(xs.px(7.0), plot.right() - 1);
-        assert_eq!(xs.px(2.0), plot.x + 150);
-        // y is flipped: the minimum is at the bottom edge.
-        let ys = Scale::new(0.5, 1.5, (plot.bottom() - 1) as f64, plot.y as f64);
-        assert_eq!(ys.px(0.5), plot.bottom() - 1);
-        assert_eq!(ys.px(1.5), plot.y);
-        assert!(ys.px(1.0) > plot.y && ys.px(1.0) < plot.bottom() - 1);
-        // A degenerate data range maps to the middle instead of dividing by zero.
-        assert_eq!(Scale::new(1.0, 1.0, 0.0, 10.0).map(1.0), 5.0);
-    }
-
-    #[test]
-    fn nice_axis_covers_the_data_with_round_ticks() {
-        let a = nice_axis(0.013, 0.871, 5, false);
-        assert_eq!(a.lo, 0.0);
-        assert!((a.step - 0.2).abs() < 1e-12);
-        assert!((a.hi - 1.0).abs() < 1e-12);
-        assert_eq!(a.ticks.len(), 6);
-        assert_eq!(a.ticks.first(), Some(&a.lo));
-        let a = nice_axis(-2.4, 3.1, 5, false);
-        assert!(a.lo <= -2.4 && a.hi >= 3.1, "{a:?}");
-        assert!(a.ticks.len() >= 4 && a.ticks.len() <= 8, "{a:?}");
-        let a = nice_axis(1.0, 20.0, 6, true);
-        assert_eq!((a.lo, a.hi, a.step), (0.0, 20.0, 5.0));
-        let a = nice_axis(1.0, 3.0, 6, true);
-        assert_eq!(a.step, 1.0);
-        // Point ranges are widened rather than collapsing the scale.
-        let a = nice_axis(0.0, 0.0, 5, false);
-        assert_eq!((a.lo, a.hi), (0.0, 1.0));
-        let a = nice_axis(7.0, 7.0, 6, true);
-        assert!(a.lo <= 6.0 && a.hi >= 8.0);
-        let a = nice_axis(-4.0, -4.0, 5, false);
-        assert!(a.lo < -4.0 && a.hi > -4.0);
-    }
-
-    #[test]
-    fn tick_labels_are_short_and_exact() {
-        let labels = |lo, hi, integer| tick_labels(&nice_axis(lo, hi, 5, integer));
-        assert_eq!(
-            labels(0.0, 1.0, false),
-            ["0", "0.2", "0.4", "0.6", "0.8", "1.0"]
-        );
-        assert_eq!(
-            labels(-1.0, 1.0, false),
-            ["-1.0", "-0.5", "0", "0.5", "1.0"]
-        );
-        assert_eq!(
-            labels(0.0, 100.0, true),
-            ["0", "20", "40", "60", "80", "100"]
-        );
-        assert_eq!(
-            labels(0.0, 0.0004, false),
-            ["0", "1e-4", "2e-4", "3e-4", "4e-4"]
-        );
-        assert_eq!(
-            labels(0.0, 250000.0, false),
-            ["0", "0.5e5", "1.0e5", "1.5e5", "2.0e5", "2.5e5"]
-        );
-        assert_eq!(format_tick(-1e-17, 0.1, 1.0), "0");
-        assert_eq!(format_tick(0.025, 0.005, 0.05), "0.025");
-    }
-
-    fn count(canvas: &Canvas, rect: Rect, color: Rgb) -> usize {
+    /// Pixels of exactly `color` within columns `x0..x1` and rows `y0..y1` of an RGB image.
+    fn count(
+        pixels: &[u8],
+        width: u32,
+        (x0, x1): (u32, u32),
+        (y0, y1): (u32, u32),
+        color: Rgb,
+    ) -> usize {
         let mut n = 0;
-        for y in rect.y..rect.bottom() {
-            for x in rect.x..rect.right() {
-                n += (canvas.get(x, y) == Some(color)) as usize;
+        for y in y0..y1 {
+            for x in x0..x1 {
+                let i = 3 * (y * width + x) as usize;
+                n += (pixels[i..i + 3] == [color.0, color.1, color.2]) as usize;
             }
         }
         n
@@ -668,17 +548,20 @@ mod tests {
                 Panel::new("nothing", xs.clone()).left(empty),
             ],
         };
-        let canvas = fig.render(900, 400);
-        let header = Canvas::text_height(2) + 12;
-        let left = Rect::new(0, header, 450, 400 - header);
-        let right = Rect::new(450, header, 450, 400 - header);
-        assert!(count(&canvas, left, BLUE) > 200, "line drawn");
-        assert_eq!(count(&canvas, right, BLUE), 0);
-        assert_eq!(count(&canvas, right, ORANGE), 0, "no data, no line");
-        // "n/a" in muted grey around the middle of the empty panel.
-        let middle = Rect::new(450 + 150, header + 80, 250, 180);
-        assert!(count(&canvas, middle, MUTED) > 30);
-        assert!(count(&canvas, left, AXIS) > 100, "frame, ticks and labels");
+        let pixels = fig.render(900, 400).unwrap();
+        assert_eq!(pixels.len(), 900 * 400 * 3);
+        assert!(
+            count(&pixels, 900, (0, 450), (0, 400), BLUE) > 200,
+            "line drawn"
+        );
+        assert_eq!(count(&pixels, 900, (450, 900), (0, 400), BLUE), 0);
+        assert_eq!(
+            count(&pixels, 900, (450, 900), (0, 400), ORANGE),
+            0,
+            "no data, no line"
+        );
+        // The frame and "n/a" of the empty panel, in muted grey.
+        assert!(count(&pixels, 900, (450, 900), (40, 400), MUTED) > 300);
     }
 
     #[test]
@@ -690,10 +573,10 @@ mod tests {
             cols: 1,
             panels: vec![Panel::new("t", xs).left(s)],
         };
-        let canvas = fig.render(500, 300);
-        let red: Vec<(i32, i32)> = (0..300)
+        let pixels = fig.render(500, 300).unwrap();
+        let red: Vec<(u32, u32)> = (0..300)
             .flat_map(|y| (0..500).map(move |x| (x, y)))
-            .filter(|&(x, y)| canvas.get(x, y) == Some(RED))
+            .filter(|&(x, y)| count(&pixels, 500, (x, x + 1), (y, y + 1), RED) == 1)
             .collect();
         let leftmost = red.iter().min_by_key(|p| p.0).unwrap();
         let rightmost = red.iter().max_by_key(|p| p.0).unwrap();
@@ -702,14 +585,51 @@ mod tests {
 
     #[test]
     fn nan_and_missing_values_leave_gaps() {
-        let xs: Vec<f64> = (0..3).map(f64::from).collect();
+        let xs: Vec<f64> = (0..5).map(f64::from).collect();
         let s = Series::new(
             "a",
             RED,
             Style::Line,
             vec![Some(f64::NAN), None, Some(f64::INFINITY)],
         );
-        let panel = Panel::new("t", xs).left(s);
-        assert!(!panel.has_data());
+        assert!(!Panel::new("t", xs.clone()).left(s).has_data());
+        let s = Series::new(
+            "a",
+            RED,
+            Style::Line,
+            vec![Some(1.0), Some(2.0), None, Some(3.0), Some(f64::NAN)],
+        );
+        assert_eq!(
+            s.runs(&xs),
+            vec![vec![(0.0, 1.0), (1.0, 2.0)], vec![(3.0, 3.0)]]
+        );
+        let band = Band {
+            name: "b".into(),
+            color: LIGHT_BLUE,
+            lo: vec![Some(0.0), Some(1.0), None],
+            hi: vec![Some(2.0), Some(3.0), Some(4.0)],
+        };
+        assert_eq!(
+            band.polygons(&xs),
+            vec![vec![(0.0, 2.0), (1.0, 3.0), (1.0, 1.0), (0.0, 0.0)]]
+        );
+    }
+
+    #[test]
+    fn tick_labels_are_short() {
+        assert_eq!(tick_label(0.2, 1.0), "0.2");
+        assert_eq!(tick_label(1.0, 2.0), "1");
+        assert_eq!(tick_label(-0.005, 0.02), "-0.005");
+        assert_eq!(tick_label(40.0, 100.0), "40");
+        assert_eq!(tick_label(1e-17, 0.1), "0");
+        assert_eq!(tick_label(0.0002, 0.0004), "2.0e-4");
+        assert_eq!(tick_label(150000.0, 250000.0), "1.5e5");
+    }
+
+    #[test]
+    fn a_single_value_gets_a_range_around_it() {
+        let r = padded([7.0].into_iter(), 0.05).unwrap();
+        assert!(r.start < 7.0 && r.end > 7.0, "{r:?}");
+        assert!(padded([f64::NAN].into_iter(), 0.05).is_none());
     }
 }

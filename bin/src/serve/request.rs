@@ -1,8 +1,10 @@
-//! Reading a `POST /v1/chat/completions` body: every field checked, with an OpenAI-style error
-//! naming the first bad parameter.
+//! Reading a `POST /v1/chat/completions` body: deserialised by serde (with the path of the
+//! value at fault from `serde_path_to_error`), then checked, with an OpenAI-style error naming
+//! the first bad parameter.
 
 use model::chat_template::{ChatMessage, Role};
-use serde_json::{Map, Value};
+use serde::Deserialize;
+use serde_json::{Number, Value};
 
 use super::error::ApiError;
 
@@ -30,107 +32,162 @@ pub struct CompletionRequest {
     pub enable_thinking: Option<bool>,
 }
 
+/// The request body as sent: the fields this server reads, typed but not yet checked.
+#[derive(Deserialize)]
+struct Body {
+    model: Option<String>,
+    messages: Option<Vec<Message>>,
+    temperature: Option<f64>,
+    top_p: Option<f64>,
+    top_k: Option<Number>,
+    max_tokens: Option<Number>,
+    max_completion_tokens: Option<Number>,
+    n: Option<Number>,
+    seed: Option<Number>,
+    stop: Option<Stop>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    chat_template_kwargs: Option<ChatTemplateKwargs>,
+    logprobs: Option<bool>,
+    tools: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: Option<String>,
+    content: Option<Content>,
+    reasoning_content: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged, expecting = "a string or an array of text parts")]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+/// One content part; only `{"type": "text", "text": ...}` is served.
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: Option<String>,
+    text: Option<Value>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged, expecting = "a string or an array of strings")]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct ChatTemplateKwargs {
+    enable_thinking: Option<bool>,
+}
+
 /// Parses and checks a request body.
 pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|err| {
-        ApiError::invalid(
-            format!("We could not parse the JSON body of your request ({err})."),
-            None,
-        )
-    })?;
-    let Value::Object(fields) = value else {
-        return Err(ApiError::invalid(
-            "The request body must be a JSON object.",
-            None,
-        ));
-    };
-    let n = integer(&fields, "n", 1)?;
-    if n.is_some_and(|n| n != 1) {
+    let body: Body =
+        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(body))
+            .map_err(deserialize_error)?;
+    if integer(body.n.as_ref(), "n", 1)?.is_some_and(|n| n != 1) {
         return Err(ApiError::invalid_value("Only n = 1 is supported.", "n"));
     }
-    if boolean(&fields, "logprobs")? == Some(true) {
+    if body.logprobs == Some(true) {
         return Err(ApiError::invalid_value(
             "logprobs are not supported by this server.",
             "logprobs",
         ));
     }
-    if fields
-        .get("tools")
-        .is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+    if body
+        .tools
+        .as_ref()
+        .and_then(Value::as_array)
+        .is_some_and(|tools| !tools.is_empty())
     {
         return Err(ApiError::invalid_value(
             "Tools are not supported by this server.",
             "tools",
         ));
     }
-    let max_tokens = match integer(&fields, "max_completion_tokens", 1)? {
+    let max_tokens = match integer(
+        body.max_completion_tokens.as_ref(),
+        "max_completion_tokens",
+        1,
+    )? {
         Some(n) => Some(n),
-        None => integer(&fields, "max_tokens", 1)?,
+        None => integer(body.max_tokens.as_ref(), "max_tokens", 1)?,
     };
     Ok(CompletionRequest {
-        model: string(&fields, "model")?,
-        messages: messages(&fields)?,
-        temperature: number(&fields, "temperature", 0.0, 2.0, true)?,
-        top_p: number(&fields, "top_p", 0.0, 1.0, false)?,
-        top_k: integer(&fields, "top_k", 0)?.map(|k| k as usize),
+        model: body.model,
+        messages: messages(body.messages)?,
+        temperature: in_range(body.temperature, "temperature", 0.0, 2.0, true)?,
+        top_p: in_range(body.top_p, "top_p", 0.0, 1.0, false)?,
+        top_k: integer(body.top_k.as_ref(), "top_k", 0)?
+            .map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
         max_tokens: max_tokens.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
-        seed: seed(&fields)?,
-        stop: stop(&fields)?,
-        stream: boolean(&fields, "stream")?.unwrap_or(false),
-        include_usage: match fields.get("stream_options") {
-            None | Some(Value::Null) => false,
-            Some(Value::Object(options)) => boolean(options, "include_usage")?.unwrap_or(false),
-            Some(_) => return Err(type_error("stream_options", "an object")),
-        },
-        enable_thinking: match fields.get("chat_template_kwargs") {
-            None | Some(Value::Null) => None,
-            Some(Value::Object(kwargs)) => boolean(kwargs, "enable_thinking")?,
-            Some(_) => return Err(type_error("chat_template_kwargs", "an object")),
-        },
+        seed: body.seed.map(|n| seed(&n)).transpose()?,
+        stop: stop(body.stop)?,
+        stream: body.stream.unwrap_or(false),
+        include_usage: body
+            .stream_options
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+        enable_thinking: body.chat_template_kwargs.and_then(|k| k.enable_thinking),
     })
+}
+
+/// A deserialisation failure as an OpenAI error: unreadable JSON, a body that is not an
+/// object, or the parameter (e.g. `messages[0].role`) whose value has the wrong type.
+fn deserialize_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let param = e.path().to_string();
+    let inner = e.into_inner();
+    if inner.is_syntax() || inner.is_eof() {
+        ApiError::invalid(
+            format!("We could not parse the JSON body of your request ({inner})."),
+            None,
+        )
+    } else if param == "." || param.starts_with('[') {
+        // serde would read a struct from an array too: a path into one means the body is one.
+        ApiError::invalid("The request body must be a JSON object.", None)
+    } else {
+        type_error(&param, &inner.to_string())
+    }
 }
 
 fn type_error(param: &str, expected: &str) -> ApiError {
     ApiError::invalid(
-        format!("Invalid type for '{param}': expected {expected}."),
+        format!("Invalid type for '{param}': {expected}."),
         Some(param),
     )
     .with_code("invalid_type")
 }
 
-fn present<'a>(fields: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
-    fields.get(key).filter(|v| !v.is_null())
+fn missing(param: &str) -> ApiError {
+    ApiError::invalid(
+        format!("Missing required parameter: '{param}'."),
+        Some(param),
+    )
+    .with_code("missing_required_parameter")
 }
 
-fn string(fields: &Map<String, Value>, key: &str) -> Result<Option<String>, ApiError> {
-    match present(fields, key) {
-        None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
-        Some(_) => Err(type_error(key, "a string")),
-    }
-}
-
-fn boolean(fields: &Map<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
-    match present(fields, key) {
-        None => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(_) => Err(type_error(key, "a boolean")),
-    }
-}
-
-/// A whole number `>= min`.
-fn integer(fields: &Map<String, Value>, key: &str, min: u64) -> Result<Option<u64>, ApiError> {
-    let Some(value) = present(fields, key) else {
+/// A whole number `>= min` (`7.0` counts as 7).
+fn integer(value: Option<&Number>, key: &str, min: u64) -> Result<Option<u64>, ApiError> {
+    let Some(value) = value else {
         return Ok(None);
     };
-    let n = match value {
-        Value::Number(n) => n.as_u64().or_else(|| {
-            n.as_f64()
-                .filter(|f| f.fract() == 0.0 && *f >= 0.0)
-                .map(|f| f as u64)
-        }),
-        _ => return Err(type_error(key, "an integer")),
-    };
+    let n = value.as_u64().or_else(|| {
+        value
+            .as_f64()
+            .filter(|f| f.fract() == 0.0 && *f >= 0.0)
+            .map(|f| f as u64)
+    });
     match n {
         Some(n) if n >= min => Ok(Some(n)),
         _ => Err(ApiError::invalid_value(
@@ -141,18 +198,15 @@ fn integer(fields: &Map<String, Value>, key: &str, min: u64) -> Result<Option<u6
 }
 
 /// A number in `[min, max]` (`(min, max]` when `min_inclusive` is false).
-fn number(
-    fields: &Map<String, Value>,
+fn in_range(
+    value: Option<f64>,
     key: &str,
     min: f64,
     max: f64,
     min_inclusive: bool,
 ) -> Result<Option<f32>, ApiError> {
-    let Some(value) = present(fields, key) else {
+    let Some(x) = value else {
         return Ok(None);
-    };
-    let Some(x) = value.as_f64() else {
-        return Err(type_error(key, "a number"));
     };
     let above = if min_inclusive { x >= min } else { x > min };
     if !(above && x <= max) {
@@ -166,56 +220,30 @@ fn number(
 }
 
 /// Any integer; negative seeds are taken bit for bit.
-fn seed(fields: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
-    match present(fields, "seed") {
-        None => Ok(None),
-        Some(Value::Number(n)) => n
-            .as_u64()
-            .or_else(|| n.as_i64().map(|i| i as u64))
-            .map(Some)
-            .ok_or_else(|| type_error("seed", "an integer")),
-        Some(_) => Err(type_error("seed", "an integer")),
-    }
+fn seed(n: &Number) -> Result<u64, ApiError> {
+    n.as_u64()
+        .or_else(|| n.as_i64().map(|i| i as u64))
+        .ok_or_else(|| type_error("seed", "expected an integer"))
 }
 
-/// A string or an array of at most four strings; empty strings are dropped.
-fn stop(fields: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
-    let stops = match present(fields, "stop") {
+/// At most four stop strings; empty strings are dropped.
+fn stop(stop: Option<Stop>) -> Result<Vec<String>, ApiError> {
+    let stops = match stop {
         None => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => {
-            if items.len() > MAX_STOP_STRINGS {
-                return Err(ApiError::invalid_value(
-                    format!("'stop' holds at most {MAX_STOP_STRINGS} strings."),
-                    "stop",
-                ));
-            }
-            items
-                .iter()
-                .map(|item| {
-                    item.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| type_error("stop", "a string or an array of strings"))
-                })
-                .collect::<Result<_, _>>()?
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(items)) if items.len() > MAX_STOP_STRINGS => {
+            return Err(ApiError::invalid_value(
+                format!("'stop' holds at most {MAX_STOP_STRINGS} strings."),
+                "stop",
+            ))
         }
-        Some(_) => return Err(type_error("stop", "a string or an array of strings")),
+        Some(Stop::Many(items)) => items,
     };
     Ok(stops.into_iter().filter(|s| !s.is_empty()).collect())
 }
 
-fn messages(fields: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
-    let items = match present(fields, "messages") {
-        None => {
-            return Err(ApiError::invalid(
-                "Missing required parameter: 'messages'.",
-                Some("messages"),
-            )
-            .with_code("missing_required_parameter"))
-        }
-        Some(Value::Array(items)) => items,
-        Some(_) => return Err(type_error("messages", "an array")),
-    };
+fn messages(items: Option<Vec<Message>>) -> Result<Vec<ChatMessage>, ApiError> {
+    let items = items.ok_or_else(|| missing("messages"))?;
     if items.is_empty() {
         return Err(ApiError::invalid_value(
             "'messages' must hold at least one message.",
@@ -223,72 +251,45 @@ fn messages(fields: &Map<String, Value>) -> Result<Vec<ChatMessage>, ApiError> {
         ));
     }
     items
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, item)| message(i, item))
         .collect()
 }
 
-fn message(index: usize, item: &Value) -> Result<ChatMessage, ApiError> {
-    let param = |field: &str| format!("messages[{index}]{field}");
-    let Value::Object(fields) = item else {
-        return Err(type_error(&param(""), "an object"));
-    };
-    let role = match present(fields, "role") {
-        Some(Value::String(role)) => match role.as_str() {
-            "system" | "developer" => Role::System,
-            "user" => Role::User,
-            "assistant" => Role::Assistant,
-            other => {
-                return Err(ApiError::invalid_value(
-                    format!(
+fn message(index: usize, item: Message) -> Result<ChatMessage, ApiError> {
+    let param = |field: &str| format!("messages[{index}].{field}");
+    let role =
+        match item.role.as_deref() {
+            Some("system" | "developer") => Role::System,
+            Some("user") => Role::User,
+            Some("assistant") => Role::Assistant,
+            Some(other) => return Err(ApiError::invalid_value(
+                format!(
                     "Role '{other}' is not supported: use system, developer, user or assistant."
                 ),
-                    &param(".role"),
-                ))
-            }
-        },
-        Some(_) => return Err(type_error(&param(".role"), "a string")),
-        None => {
-            return Err(ApiError::invalid(
-                format!("Missing required parameter: '{}'.", param(".role")),
-                Some(&param(".role")),
-            )
-            .with_code("missing_required_parameter"))
-        }
-    };
-    let content = match fields.get("content") {
-        Some(Value::String(text)) => text.clone(),
-        Some(Value::Array(parts)) => parts
+                &param("role"),
+            )),
+            None => return Err(missing(&param("role"))),
+        };
+    let content = match item.content {
+        Some(Content::Text(text)) => text,
+        Some(Content::Parts(parts)) => parts
             .iter()
-            .map(
-                |part| match (part.get("type").and_then(Value::as_str), part.get("text")) {
-                    (Some("text") | None, Some(Value::String(text))) => Ok(text.as_str()),
-                    _ => Err(ApiError::invalid_value(
-                        "Only text content parts are supported.",
-                        &param(".content"),
-                    )),
-                },
-            )
+            .map(|part| match (part.kind.as_deref(), &part.text) {
+                (Some("text") | None, Some(Value::String(text))) => Ok(text.as_str()),
+                _ => Err(ApiError::invalid_value(
+                    "Only text content parts are supported.",
+                    &param("content"),
+                )),
+            })
             .collect::<Result<String, _>>()?,
-        Some(Value::Null) | None if role == Role::Assistant => String::new(),
-        Some(Value::Null) | None => {
-            return Err(ApiError::invalid(
-                format!("Missing required parameter: '{}'.", param(".content")),
-                Some(&param(".content")),
-            )
-            .with_code("missing_required_parameter"))
-        }
-        Some(_) => {
-            return Err(type_error(
-                &param(".content"),
-                "a string or an array of text parts",
-            ))
-        }
+        None if role == Role::Assistant => String::new(),
+        None => return Err(missing(&param("content"))),
     };
     let mut message = ChatMessage::new(role, content);
     if role == Role::Assistant {
-        message.reasoning_content = string(fields, "reasoning_content")?;
+        message.reasoning_content = item.reasoning_content;
     }
     Ok(message)
 }
@@ -341,6 +342,27 @@ mod tests {
         assert_eq!(r.temperature, None);
         assert_eq!(r.stop, vec!["a".to_string()]);
         assert!(!r.stream);
+    }
+
+    #[test]
+    fn a_wrong_type_deep_in_the_body_names_its_path() {
+        let body =
+            r#"{"messages": [{"role": "user", "content": "q"}, {"role": "user", "content": 5}]}"#;
+        let err = parse_str(body).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("messages[1].content"));
+        assert_eq!(err.code, Some("invalid_type"));
+        assert!(
+            err.message.contains("a string or an array of text parts"),
+            "{}",
+            err.message
+        );
+        let body = r#"{"messages": [{"role": 3, "content": "q"}]}"#;
+        assert_eq!(param_of(body).as_deref(), Some("messages[0].role"));
+        let body = r#"{"messages": [{"role": "user", "content": "q"}], "stream_options": {"include_usage": 1}}"#;
+        assert_eq!(
+            param_of(body).as_deref(),
+            Some("stream_options.include_usage")
+        );
     }
 
     #[test]

@@ -21,7 +21,7 @@ pub struct BertModel<B: Backend> {
 impl<B: Backend> BertModel<B> {
     /// Loads every tensor the encoder uses (`embeddings.*`, `encoder.layer.{i}.*`).
     pub fn load(
-        weights: &WeightReader<'_>,
+        weights: &WeightReader,
         config: &BertConfig,
         device: &B::Device,
     ) -> Result<Self, SsimError> {
@@ -67,7 +67,7 @@ struct BertEmbeddings<B: Backend> {
 
 impl<B: Backend> BertEmbeddings<B> {
     fn load(
-        weights: &WeightReader<'_>,
+        weights: &WeightReader,
         config: &BertConfig,
         device: &B::Device,
     ) -> Result<Self, SsimError> {
@@ -124,7 +124,7 @@ struct BertLayer<B: Backend> {
 
 impl<B: Backend> BertLayer<B> {
     fn load(
-        weights: &WeightReader<'_>,
+        weights: &WeightReader,
         prefix: &str,
         config: &BertConfig,
         device: &B::Device,
@@ -163,7 +163,7 @@ struct BertAttention<B: Backend> {
 
 impl<B: Backend> BertAttention<B> {
     fn load(
-        weights: &WeightReader<'_>,
+        weights: &WeightReader,
         prefix: &str,
         config: &BertConfig,
         device: &B::Device,
@@ -229,7 +229,7 @@ impl<B: Backend> BertOutput<B> {
     /// `{prefix}.dense` (`input` → hidden) and `{prefix}.LayerNorm`: the shape shared by
     /// `BertSelfOutput` and `BertOutput`.
     fn load(
-        weights: &WeightReader<'_>,
+        weights: &WeightReader,
         prefix: &str,
         input: usize,
         config: &BertConfig,

@@ -9,7 +9,7 @@ use super::bert::BertModel;
 use super::config::BertConfig;
 use super::error::SsimError;
 use super::tokenize::{PaddedBatch, WordPiece};
-use super::weights::WeightFile;
+use super::weights::WeightReader;
 
 /// Longest input in tokens, `[CLS]` and `[SEP]` included (sentence-transformers' `max_seq_length`).
 pub const MAX_TOKENS: usize = 256;
@@ -37,8 +37,8 @@ impl<B: Backend> SentenceEncoder<B> {
         let config = BertConfig::load(&dir.join("config.json"))?;
         let max_tokens = MAX_TOKENS.min(config.max_position_embeddings);
         let tokenizer = WordPiece::load(&dir.join("tokenizer.json"), max_tokens)?;
-        let weights = WeightFile::open(&dir.join("model.safetensors"))?;
-        let model = BertModel::load(&weights.reader()?, &config, device)?;
+        let weights = WeightReader::open(dir)?;
+        let model = BertModel::load(&weights, &config, device)?;
         Ok(Self {
             tokenizer,
             model,

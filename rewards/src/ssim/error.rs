@@ -29,44 +29,10 @@ pub enum SsimError {
         /// What is unsupported.
         reason: String,
     },
-    /// `model.safetensors` is not a valid safetensors file.
-    #[error("invalid safetensors file {path}: {reason}")]
-    Safetensors {
-        /// The weights file.
-        path: PathBuf,
-        /// The parse error.
-        reason: String,
-    },
-    /// A tensor the encoder needs is not in the weights file.
-    #[error("tensor {name} missing from {path}")]
-    MissingTensor {
-        /// The weights file.
-        path: PathBuf,
-        /// The HF name of the tensor.
-        name: String,
-    },
-    /// A tensor has a shape other than the config implies.
-    #[error("tensor {name} in {path} has shape {actual:?}, expected {expected:?}")]
-    WrongShape {
-        /// The weights file.
-        path: PathBuf,
-        /// The HF name of the tensor.
-        name: String,
-        /// The shape the config implies.
-        expected: Vec<usize>,
-        /// The shape in the file.
-        actual: Vec<usize>,
-    },
-    /// A tensor is stored in a dtype other than f32, f16 or bf16.
-    #[error("tensor {name} in {path} has unsupported dtype {dtype}")]
-    UnsupportedDtype {
-        /// The weights file.
-        path: PathBuf,
-        /// The HF name of the tensor.
-        name: String,
-        /// The dtype in the file.
-        dtype: String,
-    },
+    /// `model.safetensors` cannot be read, or lacks a tensor of the shape the config implies
+    /// (the error names the file and the tensor).
+    #[error(transparent)]
+    Weights(#[from] model::ModelError),
     /// `tokenizer.json` could not be loaded or configured.
     #[error("cannot load tokenizer {path}: {reason}")]
     Tokenizer {

@@ -15,7 +15,7 @@ pub struct Linear<B: Backend> {
 impl<B: Backend> Linear<B> {
     /// Loads `{prefix}.weight` (`[d_out, d_in]` in the file) and `{prefix}.bias`.
     pub fn load(
-        weights: &WeightReader<'_>,
+        weights: &WeightReader,
         prefix: &str,
         d_in: usize,
         d_out: usize,
@@ -43,7 +43,7 @@ pub struct LayerNorm<B: Backend> {
 impl<B: Backend> LayerNorm<B> {
     /// Loads `{prefix}.weight` and `{prefix}.bias`, both `[width]`.
     pub fn load(
-        weights: &WeightReader<'_>,
+        weights: &WeightReader,
         prefix: &str,
         width: usize,
         eps: f64,

@@ -1,5 +1,5 @@
 //! `metrics.jsonl`: one JSON object per training step, appended and flushed as the run goes;
-//! a first object with `step` 0 holds the validation run before training, when there is one.
+//! a first object with `training/global_step` 0 holds the validation run before training, when there is one.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -13,40 +13,70 @@ use super::error::TrainError;
 /// File name of the per-step metrics inside the run directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";
 
-/// What one GRPO step did.
+/// What one GRPO step did. Serialised under the metric names verl logs (`actor/pg_loss`,
+/// `critic/score/mean`, `timing_s/gen`, ...), so tools written for verl runs read ours; fields
+/// verl has no name for sit under the same kind of slash names. Lines written under the earlier
+/// plain field names (`reward_mean`, ...) still read back.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
+    #[serde(rename = "training/global_step", alias = "step")]
     pub step: u64,
+    #[serde(rename = "training/epoch", alias = "epoch")]
     pub epoch: u64,
+    #[serde(rename = "critic/score/mean", alias = "reward_mean")]
     pub reward_mean: f32,
+    #[serde(rename = "critic/score/std", alias = "reward_std")]
     pub reward_std: f32,
+    #[serde(rename = "reward/format/mean", alias = "format_mean")]
     pub format_mean: Option<f32>,
+    #[serde(rename = "reward/f1/mean", alias = "f1_mean")]
     pub f1_mean: Option<f32>,
+    #[serde(rename = "actor/loss", alias = "loss")]
     pub loss: f32,
+    #[serde(rename = "actor/pg_loss", alias = "pg_loss")]
     pub pg_loss: f32,
+    #[serde(rename = "actor/kl_loss", alias = "kl")]
     pub kl: Option<f32>,
+    #[serde(rename = "actor/entropy", alias = "entropy")]
     pub entropy: Option<f32>,
+    #[serde(rename = "actor/pg_clipfrac", alias = "clip_frac")]
     pub clip_frac: f32,
+    #[serde(rename = "actor/pg_clipfrac_lower", alias = "dual_clip_frac")]
     pub dual_clip_frac: f32,
+    #[serde(rename = "actor/ppo_kl", alias = "approx_kl")]
     pub approx_kl: f32,
+    #[serde(rename = "actor/grad_norm", alias = "grad_norm")]
     pub grad_norm: Option<f32>,
+    #[serde(rename = "actor/optimizer_steps", alias = "optimizer_steps")]
     pub optimizer_steps: usize,
     /// Optimiser steps skipped because the gradient norm was not finite (this step).
+    #[serde(rename = "actor/skipped_steps", alias = "skipped_steps")]
     pub skipped_steps: usize,
     /// Episodes dropped because the environment failed (this step).
+    #[serde(rename = "rollout/env_failures", alias = "env_failures")]
     pub env_failures: usize,
+    #[serde(rename = "rollout/episodes", alias = "episodes")]
     pub episodes: usize,
+    #[serde(rename = "rollout/agent_tokens", alias = "agent_tokens")]
     pub agent_tokens: usize,
+    #[serde(rename = "response_length/mean", alias = "mean_response_tokens")]
     pub mean_response_tokens: f32,
+    #[serde(rename = "num_turns/mean", alias = "mean_turns")]
     pub mean_turns: f32,
+    #[serde(rename = "timing_s/gen", alias = "rollout_secs")]
     pub rollout_secs: f32,
+    #[serde(rename = "timing_s/update_actor", alias = "learn_secs")]
     pub learn_secs: f32,
     /// Agent tokens generated per second during the rollout.
+    #[serde(rename = "perf/gen_tokens_per_s", alias = "rollout_tokens_per_sec")]
     pub rollout_tokens_per_sec: f32,
     /// Greedy validation reward, on the steps that validate.
+    #[serde(rename = "val/reward/mean", alias = "validation_reward")]
     pub validation_reward: Option<f32>,
+    #[serde(rename = "val/f1/mean", alias = "validation_f1")]
     pub validation_f1: Option<f32>,
     /// Peak resident memory of the process so far (Linux), to see that steps do not leak.
+    #[serde(rename = "perf/peak_rss_mb", alias = "peak_rss_mb")]
     pub peak_rss_mb: Option<f32>,
     /// Groups whose episodes all got the same reward, so zero advantages (this step), counted
     /// whether dynamic sampling is on or off.
@@ -144,5 +174,40 @@ mod tests {
         json["val/hotpot/f1"] = serde_json::json!("high");
         let err = serde_json::from_value::<StepRecord>(json).unwrap_err().to_string();
         assert!(err.contains("val/hotpot/f1"), "{err}");
+    }
+
+    #[test]
+    fn records_are_written_under_verl_metric_names() {
+        let record = StepRecord {
+            step: 3,
+            reward_mean: 0.5,
+            pg_loss: -0.25,
+            clip_frac: 0.125,
+            rollout_secs: 2.0,
+            ..StepRecord::default()
+        };
+        let json: serde_json::Value = serde_json::to_value(&record).unwrap();
+        assert_eq!(json["training/global_step"], 3);
+        assert_eq!(json["critic/score/mean"], 0.5);
+        assert_eq!(json["actor/pg_loss"], -0.25);
+        assert_eq!(json["actor/pg_clipfrac"], 0.125);
+        assert_eq!(json["timing_s/gen"], 2.0);
+        assert!(json.get("reward_mean").is_none() && json.get("step").is_none(), "{json}");
+        let back: StepRecord = serde_json::from_value(json).unwrap();
+        assert_eq!(back, record);
+    }
+
+    #[test]
+    fn lines_with_the_earlier_field_names_still_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut line = serde_json::to_value(StepRecord::default()).unwrap();
+        let fields = line.as_object_mut().unwrap();
+        fields.remove("training/global_step");
+        fields.remove("critic/score/mean");
+        fields.insert("step".into(), 7.into());
+        fields.insert("reward_mean".into(), 0.75.into());
+        std::fs::write(dir.path().join(METRICS_FILE), format!("{line}\n")).unwrap();
+        let records = read_metrics(dir.path()).unwrap();
+        assert_eq!((records[0].step, records[0].reward_mean), (7, 0.75));
     }
 }

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Tests `prompt-r1 export` with Hugging Face transformers (PyPI): an exported checkpoint must load
+# with AutoModelForCausalLM and give the same log-probabilities as `prompt-r1 score`.
+#
+# Builds nothing: run `cargo build --release -p prompt-r1` first (or point PROMPT_R1_BIN at a
+# binary). Creates a throwaway virtual environment under the target directory, installs torch,
+# transformers and safetensors into it, runs test_export_transformers.py, and removes everything
+# it made. Exits non-zero on any failure.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+target="${CARGO_TARGET_DIR:-$root/target}"
+bin="${PROMPT_R1_BIN:-$target/release/prompt-r1}"
+if [ ! -x "$bin" ]; then
+    echo "error: no prompt-r1 binary at $bin (run: cargo build --release -p prompt-r1)" >&2
+    exit 1
+fi
+
+mkdir -p "$target"
+work="$(mktemp -d "$target/python-export-test.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install --quiet --disable-pip-version-check torch transformers safetensors
+
+mkdir "$work/models"
+HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error \
+    "$work/venv/bin/python" "$here/test_export_transformers.py" "$bin" "$work/models"
