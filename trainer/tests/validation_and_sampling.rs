@@ -75,7 +75,7 @@ fn validation_before_training_and_per_source() {
     // metrics.jsonl: the step 0 line, then one line per step, the per-source keys read back.
     let text = std::fs::read_to_string(out_dir.join("metrics.jsonl")).unwrap();
     let first_line: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
-    assert_eq!(first_line["step"], 0);
+    assert_eq!(first_line["training/global_step"], 0);
     assert!(first_line["val/beta/reward"].is_number());
     let records = read_metrics(&out_dir).unwrap();
     let steps: Vec<u64> = records.iter().map(|r| r.step).collect();

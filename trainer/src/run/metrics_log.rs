@@ -1,5 +1,6 @@
 //! `metrics.jsonl`: one JSON object per training step, appended and flushed as the run goes;
-//! a first object with `training/global_step` 0 holds the validation run before training, when there is one.
+//! a first object with `training/global_step` 0 holds the validation run before training, when
+//! there is one.
 
 use std::collections::BTreeMap;
 use std::io::Write;
