@@ -1,10 +1,14 @@
-//! Choosing the compute backend at run time: `--device cpu` (burn-flex, pure Rust) or
-//! `--device cuda[:N]` (burn-cuda, only in builds with the `cuda` feature). Commands write their
-//! work once, generic over the backend, as an [`OnBackend`] task.
+//! Choosing the compute backend at run time: `--device cpu` (burn-flex, pure Rust),
+//! `--device cuda[:N]` (burn-cuda, in builds with the `cuda` feature) or `--device wgpu` (burn's
+//! wgpu backend on Vulkan, in builds with the `wgpu` feature; it runs the CUDA backend's CubeCL
+//! kernels). Commands write their work once, generic over the backend, as an [`OnBackend`] task.
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+mod gpu;
 
 use std::str::FromStr;
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use burn::tensor::{backend::Backend, DType};
 
 use crate::model_dir::parse_dtype;
@@ -12,11 +16,12 @@ use crate::model_dir::parse_dtype;
 /// `--device` and `--dtype`, for every command that runs a model for inference.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ComputeArgs {
-    /// Compute device: cpu, cuda or cuda:N.
+    /// Compute device: cpu, cuda, cuda:N or wgpu. On the GPU backends PROMPT_R1_FUSION=0 turns
+    /// burn's kernel fusion off.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
     /// Weight dtype on the device: f32 or bf16. bf16 halves the memory; on CPUs with AVX-512
-    /// BF16 it is also the faster choice.
+    /// BF16 it is also the faster choice (wgpu has no bf16).
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: DType,
 }
@@ -26,6 +31,8 @@ pub struct ComputeArgs {
 pub enum DeviceChoice {
     Cpu,
     Cuda(usize),
+    /// wgpu's default adapter (`CUBECL_WGPU_DEFAULT_DEVICE` picks another).
+    Wgpu,
 }
 
 impl FromStr for DeviceChoice {
@@ -35,9 +42,10 @@ impl FromStr for DeviceChoice {
         match s {
             "cpu" => Ok(Self::Cpu),
             "cuda" => Ok(Self::Cuda(0)),
+            "wgpu" => Ok(Self::Wgpu),
             other => match other.strip_prefix("cuda:").map(str::parse) {
                 Some(Ok(n)) => Ok(Self::Cuda(n)),
-                _ => Err(format!("unknown device \"{other}\": use cpu, cuda or cuda:N")),
+                _ => Err(format!("unknown device \"{other}\": use cpu, cuda, cuda:N or wgpu")),
             },
         }
     }
@@ -53,86 +61,37 @@ pub trait OnBackend {
 pub fn run_on<T: OnBackend>(choice: DeviceChoice, task: T) -> Result<T::Output> {
     match choice {
         DeviceChoice::Cpu => task.run::<burn::backend::Flex>(Default::default()),
-        DeviceChoice::Cuda(index) => run_on_cuda(index, task),
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(index) => gpu::run_on_cuda(index, task),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => gpu::run_on_wgpu(task),
+        #[cfg(not(all(feature = "cuda", feature = "wgpu")))]
+        other => Err(not_built(other)),
     }
 }
 
-/// Fails with the reason when the chosen device cannot run work (no CUDA support in this
+/// Fails with the reason when the chosen device cannot run work (no support for it in this
 /// build, no driver), before any work starts.
 pub fn check_available(choice: DeviceChoice) -> Result<()> {
     match choice {
         DeviceChoice::Cpu => Ok(()),
         #[cfg(feature = "cuda")]
-        DeviceChoice::Cuda(index) => probe_cuda(&burn::backend::cuda::CudaDevice::new(index)),
-        #[cfg(not(feature = "cuda"))]
-        DeviceChoice::Cuda(_) => bail!(NO_CUDA),
+        DeviceChoice::Cuda(index) => gpu::check_cuda(index),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => gpu::check_wgpu(),
+        #[cfg(not(all(feature = "cuda", feature = "wgpu")))]
+        other => Err(not_built(other)),
     }
 }
 
-#[cfg(feature = "cuda")]
-fn run_on_cuda<T: OnBackend>(index: usize, task: T) -> Result<T::Output> {
-    use burn::backend::{cuda::CudaDevice, Cuda};
-    let device = CudaDevice::new(index);
-    probe_cuda(&device)?;
-    task.run::<Cuda>(device)
+/// The error for a device whose backend this binary was built without.
+#[cfg(not(all(feature = "cuda", feature = "wgpu")))]
+fn not_built(choice: DeviceChoice) -> anyhow::Error {
+    let (name, feature) = if choice == DeviceChoice::Wgpu { ("wgpu", "wgpu") } else { ("CUDA", "cuda") };
+    anyhow::anyhow!(
+        "this binary was built without {name} support: rebuild with `cargo build --release --features {feature}`, or use --device cpu"
+    )
 }
-
-/// Touches the device once so that a missing driver or toolkit becomes an error message rather
-/// than a panic deep inside a command (cudarc and cubecl panic when libcuda or NVRTC is absent,
-/// on cubecl's own device thread: the first panic message of any thread is the cause).
-#[cfg(feature = "cuda")]
-fn probe_cuda(device: &burn::backend::cuda::CudaDevice) -> Result<()> {
-    use std::sync::{Arc, Mutex};
-
-    use burn::backend::Cuda;
-    use burn::tensor::Tensor;
-
-    let first_panic: Arc<Mutex<Option<String>>> = Arc::default();
-    let record = Arc::clone(&first_panic);
-    let previous = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        let mut slot = record.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            let text = info
-                .payload()
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| info.payload().downcast_ref::<&str>().copied())
-                .unwrap_or("unknown error");
-            *slot = Some(text.to_owned());
-        }
-    }));
-    let probe = std::panic::catch_unwind(|| {
-        let t = Tensor::<Cuda, 1>::from_floats([1.0, 2.0], device);
-        t.sum().into_scalar()
-    });
-    std::panic::set_hook(previous);
-    match probe {
-        Ok(v) if v == 3.0 => Ok(()),
-        Ok(v) => bail!("CUDA device {device:?} answered 1 + 2 = {v}; refusing to run on it"),
-        Err(_) => {
-            let cause = first_panic
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take()
-                .unwrap_or_else(|| "unknown error".into());
-            bail!(
-                "CUDA is not usable on this machine: {cause}. \
-                 It needs an NVIDIA driver (libcuda) and the CUDA toolkit headers for NVRTC \
-                 (set CUDA_PATH); use --device cpu otherwise"
-            )
-        }
-    }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn run_on_cuda<T: OnBackend>(_index: usize, _task: T) -> Result<T::Output> {
-    bail!(NO_CUDA)
-}
-
-#[cfg(not(feature = "cuda"))]
-const NO_CUDA: &str =
-    "this binary was built without CUDA support: rebuild with `cargo build --release --features cuda`, or use --device cpu";
 
 #[cfg(test)]
 mod tests {
@@ -143,6 +102,7 @@ mod tests {
         assert_eq!("cpu".parse::<DeviceChoice>(), Ok(DeviceChoice::Cpu));
         assert_eq!("cuda".parse::<DeviceChoice>(), Ok(DeviceChoice::Cuda(0)));
         assert_eq!("cuda:3".parse::<DeviceChoice>(), Ok(DeviceChoice::Cuda(3)));
+        assert_eq!("wgpu".parse::<DeviceChoice>(), Ok(DeviceChoice::Wgpu));
         assert!("gpu".parse::<DeviceChoice>().is_err());
         assert!("cuda:x".parse::<DeviceChoice>().is_err());
     }
