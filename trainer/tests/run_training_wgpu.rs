@@ -15,7 +15,7 @@ use common::{first_last_gap, setup, train_on};
 fn configure_cubecl() {
     use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cubecl");
-    let mut config = CubeClRuntimeConfig::default();
+    let mut config = CubeClRuntimeConfig::default().override_from_env();
     config.autotune.cache = CacheConfig::File(dir.clone());
     config.compilation.cache = Some(CacheConfig::File(dir));
     CubeClRuntimeConfig::set(config);

@@ -39,12 +39,12 @@ pub fn backend_ready<B: Backend>() -> bool {
 
 /// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`,
 /// shared by the wgpu test binaries (CubeCL's default is a `target/` inside the crate's folder,
-/// and no kernels).
+/// and no kernels); `CUBECL_*` variables (e.g. `CUBECL_AUTOTUNE_LEVEL`) apply.
 #[cfg(feature = "wgpu")]
 fn configure_cubecl() {
     use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cubecl");
-    let mut config = CubeClRuntimeConfig::default();
+    let mut config = CubeClRuntimeConfig::default().override_from_env();
     config.autotune.cache = CacheConfig::File(dir.clone());
     config.compilation.cache = Some(CacheConfig::File(dir));
     CubeClRuntimeConfig::set(config);
