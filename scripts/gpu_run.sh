@@ -1,42 +1,92 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 6 in one go, for a CUDA host that has no Rust toolchain and no
-# network: it needs only a `prompt-r1` built here with `cargo build --release --features cuda`.
-#   scripts/gpu_run.sh [BIN=target/release/prompt-r1] [OUT=gpu-results]
-# Writes to OUT: check-device tables (random tiny and 0.6B-shaped models), `bench --json` for
-# bf16 and f32 weights (decode at batch 1 and 64) and for a training step in each precision,
-# and peak-memory.txt: for each bench the device's peak memory in use, polled by nvidia-smi every 50 ms (it
-# includes the CUDA context, ~0.5 GB). Every step runs even when one before it failed; the exit
-# status says whether any did.
+# The GPU proof in a few short commands, for a CUDA host that has no Rust toolchain and no
+# network (such as the lent machines: CUDA 13, driver 580, python3 with torch + transformers).
+#
+#   scripts/gpu_run.sh build     # here, no GPU needed: the CUDA 13 binary, stripped, in .gpu/
+#   scripts/gpu_run.sh STAGE     # on the GPU host, one stage per command (each well under 10 min)
+#
+# Stages (each also records nvidia-smi, the NVRTC it found and the environment in log.txt):
+#   check      check-device against the CPU: tiny and 0.6B-shaped random models, f32 and bf16
+#              weights, and the tiny one again with fusion off (PROMPT_R1_FUSION=0)
+#   train      the trainer on the device: `demo --device cuda` (serve, GRPO steps, checkpoint)
+#   bench      ours and PyTorch on the same 0.6B-shaped checkpoint on the same GPU, bf16 weights:
+#              prefill, decode at batch 1 and 64, one training step (f32 weights, bf16 products);
+#              each of ours with its peak GPU memory polled by nvidia-smi
+#   bench-f32  the same with f32 weights (PyTorch's f32 products may use TF32, as CubeCL's do)
+#
+# Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
+# every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
+# one before it failed, each under `timeout` (STEP_TIMEOUT seconds, default 240); the exit status
+# says whether any failed. BIN overrides the binary (default .gpu/prompt-r1).
+# CubeCL keeps compiled kernels and autotune results in ~/.cache/prompt-r1/cubecl, so within a
+# stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
-bin=${1:-target/release/prompt-r1}
-out=${2:-gpu-results}
+cd "$(dirname "$0")/.."
+stage=${1:?usage: scripts/gpu_run.sh build|check|train|bench|bench-f32}
+
+if [ "$stage" = build ]; then
+  # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
+  set -e
+  CUDARC_CUDA_VERSION=13000 cargo build --release -p prompt-r1 --features cuda
+  mkdir -p .gpu
+  exclude=$(git rev-parse --git-path info/exclude)
+  grep -qx '/.gpu/' "$exclude" 2> /dev/null || echo '/.gpu/' >> "$exclude"
+  strip -o .gpu/prompt-r1 target/release/prompt-r1
+  size=$(du -m .gpu/prompt-r1 | cut -f1)
+  tree=$(git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
+  echo "built .gpu/prompt-r1 (${size} MiB stripped); tracked files ${tree} MiB; carry .gpu (limit 64 MiB in all)"
+  [ $((size + tree)) -le 60 ] || { echo "error: over the device tool's 64 MiB" >&2; exit 1; }
+  exit 0
+fi
+
+bin=${BIN:-.gpu/prompt-r1}
+out=${OUT:-gpu-results/$stage}
+step_timeout=${STEP_TIMEOUT:-240}
+work=$(mktemp -d)
+log="$out/$stage-log.txt"
 mkdir -p "$out"
 failed=0
+
+say() { echo "$*" | tee -a "$log"; }
 
 step() {
   local name=$1
   shift
-  echo "== $name: $*" | tee -a "$out/log.txt"
-  if ! "$@" > "$out/$name.txt" 2>> "$out/log.txt"; then
-    echo "   FAILED" | tee -a "$out/log.txt"
+  say "== $name: $*"
+  local start=$SECONDS
+  if ! timeout "$step_timeout" "$@" > "$work/$name.txt" 2>> "$work/stderr.txt"; then
+    say "   FAILED after $((SECONDS - start)) s (stderr.txt has its messages)"
+    tail -5 "$work/$name.txt" | tee -a "$log"
     failed=1
+  else
+    say "   ok in $((SECONDS - start)) s"
   fi
 }
 
-# Runs a bench with nvidia-smi polling the memory in use, and adds its peak to peak-memory.txt.
+# Runs one of our benches with nvidia-smi polling the memory in use; adds the peak to
+# peak-memory.txt (it includes the CUDA context, about 0.5 GB).
 bench() {
   local name=$1
   shift
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 > "$out/$name.mem" &
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 > "$work/$name.mem" &
   local poller=$!
   step "$name" "$bin" bench --device cuda --json "$@"
   kill "$poller" 2> /dev/null
   wait "$poller" 2> /dev/null
-  echo "$name: $(sort -n "$out/$name.mem" | tail -1) MiB" >> "$out/peak-memory.txt"
-  rm -f "$out/$name.mem"
+  echo "$name: $(sort -n "$work/$name.mem" | tail -1) MiB" >> "$work/peak-memory.txt"
+  rm -f "$work/$name.mem"
 }
 
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || { echo "no NVIDIA driver: nvidia-smi failed"; exit 1; }
+finish() {
+  cp "$log" "$work/" 2> /dev/null
+  tar czf "$out/$stage.tar.gz" -C "$work" .
+  rm -rf "$work"
+  say "results: $out/$stage.tar.gz"
+  exit $failed
+}
+
+nvidia-smi > "$work/nvidia-smi.txt" 2>&1 || { say "no NVIDIA driver: nvidia-smi failed"; finish; }
+head -15 "$work/nvidia-smi.txt" | tee -a "$log"
 # cubecl compiles its kernels with NVRTC at run time. Where the toolkit is not installed system-
 # wide, the NVIDIA wheels of a Python environment (nvidia-cuda-nvrtc, nvidia-cuda-runtime) carry
 # the library and headers: put them on the search paths.
@@ -45,7 +95,7 @@ if [ -n "$nvidia" ] && ! ldconfig -p | grep -q libnvrtc; then
   LD_LIBRARY_PATH=$(ls -d "$nvidia"/*/lib 2> /dev/null | paste -sd:)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   export LD_LIBRARY_PATH
 fi
-if [ -n "$nvidia" ] && [ -z "${CUDA_PATH:-}" ] && [ ! -d /usr/local/cuda ]; then
+if [ -z "${CUDA_PATH:-}" ] && [ ! -d /usr/local/cuda ] && [ -n "$nvidia" ]; then
   for include in "$nvidia"/cuda_runtime/include "$nvidia"/cu*/include; do
     if [ -f "$include/cuda_runtime.h" ]; then
       export CUDA_PATH=${include%/include}
@@ -53,12 +103,56 @@ if [ -n "$nvidia" ] && [ -z "${CUDA_PATH:-}" ] && [ ! -d /usr/local/cuda ]; then
     fi
   done
 fi
-echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} CUDA_PATH=${CUDA_PATH:-}" >> "$out/log.txt"
-step check-device-tiny "$bin" check-device --device cuda
-step check-device-0.6b "$bin" check-device --device cuda --preset qwen3-0.6b --atol 5e-3
-bench bench-bf16 --dtype bf16 --decode-batch 1,64
-bench bench-f32 --dtype f32 --decode-batch 1,64
-bench train-f32 --dtype f32 --decode-batch 1 --decode-tokens 2 --train-step
-bench train-bf16-products --dtype f32 --matmul bf16 --decode-batch 1 --decode-tokens 2 --train-step
-cat "$out/peak-memory.txt"
-exit $failed
+say "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-} CUDA_PATH=${CUDA_PATH:-} (/usr/local/cuda: $([ -d /usr/local/cuda ] && echo yes || echo no))"
+# The NVRTC that the binary will load (cudarc opens libnvrtc.so* by name), with its version.
+say "NVRTC: $(python3 - 2>&1 << 'EOF'
+import ctypes, ctypes.util, glob, os
+names = ["libnvrtc.so"] + [os.path.basename(p) for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d
+                            for p in sorted(glob.glob(os.path.join(d, "libnvrtc.so*")))]
+names += [n for n in [ctypes.util.find_library("nvrtc")] if n]
+for name in names:
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        continue
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    print(f"{name} version {major.value}.{minor.value}")
+    break
+else:
+    print("none found (kernels cannot compile)")
+EOF
+)"
+"$bin" --version >> "$log" 2>&1
+
+case "$stage" in
+  check)
+    step check-tiny-f32 "$bin" check-device --device cuda
+    step check-0.6b-f32 "$bin" check-device --device cuda --preset qwen3-0.6b
+    step check-tiny-bf16 "$bin" check-device --device cuda --dtype bf16 --rtol 5e-2
+    step check-0.6b-bf16 "$bin" check-device --device cuda --preset qwen3-0.6b --dtype bf16 --rtol 5e-2
+    step check-tiny-unfused env PROMPT_R1_FUSION=0 "$bin" check-device --device cuda
+    ;;
+  train)
+    step demo "$bin" demo --device cuda --out "$work/demo" --steps 4
+    rm -rf "$work/demo/agent" "$work/demo/run"/checkpoint-* 2> /dev/null
+    ;;
+  bench | bench-f32)
+    dtype=bf16
+    [ "$stage" = bench-f32 ] && dtype=f32
+    model="$work/qwen3-0.6b"
+    step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
+    bench "ours-$dtype" --model "$model" --dtype "$dtype" --decode-batch 1,64
+    bench ours-train-bf16-products --model "$model" --dtype f32 --matmul bf16 --decode-batch 1 --decode-tokens 2 --train-step
+    step "pytorch-$dtype" python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype "$dtype" --decode-batch 1,64
+    step pytorch-train-bf16-autocast python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype f32 \
+      --matmul bf16 --decode-batch 1 --decode-tokens 2
+    rm -rf "$model"
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
+  *)
+    say "unknown stage $stage: use build, check, train, bench or bench-f32"
+    failed=1
+    ;;
+esac
+finish

@@ -268,6 +268,37 @@ fn concurrent_requests_match_sequential_ones() {
     }
 }
 
+/// Off the CPU kernels (burn's portable ops, the GPU path) the worker chooses tokens on the device
+/// from the rows' own draws: a batch of greedy and sampled rows at different temperatures gives
+/// the texts the host's choice gives; a top-p row keeps the host path for its whole batch.
+#[test]
+fn tokens_chosen_on_the_device_match_the_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let requests: Vec<Value> = [(0.0, None), (1.0, None), (0.7, None), (1.3, Some(0.9))]
+        .iter()
+        .enumerate()
+        .map(|(i, &(temperature, top_p))| {
+            json!({
+                "messages": user(&format!("Tell me about {i} cats.")), "max_tokens": 16,
+                "temperature": temperature, "top_p": top_p, "seed": 40 + i,
+            })
+        })
+        .collect();
+    let texts = |server: &Server, batch: &[Value]| -> Vec<String> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = batch.iter().map(|r| scope.spawn(|| content(&server.chat(r).json()))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let host = Server::start(&model, &["--max-batch", "4"]);
+    let device = Server::start_with_env(&model, &["--max-batch", "4"], &[("PROMPT_R1_PORTABLE_OPS", "1")]);
+    // The first three alone (device path for every step), then all four (host path).
+    for batch in [&requests[..3], &requests[..]] {
+        assert_eq!(texts(&device, batch), texts(&host, batch));
+    }
+}
+
 #[test]
 fn stop_strings_cut_the_text() {
     let dir = tempfile::tempdir().unwrap();

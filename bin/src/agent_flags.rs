@@ -77,7 +77,7 @@ pub struct AgentFlags {
     /// Agent sampling seed: the same seed gives the same episodes.
     #[arg(long, default_value_t = 0, help_heading = "Agent")]
     pub seed: u64,
-    /// Compute device of the local agent (and of the SSim model): cpu, cuda or cuda:N.
+    /// Compute device of the local agent (and of the SSim model): cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu", help_heading = "Agent")]
     pub device: DeviceChoice,
     /// Weight dtype of the local agent: f32 or bf16.

@@ -1,6 +1,6 @@
 //! Token choice on the model's device, so that a decode step sends the host only each row's
-//! chosen token and its log-probability instead of a `[rows, vocab]` row of logits (39 MB a step
-//! at batch 64 for Qwen3's 151,936 tokens).
+//! chosen token and its log-probability, in one transfer, instead of a `[rows, vocab]` row of
+//! logits (39 MB a step at batch 64 for Qwen3's 151,936 tokens).
 //!
 //! It draws what [`choose_token`](crate::generation::choose_token) draws: greedy takes the argmax;
 //! sampling turns one uniform number per row, drawn on the host from that row's generator,
@@ -10,9 +10,10 @@
 //! search is two-level, over block sums and then within one block, because burn's portable
 //! cumulative sum costs a number of additions quadratic in the row length.
 //!
-//! Top-k and top-p are not done here: they need a sort of the row.
+//! Each row has its own temperature (0: greedy). Top-k and top-p are not done here: they need a
+//! sort of the row.
 
-use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
 use crate::error::ModelError;
 use crate::generation::SamplingConfig;
@@ -20,51 +21,72 @@ use crate::generation::SamplingConfig;
 /// Width of the blocks of the two-level search; Qwen3's vocabulary is 1,187 blocks.
 const BLOCK: usize = 128;
 
+/// Token ids travel back as f32 beside their log-probabilities: exact below 2^24.
+const MAX_VOCAB: usize = 1 << 24;
+
 /// Whether `config` can be sampled on the device: greedy, or a temperature over the whole
 /// vocabulary.
-pub(crate) fn supported(config: &SamplingConfig) -> bool {
+pub fn supported(config: &SamplingConfig) -> bool {
     config.top_k.is_none_or(|k| k == 0) && config.top_p.is_none_or(|p| p >= 1.0)
 }
 
-/// Chooses a token for every row of `logits` (`[rows, vocab]`): the argmax when `temperature`
-/// is 0, otherwise the token whose cumulative weight first exceeds `uniforms[row]` (in `[0, 1)`)
-/// of the row's total. Returns each token with its log-probability under
-/// `log_softmax(logits / temperature)` (temperature 1 when greedy).
-pub(crate) fn choose_tokens<B: Backend>(
+/// Chooses a token for every row of `logits` (`[rows, vocab]`): the argmax where
+/// `temperatures[row]` is 0, otherwise the token whose cumulative weight first exceeds
+/// `uniforms[row]` (in `[0, 1)`) of the row's total. Returns each token with its
+/// log-probability under `log_softmax(logits / temperature)` (temperature 1 when greedy).
+/// `uniforms` may be empty when every row is greedy.
+pub fn choose_tokens<B: Backend>(
     logits: Tensor<B, 2>,
-    temperature: f32,
+    temperatures: &[f32],
     uniforms: &[f64],
 ) -> Result<Vec<(u32, f32)>, ModelError> {
-    let [rows, _] = logits.dims();
+    let [rows, vocab] = logits.dims();
+    if temperatures.len() != rows {
+        return Err(ModelError::Input(format!("{} temperatures for {rows} rows", temperatures.len())));
+    }
+    if vocab > MAX_VOCAB {
+        return Err(ModelError::Input(format!("a vocabulary of {vocab} tokens is too large to sample on the device")));
+    }
     let device = logits.device();
     let logits = if logits.dtype() == DType::F32 {
         logits
     } else {
         logits.cast(DType::F32)
     };
-    let scaled = if temperature == 0.0 || temperature == 1.0 {
+    let column = |values: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(values, [rows, 1]), (&device, DType::F32));
+    let scaled = if temperatures.iter().all(|&t| t == 0.0 || t == 1.0) {
         logits
     } else {
-        logits.div_scalar(temperature)
+        logits / column(temperatures.iter().map(|&t| if t == 0.0 { 1.0 } else { t }).collect())
     };
     let max = scaled.clone().max_dim(1);
     let weights = (scaled.clone() - max.clone()).exp();
     let total = weights.clone().sum_dim(1);
     let log_normaliser = total.clone().log() + max;
-    let tokens = if temperature == 0.0 {
-        scaled.clone().argmax(1)
+    let greedy = || scaled.clone().argmax(1);
+    let tokens = if temperatures.iter().all(|&t| t == 0.0) {
+        greedy()
     } else {
         if uniforms.len() != rows {
             return Err(ModelError::Input(format!("{} uniforms for {rows} rows", uniforms.len())));
         }
-        let u: Vec<f32> = uniforms.iter().map(|&u| u as f32).collect();
-        let u = Tensor::<B, 2>::from_data(TensorData::new(u, [rows, 1]), (&device, DType::F32));
-        inverse_transform(weights, u * total)
+        let drawn = inverse_transform(weights, column(uniforms.iter().map(|&u| u as f32).collect()) * total);
+        if temperatures.iter().all(|&t| t > 0.0) {
+            drawn
+        } else {
+            let is_greedy = temperatures.iter().map(|&t| t == 0.0).collect::<Vec<_>>();
+            let is_greedy = Tensor::<B, 2, Bool>::from_data(TensorData::new(is_greedy, [rows, 1]), &device);
+            drawn.mask_where(is_greedy, greedy())
+        }
     };
     let logprobs = scaled.gather(1, tokens.clone()) - log_normaliser;
-    let tokens: Vec<i64> = read(tokens.into_data().convert::<i64>(), "token ids")?;
-    let logprobs: Vec<f32> = read(logprobs.into_data().convert::<f32>(), "log-probs")?;
-    Ok(tokens.into_iter().map(|t| t as u32).zip(logprobs).collect())
+    let packed = Tensor::cat(vec![tokens.float().cast(DType::F32), logprobs], 1);
+    let values: Vec<f32> = packed
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| ModelError::Input(format!("reading the chosen tokens: {e:?}")))?;
+    Ok(values.chunks_exact(2).map(|pair| (pair[0] as u32, pair[1])).collect())
 }
 
 /// For every row, the first column whose running sum of `weights` (`[rows, vocab]`, not
@@ -99,10 +121,6 @@ fn first_exceeding<B: Backend>(values: Tensor<B, 2>, target: Tensor<B, 2>) -> (T
     let column = reached.int().sum_dim(1).clamp_max(n as i64 - 1);
     let before = (running - values).gather(1, column.clone());
     (column, target - before)
-}
-
-fn read<T: burn::tensor::Element>(data: TensorData, what: &str) -> Result<Vec<T>, ModelError> {
-    data.to_vec().map_err(|e| ModelError::Input(format!("reading the chosen {what}: {e:?}")))
 }
 
 #[cfg(test)]
@@ -151,7 +169,7 @@ mod tests {
                     choose_token(row, &config(temperature), &mut StdRng::seed_from_u64(seed))
                 })
                 .collect();
-            let device = choose_tokens(logits, temperature, &uniforms).unwrap();
+            let device = choose_tokens(logits, &vec![temperature; rows], &uniforms).unwrap();
             for (r, (h, d)) in host.iter().zip(&device).enumerate() {
                 let row = &values[r * vocab..(r + 1) * vocab];
                 if h.0 != d.0 {
@@ -200,8 +218,26 @@ mod tests {
     }
 
     #[test]
-    fn a_wrong_number_of_uniforms_is_an_error() {
-        let err = choose_tokens(logits(3, 40, 0).0, 1.0, &[0.5]).unwrap_err();
+    fn a_wrong_number_of_uniforms_or_temperatures_is_an_error() {
+        let err = choose_tokens(logits(3, 40, 0).0, &[1.0; 3], &[0.5]).unwrap_err();
         assert!(err.to_string().contains("1 uniforms for 3 rows"), "{err}");
+        let err = choose_tokens(logits(3, 40, 0).0, &[1.0; 2], &[0.5; 3]).unwrap_err();
+        assert!(err.to_string().contains("2 temperatures for 3 rows"), "{err}");
+    }
+
+    /// Rows with their own temperatures, greedy ones among them, choose what each would alone.
+    #[test]
+    fn every_row_keeps_its_own_temperature() {
+        let (rows, vocab) = (4, 300);
+        let (all, values) = logits(rows, vocab, 5);
+        let temperatures = [0.0, 0.7, 1.3, 0.0];
+        let uniforms = [0.0, 0.25, 0.6, 0.0];
+        let mixed = choose_tokens(all, &temperatures, &uniforms).unwrap();
+        for (r, &t) in temperatures.iter().enumerate() {
+            let row = Tensor::<Flex, 2>::from_data(TensorData::new(values[r * vocab..(r + 1) * vocab].to_vec(), [1, vocab]), &Default::default());
+            let alone = choose_tokens(row, &[t], &uniforms[r..=r]).unwrap();
+            assert_eq!(mixed[r].0, alone[0].0, "row {r}");
+            assert!((mixed[r].1 - alone[0].1).abs() < 1e-5, "row {r}: {} vs {}", mixed[r].1, alone[0].1);
+        }
     }
 }

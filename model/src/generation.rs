@@ -166,7 +166,7 @@ pub fn generate_seeded<B: Backend>(
             } else {
                 active_rngs.iter_mut().map(|rng| rng.random::<f64>()).collect()
             };
-            device_sampling::choose_tokens(last.reshape([rows, vocab]), config.temperature, &uniforms)?
+            device_sampling::choose_tokens(last.reshape([rows, vocab]), &vec![config.temperature; rows], &uniforms)?
         } else {
             let values: Vec<f32> = last
                 .into_data()

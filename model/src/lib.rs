@@ -7,7 +7,8 @@
 //! - [`tokenizer`], [`chat_template`], [`tiny_tokenizer`]: Qwen3's tokenizer and ChatML template,
 //!   and the small BPE tokenizer the tiny presets ship with.
 //! - [`batch`], [`logprobs`], [`generation`]: padded batches, per-token log-probs (what GRPO
-//!   needs) and KV-cache generation.
+//!   needs) and KV-cache generation; [`device_sampling`] chooses tokens on the model's device.
+//! - [`probe`]: one small sum on a device, turning a missing GPU runtime into an error.
 //! - `kernels` (private): the named points where the CPU kernels of [`cpu_kernels`] (the
 //!   `prompt-r1-cpu-kernels` crate, re-exported) stand in for burn's ops on burn-flex.
 
@@ -15,12 +16,13 @@ pub mod batch;
 pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
-mod device_sampling;
+pub mod device_sampling;
 pub mod error;
 pub mod generation;
 pub mod init;
 mod kernels;
 pub mod logprobs;
+pub mod probe;
 pub mod qwen3;
 pub mod tiny_tokenizer;
 pub mod tokenizer;

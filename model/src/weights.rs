@@ -109,6 +109,9 @@ pub fn from_checkpoint<B: Backend>(
     options: LoadOptions,
 ) -> Result<Qwen3ForCausalLM<B>, ModelError> {
     let dtype = options.dtype;
+    if !B::supports_dtype(device, dtype) {
+        return Err(ModelError::Input(format!("the {} backend cannot hold {dtype:?} weights: use f32", B::name(device))));
+    }
     assemble(config, device, dtype, |spec| {
         checkpoint.with_raw(&spec.name, &spec.shape, |raw| device_data(raw, spec.kind, dtype))
     })

@@ -4,6 +4,7 @@
 //! This file runs them with the fused CPU kernels; `gradients_portable.rs` runs the same cases
 //! through burn's portable tensor ops.
 
+type Inner = burn::backend::Flex;
 const PORTABLE: bool = false;
 
 mod common;

@@ -5,6 +5,8 @@
 //! This file runs them with the fused CPU kernels; `parity_portable.rs` runs the same cases
 //! through burn's portable tensor ops.
 
+type B = burn::backend::Flex;
+const ATOL: f32 = 1e-4;
 const PORTABLE: bool = false;
 
 mod common;

@@ -3,6 +3,8 @@
 //! path the CUDA backend takes, so the CPU checks that path's math against transformers. Same
 //! tolerances: logits and log-probs atol 1e-4, greedy tokens exactly equal.
 
+type B = burn::backend::Flex;
+const ATOL: f32 = 1e-4;
 const PORTABLE: bool = true;
 
 mod common;

@@ -60,10 +60,16 @@ impl Server {
     /// Starts `serve --model model --port 0 --served-model-name tiny --quiet` plus `extra`, and
     /// waits for the line naming its URL.
     pub fn start(model: &Path, extra: &[&str]) -> Self {
+        Self::start_with_env(model, extra, &[])
+    }
+
+    /// [`Server::start`] with environment variables set for the server.
+    pub fn start_with_env(model: &Path, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(bin())
             .args(["serve", "--model", model.to_str().unwrap(), "--port", "0"])
             .args(["--served-model-name", "tiny", "--quiet"])
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -33,7 +33,7 @@ pub struct Args {
     /// GRPO steps to train.
     #[arg(long, default_value_t = 4)]
     pub steps: u64,
-    /// Compute device: cpu, cuda or cuda:N.
+    /// Compute device: cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
 }

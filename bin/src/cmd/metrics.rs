@@ -29,7 +29,7 @@ pub struct Args {
     /// column. Without it there is no SSim column.
     #[arg(long)]
     pub ssim_model: Option<PathBuf>,
-    /// Device for the SSim model: cpu, cuda or cuda:N.
+    /// Device for the SSim model: cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
     /// Print the report as JSON: {"datasets": {"<source>": {"n", "em", "sm", "f1", "ssim"}},

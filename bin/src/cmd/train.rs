@@ -48,7 +48,7 @@ pub struct Args {
     /// Override environment.model.
     #[arg(long)]
     pub env_model: Option<String>,
-    /// Compute device: cpu, cuda or cuda:N.
+    /// Compute device: cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
 }
@@ -188,6 +188,13 @@ impl OnBackend for Training {
                 bar.println(format!(
                     "step {}: {} groups without signal left out (dynamic sampling)",
                     record.step, record.groups_dropped
+                ));
+            }
+            if record.skipped_steps > 0 {
+                bar.println(format!(
+                    "step {}: {} optimiser steps skipped (gradient norm not finite); on a GPU, burn 0.21's kernel \
+                     fusion can give NaNs: try PROMPT_R1_FUSION=0",
+                    record.step, record.skipped_steps
                 ));
             }
             if record.env_failures > 0 {

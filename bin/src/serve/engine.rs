@@ -2,17 +2,20 @@
 //! batches (those waiting when it becomes free, up to `max_batch`), decodes them together in
 //! one left-padded batch with a KV cache, each row with its own sampling settings and seeded
 //! generator, and sends every row's text out as it grows. A row ends at an EOS token, a stop
-//! string, its token limit, or when its client has gone (its event channel is closed).
+//! string, its token limit, or when its client has gone (its event channel is closed). Off the
+//! CPU kernels (a GPU) tokens are chosen on the device from the rows' own draws, so a step reads
+//! back a token and a log-prob per row, unless a row asks for top-k or top-p (the host sorts).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use model::device_sampling;
 use model::generation::{choose_token, row_seed};
 use model::tokenizer::Qwen3Tokenizer;
 use model::{Padding, Qwen3ForCausalLM, SamplingConfig, TokenBatch};
-use rand::{rngs::StdRng, SeedableRng};
+use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::stop::{SentText, StopStrings};
 
@@ -121,7 +124,6 @@ impl<B: Backend> Engine<'_, B> {
             Ok(batch) => batch,
             Err(err) => return fail(&rows, &active, &err.to_string()),
         };
-        let vocab = self.model.config.vocab_size;
         let mut cache = self.model.new_cache();
         let mut key_mask: Vec<Vec<i64>> = batch
             .lengths
@@ -145,21 +147,16 @@ impl<B: Backend> Engine<'_, B> {
             )
             .last_hidden_state;
         let mut last = self.model.logits(hidden.narrow(1, batch.len - 1, 1));
+        let on_device = !model::cpu_kernels::active::<B>();
         loop {
-            let values: Vec<f32> = match last.into_data().convert::<f32>().to_vec() {
-                Ok(values) => values,
-                Err(err) => return fail(&rows, &active, &format!("reading logits: {err:?}")),
+            let tokens = match self.choose(last, &mut rows, &active, on_device) {
+                Ok(tokens) => tokens,
+                Err(message) => return fail(&rows, &active, &message),
             };
             let mut keep = Vec::with_capacity(active.len());
             let mut next_tokens = Vec::with_capacity(active.len());
-            for (j, &r) in active.iter().enumerate() {
-                let row = &mut rows[r];
-                let (token, _) = choose_token(
-                    &values[j * vocab..(j + 1) * vocab],
-                    &row.sampling,
-                    &mut row.rng,
-                );
-                if row.push(token, &self.stop_ids, self.tokenizer) {
+            for (j, (&r, token)) in active.iter().zip(tokens).enumerate() {
+                if rows[r].push(token, &self.stop_ids, self.tokenizer) {
                     keep.push(j);
                     next_tokens.push(token);
                 }
@@ -197,6 +194,32 @@ impl<B: Backend> Engine<'_, B> {
                 .model
                 .forward(ids, positions, mask.as_ref(), Some(&mut cache));
         }
+    }
+
+    /// The next token of each active row from its logits (`[rows, 1, vocab]`): on the device
+    /// when `on_device` and no row needs top-k or top-p, else on the host from the whole rows.
+    fn choose(&self, logits: Tensor<B, 3>, rows: &mut [Row], active: &[usize], on_device: bool) -> Result<Vec<u32>, String> {
+        let vocab = self.model.config.vocab_size;
+        if on_device && active.iter().all(|&r| device_sampling::supported(&rows[r].sampling)) {
+            let temperatures: Vec<f32> = active.iter().map(|&r| rows[r].sampling.temperature).collect();
+            // One draw per sampled token, as `choose_token` makes: the same seed, the same text.
+            let uniforms: Vec<f64> = active
+                .iter()
+                .map(|&r| if rows[r].sampling.temperature > 0.0 { rows[r].rng.random::<f64>() } else { 0.0 })
+                .collect();
+            let choices = device_sampling::choose_tokens(logits.reshape([active.len(), vocab]), &temperatures, &uniforms)
+                .map_err(|err| err.to_string())?;
+            return Ok(choices.into_iter().map(|(token, _)| token).collect());
+        }
+        let values: Vec<f32> = logits.into_data().convert::<f32>().to_vec().map_err(|err| format!("reading logits: {err:?}"))?;
+        Ok(active
+            .iter()
+            .enumerate()
+            .map(|(j, &r)| {
+                let row = &mut rows[r];
+                choose_token(&values[j * vocab..(j + 1) * vocab], &row.sampling, &mut row.rng).0
+            })
+            .collect())
     }
 }
 

@@ -1,19 +1,24 @@
-// The gradient cases, included by `gradients.rs` (fused CPU kernels and autodiff nodes) and
-// `gradients_portable.rs` (burn's portable ops under autodiff, the path the CUDA backend takes),
-// which define `PORTABLE`.
+// The gradient cases, included by `gradients.rs` (fused CPU kernels and autodiff nodes),
+// `gradients_portable.rs` (burn's portable ops under autodiff, the path the CUDA backend takes)
+// and `gradients_wgpu.rs` (burn's wgpu backend: the CUDA backend's CubeCL kernels), which define
+// the inner backend `Inner` and `PORTABLE`.
 
-use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
+use burn::backend::Autodiff;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor, TensorData};
 use common::*;
 use prompt_r1_model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
 use prompt_r1_model::{load_pretrained, token_logprobs, LoadOptions, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
 
-type B = Autodiff<Flex>;
+type B = Autodiff<Inner>;
 
-/// The fixture, with the fused CPU kernels switched as the including test file says.
+/// The fixture, with the fused CPU kernels switched as the including test file says; `None`
+/// (the test skipped) when the fixtures or the backend are missing here.
 fn fixture(name: &str) -> Option<Fixture> {
     prompt_r1_model::cpu_kernels::set_portable_ops(PORTABLE);
+    if !backend_ready::<Inner>() {
+        return None;
+    }
     common::fixture(name)
 }
 
@@ -118,6 +123,11 @@ fn grpo_loss_and_gradients_match_pytorch() {
 fn bf16_products_keep_the_loss_and_gradients_close() {
     for name in ["tiny", "tiny-untied"] {
         let Some(fx) = fixture(name) else { return };
+        let device = Default::default();
+        if !Inner::supports_dtype(&device, DType::BF16) {
+            eprintln!("skipped: the {} backend has no bf16", Inner::name(&device));
+            return;
+        }
         let f32_model = load_pretrained::<B>(&fx.dir, &Default::default(), LoadOptions::default()).unwrap();
         let bf16_model = f32_model.clone().with_matmul_precision(MatmulPrecision::Bf16);
         let (f32_loss, bf16_loss) = (grpo_loss(&f32_model, &fx), grpo_loss(&bf16_model, &fx));

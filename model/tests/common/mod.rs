@@ -1,10 +1,54 @@
 //! Shared helpers of the model crate's integration tests: locating `../shared` and reading the
-//! reference fixtures made by `shared/fixtures/make_fixture.py`.
+//! reference fixtures made by `shared/fixtures/make_fixture.py`, and whether the backend under
+//! test can run here.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::sync::OnceLock;
 
+use burn::tensor::backend::Backend;
 use serde_json::Value;
+
+/// Prints `skipped: <reason>`; in CI (`CI=true`) fails instead, since there nothing may be
+/// skipped.
+pub fn skip(reason: &str) {
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("CI=true but {reason}");
+    }
+    eprintln!("skipped: {reason}");
+}
+
+/// Whether backend `B` runs on its default device (one small sum, see
+/// `prompt_r1_model::probe`); when it does not (no Vulkan adapter for the wgpu tests), the
+/// test is skipped with the cause, or fails in CI. Probed once per test binary.
+pub fn backend_ready<B: Backend>() -> bool {
+    static READY: OnceLock<Result<(), String>> = OnceLock::new();
+    let probe = || {
+        #[cfg(feature = "wgpu")]
+        configure_cubecl();
+        prompt_r1_model::probe::probe_device::<B>(&Default::default())
+    };
+    match READY.get_or_init(probe) {
+        Ok(()) => true,
+        Err(cause) => {
+            skip(&format!("the {} backend cannot run here: {cause}", B::name(&Default::default())));
+            false
+        }
+    }
+}
+
+/// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`,
+/// shared by the wgpu test binaries (CubeCL's default is a `target/` inside the crate's folder,
+/// and no kernels); `CUBECL_*` variables (e.g. `CUBECL_AUTOTUNE_LEVEL`) apply.
+#[cfg(feature = "wgpu")]
+fn configure_cubecl() {
+    use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cubecl");
+    let mut config = CubeClRuntimeConfig::default().override_from_env();
+    config.autotune.cache = CacheConfig::File(dir.clone());
+    config.compilation.cache = Some(CacheConfig::File(dir));
+    CubeClRuntimeConfig::set(config);
+}
 
 /// `<workspace>/../shared`, or `None` (with the reason printed) when it is absent outside CI.
 /// In CI (`CI=true`) a missing shared folder fails the test.
@@ -13,10 +57,7 @@ pub fn shared_dir() -> Option<PathBuf> {
     if dir.is_dir() {
         return Some(dir);
     }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("CI=true but the shared folder {} is missing", dir.display());
-    }
-    eprintln!("skipped: {} not found (it sits beside the checkout in CI)", dir.display());
+    skip(&format!("{} not found (it sits beside the checkout in CI)", dir.display()));
     None
 }
 

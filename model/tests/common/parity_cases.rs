@@ -1,21 +1,33 @@
-// The parity cases, included by `parity.rs` (fused CPU kernels) and `parity_portable.rs` (burn's
-// portable ops, the path the CUDA backend takes), which define `PORTABLE`.
+// The parity cases, included by `parity.rs` (fused CPU kernels), `parity_portable.rs` (burn's
+// portable ops, the path the CUDA backend takes) and `parity_wgpu.rs` (burn's wgpu backend: the
+// CUDA backend's CubeCL kernels), which define the backend `B`, `PORTABLE` and the tolerance
+// `ATOL` of logits and log-probs.
 
-use burn::backend::Flex;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use common::*;
 use prompt_r1_model::{
     completion_logprobs, generate, load_pretrained, LoadOptions, Padding, Qwen3ForCausalLM,
     SamplingConfig, TokenBatch,
 };
 
-type B = Flex;
-const ATOL: f32 = 1e-4;
-
-/// The fixture, with the fused CPU kernels switched as the including test file says.
+/// The fixture, with the fused CPU kernels switched as the including test file says; `None`
+/// (the test skipped) when the fixtures or the backend are missing here.
 fn fixture(name: &str) -> Option<Fixture> {
     prompt_r1_model::cpu_kernels::set_portable_ops(PORTABLE);
+    if !backend_ready::<B>() {
+        return None;
+    }
     common::fixture(name)
+}
+
+/// Whether `B` computes in bf16; the test is skipped (with the reason) where it does not.
+fn has_bf16() -> bool {
+    let device = Default::default();
+    let supported = B::supports_dtype(&device, DType::BF16);
+    if !supported {
+        eprintln!("skipped: the {} backend has no bf16", B::name(&device));
+    }
+    supported
 }
 
 fn load(dir: &std::path::Path) -> Qwen3ForCausalLM<B> {
@@ -140,7 +152,7 @@ fn greedy_generation_matches_transformers() {
             let row = &steps[k * vocab..(k + 1) * vocab];
             let lse = row.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
             let expected = row[tok as usize] as f64 - lse;
-            assert!((lp as f64 - expected).abs() < 1e-4, "{name} step {k}: {lp} vs {expected}");
+            assert!((lp as f64 - expected).abs() < ATOL as f64, "{name} step {k}: {lp} vs {expected}");
         }
 
         let batched = &fx.json["greedy_batch_left_padded"];
@@ -231,10 +243,13 @@ fn bf16_checkpoint_matches_bf16_reference() {
 #[test]
 fn bf16_compute_stays_close_to_the_reference() {
     let Some(fx) = fixture("tiny") else { return };
+    if !has_bf16() {
+        return;
+    }
     let model = load_pretrained::<B>(
         &fx.dir.join("bf16"),
         &Default::default(),
-        LoadOptions { dtype: burn::tensor::DType::BF16 },
+        LoadOptions { dtype: DType::BF16 },
     )
     .unwrap();
     let vocab = model.config.vocab_size;
@@ -243,7 +258,7 @@ fn bf16_compute_stays_close_to_the_reference() {
     for (seq, expected) in fx.json["sequences"].as_array().unwrap().iter().zip(reference) {
         let batch = TokenBatch::<B>::new(&[ids(&seq["input_ids"])], Padding::Right, 0, &Default::default()).unwrap();
         let logits = model.forward(batch.input_ids, batch.position_ids, None, None);
-        assert_eq!(logits.dtype(), burn::tensor::DType::BF16);
+        assert_eq!(logits.dtype(), DType::BF16);
         let got: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
         let expected = flat(expected);
         worst = worst.max(max_abs_diff(&got, &expected));

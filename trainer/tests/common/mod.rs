@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
+use burn::tensor::backend::AutodiffBackend;
 use env::{ChatMessage, EnvError, Environment, Trajectory};
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
@@ -95,7 +96,12 @@ validate_every = 0
 }
 
 pub fn train(config: TrainConfig, steps: u64, resume: bool) -> (Trainer<B>, Vec<StepRecord>) {
-    let mut trainer = Trainer::<B>::start(config, Default::default(), resume).unwrap();
+    train_on::<B>(config, steps, resume)
+}
+
+/// [`train`] on any backend, on its default device.
+pub fn train_on<A: AutodiffBackend>(config: TrainConfig, steps: u64, resume: bool) -> (Trainer<A>, Vec<StepRecord>) {
+    let mut trainer = Trainer::<A>::start(config, Default::default(), resume).unwrap();
     let records = (0..steps).map(|_| trainer.train_step(&Scripted, &ByteTokens).unwrap()).collect();
     (trainer, records)
 }

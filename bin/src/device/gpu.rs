@@ -1,0 +1,158 @@
+//! The GPU backends, both CubeCL runtimes: CUDA (kernels compiled by NVRTC) and wgpu on Vulkan
+//! (kernels compiled to SPIR-V). Before the first use this sets CubeCL's persistent caches, probes
+//! the device (a missing runtime becomes an error naming its cause), and runs the task with
+//! burn's kernel fusion on, or off when `PROMPT_R1_FUSION=0`. A panic inside the backend becomes
+//! an error that says how to try without fusion.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::Once;
+
+use anyhow::{anyhow, bail, Result};
+use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
+use burn::tensor::backend::Backend;
+use model::probe::probe_device;
+
+use super::OnBackend;
+
+/// Environment variable that turns burn's kernel fusion off on the GPU backends (`0`).
+pub const FUSION_VAR: &str = "PROMPT_R1_FUSION";
+
+/// Environment variable naming the folder of CubeCL's persistent caches.
+pub const CACHE_VAR: &str = "PROMPT_R1_KERNEL_CACHE";
+
+/// Whether burn's kernel fusion is on: yes unless `PROMPT_R1_FUSION` is `0`, `off` or `false`.
+fn fusion_enabled() -> bool {
+    std::env::var(FUSION_VAR).map_or(true, |v| !matches!(v.as_str(), "0" | "off" | "false"))
+}
+
+/// Where CubeCL keeps compiled kernels and autotune results between processes:
+/// `$PROMPT_R1_KERNEL_CACHE`, else `$XDG_CACHE_HOME/prompt-r1/cubecl`, else
+/// `~/.cache/prompt-r1/cubecl`.
+fn cache_dir() -> Option<PathBuf> {
+    let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    var(CACHE_VAR).or_else(|| {
+        let base = var("XDG_CACHE_HOME").or_else(|| var("HOME").map(|home| home.join(".cache")))?;
+        Some(base.join("prompt-r1").join("cubecl"))
+    })
+}
+
+/// Sets CubeCL's configuration once, before its first use: what a `cubecl.toml` (or `burn.toml`)
+/// in the working directory or above it says, with `CUBECL_*` variables applied, and unless
+/// that file chose otherwise, compiled kernels (PTX, SPIR-V) and autotune results kept in
+/// [`cache_dir`]. CubeCL's defaults keep no compiled kernels and write autotune results into the
+/// `target/` of whatever Cargo project holds the working directory.
+fn configure_cubecl() {
+    static CONFIGURED: Once = Once::new();
+    CONFIGURED.call_once(|| {
+        let mut config = CubeClRuntimeConfig::from_current_dir().override_from_env();
+        if let Some(dir) = cache_dir() {
+            if config.compilation.cache.is_none() {
+                config.compilation.cache = Some(CacheConfig::File(dir.clone()));
+            }
+            if matches!(config.autotune.cache, CacheConfig::Target) {
+                config.autotune.cache = CacheConfig::File(dir);
+            }
+        }
+        CubeClRuntimeConfig::set(config);
+    });
+}
+
+/// Configures CubeCL and probes `device` on backend `B`; `what` names the runtime in errors.
+fn ready<B: Backend>(device: &B::Device, what: &str, help: &str) -> Result<()> {
+    configure_cubecl();
+    probe_device::<B>(device).map_err(|cause| anyhow!("{what} is not usable on this machine: {cause}. {help}"))
+}
+
+/// Runs `work` (a task on a GPU backend); a panic in it becomes an error, which suggests
+/// turning fusion off when it was on.
+fn catch_backend_panic<O>(work: impl FnOnce() -> Result<O>) -> Result<O> {
+    match catch_unwind(AssertUnwindSafe(work)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let text = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("unknown error");
+            if fusion_enabled() {
+                bail!(
+                    "the GPU backend failed: {text}. burn 0.21's kernel fusion has open bugs that show as \
+                     \"Should have handle for tensor\" or as NaNs: try again with {FUSION_VAR}=0 (fusion off, slower)"
+                )
+            }
+            bail!("the GPU backend failed (fusion off): {text}")
+        }
+    }
+}
+
+/// Runs `task` on backend `B` (fused) or `U` (the same runtime unfused), as [`FUSION_VAR`] says.
+fn run_fused_or_not<B, U, T>(device: B::Device, unfused: U::Device, what: &str, help: &str, task: T) -> Result<T::Output>
+where
+    B: Backend,
+    U: Backend,
+    T: OnBackend,
+{
+    if fusion_enabled() {
+        ready::<B>(&device, what, help)?;
+        catch_backend_panic(|| task.run::<B>(device))
+    } else {
+        ready::<U>(&unfused, what, help)?;
+        catch_backend_panic(|| task.run::<U>(unfused))
+    }
+}
+
+#[cfg(feature = "cuda")]
+const CUDA_HELP: &str = "It needs an NVIDIA driver (libcuda), NVRTC (libnvrtc) and the CUDA toolkit headers \
+                         for NVRTC (set CUDA_PATH); use --device cpu otherwise";
+
+/// burn-cuda without fusion.
+#[cfg(feature = "cuda")]
+type CudaUnfused = burn_cubecl::CubeBackend<burn::cubecl::cuda::CudaRuntime, f32, i32, u8>;
+
+#[cfg(feature = "cuda")]
+pub(super) fn run_on_cuda<T: OnBackend>(index: usize, task: T) -> Result<T::Output> {
+    use burn::backend::cuda::CudaDevice;
+    let device = CudaDevice::new(index);
+    run_fused_or_not::<burn::backend::Cuda, CudaUnfused, T>(device.clone(), device, "CUDA", CUDA_HELP, task)
+}
+
+#[cfg(feature = "cuda")]
+pub(super) fn check_cuda(index: usize) -> Result<()> {
+    let device = burn::backend::cuda::CudaDevice::new(index);
+    if fusion_enabled() {
+        ready::<burn::backend::Cuda>(&device, "CUDA", CUDA_HELP)
+    } else {
+        ready::<CudaUnfused>(&device, "CUDA", CUDA_HELP)
+    }
+}
+
+#[cfg(feature = "wgpu")]
+const WGPU_HELP: &str = "It needs a Vulkan driver (libvulkan and an ICD: a GPU's, or Mesa's lavapipe on the CPU \
+                         from the mesa-vulkan-drivers package); use --device cpu otherwise";
+
+/// burn's wgpu backend on Vulkan without fusion.
+#[cfg(feature = "wgpu")]
+type WgpuUnfused = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u8>;
+
+#[cfg(feature = "wgpu")]
+pub(super) fn run_on_wgpu<T: OnBackend>(task: T) -> Result<T::Output> {
+    use burn::backend::wgpu::WgpuDevice;
+    run_fused_or_not::<burn::backend::Vulkan, WgpuUnfused, T>(
+        WgpuDevice::DefaultDevice,
+        WgpuDevice::DefaultDevice,
+        "wgpu (Vulkan)",
+        WGPU_HELP,
+        task,
+    )
+}
+
+#[cfg(feature = "wgpu")]
+pub(super) fn check_wgpu() -> Result<()> {
+    let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    if fusion_enabled() {
+        ready::<burn::backend::Vulkan>(&device, "wgpu (Vulkan)", WGPU_HELP)
+    } else {
+        ready::<WgpuUnfused>(&device, "wgpu (Vulkan)", WGPU_HELP)
+    }
+}

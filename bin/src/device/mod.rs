@@ -1,0 +1,109 @@
+//! Choosing the compute backend at run time: `--device cpu` (burn-flex, pure Rust),
+//! `--device cuda[:N]` (burn-cuda, in builds with the `cuda` feature) or `--device wgpu` (burn's
+//! wgpu backend on Vulkan, in builds with the `wgpu` feature; it runs the CUDA backend's CubeCL
+//! kernels). Commands write their work once, generic over the backend, as an [`OnBackend`] task.
+
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+mod gpu;
+
+use std::str::FromStr;
+
+use anyhow::Result;
+use burn::tensor::{backend::Backend, DType};
+
+use crate::model_dir::parse_dtype;
+
+/// `--device` and `--dtype`, for every command that runs a model for inference.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ComputeArgs {
+    /// Compute device: cpu, cuda, cuda:N or wgpu. On the GPU backends PROMPT_R1_FUSION=0 turns
+    /// burn's kernel fusion off.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Weight dtype on the device: f32 or bf16. bf16 halves the memory; on CPUs with AVX-512
+    /// BF16 it is also the faster choice (wgpu has no bf16).
+    #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
+}
+
+/// A device named on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceChoice {
+    Cpu,
+    Cuda(usize),
+    /// wgpu's default adapter (`CUBECL_WGPU_DEFAULT_DEVICE` picks another).
+    Wgpu,
+}
+
+impl FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            "wgpu" => Ok(Self::Wgpu),
+            other => match other.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(n)) => Ok(Self::Cuda(n)),
+                _ => Err(format!("unknown device \"{other}\": use cpu, cuda, cuda:N or wgpu")),
+            },
+        }
+    }
+}
+
+/// Work that runs on whichever backend the user picked.
+pub trait OnBackend {
+    type Output;
+    fn run<B: Backend>(self, device: B::Device) -> Result<Self::Output>;
+}
+
+/// Runs `task` on the chosen device.
+pub fn run_on<T: OnBackend>(choice: DeviceChoice, task: T) -> Result<T::Output> {
+    match choice {
+        DeviceChoice::Cpu => task.run::<burn::backend::Flex>(Default::default()),
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(index) => gpu::run_on_cuda(index, task),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => gpu::run_on_wgpu(task),
+        #[cfg(not(all(feature = "cuda", feature = "wgpu")))]
+        other => Err(not_built(other)),
+    }
+}
+
+/// Fails with the reason when the chosen device cannot run work (no support for it in this
+/// build, no driver), before any work starts.
+pub fn check_available(choice: DeviceChoice) -> Result<()> {
+    match choice {
+        DeviceChoice::Cpu => Ok(()),
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(index) => gpu::check_cuda(index),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => gpu::check_wgpu(),
+        #[cfg(not(all(feature = "cuda", feature = "wgpu")))]
+        other => Err(not_built(other)),
+    }
+}
+
+/// The error for a device whose backend this binary was built without.
+#[cfg(not(all(feature = "cuda", feature = "wgpu")))]
+fn not_built(choice: DeviceChoice) -> anyhow::Error {
+    let (name, feature) = if choice == DeviceChoice::Wgpu { ("wgpu", "wgpu") } else { ("CUDA", "cuda") };
+    anyhow::anyhow!(
+        "this binary was built without {name} support: rebuild with `cargo build --release --features {feature}`, or use --device cpu"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_devices() {
+        assert_eq!("cpu".parse::<DeviceChoice>(), Ok(DeviceChoice::Cpu));
+        assert_eq!("cuda".parse::<DeviceChoice>(), Ok(DeviceChoice::Cuda(0)));
+        assert_eq!("cuda:3".parse::<DeviceChoice>(), Ok(DeviceChoice::Cuda(3)));
+        assert_eq!("wgpu".parse::<DeviceChoice>(), Ok(DeviceChoice::Wgpu));
+        assert!("gpu".parse::<DeviceChoice>().is_err());
+        assert!("cuda:x".parse::<DeviceChoice>().is_err());
+    }
+}
