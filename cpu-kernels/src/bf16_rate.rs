@@ -1,8 +1,8 @@
 //! How fast this CPU multiplies in bf16 against f32: whether `MatmulPrecision::Bf16` pays.
 //!
 //! AVX-512 BF16's `vdpbf16ps` does 32 multiply-adds, an f32 FMA 16, but how often each issues
-//! depends on the microarchitecture. On the AMD Zen 4 host of earlier sessions bf16 products
-//! ran at twice the f32 GEMM's rate; on the Intel Xeon of the tenth session a `vdpbf16ps`
+//! depends on the microarchitecture. On an AMD Zen 4 host bf16 products
+//! ran at twice the f32 GEMM's rate; on an Intel Xeon (family 6, model 207) a `vdpbf16ps`
 //! issues every other cycle and an FMA twice a cycle, so bf16 multiply-adds come at half the
 //! f32 rate. Nothing in CPUID says which, so [`bf16_mac_ratio`] times both instructions on
 //! independent register chains (about a millisecond each, no memory traffic). The packed

@@ -10,7 +10,7 @@
 //! that where transparent huge pages are on for all memory they can be backed by them. They are
 //! not marked `MADV_HUGEPAGE`: under the common `defrag = madvise` setting that makes each fault
 //! compact memory synchronously when no free huge page is at hand, which made loading the 0.6B
-//! model 2.5-3.5 times slower (BENCHMARKS.md, ninth session); once the cache serves a workload's
+//! model 2.5-3.5 times slower (BENCHMARKS.md, 2026-11-22 late morning); once the cache serves a workload's
 //! buffers there are few faults left for huge pages to save.
 //!
 //! Two bounds keep the cache from costing memory:

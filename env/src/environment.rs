@@ -1,11 +1,11 @@
-//! The environment (the large LLM) and the messages a call sends it (SPEC §2.4).
+//! The environment (the large LLM) and the messages a call sends it.
 
 use crate::agent::Exchange;
 use crate::chat::ChatMessage;
 use crate::client::OpenAiClient;
 use crate::error::EnvError;
 
-/// The environment's system message (SPEC §2.4; the reference code ends it with one extra
+/// The environment's system message (the reference code ends it with one extra
 /// space).
 pub const ENV_SYSTEM_MESSAGE: &str = "You are a helpful assistant. Please read the provided content (including previous conversations and the current task) and help the user complete the task or answer the question.";
 

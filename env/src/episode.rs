@@ -1,4 +1,4 @@
-//! The episode loop shared by inference and training (SPEC §2): turn-synchronous over a batch,
+//! The episode loop shared by inference and training: turn-synchronous over a batch,
 //! with the environment calls of a turn sent in parallel.
 
 use std::time::{Duration, Instant};

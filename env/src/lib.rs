@@ -3,7 +3,7 @@
 //! - [`OpenAiClient`]: a blocking client for OpenAI-compatible chat APIs that survives faults
 //!   (timeouts, retries with jittered backoff and `Retry-After`, concurrency and rate caps,
 //!   failure counters). It is the [`Environment`] of real runs.
-//! - The episode protocol (SPEC §2): the agent's [`FirstPrompt`], [`parse_turn`],
+//! - The episode protocol: the agent's [`FirstPrompt`], [`parse_turn`],
 //!   [`environment_messages`], and how replies enter the agent's context ([`ReplyFormat`],
 //!   [`environment_text`]).
 //! - The episode loop [`run_episodes`], shared by inference and training, over any [`Agent`]:

@@ -1,4 +1,4 @@
-//! The agent's first prompt (SPEC §2.1): the reference system message and instruction,
+//! The agent's first prompt: the reference system message and instruction,
 //! bundled from `assets/prompts/` and overridable from files.
 
 use std::path::{Path, PathBuf};

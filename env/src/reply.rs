@@ -1,4 +1,4 @@
-//! How the environment's reply enters the agent's context (SPEC §2.5).
+//! How the environment's reply enters the agent's context.
 //!
 //! The reply becomes `REPLY = {"results": ["<reply>"]}`, written as Python's `json.dumps`
 //! writes it (the reference code; non-ASCII escaped as `\uXXXX` by default) and, when longer

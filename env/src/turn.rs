@@ -1,4 +1,4 @@
-//! Parsing one agent turn (SPEC §2.3): `<think>`, then either an `<interaction_prompt>` call
+//! Parsing one agent turn: `<think>`, then either an `<interaction_prompt>` call
 //! or an `<answer>`.
 
 use serde_json::Value;

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-/// Coefficients of the format score and the gate (SPEC §3).
+/// Coefficients of the format score and the gate (the reference code's constants by default).
 ///
 /// The defaults are the constants of the reference training code
 /// (`qa_em_and_format.compute_score_format`): 0.4 per well-formed call turn; on the final

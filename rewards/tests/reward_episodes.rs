@@ -1,8 +1,8 @@
 //! The double-constrained reward on hand-built episodes. Expected numbers are derived by hand
-//! from SPEC.md §3 with the default constants: 0.4 per well-formed call turn (all turns but
-//! the last), on the last turn 0.25 (non-empty `<answer>`) + 0.25 (answer non-blank) + 0.1
-//! (exact `<think>…</think>…<answer>…</answer>`), cap 1.0, and R = F1 when the capped format
-//! equals 1.0, else R = format − 1.
+//! from the reward's definition (rewards/README.md) with the default constants: 0.4 per
+//! well-formed call turn (all turns but the last), on the last turn 0.25 (non-empty
+//! `<answer>`) + 0.25 (answer non-blank) + 0.1 (exact `<think>…</think>…<answer>…</answer>`),
+//! cap 1.0, and R = F1 when the capped format equals 1.0, else R = format − 1.
 
 use prompt_r1_rewards::{FormatTerm, RewardBreakdown, RewardConfig};
 
@@ -23,7 +23,7 @@ enum End {
     Cut,
 }
 
-/// A decoded episode as the environment builds it (SPEC §2 step 5), and its agent turns as
+/// A decoded episode as the environment builds it (env/README.md), and its agent turns as
 /// the reference reads them. After each call the reply goes in a user turn, and the next
 /// assistant turn starts with `<think>\n`, which is part of that turn's text. `turns[0]` is the
 /// first turn; later turns are given without the `<think>\n` the environment adds.

@@ -9,7 +9,7 @@ use super::error::GrpoError;
 use super::kl::{kl_penalty, KlEstimator};
 use super::policy_loss::{policy_loss, PpoClip};
 
-/// Loss settings; the defaults are the reference run's (SPEC §5).
+/// Loss settings; the defaults are the reference run's (trainer/README.md).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GrpoLossConfig {

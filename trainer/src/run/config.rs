@@ -1,5 +1,5 @@
 //! The run configuration (`run.toml`): model, data, environment, episode limits, reward, GRPO
-//! and optimiser settings. Every section and key has the reference run's default (SPEC §5), so a
+//! and optimiser settings. Every section and key has the reference run's default, so a
 //! file names only what differs. Unknown keys are errors.
 
 use std::path::{Path, PathBuf};
@@ -58,7 +58,7 @@ fn default_on_bad_row() -> String {
     "fail".into()
 }
 
-/// Limits of one episode (SPEC §2/§5).
+/// Limits of one episode (the reference run's: 5 turns of at most 1,024 tokens).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EpisodeSection {

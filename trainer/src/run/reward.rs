@@ -19,7 +19,7 @@ pub trait EpisodeScorer: Sync {
     fn score(&self, trajectory: &Trajectory, answers: &[String]) -> EpisodeScore;
 }
 
-/// Prompt-R1's reward (SPEC §3) computed on the raw episode text, as the reference does.
+/// Prompt-R1's double-constrained reward computed on the raw episode text, as the reference does.
 #[derive(Debug, Clone, Default)]
 pub struct PromptR1Scorer {
     pub config: RewardConfig,
