@@ -154,7 +154,7 @@ fn demo_runs_the_whole_loop_on_a_fresh_directory() {
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
     // The validation before training (step 0), then one line per step.
     assert_eq!(metrics.lines().count(), 3, "{metrics}");
-    assert!(metrics.starts_with("{\"step\":0,"), "{metrics}");
+    assert!(metrics.starts_with("{\"training/global_step\":0,"), "{metrics}");
     assert!(run.join("checkpoints/step-0000002/model.safetensors").is_file());
     assert!(run.join("curves.png").is_file());
     let stdout = String::from_utf8_lossy(&out.stdout);
