@@ -5,9 +5,10 @@
 #   scripts/gpu_run.sh build     # here, no GPU needed: the CUDA 13 binary, stripped, in .gpu/
 #   scripts/gpu_run.sh STAGE     # on the GPU host, one stage per command (each well under 10 min)
 #
-# Stages (each also records nvidia-smi, the NVRTC it found and the environment in log.txt):
-#   check      check-device against the CPU: tiny and 0.6B-shaped random models, f32 and bf16
-#              weights, and the tiny one again with fusion off (PROMPT_R1_FUSION=0)
+# Stages (each also records nvidia-smi, the NVRTC it found and the environment in its log):
+#   check      check-device against the CPU on a tiny random model: f32 and bf16 weights, and
+#              f32 again with fusion off (PROMPT_R1_FUSION=0)
+#   check-0.6b the same for a 0.6B-shaped random model, f32 and bf16 weights
 #   train      the trainer on the device: `demo --device cuda` (serve, GRPO steps, checkpoint)
 #   bench      ours and PyTorch on the same 0.6B-shaped checkpoint on the same GPU, bf16 weights:
 #              prefill, decode at batch 1 and 64, one training step (f32 weights, bf16 products);
@@ -16,13 +17,14 @@
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
-# one before it failed, each under `timeout` (STEP_TIMEOUT seconds, default 240); the exit status
-# says whether any failed. BIN overrides the binary (default .gpu/prompt-r1).
+# one before it failed, each under `timeout` (STEP_TIMEOUT seconds, default 240) and all within
+# the stage's STAGE_SECONDS (default 540, so the tar is written inside the tool's 10 minutes);
+# the exit status says whether any failed. BIN overrides the binary (default .gpu/prompt-r1).
 # CubeCL keeps compiled kernels and autotune results in ~/.cache/prompt-r1/cubecl, so within a
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|check|train|bench|bench-f32}
+stage=${1:?usage: scripts/gpu_run.sh build|check|check-0.6b|train|bench|bench-f32}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -42,6 +44,7 @@ fi
 bin=${BIN:-.gpu/prompt-r1}
 out=${OUT:-gpu-results/$stage}
 step_timeout=${STEP_TIMEOUT:-240}
+deadline=$((SECONDS + ${STAGE_SECONDS:-540}))
 work=$(mktemp -d)
 log="$out/$stage-log.txt"
 mkdir -p "$out"
@@ -53,8 +56,13 @@ step() {
   local name=$1
   shift
   say "== $name: $*"
-  local start=$SECONDS
-  if ! timeout "$step_timeout" "$@" > "$work/$name.txt" 2>> "$work/stderr.txt"; then
+  local start=$SECONDS left=$((deadline - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    say "   NOT RUN: the stage's time is up"
+    failed=1
+    return
+  fi
+  if ! timeout "$((left < step_timeout ? left : step_timeout))" "$@" > "$work/$name.txt" 2>> "$work/stderr.txt"; then
     say "   FAILED after $((SECONDS - start)) s (stderr.txt has its messages)"
     tail -5 "$work/$name.txt" | tee -a "$log"
     failed=1
@@ -85,7 +93,7 @@ finish() {
   exit $failed
 }
 
-nvidia-smi > "$work/nvidia-smi.txt" 2>&1 || { say "no NVIDIA driver: nvidia-smi failed"; finish; }
+nvidia-smi > "$work/nvidia-smi.txt" 2>&1 || { say "no NVIDIA driver: nvidia-smi failed"; failed=1; finish; }
 head -15 "$work/nvidia-smi.txt" | tee -a "$log"
 # cubecl compiles its kernels with NVRTC at run time. Where the toolkit is not installed system-
 # wide, the NVIDIA wheels of a Python environment (nvidia-cuda-nvrtc, nvidia-cuda-runtime) carry
@@ -128,10 +136,12 @@ EOF
 case "$stage" in
   check)
     step check-tiny-f32 "$bin" check-device --device cuda
-    step check-0.6b-f32 "$bin" check-device --device cuda --preset qwen3-0.6b
     step check-tiny-bf16 "$bin" check-device --device cuda --dtype bf16 --rtol 5e-2
-    step check-0.6b-bf16 "$bin" check-device --device cuda --preset qwen3-0.6b --dtype bf16 --rtol 5e-2
     step check-tiny-unfused env PROMPT_R1_FUSION=0 "$bin" check-device --device cuda
+    ;;
+  check-0.6b)
+    step check-0.6b-f32 "$bin" check-device --device cuda --preset qwen3-0.6b
+    step check-0.6b-bf16 "$bin" check-device --device cuda --preset qwen3-0.6b --dtype bf16 --rtol 5e-2
     ;;
   train)
     step demo "$bin" demo --device cuda --out "$work/demo" --steps 4
@@ -151,7 +161,7 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
-    say "unknown stage $stage: use build, check, train, bench or bench-f32"
+    say "unknown stage $stage: use build, check, check-0.6b, train, bench or bench-f32"
     failed=1
     ;;
 esac
