@@ -7,17 +7,7 @@
 # test_serve_openai.py, and removes everything it made. Exits non-zero on any failure.
 set -euo pipefail
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-target="${CARGO_TARGET_DIR:-$root/target}"
-bin="${PROMPT_R1_BIN:-$target/release/prompt-r1}"
-if [ ! -x "$bin" ]; then
-    echo "error: no prompt-r1 binary at $bin (run: cargo build --release -p prompt-r1)" >&2
-    exit 1
-fi
-
-mkdir -p "$target"
-work="$(mktemp -d "$target/python-openai-test.XXXXXX")"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 server=""
 cleanup() {
     if [ -n "$server" ]; then
@@ -28,8 +18,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install --quiet --disable-pip-version-check openai
+make_venv openai
 
 if ! "$bin" init-model --preset tiny --out "$work/tiny" >"$work/init.log" 2>&1; then
     cat "$work/init.log" >&2
@@ -41,7 +30,7 @@ server=$!
 
 url=""
 for _ in $(seq 1 600); do
-    url="$(grep -o 'http://[^ ]*' "$work/serve.out" || true)"
+    url="$(grep -o 'http://[^ ]*' "$work/serve.out" 2>/dev/null || true)"
     [ -n "$url" ] && break
     if ! kill -0 "$server" 2>/dev/null; then
         echo "error: prompt-r1 serve exited:" >&2

@@ -8,21 +8,10 @@
 # it made. Exits non-zero on any failure.
 set -euo pipefail
 
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-target="${CARGO_TARGET_DIR:-$root/target}"
-bin="${PROMPT_R1_BIN:-$target/release/prompt-r1}"
-if [ ! -x "$bin" ]; then
-    echo "error: no prompt-r1 binary at $bin (run: cargo build --release -p prompt-r1)" >&2
-    exit 1
-fi
-
-mkdir -p "$target"
-work="$(mktemp -d "$target/python-export-test.XXXXXX")"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 trap 'rm -rf "$work"' EXIT
 
-python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install --quiet --disable-pip-version-check torch transformers safetensors
+make_venv torch transformers safetensors
 
 mkdir "$work/models"
 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error \
