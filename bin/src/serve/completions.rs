@@ -15,6 +15,9 @@ use super::http::{self, Accepted};
 use super::request;
 use super::Shared;
 
+/// The text-completions endpoint.
+pub(super) const ROUTE: &str = "/v1/completions";
+
 /// Answers one text-completion request.
 pub fn handle(mut request: Request, shared: &Shared) {
     let started = Instant::now();
@@ -22,13 +25,13 @@ pub fn handle(mut request: Request, shared: &Shared) {
     let (job, events, accepted) = match prepared {
         Ok(ok) => ok,
         Err(err) => {
-            log(shared, err.status, None, started);
+            http::log(ROUTE, shared, err.status, None, started);
             return http::respond_error(request, &err);
         }
     };
     if shared.jobs.send(job).is_err() {
         let err = ApiError::internal("the generation worker has stopped");
-        log(shared, err.status, None, started);
+        http::log(ROUTE, shared, err.status, None, started);
         return http::respond_error(request, &err);
     }
     match collect(&events) {
@@ -51,7 +54,8 @@ pub fn handle(mut request: Request, shared: &Shared) {
                 },
             });
             http::respond_json(request, 200, &body);
-            log(
+            http::log(
+                ROUTE,
                 shared,
                 200,
                 Some((accepted.prompt_tokens, completion_tokens)),
@@ -59,7 +63,7 @@ pub fn handle(mut request: Request, shared: &Shared) {
             );
         }
         Err(err) => {
-            log(shared, err.status, None, started);
+            http::log(ROUTE, shared, err.status, None, started);
             http::respond_error(request, &err);
         }
     }
@@ -142,19 +146,6 @@ fn collect(events: &Receiver<Event>) -> Result<(String, &'static str, usize), Ap
     }
 }
 
-/// One line per request on stderr (never the prompt).
-fn log(shared: &Shared, status: u16, tokens: Option<(usize, usize)>, started: Instant) {
-    if shared.quiet {
-        return;
-    }
-    let ms = started.elapsed().as_millis();
-    match tokens {
-        Some((prompt, completion)) => eprintln!(
-            "POST /v1/completions {status} prompt_tokens={prompt} completion_tokens={completion} {ms} ms"
-        ),
-        None => eprintln!("POST /v1/completions {status} {ms} ms"),
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -16,6 +16,9 @@ use super::request::{self, CompletionRequest};
 use super::stop::StopStrings;
 use super::Shared;
 
+
+/// The chat-completions endpoint.
+const CHAT_ROUTE: &str = "/v1/chat/completions";
 /// Largest request body accepted.
 const MAX_BODY_BYTES: usize = 32 << 20;
 
@@ -42,8 +45,8 @@ pub fn handle(request: Request, shared: &Shared) {
                 respond_error(request, &ApiError::unknown_model(name))
             }
         }
-        (Method::Post, "/v1/chat/completions") => chat(request, shared),
-        (Method::Post, "/v1/completions") => completions::handle(request, shared),
+        (Method::Post, CHAT_ROUTE) => chat(request, shared),
+        (Method::Post, completions::ROUTE) => completions::handle(request, shared),
         (_, "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions") => {
             respond_error(
                 request,
@@ -79,13 +82,13 @@ fn chat(mut request: Request, shared: &Shared) {
     let (job, events, accepted) = match accepted {
         Ok(ok) => ok,
         Err(err) => {
-            log(shared, err.status, None, started);
+            log(CHAT_ROUTE, shared, err.status, None, started);
             return respond_error(request, &err);
         }
     };
     if shared.jobs.send(job).is_err() {
         let err = ApiError::internal("the generation worker has stopped");
-        log(shared, err.status, None, started);
+        log(CHAT_ROUTE, shared, err.status, None, started);
         return respond_error(request, &err);
     }
     let (status, completion) = if accepted.stream {
@@ -94,6 +97,7 @@ fn chat(mut request: Request, shared: &Shared) {
         complete(request, &events, &accepted, shared)
     };
     log(
+        CHAT_ROUTE,
         shared,
         status,
         completion.map(|c| (accepted.prompt_tokens, c)),
@@ -393,17 +397,23 @@ pub(super) fn respond_error(request: Request, err: &ApiError) {
     respond_json(request, err.status, &err.body());
 }
 
-/// One line per chat request on stderr (never the request's headers or content).
-fn log(shared: &Shared, status: u16, tokens: Option<(usize, usize)>, started: Instant) {
+/// One line per request on stderr for `route` (never the request's headers or content).
+pub(super) fn log(
+    route: &str,
+    shared: &Shared,
+    status: u16,
+    tokens: Option<(usize, usize)>,
+    started: Instant,
+) {
     if shared.quiet {
         return;
     }
     let ms = started.elapsed().as_millis();
     match tokens {
         Some((prompt, completion)) => eprintln!(
-            "POST /v1/chat/completions {status} prompt_tokens={prompt} completion_tokens={completion} {ms} ms"
+            "POST {route} {status} prompt_tokens={prompt} completion_tokens={completion} {ms} ms"
         ),
-        None => eprintln!("POST /v1/chat/completions {status} {ms} ms"),
+        None => eprintln!("POST {route} {status} {ms} ms"),
     }
 }
 
