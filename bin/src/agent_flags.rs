@@ -11,7 +11,8 @@ use env::{
     Agent, AgentApi, ClientConfig, EpisodeConfig, OpenAiClient, PromptTexts, RemoteAgent, RetryPolicy,
     SamplingParams, DEFAULT_API_KEY_ENV,
 };
-use trainer::rollout::{AgentSampling, LocalAgent};
+use model::Sampling;
+use trainer::rollout::LocalAgent;
 
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::{parse_dtype, LoadedModel};
@@ -105,22 +106,20 @@ impl AgentFlags {
 
     /// Runs `work` with the chosen agent (loading the local checkpoint on the chosen device).
     pub fn with_agent<T>(&self, work: impl FnOnce(&mut dyn Agent) -> Result<T>) -> Result<T> {
-        let temperature = self.temperature();
-        if !(temperature >= 0.0 && temperature.is_finite()) {
-            bail!("--temperature must be a number >= 0");
-        }
+        let sampling = Sampling {
+            temperature: self.temperature(),
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        };
+        sampling.validate().map_err(|e| anyhow!("agent sampling (--temperature, --top-p): {e}"))?;
         match (&self.agent, &self.agent_url, &self.agent_model) {
             (Some(dir), _, _) => run_on(
                 self.device,
                 LocalRun {
                     dir,
                     dtype: self.dtype,
-                    sampling: AgentSampling {
-                        temperature,
-                        top_k: self.top_k,
-                        top_p: self.top_p,
-                        seed: self.seed,
-                    },
+                    sampling,
                     work,
                     output: PhantomData,
                 },
@@ -132,12 +131,7 @@ impl AgentFlags {
                 };
                 let client =
                     OpenAiClient::new(config).map_err(|err| anyhow!("agent client: {err}"))?;
-                let sampling = SamplingParams {
-                    temperature: Some(f64::from(temperature)),
-                    top_p: self.top_p.map(f64::from),
-                    seed: Some(self.seed),
-                    ..SamplingParams::default()
-                };
+                let sampling = SamplingParams::from(&sampling);
                 let api = match self.agent_api {
                     AgentApiFlag::Completions => AgentApi::Completions,
                     AgentApiFlag::Chat => AgentApi::Chat,
@@ -165,7 +159,7 @@ pub enum AgentApiFlag {
 struct LocalRun<'a, F, T> {
     dir: &'a Path,
     dtype: DType,
-    sampling: AgentSampling,
+    sampling: Sampling,
     work: F,
     output: PhantomData<fn() -> T>,
 }

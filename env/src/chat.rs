@@ -1,55 +1,9 @@
 //! The OpenAI chat-completions wire format: messages, sampling parameters, the request body
 //! and the parsed reply.
 
+pub use ::chat::{ChatMessage, Role};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-
-/// Who wrote a chat message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Instructions for the model.
-    System,
-    /// The caller's turn.
-    User,
-    /// The model's turn.
-    Assistant,
-}
-
-/// One chat message.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    /// Author of the message.
-    pub role: Role,
-    /// Text of the message.
-    pub content: String,
-}
-
-impl ChatMessage {
-    /// A system message.
-    pub fn system(content: impl Into<String>) -> Self {
-        Self {
-            role: Role::System,
-            content: content.into(),
-        }
-    }
-
-    /// A user message.
-    pub fn user(content: impl Into<String>) -> Self {
-        Self {
-            role: Role::User,
-            content: content.into(),
-        }
-    }
-
-    /// An assistant message.
-    pub fn assistant(content: impl Into<String>) -> Self {
-        Self {
-            role: Role::Assistant,
-            content: content.into(),
-        }
-    }
-}
 
 /// Optional sampling parameters of a request; `None` (or an empty `stop`) leaves the server's
 /// default in place and is not sent.
@@ -71,6 +25,19 @@ pub struct SamplingParams {
     /// Strings that end generation (the server leaves them out of the reply).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub stop: Vec<String>,
+}
+
+impl From<&::chat::Sampling> for SamplingParams {
+    /// The request parameters that sample as `sampling` does: temperature, top_p (when set) and
+    /// seed. OpenAI's API has no top-k, so `sampling.top_k` is not sent.
+    fn from(sampling: &::chat::Sampling) -> Self {
+        Self {
+            temperature: Some(f64::from(sampling.temperature)),
+            top_p: sampling.top_p.map(f64::from),
+            seed: Some(sampling.seed),
+            ..Self::default()
+        }
+    }
 }
 
 /// Token counts a server reports for one request.

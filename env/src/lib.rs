@@ -30,7 +30,7 @@ mod turn;
 pub use agent::{
     estimate_tokens, Agent, AgentContext, AgentError, Exchange, TokenTrace, TurnEnd, TurnText,
 };
-pub use chat::{ChatMessage, ChatReply, Role, SamplingParams, Usage};
+pub use crate::chat::{ChatMessage, ChatReply, Role, SamplingParams, Usage};
 pub use client::OpenAiClient;
 pub use config::{ClientConfig, RetryPolicy, DEFAULT_API_KEY_ENV};
 pub use environment::{environment_messages, Environment, ENV_SYSTEM_MESSAGE};

@@ -18,7 +18,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
+pub use chat::{ChatMessage, Role};
 
 use crate::tokenizer::{Qwen3Tokenizer, TokenizerError};
 
@@ -135,79 +135,6 @@ pub enum ChatTemplateError {
     /// The template is not one this crate implements.
     #[error("chat template in {path} is not the Qwen3 hybrid-thinking ChatML template")]
     Unsupported { path: PathBuf },
-}
-
-/// Author of a chat message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Instructions for the assistant; rendered first when it is the first message.
-    System,
-    /// A user turn (a query, or a tool result written as `<tool_response>…</tool_response>`).
-    User,
-    /// A model turn.
-    Assistant,
-}
-
-impl Role {
-    /// The role name written after `<|im_start|>`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::System => "system",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-        }
-    }
-}
-
-/// One chat message, in the shape of Hugging Face's message dicts.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ChatMessage {
-    /// Who wrote the message.
-    pub role: Role,
-    /// The message text.
-    pub content: String,
-    /// Reasoning of an assistant message; when `None`, it is taken from `<think>…</think>`
-    /// in `content`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reasoning_content: Option<String>,
-}
-
-impl ChatMessage {
-    /// A message with the given role and content.
-    pub fn new(role: Role, content: impl Into<String>) -> Self {
-        Self {
-            role,
-            content: content.into(),
-            reasoning_content: None,
-        }
-    }
-
-    /// A system message.
-    pub fn system(content: impl Into<String>) -> Self {
-        Self::new(Role::System, content)
-    }
-
-    /// A user message.
-    pub fn user(content: impl Into<String>) -> Self {
-        Self::new(Role::User, content)
-    }
-
-    /// An assistant message; `<think>…</think>` in the content is its reasoning.
-    pub fn assistant(content: impl Into<String>) -> Self {
-        Self::new(Role::Assistant, content)
-    }
-
-    /// An assistant message with separate reasoning.
-    pub fn assistant_with_reasoning(
-        content: impl Into<String>,
-        reasoning: impl Into<String>,
-    ) -> Self {
-        Self {
-            reasoning_content: Some(reasoning.into()),
-            ..Self::assistant(content)
-        }
-    }
 }
 
 /// Template switches; the default matches `apply_chat_template`'s defaults

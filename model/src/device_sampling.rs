@@ -16,7 +16,7 @@
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
 use crate::error::ModelError;
-use crate::generation::SamplingConfig;
+use chat::Sampling;
 
 /// Width of the blocks of the two-level search; Qwen3's vocabulary is 1,187 blocks.
 const BLOCK: usize = 128;
@@ -26,7 +26,7 @@ const MAX_VOCAB: usize = 1 << 24;
 
 /// Whether `config` can be sampled on the device: greedy, or a temperature over the whole
 /// vocabulary.
-pub fn supported(config: &SamplingConfig) -> bool {
+pub fn supported(config: &Sampling) -> bool {
     config.top_k.is_none_or(|k| k == 0) && config.top_p.is_none_or(|p| p >= 1.0)
 }
 
@@ -130,8 +130,8 @@ mod tests {
     use burn::backend::Flex;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    fn config(temperature: f32) -> SamplingConfig {
-        SamplingConfig { temperature, ..SamplingConfig::default() }
+    fn config(temperature: f32) -> Sampling {
+        Sampling { temperature, ..Sampling::default() }
     }
 
     /// Seeded normal logits; row 0 has a dominant token.
@@ -212,9 +212,9 @@ mod tests {
     #[test]
     fn top_k_and_top_p_stay_on_the_host() {
         assert!(supported(&config(1.0)));
-        assert!(supported(&SamplingConfig { top_p: Some(1.0), top_k: Some(0), ..config(1.0) }));
-        assert!(!supported(&SamplingConfig { top_p: Some(0.9), ..config(1.0) }));
-        assert!(!supported(&SamplingConfig { top_k: Some(5), ..config(1.0) }));
+        assert!(supported(&Sampling { top_p: Some(1.0), top_k: Some(0), ..config(1.0) }));
+        assert!(!supported(&Sampling { top_p: Some(0.9), ..config(1.0) }));
+        assert!(!supported(&Sampling { top_k: Some(5), ..config(1.0) }));
     }
 
     #[test]

@@ -12,51 +12,28 @@ use crate::batch::{row_index, Padding, TokenBatch};
 use crate::device_sampling;
 use crate::error::ModelError;
 use crate::qwen3::Qwen3ForCausalLM;
+use chat::Sampling;
 
-/// How tokens are chosen.
+/// What [`generate`] does: how tokens are chosen ([`Sampling`]), how many, and where a
+/// sequence stops.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingConfig {
+    /// Temperature, top-k, top-p and the base seed (`sampling.seed`; see [`generate`]).
+    pub sampling: Sampling,
     /// Maximum number of new tokens per sequence.
     pub max_new_tokens: usize,
-    /// 0 means greedy (argmax); otherwise logits are divided by it before sampling.
-    pub temperature: f32,
-    /// Keep only the `k` most likely tokens (`None` or 0: all).
-    pub top_k: Option<usize>,
-    /// Keep the smallest set of tokens whose probability reaches `p` (`None` or 1.0: all).
-    pub top_p: Option<f32>,
-    /// Seed of the per-row random generators: the same seed gives the same tokens.
-    pub seed: u64,
     /// A sequence ends after emitting any of these (the stop token is included in the output).
     pub stop_token_ids: Vec<u32>,
 }
 
 impl Default for SamplingConfig {
+    /// Greedy, 64 new tokens, no stop token.
     fn default() -> Self {
         Self {
+            sampling: Sampling::greedy(),
             max_new_tokens: 64,
-            temperature: 0.0,
-            top_k: None,
-            top_p: None,
-            seed: 0,
             stop_token_ids: Vec::new(),
         }
-    }
-}
-
-impl SamplingConfig {
-    fn validate(&self) -> Result<(), ModelError> {
-        if !(self.temperature >= 0.0) || !self.temperature.is_finite() {
-            return Err(ModelError::Input(format!(
-                "temperature must be finite and >= 0, got {}",
-                self.temperature
-            )));
-        }
-        if let Some(p) = self.top_p {
-            if !(p > 0.0 && p <= 1.0) {
-                return Err(ModelError::Input(format!("top_p must be in (0, 1], got {p}")));
-            }
-        }
-        Ok(())
     }
 }
 
@@ -81,18 +58,18 @@ pub struct GeneratedSequence {
 }
 
 /// Generates continuations of every prompt in one left-padded batch. Row `i` samples from a
-/// generator seeded by `config.seed` and `i`.
+/// generator seeded by `config.sampling.seed` and `i`.
 pub fn generate<B: Backend>(
     model: &Qwen3ForCausalLM<B>,
     prompts: &[Vec<u32>],
     config: &SamplingConfig,
     pad_id: u32,
 ) -> Result<Vec<GeneratedSequence>, ModelError> {
-    let seeds: Vec<u64> = (0..prompts.len()).map(|i| row_seed(config.seed, i as u64)).collect();
+    let seeds: Vec<u64> = (0..prompts.len()).map(|i| row_seed(config.sampling.seed, i as u64)).collect();
     generate_seeded(model, prompts, config, pad_id, &seeds)
 }
 
-/// [`generate`] with an explicit seed per row (`config.seed` is ignored), so that a sequence's
+/// [`generate`] with an explicit seed per row (`config.sampling.seed` is ignored), so that a sequence's
 /// samples do not depend on which other sequences share its batch.
 pub fn generate_seeded<B: Backend>(
     model: &Qwen3ForCausalLM<B>,
@@ -101,7 +78,7 @@ pub fn generate_seeded<B: Backend>(
     pad_id: u32,
     seeds: &[u64],
 ) -> Result<Vec<GeneratedSequence>, ModelError> {
-    config.validate()?;
+    config.sampling.validate().map_err(|e| ModelError::Input(e.to_string()))?;
     if seeds.len() != prompts.len() {
         return Err(ModelError::Input(format!(
             "{} seeds for {} prompts",
@@ -129,7 +106,7 @@ pub fn generate_seeded<B: Backend>(
     let mut cache = model.new_cache();
     // On the CPU kernels' backend the logits are already in host memory; elsewhere only the
     // chosen tokens come back (top-k and top-p still sort the row on the host).
-    let on_device = !cpu_kernels::active::<B>() && device_sampling::supported(config);
+    let on_device = !cpu_kernels::active::<B>() && device_sampling::supported(&config.sampling);
 
     // `active[j]` is the original row of batch row j; the key mask stays on the device and is
     // dropped once no active row has padding.
@@ -161,12 +138,13 @@ pub fn generate_seeded<B: Backend>(
             .filter_map(|(row, rng)| active.binary_search(&row).is_ok().then_some(rng))
             .collect();
         let choices = if on_device {
-            let uniforms: Vec<f64> = if config.temperature == 0.0 {
+            let temperature = config.sampling.temperature;
+            let uniforms: Vec<f64> = if temperature == 0.0 {
                 Vec::new()
             } else {
                 active_rngs.iter_mut().map(|rng| rng.random::<f64>()).collect()
             };
-            device_sampling::choose_tokens(last.reshape([rows, vocab]), &vec![config.temperature; rows], &uniforms)?
+            device_sampling::choose_tokens(last.reshape([rows, vocab]), &vec![temperature; rows], &uniforms)?
         } else {
             let values: Vec<f32> = last
                 .into_data()
@@ -176,7 +154,7 @@ pub fn generate_seeded<B: Backend>(
             values
                 .par_chunks(vocab)
                 .zip(active_rngs.par_iter_mut())
-                .map(|(row_logits, rng)| choose_token(row_logits, config, &mut **rng))
+                .map(|(row_logits, rng)| choose_token(row_logits, &config.sampling, &mut **rng))
                 .collect()
         };
         let mut next_tokens = Vec::with_capacity(rows);
@@ -237,7 +215,7 @@ pub fn row_seed(seed: u64, stream: u64) -> u64 {
 }
 
 /// Picks the next token from one row of logits; returns it with its log-probability.
-pub fn choose_token(logits: &[f32], config: &SamplingConfig, rng: &mut impl Rng) -> (u32, f32) {
+pub fn choose_token(logits: &[f32], config: &Sampling, rng: &mut impl Rng) -> (u32, f32) {
     if config.temperature == 0.0 {
         let (best, _) = logits
             .iter()
@@ -320,12 +298,12 @@ fn log_softmax_at(logits: &[f32], i: usize, t: f32) -> f32 {
 mod tests {
     use super::*;
 
-    fn cfg(temperature: f32, top_k: Option<usize>, top_p: Option<f32>) -> SamplingConfig {
-        SamplingConfig {
+    fn cfg(temperature: f32, top_k: Option<usize>, top_p: Option<f32>) -> Sampling {
+        Sampling {
             temperature,
             top_k,
             top_p,
-            ..Default::default()
+            seed: 0,
         }
     }
 
@@ -404,13 +382,5 @@ mod tests {
             let want = &full[..n.map_or(full.len(), |n| n + 1)];
             assert_eq!(nucleus((0..logits.len()).collect(), &logits, weight, p), want, "p = {p}");
         }
-    }
-
-    #[test]
-    fn invalid_settings_are_rejected() {
-        assert!(cfg(-1.0, None, None).validate().is_err());
-        assert!(cfg(1.0, None, Some(0.0)).validate().is_err());
-        assert!(cfg(1.0, None, Some(1.5)).validate().is_err());
-        assert!(cfg(f32::NAN, None, None).validate().is_err());
     }
 }

@@ -33,6 +33,7 @@ pub use error::ModelError;
 pub use qwen3::{KvCache, MatmulPrecision, Qwen3ForCausalLM};
 pub use batch::{Padding, TokenBatch};
 pub use cpu_kernels;
+pub use chat::Sampling;
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
 pub use logprobs::{completion_logprobs, map_logits_chunks, token_logprobs};
 pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

@@ -8,8 +8,8 @@ use env::{Agent, AgentContext, PromptTexts, TurnEnd};
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::tiny_tokenizer::{train_tiny_tokenizer, TINY_VOCAB_SIZE};
-use model::{completion_logprobs, load_pretrained, LoadOptions, Preset};
-use trainer::rollout::{AgentSampling, LocalAgent};
+use model::{completion_logprobs, load_pretrained, LoadOptions, Preset, Sampling};
+use trainer::rollout::LocalAgent;
 
 #[test]
 fn local_agent_builds_the_context_token_by_token() {
@@ -20,7 +20,7 @@ fn local_agent_builds_the_context_token_by_token() {
     write_random_checkpoint(&config, dir.path(), 5, StorageDtype::F32).unwrap();
     let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
 
-    let sampling = AgentSampling { temperature: 1.0, seed: 11, ..Default::default() };
+    let sampling = Sampling { temperature: 1.0, seed: 11, ..Default::default() };
     let mut agent = LocalAgent::new(&model, &tokenizer, sampling);
     let texts = PromptTexts::default();
     let mut contexts: Vec<AgentContext> = ["What is 2 + 2?", "Who wrote Hamlet?"]
@@ -68,7 +68,7 @@ fn trajectories_of_the_local_agent_are_consistent() {
     let episode = env::EpisodeConfig { max_turn_tokens: 24, ..env::EpisodeConfig::training() };
     let questions = ["What is 2 + 2?", "Who wrote Hamlet?", "Name a river."];
     let run = |seed: u64| {
-        let mut agent = LocalAgent::new(&model, &tokenizer, AgentSampling { temperature: 1.0, seed, ..Default::default() });
+        let mut agent = LocalAgent::new(&model, &tokenizer, Sampling { temperature: 1.0, seed, ..Default::default() });
         env::run_episodes(&mut agent, &Echo, &questions, &episode)
     };
     // Timings differ between runs; the sampled content must not.

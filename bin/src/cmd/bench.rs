@@ -13,7 +13,7 @@ use burn::tensor::{backend::Backend, DType};
 use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
-use model::{completion_logprobs, generate, load_pretrained, LoadOptions, MatmulPrecision, Preset, SamplingConfig};
+use model::{completion_logprobs, generate, load_pretrained, LoadOptions, MatmulPrecision, Preset, Sampling, SamplingConfig};
 use serde::Serialize;
 
 use crate::device::{run_on, ComputeArgs, OnBackend};
@@ -156,8 +156,7 @@ impl OnBackend for Args {
             let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + 16].to_vec()).collect();
             let config = SamplingConfig {
                 max_new_tokens: self.decode_tokens,
-                temperature: 1.0,
-                seed: 1,
+                sampling: Sampling { temperature: 1.0, seed: 1, ..Sampling::default() },
                 ..Default::default()
             };
             // Time the decode steps only: subtract a prefill-plus-one-token run.

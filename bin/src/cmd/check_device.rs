@@ -16,7 +16,7 @@ use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::{
-    completion_logprobs, generate, load_pretrained, LoadOptions, MatmulPrecision, Padding, Preset, SamplingConfig, TokenBatch,
+    completion_logprobs, generate, load_pretrained, LoadOptions, MatmulPrecision, Padding, Preset, Sampling, SamplingConfig, TokenBatch,
 };
 use trainer::grpo::{learn_step, sequence_logprobs, LearnConfig, PolicyBatch, PolicySequence};
 
@@ -121,9 +121,10 @@ impl<'a> OnBackend for &'a Probe {
         for padding in [Padding::Right, Padding::Left] {
             logits.push(padded_logits(&model, &self.prompts, padding, &device)?);
         }
-        let config = SamplingConfig { max_new_tokens: 16, temperature: 0.0, ..Default::default() };
+        let config = SamplingConfig { max_new_tokens: 16, sampling: Sampling::greedy(), ..Default::default() };
         let greedy: Vec<Vec<u32>> = generate(&model, &self.prompts, &config, 0)?.into_iter().map(|s| s.tokens).collect();
-        let config = SamplingConfig { temperature: 1.0, seed: SAMPLING_SEED, ..config };
+        let sampling = Sampling { temperature: 1.0, seed: SAMPLING_SEED, ..Sampling::default() };
+        let config = SamplingConfig { sampling, ..config };
         let sampled: Vec<Vec<u32>> = generate(&model, &self.prompts, &config, 0)?.into_iter().map(|s| s.tokens).collect();
         let greedy_logits = step_logits(&model, &self.prompts, &greedy, &device)?;
         let sampled_logits = step_logits(&model, &self.prompts, &sampled, &device)?;
@@ -433,7 +434,8 @@ mod tests {
         let device = Default::default();
         let model = load_pretrained::<burn::backend::Flex>(dir.path(), &device, LoadOptions::default()).unwrap();
         let prompts = vec![vec![5, 17, 300, 41], vec![9, 8]];
-        let config = SamplingConfig { max_new_tokens: 6, temperature: 1.0, seed: SAMPLING_SEED, ..Default::default() };
+        let sampling = Sampling { temperature: 1.0, seed: SAMPLING_SEED, ..Sampling::default() };
+        let config = SamplingConfig { max_new_tokens: 6, sampling, ..Default::default() };
         let sampled: Vec<Vec<u32>> = generate(&model, &prompts, &config, 0).unwrap().into_iter().map(|s| s.tokens).collect();
         let logits = step_logits(&model, &prompts, &sampled, &device).unwrap();
         let draws = sampling_draws(2, 6);

@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
-use model::{generate, SamplingConfig};
+use model::{generate, Sampling, SamplingConfig};
 
 use crate::device::{run_on, ComputeArgs, OnBackend};
 use crate::model_dir::{LoadedModel, TokenIds};
@@ -81,11 +81,13 @@ impl OnBackend for Args {
         let mut stop_token_ids = loaded.stop_ids();
         stop_token_ids.extend(self.stop_ids.iter().flat_map(|ids| ids.0.iter()));
         let config = SamplingConfig {
+            sampling: Sampling {
+                temperature: self.temperature,
+                top_k: self.top_k,
+                top_p: self.top_p,
+                seed: self.seed,
+            },
             max_new_tokens: self.max_new_tokens,
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            seed: self.seed,
             stop_token_ids,
         };
         let out = generate(&loaded.model, &[prompt_ids], &config, loaded.pad_id())?;

@@ -2,14 +2,15 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::chat_template::{ChatTemplate, ChatTemplateError};
+use model::Sampling;
 
 use crate::device::{run_on, ComputeArgs, OnBackend};
 use crate::model_dir::LoadedModel;
-use crate::serve::{serve, SamplingDefaults, Served, Settings};
+use crate::serve::{serve, Served, Settings};
 
 /// Serve a model over the OpenAI chat-completions API.
 ///
@@ -117,9 +118,9 @@ fn dir_name(dir: &Path) -> String {
 }
 
 /// `temperature`, `top_p` and `top_k` of generation_config.json, as vLLM uses them.
-fn sampling_defaults(dir: &Path) -> Result<SamplingDefaults> {
+fn sampling_defaults(dir: &Path) -> Result<Sampling> {
     let path = dir.join("generation_config.json");
-    let mut defaults = SamplingDefaults::default();
+    let mut defaults = Sampling::default();
     if !path.is_file() {
         return Ok(defaults);
     }
@@ -143,13 +144,7 @@ fn sampling_defaults(dir: &Path) -> Result<SamplingDefaults> {
     {
         defaults.top_k = Some(k as usize);
     }
-    if !(defaults.temperature >= 0.0 && defaults.temperature.is_finite()) {
-        bail!(
-            "{}: temperature {} is not a number >= 0",
-            path.display(),
-            defaults.temperature
-        );
-    }
+    defaults.validate().map_err(|e| anyhow!("{}: {e}", path.display()))?;
     Ok(defaults)
 }
 
@@ -162,7 +157,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(
             sampling_defaults(dir.path()).unwrap(),
-            SamplingDefaults::default()
+            Sampling::default()
         );
         std::fs::write(
             dir.path().join("generation_config.json"),

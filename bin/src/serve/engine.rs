@@ -14,7 +14,7 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 use model::device_sampling;
 use model::generation::{choose_token, row_seed};
 use model::tokenizer::Qwen3Tokenizer;
-use model::{Padding, Qwen3ForCausalLM, SamplingConfig, TokenBatch};
+use model::{Padding, Qwen3ForCausalLM, Sampling, TokenBatch};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use super::stop::{SentText, StopStrings};
@@ -27,12 +27,9 @@ const BATCH_WINDOW: Duration = Duration::from_millis(5);
 pub struct GenParams {
     /// At least 1.
     pub max_tokens: usize,
-    /// 0 = greedy.
-    pub temperature: f32,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-    /// The row's generator is seeded as `prompt-r1 generate --seed` seeds batch row 0.
-    pub seed: u64,
+    /// The row's generator is seeded with `sampling.seed` as `prompt-r1 generate --seed` seeds
+    /// batch row 0.
+    pub sampling: Sampling,
     pub stop: StopStrings,
 }
 
@@ -233,7 +230,7 @@ fn fail(rows: &[Row], which: &[usize], message: &str) {
 /// One request inside a batch.
 struct Row {
     events: Sender<Event>,
-    sampling: SamplingConfig,
+    sampling: Sampling,
     rng: StdRng,
     max_tokens: usize,
     stop: StopStrings,
@@ -247,15 +244,8 @@ impl Row {
         let p = job.params;
         Self {
             events: job.events,
-            sampling: SamplingConfig {
-                max_new_tokens: p.max_tokens,
-                temperature: p.temperature,
-                top_k: p.top_k,
-                top_p: p.top_p,
-                seed: p.seed,
-                stop_token_ids: Vec::new(),
-            },
-            rng: StdRng::seed_from_u64(row_seed(p.seed, 0)),
+            rng: StdRng::seed_from_u64(row_seed(p.sampling.seed, 0)),
+            sampling: p.sampling,
             max_tokens: p.max_tokens.max(1),
             stop: p.stop,
             tokens: Vec::new(),

@@ -6,6 +6,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::time::Instant;
 
 use model::chat_template::RenderOptions;
+use model::Sampling;
 use serde_json::{json, Value};
 use tiny_http::{HTTPVersion, Header, Method, Request, Response};
 
@@ -178,10 +179,12 @@ pub(super) fn job(
     let defaults = &shared.defaults;
     let params = GenParams {
         max_tokens,
-        temperature: req.temperature.unwrap_or(defaults.temperature),
-        top_p: req.top_p.or(defaults.top_p),
-        top_k: req.top_k.or(defaults.top_k),
-        seed: req.seed.unwrap_or_else(rand::random),
+        sampling: Sampling {
+            temperature: req.temperature.unwrap_or(defaults.temperature),
+            top_p: req.top_p.or(defaults.top_p),
+            top_k: req.top_k.or(defaults.top_k),
+            seed: req.seed.unwrap_or_else(rand::random),
+        },
         stop: StopStrings::new(req.stop),
     };
     let (sender, events) = mpsc::channel();

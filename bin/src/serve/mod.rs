@@ -19,28 +19,9 @@ use anyhow::{anyhow, Result};
 use burn::tensor::backend::Backend;
 use model::chat_template::ChatTemplate;
 use model::tokenizer::Qwen3Tokenizer;
-use model::Qwen3ForCausalLM;
+use model::{Qwen3ForCausalLM, Sampling};
 
 use engine::{Engine, Job};
-
-/// Sampling used when a request leaves a parameter out.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingDefaults {
-    pub temperature: f32,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-}
-
-impl Default for SamplingDefaults {
-    /// OpenAI's defaults: temperature 1, no truncation.
-    fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            top_p: None,
-            top_k: None,
-        }
-    }
-}
 
 /// Server settings.
 #[derive(Debug, Clone)]
@@ -51,7 +32,9 @@ pub struct Settings {
     pub max_batch: usize,
     pub default_max_tokens: usize,
     pub enable_thinking: bool,
-    pub defaults: SamplingDefaults,
+    /// Sampling used when a request leaves a parameter out (by default OpenAI's: temperature
+    /// 1, no truncation). Its seed is not used: a request without one gets a random seed.
+    pub defaults: Sampling,
     pub quiet: bool,
 }
 
@@ -74,7 +57,7 @@ pub(crate) struct Shared<'m> {
     vocab_size: usize,
     default_max_tokens: usize,
     enable_thinking: bool,
-    defaults: SamplingDefaults,
+    defaults: Sampling,
     quiet: bool,
     jobs: Sender<Job>,
 }

@@ -7,7 +7,7 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use common::*;
 use prompt_r1_model::{
     completion_logprobs, generate, load_pretrained, LoadOptions, Padding, Qwen3ForCausalLM,
-    SamplingConfig, TokenBatch,
+    Sampling, SamplingConfig, TokenBatch,
 };
 
 /// The fixture, with the fused CPU kernels switched as the including test file says; `None`
@@ -140,7 +140,7 @@ fn greedy_generation_matches_transformers() {
         let greedy = &fx.json["greedy"];
         let config = SamplingConfig {
             max_new_tokens: greedy["max_new_tokens"].as_u64().unwrap() as usize,
-            temperature: 0.0,
+            sampling: Sampling::greedy(),
             ..Default::default()
         };
         let out = generate(&model, &[ids(&greedy["prompt"])], &config, 0).unwrap();
@@ -185,11 +185,13 @@ fn sampled_generation_is_the_same_wherever_tokens_are_chosen() {
         .collect();
     let vocab = model.config.vocab_size;
     for temperature in [1.0, 0.7] {
-        let config = SamplingConfig { max_new_tokens: 12, temperature, seed: 11, ..Default::default() };
+        let sampling = Sampling { temperature, seed: 11, ..Sampling::default() };
+        let config = SamplingConfig { max_new_tokens: 12, sampling, ..Default::default() };
         let first = generate(&model, &prompts, &config, 0).unwrap();
         let config = SamplingConfig { stop_token_ids: vec![first[0].tokens[3]], ..config };
         let device = generate(&model, &prompts, &config, 0).unwrap();
-        let host = generate(&model, &prompts, &SamplingConfig { top_k: Some(vocab), ..config.clone() }, 0).unwrap();
+        let host_sampling = Sampling { top_k: Some(vocab), ..config.sampling.clone() };
+        let host = generate(&model, &prompts, &SamplingConfig { sampling: host_sampling, ..config.clone() }, 0).unwrap();
         assert!(device[0].tokens.len() <= 4, "row 0 stops early");
         for (row, (d, h)) in device.iter().zip(&host).enumerate() {
             assert_eq!(d.tokens, h.tokens, "T {temperature}, row {row}: tokens");

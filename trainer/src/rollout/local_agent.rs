@@ -7,36 +7,15 @@ use burn::tensor::backend::Backend;
 use env::{Agent, AgentContext, AgentError, TurnEnd, TurnText};
 use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{generate_seeded, Qwen3ForCausalLM, SamplingConfig};
-
-/// How the local agent samples its turns.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AgentSampling {
-    /// 0 = greedy (validation and inference); the reference run samples at 1.0.
-    pub temperature: f32,
-    pub top_k: Option<usize>,
-    pub top_p: Option<f32>,
-    /// Base seed; each episode and turn derives its own stream from it.
-    pub seed: u64,
-}
-
-impl Default for AgentSampling {
-    fn default() -> Self {
-        Self {
-            temperature: 1.0,
-            top_k: None,
-            top_p: None,
-            seed: 0,
-        }
-    }
-}
+use model::{generate_seeded, Qwen3ForCausalLM, Sampling, SamplingConfig};
 
 /// A local checkpoint acting as the Prompt-R1 agent.
 pub struct LocalAgent<'m, B: Backend> {
     model: &'m Qwen3ForCausalLM<B>,
     tokenizer: &'m Qwen3Tokenizer,
-    sampling: AgentSampling,
+    /// How turns are sampled; `sampling.seed` is the base seed: each episode and turn derives
+    /// its own stream from it.
+    sampling: Sampling,
     /// Distinguishes batches of episodes run with the same agent (e.g. training steps), so that
     /// episode `i` of two batches does not repeat its samples.
     batch_stream: u64,
@@ -50,7 +29,7 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
     pub fn new(
         model: &'m Qwen3ForCausalLM<B>,
         tokenizer: &'m Qwen3Tokenizer,
-        sampling: AgentSampling,
+        sampling: Sampling,
     ) -> Self {
         let special = *tokenizer.special();
         Self {
@@ -108,12 +87,10 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
             })
             .collect();
         let budget = episodes.iter().map(|c| c.turn_budget()).max().unwrap_or(0);
+        // The seeds are per row (`seeds`), so the config's own seed is not used.
         let config = SamplingConfig {
+            sampling: self.sampling.clone(),
             max_new_tokens: budget,
-            temperature: self.sampling.temperature,
-            top_k: self.sampling.top_k,
-            top_p: self.sampling.top_p,
-            seed: 0,
             stop_token_ids: self.stop_ids.clone(),
         };
         let generated = match generate_seeded(self.model, &prompts, &config, self.pad_id, &seeds) {

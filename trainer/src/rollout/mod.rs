@@ -3,4 +3,4 @@
 
 mod local_agent;
 
-pub use local_agent::{AgentSampling, LocalAgent};
+pub use local_agent::LocalAgent;

@@ -6,12 +6,12 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
 use env::ClientConfig;
+use model::Sampling;
 use rewards::RewardConfig;
 use serde::{Deserialize, Serialize};
 
 use super::error::TrainError;
 use crate::grpo::{AdvantageMode, LearnConfig};
-use crate::rollout::AgentSampling;
 
 /// Everything a run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -116,8 +116,9 @@ pub struct RolloutSection {
     pub n: usize,
     /// Episodes generated together in one batched forward pass.
     pub generation_batch: usize,
-    /// Sampling of the agent during rollouts (validation is greedy).
-    pub sampling: AgentSampling,
+    /// Sampling of the agent during rollouts (validation is greedy); `seed` is the base of
+    /// every episode's and turn's stream.
+    pub sampling: Sampling,
     /// `grpo` (normalised by the group's std) or `dr_grpo` (mean-only).
     pub advantage: AdvantageMode,
     /// Weights of the inference-only models: the copy of the policy that rollouts and
@@ -158,7 +159,7 @@ impl Default for RolloutSection {
             batch_size: 128,
             n: 5,
             generation_batch: 64,
-            sampling: AgentSampling::default(),
+            sampling: Sampling::default(),
             advantage: AdvantageMode::Grpo,
             dtype: InferenceDtype::F32,
             dynamic_sampling: false,
@@ -251,6 +252,7 @@ impl TrainConfig {
         if !matches!(self.data.on_bad_row.as_str(), "fail" | "skip") {
             return Err(format!("data.on_bad_row must be \"fail\" or \"skip\", not \"{}\"", self.data.on_bad_row));
         }
+        self.rollout.sampling.validate().map_err(|e| format!("rollout.sampling: {e}"))?;
         self.grpo.validate().map_err(|e| format!("grpo: {e}"))?;
         Ok(())
     }
@@ -297,6 +299,9 @@ mod tests {
         std::fs::write(&path, "model = \"m\"\n[data]\ntrain = []\n").unwrap();
         let err = TrainConfig::from_toml_file(&path).unwrap_err().to_string();
         assert!(err.contains("data.train"), "{err}");
+        std::fs::write(&path, "model = \"m\"\n[data]\ntrain = [\"t.csv\"]\n[rollout.sampling]\ntop_p = 1.5\n").unwrap();
+        let err = TrainConfig::from_toml_file(&path).unwrap_err().to_string();
+        assert!(err.contains("rollout.sampling") && err.contains("top_p"), "{err}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use data::{BatchSampler, Example, SamplerConfig};
 use env::{Environment, StopReason, Trajectory};
 use model::checkpoint::StorageDtype;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, save_pretrained, with_dtype, LoadOptions, Qwen3ForCausalLM};
+use model::{load_pretrained, save_pretrained, with_dtype, LoadOptions, Qwen3ForCausalLM, Sampling};
 
 use super::checkpoint::{
     checkpoint_name, latest_checkpoint, publish, staging_dir, TrainerState, OPTIMIZER_FILE, STATE_FILE,
@@ -28,7 +28,7 @@ use super::reward::{EpisodeScore, EpisodeScorer};
 use super::validation::ValidationReport;
 use crate::grpo::{group_advantages, learn_step, sequence_logprobs, PolicyBatch, PolicySequence, StepStats};
 use crate::optim::AdamWOptimizer;
-use crate::rollout::{AgentSampling, LocalAgent};
+use crate::rollout::LocalAgent;
 
 type Policy<B> = Qwen3ForCausalLM<B>;
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -337,7 +337,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub fn validate(&self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<ValidationReport, TrainError> {
         let model = self.for_rollouts(self.policy().valid());
         let examples: Vec<&Example> = self.validation.iter().collect();
-        let greedy = AgentSampling {
+        let greedy = Sampling {
             temperature: 0.0,
             ..self.config.rollout.sampling.clone()
         };
@@ -364,7 +364,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         env: &dyn Environment,
         examples: &[&Example],
         stream: u64,
-        sampling: &AgentSampling,
+        sampling: &Sampling,
     ) -> Result<Vec<Trajectory>, TrainError> {
         let mut agent = LocalAgent::new(model, &self.tokenizer, sampling.clone());
         let episode = self.config.episode.episode_config()?;
