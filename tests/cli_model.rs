@@ -220,6 +220,37 @@ fn bench_caps_the_kernels_instruction_set() {
     assert!(stderr.contains("portable, avx2, avx512, avx512bf16"), "{stderr}");
 }
 
+/// The allocator's cache size comes from `--alloc-cache-mb` or `PROMPT_R1_ALLOC_CACHE_MB`,
+/// which `--help` names; a value that is not a number of megabytes is refused before any work.
+#[test]
+fn the_allocator_cache_size_is_a_flag_or_its_variable() {
+    let help = ok_stdout(&["init-model", "--help"]);
+    assert!(help.contains("--alloc-cache-mb") && help.contains("PROMPT_R1_ALLOC_CACHE_MB"), "{help}");
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let score = ["score", "--model", model.as_str(), "--prompt-ids", "1,2", "--completion-ids", "3"];
+    for (flag, var) in [(None, Some("lots")), (Some("-5"), None)] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_prompt-r1"));
+        command.args(score);
+        if let Some(value) = flag {
+            command.args(["--alloc-cache-mb", value]);
+        }
+        if let Some(value) = var {
+            command.env("PROMPT_R1_ALLOC_CACHE_MB", value);
+        }
+        let out = command.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{stderr}");
+        assert!(stderr.contains("PROMPT_R1_ALLOC_CACHE_MB"), "{stderr}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        .args(score)
+        .env("PROMPT_R1_ALLOC_CACHE_MB", "0")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
 /// `check-device` compares the portable ops with the fused kernels on the CPU: eight checks
 /// (greedy and sampled tokens, and the first ratio at f32 and bf16 products, among them), all
 /// within their tolerances; CUDA in a CPU-only build is a clear error.

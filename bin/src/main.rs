@@ -18,6 +18,17 @@ use model::cpu_kernels::large_alloc;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Megabytes of freed tensor buffers the binary's allocator may keep for reuse (default:
+    /// half of RAM; 0 turns the cache off). It adds at most a quarter to peak memory.
+    #[arg(long, global = true, value_name = "MB", env = "PROMPT_R1_ALLOC_CACHE_MB", value_parser = megabytes)]
+    alloc_cache_mb: Option<usize>,
+}
+
+/// A whole number of megabytes; the message names both ways of giving it.
+fn megabytes(value: &str) -> Result<usize, String> {
+    value.trim().parse().map_err(|_| {
+        "a whole number of megabytes is expected (--alloc-cache-mb or PROMPT_R1_ALLOC_CACHE_MB)".to_string()
+    })
 }
 
 #[derive(Subcommand)]
@@ -55,16 +66,13 @@ enum Command {
 static ALLOCATOR: large_alloc::CachingAllocator = large_alloc::CachingAllocator;
 
 fn main() {
-    #[cfg(target_os = "linux")]
-    if let Err(e) = large_alloc::configure_from_env() {
-        eprintln!("error: {e}");
-        std::process::exit(2);
-    }
     if let Err(e) = model::cpu_kernels::isa::isa_cap_from_env() {
         eprintln!("error: {}: {e}", model::cpu_kernels::isa::ISA_ENV);
         std::process::exit(2);
     }
     let cli = Cli::parse();
+    #[cfg(target_os = "linux")]
+    large_alloc::configure(cli.alloc_cache_mb);
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),
         Command::Export(args) => cmd::export::run(args),

@@ -20,8 +20,9 @@
 //!   every step). A request that needs a fresh mapping first unmaps the least recently freed
 //!   cached buffers until the total fits, so buffers of lengths a workload stopped asking for (a
 //!   finished prefill's, say) make way;
-//! - it holds at most [`cache_limit`] bytes (set once at start-up from `PROMPT_R1_ALLOC_CACHE_MB`,
-//!   default half of physical memory; 0 turns caching off), also by unmapping the least
+//! - it holds at most [`cache_limit`] bytes (set once at start-up by [`configure`]: the binary
+//!   passes its `--alloc-cache-mb` / `PROMPT_R1_ALLOC_CACHE_MB`; default half of physical
+//!   memory; 0 turns caching off), also by unmapping the least
 //!   recently freed buffers first.
 //!
 //! When a new mapping still fails, the cache is emptied and the mapping tried again.
@@ -44,7 +45,7 @@ const PAGE: usize = 4096;
 /// Cached plus in-use large buffers stay within the most in use at once plus 1/`PEAK_HEADROOM`
 /// of it.
 const PEAK_HEADROOM: usize = 4;
-/// Not yet configured: [`configure_from_env`] has not run.
+/// Not yet configured: [`configure`] has not run.
 const UNSET: usize = usize::MAX;
 
 static LIMIT: AtomicUsize = AtomicUsize::new(UNSET);
@@ -129,22 +130,14 @@ impl Cache {
     }
 }
 
-/// Reads `PROMPT_R1_ALLOC_CACHE_MB` (megabytes the cache of freed large buffers may hold; 0 turns
-/// it off). Call once, first thing in `main`; until then nothing is cached.
-pub fn configure_from_env() -> Result<(), String> {
-    let limit = match std::env::var("PROMPT_R1_ALLOC_CACHE_MB") {
-        Ok(v) => v
-            .trim()
-            .parse::<usize>()
-            .map(|mb| mb.saturating_mul(1 << 20))
-            .map_err(|_| format!("PROMPT_R1_ALLOC_CACHE_MB must be a whole number of MB, got {v:?}"))?,
-        Err(_) => default_limit(),
-    };
+/// Sets how many megabytes the cache of freed large buffers may hold (`None`: half of physical
+/// memory; 0 turns it off). Call once, early in `main`; until then nothing is cached.
+pub fn configure(limit_mb: Option<usize>) {
+    let limit = limit_mb.map_or_else(default_limit, |mb| mb.saturating_mul(1 << 20));
     LIMIT.store(limit, Ordering::Relaxed);
-    Ok(())
 }
 
-/// Bytes the cache may hold (0 before [`configure_from_env`]).
+/// Bytes the cache may hold (0 before [`configure`]).
 pub fn cache_limit() -> usize {
     match LIMIT.load(Ordering::Relaxed) {
         UNSET => 0,
