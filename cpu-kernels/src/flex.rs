@@ -4,12 +4,23 @@
 
 use std::any::Any;
 
+use burn::backend::{Autodiff, Flex};
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Shape, Tensor, TensorPrimitive};
 use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
 use crate::bf16_bits;
 use crate::isa::portable_ops;
+
+/// Whether `B` is burn-flex or burn-flex under autodiff, the backends these kernels serve
+/// (decided by type, without touching a device). Other backends (the GPU ones) never reach the
+/// kernels, so their results do not depend on the instruction-set cap or the portable-ops switch.
+pub fn is_flex_backend<B: Backend>() -> bool {
+    use std::any::TypeId;
+    let primitive = TypeId::of::<FloatTensor<B>>();
+    primitive == TypeId::of::<FloatTensor<Flex>>() || primitive == TypeId::of::<FloatTensor<Autodiff<Flex>>>()
+}
 
 /// The burn-flex tensor behind `t`, when `B` is burn-flex.
 pub(crate) fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
@@ -131,4 +142,17 @@ pub(crate) fn token_ids<B: Backend, const D: usize>(
         _ => return None,
     };
     (ids.len() == len && ids.iter().all(|&t| t < vocab)).then_some(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, Flex};
+
+    use super::is_flex_backend;
+
+    #[test]
+    fn flex_is_recognised_with_and_without_autodiff() {
+        assert!(is_flex_backend::<Flex>());
+        assert!(is_flex_backend::<Autodiff<Flex>>());
+    }
 }

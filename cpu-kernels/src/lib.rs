@@ -66,6 +66,7 @@ mod transpose;
 mod weight_matmul;
 
 pub use bf16_rate::bf16_mac_ratio;
+pub use flex::is_flex_backend;
 pub use isa::{active, isa, portable_ops, set_isa_cap, set_portable_ops, Isa};
 pub use ops::{has_bf16_kernels, WeightLayout};
 pub use transpose::transpose_into;

@@ -20,8 +20,13 @@ pub fn skip(reason: &str) {
 
 /// Whether backend `B` runs on its default device (one small sum, see
 /// `prompt_r1_model::probe`); when it does not (no Vulkan adapter for the wgpu tests), the
-/// test is skipped with the cause, or fails in CI. Probed once per test binary.
+/// test is skipped with the cause, or fails in CI. Probed once per test binary. A GPU backend
+/// is also skipped while the CPU kernels' instruction set is capped (see
+/// [`gpu_path_unchanged_by_isa_cap`]).
 pub fn backend_ready<B: Backend>() -> bool {
+    if gpu_path_unchanged_by_isa_cap::<B>() {
+        return false;
+    }
     static READY: OnceLock<Result<(), String>> = OnceLock::new();
     let probe = || {
         #[cfg(feature = "wgpu")]
@@ -36,6 +41,18 @@ pub fn backend_ready<B: Backend>() -> bool {
             false
         }
     }
+}
+
+/// True (with `skipped: <reason>` printed) when `B` is not the CPU kernels' backend and
+/// `PROMPT_R1_CPU_ISA` caps their instruction set: such a run (CI's reruns at lower levels)
+/// would repeat the GPU path's tests unchanged, since no CPU kernel runs there.
+pub fn gpu_path_unchanged_by_isa_cap<B: Backend>() -> bool {
+    let capped = prompt_r1_model::cpu_kernels::isa::isa_cap_from_env().is_ok_and(|cap| cap.is_some());
+    let skip = capped && !prompt_r1_model::cpu_kernels::is_flex_backend::<B>();
+    if skip {
+        eprintln!("skipped: PROMPT_R1_CPU_ISA caps the CPU kernels, which this backend never runs");
+    }
+    skip
 }
 
 /// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`,
