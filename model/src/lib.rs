@@ -34,5 +34,5 @@ pub use qwen3::{KvCache, MatmulPrecision, Qwen3ForCausalLM};
 pub use batch::{Padding, TokenBatch};
 pub use cpu_kernels;
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
-pub use logprobs::{completion_logprobs, map_logits_chunks, token_logprobs};
+pub use logprobs::{completion_logprobs, map_hidden_chunks, map_logits_chunks, token_logprobs, token_logprobs_from_hidden};
 pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

@@ -9,7 +9,7 @@ use crate::error::ModelError;
 use crate::qwen3::Qwen3ForCausalLM;
 
 /// Upper bound on the logits materialised at once (elements), 512 MiB in f32.
-const LOGITS_CHUNK_ELEMENTS: usize = 128 * 1024 * 1024;
+pub const LOGITS_CHUNK_ELEMENTS: usize = 128 * 1024 * 1024;
 
 /// `out[b, j] = log p(ids[b, start + j] | ids[b, ..start + j])` for `j in 0..len - start`, for a
 /// right-padded batch (values at padding are meaningless; mask them). Works under autodiff.
@@ -22,6 +22,18 @@ pub fn token_logprobs<B: Backend>(
     Ok(Tensor::cat(pieces, 1))
 }
 
+/// [`token_logprobs`] from the decoder's final hidden states `[b, len, hidden]` of `batch` (the
+/// output of `model.model`, final norm included), for callers that ran the decoder themselves.
+pub fn token_logprobs_from_hidden<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    hidden: Tensor<B, 3>,
+    batch: &TokenBatch<B>,
+    start: usize,
+) -> Result<Tensor<B, 2>, ModelError> {
+    let pieces = map_hidden_chunks(model, hidden, batch, start, chosen_logprobs)?;
+    Ok(Tensor::cat(pieces, 1))
+}
+
 /// Runs the decoder once over a right-padded batch and hands `f` the logits that predict tokens
 /// `start..len`, a chunk of positions at a time, with those tokens: `f(logits [b, c, vocab],
 /// targets [b, c])`. Returns `f`'s results in position order. Only one chunk's logits exist at a
@@ -30,18 +42,9 @@ pub fn map_logits_chunks<B: Backend, T>(
     model: &Qwen3ForCausalLM<B>,
     batch: &TokenBatch<B>,
     start: usize,
-    mut f: impl FnMut(Tensor<B, 3>, Tensor<B, 2, Int>) -> T,
+    f: impl FnMut(Tensor<B, 3>, Tensor<B, 2, Int>) -> T,
 ) -> Result<Vec<T>, ModelError> {
-    if batch.padding != Padding::Right {
-        return Err(ModelError::Input("scoring needs a right-padded batch".into()));
-    }
-    if start == 0 || start >= batch.len {
-        return Err(ModelError::Input(format!(
-            "scored positions must start in 1..{} (got {start})",
-            batch.len
-        )));
-    }
-    let b = batch.batch_size();
+    check_scored_positions(batch, start)?;
     let hidden = model
         .model
         .forward(
@@ -52,6 +55,27 @@ pub fn map_logits_chunks<B: Backend, T>(
             false,
         )
         .last_hidden_state;
+    map_hidden_chunks(model, hidden, batch, start, f)
+}
+
+/// [`map_logits_chunks`] from the decoder's final hidden states `[b, len, hidden]` of `batch`
+/// (the output of `model.model`, final norm included) instead of running the decoder.
+pub fn map_hidden_chunks<B: Backend, T>(
+    model: &Qwen3ForCausalLM<B>,
+    hidden: Tensor<B, 3>,
+    batch: &TokenBatch<B>,
+    start: usize,
+    mut f: impl FnMut(Tensor<B, 3>, Tensor<B, 2, Int>) -> T,
+) -> Result<Vec<T>, ModelError> {
+    check_scored_positions(batch, start)?;
+    let b = batch.batch_size();
+    if hidden.dims()[..2] != [b, batch.len] {
+        return Err(ModelError::Input(format!(
+            "hidden states {:?} do not match the batch [{b}, {}]",
+            hidden.dims(),
+            batch.len
+        )));
+    }
     let vocab = model.config.vocab_size;
     let chunk = (LOGITS_CHUNK_ELEMENTS / (b * vocab)).max(1);
     let mut out = Vec::new();
@@ -64,6 +88,20 @@ pub fn map_logits_chunks<B: Backend, T>(
         from = to;
     }
     Ok(out)
+}
+
+/// Scoring needs a right-padded batch and a start inside it.
+fn check_scored_positions<B: Backend>(batch: &TokenBatch<B>, start: usize) -> Result<(), ModelError> {
+    if batch.padding != Padding::Right {
+        return Err(ModelError::Input("scoring needs a right-padded batch".into()));
+    }
+    if start == 0 || start >= batch.len {
+        return Err(ModelError::Input(format!(
+            "scored positions must start in 1..{} (got {start})",
+            batch.len
+        )));
+    }
+    Ok(())
 }
 
 /// `logits[.., target] - logsumexp(logits)` over the vocabulary, in f32: `[b, n, vocab]`,

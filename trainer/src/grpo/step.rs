@@ -5,11 +5,12 @@
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::{backend::AutodiffBackend, backend::Backend, Tensor, TensorData};
-use model::{token_logprobs, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
+use model::{token_logprobs_from_hidden, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
 use serde::{Deserialize, Serialize};
 
 use super::batch::{PolicyBatch, PolicySequence};
-use super::entropy::{token_logprobs_and_entropy, EntropyGrad};
+use super::checkpointing::checkpointed_gradients;
+use super::entropy::{token_logprobs_and_entropy_from_hidden, EntropyGrad};
 use super::error::GrpoError;
 use super::loss::{grpo_loss, GrpoLossConfig, LossInputs, LossStats};
 use crate::optim::{clip_and_step, OptimizerConfig, StepOutcome};
@@ -33,6 +34,10 @@ pub struct LearnConfig {
     /// (operands rounded to bf16, f32 sums; f32 weights, gradients and optimiser state). The
     /// trainer scores the old log-probs at the same precision, so a step's first ratio is 1.
     pub matmul: MatmulPrecision,
+    /// Keep only each decoder layer's input in the forward pass and recompute the layer in
+    /// the backward pass (the same gradients, one more forward pass of compute, a fraction of
+    /// the activation memory; see [`super::checkpointing`]).
+    pub activation_checkpointing: bool,
     pub loss: GrpoLossConfig,
     pub optimizer: OptimizerConfig,
 }
@@ -44,6 +49,7 @@ impl Default for LearnConfig {
             micro_batch_size: 8,
             track_entropy: true,
             matmul: MatmulPrecision::F32,
+            activation_checkpointing: false,
             loss: GrpoLossConfig::default(),
             optimizer: OptimizerConfig::default(),
         }
@@ -150,9 +156,14 @@ where
                 continue;
             }
             let weight = units as f32 / mini_units as f32;
-            let (loss, stats) = micro_batch_loss(&model, micro, config)?;
-            let grads = loss.mul_scalar(weight).backward();
-            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            let (grads, stats) = if config.activation_checkpointing {
+                checkpointed_gradients(&model, micro, weight, config)?
+            } else {
+                let (loss, stats) = micro_batch_loss(&model, micro, config)?;
+                let grads = loss.mul_scalar(weight).backward();
+                (GradientsParams::from_grads(grads, &model), stats)
+            };
+            accumulator.accumulate(&model, grads);
             mini_terms.add(&stats, weight);
             totals.add_tokens(&stats);
         }
@@ -175,19 +186,50 @@ fn micro_batch_loss<B: AutodiffBackend>(
     micro: &[PolicySequence],
     config: &LearnConfig,
 ) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
-    let device = model.device();
+    let batch = token_batch(micro, &model.device())?;
+    let hidden = model
+        .model
+        .forward(
+            batch.input_ids.clone(),
+            batch.position_ids.clone(),
+            batch.mask(),
+            None,
+            false,
+        )
+        .last_hidden_state;
+    loss_from_hidden(model, hidden, &batch, micro, config)
+}
+
+/// The micro-batch's sequences as one right-padded batch.
+pub(super) fn token_batch<B: Backend>(
+    micro: &[PolicySequence],
+    device: &B::Device,
+) -> Result<TokenBatch<B>, GrpoError> {
     let tokens: Vec<Vec<u32>> = micro.iter().map(|s| s.tokens.clone()).collect();
-    let batch = TokenBatch::<B>::new(&tokens, Padding::Right, PAD_ID, &device)?;
+    Ok(TokenBatch::new(&tokens, Padding::Right, PAD_ID, device)?)
+}
+
+/// The loss of one micro-batch from the decoder's final hidden states `hidden` of `batch`
+/// (final norm included): the head, log-probs, entropy and [`grpo_loss`].
+pub(super) fn loss_from_hidden<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    hidden: Tensor<B, 3>,
+    batch: &TokenBatch<B>,
+    micro: &[PolicySequence],
+    config: &LearnConfig,
+) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
+    let device = model.device();
     let (logp, entropy) = if config.loss.uses_entropy() || config.track_entropy {
         let grad = if config.loss.uses_entropy() {
             EntropyGrad::Tracked
         } else {
             EntropyGrad::Detached
         };
-        let (logp, entropy) = token_logprobs_and_entropy(model, &batch, 1, grad)?;
+        let (logp, entropy) =
+            token_logprobs_and_entropy_from_hidden(model, hidden, batch, 1, grad)?;
         (logp, Some(entropy))
     } else {
-        (token_logprobs(model, &batch, 1)?, None)
+        (token_logprobs_from_hidden(model, hidden, batch, 1)?, None)
     };
     let grid = TokenGrid {
         sequences: micro,
