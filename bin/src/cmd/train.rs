@@ -8,6 +8,7 @@ use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use env::OpenAiClient;
 use model::MatmulPrecision;
+use trainer::plan::parse_size;
 use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
 
 use crate::device::{run_on, DeviceChoice, OnBackend};
@@ -51,6 +52,9 @@ pub struct Args {
     /// Compute device: cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
+    /// Override run.device_memory: the device's memory for the check at start (e.g. 80GiB).
+    #[arg(long, value_parser = parse_size)]
+    pub device_memory: Option<u64>,
 }
 
 impl Args {
@@ -81,6 +85,9 @@ impl Args {
         }
         if let Some(name) = &self.env_model {
             config.environment.model = name.clone();
+        }
+        if let Some(bytes) = self.device_memory {
+            config.run.device_memory = Some(bytes.to_string());
         }
         config.validate().map_err(anyhow::Error::msg).context("invalid configuration")?;
         if config.environment.base_url.is_empty() || config.environment.model.is_empty() {
@@ -119,6 +126,7 @@ fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
 
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
+    super::plan::check_before_training(&config, args.device).context("memory plan")?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
         let kernels = model::cpu_kernels::has_bf16_kernels();
         if let Some(note) = bf16_products_note(kernels, model::cpu_kernels::bf16_mac_ratio()) {

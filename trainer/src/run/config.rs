@@ -185,6 +185,9 @@ pub struct RunSection {
     pub seed: u64,
     /// Keep at most this many checkpoints (oldest removed first; 0 keeps all).
     pub keep_checkpoints: usize,
+    /// The memory of the device the run trains on (e.g. "80GiB"), for the memory plan that
+    /// `train` checks at start; unset: the GPU's total where it can be read, else the RAM.
+    pub device_memory: Option<String>,
 }
 
 impl Default for RunSection {
@@ -197,6 +200,7 @@ impl Default for RunSection {
             validate_before_train: true,
             seed: 0,
             keep_checkpoints: 3,
+            device_memory: None,
         }
     }
 }
@@ -252,6 +256,9 @@ impl TrainConfig {
             return Err(format!("data.on_bad_row must be \"fail\" or \"skip\", not \"{}\"", self.data.on_bad_row));
         }
         self.grpo.validate().map_err(|e| format!("grpo: {e}"))?;
+        if let Some(size) = &self.run.device_memory {
+            crate::plan::parse_size(size).map_err(|e| format!("run.device_memory: {e}"))?;
+        }
         Ok(())
     }
 
@@ -319,6 +326,18 @@ mod tests {
         assert_eq!(parse("f32").unwrap().grpo.matmul, MatmulPrecision::F32);
         let err = parse("tf32").unwrap_err().to_string();
         assert!(err.contains("tf32") && err.contains("bf16"), "{err}");
+    }
+
+    #[test]
+    fn device_memory_is_a_size() {
+        let parse = |size: &str| {
+            let text = format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n[run]\ndevice_memory = \"{size}\"\n");
+            toml::from_str::<TrainConfig>(&text).unwrap()
+        };
+        assert_eq!(parse("80GiB").run.device_memory.as_deref(), Some("80GiB"));
+        assert!(parse("80GiB").validate().is_ok());
+        let err = parse("eighty").validate().unwrap_err();
+        assert!(err.contains("run.device_memory") && err.contains("eighty"), "{err}");
     }
 
     #[test]
