@@ -57,6 +57,8 @@ struct ConfigFile {
     #[serde(default)]
     fan_in_fan_out: bool,
     #[serde(default)]
+    lora_bias: bool,
+    #[serde(default)]
     bias: Option<String>,
     #[serde(default)]
     rank_pattern: Option<BTreeMap<String, Value>>,
@@ -91,6 +93,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterConfig, ModelError> {
         (file.use_dora, "use_dora = true (DoRA)"),
         (file.use_rslora, "use_rslora = true (rsLoRA scaling)"),
         (file.fan_in_fan_out, "fan_in_fan_out = true"),
+        (file.lora_bias, "lora_bias = true"),
         (
             file.bias.as_deref().is_some_and(|b| b != "none"),
             "a trained bias (bias ≠ \"none\")",
