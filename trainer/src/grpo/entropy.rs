@@ -4,7 +4,8 @@
 
 use burn::tensor::{backend::Backend, DType, Tensor};
 use model::logprobs::{chosen_logprobs, entropy_without_grad, map_logits_chunks};
-use model::{ModelError, Qwen3ForCausalLM, TokenBatch};
+use model::lora::CausalLm;
+use model::{ModelError, TokenBatch};
 
 /// Whether gradients flow through the entropy (only needed when it is part of the loss).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +34,7 @@ pub fn entropy_from_logits<B: Backend>(logits: Tensor<B, 3>) -> Tensor<B, 2> {
 /// was drawn from: both `[b, len − start]`, column `j` for token `start + j` of a right-padded
 /// batch (values at padding are meaningless; mask them).
 pub fn token_logprobs_and_entropy<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     batch: &TokenBatch<B>,
     start: usize,
     entropy_grad: EntropyGrad,

@@ -1,11 +1,14 @@
 //! The GRPO learning step on prepared sequences, independent of how they were collected: one
 //! pass over the batch in mini-batches (one optimiser step each), every mini-batch split into
 //! micro-batches whose gradients are accumulated so that the step sees exactly the gradient of
-//! the whole mini-batch's loss.
+//! the whole mini-batch's loss. What is trained is the whole model ([`learn_step`]) or LoRA
+//! adapters beside a frozen base ([`learn_step_lora`]), by one code path ([`Trainable`]).
 
+use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::{backend::AutodiffBackend, backend::Backend, Tensor, TensorData};
-use model::{token_logprobs, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
+use model::lora::CausalLm;
+use model::{token_logprobs, LoraAdapters, LoraModel, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
 use serde::{Deserialize, Serialize};
 
 use super::batch::{PolicyBatch, PolicySequence};
@@ -104,7 +107,66 @@ impl StepStats {
     }
 }
 
-/// One GRPO update of `model` on `batch`: the sequences are taken in order (shuffle before if
+/// What a learning step trains: the whole model, or LoRA adapters beside a frozen base. Either
+/// way the loss, micro-batching, clipping and optimiser step are the same code; only the
+/// parameters that get gradients (and optimiser state) differ.
+pub trait Trainable<B: AutodiffBackend>: AutodiffModule<B> {
+    /// What stays fixed beside it: nothing for the whole model, the base for adapters.
+    type Frozen;
+    /// The policy whose loss is minimised: this module with `frozen`.
+    fn policy<'a>(&'a self, frozen: &'a Self::Frozen) -> LoraModel<'a, B>;
+}
+
+impl<B: AutodiffBackend> Trainable<B> for Qwen3ForCausalLM<B> {
+    type Frozen = ();
+
+    fn policy<'a>(&'a self, _: &'a ()) -> LoraModel<'a, B> {
+        LoraModel::new(self, None)
+    }
+}
+
+impl<B: AutodiffBackend> Trainable<B> for LoraAdapters<B> {
+    type Frozen = Qwen3ForCausalLM<B>;
+
+    fn policy<'a>(&'a self, base: &'a Qwen3ForCausalLM<B>) -> LoraModel<'a, B> {
+        LoraModel::new(base, Some(self))
+    }
+}
+
+/// One GRPO update of `model` (every weight) on `batch`, its products at `config.matmul`;
+/// see [`learn`] for the step itself.
+pub fn learn_step<B, O>(
+    model: Qwen3ForCausalLM<B>,
+    optimizer: &mut O,
+    batch: &PolicyBatch,
+    config: &LearnConfig,
+) -> Result<(Qwen3ForCausalLM<B>, StepStats), GrpoError>
+where
+    B: AutodiffBackend,
+    O: Optimizer<Qwen3ForCausalLM<B>, B>,
+{
+    learn(model.with_matmul_precision(config.matmul), &(), optimizer, batch, config)
+}
+
+/// One GRPO update of LoRA `adapters` beside `base` on `batch`: only the adapters get
+/// gradients and optimiser state; the base (any dtype) is used with no gradient whatever its
+/// parameters' setting, its products at `config.matmul`. See [`learn`] for the step itself.
+pub fn learn_step_lora<B, O>(
+    base: &Qwen3ForCausalLM<B>,
+    adapters: LoraAdapters<B>,
+    optimizer: &mut O,
+    batch: &PolicyBatch,
+    config: &LearnConfig,
+) -> Result<(LoraAdapters<B>, StepStats), GrpoError>
+where
+    B: AutodiffBackend,
+    O: Optimizer<LoraAdapters<B>, B>,
+{
+    let base = base.clone().no_grad().with_matmul_precision(config.matmul);
+    learn(adapters, &base, optimizer, batch, config)
+}
+
+/// One GRPO update of `module` (within `frozen`) on `batch`: the sequences are taken in order (shuffle before if
 /// wanted), `mini_batch_size` at a time, one epoch. Each mini-batch's loss is the aggregate of
 /// [`grpo_loss`] over all its agent tokens; it is evaluated `micro_batch_size` sequences at a
 /// time, each micro-batch's loss weighted by its share of the mini-batch's aggregation
@@ -114,26 +176,27 @@ impl StepStats {
 ///
 /// Errors (bad settings, token ids outside the vocabulary, missing reference log-probs with the
 /// KL term on) are detected before the first forward pass.
-pub fn learn_step<B, O>(
-    mut model: Qwen3ForCausalLM<B>,
+pub fn learn<B, M, O>(
+    mut module: M,
+    frozen: &M::Frozen,
     optimizer: &mut O,
     batch: &PolicyBatch,
     config: &LearnConfig,
-) -> Result<(Qwen3ForCausalLM<B>, StepStats), GrpoError>
+) -> Result<(M, StepStats), GrpoError>
 where
     B: AutodiffBackend,
-    O: Optimizer<Qwen3ForCausalLM<B>, B>,
+    M: Trainable<B>,
+    O: Optimizer<M, B>,
 {
     let _autodiff = crate::autodiff_lock::exclusive_autodiff();
     config.validate()?;
-    model = model.with_matmul_precision(config.matmul);
     if config.loss.uses_kl() && !batch.has_ref_logprobs() {
         return Err(GrpoError::Input(
             "kl_coef ≠ 0 but some sequences have no reference log-probs".into(),
         ));
     }
     for s in batch.sequences() {
-        model.check_token_ids(&s.tokens)?;
+        module.policy(frozen).base.check_token_ids(&s.tokens)?;
     }
     let mode = config.loss.agg_mode;
     let mut totals = Totals::default();
@@ -142,7 +205,7 @@ where
         if mini_units == 0 {
             continue;
         }
-        let mut accumulator = GradientsAccumulator::<Qwen3ForCausalLM<B>>::new();
+        let mut accumulator = GradientsAccumulator::<M>::new();
         let mut mini_terms = Terms::default();
         for micro in mini.chunks(config.micro_batch_size) {
             let units = mode.denominator(micro.iter().map(PolicySequence::n_agent_tokens));
@@ -150,32 +213,32 @@ where
                 continue;
             }
             let weight = units as f32 / mini_units as f32;
-            let (loss, stats) = micro_batch_loss(&model, micro, config)?;
+            let (loss, stats) = micro_batch_loss(&module.policy(frozen), micro, config)?;
             let grads = loss.mul_scalar(weight).backward();
-            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            accumulator.accumulate(&module, GradientsParams::from_grads(grads, &module));
             mini_terms.add(&stats, weight);
             totals.add_tokens(&stats);
         }
         let (next, outcome) = clip_and_step(
             optimizer,
             config.optimizer.lr,
-            model,
+            module,
             accumulator.grads(),
             config.optimizer.grad_clip,
         );
-        model = next;
+        module = next;
         totals.add_mini_batch(mini_terms, outcome);
     }
-    Ok((model, totals.finish(batch)))
+    Ok((module, totals.finish(batch)))
 }
 
 /// The loss of one micro-batch, aggregated over its own agent tokens.
 fn micro_batch_loss<B: AutodiffBackend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &LoraModel<'_, B>,
     micro: &[PolicySequence],
     config: &LearnConfig,
 ) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
-    let device = model.device();
+    let device = model.base().device();
     let tokens: Vec<Vec<u32>> = micro.iter().map(|s| s.tokens.clone()).collect();
     let batch = TokenBatch::<B>::new(&tokens, Padding::Right, PAD_ID, &device)?;
     let (logp, entropy) = if config.loss.uses_entropy() || config.track_entropy {
