@@ -13,12 +13,15 @@ use burn::tensor::{backend::Backend, DType};
 use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
-use model::{completion_logprobs, generate, load_pretrained, LoadOptions, MatmulPrecision, Preset, Qwen3Config, SamplingConfig};
+use model::{
+    completion_logprobs, generate, load_pretrained, LoadOptions, LoraAdapters, LoraConfig, MatmulPrecision, Preset, Qwen3Config,
+    SamplingConfig,
+};
 use serde::Serialize;
 
 use crate::device::{run_on, ComputeArgs, DeviceChoice, OnBackend};
 use crate::model_dir::{parse_matmul, preset_parser};
-use trainer::plan::{MemoryPlan, PlanSettings};
+use trainer::plan::{LoraPlan, MemoryPlan, PlanSettings};
 use trainer::run::{peak_rss_mb, reset_peak_rss};
 
 /// Measure load time, prefill, decode and scoring speed with peak memory.
@@ -67,6 +70,10 @@ pub struct Args {
     /// Train with activation checkpointing (grpo.activation_checkpointing).
     #[arg(long)]
     pub activation_checkpointing: bool,
+    /// Train LoRA adapters (rank 8 on every linear projection, `[lora]`'s defaults) beside the
+    /// frozen base, held in --dtype (`model_dtype`), instead of every weight.
+    #[arg(long)]
+    pub lora: bool,
     /// Also time the projections' matrix products alone, f32 operands at f32 and at bf16
     /// precision, on the training step's 2 × prompt-len rows and the model's projection shapes
     /// (GFLOP/s; the median of 5 after a warm-up).
@@ -154,11 +161,18 @@ impl OnBackend for Args {
                 batch: self.batch,
                 seq_len,
                 checkpointing: self.activation_checkpointing,
+                lora: self.lora.then(LoraConfig::default),
                 dtype: self.compute.dtype,
                 matmul: self.matmul,
             };
             let (seconds, peak) = step.measure::<B>(&dir, &device)?;
-            let workload = format!("train step {} x {}", self.batch, seq_len);
+            let mode = match (&step.lora, step.checkpointing) {
+                (Some(_), false) => " LoRA",
+                (Some(_), true) => " LoRA ckpt",
+                (None, false) => "",
+                (None, true) => " ckpt",
+            };
+            let workload = format!("train step {} x {}{mode}", self.batch, seq_len);
             figures.push(Figure::tokens(workload, seconds, Some((self.batch * seq_len) as f64), peak));
             if let Some(plan) = step.plan(&dir, self.compute.device)? {
                 let predicted = plan.update_peak() as f64 / (1024.0 * 1024.0);
@@ -265,6 +279,9 @@ struct TrainStep {
     batch: usize,
     seq_len: usize,
     checkpointing: bool,
+    /// Adapters to train beside the frozen base (`None`: every weight).
+    lora: Option<LoraConfig>,
+    /// The weights' dtype (the frozen base's with LoRA).
     dtype: DType,
     matmul: MatmulPrecision,
 }
@@ -289,12 +306,12 @@ impl TrainStep {
     /// of the timed steps.
     fn measure<B: Backend>(&self, dir: &std::path::Path, device: &B::Device) -> Result<(f64, Option<f64>)> {
         use burn::backend::Autodiff;
-        use trainer::grpo::{learn_step, PolicyBatch, PolicySequence};
+        use burn::module::Module;
+        use trainer::grpo::{learn_step, learn_step_lora, PolicyBatch, PolicySequence};
 
-        let policy = load_pretrained::<Autodiff<B>>(dir, device, LoadOptions { dtype: self.dtype })?;
+        let model = load_pretrained::<Autodiff<B>>(dir, device, LoadOptions { dtype: self.dtype })?;
         let config = self.config();
-        let mut optimizer = config.optimizer.init::<Autodiff<B>, _>()?;
-        let vocab = policy.config.vocab_size as u32;
+        let vocab = model.config.vocab_size as u32;
         let sequence = |i: usize| {
             let tokens: Vec<u32> = (0..self.seq_len as u32).map(|t| (t * 7919 + 13 + i as u32 * 101) % vocab).collect();
             PolicySequence {
@@ -306,32 +323,55 @@ impl TrainStep {
             }
         };
         let batch = PolicyBatch::new((0..self.batch).map(sequence).collect())?;
-        let (policy, _) = learn_step(policy, &mut optimizer, &batch, &config)?;
-        let mut policy = Some(policy);
-        reset_peak_rss();
-        let seconds = median_seconds(TIMED_STEPS, || {
-            let start = Instant::now();
-            let (stepped, _) = learn_step(policy.take().expect("each step returns the policy"), &mut optimizer, &batch, &config)?;
-            B::sync(device)?;
-            policy = Some(stepped);
-            Ok(start.elapsed().as_secs_f64())
-        })?;
-        Ok((seconds, peak_rss_mb()))
+        // A warm-up step, then the timed ones; the peak covers the timed steps only.
+        let timed = |mut step: Box<dyn FnMut() -> Result<()> + '_>| -> Result<(f64, Option<f64>)> {
+            step()?;
+            reset_peak_rss();
+            let seconds = median_seconds(TIMED_STEPS, || {
+                let start = Instant::now();
+                step()?;
+                B::sync(device)?;
+                Ok(start.elapsed().as_secs_f64())
+            })?;
+            Ok((seconds, peak_rss_mb()))
+        };
+        match &self.lora {
+            None => {
+                let mut optimizer = config.optimizer.init::<Autodiff<B>, _>()?;
+                let mut policy = Some(model);
+                timed(Box::new(|| {
+                    let (stepped, _) = learn_step(policy.take().expect("each step returns the policy"), &mut optimizer, &batch, &config)?;
+                    policy = Some(stepped);
+                    Ok(())
+                }))
+            }
+            Some(lora) => {
+                let base = model.no_grad();
+                let mut optimizer = config.optimizer.init::<Autodiff<B>, LoraAdapters<Autodiff<B>>>()?;
+                let mut adapters = Some(LoraAdapters::init(lora, &base.config, 0, device));
+                timed(Box::new(|| {
+                    let current = adapters.take().expect("each step returns the adapters");
+                    let (stepped, _) = learn_step_lora(&base, current, &mut optimizer, &batch, &config)?;
+                    adapters = Some(stepped);
+                    Ok(())
+                }))
+            }
+        }
     }
 
     /// The memory plan of this step (`None` for bf16 weights under full fine-tuning, which the
     /// trainer does not do).
     fn plan(&self, dir: &std::path::Path, device: DeviceChoice) -> Result<Option<MemoryPlan>> {
-        if self.dtype != DType::F32 {
+        if self.dtype != DType::F32 && self.lora.is_none() {
             return Ok(None);
         }
         let shape = Qwen3Config::from_file(&dir.join("config.json"))?;
         let config = self.config();
         let settings = PlanSettings {
             model: shape,
-            lora: None,
-            base_dtype: DType::F32,
-            rollout_dtype: DType::F32,
+            lora: self.lora.as_ref().map(LoraPlan::from_config),
+            base_dtype: self.dtype,
+            rollout_dtype: self.dtype,
             kl: false,
             entropy_grad: false,
             micro_batch: config.micro_batch_size,

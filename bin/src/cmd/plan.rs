@@ -112,7 +112,10 @@ pub fn describe(plan: &MemoryPlan) -> String {
         m.hidden_size,
         m.num_parameters() as f64 / 1e9,
         match &s.lora {
-            Some(lora) => format!("LoRA rank {} on {}", lora.rank, lora.targets.join("/")),
+            Some(lora) => {
+                let targets: Vec<&str> = lora.targets.iter().map(|t| t.name()).collect();
+                format!("LoRA rank {} on {}", lora.rank, targets.join("/"))
+            }
             None => "full fine-tuning".into(),
         },
         s.micro_batch,

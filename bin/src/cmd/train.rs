@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use burn::backend::Autodiff;
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use env::OpenAiClient;
@@ -14,7 +15,8 @@ use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_matmul;
 
-/// Train the agent with GRPO (settings in a TOML file; see `assets/run.example.toml`).
+/// Train the agent with GRPO (settings in a TOML file; see `assets/run.example.toml`; a `[lora]`
+/// section trains LoRA adapters beside the frozen model instead of every weight).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// The run configuration (TOML). Paths inside it are relative to the file.
@@ -154,6 +156,14 @@ impl OnBackend for Training {
         let save_every = self.config.run.save_every;
         let mut trainer = Trainer::<Autodiff<B>>::start(self.config, device, self.resume)?;
         let out_dir = trainer.config().run.out_dir.clone();
+        if let Some(adapters) = trainer.adapters() {
+            let (trained, base) = (adapters.num_params(), trainer.policy().num_params());
+            eprintln!(
+                "LoRA: {trained} trainable parameters ({:.2}% of the base's {base}), base weights in {:?}",
+                100.0 * trained as f64 / base as f64,
+                trainer.config().model_dtype
+            );
+        }
         let done = trainer.step_count();
         if done >= steps {
             eprintln!("{} is already at step {done} of {steps}", out_dir.display());

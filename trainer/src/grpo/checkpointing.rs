@@ -6,8 +6,8 @@
 //! not drop a layer's activations. Here the chain rule is applied layer by layer instead, with
 //! plain burn calls and one small autodiff graph at a time (never nested):
 //!
-//! 1. the embedding and every layer run on the inner backend (no graph), keeping the layers'
-//!    inputs `x_0 … x_{L−1}` and the last layer's output `x_L`;
+//! 1. the embedding and every layer run with no parameter taking a gradient (no graph), keeping
+//!    the layers' inputs `x_0 … x_{L−1}` and the last layer's output `x_L`;
 //! 2. the final norm, the head and the loss run with autodiff from `x_L` as a leaf; their
 //!    backward gives the head's and the norm's gradients and `g_L = ∂loss/∂x_L`;
 //! 3. for `l = L−1 … 0`: the layer runs again with autodiff from the leaf `x_l`, and the backward
@@ -21,44 +21,53 @@
 //! every layer. The loss is the same code as without checkpointing
 //! ([`super::step::loss_from_hidden`]), so the gradients are those of the same function.
 
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
+use model::lora::CausalLm;
 use model::qwen3::{attention_bias, AttentionInputs};
-use model::Qwen3ForCausalLM;
+use model::{LoraModel, TokenBatch};
 
 use super::batch::PolicySequence;
 use super::error::GrpoError;
 use super::loss::LossStats;
 use super::step::{loss_from_hidden, token_batch, LearnConfig};
 
-type Inner<B> = <B as AutodiffBackend>::InnerBackend;
+/// Why dropout and checkpointing do not go together.
+pub const DROPOUT: &str = "activation checkpointing needs lora.dropout = 0: a recomputed layer would draw other \
+                           dropout masks than its forward pass (set grpo.activation_checkpointing = false to keep dropout)";
 
-/// The gradients of `weight · loss(micro)` for every parameter of `model` that takes one, and
-/// the loss terms, computed with one decoder layer's activations alive at a time (see the
-/// module docs). The same gradients as `backward()` of the micro-batch's loss, up to the
-/// rounding of recomputed sums.
-pub fn checkpointed_gradients<B: AutodiffBackend>(
-    model: &Qwen3ForCausalLM<B>,
+/// The gradients of `weight · loss(micro)` of `policy` for every parameter of `module` (the
+/// policy's model, or its LoRA adapters), and the loss terms, computed with one decoder
+/// layer's activations alive at a time (see the module docs). The same gradients as
+/// `backward()` of the micro-batch's loss, up to the rounding of recomputed sums. The
+/// embedding's pass is left out when its table takes no gradient (a frozen LoRA base).
+pub fn checkpointed_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
+    policy: &LoraModel<'_, B>,
+    module: &M,
     micro: &[PolicySequence],
     weight: f32,
     config: &LearnConfig,
 ) -> Result<(GradientsParams, LossStats), GrpoError> {
+    let (model, adapters) = (policy.base(), policy.adapters());
+    if adapters.is_some_and(|a| a.config().dropout > 0.0) {
+        return Err(GrpoError::Config(DROPOUT.into()));
+    }
     let device = model.device();
     let batch = token_batch::<B>(micro, &device)?;
-    let mut inputs = layer_inputs(model, micro)?;
-    let mut accumulator = GradientsAccumulator::<Qwen3ForCausalLM<B>>::new();
+    let mut inputs = layer_inputs(policy, &batch);
+    let mut accumulator = GradientsAccumulator::<M>::new();
 
     // The head and the loss, from the last layer's output.
     let last = inputs.pop().expect("the embeddings are always there");
     let dtype = last.dtype();
-    let leaf = Tensor::<B, 3>::from_inner(last).require_grad();
+    let leaf = last.require_grad();
     let hidden = model.model.norm.forward(leaf.clone());
     let (loss, stats) = loss_from_hidden(model, hidden, &batch, micro, config)?;
     let mut grads = loss.mul_scalar(weight).backward();
     let mut upstream = leaf.grad(&grads).ok_or_else(no_gradient)?;
-    accumulator.accumulate(model, GradientsParams::from_module(&mut grads, model));
+    accumulator.accumulate(module, GradientsParams::from_module(&mut grads, module));
     drop(grads);
 
     // Each layer again, from the top, as a vector-Jacobian product with the gradient above it.
@@ -74,13 +83,21 @@ pub fn checkpointed_gradients<B: AutodiffBackend>(
             attn.num_key_value_heads,
         )
     });
-    for (layer, input) in model.model.layers.iter().zip(inputs.drain(..)).rev() {
+    let layers = model.model.layers.iter().enumerate().zip(inputs.drain(..));
+    for ((i, layer), input) in layers.rev() {
         let attention = attention.as_ref().expect("built when there are layers");
-        let leaf = Tensor::<B, 3>::from_inner(input).require_grad();
-        let output = layer.forward(leaf.clone(), attention, None, model.model.matmul);
+        let leaf = input.require_grad();
+        let layer_adapters = adapters.map(|a| &a.layers[i]);
+        let output = layer.forward_with_adapters(
+            leaf.clone(),
+            attention,
+            None,
+            model.model.matmul,
+            layer_adapters,
+        );
         let mut grads = (output * Tensor::from_inner(upstream)).sum().backward();
         upstream = leaf.grad(&grads).ok_or_else(no_gradient)?;
-        accumulator.accumulate(model, GradientsParams::from_module(&mut grads, layer));
+        accumulator.accumulate(module, GradientsParams::from_module(&mut grads, module));
     }
 
     // The embedding, as the model computes it (the CPU kernels' lookup where they run), and its
@@ -93,29 +110,33 @@ pub fn checkpointed_gradients<B: AutodiffBackend>(
         let rows =
             model::cpu_kernels::ops::embedding(&table, &ids).unwrap_or_else(|| embed.forward(ids));
         let mut grads = (rows * Tensor::from_inner(upstream)).sum().backward();
-        accumulator.accumulate(model, GradientsParams::from_module(&mut grads, embed));
+        accumulator.accumulate(module, GradientsParams::from_module(&mut grads, module));
     }
     Ok((accumulator.grads(), stats))
 }
 
-/// The forward pass without autodiff: the embeddings (the first layer's input), every other
-/// layer's input, and the last layer's output, in order.
+/// The forward pass without a graph: the embeddings (the first layer's input), every other
+/// layer's input, and the last layer's output, in order. It runs on the autodiff backend with
+/// no parameter taking a gradient, so no operation keeps anything, and each value is computed
+/// exactly as the recomputation and the plain backward pass compute it (the inner backend may
+/// take other kernels, e.g. the CPU's bf16 ones, and round differently).
 fn layer_inputs<B: AutodiffBackend>(
-    model: &Qwen3ForCausalLM<B>,
-    micro: &[PolicySequence],
-) -> Result<Vec<Tensor<Inner<B>, 3>>, GrpoError> {
-    let inner = model.valid();
-    let batch = token_batch::<Inner<B>>(micro, &inner.device())?;
-    let output = inner.model.forward(
+    policy: &LoraModel<'_, B>,
+    batch: &TokenBatch<B>,
+) -> Vec<Tensor<B, 3>> {
+    let base = policy.base().clone().no_grad();
+    let adapters = policy.adapters().map(|a| a.clone().no_grad());
+    let output = base.model.forward_with_adapters(
         batch.input_ids.clone(),
         batch.position_ids.clone(),
         batch.mask(),
         None,
         true,
+        adapters.as_ref(),
     );
-    Ok(output
+    output
         .hidden_states
-        .expect("asked for every layer's output"))
+        .expect("asked for every layer's output")
 }
 
 /// A leaf that got no gradient: the loss does not depend on it, which cannot happen for a

@@ -4,6 +4,7 @@
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use model::logprobs::{chosen_logprobs, entropy_without_grad, map_hidden_chunks, map_logits_chunks};
+use model::lora::CausalLm;
 use model::{ModelError, Qwen3ForCausalLM, TokenBatch};
 
 /// Whether gradients flow through the entropy (only needed when it is part of the loss).
@@ -33,7 +34,7 @@ pub fn entropy_from_logits<B: Backend>(logits: Tensor<B, 3>) -> Tensor<B, 2> {
 /// was drawn from: both `[b, len − start]`, column `j` for token `start + j` of a right-padded
 /// batch (values at padding are meaningless; mask them).
 pub fn token_logprobs_and_entropy<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     batch: &TokenBatch<B>,
     start: usize,
     entropy_grad: EntropyGrad,

@@ -34,4 +34,4 @@ pub use kl::{kl_penalty, KlEstimator};
 pub use logprobs::sequence_logprobs;
 pub use loss::{grpo_loss, GrpoLossConfig, LossInputs, LossStats};
 pub use policy_loss::{policy_loss, PolicyLoss, PolicyLossStats, PpoClip};
-pub use step::{learn_step, LearnConfig, StepStats};
+pub use step::{learn, learn_step, learn_step_lora, LearnConfig, StepStats, Trainable};

@@ -1,11 +1,17 @@
 //! The GRPO learning step on prepared sequences, independent of how they were collected: one
 //! pass over the batch in mini-batches (one optimiser step each), every mini-batch split into
 //! micro-batches whose gradients are accumulated so that the step sees exactly the gradient of
-//! the whole mini-batch's loss.
+//! the whole mini-batch's loss. What is trained is the whole model ([`learn_step`]) or LoRA
+//! adapters beside a frozen base ([`learn_step_lora`]), by one code path ([`Trainable`]).
 
+use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::{backend::AutodiffBackend, backend::Backend, Tensor, TensorData};
-use model::{token_logprobs_from_hidden, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
+use model::lora::CausalLm;
+use model::{
+    token_logprobs_from_hidden, LoraAdapters, LoraModel, MatmulPrecision, Padding,
+    Qwen3ForCausalLM, TokenBatch,
+};
 use serde::{Deserialize, Serialize};
 
 use super::batch::{PolicyBatch, PolicySequence};
@@ -110,7 +116,72 @@ impl StepStats {
     }
 }
 
-/// One GRPO update of `model` on `batch`: the sequences are taken in order (shuffle before if
+/// What a learning step trains: the whole model, or LoRA adapters beside a frozen base. Either
+/// way the loss, micro-batching, clipping and optimiser step are the same code; only the
+/// parameters that get gradients (and optimiser state) differ.
+pub trait Trainable<B: AutodiffBackend>: AutodiffModule<B> {
+    /// What stays fixed beside it: nothing for the whole model, the base for adapters.
+    type Frozen;
+    /// The policy whose loss is minimised: this module with `frozen`.
+    fn policy<'a>(&'a self, frozen: &'a Self::Frozen) -> LoraModel<'a, B>;
+}
+
+impl<B: AutodiffBackend> Trainable<B> for Qwen3ForCausalLM<B> {
+    type Frozen = ();
+
+    fn policy<'a>(&'a self, _: &'a ()) -> LoraModel<'a, B> {
+        LoraModel::new(self, None)
+    }
+}
+
+impl<B: AutodiffBackend> Trainable<B> for LoraAdapters<B> {
+    type Frozen = Qwen3ForCausalLM<B>;
+
+    fn policy<'a>(&'a self, base: &'a Qwen3ForCausalLM<B>) -> LoraModel<'a, B> {
+        LoraModel::new(base, Some(self))
+    }
+}
+
+/// One GRPO update of `model` (every weight) on `batch`, its products at `config.matmul`;
+/// see [`learn`] for the step itself.
+pub fn learn_step<B, O>(
+    model: Qwen3ForCausalLM<B>,
+    optimizer: &mut O,
+    batch: &PolicyBatch,
+    config: &LearnConfig,
+) -> Result<(Qwen3ForCausalLM<B>, StepStats), GrpoError>
+where
+    B: AutodiffBackend,
+    O: Optimizer<Qwen3ForCausalLM<B>, B>,
+{
+    learn(
+        model.with_matmul_precision(config.matmul),
+        &(),
+        optimizer,
+        batch,
+        config,
+    )
+}
+
+/// One GRPO update of LoRA `adapters` beside `base` on `batch`: only the adapters get
+/// gradients and optimiser state; the base (any dtype) is used with no gradient whatever its
+/// parameters' setting, its products at `config.matmul`. See [`learn`] for the step itself.
+pub fn learn_step_lora<B, O>(
+    base: &Qwen3ForCausalLM<B>,
+    adapters: LoraAdapters<B>,
+    optimizer: &mut O,
+    batch: &PolicyBatch,
+    config: &LearnConfig,
+) -> Result<(LoraAdapters<B>, StepStats), GrpoError>
+where
+    B: AutodiffBackend,
+    O: Optimizer<LoraAdapters<B>, B>,
+{
+    let base = base.clone().no_grad().with_matmul_precision(config.matmul);
+    learn(adapters, &base, optimizer, batch, config)
+}
+
+/// One GRPO update of `module` (within `frozen`) on `batch`: the sequences are taken in order (shuffle before if
 /// wanted), `mini_batch_size` at a time, one epoch. Each mini-batch's loss is the aggregate of
 /// [`grpo_loss`] over all its agent tokens; it is evaluated `micro_batch_size` sequences at a
 /// time, each micro-batch's loss weighted by its share of the mini-batch's aggregation
@@ -120,26 +191,27 @@ impl StepStats {
 ///
 /// Errors (bad settings, token ids outside the vocabulary, missing reference log-probs with the
 /// KL term on) are detected before the first forward pass.
-pub fn learn_step<B, O>(
-    mut model: Qwen3ForCausalLM<B>,
+pub fn learn<B, M, O>(
+    mut module: M,
+    frozen: &M::Frozen,
     optimizer: &mut O,
     batch: &PolicyBatch,
     config: &LearnConfig,
-) -> Result<(Qwen3ForCausalLM<B>, StepStats), GrpoError>
+) -> Result<(M, StepStats), GrpoError>
 where
     B: AutodiffBackend,
-    O: Optimizer<Qwen3ForCausalLM<B>, B>,
+    M: Trainable<B>,
+    O: Optimizer<M, B>,
 {
     let _autodiff = crate::autodiff_lock::exclusive_autodiff();
     config.validate()?;
-    model = model.with_matmul_precision(config.matmul);
     if config.loss.uses_kl() && !batch.has_ref_logprobs() {
         return Err(GrpoError::Input(
             "kl_coef ≠ 0 but some sequences have no reference log-probs".into(),
         ));
     }
     for s in batch.sequences() {
-        model.check_token_ids(&s.tokens)?;
+        module.policy(frozen).base.check_token_ids(&s.tokens)?;
     }
     let mode = config.loss.agg_mode;
     let mut totals = Totals::default();
@@ -148,7 +220,7 @@ where
         if mini_units == 0 {
             continue;
         }
-        let mut accumulator = GradientsAccumulator::<Qwen3ForCausalLM<B>>::new();
+        let mut accumulator = GradientsAccumulator::<M>::new();
         let mut mini_terms = Terms::default();
         for micro in mini.chunks(config.micro_batch_size) {
             let units = mode.denominator(micro.iter().map(PolicySequence::n_agent_tokens));
@@ -156,48 +228,51 @@ where
                 continue;
             }
             let weight = units as f32 / mini_units as f32;
+            let policy = module.policy(frozen);
             let (grads, stats) = if config.activation_checkpointing {
-                checkpointed_gradients(&model, micro, weight, config)?
+                checkpointed_gradients(&policy, &module, micro, weight, config)?
             } else {
-                let (loss, stats) = micro_batch_loss(&model, micro, config)?;
+                let (loss, stats) = micro_batch_loss(&policy, micro, config)?;
                 let grads = loss.mul_scalar(weight).backward();
-                (GradientsParams::from_grads(grads, &model), stats)
+                (GradientsParams::from_grads(grads, &module), stats)
             };
-            accumulator.accumulate(&model, grads);
+            accumulator.accumulate(&module, grads);
             mini_terms.add(&stats, weight);
             totals.add_tokens(&stats);
         }
         let (next, outcome) = clip_and_step(
             optimizer,
             config.optimizer.lr,
-            model,
+            module,
             accumulator.grads(),
             config.optimizer.grad_clip,
         );
-        model = next;
+        module = next;
         totals.add_mini_batch(mini_terms, outcome);
     }
-    Ok((model, totals.finish(batch)))
+    Ok((module, totals.finish(batch)))
 }
 
 /// The loss of one micro-batch, aggregated over its own agent tokens.
 fn micro_batch_loss<B: AutodiffBackend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &LoraModel<'_, B>,
     micro: &[PolicySequence],
     config: &LearnConfig,
 ) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
-    let batch = token_batch(micro, &model.device())?;
-    let hidden = model
+    let base = model.base();
+    let batch = token_batch(micro, &base.device())?;
+    let hidden = base
         .model
-        .forward(
+        .forward_with_adapters(
             batch.input_ids.clone(),
             batch.position_ids.clone(),
             batch.mask(),
             None,
             false,
+            model.adapters(),
         )
         .last_hidden_state;
-    loss_from_hidden(model, hidden, &batch, micro, config)
+    loss_from_hidden(base, hidden, &batch, micro, config)
 }
 
 /// The micro-batch's sequences as one right-padded batch.
@@ -210,7 +285,8 @@ pub(super) fn token_batch<B: Backend>(
 }
 
 /// The loss of one micro-batch from the decoder's final hidden states `hidden` of `batch`
-/// (final norm included): the head, log-probs, entropy and [`grpo_loss`].
+/// (final norm included, adapters applied): `model`'s head, log-probs, entropy and
+/// [`grpo_loss`].
 pub(super) fn loss_from_hidden<B: Backend>(
     model: &Qwen3ForCausalLM<B>,
     hidden: Tensor<B, 3>,
