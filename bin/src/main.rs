@@ -35,6 +35,8 @@ fn megabytes(value: &str) -> Result<usize, String> {
 enum Command {
     /// Train the agent with GRPO against a large LLM (config in TOML).
     Train(cmd::train::Args),
+    /// Predict a run's peak memory, term by term, and whether it fits the device.
+    Plan(cmd::plan::Args),
     /// Export a training checkpoint as a Hugging Face model directory.
     Export(cmd::export::Args),
     /// Run the built-in demo on a fresh machine (no downloads).
@@ -75,6 +77,7 @@ fn main() {
     large_alloc::configure(cli.alloc_cache_mb);
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),
+        Command::Plan(args) => cmd::plan::run(args),
         Command::Export(args) => cmd::export::run(args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::EnvCheck(args) => cmd::env_check::run(args),

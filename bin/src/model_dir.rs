@@ -6,12 +6,14 @@ use anyhow::{Context, Result};
 use burn::tensor::{backend::Backend, DType};
 use model::checkpoint::StorageDtype;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, LoadOptions, MatmulPrecision, Preset, Qwen3ForCausalLM};
+use model::lora::load_adapter;
+use model::{load_pretrained, LoadOptions, LoraAdapters, LoraModel, MatmulPrecision, Preset, Qwen3ForCausalLM};
 
-/// A loaded checkpoint and its optional tokenizer.
+/// A loaded checkpoint, its optional tokenizer and optional LoRA adapters.
 pub struct LoadedModel<B: Backend> {
     pub model: Qwen3ForCausalLM<B>,
     pub tokenizer: Option<Qwen3Tokenizer>,
+    pub adapters: Option<LoraAdapters<B>>,
 }
 
 impl<B: Backend> LoadedModel<B> {
@@ -24,7 +26,23 @@ impl<B: Backend> LoadedModel<B> {
         } else {
             None
         };
-        Ok(Self { model, tokenizer })
+        Ok(Self { model, tokenizer, adapters: None })
+    }
+
+    /// [`Self::open`], then the PEFT adapter directory `adapter` (if given) onto the model.
+    pub fn open_with_adapter(dir: &Path, adapter: Option<&Path>, device: &B::Device, dtype: DType) -> Result<Self> {
+        let mut loaded = Self::open(dir, device, dtype)?;
+        if let Some(adapter) = adapter {
+            let (adapters, _) = load_adapter::<B>(adapter, &loaded.model.config, device)
+                .with_context(|| format!("loading the LoRA adapter in {}", adapter.display()))?;
+            loaded.adapters = Some(adapters);
+        }
+        Ok(loaded)
+    }
+
+    /// The model with its adapters, as scoring and generation take it.
+    pub fn policy(&self) -> LoraModel<'_, B> {
+        LoraModel::new(&self.model, self.adapters.as_ref())
     }
 
     /// The tokenizer, or an error saying the directory has none.

@@ -87,6 +87,17 @@ impl Checkpoint {
         })
     }
 
+    /// Opens one safetensors file on its own (e.g. a PEFT `adapter_model.safetensors`).
+    pub fn open_file(path: &Path) -> Result<Self, ModelError> {
+        let shard = open_shard(path)?;
+        let index = shard.metadata.tensors().keys().map(|name| (name.clone(), 0)).collect();
+        Ok(Self {
+            dir: path.parent().unwrap_or(Path::new(".")).to_path_buf(),
+            shards: vec![shard],
+            index,
+        })
+    }
+
     /// The directory the checkpoint was opened from.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -341,8 +352,20 @@ pub fn write_safetensors_with(
     dtype: StorageDtype,
     values: impl FnMut(&str) -> Result<Vec<f32>, ModelError>,
 ) -> Result<PathBuf, ModelError> {
-    let path = dir.join(SINGLE_FILE);
-    let tmp = dir.join(format!(".{SINGLE_FILE}.tmp"));
+    write_safetensors_file_with(&dir.join(SINGLE_FILE), entries, dtype, values)
+}
+
+/// [`write_safetensors_with`] to a file of any name (e.g. a PEFT `adapter_model.safetensors`).
+pub fn write_safetensors_file_with(
+    path: &Path,
+    entries: &[(String, Vec<usize>)],
+    dtype: StorageDtype,
+    values: impl FnMut(&str) -> Result<Vec<f32>, ModelError>,
+) -> Result<PathBuf, ModelError> {
+    let path = path.to_path_buf();
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp"));
     let io = |source| ModelError::Io {
         path: path.clone(),
         source,

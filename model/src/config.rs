@@ -268,16 +268,19 @@ pub enum Preset {
     Qwen3_1_7B,
     /// The Qwen3-4B shape (36 layers, hidden 2560, 32/8 heads, head_dim 128).
     Qwen3_4B,
+    /// The Qwen3-8B shape (36 layers, hidden 4096, 32/8 heads, head_dim 128, untied head).
+    Qwen3_8B,
 }
 
 impl Preset {
     /// All presets with their CLI names.
-    pub const ALL: [(&'static str, Preset); 5] = [
+    pub const ALL: [(&'static str, Preset); 6] = [
         ("tiny", Preset::Tiny),
         ("small", Preset::Small),
         ("qwen3-0.6b", Preset::Qwen3_0_6B),
         ("qwen3-1.7b", Preset::Qwen3_1_7B),
         ("qwen3-4b", Preset::Qwen3_4B),
+        ("qwen3-8b", Preset::Qwen3_8B),
     ];
 
     /// Looks a preset up by its CLI name.
@@ -342,6 +345,7 @@ impl Preset {
             Preset::Qwen3_0_6B => real(28, 1024, 3072, 16, 8, true),
             Preset::Qwen3_1_7B => real(28, 2048, 6144, 16, 8, true),
             Preset::Qwen3_4B => real(36, 2560, 9728, 32, 8, true),
+            Preset::Qwen3_8B => real(36, 4096, 12288, 32, 8, false),
         }
     }
 }
@@ -430,5 +434,14 @@ mod tests {
         // Qwen3-0.6B has 596M parameters with the tied embedding counted once.
         let n = Preset::Qwen3_0_6B.config(0, vec![]).num_parameters();
         assert!((590_000_000..600_000_000).contains(&n), "{n}");
+    }
+
+    #[test]
+    fn parameter_count_of_qwen3_8b() {
+        // Qwen3-8B has 8.19B parameters (untied head), as its model card says (8.2B).
+        let config = Preset::from_name("qwen3-8b").unwrap().config(0, vec![]);
+        assert!(!config.tie_word_embeddings);
+        let n = config.num_parameters();
+        assert!((8_150_000_000..8_250_000_000).contains(&n), "{n}");
     }
 }

@@ -11,7 +11,7 @@ use rayon::prelude::*;
 use crate::batch::{row_index, Padding, TokenBatch};
 use crate::device_sampling;
 use crate::error::ModelError;
-use crate::qwen3::Qwen3ForCausalLM;
+use crate::lora::CausalLm;
 use chat::Sampling;
 
 /// What [`generate`] does: how tokens are chosen ([`Sampling`]), how many, and where a
@@ -58,9 +58,10 @@ pub struct GeneratedSequence {
 }
 
 /// Generates continuations of every prompt in one left-padded batch. Row `i` samples from a
-/// generator seeded by `config.sampling.seed` and `i`.
+/// generator seeded by `config.sampling.seed` and `i`. `model` is a Qwen3 model, or a base with
+/// LoRA adapters ([`crate::LoraModel`]).
 pub fn generate<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     prompts: &[Vec<u32>],
     config: &SamplingConfig,
     pad_id: u32,
@@ -72,7 +73,7 @@ pub fn generate<B: Backend>(
 /// [`generate`] with an explicit seed per row (`config.sampling.seed` is ignored), so that a sequence's
 /// samples do not depend on which other sequences share its batch.
 pub fn generate_seeded<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     prompts: &[Vec<u32>],
     config: &SamplingConfig,
     pad_id: u32,
@@ -86,10 +87,11 @@ pub fn generate_seeded<B: Backend>(
             prompts.len()
         )));
     }
+    let (base, adapters) = (model.base(), model.adapters());
     for p in prompts {
-        model.check_token_ids(p)?;
+        base.check_token_ids(p)?;
     }
-    let device = model.device();
+    let device = base.device();
     let batch = TokenBatch::<B>::new(prompts, Padding::Left, pad_id, &device)?;
     let n = prompts.len();
     let mut outputs: Vec<GeneratedSequence> = (0..n)
@@ -103,7 +105,7 @@ pub fn generate_seeded<B: Backend>(
         return Ok(outputs);
     }
     let mut rngs: Vec<StdRng> = seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect();
-    let mut cache = model.new_cache();
+    let mut cache = base.new_cache();
     // On the CPU kernels' backend the logits are already in host memory; elsewhere only the
     // chosen tokens come back (top-k and top-p still sort the row on the host).
     let on_device = !cpu_kernels::active::<B>() && device_sampling::supported(&config.sampling);
@@ -115,19 +117,20 @@ pub fn generate_seeded<B: Backend>(
     let mut mask = batch.mask().cloned();
     let mut next_position: Vec<i64> = batch.lengths.iter().map(|&l| l as i64).collect();
 
-    let hidden = model
+    let hidden = base
         .model
-        .forward(
+        .forward_with_adapters(
             batch.input_ids.clone(),
             batch.position_ids.clone(),
             mask.as_ref(),
             Some(&mut cache),
             false,
+            adapters,
         )
         .last_hidden_state;
     // Only the last position's logits are needed: the others would cost a vocab-sized matmul each.
-    let mut last = model.logits(hidden.narrow(1, batch.len - 1, 1));
-    let vocab = model.config.vocab_size;
+    let mut last = base.logits(hidden.narrow(1, batch.len - 1, 1));
+    let vocab = base.config.vocab_size;
 
     for step in 0..config.max_new_tokens {
         let rows = active.len();
@@ -200,7 +203,7 @@ pub fn generate_seeded<B: Backend>(
         for p in &mut next_position {
             *p += 1;
         }
-        last = model.forward(ids, positions, mask.as_ref(), Some(&mut cache));
+        last = base.forward_with_adapters(ids, positions, mask.as_ref(), Some(&mut cache), adapters);
     }
     Ok(outputs)
 }

@@ -8,6 +8,7 @@
 //!   and the small BPE tokenizer the tiny presets ship with.
 //! - [`batch`], [`logprobs`], [`generation`]: padded batches, per-token log-probs (what GRPO
 //!   needs) and KV-cache generation; [`device_sampling`] chooses tokens on the model's device.
+//! - [`lora`]: LoRA adapters as PEFT makes them, beside the model; PEFT's adapter files.
 //! - [`probe`]: one small sum on a device, turning a missing GPU runtime into an error.
 //! - `kernels` (private): the named points where the CPU kernels of [`cpu_kernels`] (the
 //!   `prompt-r1-cpu-kernels` crate, re-exported) stand in for burn's ops on burn-flex.
@@ -22,6 +23,7 @@ pub mod generation;
 pub mod init;
 mod kernels;
 pub mod logprobs;
+pub mod lora;
 pub mod probe;
 pub mod qwen3;
 pub mod tiny_tokenizer;
@@ -35,5 +37,6 @@ pub use batch::{Padding, TokenBatch};
 pub use cpu_kernels;
 pub use chat::Sampling;
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
-pub use logprobs::{completion_logprobs, map_logits_chunks, token_logprobs};
+pub use logprobs::{completion_logprobs, map_hidden_chunks, map_logits_chunks, token_logprobs, token_logprobs_from_hidden};
+pub use lora::{CausalLm, LoraAdapters, LoraConfig, LoraModel};
 pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

@@ -6,19 +6,33 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use crate::batch::{Padding, TokenBatch};
 use crate::error::ModelError;
+use crate::lora::CausalLm;
 use crate::qwen3::Qwen3ForCausalLM;
 
 /// Upper bound on the logits materialised at once (elements), 512 MiB in f32.
-const LOGITS_CHUNK_ELEMENTS: usize = 128 * 1024 * 1024;
+pub const LOGITS_CHUNK_ELEMENTS: usize = 128 * 1024 * 1024;
 
 /// `out[b, j] = log p(ids[b, start + j] | ids[b, ..start + j])` for `j in 0..len - start`, for a
 /// right-padded batch (values at padding are meaningless; mask them). Works under autodiff.
+/// `model` is a Qwen3 model, or a base with LoRA adapters ([`crate::LoraModel`]).
 pub fn token_logprobs<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     batch: &TokenBatch<B>,
     start: usize,
 ) -> Result<Tensor<B, 2>, ModelError> {
     let pieces = map_logits_chunks(model, batch, start, chosen_logprobs)?;
+    Ok(Tensor::cat(pieces, 1))
+}
+
+/// [`token_logprobs`] from the decoder's final hidden states `[b, len, hidden]` of `batch` (the
+/// output of `model.model`, final norm included), for callers that ran the decoder themselves.
+pub fn token_logprobs_from_hidden<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    hidden: Tensor<B, 3>,
+    batch: &TokenBatch<B>,
+    start: usize,
+) -> Result<Tensor<B, 2>, ModelError> {
+    let pieces = map_hidden_chunks(model, hidden, batch, start, chosen_logprobs)?;
     Ok(Tensor::cat(pieces, 1))
 }
 
@@ -27,31 +41,46 @@ pub fn token_logprobs<B: Backend>(
 /// targets [b, c])`. Returns `f`'s results in position order. Only one chunk's logits exist at a
 /// time outside autodiff (under autodiff, whatever `f` keeps for backward stays alive).
 pub fn map_logits_chunks<B: Backend, T>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     batch: &TokenBatch<B>,
     start: usize,
-    mut f: impl FnMut(Tensor<B, 3>, Tensor<B, 2, Int>) -> T,
+    f: impl FnMut(Tensor<B, 3>, Tensor<B, 2, Int>) -> T,
 ) -> Result<Vec<T>, ModelError> {
-    if batch.padding != Padding::Right {
-        return Err(ModelError::Input("scoring needs a right-padded batch".into()));
-    }
-    if start == 0 || start >= batch.len {
-        return Err(ModelError::Input(format!(
-            "scored positions must start in 1..{} (got {start})",
-            batch.len
-        )));
-    }
-    let b = batch.batch_size();
-    let hidden = model
+    check_scored_positions(batch, start)?;
+    let (base, adapters) = (model.base(), model.adapters());
+    let hidden = base
         .model
-        .forward(
+        .forward_with_adapters(
             batch.input_ids.clone(),
             batch.position_ids.clone(),
             batch.mask(),
             None,
             false,
+            adapters,
         )
         .last_hidden_state;
+    map_hidden_chunks(base, hidden, batch, start, f)
+}
+
+/// [`map_logits_chunks`] from the decoder's final hidden states `[b, len, hidden]` of `batch`
+/// (the output of `model.model`, final norm included, with or without adapters) instead of
+/// running the decoder; `model` gives the head.
+pub fn map_hidden_chunks<B: Backend, T>(
+    model: &Qwen3ForCausalLM<B>,
+    hidden: Tensor<B, 3>,
+    batch: &TokenBatch<B>,
+    start: usize,
+    mut f: impl FnMut(Tensor<B, 3>, Tensor<B, 2, Int>) -> T,
+) -> Result<Vec<T>, ModelError> {
+    check_scored_positions(batch, start)?;
+    let b = batch.batch_size();
+    if hidden.dims()[..2] != [b, batch.len] {
+        return Err(ModelError::Input(format!(
+            "hidden states {:?} do not match the batch [{b}, {}]",
+            hidden.dims(),
+            batch.len
+        )));
+    }
     let vocab = model.config.vocab_size;
     let chunk = (LOGITS_CHUNK_ELEMENTS / (b * vocab)).max(1);
     let mut out = Vec::new();
@@ -64,6 +93,20 @@ pub fn map_logits_chunks<B: Backend, T>(
         from = to;
     }
     Ok(out)
+}
+
+/// Scoring needs a right-padded batch and a start inside it.
+fn check_scored_positions<B: Backend>(batch: &TokenBatch<B>, start: usize) -> Result<(), ModelError> {
+    if batch.padding != Padding::Right {
+        return Err(ModelError::Input("scoring needs a right-padded batch".into()));
+    }
+    if start == 0 || start >= batch.len {
+        return Err(ModelError::Input(format!(
+            "scored positions must start in 1..{} (got {start})",
+            batch.len
+        )));
+    }
+    Ok(())
 }
 
 /// `logits[.., target] - logsumexp(logits)` over the vocabulary, in f32: `[b, n, vocab]`,
@@ -97,7 +140,7 @@ pub fn entropy_without_grad<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<
 /// The log-probs of each completion given its prompt, for pairs of different lengths: one
 /// right-padded forward pass; returns one vector per pair.
 pub fn completion_logprobs<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     pairs: &[(Vec<u32>, Vec<u32>)],
     pad_id: u32,
 ) -> Result<Vec<Vec<f32>>, ModelError> {
@@ -111,9 +154,9 @@ pub fn completion_logprobs<B: Backend>(
         .map(|(p, c)| p.iter().chain(c).copied().collect())
         .collect();
     for s in &sequences {
-        model.check_token_ids(s)?;
+        model.base().check_token_ids(s)?;
     }
-    let batch = TokenBatch::new(&sequences, Padding::Right, pad_id, &model.device())?;
+    let batch = TokenBatch::new(&sequences, Padding::Right, pad_id, &model.base().device())?;
     // Positions before the shortest prompt's last token need no logits.
     let start = pairs.iter().map(|(p, _)| p.len()).min().unwrap_or(1);
     let logprobs = token_logprobs(model, &batch, start)?;

@@ -247,6 +247,11 @@ pub fn param_id(name: &str) -> ParamId {
     ParamId::from(hash)
 }
 
+/// A row-major `[rows, cols]` matrix laid out as `[cols, rows]`.
+pub(crate) fn transpose_values(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    relayout(values, rows, cols, true, |v| v)
+}
+
 /// `[rows, cols]` → `[cols, rows]`.
 fn transpose(t: HostTensor) -> HostTensor {
     let (rows, cols) = (t.shape[0], t.shape[1]);

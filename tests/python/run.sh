@@ -2,9 +2,9 @@
 # Tests `prompt-r1 serve` with the official `openai` Python client from PyPI.
 #
 # Builds nothing: run `cargo build --release -p prompt-r1` first (or point PROMPT_R1_BIN at a
-# binary). Creates a throwaway virtual environment under the target directory, installs
-# `openai` into it, starts `serve` on a fresh tiny random model on a free port, runs
-# test_serve_openai.py, and removes everything it made. Exits non-zero on any failure.
+# binary). Installs `openai` into a virtual environment under the target directory, starts
+# `serve` on a fresh tiny random model on a free port, runs test_serve_openai.py, and removes the
+# work directory it made. Exits non-zero on any failure.
 set -euo pipefail
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -44,4 +44,4 @@ if [ -z "$url" ]; then
     exit 1
 fi
 
-"$work/venv/bin/python" "$here/test_serve_openai.py" "$url" tiny
+"$venv/bin/python" "$here/test_serve_openai.py" "$url" tiny

@@ -3,16 +3,17 @@
 # with AutoModelForCausalLM and give the same log-probabilities as `prompt-r1 score`.
 #
 # Builds nothing: run `cargo build --release -p prompt-r1` first (or point PROMPT_R1_BIN at a
-# binary). Creates a throwaway virtual environment under the target directory, installs torch,
-# transformers and safetensors into it, runs test_export_transformers.py, and removes everything
-# it made. Exits non-zero on any failure.
+# binary). Installs torch, transformers, safetensors and peft into a virtual environment under the
+# target directory (kept for run_peft.sh, which needs the same packages), runs
+# test_export_transformers.py in a throwaway work directory, and removes that. Exits non-zero on
+# any failure.
 set -euo pipefail
 
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 trap 'rm -rf "$work"' EXIT
 
-make_venv torch transformers safetensors
+make_venv torch transformers safetensors peft
 
 mkdir "$work/models"
 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error \
-    "$work/venv/bin/python" "$here/test_export_transformers.py" "$bin" "$work/models"
+    "$venv/bin/python" "$here/test_export_transformers.py" "$bin" "$work/models"

@@ -11,9 +11,12 @@
 //!   metrics.jsonl, atomic checkpoints that resume exactly).
 //! - [`optim`]: AdamW with PyTorch's defaults, clipping by the global gradient norm, and the
 //!   skipping of steps whose gradient norm is not finite.
+//! - [`plan`]: the memory a run will need, phase by phase, from the model's shape and the run's
+//!   settings, and whether it fits a device.
 
 pub mod autodiff_lock;
 pub mod grpo;
 pub mod optim;
+pub mod plan;
 pub mod rollout;
 pub mod run;

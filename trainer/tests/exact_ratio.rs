@@ -2,13 +2,14 @@
 //! log-probs (scored on the plain backend) equal the update's own (under autodiff) bit for bit,
 //! so every PPO ratio is exactly 1: no approximate KL, nothing clipped. Checked through burn's
 //! portable ops (the path GPU backends take) and at every CPU instruction-set level this host
-//! can run, with f32 and with bf16 products.
+//! can run, with f32 and with bf16 products, training every weight and training LoRA adapters
+//! (dropout 0) beside the frozen base.
 //!
 //! One test in a binary of its own: it switches process-wide settings between runs.
 
 mod common;
 
-use common::{setup, train};
+use common::{setup, train, with_lora};
 use model::cpu_kernels::{self, Isa};
 use model::MatmulPrecision;
 
@@ -37,26 +38,44 @@ fn every_first_ratio_is_exactly_one_on_every_path() {
     let mut paths = vec![Path::PortableOps];
     paths.extend(Isa::available().map(Path::Kernels));
     for level in Isa::ALL.into_iter().filter(|&l| l > Isa::host()) {
-        println!("skipped: the {level} level (this CPU's best is {})", Isa::host());
+        println!(
+            "skipped: the {level} level (this CPU's best is {})",
+            Isa::host()
+        );
     }
     for path in paths {
         path.select();
         for matmul in [MatmulPrecision::F32, MatmulPrecision::Bf16] {
-            let dir = tempfile::tempdir().unwrap();
-            let mut config = setup(dir.path());
-            config.grpo.matmul = matmul;
-            let (_, records) = train(config, 3, false);
-            for r in &records {
-                assert_eq!(r.optimizer_steps, 1, "{path:?} {matmul:?}: the setup takes one optimiser step per step");
+            for lora in [false, true] {
+                let dir = tempfile::tempdir().unwrap();
+                let mut config = setup(dir.path());
+                config.grpo.matmul = matmul;
+                if lora {
+                    config = with_lora(config);
+                }
+                let (trainer, records) = train(config, 3, false);
+                assert_eq!(trainer.adapters().is_some(), lora);
+                for r in &records {
+                    assert_eq!(
+                        r.optimizer_steps, 1,
+                        "{path:?} {matmul:?}: the setup takes one optimiser step per step"
+                    );
+                    assert!(
+                        r.approx_kl == 0.0 && r.clip_frac == 0.0,
+                        "{path:?}, {matmul:?} products, LoRA {lora}, step {}: approx_kl {}, clip_frac {} (scoring and update differ)",
+                        r.step,
+                        r.approx_kl,
+                        r.clip_frac
+                    );
+                }
                 assert!(
-                    r.approx_kl == 0.0 && r.clip_frac == 0.0,
-                    "{path:?}, {matmul:?} products, step {}: approx_kl {}, clip_frac {} (scoring and update differ)",
-                    r.step,
-                    r.approx_kl,
-                    r.clip_frac
+                    records[2].grad_norm.is_some_and(|n| n > 0.0),
+                    "{path:?}: the update moved something"
+                );
+                println!(
+                    "{path:?}, {matmul:?} products, LoRA {lora}: 3 steps, every ratio exactly 1"
                 );
             }
-            println!("{path:?}, {matmul:?} products: 3 steps, every ratio exactly 1");
         }
     }
     cpu_kernels::set_portable_ops(false);

@@ -13,11 +13,15 @@ use burn::tensor::{backend::Backend, DType};
 use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
-use model::{completion_logprobs, generate, load_pretrained, LoadOptions, MatmulPrecision, Preset, Sampling, SamplingConfig};
+use model::{
+    completion_logprobs, generate, load_pretrained, LoadOptions, LoraAdapters, LoraConfig, MatmulPrecision, Preset, Qwen3Config,
+    Sampling, SamplingConfig,
+};
 use serde::Serialize;
 
-use crate::device::{run_on, ComputeArgs, OnBackend};
+use crate::device::{run_on, ComputeArgs, DeviceChoice, OnBackend};
 use crate::model_dir::{parse_matmul, preset_parser};
+use trainer::plan::{LoraPlan, MemoryPlan, PlanSettings};
 use trainer::run::{peak_rss_mb, reset_peak_rss};
 
 /// Measure load time, prefill, decode and scoring speed with peak memory.
@@ -48,10 +52,28 @@ pub struct Args {
     /// Intel Xeons whose bf16 dot products issue every other cycle: `--products` shows which).
     #[arg(long, default_value = "f32", value_parser = parse_matmul)]
     pub matmul: MatmulPrecision,
-    /// Also time a GRPO training step (forward + backward + AdamW) on 2 sequences: the median of
-    /// 3 steps after a warm-up step.
+    /// Also time a GRPO training step (forward + backward + AdamW) on --batch sequences of
+    /// --seq-len tokens: the median of 3 steps after a warm-up step. Its peak memory covers the
+    /// 3 steps only (freed buffers the allocator keeps count: PROMPT_R1_ALLOC_CACHE_MB=0 measures
+    /// what is in use), and the memory plan's prediction for the same step is printed beside it.
     #[arg(long)]
     pub train_step: bool,
+    /// Time the training step only (no load, prefill, decode or scoring figures).
+    #[arg(long, requires = "train_step")]
+    pub train_step_only: bool,
+    /// Sequences in the training step (one micro-batch).
+    #[arg(long, default_value_t = 2)]
+    pub batch: usize,
+    /// Tokens per training sequence (default: --prompt-len).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Train with activation checkpointing (grpo.activation_checkpointing).
+    #[arg(long)]
+    pub activation_checkpointing: bool,
+    /// Train LoRA adapters (rank 8 on every linear projection, `[lora]`'s defaults) beside the
+    /// frozen base, held in --dtype (`model_dtype`), instead of every weight.
+    #[arg(long)]
+    pub lora: bool,
     /// Also time the projections' matrix products alone, f32 operands at f32 and at bf16
     /// precision, on the training step's 2 × prompt-len rows and the model's projection shapes
     /// (GFLOP/s; the median of 5 after a warm-up).
@@ -127,12 +149,64 @@ impl OnBackend for Args {
             }
         };
         let mut figures = Vec::new();
+        if !self.train_step_only {
+            self.inference_figures::<B>(&dir, &device, &mut figures)?;
+        }
+        if self.train_step {
+            let seq_len = self.seq_len.unwrap_or(self.prompt_len);
+            if seq_len < 2 || self.batch == 0 {
+                anyhow::bail!("--seq-len must be at least 2 and --batch at least 1");
+            }
+            let step = TrainStep {
+                batch: self.batch,
+                seq_len,
+                checkpointing: self.activation_checkpointing,
+                lora: self.lora.then(LoraConfig::default),
+                dtype: self.compute.dtype,
+                matmul: self.matmul,
+            };
+            let (seconds, peak) = step.measure::<B>(&dir, &device)?;
+            let mode = match (&step.lora, step.checkpointing) {
+                (Some(_), false) => " LoRA",
+                (Some(_), true) => " LoRA ckpt",
+                (None, false) => "",
+                (None, true) => " ckpt",
+            };
+            let workload = format!("train step {} x {}{mode}", self.batch, seq_len);
+            figures.push(Figure::tokens(workload, seconds, Some((self.batch * seq_len) as f64), peak));
+            if let Some(plan) = step.plan(&dir, self.compute.device)? {
+                let predicted = plan.update_peak() as f64 / (1024.0 * 1024.0);
+                let off = peak.map_or(String::new(), |mb| format!(", {:+.1}% off the measured peak", 100.0 * (predicted - mb) / mb));
+                eprintln!("memory plan for this training step: {predicted:.0} MiB{off}");
+            }
+        }
 
+        if self.json {
+            println!("{}", serde_json::to_string_pretty(&figures)?);
+        } else {
+            println!("{:<34} {:>10} {:>16} {:>14}", "workload", "seconds", "tokens/s", "peak RSS (MB)");
+            for f in &figures {
+                let rate = match (f.tokens_per_second, f.gflop_per_second) {
+                    (Some(r), _) => format!("{r:.1}"),
+                    (None, Some(g)) => format!("{g:.1} GFLOP/s"),
+                    (None, None) => "-".into(),
+                };
+                let rss = f.peak_rss_mb.map_or("-".into(), |m| format!("{m:.0}"));
+                println!("{:<34} {:>10.3} {:>16} {:>14}", f.workload, f.seconds, rate, rss);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Args {
+    /// Load, prefill, decode and scoring (and the products alone with `--products`).
+    fn inference_figures<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, figures: &mut Vec<Figure>) -> Result<()> {
         reset_peak_rss();
         let start = Instant::now();
-        let model = load_pretrained::<B>(&dir, &device, LoadOptions { dtype: self.compute.dtype })?
+        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype })?
             .with_matmul_precision(self.matmul);
-        B::sync(&device)?;
+        B::sync(device)?;
         figures.push(Figure::tokens("load".into(), start.elapsed().as_secs_f64(), None, peak_rss_mb()));
         let vocab = model.config.vocab_size as u32;
         let tokens = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect() };
@@ -193,74 +267,122 @@ impl OnBackend for Args {
         ];
         drop(model);
         if self.products {
-            figures.extend(product_figures::<B>(&device, 2 * self.prompt_len, &shapes)?);
-        }
-
-        if self.train_step {
-            reset_peak_rss();
-            let seconds = train_step_seconds::<B>(&dir, &device, &prompt, self.compute.dtype, self.matmul)?;
-            let workload = format!("train step 2 x {}", self.prompt_len);
-            figures.push(Figure::tokens(workload, seconds, Some((2 * self.prompt_len) as f64), peak_rss_mb()));
-        }
-
-        if self.json {
-            println!("{}", serde_json::to_string_pretty(&figures)?);
-        } else {
-            println!("{:<34} {:>10} {:>16} {:>14}", "workload", "seconds", "tokens/s", "peak RSS (MB)");
-            for f in &figures {
-                let rate = match (f.tokens_per_second, f.gflop_per_second) {
-                    (Some(r), _) => format!("{r:.1}"),
-                    (None, Some(g)) => format!("{g:.1} GFLOP/s"),
-                    (None, None) => "-".into(),
-                };
-                let rss = f.peak_rss_mb.map_or("-".into(), |m| format!("{m:.0}"));
-                println!("{:<34} {:>10.3} {:>16} {:>14}", f.workload, f.seconds, rate, rss);
-            }
+            figures.extend(product_figures::<B>(device, 2 * self.prompt_len, &shapes)?);
         }
         Ok(())
     }
 }
 
-/// One learn step of the GRPO trainer on two sequences of the prompt (every token an agent
-/// token, advantages +1/−1): the median of [`TIMED_STEPS`] steps after a warm-up step (the
-/// second step still pays one-time costs, e.g. 25 s against 18–19 s for the third on the
-/// 0.6B shape on 2 cores).
-fn train_step_seconds<B: Backend>(
-    dir: &std::path::Path,
-    device: &B::Device,
-    prompt: &[u32],
+/// The `--train-step` workload.
+struct TrainStep {
+    batch: usize,
+    seq_len: usize,
+    checkpointing: bool,
+    /// Adapters to train beside the frozen base (`None`: every weight).
+    lora: Option<LoraConfig>,
+    /// The weights' dtype (the frozen base's with LoRA).
     dtype: DType,
     matmul: MatmulPrecision,
-) -> Result<f64> {
-    use burn::backend::Autodiff;
-    use trainer::grpo::{learn_step, LearnConfig, PolicyBatch, PolicySequence};
+}
 
-    let policy = load_pretrained::<Autodiff<B>>(dir, device, LoadOptions { dtype })?;
-    let config = LearnConfig {
-        mini_batch_size: 2,
-        micro_batch_size: 2,
-        track_entropy: false,
-        matmul,
-        ..LearnConfig::default()
-    };
-    let mut optimizer = config.optimizer.init::<Autodiff<B>, _>()?;
-    let sequence = |advantage: f32| PolicySequence {
-        tokens: prompt.to_vec(),
-        loss_mask: std::iter::once(0).chain(std::iter::repeat_n(1, prompt.len() - 1)).collect(),
-        old_logprobs: vec![-1.0; prompt.len()],
-        ref_logprobs: Some(vec![-1.0; prompt.len()]),
-        advantage,
-    };
-    let batch = PolicyBatch::new(vec![sequence(1.0), sequence(-1.0)])?;
-    let (policy, _) = learn_step(policy, &mut optimizer, &batch, &config)?;
-    let mut policy = Some(policy);
-    median_seconds(TIMED_STEPS, || {
-        let start = Instant::now();
-        let (stepped, _) = learn_step(policy.take().expect("each step returns the policy"), &mut optimizer, &batch, &config)?;
-        B::sync(device)?;
-        policy = Some(stepped);
-        Ok(start.elapsed().as_secs_f64())
-    })
+impl TrainStep {
+    /// The learn step's settings: one micro-batch of every sequence, no entropy.
+    fn config(&self) -> trainer::grpo::LearnConfig {
+        trainer::grpo::LearnConfig {
+            mini_batch_size: self.batch,
+            micro_batch_size: self.batch,
+            track_entropy: false,
+            matmul: self.matmul,
+            activation_checkpointing: self.checkpointing,
+            ..Default::default()
+        }
+    }
+
+    /// One learn step of the GRPO trainer on `batch` sequences of `seq_len` tokens (every token
+    /// but the first an agent token, advantages alternating +1/−1): the median of
+    /// [`TIMED_STEPS`] steps after a warm-up step (the second step still pays one-time costs,
+    /// e.g. 25 s against 18–19 s for the third on the 0.6B shape on 2 cores), and the peak RSS
+    /// of the timed steps.
+    fn measure<B: Backend>(&self, dir: &std::path::Path, device: &B::Device) -> Result<(f64, Option<f64>)> {
+        use burn::backend::Autodiff;
+        use burn::module::Module;
+        use trainer::grpo::{learn_step, learn_step_lora, PolicyBatch, PolicySequence};
+
+        let model = load_pretrained::<Autodiff<B>>(dir, device, LoadOptions { dtype: self.dtype })?;
+        let config = self.config();
+        let vocab = model.config.vocab_size as u32;
+        let sequence = |i: usize| {
+            let tokens: Vec<u32> = (0..self.seq_len as u32).map(|t| (t * 7919 + 13 + i as u32 * 101) % vocab).collect();
+            PolicySequence {
+                loss_mask: std::iter::once(0).chain(std::iter::repeat_n(1, tokens.len() - 1)).collect(),
+                old_logprobs: vec![-1.0; tokens.len()],
+                ref_logprobs: Some(vec![-1.0; tokens.len()]),
+                advantage: if i % 2 == 0 { 1.0 } else { -1.0 },
+                tokens,
+            }
+        };
+        let batch = PolicyBatch::new((0..self.batch).map(sequence).collect())?;
+        // A warm-up step, then the timed ones; the peak covers the timed steps only.
+        let timed = |mut step: Box<dyn FnMut() -> Result<()> + '_>| -> Result<(f64, Option<f64>)> {
+            step()?;
+            reset_peak_rss();
+            let seconds = median_seconds(TIMED_STEPS, || {
+                let start = Instant::now();
+                step()?;
+                B::sync(device)?;
+                Ok(start.elapsed().as_secs_f64())
+            })?;
+            Ok((seconds, peak_rss_mb()))
+        };
+        match &self.lora {
+            None => {
+                let mut optimizer = config.optimizer.init::<Autodiff<B>, _>()?;
+                let mut policy = Some(model);
+                timed(Box::new(|| {
+                    let (stepped, _) = learn_step(policy.take().expect("each step returns the policy"), &mut optimizer, &batch, &config)?;
+                    policy = Some(stepped);
+                    Ok(())
+                }))
+            }
+            Some(lora) => {
+                let base = model.no_grad();
+                let mut optimizer = config.optimizer.init::<Autodiff<B>, LoraAdapters<Autodiff<B>>>()?;
+                let mut adapters = Some(LoraAdapters::init(lora, &base.config, 0, device));
+                timed(Box::new(|| {
+                    let current = adapters.take().expect("each step returns the adapters");
+                    let (stepped, _) = learn_step_lora(&base, current, &mut optimizer, &batch, &config)?;
+                    adapters = Some(stepped);
+                    Ok(())
+                }))
+            }
+        }
+    }
+
+    /// The memory plan of this step (`None` for bf16 weights under full fine-tuning, which the
+    /// trainer does not do).
+    fn plan(&self, dir: &std::path::Path, device: DeviceChoice) -> Result<Option<MemoryPlan>> {
+        if self.dtype != DType::F32 && self.lora.is_none() {
+            return Ok(None);
+        }
+        let shape = Qwen3Config::from_file(&dir.join("config.json"))?;
+        let config = self.config();
+        let settings = PlanSettings {
+            model: shape,
+            lora: self.lora.as_ref().map(LoraPlan::from_config),
+            base_dtype: self.dtype,
+            rollout_dtype: self.dtype,
+            kl: false,
+            entropy_grad: false,
+            micro_batch: config.micro_batch_size,
+            mini_batch: config.mini_batch_size,
+            generation_batch: 1,
+            context: self.seq_len,
+            checkpointing: self.checkpointing,
+            matmul: self.matmul,
+            device: crate::cmd::plan::plan_device(device),
+        };
+        Ok(Some(MemoryPlan::new(settings)))
+    }
 }
 
 /// `--products`: `x[rows, k] · w[k, n]` for each `(k, n)`, f32 operands at both precisions,

@@ -1,16 +1,20 @@
 //! `prompt-r1 export`: a checkpoint (or a run's newest one) as a Hugging Face directory that
-//! transformers and vLLM load directly, in bf16 or f32, with the tokenizer files.
+//! transformers and vLLM load directly, in bf16 or f32, with the tokenizer files. A LoRA
+//! checkpoint exports as a PEFT adapter directory (`peft.PeftModel.from_pretrained`, vLLM's
+//! `--lora-modules`), or with `--merge` as the base with the adapters merged in.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use burn::backend::Flex;
 use clap::Args as ClapArgs;
+use model::lora::{base_model_dir, is_adapter_dir, load_adapter, merge_adapters, read_adapter_config, save_adapter};
 use model::{load_pretrained, save_pretrained, LoadOptions};
 
 use crate::model_dir::FileDtype;
 
-/// Export a training checkpoint as an HF model directory.
+/// Export a training checkpoint as an HF model directory, or (LoRA runs) a PEFT adapter
+/// directory.
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// A checkpoint directory (runs/x/checkpoints/step-0000010) or a run directory (its newest
@@ -19,9 +23,18 @@ pub struct Args {
     /// Output directory (created; must not hold a model unless --force).
     #[arg(long)]
     pub out: PathBuf,
-    /// Weight dtype of the exported file: bf16 (what Qwen3 ships) or f32.
+    /// Weight dtype of an exported model: bf16 (what Qwen3 ships) or f32. LoRA adapters are
+    /// written in f32 (their training dtype).
     #[arg(long, value_enum, default_value_t = FileDtype::Bf16)]
     pub dtype: FileDtype,
+    /// LoRA checkpoints: write the base with the adapters merged into its weights (a plain HF
+    /// model directory) instead of the adapter directory.
+    #[arg(long)]
+    pub merge: bool,
+    /// LoRA checkpoints: the base model directory (default: the one the checkpoint's
+    /// adapter_config.json names, i.e. the run's `model`).
+    #[arg(long)]
+    pub base: Option<PathBuf>,
     /// Overwrite an existing model in --out.
     #[arg(long)]
     pub force: bool,
@@ -31,29 +44,72 @@ const COPIED: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generatio
 
 pub fn run(args: Args) -> Result<()> {
     let source = resolve(&args.checkpoint)?;
-    if args.out.join("model.safetensors").exists() && !args.force {
-        bail!("{} already holds a model; pass --force to overwrite it", args.out.display());
-    }
-    let model = load_pretrained::<Flex>(&source, &Default::default(), LoadOptions::default())
-        .with_context(|| format!("loading {}", source.display()))?;
-    save_pretrained(&model, &args.out, args.dtype.into())?;
-    for file in COPIED {
-        let from = source.join(file);
-        if from.is_file() {
-            std::fs::copy(&from, args.out.join(file)).with_context(|| format!("copying {}", from.display()))?;
+    for existing in ["model.safetensors", model::lora::ADAPTER_WEIGHTS] {
+        if args.out.join(existing).exists() && !args.force {
+            bail!("{} already holds a model ({existing}); pass --force to overwrite it", args.out.display());
         }
     }
+    let device = Default::default();
+    if is_adapter_dir(&source) {
+        let adapter = read_adapter_config(&source)?;
+        let base = match &args.base {
+            Some(base) => base.clone(),
+            None => base_model_dir(&source, &adapter).with_context(|| {
+                format!(
+                    "{}: its base model ({}) is not a local model directory; pass --base",
+                    source.display(),
+                    adapter.base_model_name_or_path.as_deref().unwrap_or("not recorded")
+                )
+            })?,
+        };
+        let base_model = load_pretrained::<Flex>(&base, &device, LoadOptions::default())
+            .with_context(|| format!("loading the base model {}", base.display()))?;
+        let (adapters, _) = load_adapter::<Flex>(&source, &base_model.config, &device)
+            .with_context(|| format!("loading the adapters in {}", source.display()))?;
+        if args.merge {
+            save_pretrained(&merge_adapters(base_model, &adapters), &args.out, args.dtype.into())?;
+            copy_tokenizer(&[&source, &base], &args.out)?;
+            eprintln!("merged {} into {} and exported it to {} ({:?})", source.display(), base.display(), args.out.display(), args.dtype);
+        } else {
+            let base = std::path::absolute(&base).unwrap_or(base);
+            save_adapter(&adapters, &args.out, &base.to_string_lossy())?;
+            copy_tokenizer(&[&source, &base], &args.out)?;
+            eprintln!("exported the LoRA adapter {} (base {}) to {}", source.display(), base.display(), args.out.display());
+        }
+        return Ok(());
+    }
+    if args.merge || args.base.is_some() {
+        bail!("{} holds a whole model, not LoRA adapters: --merge and --base apply to LoRA checkpoints", source.display());
+    }
+    let model = load_pretrained::<Flex>(&source, &device, LoadOptions::default())
+        .with_context(|| format!("loading {}", source.display()))?;
+    save_pretrained(&model, &args.out, args.dtype.into())?;
+    copy_tokenizer(&[&source], &args.out)?;
     eprintln!("exported {} to {} ({:?})", source.display(), args.out.display(), args.dtype);
     Ok(())
 }
 
-/// A checkpoint directory as given, or the newest checkpoint of a run directory.
+/// Copies each tokenizer file from the first of `sources` that has it.
+fn copy_tokenizer(sources: &[&Path], out: &Path) -> Result<()> {
+    for file in COPIED {
+        if let Some(from) = sources.iter().map(|s| s.join(file)).find(|p| p.is_file()) {
+            std::fs::copy(&from, out.join(file)).with_context(|| format!("copying {}", from.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint directory as given (a model or a LoRA adapter), or the newest checkpoint of a
+/// run directory.
 fn resolve(path: &Path) -> Result<PathBuf> {
-    if path.join("config.json").is_file() {
+    if path.join("config.json").is_file() || is_adapter_dir(path) {
         return Ok(path.to_path_buf());
     }
     match trainer::run::latest_checkpoint(path)? {
         Some(dir) => Ok(dir),
-        None => bail!("{} is neither a checkpoint (no config.json) nor a run with checkpoints", path.display()),
+        None => bail!(
+            "{} is neither a checkpoint (no config.json or adapter_config.json) nor a run with checkpoints",
+            path.display()
+        ),
     }
 }

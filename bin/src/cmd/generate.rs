@@ -17,6 +17,10 @@ pub struct Args {
     /// Model directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json).
     #[arg(long)]
     pub model: PathBuf,
+    /// A PEFT LoRA adapter directory applied to the model (e.g. from `prompt-r1 export` of a
+    /// LoRA run).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// Prompt text (needs tokenizer.json in the model directory).
     #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
     pub prompt: Option<String>,
@@ -60,7 +64,7 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open(&self.model, &device, self.compute.dtype)?;
+        let loaded = LoadedModel::<B>::open_with_adapter(&self.model, self.adapter.as_deref(), &device, self.compute.dtype)?;
         let prompt_ids = match (&self.prompt, &self.prompt_ids) {
             (_, Some(ids)) => ids.0.clone(),
             (Some(text), None) => {
@@ -90,7 +94,7 @@ impl OnBackend for Args {
             max_new_tokens: self.max_new_tokens,
             stop_token_ids,
         };
-        let out = generate(&loaded.model, &[prompt_ids], &config, loaded.pad_id())?;
+        let out = generate(&loaded.policy(), &[prompt_ids], &config, loaded.pad_id())?;
         let tokens = &out[0].tokens;
         let text = match &loaded.tokenizer {
             Some(t) => Some(t.decode(tokens, false)?),

@@ -16,7 +16,7 @@ use crate::model_dir::{preset_parser, FileDtype};
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// Architecture: tiny, small (both with the project's own 512-token BPE tokenizer), or the
-    /// real shapes qwen3-0.6b, qwen3-1.7b, qwen3-4b (vocabulary 151,936).
+    /// real shapes qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b (vocabulary 151,936).
     #[arg(long, default_value = "tiny", value_parser = preset_parser())]
     pub preset: Preset,
     /// Output directory (created; must not already hold a checkpoint unless --force).

@@ -10,6 +10,7 @@ pub mod init_model;
 pub mod score;
 pub mod reward;
 pub mod metrics;
+pub mod plan;
 pub mod plot;
 pub mod serve;
 pub mod infer;

@@ -16,6 +16,10 @@ pub struct Args {
     /// Model directory in Hugging Face layout.
     #[arg(long)]
     pub model: PathBuf,
+    /// A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) applied to
+    /// the model, e.g. from `prompt-r1 export` of a LoRA run.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// Prompt as comma-separated token ids.
     #[arg(long, required_unless_present = "prompt")]
     pub prompt_ids: Option<TokenIds>,
@@ -44,7 +48,7 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open(&self.model, &device, self.compute.dtype)?;
+        let loaded = LoadedModel::<B>::open_with_adapter(&self.model, self.adapter.as_deref(), &device, self.compute.dtype)?;
         let ids = |given: &Option<TokenIds>, text: &Option<String>, flag: &str| -> Result<Vec<u32>> {
             match (given, text) {
                 (Some(ids), _) => Ok(ids.0.clone()),
@@ -54,7 +58,7 @@ impl OnBackend for Args {
         };
         let prompt = ids(&self.prompt_ids, &self.prompt, "--prompt")?;
         let completion = ids(&self.completion_ids, &self.completion, "--completion")?;
-        let logprobs = completion_logprobs(&loaded.model, &[(prompt, completion.clone())], loaded.pad_id())?
+        let logprobs = completion_logprobs(&loaded.policy(), &[(prompt, completion.clone())], loaded.pad_id())?
             .remove(0);
         let sum: f64 = logprobs.iter().map(|&x| f64::from(x)).sum();
         if self.json {

@@ -4,16 +4,19 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use burn::backend::Autodiff;
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use env::OpenAiClient;
 use model::MatmulPrecision;
+use trainer::plan::parse_size;
 use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
 
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_matmul;
 
-/// Train the agent with GRPO (settings in a TOML file; see `assets/run.example.toml`).
+/// Train the agent with GRPO (settings in a TOML file; see `assets/run.example.toml`; a `[lora]`
+/// section trains LoRA adapters beside the frozen model instead of every weight).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// The run configuration (TOML). Paths inside it are relative to the file.
@@ -51,6 +54,9 @@ pub struct Args {
     /// Compute device: cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
+    /// Override run.device_memory: the device's memory for the check at start (e.g. 80GiB).
+    #[arg(long, value_parser = parse_size)]
+    pub device_memory: Option<u64>,
 }
 
 impl Args {
@@ -81,6 +87,9 @@ impl Args {
         }
         if let Some(name) = &self.env_model {
             config.environment.model = name.clone();
+        }
+        if let Some(bytes) = self.device_memory {
+            config.run.device_memory = Some(bytes.to_string());
         }
         config.validate().map_err(anyhow::Error::msg).context("invalid configuration")?;
         if config.environment.base_url.is_empty() || config.environment.model.is_empty() {
@@ -119,6 +128,7 @@ fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
 
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
+    super::plan::check_before_training(&config, args.device).context("memory plan")?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
         let kernels = model::cpu_kernels::has_bf16_kernels();
         if let Some(note) = bf16_products_note(kernels, model::cpu_kernels::bf16_mac_ratio()) {
@@ -146,6 +156,14 @@ impl OnBackend for Training {
         let save_every = self.config.run.save_every;
         let mut trainer = Trainer::<Autodiff<B>>::start(self.config, device, self.resume)?;
         let out_dir = trainer.config().run.out_dir.clone();
+        if let Some(adapters) = trainer.adapters() {
+            let (trained, base) = (adapters.num_params(), trainer.policy().num_params());
+            eprintln!(
+                "LoRA: {trained} trainable parameters ({:.2}% of the base's {base}), base weights in {:?}",
+                100.0 * trained as f64 / base as f64,
+                trainer.config().model_dtype
+            );
+        }
         let done = trainer.step_count();
         if done >= steps {
             eprintln!("{} is already at step {done} of {steps}", out_dir.display());

@@ -127,6 +127,20 @@ pub(super) fn check_cuda(index: usize) -> Result<()> {
     }
 }
 
+/// GPU `index`'s total memory, as CubeCL's CUDA runtime read it (`cuDeviceTotalMem`) when it
+/// started: cubecl-cuda 0.10 sets the largest allocation to a quarter of it. `None` when the
+/// runtime cannot start.
+#[cfg(feature = "cuda")]
+pub(super) fn cuda_total_memory(index: usize) -> Option<u64> {
+    use burn::cubecl::Runtime;
+    configure_cubecl();
+    let device = burn::backend::cuda::CudaDevice::new(index);
+    catch_unwind(AssertUnwindSafe(|| {
+        burn::cubecl::cuda::CudaRuntime::client(&device).properties().memory.max_page_size * 4
+    }))
+    .ok()
+}
+
 #[cfg(feature = "wgpu")]
 const WGPU_HELP: &str = "It needs a Vulkan driver (libvulkan and an ICD: a GPU's, or Mesa's lavapipe on the CPU \
                          from the mesa-vulkan-drivers package); use --device cpu otherwise";

@@ -84,6 +84,17 @@ pub fn check_available(choice: DeviceChoice) -> Result<()> {
     }
 }
 
+/// The device's total memory and where the figure comes from: the machine's RAM for the CPU,
+/// the GPU's total for CUDA (in builds with it); `None` where it cannot be read (wgpu).
+pub fn total_memory(choice: DeviceChoice) -> Option<(u64, String)> {
+    match choice {
+        DeviceChoice::Cpu => trainer::run::total_ram_bytes().map(|b| (b, "this machine's RAM".to_owned())),
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(index) => gpu::cuda_total_memory(index).map(|b| (b, format!("GPU {index}'s total"))),
+        _ => None,
+    }
+}
+
 /// The error for a device whose backend this binary was built without.
 #[cfg(not(all(feature = "cuda", feature = "wgpu")))]
 fn not_built(choice: DeviceChoice) -> anyhow::Error {

@@ -6,10 +6,11 @@ use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use super::cache::LayerKvCache;
-use super::linear::{linear, MatmulPrecision};
+use super::linear::{lora_linear, MatmulPrecision};
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
 use crate::kernels;
+use crate::lora::LoraLayer;
 
 /// Self-attention of one decoder layer. Projections have no bias.
 #[derive(Module, Debug)]
@@ -74,18 +75,30 @@ impl<B: Backend> Qwen3Attention<B> {
         cache: Option<&mut LayerKvCache<B>>,
         matmul: MatmulPrecision,
     ) -> Tensor<B, 3> {
+        self.forward_with_adapters(hidden_states, inputs, cache, matmul, None)
+    }
+
+    /// [`Self::forward`] with the layer's LoRA adapters on the projections that have one.
+    pub fn forward_with_adapters(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        inputs: &AttentionInputs<B>,
+        cache: Option<&mut LayerKvCache<B>>,
+        matmul: MatmulPrecision,
+        adapters: Option<&LoraLayer<B>>,
+    ) -> Tensor<B, 3> {
         let [b, q_len, _] = hidden_states.dims();
         let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
 
         let query_states = self
             .q_norm
-            .forward(linear(&self.q_proj, hidden_states.clone(), matmul).reshape([b, q_len, h, d]));
+            .forward(lora_linear(&self.q_proj, adapters.and_then(|a| a.q_proj.as_ref()), hidden_states.clone(), matmul).reshape([b, q_len, h, d]));
         let key_states = self
             .k_norm
-            .forward(linear(&self.k_proj, hidden_states.clone(), matmul).reshape([b, q_len, kv, d]));
+            .forward(lora_linear(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), hidden_states.clone(), matmul).reshape([b, q_len, kv, d]));
         let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q);
         let key_states = apply_rotary_pos_emb(key_states, &inputs.rotary_k).swap_dims(1, 2);
-        let value_states = linear(&self.v_proj, hidden_states, matmul)
+        let value_states = lora_linear(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), hidden_states, matmul)
             .reshape([b, q_len, kv, d])
             .swap_dims(1, 2);
 
@@ -102,7 +115,7 @@ impl<B: Backend> Qwen3Attention<B> {
                 .swap_dims(1, 2)
                 .reshape([b, q_len, h * d])
         });
-        linear(&self.o_proj, attn_output, matmul)
+        lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, matmul)
     }
 }
 

@@ -15,6 +15,7 @@ use super::rotary::Qwen3RotaryEmbedding;
 use crate::config::Qwen3Config;
 use crate::kernels::{self, WeightLayout};
 use crate::error::ModelError;
+use crate::lora::LoraAdapters;
 
 /// The decoder stack without the language-model head.
 #[derive(Module, Debug)]
@@ -48,9 +49,27 @@ impl<B: Backend> Qwen3Model<B> {
         input_ids: Tensor<B, 2, Int>,
         position_ids: Tensor<B, 2, Int>,
         attention_mask: Option<&Tensor<B, 2, Int>>,
-        mut cache: Option<&mut KvCache<B>>,
+        cache: Option<&mut KvCache<B>>,
         output_hidden_states: bool,
     ) -> ModelOutput<B> {
+        self.forward_with_adapters(input_ids, position_ids, attention_mask, cache, output_hidden_states, None)
+    }
+
+    /// [`Self::forward`] with LoRA adapters beside the weights (`None`: the model alone).
+    ///
+    /// Panics if `adapters` were made for a model with another number of layers.
+    pub fn forward_with_adapters(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        position_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<&Tensor<B, 2, Int>>,
+        mut cache: Option<&mut KvCache<B>>,
+        output_hidden_states: bool,
+        adapters: Option<&LoraAdapters<B>>,
+    ) -> ModelOutput<B> {
+        if let Some(a) = adapters {
+            assert_eq!(a.layers.len(), self.layers.len(), "LoRA adapters for {} layers, the model has {}", a.layers.len(), self.layers.len());
+        }
         let [b, q_len] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.len());
         let device = input_ids.device();
@@ -68,7 +87,8 @@ impl<B: Backend> Qwen3Model<B> {
                 AttentionInputs::new(&self.rotary_emb, position_ids, bias, heads, kv_heads);
             for (i, layer) in self.layers.iter().enumerate() {
                 let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-                hidden_states = layer.forward(hidden_states, &inputs, layer_cache, self.matmul);
+                let layer_adapters = adapters.map(|a| &a.layers[i]);
+                hidden_states = layer.forward_with_adapters(hidden_states, &inputs, layer_cache, self.matmul, layer_adapters);
                 if let Some(all) = all_hidden.as_mut() {
                     all.push(hidden_states.clone());
                 }
@@ -100,9 +120,21 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
         attention_mask: Option<&Tensor<B, 2, Int>>,
         cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
+        self.forward_with_adapters(input_ids, position_ids, attention_mask, cache, None)
+    }
+
+    /// [`Self::forward`] with LoRA adapters beside the weights (`None`: the model alone).
+    pub fn forward_with_adapters(
+        &self,
+        input_ids: Tensor<B, 2, Int>,
+        position_ids: Tensor<B, 2, Int>,
+        attention_mask: Option<&Tensor<B, 2, Int>>,
+        cache: Option<&mut KvCache<B>>,
+        adapters: Option<&LoraAdapters<B>>,
+    ) -> Tensor<B, 3> {
         let out = self
             .model
-            .forward(input_ids, position_ids, attention_mask, cache, false);
+            .forward_with_adapters(input_ids, position_ids, attention_mask, cache, false, adapters);
         self.logits(out.last_hidden_state)
     }
 

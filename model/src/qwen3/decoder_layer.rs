@@ -8,6 +8,7 @@ use super::cache::LayerKvCache;
 use super::linear::MatmulPrecision;
 use super::mlp::Qwen3MLP;
 use super::rms_norm::Qwen3RMSNorm;
+use crate::lora::LoraLayer;
 
 /// One transformer block.
 #[derive(Module, Debug)]
@@ -27,11 +28,30 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         cache: Option<&mut LayerKvCache<B>>,
         matmul: MatmulPrecision,
     ) -> Tensor<B, 3> {
+        self.forward_with_adapters(hidden_states, inputs, cache, matmul, None)
+    }
+
+    /// [`Self::forward`] with this layer's LoRA adapters (its slice of
+    /// [`crate::lora::LoraAdapters`]) on the projections that have one.
+    pub fn forward_with_adapters(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        inputs: &AttentionInputs<B>,
+        cache: Option<&mut LayerKvCache<B>>,
+        matmul: MatmulPrecision,
+        adapters: Option<&LoraLayer<B>>,
+    ) -> Tensor<B, 3> {
         let residual = hidden_states.clone();
         let hidden_states = self.input_layernorm.forward(hidden_states);
-        let hidden_states = residual + self.self_attn.forward(hidden_states, inputs, cache, matmul);
+        let hidden_states = residual
+            + self
+                .self_attn
+                .forward_with_adapters(hidden_states, inputs, cache, matmul, adapters);
         let residual = hidden_states.clone();
         let hidden_states = self.post_attention_layernorm.forward(hidden_states);
-        residual + self.mlp.forward(hidden_states, matmul)
+        residual
+            + self
+                .mlp
+                .forward_with_adapters(hidden_states, matmul, adapters)
     }
 }

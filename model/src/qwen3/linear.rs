@@ -5,6 +5,7 @@ use burn::tensor::{backend::Backend, module, DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::kernels::{self, WeightLayout};
+use crate::lora::LoraLinear;
 
 /// How the projections multiply f32 activations by f32 weights (bf16 weights always give bf16
 /// products).
@@ -37,6 +38,34 @@ pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>, ma
     match layer.bias {
         None => project(x, weight, WeightLayout::InOut, matmul),
         Some(ref bias) => linear_rows(x, weight, Some(bias.val())),
+    }
+}
+
+/// `layer.forward(x)` at precision `matmul` plus, when the projection has an adapter, PEFT's
+/// LoRA term: `result + lora_B(lora_A(lora_dropout(x))) · scaling`. As in PEFT's
+/// `lora.Linear.forward`, the adapter path runs in the adapter's dtype (f32; `x` is cast to it)
+/// and the sum is cast back to the base result's dtype, so a bf16 base keeps bf16 activations.
+/// The base product takes the same path (and kernels) as without an adapter.
+#[allow(non_snake_case)]
+pub fn lora_linear<B: Backend, const D: usize>(
+    layer: &Linear<B>,
+    lora: Option<&LoraLinear<B>>,
+    x: Tensor<B, D>,
+    matmul: MatmulPrecision,
+) -> Tensor<B, D> {
+    let Some(lora) = lora else {
+        return linear(layer, x, matmul);
+    };
+    let result = linear(layer, x.clone(), matmul);
+    let torch_result_dtype = result.dtype();
+    let lora_A = lora.lora_A.val();
+    let x = kernels::cast(x, lora_A.dtype());
+    let lora_out = linear_rows(linear_rows(lora.lora_dropout.forward(x), lora_A, None), lora.lora_B.val(), None)
+        .mul_scalar(lora.scaling);
+    if torch_result_dtype == lora_out.dtype() {
+        result + lora_out
+    } else {
+        kernels::cast(kernels::cast(result, lora_out.dtype()) + lora_out, torch_result_dtype)
     }
 }
 

@@ -4,7 +4,8 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{activation::silu, backend::Backend, Tensor};
 
-use super::linear::{linear, MatmulPrecision};
+use super::linear::{lora_linear, MatmulPrecision};
+use crate::lora::LoraLayer;
 use crate::kernels;
 
 /// The gated feed-forward block of a decoder layer.
@@ -18,9 +19,19 @@ pub struct Qwen3MLP<B: Backend> {
 impl<B: Backend> Qwen3MLP<B> {
     /// `[.., hidden] -> [.., hidden]`, the projections at precision `matmul`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>, matmul: MatmulPrecision) -> Tensor<B, D> {
-        let gate = linear(&self.gate_proj, x.clone(), matmul);
-        let up = linear(&self.up_proj, x, matmul);
+        self.forward_with_adapters(x, matmul, None)
+    }
+
+    /// [`Self::forward`] with the layer's LoRA adapters on the projections that have one.
+    pub fn forward_with_adapters<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        matmul: MatmulPrecision,
+        adapters: Option<&LoraLayer<B>>,
+    ) -> Tensor<B, D> {
+        let gate = lora_linear(&self.gate_proj, adapters.and_then(|a| a.gate_proj.as_ref()), x.clone(), matmul);
+        let up = lora_linear(&self.up_proj, adapters.and_then(|a| a.up_proj.as_ref()), x, matmul);
         let hidden = kernels::silu_mul(&gate, &up).unwrap_or_else(|| silu(gate) * up);
-        linear(&self.down_proj, hidden, matmul)
+        lora_linear(&self.down_proj, adapters.and_then(|a| a.down_proj.as_ref()), hidden, matmul)
     }
 }

@@ -18,7 +18,7 @@ pub use cache::{KvCache, LayerKvCache};
 pub use causal_lm::{ModelOutput, Qwen3ForCausalLM, Qwen3Model};
 pub use decoder_layer::Qwen3DecoderLayer;
 pub use mask::{attention_bias, MASK_VALUE};
-pub use linear::{product, MatmulPrecision};
+pub use linear::{lora_linear, product, MatmulPrecision};
 pub use mlp::Qwen3MLP;
 pub use rms_norm::Qwen3RMSNorm;
 pub use rotary::{apply_rotary_pos_emb, swap_halves, Qwen3RotaryEmbedding, RotaryTables};

@@ -2,8 +2,9 @@
 //! needs the whole distribution, so it is formed from logits a chunk of positions at a time,
 //! in the same forward pass as the chosen tokens' log-probs.
 
-use burn::tensor::{backend::Backend, DType, Tensor};
-use model::logprobs::{chosen_logprobs, entropy_without_grad, map_logits_chunks};
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
+use model::logprobs::{chosen_logprobs, entropy_without_grad, map_hidden_chunks, map_logits_chunks};
+use model::lora::CausalLm;
 use model::{ModelError, Qwen3ForCausalLM, TokenBatch};
 
 /// Whether gradients flow through the entropy (only needed when it is part of the loss).
@@ -33,21 +34,50 @@ pub fn entropy_from_logits<B: Backend>(logits: Tensor<B, 3>) -> Tensor<B, 2> {
 /// was drawn from: both `[b, len − start]`, column `j` for token `start + j` of a right-padded
 /// batch (values at padding are meaningless; mask them).
 pub fn token_logprobs_and_entropy<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     batch: &TokenBatch<B>,
     start: usize,
     entropy_grad: EntropyGrad,
 ) -> Result<(Tensor<B, 2>, Tensor<B, 2>), ModelError> {
     let pieces = map_logits_chunks(model, batch, start, |logits, targets| {
-        let entropy = match entropy_grad {
-            EntropyGrad::Tracked => entropy_from_logits(logits.clone()),
-            EntropyGrad::Detached => entropy_without_grad(&logits)
-                .unwrap_or_else(|| entropy_from_logits(logits.clone().detach())),
-        };
-        (chosen_logprobs(logits, targets), entropy)
+        chunk_logprobs_and_entropy(logits, targets, entropy_grad)
     })?;
+    Ok(join(pieces))
+}
+
+/// [`token_logprobs_and_entropy`] from the decoder's final hidden states `[b, len, hidden]` of
+/// `batch` (see [`model::map_hidden_chunks`]).
+pub fn token_logprobs_and_entropy_from_hidden<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    hidden: Tensor<B, 3>,
+    batch: &TokenBatch<B>,
+    start: usize,
+    entropy_grad: EntropyGrad,
+) -> Result<(Tensor<B, 2>, Tensor<B, 2>), ModelError> {
+    let pieces = map_hidden_chunks(model, hidden, batch, start, |logits, targets| {
+        chunk_logprobs_and_entropy(logits, targets, entropy_grad)
+    })?;
+    Ok(join(pieces))
+}
+
+/// The chosen tokens' log-probs and the entropy of one chunk of logits.
+fn chunk_logprobs_and_entropy<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+    entropy_grad: EntropyGrad,
+) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let entropy = match entropy_grad {
+        EntropyGrad::Tracked => entropy_from_logits(logits.clone()),
+        EntropyGrad::Detached => entropy_without_grad(&logits)
+            .unwrap_or_else(|| entropy_from_logits(logits.clone().detach())),
+    };
+    (chosen_logprobs(logits, targets), entropy)
+}
+
+/// The chunks' results joined along the positions.
+fn join<B: Backend>(pieces: Vec<(Tensor<B, 2>, Tensor<B, 2>)>) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let (logprobs, entropies): (Vec<_>, Vec<_>) = pieces.into_iter().unzip();
-    Ok((Tensor::cat(logprobs, 1), Tensor::cat(entropies, 1)))
+    (Tensor::cat(logprobs, 1), Tensor::cat(entropies, 1))
 }
 
 #[cfg(test)]

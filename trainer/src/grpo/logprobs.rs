@@ -2,16 +2,17 @@
 //! and the frozen reference's inputs to the loss.
 
 use burn::tensor::backend::Backend;
-use model::{token_logprobs, Padding, Qwen3ForCausalLM, TokenBatch};
+use model::lora::CausalLm;
+use model::{token_logprobs, Padding, TokenBatch};
 
 use super::error::GrpoError;
 
 /// `out[i][t] = log p(sequences[i][t] | sequences[i][..t])` for `t ≥ 1`, and `out[i][0] = 0`:
 /// aligned with the tokens, as [`super::batch::PolicySequence`] wants. Runs right-padded
 /// batches of up to `batch_size` sequences. Run it on the inner backend (`model.valid()`) so no
-/// autodiff graph is built.
+/// autodiff graph is built. `model` is a Qwen3 model or a base with LoRA adapters.
 pub fn sequence_logprobs<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
+    model: &impl CausalLm<B>,
     sequences: &[Vec<u32>],
     pad_id: u32,
     batch_size: usize,
@@ -22,11 +23,12 @@ pub fn sequence_logprobs<B: Backend>(
     if let Some(i) = sequences.iter().position(Vec::is_empty) {
         return Err(GrpoError::Input(format!("sequence {i} is empty")));
     }
+    let base = model.base();
     for s in sequences {
-        model.check_token_ids(s)?;
+        base.check_token_ids(s)?;
     }
-    model.check_token_ids(&[pad_id])?;
-    let device = model.device();
+    base.check_token_ids(&[pad_id])?;
+    let device = base.device();
     let mut out = Vec::with_capacity(sequences.len());
     for chunk in sequences.chunks(batch_size) {
         let batch = TokenBatch::<B>::new(chunk, Padding::Right, pad_id, &device)?;

@@ -8,10 +8,13 @@
 //! - [`loss`]: the combined objective and its settings.
 //! - [`batch`], [`logprobs`], [`step`]: the learner's input, the old/reference log-probs, and
 //!   the learning step with mini-batches, micro-batches and the guarded optimiser step.
+//! - [`checkpointing`]: the learning step's gradients with one decoder layer's activations
+//!   alive at a time (`activation_checkpointing`).
 
 pub mod advantage;
 pub mod aggregate;
 pub mod batch;
+pub mod checkpointing;
 pub mod entropy;
 pub mod error;
 pub mod kl;
@@ -23,10 +26,12 @@ pub mod step;
 pub use advantage::{group_advantages, AdvantageMode};
 pub use aggregate::{agg_loss, AggMode};
 pub use batch::{PolicyBatch, PolicySequence};
-pub use entropy::{entropy_from_logits, token_logprobs_and_entropy, EntropyGrad};
+pub use entropy::{
+    entropy_from_logits, token_logprobs_and_entropy, token_logprobs_and_entropy_from_hidden, EntropyGrad,
+};
 pub use error::GrpoError;
 pub use kl::{kl_penalty, KlEstimator};
 pub use logprobs::sequence_logprobs;
 pub use loss::{grpo_loss, GrpoLossConfig, LossInputs, LossStats};
 pub use policy_loss::{policy_loss, PolicyLoss, PolicyLossStats, PpoClip};
-pub use step::{learn_step, LearnConfig, StepStats};
+pub use step::{learn, learn_step, learn_step_lora, LearnConfig, StepStats, Trainable};

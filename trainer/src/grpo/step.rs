@@ -1,15 +1,22 @@
 //! The GRPO learning step on prepared sequences, independent of how they were collected: one
 //! pass over the batch in mini-batches (one optimiser step each), every mini-batch split into
 //! micro-batches whose gradients are accumulated so that the step sees exactly the gradient of
-//! the whole mini-batch's loss.
+//! the whole mini-batch's loss. What is trained is the whole model ([`learn_step`]) or LoRA
+//! adapters beside a frozen base ([`learn_step_lora`]), by one code path ([`Trainable`]).
 
+use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::{backend::AutodiffBackend, backend::Backend, Tensor, TensorData};
-use model::{token_logprobs, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
+use model::lora::CausalLm;
+use model::{
+    token_logprobs_from_hidden, LoraAdapters, LoraModel, MatmulPrecision, Padding,
+    Qwen3ForCausalLM, TokenBatch,
+};
 use serde::{Deserialize, Serialize};
 
 use super::batch::{PolicyBatch, PolicySequence};
-use super::entropy::{token_logprobs_and_entropy, EntropyGrad};
+use super::checkpointing::checkpointed_gradients;
+use super::entropy::{token_logprobs_and_entropy_from_hidden, EntropyGrad};
 use super::error::GrpoError;
 use super::loss::{grpo_loss, GrpoLossConfig, LossInputs, LossStats};
 use crate::optim::{clip_and_step, OptimizerConfig, StepOutcome};
@@ -33,6 +40,10 @@ pub struct LearnConfig {
     /// (operands rounded to bf16, f32 sums; f32 weights, gradients and optimiser state). The
     /// trainer scores the old log-probs at the same precision, so a step's first ratio is 1.
     pub matmul: MatmulPrecision,
+    /// Keep only each decoder layer's input in the forward pass and recompute the layer in
+    /// the backward pass (the same gradients, one more forward pass of compute, a fraction of
+    /// the activation memory; see [`super::checkpointing`]).
+    pub activation_checkpointing: bool,
     pub loss: GrpoLossConfig,
     pub optimizer: OptimizerConfig,
 }
@@ -44,6 +55,7 @@ impl Default for LearnConfig {
             micro_batch_size: 8,
             track_entropy: true,
             matmul: MatmulPrecision::F32,
+            activation_checkpointing: false,
             loss: GrpoLossConfig::default(),
             optimizer: OptimizerConfig::default(),
         }
@@ -104,7 +116,72 @@ impl StepStats {
     }
 }
 
-/// One GRPO update of `model` on `batch`: the sequences are taken in order (shuffle before if
+/// What a learning step trains: the whole model, or LoRA adapters beside a frozen base. Either
+/// way the loss, micro-batching, clipping and optimiser step are the same code; only the
+/// parameters that get gradients (and optimiser state) differ.
+pub trait Trainable<B: AutodiffBackend>: AutodiffModule<B> {
+    /// What stays fixed beside it: nothing for the whole model, the base for adapters.
+    type Frozen;
+    /// The policy whose loss is minimised: this module with `frozen`.
+    fn policy<'a>(&'a self, frozen: &'a Self::Frozen) -> LoraModel<'a, B>;
+}
+
+impl<B: AutodiffBackend> Trainable<B> for Qwen3ForCausalLM<B> {
+    type Frozen = ();
+
+    fn policy<'a>(&'a self, _: &'a ()) -> LoraModel<'a, B> {
+        LoraModel::new(self, None)
+    }
+}
+
+impl<B: AutodiffBackend> Trainable<B> for LoraAdapters<B> {
+    type Frozen = Qwen3ForCausalLM<B>;
+
+    fn policy<'a>(&'a self, base: &'a Qwen3ForCausalLM<B>) -> LoraModel<'a, B> {
+        LoraModel::new(base, Some(self))
+    }
+}
+
+/// One GRPO update of `model` (every weight) on `batch`, its products at `config.matmul`;
+/// see [`learn`] for the step itself.
+pub fn learn_step<B, O>(
+    model: Qwen3ForCausalLM<B>,
+    optimizer: &mut O,
+    batch: &PolicyBatch,
+    config: &LearnConfig,
+) -> Result<(Qwen3ForCausalLM<B>, StepStats), GrpoError>
+where
+    B: AutodiffBackend,
+    O: Optimizer<Qwen3ForCausalLM<B>, B>,
+{
+    learn(
+        model.with_matmul_precision(config.matmul),
+        &(),
+        optimizer,
+        batch,
+        config,
+    )
+}
+
+/// One GRPO update of LoRA `adapters` beside `base` on `batch`: only the adapters get
+/// gradients and optimiser state; the base (any dtype) is used with no gradient whatever its
+/// parameters' setting, its products at `config.matmul`. See [`learn`] for the step itself.
+pub fn learn_step_lora<B, O>(
+    base: &Qwen3ForCausalLM<B>,
+    adapters: LoraAdapters<B>,
+    optimizer: &mut O,
+    batch: &PolicyBatch,
+    config: &LearnConfig,
+) -> Result<(LoraAdapters<B>, StepStats), GrpoError>
+where
+    B: AutodiffBackend,
+    O: Optimizer<LoraAdapters<B>, B>,
+{
+    let base = base.clone().no_grad().with_matmul_precision(config.matmul);
+    learn(adapters, &base, optimizer, batch, config)
+}
+
+/// One GRPO update of `module` (within `frozen`) on `batch`: the sequences are taken in order (shuffle before if
 /// wanted), `mini_batch_size` at a time, one epoch. Each mini-batch's loss is the aggregate of
 /// [`grpo_loss`] over all its agent tokens; it is evaluated `micro_batch_size` sequences at a
 /// time, each micro-batch's loss weighted by its share of the mini-batch's aggregation
@@ -114,26 +191,27 @@ impl StepStats {
 ///
 /// Errors (bad settings, token ids outside the vocabulary, missing reference log-probs with the
 /// KL term on) are detected before the first forward pass.
-pub fn learn_step<B, O>(
-    mut model: Qwen3ForCausalLM<B>,
+pub fn learn<B, M, O>(
+    mut module: M,
+    frozen: &M::Frozen,
     optimizer: &mut O,
     batch: &PolicyBatch,
     config: &LearnConfig,
-) -> Result<(Qwen3ForCausalLM<B>, StepStats), GrpoError>
+) -> Result<(M, StepStats), GrpoError>
 where
     B: AutodiffBackend,
-    O: Optimizer<Qwen3ForCausalLM<B>, B>,
+    M: Trainable<B>,
+    O: Optimizer<M, B>,
 {
     let _autodiff = crate::autodiff_lock::exclusive_autodiff();
     config.validate()?;
-    model = model.with_matmul_precision(config.matmul);
     if config.loss.uses_kl() && !batch.has_ref_logprobs() {
         return Err(GrpoError::Input(
             "kl_coef ≠ 0 but some sequences have no reference log-probs".into(),
         ));
     }
     for s in batch.sequences() {
-        model.check_token_ids(&s.tokens)?;
+        module.policy(frozen).base.check_token_ids(&s.tokens)?;
     }
     let mode = config.loss.agg_mode;
     let mut totals = Totals::default();
@@ -142,7 +220,7 @@ where
         if mini_units == 0 {
             continue;
         }
-        let mut accumulator = GradientsAccumulator::<Qwen3ForCausalLM<B>>::new();
+        let mut accumulator = GradientsAccumulator::<M>::new();
         let mut mini_terms = Terms::default();
         for micro in mini.chunks(config.micro_batch_size) {
             let units = mode.denominator(micro.iter().map(PolicySequence::n_agent_tokens));
@@ -150,44 +228,84 @@ where
                 continue;
             }
             let weight = units as f32 / mini_units as f32;
-            let (loss, stats) = micro_batch_loss(&model, micro, config)?;
-            let grads = loss.mul_scalar(weight).backward();
-            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            let policy = module.policy(frozen);
+            let (grads, stats) = if config.activation_checkpointing {
+                checkpointed_gradients(&policy, &module, micro, weight, config)?
+            } else {
+                let (loss, stats) = micro_batch_loss(&policy, micro, config)?;
+                let grads = loss.mul_scalar(weight).backward();
+                (GradientsParams::from_grads(grads, &module), stats)
+            };
+            accumulator.accumulate(&module, grads);
             mini_terms.add(&stats, weight);
             totals.add_tokens(&stats);
         }
         let (next, outcome) = clip_and_step(
             optimizer,
             config.optimizer.lr,
-            model,
+            module,
             accumulator.grads(),
             config.optimizer.grad_clip,
         );
-        model = next;
+        module = next;
         totals.add_mini_batch(mini_terms, outcome);
     }
-    Ok((model, totals.finish(batch)))
+    Ok((module, totals.finish(batch)))
 }
 
 /// The loss of one micro-batch, aggregated over its own agent tokens.
 fn micro_batch_loss<B: AutodiffBackend>(
+    model: &LoraModel<'_, B>,
+    micro: &[PolicySequence],
+    config: &LearnConfig,
+) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
+    let base = model.base();
+    let batch = token_batch(micro, &base.device())?;
+    let hidden = base
+        .model
+        .forward_with_adapters(
+            batch.input_ids.clone(),
+            batch.position_ids.clone(),
+            batch.mask(),
+            None,
+            false,
+            model.adapters(),
+        )
+        .last_hidden_state;
+    loss_from_hidden(base, hidden, &batch, micro, config)
+}
+
+/// The micro-batch's sequences as one right-padded batch.
+pub(super) fn token_batch<B: Backend>(
+    micro: &[PolicySequence],
+    device: &B::Device,
+) -> Result<TokenBatch<B>, GrpoError> {
+    let tokens: Vec<Vec<u32>> = micro.iter().map(|s| s.tokens.clone()).collect();
+    Ok(TokenBatch::new(&tokens, Padding::Right, PAD_ID, device)?)
+}
+
+/// The loss of one micro-batch from the decoder's final hidden states `hidden` of `batch`
+/// (final norm included, adapters applied): `model`'s head, log-probs, entropy and
+/// [`grpo_loss`].
+pub(super) fn loss_from_hidden<B: Backend>(
     model: &Qwen3ForCausalLM<B>,
+    hidden: Tensor<B, 3>,
+    batch: &TokenBatch<B>,
     micro: &[PolicySequence],
     config: &LearnConfig,
 ) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
     let device = model.device();
-    let tokens: Vec<Vec<u32>> = micro.iter().map(|s| s.tokens.clone()).collect();
-    let batch = TokenBatch::<B>::new(&tokens, Padding::Right, PAD_ID, &device)?;
     let (logp, entropy) = if config.loss.uses_entropy() || config.track_entropy {
         let grad = if config.loss.uses_entropy() {
             EntropyGrad::Tracked
         } else {
             EntropyGrad::Detached
         };
-        let (logp, entropy) = token_logprobs_and_entropy(model, &batch, 1, grad)?;
+        let (logp, entropy) =
+            token_logprobs_and_entropy_from_hidden(model, hidden, batch, 1, grad)?;
         (logp, Some(entropy))
     } else {
-        (token_logprobs(model, &batch, 1)?, None)
+        (token_logprobs_from_hidden(model, hidden, batch, 1)?, None)
     };
     let grid = TokenGrid {
         sequences: micro,

@@ -7,11 +7,11 @@ use burn::tensor::backend::Backend;
 use env::{Agent, AgentContext, AgentError, TurnEnd, TurnText};
 use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{generate_seeded, Qwen3ForCausalLM, Sampling, SamplingConfig};
+use model::{generate_seeded, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling, SamplingConfig};
 
-/// A local checkpoint acting as the Prompt-R1 agent.
+/// A local checkpoint acting as the Prompt-R1 agent (with LoRA adapters, if given).
 pub struct LocalAgent<'m, B: Backend> {
-    model: &'m Qwen3ForCausalLM<B>,
+    model: LoraModel<'m, B>,
     tokenizer: &'m Qwen3Tokenizer,
     /// How turns are sampled; `sampling.seed` is the base seed: each episode and turn derives
     /// its own stream from it.
@@ -33,7 +33,7 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
     ) -> Self {
         let special = *tokenizer.special();
         Self {
-            model,
+            model: LoraModel::new(model, None),
             tokenizer,
             sampling,
             batch_stream: 0,
@@ -41,6 +41,12 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
             stop_ids: vec![special.im_end, special.endoftext],
             turns_generated: Vec::new(),
         }
+    }
+
+    /// The agent with LoRA `adapters` applied to its model's forward.
+    pub fn with_adapters(mut self, adapters: Option<&'m LoraAdapters<B>>) -> Self {
+        self.model.adapters = adapters;
+        self
     }
 
     /// Sets the stream of the next batch of episodes (e.g. the training step), which together
@@ -93,7 +99,7 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
             max_new_tokens: budget,
             stop_token_ids: self.stop_ids.clone(),
         };
-        let generated = match generate_seeded(self.model, &prompts, &config, self.pad_id, &seeds) {
+        let generated = match generate_seeded(&self.model, &prompts, &config, self.pad_id, &seeds) {
             Ok(g) => g,
             Err(e) => {
                 let message = e.to_string();

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
 use env::ClientConfig;
-use model::Sampling;
+use model::{LoraConfig, Sampling};
 use rewards::RewardConfig;
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +20,14 @@ pub struct TrainConfig {
     /// The initial policy, an HF checkpoint directory with `tokenizer.json`. The frozen
     /// reference policy is this checkpoint too.
     pub model: PathBuf,
+    /// The dtype the model's weights are held in: `f32`, or `bf16` for a frozen LoRA base
+    /// (only with `[lora]`: full fine-tuning keeps f32 weights).
+    #[serde(default)]
+    pub model_dtype: ModelDtype,
+    /// LoRA: train low-rank adapters beside the frozen model instead of every weight (absent:
+    /// full fine-tuning). The KL reference is then the model with the adapters off.
+    #[serde(default)]
+    pub lora: Option<LoraConfig>,
     pub data: DataSection,
     /// The large LLM (an OpenAI-compatible endpoint); the API key comes from the variable
     /// named by `api_key_env`.
@@ -35,6 +43,25 @@ pub struct TrainConfig {
     pub grpo: LearnConfig,
     #[serde(default)]
     pub run: RunSection,
+}
+
+/// The dtype of the model's weights during a run (see [`TrainConfig::model_dtype`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl ModelDtype {
+    /// The tensor dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            ModelDtype::F32 => DType::F32,
+            ModelDtype::Bf16 => DType::BF16,
+        }
+    }
 }
 
 /// Training and validation data.
@@ -186,6 +213,9 @@ pub struct RunSection {
     pub seed: u64,
     /// Keep at most this many checkpoints (oldest removed first; 0 keeps all).
     pub keep_checkpoints: usize,
+    /// The memory of the device the run trains on (e.g. "80GiB"), for the memory plan that
+    /// `train` checks at start; unset: the GPU's total where it can be read, else the RAM.
+    pub device_memory: Option<String>,
 }
 
 impl Default for RunSection {
@@ -198,6 +228,7 @@ impl Default for RunSection {
             validate_before_train: true,
             seed: 0,
             keep_checkpoints: 3,
+            device_memory: None,
         }
     }
 }
@@ -254,6 +285,21 @@ impl TrainConfig {
         }
         self.rollout.sampling.validate().map_err(|e| format!("rollout.sampling: {e}"))?;
         self.grpo.validate().map_err(|e| format!("grpo: {e}"))?;
+        match &self.lora {
+            Some(lora) if lora.dropout > 0.0 && self.grpo.activation_checkpointing => {
+                return Err(crate::grpo::checkpointing::DROPOUT.into())
+            }
+            Some(lora) => lora.validate()?,
+            None if self.model_dtype != ModelDtype::F32 => {
+                return Err(
+                    "model_dtype = \"bf16\" needs a [lora] section: full fine-tuning keeps f32 weights".into()
+                )
+            }
+            None => {}
+        }
+        if let Some(size) = &self.run.device_memory {
+            crate::plan::parse_size(size).map_err(|e| format!("run.device_memory: {e}"))?;
+        }
         Ok(())
     }
 
@@ -324,6 +370,40 @@ mod tests {
         assert_eq!(parse("f32").unwrap().grpo.matmul, MatmulPrecision::F32);
         let err = parse("tf32").unwrap_err().to_string();
         assert!(err.contains("tf32") && err.contains("bf16"), "{err}");
+    }
+
+    #[test]
+    fn device_memory_is_a_size() {
+        let parse = |size: &str| {
+            let text = format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n[run]\ndevice_memory = \"{size}\"\n");
+            toml::from_str::<TrainConfig>(&text).unwrap()
+        };
+        assert_eq!(parse("80GiB").run.device_memory.as_deref(), Some("80GiB"));
+        assert!(parse("80GiB").validate().is_ok());
+        let err = parse("eighty").validate().unwrap_err();
+        assert!(err.contains("run.device_memory") && err.contains("eighty"), "{err}");
+    }
+
+    #[test]
+    fn lora_and_model_dtype() {
+        let parse = |extra: &str| {
+            toml::from_str::<TrainConfig>(&format!("model = \"m\"\n{extra}\n[data]\ntrain = [\"t\"]\n"))
+        };
+        let plain = parse("").unwrap();
+        assert_eq!((plain.lora.as_ref(), plain.model_dtype), (None, ModelDtype::F32));
+        let lora = parse("model_dtype = \"bf16\"\n[lora]\nrank = 16\ntarget_modules = [\"q_proj\", \"v_proj\"]").unwrap();
+        let l = lora.lora.as_ref().unwrap();
+        assert_eq!((l.rank, l.alpha, l.target_modules.len()), (16, 16.0, 2));
+        assert_eq!(lora.model_dtype.dtype(), DType::BF16);
+        assert!(lora.validate().is_ok());
+        let err = parse("model_dtype = \"bf16\"").unwrap().validate().unwrap_err();
+        assert!(err.contains("model_dtype") && err.contains("[lora]"), "{err}");
+        let err = parse("[lora]\ndropout = 0.1\n[grpo]\nactivation_checkpointing = true").unwrap().validate().unwrap_err();
+        assert!(err.contains("lora.dropout") && err.contains("activation_checkpointing"), "{err}");
+        let err = parse("[lora]\nrank = 0").unwrap().validate().unwrap_err();
+        assert!(err.contains("lora.rank"), "{err}");
+        assert!(parse("[lora]\nranks = 4").unwrap_err().to_string().contains("ranks"));
+        assert!(parse("model_dtype = \"f16\"").is_err());
     }
 
     #[test]

@@ -9,6 +9,14 @@ pub fn peak_rss_mb() -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// The machine's physical memory in bytes (Linux `/proc/meminfo`; `None` elsewhere).
+pub fn total_ram_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// Resets the kernel's peak-RSS counter of this process, so the next [`peak_rss_mb`] covers
 /// only what follows (Linux; a no-op elsewhere).
 pub fn reset_peak_rss() {
@@ -28,5 +36,11 @@ mod tests {
         let after = peak_rss_mb().unwrap();
         assert!(after >= before + 32.0, "{before} -> {after}");
         assert_eq!(std::hint::black_box(&block).iter().map(|&b| u64::from(b)).sum::<u64>(), 64 << 20);
+    }
+
+    #[test]
+    fn total_ram_is_more_than_the_peak_so_far() {
+        let (Some(ram), Some(peak)) = (total_ram_bytes(), peak_rss_mb()) else { return };
+        assert!(ram as f64 > peak * 1024.0 * 1024.0, "{ram} bytes of RAM, peak {peak} MB");
     }
 }

@@ -12,9 +12,9 @@ mod trainer;
 mod validation;
 
 pub use checkpoint::{latest_checkpoint, CHECKPOINTS_DIR, LATEST_FILE};
-pub use config::{DataSection, EpisodeSection, InferenceDtype, RolloutSection, RunSection, TrainConfig};
+pub use config::{DataSection, EpisodeSection, InferenceDtype, ModelDtype, RolloutSection, RunSection, TrainConfig};
 pub use error::TrainError;
-pub use memory::{peak_rss_mb, reset_peak_rss};
+pub use memory::{peak_rss_mb, reset_peak_rss, total_ram_bytes};
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};
 pub use reward::{EpisodeScore, EpisodeScorer, PromptR1Scorer};
 pub use dynamic_sampling::groups_without_signal;

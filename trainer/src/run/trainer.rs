@@ -1,12 +1,13 @@
 //! The GRPO training loop: rollouts with the current policy on the plain backend, rewards,
 //! group-relative advantages, old and reference log-probs without autodiff, then the clipped
-//! policy update on the autodiff backend.
+//! policy update on the autodiff backend. The update trains every weight, or (`[lora]`) LoRA
+//! adapters beside a frozen base that rollouts, scoring, validation and the KL reference share.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module};
 use burn::optim::Optimizer;
 use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
@@ -14,7 +15,11 @@ use data::{BatchSampler, Example, SamplerConfig};
 use env::{Environment, StopReason, Trajectory};
 use model::checkpoint::StorageDtype;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, save_pretrained, with_dtype, LoadOptions, Qwen3ForCausalLM, Sampling};
+use model::generation::row_seed;
+use model::lora::{is_adapter_dir, load_adapter, save_adapter};
+use model::{
+    load_pretrained, save_pretrained, with_dtype, LoadOptions, LoraAdapters, LoraConfig, LoraModel, Qwen3ForCausalLM, Sampling,
+};
 
 use super::checkpoint::{
     checkpoint_name, latest_checkpoint, publish, staging_dir, TrainerState, OPTIMIZER_FILE, STATE_FILE,
@@ -26,7 +31,9 @@ use super::metrics_log::{append_record, truncate_after, StepRecord};
 use super::dynamic_sampling::groups_without_signal;
 use super::reward::{EpisodeScore, EpisodeScorer};
 use super::validation::ValidationReport;
-use crate::grpo::{group_advantages, learn_step, sequence_logprobs, PolicyBatch, PolicySequence, StepStats};
+use crate::grpo::{
+    group_advantages, learn_step, learn_step_lora, sequence_logprobs, PolicyBatch, PolicySequence, StepStats,
+};
 use crate::optim::AdamWOptimizer;
 use crate::rollout::LocalAgent;
 
@@ -37,13 +44,30 @@ type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 /// complete HF directory.
 const TOKENIZER_FILES: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
 
+/// What a run trains, with its optimiser.
+enum Learner<B: AutodiffBackend> {
+    /// Every weight (f32), and a frozen copy of the initial model as the KL reference.
+    Full {
+        /// Absent only inside a learn step.
+        policy: Option<Policy<B>>,
+        optimizer: AdamWOptimizer<Policy<B>, B>,
+        reference: Option<Policy<Inner<B>>>,
+    },
+    /// LoRA adapters (f32, with the only optimiser state) beside the frozen base (no gradients,
+    /// in `model_dtype`). The KL reference is the base with the adapters off.
+    Lora {
+        base: Policy<B>,
+        /// Absent only inside a learn step.
+        adapters: Option<LoraAdapters<B>>,
+        optimizer: AdamWOptimizer<LoraAdapters<B>, B>,
+    },
+}
+
 /// A GRPO run in progress.
 pub struct Trainer<B: AutodiffBackend> {
     config: TrainConfig,
     device: B::Device,
-    policy: Option<Policy<B>>,
-    reference: Option<Policy<Inner<B>>>,
-    optimizer: AdamWOptimizer<Policy<B>, B>,
+    learner: Learner<B>,
     tokenizer: Qwen3Tokenizer,
     train: Vec<Example>,
     validation: Vec<Example>,
@@ -73,33 +97,19 @@ impl<B: AutodiffBackend> Trainer<B> {
         if let Some(limit) = config.data.validation_limit {
             validation.truncate(limit);
         }
-        let reference = if config.grpo.loss.uses_kl() {
-            let options = LoadOptions { dtype: config.rollout.dtype.dtype() };
-            Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?.with_matmul_precision(config.grpo.matmul))
-        } else {
-            None
+        let learner = match &config.lora {
+            None => Learner::start_full(&config, &device, checkpoint.as_deref())?,
+            Some(lora) => Learner::start_lora(&config, lora, &device, checkpoint.as_deref())?,
         };
-        let mut optimizer = config.grpo.optimizer.init::<B, Policy<B>>()?;
 
-        let (policy, sampler, step) = match &checkpoint {
+        let (sampler, step) = match &checkpoint {
             Some(dir) => {
                 let state: TrainerState = read_json(&dir.join(STATE_FILE))?;
-                let policy = load_pretrained::<B>(dir, &device, LoadOptions::default())?
-                    .with_matmul_precision(config.grpo.matmul);
-                let record = BinFileRecorder::<FullPrecisionSettings>::new()
-                    .load(dir.join(OPTIMIZER_FILE), &device)
-                    .map_err(|e| TrainError::Checkpoint {
-                        path: dir.clone(),
-                        reason: format!("optimizer state: {e}"),
-                    })?;
-                optimizer = optimizer.load_record(record);
                 let sampler = BatchSampler::resume(state.cursor, train.len())?;
                 truncate_after(&run_dir, state.step)?;
-                (policy, sampler, state.step)
+                (sampler, state.step)
             }
             None => {
-                let policy = load_pretrained::<B>(&config.model, &device, LoadOptions::default())?
-                    .with_matmul_precision(config.grpo.matmul);
                 let sampler = BatchSampler::new(
                     train.len(),
                     SamplerConfig {
@@ -109,7 +119,7 @@ impl<B: AutodiffBackend> Trainer<B> {
                         drop_last: false,
                     },
                 )?;
-                (policy, sampler, 0)
+                (sampler, 0)
             }
         };
         let config_path = run_dir.join("run_config.json");
@@ -118,9 +128,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(Self {
             config,
             device,
-            policy: Some(policy),
-            reference,
-            optimizer,
+            learner,
             tokenizer,
             train,
             validation,
@@ -140,9 +148,33 @@ impl<B: AutodiffBackend> Trainer<B> {
         &self.config
     }
 
-    /// The current policy.
+    /// The policy's model: the whole policy in full fine-tuning, the frozen base with LoRA
+    /// (whose adapters are [`Self::adapters`]).
     pub fn policy(&self) -> &Policy<B> {
-        self.policy.as_ref().expect("the policy is only absent inside a learn step")
+        match &self.learner {
+            Learner::Full { policy, .. } => policy.as_ref().expect("the policy is only absent inside a learn step"),
+            Learner::Lora { base, .. } => base,
+        }
+    }
+
+    /// The LoRA adapters being trained, if the run trains adapters.
+    pub fn adapters(&self) -> Option<&LoraAdapters<B>> {
+        match &self.learner {
+            Learner::Full { .. } => None,
+            Learner::Lora { adapters, .. } => {
+                Some(adapters.as_ref().expect("the adapters are only absent inside a learn step"))
+            }
+        }
+    }
+
+    /// The current policy as scoring and generation take it: the model with its adapters.
+    pub fn model(&self) -> LoraModel<'_, B> {
+        LoraModel::new(self.policy(), self.adapters())
+    }
+
+    /// The policy on the plain backend (no autodiff graph): its model and adapters.
+    fn inference_policy(&self) -> (Policy<Inner<B>>, Option<LoraAdapters<Inner<B>>>) {
+        (self.policy().valid(), self.adapters().map(|a| a.valid()))
     }
 
     /// One GRPO step: a batch of questions, `n` episodes each, rewards, advantages, update.
@@ -158,9 +190,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             .collect();
 
         let rollout_start = Instant::now();
-        let policy_model = self.policy().valid();
+        let (policy_model, adapters) = self.inference_policy();
         let rollout_model = self.for_rollouts(policy_model.clone());
-        let trajectories = self.rollouts(&rollout_model, env, &examples, step, &self.config.rollout.sampling)?;
+        let rollout_policy = LoraModel::new(&rollout_model, adapters.as_ref());
+        let trajectories = self.rollouts(rollout_policy, env, &examples, step, &self.config.rollout.sampling)?;
         drop(rollout_model);
         let rollout_secs = rollout_start.elapsed().as_secs_f32();
 
@@ -195,10 +228,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         let learn_start = Instant::now();
         let stats = if kept.is_empty() {
             // Dynamic sampling dropped every group: nothing to learn from this step.
-            drop(policy_model);
+            drop((policy_model, adapters));
             StepStats::default()
         } else {
-            self.learn(policy_model, &kept)?
+            self.learn(step, policy_model, adapters, &kept)?
         };
         let learn_secs = learn_start.elapsed().as_secs_f32();
         self.step = step;
@@ -298,23 +331,29 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// update on the `(group, trajectory, score)` episodes.
     fn learn(
         &mut self,
+        step: u64,
         policy_model: Policy<Inner<B>>,
+        adapters: Option<LoraAdapters<Inner<B>>>,
         kept: &[(usize, &Trajectory, EpisodeScore)],
     ) -> Result<StepStats, TrainError> {
         let rewards: Vec<f32> = kept.iter().map(|(_, _, s)| s.reward).collect();
         let groups: Vec<usize> = kept.iter().map(|(g, _, _)| *g).collect();
         let advantages = group_advantages(&rewards, &groups, self.config.rollout.advantage)?;
 
-        // Old (the policy before this update, in f32) and reference log-probs, without autodiff.
+        // Old (the policy before this update) and reference log-probs, without autodiff. With
+        // LoRA the reference is the same base with the adapters off.
         let sequences: Vec<Vec<u32>> = kept.iter().map(|(_, t, _)| t.token_ids.clone()).collect();
         let pad = self.tokenizer.special().endoftext;
         let chunk = self.config.grpo.micro_batch_size.max(1);
-        let old = sequence_logprobs(&policy_model, &sequences, pad, chunk)?;
-        let reference = match &self.reference {
-            Some(r) => Some(sequence_logprobs(r, &sequences, pad, chunk)?),
-            None => None,
+        let old = sequence_logprobs(&LoraModel::new(&policy_model, adapters.as_ref()), &sequences, pad, chunk)?;
+        let reference = match &self.learner {
+            Learner::Full { reference: Some(r), .. } => Some(sequence_logprobs(r, &sequences, pad, chunk)?),
+            Learner::Lora { .. } if self.config.grpo.loss.uses_kl() => {
+                Some(sequence_logprobs(&policy_model, &sequences, pad, chunk)?)
+            }
+            _ => None,
         };
-        drop(policy_model);
+        drop((policy_model, adapters));
         let policy_sequences: Vec<PolicySequence> = kept
             .iter()
             .enumerate()
@@ -327,28 +366,47 @@ impl<B: AutodiffBackend> Trainer<B> {
             })
             .collect();
         let batch_data = PolicyBatch::new(policy_sequences)?;
-        let policy = self.policy.take().expect("policy present between steps");
-        let (policy, stats) = learn_step(policy, &mut self.optimizer, &batch_data, &self.config.grpo)?;
-        self.policy = Some(policy);
+        let grpo = &self.config.grpo;
+        let stats = match &mut self.learner {
+            Learner::Full { policy, optimizer, .. } => {
+                let model = policy.take().expect("policy present between steps");
+                let (model, stats) = learn_step(model, optimizer, &batch_data, grpo)?;
+                *policy = Some(model);
+                stats
+            }
+            Learner::Lora { base, adapters, optimizer } => {
+                let trained = adapters.take().expect("adapters present between steps");
+                if trained.config().dropout > 0.0 {
+                    // Dropout masks from a stream of the seed and the step: a resumed run draws
+                    // what an uninterrupted one would.
+                    B::seed(&self.device, row_seed(self.config.run.seed, step));
+                }
+                let (trained, stats) = learn_step_lora(base, trained, optimizer, &batch_data, grpo)?;
+                *adapters = Some(trained);
+                stats
+            }
+        };
         Ok(stats)
     }
 
     /// Greedy episodes on the held-out set with the current policy.
     pub fn validate(&self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<ValidationReport, TrainError> {
-        let model = self.for_rollouts(self.policy().valid());
+        let (policy_model, adapters) = self.inference_policy();
+        let model = self.for_rollouts(policy_model);
         let examples: Vec<&Example> = self.validation.iter().collect();
         let greedy = Sampling {
             temperature: 0.0,
             ..self.config.rollout.sampling.clone()
         };
-        let trajectories = self.rollouts(&model, env, &examples, 0, &greedy)?;
+        let trajectories = self.rollouts(LoraModel::new(&model, adapters.as_ref()), env, &examples, 0, &greedy)?;
         Ok(ValidationReport::from_scores(trajectories.iter().zip(&examples).map(|(t, ex)| {
             let score = (t.stop_reason != StopReason::EnvFailure).then(|| scorer.score(t, ex.answers()));
             (ex.data_source(), score)
         })))
     }
 
-    /// The model episodes sample from: the policy itself, or its copy in `rollout.dtype`.
+    /// The model episodes sample from: the policy (or LoRA base) itself, or its copy in
+    /// `rollout.dtype` (LoRA adapters stay f32).
     fn for_rollouts(&self, policy: Policy<Inner<B>>) -> Policy<Inner<B>> {
         match self.config.rollout.dtype {
             InferenceDtype::F32 => policy,
@@ -360,13 +418,13 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// own stream of `sampling.seed`, `stream` and the chunk number.
     fn rollouts(
         &self,
-        model: &Policy<Inner<B>>,
+        model: LoraModel<'_, Inner<B>>,
         env: &dyn Environment,
         examples: &[&Example],
         stream: u64,
         sampling: &Sampling,
     ) -> Result<Vec<Trajectory>, TrainError> {
-        let mut agent = LocalAgent::new(model, &self.tokenizer, sampling.clone());
+        let mut agent = LocalAgent::new(model.base, &self.tokenizer, sampling.clone()).with_adapters(model.adapters);
         let episode = self.config.episode.episode_config()?;
         let mut out = Vec::with_capacity(examples.len());
         for (c, chunk) in examples.chunks(self.config.rollout.generation_batch).enumerate() {
@@ -382,19 +440,27 @@ impl<B: AutodiffBackend> Trainer<B> {
         let run_dir = &self.config.run.out_dir;
         let name = checkpoint_name(self.step);
         let tmp = staging_dir(run_dir, &name)?;
-        save_pretrained(&self.policy().valid(), &tmp, StorageDtype::F32)?;
+        let optimizer_state = |result: Result<(), burn::record::RecorderError>| {
+            result.map_err(|e| TrainError::Checkpoint { path: tmp.clone(), reason: format!("optimizer state: {e}") })
+        };
+        let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
+        match &self.learner {
+            Learner::Full { optimizer, .. } => {
+                save_pretrained(&self.policy().valid(), &tmp, StorageDtype::F32)?;
+                optimizer_state(recorder.record(optimizer.to_record(), tmp.join(OPTIMIZER_FILE)))?;
+            }
+            Learner::Lora { optimizer, .. } => {
+                let adapters = self.adapters().expect("a LoRA run has adapters").valid();
+                save_adapter(&adapters, &tmp, &self.config.model.to_string_lossy())?;
+                optimizer_state(recorder.record(optimizer.to_record(), tmp.join(OPTIMIZER_FILE)))?;
+            }
+        }
         for file in TOKENIZER_FILES {
             let from = self.config.model.join(file);
             if from.is_file() {
                 std::fs::copy(&from, tmp.join(file)).map_err(TrainError::io(&from))?;
             }
         }
-        BinFileRecorder::<FullPrecisionSettings>::new()
-            .record(self.optimizer.to_record(), tmp.join(OPTIMIZER_FILE))
-            .map_err(|e| TrainError::Checkpoint {
-                path: tmp.clone(),
-                reason: format!("optimizer state: {e}"),
-            })?;
         let state = TrainerState {
             step: self.step,
             cursor: self.sampler.cursor(),
@@ -409,6 +475,89 @@ impl<B: AutodiffBackend> Trainer<B> {
     pub fn device(&self) -> &B::Device {
         &self.device
     }
+}
+
+impl<B: AutodiffBackend> Learner<B> {
+    /// Full fine-tuning from `config.model`, or from `checkpoint` with its optimiser state.
+    fn start_full(config: &TrainConfig, device: &B::Device, checkpoint: Option<&Path>) -> Result<Self, TrainError> {
+        let matmul = config.grpo.matmul;
+        let reference = if config.grpo.loss.uses_kl() {
+            let options = LoadOptions { dtype: config.rollout.dtype.dtype() };
+            Some(load_pretrained::<Inner<B>>(&config.model, device, options)?.with_matmul_precision(matmul))
+        } else {
+            None
+        };
+        let mut optimizer = config.grpo.optimizer.init::<B, Policy<B>>()?;
+        let policy = match checkpoint {
+            Some(dir) => {
+                if is_adapter_dir(dir) {
+                    return Err(TrainError::Checkpoint {
+                        path: dir.to_path_buf(),
+                        reason: "it holds LoRA adapters but the config has no [lora] section".into(),
+                    });
+                }
+                optimizer = optimizer.load_record(load_optimizer_record(dir, device)?);
+                load_pretrained::<B>(dir, device, LoadOptions::default())?
+            }
+            None => load_pretrained::<B>(&config.model, device, LoadOptions::default())?,
+        };
+        Ok(Learner::Full { policy: Some(policy.with_matmul_precision(matmul)), optimizer, reference })
+    }
+
+    /// LoRA on the frozen `config.model` (in `model_dtype`): fresh adapters (seeded by
+    /// `run.seed`), or the checkpoint's with their optimiser state.
+    fn start_lora(
+        config: &TrainConfig,
+        lora: &LoraConfig,
+        device: &B::Device,
+        checkpoint: Option<&Path>,
+    ) -> Result<Self, TrainError> {
+        let options = LoadOptions { dtype: config.model_dtype.dtype() };
+        let base = load_pretrained::<B>(&config.model, device, options)?
+            .no_grad()
+            .with_matmul_precision(config.grpo.matmul);
+        let mut optimizer = config.grpo.optimizer.init::<B, LoraAdapters<B>>()?;
+        let adapters = match checkpoint {
+            Some(dir) => {
+                if !is_adapter_dir(dir) {
+                    return Err(TrainError::Checkpoint {
+                        path: dir.to_path_buf(),
+                        reason: "it holds a whole model, not LoRA adapters, but the config has a [lora] section".into(),
+                    });
+                }
+                let (adapters, saved) = load_adapter::<B>(dir, &base.config, device)?;
+                let same = |a: &LoraConfig| (a.rank, a.alpha, a.target_modules.clone());
+                if same(&saved.lora) != same(lora) {
+                    return Err(TrainError::Checkpoint {
+                        path: dir.to_path_buf(),
+                        reason: format!(
+                            "its adapters (rank {}, alpha {}, {:?}) differ from the config's [lora] (rank {}, alpha {}, {:?})",
+                            saved.lora.rank, saved.lora.alpha, saved.lora.target_modules, lora.rank, lora.alpha, lora.target_modules
+                        ),
+                    });
+                }
+                optimizer = optimizer.load_record(load_optimizer_record(dir, device)?);
+                // The config's dropout applies (PEFT's file records it too, but a resumed run
+                // follows the run's settings).
+                LoraAdapters::from_weights(lora, &base.config, device, |layer, target, _| {
+                    let a = adapters.layers[layer].get(target).expect("same targets, checked above");
+                    model::lora::AdapterWeights { lora_A: a.lora_A.val().into_data(), lora_B: a.lora_B.val().into_data() }
+                })
+            }
+            None => LoraAdapters::init(lora, &base.config, config.run.seed, device),
+        };
+        Ok(Learner::Lora { base, adapters: Some(adapters), optimizer })
+    }
+}
+
+/// The optimiser state saved in a checkpoint.
+fn load_optimizer_record<R: burn::record::Record<B>, B: burn::tensor::backend::Backend>(
+    dir: &Path,
+    device: &B::Device,
+) -> Result<R, TrainError> {
+    BinFileRecorder::<FullPrecisionSettings>::new()
+        .load(dir.join(OPTIMIZER_FILE), device)
+        .map_err(|e| TrainError::Checkpoint { path: dir.to_path_buf(), reason: format!("optimizer state: {e}") })
 }
 
 fn load_examples(files: &[PathBuf], config: &TrainConfig) -> Result<Vec<Example>, TrainError> {

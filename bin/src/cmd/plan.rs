@@ -1,0 +1,235 @@
+//! `prompt-r1 plan --config run.toml`: the memory a run will need at its peak, term by term
+//! and phase by phase, and whether it fits the device; `train` checks the same plan at start.
+//! The arithmetic is `trainer::plan`'s; this module reads the inputs and prints.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args as ClapArgs;
+use model::tiny_tokenizer::TINY_VOCAB_SIZE;
+use model::{Preset, Qwen3Config};
+use trainer::plan::{format_size, parse_size, MemoryPlan, PlanDevice, PlanSettings, Verdict};
+use trainer::run::TrainConfig;
+
+use crate::device::{total_memory, DeviceChoice};
+use crate::model_dir::preset_parser;
+
+/// Predict a run's peak memory before starting it: weights, adapters, gradients, optimiser
+/// state, KL reference, rollout copy and KV cache, activations with and without checkpointing;
+/// and whether it fits the device (the model's config.json is read, no weights).
+#[derive(ClapArgs, Debug, Clone)]
+pub struct Args {
+    /// The run configuration (TOML), as for `train`.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// The device's memory (e.g. 80GiB, 80GB); default: run.device_memory, else the GPU's
+    /// total where it can be read (CUDA), else this machine's RAM.
+    #[arg(long, value_parser = parse_size)]
+    pub device_memory: Option<u64>,
+    /// The device the run trains on: cpu, cuda, cuda:N or wgpu (the GPU backends keep more
+    /// activations: their attention is burn's tensor ops). A plan for a GPU needs no GPU here.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+    /// Tokens of the longest episode (default: 1024 for the prompt plus
+    /// episode.max_response_tokens).
+    #[arg(long)]
+    pub context: Option<usize>,
+    /// Override the model directory (its config.json gives the shape).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Plan for a preset's shape (e.g. qwen3-8b) instead of the model directory's.
+    #[arg(long, conflicts_with = "model", value_parser = preset_parser())]
+    pub preset: Option<Preset>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let mut config = TrainConfig::from_toml_file(&args.config)?;
+    if let Some(model) = &args.model {
+        config.model = model.clone();
+    }
+    if let Some(bytes) = args.device_memory {
+        config.run.device_memory = Some(bytes.to_string());
+    }
+    let shape = match args.preset {
+        Some(preset) => preset.config(TINY_VOCAB_SIZE, Vec::new()),
+        None => model_shape(&config)?,
+    };
+    let plan = MemoryPlan::new(PlanSettings::from_config(
+        &config,
+        shape,
+        plan_device(args.device),
+        args.context,
+    ));
+    print!("{}", describe(&plan));
+    match device_memory(&config, args.device)? {
+        Some((bytes, source)) => {
+            let verdict = plan.check(bytes);
+            print!("{}", describe_verdict(&plan, &verdict, bytes, &source));
+        }
+        None => println!(
+            "device memory: unknown for {:?}; pass --device-memory to check the fit",
+            args.device
+        ),
+    }
+    Ok(())
+}
+
+/// The model's shape, from the model directory's config.json.
+fn model_shape(config: &TrainConfig) -> Result<Qwen3Config> {
+    let path = config.model.join("config.json");
+    Qwen3Config::from_file(&path).with_context(|| format!("the model's shape ({})", path.display()))
+}
+
+/// What the plan assumes of a device: the CPU with or without its kernels, or a GPU.
+pub fn plan_device(device: DeviceChoice) -> PlanDevice {
+    match device {
+        DeviceChoice::Cpu if model::cpu_kernels::portable_ops() => PlanDevice::CpuPortable,
+        DeviceChoice::Cpu => PlanDevice::CpuKernels,
+        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::Gpu,
+    }
+}
+
+/// The device's memory and where the figure comes from: `run.device_memory`, else what the
+/// device reports; `None` when neither is known.
+pub fn device_memory(config: &TrainConfig, device: DeviceChoice) -> Result<Option<(u64, String)>> {
+    if let Some(size) = &config.run.device_memory {
+        let bytes = parse_size(size)
+            .map_err(anyhow::Error::msg)
+            .context("run.device_memory")?;
+        return Ok(Some((bytes, "as given".into())));
+    }
+    Ok(total_memory(device))
+}
+
+/// The plan as a table: what lives throughout, each phase at its worst moment, the
+/// activations both ways, and the peak.
+pub fn describe(plan: &MemoryPlan) -> String {
+    let s = &plan.settings;
+    let m = &s.model;
+    let mut out = format!(
+        "memory plan: {} layers, hidden {}, {:.2}B parameters, {}; micro-batch {} × {} tokens, {} episodes per rollout batch, {:?}\n",
+        m.num_hidden_layers,
+        m.hidden_size,
+        m.num_parameters() as f64 / 1e9,
+        match &s.lora {
+            Some(lora) => {
+                let targets: Vec<&str> = lora.targets.iter().map(|t| t.name()).collect();
+                format!("LoRA rank {} on {}", lora.rank, targets.join("/"))
+            }
+            None => "full fine-tuning".into(),
+        },
+        s.micro_batch,
+        s.context,
+        s.generation_batch,
+        s.device,
+    );
+    let line = |out: &mut String, name: &str, bytes: u64| {
+        if bytes > 0 {
+            out.push_str(&format!("    {name:<60} {:>10}\n", format_size(bytes)));
+        }
+    };
+    out.push_str(&format!(
+        "  held throughout{:>59}\n",
+        format_size(plan.persistent_total())
+    ));
+    for term in &plan.persistent {
+        line(&mut out, &term.name, term.bytes);
+    }
+    for phase in &plan.phases {
+        let marker = if phase.name == plan.peak_phase().name {
+            " (peak)"
+        } else {
+            ""
+        };
+        let title = format!("{}{marker}", phase.name);
+        out.push_str(&format!(
+            "  {title:<62} {:>10}\n",
+            format_size(phase.total())
+        ));
+        for term in &phase.terms {
+            line(&mut out, &term.name, term.bytes);
+        }
+    }
+    let a = plan.activations;
+    out.push_str(&format!(
+        "  activations per micro-batch: {} without checkpointing, {} with (grpo.activation_checkpointing = {})\n",
+        format_size(a.without_checkpointing),
+        format_size(a.with_checkpointing),
+        s.checkpointing
+    ));
+    out.push_str(&format!(
+        "  peak: {} ({})\n",
+        format_size(plan.peak()),
+        plan.peak_phase().name
+    ));
+    out
+}
+
+/// Whether the plan fits, and if not, its largest terms and what to change.
+pub fn describe_verdict(
+    plan: &MemoryPlan,
+    verdict: &Verdict,
+    device_memory: u64,
+    source: &str,
+) -> String {
+    let margin = plan.settings.device.margin() * 100.0;
+    let mut out = format!(
+        "device memory: {} ({source}); {} usable after a {margin:.0}% margin: ",
+        format_size(device_memory),
+        format_size(verdict.usable)
+    );
+    if verdict.fits {
+        out.push_str(&format!(
+            "fits ({} to spare)\n",
+            format_size(verdict.usable - plan.peak())
+        ));
+        return out;
+    }
+    out.push_str(&format!(
+        "does NOT fit ({} short)\n",
+        format_size(plan.peak() - verdict.usable)
+    ));
+    let largest: Vec<String> = plan
+        .largest_terms(3)
+        .iter()
+        .map(|t| format!("{} {}", t.name, format_size(t.bytes)))
+        .collect();
+    out.push_str(&format!("  largest terms: {}\n", largest.join("; ")));
+    for advice in &verdict.advice {
+        out.push_str(&format!("  try {advice}\n"));
+    }
+    out
+}
+
+/// Fails, before anything big is loaded, when the run's plan does not fit the device; prints
+/// nothing when it fits and a note when the device's memory is unknown.
+pub fn check_before_training(config: &TrainConfig, device: DeviceChoice) -> Result<()> {
+    let plan = MemoryPlan::new(PlanSettings::from_config(
+        config,
+        model_shape(config)?,
+        plan_device(device),
+        None,
+    ));
+    let Some((bytes, source)) = device_memory(config, device)? else {
+        eprintln!("note: the memory of {device:?} is unknown, so the run's fit is not checked (set run.device_memory)");
+        return Ok(());
+    };
+    let verdict = plan.check(bytes);
+    if verdict.fits {
+        return Ok(());
+    }
+    bail!(
+        "this run needs about {} at its peak ({}), more than the {} usable of {} ({source}).\n{}\
+         `prompt-r1 plan --config ...` shows every term; if the device has more memory, set run.device_memory \
+         (or --device-memory)",
+        format_size(plan.peak()),
+        plan.peak_phase().name,
+        format_size(verdict.usable),
+        format_size(bytes),
+        describe_verdict(&plan, &verdict, bytes, &source)
+            .lines()
+            .skip(1)
+            .map(|l| format!("{}\n", l.trim_start()))
+            .collect::<String>()
+    )
+}

@@ -1,0 +1,1010 @@
+//! The memory plan of a training run, worked out before anything big is loaded: from the
+//! model's `config.json` (its shape; no weights are read) and the run's settings, the bytes each
+//! part of a GRPO step holds, phase by phase, and whether the peak fits a device.
+//!
+//! A step has three phases, and the peak is the largest of them on top of what lives throughout
+//! (the weights, the optimiser's moments, the KL reference):
+//! - **rollouts**: the rollout copy of the policy (bf16 rollouts), the KV cache of
+//!   `generation_batch` episodes at the full context, and the prefill of that context (every turn
+//!   re-reads its whole context);
+//! - **scoring**: the old and reference log-probs, a micro-batch at a time without autodiff;
+//! - **update**: a micro-batch's forward and backward pass (what the forward keeps is counted
+//!   tensor by tensor in `activations`, with and without activation checkpointing), the
+//!   gradients, and the optimiser step. Its peak is the larger of the start of the backward
+//!   pass (every activation kept, the head's gradients made) and its end (every gradient made).
+//!
+//! All arithmetic; `prompt-r1 plan` prints it and `prompt-r1 train` refuses to start a run whose
+//! peak does not fit.
+
+mod activations;
+mod size;
+
+use burn::tensor::DType;
+use model::logprobs::LOGITS_CHUNK_ELEMENTS;
+use model::lora::{LoraConfig, LoraTarget};
+use model::{MatmulPrecision, Qwen3Config};
+
+use crate::run::TrainConfig;
+use activations::{Dims, LoraActivations};
+pub use size::{format_size, parse_size};
+
+/// Tokens assumed for the system prompt and the question when the context is derived from the
+/// episode limits (`episode.max_response_tokens` more follow them).
+pub const PROMPT_ALLOWANCE: usize = 1024;
+
+/// Where the run computes, which decides what the forward pass keeps and what the fit allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlanDevice {
+    /// burn-flex with the project's CPU kernels (the default on the CPU).
+    CpuKernels,
+    /// burn-flex through burn's portable tensor ops (`PROMPT_R1_PORTABLE_OPS=1`).
+    CpuPortable,
+    /// A GPU backend (CUDA, wgpu): burn's portable tensor ops on CubeCL.
+    Gpu,
+}
+
+/// How the forward pass computes its layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComputePath {
+    /// RMSNorm, RoPE, SwiGLU, attention and the chosen-token log-prob as single autodiff nodes
+    /// that keep only their inputs; attention keeps no scores.
+    CpuKernels,
+    /// burn's tensor ops: eager attention keeps `[b, heads, q, k]` tensors.
+    Portable,
+    /// burn's tensor ops on bf16 activations (a bf16 frozen base under LoRA, on any device):
+    /// norms and softmax in f32, each adapter's input copied to f32.
+    PortableBf16,
+}
+
+impl PlanDevice {
+    /// The forward pass's path on this device.
+    pub fn path(self) -> ComputePath {
+        match self {
+            PlanDevice::CpuKernels => ComputePath::CpuKernels,
+            PlanDevice::CpuPortable | PlanDevice::Gpu => ComputePath::Portable,
+        }
+    }
+
+    /// The share of the device's memory kept free: on the CPU the caching allocator may hold
+    /// freed buffers up to a quarter above the peak in use (`cpu_kernels::large_alloc`), so
+    /// the peak may use 1/1.25 = 80% of RAM; on a GPU, CubeCL's memory pools round
+    /// allocations up to their pages and fragment, 10% (not yet measured on a GPU).
+    pub fn margin(self) -> f64 {
+        match self {
+            PlanDevice::CpuKernels | PlanDevice::CpuPortable => 0.2,
+            PlanDevice::Gpu => 0.1,
+        }
+    }
+
+    /// What the process holds besides tensors: its code, stacks and small allocations on the
+    /// CPU (measured: about 40 MiB before a model loads), the CUDA context on a GPU (typically
+    /// 300–500 MiB).
+    fn runtime(self) -> u64 {
+        match self {
+            PlanDevice::CpuKernels | PlanDevice::CpuPortable => 64 << 20,
+            PlanDevice::Gpu => 512 << 20,
+        }
+    }
+}
+
+/// LoRA adapters: rank, adapted projections and whether dropout is on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoraPlan {
+    pub rank: usize,
+    pub targets: Vec<LoraTarget>,
+    pub dropout: bool,
+}
+
+impl LoraPlan {
+    /// The adapters of a `[lora]` section.
+    pub fn from_config(config: &LoraConfig) -> Self {
+        Self {
+            rank: config.rank,
+            targets: config.target_modules.clone(),
+            dropout: config.dropout > 0.0,
+        }
+    }
+
+    /// `rank` on every linear projection (PEFT's "all-linear"), without dropout.
+    pub fn all_linear(rank: usize) -> Self {
+        Self {
+            rank,
+            targets: LoraTarget::ALL.to_vec(),
+            dropout: false,
+        }
+    }
+}
+
+/// Everything the plan depends on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanSettings {
+    /// The model's shape (`config.json`).
+    pub model: Qwen3Config,
+    /// `None`: full fine-tuning (f32 weights).
+    pub lora: Option<LoraPlan>,
+    /// The frozen base's dtype with LoRA (`model_dtype`); full fine-tuning trains f32 weights.
+    pub base_dtype: DType,
+    /// `rollout.dtype`: the rollout copy's and the KL reference's weights.
+    pub rollout_dtype: DType,
+    /// Whether the loss has a KL term (`grpo.loss.kl_coef ≠ 0`).
+    pub kl: bool,
+    /// Whether the entropy takes a gradient (`grpo.loss.entropy_coef ≠ 0`).
+    pub entropy_grad: bool,
+    pub micro_batch: usize,
+    pub mini_batch: usize,
+    pub generation_batch: usize,
+    /// Tokens of the longest episode: training sequences and rollout contexts.
+    pub context: usize,
+    pub checkpointing: bool,
+    pub matmul: MatmulPrecision,
+    pub device: PlanDevice,
+}
+
+impl PlanSettings {
+    /// The settings of a run: `config` (its `[grpo]`, `[rollout]` and `[episode]` sections),
+    /// the model's shape, the device, and the context (default: [`PROMPT_ALLOWANCE`] plus
+    /// `episode.max_response_tokens`).
+    pub fn from_config(
+        config: &TrainConfig,
+        model: Qwen3Config,
+        device: PlanDevice,
+        context: Option<usize>,
+    ) -> Self {
+        let episodes = config.rollout.batch_size * config.rollout.n;
+        Self {
+            model,
+            lora: config.lora.as_ref().map(LoraPlan::from_config),
+            base_dtype: config.model_dtype.dtype(),
+            rollout_dtype: config.rollout.dtype.dtype(),
+            kl: config.grpo.loss.uses_kl(),
+            entropy_grad: config.grpo.loss.uses_entropy(),
+            micro_batch: config
+                .grpo
+                .micro_batch_size
+                .min(config.grpo.mini_batch_size),
+            mini_batch: config.grpo.mini_batch_size,
+            generation_batch: config.rollout.generation_batch.min(episodes),
+            context: context.unwrap_or(PROMPT_ALLOWANCE + config.episode.max_response_tokens),
+            checkpointing: config.grpo.activation_checkpointing,
+            matmul: config.grpo.matmul,
+            device,
+        }
+    }
+
+    /// How the update's forward pass runs: a bf16 base under LoRA takes burn's tensor ops on
+    /// every device (the CPU kernels' autodiff nodes take f32 only).
+    pub fn path(&self) -> ComputePath {
+        if self.lora.is_some() && self.base_dtype != DType::F32 {
+            ComputePath::PortableBf16
+        } else {
+            self.device.path()
+        }
+    }
+
+    /// The dtype of the weights the policy's inference runs on (scoring, and rollouts unless
+    /// `rollout.dtype` asks for a bf16 copy): the frozen base's under LoRA, else f32.
+    fn weights_dtype(&self) -> DType {
+        if self.lora.is_some() {
+            self.base_dtype
+        } else {
+            DType::F32
+        }
+    }
+
+    fn dims(&self) -> Dims {
+        let m = &self.model;
+        Dims {
+            hidden: m.hidden_size as f64,
+            q: (m.num_attention_heads * m.head_dim) as f64,
+            kv: (m.num_key_value_heads * m.head_dim) as f64,
+            intermediate: m.intermediate_size as f64,
+            heads: m.num_attention_heads as f64,
+            vocab: m.vocab_size as f64,
+        }
+    }
+
+    /// Parameters of the adapters: `rank · (in + out)` per adapted projection and layer.
+    pub fn adapter_parameters(&self) -> u64 {
+        self.lora.as_ref().map_or(0, |lora| {
+            let per_layer: usize = lora
+                .targets
+                .iter()
+                .map(|t| {
+                    let (i, o) = t.features(&self.model);
+                    lora.rank * (i + o)
+                })
+                .sum();
+            (per_layer * self.model.num_hidden_layers) as u64
+        })
+    }
+
+    /// Parameters that take gradients and optimiser state.
+    pub fn trainable_parameters(&self) -> u64 {
+        match self.lora {
+            Some(_) => self.adapter_parameters(),
+            None => self.model.num_parameters() as u64,
+        }
+    }
+
+    fn lora_activations(&self) -> LoraActivations {
+        self.lora
+            .as_ref()
+            .map_or_else(LoraActivations::default, |lora| LoraActivations {
+                rank_sum: (lora.rank * lora.targets.len()) as f64,
+                inputs: lora
+                    .targets
+                    .iter()
+                    .map(|t| t.features(&self.model).0 as f64)
+                    .sum(),
+                dropout: lora.dropout,
+            })
+    }
+}
+
+/// One named amount of memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Term {
+    pub name: String,
+    pub bytes: u64,
+}
+
+impl Term {
+    fn new(name: impl Into<String>, bytes: f64) -> Self {
+        Self {
+            name: name.into(),
+            bytes: bytes.max(0.0).round() as u64,
+        }
+    }
+}
+
+/// A phase of a step, at its worst moment: what it holds beside the persistent terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Phase {
+    pub name: String,
+    pub terms: Vec<Term>,
+}
+
+impl Phase {
+    pub fn total(&self) -> u64 {
+        self.terms.iter().map(|t| t.bytes).sum()
+    }
+}
+
+/// The plan: persistent terms, the phases of a step, and the update's activations per
+/// micro-batch both ways.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryPlan {
+    pub settings: PlanSettings,
+    /// Held for the whole run: weights, adapters, optimiser state, the KL reference, the runtime.
+    pub persistent: Vec<Term>,
+    /// Rollouts, scoring, update.
+    pub phases: Vec<Phase>,
+    /// The update's activation memory per micro-batch (kept tensors and the largest transient
+    /// ones, no gradients): without and with activation checkpointing.
+    pub activations: Activations,
+}
+
+/// The update's activation memory per micro-batch, without and with checkpointing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Activations {
+    pub without_checkpointing: u64,
+    pub with_checkpointing: u64,
+}
+
+impl MemoryPlan {
+    /// Works out the plan of `settings`.
+    pub fn new(settings: PlanSettings) -> Self {
+        let persistent = persistent_terms(&settings);
+        let update = update_phase(&settings, settings.checkpointing);
+        let activations = Activations {
+            without_checkpointing: update_activations(&settings, false),
+            with_checkpointing: update_activations(&settings, true),
+        };
+        let phases = vec![rollout_phase(&settings), scoring_phase(&settings), update];
+        Self {
+            settings,
+            persistent,
+            phases,
+            activations,
+        }
+    }
+
+    /// The bytes held throughout.
+    pub fn persistent_total(&self) -> u64 {
+        self.persistent.iter().map(|t| t.bytes).sum()
+    }
+
+    /// The phase with the most memory.
+    pub fn peak_phase(&self) -> &Phase {
+        self.phases
+            .iter()
+            .max_by_key(|p| p.total())
+            .expect("three phases")
+    }
+
+    /// The predicted peak: the persistent terms plus the largest phase.
+    pub fn peak(&self) -> u64 {
+        self.persistent_total() + self.peak_phase().total()
+    }
+
+    /// The update phase alone on top of the persistent terms without the KL reference and the
+    /// runtime: what one learning step of an already loaded policy holds (what `prompt-r1
+    /// bench --train-step` measures).
+    pub fn update_peak(&self) -> u64 {
+        let update = self
+            .phases
+            .iter()
+            .find(|p| p.name.starts_with("update"))
+            .expect("an update phase");
+        let persistent: u64 = self
+            .persistent
+            .iter()
+            .filter(|t| !t.name.starts_with("KL reference"))
+            .map(|t| t.bytes)
+            .sum();
+        persistent + update.total()
+    }
+
+    /// Whether the peak fits `device_memory` bytes less the device's margin, and if not, what
+    /// to change.
+    pub fn check(&self, device_memory: u64) -> Verdict {
+        let usable = (device_memory as f64 * (1.0 - self.settings.device.margin())) as u64;
+        let fits = self.peak() <= usable;
+        Verdict {
+            usable,
+            fits,
+            advice: if fits {
+                Vec::new()
+            } else {
+                self.advice(usable)
+            },
+        }
+    }
+
+    /// The largest terms at the peak (persistent and the peak phase's), largest first.
+    pub fn largest_terms(&self, n: usize) -> Vec<&Term> {
+        let mut terms: Vec<&Term> = self
+            .persistent
+            .iter()
+            .chain(&self.peak_phase().terms)
+            .collect();
+        terms.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        terms.truncate(n);
+        terms
+    }
+
+    /// Changes that lower the peak: each one alone with the peak it gives, most effective
+    /// first; then, when none alone fits `usable`, the most effective changes applied one
+    /// after another (micro-batch and generation batch halved as often as it helps) until the
+    /// peak fits or nothing lowers it further.
+    pub fn advice(&self, usable: u64) -> Vec<String> {
+        let mut singles: Vec<(u64, String)> = candidate_changes(&self.settings)
+            .into_iter()
+            .map(|changed| {
+                (
+                    MemoryPlan::new(changed.clone()).peak(),
+                    describe_changes(&self.settings, &changed),
+                )
+            })
+            .filter(|(peak, _)| *peak < self.peak())
+            .collect();
+        singles.sort_by_key(|(peak, _)| *peak);
+        let mut advice: Vec<String> = singles
+            .iter()
+            .map(|(peak, what)| format!("{what}: peak {}", format_size(*peak)))
+            .collect();
+        if singles.first().is_some_and(|(peak, _)| *peak <= usable) {
+            return advice;
+        }
+        let mut current = self.settings.clone();
+        let mut peak = self.peak();
+        while peak > usable {
+            let best = candidate_changes(&current)
+                .into_iter()
+                .map(|changed| (MemoryPlan::new(changed.clone()).peak(), changed))
+                .min_by_key(|(peak, _)| *peak);
+            match best {
+                Some((lower, changed)) if lower < peak => (peak, current) = (lower, changed),
+                _ => break,
+            }
+        }
+        if current != self.settings {
+            let verdict = if peak <= usable {
+                "fits"
+            } else {
+                "still does not fit"
+            };
+            advice.push(format!(
+                "together, {}: peak {} ({verdict})",
+                describe_changes(&self.settings, &current),
+                format_size(peak)
+            ));
+        }
+        advice
+    }
+}
+
+/// The settings one change away from `s` that may lower its peak.
+fn candidate_changes(s: &PlanSettings) -> Vec<PlanSettings> {
+    let mut out = Vec::new();
+    if !s.checkpointing {
+        out.push(PlanSettings {
+            checkpointing: true,
+            ..s.clone()
+        });
+    }
+    if s.micro_batch > 1 {
+        out.push(PlanSettings {
+            micro_batch: s.micro_batch / 2,
+            ..s.clone()
+        });
+    }
+    if s.lora.is_none() {
+        out.push(PlanSettings {
+            lora: Some(LoraPlan::all_linear(8)),
+            base_dtype: DType::BF16,
+            ..s.clone()
+        });
+    }
+    if s.rollout_dtype != DType::BF16 {
+        out.push(PlanSettings {
+            rollout_dtype: DType::BF16,
+            ..s.clone()
+        });
+    }
+    if s.generation_batch > 1 {
+        out.push(PlanSettings {
+            generation_batch: s.generation_batch / 2,
+            ..s.clone()
+        });
+    }
+    out
+}
+
+/// The configuration keys that turn `from` into `to`.
+fn describe_changes(from: &PlanSettings, to: &PlanSettings) -> String {
+    let mut keys = Vec::new();
+    if to.checkpointing != from.checkpointing {
+        keys.push(format!(
+            "grpo.activation_checkpointing = {}",
+            to.checkpointing
+        ));
+    }
+    if to.micro_batch != from.micro_batch {
+        keys.push(format!("grpo.micro_batch_size = {}", to.micro_batch));
+    }
+    if to.lora.is_some() && from.lora.is_none() {
+        keys.push("LoRA ([lora], rank 8) with model_dtype = \"bf16\"".to_owned());
+    }
+    if to.rollout_dtype != from.rollout_dtype {
+        keys.push(format!(
+            "rollout.dtype = \"{}\"",
+            dtype_name(to.rollout_dtype)
+        ));
+    }
+    if to.generation_batch != from.generation_batch {
+        keys.push(format!(
+            "rollout.generation_batch = {}",
+            to.generation_batch
+        ));
+    }
+    keys.join(", ")
+}
+
+/// Whether a plan fits a device.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verdict {
+    /// The device's memory less the margin.
+    pub usable: u64,
+    pub fits: bool,
+    /// What to change when it does not fit (empty when it does).
+    pub advice: Vec<String>,
+}
+
+const F32: f64 = 4.0;
+
+fn dtype_bytes(dtype: DType) -> f64 {
+    dtype.size() as f64
+}
+
+fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        _ => "f32",
+    }
+}
+
+/// Weights, adapters, AdamW's moments, the KL reference and the runtime.
+fn persistent_terms(s: &PlanSettings) -> Vec<Term> {
+    let params = s.model.num_parameters() as f64;
+    let trainable = s.trainable_parameters() as f64;
+    let mut terms = Vec::new();
+    match &s.lora {
+        None => terms.push(Term::new("policy weights (f32, trained)", params * F32)),
+        Some(lora) => {
+            let base = format!("base weights ({}, frozen)", dtype_name(s.base_dtype));
+            terms.push(Term::new(base, params * dtype_bytes(s.base_dtype)));
+            terms.push(Term::new(
+                format!("LoRA adapters (f32, rank {})", lora.rank),
+                trainable * F32,
+            ));
+        }
+    }
+    terms.push(Term::new("AdamW moments (2 × f32)", trainable * 2.0 * F32));
+    if s.kl && s.lora.is_none() {
+        let name = format!(
+            "KL reference (the initial policy in {})",
+            dtype_name(s.rollout_dtype)
+        );
+        terms.push(Term::new(name, params * dtype_bytes(s.rollout_dtype)));
+    }
+    terms.push(Term::new("runtime", s.device.runtime() as f64));
+    terms
+}
+
+/// `generation_batch` episodes at the full context: the rollout copy, the KV cache and the
+/// prefill of the last turn (each turn re-reads its whole context).
+fn rollout_phase(s: &PlanSettings) -> Phase {
+    let m = &s.model;
+    let params = m.num_parameters() as f64;
+    let dims = s.dims();
+    let (g, c) = (s.generation_batch as f64, s.context as f64);
+    let mut terms = Vec::new();
+    // `rollout.dtype = "bf16"` samples from a bf16 copy of the weights made for the rollouts
+    // (none when they are bf16 already); "f32" from the policy's weights as they are.
+    let bf16_copy = s.rollout_dtype == DType::BF16 && s.weights_dtype() != DType::BF16;
+    if bf16_copy {
+        terms.push(Term::new(
+            "rollout copy of the weights (bf16)",
+            params * 2.0,
+        ));
+    }
+    let act = if s.rollout_dtype == DType::BF16 {
+        2.0
+    } else {
+        dtype_bytes(s.weights_dtype())
+    };
+    let capacity = s.context.next_power_of_two().max(16) as f64;
+    let kv = g * m.num_hidden_layers as f64 * 2.0 * dims.kv * capacity * act;
+    terms.push(Term::new(
+        format!(
+            "KV cache ({} episodes × {} positions)",
+            s.generation_batch, capacity
+        ),
+        kv,
+    ));
+    terms.push(Term::new(
+        format!("prefill of {} × {} tokens", s.generation_batch, s.context),
+        inference_forward(s, g, c, act),
+    ));
+    Phase {
+        name: "rollouts".into(),
+        terms,
+    }
+}
+
+/// The old and reference log-probs: a micro-batch at a time, without autodiff, on the
+/// policy's weights.
+fn scoring_phase(s: &PlanSettings) -> Phase {
+    let (b, c) = (s.micro_batch as f64, s.context as f64);
+    let dims = s.dims();
+    let act = dtype_bytes(s.weights_dtype());
+    let chunk = logits_chunk_rows(s) * dims.vocab * act;
+    let terms = vec![
+        Term::new(
+            format!(
+                "forward of {} × {} tokens without autodiff",
+                s.micro_batch, s.context
+            ),
+            inference_forward(s, b, c, act),
+        ),
+        Term::new("a chunk of logits and its copy", 2.0 * chunk),
+    ];
+    Phase {
+        name: "old and reference log-probs".into(),
+        terms,
+    }
+}
+
+/// The transient memory of a forward pass without autodiff over `rows × len` tokens with
+/// activations of `act` bytes: the attention mask `[b, 1, q, k]` and its copy per head
+/// `[b, heads, q, k]` (built once per pass), the RoPE tables, one layer's temporaries, and the
+/// scores of eager attention on the portable path.
+fn inference_forward(s: &PlanSettings, rows: f64, len: f64, act: f64) -> f64 {
+    let dims = s.dims();
+    let tokens = rows * len;
+    let masks = rows * len * len * (1.0 + dims.heads) * act;
+    let tables = tokens * activations::rotary_tables(dims) * act;
+    let layer = tokens * activations::layer_transient(dims) * act;
+    let scores =
+        rows * len * len * activations::attention_transient_per_key(dims, s.device.path()) * F32;
+    masks + tables + layer + scores
+}
+
+/// Rows of one chunk of logits (`model::logprobs` forms `LOGITS_CHUNK_ELEMENTS` at most).
+fn logits_chunk_rows(s: &PlanSettings) -> f64 {
+    let (b, vocab) = (s.micro_batch, s.model.vocab_size);
+    let positions = (LOGITS_CHUNK_ELEMENTS / (b * vocab))
+        .max(1)
+        .min(s.context.saturating_sub(1).max(1));
+    (b * positions) as f64
+}
+
+/// The pieces of one micro-batch's update, in bytes.
+struct UpdateParts {
+    /// Every layer's kept activations.
+    layers: f64,
+    /// One layer's kept activations.
+    one_layer: f64,
+    /// The RoPE tables and the attention mask kept for the backward pass.
+    shared: f64,
+    /// The per-head copy of the attention mask, alive while the decoder's forward pass runs.
+    grouped_mask: f64,
+    /// Kept by the head: the final norm's output and the logits-sized tensors of every chunk.
+    head: f64,
+    /// Logits-sized tensors of one chunk in flight.
+    head_transient: f64,
+    /// A layer's gradients and temporaries in flight, attention's included.
+    layer_transient: f64,
+    /// One hidden-state tensor `[b, len, hidden]`.
+    hidden: f64,
+    /// Gradients of the head's trained weights (embedding or `lm_head`).
+    head_grads: f64,
+    /// Gradients of every trained parameter.
+    grads: f64,
+    /// Gradients accumulated over earlier micro-batches of the mini-batch.
+    accumulated: f64,
+    /// The embedding's gradient table in flight, when the embedding is trained.
+    embedding_grad: f64,
+    /// The optimiser's temporaries.
+    optimizer: f64,
+}
+
+fn update_parts(s: &PlanSettings) -> UpdateParts {
+    let m = &s.model;
+    let dims = s.dims();
+    let path = s.path();
+    let (b, len) = (s.micro_batch as f64, s.context as f64);
+    let tokens = b * len;
+    let layers = m.num_hidden_layers as f64;
+    let kept = activations::layer_kept(dims, path, s.matmul, s.lora_activations());
+    let one_layer = (tokens * kept.per_token + tokens * len * kept.per_token_key) * F32;
+    let shared_mask = match path {
+        ComputePath::CpuKernels => b * len * len,
+        ComputePath::Portable | ComputePath::PortableBf16 => 0.0,
+    };
+    // Hidden states, RoPE tables and masks are in the activations' dtype.
+    let act = match path {
+        ComputePath::PortableBf16 => 2.0,
+        ComputePath::CpuKernels | ComputePath::Portable => F32,
+    };
+    let table = dims.vocab * dims.hidden * F32;
+    let full = s.lora.is_none();
+    let grads = s.trainable_parameters() as f64 * F32;
+    let largest_trained = if full { table } else { 0.0 };
+    UpdateParts {
+        layers: layers * one_layer,
+        one_layer,
+        shared: (tokens * activations::rotary_tables(dims) + shared_mask) * act,
+        grouped_mask: b * dims.heads * len * len * act,
+        head: tokens * activations::head_kept(dims, path, s.entropy_grad) * F32,
+        head_transient: activations::head_transient_chunks(path)
+            * logits_chunk_rows(s)
+            * dims.vocab
+            * F32,
+        layer_transient: (tokens * activations::layer_transient(dims)
+            + tokens * len * activations::attention_transient_per_key(dims, path))
+            * F32,
+        hidden: tokens * dims.hidden * act,
+        head_grads: if full { table } else { 0.0 },
+        grads,
+        accumulated: if s.mini_batch > s.micro_batch {
+            grads
+        } else {
+            0.0
+        },
+        embedding_grad: if full {
+            embedding_grad_transient(s, table)
+        } else {
+            0.0
+        },
+        optimizer: match s.device {
+            PlanDevice::Gpu => 5.0 * largest_trained.max(grads / layers.max(1.0)),
+            _ => 0.0,
+        },
+    }
+}
+
+/// The embedding's gradient table in flight at the end of the backward pass, beyond the
+/// gradients. The CPU kernel's backward adds rows into a fresh zeroed table, whose pages the
+/// kernel only maps where it writes (the input tokens' rows); with tied embeddings burn adds
+/// the head's gradient into that fresh table, writing all of it, while the checkpointed path
+/// adds the fresh table into the head's gradient in place. burn's own backward (the portable
+/// path) copies a zeroed table in `select_add`; on a GPU the zeroed table is memory too.
+fn embedding_grad_transient(s: &PlanSettings, table: f64) -> f64 {
+    match s.device {
+        PlanDevice::CpuKernels if s.model.tie_word_embeddings && !s.checkpointing => table,
+        PlanDevice::CpuKernels => 0.0,
+        PlanDevice::CpuPortable => table,
+        PlanDevice::Gpu => 2.0 * table,
+    }
+}
+
+/// The update's worst moment (see the module docs), as terms.
+fn update_phase(s: &PlanSettings, checkpointing: bool) -> Phase {
+    let p = update_parts(s);
+    let layers = s.model.num_hidden_layers as f64;
+    let acc = || Term::new("gradients accumulated over the mini-batch", p.accumulated);
+    let moments: Vec<(String, Vec<Term>)> = if checkpointing {
+        vec![
+            (
+                "update, head's backward pass (checkpointed)".into(),
+                vec![
+                    acc(),
+                    Term::new(
+                        "layer inputs kept by checkpointing",
+                        (layers + 1.0) * p.hidden,
+                    ),
+                    Term::new("head: final norm output and logits (every chunk)", p.head),
+                    Term::new("head: a chunk of logits in flight", p.head_transient),
+                    Term::new("head's gradients", p.head_grads),
+                ],
+            ),
+            (
+                "update, top layer recomputed (checkpointed)".into(),
+                vec![
+                    acc(),
+                    Term::new("head's gradients", p.head_grads),
+                    Term::new("layer inputs kept by checkpointing", layers * p.hidden),
+                    Term::new("one layer's activations", p.one_layer),
+                    Term::new("RoPE tables and attention masks", p.shared + p.grouped_mask),
+                    Term::new(
+                        "the layer's gradients in flight",
+                        p.layer_transient + 2.0 * p.hidden,
+                    ),
+                ],
+            ),
+            (
+                "update, forward pass without autodiff (checkpointed)".into(),
+                vec![
+                    acc(),
+                    Term::new(
+                        "layer inputs kept by checkpointing",
+                        (layers + 1.0) * p.hidden,
+                    ),
+                    Term::new("RoPE tables and attention masks", p.shared + p.grouped_mask),
+                    Term::new("one layer's temporaries", p.layer_transient),
+                ],
+            ),
+            end_of_backward(&p),
+        ]
+    } else {
+        vec![
+            (
+                "update, head's backward pass".into(),
+                vec![
+                    acc(),
+                    Term::new("every layer's activations", p.layers),
+                    Term::new("RoPE tables and attention mask", p.shared),
+                    Term::new("head: final norm output and logits (every chunk)", p.head),
+                    Term::new("head: a chunk of logits in flight", p.head_transient),
+                    Term::new("head's gradients", p.head_grads),
+                ],
+            ),
+            (
+                "update, last layer's forward pass".into(),
+                vec![
+                    acc(),
+                    Term::new("every layer's activations", p.layers),
+                    Term::new("RoPE tables and attention masks", p.shared + p.grouped_mask),
+                    Term::new("one layer's temporaries", p.layer_transient),
+                ],
+            ),
+            end_of_backward(&p),
+        ]
+    };
+    let (name, terms) = moments
+        .into_iter()
+        .max_by_key(|(_, terms)| terms.iter().map(|t| t.bytes).sum::<u64>())
+        .expect("moments");
+    Phase { name, terms }
+}
+
+/// The end of the backward pass, then the optimiser step.
+fn end_of_backward(p: &UpdateParts) -> (String, Vec<Term>) {
+    (
+        "update, end of the backward pass".into(),
+        vec![
+            Term::new("gradients accumulated over the mini-batch", p.accumulated),
+            Term::new("gradients (f32)", p.grads),
+            Term::new("the embedding's gradient table in flight", p.embedding_grad),
+            Term::new("optimiser step temporaries", p.optimizer),
+        ],
+    )
+}
+
+/// The activation part of the update phase (everything but gradients).
+fn update_activations(s: &PlanSettings, checkpointing: bool) -> u64 {
+    let phase = update_phase(
+        &PlanSettings {
+            mini_batch: s.micro_batch,
+            ..s.clone()
+        },
+        checkpointing,
+    );
+    let gradients = [
+        "gradients",
+        "head's gradients",
+        "the embedding's gradient table",
+        "optimiser step",
+    ];
+    phase
+        .terms
+        .iter()
+        .filter(|t| !gradients.iter().any(|g| t.name.starts_with(g)))
+        .map(|t| t.bytes)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use model::Preset;
+
+    fn settings(preset: Preset) -> PlanSettings {
+        PlanSettings {
+            model: preset.config(512, vec![2]),
+            lora: None,
+            base_dtype: DType::F32,
+            rollout_dtype: DType::F32,
+            kl: false,
+            entropy_grad: false,
+            micro_batch: 2,
+            mini_batch: 2,
+            generation_batch: 2,
+            context: 256,
+            checkpointing: false,
+            matmul: MatmulPrecision::F32,
+            device: PlanDevice::CpuKernels,
+        }
+    }
+
+    const GIB: f64 = (1u64 << 30) as f64;
+
+    #[test]
+    fn full_fine_tuning_holds_sixteen_bytes_a_parameter() {
+        let plan = MemoryPlan::new(settings(Preset::Qwen3_0_6B));
+        let params = Preset::Qwen3_0_6B.config(0, vec![]).num_parameters() as u64;
+        let weights = plan
+            .persistent
+            .iter()
+            .find(|t| t.name.starts_with("policy weights"))
+            .unwrap();
+        assert_eq!(weights.bytes, 4 * params);
+        let moments = plan
+            .persistent
+            .iter()
+            .find(|t| t.name.starts_with("AdamW"))
+            .unwrap();
+        assert_eq!(moments.bytes, 8 * params);
+        // 2 × 256 tokens: the peak is at the end of the backward pass (every gradient made).
+        assert_eq!(plan.peak_phase().name, "update, end of the backward pass");
+        assert_eq!(
+            plan.peak_phase()
+                .terms
+                .iter()
+                .find(|t| t.name == "gradients (f32)")
+                .unwrap()
+                .bytes,
+            4 * params
+        );
+    }
+
+    #[test]
+    fn lora_trains_only_the_adapters_and_needs_no_reference_copy() {
+        let mut s = settings(Preset::Qwen3_4B);
+        s.kl = true;
+        let full = MemoryPlan::new(s.clone());
+        assert!(full
+            .persistent
+            .iter()
+            .any(|t| t.name.starts_with("KL reference")));
+        s.lora = Some(LoraPlan::all_linear(8));
+        s.base_dtype = DType::BF16;
+        // Qwen3-4B, rank 8, all linear: 36 · 8 · (2560+4096 + 2·(2560+1024) + 4096+2560 + 2·(2560+9728) + 9728+2560).
+        assert_eq!(
+            s.adapter_parameters(),
+            36 * 8 * (6656 + 7168 + 6656 + 24576 + 12288)
+        );
+        let lora = MemoryPlan::new(s);
+        assert!(!lora
+            .persistent
+            .iter()
+            .any(|t| t.name.starts_with("KL reference")));
+        assert!(
+            lora.persistent_total() * 5 < full.persistent_total(),
+            "{} vs {}",
+            lora.persistent_total(),
+            full.persistent_total()
+        );
+    }
+
+    #[test]
+    fn checkpointing_keeps_a_fraction_of_the_activations() {
+        let mut s = settings(Preset::Qwen3_0_6B);
+        s.micro_batch = 8;
+        s.context = 2048;
+        let plan = MemoryPlan::new(s);
+        let Activations {
+            without_checkpointing,
+            with_checkpointing,
+        } = plan.activations;
+        assert!(
+            with_checkpointing * 3 < without_checkpointing,
+            "{with_checkpointing} vs {without_checkpointing}"
+        );
+        // Without: 28 layers × 16,384 tokens × 22,560 values × 4 bytes ≈ 38.6 GiB of layers.
+        assert!(
+            without_checkpointing as f64 > 38.0 * GIB,
+            "{without_checkpointing}"
+        );
+    }
+
+    #[test]
+    fn the_portable_path_keeps_attention_probabilities() {
+        let mut s = settings(Preset::Qwen3_4B);
+        s.micro_batch = 1;
+        s.context = 8192;
+        let cpu = MemoryPlan::new(s.clone()).activations.without_checkpointing;
+        s.device = PlanDevice::Gpu;
+        let gpu = MemoryPlan::new(s).activations.without_checkpointing;
+        // Two [1, 32, 8192, 8192] f32 tensors a layer, 36 layers: 576 GiB more.
+        assert!((gpu - cpu) as f64 > 570.0 * GIB, "{gpu} vs {cpu}");
+    }
+
+    #[test]
+    fn the_verdict_names_what_to_change() {
+        let mut s = settings(Preset::Qwen3_4B);
+        s.micro_batch = 8;
+        s.mini_batch = 64;
+        s.context = 4096;
+        s.kl = true;
+        let plan = MemoryPlan::new(s);
+        let verdict = plan.check(80 << 30);
+        assert!(!verdict.fits);
+        assert_eq!(verdict.usable, ((80u64 << 30) as f64 * 0.8) as u64);
+        assert!(
+            verdict
+                .advice
+                .iter()
+                .any(|a| a.starts_with("grpo.activation_checkpointing = true")),
+            "{:?}",
+            verdict.advice
+        );
+        // No single change is enough; together, with LoRA's smaller weights and optimiser
+        // state, they fit.
+        let together = verdict.advice.last().unwrap();
+        assert!(
+            together.starts_with("together, ") && together.contains("LoRA") && together.ends_with("(fits)"),
+            "{together}"
+        );
+        let small = MemoryPlan::new(settings(Preset::Tiny)).check(1 << 30);
+        assert!(small.fits && small.advice.is_empty());
+    }
+
+    #[test]
+    fn the_kv_cache_grows_by_doubling() {
+        let mut s = settings(Preset::Qwen3_0_6B);
+        s.generation_batch = 4;
+        s.context = 1000;
+        let plan = MemoryPlan::new(s);
+        let kv = plan.phases[0]
+            .terms
+            .iter()
+            .find(|t| t.name.starts_with("KV cache"))
+            .unwrap();
+        // 4 episodes × 28 layers × (keys + values) × 8 heads × 128 × 1024 positions × 4 bytes.
+        assert_eq!(kv.bytes, 4 * 28 * 2 * 1024 * 1024 * 4);
+    }
+}

@@ -1,0 +1,68 @@
+//! Memory sizes as people write them: `80GiB`, `80 GB`, `24576MiB`, a bare number of bytes.
+
+/// Parses a size: a number (decimals allowed) and an optional unit, `B`, `KB`/`MB`/`GB`/`TB`
+/// (powers of 1000) or `KiB`/`MiB`/`GiB`/`TiB` (powers of 1024), in any case; no unit means
+/// bytes. The error says what was expected.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let bad = || format!("\"{text}\" is not a memory size (write e.g. 80GiB, 80GB or 24576MiB)");
+    let value: f64 = number.parse().map_err(|_| bad())?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(bad()),
+    };
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes < 1.0 {
+        return Err(bad());
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// `bytes` in GiB with one decimal (MiB below 1 GiB), e.g. `12.3 GiB`, `512 MiB`.
+pub fn format_size(bytes: u64) -> String {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let mib = bytes as f64 / MIB;
+    if mib < 1024.0 {
+        format!("{mib:.0} MiB")
+    } else {
+        format!("{:.1} GiB", mib / 1024.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_in_binary_and_decimal_units() {
+        assert_eq!(parse_size("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_size(" 80 gib "), Ok(80 << 30));
+        assert_eq!(parse_size("80GB"), Ok(80_000_000_000));
+        assert_eq!(parse_size("24576MiB"), Ok(24 << 30));
+        assert_eq!(parse_size("1.5TiB"), Ok(3 << 39));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        for bad in ["", "GiB", "80 GiBs", "-1GB", "0", "1e3GB"] {
+            let err = parse_size(bad).unwrap_err();
+            assert!(err.contains("80GiB"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn sizes_print_in_gib_or_mib() {
+        assert_eq!(format_size(80 << 30), "80.0 GiB");
+        assert_eq!(format_size(512 << 20), "512 MiB");
+        assert_eq!(format_size((3 << 30) + (300 << 20)), "3.3 GiB");
+    }
+}
