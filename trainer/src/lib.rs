@@ -11,9 +11,12 @@
 //!   metrics.jsonl, atomic checkpoints that resume exactly).
 //! - [`optim`]: AdamW with PyTorch's defaults, clipping by the global gradient norm, and the
 //!   skipping of steps whose gradient norm is not finite.
+//! - [`sft`]: supervised fine-tuning on chat transcripts or saved episodes (assistant tokens
+//!   only), with the same optimiser, checkpoints and metrics file as GRPO runs.
 
 pub mod autodiff_lock;
 pub mod grpo;
 pub mod optim;
 pub mod rollout;
 pub mod run;
+pub mod sft;
