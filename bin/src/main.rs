@@ -24,6 +24,8 @@ struct Cli {
 enum Command {
     /// Train the agent with GRPO against a large LLM (config in TOML).
     Train(cmd::train::Args),
+    /// Fine-tune a model on chat transcripts or saved episodes, assistant tokens only (config in TOML).
+    Sft(cmd::sft::Args),
     /// Export a training checkpoint as a Hugging Face model directory.
     Export(cmd::export::Args),
     /// Run the built-in demo on a fresh machine (no downloads).
@@ -67,6 +69,7 @@ fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),
+        Command::Sft(args) => cmd::sft::run(args),
         Command::Export(args) => cmd::export::run(args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::EnvCheck(args) => cmd::env_check::run(args),

@@ -14,4 +14,5 @@ pub mod plot;
 pub mod serve;
 pub mod infer;
 pub mod eval;
+pub mod sft;
 pub mod train;

@@ -238,6 +238,19 @@ mod tests {
         assert_eq!(constant.lr_at(10, 10), 0.1);
     }
 
+    /// The documented example parses and holds the defaults, but for the learning rate it marks.
+    #[test]
+    fn the_example_config_is_valid_and_holds_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/sft.example.toml");
+        let config = SftConfig::from_toml_file(&path).unwrap();
+        let defaults = parse("").unwrap();
+        assert_eq!((config.train, config.data.max_length), (defaults.train, None));
+        assert_eq!(config.optimizer.lr, 1e-5);
+        assert_eq!(OptimizerConfig { lr: 1e-6, ..config.optimizer }, defaults.optimizer);
+        assert!(config.run.out_dir.ends_with("runs/sft"));
+        assert_eq!(SftRunSection { out_dir: defaults.run.out_dir.clone(), ..config.run }, defaults.run);
+    }
+
     #[test]
     fn relative_paths_follow_the_file() {
         let dir = tempfile::tempdir().unwrap();
