@@ -5,12 +5,19 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn prompt_r1(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_prompt-r1")).args(args).output().expect("the binary runs")
+    Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
 }
 
 fn ok(args: &[&str]) -> Output {
     let out = prompt_r1(args);
-    assert!(out.status.success(), "prompt-r1 {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "prompt-r1 {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     out
 }
 
@@ -18,7 +25,15 @@ fn ok(args: &[&str]) -> Output {
 /// the chats also as validation rows.
 fn setup(dir: &Path) -> String {
     let model = dir.join("tiny");
-    ok(&["init-model", "--preset", "tiny", "--out", model.to_str().unwrap(), "--seed", "2"]);
+    ok(&[
+        "init-model",
+        "--preset",
+        "tiny",
+        "--out",
+        model.to_str().unwrap(),
+        "--seed",
+        "2",
+    ]);
     let rows: String = ["Oslo", "Lima", "Rome", "Bern", "Kyiv", "Riga"]
         .iter()
         .map(|city| {
@@ -56,23 +71,43 @@ fn sft_trains_resumes_plots_and_exports() {
     let config = setup(tmp.path());
     let out = ok(&["sft", "--config", &config]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("training rows: 6 sequences (6 chats, 0 episodes)"), "{stderr}");
+    assert!(
+        stderr.contains("training rows: 6 sequences (6 chats, 0 episodes)"),
+        "{stderr}"
+    );
     let run = tmp.path().join("run");
     let lines = metrics(&run);
     assert_eq!(lines.len(), 4);
     for (i, line) in lines.iter().enumerate() {
         assert_eq!(line["training/global_step"], i as u64 + 1);
-        for key in ["train/loss", "train/lr", "train/grad_norm", "train/tokens", "train/time(s)", "perf/tokens_per_s"] {
+        for key in [
+            "train/loss",
+            "train/lr",
+            "train/grad_norm",
+            "train/tokens",
+            "train/time(s)",
+            "perf/tokens_per_s",
+        ] {
             assert!(line[key].is_number(), "{key} in {line}");
         }
-        assert_eq!(line["val/loss"].is_number(), i % 2 == 1, "validation every 2 steps: {line}");
+        assert_eq!(
+            line["val/loss"].is_number(),
+            i % 2 == 1,
+            "validation every 2 steps: {line}"
+        );
     }
     assert!(run.join("checkpoints/step-0000002/model.safetensors").is_file());
-    assert_eq!(std::fs::read_to_string(run.join("checkpoints/latest")).unwrap(), "step-0000004");
+    assert_eq!(
+        std::fs::read_to_string(run.join("checkpoints/latest")).unwrap(),
+        "step-0000004"
+    );
 
     let out = ok(&["sft", "--config", &config, "--resume", "--steps", "6"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("step-0000006"));
-    let steps: Vec<u64> = metrics(&run).iter().map(|l| l["training/global_step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = metrics(&run)
+        .iter()
+        .map(|l| l["training/global_step"].as_u64().unwrap())
+        .collect();
     assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
     let err = prompt_r1(&["sft", "--config", &config]);
     assert!(!err.status.success() && String::from_utf8_lossy(&err.stderr).contains("--resume"));
@@ -82,7 +117,16 @@ fn sft_trains_resumes_plots_and_exports() {
     assert!(run.join("curves.png").is_file());
     let exported = tmp.path().join("exported");
     ok(&["export", run.to_str().unwrap(), "--out", exported.to_str().unwrap()]);
-    let text = ok(&["generate", "--model", exported.to_str().unwrap(), "--prompt", "Where is Oslo?", "--chat", "--max-new-tokens", "4"]);
+    let text = ok(&[
+        "generate",
+        "--model",
+        exported.to_str().unwrap(),
+        "--prompt",
+        "Where is Oslo?",
+        "--chat",
+        "--max-new-tokens",
+        "4",
+    ]);
     assert!(!text.stdout.is_empty());
 }
 
@@ -98,7 +142,10 @@ fn a_bad_row_is_named_by_file_and_line() {
     let out = prompt_r1(&["sft", "--config", &config]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("chats.jsonl: line 7: messages hold no assistant message"), "{stderr}");
+    assert!(
+        stderr.contains("chats.jsonl: line 7: messages hold no assistant message"),
+        "{stderr}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(!tmp.path().join("run/metrics.jsonl").exists());
 }

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
-use model::checkpoint::StorageDtype;
 use model::chat_template::ChatTemplate;
+use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
 use model::tokenizer::Qwen3Tokenizer;
@@ -147,7 +147,9 @@ fn the_loss_falls_on_a_tiny_fixture() {
     println!("validation loss: {validation:?}");
     assert_eq!(validation.len(), 3);
     assert!(validation.windows(2).all(|w| w[1] < w[0]), "{validation:?}");
-    assert!(records.iter().all(|r| r.skipped_steps == 0 && r.grad_norm.is_some_and(f32::is_finite)));
+    assert!(records
+        .iter()
+        .all(|r| r.skipped_steps == 0 && r.grad_norm.is_some_and(f32::is_finite)));
     assert_eq!(read_sft_metrics(&config.run.out_dir).unwrap(), records);
 }
 
@@ -163,7 +165,10 @@ fn masked_tokens_contribute_nothing() {
     let mut changed = batch.clone();
     for s in &mut changed {
         let last = s.tokens.len() - 1;
-        assert_eq!(s.loss_mask[last], 0, "the rendered chat ends with a token outside the assistant span");
+        assert_eq!(
+            s.loss_mask[last], 0,
+            "the rendered chat ends with a token outside the assistant span"
+        );
         s.tokens[last] = 77;
     }
     assert_ne!(batch, changed);
@@ -190,10 +195,16 @@ fn micro_batches_give_the_batch_gradient() {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
     let batch: Vec<SftSequence> = sequences(dir.path()).into_iter().take(4).collect();
-    assert!(batch.windows(2).any(|w| w[0].tokens.len() != w[1].tokens.len()), "rows of different lengths");
+    assert!(
+        batch.windows(2).any(|w| w[0].tokens.len() != w[1].tokens.len()),
+        "rows of different lengths"
+    );
     let (whole_loss, whole) = sgd_update(dir.path(), &batch, 4);
     let (micro_loss, micro) = sgd_update(dir.path(), &batch, 1);
-    assert!((whole_loss - micro_loss).abs() <= 1e-5 * whole_loss, "{whole_loss} vs {micro_loss}");
+    assert!(
+        (whole_loss - micro_loss).abs() <= 1e-5 * whole_loss,
+        "{whole_loss} vs {micro_loss}"
+    );
     let diff = relative_difference(&whole, &micro);
     println!("micro-batches of 1 vs 4: update difference {diff:e}");
     assert!(diff <= 1e-5, "{diff}");
@@ -225,8 +236,19 @@ fn resuming_equals_never_stopping() {
     let (resumed, tail) = run_to(dir.path().join("split"), true, 3);
     assert_eq!(resumed.step_count(), 6);
     for (a, b) in all.iter().zip(head.iter().chain(&tail)) {
-        assert_eq!((a.step, a.epoch, a.tokens, a.lr), (b.step, b.epoch, b.tokens, b.lr), "step {}", a.step);
-        assert!((a.loss - b.loss).abs() <= 1e-6, "step {}: {} vs {}", a.step, a.loss, b.loss);
+        assert_eq!(
+            (a.step, a.epoch, a.tokens, a.lr),
+            (b.step, b.epoch, b.tokens, b.lr),
+            "step {}",
+            a.step
+        );
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-6,
+            "step {}: {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
     }
     let (expected, got) = (weights(&straight.model().valid()), weights(&resumed.model().valid()));
     let mut largest = 0.0f32;
@@ -236,11 +258,18 @@ fn resuming_equals_never_stopping() {
         assert!(diff <= 1e-6, "{name}: {diff}");
     }
     println!("resumed vs straight: largest weight difference {largest:e}");
-    let steps: Vec<u64> = read_sft_metrics(&dir.path().join("split")).unwrap().iter().map(|r| r.step).collect();
+    let steps: Vec<u64> = read_sft_metrics(&dir.path().join("split"))
+        .unwrap()
+        .iter()
+        .map(|r| r.step)
+        .collect();
     assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
     // A fresh start refuses to overwrite a run with checkpoints.
     let mut again = config.clone();
     again.run.out_dir = dir.path().join("split");
-    let err = SftRun::<B>::start(again, Default::default(), false).err().unwrap().to_string();
+    let err = SftRun::<B>::start(again, Default::default(), false)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("--resume"), "{err}");
 }

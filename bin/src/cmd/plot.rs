@@ -84,7 +84,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     model::checkpoint::write_atomic(&out, &png)
         .with_context(|| format!("cannot write {}", out.display()))?;
-    println!("wrote {} ({})", out.display(), steps(figure.panels[0].xs.len()));
+    println!(
+        "wrote {} ({})",
+        out.display(),
+        steps(figure.panels[0].xs.len())
+    );
     Ok(())
 }
 
@@ -118,7 +122,8 @@ fn figure_title(run_dir: &Path, records: &[StepRecord]) -> String {
 /// The six panels of an SFT run, in reading order.
 pub fn sft_panels(records: &[SftRecord]) -> Vec<Panel> {
     let xs: Vec<f64> = records.iter().map(|r| r.step as f64).collect();
-    let series = |f: fn(&SftRecord) -> Option<f64>| -> Vec<Option<f64>> { records.iter().map(f).collect() };
+    let series =
+        |f: fn(&SftRecord) -> Option<f64>| -> Vec<Option<f64>> { records.iter().map(f).collect() };
     let line = |name: &str, color, values| Series::new(name, color, Style::Line, values);
     let panel = |title: &str| Panel::new(title, xs.clone());
     vec![
@@ -131,10 +136,26 @@ pub fn sft_panels(records: &[SftRecord]) -> Vec<Panel> {
                 series(|r| r.validation_loss.map(f64::from)),
             )),
         panel("learning rate").left(line("lr", GREEN, series(|r| Some(r.lr)))),
-        panel("grad norm").left(line("grad norm", BLUE, series(|r| r.grad_norm.map(f64::from)))),
-        panel("trained tokens per step").left(line("tokens", PURPLE, series(|r| Some(r.tokens as f64)))),
-        panel("trained tokens / s").left(line("tokens/s", RED, series(|r| Some(f64::from(r.tokens_per_sec))))),
-        panel("peak RSS (MB)").left(line("peak rss", BROWN, series(|r| r.peak_rss_mb.map(f64::from)))),
+        panel("grad norm").left(line(
+            "grad norm",
+            BLUE,
+            series(|r| r.grad_norm.map(f64::from)),
+        )),
+        panel("trained tokens per step").left(line(
+            "tokens",
+            PURPLE,
+            series(|r| Some(r.tokens as f64)),
+        )),
+        panel("trained tokens / s").left(line(
+            "tokens/s",
+            RED,
+            series(|r| Some(f64::from(r.tokens_per_sec))),
+        )),
+        panel("peak RSS (MB)").left(line(
+            "peak rss",
+            BROWN,
+            series(|r| r.peak_rss_mb.map(f64::from)),
+        )),
     ]
 }
 

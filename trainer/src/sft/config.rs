@@ -204,7 +204,10 @@ mod tests {
     #[test]
     fn defaults_and_unknown_keys() {
         let c = parse("").unwrap();
-        assert_eq!((c.train.epochs, c.train.batch_size, c.train.micro_batch_size), (1, 16, 4));
+        assert_eq!(
+            (c.train.epochs, c.train.batch_size, c.train.micro_batch_size),
+            (1, 16, 4)
+        );
         assert_eq!(c.optimizer, OptimizerConfig::default());
         assert_eq!(c.run.out_dir, PathBuf::from("runs/sft"));
         assert!(c.validate().is_ok());
@@ -232,7 +235,10 @@ mod tests {
         let lrs: Vec<f64> = (1..=6).map(|s| c.lr_at(s, 6)).collect();
         assert_eq!(&lrs[..3], &[0.5, 1.0, 1.0]);
         // 4 steps after the warm-up: cos(π·k/4)/2 + 1/2 for k = 0..3.
-        assert!((lrs[3] - 0.853_553).abs() < 1e-6 && (lrs[5] - 0.146_447).abs() < 1e-6, "{lrs:?}");
+        assert!(
+            (lrs[3] - 0.853_553).abs() < 1e-6 && (lrs[5] - 0.146_447).abs() < 1e-6,
+            "{lrs:?}"
+        );
         let constant = parse("[optimizer]\nlr = 0.1\n").unwrap();
         assert_eq!(constant.lr_at(1, 10), 0.1);
         assert_eq!(constant.lr_at(10, 10), 0.1);
@@ -246,9 +252,21 @@ mod tests {
         let defaults = parse("").unwrap();
         assert_eq!((config.train, config.data.max_length), (defaults.train, None));
         assert_eq!(config.optimizer.lr, 1e-5);
-        assert_eq!(OptimizerConfig { lr: 1e-6, ..config.optimizer }, defaults.optimizer);
+        assert_eq!(
+            OptimizerConfig {
+                lr: 1e-6,
+                ..config.optimizer
+            },
+            defaults.optimizer
+        );
         assert!(config.run.out_dir.ends_with("runs/sft"));
-        assert_eq!(SftRunSection { out_dir: defaults.run.out_dir.clone(), ..config.run }, defaults.run);
+        assert_eq!(
+            SftRunSection {
+                out_dir: defaults.run.out_dir.clone(),
+                ..config.run
+            },
+            defaults.run
+        );
     }
 
     #[test]

@@ -73,7 +73,11 @@ impl std::fmt::Display for DataSummary {
             write!(f, "; {} cut to data.max_length", self.truncated)?;
         }
         if self.empty_after_cut > 0 {
-            write!(f, " ({} of them left without a trained token, left out)", self.empty_after_cut)?;
+            write!(
+                f,
+                " ({} of them left without a trained token, left out)",
+                self.empty_after_cut
+            )?;
         }
         Ok(())
     }
@@ -148,7 +152,11 @@ impl RowEncoder<'_> {
             return self.chat_sequence(&chat.messages).map(Some);
         }
         let episode = if let Some(trajectory) = fields.get("trajectory") {
-            if let Some(mode) = fields.get("mode").and_then(Value::as_str).filter(|m| !m.starts_with("agent")) {
+            if let Some(mode) = fields
+                .get("mode")
+                .and_then(Value::as_str)
+                .filter(|m| !m.starts_with("agent"))
+            {
                 return Err(format!("an eval row of mode `{mode}` holds no agent episode"));
             }
             trajectory.clone()
@@ -238,7 +246,10 @@ mod tests {
             .into_iter()
             .map(|ids| tokenizer.decode(&ids, false).unwrap())
             .collect();
-        assert_eq!(runs, ["Oslo.<|im_end|>", "<think>\n\n</think>\n\nLima, it is.<|im_end|>"]);
+        assert_eq!(
+            runs,
+            ["Oslo.<|im_end|>", "<think>\n\n</think>\n\nLima, it is.<|im_end|>"]
+        );
     }
 
     trait ChunkByMask {
@@ -272,17 +283,29 @@ mod tests {
         let cases = [
             ("{not json", "line 2: not JSON"),
             ("[1, 2]", "line 2: a row must be a JSON object"),
-            (r#"{"messages": [{"role": "tool", "content": "x"}]}"#, "line 2: messages: unknown variant `tool`"),
-            (r#"{"messages": [{"role": "user", "content": "q"}]}"#, "line 2: messages hold no assistant message"),
+            (
+                r#"{"messages": [{"role": "tool", "content": "x"}]}"#,
+                "line 2: messages: unknown variant `tool`",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "q"}]}"#,
+                "line 2: messages hold no assistant message",
+            ),
             (r#"{"text": "plain"}"#, "line 2: neither a chat transcript"),
             (r#"{"prompt_text": "p"}"#, "line 2: not an episode: missing field"),
-            (r#"{"mode": "direct", "trajectory": {}}"#, "line 2: an eval row of mode `direct`"),
+            (
+                r#"{"mode": "direct", "trajectory": {}}"#,
+                "line 2: an eval row of mode `direct`",
+            ),
         ];
         for (bad, expected) in cases {
             let path = dir.path().join("rows.jsonl");
             std::fs::write(&path, format!("{good}\n{bad}\n")).unwrap();
             let err = rows.load_files(&[path]).unwrap_err().to_string();
-            assert!(err.contains("rows.jsonl") && err.contains(expected), "{expected}: {err}");
+            assert!(
+                err.contains("rows.jsonl") && err.contains(expected),
+                "{expected}: {err}"
+            );
         }
         let path = dir.path().join("empty.jsonl");
         std::fs::write(&path, "\n\n").unwrap();
@@ -297,19 +320,30 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rows.jsonl");
         let row = |answer: &str| {
-            format!(r#"{{"messages": [{{"role": "user", "content": "question"}}, {{"role": "assistant", "content": "{answer}"}}]}}"#)
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "question"}}, {{"role": "assistant", "content": "{answer}"}}]}}"#
+            )
         };
-        std::fs::write(&path, format!("{}\n{}\n", row("short"), row(&"long answer ".repeat(20)))).unwrap();
+        std::fs::write(
+            &path,
+            format!("{}\n{}\n", row("short"), row(&"long answer ".repeat(20))),
+        )
+        .unwrap();
         let (all, summary) = rows.load_files(&[path.clone()]).unwrap();
         assert_eq!((all.len(), summary.chats, summary.truncated), (2, 2, 0));
         let prompt_len = all[0].loss_mask.iter().position(|&m| m == 1).unwrap();
         rows.max_length = Some(prompt_len + 3);
         let (cut, summary) = rows.load_files(&[path.clone()]).unwrap();
         assert_eq!(summary.truncated, 2);
-        assert!(cut.iter().all(|s| s.tokens.len() == prompt_len + 3 && s.n_loss_tokens() == 3));
+        assert!(cut
+            .iter()
+            .all(|s| s.tokens.len() == prompt_len + 3 && s.n_loss_tokens() == 3));
         rows.max_length = Some(prompt_len);
         let (kept, summary) = rows.load_files(&[path]).unwrap();
         assert!(kept.is_empty() && summary.empty_after_cut == 2, "{summary:?}");
-        assert!(summary.to_string().contains("left without a trained token"), "{summary}");
+        assert!(
+            summary.to_string().contains("left without a trained token"),
+            "{summary}"
+        );
     }
 }

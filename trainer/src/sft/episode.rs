@@ -44,10 +44,16 @@ fn from_tokens(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSe
     }
     let vocab = tokenizer.vocab_size();
     if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-        return Err(format!("token id {bad} is outside this tokenizer's vocabulary of {vocab}"));
+        return Err(format!(
+            "token id {bad} is outside this tokenizer's vocabulary of {vocab}"
+        ));
     }
     let prompt = ids.get(..episode.prompt_len).ok_or_else(|| {
-        format!("prompt_len {} is longer than the {} token_ids", episode.prompt_len, ids.len())
+        format!(
+            "prompt_len {} is longer than the {} token_ids",
+            episode.prompt_len,
+            ids.len()
+        )
     })?;
     let decoded = tokenizer.decode(prompt, false).map_err(|e| e.to_string())?;
     if decoded != episode.prompt_text {
@@ -95,7 +101,10 @@ fn from_text(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequ
         }
         if k + 1 < episode.turns.len() {
             let end = rest.find(&opening).ok_or_else(|| {
-                format!("response_text has no environment text after turn {} that opens the next turn", k + 1)
+                format!(
+                    "response_text has no environment text after turn {} that opens the next turn",
+                    k + 1
+                )
             })? + opening.len();
             push(&rest[..end], 0)?;
             rest = &rest[end..];
@@ -109,7 +118,9 @@ fn from_text(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequ
 #[cfg(test)]
 mod tests {
     use super::*;
-    use env::{Agent, AgentContext, AgentError, ChatMessage, EnvError, EpisodeConfig, Environment, PromptTexts, TurnText};
+    use env::{
+        Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment, EpisodeConfig, PromptTexts, TurnText,
+    };
     use model::tiny_tokenizer::{train_tiny_tokenizer, TINY_VOCAB_SIZE};
 
     /// Writes fixed turns: as a local agent (recording its text's tokens and `<|im_end|>` as
@@ -199,12 +210,23 @@ mod tests {
         let from_text = episode_sequence(&chat, &tokenizer).unwrap();
         let from_tokens = episode_sequence(&local, &tokenizer).unwrap();
         assert_eq!(from_text, from_tokens);
-        assert_eq!((from_tokens.tokens.as_slice(), from_tokens.loss_mask.as_slice()), (&local.token_ids[..], &local.loss_mask[..]));
-        let trained: Vec<u32> =
-            from_text.tokens.iter().zip(&from_text.loss_mask).filter(|(_, &m)| m == 1).map(|(&id, _)| id).collect();
+        assert_eq!(
+            (from_tokens.tokens.as_slice(), from_tokens.loss_mask.as_slice()),
+            (&local.token_ids[..], &local.loss_mask[..])
+        );
+        let trained: Vec<u32> = from_text
+            .tokens
+            .iter()
+            .zip(&from_text.loss_mask)
+            .filter(|(_, &m)| m == 1)
+            .map(|(&id, _)| id)
+            .collect();
         let expected = format!("{}{IM_END}{}{IM_END}", TURNS[0], TURNS[1]);
         assert_eq!(tokenizer.decode(&trained, false).unwrap(), expected);
-        assert_eq!(tokenizer.decode(&from_text.tokens, false).unwrap(), local.context_text());
+        assert_eq!(
+            tokenizer.decode(&from_text.tokens, false).unwrap(),
+            local.context_text()
+        );
     }
 
     /// A call in the last round gets its reply appended after it, with mask 0.
@@ -214,7 +236,10 @@ mod tests {
         let chat = episode(&TURNS[..1], None, 1);
         assert!(chat.response_text.ends_with(NEXT_TURN_PREFIX));
         let s = episode_sequence(&chat, &tokenizer).unwrap();
-        assert_eq!(s, episode_sequence(&episode(&TURNS[..1], Some(&tokenizer), 1), &tokenizer).unwrap());
+        assert_eq!(
+            s,
+            episode_sequence(&episode(&TURNS[..1], Some(&tokenizer), 1), &tokenizer).unwrap()
+        );
         assert_eq!(s.loss_mask.last(), Some(&0));
     }
 
@@ -229,10 +254,14 @@ mod tests {
         let local = episode(&TURNS, Some(&tokenizer), 5);
         let mut short_mask = local.clone();
         short_mask.loss_mask.pop();
-        assert!(episode_sequence(&short_mask, &tokenizer).unwrap_err().contains("loss_mask"));
+        assert!(episode_sequence(&short_mask, &tokenizer)
+            .unwrap_err()
+            .contains("loss_mask"));
         let mut other_tokenizer = local.clone();
         other_tokenizer.prompt_text = other_tokenizer.prompt_text.replace("Ask", "Tell");
-        assert!(episode_sequence(&other_tokenizer, &tokenizer).unwrap_err().contains("not this tokenizer's"));
+        assert!(episode_sequence(&other_tokenizer, &tokenizer)
+            .unwrap_err()
+            .contains("not this tokenizer's"));
         let mut outside = local;
         outside.token_ids[3] = 100_000;
         assert!(episode_sequence(&outside, &tokenizer).unwrap_err().contains("100000"));

@@ -129,7 +129,9 @@ impl<B: AutodiffBackend> SftRun<B> {
         };
         let (train, train_summary) = rows.load_files(&config.data.train)?;
         if train.is_empty() {
-            return Err(TrainError::Invalid(format!("no training sequence left: {train_summary}")));
+            return Err(TrainError::Invalid(format!(
+                "no training sequence left: {train_summary}"
+            )));
         }
         let (validation, validation_summary) = rows.load_files(&config.data.validation)?;
         let total_steps = config.total_steps(train.len());
@@ -246,7 +248,11 @@ impl<B: AutodiffBackend> SftRun<B> {
         if self.validation.is_empty() {
             return Ok(None);
         }
-        validation_loss(&self.model().valid(), &self.validation, self.config.train.micro_batch_size)
+        validation_loss(
+            &self.model().valid(),
+            &self.validation,
+            self.config.train.micro_batch_size,
+        )
     }
 
     /// Writes a checkpoint of the current state.
@@ -272,6 +278,8 @@ fn chat_template(dir: &Path) -> Result<ChatTemplate, TrainError> {
     match ChatTemplate::from_dir(dir) {
         Ok(template) => Ok(template),
         Err(ChatTemplateError::MissingTemplate { .. } | ChatTemplateError::Read { .. }) => Ok(ChatTemplate::Qwen3),
-        Err(err) => Err(TrainError::Invalid(format!("{err} (chat rows are rendered with the Qwen3 chat template)"))),
+        Err(err) => Err(TrainError::Invalid(format!(
+            "{err} (chat rows are rendered with the Qwen3 chat template)"
+        ))),
     }
 }

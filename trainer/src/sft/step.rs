@@ -132,7 +132,10 @@ pub fn validation_loss<B: Backend, M: TokenScorer<B>>(
 }
 
 /// The loss of one micro-batch, averaged over its own trained tokens.
-fn micro_batch_loss<B: Backend, M: TokenScorer<B>>(model: &M, micro: &[SftSequence]) -> Result<Tensor<B, 1>, TrainError> {
+fn micro_batch_loss<B: Backend, M: TokenScorer<B>>(
+    model: &M,
+    micro: &[SftSequence],
+) -> Result<Tensor<B, 1>, TrainError> {
     let device = model.device();
     let ids: Vec<Vec<u32>> = micro.iter().map(|s| s.tokens.clone()).collect();
     let batch = TokenBatch::<B>::new(&ids, Padding::Right, PAD_ID, &device)?;

@@ -37,11 +37,14 @@ impl Demonstration {
 
     /// The text of the turn after `replies` (the large LLM's replies so far).
     fn turn(self, question: &str, replies: &[&str]) -> String {
-        let call =
-            |think_close: &str| format!("<think>\nI ask.\n{think_close}<interaction_prompt>\n{question}\n</interaction_prompt>");
+        let call = |think_close: &str| {
+            format!("<think>\nI ask.\n{think_close}<interaction_prompt>\n{question}\n</interaction_prompt>")
+        };
         let answer = |thought: &str, answer: &str| format!("{thought}\n</think>\n<answer>\n{answer}\n</answer>");
         match (self, replies.last()) {
-            (Demonstration::Alone, _) => "<think>\nI answer alone.\n</think>\n<answer>\nI do not know\n</answer>".to_owned(),
+            (Demonstration::Alone, _) => {
+                "<think>\nI answer alone.\n</think>\n<answer>\nI do not know\n</answer>".to_owned()
+            }
             (Demonstration::Ramble, _) => "<think>\nI am not sure what to do.\n</think>".to_owned(),
             (Demonstration::Malformed, None) => call(""),
             (_, None) => call("</think>\n"),
@@ -59,7 +62,10 @@ pub struct Teacher {
 impl Agent for Teacher {
     fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), AgentError> {
         if ctx.index() >= self.script.len() {
-            return Err(AgentError::Model(format!("no demonstration scripted for episode {}", ctx.index())));
+            return Err(AgentError::Model(format!(
+                "no demonstration scripted for episode {}",
+                ctx.index()
+            )));
         }
         Ok(())
     }
@@ -87,7 +93,7 @@ impl Agent for Teacher {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use env::{ChatMessage, EnvError, EpisodeConfig, Environment, StopReason};
+    use env::{ChatMessage, EnvError, Environment, EpisodeConfig, StopReason};
     use rewards::{RewardBreakdown, RewardConfig};
 
     struct Oslo;
@@ -113,15 +119,22 @@ mod tests {
         let questions = ["Capital of Norway?"; 5];
         let episodes = env::run_episodes(&mut teacher, &Oslo, &questions, &EpisodeConfig::default());
         let stops: Vec<StopReason> = episodes.iter().map(|e| e.stop_reason).collect();
-        assert_eq!(stops, [[StopReason::Answer; 4].as_slice(), &[StopReason::NoCall]].concat());
+        assert_eq!(
+            stops,
+            [[StopReason::Answer; 4].as_slice(), &[StopReason::NoCall]].concat()
+        );
         let rewards: Vec<f32> = episodes
             .iter()
             .map(|e| {
-                RewardBreakdown::from_text(&e.context_text(), &["Oslo".to_owned()], &RewardConfig::default()).reward as f32
+                RewardBreakdown::from_text(&e.context_text(), &["Oslo".to_owned()], &RewardConfig::default()).reward
+                    as f32
             })
             .collect();
         let expected = [1.0, 0.0, -0.4, -0.4, -1.0];
-        assert!(rewards.iter().zip(expected).all(|(r, e)| (r - e).abs() < 1e-6), "{rewards:?}");
+        assert!(
+            rewards.iter().zip(expected).all(|(r, e)| (r - e).abs() < 1e-6),
+            "{rewards:?}"
+        );
         assert_eq!(episodes[0].turns[0].prompt.as_deref(), Some("Capital of Norway?"));
         assert_eq!(episodes[0].answer.as_deref(), Some("Oslo"));
         let third = [Demonstration::Good, Demonstration::Ramble, Demonstration::Unsure];
