@@ -151,6 +151,10 @@ fn the_loss_falls_on_a_tiny_fixture() {
         .iter()
         .all(|r| r.skipped_steps == 0 && r.grad_norm.is_some_and(f32::is_finite)));
     assert_eq!(read_sft_metrics(&config.run.out_dir).unwrap(), records);
+    // Without a checkpoint there is nothing to resume: a new start drops the old lines.
+    drop(run);
+    SftRun::<B>::start(config.clone(), Default::default(), false).unwrap();
+    assert!(read_sft_metrics(&config.run.out_dir).unwrap().is_empty());
 }
 
 /// Tokens outside the assistant messages contribute nothing: changing the last token of every

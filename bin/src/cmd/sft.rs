@@ -10,6 +10,7 @@ use clap::Args as ClapArgs;
 use model::MatmulPrecision;
 use trainer::sft::{SftConfig, SftRecord, SftRun};
 
+use super::say;
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_matmul;
 
@@ -170,16 +171,6 @@ impl OnBackend for FineTuning {
         bar.finish();
         eprintln!("metrics in {}", out_dir.join(trainer::run::METRICS_FILE).display());
         Ok(records)
-    }
-}
-
-/// A line above the progress bar, or on stderr when the bar is hidden (not a terminal), so
-/// that logs of redirected runs keep it.
-pub fn say(bar: &indicatif::ProgressBar, line: String) {
-    if bar.is_hidden() {
-        eprintln!("{line}");
-    } else {
-        bar.println(line);
     }
 }
 

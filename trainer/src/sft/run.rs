@@ -146,6 +146,8 @@ impl<B: AutodiffBackend> SftRun<B> {
                 (model, BatchSampler::resume(state.cursor, train.len())?, state.step)
             }
             None => {
+                // Lines of a run that stopped before its first checkpoint are not continued.
+                truncate_lines_after::<SftRecord>(&run_dir, 0, |r| r.step)?;
                 let model = load_pretrained::<B>(&config.model, &device, LoadOptions::default())?;
                 let sampler = BatchSampler::new(
                     train.len(),
