@@ -37,6 +37,8 @@ enum Command {
     Train(cmd::train::Args),
     /// Predict a run's peak memory, term by term, and whether it fits the device.
     Plan(cmd::plan::Args),
+    /// Fine-tune a model on chat transcripts or saved episodes, assistant tokens only (config in TOML).
+    Sft(cmd::sft::Args),
     /// Export a training checkpoint as a Hugging Face model directory.
     Export(cmd::export::Args),
     /// Run the built-in demo on a fresh machine (no downloads).
@@ -78,6 +80,7 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => cmd::train::run(args),
         Command::Plan(args) => cmd::plan::run(args),
+        Command::Sft(args) => cmd::sft::run(args),
         Command::Export(args) => cmd::export::run(args),
         Command::Demo(args) => cmd::demo::run(args),
         Command::EnvCheck(args) => cmd::env_check::run(args),

@@ -16,6 +16,7 @@
 //! Prompt-R1 does not use; its environment replies are plain text inside the agent's context.
 //! An empty message list renders only the generation prompt (the Jinja template errors).
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 pub use chat::{ChatMessage, Role};
@@ -223,6 +224,18 @@ impl ChatTemplate {
         }
     }
 
+    /// Renders messages and says where the assistant messages' text lies in the result (see
+    /// [`RenderedChat`]).
+    pub fn render_with_spans(
+        &self,
+        messages: &[ChatMessage],
+        options: RenderOptions,
+    ) -> RenderedChat {
+        match self {
+            ChatTemplate::Qwen3 => render_qwen3_with_spans(messages, options),
+        }
+    }
+
     /// Renders messages and encodes the text (special tokens map to their ids).
     pub fn encode(
         &self,
@@ -241,15 +254,38 @@ fn read(path: &Path) -> Result<String, ChatTemplateError> {
     })
 }
 
+/// A rendered conversation with the byte ranges of what its assistant messages contribute: each
+/// span runs from just after `<|im_start|>assistant\n` to just after the message's `<|im_end|>`
+/// (the text a model writes for that turn, its reasoning block included, and the token that ends
+/// it), in message order. Fine-tuning on assistant tokens only marks the tokens inside them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenderedChat {
+    /// The rendered text.
+    pub text: String,
+    /// Byte ranges of `text`, one per assistant message.
+    pub assistant_spans: Vec<Range<usize>>,
+}
+
 /// Renders messages with the Qwen3 chat template (see the module docs for the rules).
 pub fn render_qwen3(messages: &[ChatMessage], options: RenderOptions) -> String {
+    render_qwen3_with_spans(messages, options).text
+}
+
+/// [`render_qwen3`], with the assistant messages' spans.
+pub fn render_qwen3_with_spans(messages: &[ChatMessage], options: RenderOptions) -> RenderedChat {
     let mut out = String::new();
-    let push_turn = |out: &mut String, role: Role, body: &str| {
+    let mut spans = Vec::new();
+    let mut push_turn = |out: &mut String, role: Role, body: &str| {
         out.push_str("<|im_start|>");
         out.push_str(role.as_str());
         out.push('\n');
+        let start = out.len();
         out.push_str(body);
-        out.push_str("<|im_end|>\n");
+        out.push_str("<|im_end|>");
+        if role == Role::Assistant {
+            spans.push(start..out.len());
+        }
+        out.push('\n');
     };
     if let Some(first) = messages.first().filter(|m| m.role == Role::System) {
         push_turn(&mut out, Role::System, &first.content);
@@ -286,7 +322,10 @@ pub fn render_qwen3(messages: &[ChatMessage], options: RenderOptions) -> String 
             out.push_str("<think>\n\n</think>\n\n");
         }
     }
-    out
+    RenderedChat {
+        text: out,
+        assistant_spans: spans,
+    }
 }
 
 /// A user message the template treats as a tool result rather than a query.
@@ -349,6 +388,35 @@ mod tests {
         assert!(render_qwen3(&messages, RenderOptions::generation(false))
             .ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
         assert_eq!(render_qwen3(&[], RenderOptions::default()), "");
+    }
+
+    #[test]
+    fn spans_cover_each_assistant_body_and_its_im_end() {
+        let messages = [
+            ChatMessage::system("S"),
+            ChatMessage::user("q1"),
+            ChatMessage::assistant("<think>\nr1\n</think>\n\na1"),
+            ChatMessage::user("q2"),
+            ChatMessage::assistant("a2"),
+        ];
+        let rendered = render_qwen3_with_spans(&messages, RenderOptions::default());
+        assert_eq!(
+            rendered.text,
+            render_qwen3(&messages, RenderOptions::default())
+        );
+        let pieces: Vec<&str> = rendered
+            .assistant_spans
+            .iter()
+            .map(|r| &rendered.text[r.clone()])
+            .collect();
+        // The earlier turn loses its reasoning (it precedes the last query); the last one shows
+        // an empty reasoning block, as Qwen3's template renders them.
+        assert_eq!(
+            pieces,
+            ["a1<|im_end|>", "<think>\n\n</think>\n\na2<|im_end|>"]
+        );
+        let prompt_only = render_qwen3_with_spans(&messages[..2], RenderOptions::generation(true));
+        assert!(prompt_only.assistant_spans.is_empty());
     }
 
     #[test]

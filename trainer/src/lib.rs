@@ -13,6 +13,8 @@
 //!   skipping of steps whose gradient norm is not finite.
 //! - [`plan`]: the memory a run will need, phase by phase, from the model's shape and the run's
 //!   settings, and whether it fits a device.
+//! - [`sft`]: supervised fine-tuning on chat transcripts or saved episodes (assistant tokens
+//!   only), with the same optimiser, checkpoints and metrics file as GRPO runs.
 
 pub mod autodiff_lock;
 pub mod grpo;
@@ -20,3 +22,4 @@ pub mod optim;
 pub mod plan;
 pub mod rollout;
 pub mod run;
+pub mod sft;

@@ -1,15 +1,28 @@
-//! `prompt-r1 demo`: the whole Prompt-R1 loop on a fresh machine with no downloads, in a couple
-//! of minutes on 2 CPU cores:
-//! 1. `init-model --preset tiny` makes the agent (random weights, the project's own tokenizer)
-//!    and, with another seed, a second tiny model that plays the large LLM;
-//! 2. `serve` puts that second model behind the OpenAI chat API on a free local port;
-//! 3. a few GRPO steps train the agent on bundled questions against it, with a checkpoint;
-//! 4. `infer` runs the trained checkpoint on one question, showing every turn;
-//! 5. `plot` draws the training curves.
+//! `prompt-r1 demo`: the whole Prompt-R1 loop on a fresh machine with no downloads, in a few
+//! minutes on 2 CPU cores, with a reward that rises:
+//! 1. `init-model --preset tiny` makes the agent and, with another seed, the model that plays
+//!    the large LLM (random weights, the project's own 512-token tokenizer);
+//! 2. `sft` teaches the large LLM the bundled facts (`assets/demo/questions.jsonl`): asked a
+//!    question exactly, it answers it;
+//! 3. `serve` puts it behind the OpenAI chat API on a free local port;
+//! 4. a scripted teacher writes three demonstrations per training question through the real
+//!    loop (its calls reach the served LLM, its answers copy the real replies): one good and two
+//!    deliberately imperfect ("I do not know" after asking, answering without asking, a
+//!    malformed call, or neither asking nor answering); `sft` on these episodes is the agent's
+//!    cold start;
+//! 5. GRPO steps train the agent against the served LLM, scored by the double-constrained
+//!    reward of the `rewards` crate;
+//! 6. `infer` runs the trained agent on a held-out question, turn by turn;
+//! 7. `plot` draws the training curves.
 //!
-//! The models are random, so the rewards stay low: the demo shows the machinery, not learning
-//! (the trainer's tests show learning on a task a tiny model can learn).
+//! The reward rises because GRPO moves the agent away from the imperfect demonstrations. A
+//! model of 107k parameters learns the protocol and, for the questions it trained on, the
+//! answers; it does not learn to copy a question or a reply it has never seen, so the held-out
+//! question shows a well-formed episode whose call the large LLM cannot answer.
 
+mod teacher;
+
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -17,22 +30,53 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
-use trainer::run::TrainConfig;
+use env::{OpenAiClient, ENV_SYSTEM_MESSAGE};
+use trainer::run::{StepRecord, TrainConfig};
+use trainer::sft::SftConfig;
 
+use self::teacher::{Demonstration, Teacher};
 use crate::device::{run_on, DeviceChoice};
 
-/// Bundled demo questions (also used by the CLI tests).
+/// Bundled demo questions with their answers (also used by the CLI tests).
 const QUESTIONS: &str = include_str!("../../../assets/demo/questions.jsonl");
+/// The last this many bundled questions are held out of the agent's training.
+const HELD_OUT: usize = 8;
+/// The agent's system message and instruction in the demo (short: tiny models, short contexts).
+const SYSTEM: &str = "Ask the large model, then answer with its reply.";
+const INSTRUCTION: &str = "Use <interaction_prompt></interaction_prompt>, then <answer></answer>.";
+/// The name the large LLM is served under.
+const ENV_NAME: &str = "demo-llm";
 
-/// Run the built-in demo of the whole loop (no downloads).
+/// Run the built-in demo of the whole loop (no downloads): a reward that rises in a few minutes.
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
-    /// Where the demo writes its models, run and plot.
+    /// Where the demo writes its models, runs and plot.
     #[arg(long, default_value = "runs/demo")]
     pub out: PathBuf,
     /// GRPO steps to train.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 30)]
     pub steps: u64,
+    /// Seed of everything: the models' weights, the data orders, the agent's sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// SFT steps that teach the large LLM the facts (8 chats a step).
+    #[arg(long, default_value_t = 200)]
+    pub env_sft_steps: u64,
+    /// SFT steps of the agent's cold start on the demonstrations (8 a step).
+    #[arg(long, default_value_t = 200)]
+    pub agent_sft_steps: u64,
+    /// Questions per GRPO step.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Episodes per question (the GRPO group).
+    #[arg(long, default_value_t = 4)]
+    pub n: usize,
+    /// Sampling temperature of the agent in GRPO rollouts.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Learning rate of GRPO (AdamW).
+    #[arg(long, default_value_t = 3e-4)]
+    pub lr: f64,
     /// Compute device: cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
@@ -48,37 +92,66 @@ impl Drop for ServerGuard {
     }
 }
 
+/// Where the demo puts things inside `--out`.
+struct Layout {
+    out: PathBuf,
+}
+
+impl Layout {
+    fn path(&self, name: &str) -> PathBuf {
+        self.out.join(name)
+    }
+}
+
 pub fn run(args: Args) -> Result<()> {
+    if args.steps == 0 || args.env_sft_steps == 0 || args.agent_sft_steps == 0 {
+        bail!("--steps, --env-sft-steps and --agent-sft-steps must be at least 1");
+    }
+    let started = Instant::now();
     let exe = std::env::current_exe().context("locating the prompt-r1 binary")?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
-    let out = args.out.canonicalize()?;
-    let agent_dir = out.join("agent");
-    let env_dir = out.join("environment-llm");
-    let run_dir = out.join("train");
-
-    step("1/5 models");
-    for (dir, seed) in [(&agent_dir, 0u64), (&env_dir, 1)] {
-        if dir.join("model.safetensors").is_file() {
-            eprintln!("using {}", dir.display());
-        } else {
-            super::init_model::run(super::init_model::Args {
-                preset: model::Preset::Tiny,
-                out: dir.clone(),
-                seed,
-                dtype: None,
-                tokenizer: None,
-                force: false,
-            })?;
+    let layout = Layout {
+        out: args.out.canonicalize()?,
+    };
+    // Every stage starts afresh: a demo is a reproducible run of its seed.
+    for dir in ["agent", "environment-llm", "environment-sft", "agent-sft", "train"] {
+        let path = layout.path(dir);
+        if path.exists() {
+            std::fs::remove_dir_all(&path).with_context(|| format!("clearing {}", path.display()))?;
         }
     }
+    let (train_rows, held_out) = write_data(&layout)?;
 
-    step("2/5 environment: prompt-r1 serve");
+    stage("1/7 models: a tiny agent, and a tiny model to play the large LLM");
+    for (dir, seed) in [("agent", args.seed), ("environment-llm", args.seed + 1)] {
+        super::init_model::run(super::init_model::Args {
+            preset: model::Preset::Tiny,
+            out: layout.path(dir),
+            seed,
+            dtype: None,
+            tokenizer: None,
+            force: true,
+        })?;
+    }
+
+    stage("2/7 sft: the large LLM learns the bundled facts");
+    let env_sft = sft_config(
+        &layout.path("environment-llm"),
+        &layout.path("facts.jsonl"),
+        &layout.path("environment-sft"),
+        args.env_sft_steps,
+        3e-3,
+        args.seed,
+    )?;
+    let env_model = fine_tune(env_sft, args.device)?;
+
+    stage("3/7 environment: prompt-r1 serve");
     let port = free_port()?;
-    let log = std::fs::File::create(out.join("serve.log"))?;
+    let log = std::fs::File::create(layout.path("serve.log"))?;
     let child = Command::new(&exe)
         .args(["serve", "--model"])
-        .arg(&env_dir)
-        .args(["--port", &port.to_string(), "--served-model-name", "tiny-env"])
+        .arg(&env_model)
+        .args(["--port", &port.to_string(), "--served-model-name", ENV_NAME, "--no-thinking", "--max-batch", "16"])
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
@@ -86,52 +159,73 @@ pub fn run(args: Args) -> Result<()> {
     let _server = ServerGuard(child);
     wait_for_port(port, Duration::from_secs(60))?;
     let env_url = format!("http://127.0.0.1:{port}/v1");
-    eprintln!("environment at {env_url} (log: {})", out.join("serve.log").display());
+    eprintln!("the large LLM at {env_url} (log: {})", layout.path("serve.log").display());
 
-    step("3/5 GRPO training");
-    if run_dir.exists() {
-        std::fs::remove_dir_all(&run_dir).with_context(|| format!("clearing {}", run_dir.display()))?;
-    }
-    let questions = out.join("questions.jsonl");
-    std::fs::write(&questions, QUESTIONS)?;
-    let config = demo_config(&agent_dir, &questions, &run_dir, &env_url, args.steps)?;
+    stage("4/7 cold start: demonstrations through the real loop, then sft of the agent");
+    let train_config = grpo_config(&layout, &args, &env_url)?;
+    let demos = demonstrate(&layout, &train_config, &train_rows)?;
+    let agent_sft = sft_config(
+        &layout.path("agent"),
+        &demos,
+        &layout.path("agent-sft"),
+        args.agent_sft_steps,
+        3e-3,
+        args.seed,
+    )?;
+    let cold_start = fine_tune(agent_sft, args.device)?;
+
+    stage("5/7 GRPO: the agent against the served LLM, the Prompt-R1 reward");
+    let mut config = train_config;
+    config.model = cold_start;
     let records = run_on(args.device, super::train::Training { config, resume: false })?;
+    let (first, last) = first_and_last(&records);
     for r in &records {
         eprintln!(
-            "step {}: reward {:.3} ± {:.3}, format {:.2}, kl {:.5}, {} agent tokens, rollout {:.1}s, learn {:.1}s, peak RSS {:.0} MB",
+            "step {:>3}: reward {:+.3} ± {:.3}, format {:.2}, f1 {:.2}, {} groups without signal, rollout {:.1}s, learn {:.1}s",
             r.step,
             r.reward_mean,
             r.reward_std,
             r.format_mean.unwrap_or(0.0),
-            r.kl.unwrap_or(0.0),
-            r.agent_tokens,
+            r.f1_mean.unwrap_or(0.0),
+            r.groups_no_signal,
             r.rollout_secs,
-            r.learn_secs,
-            r.peak_rss_mb.unwrap_or(0.0)
+            r.learn_secs
         );
     }
+    let window = window(records.len());
+    eprintln!("mean reward: first {window} steps {first:+.3}, last {window} steps {last:+.3}");
+    let run_dir = layout.path("train");
     let checkpoint = trainer::run::latest_checkpoint(&run_dir)?.context("the run wrote no checkpoint")?;
 
-    step("4/5 infer with the trained checkpoint");
+    stage("6/7 infer: the trained agent on a held-out question");
+    let question = held_out["question"].as_str().context("a held-out question")?;
+    eprintln!("question: {question} (reference answers: {})", held_out["answers"]);
     let status = Command::new(&exe)
         .arg("infer")
         .arg("--agent")
         .arg(&checkpoint)
-        .args(["--env-url", &env_url, "--env-model", "tiny-env", "--max-turns", "2"])
-        .args(["--question", "Which river flows through Paris?"])
+        .args(["--env-url", &env_url, "--env-model", ENV_NAME, "--env-temperature", "0", "--env-max-tokens", "16"])
+        .args(["--max-turns", "2", "--max-turn-tokens", "48"])
+        .arg("--system-prompt")
+        .arg(layout.path("system.txt"))
+        .arg("--instruction")
+        .arg(layout.path("instruction.txt"))
+        .args(["--question", question])
         .status()
         .context("running prompt-r1 infer")?;
     if !status.success() {
         bail!("prompt-r1 infer failed");
     }
 
-    step("5/5 plot");
+    stage("7/7 plot");
     let status = Command::new(&exe).arg("plot").arg(&run_dir).status().context("running prompt-r1 plot")?;
     if !status.success() {
         bail!("prompt-r1 plot failed");
     }
     eprintln!(
-        "\ndone: checkpoint {}, metrics {}, curves {}",
+        "\ndone in {:.0} s: mean reward {first:+.3} over the first {window} GRPO steps, {last:+.3} over the last {window}\n\
+         agent {}\nmetrics {}\ncurves {}",
+        started.elapsed().as_secs_f64(),
         checkpoint.display(),
         run_dir.join(trainer::run::METRICS_FILE).display(),
         run_dir.join("curves.png").display()
@@ -139,49 +233,177 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-fn step(title: &str) {
+fn stage(title: &str) {
     eprintln!("\n== {title}");
 }
 
-/// A small but complete configuration: the reference prompts and reward, short turns.
-fn demo_config(agent: &Path, questions: &Path, run_dir: &Path, env_url: &str, steps: u64) -> Result<TrainConfig> {
+/// Steps averaged at each end of the run for the summary: a fifth of the run, at least 1.
+pub fn window(steps: usize) -> usize {
+    (steps / 5).max(1)
+}
+
+/// The mean reward of the first and of the last [`window`] steps.
+pub fn first_and_last(records: &[StepRecord]) -> (f32, f32) {
+    let k = window(records.len()).min(records.len());
+    let mean = |rs: &[StepRecord]| rs.iter().map(|r| r.reward_mean).sum::<f32>() / rs.len().max(1) as f32;
+    (mean(&records[..k]), mean(&records[records.len() - k..]))
+}
+
+/// Writes the data files: the training and held-out questions, the facts as chats for the
+/// large LLM, and the agent's prompt texts. Returns the training rows and the first held-out
+/// row.
+fn write_data(layout: &Layout) -> Result<(Vec<serde_json::Value>, serde_json::Value)> {
+    let rows: Vec<serde_json::Value> =
+        QUESTIONS.lines().map(serde_json::from_str).collect::<Result<_, _>>().context("the bundled questions")?;
+    let split = rows.len() - HELD_OUT;
+    let lines = |rows: &[serde_json::Value]| rows.iter().map(|r| format!("{r}\n")).collect::<String>();
+    std::fs::write(layout.path("train.jsonl"), lines(&rows[..split]))?;
+    std::fs::write(layout.path("held-out.jsonl"), lines(&rows[split..]))?;
+    let facts: String = rows
+        .iter()
+        .map(|r| {
+            let chat = serde_json::json!({"messages": [
+                {"role": "system", "content": ENV_SYSTEM_MESSAGE},
+                {"role": "user", "content": r["question"]},
+                {"role": "assistant", "content": r["answers"][0]},
+            ]});
+            format!("{chat}\n")
+        })
+        .collect();
+    std::fs::write(layout.path("facts.jsonl"), facts)?;
+    std::fs::write(layout.path("system.txt"), SYSTEM)?;
+    std::fs::write(layout.path("instruction.txt"), INSTRUCTION)?;
+    Ok((rows[..split].to_vec(), rows[split].clone()))
+}
+
+/// An SFT run of `steps` steps of 8 rows on `data`, starting from `model`.
+fn sft_config(model: &Path, data: &Path, out: &Path, steps: u64, lr: f64, seed: u64) -> Result<SftConfig> {
+    let text = format!(
+        r#"
+model = {model:?}
+[data]
+train = [{data:?}]
+[train]
+steps = {steps}
+batch_size = 8
+micro_batch_size = 8
+seed = {seed}
+[optimizer]
+lr = {lr:e}
+[run]
+out_dir = {out:?}
+save_every = {steps}
+keep_checkpoints = 1
+"#
+    );
+    let config: SftConfig = toml::from_str(&text).context("the demo's SFT configuration")?;
+    config.validate().map_err(anyhow::Error::msg)?;
+    Ok(config)
+}
+
+/// Runs an SFT configuration; returns its final checkpoint.
+fn fine_tune(config: SftConfig, device: DeviceChoice) -> Result<PathBuf> {
+    let out = config.run.out_dir.clone();
+    let records = run_on(device, super::sft::FineTuning { config, resume: false })?;
+    if let (Some(first), Some(last)) = (records.first(), records.last()) {
+        eprintln!("loss per trained token: {:.3} at step 1, {:.3} at step {}", first.loss, last.loss, last.step);
+    }
+    trainer::run::latest_checkpoint(&out)?.context("the SFT run wrote no checkpoint")
+}
+
+/// Three demonstrations per training question, written by the teacher through the real episode
+/// loop against the served LLM, saved as episodes (`infer --json`'s format) in `demos.jsonl`.
+fn demonstrate(layout: &Layout, config: &TrainConfig, rows: &[serde_json::Value]) -> Result<PathBuf> {
+    let questions: Vec<&str> = rows.iter().filter_map(|r| r["question"].as_str()).collect();
+    let mut script = Vec::new();
+    let mut asked = Vec::new();
+    for (i, q) in questions.iter().enumerate() {
+        for kind in Demonstration::for_question(i) {
+            script.push(kind);
+            asked.push(*q);
+        }
+    }
+    let client = OpenAiClient::new(config.environment.clone()).context("the environment client")?;
+    let episode = config.episode.episode_config()?;
+    let episodes = env::run_episodes(&mut Teacher { script: script.clone() }, &client, &asked, &episode);
+    let path = layout.path("demos.jsonl");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&path)?);
+    for e in &episodes {
+        if let Some(error) = e.error.as_deref() {
+            bail!("a demonstration failed: {error}");
+        }
+        writeln!(file, "{}", serde_json::to_string(e)?)?;
+    }
+    file.flush()?;
+    let imperfect = script.iter().filter(|k| **k != Demonstration::Good).count();
+    eprintln!(
+        "{} demonstrations ({} good, {imperfect} deliberately imperfect) in {}",
+        episodes.len(),
+        episodes.len() - imperfect,
+        path.display()
+    );
+    Ok(path)
+}
+
+/// The GRPO run: the reference prompts replaced by the demo's short ones, two turns (a call
+/// and an answer), the large LLM greedy.
+fn grpo_config(layout: &Layout, args: &Args, env_url: &str) -> Result<TrainConfig> {
+    let (steps, seed) = (args.steps, args.seed);
     let text = format!(
         r#"
 model = {agent:?}
 [data]
-train = [{questions:?}]
-validation = [{questions:?}]
-validation_limit = 2
+train = [{train:?}]
+validation = [{held_out:?}]
 [environment]
 base_url = "{env_url}"
-model = "tiny-env"
+model = "{ENV_NAME}"
 read_timeout_secs = 120.0
 [environment.sampling]
-max_tokens = 32
+temperature = 0.0
+max_tokens = 16
 [episode]
 max_turns = 2
-max_turn_tokens = 24
-max_response_tokens = 256
+max_turn_tokens = 48
+max_response_tokens = 160
+system_prompt = {system:?}
+instruction = {instruction:?}
 [rollout]
-batch_size = 2
-n = 4
-generation_batch = 8
+batch_size = {batch}
+n = {n}
+generation_batch = 64
+[rollout.sampling]
+temperature = {temperature}
+seed = {seed}
 [grpo]
-mini_batch_size = 8
-micro_batch_size = 4
+mini_batch_size = {episodes}
+micro_batch_size = 32
+[grpo.loss]
+kl_coef = 0.0
 [grpo.optimizer]
-lr = 1e-4
+lr = {lr:e}
 [run]
-out_dir = {run_dir:?}
+out_dir = {run:?}
 steps = {steps}
 save_every = {steps}
 validate_every = {steps}
 keep_checkpoints = 1
-"#
+seed = {seed}
+"#,
+        agent = layout.path("agent"),
+        train = layout.path("train.jsonl"),
+        held_out = layout.path("held-out.jsonl"),
+        system = layout.path("system.txt"),
+        instruction = layout.path("instruction.txt"),
+        batch = args.batch_size,
+        n = args.n,
+        episodes = args.batch_size * args.n,
+        temperature = args.temperature,
+        lr = args.lr,
+        run = layout.path("train"),
     );
-    let mut config: TrainConfig = toml::from_str(&text).context("the demo configuration")?;
+    let config: TrainConfig = toml::from_str(&text).context("the demo's GRPO configuration")?;
     config.validate().map_err(anyhow::Error::msg)?;
-    config.resolve_paths(Path::new("."));
     Ok(config)
 }
 
@@ -200,4 +422,23 @@ fn wait_for_port(port: u16, limit: Duration) -> Result<()> {
         std::thread::sleep(Duration::from_millis(100));
     }
     bail!("prompt-r1 serve did not start listening on port {port} within {limit:?}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_and_last_windows() {
+        let records: Vec<StepRecord> = (1..=10)
+            .map(|s| StepRecord {
+                step: s,
+                reward_mean: s as f32,
+                ..StepRecord::default()
+            })
+            .collect();
+        assert_eq!(window(10), 2);
+        assert_eq!(first_and_last(&records), (1.5, 9.5));
+        assert_eq!(first_and_last(&records[..1]), (1.0, 1.0));
+    }
 }

@@ -5,14 +5,17 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use trainer::run::{read_metrics, StepRecord, METRICS_FILE};
+use trainer::sft::{is_sft_run, read_sft_metrics, SftRecord};
 
 use crate::plot::chart::{BLUE, BROWN, GREEN, LIGHT_BLUE, ORANGE, PURPLE, RED};
 use crate::plot::{Band, Figure, Panel, Series, Style};
 
 /// Draw a run's training curves (from RUN_DIR/metrics.jsonl) as a grid of charts in a PNG.
 ///
-/// Panels: reward mean with a ±std band and validation points, format and F1 means, loss and
-/// policy-gradient loss, KL, clip fractions, gradient norm, entropy, response tokens and turns,
+/// Panels of a GRPO run: reward mean with a ±std band and validation points, format and F1
+/// means, loss and policy-gradient loss, KL, clip fractions, gradient norm, entropy, response
+/// tokens and turns, peak memory. Of an SFT run (`prompt-r1 sft`): training loss with the
+/// validation points, learning rate, gradient norm, trained tokens per step and per second,
 /// peak memory. A quantity the run did not record is drawn as an empty panel saying "n/a".
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
@@ -38,17 +41,37 @@ pub fn run(args: Args) -> Result<()> {
             args.run_dir.display()
         );
     }
-    let mut records = read_metrics(&args.run_dir)?;
-    // Step 0 holds only the validation before training, no training metrics.
-    records.retain(|r| r.step > 0);
-    if records.is_empty() {
-        bail!("{}: no steps recorded", metrics.display());
-    }
-    records.sort_by_key(|r| r.step);
-    let figure = Figure {
-        title: figure_title(&args.run_dir, &records),
-        cols: 3,
-        panels: panels(&records),
+    let figure = if is_sft_run(&args.run_dir) {
+        let mut records = read_sft_metrics(&args.run_dir)?;
+        if records.is_empty() {
+            bail!("{}: no steps recorded", metrics.display());
+        }
+        records.sort_by_key(|r| r.step);
+        let last = records.last().expect("records are not empty");
+        Figure {
+            title: format!(
+                "SFT run {}: {}, last step {}, loss {:.4}",
+                run_name(&args.run_dir),
+                steps(records.len()),
+                last.step,
+                last.loss
+            ),
+            cols: 3,
+            panels: sft_panels(&records),
+        }
+    } else {
+        let mut records = read_metrics(&args.run_dir)?;
+        // Step 0 holds only the validation before training, no training metrics.
+        records.retain(|r| r.step > 0);
+        if records.is_empty() {
+            bail!("{}: no steps recorded", metrics.display());
+        }
+        records.sort_by_key(|r| r.step);
+        Figure {
+            title: figure_title(&args.run_dir, &records),
+            cols: 3,
+            panels: panels(&records),
+        }
     };
     let png = figure.render_png(args.width, args.height)?;
     let out = args
@@ -61,7 +84,11 @@ pub fn run(args: Args) -> Result<()> {
     }
     model::checkpoint::write_atomic(&out, &png)
         .with_context(|| format!("cannot write {}", out.display()))?;
-    println!("wrote {} ({})", out.display(), steps(records.len()));
+    println!(
+        "wrote {} ({})",
+        out.display(),
+        steps(figure.panels[0].xs.len())
+    );
     Ok(())
 }
 
@@ -73,19 +100,63 @@ fn steps(n: usize) -> String {
     }
 }
 
-fn figure_title(run_dir: &Path, records: &[StepRecord]) -> String {
-    let name = run_dir
+fn run_name(run_dir: &Path) -> String {
+    run_dir
         .canonicalize()
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| run_dir.display().to_string());
+        .unwrap_or_else(|| run_dir.display().to_string())
+}
+
+fn figure_title(run_dir: &Path, records: &[StepRecord]) -> String {
     let last = records.last().expect("records are not empty");
     format!(
-        "run {name}: {}, last step {}, reward {:.3}",
+        "run {}: {}, last step {}, reward {:.3}",
+        run_name(run_dir),
         steps(records.len()),
         last.step,
         last.reward_mean
     )
+}
+
+/// The six panels of an SFT run, in reading order.
+pub fn sft_panels(records: &[SftRecord]) -> Vec<Panel> {
+    let xs: Vec<f64> = records.iter().map(|r| r.step as f64).collect();
+    let series =
+        |f: fn(&SftRecord) -> Option<f64>| -> Vec<Option<f64>> { records.iter().map(f).collect() };
+    let line = |name: &str, color, values| Series::new(name, color, Style::Line, values);
+    let panel = |title: &str| Panel::new(title, xs.clone());
+    vec![
+        panel("loss")
+            .left(line("train", BLUE, series(|r| Some(f64::from(r.loss)))))
+            .left(Series::new(
+                "validation",
+                ORANGE,
+                Style::Points,
+                series(|r| r.validation_loss.map(f64::from)),
+            )),
+        panel("learning rate").left(line("lr", GREEN, series(|r| Some(r.lr)))),
+        panel("grad norm").left(line(
+            "grad norm",
+            BLUE,
+            series(|r| r.grad_norm.map(f64::from)),
+        )),
+        panel("trained tokens per step").left(line(
+            "tokens",
+            PURPLE,
+            series(|r| Some(r.tokens as f64)),
+        )),
+        panel("trained tokens / s").left(line(
+            "tokens/s",
+            RED,
+            series(|r| Some(f64::from(r.tokens_per_sec))),
+        )),
+        panel("peak RSS (MB)").left(line(
+            "peak rss",
+            BROWN,
+            series(|r| r.peak_rss_mb.map(f64::from)),
+        )),
+    ]
 }
 
 /// The nine panels, in reading order.

@@ -12,6 +12,7 @@ use model::MatmulPrecision;
 use trainer::plan::parse_size;
 use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
 
+use super::say;
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_matmul;
 
@@ -197,30 +198,30 @@ impl OnBackend for Training {
             ));
             bar.inc(1);
             if let Some(v) = record.validation_reward {
-                bar.println(format!("step {}: validation reward {v:.3}", record.step));
+                say(&bar, format!("step {}: validation reward {v:.3}", record.step));
                 if let Some(report) = trainer.last_validation() {
-                    bar.println(report.to_string().trim_end());
+                    say(&bar, report.to_string().trim_end());
                 }
             }
             if record.groups_dropped > 0 {
-                bar.println(format!(
+                say(&bar, format!(
                     "step {}: {} groups without signal left out (dynamic sampling)",
                     record.step, record.groups_dropped
                 ));
             }
             if record.skipped_steps > 0 {
-                bar.println(format!(
+                say(&bar, format!(
                     "step {}: {} optimiser steps skipped (gradient norm not finite); on a GPU, burn 0.21's kernel \
                      fusion can give NaNs: try PROMPT_R1_FUSION=0",
                     record.step, record.skipped_steps
                 ));
             }
             if record.env_failures > 0 {
-                bar.println(format!("step {}: {} episodes dropped (environment failures)", record.step, record.env_failures));
+                say(&bar, format!("step {}: {} episodes dropped (environment failures)", record.step, record.env_failures));
             }
             if record.step % save_every == 0 || record.step == steps {
                 let dir = trainer.save_checkpoint()?;
-                bar.println(format!("checkpoint {}", dir.display()));
+                say(&bar, format!("checkpoint {}", dir.display()));
             }
             records.push(record);
         }

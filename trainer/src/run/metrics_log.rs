@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
-use serde::de::Error as _;
+use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::error::TrainError;
@@ -108,6 +108,11 @@ fn validation_keys<'de, D: Deserializer<'de>>(deserializer: D) -> Result<BTreeMa
 
 /// Appends one record as a line and flushes it to disk.
 pub fn append_record(run_dir: &Path, record: &StepRecord) -> Result<(), TrainError> {
+    append_line(run_dir, record)
+}
+
+/// Appends any run's record (GRPO or SFT) to `metrics.jsonl` as one line, flushed to disk.
+pub(crate) fn append_line<R: Serialize>(run_dir: &Path, record: &R) -> Result<(), TrainError> {
     let path = run_dir.join(METRICS_FILE);
     let mut file = std::fs::OpenOptions::new()
         .create(true)
@@ -121,6 +126,11 @@ pub fn append_record(run_dir: &Path, record: &StepRecord) -> Result<(), TrainErr
 
 /// Reads `metrics.jsonl`; a malformed line is an error naming its number.
 pub fn read_metrics(run_dir: &Path) -> Result<Vec<StepRecord>, TrainError> {
+    read_lines(run_dir)
+}
+
+/// Reads `metrics.jsonl` as records of type `R`; a malformed line is an error naming its number.
+pub(crate) fn read_lines<R: DeserializeOwned>(run_dir: &Path) -> Result<Vec<R>, TrainError> {
     let path = run_dir.join(METRICS_FILE);
     let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
     text.lines()
@@ -138,11 +148,20 @@ pub fn read_metrics(run_dir: &Path) -> Result<Vec<StepRecord>, TrainError> {
 /// Drops records of steps after `step` (used on resume, so a crash between a metrics line and
 /// its checkpoint does not leave duplicate steps).
 pub fn truncate_after(run_dir: &Path, step: u64) -> Result<(), TrainError> {
+    truncate_lines_after::<StepRecord>(run_dir, step, |r| r.step)
+}
+
+/// [`truncate_after`] for records of type `R`, whose step `step_of` reads.
+pub(crate) fn truncate_lines_after<R: Serialize + DeserializeOwned>(
+    run_dir: &Path,
+    step: u64,
+    step_of: fn(&R) -> u64,
+) -> Result<(), TrainError> {
     let path = run_dir.join(METRICS_FILE);
     if !path.exists() {
         return Ok(());
     }
-    let kept: Vec<StepRecord> = read_metrics(run_dir)?.into_iter().filter(|r| r.step <= step).collect();
+    let kept: Vec<R> = read_lines::<R>(run_dir)?.into_iter().filter(|r| step_of(r) <= step).collect();
     let mut text = String::new();
     for r in &kept {
         text.push_str(&serde_json::to_string(r).expect("records serialise"));

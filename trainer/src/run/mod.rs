@@ -1,12 +1,12 @@
 //! A training run: its TOML configuration, the GRPO step over rollouts against an environment,
 //! validation, metrics, and checkpoints that resume exactly.
 
-mod checkpoint;
+pub(crate) mod checkpoint;
 mod config;
 mod dynamic_sampling;
 mod error;
 mod memory;
-mod metrics_log;
+pub(crate) mod metrics_log;
 mod reward;
 mod trainer;
 mod validation;

@@ -1,0 +1,222 @@
+//! `prompt-r1 sft --config sft.toml`: supervised fine-tuning of a Qwen3 checkpoint on chat
+//! transcripts or saved episodes, with the loss on the tokens the model is to write.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use clap::Args as ClapArgs;
+use model::MatmulPrecision;
+use trainer::sft::{SftConfig, SftRecord, SftRun};
+
+use super::say;
+use crate::device::{run_on, DeviceChoice, OnBackend};
+use crate::model_dir::parse_matmul;
+
+/// Fine-tune a model on chat transcripts or saved episodes (settings in a TOML file; see
+/// `assets/sft.example.toml`).
+///
+/// Rows (JSONL, mixed freely): `{"messages": [{"role": "system"|"user"|"assistant", "content":
+/// "..."}, ...]}` (the TRL / LLaMA-Factory format), rendered with the model's chat template;
+/// an episode as `infer --json` prints it; a row of `eval`'s `predictions.jsonl`. The loss is the
+/// mean negative log-likelihood of the assistant tokens only (of an episode: the agent's
+/// tokens, as its loss mask says). AdamW with the global gradient clip, micro-batches with
+/// gradient accumulation, a constant or cosine learning rate with warm-up. The run directory
+/// gets `metrics.jsonl` (`train/loss`, `train/lr`, `train/grad_norm`, `val/loss`, ...) and
+/// checkpoints in the layout of `train` runs: `plot`, `export` and `train` (as `model`) read
+/// them, and `--resume` continues the newest one exactly.
+#[derive(ClapArgs, Debug, Clone)]
+pub struct Args {
+    /// The SFT configuration (TOML). Paths inside it are relative to the file.
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Continue from the newest checkpoint in the run directory.
+    #[arg(long)]
+    pub resume: bool,
+    /// Override train.steps (optimiser steps in all).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Override train.epochs (and clear train.steps).
+    #[arg(long, conflicts_with = "steps")]
+    pub epochs: Option<u64>,
+    /// Override run.out_dir.
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+    /// Override the initial model directory.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Override optimizer.lr.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Override train.seed (the data order).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Override train.matmul: f32, or bf16 (f32 weights with bf16 products and f32 sums).
+    #[arg(long, value_parser = parse_matmul)]
+    pub matmul: Option<MatmulPrecision>,
+    /// Compute device: cpu, cuda, cuda:N or wgpu.
+    #[arg(long, default_value = "cpu")]
+    pub device: DeviceChoice,
+}
+
+impl Args {
+    /// The configuration file with the flags applied.
+    pub fn config(&self) -> Result<SftConfig> {
+        let mut config = SftConfig::from_toml_file(&self.config)?;
+        if let Some(steps) = self.steps {
+            config.train.steps = Some(steps);
+        }
+        if let Some(epochs) = self.epochs {
+            config.train.epochs = epochs;
+            config.train.steps = None;
+        }
+        if let Some(dir) = &self.out_dir {
+            config.run.out_dir = dir.clone();
+        }
+        if let Some(model) = &self.model {
+            config.model = model.clone();
+        }
+        if let Some(lr) = self.lr {
+            config.optimizer.lr = lr;
+        }
+        if let Some(seed) = self.seed {
+            config.train.seed = seed;
+        }
+        if let Some(matmul) = self.matmul {
+            config.train.matmul = matmul;
+        }
+        config
+            .validate()
+            .map_err(anyhow::Error::msg)
+            .context("invalid configuration")?;
+        Ok(config)
+    }
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let config = args.config()?;
+    run_on(
+        args.device,
+        FineTuning {
+            config,
+            resume: args.resume,
+        },
+    )
+    .map(drop)
+}
+
+/// A configured SFT run, ready to start on a backend.
+pub struct FineTuning {
+    pub config: SftConfig,
+    pub resume: bool,
+}
+
+impl OnBackend for FineTuning {
+    type Output = Vec<SftRecord>;
+
+    fn run<B: Backend>(self, device: B::Device) -> Result<Vec<SftRecord>> {
+        let save_every = self.config.run.save_every;
+        let mut run = SftRun::<Autodiff<B>>::start(self.config, device, self.resume)?;
+        let out_dir = run.config().run.out_dir.clone();
+        let (train, validation) = run.data_summaries();
+        eprintln!("training rows: {train}");
+        if validation.chats + validation.episodes > 0 {
+            eprintln!("validation rows: {validation}");
+        }
+        let (done, total) = (run.step_count(), run.total_steps());
+        if done >= total {
+            eprintln!("{} is already at step {done} of {total}", out_dir.display());
+            return Ok(Vec::new());
+        }
+        let bar = indicatif::ProgressBar::new(total).with_position(done);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} step {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .expect("valid template"),
+        );
+        let mut records = Vec::new();
+        while run.step_count() < total {
+            let record = run
+                .train_step()
+                .with_context(|| format!("step {}", run.step_count() + 1))?;
+            bar.set_message(format!(
+                "loss {:.4} lr {:.2e} grad norm {} {:.0} tok/s",
+                record.loss,
+                record.lr,
+                record.grad_norm.map_or("-".into(), |g| format!("{g:.3}")),
+                record.tokens_per_sec
+            ));
+            bar.inc(1);
+            if let Some(v) = record.validation_loss {
+                say(&bar, format!("step {}: validation loss {v:.4}", record.step));
+            }
+            if record.skipped_steps > 0 {
+                say(
+                    &bar,
+                    format!(
+                        "step {}: skipped (gradient norm not finite); on a GPU, burn 0.21's kernel fusion can give \
+                     NaNs: try PROMPT_R1_FUSION=0",
+                        record.step
+                    ),
+                );
+            }
+            if record.step % save_every == 0 || record.step == total {
+                let dir = run.save_checkpoint()?;
+                say(&bar, format!("checkpoint {}", dir.display()));
+            }
+            records.push(record);
+        }
+        bar.finish();
+        eprintln!("metrics in {}", out_dir.join(trainer::run::METRICS_FILE).display());
+        Ok(records)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// Flags override the file; `--epochs` clears the file's `steps`.
+    #[test]
+    fn flags_override_the_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sft.toml");
+        std::fs::write(
+            &path,
+            "model = \"m\"\n[data]\ntrain = [\"t.jsonl\"]\n[train]\nsteps = 7\n",
+        )
+        .unwrap();
+        let config = |extra: &[&str]| {
+            let mut argv = vec!["sft", "--config", path.to_str().unwrap()];
+            argv.extend_from_slice(extra);
+            Cli::try_parse_from(argv).unwrap().args.config().unwrap()
+        };
+        assert_eq!(config(&[]).train.steps, Some(7));
+        let c = config(&[
+            "--epochs",
+            "2",
+            "--lr",
+            "0.001",
+            "--matmul",
+            "bf16",
+            "--out-dir",
+            "elsewhere",
+        ]);
+        assert_eq!((c.train.steps, c.train.epochs, c.optimizer.lr), (None, 2, 0.001));
+        assert_eq!(
+            (c.train.matmul, c.run.out_dir),
+            (MatmulPrecision::Bf16, PathBuf::from("elsewhere"))
+        );
+        assert_eq!(config(&["--steps", "3"]).train.steps, Some(3));
+        assert!(Cli::try_parse_from(["sft", "--config", "x", "--steps", "1", "--epochs", "1"]).is_err());
+    }
+}

@@ -1,0 +1,151 @@
+//! CLI tests: `prompt-r1 sft` on a tiny random model, as a user runs it, with `--resume`,
+//! `plot` and `export` on its run, and the errors of a malformed row and of a run that exists.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn prompt_r1(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn ok(args: &[&str]) -> Output {
+    let out = prompt_r1(args);
+    assert!(
+        out.status.success(),
+        "prompt-r1 {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A tiny model, six chats and a config: 4 steps of 4 rows, a checkpoint every 2 steps,
+/// the chats also as validation rows.
+fn setup(dir: &Path) -> String {
+    let model = dir.join("tiny");
+    ok(&[
+        "init-model",
+        "--preset",
+        "tiny",
+        "--out",
+        model.to_str().unwrap(),
+        "--seed",
+        "2",
+    ]);
+    let rows: String = ["Oslo", "Lima", "Rome", "Bern", "Kyiv", "Riga"]
+        .iter()
+        .map(|city| {
+            format!(
+                "{{\"messages\": [{{\"role\": \"user\", \"content\": \"Where is {city}?\"}}, \
+                 {{\"role\": \"assistant\", \"content\": \"{city} is a capital.\"}}], \"source\": \"demo\"}}\n"
+            )
+        })
+        .collect();
+    std::fs::write(dir.join("chats.jsonl"), rows).unwrap();
+    let config = dir.join("sft.toml");
+    std::fs::write(
+        &config,
+        "model = \"tiny\"\n[data]\ntrain = [\"chats.jsonl\"]\nvalidation = [\"chats.jsonl\"]\n\
+         [train]\nsteps = 4\nbatch_size = 4\nmicro_batch_size = 2\n[optimizer]\nlr = 0.003\n\
+         [run]\nout_dir = \"run\"\nsave_every = 2\nvalidate_every = 2\n",
+    )
+    .unwrap();
+    config.to_str().unwrap().to_owned()
+}
+
+fn metrics(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// A run writes its metrics under the documented names and checkpoints that `--resume`
+/// continues; `plot` draws it and `export` writes a model that `generate` runs.
+#[test]
+fn sft_trains_resumes_plots_and_exports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = setup(tmp.path());
+    let out = ok(&["sft", "--config", &config]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("training rows: 6 sequences (6 chats, 0 episodes)"),
+        "{stderr}"
+    );
+    let run = tmp.path().join("run");
+    let lines = metrics(&run);
+    assert_eq!(lines.len(), 4);
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["training/global_step"], i as u64 + 1);
+        for key in [
+            "train/loss",
+            "train/lr",
+            "train/grad_norm",
+            "train/tokens",
+            "train/time(s)",
+            "perf/tokens_per_s",
+        ] {
+            assert!(line[key].is_number(), "{key} in {line}");
+        }
+        assert_eq!(
+            line["val/loss"].is_number(),
+            i % 2 == 1,
+            "validation every 2 steps: {line}"
+        );
+    }
+    assert!(run.join("checkpoints/step-0000002/model.safetensors").is_file());
+    assert_eq!(
+        std::fs::read_to_string(run.join("checkpoints/latest")).unwrap(),
+        "step-0000004"
+    );
+
+    let out = ok(&["sft", "--config", &config, "--resume", "--steps", "6"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("step-0000006"));
+    let steps: Vec<u64> = metrics(&run)
+        .iter()
+        .map(|l| l["training/global_step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+    let err = prompt_r1(&["sft", "--config", &config]);
+    assert!(!err.status.success() && String::from_utf8_lossy(&err.stderr).contains("--resume"));
+
+    let out = ok(&["plot", run.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("6 steps"));
+    assert!(run.join("curves.png").is_file());
+    let exported = tmp.path().join("exported");
+    ok(&["export", run.to_str().unwrap(), "--out", exported.to_str().unwrap()]);
+    let text = ok(&[
+        "generate",
+        "--model",
+        exported.to_str().unwrap(),
+        "--prompt",
+        "Where is Oslo?",
+        "--chat",
+        "--max-new-tokens",
+        "4",
+    ]);
+    assert!(!text.stdout.is_empty());
+}
+
+/// A malformed row stops the run before any step, naming the file and the line.
+#[test]
+fn a_bad_row_is_named_by_file_and_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = setup(tmp.path());
+    let chats = tmp.path().join("chats.jsonl");
+    let mut text = std::fs::read_to_string(&chats).unwrap();
+    text.push_str("{\"messages\": [{\"role\": \"user\", \"content\": \"no answer\"}]}\n");
+    std::fs::write(&chats, text).unwrap();
+    let out = prompt_r1(&["sft", "--config", &config]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("chats.jsonl: line 7: messages hold no assistant message"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(!tmp.path().join("run/metrics.jsonl").exists());
+}

@@ -1,0 +1,287 @@
+//! A whole SFT run: the rows loaded once, seeded batches that resume mid-epoch, one optimiser
+//! step per batch, `metrics.jsonl`, the held-out loss, and checkpoints in the layout of GRPO
+//! runs (`checkpoints/step-NNNNNNN/` with the model in HF layout, the AdamW state and
+//! `trainer_state.json`, published atomically), so `export`, `plot` and `train` read them.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use burn::module::AutodiffModule;
+use burn::optim::Optimizer;
+use burn::tensor::backend::AutodiffBackend;
+use data::{BatchSampler, SamplerConfig};
+use model::chat_template::{ChatTemplate, ChatTemplateError};
+use model::tokenizer::Qwen3Tokenizer;
+use model::{load_pretrained, LoadOptions, Qwen3ForCausalLM};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use super::config::SftConfig;
+use super::data::{DataSummary, RowEncoder, SftSequence};
+use super::step::{sft_step, validation_loss};
+use crate::optim::{AdamWOptimizer, StepOutcome};
+use crate::run::checkpoint::{latest_checkpoint, read_checkpoint, write_checkpoint, TrainerState};
+use crate::run::metrics_log::{append_line, read_lines, truncate_lines_after};
+use crate::run::{peak_rss_mb, TrainError, METRICS_FILE};
+
+type Model<B> = Qwen3ForCausalLM<B>;
+
+/// File in the run directory holding the run's configuration (with its paths resolved).
+pub const SFT_CONFIG_FILE: &str = "sft_config.json";
+
+/// What one SFT step did: a line of `metrics.jsonl`, under the names verl's SFT trainer logs
+/// (`train/loss`, `val/loss`, `train/time(s)`; its `train/lr(1e-3)` is written here as the
+/// plain `train/lr`) and the step keys of GRPO runs (`training/global_step`, `training/epoch`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SftRecord {
+    #[serde(rename = "training/global_step")]
+    pub step: u64,
+    /// The epoch the step's batch came from (from 0).
+    #[serde(rename = "training/epoch")]
+    pub epoch: u64,
+    /// Mean NLL per trained token of the step's batch, before the update (NaN is written as
+    /// null).
+    #[serde(rename = "train/loss", deserialize_with = "null_as_nan")]
+    pub loss: f32,
+    /// The learning rate of the step.
+    #[serde(rename = "train/lr")]
+    pub lr: f64,
+    /// Global gradient norm before clipping (absent when not finite).
+    #[serde(rename = "train/grad_norm")]
+    pub grad_norm: Option<f32>,
+    /// Whether the gradient was scaled down to `optimizer.grad_clip`.
+    #[serde(rename = "train/clipped")]
+    pub clipped: bool,
+    /// 1 when the gradient norm was not finite and the step was skipped (weights and AdamW
+    /// state untouched).
+    #[serde(rename = "train/skipped_steps")]
+    pub skipped_steps: usize,
+    /// Trained tokens and sequences of the batch.
+    #[serde(rename = "train/tokens")]
+    pub tokens: usize,
+    #[serde(rename = "train/sequences")]
+    pub sequences: usize,
+    /// Mean NLL per trained token of the validation rows, on the steps that validate.
+    #[serde(rename = "val/loss")]
+    pub validation_loss: Option<f32>,
+    /// Seconds the step took (validation excluded).
+    #[serde(rename = "train/time(s)")]
+    pub step_secs: f32,
+    /// Trained tokens per second of the step.
+    #[serde(rename = "perf/tokens_per_s")]
+    pub tokens_per_sec: f32,
+    #[serde(rename = "perf/peak_rss_mb")]
+    pub peak_rss_mb: Option<f32>,
+}
+
+fn null_as_nan<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(deserializer)?.unwrap_or(f32::NAN))
+}
+
+/// Whether the run directory's `metrics.jsonl` is an SFT run's (its first line has `train/loss`).
+pub fn is_sft_run(run_dir: &Path) -> bool {
+    std::fs::read_to_string(run_dir.join(METRICS_FILE))
+        .ok()
+        .and_then(|text| {
+            let line = text.lines().find(|l| !l.trim().is_empty())?.to_owned();
+            serde_json::from_str::<serde_json::Value>(&line).ok()
+        })
+        .is_some_and(|first| first.get("train/loss").is_some())
+}
+
+/// Reads an SFT run's `metrics.jsonl`; a malformed line is an error naming its number.
+pub fn read_sft_metrics(run_dir: &Path) -> Result<Vec<SftRecord>, TrainError> {
+    read_lines(run_dir)
+}
+
+/// An SFT run in progress.
+pub struct SftRun<B: AutodiffBackend> {
+    config: SftConfig,
+    model: Option<Model<B>>,
+    optimizer: AdamWOptimizer<Model<B>, B>,
+    train: Vec<SftSequence>,
+    validation: Vec<SftSequence>,
+    train_summary: DataSummary,
+    validation_summary: DataSummary,
+    sampler: BatchSampler,
+    step: u64,
+    total_steps: u64,
+}
+
+impl<B: AutodiffBackend> SftRun<B> {
+    /// Starts from `config.model`, or continues the newest checkpoint of `config.run.out_dir`
+    /// when `resume` is set and one exists.
+    pub fn start(config: SftConfig, device: B::Device, resume: bool) -> Result<Self, TrainError> {
+        config.validate().map_err(TrainError::Invalid)?;
+        let run_dir = config.run.out_dir.clone();
+        std::fs::create_dir_all(&run_dir).map_err(TrainError::io(&run_dir))?;
+        let latest = latest_checkpoint(&run_dir)?;
+        if !resume && latest.is_some() {
+            return Err(TrainError::Invalid(format!(
+                "{} already holds checkpoints: pass --resume to continue it, or choose another run.out_dir",
+                run_dir.display()
+            )));
+        }
+        let tokenizer = Qwen3Tokenizer::from_dir(&config.model)?;
+        let rows = RowEncoder {
+            tokenizer: &tokenizer,
+            template: chat_template(&config.model)?,
+            max_length: config.data.max_length,
+        };
+        let (train, train_summary) = rows.load_files(&config.data.train)?;
+        if train.is_empty() {
+            return Err(TrainError::Invalid(format!(
+                "no training sequence left: {train_summary}"
+            )));
+        }
+        let (validation, validation_summary) = rows.load_files(&config.data.validation)?;
+        let total_steps = config.total_steps(train.len());
+        let mut optimizer = config.optimizer.init::<B, Model<B>>()?;
+
+        let (model, sampler, step) = match latest.filter(|_| resume) {
+            Some(dir) => {
+                let (state, record) = read_checkpoint::<B, _>(&dir, &device)?;
+                optimizer = optimizer.load_record(record);
+                let model = load_pretrained::<B>(&dir, &device, LoadOptions::default())?;
+                truncate_lines_after::<SftRecord>(&run_dir, state.step, |r| r.step)?;
+                (model, BatchSampler::resume(state.cursor, train.len())?, state.step)
+            }
+            None => {
+                // Lines of a run that stopped before its first checkpoint are not continued.
+                truncate_lines_after::<SftRecord>(&run_dir, 0, |r| r.step)?;
+                let model = load_pretrained::<B>(&config.model, &device, LoadOptions::default())?;
+                let sampler = BatchSampler::new(
+                    train.len(),
+                    SamplerConfig {
+                        batch_size: config.train.batch_size,
+                        seed: config.train.seed,
+                        shuffle: true,
+                        drop_last: false,
+                    },
+                )?;
+                (model, sampler, 0)
+            }
+        };
+        let json = serde_json::to_string_pretty(&config).expect("config serialises");
+        model::checkpoint::write_atomic(&run_dir.join(SFT_CONFIG_FILE), json.as_bytes())?;
+        Ok(Self {
+            model: Some(model.with_matmul_precision(config.train.matmul)),
+            config,
+            optimizer,
+            train,
+            validation,
+            train_summary,
+            validation_summary,
+            sampler,
+            step,
+            total_steps,
+        })
+    }
+
+    /// Steps completed so far.
+    pub fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// Steps the run makes in all.
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
+    /// The run's configuration.
+    pub fn config(&self) -> &SftConfig {
+        &self.config
+    }
+
+    /// What loading the training and the validation rows found.
+    pub fn data_summaries(&self) -> (&DataSummary, &DataSummary) {
+        (&self.train_summary, &self.validation_summary)
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Model<B> {
+        self.model.as_ref().expect("the model is only absent inside a step")
+    }
+
+    /// One optimiser step on the next batch; the record is also appended to `metrics.jsonl`,
+    /// with the validation loss when this step validates (every `run.validate_every` steps and
+    /// at the last step).
+    pub fn train_step(&mut self) -> Result<SftRecord, TrainError> {
+        let step = self.step + 1;
+        let batch = self.sampler.next_batch();
+        let sequences: Vec<SftSequence> = batch.indices.iter().map(|&i| self.train[i].clone()).collect();
+        let lr = self.config.lr_at(step, self.total_steps);
+        let started = Instant::now();
+        let model = self.model.take().expect("the model is present between steps");
+        let (model, stats) = sft_step(
+            model,
+            &mut self.optimizer,
+            &sequences,
+            self.config.train.micro_batch_size,
+            lr,
+            self.config.optimizer.grad_clip,
+        )?;
+        self.model = Some(model);
+        let step_secs = started.elapsed().as_secs_f32();
+        self.step = step;
+        let grad_norm = stats.outcome.grad_norm();
+        let every = self.config.run.validate_every;
+        let validates = (every > 0 && step % every == 0) || step == self.total_steps;
+        let record = SftRecord {
+            step,
+            epoch: batch.epoch,
+            loss: stats.loss,
+            lr,
+            grad_norm: grad_norm.is_finite().then_some(grad_norm),
+            clipped: matches!(stats.outcome, StepOutcome::Applied { clipped: true, .. }),
+            skipped_steps: usize::from(stats.outcome.is_skipped()),
+            tokens: stats.tokens,
+            sequences: stats.sequences,
+            validation_loss: if validates { self.validate()? } else { None },
+            step_secs,
+            tokens_per_sec: stats.tokens as f32 / step_secs.max(1e-6),
+            peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
+        };
+        append_line(&self.config.run.out_dir, &record)?;
+        Ok(record)
+    }
+
+    /// The mean NLL per trained token of the validation rows (`None` without any).
+    pub fn validate(&self) -> Result<Option<f32>, TrainError> {
+        if self.validation.is_empty() {
+            return Ok(None);
+        }
+        validation_loss(
+            &self.model().valid(),
+            &self.validation,
+            self.config.train.micro_batch_size,
+        )
+    }
+
+    /// Writes a checkpoint of the current state.
+    pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        let state = TrainerState {
+            step: self.step,
+            cursor: self.sampler.cursor(),
+            seed: self.config.train.seed,
+        };
+        write_checkpoint::<B, _>(
+            &self.config.run.out_dir,
+            &self.model().valid(),
+            &self.config.model,
+            self.optimizer.to_record(),
+            &state,
+            self.config.run.keep_checkpoints,
+        )
+    }
+}
+
+/// The model directory's chat template; Qwen3's when it names none.
+fn chat_template(dir: &Path) -> Result<ChatTemplate, TrainError> {
+    match ChatTemplate::from_dir(dir) {
+        Ok(template) => Ok(template),
+        Err(ChatTemplateError::MissingTemplate { .. } | ChatTemplateError::Read { .. }) => Ok(ChatTemplate::Qwen3),
+        Err(err) => Err(TrainError::Invalid(format!(
+            "{err} (chat rows are rendered with the Qwen3 chat template)"
+        ))),
+    }
+}
