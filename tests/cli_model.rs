@@ -264,7 +264,7 @@ fn the_allocator_cache_size_is_a_flag_or_its_variable() {
         let mut command = Command::new(env!("CARGO_BIN_EXE_prompt-r1"));
         command.args(score);
         if let Some(value) = flag {
-            command.args(["--alloc-cache-mb", value]);
+            command.arg(format!("--alloc-cache-mb={value}"));
         }
         if let Some(value) = var {
             command.env("PROMPT_R1_ALLOC_CACHE_MB", value);
@@ -279,6 +279,25 @@ fn the_allocator_cache_size_is_a_flag_or_its_variable() {
         .env("PROMPT_R1_ALLOC_CACHE_MB", "0")
         .output()
         .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// The GPU backends' settings are global flags that `--help` lists with their variables, and a
+/// value that is not on/off is refused (in any build: CPU-only builds parse them too).
+#[test]
+fn gpu_settings_are_flags_with_their_variables() {
+    let help = ok_stdout(&["plan", "--help"]);
+    for name in ["--fusion", "PROMPT_R1_FUSION", "--kernel-cache", "PROMPT_R1_KERNEL_CACHE"] {
+        assert!(help.contains(name), "{name} missing from:\n{help}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        .args(["plan", "--config", "absent.toml"])
+        .env("PROMPT_R1_FUSION", "sometimes")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("sometimes"), "{stderr}");
+    let out = prompt_r1(&["--fusion", "off", "plan", "--help"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 

@@ -22,6 +22,15 @@ struct Cli {
     /// half of RAM; 0 turns the cache off). It adds at most a quarter to peak memory.
     #[arg(long, global = true, value_name = "MB", env = "PROMPT_R1_ALLOC_CACHE_MB", value_parser = megabytes)]
     alloc_cache_mb: Option<usize>,
+    /// burn's kernel fusion on the GPU backends (on or off). Off works around burn 0.21's
+    /// fusion bugs ("Should have handle for tensor", NaN losses), at some speed.
+    #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_FUSION", default_value = "on",
+          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    fusion: bool,
+    /// Folder of the GPU backends' persistent kernel and autotune caches (default:
+    /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
+    #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
+    kernel_cache: Option<std::path::PathBuf>,
 }
 
 /// A whole number of megabytes; the message names both ways of giving it.
@@ -75,6 +84,7 @@ fn main() {
         std::process::exit(2);
     }
     let cli = Cli::parse();
+    device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, kernel_cache: cli.kernel_cache });
     #[cfg(target_os = "linux")]
     large_alloc::configure(cli.alloc_cache_mb);
     let result = match cli.command {

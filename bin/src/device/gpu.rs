@@ -1,8 +1,8 @@
 //! The GPU backends, both CubeCL runtimes: CUDA (kernels compiled by NVRTC) and wgpu on Vulkan
 //! (kernels compiled to SPIR-V). Before the first use this sets CubeCL's persistent caches, probes
 //! the device (a missing runtime becomes an error naming its cause), and runs the task with
-//! burn's kernel fusion on, or off when `PROMPT_R1_FUSION=0`. A panic inside the backend becomes
-//! an error that says how to try without fusion.
+//! burn's kernel fusion on, or off with `--fusion off` (`PROMPT_R1_FUSION=0`). A panic inside the
+//! backend becomes an error that says how to try without fusion.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -15,23 +15,17 @@ use model::probe::probe_device;
 
 use super::OnBackend;
 
-/// Environment variable that turns burn's kernel fusion off on the GPU backends (`0`).
-pub const FUSION_VAR: &str = "PROMPT_R1_FUSION";
-
-/// Environment variable naming the folder of CubeCL's persistent caches.
-pub const CACHE_VAR: &str = "PROMPT_R1_KERNEL_CACHE";
-
-/// Whether burn's kernel fusion is on: yes unless `PROMPT_R1_FUSION` is `0`, `off` or `false`.
+/// Whether burn's kernel fusion is on (`--fusion`, `PROMPT_R1_FUSION`; default on).
 fn fusion_enabled() -> bool {
-    std::env::var(FUSION_VAR).map_or(true, |v| !matches!(v.as_str(), "0" | "off" | "false"))
+    super::gpu_options().fusion
 }
 
 /// Where CubeCL keeps compiled kernels and autotune results between processes:
-/// `$PROMPT_R1_KERNEL_CACHE`, else `$XDG_CACHE_HOME/prompt-r1/cubecl`, else
+/// `--kernel-cache` (`$PROMPT_R1_KERNEL_CACHE`), else `$XDG_CACHE_HOME/prompt-r1/cubecl`, else
 /// `~/.cache/prompt-r1/cubecl`.
 fn cache_dir() -> Option<PathBuf> {
     let var = |name| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    var(CACHE_VAR).or_else(|| {
+    super::gpu_options().kernel_cache.or_else(|| {
         let base = var("XDG_CACHE_HOME").or_else(|| var("HOME").map(|home| home.join(".cache")))?;
         Some(base.join("prompt-r1").join("cubecl"))
     })
@@ -78,7 +72,7 @@ fn catch_backend_panic<O>(work: impl FnOnce() -> Result<O>) -> Result<O> {
             if fusion_enabled() {
                 bail!(
                     "the GPU backend failed: {text}. burn 0.21's kernel fusion has open bugs that show as \
-                     \"Should have handle for tensor\" or as NaNs: try again with {FUSION_VAR}=0 (fusion off, slower)"
+                     \"Should have handle for tensor\" or as NaNs: try again with --fusion off (or PROMPT_R1_FUSION=0; slower)"
                 )
             }
             bail!("the GPU backend failed (fusion off): {text}")
@@ -86,7 +80,7 @@ fn catch_backend_panic<O>(work: impl FnOnce() -> Result<O>) -> Result<O> {
     }
 }
 
-/// Runs `task` on backend `B` (fused) or `U` (the same runtime unfused), as [`FUSION_VAR`] says.
+/// Runs `task` on backend `B` (fused) or `U` (the same runtime unfused), as `--fusion` says.
 fn run_fused_or_not<B, U, T>(device: B::Device, unfused: U::Device, what: &str, help: &str, task: T) -> Result<T::Output>
 where
     B: Backend,

@@ -16,7 +16,7 @@ use crate::model_dir::parse_dtype;
 /// `--device` and `--dtype`, for every command that runs a model for inference.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ComputeArgs {
-    /// Compute device: cpu, cuda, cuda:N or wgpu. On the GPU backends PROMPT_R1_FUSION=0 turns
+    /// Compute device: cpu, cuda, cuda:N or wgpu. On the GPU backends `--fusion off` turns
     /// burn's kernel fusion off.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
@@ -55,6 +55,29 @@ impl FromStr for DeviceChoice {
 pub trait OnBackend {
     type Output;
     fn run<B: Backend>(self, device: B::Device) -> Result<Self::Output>;
+}
+
+/// Settings of the GPU backends, from the command line or their environment variables.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
+pub struct GpuOptions {
+    /// burn's kernel fusion (`--fusion`, `PROMPT_R1_FUSION`).
+    pub fusion: bool,
+    /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
+    pub kernel_cache: Option<std::path::PathBuf>,
+}
+
+static GPU_OPTIONS: std::sync::OnceLock<GpuOptions> = std::sync::OnceLock::new();
+
+/// Sets the GPU backends' options once, before any work (later calls are ignored).
+pub fn set_gpu_options(options: GpuOptions) {
+    let _ = GPU_OPTIONS.set(options);
+}
+
+/// The GPU backends' options: as set, else fusion on and the default cache folder.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn gpu_options() -> GpuOptions {
+    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, kernel_cache: None })
 }
 
 /// Runs `task` on the chosen device.
