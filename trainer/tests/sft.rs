@@ -2,6 +2,8 @@
 //! falls, tokens outside the assistant messages contribute nothing, micro-batching is exact,
 //! and a resumed run equals one that never stopped.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use burn::backend::{Autodiff, Flex};
@@ -15,7 +17,9 @@ use model::tokenizer::Qwen3Tokenizer;
 use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
 use model::{load_pretrained, LoadOptions, Preset, Qwen3ForCausalLM};
 use prompt_r1_trainer::run::latest_checkpoint;
-use prompt_r1_trainer::sft::{read_sft_metrics, sft_step, RowEncoder, SftConfig, SftRun, SftSequence};
+use prompt_r1_trainer::sft::{
+    read_sft_metrics, sft_step, RowEncoder, SftConfig, SftRun, SftSequence,
+};
 
 type B = Autodiff<Flex>;
 
@@ -40,7 +44,10 @@ fn setup(dir: &Path) -> SftConfig {
     let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
     write_tokenizer_files(&tokenizer, &model_dir).unwrap();
     let special = *tokenizer.special();
-    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext]);
+    let config = Preset::Tiny.config(
+        tokenizer.vocab_size(),
+        vec![special.im_end, special.endoftext],
+    );
     write_random_checkpoint(&config, &model_dir, 5, StorageDtype::F32).unwrap();
     let rows: String = CAPITALS
         .iter()
@@ -85,7 +92,12 @@ fn sequences(dir: &Path) -> Vec<SftSequence> {
 }
 
 fn load(dir: &Path) -> Qwen3ForCausalLM<B> {
-    load_pretrained::<B>(&dir.join("model"), &Default::default(), LoadOptions::default()).unwrap()
+    load_pretrained::<B>(
+        &dir.join("model"),
+        &Default::default(),
+        LoadOptions::default(),
+    )
+    .unwrap()
 }
 
 /// Every parameter by name, in HF layout.
@@ -104,11 +116,24 @@ fn weights(model: &Qwen3ForCausalLM<Flex>) -> Vec<(String, Vec<f32>)> {
 
 /// One SGD step with lr 1 and no clipping from the initial model: the loss and, per parameter,
 /// the change, which is minus the accumulated gradient.
-fn sgd_update(dir: &Path, batch: &[SftSequence], micro_batch_size: usize) -> (f32, Vec<(String, Vec<f32>)>) {
+fn sgd_update(
+    dir: &Path,
+    batch: &[SftSequence],
+    micro_batch_size: usize,
+) -> (f32, Vec<(String, Vec<f32>)>) {
     let model = load(dir);
     let before = weights(&model.valid());
     let mut optim = SgdConfig::new().init::<B, Qwen3ForCausalLM<B>>();
-    let (model, stats) = sft_step(model, &mut optim, batch, micro_batch_size, 1.0, f32::INFINITY).unwrap();
+    let (model, stats) = sft_step(
+        model,
+        &(),
+        &mut optim,
+        batch,
+        micro_batch_size,
+        1.0,
+        f32::INFINITY,
+    )
+    .unwrap();
     let after = weights(&model.valid());
     let deltas = before
         .into_iter()
@@ -120,11 +145,16 @@ fn sgd_update(dir: &Path, batch: &[SftSequence], micro_batch_size: usize) -> (f3
 
 /// The largest difference between two updates, relative to the largest change.
 fn relative_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
-    let flat = |u: &[(String, Vec<f32>)]| u.iter().flat_map(|(_, v)| v.clone()).collect::<Vec<f32>>();
+    let flat =
+        |u: &[(String, Vec<f32>)]| u.iter().flat_map(|(_, v)| v.clone()).collect::<Vec<f32>>();
     let (a, b) = (flat(a), flat(b));
     let scale = a.iter().fold(0.0f32, |m, x| m.max(x.abs()));
     assert!(scale > 0.0, "the update moved the weights");
-    a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max) / scale
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max)
+        / scale
 }
 
 /// 30 steps (10 epochs of the 12 chats): the training loss of the last 3 steps is below half
@@ -142,7 +172,10 @@ fn the_loss_falls_on_a_tiny_fixture() {
     let first = records[0].loss;
     let last = records[27..].iter().map(|r| r.loss).sum::<f32>() / 3.0;
     println!("loss: step 1 {first:.3}, last 3 steps {last:.3}");
-    assert!(first > 5.0 && last < 0.5 * first, "first {first}, last {last}");
+    assert!(
+        first > 5.0 && last < 0.5 * first,
+        "first {first}, last {last}"
+    );
     let validation: Vec<f32> = records.iter().filter_map(|r| r.validation_loss).collect();
     println!("validation loss: {validation:?}");
     assert_eq!(validation.len(), 3);
@@ -178,7 +211,10 @@ fn masked_tokens_contribute_nothing() {
     assert_ne!(batch, changed);
     let (loss, update) = sgd_update(dir.path(), &batch, 4);
     let (changed_loss, changed_update) = sgd_update(dir.path(), &changed, 4);
-    assert!((loss - changed_loss).abs() <= 1e-6 * loss, "{loss} vs {changed_loss}");
+    assert!(
+        (loss - changed_loss).abs() <= 1e-6 * loss,
+        "{loss} vs {changed_loss}"
+    );
     let diff = relative_difference(&update, &changed_update);
     println!("masked token changed: loss {loss} vs {changed_loss}, update difference {diff:e}");
     assert!(diff <= 1e-6, "{diff}");
@@ -200,7 +236,9 @@ fn micro_batches_give_the_batch_gradient() {
     setup(dir.path());
     let batch: Vec<SftSequence> = sequences(dir.path()).into_iter().take(4).collect();
     assert!(
-        batch.windows(2).any(|w| w[0].tokens.len() != w[1].tokens.len()),
+        batch
+            .windows(2)
+            .any(|w| w[0].tokens.len() != w[1].tokens.len()),
         "rows of different lengths"
     );
     let (whole_loss, whole) = sgd_update(dir.path(), &batch, 4);
@@ -236,7 +274,10 @@ fn resuming_equals_never_stopping() {
     let (head_run, head) = run_to(dir.path().join("split"), false, 3);
     let saved = head_run.save_checkpoint().unwrap();
     drop(head_run);
-    assert_eq!(latest_checkpoint(&dir.path().join("split")).unwrap(), Some(saved));
+    assert_eq!(
+        latest_checkpoint(&dir.path().join("split")).unwrap(),
+        Some(saved)
+    );
     let (resumed, tail) = run_to(dir.path().join("split"), true, 3);
     assert_eq!(resumed.step_count(), 6);
     for (a, b) in all.iter().zip(head.iter().chain(&tail)) {
@@ -254,10 +295,17 @@ fn resuming_equals_never_stopping() {
             b.loss
         );
     }
-    let (expected, got) = (weights(&straight.model().valid()), weights(&resumed.model().valid()));
+    let (expected, got) = (
+        weights(&straight.model().valid()),
+        weights(&resumed.model().valid()),
+    );
     let mut largest = 0.0f32;
     for ((name, e), (_, g)) in expected.iter().zip(&got) {
-        let diff = e.iter().zip(g).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let diff = e
+            .iter()
+            .zip(g)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
         largest = largest.max(diff);
         assert!(diff <= 1e-6, "{name}: {diff}");
     }
@@ -276,4 +324,86 @@ fn resuming_equals_never_stopping() {
         .unwrap()
         .to_string();
     assert!(err.contains("--resume"), "{err}");
+}
+
+/// Every adapter matrix of a LoRA run, in order.
+fn adapter_values(run: &SftRun<B>) -> Vec<Vec<f32>> {
+    let adapters = run.adapters().expect("a LoRA run has adapters").valid();
+    adapters
+        .iter()
+        .flat_map(|(_, _, a)| [a.lora_A.val(), a.lora_B.val()])
+        .map(|t| t.into_data().to_vec().unwrap())
+        .collect()
+}
+
+/// SFT with `[lora]` (rank 8 on every projection, a bf16 base): only the adapters move, the
+/// loss falls (the last 3 of 20 steps below 0.75 of the first, measured 5.84 -> 3.29, on the tiny model with its
+/// embeddings scaled as in the GRPO LoRA tests: with the random init's, adapters cannot move
+/// any logit far, and the loss only went 6.00 -> 5.54 in 12 steps), the
+/// checkpoint is a PEFT adapter directory without the base, and resuming from it equals never
+/// stopping (same code on the same f32 adapter values and AdamW state; allowed 1e-6,
+/// measured 0).
+#[test]
+fn lora_sft_trains_the_adapters_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    // Logits able to move, as in the GRPO LoRA tests (see `common::with_lora`).
+    common::scale_embeddings(&config.model, 5.0);
+    config.lora = Some(model::LoraConfig::default());
+    config.model_dtype = prompt_r1_trainer::run::ModelDtype::Bf16;
+    config.optimizer.lr = common::LORA_LR;
+    config.train.steps = Some(20);
+    config.run.validate_every = 0;
+    let run_to = |out: PathBuf, resume: bool, steps: usize| {
+        let mut c = config.clone();
+        c.run.out_dir = out;
+        let mut run = SftRun::<B>::start(c, Default::default(), resume).unwrap();
+        let records: Vec<_> = (0..steps).map(|_| run.train_step().unwrap()).collect();
+        (run, records)
+    };
+    let (straight, all) = run_to(dir.path().join("straight"), false, 20);
+    let first = all[0].loss;
+    let last = all[17..].iter().map(|r| r.loss).sum::<f32>() / 3.0;
+    println!("LoRA SFT loss: step 1 {first:.3}, last 3 steps {last:.3}");
+    assert!(last < 0.75 * first, "first {first}, last {last}");
+    let bf16 = LoadOptions {
+        dtype: config.model_dtype.dtype(),
+    };
+    let initial = load_pretrained::<Flex>(&config.model, &Default::default(), bf16).unwrap();
+    let base_moved = weights(&initial)
+        .iter()
+        .zip(&weights(&straight.model().valid()))
+        .map(|((_, a), (_, b))| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max)
+        })
+        .fold(0.0f32, f32::max);
+    assert!(base_moved <= 1e-6, "the frozen base moved by {base_moved}");
+
+    let (head_run, _) = run_to(dir.path().join("split"), false, 10);
+    let saved = head_run.save_checkpoint().unwrap();
+    assert!(
+        saved.join("adapter_model.safetensors").is_file()
+            && !saved.join("model.safetensors").exists()
+    );
+    drop(head_run);
+    let (resumed, tail) = run_to(dir.path().join("split"), true, 10);
+    for (a, b) in all[10..].iter().zip(&tail) {
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-6,
+            "step {}: {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+    let largest = adapter_values(&straight)
+        .iter()
+        .zip(&adapter_values(&resumed))
+        .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+        .fold(0.0f32, f32::max);
+    println!("resumed vs straight: largest adapter difference {largest:e}");
+    assert!(largest <= 1e-6, "{largest}");
 }

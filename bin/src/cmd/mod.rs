@@ -28,3 +28,24 @@ pub fn say(bar: &indicatif::ProgressBar, line: impl Into<String>) {
         bar.println(line);
     }
 }
+
+/// What to try when an optimiser step was skipped for a non-finite gradient norm.
+pub const NAN_HINT: &str = "on a GPU, burn 0.21's kernel fusion can give NaNs: try --fusion off";
+
+/// The progress bar of a run of `total` steps, `done` of them already made.
+pub fn step_bar(total: u64, done: u64) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total).with_position(done);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+            .expect("valid template"),
+    );
+    bar
+}
+
+/// Says how many parameters LoRA trains, against the frozen base's.
+pub fn print_lora_share(trained: usize, base: usize, dtype: trainer::run::ModelDtype) {
+    eprintln!(
+        "LoRA: {trained} trainable parameters ({:.2}% of the base's {base}), base weights in {dtype:?}",
+        100.0 * trained as f64 / base as f64
+    );
+}

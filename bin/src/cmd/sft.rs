@@ -5,12 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use burn::backend::Autodiff;
+use burn::module::Module;
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::MatmulPrecision;
 use trainer::sft::{SftConfig, SftRecord, SftRun};
 
-use super::say;
+use super::{print_lora_share, say, step_bar, NAN_HINT};
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_matmul;
 
@@ -124,18 +125,15 @@ impl OnBackend for FineTuning {
         if validation.chats + validation.episodes > 0 {
             eprintln!("validation rows: {validation}");
         }
+        if let Some(adapters) = run.adapters() {
+            print_lora_share(adapters.num_params(), run.model().num_params(), run.config().model_dtype);
+        }
         let (done, total) = (run.step_count(), run.total_steps());
         if done >= total {
             eprintln!("{} is already at step {done} of {total}", out_dir.display());
             return Ok(Vec::new());
         }
-        let bar = indicatif::ProgressBar::new(total).with_position(done);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{bar:30} step {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-            )
-            .expect("valid template"),
-        );
+        let bar = step_bar(total, done);
         let mut records = Vec::new();
         while run.step_count() < total {
             let record = run
@@ -155,11 +153,7 @@ impl OnBackend for FineTuning {
             if record.skipped_steps > 0 {
                 say(
                     &bar,
-                    format!(
-                        "step {}: skipped (gradient norm not finite); on a GPU, burn 0.21's kernel fusion can give \
-                     NaNs: try PROMPT_R1_FUSION=0",
-                        record.step
-                    ),
+                    format!("step {}: skipped (gradient norm not finite); {NAN_HINT}", record.step),
                 );
             }
             if record.step % save_every == 0 || record.step == total {

@@ -12,7 +12,7 @@ use model::MatmulPrecision;
 use trainer::plan::parse_size;
 use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
 
-use super::say;
+use super::{print_lora_share, say, step_bar, NAN_HINT};
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_matmul;
 
@@ -158,12 +158,7 @@ impl OnBackend for Training {
         let mut trainer = Trainer::<Autodiff<B>>::start(self.config, device, self.resume)?;
         let out_dir = trainer.config().run.out_dir.clone();
         if let Some(adapters) = trainer.adapters() {
-            let (trained, base) = (adapters.num_params(), trainer.policy().num_params());
-            eprintln!(
-                "LoRA: {trained} trainable parameters ({:.2}% of the base's {base}), base weights in {:?}",
-                100.0 * trained as f64 / base as f64,
-                trainer.config().model_dtype
-            );
+            print_lora_share(adapters.num_params(), trainer.policy().num_params(), trainer.config().model_dtype);
         }
         let done = trainer.step_count();
         if done >= steps {
@@ -179,11 +174,7 @@ impl OnBackend for Training {
                 eprint!("{report}");
             }
         }
-        let bar = indicatif::ProgressBar::new(steps).with_position(done);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30} step {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-                .expect("valid template"),
-        );
+        let bar = step_bar(steps, done);
         let mut records = Vec::new();
         while trainer.step_count() < steps {
             let record = trainer
@@ -211,8 +202,7 @@ impl OnBackend for Training {
             }
             if record.skipped_steps > 0 {
                 say(&bar, format!(
-                    "step {}: {} optimiser steps skipped (gradient norm not finite); on a GPU, burn 0.21's kernel \
-                     fusion can give NaNs: try PROMPT_R1_FUSION=0",
+                    "step {}: {} optimiser steps skipped (gradient norm not finite); {NAN_HINT}",
                     record.step, record.skipped_steps
                 ));
             }

@@ -6,13 +6,11 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::record::{BinFileRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::backend::AutodiffBackend;
-use model::checkpoint::StorageDtype;
-use model::{save_pretrained, Qwen3ForCausalLM};
 use serde::{Deserialize, Serialize};
 
 use super::error::TrainError;
+use super::learner::Learner;
 
 /// Folder of the checkpoints inside the run directory.
 pub const CHECKPOINTS_DIR: &str = "checkpoints";
@@ -111,58 +109,42 @@ fn sync_dir(dir: &Path) -> Result<(), TrainError> {
         .map_err(TrainError::io(dir))
 }
 
-/// Files copied from the initial model into every checkpoint, so that a checkpoint is a
-/// complete HF directory.
-pub(crate) const TOKENIZER_FILES: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
+/// Files copied from the initial model into every checkpoint, so that a checkpoint holds the
+/// tokenizer beside the model (or the adapters).
+const TOKENIZER_FILES: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
 
 /// Writes the checkpoint after `state.step` steps of a run that started from the HF directory
-/// `initial`: `model` in f32 with `initial`'s tokenizer files, the optimiser's `record` and
-/// `state`, staged and then published (see the module docs), keeping the newest `keep`.
-pub(crate) fn write_checkpoint<AB: AutodiffBackend, R: Record<AB>>(
+/// `initial`: what `learner` trains with its optimiser state (see [`Learner::save_into`]),
+/// `initial`'s tokenizer files and `state`, staged and then published (see the module docs),
+/// keeping the newest `keep`.
+pub(crate) fn write_checkpoint<B: AutodiffBackend>(
     run_dir: &Path,
-    model: &Qwen3ForCausalLM<AB::InnerBackend>,
+    learner: &Learner<B>,
     initial: &Path,
-    record: R,
     state: &TrainerState,
     keep: usize,
 ) -> Result<PathBuf, TrainError> {
     let name = checkpoint_name(state.step);
     let tmp = staging_dir(run_dir, &name)?;
-    save_pretrained(model, &tmp, StorageDtype::F32)?;
+    learner.save_into(&tmp, initial)?;
     for file in TOKENIZER_FILES {
         let from = initial.join(file);
         if from.is_file() {
             std::fs::copy(&from, tmp.join(file)).map_err(TrainError::io(&from))?;
         }
     }
-    BinFileRecorder::<FullPrecisionSettings>::new()
-        .record(record, tmp.join(OPTIMIZER_FILE))
-        .map_err(|e| TrainError::Checkpoint {
-            path: tmp.clone(),
-            reason: format!("optimizer state: {e}"),
-        })?;
     let json = serde_json::to_string_pretty(state).expect("state serialises");
     model::checkpoint::write_atomic(&tmp.join(STATE_FILE), json.as_bytes())?;
     publish(run_dir, &tmp, &name, keep)
 }
 
-/// The state and the optimiser record of the checkpoint `dir` (its model loads with
-/// `model::load_pretrained`).
-pub(crate) fn read_checkpoint<AB: AutodiffBackend, R: Record<AB>>(
-    dir: &Path,
-    device: &AB::Device,
-) -> Result<(TrainerState, R), TrainError> {
+/// The trainer state of the checkpoint `dir` (its model or adapters and optimiser state load
+/// with [`Learner::start`]).
+pub(crate) fn read_state(dir: &Path) -> Result<TrainerState, TrainError> {
     let path = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
-    let state = serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
+    serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
         path: path.clone(),
         reason: e.to_string(),
-    })?;
-    let record = BinFileRecorder::<FullPrecisionSettings>::new()
-        .load(dir.join(OPTIMIZER_FILE), device)
-        .map_err(|e| TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            reason: format!("optimizer state: {e}"),
-        })?;
-    Ok((state, record))
+    })
 }

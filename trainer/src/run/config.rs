@@ -233,21 +233,26 @@ impl Default for RunSection {
     }
 }
 
+/// Reads the TOML configuration `path`; `prepare` resolves its relative paths against the
+/// file's folder and validates it. Every error names the file.
+pub(crate) fn read_toml_config<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    prepare: impl FnOnce(&mut T, &Path) -> Result<(), String>,
+) -> Result<T, TrainError> {
+    let config_error = |reason: String| TrainError::Config { path: path.to_path_buf(), reason };
+    let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
+    let mut config: T = toml::from_str(&text).map_err(|e| config_error(e.to_string()))?;
+    prepare(&mut config, path.parent().unwrap_or(Path::new("."))).map_err(config_error)?;
+    Ok(config)
+}
+
 impl TrainConfig {
     /// Reads a TOML file; relative paths inside are taken relative to the file's folder.
     pub fn from_toml_file(path: &Path) -> Result<Self, TrainError> {
-        let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
-        let mut config: Self = toml::from_str(&text).map_err(|e| TrainError::Config {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        config.resolve_paths(base);
-        config.validate().map_err(|reason| TrainError::Config {
-            path: path.to_path_buf(),
-            reason,
-        })?;
-        Ok(config)
+        read_toml_config(path, |config: &mut Self, base| {
+            config.resolve_paths(base);
+            config.validate()
+        })
     }
 
     /// Makes relative paths absolute against `base`.

@@ -2,9 +2,10 @@
 //! validation, metrics, and checkpoints that resume exactly.
 
 pub(crate) mod checkpoint;
-mod config;
+pub(crate) mod config;
 mod dynamic_sampling;
 mod error;
+pub(crate) mod learner;
 mod memory;
 pub(crate) mod metrics_log;
 mod reward;

@@ -4,26 +4,18 @@
 //! adapters beside a frozen base that rollouts, scoring, validation and the KL reference share.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
-use burn::module::{AutodiffModule, Module};
-use burn::optim::Optimizer;
-use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use data::{BatchSampler, Example, SamplerConfig};
 use env::{Environment, StopReason, Trajectory};
-use model::checkpoint::StorageDtype;
 use model::tokenizer::Qwen3Tokenizer;
 use model::generation::row_seed;
-use model::lora::{is_adapter_dir, load_adapter, save_adapter};
-use model::{
-    load_pretrained, save_pretrained, with_dtype, LoadOptions, LoraAdapters, LoraConfig, LoraModel, Qwen3ForCausalLM, Sampling,
-};
+use model::{load_pretrained, with_dtype, LoadOptions, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling};
 
-use super::checkpoint::{
-    checkpoint_name, latest_checkpoint, publish, staging_dir, TrainerState, OPTIMIZER_FILE, STATE_FILE,
-};
+use super::checkpoint::{latest_checkpoint, read_state, write_checkpoint, TrainerState};
 use super::config::{InferenceDtype, TrainConfig};
 use super::error::TrainError;
 use super::memory::peak_rss_mb;
@@ -34,40 +26,20 @@ use super::validation::ValidationReport;
 use crate::grpo::{
     group_advantages, learn_step, learn_step_lora, sequence_logprobs, PolicyBatch, PolicySequence, StepStats,
 };
-use crate::optim::AdamWOptimizer;
+use super::learner::{Learner, LearnerSettings};
 use crate::rollout::LocalAgent;
 
 type Policy<B> = Qwen3ForCausalLM<B>;
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
-
-/// Files copied from the initial model into every checkpoint, so that a checkpoint is a
-/// complete HF directory.
-const TOKENIZER_FILES: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
-
-/// What a run trains, with its optimiser.
-enum Learner<B: AutodiffBackend> {
-    /// Every weight (f32), and a frozen copy of the initial model as the KL reference.
-    Full {
-        /// Absent only inside a learn step.
-        policy: Option<Policy<B>>,
-        optimizer: AdamWOptimizer<Policy<B>, B>,
-        reference: Option<Policy<Inner<B>>>,
-    },
-    /// LoRA adapters (f32, with the only optimiser state) beside the frozen base (no gradients,
-    /// in `model_dtype`). The KL reference is the base with the adapters off.
-    Lora {
-        base: Policy<B>,
-        /// Absent only inside a learn step.
-        adapters: Option<LoraAdapters<B>>,
-        optimizer: AdamWOptimizer<LoraAdapters<B>, B>,
-    },
-}
 
 /// A GRPO run in progress.
 pub struct Trainer<B: AutodiffBackend> {
     config: TrainConfig,
     device: B::Device,
     learner: Learner<B>,
+    /// The frozen initial model as the KL reference, in full fine-tuning with a KL term (with
+    /// LoRA the reference is the base with the adapters off).
+    reference: Option<Policy<Inner<B>>>,
     tokenizer: Qwen3Tokenizer,
     train: Vec<Example>,
     validation: Vec<Example>,
@@ -97,14 +69,25 @@ impl<B: AutodiffBackend> Trainer<B> {
         if let Some(limit) = config.data.validation_limit {
             validation.truncate(limit);
         }
-        let learner = match &config.lora {
-            None => Learner::start_full(&config, &device, checkpoint.as_deref())?,
-            Some(lora) => Learner::start_lora(&config, lora, &device, checkpoint.as_deref())?,
+        let settings = LearnerSettings {
+            model: &config.model,
+            model_dtype: config.model_dtype,
+            lora: config.lora.as_ref(),
+            matmul: config.grpo.matmul,
+            optimizer: &config.grpo.optimizer,
+            seed: config.run.seed,
+        };
+        let learner = Learner::start(&settings, &device, checkpoint.as_deref())?;
+        let reference = if config.lora.is_none() && config.grpo.loss.uses_kl() {
+            let options = LoadOptions { dtype: config.rollout.dtype.dtype() };
+            Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?.with_matmul_precision(config.grpo.matmul))
+        } else {
+            None
         };
 
         let (sampler, step) = match &checkpoint {
             Some(dir) => {
-                let state: TrainerState = read_json(&dir.join(STATE_FILE))?;
+                let state = read_state(dir)?;
                 let sampler = BatchSampler::resume(state.cursor, train.len())?;
                 truncate_after(&run_dir, state.step)?;
                 (sampler, state.step)
@@ -129,6 +112,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             config,
             device,
             learner,
+            reference,
             tokenizer,
             train,
             validation,
@@ -151,25 +135,17 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// The policy's model: the whole policy in full fine-tuning, the frozen base with LoRA
     /// (whose adapters are [`Self::adapters`]).
     pub fn policy(&self) -> &Policy<B> {
-        match &self.learner {
-            Learner::Full { policy, .. } => policy.as_ref().expect("the policy is only absent inside a learn step"),
-            Learner::Lora { base, .. } => base,
-        }
+        self.learner.model()
     }
 
     /// The LoRA adapters being trained, if the run trains adapters.
     pub fn adapters(&self) -> Option<&LoraAdapters<B>> {
-        match &self.learner {
-            Learner::Full { .. } => None,
-            Learner::Lora { adapters, .. } => {
-                Some(adapters.as_ref().expect("the adapters are only absent inside a learn step"))
-            }
-        }
+        self.learner.adapters()
     }
 
     /// The current policy as scoring and generation take it: the model with its adapters.
     pub fn model(&self) -> LoraModel<'_, B> {
-        LoraModel::new(self.policy(), self.adapters())
+        self.learner.policy()
     }
 
     /// The policy on the plain backend (no autodiff graph): its model and adapters.
@@ -346,9 +322,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         let pad = self.tokenizer.special().endoftext;
         let chunk = self.config.grpo.micro_batch_size.max(1);
         let old = sequence_logprobs(&LoraModel::new(&policy_model, adapters.as_ref()), &sequences, pad, chunk)?;
-        let reference = match &self.learner {
-            Learner::Full { reference: Some(r), .. } => Some(sequence_logprobs(r, &sequences, pad, chunk)?),
-            Learner::Lora { .. } if self.config.grpo.loss.uses_kl() => {
+        let reference = match (&self.reference, &self.learner) {
+            (Some(r), _) => Some(sequence_logprobs(r, &sequences, pad, chunk)?),
+            (None, Learner::Lora { .. }) if self.config.grpo.loss.uses_kl() => {
                 Some(sequence_logprobs(&policy_model, &sequences, pad, chunk)?)
             }
             _ => None,
@@ -437,38 +413,12 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// Writes a checkpoint of the current state (see the module docs of `checkpoint`).
     pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
-        let run_dir = &self.config.run.out_dir;
-        let name = checkpoint_name(self.step);
-        let tmp = staging_dir(run_dir, &name)?;
-        let optimizer_state = |result: Result<(), burn::record::RecorderError>| {
-            result.map_err(|e| TrainError::Checkpoint { path: tmp.clone(), reason: format!("optimizer state: {e}") })
-        };
-        let recorder = BinFileRecorder::<FullPrecisionSettings>::new();
-        match &self.learner {
-            Learner::Full { optimizer, .. } => {
-                save_pretrained(&self.policy().valid(), &tmp, StorageDtype::F32)?;
-                optimizer_state(recorder.record(optimizer.to_record(), tmp.join(OPTIMIZER_FILE)))?;
-            }
-            Learner::Lora { optimizer, .. } => {
-                let adapters = self.adapters().expect("a LoRA run has adapters").valid();
-                save_adapter(&adapters, &tmp, &self.config.model.to_string_lossy())?;
-                optimizer_state(recorder.record(optimizer.to_record(), tmp.join(OPTIMIZER_FILE)))?;
-            }
-        }
-        for file in TOKENIZER_FILES {
-            let from = self.config.model.join(file);
-            if from.is_file() {
-                std::fs::copy(&from, tmp.join(file)).map_err(TrainError::io(&from))?;
-            }
-        }
         let state = TrainerState {
             step: self.step,
             cursor: self.sampler.cursor(),
             seed: self.config.run.seed,
         };
-        let json = serde_json::to_string_pretty(&state).expect("state serialises");
-        model::checkpoint::write_atomic(&tmp.join(STATE_FILE), json.as_bytes())?;
-        publish(run_dir, &tmp, &name, self.config.run.keep_checkpoints)
+        write_checkpoint(&self.config.run.out_dir, &self.learner, &self.config.model, &state, self.config.run.keep_checkpoints)
     }
 
     /// The device the run computes on.
@@ -477,101 +427,10 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 }
 
-impl<B: AutodiffBackend> Learner<B> {
-    /// Full fine-tuning from `config.model`, or from `checkpoint` with its optimiser state.
-    fn start_full(config: &TrainConfig, device: &B::Device, checkpoint: Option<&Path>) -> Result<Self, TrainError> {
-        let matmul = config.grpo.matmul;
-        let reference = if config.grpo.loss.uses_kl() {
-            let options = LoadOptions { dtype: config.rollout.dtype.dtype() };
-            Some(load_pretrained::<Inner<B>>(&config.model, device, options)?.with_matmul_precision(matmul))
-        } else {
-            None
-        };
-        let mut optimizer = config.grpo.optimizer.init::<B, Policy<B>>()?;
-        let policy = match checkpoint {
-            Some(dir) => {
-                if is_adapter_dir(dir) {
-                    return Err(TrainError::Checkpoint {
-                        path: dir.to_path_buf(),
-                        reason: "it holds LoRA adapters but the config has no [lora] section".into(),
-                    });
-                }
-                optimizer = optimizer.load_record(load_optimizer_record(dir, device)?);
-                load_pretrained::<B>(dir, device, LoadOptions::default())?
-            }
-            None => load_pretrained::<B>(&config.model, device, LoadOptions::default())?,
-        };
-        Ok(Learner::Full { policy: Some(policy.with_matmul_precision(matmul)), optimizer, reference })
-    }
-
-    /// LoRA on the frozen `config.model` (in `model_dtype`): fresh adapters (seeded by
-    /// `run.seed`), or the checkpoint's with their optimiser state.
-    fn start_lora(
-        config: &TrainConfig,
-        lora: &LoraConfig,
-        device: &B::Device,
-        checkpoint: Option<&Path>,
-    ) -> Result<Self, TrainError> {
-        let options = LoadOptions { dtype: config.model_dtype.dtype() };
-        let base = load_pretrained::<B>(&config.model, device, options)?
-            .no_grad()
-            .with_matmul_precision(config.grpo.matmul);
-        let mut optimizer = config.grpo.optimizer.init::<B, LoraAdapters<B>>()?;
-        let adapters = match checkpoint {
-            Some(dir) => {
-                if !is_adapter_dir(dir) {
-                    return Err(TrainError::Checkpoint {
-                        path: dir.to_path_buf(),
-                        reason: "it holds a whole model, not LoRA adapters, but the config has a [lora] section".into(),
-                    });
-                }
-                let (adapters, saved) = load_adapter::<B>(dir, &base.config, device)?;
-                let same = |a: &LoraConfig| (a.rank, a.alpha, a.target_modules.clone());
-                if same(&saved.lora) != same(lora) {
-                    return Err(TrainError::Checkpoint {
-                        path: dir.to_path_buf(),
-                        reason: format!(
-                            "its adapters (rank {}, alpha {}, {:?}) differ from the config's [lora] (rank {}, alpha {}, {:?})",
-                            saved.lora.rank, saved.lora.alpha, saved.lora.target_modules, lora.rank, lora.alpha, lora.target_modules
-                        ),
-                    });
-                }
-                optimizer = optimizer.load_record(load_optimizer_record(dir, device)?);
-                // The config's dropout applies (PEFT's file records it too, but a resumed run
-                // follows the run's settings).
-                LoraAdapters::from_weights(lora, &base.config, device, |layer, target, _| {
-                    let a = adapters.layers[layer].get(target).expect("same targets, checked above");
-                    model::lora::AdapterWeights { lora_A: a.lora_A.val().into_data(), lora_B: a.lora_B.val().into_data() }
-                })
-            }
-            None => LoraAdapters::init(lora, &base.config, config.run.seed, device),
-        };
-        Ok(Learner::Lora { base, adapters: Some(adapters), optimizer })
-    }
-}
-
-/// The optimiser state saved in a checkpoint.
-fn load_optimizer_record<R: burn::record::Record<B>, B: burn::tensor::backend::Backend>(
-    dir: &Path,
-    device: &B::Device,
-) -> Result<R, TrainError> {
-    BinFileRecorder::<FullPrecisionSettings>::new()
-        .load(dir.join(OPTIMIZER_FILE), device)
-        .map_err(|e| TrainError::Checkpoint { path: dir.to_path_buf(), reason: format!("optimizer state: {e}") })
-}
-
 fn load_examples(files: &[PathBuf], config: &TrainConfig) -> Result<Vec<Example>, TrainError> {
     let mut all = Vec::new();
     for file in files {
         all.extend(data::load(file, config.on_bad_row())?.into_examples());
     }
     Ok(all)
-}
-
-fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, TrainError> {
-    let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
-    serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })
 }

@@ -4,11 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
-use model::MatmulPrecision;
+use model::{LoraConfig, MatmulPrecision};
 use serde::{Deserialize, Serialize};
 
 use crate::optim::OptimizerConfig;
-use crate::run::TrainError;
+use crate::run::config::read_toml_config;
+use crate::run::{ModelDtype, TrainError};
 
 /// Everything an SFT run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -17,6 +18,13 @@ pub struct SftConfig {
     /// The initial model: an HF directory with `tokenizer.json` (its chat template renders the
     /// `messages` rows; Qwen3's when it has none).
     pub model: PathBuf,
+    /// The dtype of the frozen base under LoRA ("bf16" needs `[lora]`), as in `train`'s config.
+    #[serde(default)]
+    pub model_dtype: ModelDtype,
+    /// LoRA: train adapters beside the frozen model instead of every weight (absent: full
+    /// fine-tuning); the keys of `train`'s `[lora]`.
+    #[serde(default)]
+    pub lora: Option<LoraConfig>,
     pub data: SftData,
     #[serde(default)]
     pub train: SftTrain,
@@ -122,17 +130,10 @@ impl Default for SftRunSection {
 impl SftConfig {
     /// Reads a TOML file; relative paths inside are taken relative to the file's folder.
     pub fn from_toml_file(path: &Path) -> Result<Self, TrainError> {
-        let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
-        let mut config: Self = toml::from_str(&text).map_err(|e| TrainError::Config {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
-        config.resolve_paths(path.parent().unwrap_or(Path::new(".")));
-        config.validate().map_err(|reason| TrainError::Config {
-            path: path.to_path_buf(),
-            reason,
-        })?;
-        Ok(config)
+        read_toml_config(path, |config: &mut Self, base| {
+            config.resolve_paths(base);
+            config.validate()
+        })
     }
 
     /// Makes relative paths absolute against `base`.
@@ -164,6 +165,13 @@ impl SftConfig {
         }
         if self.run.save_every == 0 {
             return Err("run.save_every must be at least 1".into());
+        }
+        match &self.lora {
+            Some(lora) => lora.validate()?,
+            None if self.model_dtype != ModelDtype::F32 => {
+                return Err("model_dtype = \"bf16\" needs a [lora] section: full fine-tuning keeps f32 weights".into())
+            }
+            None => {}
         }
         self.optimizer.validate().map_err(|e| format!("optimizer: {e}"))
     }

@@ -7,8 +7,8 @@
 //!   token sequences with a loss mask.
 //! - [`loss`]: the mean negative log-likelihood of the trained tokens.
 //! - [`step`]: one optimiser step with micro-batches and gradient accumulation, AdamW and the
-//!   global gradient clip of GRPO (`optim`), over anything that scores tokens
-//!   ([`step::TokenScorer`]); the held-out loss.
+//!   global gradient clip of GRPO (`optim`), of the whole model or of LoRA adapters
+//!   (`grpo::Trainable`); the held-out loss.
 //! - [`run`]: a whole run with `metrics.jsonl` and checkpoints that resume exactly, in the
 //!   layout of GRPO runs.
 
@@ -24,4 +24,4 @@ pub use data::{DataSummary, RowEncoder, SftSequence};
 pub use episode::episode_sequence;
 pub use loss::nll_loss;
 pub use run::{is_sft_run, read_sft_metrics, SftRecord, SftRun, SFT_CONFIG_FILE};
-pub use step::{sft_step, validation_loss, SftStepStats, TokenScorer};
+pub use step::{sft_step, validation_loss, SftStepStats};

@@ -1,29 +1,30 @@
 //! A whole SFT run: the rows loaded once, seeded batches that resume mid-epoch, one optimiser
 //! step per batch, `metrics.jsonl`, the held-out loss, and checkpoints in the layout of GRPO
-//! runs (`checkpoints/step-NNNNNNN/` with the model in HF layout, the AdamW state and
-//! `trainer_state.json`, published atomically), so `export`, `plot` and `train` read them.
+//! runs (`checkpoints/step-NNNNNNN/` with the model in HF layout, or LoRA's adapters as a PEFT
+//! directory, the AdamW state and `trainer_state.json`, published atomically), so `export`,
+//! `plot` and `train` read them. What is trained (every weight, or adapters) is GRPO's
+//! [`Learner`].
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::optim::Optimizer;
 use burn::tensor::backend::AutodiffBackend;
 use data::{BatchSampler, SamplerConfig};
 use model::chat_template::{ChatTemplate, ChatTemplateError};
+use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, LoadOptions, Qwen3ForCausalLM};
+use model::{LoraAdapters, LoraModel, Qwen3ForCausalLM};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::config::SftConfig;
 use super::data::{DataSummary, RowEncoder, SftSequence};
-use super::step::{sft_step, validation_loss};
-use crate::optim::{AdamWOptimizer, StepOutcome};
-use crate::run::checkpoint::{latest_checkpoint, read_checkpoint, write_checkpoint, TrainerState};
+use super::step::{sft_step, validation_loss, SftStepStats};
+use crate::optim::StepOutcome;
+use crate::run::checkpoint::{latest_checkpoint, read_state, write_checkpoint, TrainerState};
+use crate::run::learner::{Learner, LearnerSettings};
 use crate::run::metrics_log::{append_line, read_lines, truncate_lines_after};
 use crate::run::{peak_rss_mb, TrainError, METRICS_FILE};
-
-type Model<B> = Qwen3ForCausalLM<B>;
 
 /// File in the run directory holding the run's configuration (with its paths resolved).
 pub const SFT_CONFIG_FILE: &str = "sft_config.json";
@@ -96,8 +97,8 @@ pub fn read_sft_metrics(run_dir: &Path) -> Result<Vec<SftRecord>, TrainError> {
 /// An SFT run in progress.
 pub struct SftRun<B: AutodiffBackend> {
     config: SftConfig,
-    model: Option<Model<B>>,
-    optimizer: AdamWOptimizer<Model<B>, B>,
+    device: B::Device,
+    learner: Learner<B>,
     train: Vec<SftSequence>,
     validation: Vec<SftSequence>,
     train_summary: DataSummary,
@@ -135,20 +136,26 @@ impl<B: AutodiffBackend> SftRun<B> {
         }
         let (validation, validation_summary) = rows.load_files(&config.data.validation)?;
         let total_steps = config.total_steps(train.len());
-        let mut optimizer = config.optimizer.init::<B, Model<B>>()?;
+        let checkpoint = latest.filter(|_| resume);
+        let settings = LearnerSettings {
+            model: &config.model,
+            model_dtype: config.model_dtype,
+            lora: config.lora.as_ref(),
+            matmul: config.train.matmul,
+            optimizer: &config.optimizer,
+            seed: config.train.seed,
+        };
+        let learner = Learner::start(&settings, &device, checkpoint.as_deref())?;
 
-        let (model, sampler, step) = match latest.filter(|_| resume) {
+        let (sampler, step) = match &checkpoint {
             Some(dir) => {
-                let (state, record) = read_checkpoint::<B, _>(&dir, &device)?;
-                optimizer = optimizer.load_record(record);
-                let model = load_pretrained::<B>(&dir, &device, LoadOptions::default())?;
+                let state = read_state(dir)?;
                 truncate_lines_after::<SftRecord>(&run_dir, state.step, |r| r.step)?;
-                (model, BatchSampler::resume(state.cursor, train.len())?, state.step)
+                (BatchSampler::resume(state.cursor, train.len())?, state.step)
             }
             None => {
                 // Lines of a run that stopped before its first checkpoint are not continued.
                 truncate_lines_after::<SftRecord>(&run_dir, 0, |r| r.step)?;
-                let model = load_pretrained::<B>(&config.model, &device, LoadOptions::default())?;
                 let sampler = BatchSampler::new(
                     train.len(),
                     SamplerConfig {
@@ -158,15 +165,15 @@ impl<B: AutodiffBackend> SftRun<B> {
                         drop_last: false,
                     },
                 )?;
-                (model, sampler, 0)
+                (sampler, 0)
             }
         };
         let json = serde_json::to_string_pretty(&config).expect("config serialises");
         model::checkpoint::write_atomic(&run_dir.join(SFT_CONFIG_FILE), json.as_bytes())?;
         Ok(Self {
-            model: Some(model.with_matmul_precision(config.train.matmul)),
             config,
-            optimizer,
+            device,
+            learner,
             train,
             validation,
             train_summary,
@@ -197,9 +204,14 @@ impl<B: AutodiffBackend> SftRun<B> {
         (&self.train_summary, &self.validation_summary)
     }
 
-    /// The model being trained.
-    pub fn model(&self) -> &Model<B> {
-        self.model.as_ref().expect("the model is only absent inside a step")
+    /// The model: the one being trained, or LoRA's frozen base (see [`Self::adapters`]).
+    pub fn model(&self) -> &Qwen3ForCausalLM<B> {
+        self.learner.model()
+    }
+
+    /// The LoRA adapters being trained, in a run with `[lora]`.
+    pub fn adapters(&self) -> Option<&LoraAdapters<B>> {
+        self.learner.adapters()
     }
 
     /// One optimiser step on the next batch; the record is also appended to `metrics.jsonl`,
@@ -208,19 +220,14 @@ impl<B: AutodiffBackend> SftRun<B> {
     pub fn train_step(&mut self) -> Result<SftRecord, TrainError> {
         let step = self.step + 1;
         let batch = self.sampler.next_batch();
-        let sequences: Vec<SftSequence> = batch.indices.iter().map(|&i| self.train[i].clone()).collect();
+        let sequences: Vec<SftSequence> = batch
+            .indices
+            .iter()
+            .map(|&i| self.train[i].clone())
+            .collect();
         let lr = self.config.lr_at(step, self.total_steps);
         let started = Instant::now();
-        let model = self.model.take().expect("the model is present between steps");
-        let (model, stats) = sft_step(
-            model,
-            &mut self.optimizer,
-            &sequences,
-            self.config.train.micro_batch_size,
-            lr,
-            self.config.optimizer.grad_clip,
-        )?;
-        self.model = Some(model);
+        let stats = self.learn(step, &sequences, lr)?;
         let step_secs = started.elapsed().as_secs_f32();
         self.step = step;
         let grad_norm = stats.outcome.grad_norm();
@@ -250,11 +257,51 @@ impl<B: AutodiffBackend> SftRun<B> {
         if self.validation.is_empty() {
             return Ok(None);
         }
+        let (model, adapters) = (self.model().valid(), self.adapters().map(|a| a.valid()));
         validation_loss(
-            &self.model().valid(),
+            &LoraModel::new(&model, adapters.as_ref()),
             &self.validation,
             self.config.train.micro_batch_size,
         )
+    }
+
+    /// One optimiser step of what the run trains.
+    fn learn(
+        &mut self,
+        step: u64,
+        sequences: &[SftSequence],
+        lr: f64,
+    ) -> Result<SftStepStats, TrainError> {
+        let (micro, clip) = (
+            self.config.train.micro_batch_size,
+            self.config.optimizer.grad_clip,
+        );
+        match &mut self.learner {
+            Learner::Full { policy, optimizer } => {
+                let model = policy.take().expect("the model is present between steps");
+                let (model, stats) = sft_step(model, &(), optimizer, sequences, micro, lr, clip)?;
+                *policy = Some(model);
+                Ok(stats)
+            }
+            Learner::Lora {
+                base,
+                adapters,
+                optimizer,
+            } => {
+                let trained = adapters
+                    .take()
+                    .expect("the adapters are present between steps");
+                if trained.config().dropout > 0.0 {
+                    // Dropout masks from a stream of the seed and the step: a resumed run draws
+                    // what an uninterrupted one would.
+                    B::seed(&self.device, row_seed(self.config.train.seed, step));
+                }
+                let (trained, stats) =
+                    sft_step(trained, base, optimizer, sequences, micro, lr, clip)?;
+                *adapters = Some(trained);
+                Ok(stats)
+            }
+        }
     }
 
     /// Writes a checkpoint of the current state.
@@ -264,11 +311,10 @@ impl<B: AutodiffBackend> SftRun<B> {
             cursor: self.sampler.cursor(),
             seed: self.config.train.seed,
         };
-        write_checkpoint::<B, _>(
+        write_checkpoint(
             &self.config.run.out_dir,
-            &self.model().valid(),
+            &self.learner,
             &self.config.model,
-            self.optimizer.to_record(),
             &state,
             self.config.run.keep_checkpoints,
         )
@@ -279,7 +325,9 @@ impl<B: AutodiffBackend> SftRun<B> {
 fn chat_template(dir: &Path) -> Result<ChatTemplate, TrainError> {
     match ChatTemplate::from_dir(dir) {
         Ok(template) => Ok(template),
-        Err(ChatTemplateError::MissingTemplate { .. } | ChatTemplateError::Read { .. }) => Ok(ChatTemplate::Qwen3),
+        Err(ChatTemplateError::MissingTemplate { .. } | ChatTemplateError::Read { .. }) => {
+            Ok(ChatTemplate::Qwen3)
+        }
         Err(err) => Err(TrainError::Invalid(format!(
             "{err} (chat rows are rendered with the Qwen3 chat template)"
         ))),

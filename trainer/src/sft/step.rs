@@ -1,47 +1,21 @@
 //! One SFT optimiser step on a batch of sequences, micro-batch by micro-batch with the
 //! gradients accumulated, and the held-out loss without autodiff.
 
-use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
-use model::{ModelError, Padding, Qwen3ForCausalLM, TokenBatch};
+use model::lora::CausalLm;
+use model::{token_logprobs, Padding, TokenBatch};
 
 use super::data::SftSequence;
 use super::loss::nll_loss;
+use crate::grpo::Trainable;
 use crate::optim::{clip_and_step, StepOutcome};
 use crate::run::TrainError;
 
 /// Padding fills short rows of a micro-batch; the attention and loss masks hide it, so any
 /// in-vocabulary id does.
 const PAD_ID: u32 = 0;
-
-/// What SFT trains: a module that scores tokens. The Qwen3 model implements it (full
-/// fine-tuning); a model with LoRA adapters, the adapters being the trained parameters, is
-/// meant to implement it too, so that [`sft_step`] and [`validation_loss`] serve both.
-pub trait TokenScorer<B: Backend> {
-    /// `out[b, j] = log p(ids[b, j + 1] | ids[b, ..=j])` for a right-padded batch (values at
-    /// padding are meaningless); under autodiff, differentiable in the trained parameters.
-    fn token_logprobs(&self, batch: &TokenBatch<B>) -> Result<Tensor<B, 2>, ModelError>;
-    /// An error naming the first id outside the vocabulary.
-    fn check_token_ids(&self, ids: &[u32]) -> Result<(), ModelError>;
-    /// Where the module's tensors live.
-    fn device(&self) -> B::Device;
-}
-
-impl<B: Backend> TokenScorer<B> for Qwen3ForCausalLM<B> {
-    fn token_logprobs(&self, batch: &TokenBatch<B>) -> Result<Tensor<B, 2>, ModelError> {
-        model::token_logprobs(self, batch, 1)
-    }
-
-    fn check_token_ids(&self, ids: &[u32]) -> Result<(), ModelError> {
-        Qwen3ForCausalLM::check_token_ids(self, ids)
-    }
-
-    fn device(&self) -> B::Device {
-        Qwen3ForCausalLM::device(self)
-    }
-}
 
 /// What one step did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -55,13 +29,15 @@ pub struct SftStepStats {
     pub sequences: usize,
 }
 
-/// One AdamW step of `model` on `batch` at learning rate `lr`: the loss is [`nll_loss`] over
+/// One AdamW step of `model` (the whole model, or LoRA adapters beside the frozen base
+/// `frozen`: see [`Trainable`]) on `batch` at learning rate `lr`: the loss is [`nll_loss`] over
 /// all the batch's trained tokens, evaluated `micro_batch_size` sequences at a time, each
 /// micro-batch's loss weighted by its share of the batch's trained tokens and the gradients
 /// summed (so the step sees exactly the whole batch's gradient); clipped to the global norm
 /// `grad_clip`, or skipped when that norm is not finite ([`clip_and_step`]).
 pub fn sft_step<B, M, O>(
     model: M,
+    frozen: &M::Frozen,
     optimizer: &mut O,
     batch: &[SftSequence],
     micro_batch_size: usize,
@@ -70,7 +46,7 @@ pub fn sft_step<B, M, O>(
 ) -> Result<(M, SftStepStats), TrainError>
 where
     B: AutodiffBackend,
-    M: AutodiffModule<B> + TokenScorer<B>,
+    M: Trainable<B>,
     O: Optimizer<M, B>,
 {
     let _autodiff = crate::autodiff_lock::exclusive_autodiff();
@@ -81,7 +57,7 @@ where
         ));
     }
     for s in batch {
-        model.check_token_ids(&s.tokens)?;
+        model.policy(frozen).base.check_token_ids(&s.tokens)?;
     }
     let mut accumulator = GradientsAccumulator::<M>::new();
     let mut loss_sum = 0.0f64;
@@ -91,7 +67,7 @@ where
             continue;
         }
         let weight = units as f32 / tokens as f32;
-        let loss = micro_batch_loss(&model, micro)?;
+        let loss = micro_batch_loss(&model.policy(frozen), micro)?;
         loss_sum += f64::from(loss.clone().into_scalar().elem::<f32>()) * units as f64;
         let grads = loss.mul_scalar(weight).backward();
         accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
@@ -106,11 +82,11 @@ where
     Ok((model, stats))
 }
 
-/// The mean NLL per trained token of `sequences` (run it on the plain backend, `model.valid()`,
-/// so no autodiff graph is built), `micro_batch_size` sequences at a time. `None` when they
-/// hold no trained token.
-pub fn validation_loss<B: Backend, M: TokenScorer<B>>(
-    model: &M,
+/// The mean NLL per trained token of `sequences` under `model` (a model, or a base with
+/// adapters; run it on the plain backend, `valid()`, so no autodiff graph is built),
+/// `micro_batch_size` sequences at a time. `None` when they hold no trained token.
+pub fn validation_loss<B: Backend>(
+    model: &impl CausalLm<B>,
     sequences: &[SftSequence],
     micro_batch_size: usize,
 ) -> Result<Option<f32>, TrainError> {
@@ -122,7 +98,7 @@ pub fn validation_loss<B: Backend, M: TokenScorer<B>>(
             continue;
         }
         for s in micro {
-            model.check_token_ids(&s.tokens)?;
+            model.base().check_token_ids(&s.tokens)?;
         }
         let loss: f32 = micro_batch_loss(model, micro)?.into_scalar().elem();
         sum += f64::from(loss) * units as f64;
@@ -132,14 +108,14 @@ pub fn validation_loss<B: Backend, M: TokenScorer<B>>(
 }
 
 /// The loss of one micro-batch, averaged over its own trained tokens.
-fn micro_batch_loss<B: Backend, M: TokenScorer<B>>(
-    model: &M,
+fn micro_batch_loss<B: Backend>(
+    model: &impl CausalLm<B>,
     micro: &[SftSequence],
 ) -> Result<Tensor<B, 1>, TrainError> {
-    let device = model.device();
+    let device = model.base().device();
     let ids: Vec<Vec<u32>> = micro.iter().map(|s| s.tokens.clone()).collect();
     let batch = TokenBatch::<B>::new(&ids, Padding::Right, PAD_ID, &device)?;
-    let logp = model.token_logprobs(&batch)?;
+    let logp = token_logprobs(model, &batch, 1)?;
     // Column j predicts token j + 1, as `token_logprobs` lays out its result.
     let width = batch.len - 1;
     let mut mask = vec![0.0f32; micro.len() * width];

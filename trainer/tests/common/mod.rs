@@ -52,7 +52,10 @@ pub fn setup(dir: &Path) -> TrainConfig {
     let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
     write_tokenizer_files(&tokenizer, &model_dir).unwrap();
     let special = *tokenizer.special();
-    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext]);
+    let config = Preset::Tiny.config(
+        tokenizer.vocab_size(),
+        vec![special.im_end, special.endoftext],
+    );
     write_random_checkpoint(&config, &model_dir, 1, StorageDtype::F32).unwrap();
     std::fs::write(dir.join("system.txt"), "You help.").unwrap();
     std::fs::write(dir.join("instruction.txt"), "Answer.").unwrap();
@@ -113,7 +116,7 @@ pub fn with_lora(mut config: TrainConfig) -> TrainConfig {
 pub const LORA_LR: f64 = 0.01;
 
 /// Rewrites the checkpoint in `dir` with its embedding table multiplied by `factor`.
-fn scale_embeddings(dir: &Path, factor: f32) {
+pub fn scale_embeddings(dir: &Path, factor: f32) {
     use model::checkpoint::{write_safetensors, Checkpoint, TensorToWrite};
     let checkpoint = Checkpoint::open(dir).unwrap();
     let tensors: Vec<TensorToWrite> = checkpoint
@@ -125,7 +128,11 @@ fn scale_embeddings(dir: &Path, factor: f32) {
             if name == "model.embed_tokens.weight" {
                 values.iter_mut().for_each(|v| *v *= factor);
             }
-            TensorToWrite { name, shape, values }
+            TensorToWrite {
+                name,
+                shape,
+                values,
+            }
         })
         .collect();
     drop(checkpoint);
@@ -137,9 +144,15 @@ pub fn train(config: TrainConfig, steps: u64, resume: bool) -> (Trainer<B>, Vec<
 }
 
 /// [`train`] on any backend, on its default device.
-pub fn train_on<A: AutodiffBackend>(config: TrainConfig, steps: u64, resume: bool) -> (Trainer<A>, Vec<StepRecord>) {
+pub fn train_on<A: AutodiffBackend>(
+    config: TrainConfig,
+    steps: u64,
+    resume: bool,
+) -> (Trainer<A>, Vec<StepRecord>) {
     let mut trainer = Trainer::<A>::start(config, Default::default(), resume).unwrap();
-    let records = (0..steps).map(|_| trainer.train_step(&Scripted, &ByteTokens).unwrap()).collect();
+    let records = (0..steps)
+        .map(|_| trainer.train_step(&Scripted, &ByteTokens).unwrap())
+        .collect();
     (trainer, records)
 }
 
@@ -147,4 +160,3 @@ pub fn first_last_gap(records: &[StepRecord]) -> (f32, f32) {
     let mean = |rs: &[StepRecord]| rs.iter().map(|r| r.reward_mean).sum::<f32>() / rs.len() as f32;
     (mean(&records[..5]), mean(&records[records.len() - 5..]))
 }
-

@@ -1,0 +1,224 @@
+//! What a run trains, with its optimiser: every weight, or LoRA adapters beside a frozen base.
+//! Made from the initial model or a checkpoint, and written into a checkpoint. GRPO runs
+//! ([`super::Trainer`]) and SFT runs (`crate::sft::SftRun`) share it.
+
+use std::path::Path;
+
+use burn::module::{AutodiffModule, Module};
+use burn::optim::Optimizer;
+use burn::record::{BinFileRecorder, FullPrecisionSettings, Record, Recorder};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use model::checkpoint::StorageDtype;
+use model::lora::{is_adapter_dir, load_adapter, save_adapter, AdapterWeights};
+use model::{
+    load_pretrained, save_pretrained, LoadOptions, LoraAdapters, LoraConfig, LoraModel,
+    MatmulPrecision, Qwen3ForCausalLM,
+};
+
+use super::checkpoint::OPTIMIZER_FILE;
+use super::config::ModelDtype;
+use super::error::TrainError;
+use crate::optim::{AdamWOptimizer, OptimizerConfig};
+
+type Policy<B> = Qwen3ForCausalLM<B>;
+
+/// The settings a learner is made from (the `model`, `model_dtype` and `[lora]` keys of both
+/// run configurations, with the products' precision and the optimiser).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LearnerSettings<'a> {
+    /// The initial model (an HF directory): the whole policy, or LoRA's frozen base.
+    pub model: &'a Path,
+    /// The dtype LoRA's frozen base is held in (full fine-tuning is f32).
+    pub model_dtype: ModelDtype,
+    /// LoRA adapters instead of every weight.
+    pub lora: Option<&'a LoraConfig>,
+    pub matmul: MatmulPrecision,
+    pub optimizer: &'a OptimizerConfig,
+    /// Seeds the initialisation of fresh adapters.
+    pub seed: u64,
+}
+
+/// What a run trains, with its AdamW state.
+pub(crate) enum Learner<B: AutodiffBackend> {
+    /// Every weight (f32).
+    Full {
+        /// Absent only inside a step.
+        policy: Option<Policy<B>>,
+        optimizer: AdamWOptimizer<Policy<B>, B>,
+    },
+    /// LoRA adapters (f32, with the only optimiser state) beside the frozen base (no gradients,
+    /// in `model_dtype`).
+    Lora {
+        base: Policy<B>,
+        /// Absent only inside a step.
+        adapters: Option<LoraAdapters<B>>,
+        optimizer: AdamWOptimizer<LoraAdapters<B>, B>,
+    },
+}
+
+impl<B: AutodiffBackend> Learner<B> {
+    /// The learner of a run starting from `settings.model`, or continuing `checkpoint` (a
+    /// checkpoint directory of the same kind: a whole model, or a PEFT adapter directory whose
+    /// rank, alpha and targets are the settings').
+    pub fn start(
+        settings: &LearnerSettings<'_>,
+        device: &B::Device,
+        checkpoint: Option<&Path>,
+    ) -> Result<Self, TrainError> {
+        match settings.lora {
+            None => Self::start_full(settings, device, checkpoint),
+            Some(lora) => Self::start_lora(settings, lora, device, checkpoint),
+        }
+    }
+
+    fn start_full(
+        settings: &LearnerSettings<'_>,
+        device: &B::Device,
+        checkpoint: Option<&Path>,
+    ) -> Result<Self, TrainError> {
+        let mut optimizer = settings.optimizer.init::<B, Policy<B>>()?;
+        let policy = match checkpoint {
+            Some(dir) => {
+                if is_adapter_dir(dir) {
+                    return Err(TrainError::Checkpoint {
+                        path: dir.to_path_buf(),
+                        reason: "it holds LoRA adapters but the config has no [lora] section"
+                            .into(),
+                    });
+                }
+                optimizer = optimizer.load_record(load_optimizer_record(dir, device)?);
+                load_pretrained::<B>(dir, device, LoadOptions::default())?
+            }
+            None => load_pretrained::<B>(settings.model, device, LoadOptions::default())?,
+        };
+        Ok(Learner::Full {
+            policy: Some(policy.with_matmul_precision(settings.matmul)),
+            optimizer,
+        })
+    }
+
+    fn start_lora(
+        settings: &LearnerSettings<'_>,
+        lora: &LoraConfig,
+        device: &B::Device,
+        checkpoint: Option<&Path>,
+    ) -> Result<Self, TrainError> {
+        let options = LoadOptions {
+            dtype: settings.model_dtype.dtype(),
+        };
+        let base = load_pretrained::<B>(settings.model, device, options)?
+            .no_grad()
+            .with_matmul_precision(settings.matmul);
+        let mut optimizer = settings.optimizer.init::<B, LoraAdapters<B>>()?;
+        let adapters = match checkpoint {
+            Some(dir) => {
+                if !is_adapter_dir(dir) {
+                    return Err(TrainError::Checkpoint {
+                        path: dir.to_path_buf(),
+                        reason: "it holds a whole model, not LoRA adapters, but the config has a [lora] section".into(),
+                    });
+                }
+                let (adapters, saved) = load_adapter::<B>(dir, &base.config, device)?;
+                let same = |a: &LoraConfig| (a.rank, a.alpha, a.target_modules.clone());
+                if same(&saved.lora) != same(lora) {
+                    return Err(TrainError::Checkpoint {
+                        path: dir.to_path_buf(),
+                        reason: format!(
+                            "its adapters (rank {}, alpha {}, {:?}) differ from the config's [lora] (rank {}, alpha {}, {:?})",
+                            saved.lora.rank, saved.lora.alpha, saved.lora.target_modules, lora.rank, lora.alpha, lora.target_modules
+                        ),
+                    });
+                }
+                optimizer = optimizer.load_record(load_optimizer_record(dir, device)?);
+                // The config's dropout applies (PEFT's file records it too, but a resumed run
+                // follows the run's settings).
+                LoraAdapters::from_weights(lora, &base.config, device, |layer, target, _| {
+                    let a = adapters.layers[layer]
+                        .get(target)
+                        .expect("same targets, checked above");
+                    AdapterWeights {
+                        lora_A: a.lora_A.val().into_data(),
+                        lora_B: a.lora_B.val().into_data(),
+                    }
+                })
+            }
+            None => LoraAdapters::init(lora, &base.config, settings.seed, device),
+        };
+        Ok(Learner::Lora {
+            base,
+            adapters: Some(adapters),
+            optimizer,
+        })
+    }
+
+    /// The whole policy in full fine-tuning, the frozen base with LoRA.
+    pub fn model(&self) -> &Policy<B> {
+        match self {
+            Learner::Full { policy, .. } => policy
+                .as_ref()
+                .expect("the policy is only absent inside a step"),
+            Learner::Lora { base, .. } => base,
+        }
+    }
+
+    /// The adapters being trained, in a LoRA run.
+    pub fn adapters(&self) -> Option<&LoraAdapters<B>> {
+        match self {
+            Learner::Full { .. } => None,
+            Learner::Lora { adapters, .. } => Some(
+                adapters
+                    .as_ref()
+                    .expect("the adapters are only absent inside a step"),
+            ),
+        }
+    }
+
+    /// The current policy: the model with its adapters.
+    pub fn policy(&self) -> LoraModel<'_, B> {
+        LoraModel::new(self.model(), self.adapters())
+    }
+
+    /// Writes what is trained into the checkpoint staging directory `dir`: the model in f32 (HF
+    /// layout), or the adapters as a PEFT directory naming `initial` as their base; with the
+    /// optimiser's state.
+    pub fn save_into(&self, dir: &Path, initial: &Path) -> Result<(), TrainError> {
+        match self {
+            Learner::Full { optimizer, .. } => {
+                save_pretrained(&self.model().valid(), dir, StorageDtype::F32)?;
+                save_optimizer_record(optimizer.to_record(), dir)
+            }
+            Learner::Lora { optimizer, .. } => {
+                let adapters = self
+                    .adapters()
+                    .expect("a LoRA learner has adapters")
+                    .valid();
+                save_adapter(&adapters, dir, &initial.to_string_lossy())?;
+                save_optimizer_record(optimizer.to_record(), dir)
+            }
+        }
+    }
+}
+
+fn save_optimizer_record<B: Backend, R: Record<B>>(
+    record: R,
+    dir: &Path,
+) -> Result<(), TrainError> {
+    BinFileRecorder::<FullPrecisionSettings>::new()
+        .record(record, dir.join(OPTIMIZER_FILE))
+        .map_err(|e| TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            reason: format!("optimizer state: {e}"),
+        })
+}
+
+fn load_optimizer_record<B: Backend, R: Record<B>>(
+    dir: &Path,
+    device: &B::Device,
+) -> Result<R, TrainError> {
+    BinFileRecorder::<FullPrecisionSettings>::new()
+        .load(dir.join(OPTIMIZER_FILE), device)
+        .map_err(|e| TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            reason: format!("optimizer state: {e}"),
+        })
+}
