@@ -14,6 +14,9 @@
 #              prefill, decode at batch 1 and 64, one training step (f32 weights, bf16 products);
 #              each of ours with its peak GPU memory polled by nvidia-smi
 #   bench-f32  the same with f32 weights (PyTorch's f32 products may use TF32, as CubeCL's do)
+#   memory     a Qwen3-4B-shaped LoRA training step (random weights, bf16 base, 1 x 1024 tokens),
+#              with and without activation checkpointing: peak GPU memory (nvidia-smi) beside
+#              the memory plan's prediction that `bench` prints
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -24,7 +27,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|check|check-0.6b|train|bench|bench-f32}
+stage=${1:?usage: scripts/gpu_run.sh build|check|check-0.6b|train|bench|bench-f32|memory}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -160,8 +163,16 @@ case "$stage" in
     rm -rf "$model"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
+  memory)
+    for ckpt in "" --activation-checkpointing; do
+      bench "lora-4b${ckpt:+-ckpt}" --preset qwen3-4b --dtype bf16 --lora $ckpt --train-step --train-step-only \
+        --batch 1 --seq-len 1024
+    done
+    grep -h "memory plan" "$work"/*.txt 2> /dev/null | tee -a "$log"
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
   *)
-    say "unknown stage $stage: use build, check, check-0.6b, train, bench or bench-f32"
+    say "unknown stage $stage: use build, check, check-0.6b, train, bench, bench-f32 or memory"
     failed=1
     ;;
 esac
