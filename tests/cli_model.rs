@@ -301,6 +301,34 @@ fn gpu_settings_are_flags_with_their_variables() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// `plan` says whether a run fits the device's memory, and `train` refuses, before loading
+/// anything, a run that does not (here a tiny model against a stated 1 MiB).
+#[test]
+fn plan_says_whether_a_run_fits_and_train_refuses_one_that_does_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let config = tmp.path().join("run.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "model = \"{model}\"\n[data]\ntrain = [\"train.csv\"]\n[environment]\nbase_url = \"http://127.0.0.1:9/v1\"\n\
+             model = \"m\"\n[episode]\nmax_response_tokens = 256\n[rollout]\ngeneration_batch = 4\n\
+             [run]\nout_dir = \"run\"\ndevice_memory = \"1MiB\"\n"
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let plan = ok_stdout(&["plan", "--config", config]);
+    assert!(plan.contains("peak:") && plan.contains("does NOT fit"), "{plan}");
+    let roomy = ok_stdout(&["plan", "--config", config, "--device-memory", "80GiB"]);
+    assert!(roomy.contains("fits (") && !roomy.contains("does NOT fit"), "{roomy}");
+    let out = prompt_r1(&["train", "--config", config]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("needs about") && stderr.contains("run.device_memory"), "{stderr}");
+    assert!(!tmp.path().join("run").join("checkpoints").exists(), "nothing was trained");
+}
+
 /// `check-device` compares the portable ops with the fused kernels on the CPU: eight checks
 /// (greedy and sampled tokens, and the first ratio at f32 and bf16 products, among them), all
 /// within their tolerances; CUDA in a CPU-only build is a clear error.

@@ -208,13 +208,7 @@ fn lora_adapters_learn_on_a_bf16_base() {
 }
 
 fn adapter_weights(trainer: &Trainer<B>) -> Vec<Vec<f32>> {
-    trainer
-        .adapters()
-        .unwrap()
-        .iter()
-        .flat_map(|(_, _, a)| [a.lora_A.val(), a.lora_B.val()])
-        .map(|t| t.into_data().to_vec().unwrap())
-        .collect()
+    common::adapter_values(trainer.adapters().unwrap())
 }
 
 /// With LoRA a checkpoint is a PEFT adapter directory (no copy of the base) with the optimiser

@@ -18,7 +18,7 @@ use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
 use model::{load_pretrained, LoadOptions, Preset, Qwen3ForCausalLM};
 use prompt_r1_trainer::run::latest_checkpoint;
 use prompt_r1_trainer::sft::{
-    read_sft_metrics, sft_step, RowEncoder, SftConfig, SftRun, SftSequence,
+    read_sft_metrics, sft_step, RowEncoder, SftConfig, SftRecord, SftRun, SftSequence,
 };
 
 type B = Autodiff<Flex>;
@@ -252,6 +252,15 @@ fn micro_batches_give_the_batch_gradient() {
     assert!(diff <= 1e-5, "{diff}");
 }
 
+/// `steps` steps of `config`'s run written to `out` (continuing its checkpoint with `resume`).
+fn run_steps(config: &SftConfig, out: PathBuf, resume: bool, steps: usize) -> (SftRun<B>, Vec<SftRecord>) {
+    let mut config = config.clone();
+    config.run.out_dir = out;
+    let mut run = SftRun::<B>::start(config, Default::default(), resume).unwrap();
+    let records: Vec<_> = (0..steps).map(|_| run.train_step().unwrap()).collect();
+    (run, records)
+}
+
 /// 6 steps straight equal 3 steps, a checkpoint, a new run resumed from it and 3 more steps:
 /// the same batches, losses and weights. Both runs execute the same operations in the same
 /// order from the same f32 values (weights and AdamW moments are saved in f32 and reload
@@ -263,13 +272,7 @@ fn resuming_equals_never_stopping() {
     let mut config = setup(dir.path());
     config.train.steps = Some(6);
     config.run.validate_every = 0;
-    let run_to = |out: PathBuf, resume: bool, steps: usize| {
-        let mut c = config.clone();
-        c.run.out_dir = out;
-        let mut run = SftRun::<B>::start(c, Default::default(), resume).unwrap();
-        let records: Vec<_> = (0..steps).map(|_| run.train_step().unwrap()).collect();
-        (run, records)
-    };
+    let run_to = |out: PathBuf, resume: bool, steps: usize| run_steps(&config, out, resume, steps);
     let (straight, all) = run_to(dir.path().join("straight"), false, 6);
     let (head_run, head) = run_to(dir.path().join("split"), false, 3);
     let saved = head_run.save_checkpoint().unwrap();
@@ -328,12 +331,7 @@ fn resuming_equals_never_stopping() {
 
 /// Every adapter matrix of a LoRA run, in order.
 fn adapter_values(run: &SftRun<B>) -> Vec<Vec<f32>> {
-    let adapters = run.adapters().expect("a LoRA run has adapters").valid();
-    adapters
-        .iter()
-        .flat_map(|(_, _, a)| [a.lora_A.val(), a.lora_B.val()])
-        .map(|t| t.into_data().to_vec().unwrap())
-        .collect()
+    common::adapter_values(run.adapters().expect("a LoRA run has adapters"))
 }
 
 /// SFT with `[lora]` (rank 8 on every projection, a bf16 base): only the adapters move, the
@@ -354,13 +352,7 @@ fn lora_sft_trains_the_adapters_and_resumes_exactly() {
     config.optimizer.lr = common::LORA_LR;
     config.train.steps = Some(20);
     config.run.validate_every = 0;
-    let run_to = |out: PathBuf, resume: bool, steps: usize| {
-        let mut c = config.clone();
-        c.run.out_dir = out;
-        let mut run = SftRun::<B>::start(c, Default::default(), resume).unwrap();
-        let records: Vec<_> = (0..steps).map(|_| run.train_step().unwrap()).collect();
-        (run, records)
-    };
+    let run_to = |out: PathBuf, resume: bool, steps: usize| run_steps(&config, out, resume, steps);
     let (straight, all) = run_to(dir.path().join("straight"), false, 20);
     let first = all[0].loss;
     let last = all[17..].iter().map(|r| r.loss).sum::<f32>() / 3.0;

@@ -160,3 +160,12 @@ pub fn first_last_gap(records: &[StepRecord]) -> (f32, f32) {
     let mean = |rs: &[StepRecord]| rs.iter().map(|r| r.reward_mean).sum::<f32>() / rs.len() as f32;
     (mean(&records[..5]), mean(&records[records.len() - 5..]))
 }
+
+/// Every adapter matrix, `lora_A` then `lora_B` of each projection in order, as host values.
+pub fn adapter_values<A: burn::tensor::backend::Backend>(adapters: &model::LoraAdapters<A>) -> Vec<Vec<f32>> {
+    adapters
+        .iter()
+        .flat_map(|(_, _, a)| [a.lora_A.val(), a.lora_B.val()])
+        .map(|t| t.into_data().to_vec().unwrap())
+        .collect()
+}
