@@ -16,7 +16,6 @@ use model::weights::{named_parameters, NamedParam};
 use model::{load_pretrained, LoadOptions, LoraAdapters, LoraConfig, Qwen3ForCausalLM};
 use prompt_r1_trainer::grpo::{
     learn_step, learn_step_lora, sequence_logprobs, GrpoError, LearnConfig, PolicyBatch,
-    PolicySequence,
 };
 use serde_json::Value;
 
@@ -133,27 +132,11 @@ fn batch(model: &Qwen3ForCausalLM<B>, json: &Value) -> PolicyBatch {
     let tokens: Vec<Vec<u32>> = sequences.iter().map(|(t, _)| t.clone()).collect();
     let current = sequence_logprobs(&model.valid(), &tokens, 0, 8).unwrap();
     let advantages = [1.3, -0.8, 0.6];
-    let shift = |k: usize, scale: f32| ((k * 7 % 11) as f32 - 5.0) * scale;
     let sequences = sequences
         .into_iter()
         .zip(current)
         .zip(advantages)
-        .map(|(((tokens, loss_mask), logp), advantage)| PolicySequence {
-            old_logprobs: logp
-                .iter()
-                .enumerate()
-                .map(|(k, l)| l + shift(k, 0.08))
-                .collect(),
-            ref_logprobs: Some(
-                logp.iter()
-                    .enumerate()
-                    .map(|(k, l)| l - shift(k + 3, 0.1))
-                    .collect(),
-            ),
-            tokens,
-            loss_mask,
-            advantage,
-        })
+        .map(|(((tokens, loss_mask), logp), advantage)| common::shifted_sequence(tokens, loss_mask, &logp, advantage))
         .collect();
     PolicyBatch::new(sequences).unwrap()
 }

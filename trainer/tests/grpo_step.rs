@@ -2,6 +2,8 @@
 //! positions are inert, non-finite steps are skipped, and repeated steps move log-probs the way
 //! the advantages say.
 
+mod common;
+
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
@@ -89,23 +91,7 @@ fn batch(model: &Qwen3ForCausalLM<B>) -> PolicyBatch {
         .zip(advantages)
         .map(|(((layout, tokens), logp), advantage)| {
             let loss_mask: Vec<u8> = layout.iter().flat_map(|&(m, n)| vec![m; n]).collect();
-            let shift = |k: usize, scale: f32| ((k * 7 % 11) as f32 - 5.0) * scale;
-            PolicySequence {
-                old_logprobs: logp
-                    .iter()
-                    .enumerate()
-                    .map(|(k, l)| l + shift(k, 0.08))
-                    .collect(),
-                ref_logprobs: Some(
-                    logp.iter()
-                        .enumerate()
-                        .map(|(k, l)| l - shift(k + 3, 0.1))
-                        .collect(),
-                ),
-                tokens,
-                loss_mask,
-                advantage,
-            }
+            common::shifted_sequence(tokens, loss_mask, &logp, advantage)
         })
         .collect();
     PolicyBatch::new(seqs).unwrap()

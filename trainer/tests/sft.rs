@@ -252,6 +252,12 @@ fn micro_batches_give_the_batch_gradient() {
     assert!(diff <= 1e-5, "{diff}");
 }
 
+/// The two records of one step have the same loss (1e-6: both runs compute it from the same
+/// values in the same order).
+fn assert_same_loss(a: &SftRecord, b: &SftRecord) {
+    assert!((a.loss - b.loss).abs() <= 1e-6, "step {}: {} vs {}", a.step, a.loss, b.loss);
+}
+
 /// `steps` steps of `config`'s run written to `out` (continuing its checkpoint with `resume`).
 fn run_steps(config: &SftConfig, out: PathBuf, resume: bool, steps: usize) -> (SftRun<B>, Vec<SftRecord>) {
     let mut config = config.clone();
@@ -290,13 +296,7 @@ fn resuming_equals_never_stopping() {
             "step {}",
             a.step
         );
-        assert!(
-            (a.loss - b.loss).abs() <= 1e-6,
-            "step {}: {} vs {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
+        assert_same_loss(a, b);
     }
     let (expected, got) = (
         weights(&straight.model().valid()),
@@ -383,13 +383,7 @@ fn lora_sft_trains_the_adapters_and_resumes_exactly() {
     drop(head_run);
     let (resumed, tail) = run_to(dir.path().join("split"), true, 10);
     for (a, b) in all[10..].iter().zip(&tail) {
-        assert!(
-            (a.loss - b.loss).abs() <= 1e-6,
-            "step {}: {} vs {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
+        assert_same_loss(a, b);
     }
     let largest = adapter_values(&straight)
         .iter()

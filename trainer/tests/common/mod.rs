@@ -169,3 +169,22 @@ pub fn adapter_values<A: burn::tensor::backend::Backend>(adapters: &model::LoraA
         .map(|t| t.into_data().to_vec().unwrap())
         .collect()
 }
+
+/// A GRPO sequence whose old log-probs are `current` (the model's own) shifted by up to ±0.4,
+/// so that some ratios leave the clip range, and whose reference log-probs are shifted by up to
+/// ±0.5 the other way.
+pub fn shifted_sequence(
+    tokens: Vec<u32>,
+    loss_mask: Vec<u8>,
+    current: &[f32],
+    advantage: f32,
+) -> prompt_r1_trainer::grpo::PolicySequence {
+    let shift = |k: usize, scale: f32| ((k * 7 % 11) as f32 - 5.0) * scale;
+    prompt_r1_trainer::grpo::PolicySequence {
+        old_logprobs: current.iter().enumerate().map(|(k, l)| l + shift(k, 0.08)).collect(),
+        ref_logprobs: Some(current.iter().enumerate().map(|(k, l)| l - shift(k + 3, 0.1)).collect()),
+        tokens,
+        loss_mask,
+        advantage,
+    }
+}
