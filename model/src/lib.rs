@@ -37,6 +37,6 @@ pub use batch::{Padding, TokenBatch};
 pub use cpu_kernels;
 pub use chat::Sampling;
 pub use generation::{generate, generate_seeded, FinishReason, GeneratedSequence, SamplingConfig};
-pub use logprobs::{completion_logprobs, map_hidden_chunks, map_logits_chunks, token_logprobs, token_logprobs_from_hidden};
+pub use logprobs::{completion_logprobs, last_hidden_state, map_hidden_chunks, map_logits_chunks, token_logprobs, token_logprobs_from_hidden};
 pub use lora::{CausalLm, LoraAdapters, LoraConfig, LoraModel};
 pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

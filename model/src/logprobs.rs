@@ -47,8 +47,15 @@ pub fn map_logits_chunks<B: Backend, T>(
     f: impl FnMut(Tensor<B, 3>, Tensor<B, 2, Int>) -> T,
 ) -> Result<Vec<T>, ModelError> {
     check_scored_positions(batch, start)?;
-    let (base, adapters) = (model.base(), model.adapters());
-    let hidden = base
+    map_hidden_chunks(model.base(), last_hidden_state(model, batch), batch, start, f)
+}
+
+/// The decoder's final hidden states `[b, len, hidden]` (final norm included, `model`'s adapters
+/// applied) over a right-padded batch: what the head turns into logits, for
+/// [`map_hidden_chunks`] and the like.
+pub fn last_hidden_state<B: Backend>(model: &impl CausalLm<B>, batch: &TokenBatch<B>) -> Tensor<B, 3> {
+    model
+        .base()
         .model
         .forward_with_adapters(
             batch.input_ids.clone(),
@@ -56,10 +63,9 @@ pub fn map_logits_chunks<B: Backend, T>(
             batch.mask(),
             None,
             false,
-            adapters,
+            model.adapters(),
         )
-        .last_hidden_state;
-    map_hidden_chunks(base, hidden, batch, start, f)
+        .last_hidden_state
 }
 
 /// [`map_logits_chunks`] from the decoder's final hidden states `[b, len, hidden]` of `batch`

@@ -9,7 +9,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::{backend::AutodiffBackend, backend::Backend, Tensor, TensorData};
 use model::lora::CausalLm;
 use model::{
-    token_logprobs_from_hidden, LoraAdapters, LoraModel, MatmulPrecision, Padding,
+    last_hidden_state, token_logprobs_from_hidden, LoraAdapters, LoraModel, MatmulPrecision, Padding,
     Qwen3ForCausalLM, TokenBatch,
 };
 use serde::{Deserialize, Serialize};
@@ -261,18 +261,7 @@ fn micro_batch_loss<B: AutodiffBackend>(
 ) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
     let base = model.base();
     let batch = token_batch(micro, &base.device())?;
-    let hidden = base
-        .model
-        .forward_with_adapters(
-            batch.input_ids.clone(),
-            batch.position_ids.clone(),
-            batch.mask(),
-            None,
-            false,
-            model.adapters(),
-        )
-        .last_hidden_state;
-    loss_from_hidden(base, hidden, &batch, micro, config)
+    loss_from_hidden(base, last_hidden_state(model, &batch), &batch, micro, config)
 }
 
 /// The micro-batch's sequences as one right-padded batch.
