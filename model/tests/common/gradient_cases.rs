@@ -1,7 +1,8 @@
-// The gradient cases, included by `gradients.rs` (fused CPU kernels and autodiff nodes),
-// `gradients_portable.rs` (burn's portable ops under autodiff, the path the CUDA backend takes)
-// and `gradients_wgpu.rs` (burn's wgpu backend: the CUDA backend's CubeCL kernels), which define
-// the inner backend `Inner` and `PORTABLE`.
+// The gradient cases, included by `tests/integration/gradients.rs` (fused CPU kernels and
+// autodiff nodes) and by the workspace's `tests/gpu_path/gradients.rs` (burn's portable ops under
+// autodiff, the path the CUDA backend takes; burn's wgpu backend: the CUDA backend's CubeCL
+// kernels) in modules that define the inner backend `Inner` and `PORTABLE`, and bring `common`
+// (this folder's `mod.rs`) into scope.
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::{AutodiffBackend, Backend};

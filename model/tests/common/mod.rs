@@ -18,22 +18,16 @@ pub fn skip(reason: &str) {
     eprintln!("skipped: {reason}");
 }
 
-/// Whether backend `B` runs on its default device (one small sum, see
-/// `prompt_r1_model::probe`); when it does not (no Vulkan adapter for the wgpu tests), the
-/// test is skipped with the cause, or fails in CI. Probed once per test binary. A GPU backend
-/// is also skipped while the CPU kernels' instruction set is capped (see
-/// [`gpu_path_unchanged_by_isa_cap`]).
+/// Whether backend `B` runs on its default device: burn's CPU backend always does; another (the
+/// wgpu backend of the workspace's `tests/gpu_path`) is probed once per test binary with one
+/// small sum (see `prompt_r1_model::probe`) and, where it cannot run (no Vulkan adapter), the test
+/// is skipped with the cause, or fails in CI. A test binary checks at most one GPU backend.
 pub fn backend_ready<B: Backend>() -> bool {
-    if gpu_path_unchanged_by_isa_cap::<B>() {
-        return false;
+    if prompt_r1_model::cpu_kernels::is_flex_backend::<B>() {
+        return true;
     }
     static READY: OnceLock<Result<(), String>> = OnceLock::new();
-    let probe = || {
-        #[cfg(feature = "wgpu")]
-        configure_cubecl();
-        prompt_r1_model::probe::probe_device::<B>(&Default::default())
-    };
-    match READY.get_or_init(probe) {
+    match READY.get_or_init(|| prompt_r1_model::probe::probe_device::<B>(&Default::default())) {
         Ok(()) => true,
         Err(cause) => {
             // Not `B::name`: asking an unusable device its name panics again.
@@ -41,31 +35,6 @@ pub fn backend_ready<B: Backend>() -> bool {
             false
         }
     }
-}
-
-/// True (with `skipped: <reason>` printed) when `B` is not the CPU kernels' backend and
-/// `PROMPT_R1_CPU_ISA` caps their instruction set: such a run (CI's reruns at lower levels)
-/// would repeat the GPU path's tests unchanged, since no CPU kernel runs there.
-pub fn gpu_path_unchanged_by_isa_cap<B: Backend>() -> bool {
-    let capped = prompt_r1_model::cpu_kernels::isa::isa_cap_from_env().is_ok_and(|cap| cap.is_some());
-    let skip = capped && !prompt_r1_model::cpu_kernels::is_flex_backend::<B>();
-    if skip {
-        eprintln!("skipped: PROMPT_R1_CPU_ISA caps the CPU kernels, which this backend never runs");
-    }
-    skip
-}
-
-/// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`,
-/// shared by the wgpu test binaries (CubeCL's default is a `target/` inside the crate's folder,
-/// and no kernels); `CUBECL_*` variables (e.g. `CUBECL_AUTOTUNE_LEVEL`) apply.
-#[cfg(feature = "wgpu")]
-fn configure_cubecl() {
-    use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cubecl");
-    let mut config = CubeClRuntimeConfig::default().override_from_env();
-    config.autotune.cache = CacheConfig::File(dir.clone());
-    config.compilation.cache = Some(CacheConfig::File(dir));
-    CubeClRuntimeConfig::set(config);
 }
 
 /// `<workspace>/../shared`, or `None` (with the reason printed) when it is absent outside CI.

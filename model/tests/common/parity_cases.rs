@@ -1,7 +1,8 @@
-// The parity cases, included by `parity.rs` (fused CPU kernels), `parity_portable.rs` (burn's
-// portable ops, the path the CUDA backend takes) and `parity_wgpu.rs` (burn's wgpu backend: the
-// CUDA backend's CubeCL kernels), which define the backend `B`, `PORTABLE` and the tolerance
-// `ATOL` of logits and log-probs.
+// The parity cases, included by `tests/integration/parity.rs` (fused CPU kernels) and by the
+// workspace's `tests/gpu_path/parity.rs` (burn's portable ops, the path the CUDA backend takes;
+// burn's wgpu backend: the CUDA backend's CubeCL kernels) in modules that define the backend
+// `B`, `PORTABLE` and the tolerance `ATOL` of logits and log-probs, and bring `common` (this
+// folder's `mod.rs`) into scope.
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use common::*;

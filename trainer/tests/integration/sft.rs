@@ -2,7 +2,7 @@
 //! falls, tokens outside the assistant messages contribute nothing, micro-batching is exact,
 //! and a resumed run equals one that never stopped.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -2,7 +2,7 @@
 //! behaviour whose reward is known, resuming equals never stopping, a killed save leaves the
 //! previous checkpoint usable, and a checkpoint reloads to the same logits.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

@@ -2,13 +2,13 @@
 //! the tiny fixtures in `shared/fixtures/`. Tolerances: logits and log-probs atol 1e-4 (the
 //! fixtures' own f32-vs-f64 spread is ~1e-5); greedy tokens exactly equal.
 //!
-//! This file runs them with the fused CPU kernels; `parity_portable.rs` runs the same cases
-//! through burn's portable tensor ops.
+//! This module runs them with the fused CPU kernels; the workspace's `tests/gpu_path` runs the
+//! same cases through burn's portable tensor ops and on burn's wgpu backend.
 
 type B = burn::backend::Flex;
 const ATOL: f32 = 1e-4;
 const PORTABLE: bool = false;
 
-mod common;
+use crate::common;
 
-include!("common/parity_cases.rs");
+include!("../common/parity_cases.rs");

@@ -3,7 +3,7 @@
 //! with tied and untied embeddings; LoRA adapters over an f32 and a bf16 base), and a whole
 //! training step of the trainer's test setup.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

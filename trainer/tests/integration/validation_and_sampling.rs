@@ -1,7 +1,7 @@
 //! Validation before training and per data source, and dynamic sampling, on the tiny run of
 //! `common`.
 
-mod common;
+use crate::common;
 
 use burn::module::AutodiffModule;
 use common::{setup, ByteTokens, Scripted, B};

@@ -2,7 +2,7 @@
 //! positions are inert, non-finite steps are skipped, and repeated steps move log-probs the way
 //! the advantages say.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -1,0 +1,62 @@
+//! The GPU backends' code path, checked without a GPU, in one test binary: the model's parity
+//! and gradient cases against the Hugging Face references and a whole GRPO training run, each
+//! (a) through burn's portable tensor ops on the CPU (the fused CPU kernels off: the ops the CUDA
+//! backend runs) and (b) on burn's wgpu backend (Vulkan; in CI Mesa's lavapipe, a Vulkan driver
+//! on the CPU), which runs the CUDA backend's CubeCL kernels, fusion and autotune; only the final
+//! compiler differs (SPIR-V instead of NVRTC).
+//!
+//! One binary, so that burn's wgpu backend and the model's generic code over it are built once:
+//! as three binaries (parity, gradients, training) each took about 3 minutes to build on 2 cores.
+//! Every test here runs with the CPU kernels off, a process-wide setting they share. When
+//! `PROMPT_R1_CPU_ISA` caps the CPU kernels (CI's reruns at lower levels) every test prints
+//! `skipped`: no CPU kernel runs on this path, so the rerun would repeat it unchanged. Without a
+//! Vulkan adapter the wgpu tests print `skipped` (they fail with `CI=true`).
+
+extern crate model as prompt_r1_model;
+extern crate trainer as prompt_r1_trainer;
+
+#[path = "../../model/tests/common/mod.rs"]
+mod model_common;
+#[path = "../../trainer/tests/common/mod.rs"]
+mod training_common;
+
+mod gradients;
+mod parity;
+mod training;
+
+/// The model tests' helpers, with [`backend_ready`](common::backend_ready) made this binary's.
+mod common {
+    pub use crate::model_common::*;
+
+    use burn::tensor::backend::Backend;
+
+    /// Whether a test of this binary runs on backend `B` here (see the binary's doc): false,
+    /// with `skipped: <reason>`, under a CPU instruction-set cap, or where `B` cannot run. Also
+    /// switches the CPU kernels off and points CubeCL's caches at the workspace's
+    /// `target/cubecl` before the first kernel compiles.
+    pub fn backend_ready<B: Backend>() -> bool {
+        let capped = prompt_r1_model::cpu_kernels::isa::isa_cap_from_env().is_ok_and(|cap| cap.is_some());
+        if capped {
+            eprintln!("skipped: PROMPT_R1_CPU_ISA caps the CPU kernels, which the GPU path never runs");
+            return false;
+        }
+        prompt_r1_model::cpu_kernels::set_portable_ops(true);
+        configure_cubecl();
+        crate::model_common::backend_ready::<B>()
+    }
+
+    /// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`
+    /// (CubeCL's default is a `target/` inside the crate's folder, and no kernels); `CUBECL_*`
+    /// variables (e.g. `CUBECL_AUTOTUNE_LEVEL`) apply. Once per process, before any kernel.
+    fn configure_cubecl() {
+        use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        ONCE.call_once(|| {
+            let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/cubecl");
+            let mut config = CubeClRuntimeConfig::default().override_from_env();
+            config.autotune.cache = CacheConfig::File(dir.clone());
+            config.compilation.cache = Some(CacheConfig::File(dir));
+            CubeClRuntimeConfig::set(config);
+        });
+    }
+}
