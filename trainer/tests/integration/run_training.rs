@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use burn::backend::Flex;
 use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor};
-use common::{first_last_gap, setup, train, with_lora, B};
+use common::{every_question_each_step, first_last_gap, setup, train, with_lora, B};
 use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
 use model::{load_pretrained, LoadOptions, MatmulPrecision, Qwen3ForCausalLM};
 use prompt_r1_trainer::run::{latest_checkpoint, InferenceDtype, ModelDtype, Trainer};
@@ -170,19 +170,19 @@ fn a_checkpoint_reloads_to_the_same_logits() {
 
 /// LoRA on a frozen f32 base learns the behaviour too, with the KL term against the base with
 /// its adapters off (no second model): the KL starts at 0 (B = 0) and grows as the adapters do.
-/// The adapters move only hidden states, so learning is slower than with every weight free: the
-/// bar is a rise of 0.1, four standard errors of the difference of two 5-step means (about
-/// 0.025, see above).
+/// The adapters move only hidden states, so learning is slower than with every weight free:
+/// each step collects every question (24 episodes, a 5-step mean's standard error about 0.013),
+/// and the bar is the full-weight tests' rise of 0.15 (measured: 0.60 → 0.94).
 #[test]
 fn lora_adapters_learn_the_rewarded_behaviour() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = with_lora(setup(dir.path()));
+    let mut config = every_question_each_step(with_lora(setup(dir.path())));
     config.grpo.loss.kl_coef = 0.001;
     let initial = weights(&Trainer::<B>::start(config.clone(), Default::default(), false).unwrap().policy().valid());
     let (trainer, records) = train(config, 40, false);
     let (first, last) = first_last_gap(&records);
     println!("LoRA: first 5 steps {first:.3}, last 5 steps {last:.3}, kl {:?} → {:?}", records[0].kl, records[39].kl);
-    assert!(last - first > 0.1, "first {first}, last {last}");
+    assert!(last - first > 0.15, "first {first}, last {last}");
     assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.approx_kl == 0.0), "every first ratio is 1");
     assert_eq!(records[0].kl, Some(0.0), "the adapters start at zero: the policy is the reference");
     assert!(records[39].kl.unwrap() > 0.0);
@@ -190,17 +190,18 @@ fn lora_adapters_learn_the_rewarded_behaviour() {
 }
 
 /// LoRA on a bf16 base (`model_dtype = "bf16"`): the base's weights and activations are bf16,
-/// the adapters and their optimiser state f32. The same bar as in f32.
+/// the adapters and their optimiser state f32. The same setup and bar as in f32 (measured: 0.63 →
+/// 0.97 with AVX-512 BF16 products, 0.63 → 0.85 with AVX2's).
 #[test]
 fn lora_adapters_learn_on_a_bf16_base() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = with_lora(setup(dir.path()));
+    let mut config = every_question_each_step(with_lora(setup(dir.path())));
     config.model_dtype = ModelDtype::Bf16;
     let (trainer, records) = train(config, 40, false);
     let (first, last) = first_last_gap(&records);
     let worst_kl = records.iter().map(|r| r.approx_kl.abs()).fold(0.0f32, f32::max);
     println!("LoRA, bf16 base: first 5 steps {first:.3}, last 5 steps {last:.3}, largest |approx_kl| {worst_kl:.2e}");
-    assert!(last - first > 0.1, "first {first}, last {last}");
+    assert!(last - first > 0.15, "first {first}, last {last}");
     let embed = trainer.policy().model.embed_tokens.weight.val();
     assert_eq!(embed.dtype(), burn::tensor::DType::BF16);
     let adapter = trainer.adapters().unwrap().layers[0].q_proj.as_ref().unwrap();

@@ -346,7 +346,7 @@ fn lora_sft_trains_the_adapters_and_resumes_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = setup(dir.path());
     // Logits able to move, as in the GRPO LoRA tests (see `common::with_lora`).
-    common::scale_embeddings(&config.model, 5.0);
+    common::scale_embeddings(&config.model, common::LORA_EMBEDDING_SCALE);
     config.lora = Some(model::LoraConfig::default());
     config.model_dtype = prompt_r1_trainer::run::ModelDtype::Bf16;
     config.optimizer.lr = common::LORA_LR;
