@@ -5,12 +5,13 @@
 use std::path::Path;
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use env::{ChatMessage, EnvError, Environment, Trajectory};
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
-use model::{LoraConfig, Preset};
+use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
+use model::{LoraConfig, Preset, Qwen3ForCausalLM};
 use prompt_r1_trainer::run::{EpisodeScore, EpisodeScorer, StepRecord, TrainConfig, Trainer};
 
 pub type B = Autodiff<Flex>;
@@ -46,17 +47,42 @@ impl EpisodeScorer for ByteTokens {
     }
 }
 
+/// A tiny random Qwen3 (f32, from `seed`) with the project's tiny tokenizer, written to
+/// `model_dir`.
+pub fn tiny_model(model_dir: &Path, seed: u64) {
+    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+    write_tokenizer_files(&tokenizer, model_dir).unwrap();
+    let special = *tokenizer.special();
+    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext]);
+    write_random_checkpoint(&config, model_dir, seed, StorageDtype::F32).unwrap();
+}
+
+/// A tiny random checkpoint (f32, from `seed`; a 512-token vocabulary, no tokenizer) in a
+/// temporary folder.
+pub fn tiny_checkpoint(seed: u64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_random_checkpoint(&Preset::Tiny.config(512, vec![2]), dir.path(), seed, StorageDtype::F32).unwrap();
+    dir
+}
+
+/// Every parameter of `model` by name, in Hugging Face layout, as host values.
+pub fn named_weights<K: Backend>(model: &Qwen3ForCausalLM<K>) -> Vec<(String, Vec<f32>)> {
+    named_parameters(model)
+        .into_iter()
+        .map(|(name, p)| {
+            let host = match p {
+                NamedParam::Matrix(t, kind) => to_hf_layout(t.val(), kind),
+                NamedParam::Vector(t) => to_hf_layout(t.val(), ParamKind::Norm),
+            };
+            (name, host.values)
+        })
+        .collect()
+}
+
 /// A tiny model with its tokenizer, short prompts and a 6-question dataset.
 pub fn setup(dir: &Path) -> TrainConfig {
     let model_dir = dir.join("model");
-    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
-    write_tokenizer_files(&tokenizer, &model_dir).unwrap();
-    let special = *tokenizer.special();
-    let config = Preset::Tiny.config(
-        tokenizer.vocab_size(),
-        vec![special.im_end, special.endoftext],
-    );
-    write_random_checkpoint(&config, &model_dir, 1, StorageDtype::F32).unwrap();
+    tiny_model(&model_dir, 1);
     std::fs::write(dir.join("system.txt"), "You help.").unwrap();
     std::fs::write(dir.join("instruction.txt"), "Answer.").unwrap();
     let rows: String = ["Paris?", "Rome?", "Oslo?", "Lima?", "Bern?", "Kyiv?"]

@@ -6,29 +6,15 @@ use std::path::Path;
 use burn::backend::{Autodiff, Flex};
 use burn::optim::GradientsParams;
 use burn::tensor::{backend::Backend, Tensor};
-use model::checkpoint::StorageDtype;
-use model::init::write_random_checkpoint;
 use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
 use model::{
-    completion_logprobs, load_pretrained, token_logprobs, LoadOptions, Padding, Preset,
+    completion_logprobs, load_pretrained, token_logprobs, LoadOptions, Padding,
     Qwen3ForCausalLM, TokenBatch,
 };
 use prompt_r1_trainer::grpo::{
     entropy_from_logits, sequence_logprobs, token_logprobs_and_entropy, EntropyGrad,
 };
 use prompt_r1_trainer::optim::{clip_grad_norm_global, global_grad_norm};
-
-fn tiny_checkpoint() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    write_random_checkpoint(
-        &Preset::Tiny.config(512, vec![2]),
-        dir.path(),
-        5,
-        StorageDtype::F32,
-    )
-    .unwrap();
-    dir
-}
 
 fn load<K: Backend>(dir: &Path) -> Qwen3ForCausalLM<K> {
     load_pretrained::<K>(dir, &Default::default(), LoadOptions::default()).unwrap()
@@ -47,7 +33,7 @@ fn assert_close(a: &[f32], b: &[f32], tol: f32) {
 
 #[test]
 fn sequence_logprobs_are_aligned_with_tokens() {
-    let dir = tiny_checkpoint();
+    let dir = crate::common::tiny_checkpoint(5);
     let model = load::<Flex>(dir.path());
     let pairs = vec![
         (vec![5, 6, 7], vec![8, 9]),
@@ -78,7 +64,7 @@ fn sequence_logprobs_are_aligned_with_tokens() {
 
 #[test]
 fn chunked_entropy_matches_full_logits() {
-    let dir = tiny_checkpoint();
+    let dir = crate::common::tiny_checkpoint(5);
     let model = load::<Flex>(dir.path());
     let sequences = vec![vec![3, 9, 27, 81, 243, 200], vec![10, 20, 30]];
     let batch =
@@ -107,7 +93,7 @@ fn chunked_entropy_matches_full_logits() {
 fn global_norm_matches_an_independent_sum_over_parameters() {
     let _autodiff = prompt_r1_trainer::autodiff_lock::exclusive_autodiff();
     type B = Autodiff<Flex>;
-    let dir = tiny_checkpoint();
+    let dir = crate::common::tiny_checkpoint(5);
     let model = load::<B>(dir.path());
     let batch = TokenBatch::<B>::new(
         &[vec![1, 50, 99, 300, 7], vec![4, 8, 15]],

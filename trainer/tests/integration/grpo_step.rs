@@ -9,10 +9,7 @@ use std::path::Path;
 use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
-use model::checkpoint::StorageDtype;
-use model::init::write_random_checkpoint;
-use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
-use model::{load_pretrained, LoadOptions, Preset, Qwen3ForCausalLM};
+use model::{load_pretrained, LoadOptions, Qwen3ForCausalLM};
 use prompt_r1_trainer::grpo::{
     learn_step, sequence_logprobs, AggMode, LearnConfig, PolicyBatch, PolicySequence,
 };
@@ -20,31 +17,13 @@ use prompt_r1_trainer::optim::OptimizerConfig;
 
 type B = Autodiff<Flex>;
 
-fn tiny_checkpoint() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    write_random_checkpoint(
-        &Preset::Tiny.config(512, vec![2]),
-        dir.path(),
-        11,
-        StorageDtype::F32,
-    )
-    .unwrap();
-    dir
-}
-
 fn load(dir: &Path) -> Qwen3ForCausalLM<B> {
     load_pretrained::<B>(dir, &Default::default(), LoadOptions::default()).unwrap()
 }
 
 /// Every parameter, flattened in a fixed order.
 fn flat_params(model: &Qwen3ForCausalLM<B>) -> Vec<f32> {
-    named_parameters(model)
-        .into_iter()
-        .flat_map(|(_, p)| match p {
-            NamedParam::Matrix(p, kind) => to_hf_layout(p.val(), kind).values,
-            NamedParam::Vector(p) => to_hf_layout(p.val(), ParamKind::Norm).values,
-        })
-        .collect()
+    common::named_weights(model).into_iter().flat_map(|(_, values)| values).collect()
 }
 
 fn max_abs(v: impl Iterator<Item = f32>) -> f32 {
@@ -130,7 +109,7 @@ fn sgd_config(mini: usize, micro: usize, mode: AggMode) -> LearnConfig {
 
 #[test]
 fn micro_batches_give_the_same_update_as_one_batch() {
-    let dir = tiny_checkpoint();
+    let dir = common::tiny_checkpoint(11);
     let batch = batch(&load(dir.path()));
     for mode in [
         AggMode::TokenMean,
@@ -158,7 +137,7 @@ fn micro_batches_give_the_same_update_as_one_batch() {
 
 #[test]
 fn values_at_masked_positions_do_not_matter() {
-    let dir = tiny_checkpoint();
+    let dir = common::tiny_checkpoint(11);
     let tame = batch(&load(dir.path()));
     let wild: Vec<PolicySequence> = tame
         .sequences()
@@ -185,7 +164,7 @@ fn values_at_masked_positions_do_not_matter() {
 #[test]
 fn non_finite_gradient_skips_the_step() {
     // An advantage of 3e38 keeps the loss finite but overflows the squared gradient norm.
-    let dir = tiny_checkpoint();
+    let dir = common::tiny_checkpoint(11);
     let model = load(dir.path());
     let good = batch(&model);
     let mut huge = good.sequences().to_vec();
@@ -214,7 +193,7 @@ fn non_finite_gradient_skips_the_step() {
 
 #[test]
 fn input_errors_come_before_any_update() {
-    let dir = tiny_checkpoint();
+    let dir = common::tiny_checkpoint(11);
     let model = load(dir.path());
     let mut no_ref = batch(&model).sequences().to_vec();
     no_ref[2].ref_logprobs = None;
@@ -241,7 +220,7 @@ fn input_errors_come_before_any_update() {
 /// recomputed), KL to the initial weights on (the default 0.001, k3), AdamW lr 1e-3.
 #[test]
 fn repeated_steps_follow_the_advantages() {
-    let dir = tiny_checkpoint();
+    let dir = common::tiny_checkpoint(11);
     let mut model = load(dir.path());
     let prompt = tokens(100, 6);
     let good: Vec<u32> = prompt

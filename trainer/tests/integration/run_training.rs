@@ -9,9 +9,8 @@ use std::path::PathBuf;
 use burn::backend::Flex;
 use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor};
-use common::{every_question_each_step, first_last_gap, setup, train, with_lora, B};
-use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
-use model::{load_pretrained, LoadOptions, MatmulPrecision, Qwen3ForCausalLM};
+use common::{every_question_each_step, first_last_gap, named_weights, setup, train, with_lora, B};
+use model::{load_pretrained, LoadOptions, MatmulPrecision};
 use prompt_r1_trainer::run::{latest_checkpoint, InferenceDtype, ModelDtype, Trainer};
 
 /// The mean reward of the last 5 of 40 steps exceeds the first 5 by more than 0.15: a random
@@ -73,19 +72,6 @@ fn the_policy_learns_with_bf16_products() {
     assert_eq!(trainer.policy().model.matmul, MatmulPrecision::Bf16, "the optimiser keeps the setting");
 }
 
-fn weights(model: &Qwen3ForCausalLM<Flex>) -> Vec<(String, Vec<f32>)> {
-    named_parameters(model)
-        .into_iter()
-        .map(|(name, p)| {
-            let host = match p {
-                NamedParam::Matrix(t, kind) => to_hf_layout(t.val(), kind),
-                NamedParam::Vector(t) => to_hf_layout(t.val(), ParamKind::Norm),
-            };
-            (name, host.values)
-        })
-        .collect()
-}
-
 /// Training 4 steps equals training 2, saving, starting a new trainer from the checkpoint and
 /// training 2 more: the same losses, rewards and weights.
 #[test]
@@ -96,7 +82,7 @@ fn resuming_equals_never_stopping() {
     let mut straight = config.clone();
     straight.run.out_dir = dir.path().join("straight");
     let (trainer, all) = train(straight, 4, false);
-    let expected = weights(&trainer.policy().valid());
+    let expected = named_weights(&trainer.policy().valid());
 
     let mut split = config.clone();
     split.run.out_dir = dir.path().join("split");
@@ -110,7 +96,7 @@ fn resuming_equals_never_stopping() {
         assert_eq!(a.reward_mean, b.reward_mean, "step {}", a.step);
         assert!((a.loss - b.loss).abs() < 1e-6, "step {}: {} vs {}", a.step, a.loss, b.loss);
     }
-    let got = weights(&resumed.policy().valid());
+    let got = named_weights(&resumed.policy().valid());
     for ((name, e), (_, g)) in expected.iter().zip(&got) {
         let diff = e.iter().zip(g).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
         assert!(diff < 1e-6, "{name}: {diff}");
@@ -178,7 +164,7 @@ fn lora_adapters_learn_the_rewarded_behaviour() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = every_question_each_step(with_lora(setup(dir.path())));
     config.grpo.loss.kl_coef = 0.001;
-    let initial = weights(&Trainer::<B>::start(config.clone(), Default::default(), false).unwrap().policy().valid());
+    let initial = named_weights(&Trainer::<B>::start(config.clone(), Default::default(), false).unwrap().policy().valid());
     let (trainer, records) = train(config, 40, false);
     let (first, last) = first_last_gap(&records);
     println!("LoRA: first 5 steps {first:.3}, last 5 steps {last:.3}, kl {:?} → {:?}", records[0].kl, records[39].kl);
@@ -186,7 +172,7 @@ fn lora_adapters_learn_the_rewarded_behaviour() {
     assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.approx_kl == 0.0), "every first ratio is 1");
     assert_eq!(records[0].kl, Some(0.0), "the adapters start at zero: the policy is the reference");
     assert!(records[39].kl.unwrap() > 0.0);
-    assert_eq!(weights(&trainer.policy().valid()), initial, "the base is frozen");
+    assert_eq!(named_weights(&trainer.policy().valid()), initial, "the base is frozen");
 }
 
 /// LoRA on a bf16 base (`model_dtype = "bf16"`): the base's weights and activations are bf16,

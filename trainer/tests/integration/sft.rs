@@ -10,12 +10,8 @@ use burn::backend::{Autodiff, Flex};
 use burn::module::AutodiffModule;
 use burn::optim::SgdConfig;
 use model::chat_template::ChatTemplate;
-use model::checkpoint::StorageDtype;
-use model::init::write_random_checkpoint;
-use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
 use model::tokenizer::Qwen3Tokenizer;
-use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
-use model::{load_pretrained, LoadOptions, Preset, Qwen3ForCausalLM};
+use model::{load_pretrained, LoadOptions, Qwen3ForCausalLM};
 use prompt_r1_trainer::run::latest_checkpoint;
 use prompt_r1_trainer::sft::{
     read_sft_metrics, sft_step, RowEncoder, SftConfig, SftRecord, SftRun, SftSequence,
@@ -41,14 +37,7 @@ const CAPITALS: [(&str, &str); 12] = [
 /// A tiny random model with the project's tokenizer, 12 chats, and an SFT config over them.
 fn setup(dir: &Path) -> SftConfig {
     let model_dir = dir.join("model");
-    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
-    write_tokenizer_files(&tokenizer, &model_dir).unwrap();
-    let special = *tokenizer.special();
-    let config = Preset::Tiny.config(
-        tokenizer.vocab_size(),
-        vec![special.im_end, special.endoftext],
-    );
-    write_random_checkpoint(&config, &model_dir, 5, StorageDtype::F32).unwrap();
+    common::tiny_model(&model_dir, 5);
     let rows: String = CAPITALS
         .iter()
         .map(|(country, city)| {
@@ -100,20 +89,6 @@ fn load(dir: &Path) -> Qwen3ForCausalLM<B> {
     .unwrap()
 }
 
-/// Every parameter by name, in HF layout.
-fn weights(model: &Qwen3ForCausalLM<Flex>) -> Vec<(String, Vec<f32>)> {
-    named_parameters(model)
-        .into_iter()
-        .map(|(name, p)| {
-            let host = match p {
-                NamedParam::Matrix(t, kind) => to_hf_layout(t.val(), kind),
-                NamedParam::Vector(t) => to_hf_layout(t.val(), ParamKind::Norm),
-            };
-            (name, host.values)
-        })
-        .collect()
-}
-
 /// One SGD step with lr 1 and no clipping from the initial model: the loss and, per parameter,
 /// the change, which is minus the accumulated gradient.
 fn sgd_update(
@@ -122,7 +97,7 @@ fn sgd_update(
     micro_batch_size: usize,
 ) -> (f32, Vec<(String, Vec<f32>)>) {
     let model = load(dir);
-    let before = weights(&model.valid());
+    let before = common::named_weights(&model.valid());
     let mut optim = SgdConfig::new().init::<B, Qwen3ForCausalLM<B>>();
     let (model, stats) = sft_step(
         model,
@@ -134,7 +109,7 @@ fn sgd_update(
         f32::INFINITY,
     )
     .unwrap();
-    let after = weights(&model.valid());
+    let after = common::named_weights(&model.valid());
     let deltas = before
         .into_iter()
         .zip(after)
@@ -299,8 +274,8 @@ fn resuming_equals_never_stopping() {
         assert_same_loss(a, b);
     }
     let (expected, got) = (
-        weights(&straight.model().valid()),
-        weights(&resumed.model().valid()),
+        common::named_weights(&straight.model().valid()),
+        common::named_weights(&resumed.model().valid()),
     );
     let mut largest = 0.0f32;
     for ((name, e), (_, g)) in expected.iter().zip(&got) {
@@ -362,9 +337,9 @@ fn lora_sft_trains_the_adapters_and_resumes_exactly() {
         dtype: config.model_dtype.dtype(),
     };
     let initial = load_pretrained::<Flex>(&config.model, &Default::default(), bf16).unwrap();
-    let base_moved = weights(&initial)
+    let base_moved = common::named_weights(&initial)
         .iter()
-        .zip(&weights(&straight.model().valid()))
+        .zip(&common::named_weights(&straight.model().valid()))
         .map(|((_, a), (_, b))| {
             a.iter()
                 .zip(b)

@@ -6,7 +6,6 @@ use crate::common;
 use burn::module::AutodiffModule;
 use common::{setup, ByteTokens, Scripted, B};
 use env::Trajectory;
-use model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
 use prompt_r1_trainer::run::{read_metrics, EpisodeScore, EpisodeScorer, Trainer};
 
 /// Every episode gets the same reward: every group has zero advantages.
@@ -22,14 +21,8 @@ impl EpisodeScorer for Constant {
     }
 }
 
-fn weights(trainer: &Trainer<B>) -> Vec<f32> {
-    named_parameters(&trainer.policy().valid())
-        .into_iter()
-        .flat_map(|(_, p)| match p {
-            NamedParam::Matrix(t, kind) => to_hf_layout(t.val(), kind).values,
-            NamedParam::Vector(t) => to_hf_layout(t.val(), ParamKind::Norm).values,
-        })
-        .collect()
+fn weights(trainer: &Trainer<B>) -> Vec<(String, Vec<f32>)> {
+    common::named_weights(&trainer.policy().valid())
 }
 
 /// Validation runs before the first step (the `step` 0 line) and on the steps that validate,
