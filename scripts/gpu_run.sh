@@ -5,7 +5,15 @@
 #   scripts/gpu_run.sh build     # here, no GPU needed: the CUDA 13 binary, stripped, in .gpu/
 #   scripts/gpu_run.sh STAGE     # on the GPU host, one stage per command (each well under 10 min)
 #
+# A lease of 15 minutes of device time (the machine's start included) holds one such command
+# and perhaps a rerun: run `first` then, and the other stages in later leases.
+#
 # Stages (each also records nvidia-smi, the NVRTC it found and the environment in its log):
+#   first      the most telling steps of the others, most important first, within one command:
+#              check-device on the tiny model (f32, then bf16 weights), the trainer on the device
+#              (`demo --device cuda --steps 2`), then ours and PyTorch on the 0.6B shape, bf16
+#              weights (prefill, decode at batch 1 and 64); steps the time does not reach say
+#              NOT RUN
 #   check      check-device against the CPU on a tiny random model: f32 and bf16 weights, and
 #              f32 again with fusion off (PROMPT_R1_FUSION=0)
 #   check-0.6b the same for a 0.6B-shaped random model, f32 and bf16 weights
@@ -27,7 +35,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|check|check-0.6b|train|bench|bench-f32|memory}
+stage=${1:?usage: scripts/gpu_run.sh build|first|check|check-0.6b|train|bench|bench-f32|memory}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -46,7 +54,9 @@ fi
 
 bin=${BIN:-.gpu/prompt-r1}
 out=${OUT:-gpu-results/$stage}
-step_timeout=${STEP_TIMEOUT:-240}
+default_timeout=240
+[ "$stage" = first ] && default_timeout=150
+step_timeout=${STEP_TIMEOUT:-$default_timeout}
 deadline=$((SECONDS + ${STAGE_SECONDS:-540}))
 work=$(mktemp -d)
 log="$out/$stage-log.txt"
@@ -136,10 +146,43 @@ EOF
 )"
 "$bin" --version >> "$log" 2>&1
 
+# check-device on the tiny random model, f32 then bf16 weights.
+check_tiny() {
+  step check-tiny-f32 "$bin" check-device --device cuda
+  step check-tiny-bf16 "$bin" check-device --device cuda --dtype bf16 --rtol 5e-2
+}
+
+# The trainer on the device: serve, SFT and GRPO steps, checkpoints (the checkpoints are dropped
+# from the results: too large to bring back).
+train_demo() {
+  step demo "$bin" demo --device cuda --out "$work/demo" --steps "$1"
+  rm -rf "$work/demo/agent" "$work/demo/run"/checkpoint-* 2> /dev/null
+}
+
+# Ours and PyTorch on one 0.6B-shaped random checkpoint with weights of dtype $1: prefill and
+# decode at batch 1 and 64; with `train`, also a training step with bf16 products each.
+bench_0_6b() {
+  local dtype=$1 model="$work/qwen3-0.6b"
+  step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
+  bench "ours-$dtype" --model "$model" --dtype "$dtype" --decode-batch 1,64
+  step "pytorch-$dtype" python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype "$dtype" --decode-batch 1,64
+  if [ "${2:-}" = train ]; then
+    bench ours-train-bf16-products --model "$model" --dtype f32 --matmul bf16 --decode-batch 1 --decode-tokens 2 --train-step
+    step pytorch-train-bf16-autocast python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype f32 \
+      --matmul bf16 --decode-batch 1 --decode-tokens 2
+  fi
+  rm -rf "$model"
+  cat "$work/peak-memory.txt" 2> /dev/null | tee -a "$log"
+}
+
 case "$stage" in
+  first)
+    check_tiny
+    train_demo 2
+    bench_0_6b bf16
+    ;;
   check)
-    step check-tiny-f32 "$bin" check-device --device cuda
-    step check-tiny-bf16 "$bin" check-device --device cuda --dtype bf16 --rtol 5e-2
+    check_tiny
     step check-tiny-unfused env PROMPT_R1_FUSION=0 "$bin" check-device --device cuda
     ;;
   check-0.6b)
@@ -147,21 +190,13 @@ case "$stage" in
     step check-0.6b-bf16 "$bin" check-device --device cuda --preset qwen3-0.6b --dtype bf16 --rtol 5e-2
     ;;
   train)
-    step demo "$bin" demo --device cuda --out "$work/demo" --steps 4
-    rm -rf "$work/demo/agent" "$work/demo/run"/checkpoint-* 2> /dev/null
+    train_demo 4
     ;;
-  bench | bench-f32)
-    dtype=bf16
-    [ "$stage" = bench-f32 ] && dtype=f32
-    model="$work/qwen3-0.6b"
-    step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
-    bench "ours-$dtype" --model "$model" --dtype "$dtype" --decode-batch 1,64
-    bench ours-train-bf16-products --model "$model" --dtype f32 --matmul bf16 --decode-batch 1 --decode-tokens 2 --train-step
-    step "pytorch-$dtype" python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype "$dtype" --decode-batch 1,64
-    step pytorch-train-bf16-autocast python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype f32 \
-      --matmul bf16 --decode-batch 1 --decode-tokens 2
-    rm -rf "$model"
-    cat "$work/peak-memory.txt" | tee -a "$log"
+  bench)
+    bench_0_6b bf16 train
+    ;;
+  bench-f32)
+    bench_0_6b f32 train
     ;;
   memory)
     for ckpt in "" --activation-checkpointing; do
@@ -172,7 +207,7 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
-    say "unknown stage $stage: use build, check, check-0.6b, train, bench, bench-f32 or memory"
+    say "unknown stage $stage: use build, first, check, check-0.6b, train, bench, bench-f32 or memory"
     failed=1
     ;;
 esac
