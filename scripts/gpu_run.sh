@@ -152,11 +152,11 @@ check_tiny() {
   step check-tiny-bf16 "$bin" check-device --device cuda --dtype bf16 --rtol 5e-2
 }
 
-# The trainer on the device: serve, SFT and GRPO steps, checkpoints (the checkpoints are dropped
-# from the results: too large to bring back).
+# The trainer on the device: serve, SFT and GRPO steps, checkpoints. The results keep the
+# metrics, curves, configs and serve's log; the models and checkpoints are dropped.
 train_demo() {
   step demo "$bin" demo --device cuda --out "$work/demo" --steps "$1"
-  rm -rf "$work/demo/agent" "$work/demo/run"/checkpoint-* 2> /dev/null
+  rm -rf "$work/demo/agent" "$work/demo/environment-llm" "$work/demo"/*/checkpoints 2> /dev/null
 }
 
 # Ours and PyTorch on one 0.6B-shaped random checkpoint with weights of dtype $1: prefill and
