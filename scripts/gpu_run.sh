@@ -28,7 +28,7 @@
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
-# one before it failed, each under `timeout` (STEP_TIMEOUT seconds, default 240) and all within
+# one before it failed, each under `timeout` (STEP_TIMEOUT seconds, default 240, 150 in `first`) and all within
 # the stage's STAGE_SECONDS (default 540, so the tar is written inside the tool's 10 minutes);
 # the exit status says whether any failed. BIN overrides the binary (default .gpu/prompt-r1).
 # CubeCL keeps compiled kernels and autotune results in ~/.cache/prompt-r1/cubecl, so within a

@@ -6,7 +6,7 @@
 //! compiler differs (SPIR-V instead of NVRTC).
 //!
 //! One binary, so that burn's wgpu backend and the model's generic code over it are built once:
-//! as three binaries (parity, gradients, training) each took about 3 minutes to build on 2 cores.
+//! as three binaries (parity, gradients, training) each took 175–212 s of one core to build.
 //! Every test here runs with the CPU kernels off, a process-wide setting they share. When
 //! `PROMPT_R1_CPU_ISA` caps the CPU kernels (CI's reruns at lower levels) every test prints
 //! `skipped`: no CPU kernel runs on this path, so the rerun would repeat it unchanged. Without a
