@@ -83,6 +83,10 @@ fn main() {
         eprintln!("error: {}: {e}", model::cpu_kernels::isa::ISA_ENV);
         std::process::exit(2);
     }
+    if let Err(e) = model::cpu_kernels::bf16_products_from_env() {
+        eprintln!("error: {}: {e}", model::cpu_kernels::BF16_PRODUCTS_ENV);
+        std::process::exit(2);
+    }
     let cli = Cli::parse();
     device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, kernel_cache: cli.kernel_cache });
     #[cfg(target_os = "linux")]

@@ -54,7 +54,7 @@ macro_rules! wide_simd {
 mod attention;
 mod attention_backward;
 mod bf16_bits;
-mod bf16_rate;
+mod bf16_products;
 mod flex;
 mod fused;
 pub mod isa;
@@ -65,7 +65,7 @@ mod tracked;
 mod transpose;
 mod weight_matmul;
 
-pub use bf16_rate::bf16_mac_ratio;
+pub use bf16_products::{bf16_products, bf16_products_from_env, set_bf16_products, Bf16Products, BF16_PRODUCTS_ENV};
 pub use flex::is_flex_backend;
 pub use isa::{active, isa, portable_ops, set_isa_cap, set_portable_ops, Isa};
 pub use ops::{has_bf16_kernels, WeightLayout};

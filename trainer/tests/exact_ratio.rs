@@ -2,7 +2,8 @@
 //! log-probs (scored on the plain backend) equal the update's own (under autodiff) bit for bit,
 //! so every PPO ratio is exactly 1: no approximate KL, nothing clipped. Checked through burn's
 //! portable ops (the path GPU backends take) and at every CPU instruction-set level this host
-//! can run, with f32 and with bf16 products, training every weight and training LoRA adapters
+//! can run (at the AVX-512 BF16 level with each of its two bf16 product kernels), with f32 and
+//! with bf16 products, training every weight and training LoRA adapters
 //! (dropout 0) beside the frozen base.
 //!
 //! One test in a binary of its own: it switches process-wide settings between runs.
@@ -10,24 +11,25 @@
 mod common;
 
 use common::{setup, train, with_lora};
-use model::cpu_kernels::{self, Isa};
+use model::cpu_kernels::{self, Bf16Products, Isa};
 use model::MatmulPrecision;
 
 #[derive(Debug, Clone, Copy)]
 enum Path {
     /// Every kernel off: burn's ops.
     PortableOps,
-    /// The kernels at this level.
-    Kernels(Isa),
+    /// The kernels at this level, the packed bf16 products with this kernel.
+    Kernels(Isa, Bf16Products),
 }
 
 impl Path {
     fn select(self) {
         match self {
             Path::PortableOps => cpu_kernels::set_portable_ops(true),
-            Path::Kernels(level) => {
+            Path::Kernels(level, products) => {
                 cpu_kernels::set_portable_ops(false);
                 cpu_kernels::set_isa_cap(Some(level));
+                cpu_kernels::set_bf16_products(Some(products));
             }
         }
     }
@@ -36,7 +38,11 @@ impl Path {
 #[test]
 fn every_first_ratio_is_exactly_one_on_every_path() {
     let mut paths = vec![Path::PortableOps];
-    paths.extend(Isa::available().map(Path::Kernels));
+    for level in Isa::available() {
+        // Only the AVX-512 BF16 level has two product kernels: run both there.
+        let kernels: &[Bf16Products] = if level == Isa::Avx512Bf16 { &Bf16Products::ALL } else { &[Bf16Products::Pairs] };
+        paths.extend(kernels.iter().map(|&k| Path::Kernels(level, k)));
+    }
     for level in Isa::ALL.into_iter().filter(|&l| l > Isa::host()) {
         println!(
             "skipped: the {level} level (this CPU's best is {})",
@@ -80,4 +86,5 @@ fn every_first_ratio_is_exactly_one_on_every_path() {
     }
     cpu_kernels::set_portable_ops(false);
     cpu_kernels::set_isa_cap(None);
+    cpu_kernels::set_bf16_products(None);
 }

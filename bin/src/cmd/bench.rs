@@ -49,7 +49,8 @@ pub struct Args {
     /// Precision of products with f32 weights, for every workload but decode (whose few rows
     /// stay f32): f32, or bf16 (operands rounded to bf16, sums in f32: the trainer's
     /// `grpo.matmul = "bf16"`; about twice as fast as f32 on AMD Zen 4, about as fast as f32 on
-    /// Intel Xeons whose bf16 dot products issue every other cycle: `--products` shows which).
+    /// Intel Xeons, whose bf16 dot products issue every other cycle: `--products` shows which,
+    /// and PROMPT_R1_BF16_PRODUCTS=pairs|widened chooses the CPU kernel).
     #[arg(long, default_value = "f32", value_parser = parse_matmul)]
     pub matmul: MatmulPrecision,
     /// Also time a GRPO training step (forward + backward + AdamW) on --batch sequences of

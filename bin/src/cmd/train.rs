@@ -8,6 +8,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use env::OpenAiClient;
+use model::cpu_kernels::{Bf16Products, BF16_PRODUCTS_ENV};
 use model::MatmulPrecision;
 use trainer::plan::parse_size;
 use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
@@ -100,17 +101,13 @@ impl Args {
     }
 }
 
-/// Below this ratio of bf16 to f32 multiply-adds per second
-/// ([`model::cpu_kernels::bf16_mac_ratio`]), bf16 products (which also round and repack their
-/// operands) gain nothing over f32 ones: where they ran at twice the f32 GEMM's rate (AMD Zen
-/// 4) a 0.6B step was ~1.5x faster; at a ratio of 0.5 (an Intel Xeon) the kernels widen the
-/// rounded operands to f32 FMAs and the step takes about as long as an f32 one (BENCHMARKS.md).
-const BF16_PAYS: f64 = 1.5;
-
 /// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will not be
-/// faster than f32: `kernels` says whether the AVX-512 BF16 kernels run, `ratio` is
-/// [`model::cpu_kernels::bf16_mac_ratio`].
-fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
+/// faster than f32: `kernels` says whether the AVX-512 BF16 kernels run, `products` which of them
+/// the packed products use ([`model::cpu_kernels::bf16_products`]). Where they widen to f32 FMAs
+/// (Intel Xeons, which issue `vdpbf16ps` at half the FMA rate) a step takes about as long as an
+/// f32 one; where they use `vdpbf16ps` pairs (AMD Zen 4) a 0.6B step was ~1.5x faster
+/// (BENCHMARKS.md).
+fn bf16_products_note(kernels: bool, products: Bf16Products) -> Option<String> {
     if !kernels {
         return Some(
             "grpo.matmul = \"bf16\" but the CPU kernels run without AVX-512 BF16 (this CPU lacks it, \
@@ -119,12 +116,13 @@ fn bf16_products_note(kernels: bool, ratio: Option<f64>) -> Option<String> {
                 .to_owned(),
         );
     }
-    let ratio = ratio.filter(|&r| r < BF16_PAYS)?;
-    Some(format!(
-        "grpo.matmul = \"bf16\" is unlikely to be faster than \"f32\" on this CPU: its bf16 dot \
-         products do {ratio:.1}x the multiply-adds per second of its f32 FMAs (they pay from about \
-         {BF16_PAYS}x); `prompt-r1 bench --products` compares the two"
-    ))
+    (products == Bf16Products::Widened).then(|| {
+        format!(
+            "grpo.matmul = \"bf16\" is unlikely to be faster than \"f32\" on this CPU: its bf16 products \
+             widen to f32 FMAs ({BF16_PRODUCTS_ENV}=widened, the default on CPUs that are not AMD's); \
+             `prompt-r1 bench --products` compares the two"
+        )
+    })
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -132,7 +130,7 @@ pub fn run(args: Args) -> Result<()> {
     super::plan::check_before_training(&config, args.device).context("memory plan")?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
         let kernels = model::cpu_kernels::has_bf16_kernels();
-        if let Some(note) = bf16_products_note(kernels, model::cpu_kernels::bf16_mac_ratio()) {
+        if let Some(note) = bf16_products_note(kernels, model::cpu_kernels::bf16_products()) {
             eprintln!("note: {note}");
         }
     }
@@ -232,15 +230,14 @@ mod tests {
         args: Args,
     }
 
-    /// The note on bf16 products: always without the kernels, only below the break-even ratio
-    /// with them, and naming the measured ratio.
+    /// The note on bf16 products: always without the kernels, with them only where the packed
+    /// products widen to f32 FMAs.
     #[test]
-    fn bf16_note_depends_on_the_measured_rate() {
-        assert!(bf16_products_note(false, None).unwrap().contains("without AVX-512 BF16"));
-        let slow = bf16_products_note(true, Some(1.0)).unwrap();
-        assert!(slow.contains("1.0x") && slow.contains("bench --products"), "{slow}");
-        assert_eq!(bf16_products_note(true, Some(2.0)), None);
-        assert_eq!(bf16_products_note(true, None), None);
+    fn bf16_note_depends_on_the_product_kernel() {
+        assert!(bf16_products_note(false, Bf16Products::Pairs).unwrap().contains("without AVX-512 BF16"));
+        let slow = bf16_products_note(true, Bf16Products::Widened).unwrap();
+        assert!(slow.contains("widened") && slow.contains("bench --products"), "{slow}");
+        assert_eq!(bf16_products_note(true, Bf16Products::Pairs), None);
     }
 
     /// `--matmul` overrides the file's `grpo.matmul`; without it the file's value stands.

@@ -176,24 +176,55 @@ fn lora_adapters_learn_the_rewarded_behaviour() {
 }
 
 /// LoRA on a bf16 base (`model_dtype = "bf16"`): the base's weights and activations are bf16,
-/// the adapters and their optimiser state f32. The same episodes per step and bar as the f32 test
-/// above, without its KL term (measured: 0.63 → 0.97 with AVX-512 BF16 products, 0.63 → 0.85
-/// with AVX2's).
+/// the adapters and their optimiser state f32. The same episodes per step as the f32 test above,
+/// without its KL term.
+///
+/// One such run is chaotic at the level of bf16 rounding: the adapters' contribution is rounded
+/// into bf16 activations, and whether a run plateaus, or learns and then collapses, within its
+/// steps changes with the seed and with the order of f32 sums (the CPU's product kernels). At
+/// lr 0.01 and 40 steps, seed 7 rose 0.34 with `vdpbf16ps` pairs and fell 0.004 with widened
+/// FMAs (the two kernels agreeing within one bf16 rounding on every product of the run), and
+/// seed 1 fell on every path. At lr 0.005 and 60 steps, 23 of 24 runs (seeds 1-8, pairs, widened
+/// and AVX2) rose by more than 0.15 (BENCHMARKS.md, 2026-11-26). So the claim is checked over
+/// three seeds: the median rise must exceed 0.15.
+///
+/// What the runs depend on is checked directly: the rollouts and old log-probs come from the
+/// CPU kernels' bf16 products (plain backend), the update's forward and gradients from burn's
+/// ops under autodiff (the portable path), so every first ratio compares the two: their log-probs
+/// must agree to bf16 rounding (|approx_kl| < 5e-3; measured at most 1.3e-3), and every step must
+/// have a finite, non-zero gradient.
 #[test]
 fn lora_adapters_learn_on_a_bf16_base() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = every_question_each_step(with_lora(setup(dir.path())));
-    config.model_dtype = ModelDtype::Bf16;
-    let (trainer, records) = train(config, 40, false);
-    let (first, last) = first_last_gap(&records);
-    let worst_kl = records.iter().map(|r| r.approx_kl.abs()).fold(0.0f32, f32::max);
-    println!("LoRA, bf16 base: first 5 steps {first:.3}, last 5 steps {last:.3}, largest |approx_kl| {worst_kl:.2e}");
-    assert!(last - first > 0.15, "first {first}, last {last}");
-    let embed = trainer.policy().model.embed_tokens.weight.val();
-    assert_eq!(embed.dtype(), burn::tensor::DType::BF16);
-    let adapter = trainer.adapters().unwrap().layers[0].q_proj.as_ref().unwrap();
-    assert_eq!(adapter.lora_B.val().dtype(), burn::tensor::DType::F32);
+    let mut rises = Vec::new();
+    for seed in [1, 2, 3] {
+        let run_dir = dir.path().join(format!("seed-{seed}"));
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let mut config = every_question_each_step(with_lora(setup(&run_dir)));
+        config.model_dtype = ModelDtype::Bf16;
+        config.grpo.optimizer.lr = LORA_BF16_LR;
+        config.rollout.sampling.seed = seed;
+        let (trainer, records) = train(config, 60, false);
+        let (first, last) = first_last_gap(&records);
+        let worst_kl = records.iter().map(|r| r.approx_kl.abs()).fold(0.0f32, f32::max);
+        println!("LoRA, bf16 base, seed {seed}: first 5 steps {first:.3}, last 5 steps {last:.3}, largest |approx_kl| {worst_kl:.2e}");
+        assert!(worst_kl < 5e-3, "seed {seed}: the kernels' log-probs and the update's differ: |approx_kl| {worst_kl}");
+        for r in &records {
+            assert!(r.grad_norm.is_some_and(|n| n.is_finite() && n > 0.0), "seed {seed}, step {}: gradient norm {:?}", r.step, r.grad_norm);
+        }
+        let embed = trainer.policy().model.embed_tokens.weight.val();
+        assert_eq!(embed.dtype(), burn::tensor::DType::BF16);
+        let adapter = trainer.adapters().unwrap().layers[0].q_proj.as_ref().unwrap();
+        assert_eq!(adapter.lora_B.val().dtype(), burn::tensor::DType::F32);
+        rises.push(last - first);
+    }
+    rises.sort_by(f32::total_cmp);
+    assert!(rises[1] > 0.15, "median rise {} over seeds 1-3 ({rises:?})", rises[1]);
 }
+
+/// The learning rate of the bf16-base LoRA test: at 0.01 (the f32-base test's, whose KL term
+/// steadies it) such runs often learned and then collapsed within 40 steps.
+const LORA_BF16_LR: f64 = 0.005;
 
 fn adapter_weights(trainer: &Trainer<B>) -> Vec<Vec<f32>> {
     common::adapter_values(trainer.adapters().unwrap())
