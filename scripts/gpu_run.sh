@@ -9,6 +9,10 @@
 # and perhaps a rerun: run `first` then, and the other stages in later leases.
 #
 # Stages (each also records nvidia-smi, the NVRTC it found and the environment in its log):
+#   compile    where the CUDA path's host time goes (take this first while it is not known): one
+#              `check-device` with an empty kernel cache and CubeCL's compilation log
+#              (CUBECL_DEBUG_LOG), the kernels compiled every 5 s, then the same command again on
+#              the filled cache (does it hit?), and the kernel names counted
 #   first      the most telling steps of the others, most important first, within one command:
 #              check-device on the tiny model (f32, then bf16 weights), the trainer on the device
 #              (`demo --device cuda --steps 2`), then ours and PyTorch on the 0.6B shape, bf16
@@ -35,7 +39,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|first|check|check-0.6b|train|bench|bench-f32|memory}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|first|check|check-0.6b|train|bench|bench-f32|memory}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -56,6 +60,7 @@ bin=${BIN:-.gpu/prompt-r1}
 out=${OUT:-gpu-results/$stage}
 default_timeout=240
 [ "$stage" = first ] && default_timeout=150
+[ "$stage" = compile ] && default_timeout=200
 step_timeout=${STEP_TIMEOUT:-$default_timeout}
 deadline=$((SECONDS + ${STAGE_SECONDS:-540}))
 work=$(mktemp -d)
@@ -175,7 +180,41 @@ bench_0_6b() {
   cat "$work/peak-memory.txt" 2> /dev/null | tee -a "$log"
 }
 
+# `check-device` on the tiny model with CubeCL's compilation log in $work/compile-$1.log and the
+# kernel cache in $work/kernel-cache; the number of kernels compiled so far, every 5 s, goes to
+# compile-rate.txt.
+compile_probe() {
+  local klog="$work/compile-$1.log" start=$SECONDS
+  echo "== run $1" >> "$work/compile-rate.txt"
+  (
+    while sleep 5; do
+      echo "$((SECONDS - start)) s: $(grep -c START_KERNEL_COMPILATION "$klog" 2> /dev/null) kernels compiled" \
+        >> "$work/compile-rate.txt"
+    done
+  ) &
+  local sampler=$!
+  step "compile-$1" env CUBECL_DEBUG_LOG="$klog" PROMPT_R1_KERNEL_CACHE="$work/kernel-cache" \
+    "$bin" check-device --device cuda
+  kill "$sampler" 2> /dev/null
+  wait "$sampler" 2> /dev/null
+  say "   run $1: $(grep -c START_KERNEL_COMPILATION "$klog" 2> /dev/null) kernels compiled," \
+    "$(grep -ci autotun "$klog" 2> /dev/null) autotune lines, cache $(du -sk "$work/kernel-cache" 2> /dev/null | cut -f1) KiB"
+  grep -A1 START_KERNEL_COMPILATION "$klog" 2> /dev/null | grep '^name:' | cut -c1-80 | sort | uniq -c | sort -rn \
+    | head -15 | tee -a "$log"
+}
+
 case "$stage" in
+  compile)
+    compile_probe 1
+    compile_probe 2
+    # The logs hold every kernel's source: keep each kernel's name and id (its shapes and
+    # settings), the autotune lines, and the first 2 MB.
+    for f in "$work"/compile-*.log; do
+      awk '/START_KERNEL_COMPILATION/ {p = 1} /^source:/ {p = 0} p || /[Aa]utotun/' "$f" | head -c 8000000 > "$f.ids"
+      head -c 2000000 "$f" > "$f.head" && rm -f "$f"
+    done
+    rm -rf "$work/kernel-cache"
+    ;;
   first)
     check_tiny
     train_demo 2
