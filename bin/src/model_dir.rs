@@ -19,7 +19,7 @@ pub struct LoadedModel<B: Backend> {
 impl<B: Backend> LoadedModel<B> {
     /// Loads `dir` (config.json + safetensors; tokenizer.json if present) onto `device`.
     pub fn open(dir: &Path, device: &B::Device, dtype: DType) -> Result<Self> {
-        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype })
+        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype, ..Default::default() })
             .with_context(|| format!("loading the model in {}", dir.display()))?;
         let tokenizer = if dir.join("tokenizer.json").is_file() {
             Some(Qwen3Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?)

@@ -11,3 +11,10 @@ pub(crate) use cpu_kernels::ops::{
     silu_mul,
 };
 pub(crate) use cpu_kernels::{transpose_into, WeightLayout};
+
+/// Whether a CPU kernel may stand in on backend `B`: burn-flex (plain or under autodiff) with the
+/// kernels on. Inputs that only a kernel takes (the attention bias, per-head RoPE tables) are
+/// built only then.
+pub(crate) fn may_run<B: burn::tensor::backend::Backend>() -> bool {
+    cpu_kernels::is_flex_backend::<B>() && !cpu_kernels::portable_ops()
+}

@@ -15,7 +15,7 @@ use crate::kernels::transpose_into;
 use crate::config::Qwen3Config;
 use crate::error::ModelError;
 use crate::qwen3::{
-    MatmulPrecision, Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, Qwen3RMSNorm,
+    Compute, Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
 };
 
@@ -25,11 +25,14 @@ pub struct LoadOptions {
     /// The dtype the weights (and so the activations) use on the device. f32 by default; bf16
     /// halves memory and, on GPUs, doubles matmul speed.
     pub dtype: DType,
+    /// How the model computes (attention implementation, precision of products), kept in the
+    /// model; see [`Compute`].
+    pub compute: Compute,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32 }
+        Self { dtype: DType::F32, compute: Compute::default() }
     }
 }
 
@@ -112,7 +115,7 @@ pub fn from_checkpoint<B: Backend>(
     if !B::supports_dtype(device, dtype) {
         return Err(ModelError::Input(format!("the {} backend cannot hold {dtype:?} weights: use f32", B::name(device))));
     }
-    assemble(config, device, dtype, |spec| {
+    assemble(config, device, options, |spec| {
         checkpoint.with_raw(&spec.name, &spec.shape, |raw| device_data(raw, spec.kind, dtype))
     })
 }
@@ -138,7 +141,7 @@ pub fn build<B: Backend>(
     options: LoadOptions,
     mut fetch: impl FnMut(&ParamSpec) -> Result<HostTensor, ModelError>,
 ) -> Result<Qwen3ForCausalLM<B>, ModelError> {
-    assemble(config, device, options.dtype, |spec| {
+    assemble(config, device, options, |spec| {
         let host = fetch(spec)?;
         let host = match spec.kind {
             ParamKind::Linear => transpose(host),
@@ -153,7 +156,7 @@ pub fn build<B: Backend>(
 fn assemble<B: Backend>(
     config: Qwen3Config,
     device: &B::Device,
-    dtype: DType,
+    LoadOptions { dtype, compute }: LoadOptions,
     mut data: impl FnMut(&ParamSpec) -> Result<TensorData, ModelError>,
 ) -> Result<Qwen3ForCausalLM<B>, ModelError> {
     let specs = parameter_specs(&config);
@@ -227,7 +230,7 @@ fn assemble<B: Backend>(
             layers,
             norm: final_norm,
             rotary_emb: Qwen3RotaryEmbedding::new(config.head_dim, config.rope_theta),
-            matmul: MatmulPrecision::F32,
+            compute,
         },
         lm_head,
         config,
@@ -592,7 +595,7 @@ mod tests {
         let device = Default::default();
         let f32_model = load_pretrained::<Flex>(dir.path(), &device, LoadOptions::default()).unwrap();
         let cast = with_dtype(f32_model, DType::BF16);
-        let loaded = load_pretrained::<Flex>(dir.path(), &device, LoadOptions { dtype: DType::BF16 }).unwrap();
+        let loaded = load_pretrained::<Flex>(dir.path(), &device, LoadOptions { dtype: DType::BF16, ..Default::default() }).unwrap();
         let ids = Tensor::<Flex, 2, Int>::from_ints([[1, 5, 9, 200, 7]], &device);
         let positions = Tensor::<Flex, 2, Int>::from_ints([[0, 1, 2, 3, 4]], &device);
         let logits = |m: &Qwen3ForCausalLM<Flex>| {

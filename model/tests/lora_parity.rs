@@ -124,7 +124,7 @@ fn check_against_peft(fx: &Fixture, portable: bool) {
     assert_eq!(checked, 2 * 7 * base.config.num_hidden_layers);
 
     // A bf16 base with the f32 adapters, against PEFT's bf16 base (its adapters cast to f32).
-    let base16 = load_pretrained::<Flex>(&fx.dir, &Default::default(), LoadOptions { dtype: DType::BF16 }).unwrap();
+    let base16 = load_pretrained::<Flex>(&fx.dir, &Default::default(), LoadOptions { dtype: DType::BF16, ..Default::default() }).unwrap();
     let adapters = adapters.valid();
     let batch = TokenBatch::<Flex>::new(&sequences, Padding::Right, 0, &Default::default()).unwrap();
     let logits = base16.forward_with_adapters(

@@ -20,6 +20,7 @@ mod model_common;
 #[path = "../../trainer/tests/common/mod.rs"]
 mod training_common;
 
+mod attention;
 mod gradients;
 mod parity;
 mod training;

@@ -205,7 +205,7 @@ impl Args {
     fn inference_figures<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, figures: &mut Vec<Figure>) -> Result<()> {
         reset_peak_rss();
         let start = Instant::now();
-        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype })?
+        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype, ..Default::default() })?
             .with_matmul_precision(self.matmul);
         B::sync(device)?;
         figures.push(Figure::tokens("load".into(), start.elapsed().as_secs_f64(), None, peak_rss_mb()));
@@ -309,7 +309,7 @@ impl TrainStep {
         use burn::module::Module;
         use trainer::grpo::{learn_step, learn_step_lora, PolicyBatch, PolicySequence};
 
-        let model = load_pretrained::<Autodiff<B>>(dir, device, LoadOptions { dtype: self.dtype })?;
+        let model = load_pretrained::<Autodiff<B>>(dir, device, LoadOptions { dtype: self.dtype, ..Default::default() })?;
         let config = self.config();
         let vocab = model.config.vocab_size as u32;
         let sequence = |i: usize| {

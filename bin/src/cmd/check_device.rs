@@ -116,7 +116,7 @@ impl<'a> OnBackend for &'a Probe {
     type Output = Results;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Results> {
-        let model = load_pretrained::<B>(&self.dir, &device, LoadOptions { dtype: self.dtype })?;
+        let model = load_pretrained::<B>(&self.dir, &device, LoadOptions { dtype: self.dtype, ..Default::default() })?;
         let mut logits = Vec::new();
         for padding in [Padding::Right, Padding::Left] {
             logits.push(padded_logits(&model, &self.prompts, padding, &device)?);
@@ -133,7 +133,7 @@ impl<'a> OnBackend for &'a Probe {
         let logprobs = completion_logprobs(&model, &pairs, 0)?;
         drop(model);
 
-        let policy = load_pretrained::<Autodiff<B>>(&self.dir, &device, LoadOptions { dtype: DType::F32 })?;
+        let policy = load_pretrained::<Autodiff<B>>(&self.dir, &device, LoadOptions { dtype: DType::F32, ..Default::default() })?;
         let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, ..LearnConfig::default() };
         let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
         // Old log-probs of a uniform policy, which a random model is close to: ratios near 1,
@@ -167,7 +167,7 @@ impl Probe {
     /// the trainer does, with products at `matmul`: its `approx_kl + clip_frac`, which is 0 when
     /// scoring and the update compute the same log-probs (every ratio exactly 1).
     fn ratio_drift<B: Backend>(&self, device: &B::Device, matmul: MatmulPrecision) -> Result<f32> {
-        let policy = load_pretrained::<Autodiff<B>>(&self.dir, device, LoadOptions { dtype: DType::F32 })?
+        let policy = load_pretrained::<Autodiff<B>>(&self.dir, device, LoadOptions { dtype: DType::F32, ..Default::default() })?
             .with_matmul_precision(matmul);
         let old = sequence_logprobs(&policy.valid(), &self.prompts, 0, 2)?;
         let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, matmul, ..LearnConfig::default() };

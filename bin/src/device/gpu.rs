@@ -87,11 +87,14 @@ where
     U: Backend,
     T: OnBackend,
 {
+    // Training records the memory-efficient attention as one autodiff node on these backends.
     if fusion_enabled() {
         ready::<B>(&device, what, help)?;
+        model::qwen3::register_autodiff_attention::<burn::backend::Autodiff<B>>();
         catch_backend_panic(|| task.run::<B>(device))
     } else {
         ready::<U>(&unfused, what, help)?;
+        model::qwen3::register_autodiff_attention::<burn::backend::Autodiff<U>>();
         catch_backend_panic(|| task.run::<U>(unfused))
     }
 }

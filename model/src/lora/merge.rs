@@ -98,7 +98,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         crate::init::write_random_checkpoint(&config, dir.path(), 3, StorageDtype::F32).unwrap();
         let device = Default::default();
-        let base = load_pretrained::<Flex>(dir.path(), &device, LoadOptions { dtype: DType::BF16 }).unwrap();
+        let base = load_pretrained::<Flex>(dir.path(), &device, LoadOptions { dtype: DType::BF16, ..Default::default() }).unwrap();
         let adapters = LoraAdapters::<Flex>::init(&LoraConfig::default(), &config, 1, &device);
         let a = &adapters.layers[0].q_proj.as_ref().unwrap().lora_A;
         assert_eq!(a.val().dtype(), DType::F32);

@@ -8,8 +8,9 @@ use burn::tensor::{backend::Backend, Int, Tensor};
 use super::attention::AttentionInputs;
 use super::cache::KvCache;
 use super::decoder_layer::Qwen3DecoderLayer;
+use super::compute::Compute;
 use super::linear::{project, MatmulPrecision};
-use super::mask::attention_bias;
+use super::mask::AttentionMask;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::Qwen3RotaryEmbedding;
 use crate::config::Qwen3Config;
@@ -25,9 +26,10 @@ pub struct Qwen3Model<B: Backend> {
     pub norm: Qwen3RMSNorm<B>,
     #[module(skip)]
     pub rotary_emb: Qwen3RotaryEmbedding,
-    /// The precision of every projection's f32 products, the head's included.
+    /// How the model computes: the attention implementation and the precision of every
+    /// projection's f32 products, the head's included.
     #[module(skip)]
-    pub matmul: MatmulPrecision,
+    pub compute: Compute,
 }
 
 /// What a forward pass returns besides logits.
@@ -75,29 +77,32 @@ impl<B: Backend> Qwen3Model<B> {
         let device = input_ids.device();
         let mut hidden_states = kernels::embedding(&self.embed_tokens.weight.val(), &input_ids)
             .unwrap_or_else(|| self.embed_tokens.forward(input_ids));
-        let dtype = hidden_states.dtype();
-        let bias = attention_bias(attention_mask, b, past, q_len, dtype, &device);
+        let mask = AttentionMask::new(attention_mask, b, past, q_len, &device);
+        let inputs = self.attention_inputs(position_ids, mask, hidden_states.dtype());
         let mut all_hidden = output_hidden_states.then(|| vec![hidden_states.clone()]);
-        if let Some(first) = self.layers.first() {
-            let (heads, kv_heads) = (
-                first.self_attn.num_heads,
-                first.self_attn.num_key_value_heads,
-            );
-            let inputs =
-                AttentionInputs::new(&self.rotary_emb, position_ids, bias, heads, kv_heads);
-            for (i, layer) in self.layers.iter().enumerate() {
-                let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
-                let layer_adapters = adapters.map(|a| &a.layers[i]);
-                hidden_states = layer.forward_with_adapters(hidden_states, &inputs, layer_cache, self.matmul, layer_adapters);
-                if let Some(all) = all_hidden.as_mut() {
-                    all.push(hidden_states.clone());
-                }
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let layer_adapters = adapters.map(|a| &a.layers[i]);
+            hidden_states = layer.forward_with_adapters(hidden_states, &inputs, layer_cache, &self.compute, layer_adapters);
+            if let Some(all) = all_hidden.as_mut() {
+                all.push(hidden_states.clone());
             }
         }
         ModelOutput {
             last_hidden_state: self.norm.forward(hidden_states),
             hidden_states: all_hidden,
         }
+    }
+
+    /// What every layer's attention takes from a pass at `position_ids` under `mask` with
+    /// activations of `dtype`, built as this model computes (for callers that run layers
+    /// themselves, such as activation checkpointing).
+    pub fn attention_inputs(&self, position_ids: Tensor<B, 2, Int>, mask: AttentionMask<B>, dtype: burn::tensor::DType) -> AttentionInputs<B> {
+        let heads = self
+            .layers
+            .first()
+            .map_or((1, 1), |l| (l.self_attn.num_heads, l.self_attn.num_key_value_heads));
+        AttentionInputs::new(&self.rotary_emb, position_ids, mask, dtype, heads, &self.compute)
     }
 }
 
@@ -144,12 +149,19 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
             Some(weight) => (weight.val(), WeightLayout::InOut),
             None => (self.model.embed_tokens.weight.val(), WeightLayout::OutIn),
         };
-        project(hidden_states, weight, layout, self.model.matmul)
+        project(hidden_states, weight, layout, self.model.compute.matmul)
     }
 
-    /// This model with its f32 products at precision `matmul` (see [`MatmulPrecision`]).
+    /// This model with its f32 products at precision `matmul` (see [`MatmulPrecision`]), the
+    /// rest of its [`Compute`] unchanged.
     pub fn with_matmul_precision(mut self, matmul: MatmulPrecision) -> Self {
-        self.model.matmul = matmul;
+        self.model.compute.matmul = matmul;
+        self
+    }
+
+    /// This model computing as `compute` says (see [`Compute`]).
+    pub fn with_compute(mut self, compute: Compute) -> Self {
+        self.model.compute = compute;
         self
     }
 

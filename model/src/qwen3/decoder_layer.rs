@@ -5,7 +5,7 @@ use burn::tensor::{backend::Backend, Tensor};
 
 use super::attention::{AttentionInputs, Qwen3Attention};
 use super::cache::LayerKvCache;
-use super::linear::MatmulPrecision;
+use super::compute::Compute;
 use super::mlp::Qwen3MLP;
 use super::rms_norm::Qwen3RMSNorm;
 use crate::lora::LoraLayer;
@@ -26,9 +26,9 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         hidden_states: Tensor<B, 3>,
         inputs: &AttentionInputs<B>,
         cache: Option<&mut LayerKvCache<B>>,
-        matmul: MatmulPrecision,
+        compute: &Compute,
     ) -> Tensor<B, 3> {
-        self.forward_with_adapters(hidden_states, inputs, cache, matmul, None)
+        self.forward_with_adapters(hidden_states, inputs, cache, compute, None)
     }
 
     /// [`Self::forward`] with this layer's LoRA adapters (its slice of
@@ -38,7 +38,7 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         hidden_states: Tensor<B, 3>,
         inputs: &AttentionInputs<B>,
         cache: Option<&mut LayerKvCache<B>>,
-        matmul: MatmulPrecision,
+        compute: &Compute,
         adapters: Option<&LoraLayer<B>>,
     ) -> Tensor<B, 3> {
         let residual = hidden_states.clone();
@@ -46,12 +46,12 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         let hidden_states = residual
             + self
                 .self_attn
-                .forward_with_adapters(hidden_states, inputs, cache, matmul, adapters);
+                .forward_with_adapters(hidden_states, inputs, cache, compute, adapters);
         let residual = hidden_states.clone();
         let hidden_states = self.post_attention_layernorm.forward(hidden_states);
         residual
             + self
                 .mlp
-                .forward_with_adapters(hidden_states, matmul, adapters)
+                .forward_with_adapters(hidden_states, compute.matmul, adapters)
     }
 }

@@ -1,11 +1,13 @@
 //! The Qwen3 decoder, module by module as in `modeling_qwen3.py`: `Qwen3RMSNorm`,
 //! `Qwen3RotaryEmbedding` (with `rotate_half` folded into its tables), `Qwen3Attention`, `Qwen3MLP`, `Qwen3DecoderLayer`,
 //! `Qwen3Model` and `Qwen3ForCausalLM`. The model is immutable in use (`&self`): the KV cache,
-//! the attention mask and the positions are values passed in.
+//! the attention mask and the positions are values passed in; how it computes ([`Compute`]:
+//! the attention implementation, the precision of products) is one value chosen at load.
 
-mod attention;
+pub mod attention;
 mod cache;
 mod causal_lm;
+pub mod compute;
 mod decoder_layer;
 mod linear;
 mod mask;
@@ -13,11 +15,13 @@ mod mlp;
 mod rms_norm;
 mod rotary;
 
+pub use attention::autodiff::register_autodiff_attention;
 pub use attention::{AttentionInputs, Qwen3Attention};
 pub use cache::{KvCache, LayerKvCache};
 pub use causal_lm::{ModelOutput, Qwen3ForCausalLM, Qwen3Model};
+pub use compute::{AttnImplementation, Compute};
 pub use decoder_layer::Qwen3DecoderLayer;
-pub use mask::{attention_bias, MASK_VALUE};
+pub use mask::{attention_bias, AttentionMask, MASK_VALUE};
 pub use linear::{lora_linear, product, MatmulPrecision};
 pub use mlp::Qwen3MLP;
 pub use rms_norm::Qwen3RMSNorm;

@@ -17,6 +17,7 @@ type B = Autodiff<Inner>;
 /// (the test skipped) when the fixtures or the backend are missing here.
 fn fixture(name: &str) -> Option<Fixture> {
     prompt_r1_model::cpu_kernels::set_portable_ops(PORTABLE);
+    prompt_r1_model::qwen3::register_autodiff_attention::<B>();
     if !backend_ready::<Inner>() {
         return None;
     }

@@ -252,7 +252,7 @@ fn bf16_compute_stays_close_to_the_reference() {
     let model = load_pretrained::<B>(
         &fx.dir.join("bf16"),
         &Default::default(),
-        LoadOptions { dtype: DType::BF16 },
+        LoadOptions { dtype: DType::BF16, ..Default::default() },
     )
     .unwrap();
     let vocab = model.config.vocab_size;

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod attention;
 mod gradients;
 mod load_errors;
 mod parity;

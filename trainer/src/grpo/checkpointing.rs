@@ -26,7 +26,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use model::lora::CausalLm;
-use model::qwen3::{attention_bias, AttentionInputs};
+use model::qwen3::AttentionMask;
 use model::{LoraModel, TokenBatch};
 
 use super::batch::PolicySequence;
@@ -72,29 +72,13 @@ pub fn checkpointed_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
 
     // Each layer again, from the top, as a vector-Jacobian product with the gradient above it.
     let [b, len] = batch.input_ids.dims();
-    let attention = model.model.layers.first().map(|first| {
-        let bias = attention_bias(batch.mask(), b, 0, len, dtype, &device);
-        let attn = &first.self_attn;
-        AttentionInputs::new(
-            &model.model.rotary_emb,
-            batch.position_ids.clone(),
-            bias,
-            attn.num_heads,
-            attn.num_key_value_heads,
-        )
-    });
+    let mask = AttentionMask::new(batch.mask(), b, 0, len, &device);
+    let attention = model.model.attention_inputs(batch.position_ids.clone(), mask, dtype);
     let layers = model.model.layers.iter().enumerate().zip(inputs.drain(..));
     for ((i, layer), input) in layers.rev() {
-        let attention = attention.as_ref().expect("built when there are layers");
         let leaf = input.require_grad();
         let layer_adapters = adapters.map(|a| &a.layers[i]);
-        let output = layer.forward_with_adapters(
-            leaf.clone(),
-            attention,
-            None,
-            model.model.matmul,
-            layer_adapters,
-        );
+        let output = layer.forward_with_adapters(leaf.clone(), &attention, None, &model.model.compute, layer_adapters);
         let mut grads = (output * Tensor::from_inner(upstream)).sum().backward();
         upstream = leaf.grad(&grads).ok_or_else(no_gradient)?;
         accumulator.accumulate(module, GradientsParams::from_module(&mut grads, module));

@@ -65,6 +65,8 @@ impl<B: AutodiffBackend> Learner<B> {
         device: &B::Device,
         checkpoint: Option<&Path>,
     ) -> Result<Self, TrainError> {
+        // The update records the memory-efficient attention as one node on this backend.
+        model::qwen3::register_autodiff_attention::<B>();
         match settings.lora {
             None => Self::start_full(settings, device, checkpoint),
             Some(lora) => Self::start_lora(settings, lora, device, checkpoint),
@@ -103,9 +105,7 @@ impl<B: AutodiffBackend> Learner<B> {
         device: &B::Device,
         checkpoint: Option<&Path>,
     ) -> Result<Self, TrainError> {
-        let options = LoadOptions {
-            dtype: settings.model_dtype.dtype(),
-        };
+        let options = LoadOptions { dtype: settings.model_dtype.dtype(), ..Default::default() };
         let base = load_pretrained::<B>(settings.model, device, options)?
             .no_grad()
             .with_matmul_precision(settings.matmul);

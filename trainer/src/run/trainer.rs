@@ -79,7 +79,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         };
         let learner = Learner::start(&settings, &device, checkpoint.as_deref())?;
         let reference = if config.lora.is_none() && config.grpo.loss.uses_kl() {
-            let options = LoadOptions { dtype: config.rollout.dtype.dtype() };
+            let options = LoadOptions { dtype: config.rollout.dtype.dtype(), ..Default::default() };
             Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?.with_matmul_precision(config.grpo.matmul))
         } else {
             None

@@ -271,7 +271,7 @@ fn checkpointed_lora_gradients_equal_the_full_graphs() {
         return;
     };
     for dtype in [DType::F32, DType::BF16] {
-        let base = load_pretrained::<B>(&dir, &Default::default(), LoadOptions { dtype }).unwrap();
+        let base = load_pretrained::<B>(&dir, &Default::default(), LoadOptions { dtype, ..Default::default() }).unwrap();
         let batch = batch(
             &load_pretrained::<B>(&dir, &Default::default(), LoadOptions::default()).unwrap(),
             &json,

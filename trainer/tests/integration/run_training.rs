@@ -69,7 +69,7 @@ fn the_policy_learns_with_bf16_products() {
     println!("bf16 products: first 5 steps {first:.3}, last 5 steps {last:.3}");
     assert!(last - first > 0.15, "first {first}, last {last}");
     assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.approx_kl == 0.0 && r.clip_frac == 0.0));
-    assert_eq!(trainer.policy().model.matmul, MatmulPrecision::Bf16, "the optimiser keeps the setting");
+    assert_eq!(trainer.policy().model.compute.matmul, MatmulPrecision::Bf16, "the optimiser keeps the setting");
 }
 
 /// Training 4 steps equals training 2, saving, starting a new trainer from the checkpoint and

@@ -333,9 +333,7 @@ fn lora_sft_trains_the_adapters_and_resumes_exactly() {
     let last = all[17..].iter().map(|r| r.loss).sum::<f32>() / 3.0;
     println!("LoRA SFT loss: step 1 {first:.3}, last 3 steps {last:.3}");
     assert!(last < 0.75 * first, "first {first}, last {last}");
-    let bf16 = LoadOptions {
-        dtype: config.model_dtype.dtype(),
-    };
+    let bf16 = LoadOptions { dtype: config.model_dtype.dtype(), ..Default::default() };
     let initial = load_pretrained::<Flex>(&config.model, &Default::default(), bf16).unwrap();
     let base_moved = common::named_weights(&initial)
         .iter()

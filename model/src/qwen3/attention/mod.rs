@@ -1,0 +1,155 @@
+//! `Qwen3Attention`: grouped-query attention with a per-head RMSNorm on queries and keys
+//! (`q_norm`, `k_norm`) applied before RoPE, and the attention implementations it can run
+//! ([`AttnImplementation`], chosen at load in the model's [`Compute`]): HF's eager formula
+//! ([`eager`]) and FlashAttention-2's blocks ([`memory_efficient`], one autodiff node through
+//! [`autodiff`]). On burn-flex with the CPU kernels on, the fused CPU kernel stands in for both.
+
+pub mod autodiff;
+pub mod eager;
+pub mod memory_efficient;
+
+use burn::module::Module;
+use burn::nn::Linear;
+use burn::tensor::{backend::Backend, DType, Int, Tensor};
+
+use super::cache::LayerKvCache;
+use super::compute::{AttnImplementation, Compute};
+use super::linear::lora_linear;
+use super::mask::AttentionMask;
+use super::rms_norm::Qwen3RMSNorm;
+use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
+use crate::kernels;
+use crate::lora::LoraLayer;
+use memory_efficient::{Blocks, Operands};
+
+/// Self-attention of one decoder layer. Projections have no bias.
+#[derive(Module, Debug)]
+pub struct Qwen3Attention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub q_norm: Qwen3RMSNorm<B>,
+    pub k_norm: Qwen3RMSNorm<B>,
+    pub num_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+}
+
+/// What every layer's attention takes from one forward pass, built once and shared by all
+/// layers: RoPE tables for the query and the key heads, and the mask. Only where they are used is
+/// the mask also materialised as an additive bias: `[b, 1, q, k]` for the CPU kernel, and
+/// repeated to the eager formula's grouped layout `[b, kv, groups * q, k]`.
+#[derive(Debug, Clone)]
+pub struct AttentionInputs<B: Backend> {
+    pub rotary_q: RotaryTables<B>,
+    pub rotary_k: RotaryTables<B>,
+    pub mask: AttentionMask<B>,
+    /// For the CPU kernel (burn-flex with the kernels on) and the eager formula.
+    pub bias: Option<Tensor<B, 4>>,
+    /// For the eager formula.
+    pub grouped_bias: Option<Tensor<B, 4>>,
+}
+
+impl<B: Backend> AttentionInputs<B> {
+    /// The inputs of one pass at `position_ids` under `mask`, for a model computing as `compute`
+    /// says; `dtype` is the activations'.
+    pub fn new(
+        rotary: &Qwen3RotaryEmbedding,
+        position_ids: Tensor<B, 2, Int>,
+        mask: AttentionMask<B>,
+        dtype: DType,
+        (num_heads, num_key_value_heads): (usize, usize),
+        compute: &Compute,
+    ) -> Self {
+        let cpu_kernels = kernels::may_run::<B>();
+        let eager = compute.attn_implementation == AttnImplementation::Eager;
+        let bias = (cpu_kernels || eager).then(|| mask.bias(dtype));
+        let grouped_bias = eager.then(|| eager::grouped_bias(bias.as_ref().expect("built for eager"), num_heads, num_key_value_heads));
+        let tables = rotary.tables(position_ids, dtype);
+        // The CPU kernels take tables of the projections' shape; burn's ops broadcast one head.
+        let (rotary_q, rotary_k) = if cpu_kernels {
+            (tables.repeat_heads(num_heads), tables.repeat_heads(num_key_value_heads))
+        } else {
+            (tables.clone(), tables)
+        };
+        Self { rotary_q, rotary_k, mask, bias, grouped_bias }
+    }
+}
+
+impl<B: Backend> Qwen3Attention<B> {
+    /// `hidden_states` `[b, q, hidden]`; `inputs` built for these positions, with `k` counting
+    /// cached plus new positions. Returns `[b, q, hidden]`.
+    pub fn forward(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        inputs: &AttentionInputs<B>,
+        cache: Option<&mut LayerKvCache<B>>,
+        compute: &Compute,
+    ) -> Tensor<B, 3> {
+        self.forward_with_adapters(hidden_states, inputs, cache, compute, None)
+    }
+
+    /// [`Self::forward`] with the layer's LoRA adapters on the projections that have one.
+    pub fn forward_with_adapters(
+        &self,
+        hidden_states: Tensor<B, 3>,
+        inputs: &AttentionInputs<B>,
+        cache: Option<&mut LayerKvCache<B>>,
+        compute: &Compute,
+        adapters: Option<&LoraLayer<B>>,
+    ) -> Tensor<B, 3> {
+        let [b, q_len, _] = hidden_states.dims();
+        let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
+        let matmul = compute.matmul;
+
+        let query_states = self
+            .q_norm
+            .forward(lora_linear(&self.q_proj, adapters.and_then(|a| a.q_proj.as_ref()), hidden_states.clone(), matmul).reshape([b, q_len, h, d]));
+        let key_states = self
+            .k_norm
+            .forward(lora_linear(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), hidden_states.clone(), matmul).reshape([b, q_len, kv, d]));
+        let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q);
+        let key_states = apply_rotary_pos_emb(key_states, &inputs.rotary_k).swap_dims(1, 2);
+        let value_states = lora_linear(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), hidden_states, matmul)
+            .reshape([b, q_len, kv, d])
+            .swap_dims(1, 2);
+
+        let (key_states, value_states) = match cache {
+            Some(cache) => cache.append(key_states, value_states),
+            None => (key_states, value_states),
+        };
+
+        let scaling = (d as f64).powf(-0.5);
+        let fused = inputs
+            .bias
+            .as_ref()
+            .and_then(|bias| kernels::grouped_attention(&query_states, &key_states, &value_states, bias, scaling as f32));
+        let attn_output = fused.unwrap_or_else(|| {
+            let query_states = query_states.swap_dims(1, 2);
+            let output = match compute.attn_implementation {
+                AttnImplementation::Eager => {
+                    let bias = inputs.grouped_bias.as_ref().expect("AttentionInputs builds it for eager");
+                    eager::eager_attention_forward(query_states, key_states, value_states, bias, scaling)
+                }
+                AttnImplementation::MemoryEfficient => {
+                    let x = Operands { query: query_states, key: key_states, value: value_states };
+                    memory_efficient_attention(x, &inputs.mask, compute.attention_block_size, scaling as f32)
+                }
+            };
+            output.swap_dims(1, 2).reshape([b, q_len, h * d])
+        });
+        lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, matmul)
+    }
+}
+
+/// The memory-efficient attention of `x` (`query` `[b, heads, q, d]`, `key` and `value`
+/// `[b, kv_heads, k, d]`) under `mask`, in blocks of `block_size` queries: `[b, heads, q, d]`. On
+/// an autodiff backend it is one node (see [`autodiff`]).
+pub fn memory_efficient_attention<B: Backend>(x: Operands<B>, mask: &AttentionMask<B>, block_size: usize, scale: f32) -> Tensor<B, 4> {
+    let blocks = Blocks::new(&x, block_size, scale);
+    match autodiff::attention(x.clone(), mask, blocks) {
+        Some(output) => output,
+        None => memory_efficient::forward(&x, mask, blocks).output,
+    }
+}

@@ -1,0 +1,111 @@
+//! How the model computes, one value chosen at load (as transformers' `attn_implementation`):
+//! the attention implementation, its block size, and the precision of products with f32
+//! weights. The model keeps it ([`super::Qwen3Model::compute`]) and every layer reads it from
+//! there; the trainer's activation checkpointing recomputes with it, and the memory plan counts
+//! what it holds.
+//!
+//! Where each implementation runs:
+//!
+//! | backend | `eager` | `memory_efficient` (default) |
+//! |---|---|---|
+//! | burn-flex, CPU kernels on (plain or under autodiff, f32/bf16) | the fused CPU kernel | the fused CPU kernel |
+//! | burn-flex with the kernels off (`PROMPT_R1_PORTABLE_OPS=1`), CUDA, wgpu | HF's formula in burn's ops, `[b, heads, q, k]` scores, probabilities and mask | blocks of queries and keys with an online softmax ([`super::attention`]); under autodiff one node that keeps `O` and the log-sum-exp |
+//!
+//! The CPU kernel (`cpu_kernels::ops::grouped_attention`) is one parallel pass that keeps two
+//! floats per query row and is faster on the CPU than either formula in burn's ops; it takes the
+//! mask as a `[b, 1, q, k]` bias.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use super::linear::MatmulPrecision;
+
+/// Attention's implementation (HF's `attn_implementation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttnImplementation {
+    /// HF's eager formula, `softmax(Q·Kᵀ / sqrt(d) + mask)·V` with the scores, the probabilities
+    /// and the mask materialised for every head, `[b, heads, q, k]`, and kept for the backward:
+    /// the reference for parity.
+    Eager,
+    /// FlashAttention-2's algorithm in burn's tensor ops: blocks of queries and keys with an
+    /// online softmax; under autodiff one node whose backward recomputes each block's
+    /// probabilities. No `[b, heads, q, k]` tensor exists; at most one block pair's scores.
+    #[default]
+    MemoryEfficient,
+}
+
+impl AttnImplementation {
+    /// Both, reference first.
+    pub const ALL: [AttnImplementation; 2] = [AttnImplementation::Eager, AttnImplementation::MemoryEfficient];
+
+    /// The name in configs and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnImplementation::Eager => "eager",
+            AttnImplementation::MemoryEfficient => "memory_efficient",
+        }
+    }
+}
+
+impl fmt::Display for AttnImplementation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for AttnImplementation {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let wanted = s.trim().to_ascii_lowercase().replace('-', "_");
+        AttnImplementation::ALL
+            .into_iter()
+            .find(|a| a.name() == wanted)
+            .ok_or_else(|| format!("unknown attention implementation '{s}' (expected eager or memory_efficient)"))
+    }
+}
+
+/// How the model computes (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Compute {
+    pub attn_implementation: AttnImplementation,
+    /// Queries per block of the memory-efficient attention, and the fewest keys per block
+    /// (more while one block pair's scores stay within [`SCORE_BLOCK_ELEMENTS`]).
+    pub attention_block_size: usize,
+    /// The precision of products with f32 weights.
+    pub matmul: MatmulPrecision,
+}
+
+/// The default [`Compute::attention_block_size`]: a 256-token pass is one block (no more work
+/// than the eager formula), and at 8k tokens a micro-batch of 8 Qwen3-4B sequences (32 query
+/// heads) keeps 512 MiB of f32 scores per block pair instead of 64 GiB.
+pub const DEFAULT_ATTENTION_BLOCK_SIZE: usize = 512;
+
+/// Scores of one block pair of the memory-efficient attention may reach this many elements
+/// before key blocks stop growing past [`Compute::attention_block_size`]: a decoding step
+/// (a few query rows) then sees its whole cache in one block, as the eager formula does.
+pub const SCORE_BLOCK_ELEMENTS: usize = 1 << 26;
+
+impl Default for Compute {
+    fn default() -> Self {
+        Self {
+            attn_implementation: AttnImplementation::default(),
+            attention_block_size: DEFAULT_ATTENTION_BLOCK_SIZE,
+            matmul: MatmulPrecision::default(),
+        }
+    }
+}
+
+impl Compute {
+    /// Checks the settings: a block holds at least one query.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.attention_block_size == 0 {
+            return Err("attention_block_size must be at least 1".into());
+        }
+        Ok(())
+    }
+}
