@@ -2,8 +2,14 @@
 //! new ones up to its own) and key padding. [`AttentionMask`] keeps only the padding of the keys,
 //! `[b, k]`; the eager formula and the CPU kernels take it as one additive bias `[b, 1, q, k]` of
 //! 0 (attend) and a large finite negative (masked), and the memory-efficient attention builds it a
-//! block at a time. A row with every key masked (a pad query of a left-padded batch) stays
-//! finite, so no NaN can leak through `0 * NaN` in `probs @ V`.
+//! block at a time (its causal triangles once per pass: every layer of a pass shares its mask
+//! and the triangles it built).
+//! A row with every key masked (a pad query of a left-padded batch) stays finite, so no NaN can
+//! leak through `0 * NaN` in `probs @ V`.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::Autodiff;
@@ -14,7 +20,7 @@ use burn::tensor::{Bool, DType, Int, Tensor};
 pub const MASK_VALUE: f32 = -1.0e9;
 
 /// The mask of one forward pass: `q_len` queries at indices `past..past + q_len` over
-/// `past + q_len` keys, causal, with optional key padding.
+/// `past + q_len` keys, causal, with optional key padding. Clones share the blocks built so far.
 #[derive(Debug, Clone)]
 pub struct AttentionMask<B: Backend> {
     /// `[b, past + q_len]`, 1 for a real key and 0 for padding, f32; `None` when nothing is padded.
@@ -23,14 +29,27 @@ pub struct AttentionMask<B: Backend> {
     past: usize,
     q_len: usize,
     device: B::Device,
+    /// The causal blocks built so far, by `(groups, rows, columns, offset)`.
+    blocks: Arc<Mutex<HashMap<BlockKey, Tensor<B, 4>>>>,
+    /// The same mask on an autodiff backend's inner backend, made once ([`Self::inner`]).
+    inner: Arc<OnceLock<Box<dyn Any + Send + Sync>>>,
 }
+
+/// A causal block of [`AttentionMask::block_bias`]: `(groups, rows, columns, offset)`, where
+/// query `i` of the block sees key `j` when `j <= i + offset`.
+type BlockKey = (usize, usize, usize, i64);
 
 impl<B: Backend> AttentionMask<B> {
     /// `key_mask` is `[b, past + q_len]` with 1 for real tokens and 0 for padding (`None`: no
     /// padding).
     pub fn new(key_mask: Option<&Tensor<B, 2, Int>>, batch: usize, past: usize, q_len: usize, device: &B::Device) -> Self {
         let key_padding = key_mask.map(|m| m.clone().float().cast(DType::F32));
-        Self { key_padding, batch, past, q_len, device: device.clone() }
+        Self::from_parts(key_padding, batch, past, q_len, device.clone())
+    }
+
+    fn from_parts(key_padding: Option<Tensor<B, 2>>, batch: usize, past: usize, q_len: usize, device: B::Device) -> Self {
+        let (blocks, inner) = (Arc::default(), Arc::default());
+        Self { key_padding, batch, past, q_len, device, blocks, inner }
     }
 
     /// Keys cached before this pass's queries.
@@ -56,40 +75,53 @@ impl<B: Backend> AttentionMask<B> {
 
     /// The additive f32 bias of keys `k0..k1` for queries `q0..q1` of each of `groups` heads
     /// stacked along the rows (row `r` is query `q0 + r % (q1 − q0)`): `[b or 1, 1, groups ·
-    /// (q1 − q0), k1 − k0]`; `None` when no key of the block is masked for any of them.
+    /// (q1 − q0), k1 − k0]`; `None` when no key of the block is masked for any of them. The
+    /// causal part depends on the block's shape and on where its keys start relative to its
+    /// queries, not on where it lies: the memory-efficient attention asks for the same triangle
+    /// at every query block, so a pass builds it once.
     pub(crate) fn block_bias(&self, groups: usize, (q0, q1): (usize, usize), (k0, k1): (usize, usize)) -> Option<Tensor<B, 4>> {
-        let (rows, cols) = (q1 - q0, k1 - k0);
-        // Query i sees keys 0..=past + i: the block needs the causal mask when its last key lies
-        // after the first query's position.
-        let causal = (k1 - 1 > self.past + q0).then(|| {
-            let index = |from: usize, to: usize| Tensor::<B, 1, Int>::arange(from as i64..to as i64, &self.device).float().cast(DType::F32);
-            let queries = index(self.past + q0, self.past + q1).reshape([1, rows]).repeat_dim(0, groups).reshape([groups * rows, 1]);
-            let keys = index(k0, k1).reshape([1, cols]);
-            // 1 where the key comes after the query (the differences are whole numbers).
-            (keys - queries).clamp(0.0, 1.0).mul_scalar(MASK_VALUE).reshape([1, 1, groups * rows, cols])
-        });
+        let causal = (k1 - 1 > self.past + q0).then(|| self.causal_block(groups, (q0, q1), (k0, k1)));
         let padding = self.key_padding.as_ref().map(|valid| {
-            (valid.clone().narrow(1, k0, cols).neg().add_scalar(1.0))
+            (valid.clone().narrow(1, k0, k1 - k0).neg().add_scalar(1.0))
                 .mul_scalar(MASK_VALUE)
-                .reshape([self.batch, 1, 1, cols])
+                .reshape([self.batch, 1, 1, k1 - k0])
         });
         match (causal, padding) {
             (Some(c), Some(p)) => Some(c + p),
             (c, p) => c.or(p),
         }
     }
+
+    /// The causal part of [`Self::block_bias`], `[1, 1, groups · (q1 − q0), k1 − k0]`, built once
+    /// per pass for each shape and offset.
+    fn causal_block(&self, groups: usize, (q0, q1): (usize, usize), (k0, k1): (usize, usize)) -> Tensor<B, 4> {
+        let (rows, cols) = (q1 - q0, k1 - k0);
+        // Query i sees key j of the block when k0 + j <= past + q0 + i.
+        let offset = (self.past + q0) as i64 - k0 as i64;
+        let key = (groups, rows, cols, offset);
+        if let Some(built) = self.blocks.lock().expect("mask blocks lock").get(&key) {
+            return built.clone();
+        }
+        let future = Tensor::<B, 2, Bool>::tril_mask([rows, cols], offset, &self.device);
+        let built = Tensor::<B, 2>::zeros([rows, cols], (&self.device, DType::F32))
+            .mask_fill(future, MASK_VALUE)
+            .reshape([1, rows, cols])
+            .repeat_dim(0, groups)
+            .reshape([1, 1, groups * rows, cols]);
+        self.blocks.lock().expect("mask blocks lock").insert(key, built.clone());
+        built
+    }
 }
 
 impl<I: Backend, C: CheckpointStrategy> AttentionMask<Autodiff<I, C>> {
-    /// The same mask on the inner backend.
+    /// The same mask on the inner backend, made once and shared by every call on this mask (so
+    /// the blocks that one layer builds serve the next).
     pub(crate) fn inner(&self) -> AttentionMask<I> {
-        AttentionMask {
-            key_padding: self.key_padding.clone().map(Tensor::inner),
-            batch: self.batch,
-            past: self.past,
-            q_len: self.q_len,
-            device: self.device.clone(),
-        }
+        let made = self.inner.get_or_init(|| {
+            let padding = self.key_padding.clone().map(Tensor::inner);
+            Box::new(AttentionMask::<I>::from_parts(padding, self.batch, self.past, self.q_len, self.device.clone()))
+        });
+        made.downcast_ref::<AttentionMask<I>>().expect("the inner mask of this backend").clone()
     }
 }
 
