@@ -87,18 +87,22 @@ pub fn map_hidden_chunks<B: Backend, T>(
             batch.len
         )));
     }
-    let vocab = model.config.vocab_size;
-    let chunk = (LOGITS_CHUNK_ELEMENTS / (b * vocab)).max(1);
     let mut out = Vec::new();
-    let mut from = start - 1;
-    while from < batch.len - 1 {
-        let to = (from + chunk).min(batch.len - 1);
+    for (from, to) in logits_chunks(b, model.config.vocab_size, start, batch.len) {
         let h = hidden.clone().narrow(1, from, to - from);
         let targets = batch.input_ids.clone().narrow(1, from + 1, to - from);
         out.push(f(model.logits(h), targets));
-        from = to;
     }
     Ok(out)
+}
+
+/// The chunks of positions `(from, to)` whose logits [`map_hidden_chunks`] forms at once for
+/// `batch` sequences of `len` tokens scored from token `start`: positions `start − 1 .. len − 1`
+/// (each predicts the token after it), at most [`LOGITS_CHUNK_ELEMENTS`] logits a chunk.
+pub fn logits_chunks(batch: usize, vocab: usize, start: usize, len: usize) -> Vec<(usize, usize)> {
+    let chunk = (LOGITS_CHUNK_ELEMENTS / (batch * vocab).max(1)).max(1);
+    let last = len.saturating_sub(1);
+    (start.saturating_sub(1)..last).step_by(chunk).map(|from| (from, (from + chunk).min(last))).collect()
 }
 
 /// Scoring needs a right-padded batch and a start inside it.

@@ -8,8 +8,9 @@
 //!
 //! 1. the embedding and every layer run with no parameter taking a gradient (no graph), keeping
 //!    the layers' inputs `x_0 … x_{L−1}` and the last layer's output `x_L`;
-//! 2. the final norm, the head and the loss run with autodiff from `x_L` as a leaf; their
-//!    backward gives the head's and the norm's gradients and `g_L = ∂loss/∂x_L`;
+//! 2. the final norm runs with autodiff from `x_L` as a leaf, the head and the loss a chunk of
+//!    positions at a time ([`super::head`]); their backward gives the head's and the norm's
+//!    gradients and `g_L = ∂loss/∂x_L`;
 //! 3. for `l = L−1 … 0`: the layer runs again with autodiff from the leaf `x_l`, and the backward
 //!    of `Σ layer(x_l) ⊙ g_{l+1}` (a vector-Jacobian product) gives the layer's parameter
 //!    gradients and `g_l`; `x_l` is dropped;
@@ -18,8 +19,8 @@
 //!
 //! Peak activation memory is then the layers' inputs plus one layer's activations (or the
 //! head's, whichever is larger) instead of every layer's; the price is a second forward pass of
-//! every layer. The loss is the same code as without checkpointing
-//! ([`super::step::loss_from_hidden`]), so the gradients are those of the same function.
+//! every layer. The head and the loss are the same code as without checkpointing
+//! ([`super::head::head_gradients`]), so the gradients are those of the same function.
 
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
@@ -32,7 +33,8 @@ use model::{LoraModel, TokenBatch};
 use super::batch::PolicySequence;
 use super::error::GrpoError;
 use super::loss::LossStats;
-use super::step::{loss_from_hidden, token_batch, LearnConfig};
+use super::head::head_gradients;
+use super::step::{token_batch, LearnConfig};
 
 /// Why dropout and checkpointing do not go together.
 pub const DROPOUT: &str = "activation checkpointing needs lora.dropout = 0: a recomputed layer would draw other \
@@ -64,10 +66,12 @@ pub fn checkpointed_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     let dtype = last.dtype();
     let leaf = last.require_grad();
     let hidden = model.model.norm.forward(leaf.clone());
-    let (loss, stats) = loss_from_hidden(model, hidden, &batch, micro, config)?;
-    let mut grads = loss.mul_scalar(weight).backward();
+    let head = head_gradients(model, module, &hidden, &batch, micro, weight, config)?;
+    let stats = head.stats;
+    let mut grads = (hidden * head.hidden_grad).sum().backward();
     let mut upstream = leaf.grad(&grads).ok_or_else(no_gradient)?;
     accumulator.accumulate(module, GradientsParams::from_module(&mut grads, module));
+    accumulator.accumulate(module, head.grads);
     drop(grads);
 
     // Each layer again, from the top, as a vector-Jacobian product with the gradient above it.

@@ -61,7 +61,7 @@ pub fn token_logprobs_and_entropy_from_hidden<B: Backend>(
 }
 
 /// The chosen tokens' log-probs and the entropy of one chunk of logits.
-fn chunk_logprobs_and_entropy<B: Backend>(
+pub(super) fn chunk_logprobs_and_entropy<B: Backend>(
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
     entropy_grad: EntropyGrad,

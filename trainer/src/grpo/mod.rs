@@ -10,6 +10,7 @@
 //!   the learning step with mini-batches, micro-batches and the guarded optimiser step.
 //! - [`checkpointing`]: the learning step's gradients with one decoder layer's activations
 //!   alive at a time (`activation_checkpointing`).
+//! - [`head`]: the update's head and loss a chunk of positions at a time, backward included.
 
 pub mod advantage;
 pub mod aggregate;
@@ -17,6 +18,7 @@ pub mod batch;
 pub mod checkpointing;
 pub mod entropy;
 pub mod error;
+pub mod head;
 pub mod kl;
 pub mod logprobs;
 pub mod loss;

@@ -9,14 +9,14 @@ use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::tensor::{backend::AutodiffBackend, backend::Backend, Tensor, TensorData};
 use model::lora::CausalLm;
 use model::{
-    last_hidden_state, token_logprobs_from_hidden, LoraAdapters, LoraModel, MatmulPrecision, Padding,
+    last_hidden_state, LoraAdapters, LoraModel, MatmulPrecision, Padding,
     Qwen3ForCausalLM, TokenBatch,
 };
 use serde::{Deserialize, Serialize};
 
 use super::batch::{PolicyBatch, PolicySequence};
 use super::checkpointing::checkpointed_gradients;
-use super::entropy::{token_logprobs_and_entropy_from_hidden, EntropyGrad};
+use super::head::head_gradients;
 use super::error::GrpoError;
 use super::loss::{grpo_loss, GrpoLossConfig, LossInputs, LossStats};
 use crate::optim::{clip_and_step, OptimizerConfig, StepOutcome};
@@ -229,14 +229,21 @@ where
             }
             let weight = units as f32 / mini_units as f32;
             let policy = module.policy(frozen);
-            let (grads, stats) = if config.activation_checkpointing {
-                checkpointed_gradients(&policy, &module, micro, weight, config)?
+            let stats = if config.activation_checkpointing {
+                let (grads, stats) = checkpointed_gradients(&policy, &module, micro, weight, config)?;
+                accumulator.accumulate(&module, grads);
+                stats
             } else {
-                let (loss, stats) = micro_batch_loss(&policy, micro, config)?;
-                let grads = loss.mul_scalar(weight).backward();
-                (GradientsParams::from_grads(grads, &module), stats)
+                let base = policy.base();
+                let batch = token_batch(micro, &base.device())?;
+                let hidden = last_hidden_state(&policy, &batch);
+                let head = head_gradients(base, &module, &hidden, &batch, micro, weight, config)?;
+                // The decoder's backward pass from the head's gradient at its output.
+                let grads = (hidden * head.hidden_grad).sum().backward();
+                accumulator.accumulate(&module, GradientsParams::from_grads(grads, &module));
+                accumulator.accumulate(&module, head.grads);
+                head.stats
             };
-            accumulator.accumulate(&module, grads);
             mini_terms.add(&stats, weight);
             totals.add_tokens(&stats);
         }
@@ -253,17 +260,6 @@ where
     Ok((module, totals.finish(batch)))
 }
 
-/// The loss of one micro-batch, aggregated over its own agent tokens.
-fn micro_batch_loss<B: AutodiffBackend>(
-    model: &LoraModel<'_, B>,
-    micro: &[PolicySequence],
-    config: &LearnConfig,
-) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
-    let base = model.base();
-    let batch = token_batch(micro, &base.device())?;
-    loss_from_hidden(base, last_hidden_state(model, &batch), &batch, micro, config)
-}
-
 /// The micro-batch's sequences as one right-padded batch.
 pub(super) fn token_batch<B: Backend>(
     micro: &[PolicySequence],
@@ -273,32 +269,19 @@ pub(super) fn token_batch<B: Backend>(
     Ok(TokenBatch::new(&tokens, Padding::Right, PAD_ID, device)?)
 }
 
-/// The loss of one micro-batch from the decoder's final hidden states `hidden` of `batch`
-/// (final norm included, adapters applied): `model`'s head, log-probs, entropy and
-/// [`grpo_loss`].
-pub(super) fn loss_from_hidden<B: Backend>(
-    model: &Qwen3ForCausalLM<B>,
-    hidden: Tensor<B, 3>,
-    batch: &TokenBatch<B>,
+/// The loss of one micro-batch from its tokens' log-probs `logp` and, when computed, the
+/// entropies `entropy` (both `[b, len − 1]`, column `j` for token `j + 1` of `micro`'s
+/// right-padded batch of `len` tokens): [`grpo_loss`] over the agent tokens.
+pub(super) fn loss_from_logprobs<B: Backend>(
+    logp: Tensor<B, 2>,
+    entropy: Option<Tensor<B, 2>>,
     micro: &[PolicySequence],
     config: &LearnConfig,
 ) -> Result<(Tensor<B, 1>, LossStats), GrpoError> {
-    let device = model.device();
-    let (logp, entropy) = if config.loss.uses_entropy() || config.track_entropy {
-        let grad = if config.loss.uses_entropy() {
-            EntropyGrad::Tracked
-        } else {
-            EntropyGrad::Detached
-        };
-        let (logp, entropy) =
-            token_logprobs_and_entropy_from_hidden(model, hidden, batch, 1, grad)?;
-        (logp, Some(entropy))
-    } else {
-        (token_logprobs_from_hidden(model, hidden, batch, 1)?, None)
-    };
+    let device = logp.device();
     let grid = TokenGrid {
         sequences: micro,
-        width: batch.len - 1,
+        width: logp.dims()[1],
         device: &device,
     };
     let inputs = LossInputs {
