@@ -11,10 +11,10 @@ use env::{
     Agent, AgentApi, ClientConfig, EpisodeConfig, OpenAiClient, PromptTexts, RemoteAgent, RetryPolicy,
     SamplingParams, DEFAULT_API_KEY_ENV,
 };
-use model::Sampling;
+use model::{LoadOptions, MatmulPrecision, Sampling};
 use trainer::rollout::LocalAgent;
 
-use crate::device::{run_on, DeviceChoice, OnBackend};
+use crate::device::{run_on, AttentionArgs, DeviceChoice, OnBackend};
 use crate::model_dir::{parse_dtype, LoadedModel};
 
 /// The variable the served agent's API key is read from unless `--agent-api-key-env` says
@@ -84,6 +84,8 @@ pub struct AgentFlags {
     /// Weight dtype of the local agent: f32 or bf16.
     #[arg(long, default_value = "f32", value_parser = parse_dtype, help_heading = "Agent")]
     pub dtype: DType,
+    #[command(flatten, next_help_heading = "Agent")]
+    pub attention: AttentionArgs,
 }
 
 impl AgentFlags {
@@ -118,7 +120,7 @@ impl AgentFlags {
                 self.device,
                 LocalRun {
                     dir,
-                    dtype: self.dtype,
+                    options: LoadOptions { dtype: self.dtype, compute: self.attention.compute(MatmulPrecision::F32) },
                     sampling,
                     work,
                     output: PhantomData,
@@ -158,7 +160,7 @@ pub enum AgentApiFlag {
 /// Loading the local agent on the chosen backend and running the work with it.
 struct LocalRun<'a, F, T> {
     dir: &'a Path,
-    dtype: DType,
+    options: LoadOptions,
     sampling: Sampling,
     work: F,
     output: PhantomData<fn() -> T>,
@@ -171,7 +173,7 @@ where
     type Output = T;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<T> {
-        let loaded = LoadedModel::<B>::open(self.dir, &device, self.dtype)?;
+        let loaded = LoadedModel::<B>::open(self.dir, &device, self.options)?;
         let tokenizer = loaded.require_tokenizer(self.dir, "the agent")?;
         let mut agent = LocalAgent::new(&loaded.model, tokenizer, self.sampling);
         (self.work)(&mut agent)

@@ -18,8 +18,8 @@ pub struct LoadedModel<B: Backend> {
 
 impl<B: Backend> LoadedModel<B> {
     /// Loads `dir` (config.json + safetensors; tokenizer.json if present) onto `device`.
-    pub fn open(dir: &Path, device: &B::Device, dtype: DType) -> Result<Self> {
-        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype, ..Default::default() })
+    pub fn open(dir: &Path, device: &B::Device, options: LoadOptions) -> Result<Self> {
+        let model = load_pretrained::<B>(dir, device, options)
             .with_context(|| format!("loading the model in {}", dir.display()))?;
         let tokenizer = if dir.join("tokenizer.json").is_file() {
             Some(Qwen3Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?)
@@ -30,8 +30,8 @@ impl<B: Backend> LoadedModel<B> {
     }
 
     /// [`Self::open`], then the PEFT adapter directory `adapter` (if given) onto the model.
-    pub fn open_with_adapter(dir: &Path, adapter: Option<&Path>, device: &B::Device, dtype: DType) -> Result<Self> {
-        let mut loaded = Self::open(dir, device, dtype)?;
+    pub fn open_with_adapter(dir: &Path, adapter: Option<&Path>, device: &B::Device, options: LoadOptions) -> Result<Self> {
+        let mut loaded = Self::open(dir, device, options)?;
         if let Some(adapter) = adapter {
             let (adapters, _) = load_adapter::<B>(adapter, &loaded.model.config, device)
                 .with_context(|| format!("loading the LoRA adapter in {}", adapter.display()))?;

@@ -19,7 +19,7 @@ use model::{
 };
 use serde::Serialize;
 
-use crate::device::{run_on, ComputeArgs, DeviceChoice, OnBackend};
+use crate::device::{run_on, AttentionArgs, ComputeArgs, DeviceChoice, OnBackend};
 use crate::model_dir::{parse_matmul, preset_parser};
 use trainer::plan::{LoraPlan, MemoryPlan, PlanSettings};
 use trainer::run::{peak_rss_mb, reset_peak_rss};
@@ -80,6 +80,15 @@ pub struct Args {
     /// (GFLOP/s; the median of 5 after a warm-up).
     #[arg(long)]
     pub products: bool,
+    /// Time attention alone instead of the model's workloads: each implementation (eager,
+    /// memory_efficient) forward and forward + backward, with the model's heads on random
+    /// operands of --attention-lens tokens (one sequence, a causal prefill; burn's ops, the GPU
+    /// path: no CPU kernel stands in), and each one's peak memory.
+    #[arg(long)]
+    pub attention: bool,
+    /// Sequence lengths of --attention.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024,4096")]
+    pub attention_lens: Vec<usize>,
     /// Switch the fused CPU kernels off: every op runs through burn's portable tensor ops, the
     /// path the CUDA backend takes (measures what the kernels gain; the environment variable
     /// does the same for any command).
@@ -150,7 +159,10 @@ impl OnBackend for Args {
             }
         };
         let mut figures = Vec::new();
-        if !self.train_step_only {
+        if self.attention {
+            let config = Qwen3Config::from_file(&dir.join("config.json"))?;
+            figures.extend(attention_figures::<B>(&device, &config, &self.attention_lens, self.compute.attention.attention_block_size)?);
+        } else if !self.train_step_only {
             self.inference_figures::<B>(&dir, &device, &mut figures)?;
         }
         if self.train_step {
@@ -165,6 +177,7 @@ impl OnBackend for Args {
                 lora: self.lora.then(LoraConfig::default),
                 dtype: self.compute.dtype,
                 matmul: self.matmul,
+                attention: self.compute.attention.clone(),
             };
             let (seconds, peak) = step.measure::<B>(&dir, &device)?;
             let mode = match (&step.lora, step.checkpointing) {
@@ -205,7 +218,7 @@ impl Args {
     fn inference_figures<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, figures: &mut Vec<Figure>) -> Result<()> {
         reset_peak_rss();
         let start = Instant::now();
-        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype, ..Default::default() })?
+        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype, compute: self.compute.attention.compute(MatmulPrecision::F32) })?
             .with_matmul_precision(self.matmul);
         B::sync(device)?;
         figures.push(Figure::tokens("load".into(), start.elapsed().as_secs_f64(), None, peak_rss_mb()));
@@ -284,6 +297,7 @@ struct TrainStep {
     /// The weights' dtype (the frozen base's with LoRA).
     dtype: DType,
     matmul: MatmulPrecision,
+    attention: AttentionArgs,
 }
 
 impl TrainStep {
@@ -309,7 +323,8 @@ impl TrainStep {
         use burn::module::Module;
         use trainer::grpo::{learn_step, learn_step_lora, PolicyBatch, PolicySequence};
 
-        let model = load_pretrained::<Autodiff<B>>(dir, device, LoadOptions { dtype: self.dtype, ..Default::default() })?;
+        let options = LoadOptions { dtype: self.dtype, compute: self.attention.compute(self.matmul) };
+        let model = load_pretrained::<Autodiff<B>>(dir, device, options)?;
         let config = self.config();
         let vocab = model.config.vocab_size as u32;
         let sequence = |i: usize| {
@@ -380,6 +395,8 @@ impl TrainStep {
             context: self.seq_len,
             checkpointing: self.checkpointing,
             matmul: self.matmul,
+            attention: self.attention.attn_implementation,
+            attention_block: self.attention.attention_block_size,
             device: crate::cmd::plan::plan_device(device),
         };
         Ok(Some(MemoryPlan::new(settings)))
@@ -418,6 +435,74 @@ fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize
     Ok(figures)
 }
 
+/// `--attention`: each implementation alone on one causal prefill of each length with the
+/// model's heads (random f32 operands), forward and forward + backward (under autodiff, the
+/// gradients of q, k and v of `Σ output`); the median of [`TIMED_ATTENTION`] runs after a
+/// warm-up, and the peak RSS of the timed runs. The eager formula's bias
+/// is built outside the timed part (the model builds it once per pass for every layer).
+fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens: &[usize], block_size: usize) -> Result<Vec<Figure>> {
+    use burn::backend::Autodiff;
+    use burn::tensor::{Distribution, Tensor};
+    use model::qwen3::attention::eager::{eager_attention_forward, grouped_bias};
+    use model::qwen3::attention::memory_efficient::Operands;
+    use model::qwen3::attention::memory_efficient_attention;
+    use model::qwen3::AttentionMask;
+    use model::AttnImplementation;
+
+    fn attend<A: Backend>(implementation: AttnImplementation, x: Operands<A>, mask: &AttentionMask<A>, bias: &Tensor<A, 4>, block_size: usize, scale: f32) -> Tensor<A, 4> {
+        match implementation {
+            AttnImplementation::Eager => eager_attention_forward(x.query, x.key, x.value, bias, scale as f64),
+            AttnImplementation::MemoryEfficient => memory_efficient_attention(x, mask, block_size, scale),
+        }
+    }
+
+    model::qwen3::register_autodiff_attention::<Autodiff<B>>();
+    let (heads, kv_heads, d) = (config.num_attention_heads, config.num_key_value_heads, config.head_dim);
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut figures = Vec::new();
+    for &len in lens {
+        let normal = Distribution::Normal(0.0, 1.0);
+        let q = Tensor::<B, 4>::random([1, heads, len, d], normal, device);
+        let k = Tensor::<B, 4>::random([1, kv_heads, len, d], normal, device);
+        let v = Tensor::<B, 4>::random([1, kv_heads, len, d], normal, device);
+        for implementation in AttnImplementation::ALL {
+            let mask = AttentionMask::<B>::new(None, 1, 0, len, device);
+            let bias = match implementation {
+                AttnImplementation::Eager => grouped_bias(&mask.bias(q.dtype()), heads, kv_heads),
+                AttnImplementation::MemoryEfficient => Tensor::zeros([1, 1, 1, 1], device),
+            };
+            let forward = || -> Result<f64> {
+                let start = Instant::now();
+                let x = Operands { query: q.clone(), key: k.clone(), value: v.clone() };
+                let out = attend(implementation, x, &mask, &bias, block_size, scale);
+                B::sync(device)?;
+                drop(out);
+                Ok(start.elapsed().as_secs_f64())
+            };
+            forward()?;
+            reset_peak_rss();
+            let seconds = median_seconds(TIMED_ATTENTION, forward)?;
+            figures.push(Figure::tokens(format!("attention {len} {implementation} fwd"), seconds, Some(len as f64), peak_rss_mb()));
+
+            let tracked = |t: &Tensor<B, 4>| Tensor::<Autodiff<B>, 4>::from_inner(t.clone()).require_grad();
+            let (mask_ad, bias_ad) = (AttentionMask::<Autodiff<B>>::new(None, 1, 0, len, device), Tensor::<Autodiff<B>, 4>::from_inner(bias.clone()));
+            let backward = || -> Result<f64> {
+                let start = Instant::now();
+                let x = Operands { query: tracked(&q), key: tracked(&k), value: tracked(&v) };
+                let grads = attend(implementation, x, &mask_ad, &bias_ad, block_size, scale).sum().backward();
+                B::sync(device)?;
+                drop(grads);
+                Ok(start.elapsed().as_secs_f64())
+            };
+            backward()?;
+            reset_peak_rss();
+            let seconds = median_seconds(TIMED_ATTENTION, backward)?;
+            figures.push(Figure::tokens(format!("attention {len} {implementation} fwd+bwd"), seconds, Some(len as f64), peak_rss_mb()));
+        }
+    }
+    Ok(figures)
+}
+
 /// The median of `runs` calls of `time`, each returning the seconds it measured.
 fn median_seconds(runs: usize, mut time: impl FnMut() -> Result<f64>) -> Result<f64> {
     let mut seconds = (0..runs).map(|_| time()).collect::<Result<Vec<_>>>()?;
@@ -429,6 +514,10 @@ fn median_seconds(runs: usize, mut time: impl FnMut() -> Result<f64>) -> Result<
 /// reported): one run of a shared VM can be a third slower than the next.
 /// `scripts/bench_pytorch.py` times PyTorch the same way.
 const TIMED_RUNS: usize = 3;
+
+/// Runs timed per attention workload by `--attention` (the median is reported): a 256-token
+/// call takes about 10 ms on 2 cores, where one run of a shared VM can be a third off the next.
+const TIMED_ATTENTION: usize = 9;
 
 /// Products timed per shape and precision by `--products` (the median is reported).
 const TIMED_PRODUCTS: usize = 5;

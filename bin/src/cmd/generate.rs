@@ -64,7 +64,7 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open_with_adapter(&self.model, self.adapter.as_deref(), &device, self.compute.dtype)?;
+        let loaded = LoadedModel::<B>::open_with_adapter(&self.model, self.adapter.as_deref(), &device, self.compute.load_options())?;
         let prompt_ids = match (&self.prompt, &self.prompt_ids) {
             (_, Some(ids)) => ids.0.clone(),
             (Some(text), None) => {

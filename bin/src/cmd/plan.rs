@@ -26,8 +26,9 @@ pub struct Args {
     /// total where it can be read (CUDA), else this machine's RAM.
     #[arg(long, value_parser = parse_size)]
     pub device_memory: Option<u64>,
-    /// The device the run trains on: cpu, cuda, cuda:N or wgpu (the GPU backends keep more
-    /// activations: their attention is burn's tensor ops). A plan for a GPU needs no GPU here.
+    /// The device the run trains on: cpu, cuda, cuda:N or wgpu (the GPU backends run burn's
+    /// tensor ops: with attn_implementation = "eager" their attention keeps [batch, heads, q, k]
+    /// tensors, with "memory_efficient" blocks). A plan for a GPU needs no GPU here.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
     /// Tokens of the longest episode (default: 1024 for the prompt plus
@@ -107,7 +108,7 @@ pub fn describe(plan: &MemoryPlan) -> String {
     let s = &plan.settings;
     let m = &s.model;
     let mut out = format!(
-        "memory plan: {} layers, hidden {}, {:.2}B parameters, {}; micro-batch {} × {} tokens, {} episodes per rollout batch, {:?}\n",
+        "memory plan: {} layers, hidden {}, {:.2}B parameters, {}; micro-batch {} × {} tokens, {} episodes per rollout batch, {:?}, {} attention\n",
         m.num_hidden_layers,
         m.hidden_size,
         m.num_parameters() as f64 / 1e9,
@@ -122,6 +123,7 @@ pub fn describe(plan: &MemoryPlan) -> String {
         s.context,
         s.generation_batch,
         s.device,
+        s.attention,
     );
     let line = |out: &mut String, name: &str, bytes: u64| {
         if bytes > 0 {

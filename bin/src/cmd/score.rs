@@ -48,7 +48,7 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open_with_adapter(&self.model, self.adapter.as_deref(), &device, self.compute.dtype)?;
+        let loaded = LoadedModel::<B>::open_with_adapter(&self.model, self.adapter.as_deref(), &device, self.compute.load_options())?;
         let ids = |given: &Option<TokenIds>, text: &Option<String>, flag: &str| -> Result<Vec<u32>> {
             match (given, text) {
                 (Some(ids), _) => Ok(ids.0.clone()),

@@ -62,7 +62,7 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open(&self.model, &device, self.compute.dtype)?;
+        let loaded = LoadedModel::<B>::open(&self.model, &device, self.compute.load_options())?;
         let tokenizer = loaded.require_tokenizer(&self.model, "serve")?;
         let template = chat_template(&self.model)?;
         let mut stop_ids = loaded.stop_ids();

@@ -59,6 +59,9 @@ pub struct Args {
     /// Compute device: cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
+    /// Override attn_implementation: memory_efficient (the default) or eager (HF's formula).
+    #[arg(long, value_parser = clap::value_parser!(model::AttnImplementation))]
+    pub attn_implementation: Option<model::AttnImplementation>,
 }
 
 impl Args {
@@ -86,6 +89,9 @@ impl Args {
         }
         if let Some(matmul) = self.matmul {
             config.train.matmul = matmul;
+        }
+        if let Some(attn) = self.attn_implementation {
+            config.attn_implementation = attn;
         }
         config
             .validate()

@@ -47,6 +47,10 @@ pub struct Args {
     /// about as fast as f32 on others: `prompt-r1 bench --products` compares them).
     #[arg(long, value_parser = parse_matmul)]
     pub matmul: Option<MatmulPrecision>,
+    /// Override attn_implementation: memory_efficient (the default; blocks of queries and keys,
+    /// memory linear in the context) or eager (HF's formula, [batch, heads, q, k] scores).
+    #[arg(long, value_parser = clap::value_parser!(model::AttnImplementation))]
+    pub attn_implementation: Option<model::AttnImplementation>,
     /// Override environment.base_url (the large LLM's OpenAI-compatible endpoint).
     #[arg(long)]
     pub env_url: Option<String>,
@@ -83,6 +87,9 @@ impl Args {
         }
         if let Some(matmul) = self.matmul {
             config.grpo.matmul = matmul;
+        }
+        if let Some(attn) = self.attn_implementation {
+            config.attn_implementation = attn;
         }
         if let Some(url) = &self.env_url {
             config.environment.base_url = url.clone();

@@ -24,6 +24,44 @@ pub struct ComputeArgs {
     /// BF16 it is also the faster choice (wgpu has no bf16).
     #[arg(long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: DType,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
+}
+
+impl ComputeArgs {
+    /// How the model is loaded: `--dtype`, the attention flags, f32 products.
+    pub fn load_options(&self) -> model::LoadOptions {
+        model::LoadOptions { dtype: self.dtype, compute: self.attention.compute(model::MatmulPrecision::F32) }
+    }
+}
+
+/// `--attn-implementation` and `--attention-block-size`: how attention computes (the model's
+/// [`model::Compute`], chosen at load).
+#[derive(clap::Args, Debug, Clone)]
+pub struct AttentionArgs {
+    /// Attention's implementation: memory_efficient (blocks of queries and keys with an online
+    /// softmax; no [batch, heads, queries, keys] tensor; the GPU path's default) or eager (HF's
+    /// formula, the reference). On the CPU with its kernels on, the fused CPU kernel runs for both.
+    #[arg(long, default_value = "memory_efficient", value_parser = clap::value_parser!(model::AttnImplementation))]
+    pub attn_implementation: model::AttnImplementation,
+    /// Queries per block of the memory-efficient attention (and the fewest keys per block).
+    #[arg(long, default_value_t = model::qwen3::compute::DEFAULT_ATTENTION_BLOCK_SIZE, value_parser = parse_block_size)]
+    pub attention_block_size: usize,
+}
+
+/// A block size of at least 1.
+fn parse_block_size(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("\"{s}\" is not a block size: use a whole number of at least 1")),
+    }
+}
+
+impl AttentionArgs {
+    /// The model's [`model::Compute`] with products at `matmul`.
+    pub fn compute(&self, matmul: model::MatmulPrecision) -> model::Compute {
+        model::Compute { attn_implementation: self.attn_implementation, attention_block_size: self.attention_block_size, matmul }
+    }
 }
 
 /// A device named on the command line.

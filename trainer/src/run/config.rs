@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::DType;
 use env::ClientConfig;
-use model::{LoraConfig, Sampling};
+use model::qwen3::compute::DEFAULT_ATTENTION_BLOCK_SIZE;
+use model::{AttnImplementation, Compute, LoraConfig, Sampling};
 use rewards::RewardConfig;
 use serde::{Deserialize, Serialize};
 
@@ -24,6 +25,15 @@ pub struct TrainConfig {
     /// (only with `[lora]`: full fine-tuning keeps f32 weights).
     #[serde(default)]
     pub model_dtype: ModelDtype,
+    /// Attention's implementation for rollouts, scoring and the update (transformers'
+    /// `attn_implementation`): `memory_efficient` (the default: blocks of queries and keys, no
+    /// `[b, heads, q, k]` tensor, on every backend) or `eager` (HF's formula, the reference). On
+    /// the CPU with its kernels on, the fused CPU kernel runs for both.
+    #[serde(default)]
+    pub attn_implementation: AttnImplementation,
+    /// Queries per block of the memory-efficient attention (and the fewest keys per block).
+    #[serde(default = "default_attention_block_size")]
+    pub attention_block_size: usize,
     /// LoRA: train low-rank adapters beside the frozen model instead of every weight (absent:
     /// full fine-tuning). The KL reference is then the model with the adapters off.
     #[serde(default)]
@@ -62,6 +72,22 @@ impl ModelDtype {
             ModelDtype::Bf16 => DType::BF16,
         }
     }
+}
+
+impl TrainConfig {
+    /// How the run's models compute: the attention settings and `grpo.matmul`.
+    pub fn compute(&self) -> Compute {
+        Compute {
+            attn_implementation: self.attn_implementation,
+            attention_block_size: self.attention_block_size,
+            matmul: self.grpo.matmul,
+        }
+    }
+}
+
+/// The default `attention_block_size` (see [`DEFAULT_ATTENTION_BLOCK_SIZE`]).
+pub(crate) fn default_attention_block_size() -> usize {
+    DEFAULT_ATTENTION_BLOCK_SIZE
 }
 
 /// Training and validation data.
@@ -282,6 +308,7 @@ impl TrainConfig {
         if self.rollout.batch_size == 0 || self.rollout.n == 0 || self.rollout.generation_batch == 0 {
             return Err("rollout.batch_size, rollout.n and rollout.generation_batch must be at least 1".into());
         }
+        self.compute().validate()?;
         if self.run.save_every == 0 {
             return Err("run.save_every must be at least 1".into());
         }
@@ -337,7 +364,22 @@ mod tests {
         assert_eq!(config.grpo.optimizer.eps, 1e-8);
         assert_eq!(config.grpo.optimizer.weight_decay, 0.01);
         assert_eq!(config.grpo.optimizer.grad_clip, 1.0);
+        assert_eq!(config.compute(), Compute::default());
         assert!(config.validate().is_ok());
+    }
+
+    /// The attention keys: the implementation by name, the block size checked.
+    #[test]
+    fn attention_keys_reach_the_compute_value() {
+        let base = "model = \"m\"\n[data]\ntrain = [\"t.csv\"]\n";
+        let config: TrainConfig =
+            toml::from_str(&format!("attn_implementation = \"eager\"\nattention_block_size = 128\n{base}")).unwrap();
+        let compute = config.compute();
+        assert_eq!((compute.attn_implementation, compute.attention_block_size), (AttnImplementation::Eager, 128));
+        let zero: TrainConfig = toml::from_str(&format!("attention_block_size = 0\n{base}")).unwrap();
+        assert!(zero.validate().unwrap_err().contains("attention_block_size"));
+        let err = toml::from_str::<TrainConfig>(&format!("attn_implementation = \"flash\"\n{base}")).unwrap_err().to_string();
+        assert!(err.contains("flash") && err.contains("memory_efficient"), "{err}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use model::checkpoint::StorageDtype;
 use model::lora::{is_adapter_dir, load_adapter, save_adapter, AdapterWeights};
 use model::{
     load_pretrained, save_pretrained, LoadOptions, LoraAdapters, LoraConfig, LoraModel,
-    MatmulPrecision, Qwen3ForCausalLM,
+    Compute, Qwen3ForCausalLM,
 };
 
 use super::checkpoint::OPTIMIZER_FILE;
@@ -32,7 +32,8 @@ pub(crate) struct LearnerSettings<'a> {
     pub model_dtype: ModelDtype,
     /// LoRA adapters instead of every weight.
     pub lora: Option<&'a LoraConfig>,
-    pub matmul: MatmulPrecision,
+    /// How the models compute (attention, precision of products).
+    pub compute: Compute,
     pub optimizer: &'a OptimizerConfig,
     /// Seeds the initialisation of fresh adapters.
     pub seed: u64,
@@ -89,12 +90,12 @@ impl<B: AutodiffBackend> Learner<B> {
                     });
                 }
                 optimizer = optimizer.load_record(load_optimizer_record(dir, device)?);
-                load_pretrained::<B>(dir, device, LoadOptions::default())?
+                load_pretrained::<B>(dir, device, LoadOptions { compute: settings.compute, ..Default::default() })?
             }
-            None => load_pretrained::<B>(settings.model, device, LoadOptions::default())?,
+            None => load_pretrained::<B>(settings.model, device, LoadOptions { compute: settings.compute, ..Default::default() })?,
         };
         Ok(Learner::Full {
-            policy: Some(policy.with_matmul_precision(settings.matmul)),
+            policy: Some(policy),
             optimizer,
         })
     }
@@ -105,10 +106,8 @@ impl<B: AutodiffBackend> Learner<B> {
         device: &B::Device,
         checkpoint: Option<&Path>,
     ) -> Result<Self, TrainError> {
-        let options = LoadOptions { dtype: settings.model_dtype.dtype(), ..Default::default() };
-        let base = load_pretrained::<B>(settings.model, device, options)?
-            .no_grad()
-            .with_matmul_precision(settings.matmul);
+        let options = LoadOptions { dtype: settings.model_dtype.dtype(), compute: settings.compute };
+        let base = load_pretrained::<B>(settings.model, device, options)?.no_grad();
         let mut optimizer = settings.optimizer.init::<B, LoraAdapters<B>>()?;
         let adapters = match checkpoint {
             Some(dir) => {

@@ -73,14 +73,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             model: &config.model,
             model_dtype: config.model_dtype,
             lora: config.lora.as_ref(),
-            matmul: config.grpo.matmul,
+            compute: config.compute(),
             optimizer: &config.grpo.optimizer,
             seed: config.run.seed,
         };
         let learner = Learner::start(&settings, &device, checkpoint.as_deref())?;
         let reference = if config.lora.is_none() && config.grpo.loss.uses_kl() {
-            let options = LoadOptions { dtype: config.rollout.dtype.dtype(), ..Default::default() };
-            Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?.with_matmul_precision(config.grpo.matmul))
+            let options = LoadOptions { dtype: config.rollout.dtype.dtype(), compute: config.compute() };
+            Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?)
         } else {
             None
         };

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use model::{LoraConfig, MatmulPrecision};
+use model::{AttnImplementation, Compute, LoraConfig, MatmulPrecision};
 use serde::{Deserialize, Serialize};
 
 use crate::optim::OptimizerConfig;
@@ -21,6 +21,12 @@ pub struct SftConfig {
     /// The dtype of the frozen base under LoRA ("bf16" needs `[lora]`), as in `train`'s config.
     #[serde(default)]
     pub model_dtype: ModelDtype,
+    /// Attention's implementation, as in `train`'s config (`memory_efficient` or `eager`).
+    #[serde(default)]
+    pub attn_implementation: AttnImplementation,
+    /// Queries per block of the memory-efficient attention, as in `train`'s config.
+    #[serde(default = "crate::run::config::default_attention_block_size")]
+    pub attention_block_size: usize,
     /// LoRA: train adapters beside the frozen model instead of every weight (absent: full
     /// fine-tuning); the keys of `train`'s `[lora]`.
     #[serde(default)]
@@ -128,6 +134,15 @@ impl Default for SftRunSection {
 }
 
 impl SftConfig {
+    /// How the run's model computes: the attention settings and `train.matmul`.
+    pub fn compute(&self) -> Compute {
+        Compute {
+            attn_implementation: self.attn_implementation,
+            attention_block_size: self.attention_block_size,
+            matmul: self.train.matmul,
+        }
+    }
+
     /// Reads a TOML file; relative paths inside are taken relative to the file's folder.
     pub fn from_toml_file(path: &Path) -> Result<Self, TrainError> {
         read_toml_config(path, |config: &mut Self, base| {
@@ -157,6 +172,7 @@ impl SftConfig {
         if self.data.max_length.is_some_and(|n| n < 2) {
             return Err("data.max_length must be at least 2".into());
         }
+        self.compute().validate()?;
         if self.train.batch_size == 0 || self.train.micro_batch_size == 0 {
             return Err("train.batch_size and train.micro_batch_size must be at least 1".into());
         }

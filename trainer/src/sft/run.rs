@@ -141,7 +141,7 @@ impl<B: AutodiffBackend> SftRun<B> {
             model: &config.model,
             model_dtype: config.model_dtype,
             lora: config.lora.as_ref(),
-            matmul: config.train.matmul,
+            compute: config.compute(),
             optimizer: &config.optimizer,
             seed: config.train.seed,
         };
