@@ -19,7 +19,21 @@ pub(super) struct Dims {
     pub kv: f64,
     pub intermediate: f64,
     pub heads: f64,
+    pub head_dim: f64,
     pub vocab: f64,
+}
+
+/// How a layer's attention keeps what its backward pass needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum KeptAttention {
+    /// The CPU kernel's node: its operands, output and two floats per query row and head.
+    CpuKernel,
+    /// HF's eager formula as tensor ops: the regrouped queries and `[b, heads, q, k]`
+    /// exponentials and probabilities.
+    Eager,
+    /// The memory-efficient attention's node: its operands, output and each query row's
+    /// log-sum-exp (one f32 per head), no scores.
+    MemoryEfficient,
 }
 
 /// The LoRA adapters' share of a layer's activations.
@@ -48,6 +62,7 @@ pub(super) struct LayerKept {
 pub(super) fn layer_kept(
     dims: Dims,
     path: ComputePath,
+    attention: KeptAttention,
     products: MatmulPrecision,
     lora: LoraActivations,
 ) -> LayerKept {
@@ -89,14 +104,20 @@ pub(super) fn layer_kept(
             // keeps the regrouped queries (a copy to [b, kv, groups·q, d]), exp(scores − max)
             // and the probabilities; SiLU keeps sigmoid(gate) and silu(gate) besides gate.
             let norms = 2.0 * h + q + kv;
-            let attention = q + q + q + kv + kv + kv; // q and k projections and after RoPE, regrouped q, v
+            let attention_kept = q + q + q + kv + kv + kv; // q and k projections and after RoPE, regrouped q, v
             let mlp = 4.0 * i;
             let residual_and_output = 2.0 * h;
             // Kept by the products: both norms' outputs, the attention output (a copy to
-            // [b, q, heads·d]) and SwiGLU's output.
+            // [b, q, heads·d]) and SwiGLU's output. The memory-efficient node keeps its output
+            // where eager keeps the regrouped queries, and a log-sum-exp per head instead of
+            // the two [b, heads, q, k] tensors.
+            let (lse, per_key) = match attention {
+                KeptAttention::MemoryEfficient => (heads, 0.0),
+                KeptAttention::Eager | KeptAttention::CpuKernel => (0.0, 2.0 * heads),
+            };
             (
-                norms + attention + mlp + residual_and_output + product_inputs(h, h, q, i),
-                2.0 * heads,
+                norms + attention_kept + mlp + residual_and_output + product_inputs(h, h, q, i) + lse,
+                per_key,
             )
         }
         ComputePath::PortableBf16 => {
@@ -105,11 +126,17 @@ pub(super) fn layer_kept(
             // regrouped queries and the values stay bf16; the softmax keeps exp(scores − max) in
             // f32 and the probabilities cast back to bf16; SiLU's four tensors are bf16. The
             // frozen products keep nothing of their inputs; each adapter keeps an f32 copy.
+            // The memory-efficient node keeps its bf16 output in place of the regrouped
+            // queries, and an f32 log-sum-exp per head in place of the softmax's tensors.
             let norms = 2.0 * h + q + kv;
-            let attention = 0.5 * (2.0 * q + 2.0 * kv);
+            let attention_kept = 0.5 * (2.0 * q + 2.0 * kv);
             let mlp = 0.5 * 4.0 * i;
             let output = 0.5 * h;
-            (norms + attention + mlp + output + lora.inputs, 1.5 * heads)
+            let (lse, per_key) = match attention {
+                KeptAttention::MemoryEfficient => (heads, 0.0),
+                KeptAttention::Eager | KeptAttention::CpuKernel => (0.0, 1.5 * heads),
+            };
+            (norms + attention_kept + mlp + output + lora.inputs + lse, per_key)
         }
     };
     let dropout = if lora.dropout { 2.0 * lora.inputs } else { 0.0 };
@@ -119,25 +146,34 @@ pub(super) fn layer_kept(
     }
 }
 
-/// Values per token kept once per forward pass and shared by every layer: the RoPE tables,
-/// `cos` and `sin` expanded to every query and key head.
-pub(super) fn rotary_tables(dims: Dims) -> f64 {
-    2.0 * (dims.q + dims.kv)
+/// Values per token kept once per forward pass and shared by every layer: the RoPE tables
+/// `cos` and `sin`, expanded to every query and key head where the CPU kernels may run
+/// (`repeated`), one head wide (broadcast by burn's ops) elsewhere.
+pub(super) fn rotary_tables(dims: Dims, repeated: bool) -> f64 {
+    if repeated {
+        2.0 * (dims.q + dims.kv)
+    } else {
+        2.0 * dims.head_dim
+    }
 }
 
-/// What the head keeps per scored token: the final norm's output (a copy laid out for the
-/// product) or, as tensor ops, its f32 `x·rsqrt` and output, and logits-sized tensors: the
-/// logits themselves (kept by the CPU kernel's log-prob node) or `exp(logits − max)` in f32
-/// (kept by the log-sum-exp as tensor ops), plus `exp` and `logits − max` for an entropy that
-/// takes a gradient. Every chunk's share stays alive until the backward pass.
-pub(super) fn head_kept(dims: Dims, path: ComputePath, entropy_tracked: bool) -> f64 {
-    let hidden = match path {
-        ComputePath::CpuKernels => dims.hidden,
+/// What the head keeps per scored token of the whole micro-batch: the final norm's output (a
+/// copy laid out for the product) or, as tensor ops, its f32 `x·rsqrt` and output.
+pub(super) fn head_kept_per_token(dims: Dims, path: ComputePath) -> f64 {
+    match path {
+        ComputePath::CpuKernels | ComputePath::PortableBf16 => dims.hidden,
         ComputePath::Portable => 3.0 * dims.hidden,
-        ComputePath::PortableBf16 => dims.hidden,
-    };
+    }
+}
+
+/// Logits-sized f32 values the head keeps per position of the one chunk whose graph exists at a
+/// time (the update forms and differentiates the head a chunk at a time, see
+/// `trainer::grpo::head`): the logits (kept by the CPU kernel's log-prob node) or
+/// `exp(logits − max)` (by the log-sum-exp as tensor ops), plus `exp` and `logits − max` for an
+/// entropy that takes a gradient.
+pub(super) fn head_kept_per_chunk_row(dims: Dims, entropy_tracked: bool) -> f64 {
     let logits = if entropy_tracked { 3.0 } else { 1.0 };
-    hidden + logits * dims.vocab
+    logits * dims.vocab
 }
 
 /// Logits-sized f32 tensors of one chunk alive at once beside the kept ones, at the worst
@@ -148,16 +184,6 @@ pub(super) fn head_transient_chunks(path: ComputePath) -> f64 {
     match path {
         ComputePath::CpuKernels => 2.0,
         ComputePath::Portable | ComputePath::PortableBf16 => 4.0,
-    }
-}
-
-/// f32 values per (token, key) alive at once while one layer's attention runs as tensor ops,
-/// beside the kept ones: the scores and their scaled, masked and shifted successors (forward),
-/// their gradients (backward). The CPU kernels compute attention a block of rows at a time.
-pub(super) fn attention_transient_per_key(dims: Dims, path: ComputePath) -> f64 {
-    match path {
-        ComputePath::CpuKernels => 0.0,
-        ComputePath::Portable | ComputePath::PortableBf16 => 3.0 * dims.heads,
     }
 }
 
@@ -179,6 +205,7 @@ mod tests {
             kv: 1024.0,
             intermediate: 3072.0,
             heads: 16.0,
+            head_dim: 128.0,
             vocab: 151_936.0,
         }
     }
@@ -188,6 +215,7 @@ mod tests {
         let kept = layer_kept(
             dims(),
             ComputePath::CpuKernels,
+            KeptAttention::CpuKernel,
             MatmulPrecision::F32,
             LoraActivations::default(),
         );
@@ -202,6 +230,7 @@ mod tests {
         let bf16 = layer_kept(
             dims(),
             ComputePath::CpuKernels,
+            KeptAttention::CpuKernel,
             MatmulPrecision::Bf16,
             LoraActivations::default(),
         );
@@ -215,6 +244,7 @@ mod tests {
         let kept = layer_kept(
             dims(),
             ComputePath::Portable,
+            KeptAttention::Eager,
             MatmulPrecision::F32,
             LoraActivations::default(),
         );
@@ -231,8 +261,11 @@ mod tests {
             inputs: 0.0,
             dropout: false,
         };
-        let with = layer_kept(dims(), ComputePath::Portable, MatmulPrecision::F32, lora);
+        let with = layer_kept(dims(), ComputePath::Portable, KeptAttention::Eager, MatmulPrecision::F32, lora);
         assert_eq!(with.per_token, 35_840.0 + 56.0);
+        // The memory-efficient node: a log-sum-exp per head, no per-key tensor.
+        let blocks = layer_kept(dims(), ComputePath::Portable, KeptAttention::MemoryEfficient, MatmulPrecision::F32, lora);
+        assert_eq!(blocks, LayerKept { per_token: 35_840.0 + 56.0 + 16.0, per_token_key: 0.0 });
     }
 
     #[test]
@@ -246,6 +279,7 @@ mod tests {
         let kept = layer_kept(
             dims(),
             ComputePath::PortableBf16,
+            KeptAttention::Eager,
             MatmulPrecision::F32,
             lora,
         );
@@ -264,6 +298,7 @@ mod tests {
         let with = layer_kept(
             dims(),
             ComputePath::PortableBf16,
+            KeptAttention::Eager,
             MatmulPrecision::F32,
             dropout,
         );
@@ -271,14 +306,10 @@ mod tests {
     }
 
     #[test]
-    fn the_head_keeps_a_logits_row_per_token() {
-        assert_eq!(
-            head_kept(dims(), ComputePath::CpuKernels, false),
-            1024.0 + 151_936.0
-        );
-        assert_eq!(
-            head_kept(dims(), ComputePath::Portable, true),
-            3.0 * 1024.0 + 3.0 * 151_936.0
-        );
+    fn the_head_keeps_its_input_per_token_and_logits_per_chunk_row() {
+        assert_eq!(head_kept_per_token(dims(), ComputePath::CpuKernels), 1024.0);
+        assert_eq!(head_kept_per_token(dims(), ComputePath::Portable), 3.0 * 1024.0);
+        assert_eq!(head_kept_per_chunk_row(dims(), false), 151_936.0);
+        assert_eq!(head_kept_per_chunk_row(dims(), true), 3.0 * 151_936.0);
     }
 }

@@ -13,6 +13,12 @@
 //!   gradients, and the optimiser step. Its peak is the larger of the start of the backward
 //!   pass (every activation kept, the head's gradients made) and its end (every gradient made).
 //!
+//! Attention follows `attn_implementation`: the eager formula's `[b, heads, q, k]` scores, masks
+//! and probabilities, or the memory-efficient attention's block pairs (their sizes from
+//! [`block_sizes`], the model's own choice) and causal blocks; the CPU kernel keeps a `[b, 1, q,
+//! k]` bias. The head forms its logits a chunk of positions at a time in every phase, the
+//! update's backward pass included (`crate::grpo::head`).
+//!
 //! All arithmetic; `prompt-r1 plan` prints it and `prompt-r1 train` refuses to start a run whose
 //! peak does not fit.
 
@@ -22,7 +28,8 @@ mod size;
 use burn::tensor::DType;
 use model::logprobs::LOGITS_CHUNK_ELEMENTS;
 use model::lora::{LoraConfig, LoraTarget};
-use model::{MatmulPrecision, Qwen3Config};
+use model::qwen3::attention::memory_efficient::block_sizes;
+use model::{AttnImplementation, MatmulPrecision, Qwen3Config};
 
 use crate::run::TrainConfig;
 use activations::{Dims, LoraActivations};
@@ -77,11 +84,11 @@ impl PlanDevice {
     }
 
     /// What the process holds besides tensors: its code, stacks and small allocations on the
-    /// CPU (measured: about 40 MiB before a model loads), the CUDA context on a GPU (typically
-    /// 300–500 MiB).
+    /// CPU (measured: a training step of 16 tokens of the `small` preset peaks at 32 MB, 10 MiB
+    /// of it weights and AdamW moments), the CUDA context on a GPU (typically 300–500 MiB).
     fn runtime(self) -> u64 {
         match self {
-            PlanDevice::CpuKernels | PlanDevice::CpuPortable => 64 << 20,
+            PlanDevice::CpuKernels | PlanDevice::CpuPortable => 20 << 20,
             PlanDevice::Gpu => 512 << 20,
         }
     }
@@ -137,6 +144,9 @@ pub struct PlanSettings {
     pub context: usize,
     pub checkpointing: bool,
     pub matmul: MatmulPrecision,
+    /// Attention's implementation (`attn_implementation`) and block size.
+    pub attention: AttnImplementation,
+    pub attention_block: usize,
     pub device: PlanDevice,
 }
 
@@ -167,6 +177,8 @@ impl PlanSettings {
             context: context.unwrap_or(PROMPT_ALLOWANCE + config.episode.max_response_tokens),
             checkpointing: config.grpo.activation_checkpointing,
             matmul: config.grpo.matmul,
+            attention: config.attn_implementation,
+            attention_block: config.attention_block_size,
             device,
         }
     }
@@ -199,7 +211,74 @@ impl PlanSettings {
             kv: (m.num_key_value_heads * m.head_dim) as f64,
             intermediate: m.intermediate_size as f64,
             heads: m.num_attention_heads as f64,
+            head_dim: m.head_dim as f64,
             vocab: m.vocab_size as f64,
+        }
+    }
+
+    /// Where attention runs on a pass taking `path`: the CPU kernel, or one of the
+    /// implementations as burn's tensor ops. Inference passes take the device's path
+    /// ([`PlanDevice::path`]: the CPU kernel serves bf16 activations there), the update
+    /// [`Self::path`].
+    fn attention_path(&self, path: ComputePath) -> AttentionPath {
+        match (path, self.attention) {
+            (ComputePath::CpuKernels, _) => AttentionPath::CpuKernel,
+            (_, AttnImplementation::Eager) => AttentionPath::Eager,
+            (_, AttnImplementation::MemoryEfficient) => AttentionPath::MemoryEfficient,
+        }
+    }
+
+    /// Queries and keys per block of the memory-efficient attention for `rows` sequences of
+    /// `len` tokens (the model's choice, [`block_sizes`]).
+    fn attention_blocks(&self, rows: f64, len: f64) -> (f64, f64) {
+        let (q, k) = block_sizes(rows as usize, self.model.num_attention_heads, len as usize, len as usize, self.attention_block);
+        (q as f64, k as f64)
+    }
+
+    /// f32 values of attention's transients at once for `rows` sequences of `len` tokens in one
+    /// layer on a pass taking `path`: the eager formula's `[b, heads, q, k]` scores and their
+    /// successors (3 forward, their gradients backward), or `blocks` block-pair-sized tensors of
+    /// the memory-efficient attention (a query block against its widest span of keys: scores
+    /// and exponentials forward, probabilities and their gradient backward, most of burn's
+    /// element-wise ops working in place) and the causal triangle repeated to a diagonal block's
+    /// scores. The CPU kernel works a block of rows at a time.
+    fn attention_transient(&self, path: ComputePath, rows: f64, len: f64, blocks: f64) -> f64 {
+        let heads = self.model.num_attention_heads as f64;
+        match self.attention_path(path) {
+            AttentionPath::CpuKernel => 0.0,
+            AttentionPath::Eager => rows * len * len * 3.0 * heads,
+            AttentionPath::MemoryEfficient => {
+                let (q, k) = self.attention_blocks(rows, len);
+                let widest_span = k.min(q.max(len - q));
+                let diagonal_bias = if q > 1.0 { rows * heads * q * q } else { 0.0 };
+                blocks * rows * heads * q * widest_span + diagonal_bias
+            }
+        }
+    }
+
+    /// Bytes of the masks one pass builds for `rows` sequences of `len` tokens with activations
+    /// of `act` bytes: where the CPU kernels may run, the bias `[b, 1, q, k]` they take; for the
+    /// eager formula the bias and its per-head copy; for the memory-efficient attention on a
+    /// pass it runs (`path`), its causal blocks.
+    fn masks(&self, path: ComputePath, rows: f64, len: f64, act: f64) -> f64 {
+        let heads = self.model.num_attention_heads as f64;
+        let kernels = self.device == PlanDevice::CpuKernels;
+        let bias = rows * len * len * act;
+        match self.attention_path(path) {
+            _ if self.attention == AttnImplementation::Eager => bias * (1.0 + heads),
+            AttentionPath::CpuKernel => bias,
+            _ => f64::from(u8::from(kernels)) * bias + self.causal_blocks(rows, len),
+        }
+    }
+
+    /// What of [`Self::masks`] the update keeps for its backward pass: the CPU kernel's node
+    /// keeps its bias, the memory-efficient node its causal blocks; the eager formula's addition
+    /// keeps nothing.
+    fn masks_kept(&self, rows: f64, len: f64, act: f64) -> f64 {
+        match self.attention_path(self.path()) {
+            AttentionPath::CpuKernel => rows * len * len * act,
+            AttentionPath::Eager => 0.0,
+            AttentionPath::MemoryEfficient => self.causal_blocks(rows, len),
         }
     }
 
@@ -239,6 +318,25 @@ impl PlanSettings {
                 dropout: lora.dropout,
             })
     }
+
+    /// The memory-efficient attention's causal masks of one pass: the triangle of a query block's
+    /// own keys, `groups · block²` f32, shared by every query block, and the last block's
+    /// smaller one when the length is not a multiple of the block.
+    fn causal_blocks(&self, rows: f64, len: f64) -> f64 {
+        let (q, _) = self.attention_blocks(rows, len);
+        let groups = (self.model.num_attention_heads / self.model.num_key_value_heads) as f64;
+        let last = len % q;
+        let triangles = if q > 1.0 { q * q } else { 0.0 } + if len > q && last > 1.0 { last * last } else { 0.0 };
+        groups * triangles * F32
+    }
+}
+
+/// Where attention runs (see [`PlanSettings::attention_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AttentionPath {
+    CpuKernel,
+    Eager,
+    MemoryEfficient,
 }
 
 /// One named amount of memory.
@@ -608,18 +706,15 @@ fn scoring_phase(s: &PlanSettings) -> Phase {
 }
 
 /// The transient memory of a forward pass without autodiff over `rows × len` tokens with
-/// activations of `act` bytes: the attention mask `[b, 1, q, k]` and its copy per head
-/// `[b, heads, q, k]` (built once per pass), the RoPE tables, one layer's temporaries, and the
-/// scores of eager attention on the portable path.
+/// activations of `act` bytes: the masks (built once per pass), the RoPE tables, one layer's
+/// temporaries, and attention's transients.
 fn inference_forward(s: &PlanSettings, rows: f64, len: f64, act: f64) -> f64 {
     let dims = s.dims();
     let tokens = rows * len;
-    let masks = rows * len * len * (1.0 + dims.heads) * act;
-    let tables = tokens * activations::rotary_tables(dims) * act;
+    let path = s.device.path();
+    let tables = tokens * activations::rotary_tables(dims, s.device == PlanDevice::CpuKernels) * act;
     let layer = tokens * activations::layer_transient(dims) * act;
-    let scores =
-        rows * len * len * activations::attention_transient_per_key(dims, s.device.path()) * F32;
-    masks + tables + layer + scores
+    s.masks(path, rows, len, act) + tables + layer + s.attention_transient(path, rows, len, 2.0) * F32
 }
 
 /// Rows of one chunk of logits (`model::logprobs` forms `LOGITS_CHUNK_ELEMENTS` at most).
@@ -637,11 +732,14 @@ struct UpdateParts {
     layers: f64,
     /// One layer's kept activations.
     one_layer: f64,
-    /// The RoPE tables and the attention mask kept for the backward pass.
+    /// The RoPE tables, kept for the backward pass.
     shared: f64,
-    /// The per-head copy of the attention mask, alive while the decoder's forward pass runs.
-    grouped_mask: f64,
-    /// Kept by the head: the final norm's output and the logits-sized tensors of every chunk.
+    /// The attention masks of a pass (see [`PlanSettings::masks`]).
+    masks: f64,
+    /// What the backward pass keeps of them.
+    masks_kept: f64,
+    /// Kept by the head: the final norm's output, the gradient at it (its chunks and their
+    /// concatenation) and the logits-sized tensors of the one chunk whose graph exists.
     head: f64,
     /// Logits-sized tensors of one chunk in flight.
     head_transient: f64,
@@ -668,12 +766,13 @@ fn update_parts(s: &PlanSettings) -> UpdateParts {
     let (b, len) = (s.micro_batch as f64, s.context as f64);
     let tokens = b * len;
     let layers = m.num_hidden_layers as f64;
-    let kept = activations::layer_kept(dims, path, s.matmul, s.lora_activations());
-    let one_layer = (tokens * kept.per_token + tokens * len * kept.per_token_key) * F32;
-    let shared_mask = match path {
-        ComputePath::CpuKernels => b * len * len,
-        ComputePath::Portable | ComputePath::PortableBf16 => 0.0,
+    let attention = match s.attention_path(path) {
+        AttentionPath::CpuKernel => activations::KeptAttention::CpuKernel,
+        AttentionPath::Eager => activations::KeptAttention::Eager,
+        AttentionPath::MemoryEfficient => activations::KeptAttention::MemoryEfficient,
     };
+    let kept = activations::layer_kept(dims, path, attention, s.matmul, s.lora_activations());
+    let one_layer = (tokens * kept.per_token + tokens * len * kept.per_token_key) * F32;
     // Hidden states, RoPE tables and masks are in the activations' dtype.
     let act = match path {
         ComputePath::PortableBf16 => 2.0,
@@ -686,16 +785,17 @@ fn update_parts(s: &PlanSettings) -> UpdateParts {
     UpdateParts {
         layers: layers * one_layer,
         one_layer,
-        shared: (tokens * activations::rotary_tables(dims) + shared_mask) * act,
-        grouped_mask: b * dims.heads * len * len * act,
-        head: tokens * activations::head_kept(dims, path, s.entropy_grad) * F32,
+        shared: tokens * activations::rotary_tables(dims, s.device == PlanDevice::CpuKernels) * act,
+        masks: s.masks(path, b, len, act),
+        masks_kept: s.masks_kept(b, len, act),
+        head: tokens * activations::head_kept_per_token(dims, path) * F32
+            + logits_chunk_rows(s) * activations::head_kept_per_chunk_row(dims, s.entropy_grad) * F32
+            + 2.0 * tokens * dims.hidden * act,
         head_transient: activations::head_transient_chunks(path)
             * logits_chunk_rows(s)
             * dims.vocab
             * F32,
-        layer_transient: (tokens * activations::layer_transient(dims)
-            + tokens * len * activations::attention_transient_per_key(dims, path))
-            * F32,
+        layer_transient: (tokens * activations::layer_transient(dims) + s.attention_transient(path, b, len, 1.0)) * F32,
         hidden: tokens * dims.hidden * act,
         head_grads: if full { table } else { 0.0 },
         grads,
@@ -733,10 +833,19 @@ fn embedding_grad_transient(s: &PlanSettings, table: f64) -> f64 {
 
 /// The update's worst moment (see the module docs), as terms.
 fn update_phase(s: &PlanSettings, checkpointing: bool) -> Phase {
+    let (name, terms) = update_moments(s, checkpointing)
+        .into_iter()
+        .max_by_key(|(_, terms)| terms.iter().map(|t| t.bytes).sum::<u64>())
+        .expect("moments");
+    Phase { name, terms }
+}
+
+/// The update's moments of highest memory, each with what it holds.
+fn update_moments(s: &PlanSettings, checkpointing: bool) -> Vec<(String, Vec<Term>)> {
     let p = update_parts(s);
     let layers = s.model.num_hidden_layers as f64;
     let acc = || Term::new("gradients accumulated over the mini-batch", p.accumulated);
-    let moments: Vec<(String, Vec<Term>)> = if checkpointing {
+    if checkpointing {
         vec![
             (
                 "update, head's backward pass (checkpointed)".into(),
@@ -746,7 +855,7 @@ fn update_phase(s: &PlanSettings, checkpointing: bool) -> Phase {
                         "layer inputs kept by checkpointing",
                         (layers + 1.0) * p.hidden,
                     ),
-                    Term::new("head: final norm output and logits (every chunk)", p.head),
+                    Term::new("head: final norm output, its gradient, one chunk's logits", p.head),
                     Term::new("head: a chunk of logits in flight", p.head_transient),
                     Term::new("head's gradients", p.head_grads),
                 ],
@@ -758,7 +867,7 @@ fn update_phase(s: &PlanSettings, checkpointing: bool) -> Phase {
                     Term::new("head's gradients", p.head_grads),
                     Term::new("layer inputs kept by checkpointing", layers * p.hidden),
                     Term::new("one layer's activations", p.one_layer),
-                    Term::new("RoPE tables and attention masks", p.shared + p.grouped_mask),
+                    Term::new("RoPE tables and attention masks", p.shared + p.masks),
                     Term::new(
                         "the layer's gradients in flight",
                         p.layer_transient + 2.0 * p.hidden,
@@ -773,7 +882,7 @@ fn update_phase(s: &PlanSettings, checkpointing: bool) -> Phase {
                         "layer inputs kept by checkpointing",
                         (layers + 1.0) * p.hidden,
                     ),
-                    Term::new("RoPE tables and attention masks", p.shared + p.grouped_mask),
+                    Term::new("RoPE tables and attention masks", p.shared + p.masks),
                     Term::new("one layer's temporaries", p.layer_transient),
                 ],
             ),
@@ -786,8 +895,8 @@ fn update_phase(s: &PlanSettings, checkpointing: bool) -> Phase {
                 vec![
                     acc(),
                     Term::new("every layer's activations", p.layers),
-                    Term::new("RoPE tables and attention mask", p.shared),
-                    Term::new("head: final norm output and logits (every chunk)", p.head),
+                    Term::new("RoPE tables and attention masks", p.shared + p.masks_kept),
+                    Term::new("head: final norm output, its gradient, one chunk's logits", p.head),
                     Term::new("head: a chunk of logits in flight", p.head_transient),
                     Term::new("head's gradients", p.head_grads),
                 ],
@@ -797,18 +906,13 @@ fn update_phase(s: &PlanSettings, checkpointing: bool) -> Phase {
                 vec![
                     acc(),
                     Term::new("every layer's activations", p.layers),
-                    Term::new("RoPE tables and attention masks", p.shared + p.grouped_mask),
+                    Term::new("RoPE tables and attention masks", p.shared + p.masks),
                     Term::new("one layer's temporaries", p.layer_transient),
                 ],
             ),
             end_of_backward(&p),
         ]
-    };
-    let (name, terms) = moments
-        .into_iter()
-        .max_by_key(|(_, terms)| terms.iter().map(|t| t.bytes).sum::<u64>())
-        .expect("moments");
-    Phase { name, terms }
+    }
 }
 
 /// The end of the backward pass, then the optimiser step.
@@ -824,27 +928,29 @@ fn end_of_backward(p: &UpdateParts) -> (String, Vec<Term>) {
     )
 }
 
-/// The activation part of the update phase (everything but gradients).
+/// The update's activation memory for one micro-batch: its largest moment, gradients left out.
 fn update_activations(s: &PlanSettings, checkpointing: bool) -> u64 {
-    let phase = update_phase(
-        &PlanSettings {
-            mini_batch: s.micro_batch,
-            ..s.clone()
-        },
-        checkpointing,
-    );
     let gradients = [
         "gradients",
         "head's gradients",
         "the embedding's gradient table",
         "optimiser step",
     ];
-    phase
-        .terms
+    let one_micro_batch = PlanSettings {
+        mini_batch: s.micro_batch,
+        ..s.clone()
+    };
+    update_moments(&one_micro_batch, checkpointing)
         .iter()
-        .filter(|t| !gradients.iter().any(|g| t.name.starts_with(g)))
-        .map(|t| t.bytes)
-        .sum()
+        .map(|(_, terms)| {
+            terms
+                .iter()
+                .filter(|t| !gradients.iter().any(|g| t.name.starts_with(g)))
+                .map(|t| t.bytes)
+                .sum()
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -866,6 +972,8 @@ mod tests {
             context: 256,
             checkpointing: false,
             matmul: MatmulPrecision::F32,
+            attention: AttnImplementation::MemoryEfficient,
+            attention_block: model::qwen3::compute::DEFAULT_ATTENTION_BLOCK_SIZE,
             device: PlanDevice::CpuKernels,
         }
     }
@@ -952,15 +1060,62 @@ mod tests {
     }
 
     #[test]
-    fn the_portable_path_keeps_attention_probabilities() {
+    fn eager_attention_on_the_portable_path_keeps_attention_probabilities() {
         let mut s = settings(Preset::Qwen3_4B);
         s.micro_batch = 1;
         s.context = 8192;
+        s.attention = AttnImplementation::Eager;
         let cpu = MemoryPlan::new(s.clone()).activations.without_checkpointing;
         s.device = PlanDevice::Gpu;
-        let gpu = MemoryPlan::new(s).activations.without_checkpointing;
+        let gpu = MemoryPlan::new(s.clone()).activations.without_checkpointing;
         // Two [1, 32, 8192, 8192] f32 tensors a layer, 36 layers: 576 GiB more.
         assert!((gpu - cpu) as f64 > 570.0 * GIB, "{gpu} vs {cpu}");
+        // The memory-efficient attention keeps a log-sum-exp per head instead: the GPU path then
+        // keeps about what the CPU kernels keep (the portable path's norms and SiLU keep more).
+        s.attention = AttnImplementation::MemoryEfficient;
+        let blocks = MemoryPlan::new(s).activations.without_checkpointing;
+        assert!((blocks as f64) < 1.5 * cpu as f64, "{blocks} vs {cpu}");
+    }
+
+    /// Memory grows linearly with the context on the GPU path with the memory-efficient
+    /// attention (the bar: 4k against 1k at most 5×), quadratically with eager.
+    #[test]
+    fn memory_efficient_activations_grow_linearly_with_the_context() {
+        let mut s = settings(Preset::Qwen3_4B);
+        s.device = PlanDevice::Gpu;
+        s.micro_batch = 1;
+        let at = |s: &PlanSettings, context: usize| {
+            MemoryPlan::new(PlanSettings { context, ..s.clone() }).activations.without_checkpointing as f64
+        };
+        let ratio = at(&s, 4096) / at(&s, 1024);
+        assert!(ratio <= 5.0, "memory-efficient: 4k / 1k = {ratio}");
+        s.attention = AttnImplementation::Eager;
+        let eager = at(&s, 4096) / at(&s, 1024);
+        assert!(eager > 8.0, "eager: 4k / 1k = {eager}");
+    }
+
+    /// The paper's run (Qwen3-4B, LoRA rank 8 on a bf16 base, activation checkpointing,
+    /// micro-batch 8 of 9,216-token sequences, bf16 rollouts) fits one 80 GiB GPU with 16
+    /// episodes per rollout batch; with eager attention it is hundreds of GiB over.
+    #[test]
+    fn the_papers_run_fits_one_80_gib_gpu_at_generation_batch_16() {
+        let s = PlanSettings {
+            lora: Some(LoraPlan::all_linear(8)),
+            base_dtype: DType::BF16,
+            rollout_dtype: DType::BF16,
+            kl: true,
+            micro_batch: 8,
+            mini_batch: 64,
+            generation_batch: 16,
+            context: PROMPT_ALLOWANCE + 8192,
+            checkpointing: true,
+            device: PlanDevice::Gpu,
+            ..settings(Preset::Qwen3_4B)
+        };
+        let plan = MemoryPlan::new(s.clone());
+        assert!(plan.check(80 << 30).fits, "peak {}", format_size(plan.peak()));
+        let eager = MemoryPlan::new(PlanSettings { attention: AttnImplementation::Eager, ..s });
+        assert!(eager.peak() > 500 << 30, "eager peak {}", format_size(eager.peak()));
     }
 
     #[test]
