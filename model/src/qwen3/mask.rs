@@ -29,15 +29,15 @@ pub struct AttentionMask<B: Backend> {
     past: usize,
     q_len: usize,
     device: B::Device,
-    /// The causal blocks built so far, by `(groups, rows, columns, offset)`.
+    /// The causal blocks built so far, by `(kv_heads, groups, rows, columns, offset)`.
     blocks: Arc<Mutex<HashMap<BlockKey, Tensor<B, 4>>>>,
     /// The same mask on an autodiff backend's inner backend, made once ([`Self::inner`]).
     inner: Arc<OnceLock<Box<dyn Any + Send + Sync>>>,
 }
 
-/// A causal block of [`AttentionMask::block_bias`]: `(groups, rows, columns, offset)`, where
-/// query `i` of the block sees key `j` when `j <= i + offset`.
-type BlockKey = (usize, usize, usize, i64);
+/// A causal block of [`AttentionMask::block_bias`]: `(kv_heads, groups, rows, columns, offset)`,
+/// where query `i` of the block sees key `j` when `j <= i + offset`.
+type BlockKey = (usize, usize, usize, usize, i64);
 
 impl<B: Backend> AttentionMask<B> {
     /// `key_mask` is `[b, past + q_len]` with 1 for real tokens and 0 for padding (`None`: no
@@ -73,18 +73,29 @@ impl<B: Backend> AttentionMask<B> {
         }
     }
 
-    /// The additive f32 bias of keys `k0..k1` for queries `q0..q1` of each of `groups` heads
-    /// stacked along the rows (row `r` is query `q0 + r % (q1 − q0)`): `[b or 1, 1, groups ·
-    /// (q1 − q0), k1 − k0]`; `None` when no key of the block is masked for any of them. The
-    /// causal part depends on the block's shape and on where its keys start relative to its
-    /// queries, not on where it lies: the memory-efficient attention asks for the same triangle
-    /// at every query block, so a pass builds it once.
-    pub(crate) fn block_bias(&self, groups: usize, (q0, q1): (usize, usize), (k0, k1): (usize, usize)) -> Option<Tensor<B, 4>> {
-        let causal = (k1 - 1 > self.past + q0).then(|| self.causal_block(groups, (q0, q1), (k0, k1)));
+    /// The additive f32 bias of keys `k0..k1` for queries `q0..q1` of `kv_heads · groups` heads,
+    /// each key/value head's `groups` query heads stacked along the rows (row `r` is query
+    /// `q0 + r % (q1 − q0)`), at the scores' shape `[b, kv_heads, groups · (q1 − q0), k1 − k0]`
+    /// (burn-flex adds tensors of equal shape more than ten times faster than it broadcasts:
+    /// 0.65 against 8.7 ms for one 256-token block of Qwen3-0.6B's heads); `None` when no key of
+    /// the block is masked for any of them. The causal part depends on the block's shape and on
+    /// where its keys start relative to its queries, not on where it lies: the memory-efficient
+    /// attention asks for the same triangle at every query block, so a pass builds it once, and
+    /// without padding that triangle is the whole bias.
+    pub(crate) fn block_bias(
+        &self,
+        kv_heads: usize,
+        groups: usize,
+        (q0, q1): (usize, usize),
+        (k0, k1): (usize, usize),
+    ) -> Option<Tensor<B, 4>> {
+        let causal = (k1 - 1 > self.past + q0).then(|| self.causal_block(kv_heads, groups, (q0, q1), (k0, k1)));
         let padding = self.key_padding.as_ref().map(|valid| {
             (valid.clone().narrow(1, k0, k1 - k0).neg().add_scalar(1.0))
                 .mul_scalar(MASK_VALUE)
                 .reshape([self.batch, 1, 1, k1 - k0])
+                .repeat_dim(1, kv_heads)
+                .repeat_dim(2, groups * (q1 - q0))
         });
         match (causal, padding) {
             (Some(c), Some(p)) => Some(c + p),
@@ -92,22 +103,23 @@ impl<B: Backend> AttentionMask<B> {
         }
     }
 
-    /// The causal part of [`Self::block_bias`], `[1, 1, groups · (q1 − q0), k1 − k0]`, built once
-    /// per pass for each shape and offset.
-    fn causal_block(&self, groups: usize, (q0, q1): (usize, usize), (k0, k1): (usize, usize)) -> Tensor<B, 4> {
+    /// The causal part of [`Self::block_bias`] at its full shape, built once per pass for each
+    /// shape and offset.
+    fn causal_block(&self, kv_heads: usize, groups: usize, (q0, q1): (usize, usize), (k0, k1): (usize, usize)) -> Tensor<B, 4> {
         let (rows, cols) = (q1 - q0, k1 - k0);
         // Query i sees key j of the block when k0 + j <= past + q0 + i.
         let offset = (self.past + q0) as i64 - k0 as i64;
-        let key = (groups, rows, cols, offset);
+        let key = (kv_heads, groups, rows, cols, offset);
         if let Some(built) = self.blocks.lock().expect("mask blocks lock").get(&key) {
             return built.clone();
         }
         let future = Tensor::<B, 2, Bool>::tril_mask([rows, cols], offset, &self.device);
         let built = Tensor::<B, 2>::zeros([rows, cols], (&self.device, DType::F32))
             .mask_fill(future, MASK_VALUE)
-            .reshape([1, rows, cols])
-            .repeat_dim(0, groups)
-            .reshape([1, 1, groups * rows, cols]);
+            .reshape([1, 1, rows, cols])
+            .repeat_dim(0, self.batch)
+            .repeat_dim(1, kv_heads * groups)
+            .reshape([self.batch, kv_heads, groups * rows, cols]);
         self.blocks.lock().expect("mask blocks lock").insert(key, built.clone());
         built
     }

@@ -320,14 +320,14 @@ impl PlanSettings {
     }
 
     /// The memory-efficient attention's causal masks of one pass: the triangle of a query block's
-    /// own keys, `groups · block²` f32, shared by every query block, and the last block's
-    /// smaller one when the length is not a multiple of the block.
+    /// own keys at its scores' shape, `rows · heads · block²` f32, shared by every query block,
+    /// and the last block's smaller one when the length is not a multiple of the block.
     fn causal_blocks(&self, rows: f64, len: f64) -> f64 {
         let (q, _) = self.attention_blocks(rows, len);
-        let groups = (self.model.num_attention_heads / self.model.num_key_value_heads) as f64;
+        let heads = self.model.num_attention_heads as f64;
         let last = len % q;
         let triangles = if q > 1.0 { q * q } else { 0.0 } + if len > q && last > 1.0 { last * last } else { 0.0 };
-        groups * triangles * F32
+        rows * heads * triangles * F32
     }
 }
 

@@ -178,7 +178,12 @@ fn query_rows<B: Backend>(query: &Tensor<B, 4>, s: Shape, (q0, q1): (usize, usiz
 
 /// The inverse of [`query_rows`] over all blocks: `[b, kv_heads, groups · rows, d]` pieces in
 /// query order back to `[b, heads, q, d]`.
-fn from_query_rows<B: Backend>(pieces: Vec<Tensor<B, 4>>, s: Shape) -> Tensor<B, 4> {
+fn from_query_rows<B: Backend>(mut pieces: Vec<Tensor<B, 4>>, s: Shape) -> Tensor<B, 4> {
+    let heads = [s.batch, s.kv_heads * s.groups, s.queries, s.head_dim];
+    if pieces.len() == 1 {
+        // One block: its rows are already in query order, no copy needed.
+        return pieces.remove(0).reshape(heads);
+    }
     let pieces: Vec<Tensor<B, 5>> = pieces
         .into_iter()
         .map(|p| {
@@ -186,22 +191,16 @@ fn from_query_rows<B: Backend>(pieces: Vec<Tensor<B, 4>>, s: Shape) -> Tensor<B,
             p.reshape([s.batch, s.kv_heads, s.groups, rows, s.head_dim])
         })
         .collect();
-    Tensor::cat(pieces, 3).reshape([s.batch, s.kv_heads * s.groups, s.queries, s.head_dim])
+    Tensor::cat(pieces, 3).reshape(heads)
 }
 
 /// `s·Q·Kᵀ + mask` in f32 for one block pair: `q` `[b, kv, rows, d]` and `k` `[b, kv, c, d]` in
-/// the operands' dtype, multiplied in that dtype as the eager formula does. The bias is repeated
-/// to the scores' shape before the addition: burn-flex adds tensors of equal shape more than ten
-/// times faster than a broadcast over the leading axes (0.65 against 8.7 ms for one 256-token
-/// block of Qwen3-0.6B's heads), and elsewhere the copy is one more element-wise pass.
+/// the operands' dtype, multiplied in that dtype as the eager formula does; `bias` comes at the
+/// scores' shape ([`AttentionMask::block_bias`]).
 fn scores<B: Backend>(q: &Tensor<B, 4>, k: Tensor<B, 4>, bias: Option<Tensor<B, 4>>, scale: f32) -> Tensor<B, 4> {
     let s = q.clone().matmul(k.swap_dims(2, 3)).cast(DType::F32).mul_scalar(scale);
     match bias {
-        Some(bias) => {
-            let [batch, kv_heads, _, _] = s.dims();
-            let bias = if bias.dims()[0] == batch { bias } else { bias.repeat_dim(0, batch) };
-            s + bias.repeat_dim(1, kv_heads)
-        }
+        Some(bias) => s + bias,
         None => s,
     }
 }
@@ -228,7 +227,7 @@ pub fn forward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blo
             let (k0, k1) = chunks.keys(&span);
             let k = x.key.clone().narrow(2, k0, k1 - k0);
             let v = x.value.clone().narrow(2, k0, k1 - k0);
-            let scores = scores(&q, k, mask.block_bias(s.groups, (q0, q1), (k0, k1)), blocks.scale);
+            let scores = scores(&q, k, mask.block_bias(s.kv_heads, s.groups, (q0, q1), (k0, k1)), blocks.scale);
             let block_max = scores.clone().max_dim(3);
             running = Some(match running {
                 None => {
@@ -280,7 +279,7 @@ pub fn backward<B: Backend>(
             let (k0, k1) = chunks.keys(&span);
             let k = x.key.clone().narrow(2, k0, k1 - k0);
             let v = f32(x.value.clone().narrow(2, k0, k1 - k0));
-            let bias = mask.block_bias(s.groups, (q0, q1), (k0, k1));
+            let bias = mask.block_bias(s.kv_heads, s.groups, (q0, q1), (k0, k1));
             let p = (scores(&q, k.clone(), bias, blocks.scale) - lse.clone()).exp();
             let dv_span = p.clone().swap_dims(2, 3).matmul(d_out.clone());
             let dp = d_out.clone().matmul(v.swap_dims(2, 3));
@@ -308,7 +307,8 @@ pub fn backward<B: Backend>(
         if seen < s.keys {
             parts.push(zeros(seen, s.keys));
         }
-        Tensor::cat(parts, 2).cast(dtype)
+        let whole = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(parts, 2) };
+        whole.cast(dtype)
     };
     Gradients {
         query: from_query_rows(dq, s).cast(x.query.dtype()),
