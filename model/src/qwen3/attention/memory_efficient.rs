@@ -281,16 +281,16 @@ pub fn backward<B: Backend>(
             let v = f32(x.value.clone().narrow(2, k0, k1 - k0));
             let bias = mask.block_bias(s.kv_heads, s.groups, (q0, q1), (k0, k1));
             let p = (scores(&q, k.clone(), bias, blocks.scale) - lse.clone()).exp();
-            let dv_span = p.clone().swap_dims(2, 3).matmul(d_out.clone());
             let dp = d_out.clone().matmul(v.swap_dims(2, 3));
-            let ds = (p * (dp - delta.clone())).mul_scalar(blocks.scale);
+            let ds = (p.clone() * (dp - delta.clone())).mul_scalar(blocks.scale);
             add_to(&mut dq_block, ds.clone().matmul(f32(k)));
-            let dk_span = ds.swap_dims(2, 3).matmul(q32.clone());
+            // Each chunk's key and value gradients from its columns of the span's P and dS (a
+            // narrowed product result added up across query blocks came out wrong on wgpu).
             for i in span {
                 let (c0, c1) = chunks.chunks[i];
-                let piece = |t: &Tensor<B, 4>| if c1 - c0 == k1 - k0 { t.clone() } else { t.clone().narrow(2, c0 - k0, c1 - c0) };
-                add_to(&mut dv[i], piece(&dv_span));
-                add_to(&mut dk[i], piece(&dk_span));
+                let columns = |t: &Tensor<B, 4>| if c1 - c0 == k1 - k0 { t.clone() } else { t.clone().narrow(3, c0 - k0, c1 - c0) };
+                add_to(&mut dv[i], columns(&p).swap_dims(2, 3).matmul(d_out.clone()));
+                add_to(&mut dk[i], columns(&ds).swap_dims(2, 3).matmul(q32.clone()));
             }
         }
         dq.push(dq_block.expect("every query block sees the first key block"));
