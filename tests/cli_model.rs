@@ -141,6 +141,45 @@ fn clear_errors_for_bad_input() {
     assert!(!out.status.success() && !stderr.contains("panicked"), "{stderr}");
 }
 
+/// Weights holding a NaN stop `generate` and `score` at load with one message that names the
+/// file and the tensor (they used to load, print "!!!!!!" and exit 0).
+#[test]
+fn non_finite_weights_are_refused_at_load() {
+    use model::checkpoint::{write_safetensors, Checkpoint, TensorToWrite};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let (tensors, dtype) = {
+        let ckpt = Checkpoint::open(Path::new(&model)).unwrap();
+        let tensors: Vec<TensorToWrite> = ckpt
+            .names()
+            .into_iter()
+            .map(|name| {
+                let shape = ckpt.shape(&name).unwrap();
+                let mut values = ckpt.read(&name, &shape).unwrap().values;
+                if name == "model.norm.weight" {
+                    values[3] = f32::NAN;
+                }
+                TensorToWrite { name, shape, values }
+            })
+            .collect();
+        (tensors, ckpt.dtype("model.norm.weight").unwrap())
+    };
+    write_safetensors(Path::new(&model), &tensors, dtype).unwrap();
+    for args in [
+        vec!["generate", "--model", &model, "--prompt-ids", "1,2", "--max-new-tokens", "3"],
+        vec!["score", "--model", &model, "--prompt-ids", "1,2", "--completion-ids", "3"],
+    ] {
+        let out = prompt_r1(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("model.safetensors") && stderr.contains("\"model.norm.weight\" holds 1 non-finite value(s), the first (NaN)"),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
 /// The README's main job, shortened: the large LLM's and the agent's SFT, `serve`, the teacher's
 /// demonstrations, GRPO steps against the served model with the Prompt-R1 reward, a checkpoint,
 /// `infer` on a held-out question and the plot; the mean reward of the last 5 of 10 GRPO steps

@@ -153,7 +153,8 @@ impl Checkpoint {
         })
     }
 
-    /// Checks one tensor's shape and hands its stored bytes to `f`. Afterwards the pages that
+    /// Checks one tensor's shape and that every value is finite, and hands its stored bytes to
+    /// `f`. Afterwards the pages that
     /// hold only this tensor are dropped from the process (they stay in the page cache), so a
     /// load keeps in memory the tensor it converts, not the whole mapped file.
     pub fn with_raw<R>(
@@ -194,6 +195,15 @@ impl Checkpoint {
                 info.shape
             )));
         }
+        if let Some((count, index, value)) = non_finite(dtype, bytes) {
+            return Err(ModelError::NonFinite {
+                path: shard.path.clone(),
+                name: name.to_owned(),
+                count,
+                index,
+                value,
+            });
+        }
         let out = f(RawTensor {
             dtype,
             shape: &info.shape,
@@ -232,6 +242,42 @@ impl Shard {
         #[cfg(not(unix))]
         let _ = (first, last);
     }
+}
+
+/// How many of `bytes`' values (stored as `dtype`) are NaN or infinite, with the first one's
+/// index and kind; `None` when all are finite. A value is non-finite when its exponent bits are
+/// all ones.
+fn non_finite(dtype: StorageDtype, bytes: &[u8]) -> Option<(usize, usize, &'static str)> {
+    let kind = |nan: bool, negative: bool| match (nan, negative) {
+        (true, _) => "NaN",
+        (false, false) => "inf",
+        (false, true) => "-inf",
+    };
+    let mut found: Option<(usize, usize, &'static str)> = None;
+    let mut note = |index: usize, what: &'static str| match &mut found {
+        Some((count, _, _)) => *count += 1,
+        None => found = Some((1, index, what)),
+    };
+    match dtype {
+        StorageDtype::F32 => {
+            for (i, b) in bytes.chunks_exact(4).enumerate() {
+                let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                if bits & 0x7f80_0000 == 0x7f80_0000 {
+                    note(i, kind(bits & 0x007f_ffff != 0, bits >> 31 == 1));
+                }
+            }
+        }
+        StorageDtype::BF16 | StorageDtype::F16 => {
+            let (exponent, mantissa) = if dtype == StorageDtype::BF16 { (0x7f80u16, 0x007fu16) } else { (0x7c00, 0x03ff) };
+            for (i, b) in bytes.chunks_exact(2).enumerate() {
+                let bits = u16::from_le_bytes([b[0], b[1]]);
+                if bits & exponent == exponent {
+                    note(i, kind(bits & mantissa != 0, bits >> 15 == 1));
+                }
+            }
+        }
+    }
+    found
 }
 
 fn storage_dtype(dtype: Dtype, path: &Path, name: &str) -> Result<StorageDtype, ModelError> {
@@ -597,6 +643,31 @@ mod tests {
         std::fs::write(&path, b"garbage").unwrap();
         let err = Checkpoint::open(dir.path()).err().unwrap().to_string();
         assert!(err.contains("model.safetensors"), "{err}");
+    }
+
+    /// A NaN or an infinity in a stored tensor stops the load, naming the file, the tensor, how
+    /// many there are and where the first is, in each storage dtype.
+    #[test]
+    fn non_finite_weights_are_refused_by_name() {
+        for (dtype, value, kind) in [
+            (StorageDtype::F32, f32::NAN, "NaN"),
+            (StorageDtype::BF16, f32::INFINITY, "inf"),
+            (StorageDtype::F16, f32::NEG_INFINITY, "-inf"),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut tensors = sample();
+            tensors[1].values[4] = value;
+            tensors[1].values[5] = f32::NAN;
+            let path = write_safetensors(dir.path(), &tensors, dtype).unwrap();
+            let ckpt = Checkpoint::open(dir.path()).unwrap();
+            assert!(ckpt.read("b", &[2]).is_ok(), "{dtype:?}: a finite tensor still loads");
+            let err = ckpt.read("a", &[2, 3]).unwrap_err().to_string();
+            let expected = format!("tensor \"a\" holds 2 non-finite value(s), the first ({kind}) at flat index 4");
+            assert!(err.contains(&expected) && err.contains(&path.display().to_string()), "{dtype:?}: {err}");
+        }
+        assert_eq!(non_finite(StorageDtype::F32, &f32::MAX.to_le_bytes()), None);
+        assert_eq!(non_finite(StorageDtype::BF16, &half::bf16::MAX.to_le_bytes()), None);
+        assert_eq!(non_finite(StorageDtype::F16, &half::f16::MIN.to_le_bytes()), None);
     }
 
     #[test]

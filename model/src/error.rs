@@ -34,6 +34,17 @@ pub enum ModelError {
         name: String,
         dtype: String,
     },
+    #[error(
+        "{path}: tensor \"{name}\" holds {count} non-finite value(s), the first ({value}) at flat index {index}: \
+         the file is damaged or the run that wrote it diverged"
+    )]
+    NonFinite {
+        path: PathBuf,
+        name: String,
+        count: usize,
+        index: usize,
+        value: &'static str,
+    },
     #[error("invalid input: {0}")]
     Input(String),
 }
