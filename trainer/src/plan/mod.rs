@@ -772,7 +772,13 @@ fn update_parts(s: &PlanSettings) -> UpdateParts {
         AttentionPath::MemoryEfficient => activations::KeptAttention::MemoryEfficient,
     };
     let kept = activations::layer_kept(dims, path, attention, s.matmul, s.lora_activations());
-    let one_layer = (tokens * kept.per_token + tokens * len * kept.per_token_key) * F32;
+    // A pass that is one block pair of the memory-efficient attention keeps its probabilities.
+    let one_pair = attention == activations::KeptAttention::MemoryEfficient && {
+        let (q, k) = s.attention_blocks(b, len);
+        q >= len && k >= len
+    };
+    let per_token_key = kept.per_token_key + if one_pair { m.num_attention_heads as f64 } else { 0.0 };
+    let one_layer = (tokens * kept.per_token + tokens * len * per_token_key) * F32;
     // Hidden states, RoPE tables and masks are in the activations' dtype.
     let act = match path {
         ComputePath::PortableBf16 => 2.0,

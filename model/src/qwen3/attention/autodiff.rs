@@ -1,5 +1,6 @@
 //! The memory-efficient attention as one node of burn's autodiff graph: the forward runs on the
-//! inner backend and the node keeps the operands, the output and the log-sum-exp; its backward
+//! inner backend and the node keeps the operands, the output and the log-sum-exp (and the
+//! probabilities of a pass that is one block pair); its backward
 //! is [`super::memory_efficient::backward`]. Recorded op by op instead, autodiff would keep every
 //! block's probabilities, `[b, heads, q, k]` in all.
 //!
@@ -93,7 +94,7 @@ fn record<I: Backend, C: CheckpointStrategy>(
     let parents = [&x.query, &x.key, &x.value].map(|t| t.clone().into_primitive().tensor().node);
     let inner = Operands { query: x.query.inner(), key: x.key.inner(), value: x.value.inner() };
     let mask = mask.inner();
-    let forward = memory_efficient::forward(&inner, &mask, blocks);
+    let forward = memory_efficient::forward_for_backward(&inner, &mask, blocks);
     let output = forward.output.clone().into_primitive().tensor();
     let recorded = match AttentionNode::<I>(PhantomData).prepare::<C>(parents).compute_bound().stateful() {
         OpsKind::Tracked(prep) => prep.finish(NodeState { operands: inner, mask, blocks, forward }, output),

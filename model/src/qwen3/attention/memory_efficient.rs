@@ -8,7 +8,9 @@
 //! `LSE = m + log l`.
 //!
 //! Backward: `D = rowsum(dO ∘ O)`; per block `P_j = e^(S_j − LSE)`, `dV_j += P_jᵀ·dO`,
-//! `dP_j = dO·V_jᵀ`, `dS_j = P_j ∘ (dP_j − D)`, `dQ += s·dS_j·K_j`, `dK_j += s·dS_jᵀ·Q`.
+//! `dP_j = dO·V_jᵀ`, `dS_j = P_j ∘ (dP_j − D)`, `dQ += s·dS_j·K_j`, `dK_j += s·dS_jᵀ·Q`. A pass
+//! that is one block pair (a short prefill or update) keeps its `P` instead of recomputing it:
+//! no more than that block's scores, and the recomputation would cost one product in five.
 //!
 //! Queries are visited in blocks too, so the scores of one block pair, `[b, kv_heads, groups ·
 //! query block, key block]`, are the largest temporary. The key axis is cut where the query blocks
@@ -78,6 +80,10 @@ pub fn block_sizes(batch: usize, heads: usize, queries: usize, keys: usize, size
 pub struct Forward<B: Backend> {
     pub output: Tensor<B, 4>,
     pub lse: Vec<Tensor<B, 4>>,
+    /// The probabilities `[b, kv_heads, groups · q, k]` (f32) of a pass that is one block pair,
+    /// kept for the backward by [`forward_for_backward`]: no larger than the block's scores, and
+    /// the backward then need not recompute them.
+    pub probs: Option<Tensor<B, 4>>,
 }
 
 /// The gradients of the three operands, in their dtypes and layouts.
@@ -215,11 +221,25 @@ struct Running<B: Backend> {
 
 /// The forward pass (see the module docs).
 pub fn forward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blocks) -> Forward<B> {
+    run_forward(x, mask, blocks, false)
+}
+
+/// [`forward`] for a pass whose backward will follow: where the pass is one block pair (one
+/// query block, one span of keys) its probabilities are kept ([`Forward::probs`]), which spares
+/// the backward FlashAttention-2's recomputation of the scores at the cost of one block's
+/// scores, as eager attention would keep.
+pub fn forward_for_backward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blocks) -> Forward<B> {
+    run_forward(x, mask, blocks, true)
+}
+
+fn run_forward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blocks, keep_probs: bool) -> Forward<B> {
     let s = Shape::of(x);
     let dtype = x.query.dtype();
     let mut outputs = Vec::new();
     let mut lse = Vec::new();
     let chunks = s.key_chunks(blocks, mask.past());
+    let one_pair = keep_probs && s.queries <= blocks.queries && chunks.spans(0).len() == 1;
+    let mut probs = None;
     for (block, (q0, q1)) in s.query_blocks(blocks).enumerate() {
         let q = query_rows(&x.query, s, (q0, q1));
         let mut running: Option<Running<B>> = None;
@@ -233,6 +253,9 @@ pub fn forward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blo
                 None => {
                     let p = (scores - block_max.clone()).exp();
                     let sum = p.clone().sum_dim(3);
+                    if one_pair {
+                        probs = Some(p.clone() / sum.clone());
+                    }
                     let out = p.cast(dtype).matmul(v).cast(DType::F32);
                     Running { max: block_max, sum, out }
                 }
@@ -250,7 +273,7 @@ pub fn forward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blo
         outputs.push((out / sum.clone()).cast(dtype));
         lse.push(max + sum.log());
     }
-    Forward { output: from_query_rows(outputs, s), lse }
+    Forward { output: from_query_rows(outputs, s), lse, probs }
 }
 
 /// The backward pass (see the module docs): the gradients of `x` given the output's gradient
@@ -279,8 +302,13 @@ pub fn backward<B: Backend>(
             let (k0, k1) = chunks.keys(&span);
             let k = x.key.clone().narrow(2, k0, k1 - k0);
             let v = f32(x.value.clone().narrow(2, k0, k1 - k0));
-            let bias = mask.block_bias(s.kv_heads, s.groups, (q0, q1), (k0, k1));
-            let p = (scores(&q, k.clone(), bias, blocks.scale) - lse.clone()).exp();
+            let p = match &forward.probs {
+                Some(p) => p.clone(),
+                None => {
+                    let bias = mask.block_bias(s.kv_heads, s.groups, (q0, q1), (k0, k1));
+                    (scores(&q, k.clone(), bias, blocks.scale) - lse.clone()).exp()
+                }
+            };
             let dp = d_out.clone().matmul(v.swap_dims(2, 3));
             let ds = (p.clone() * (dp - delta.clone())).mul_scalar(blocks.scale);
             add_to(&mut dq_block, ds.clone().matmul(f32(k)));
@@ -344,6 +372,37 @@ mod tests {
         let wide = KeyChunks { width: 64, ..chunks };
         assert_eq!(wide.spans(1), vec![0..3, 3..4]);
         assert_eq!(wide.spans(2), vec![0..5]);
+    }
+
+    /// A pass that is one block pair keeps its probabilities for the backward (and only then);
+    /// the gradients from them equal the recomputed ones.
+    #[test]
+    fn a_one_block_pass_keeps_its_probabilities_for_the_backward() {
+        let device = Default::default();
+        let (batch, heads, kv_heads, queries, dim) = (2, 4, 2, 9, 8);
+        let random = |shape: [usize; 4]| Tensor::<Flex, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+        let x = Operands { query: random([batch, heads, queries, dim]), key: random([batch, kv_heads, queries, dim]), value: random([batch, kv_heads, queries, dim]) };
+        // A padded key that leaves every query something to see (a fully masked row's
+        // recomputed probabilities are not normalised: its pad query's gradient is never used).
+        let mut valid = vec![1i64; batch * queries];
+        valid[queries + 1] = 0;
+        let key_mask = Tensor::<Flex, 2, Int>::from_data(TensorData::new(valid, [batch, queries]), &device);
+        let mask = AttentionMask::new(Some(&key_mask), batch, 0, queries, &device);
+        let grad = random([batch, heads, queries, dim]);
+        let one_pair = Blocks { queries: 16, keys: 64, scale: 0.35 };
+        let kept = forward_for_backward(&x, &mask, one_pair);
+        let recomputed = forward(&x, &mask, one_pair);
+        assert!(kept.probs.is_some() && recomputed.probs.is_none());
+        assert!(forward_for_backward(&x, &mask, Blocks { queries: 4, ..one_pair }).probs.is_none(), "several query blocks keep nothing");
+        let grads = |f: &Forward<Flex>| {
+            let g = backward(&x, &mask, one_pair, f, grad.clone());
+            [g.query, g.key, g.value].map(|t| t.into_data().to_vec::<f32>().unwrap())
+        };
+        for (name, (a, b)) in ["dq", "dk", "dv"].iter().zip(grads(&kept).iter().zip(&grads(&recomputed))) {
+            let largest = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(diff <= 1e-5 * largest.max(1.0), "{name}: {diff} apart (largest {largest})");
+        }
     }
 
     /// Narrow key spans (each chunk alone, cached keys in several chunks) give what one wide span
