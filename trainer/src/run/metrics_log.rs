@@ -124,15 +124,28 @@ pub(crate) fn append_line<R: Serialize>(run_dir: &Path, record: &R) -> Result<()
     file.sync_data().map_err(TrainError::io(&path))
 }
 
-/// Reads `metrics.jsonl`; a malformed line is an error naming its number.
+/// Reads `metrics.jsonl`; a malformed line is an error naming its number, and an incomplete
+/// last line is dropped (see [`read_lines`]).
 pub fn read_metrics(run_dir: &Path) -> Result<Vec<StepRecord>, TrainError> {
     read_lines(run_dir)
 }
 
 /// Reads `metrics.jsonl` as records of type `R`; a malformed line is an error naming its number.
+/// Every record is written as one line ending in a newline, so a last line without one was cut
+/// short by an interrupted write (a crash, a full disk): it is dropped with a note, as `eval`
+/// does with `predictions.jsonl`, and a resumed run's [`truncate_after`] rewrites the file
+/// without it.
 pub(crate) fn read_lines<R: DeserializeOwned>(run_dir: &Path) -> Result<Vec<R>, TrainError> {
     let path = run_dir.join(METRICS_FILE);
-    let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
+    let mut text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
+    let complete = text.rfind('\n').map_or(0, |i| i + 1);
+    if !text[complete..].trim().is_empty() {
+        eprintln!(
+            "note: {} ends with an incomplete line (an interrupted write); dropping it",
+            path.display()
+        );
+    }
+    text.truncate(complete);
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
@@ -176,6 +189,33 @@ pub(crate) fn truncate_lines_after<R: Serialize + DeserializeOwned>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A last line cut short by an interrupted write is dropped when the metrics are read and
+    /// when a resumed run truncates them; a malformed complete line is still an error.
+    #[test]
+    fn an_incomplete_last_line_is_dropped_and_a_malformed_one_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in 1..=2 {
+            append_record(dir.path(), &StepRecord { step, ..StepRecord::default() }).unwrap();
+        }
+        let path = dir.path().join(METRICS_FILE);
+        let mut text = std::fs::read_to_string(&path).unwrap();
+        text.push_str(r#"{"step":3,"critic/score/me"#);
+        std::fs::write(&path, &text).unwrap();
+        let steps: Vec<u64> = read_metrics(dir.path()).unwrap().iter().map(|r| r.step).collect();
+        assert_eq!(steps, vec![1, 2]);
+        truncate_after(dir.path(), 2).unwrap();
+        let rewritten = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(rewritten.lines().count(), 2);
+        assert!(rewritten.ends_with("}\n"), "{rewritten}");
+        append_record(dir.path(), &StepRecord { step: 3, ..StepRecord::default() }).unwrap();
+        assert_eq!(read_metrics(dir.path()).unwrap().len(), 3);
+
+        let first = rewritten.lines().next().unwrap();
+        std::fs::write(&path, format!("{first}\nnot json\n")).unwrap();
+        let err = read_metrics(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("line 2"), "{err}");
+    }
 
     #[test]
     fn validation_keys_round_trip_and_other_keys_are_ignored() {
