@@ -210,14 +210,57 @@ fn save_optimizer_record<B: Backend, R: Record<B>>(
         })
 }
 
+/// Loads the optimiser state of checkpoint `dir`. A file that does not decode is reported as
+/// damaged, by name and size, in place of burn's message (an escaped I/O error, or a data format
+/// changed since burn 0.14, which misleads).
 fn load_optimizer_record<B: Backend, R: Record<B>>(
     dir: &Path,
     device: &B::Device,
 ) -> Result<R, TrainError> {
+    let file = dir.join(format!("{OPTIMIZER_FILE}.bin"));
     BinFileRecorder::<FullPrecisionSettings>::new()
         .load(dir.join(OPTIMIZER_FILE), device)
-        .map_err(|e| TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            reason: format!("optimizer state: {e}"),
+        .map_err(|_| {
+            let reason = match std::fs::metadata(&file) {
+                Err(_) => format!("{} is missing", file.display()),
+                Ok(meta) => format!(
+                    "{} ({} bytes) does not decode as optimiser state: the file is damaged or truncated",
+                    file.display(),
+                    meta.len()
+                ),
+            };
+            TrainError::Checkpoint { path: dir.to_path_buf(), reason }
         })
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig, LinearRecord};
+
+    /// A truncated `optimizer.bin` is named as damaged, with its size, instead of burn's message
+    /// about a changed data format; a missing one is named as missing.
+    #[test]
+    fn a_truncated_optimizer_file_is_named_as_damaged() {
+        let device = Default::default();
+        let dir = tempfile::tempdir().unwrap();
+        let linear: Linear<Flex> = LinearConfig::new(4, 4).init(&device);
+        save_optimizer_record::<Flex, _>(linear.into_record(), dir.path()).unwrap();
+        let file = dir.path().join("optimizer.bin");
+        let bytes = std::fs::read(&file).unwrap();
+        std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+        let load = || match load_optimizer_record::<Flex, LinearRecord<Flex>>(dir.path(), &device) {
+            Ok(_) => panic!("a damaged optimizer file loaded"),
+            Err(e) => e.to_string(),
+        };
+        let err = load();
+        assert!(err.contains("optimizer.bin") && err.contains("damaged or truncated"), "{err}");
+        assert!(err.contains(&format!("({} bytes)", bytes.len() / 2)), "{err}");
+        std::fs::remove_file(&file).unwrap();
+        let err = load();
+        assert!(err.contains("optimizer.bin is missing"), "{err}");
+    }
 }
