@@ -52,11 +52,12 @@ pub fn head_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     config: &LearnConfig,
 ) -> Result<HeadPass<B>, GrpoError> {
     let values = hidden.clone().detach();
-    let entropy_grad = config.loss.uses_entropy().then_some(EntropyGrad::Tracked);
+    // Whether the loss takes the entropy's gradient (an entropy bonus), not only its value.
+    let entropy_in_loss = config.loss.uses_entropy();
 
     // 1. The log-probs and entropies, with no graph (the head's weights frozen for the pass).
     let frozen = model.clone().no_grad();
-    let (logp, entropy) = if config.loss.uses_entropy() || config.track_entropy {
+    let (logp, entropy) = if entropy_in_loss || config.track_entropy {
         let (logp, entropy) = token_logprobs_and_entropy_from_hidden(&frozen, values.clone(), batch, 1, EntropyGrad::Detached)?;
         (logp, Some(entropy))
     } else {
@@ -65,14 +66,11 @@ pub fn head_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
 
     // 2. The loss from them as leaves.
     let logp = logp.detach().require_grad();
-    let entropy = entropy.map(|e| if entropy_grad.is_some() { e.detach().require_grad() } else { e.detach() });
+    let entropy = entropy.map(|e| if entropy_in_loss { e.detach().require_grad() } else { e.detach() });
     let (loss, stats) = loss_from_logprobs(logp.clone(), entropy.clone(), micro, config)?;
     let grads = loss.mul_scalar(weight).backward();
     let logp_grad = logp.grad(&grads).map(Tensor::from_inner);
-    let entropy_grad_values = match (&entropy, entropy_grad) {
-        (Some(e), Some(_)) => e.grad(&grads).map(Tensor::from_inner),
-        _ => None,
-    };
+    let entropy_grad = entropy.as_ref().filter(|_| entropy_in_loss).and_then(|e| e.grad(&grads)).map(Tensor::from_inner);
     drop(grads);
 
     // 3. The head again, chunk by chunk, as a vector-Jacobian product with those gradients.
@@ -81,7 +79,7 @@ pub fn head_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     let mut accumulator = GradientsAccumulator::<M>::new();
     let mut pieces = Vec::new();
     let mut covered = 0;
-    let chunks = if logp_grad.is_some() || entropy_grad_values.is_some() {
+    let chunks = if logp_grad.is_some() || entropy_grad.is_some() {
         logits_chunks(b, model.config.vocab_size, 1, len)
     } else {
         Vec::new()
@@ -90,17 +88,16 @@ pub fn head_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
         let leaf = values.clone().narrow(1, from, to - from).require_grad();
         let targets = batch.input_ids.clone().narrow(1, from + 1, to - from);
         let logits = model.logits(leaf.clone());
-        let (chunk_logp, chunk_entropy) = match entropy_grad {
-            Some(tracked) => {
-                let (lp, h) = chunk_logprobs_and_entropy(logits, targets, tracked);
-                (lp, Some(h))
-            }
-            None => (chosen_logprobs(logits, targets), None),
+        let (chunk_logp, chunk_entropy) = if entropy_in_loss {
+            let (lp, h) = chunk_logprobs_and_entropy(logits, targets, EntropyGrad::Tracked);
+            (lp, Some(h))
+        } else {
+            (chosen_logprobs(logits, targets), None)
         };
         let slice = |g: &Tensor<B, 2>| g.clone().narrow(1, from, to - from);
         let terms = [
             logp_grad.as_ref().map(|g| (chunk_logp * slice(g)).sum()),
-            chunk_entropy.zip(entropy_grad_values.as_ref()).map(|(h, g)| (h * slice(g)).sum()),
+            chunk_entropy.zip(entropy_grad.as_ref()).map(|(h, g)| (h * slice(g)).sum()),
         ];
         let product = terms.into_iter().flatten().reduce(|a, b| a + b).expect("a gradient to follow");
         let mut grads = product.backward();

@@ -46,7 +46,8 @@ pub struct Operands<B: Backend> {
 pub struct Blocks {
     /// Queries per block.
     pub queries: usize,
-    /// Keys per block.
+    /// The widest span of wholly visible keys visited at once, a multiple of `queries` (a query
+    /// block's causal diagonal is visited apart).
     pub keys: usize,
     /// The scores' factor, `1 / sqrt(head_dim)`.
     pub scale: f32,
@@ -62,9 +63,10 @@ impl Blocks {
     }
 }
 
-/// Queries and keys per block for `batch` sequences of `heads` query heads, `queries` queries
-/// over `keys` keys, in blocks of `size` queries: the sizes [`Blocks::new`] chooses (the memory
-/// plan counts with them). One block pair's scores are `batch · heads · queries · keys`.
+/// Queries per block and the widest span of keys for `batch` sequences of `heads` query heads,
+/// `queries` queries over `keys` keys, in blocks of `size` queries: the sizes [`Blocks::new`]
+/// chooses (the memory plan counts with them). One block pair's scores are at most
+/// `batch · heads · queries · keys`.
 pub fn block_sizes(batch: usize, heads: usize, queries: usize, keys: usize, size: usize) -> (usize, usize) {
     let size = size.max(1);
     let query_block = size.min(queries.max(1));
