@@ -526,35 +526,38 @@ fn eval_writes_the_paper_table_against_serve() {
         "--paper-table",
     ];
     let stdout = ok(&with(&base, &env_flags(&server)));
-    // The agent answers "4" everywhere: HotpotQA F1 0, GSM8K EM 100, TriviaQA EM 100.
-    // In-distribution average (0 + 100)/2 = 50 over 2 of 8 data sets; out-of-distribution 100
-    // over 1 of 4.
+    // The agent answers "4" everywhere: Hotpot EM and F1 0, GSM8K and TriviaQA EM and F1 100.
+    // Table 1's Average EM is (0 + 100)/2 = 50 over 2 of its 6 QA and math sets, its F1 50 over
+    // 2 of 8; Table 2's EM is 100 over 1 of 3.
     let md = std::fs::read_to_string(out.join("paper_table.md")).unwrap();
     assert!(stdout.contains(md.lines().next().unwrap()), "{stdout}");
-    let ours = md
-        .lines()
-        .find(|l| l.starts_with("| this run (agent, tiny) |"))
-        .unwrap_or_else(|| panic!("{md}"));
-    assert!(ours.contains("| 50.00 (2 of 8) |"), "{ours}");
-    assert!(ours.contains("| 100.00 (1 of 4) |"), "{ours}");
-    assert!(md.contains("GPT-4o-mini (paper)"), "{md}");
+    assert!(
+        md.contains("| Data set | Metric | GPT-4o-mini (paper) | Prompt-R1 (paper) | this run (agent, tiny) |"),
+        "{md}"
+    );
+    assert!(md.contains("| Hotpot | EM | 33.59 | 44.53 | 0.00 | -33.59 | -44.53 |"), "{md}");
+    assert!(md.contains("| GSM8K | EM | 83.59 | 97.66 | 100.00 | +16.41 | +2.34 |"), "{md}");
+    assert!(md.contains("| Average | EM | 34.89 | 44.01 | 50.00 (2 of 6) |"), "{md}");
+    assert!(md.contains("| Average | F1 | 34.36 | 42.45 | 50.00 (2 of 8) |"), "{md}");
+    assert!(md.contains("| Average | EM | 40.88 | 47.39 | 100.00 (1 of 3) |"), "{md}");
     assert!(md.contains("not-in-the-paper"), "{md}");
     let json: Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("paper_table.json")).unwrap())
             .unwrap();
-    let names: Vec<&str> = json["datasets"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["name"].as_str().unwrap())
-        .collect();
-    let ours = json["rows"].as_array().unwrap().last().unwrap().clone();
-    let value = |name: &str| ours["values"][names.iter().position(|n| *n == name).unwrap()].clone();
-    assert_eq!(value("HotpotQA"), 0.0);
-    assert_eq!(value("GSM8K"), 100.0);
-    assert_eq!(value("TriviaQA"), 100.0);
-    assert!(value("2Wiki").is_null());
-    assert_eq!(ours["averages"]["in"], 50.0);
+    let ours = |table: usize, dataset: &str, metric: &str| {
+        json["tables"][table]["lines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|l| l["dataset"] == dataset && l["metric"] == metric)
+            .unwrap_or_else(|| panic!("{dataset} {metric}: {json}"))["ours"]
+            .clone()
+    };
+    assert_eq!(ours(0, "Hotpot", "f1"), 0.0);
+    assert_eq!(ours(0, "GSM8K", "em"), 100.0);
+    assert_eq!(ours(1, "TriviaQA", "em"), 100.0);
+    assert!(ours(0, "2Wiki", "em").is_null());
+    assert_eq!(ours(0, "Average", "em"), 50.0);
     assert_eq!(json["unmapped_data_sources"][0], "not-in-the-paper");
 }
 
@@ -744,16 +747,15 @@ fn eval_on_the_reference_datasets() {
         serde_json::from_str(&std::fs::read_to_string(out.join("paper_table.json")).unwrap())
             .unwrap();
     assert_eq!(paper["unmapped_data_sources"], serde_json::json!([]));
-    let names: Vec<&str> = paper["datasets"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["name"].as_str().unwrap())
-        .collect();
-    let ours = &paper["rows"].as_array().unwrap().last().unwrap()["values"];
-    for name in ["HotpotQA", "GSM8K"] {
-        let i = names.iter().position(|n| *n == name).unwrap();
-        assert!(ours[i].is_number(), "{name}: {paper}");
+    let lines = paper["tables"][0]["lines"].as_array().unwrap();
+    for name in ["Hotpot", "GSM8K"] {
+        for metric in ["em", "f1"] {
+            let line = lines
+                .iter()
+                .find(|l| l["dataset"] == name && l["metric"] == metric)
+                .unwrap();
+            assert!(line["ours"].is_number(), "{name} {metric}: {paper}");
+        }
     }
     let rows = rows(&out);
     assert!(rows

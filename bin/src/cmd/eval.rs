@@ -31,9 +31,10 @@ use predictions::{key_of, PredictionsFile, Row};
 /// "error", "trajectory"} as soon as it is done. Run the same command again to resume: rows
 /// already in the file are not redone (failed ones are). The end prints
 /// EM, SM, F1 (and SSim with --ssim-model) ×100 per data source and their mean, also written to
-/// OUT/metrics.json, and laid out like the paper's Tables 1–2 (one metric per data set, the in-
-/// and out-of-distribution averages, the paper's published rows beside) in OUT/paper_table.md
-/// and OUT/paper_table.json (printed with --paper-table).
+/// OUT/metrics.json, and laid out like the paper's Tables 1 and 2 (each data set with the
+/// paper's two metrics, in its order, its Average lines, the published GPT-4o-mini and
+/// Prompt-R1 figures beside this run's with the difference to each) in OUT/paper_table.md and
+/// OUT/paper_table.json (printed with --paper-table).
 ///
 /// Modes (the paper's comparison rows): `agent` — the agent prompts the large LLM, then answers;
 /// `direct` — the large LLM gets the bare question; `cot` — the large LLM is asked to think step
@@ -61,8 +62,9 @@ pub struct Args {
     /// all-MiniLM-L6-v2 folder (config.json, tokenizer.json, model.safetensors): adds SSim.
     #[arg(long, value_name = "DIR")]
     pub ssim_model: Option<PathBuf>,
-    /// Also print the results laid out like the paper's Tables 1–2 (always written to
-    /// OUT/paper_table.md and OUT/paper_table.json).
+    /// Also print the results laid out like the paper's Tables 1 and 2, beside its published
+    /// GPT-4o-mini and Prompt-R1 figures (always written to OUT/paper_table.md and
+    /// OUT/paper_table.json).
     #[arg(long)]
     pub paper_table: bool,
     /// What to do with a malformed dataset row: fail or skip.
