@@ -209,7 +209,7 @@ pub struct EnvFlags {
     /// Seed sent to the large LLM, for servers that support it.
     #[arg(long, value_name = "S", help_heading = "Environment (the large LLM)")]
     pub env_seed: Option<u64>,
-    /// Seconds to wait for a reply (each attempt).
+    /// Seconds to wait for a reply, each attempt (see --env-call-timeout for the whole call).
     #[arg(
         long,
         value_name = "S",
@@ -217,6 +217,15 @@ pub struct EnvFlags {
         help_heading = "Environment (the large LLM)"
     )]
     pub env_timeout: f64,
+    /// Seconds one call may take in all: its attempts, the waits between retries (backoff,
+    /// Retry-After) and for the concurrency and rate caps; an attempt is cut at this deadline.
+    #[arg(
+        long,
+        value_name = "S",
+        default_value_t = 900.0,
+        help_heading = "Environment (the large LLM)"
+    )]
+    pub env_call_timeout: f64,
     /// Attempts per call, the first included (retries back off exponentially).
     #[arg(
         long,
@@ -248,6 +257,7 @@ impl EnvFlags {
             api_key_env: self.api_key_env.clone(),
             connect_timeout_secs: self.env_timeout.min(10.0),
             read_timeout_secs: self.env_timeout,
+            call_timeout_secs: self.env_call_timeout,
             retry: RetryPolicy {
                 max_attempts: self.env_attempts,
                 ..RetryPolicy::default()

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::io;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::backoff::{parse_retry_after, retry_wait};
 use crate::chat::{
@@ -154,15 +154,22 @@ impl OpenAiClient {
                 return Err(error);
             }
         };
+        let deadline = Instant::now() + self.config.call_timeout();
         let mut attempt = 1;
+        let mut last: Option<EnvError> = None;
         loop {
-            if let Some(limiter) = &self.limiter {
-                limiter.wait();
-            }
-            let outcome = {
-                let _permit = self.in_flight.acquire();
-                self.stats.request_sent();
-                self.send_once(url, &body, parse)
+            let outcome = match self.wait_for_caps(deadline) {
+                Some(permit) => {
+                    self.stats.request_sent();
+                    let outcome = self.send_once(url, &body, parse, deadline);
+                    drop(permit);
+                    outcome
+                }
+                None => {
+                    let error = self.past_deadline(url, attempt - 1, last.as_ref());
+                    self.stats.call_failed(error.kind());
+                    return Err(error);
+                }
             };
             let failed = match outcome {
                 Ok(reply) => {
@@ -180,25 +187,67 @@ impl OpenAiClient {
                     failed.retry_after,
                     rand::random::<f64>(),
                 );
-                self.stats.retrying(wait);
-                std::thread::sleep(wait);
-                attempt += 1;
-                continue;
+                if Instant::now() + wait < deadline {
+                    self.stats.retrying(wait);
+                    std::thread::sleep(wait);
+                    attempt += 1;
+                    last = Some(failed.error);
+                    continue;
+                }
+                let error = self.past_deadline(url, attempt, Some(&failed.error));
+                self.stats.call_failed(error.kind());
+                return Err(error);
             }
             self.stats.call_failed(kind);
             return Err(failed.error.with_attempts(attempt));
         }
     }
 
+    /// Waits for the rate cap and a concurrency slot, or gives `None` when either wait would
+    /// pass `deadline`.
+    fn wait_for_caps(&self, deadline: Instant) -> Option<crate::throttle::Permit<'_>> {
+        if let Some(limiter) = &self.limiter {
+            if !limiter.wait_until(deadline) {
+                return None;
+            }
+        }
+        self.in_flight.acquire_until(deadline)
+    }
+
+    /// The error of a call stopped by its deadline after `attempts` attempts, the last of which
+    /// failed with `last` (if any was sent).
+    fn past_deadline(&self, url: &str, attempts: u32, last: Option<&EnvError>) -> EnvError {
+        let mut detail = format!(
+            "the call's deadline of {} s passed (call_timeout_secs, --env-call-timeout; each \
+             attempt has read_timeout_secs, --env-timeout)",
+            self.config.call_timeout_secs
+        );
+        match last {
+            Some(error) => detail.push_str(&format!("; the last attempt: {error}")),
+            None => detail.push_str(" before a request could start (concurrency or rate cap)"),
+        }
+        EnvError::Timeout {
+            url: url.to_string(),
+            detail,
+            attempts,
+        }
+    }
+
+    /// One attempt, cut at `deadline` whatever its own timeouts allow.
     fn send_once(
         &self,
         url: &str,
         body: &[u8],
         parse: fn(&str) -> Result<ChatReply, String>,
+        deadline: Instant,
     ) -> Result<ChatReply, FailedAttempt> {
+        let left = deadline.saturating_duration_since(Instant::now());
         let mut request = self
             .http
             .post(url)
+            .config()
+            .timeout_global(Some(left))
+            .build()
             .header("content-type", "application/json")
             .header("accept", "application/json");
         if let Some(key) = &self.api_key {
@@ -314,6 +363,14 @@ impl OpenAiClient {
         };
         let read_secs = self.config.read_timeout_secs;
         let (error, retryable) = match err {
+            ureq::Error::Timeout(ureq::Timeout::Global) => (
+                timeout(format!(
+                    "the call's deadline of {} s passed during an attempt (call_timeout_secs, \
+                     --env-call-timeout)",
+                    self.config.call_timeout_secs
+                )),
+                false,
+            ),
             ureq::Error::Timeout(ureq::Timeout::Connect | ureq::Timeout::Resolve) => (
                 timeout(format!(
                     "no connection within {} s",
@@ -336,6 +393,17 @@ impl OpenAiClient {
                     true,
                 )
             }
+            ureq::Error::BodyExceedsLimit(limit) => (
+                EnvError::Malformed {
+                    url: url.clone(),
+                    detail: format!(
+                        "the reply is larger than {:.0} MiB, the most this client reads",
+                        limit as f64 / (1024.0 * 1024.0)
+                    ),
+                    attempts: 1,
+                },
+                false,
+            ),
             ureq::Error::Io(io) => (connection(describe_io(&io)), true),
             ureq::Error::HostNotFound => (connection("host not found".to_string()), true),
             ureq::Error::ConnectionFailed => (connection("could not connect".to_string()), true),

@@ -25,8 +25,12 @@ pub struct ClientConfig {
     /// Seconds allowed for connecting (DNS, TCP and TLS).
     pub connect_timeout_secs: f64,
     /// Seconds allowed for sending the request and for receiving the reply headers, and again
-    /// for the reply body.
+    /// for the reply body: one attempt.
     pub read_timeout_secs: f64,
+    /// Seconds one call may take in all: its attempts, the waits between them (backoff and
+    /// `Retry-After`) and the waits for the concurrency and rate caps. An attempt is cut at the
+    /// deadline and no retry starts that would begin past it.
+    pub call_timeout_secs: f64,
     /// When and how often failed requests are retried.
     pub retry: RetryPolicy,
     /// Most requests in flight at once through one client.
@@ -45,6 +49,7 @@ impl Default for ClientConfig {
             api_key_env: DEFAULT_API_KEY_ENV.to_string(),
             connect_timeout_secs: 10.0,
             read_timeout_secs: 300.0,
+            call_timeout_secs: 900.0,
             retry: RetryPolicy::default(),
             max_concurrency: 32,
             requests_per_minute: None,
@@ -73,6 +78,11 @@ impl ClientConfig {
         Duration::from_secs_f64(self.read_timeout_secs)
     }
 
+    /// The deadline of one call, retries included.
+    pub fn call_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.call_timeout_secs)
+    }
+
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<(), EnvError> {
         let bad = |message: String| Err(EnvError::Config(message));
@@ -93,6 +103,7 @@ impl ClientConfig {
         }
         check_seconds("connect timeout", self.connect_timeout_secs, false)?;
         check_seconds("read timeout", self.read_timeout_secs, false)?;
+        check_seconds("call timeout", self.call_timeout_secs, false)?;
         self.retry.validate()?;
         if self.max_concurrency == 0 {
             return bad("max concurrency must be at least 1".to_string());
@@ -207,6 +218,13 @@ mod tests {
                     ..base.clone()
                 },
                 "connect timeout",
+            ),
+            (
+                ClientConfig {
+                    call_timeout_secs: -1.0,
+                    ..base.clone()
+                },
+                "call timeout",
             ),
             (
                 ClientConfig {

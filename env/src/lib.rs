@@ -9,6 +9,8 @@
 //! - The episode loop [`run_episodes`], shared by inference and training, over any [`Agent`]:
 //!   the local burn model (trainer crate) or a [`RemoteAgent`] behind a chat API.
 
+#![forbid(unsafe_code)]
+
 mod agent;
 mod backoff;
 mod chat;

@@ -37,6 +37,21 @@ impl Semaphore {
         *free -= 1;
         Permit { semaphore: self }
     }
+
+    /// Blocks until a slot is free and takes it, or gives `None` at `deadline`.
+    pub fn acquire_until(&self, deadline: Instant) -> Option<Permit<'_>> {
+        let mut free = lock(&self.free);
+        while *free == 0 {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            free = self
+                .released
+                .wait_timeout(free, left)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+        *free -= 1;
+        Some(Permit { semaphore: self })
+    }
 }
 
 impl Drop for Permit<'_> {
@@ -78,6 +93,20 @@ impl RateLimiter {
             std::thread::sleep(slot - now);
         }
     }
+
+    /// Blocks until this caller may start a request and gives `true`, or gives `false` at once
+    /// when its turn would come after `deadline` (the reserved turn then goes unused).
+    pub fn wait_until(&self, deadline: Instant) -> bool {
+        let now = Instant::now();
+        let slot = self.reserve(now);
+        if slot > deadline {
+            return false;
+        }
+        if slot > now {
+            std::thread::sleep(slot - now);
+        }
+        true
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -89,6 +118,30 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_semaphore_gives_up_at_the_deadline() {
+        let semaphore = Semaphore::new(1);
+        let held = semaphore.acquire();
+        let t0 = Instant::now();
+        assert!(semaphore
+            .acquire_until(t0 + Duration::from_millis(50))
+            .is_none());
+        assert!(t0.elapsed() >= Duration::from_millis(50));
+        drop(held);
+        assert!(semaphore
+            .acquire_until(Instant::now() + Duration::from_millis(50))
+            .is_some());
+    }
+
+    #[test]
+    fn a_rate_limited_turn_past_the_deadline_is_refused_at_once() {
+        let limiter = RateLimiter::per_minute(1);
+        assert!(limiter.wait_until(Instant::now() + Duration::from_secs(1)));
+        let t0 = Instant::now();
+        assert!(!limiter.wait_until(t0 + Duration::from_secs(1)));
+        assert!(t0.elapsed() < Duration::from_millis(500));
+    }
 
     #[test]
     fn rate_limiter_spaces_reservations() {

@@ -1,11 +1,12 @@
-//! The HTTP client against scripted servers on loopback: every fault the issue lists, with the
-//! number of requests the server saw.
+//! The HTTP client against scripted servers on loopback: rate limits, server errors, slow and
+//! dropped replies, unreachable servers, malformed and oversized replies, refused keys, the
+//! concurrency cap and the call deadline, each with the number of requests the server saw.
 
 mod common;
 
 use std::time::Duration;
 
-use common::{Action, ScriptedServer};
+use common::{completion, Action, ScriptedServer};
 use prompt_r1_env::{
     ApiKey, ChatMessage, ClientConfig, EnvError, Environment, FailureKind, OpenAiClient,
     ParallelRunner, RetryPolicy, SamplingParams,
@@ -346,4 +347,60 @@ fn the_concurrency_cap_holds_across_threads() {
         server.peak_in_flight()
     );
     assert_eq!(client.stats().succeeded, 8);
+}
+
+/// Retries and `Retry-After` waits stop at the call's deadline: without it, ten attempts each
+/// told to wait 1 s would take 9 s.
+#[test]
+fn retries_stop_at_the_call_deadline() {
+    let busy = Action::json(503, r#"{"error":{"message":"busy"}}"#).with_header("Retry-After", "1");
+    let server = ScriptedServer::start(vec![busy; 10]);
+    let mut config = config(&server, 10);
+    config.call_timeout_secs = 1.5;
+    let client = client(config);
+    let started = std::time::Instant::now();
+    let err = ask(&client).unwrap_err();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert!(
+        matches!(err, EnvError::Timeout { attempts: 2, .. }),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("deadline of 1.5 s") && text.contains("--env-call-timeout"),
+        "{text}"
+    );
+    assert!(text.contains("busy"), "the last attempt's error is kept: {text}");
+    assert_eq!(server.count(), 2);
+    assert_eq!(client.stats().failed(), 1);
+}
+
+/// One attempt is cut at the call's deadline even when its own read timeout is longer.
+#[test]
+fn an_attempt_is_cut_at_the_call_deadline() {
+    let server = ScriptedServer::start(vec![Action::Stall(Duration::from_secs(4)); 3]);
+    let mut config = config(&server, 3);
+    config.read_timeout_secs = 10.0;
+    config.call_timeout_secs = 0.5;
+    let client = client(config);
+    let started = std::time::Instant::now();
+    let err = ask(&client).unwrap_err();
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    assert!(matches!(err, EnvError::Timeout { attempts: 1, .. }), "{err:?}");
+    assert!(err.to_string().contains("deadline of 0.5 s"), "{err}");
+    assert_eq!(server.count(), 1);
+}
+
+/// A reply over the client's 10 MiB limit is named as such, not as a failed connection.
+#[test]
+fn an_oversized_reply_is_named() {
+    let big = completion(&"x".repeat(11 * 1024 * 1024), None, "stop");
+    let server = ScriptedServer::start(vec![Action::json(200, big)]);
+    let client = client(config(&server, 3));
+    let err = ask(&client).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, EnvError::Malformed { .. }), "{err:?}");
+    assert!(text.contains("larger than 10 MiB"), "{text}");
+    assert_eq!(server.count(), 1);
 }
