@@ -45,11 +45,10 @@ impl<B: Backend> LoadedModel<B> {
         LoraModel::new(&self.model, self.adapters.as_ref())
     }
 
-    /// The tokenizer, or an error saying the directory has none.
+    /// The tokenizer, or an error saying the directory has none. `what` is a command, or a text
+    /// flag such as `--prompt`, whose `-ids` form the error then suggests instead.
     pub fn require_tokenizer(&self, dir: &Path, what: &str) -> Result<&Qwen3Tokenizer> {
-        self.tokenizer.as_ref().with_context(|| {
-            format!("{what} needs a tokenizer, but {} has no tokenizer.json (pass token ids instead)", dir.display())
-        })
+        self.tokenizer.as_ref().with_context(|| missing_tokenizer(dir, what))
     }
 
     /// Token ids that end a sequence: the config's EOS ids plus `<|im_end|>` when known.
@@ -143,6 +142,17 @@ pub fn parse_matmul(text: &str) -> Result<MatmulPrecision, String> {
     }
 }
 
+/// The error for a directory without `tokenizer.json`: a text flag is told its token-id form,
+/// a command (serve, the agent) that it needs the model's tokenizer file.
+fn missing_tokenizer(dir: &Path, what: &str) -> String {
+    let dir = dir.display();
+    if what.starts_with("--") {
+        format!("{what} needs a tokenizer, but {dir} has no tokenizer.json; give token ids with {what}-ids instead")
+    } else {
+        format!("{what} needs a tokenizer, but {dir} has no tokenizer.json; copy the model's tokenizer.json (and tokenizer_config.json) into {dir}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,4 +163,17 @@ mod tests {
         assert!(parse_ids("1,x").unwrap_err().contains("\"x\""));
         assert!(parse_ids(" ").is_err());
     }
+
+    #[test]
+    fn a_missing_tokenizer_suggests_what_works() {
+        let dir = Path::new("m");
+        let flag = missing_tokenizer(dir, "--prompt");
+        assert!(flag.contains("--prompt-ids instead"), "{flag}");
+        let command = missing_tokenizer(dir, "serve");
+        assert!(
+            command.contains("copy the model's tokenizer.json") && !command.contains("token ids"),
+            "{command}"
+        );
+    }
 }
+

@@ -130,9 +130,12 @@ pub enum ChatTemplateError {
         path: PathBuf,
         source: serde_json::Error,
     },
-    /// `tokenizer_config.json` has no string value under `chat_template`.
-    #[error("{path} has no string key \"chat_template\"")]
+    /// `tokenizer_config.json` has no key `chat_template`.
+    #[error("{path} has no key \"chat_template\"")]
     MissingTemplate { path: PathBuf },
+    /// `tokenizer_config.json` has `chat_template`, but not as text (a number, a list, ...).
+    #[error("{path}: \"chat_template\" is {found}, not the template's text")]
+    NotText { path: PathBuf, found: &'static str },
     /// The template is not one this crate implements.
     #[error("chat template in {path} is not the Qwen3 hybrid-thinking ChatML template")]
     Unsupported { path: PathBuf },
@@ -211,8 +214,20 @@ impl ChatTemplate {
                 path: path.clone(),
                 source,
             })?;
-        let Some(text) = config.get("chat_template").and_then(|t| t.as_str()) else {
-            return Err(ChatTemplateError::MissingTemplate { path });
+        let text = match config.get("chat_template") {
+            None | Some(serde_json::Value::Null) => {
+                return Err(ChatTemplateError::MissingTemplate { path })
+            }
+            Some(serde_json::Value::String(text)) => text,
+            Some(other) => {
+                let found = match other {
+                    serde_json::Value::Bool(_) => "a boolean",
+                    serde_json::Value::Number(_) => "a number",
+                    serde_json::Value::Array(_) => "a list",
+                    _ => "an object",
+                };
+                return Err(ChatTemplateError::NotText { path, found });
+            }
         };
         Self::recognise(text).ok_or(ChatTemplateError::Unsupported { path })
     }
@@ -443,6 +458,14 @@ mod tests {
             matches!(err, ChatTemplateError::MissingTemplate { .. }),
             "{err}"
         );
+
+        std::fs::write(&config, "{\"chat_template\": 5}").unwrap();
+        let err = ChatTemplate::from_dir(dir.path()).unwrap_err();
+        assert!(
+            matches!(err, ChatTemplateError::NotText { found: "a number", .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("is a number, not the template's text"), "{err}");
 
         std::fs::write(&config, "{\"chat_template\": \"{{ messages }}\"}").unwrap();
         let err = ChatTemplate::from_dir(dir.path()).unwrap_err();
