@@ -142,7 +142,7 @@ fn clear_errors_for_bad_input() {
 }
 
 /// Weights holding a NaN stop `generate` and `score` at load with one message that names the
-/// file and the tensor (they used to load, print "!!!!!!" and exit 0).
+/// file and the tensor, instead of generating "!!!!!!" and exiting 0.
 #[test]
 fn non_finite_weights_are_refused_at_load() {
     use model::checkpoint::{write_safetensors, Checkpoint, TensorToWrite};

@@ -169,7 +169,7 @@ fn a_single_step_still_plots() {
 fn malformed_line_fails_naming_file_and_line() {
     let dir = tempfile::tempdir().unwrap();
     let mut lines: Vec<String> = (1..=5).map(metrics_line).collect();
-    lines[2] = r#"{"step": 3, "reward_mean": "#.into();
+    lines[2] = r#"{"training/global_step": 3, "critic/score/mean": "#.into();
     write_metrics(dir.path(), &lines);
     let output = plot(&[dir.path().to_str().unwrap()]);
     assert_eq!(output.status.code(), Some(1));

@@ -1,6 +1,8 @@
 //! `prompt-r1`: the command-line entry point. Each subcommand lives in its own module under
 //! `cmd/`; this file only parses arguments and dispatches.
 
+#![forbid(unsafe_code)]
+
 mod agent_flags;
 mod cmd;
 mod device;

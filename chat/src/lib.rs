@@ -5,6 +5,8 @@
 //!   and OpenAI's chat messages;
 //! - [`Sampling`]: how an LLM chooses its tokens (temperature, top-k, top-p, seed).
 
+#![forbid(unsafe_code)]
+
 mod message;
 mod sampling;
 

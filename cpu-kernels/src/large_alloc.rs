@@ -9,9 +9,9 @@
 //! the next request of that length. Buffers from 2 MiB up are mapped in whole 2 MiB units, so
 //! that where transparent huge pages are on for all memory they can be backed by them. They are
 //! not marked `MADV_HUGEPAGE`: under the common `defrag = madvise` setting that makes each fault
-//! compact memory synchronously when no free huge page is at hand, which made loading the 0.6B
-//! model 2.5-3.5 times slower (BENCHMARKS.md, 2026-11-22 late morning); once the cache serves a workload's
-//! buffers there are few faults left for huge pages to save.
+//! compact memory synchronously when no free huge page is at hand, which makes loading the 0.6B
+//! model several times slower (BENCHMARKS.md, "the huge-page hint removed"); once the cache
+//! serves a workload's buffers there are few faults left for huge pages to save.
 //!
 //! Two bounds keep the cache from costing memory:
 //! - it raises the process's peak by at most a quarter: cached plus in-use large buffers stay

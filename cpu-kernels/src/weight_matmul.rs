@@ -1880,11 +1880,10 @@ mod tests {
 
 
     /// The two packed bf16 kernels give the same bf16 results within two units in the last
-    /// place, at the shapes
-    /// of the tiny model's training runs (24 decoding episodes, prefill of 300 and 1032 rows;
-    /// hidden 64, head 32, MLP 128, vocabulary 512), in both layouts. Checked on every product
-    /// of the bf16-base LoRA run that learned with one and collapsed with the other (2026-11-26):
-    /// no element differed by more than one unit in the last place.
+    /// place, at the shapes of the tiny model's training runs (24 decoding episodes, prefill of
+    /// 300 and 1032 rows; hidden 64, head 32, MLP 128, vocabulary 512), in both layouts. Over
+    /// every product of a whole bf16-base LoRA run they differ by at most one unit in the last
+    /// place (BENCHMARKS.md, "the bf16-base LoRA test on Intel Xeons").
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_two_packed_kernels_agree_to_one_rounding() {

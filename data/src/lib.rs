@@ -5,6 +5,8 @@
 //! - [`BatchSampler`] draws seeded, shuffled batches epoch after epoch; its [`Cursor`] is
 //!   serialisable so that training resumes mid-epoch exactly.
 
+#![forbid(unsafe_code)]
+
 mod csv_file;
 mod error;
 mod example;

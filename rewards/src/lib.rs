@@ -7,6 +7,8 @@
 //!   their aggregation per data source.
 //! - [`ssim`]: the all-MiniLM-L6-v2 sentence encoder behind SSim.
 
+#![forbid(unsafe_code)]
+
 pub mod answer;
 pub mod config;
 pub mod episode;

@@ -16,6 +16,8 @@
 //! - [`sft`]: supervised fine-tuning on chat transcripts or saved episodes (assistant tokens
 //!   only), with the same optimiser, checkpoints and metrics file as GRPO runs.
 
+#![forbid(unsafe_code)]
+
 pub mod autodiff_lock;
 pub mod grpo;
 pub mod optim;

@@ -48,9 +48,9 @@ pub struct Args {
     pub compute: ComputeArgs,
     /// Precision of products with f32 weights, for every workload but decode (whose few rows
     /// stay f32): f32, or bf16 (operands rounded to bf16, sums in f32: the trainer's
-    /// `grpo.matmul = "bf16"`; about twice as fast as f32 on AMD Zen 4, about as fast as f32 on
-    /// Intel Xeons, whose bf16 dot products issue every other cycle: `--products` shows which,
-    /// and PROMPT_R1_BF16_PRODUCTS=pairs|widened chooses the CPU kernel).
+    /// `grpo.matmul = "bf16"`; how much faster than f32 depends on the CPU's bf16 dot products
+    /// (BENCHMARKS.md): `--products` shows which CPU kernel runs, and
+    /// PROMPT_R1_BF16_PRODUCTS=pairs|widened chooses it).
     #[arg(long, default_value = "f32", value_parser = parse_matmul)]
     pub matmul: MatmulPrecision,
     /// Also time a GRPO training step (forward + backward + AdamW) on --batch sequences of
@@ -316,8 +316,7 @@ impl TrainStep {
     /// One learn step of the GRPO trainer on `batch` sequences of `seq_len` tokens (every token
     /// but the first an agent token, advantages alternating +1/−1): the median of
     /// [`TIMED_STEPS`] steps after a warm-up step (the second step still pays one-time costs,
-    /// e.g. 25 s against 18–19 s for the third on the 0.6B shape on 2 cores), and the peak RSS
-    /// of the timed steps.
+    /// BENCHMARKS.md), and the peak RSS of the timed steps.
     fn measure<B: Backend>(&self, dir: &std::path::Path, device: &B::Device) -> Result<(f64, Option<f64>)> {
         use burn::backend::Autodiff;
         use burn::module::Module;
@@ -516,7 +515,7 @@ fn median_seconds(runs: usize, mut time: impl FnMut() -> Result<f64>) -> Result<
 const TIMED_RUNS: usize = 3;
 
 /// Runs timed per attention workload by `--attention` (the median is reported): a 256-token
-/// call takes about 10 ms on 2 cores, where one run of a shared VM can be a third off the next.
+/// call takes milliseconds, where one run of a shared VM can be a third off the next.
 const TIMED_ATTENTION: usize = 9;
 
 /// Products timed per shape and precision by `--products` (the median is reported).

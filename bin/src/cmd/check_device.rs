@@ -310,7 +310,8 @@ pub fn run(args: Args) -> Result<()> {
         ("first ratio off 1, bf16 products", target.ratio_drift[1], 0.0),
     ];
     // On the CPU the model rounds to bf16 through its own kernel, not burn-flex's cast (which
-    // does not round every value to the nearest bf16; see BENCHMARKS.md, 2026-11-22 small hours).
+    // does not round every value to the nearest bf16; BENCHMARKS.md, "A burn-flex rounding
+    // difference").
     if args.device != DeviceChoice::Cpu {
         checks.push(("f32 -> bf16 casts not to nearest even", target.cast_errors.map(|n| n as f32), 0.0));
     }
