@@ -130,6 +130,65 @@ fn sft_trains_resumes_plots_and_exports() {
     assert!(!text.stdout.is_empty());
 }
 
+/// `checkpoints/latest` naming a folder outside the run stops `--resume` with the file and its
+/// content named; a damaged newest checkpoint stops it with `--resume-from` named, and
+/// `--resume-from 2` continues the earlier checkpoint (its later metrics dropped).
+#[test]
+fn resume_from_an_earlier_checkpoint_when_the_newest_is_damaged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = setup(tmp.path());
+    ok(&["sft", "--config", &config]);
+    let run = tmp.path().join("run");
+    let latest = run.join("checkpoints/latest");
+
+    // A checkpoint of another run, reachable by a relative path from this one's checkpoints.
+    let outside = tmp.path().join("other/step-0000004");
+    std::fs::create_dir_all(outside.parent().unwrap()).unwrap();
+    let copy = |from: &Path, to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    };
+    copy(&run.join("checkpoints/step-0000004"), &outside);
+    std::fs::write(&latest, "../../other/step-0000004").unwrap();
+    let out = prompt_r1(&["sft", "--config", &config, "--resume", "--steps", "6"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("checkpoints/latest") && stderr.contains("\"../../other/step-0000004\""),
+        "{stderr}"
+    );
+    std::fs::write(&latest, "step-0000004").unwrap();
+
+    let optimizer = run.join("checkpoints/step-0000004/optimizer.bin");
+    std::fs::write(&optimizer, b"damaged").unwrap();
+    let out = prompt_r1(&["sft", "--config", &config, "--resume", "--steps", "6"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("optimizer.bin")
+            && stderr.contains("--resume-from STEP")
+            && stderr.contains("step 2"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+
+    let out = ok(&["sft", "--config", &config, "--resume-from", "2"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("step-0000004"));
+    let steps: Vec<u64> = metrics(&run)
+        .iter()
+        .map(|l| l["training/global_step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4]);
+    assert_eq!(std::fs::read_to_string(&latest).unwrap(), "step-0000004");
+    ok(&["sft", "--config", &config, "--resume", "--steps", "5"]);
+    let out = prompt_r1(&["sft", "--config", &config, "--resume-from", "3"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("step-0000003"), "{stderr}");
+}
+
 /// A malformed row stops the run before any step, naming the file and the line.
 #[test]
 fn a_bad_row_is_named_by_file_and_line() {

@@ -9,9 +9,11 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::MatmulPrecision;
+use trainer::run::Resume;
 use trainer::sft::{SftConfig, SftRecord, SftRun};
 
-use super::{print_lora_share, say, step_bar, NAN_HINT};
+use super::train::{already_done, drive};
+use super::{print_lora_share, NAN_HINT};
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_matmul;
 
@@ -26,7 +28,7 @@ use crate::model_dir::parse_matmul;
 /// gradient accumulation, a constant or cosine learning rate with warm-up. The run directory
 /// gets `metrics.jsonl` (`train/loss`, `train/lr`, `train/grad_norm`, `val/loss`, ...) and
 /// checkpoints in the layout of `train` runs: `plot`, `export` and `train` (as `model`) read
-/// them, and `--resume` continues the newest one exactly.
+/// them, and `--resume` continues the newest one exactly (`--resume-from STEP` an earlier one).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// The SFT configuration (TOML). Paths inside it are relative to the file.
@@ -35,6 +37,10 @@ pub struct Args {
     /// Continue from the newest checkpoint in the run directory.
     #[arg(long)]
     pub resume: bool,
+    /// Continue from the checkpoint of step STEP of the run directory (implies --resume): when
+    /// the newest checkpoint is damaged, an earlier one.
+    #[arg(long, value_name = "STEP")]
+    pub resume_from: Option<u64>,
     /// Override train.steps (optimiser steps in all).
     #[arg(long)]
     pub steps: Option<u64>,
@@ -103,14 +109,8 @@ impl Args {
 
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
-    run_on(
-        args.device,
-        FineTuning {
-            config,
-            resume: args.resume,
-        },
-    )
-    .map(drop)
+    let resume = Resume::from_flags(args.resume, args.resume_from);
+    run_on(args.device, Resuming { config, resume }).map(drop)
 }
 
 /// A configured SFT run, ready to start on a backend.
@@ -123,9 +123,21 @@ impl OnBackend for FineTuning {
     type Output = Vec<SftRecord>;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Vec<SftRecord>> {
-        let save_every = self.config.run.save_every;
+        Resuming { config: self.config, resume: self.resume.into() }.run::<B>(device)
+    }
+}
+
+/// [`FineTuning`] with any [`Resume`] (`--resume-from`).
+struct Resuming {
+    config: SftConfig,
+    resume: Resume,
+}
+
+impl OnBackend for Resuming {
+    type Output = Vec<SftRecord>;
+
+    fn run<B: Backend>(self, device: B::Device) -> Result<Vec<SftRecord>> {
         let mut run = SftRun::<Autodiff<B>>::start(self.config, device, self.resume)?;
-        let out_dir = run.config().run.out_dir.clone();
         let (train, validation) = run.data_summaries();
         eprintln!("training rows: {train}");
         if validation.chats + validation.episodes > 0 {
@@ -134,43 +146,30 @@ impl OnBackend for FineTuning {
         if let Some(adapters) = run.adapters() {
             print_lora_share(adapters.num_params(), run.model().num_params(), run.config().model_dtype);
         }
-        let (done, total) = (run.step_count(), run.total_steps());
-        if done >= total {
-            eprintln!("{} is already at step {done} of {total}", out_dir.display());
+        if already_done(&run) {
             return Ok(Vec::new());
         }
-        let bar = step_bar(total, done);
-        let mut records = Vec::new();
-        while run.step_count() < total {
-            let record = run
-                .train_step()
-                .with_context(|| format!("step {}", run.step_count() + 1))?;
-            bar.set_message(format!(
+        let step = |run: &mut SftRun<Autodiff<B>>| {
+            run.train_step()
+                .with_context(|| format!("step {}", run.step_count() + 1))
+        };
+        drive(&mut run, step, |_, record| {
+            let message = format!(
                 "loss {:.4} lr {:.2e} grad norm {} {:.0} tok/s",
                 record.loss,
                 record.lr,
                 record.grad_norm.map_or("-".into(), |g| format!("{g:.3}")),
                 record.tokens_per_sec
-            ));
-            bar.inc(1);
+            );
+            let mut lines = Vec::new();
             if let Some(v) = record.validation_loss {
-                say(&bar, format!("step {}: validation loss {v:.4}", record.step));
+                lines.push(format!("step {}: validation loss {v:.4}", record.step));
             }
             if record.skipped_steps > 0 {
-                say(
-                    &bar,
-                    format!("step {}: skipped (gradient norm not finite); {NAN_HINT}", record.step),
-                );
+                lines.push(format!("step {}: skipped (gradient norm not finite); {NAN_HINT}", record.step));
             }
-            if record.step % save_every == 0 || record.step == total {
-                let dir = run.save_checkpoint()?;
-                say(&bar, format!("checkpoint {}", dir.display()));
-            }
-            records.push(record);
-        }
-        bar.finish();
-        eprintln!("metrics in {}", out_dir.join(trainer::run::METRICS_FILE).display());
-        Ok(records)
+            (message, lines)
+        })
     }
 }
 
@@ -217,6 +216,15 @@ mod tests {
             (MatmulPrecision::Bf16, PathBuf::from("elsewhere"))
         );
         assert_eq!(config(&["--steps", "3"]).train.steps, Some(3));
+        let args = |extra: &[&str]| {
+            let mut argv = vec!["sft", "--config", "x"];
+            argv.extend_from_slice(extra);
+            let args = Cli::try_parse_from(argv).unwrap().args;
+            Resume::from_flags(args.resume, args.resume_from)
+        };
+        assert_eq!(args(&[]), Resume::Fresh);
+        assert_eq!(args(&["--resume"]), Resume::Latest);
+        assert_eq!(args(&["--resume-from", "4"]), Resume::From(4));
         assert!(Cli::try_parse_from(["sft", "--config", "x", "--steps", "1", "--epochs", "1"]).is_err());
     }
 }

@@ -11,7 +11,7 @@ use env::OpenAiClient;
 use model::cpu_kernels::{Bf16Products, BF16_PRODUCTS_ENV};
 use model::MatmulPrecision;
 use trainer::plan::parse_size;
-use trainer::run::{PromptR1Scorer, StepRecord, TrainConfig, Trainer};
+use trainer::run::{run_to_end, PromptR1Scorer, Resume, StepRecord, SteppedRun, TrainConfig, Trainer};
 
 use super::{print_lora_share, say, step_bar, NAN_HINT};
 use crate::device::{run_on, DeviceChoice, OnBackend};
@@ -27,6 +27,10 @@ pub struct Args {
     /// Continue from the newest checkpoint in the run directory.
     #[arg(long)]
     pub resume: bool,
+    /// Continue from the checkpoint of step STEP of the run directory (implies --resume): when
+    /// the newest checkpoint is damaged, an earlier one.
+    #[arg(long, value_name = "STEP")]
+    pub resume_from: Option<u64>,
     /// Override run.steps.
     #[arg(long)]
     pub steps: Option<u64>,
@@ -141,7 +145,8 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("note: {note}");
         }
     }
-    run_on(args.device, Training { config, resume: args.resume }).map(drop)
+    let resume = Resume::from_flags(args.resume, args.resume_from);
+    run_on(args.device, Resuming { config, resume }).map(drop)
 }
 
 /// A configured run, ready to start on a backend.
@@ -154,20 +159,29 @@ impl OnBackend for Training {
     type Output = Vec<StepRecord>;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Vec<StepRecord>> {
+        Resuming { config: self.config, resume: self.resume.into() }.run::<B>(device)
+    }
+}
+
+/// [`Training`] with any [`Resume`] (`--resume-from`).
+struct Resuming {
+    config: TrainConfig,
+    resume: Resume,
+}
+
+impl OnBackend for Resuming {
+    type Output = Vec<StepRecord>;
+
+    fn run<B: Backend>(self, device: B::Device) -> Result<Vec<StepRecord>> {
         let env = OpenAiClient::new(self.config.environment.clone()).context("environment client")?;
         let scorer = PromptR1Scorer {
             config: self.config.reward.clone(),
         };
-        let steps = self.config.run.steps;
-        let save_every = self.config.run.save_every;
         let mut trainer = Trainer::<Autodiff<B>>::start(self.config, device, self.resume)?;
-        let out_dir = trainer.config().run.out_dir.clone();
         if let Some(adapters) = trainer.adapters() {
             print_lora_share(adapters.num_params(), trainer.policy().num_params(), trainer.config().model_dtype);
         }
-        let done = trainer.step_count();
-        if done >= steps {
-            eprintln!("{} is already at step {done} of {steps}", out_dir.display());
+        if already_done(&trainer) {
             return Ok(Vec::new());
         }
         if let Some(record) = trainer.validate_before_training(&env, &scorer).context("validation before training")? {
@@ -179,51 +193,78 @@ impl OnBackend for Training {
                 eprint!("{report}");
             }
         }
-        let bar = step_bar(steps, done);
-        let mut records = Vec::new();
-        while trainer.step_count() < steps {
-            let record = trainer
+        let step = |trainer: &mut Trainer<Autodiff<B>>| {
+            trainer
                 .train_step(&env, &scorer)
-                .with_context(|| format!("step {}", trainer.step_count() + 1))?;
-            bar.set_message(format!(
+                .with_context(|| format!("step {}", trainer.step_count() + 1))
+        };
+        drive(&mut trainer, step, |trainer, record| {
+            let message = format!(
                 "reward {:.3} kl {} clip {:.3} {:.0} tok/s",
                 record.reward_mean,
                 record.kl.map_or("-".into(), |k| format!("{k:.4}")),
                 record.clip_frac,
                 record.rollout_tokens_per_sec
-            ));
-            bar.inc(1);
+            );
+            let mut lines = Vec::new();
             if let Some(v) = record.validation_reward {
-                say(&bar, format!("step {}: validation reward {v:.3}", record.step));
+                lines.push(format!("step {}: validation reward {v:.3}", record.step));
                 if let Some(report) = trainer.last_validation() {
-                    say(&bar, report.to_string().trim_end());
+                    lines.push(report.to_string().trim_end().to_owned());
                 }
             }
             if record.groups_dropped > 0 {
-                say(&bar, format!(
+                lines.push(format!(
                     "step {}: {} groups without signal left out (dynamic sampling)",
                     record.step, record.groups_dropped
                 ));
             }
             if record.skipped_steps > 0 {
-                say(&bar, format!(
+                lines.push(format!(
                     "step {}: {} optimiser steps skipped (gradient norm not finite); {NAN_HINT}",
                     record.step, record.skipped_steps
                 ));
             }
             if record.env_failures > 0 {
-                say(&bar, format!("step {}: {} episodes dropped (environment failures)", record.step, record.env_failures));
+                lines.push(format!("step {}: {} episodes dropped (environment failures)", record.step, record.env_failures));
             }
-            if record.step % save_every == 0 || record.step == steps {
-                let dir = trainer.save_checkpoint()?;
-                say(&bar, format!("checkpoint {}", dir.display()));
-            }
-            records.push(record);
-        }
-        bar.finish();
-        eprintln!("metrics in {}", out_dir.join(trainer::run::METRICS_FILE).display());
-        Ok(records)
+            (message, lines)
+        })
     }
+}
+
+/// Whether `run` (GRPO or SFT) is already at its last step, saying so.
+pub(super) fn already_done(run: &impl SteppedRun) -> bool {
+    let (done, last) = (run.step_count(), run.last_step());
+    if done >= last {
+        eprintln!("{} is already at step {done} of {last}", run.session().dir().display());
+    }
+    done >= last
+}
+
+/// Steps a run (GRPO or SFT) to its last step under a progress bar, with the checkpoints of its
+/// cadence ([`run_to_end`]): `step` makes one step; `show` gives the bar's message for a record
+/// and the lines to print above the bar.
+pub(super) fn drive<R: SteppedRun>(
+    run: &mut R,
+    step: impl FnMut(&mut R) -> Result<R::Record>,
+    show: impl Fn(&R, &R::Record) -> (String, Vec<String>),
+) -> Result<Vec<R::Record>> {
+    let bar = step_bar(run.last_step(), run.step_count());
+    let records = run_to_end(run, step, |run, record, saved| {
+        let (message, lines) = show(run, record);
+        bar.set_message(message);
+        bar.inc(1);
+        for line in lines {
+            say(&bar, line);
+        }
+        if let Some(dir) = saved {
+            say(&bar, format!("checkpoint {}", dir.display()));
+        }
+    })?;
+    bar.finish();
+    eprintln!("metrics in {}", run.session().dir().join(trainer::run::METRICS_FILE).display());
+    Ok(records)
 }
 
 #[cfg(test)]

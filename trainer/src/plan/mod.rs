@@ -1084,7 +1084,7 @@ mod tests {
     }
 
     /// Memory grows linearly with the context on the GPU path with the memory-efficient
-    /// attention (the bar: 4k against 1k at most 5×), quadratically with eager.
+    /// attention (4k tokens keep at most 5× what 1k keep), quadratically with eager.
     #[test]
     fn memory_efficient_activations_grow_linearly_with_the_context() {
         let mut s = settings(Preset::Qwen3_4B);

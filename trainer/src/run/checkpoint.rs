@@ -30,26 +30,101 @@ pub(crate) struct TrainerState {
     pub seed: u64,
 }
 
-/// The newest complete checkpoint of a run, if any.
+/// The newest complete checkpoint of a run, if any: the folder `checkpoints/latest` names. That
+/// name must be a checkpoint of this run as [`publish`] writes it (`step-NNNNNNN`, a direct
+/// child of `checkpoints/`, a folder with its trainer state); anything else (a path such as
+/// `../..`, a missing or incomplete folder) is an error naming the file and what it holds.
 pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>, TrainError> {
     let pointer = run_dir.join(CHECKPOINTS_DIR).join(LATEST_FILE);
     if !pointer.exists() {
         return Ok(None);
     }
-    let name = std::fs::read_to_string(&pointer).map_err(TrainError::io(&pointer))?;
-    let dir = run_dir.join(CHECKPOINTS_DIR).join(name.trim());
-    if !dir.join(STATE_FILE).is_file() {
+    let bytes = std::fs::read(&pointer).map_err(TrainError::io(&pointer))?;
+    let text = String::from_utf8_lossy(&bytes);
+    let name = text.trim();
+    let Some(step) = checkpoint_step(name) else {
+        let shown: String = name.chars().take(80).collect();
+        return Err(TrainError::Checkpoint {
+            path: pointer.clone(),
+            reason: format!(
+                "holds {shown:?}, which is not a checkpoint of this run (the name of a folder \
+                 step-NNNNNNN inside {})",
+                run_dir.join(CHECKPOINTS_DIR).display()
+            ),
+        });
+    };
+    let dir = run_dir.join(CHECKPOINTS_DIR).join(checkpoint_name(step));
+    if !is_complete(&dir) {
         return Err(TrainError::Checkpoint {
             path: dir,
-            reason: format!("named by {} but incomplete", pointer.display()),
+            reason: format!("named by {} but missing or incomplete (no {STATE_FILE})", pointer.display()),
         });
     }
     Ok(Some(dir))
 }
 
+/// The checkpoint of this run after `step` steps (what `--resume-from STEP` continues); an error
+/// listing the run's checkpoints when it has none such.
+pub fn checkpoint_at(run_dir: &Path, step: u64) -> Result<PathBuf, TrainError> {
+    let dir = run_dir.join(CHECKPOINTS_DIR).join(checkpoint_name(step));
+    if is_complete(&dir) {
+        return Ok(dir);
+    }
+    let steps = list_checkpoints(run_dir)?;
+    Err(TrainError::Checkpoint {
+        path: dir,
+        reason: format!(
+            "no complete checkpoint of step {step} in this run (its checkpoints: {})",
+            steps_list(&steps)
+        ),
+    })
+}
+
+/// The complete checkpoints of a run (folders `checkpoints/step-NNNNNNN/` holding their trainer
+/// state), by step.
+pub fn list_checkpoints(run_dir: &Path) -> Result<Vec<u64>, TrainError> {
+    let dir = run_dir.join(CHECKPOINTS_DIR);
+    if !dir.is_dir() {
+        return Ok(Vec::new());
+    }
+    let mut steps: Vec<u64> = std::fs::read_dir(&dir)
+        .map_err(TrainError::io(&dir))?
+        .filter_map(Result::ok)
+        .filter_map(|e| checkpoint_step(&e.file_name().to_string_lossy()))
+        .filter(|&step| is_complete(&dir.join(checkpoint_name(step))))
+        .collect();
+    steps.sort_unstable();
+    Ok(steps)
+}
+
+/// "step 2", "steps 2, 4", or "none".
+pub(crate) fn steps_list(steps: &[u64]) -> String {
+    let list: Vec<String> = steps.iter().map(u64::to_string).collect();
+    match steps.len() {
+        0 => "none".into(),
+        1 => format!("step {}", list[0]),
+        _ => format!("steps {}", list.join(", ")),
+    }
+}
+
+/// Whether `dir` is a checkpoint folder (itself, not a link) with its trainer state.
+fn is_complete(dir: &Path) -> bool {
+    std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) && dir.join(STATE_FILE).is_file()
+}
+
 /// The folder name of the checkpoint after `step` steps.
 pub(crate) fn checkpoint_name(step: u64) -> String {
     format!("step-{step:07}")
+}
+
+/// The step of the checkpoint folder `name`, if it is one as [`checkpoint_name`] writes it.
+pub(crate) fn checkpoint_step(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let step = digits.parse().ok()?;
+    (checkpoint_name(step) == name).then_some(step)
 }
 
 /// Makes the staged folder `tmp` the checkpoint `name`: syncs it, renames it into place, then
@@ -69,16 +144,20 @@ pub(crate) fn publish(run_dir: &Path, tmp: &Path, name: &str, keep: usize) -> Re
     })?;
     sync_dir(&dir)?;
     if keep > 0 {
-        let mut steps: Vec<PathBuf> = std::fs::read_dir(&dir)
+        // The newest `keep` by step, always with the one just published (a run resumed from an
+        // earlier checkpoint publishes below the later ones it left behind).
+        let mut steps: Vec<u64> = std::fs::read_dir(&dir)
             .map_err(TrainError::io(&dir))?
             .filter_map(Result::ok)
-            .map(|e| e.path())
-            .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| checkpoint_step(&e.file_name().to_string_lossy()))
+            .filter(|&step| checkpoint_name(step) != name)
             .collect();
-        steps.sort();
-        let excess = steps.len().saturating_sub(keep);
-        for old in &steps[..excess] {
-            std::fs::remove_dir_all(old).map_err(TrainError::io(old))?;
+        steps.sort_unstable();
+        let excess = (steps.len() + 1).saturating_sub(keep);
+        for old in &steps[..excess.min(steps.len())] {
+            let old = dir.join(checkpoint_name(*old));
+            std::fs::remove_dir_all(&old).map_err(TrainError::io(&old))?;
         }
     }
     Ok(target)
@@ -147,4 +226,82 @@ pub(crate) fn read_state(dir: &Path) -> Result<TrainerState, TrainError> {
         path: path.clone(),
         reason: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A checkpoint-like folder (with a trainer state file) at `dir`.
+    fn fake(dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join(STATE_FILE), "{}").unwrap();
+    }
+
+    /// `latest` must name a checkpoint folder of this run: a path leading out of it, even to a
+    /// complete checkpoint of another run, is an error naming the file and what it holds.
+    #[test]
+    fn latest_is_confined_to_the_run() {
+        let root = tempfile::tempdir().unwrap();
+        let run = root.path().join("run");
+        let checkpoints = run.join(CHECKPOINTS_DIR);
+        fake(&checkpoints.join("step-0000002"));
+        fake(&root.path().join("elsewhere/step-0000001"));
+        let pointer = checkpoints.join(LATEST_FILE);
+        std::fs::write(&pointer, "step-0000002\n").unwrap();
+        assert_eq!(latest_checkpoint(&run).unwrap(), Some(checkpoints.join("step-0000002")));
+        for bad in ["../../elsewhere/step-0000001", "../..", "step-0000002/..", "/tmp", "step-2", "step-+000002"] {
+            std::fs::write(&pointer, bad).unwrap();
+            let err = latest_checkpoint(&run).unwrap_err().to_string();
+            assert!(
+                err.contains(&pointer.display().to_string()) && err.contains(&format!("{bad:?}")),
+                "{bad}: {err}"
+            );
+        }
+        std::fs::write(&pointer, "step-0000004").unwrap();
+        let err = latest_checkpoint(&run).unwrap_err().to_string();
+        assert!(err.contains("step-0000004") && err.contains("incomplete"), "{err}");
+    }
+
+    #[test]
+    fn checkpoint_names_and_steps() {
+        assert_eq!(checkpoint_step("step-0000012"), Some(12));
+        assert_eq!(checkpoint_step("step-12345678"), Some(12_345_678));
+        for name in ["step-12", "step-00000012 ", "step--000001", ".tmp-step-0000001", "latest"] {
+            assert_eq!(checkpoint_step(name), None, "{name}");
+        }
+        assert_eq!(steps_list(&[]), "none");
+        assert_eq!(steps_list(&[2, 4]), "steps 2, 4");
+    }
+
+    /// `--resume-from STEP` takes only a complete checkpoint of this run, and lists them when
+    /// the one asked for is not.
+    #[test]
+    fn a_checkpoint_by_step() {
+        let root = tempfile::tempdir().unwrap();
+        let checkpoints = root.path().join(CHECKPOINTS_DIR);
+        fake(&checkpoints.join("step-0000002"));
+        fake(&checkpoints.join("step-0000004"));
+        std::fs::create_dir_all(checkpoints.join("step-0000006")).unwrap();
+        assert_eq!(list_checkpoints(root.path()).unwrap(), [2, 4]);
+        assert_eq!(checkpoint_at(root.path(), 4).unwrap(), checkpoints.join("step-0000004"));
+        let err = checkpoint_at(root.path(), 6).unwrap_err().to_string();
+        assert!(err.contains("step-0000006") && err.contains("steps 2, 4"), "{err}");
+    }
+
+    /// Pruning keeps the newest checkpoints by step and never the one just published, which a
+    /// run resumed from an earlier checkpoint writes below the later ones.
+    #[test]
+    fn publishing_keeps_the_new_checkpoint() {
+        let root = tempfile::tempdir().unwrap();
+        let checkpoints = root.path().join(CHECKPOINTS_DIR);
+        for step in [2, 6, 8] {
+            fake(&checkpoints.join(checkpoint_name(step)));
+        }
+        let tmp = staging_dir(root.path(), "step-0000004").unwrap();
+        fake(&tmp);
+        publish(root.path(), &tmp, "step-0000004", 2).unwrap();
+        assert_eq!(list_checkpoints(root.path()).unwrap(), [4, 8]);
+        assert_eq!(std::fs::read_to_string(checkpoints.join(LATEST_FILE)).unwrap(), "step-0000004");
+    }
 }

@@ -29,6 +29,13 @@ pub enum TrainError {
     },
     #[error("checkpoint {path}: {reason}")]
     Checkpoint { path: PathBuf, reason: String },
+    /// A checkpoint of another kind of run than the configuration's (a whole model against
+    /// `[lora]`, other adapters): the run's settings, not the checkpoint, are at fault.
+    #[error("checkpoint {path}: {reason}")]
+    Mismatch { path: PathBuf, reason: String },
+    /// The checkpoint a run resumes from did not load; `hint` says how to resume from another.
+    #[error("{error}; {hint}")]
+    Resume { error: Box<TrainError>, hint: String },
     #[error("every episode of step {step} failed in the environment (first error: {first})")]
     AllEpisodesFailed { step: u64, first: String },
 }

@@ -15,9 +15,12 @@ use model::{
     Compute, Qwen3ForCausalLM,
 };
 
+use model::generation::row_seed;
+
 use super::checkpoint::OPTIMIZER_FILE;
 use super::config::ModelDtype;
 use super::error::TrainError;
+use crate::grpo::Trainable;
 use crate::optim::{AdamWOptimizer, OptimizerConfig};
 
 type Policy<B> = Qwen3ForCausalLM<B>;
@@ -83,7 +86,7 @@ impl<B: AutodiffBackend> Learner<B> {
         let policy = match checkpoint {
             Some(dir) => {
                 if is_adapter_dir(dir) {
-                    return Err(TrainError::Checkpoint {
+                    return Err(TrainError::Mismatch {
                         path: dir.to_path_buf(),
                         reason: "it holds LoRA adapters but the config has no [lora] section"
                             .into(),
@@ -112,7 +115,7 @@ impl<B: AutodiffBackend> Learner<B> {
         let adapters = match checkpoint {
             Some(dir) => {
                 if !is_adapter_dir(dir) {
-                    return Err(TrainError::Checkpoint {
+                    return Err(TrainError::Mismatch {
                         path: dir.to_path_buf(),
                         reason: "it holds a whole model, not LoRA adapters, but the config has a [lora] section".into(),
                     });
@@ -120,7 +123,7 @@ impl<B: AutodiffBackend> Learner<B> {
                 let (adapters, saved) = load_adapter::<B>(dir, &base.config, device)?;
                 let same = |a: &LoraConfig| (a.rank, a.alpha, a.target_modules.clone());
                 if same(&saved.lora) != same(lora) {
-                    return Err(TrainError::Checkpoint {
+                    return Err(TrainError::Mismatch {
                         path: dir.to_path_buf(),
                         reason: format!(
                             "its adapters (rank {}, alpha {}, {:?}) differ from the config's [lora] (rank {}, alpha {}, {:?})",
@@ -148,6 +151,36 @@ impl<B: AutodiffBackend> Learner<B> {
             adapters: Some(adapters),
             optimizer,
         })
+    }
+
+    /// Applies one `update` (GRPO's or SFT's step) to what this learner trains: the whole model,
+    /// or the adapters beside the frozen base. With LoRA dropout the backend's generator is
+    /// first seeded from the run's `seed` and the `step`, so a resumed run draws the masks an
+    /// uninterrupted one would.
+    pub fn update<U: Update<B>>(
+        &mut self,
+        update: U,
+        seed: u64,
+        step: u64,
+        device: &B::Device,
+    ) -> Result<U::Stats, TrainError> {
+        match self {
+            Learner::Full { policy, optimizer } => {
+                let model = policy.take().expect("the policy is present between steps");
+                let (model, stats) = update.apply(model, &(), optimizer)?;
+                *policy = Some(model);
+                Ok(stats)
+            }
+            Learner::Lora { base, adapters, optimizer } => {
+                let trained = adapters.take().expect("the adapters are present between steps");
+                if trained.config().dropout > 0.0 {
+                    B::seed(device, row_seed(seed, step));
+                }
+                let (trained, stats) = update.apply(trained, base, optimizer)?;
+                *adapters = Some(trained);
+                Ok(stats)
+            }
+        }
     }
 
     /// The whole policy in full fine-tuning, the frozen base with LoRA.
@@ -196,6 +229,19 @@ impl<B: AutodiffBackend> Learner<B> {
             }
         }
     }
+}
+
+/// One optimiser step of a run (GRPO's or SFT's), written once for both kinds of [`Learner`]:
+/// `module` is the whole model (`frozen` = `()`) or the LoRA adapters (`frozen` = the base).
+pub(crate) trait Update<B: AutodiffBackend> {
+    /// What the step reports.
+    type Stats;
+    fn apply<M: Trainable<B>>(
+        self,
+        module: M,
+        frozen: &M::Frozen,
+        optimizer: &mut AdamWOptimizer<M, B>,
+    ) -> Result<(M, Self::Stats), TrainError>;
 }
 
 fn save_optimizer_record<B: Backend, R: Record<B>>(

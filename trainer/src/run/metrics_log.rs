@@ -1,6 +1,6 @@
 //! `metrics.jsonl`: one JSON object per training step, appended and flushed as the run goes;
 //! a first object with `training/global_step` 0 holds the validation run before training, when
-//! there is one.
+//! there is one, and only its `val/…` keys (see [`StepRecord::validation_only`]).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -17,8 +17,11 @@ pub const METRICS_FILE: &str = "metrics.jsonl";
 /// What one GRPO step did. Serialised under the metric names verl logs (`actor/pg_loss`,
 /// `critic/score/mean`, `timing_s/gen`, ...), so tools written for verl runs read ours; fields
 /// verl has no name for sit under the same kind of slash names. Lines written under the earlier
-/// plain field names (`reward_mean`, ...) still read back.
+/// plain field names (`reward_mean`, ...) still read back. A key that a line lacks reads as the
+/// field's default (0, `None`): the step-0 line of the validation before training holds only
+/// the step and the validation keys.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct StepRecord {
     #[serde(rename = "training/global_step", alias = "step")]
     pub step: u64,
@@ -93,6 +96,23 @@ pub struct StepRecord {
     pub validation_by_source: BTreeMap<String, f32>,
 }
 
+/// The key of the step, in every run's records (GRPO's and SFT's).
+pub(crate) const STEP_KEY: &str = "training/global_step";
+
+impl StepRecord {
+    /// The validation before training as its line of `metrics.jsonl`: the step key and the
+    /// `val/…` keys only, so a dashboard plots no training metric at step 0 (reading the line
+    /// back gives a record with the validation fields set and the others at their defaults).
+    pub fn validation_only(&self) -> serde_json::Value {
+        let mut fields = match serde_json::to_value(self).expect("records serialise") {
+            serde_json::Value::Object(fields) => fields,
+            _ => unreachable!("a record serialises as an object"),
+        };
+        fields.retain(|key, _| key == STEP_KEY || key.starts_with("val/"));
+        serde_json::Value::Object(fields)
+    }
+}
+
 /// The `val/…` keys of a record among the keys no other field took (others are ignored, as
 /// for every record); a `val/…` key must hold a number.
 fn validation_keys<'de, D: Deserializer<'de>>(deserializer: D) -> Result<BTreeMap<String, f32>, D::Error> {
@@ -104,11 +124,6 @@ fn validation_keys<'de, D: Deserializer<'de>>(deserializer: D) -> Result<BTreeMa
             None => Err(D::Error::custom(format!("{key} must be a number, not {value}"))),
         })
         .collect()
-}
-
-/// Appends one record as a line and flushes it to disk.
-pub fn append_record(run_dir: &Path, record: &StepRecord) -> Result<(), TrainError> {
-    append_line(run_dir, record)
 }
 
 /// Appends any run's record (GRPO or SFT) to `metrics.jsonl` as one line, flushed to disk.
@@ -137,7 +152,20 @@ pub fn read_metrics(run_dir: &Path) -> Result<Vec<StepRecord>, TrainError> {
 /// without it.
 pub(crate) fn read_lines<R: DeserializeOwned>(run_dir: &Path) -> Result<Vec<R>, TrainError> {
     let path = run_dir.join(METRICS_FILE);
-    let mut text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
+    complete_lines(&path)?
+        .into_iter()
+        .map(|(number, line)| {
+            serde_json::from_str(&line).map_err(|e| TrainError::Config {
+                path: path.clone(),
+                reason: format!("line {number}: {e}"),
+            })
+        })
+        .collect()
+}
+
+/// The text of `path` without an incomplete last line (with a note when there was one).
+fn complete_text(path: &Path) -> Result<String, TrainError> {
+    let mut text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
     let complete = text.rfind('\n').map_or(0, |i| i + 1);
     if !text[complete..].trim().is_empty() {
         eprintln!(
@@ -146,42 +174,63 @@ pub(crate) fn read_lines<R: DeserializeOwned>(run_dir: &Path) -> Result<Vec<R>, 
         );
     }
     text.truncate(complete);
-    text.lines()
+    Ok(text)
+}
+
+/// The non-blank complete lines of `path` with their numbers (from 1).
+fn complete_lines(path: &Path) -> Result<Vec<(usize, String)>, TrainError> {
+    Ok(complete_text(path)?
+        .lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, line)| {
-            serde_json::from_str(line).map_err(|e| TrainError::Config {
-                path: path.clone(),
-                reason: format!("line {}: {e}", i + 1),
-            })
-        })
-        .collect()
+        .map(|(i, l)| (i + 1, l.to_owned()))
+        .collect())
 }
 
-/// Drops records of steps after `step` (used on resume, so a crash between a metrics line and
-/// its checkpoint does not leave duplicate steps).
+/// Drops the lines of steps after `step` and an incomplete last line (used on resume, so a
+/// crash between a metrics line and its checkpoint, or a resume from an earlier checkpoint,
+/// does not leave a step twice). The lines kept are left as they were written; any run's
+/// records (GRPO's, SFT's) are cut by their step key. A line that is not a record with a step
+/// is an error naming its number.
 pub fn truncate_after(run_dir: &Path, step: u64) -> Result<(), TrainError> {
-    truncate_lines_after::<StepRecord>(run_dir, step, |r| r.step)
-}
-
-/// [`truncate_after`] for records of type `R`, whose step `step_of` reads.
-pub(crate) fn truncate_lines_after<R: Serialize + DeserializeOwned>(
-    run_dir: &Path,
-    step: u64,
-    step_of: fn(&R) -> u64,
-) -> Result<(), TrainError> {
     let path = run_dir.join(METRICS_FILE);
     if !path.exists() {
         return Ok(());
     }
-    let kept: Vec<R> = read_lines::<R>(run_dir)?.into_iter().filter(|r| step_of(r) <= step).collect();
-    let mut text = String::new();
-    for r in &kept {
-        text.push_str(&serde_json::to_string(r).expect("records serialise"));
-        text.push('\n');
+    let mut kept = String::new();
+    for (number, line) in complete_lines(&path)? {
+        let value: serde_json::Value = serde_json::from_str(&line).map_err(|e| TrainError::Config {
+            path: path.clone(),
+            reason: format!("line {number}: {e}"),
+        })?;
+        let line_step = [STEP_KEY, "step"]
+            .iter()
+            .find_map(|key| value.get(key).and_then(serde_json::Value::as_u64))
+            .ok_or_else(|| TrainError::Config {
+                path: path.clone(),
+                reason: format!("line {number}: no {STEP_KEY}"),
+            })?;
+        if line_step <= step {
+            kept.push_str(&line);
+            kept.push('\n');
+        }
     }
-    model::checkpoint::write_atomic(&path, text.as_bytes()).map_err(|e| TrainError::Checkpoint {
-        path,
+    write_metrics_text(&path, &kept)
+}
+
+/// Empties `metrics.jsonl`, if there is one (a fresh start: the lines of an earlier start that
+/// stopped before its first checkpoint are not continued).
+pub(crate) fn clear(run_dir: &Path) -> Result<(), TrainError> {
+    let path = run_dir.join(METRICS_FILE);
+    if !path.exists() {
+        return Ok(());
+    }
+    write_metrics_text(&path, "")
+}
+
+fn write_metrics_text(path: &Path, text: &str) -> Result<(), TrainError> {
+    model::checkpoint::write_atomic(path, text.as_bytes()).map_err(|e| TrainError::Checkpoint {
+        path: path.to_path_buf(),
         reason: e.to_string(),
     })
 }
@@ -196,7 +245,7 @@ mod tests {
     fn an_incomplete_last_line_is_dropped_and_a_malformed_one_is_named() {
         let dir = tempfile::tempdir().unwrap();
         for step in 1..=2 {
-            append_record(dir.path(), &StepRecord { step, ..StepRecord::default() }).unwrap();
+            append_line(dir.path(), &StepRecord { step, ..StepRecord::default() }).unwrap();
         }
         let path = dir.path().join(METRICS_FILE);
         let mut text = std::fs::read_to_string(&path).unwrap();
@@ -208,13 +257,40 @@ mod tests {
         let rewritten = std::fs::read_to_string(&path).unwrap();
         assert_eq!(rewritten.lines().count(), 2);
         assert!(rewritten.ends_with("}\n"), "{rewritten}");
-        append_record(dir.path(), &StepRecord { step: 3, ..StepRecord::default() }).unwrap();
+        append_line(dir.path(), &StepRecord { step: 3, ..StepRecord::default() }).unwrap();
         assert_eq!(read_metrics(dir.path()).unwrap().len(), 3);
 
         let first = rewritten.lines().next().unwrap();
         std::fs::write(&path, format!("{first}\nnot json\n")).unwrap();
         let err = read_metrics(dir.path()).unwrap_err().to_string();
         assert!(err.contains("line 2"), "{err}");
+    }
+
+    /// The line of the validation before training holds the step and the validation keys only
+    /// (no `critic/score/mean: 0` for a dashboard to plot), and reads back as a record with the
+    /// validation fields set, beside the lines of training steps.
+    #[test]
+    fn the_validation_line_holds_only_validation_keys_and_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = StepRecord {
+            validation_reward: Some(0.25),
+            validation_f1: Some(0.5),
+            validation_by_source: BTreeMap::from([("val/hotpot/reward".to_string(), 0.25)]),
+            ..StepRecord::default()
+        };
+        let line = before.validation_only();
+        let mut keys: Vec<&str> = line.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["training/global_step", "val/f1/mean", "val/hotpot/reward", "val/reward/mean"]);
+        append_line(dir.path(), &line).unwrap();
+        append_line(dir.path(), &StepRecord { step: 1, reward_mean: 0.5, ..StepRecord::default() }).unwrap();
+        let text = std::fs::read_to_string(dir.path().join(METRICS_FILE)).unwrap();
+        assert!(!text.lines().next().unwrap().contains("critic/score/mean"), "{text}");
+        let records = read_metrics(dir.path()).unwrap();
+        assert_eq!(records[0], before);
+        assert_eq!((records[1].step, records[1].reward_mean), (1, 0.5));
+        truncate_after(dir.path(), 0).unwrap();
+        assert_eq!(std::fs::read_to_string(dir.path().join(METRICS_FILE)).unwrap(), format!("{line}\n"));
     }
 
     #[test]

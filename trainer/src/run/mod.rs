@@ -1,5 +1,6 @@
 //! A training run: its TOML configuration, the GRPO step over rollouts against an environment,
-//! validation, metrics, and checkpoints that resume exactly.
+//! validation, metrics, and checkpoints that resume exactly. The run's directory, its start or
+//! resume, `metrics.jsonl` and the checkpoint cadence are a `session`, which SFT runs share.
 
 pub(crate) mod checkpoint;
 pub(crate) mod config;
@@ -9,15 +10,17 @@ pub(crate) mod learner;
 mod memory;
 pub(crate) mod metrics_log;
 mod reward;
+pub(crate) mod session;
 mod trainer;
 mod validation;
 
-pub use checkpoint::{latest_checkpoint, CHECKPOINTS_DIR, LATEST_FILE};
+pub use checkpoint::{checkpoint_at, latest_checkpoint, list_checkpoints, CHECKPOINTS_DIR, LATEST_FILE};
 pub use config::{DataSection, EpisodeSection, InferenceDtype, ModelDtype, RolloutSection, RunSection, TrainConfig};
 pub use error::TrainError;
 pub use memory::{peak_rss_mb, reset_peak_rss, total_ram_bytes};
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};
 pub use reward::{EpisodeScore, EpisodeScorer, PromptR1Scorer};
+pub use session::{run_to_end, Resume, RunSession, SteppedRun};
 pub use dynamic_sampling::groups_without_signal;
 pub use trainer::Trainer;
 pub use validation::{SourceValidation, ValidationReport};

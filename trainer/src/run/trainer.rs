@@ -9,24 +9,24 @@ use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use data::{BatchSampler, Example, SamplerConfig};
+use data::{BatchSampler, Example};
 use env::{Environment, StopReason, Trajectory};
 use model::tokenizer::Qwen3Tokenizer;
-use model::generation::row_seed;
 use model::{load_pretrained, with_dtype, LoadOptions, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling};
 
-use super::checkpoint::{latest_checkpoint, read_state, write_checkpoint, TrainerState};
 use super::config::{InferenceDtype, TrainConfig};
-use super::error::TrainError;
-use super::memory::peak_rss_mb;
-use super::metrics_log::{append_record, truncate_after, StepRecord};
 use super::dynamic_sampling::groups_without_signal;
+use super::error::TrainError;
+use super::learner::{Learner, LearnerSettings, Update};
+use super::memory::peak_rss_mb;
+use super::metrics_log::StepRecord;
 use super::reward::{EpisodeScore, EpisodeScorer};
+use super::session::{Resume, RunSession, SessionSettings, SteppedRun};
 use super::validation::ValidationReport;
 use crate::grpo::{
-    group_advantages, learn_step, learn_step_lora, sequence_logprobs, PolicyBatch, PolicySequence, StepStats,
+    group_advantages, learn, sequence_logprobs, LearnConfig, PolicyBatch, PolicySequence, StepStats, Trainable,
 };
-use super::learner::{Learner, LearnerSettings};
+use crate::optim::AdamWOptimizer;
 use crate::rollout::LocalAgent;
 
 type Policy<B> = Qwen3ForCausalLM<B>;
@@ -35,6 +35,7 @@ type Inner<B> = <B as AutodiffBackend>::InnerBackend;
 /// A GRPO run in progress.
 pub struct Trainer<B: AutodiffBackend> {
     config: TrainConfig,
+    session: RunSession,
     device: B::Device,
     learner: Learner<B>,
     /// The frozen initial model as the KL reference, in full fine-tuning with a KL term (with
@@ -49,19 +50,24 @@ pub struct Trainer<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
-    /// Starts a run from `config.model`, or continues the newest checkpoint in
-    /// `config.run.out_dir` when `resume` is set and one exists.
-    pub fn start(config: TrainConfig, device: B::Device, resume: bool) -> Result<Self, TrainError> {
+    /// Starts a run from `config.model`, or continues a checkpoint in `config.run.out_dir` as
+    /// `resume` says (`true`: the newest, if there is one; see [`Resume`] and [`RunSession`]).
+    pub fn start(
+        config: TrainConfig,
+        device: B::Device,
+        resume: impl Into<Resume>,
+    ) -> Result<Self, TrainError> {
         config.validate().map_err(TrainError::Invalid)?;
-        let run_dir = config.run.out_dir.clone();
-        std::fs::create_dir_all(&run_dir).map_err(TrainError::io(&run_dir))?;
-        let checkpoint = if resume { latest_checkpoint(&run_dir)? } else { None };
-        if !resume && latest_checkpoint(&run_dir)?.is_some() {
-            return Err(TrainError::Invalid(format!(
-                "{} already holds checkpoints: pass --resume to continue it, or choose another run.out_dir",
-                run_dir.display()
-            )));
-        }
+        let session = RunSession::open(
+            SessionSettings {
+                out_dir: &config.run.out_dir,
+                initial: &config.model,
+                seed: config.run.seed,
+                save_every: config.run.save_every,
+                keep_checkpoints: config.run.keep_checkpoints,
+            },
+            resume.into(),
+        )?;
 
         let tokenizer = Qwen3Tokenizer::from_dir(&config.model)?;
         let train = load_examples(&config.data.train, &config)?;
@@ -77,39 +83,19 @@ impl<B: AutodiffBackend> Trainer<B> {
             optimizer: &config.grpo.optimizer,
             seed: config.run.seed,
         };
-        let learner = Learner::start(&settings, &device, checkpoint.as_deref())?;
+        let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
         let reference = if config.lora.is_none() && config.grpo.loss.uses_kl() {
             let options = LoadOptions { dtype: config.rollout.dtype.dtype(), compute: config.compute() };
             Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?)
         } else {
             None
         };
-
-        let (sampler, step) = match &checkpoint {
-            Some(dir) => {
-                let state = read_state(dir)?;
-                let sampler = BatchSampler::resume(state.cursor, train.len())?;
-                truncate_after(&run_dir, state.step)?;
-                (sampler, state.step)
-            }
-            None => {
-                let sampler = BatchSampler::new(
-                    train.len(),
-                    SamplerConfig {
-                        batch_size: config.rollout.batch_size,
-                        seed: config.run.seed,
-                        shuffle: true,
-                        drop_last: false,
-                    },
-                )?;
-                (sampler, 0)
-            }
-        };
-        let config_path = run_dir.join("run_config.json");
-        let json = serde_json::to_string_pretty(&config).expect("config serialises");
-        model::checkpoint::write_atomic(&config_path, json.as_bytes())?;
+        let sampler = session.sampler(train.len(), config.rollout.batch_size)?;
+        let step = session.start_step();
+        session.begin("run_config.json", &config)?;
         Ok(Self {
             config,
+            session,
             device,
             learner,
             reference,
@@ -259,13 +245,15 @@ impl<B: AutodiffBackend> Trainer<B> {
         if every > 0 && step % every == 0 && !self.validation.is_empty() {
             self.validate_into(&mut record, env, scorer)?;
         }
-        append_record(&self.config.run.out_dir, &record)?;
+        self.session.record(&record)?;
         Ok(record)
     }
 
     /// Validates the initial policy before the first step when `run.validate_before_train`
     /// asks for it and there is validation data, writing the results as the `step` 0 line of
-    /// `metrics.jsonl`. Does nothing (and returns `None`) otherwise, or after step 0.
+    /// `metrics.jsonl`: the validation keys only ([`StepRecord::validation_only`]; the record
+    /// returned has only its validation fields set). Does nothing (and returns `None`)
+    /// otherwise, or after step 0.
     pub fn validate_before_training(
         &mut self,
         env: &dyn Environment,
@@ -274,12 +262,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         if self.step != 0 || !self.config.run.validate_before_train || self.validation.is_empty() {
             return Ok(None);
         }
-        let mut record = StepRecord {
-            peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
-            ..StepRecord::default()
-        };
+        let mut record = StepRecord::default();
         self.validate_into(&mut record, env, scorer)?;
-        append_record(&self.config.run.out_dir, &record)?;
+        self.session.record(&record.validation_only())?;
         Ok(Some(record))
     }
 
@@ -341,28 +326,9 @@ impl<B: AutodiffBackend> Trainer<B> {
                 advantage: advantages[i],
             })
             .collect();
-        let batch_data = PolicyBatch::new(policy_sequences)?;
-        let grpo = &self.config.grpo;
-        let stats = match &mut self.learner {
-            Learner::Full { policy, optimizer, .. } => {
-                let model = policy.take().expect("policy present between steps");
-                let (model, stats) = learn_step(model, optimizer, &batch_data, grpo)?;
-                *policy = Some(model);
-                stats
-            }
-            Learner::Lora { base, adapters, optimizer } => {
-                let trained = adapters.take().expect("adapters present between steps");
-                if trained.config().dropout > 0.0 {
-                    // Dropout masks from a stream of the seed and the step: a resumed run draws
-                    // what an uninterrupted one would.
-                    B::seed(&self.device, row_seed(self.config.run.seed, step));
-                }
-                let (trained, stats) = learn_step_lora(base, trained, optimizer, &batch_data, grpo)?;
-                *adapters = Some(trained);
-                stats
-            }
-        };
-        Ok(stats)
+        let batch = PolicyBatch::new(policy_sequences)?;
+        let update = GrpoUpdate { batch: &batch, config: &self.config.grpo };
+        self.learner.update(update, self.config.run.seed, step, &self.device)
     }
 
     /// Greedy episodes on the held-out set with the current policy.
@@ -413,17 +379,57 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// Writes a checkpoint of the current state (see the module docs of `checkpoint`).
     pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
-        let state = TrainerState {
-            step: self.step,
-            cursor: self.sampler.cursor(),
-            seed: self.config.run.seed,
-        };
-        write_checkpoint(&self.config.run.out_dir, &self.learner, &self.config.model, &state, self.config.run.keep_checkpoints)
+        self.session.save(&self.learner, self.step, self.sampler.cursor())
+    }
+
+    /// The run's session: its directory, resume and checkpoint cadence.
+    pub fn session(&self) -> &RunSession {
+        &self.session
     }
 
     /// The device the run computes on.
     pub fn device(&self) -> &B::Device {
         &self.device
+    }
+}
+
+impl<B: AutodiffBackend> SteppedRun for Trainer<B> {
+    type Record = StepRecord;
+
+    fn session(&self) -> &RunSession {
+        &self.session
+    }
+
+    fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// `run.steps`.
+    fn last_step(&self) -> u64 {
+        self.config.run.steps
+    }
+
+    fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        Trainer::save_checkpoint(self)
+    }
+}
+
+/// The GRPO update of one step's batch ([`crate::grpo::learn`]), on either kind of learner.
+struct GrpoUpdate<'a> {
+    batch: &'a PolicyBatch,
+    config: &'a LearnConfig,
+}
+
+impl<B: AutodiffBackend> Update<B> for GrpoUpdate<'_> {
+    type Stats = StepStats;
+
+    fn apply<M: Trainable<B>>(
+        self,
+        module: M,
+        frozen: &M::Frozen,
+        optimizer: &mut AdamWOptimizer<M, B>,
+    ) -> Result<(M, StepStats), TrainError> {
+        Ok(learn(module, frozen, optimizer, self.batch, self.config)?)
     }
 }
 

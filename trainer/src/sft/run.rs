@@ -10,9 +10,8 @@ use std::time::Instant;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use data::{BatchSampler, SamplerConfig};
+use data::BatchSampler;
 use model::chat_template::{ChatTemplate, ChatTemplateError};
-use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
 use model::{LoraAdapters, LoraModel, Qwen3ForCausalLM};
 use serde::{Deserialize, Deserializer, Serialize};
@@ -20,11 +19,12 @@ use serde::{Deserialize, Deserializer, Serialize};
 use super::config::SftConfig;
 use super::data::{DataSummary, RowEncoder, SftSequence};
 use super::step::{sft_step, validation_loss, SftStepStats};
-use crate::optim::StepOutcome;
-use crate::run::checkpoint::{latest_checkpoint, read_state, write_checkpoint, TrainerState};
-use crate::run::learner::{Learner, LearnerSettings};
-use crate::run::metrics_log::{append_line, read_lines, truncate_lines_after};
-use crate::run::{peak_rss_mb, TrainError, METRICS_FILE};
+use crate::grpo::Trainable;
+use crate::optim::{AdamWOptimizer, StepOutcome};
+use crate::run::learner::{Learner, LearnerSettings, Update};
+use crate::run::metrics_log::read_lines;
+use crate::run::session::SessionSettings;
+use crate::run::{peak_rss_mb, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE};
 
 /// File in the run directory holding the run's configuration (with its paths resolved).
 pub const SFT_CONFIG_FILE: &str = "sft_config.json";
@@ -97,6 +97,7 @@ pub fn read_sft_metrics(run_dir: &Path) -> Result<Vec<SftRecord>, TrainError> {
 /// An SFT run in progress.
 pub struct SftRun<B: AutodiffBackend> {
     config: SftConfig,
+    session: RunSession,
     device: B::Device,
     learner: Learner<B>,
     train: Vec<SftSequence>,
@@ -109,19 +110,24 @@ pub struct SftRun<B: AutodiffBackend> {
 }
 
 impl<B: AutodiffBackend> SftRun<B> {
-    /// Starts from `config.model`, or continues the newest checkpoint of `config.run.out_dir`
-    /// when `resume` is set and one exists.
-    pub fn start(config: SftConfig, device: B::Device, resume: bool) -> Result<Self, TrainError> {
+    /// Starts from `config.model`, or continues a checkpoint of `config.run.out_dir` as `resume`
+    /// says (`true`: the newest, if there is one; see [`Resume`] and [`RunSession`]).
+    pub fn start(
+        config: SftConfig,
+        device: B::Device,
+        resume: impl Into<Resume>,
+    ) -> Result<Self, TrainError> {
         config.validate().map_err(TrainError::Invalid)?;
-        let run_dir = config.run.out_dir.clone();
-        std::fs::create_dir_all(&run_dir).map_err(TrainError::io(&run_dir))?;
-        let latest = latest_checkpoint(&run_dir)?;
-        if !resume && latest.is_some() {
-            return Err(TrainError::Invalid(format!(
-                "{} already holds checkpoints: pass --resume to continue it, or choose another run.out_dir",
-                run_dir.display()
-            )));
-        }
+        let session = RunSession::open(
+            SessionSettings {
+                out_dir: &config.run.out_dir,
+                initial: &config.model,
+                seed: config.train.seed,
+                save_every: config.run.save_every,
+                keep_checkpoints: config.run.keep_checkpoints,
+            },
+            resume.into(),
+        )?;
         let tokenizer = Qwen3Tokenizer::from_dir(&config.model)?;
         let rows = RowEncoder {
             tokenizer: &tokenizer,
@@ -136,7 +142,6 @@ impl<B: AutodiffBackend> SftRun<B> {
         }
         let (validation, validation_summary) = rows.load_files(&config.data.validation)?;
         let total_steps = config.total_steps(train.len());
-        let checkpoint = latest.filter(|_| resume);
         let settings = LearnerSettings {
             model: &config.model,
             model_dtype: config.model_dtype,
@@ -145,33 +150,13 @@ impl<B: AutodiffBackend> SftRun<B> {
             optimizer: &config.optimizer,
             seed: config.train.seed,
         };
-        let learner = Learner::start(&settings, &device, checkpoint.as_deref())?;
-
-        let (sampler, step) = match &checkpoint {
-            Some(dir) => {
-                let state = read_state(dir)?;
-                truncate_lines_after::<SftRecord>(&run_dir, state.step, |r| r.step)?;
-                (BatchSampler::resume(state.cursor, train.len())?, state.step)
-            }
-            None => {
-                // Lines of a run that stopped before its first checkpoint are not continued.
-                truncate_lines_after::<SftRecord>(&run_dir, 0, |r| r.step)?;
-                let sampler = BatchSampler::new(
-                    train.len(),
-                    SamplerConfig {
-                        batch_size: config.train.batch_size,
-                        seed: config.train.seed,
-                        shuffle: true,
-                        drop_last: false,
-                    },
-                )?;
-                (sampler, 0)
-            }
-        };
-        let json = serde_json::to_string_pretty(&config).expect("config serialises");
-        model::checkpoint::write_atomic(&run_dir.join(SFT_CONFIG_FILE), json.as_bytes())?;
+        let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
+        let sampler = session.sampler(train.len(), config.train.batch_size)?;
+        let step = session.start_step();
+        session.begin(SFT_CONFIG_FILE, &config)?;
         Ok(Self {
             config,
+            session,
             device,
             learner,
             train,
@@ -248,7 +233,7 @@ impl<B: AutodiffBackend> SftRun<B> {
             tokens_per_sec: stats.tokens as f32 / step_secs.max(1e-6),
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
         };
-        append_line(&self.config.run.out_dir, &record)?;
+        self.session.record(&record)?;
         Ok(record)
     }
 
@@ -272,51 +257,74 @@ impl<B: AutodiffBackend> SftRun<B> {
         sequences: &[SftSequence],
         lr: f64,
     ) -> Result<SftStepStats, TrainError> {
-        let (micro, clip) = (
-            self.config.train.micro_batch_size,
-            self.config.optimizer.grad_clip,
-        );
-        match &mut self.learner {
-            Learner::Full { policy, optimizer } => {
-                let model = policy.take().expect("the model is present between steps");
-                let (model, stats) = sft_step(model, &(), optimizer, sequences, micro, lr, clip)?;
-                *policy = Some(model);
-                Ok(stats)
-            }
-            Learner::Lora {
-                base,
-                adapters,
-                optimizer,
-            } => {
-                let trained = adapters
-                    .take()
-                    .expect("the adapters are present between steps");
-                if trained.config().dropout > 0.0 {
-                    // Dropout masks from a stream of the seed and the step: a resumed run draws
-                    // what an uninterrupted one would.
-                    B::seed(&self.device, row_seed(self.config.train.seed, step));
-                }
-                let (trained, stats) =
-                    sft_step(trained, base, optimizer, sequences, micro, lr, clip)?;
-                *adapters = Some(trained);
-                Ok(stats)
-            }
-        }
+        let update = SftUpdate {
+            sequences,
+            micro_batch_size: self.config.train.micro_batch_size,
+            lr,
+            grad_clip: self.config.optimizer.grad_clip,
+        };
+        self.learner
+            .update(update, self.config.train.seed, step, &self.device)
     }
 
     /// Writes a checkpoint of the current state.
     pub fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
-        let state = TrainerState {
-            step: self.step,
-            cursor: self.sampler.cursor(),
-            seed: self.config.train.seed,
-        };
-        write_checkpoint(
-            &self.config.run.out_dir,
-            &self.learner,
-            &self.config.model,
-            &state,
-            self.config.run.keep_checkpoints,
+        self.session
+            .save(&self.learner, self.step, self.sampler.cursor())
+    }
+
+    /// The run's session: its directory, resume and checkpoint cadence.
+    pub fn session(&self) -> &RunSession {
+        &self.session
+    }
+}
+
+impl<B: AutodiffBackend> SteppedRun for SftRun<B> {
+    type Record = SftRecord;
+
+    fn session(&self) -> &RunSession {
+        &self.session
+    }
+
+    fn step_count(&self) -> u64 {
+        self.step
+    }
+
+    /// [`SftRun::total_steps`].
+    fn last_step(&self) -> u64 {
+        self.total_steps
+    }
+
+    fn save_checkpoint(&self) -> Result<PathBuf, TrainError> {
+        SftRun::save_checkpoint(self)
+    }
+}
+
+/// The SFT step on one batch ([`sft_step`]), on either kind of learner.
+struct SftUpdate<'a> {
+    sequences: &'a [SftSequence],
+    micro_batch_size: usize,
+    lr: f64,
+    grad_clip: f32,
+}
+
+impl<B: AutodiffBackend> Update<B> for SftUpdate<'_> {
+    type Stats = SftStepStats;
+
+    fn apply<M: Trainable<B>>(
+        self,
+        module: M,
+        frozen: &M::Frozen,
+        optimizer: &mut AdamWOptimizer<M, B>,
+    ) -> Result<(M, SftStepStats), TrainError> {
+        sft_step(
+            module,
+            frozen,
+            optimizer,
+            self.sequences,
+            self.micro_batch_size,
+            self.lr,
+            self.grad_clip,
         )
     }
 }

@@ -12,7 +12,7 @@ use burn::optim::SgdConfig;
 use model::chat_template::ChatTemplate;
 use model::tokenizer::Qwen3Tokenizer;
 use model::{load_pretrained, LoadOptions, Qwen3ForCausalLM};
-use prompt_r1_trainer::run::latest_checkpoint;
+use prompt_r1_trainer::run::{latest_checkpoint, list_checkpoints, run_to_end, Resume};
 use prompt_r1_trainer::sft::{
     read_sft_metrics, sft_step, RowEncoder, SftConfig, SftRecord, SftRun, SftSequence,
 };
@@ -302,6 +302,60 @@ fn resuming_equals_never_stopping() {
         .unwrap()
         .to_string();
     assert!(err.contains("--resume"), "{err}");
+}
+
+/// The session's cadence (a checkpoint every 2 of 4 steps and at the last), then a damaged newest
+/// checkpoint: `--resume` stops with an error naming `--resume-from` and the checkpoint left;
+/// resuming from that one drops the later metrics and continues exactly, after which the
+/// newest checkpoint is whole again.
+#[test]
+fn a_damaged_checkpoint_names_resume_from_and_an_earlier_one_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    config.train.steps = Some(4);
+    config.run.validate_every = 0;
+    config.run.save_every = 2;
+    config.run.out_dir = dir.path().join("run");
+    let out = config.run.out_dir.clone();
+    let mut run = SftRun::<B>::start(config.clone(), Default::default(), false).unwrap();
+    let mut saved = Vec::new();
+    let all = run_to_end(&mut run, |r| r.train_step(), |_, record, dir| {
+        saved.push((record.step, dir.map(Path::to_path_buf)))
+    })
+    .unwrap();
+    drop(run);
+    let checkpoint = |step: u64| out.join(format!("checkpoints/step-{step:07}"));
+    assert_eq!(
+        saved,
+        [(1, None), (2, Some(checkpoint(2))), (3, None), (4, Some(checkpoint(4)))]
+    );
+    assert_eq!(list_checkpoints(&out).unwrap(), [2, 4]);
+
+    std::fs::write(checkpoint(4).join("model.safetensors"), b"damaged").unwrap();
+    let err = SftRun::<B>::start(config.clone(), Default::default(), true)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("step-0000004") && err.contains("--resume-from STEP"), "{err}");
+    assert!(err.contains("checkpoints: step 2"), "{err}");
+    let err = SftRun::<B>::start(config.clone(), Default::default(), Resume::From(3))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("step-0000003") && err.contains("steps 2, 4"), "{err}");
+
+    let mut resumed = SftRun::<B>::start(config.clone(), Default::default(), Resume::From(2)).unwrap();
+    assert_eq!(resumed.step_count(), 2);
+    let steps = |out: &Path| -> Vec<u64> { read_sft_metrics(out).unwrap().iter().map(|r| r.step).collect() };
+    assert_eq!(steps(&out), [1, 2]);
+    let tail = run_to_end(&mut resumed, |r| r.train_step(), |_, _, _| {}).unwrap();
+    for (a, b) in all[2..].iter().zip(&tail) {
+        assert_same_loss(a, b);
+    }
+    drop(resumed);
+    assert_eq!(steps(&out), [1, 2, 3, 4]);
+    assert_eq!(latest_checkpoint(&out).unwrap(), Some(checkpoint(4)));
+    assert_eq!(SftRun::<B>::start(config, Default::default(), true).unwrap().step_count(), 4);
 }
 
 /// Every adapter matrix of a LoRA run, in order.

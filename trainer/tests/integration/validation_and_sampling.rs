@@ -70,11 +70,30 @@ fn validation_before_training_and_per_source() {
     let first_line: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
     assert_eq!(first_line["training/global_step"], 0);
     assert!(first_line["val/beta/reward"].is_number());
+    // Only the validation keys: no training metric at 0 for a dashboard to plot.
+    for key in first_line.as_object().unwrap().keys() {
+        assert!(key == "training/global_step" || key.starts_with("val/"), "{key} in {first_line}");
+    }
     let records = read_metrics(&out_dir).unwrap();
     let steps: Vec<u64> = records.iter().map(|r| r.step).collect();
     assert_eq!(steps, [0, 1, 2]);
-    assert_eq!(records[0].validation_by_source, before.validation_by_source);
+    assert_eq!(records[0], before);
     assert_eq!(records[2].validation_by_source, second.validation_by_source);
+}
+
+/// A fresh start over a run directory without checkpoints (a run that stopped before its first)
+/// starts `metrics.jsonl` afresh, as SFT runs do, instead of appending to the old lines.
+#[test]
+fn a_fresh_start_does_not_continue_old_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = setup(dir.path());
+    let out_dir = config.run.out_dir.clone();
+    for _ in 0..2 {
+        let mut trainer = Trainer::<B>::start(config.clone(), Default::default(), false).unwrap();
+        trainer.train_step(&Scripted, &ByteTokens).unwrap();
+    }
+    let steps: Vec<u64> = read_metrics(&out_dir).unwrap().iter().map(|r| r.step).collect();
+    assert_eq!(steps, [1]);
 }
 
 /// Groups without signal are counted every step; with dynamic sampling on they are left out of

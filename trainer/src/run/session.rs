@@ -1,0 +1,470 @@
+//! One run session, shared by GRPO runs ([`super::Trainer`]) and SFT runs
+//! ([`crate::sft::SftRun`]): the run directory, the choice between a fresh start and a resume
+//! (of the newest checkpoint or of an earlier one), the checkpoint's state, `metrics.jsonl` at
+//! the start and as records come, and the checkpoint cadence. The two kinds of run supply only
+//! their step and their record; [`run_to_end`] steps either.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::backend::AutodiffBackend;
+use data::{BatchSampler, SamplerConfig};
+use serde::Serialize;
+
+use super::checkpoint::{
+    checkpoint_at, checkpoint_step, latest_checkpoint, list_checkpoints, read_state, steps_list,
+    write_checkpoint, TrainerState, CHECKPOINTS_DIR, LATEST_FILE,
+};
+use super::error::TrainError;
+use super::learner::Learner;
+use super::metrics_log::{append_line, clear, truncate_after};
+
+/// How a run starts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Resume {
+    /// A new run; refused when the run directory holds checkpoints.
+    #[default]
+    Fresh,
+    /// Continue the newest checkpoint (the one `checkpoints/latest` names); a fresh start when
+    /// the run has none.
+    Latest,
+    /// Continue the checkpoint after this many steps (`--resume-from STEP`), e.g. when the newest
+    /// one is damaged.
+    From(u64),
+}
+
+impl Resume {
+    /// The choice the `--resume` and `--resume-from STEP` flags make (the second implies the
+    /// first).
+    pub fn from_flags(resume: bool, resume_from: Option<u64>) -> Self {
+        match (resume, resume_from) {
+            (_, Some(step)) => Resume::From(step),
+            (true, None) => Resume::Latest,
+            (false, None) => Resume::Fresh,
+        }
+    }
+}
+
+impl From<bool> for Resume {
+    /// `--resume` or not.
+    fn from(resume: bool) -> Self {
+        Self::from_flags(resume, None)
+    }
+}
+
+/// What a session is made from (the `run` sections of `run.toml` and `sft.toml`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SessionSettings<'a> {
+    /// The run directory.
+    pub out_dir: &'a Path,
+    /// The initial model, whose tokenizer files every checkpoint copies.
+    pub initial: &'a Path,
+    /// The run's seed (recorded in checkpoints; seeds the data order and LoRA dropout).
+    pub seed: u64,
+    /// A checkpoint every this many steps (and at the last).
+    pub save_every: u64,
+    /// Checkpoints kept (0: all).
+    pub keep_checkpoints: usize,
+}
+
+/// A run's directory and its life cycle: open it ([`Self::open`]), load what the run continues
+/// ([`Self::load`], [`Self::sampler`]), [`Self::begin`], then [`Self::record`] each step and
+/// [`Self::save`] when [`Self::checkpoint_due`].
+#[derive(Debug)]
+pub struct RunSession {
+    dir: PathBuf,
+    initial: PathBuf,
+    seed: u64,
+    save_every: u64,
+    keep_checkpoints: usize,
+    /// The checkpoint the run continues, with its state.
+    resumed: Option<(PathBuf, TrainerState)>,
+}
+
+impl RunSession {
+    /// Opens the run directory (made if missing) as `resume` says: a fresh start is refused over
+    /// a run with checkpoints; a resume picks the newest checkpoint (`checkpoints/latest`, which
+    /// must name a checkpoint of this run) or the one `Resume::From` names, and reads its trainer
+    /// state. An error about the checkpoint says how to resume from another one.
+    pub(crate) fn open(settings: SessionSettings<'_>, resume: Resume) -> Result<Self, TrainError> {
+        let dir = settings.out_dir.to_path_buf();
+        std::fs::create_dir_all(&dir).map_err(TrainError::io(&dir))?;
+        let mut session = Self {
+            dir,
+            initial: settings.initial.to_path_buf(),
+            seed: settings.seed,
+            save_every: settings.save_every,
+            keep_checkpoints: settings.keep_checkpoints,
+            resumed: None,
+        };
+        let checkpoint = match resume {
+            Resume::Fresh => {
+                if session.has_checkpoints()? {
+                    return Err(TrainError::Invalid(format!(
+                        "{} already holds checkpoints: pass --resume to continue it (--resume-from \
+                         STEP for an earlier checkpoint), or choose another run.out_dir",
+                        session.dir.display()
+                    )));
+                }
+                None
+            }
+            Resume::Latest => {
+                let latest =
+                    latest_checkpoint(&session.dir).map_err(|e| session.with_hint(e, None))?;
+                if latest.is_none() && !list_checkpoints(&session.dir)?.is_empty() {
+                    let pointer = session.dir.join(CHECKPOINTS_DIR).join(LATEST_FILE);
+                    let error = TrainError::Invalid(format!("{} is missing", pointer.display()));
+                    return Err(session.with_hint(error, None));
+                }
+                latest
+            }
+            Resume::From(step) => Some(checkpoint_at(&session.dir, step)?),
+        };
+        if let Some(path) = checkpoint {
+            let step = path
+                .file_name()
+                .and_then(|n| checkpoint_step(&n.to_string_lossy()))
+                .expect("a checkpoint of this run");
+            let state = read_state(&path).map_err(|e| session.with_hint(e, Some(step)))?;
+            if state.step != step {
+                let error = TrainError::Checkpoint {
+                    path: path.clone(),
+                    reason: format!("its trainer state is of step {}", state.step),
+                };
+                return Err(session.with_hint(error, Some(step)));
+            }
+            session.resumed = Some((path, state));
+        }
+        Ok(session)
+    }
+
+    /// Whether the run directory holds checkpoints (or a `latest` naming one).
+    fn has_checkpoints(&self) -> Result<bool, TrainError> {
+        Ok(self.dir.join(CHECKPOINTS_DIR).join(LATEST_FILE).exists()
+            || !list_checkpoints(&self.dir)?.is_empty())
+    }
+
+    /// `error` (about the checkpoint of step `failed`, or about `latest`) with the way out: a
+    /// resume from another checkpoint of this run. Errors of the run's settings (a checkpoint
+    /// of another kind of run) are left as they are.
+    fn with_hint(&self, error: TrainError, failed: Option<u64>) -> TrainError {
+        if matches!(
+            error,
+            TrainError::Mismatch { .. } | TrainError::Resume { .. }
+        ) {
+            return error;
+        }
+        let others: Vec<u64> = list_checkpoints(&self.dir)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&s| Some(s) != failed)
+            .collect();
+        let hint = if others.is_empty() {
+            "this run has no other complete checkpoint to pass to --resume-from STEP: start afresh \
+             in another run.out_dir"
+                .to_owned()
+        } else {
+            format!(
+                "to continue another checkpoint of this run, pass --resume-from STEP (its other \
+                 complete checkpoints: {})",
+                steps_list(&others)
+            )
+        };
+        TrainError::Resume {
+            error: Box::new(error),
+            hint,
+        }
+    }
+
+    /// The run directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The checkpoint the run continues, if it resumes.
+    pub fn resumed_from(&self) -> Option<&Path> {
+        self.resumed.as_ref().map(|(path, _)| path.as_path())
+    }
+
+    /// The steps completed when the run starts (0 on a fresh start).
+    pub fn start_step(&self) -> u64 {
+        self.resumed.as_ref().map_or(0, |(_, state)| state.step)
+    }
+
+    /// Runs `load` on the checkpoint the run continues (`None` on a fresh start): the learner
+    /// loads its model and optimiser state so. An error loading a checkpoint (damaged weights,
+    /// optimiser state) says how to resume from another one.
+    pub(crate) fn load<T>(
+        &self,
+        load: impl FnOnce(Option<&Path>) -> Result<T, TrainError>,
+    ) -> Result<T, TrainError> {
+        let step = self.resumed.as_ref().map(|(_, state)| state.step);
+        load(self.resumed_from()).map_err(|e| match step {
+            Some(step) => self.with_hint(e, Some(step)),
+            None => e,
+        })
+    }
+
+    /// The training data sampler over `len` examples: where the checkpoint left it, or new (the
+    /// run's seed, shuffled, `batch_size` a batch).
+    pub(crate) fn sampler(
+        &self,
+        len: usize,
+        batch_size: usize,
+    ) -> Result<BatchSampler, TrainError> {
+        Ok(match &self.resumed {
+            Some((_, state)) => BatchSampler::resume(state.cursor.clone(), len)?,
+            None => BatchSampler::new(
+                len,
+                SamplerConfig {
+                    batch_size,
+                    seed: self.seed,
+                    shuffle: true,
+                    drop_last: false,
+                },
+            )?,
+        })
+    }
+
+    /// Starts writing the run, once everything it needs has loaded (a start that fails leaves
+    /// the directory as it was): `metrics.jsonl` keeps the lines up to the resumed step (so no
+    /// step appears twice) without an incomplete last line, or is emptied on a fresh start;
+    /// `config` is written to `config_file` in the run directory.
+    pub(crate) fn begin(
+        &self,
+        config_file: &str,
+        config: &impl Serialize,
+    ) -> Result<(), TrainError> {
+        match &self.resumed {
+            Some((_, state)) => truncate_after(&self.dir, state.step)?,
+            None => clear(&self.dir)?,
+        }
+        let json = serde_json::to_string_pretty(config).expect("config serialises");
+        model::checkpoint::write_atomic(&self.dir.join(config_file), json.as_bytes())?;
+        Ok(())
+    }
+
+    /// Appends a step's record (or any line of the run) to `metrics.jsonl`, flushed.
+    pub(crate) fn record(&self, record: &impl Serialize) -> Result<(), TrainError> {
+        append_line(&self.dir, record)
+    }
+
+    /// Whether the run writes a checkpoint after `step`: every `save_every` steps and at
+    /// `last_step`.
+    pub fn checkpoint_due(&self, step: u64, last_step: u64) -> bool {
+        step == last_step || (self.save_every > 0 && step % self.save_every == 0)
+    }
+
+    /// Writes the checkpoint after `step` steps: what `learner` trains, the sampler's `cursor`
+    /// and the seed, staged, published atomically and named in `latest`, keeping the newest
+    /// `keep_checkpoints` (see `checkpoint`).
+    pub(crate) fn save<B: AutodiffBackend>(
+        &self,
+        learner: &Learner<B>,
+        step: u64,
+        cursor: data::Cursor,
+    ) -> Result<PathBuf, TrainError> {
+        let state = TrainerState {
+            step,
+            cursor,
+            seed: self.seed,
+        };
+        write_checkpoint(
+            &self.dir,
+            learner,
+            &self.initial,
+            &state,
+            self.keep_checkpoints,
+        )
+    }
+}
+
+/// A run that steps under a [`RunSession`]: GRPO's [`super::Trainer`], SFT's
+/// [`crate::sft::SftRun`].
+pub trait SteppedRun {
+    /// What a step writes to `metrics.jsonl`.
+    type Record;
+    /// The run's session.
+    fn session(&self) -> &RunSession;
+    /// Steps completed so far.
+    fn step_count(&self) -> u64;
+    /// The step the run ends at.
+    fn last_step(&self) -> u64;
+    /// Writes a checkpoint of the current state.
+    fn save_checkpoint(&self) -> Result<PathBuf, TrainError>;
+}
+
+/// Steps `run` to its last step: `step` makes one step (the run writes its record), then the
+/// checkpoint the session's cadence asks for is written; `after` sees the run, each record and
+/// the checkpoint written after it, if any. Returns the records of the steps made.
+pub fn run_to_end<R, E>(
+    run: &mut R,
+    mut step: impl FnMut(&mut R) -> Result<R::Record, E>,
+    mut after: impl FnMut(&R, &R::Record, Option<&Path>),
+) -> Result<Vec<R::Record>, E>
+where
+    R: SteppedRun,
+    E: From<TrainError>,
+{
+    let mut records = Vec::new();
+    while run.step_count() < run.last_step() {
+        let record = step(run)?;
+        let done = run.step_count();
+        let saved = if run.session().checkpoint_due(done, run.last_step()) {
+            Some(run.save_checkpoint()?)
+        } else {
+            None
+        };
+        after(run, &record, saved.as_deref());
+        records.push(record);
+    }
+    Ok(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(dir: &Path) -> SessionSettings<'_> {
+        SessionSettings {
+            out_dir: dir,
+            initial: dir,
+            seed: 0,
+            save_every: 3,
+            keep_checkpoints: 0,
+        }
+    }
+
+    /// A checkpoint folder with a trainer state of `step`.
+    fn fake_checkpoint(run: &Path, step: u64) {
+        let dir = run
+            .join(CHECKPOINTS_DIR)
+            .join(super::super::checkpoint::checkpoint_name(step));
+        std::fs::create_dir_all(&dir).unwrap();
+        let state = TrainerState {
+            step,
+            cursor: BatchSampler::new(
+                4,
+                SamplerConfig {
+                    batch_size: 2,
+                    seed: 0,
+                    shuffle: true,
+                    drop_last: false,
+                },
+            )
+            .unwrap()
+            .cursor(),
+            seed: 0,
+        };
+        std::fs::write(
+            dir.join("trainer_state.json"),
+            serde_json::to_string(&state).unwrap(),
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn flags_make_the_choice() {
+        assert_eq!(Resume::from_flags(false, None), Resume::Fresh);
+        assert_eq!(Resume::from_flags(true, None), Resume::Latest);
+        assert_eq!(Resume::from_flags(false, Some(4)), Resume::From(4));
+        assert_eq!(Resume::from(true), Resume::Latest);
+    }
+
+    #[test]
+    fn checkpoints_every_save_every_steps_and_at_the_last() {
+        let dir = tempfile::tempdir().unwrap();
+        let session = RunSession::open(settings(dir.path()), Resume::Fresh).unwrap();
+        let due: Vec<u64> = (1..=7).filter(|&s| session.checkpoint_due(s, 7)).collect();
+        assert_eq!(due, [3, 6, 7]);
+    }
+
+    /// A fresh start is refused over checkpoints; `--resume-from` picks the named checkpoint and
+    /// names the others when it is missing; a damaged state names `--resume-from`.
+    #[test]
+    fn resume_picks_the_checkpoint_and_a_damaged_one_names_resume_from() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path();
+        for step in [2, 4] {
+            fake_checkpoint(run, step);
+        }
+        std::fs::write(run.join("checkpoints/latest"), "step-0000004").unwrap();
+        let err = RunSession::open(settings(run), Resume::Fresh)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--resume"), "{err}");
+        assert_eq!(
+            RunSession::open(settings(run), Resume::Latest)
+                .unwrap()
+                .start_step(),
+            4
+        );
+        assert_eq!(
+            RunSession::open(settings(run), Resume::From(2))
+                .unwrap()
+                .start_step(),
+            2
+        );
+        let err = RunSession::open(settings(run), Resume::From(3))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("step-0000003") && err.contains("steps 2, 4"),
+            "{err}"
+        );
+
+        std::fs::write(run.join("checkpoints/step-0000004/trainer_state.json"), "{").unwrap();
+        let err = RunSession::open(settings(run), Resume::Latest)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("trainer_state.json") && err.contains("--resume-from STEP"),
+            "{err}"
+        );
+        assert!(err.contains("step 2"), "{err}");
+        // `latest` naming a folder outside the run: an error naming the file and its content,
+        // with the way out.
+        std::fs::write(run.join("checkpoints/latest"), "../../x").unwrap();
+        let err = RunSession::open(settings(run), Resume::Latest)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("latest") && err.contains("\"../../x\"") && err.contains("--resume-from"),
+            "{err}"
+        );
+    }
+
+    /// A resume keeps the lines up to its step as they were written; a fresh start empties the
+    /// file.
+    #[test]
+    fn metrics_are_cut_to_the_resumed_step_or_emptied() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path();
+        fake_checkpoint(run, 2);
+        std::fs::write(run.join("checkpoints/latest"), "step-0000002").unwrap();
+        let lines = "{\"training/global_step\":0,\"val/reward/mean\":0.5}\n\
+                     {\"training/global_step\":1,\"x\":1}\n{\"training/global_step\":2}\n\
+                     {\"training/global_step\":3}\n{\"training/glo";
+        std::fs::write(run.join("metrics.jsonl"), lines).unwrap();
+        let session = RunSession::open(settings(run), Resume::Latest).unwrap();
+        session.begin("config.json", &1).unwrap();
+        let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        assert_eq!(
+            text,
+            lines
+                .lines()
+                .take(3)
+                .map(|l| format!("{l}\n"))
+                .collect::<String>()
+        );
+
+        let fresh = tempfile::tempdir().unwrap();
+        std::fs::write(fresh.path().join("metrics.jsonl"), lines).unwrap();
+        let session = RunSession::open(settings(fresh.path()), Resume::Latest).unwrap();
+        assert_eq!(session.start_step(), 0);
+        session.begin("config.json", &1).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(fresh.path().join("metrics.jsonl")).unwrap(),
+            ""
+        );
+    }
+}
