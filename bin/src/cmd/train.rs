@@ -46,9 +46,9 @@ pub struct Args {
     /// Override grpo.optimizer.lr.
     #[arg(long)]
     pub lr: Option<f64>,
-    /// Override grpo.matmul: f32, or bf16 (f32 weights with bf16 products and f32 sums; 1.5x
-    /// faster steps on CPUs whose bf16 dot products outrun their f32 FMAs, such as AMD Zen 4,
-    /// about as fast as f32 on others: `prompt-r1 bench --products` compares them).
+    /// Override grpo.matmul: f32, or bf16 (f32 weights with bf16 products and f32 sums; how much
+    /// faster than f32 depends on the CPU's bf16 dot products: `prompt-r1 bench --products`
+    /// compares them).
     #[arg(long, value_parser = parse_matmul)]
     pub matmul: Option<MatmulPrecision>,
     /// Override attn_implementation: memory_efficient (the default; blocks of queries and keys,
@@ -115,9 +115,8 @@ impl Args {
 /// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will not be
 /// faster than f32: `kernels` says whether the AVX-512 BF16 kernels run, `products` which of them
 /// the packed products use ([`model::cpu_kernels::bf16_products`]). Where they widen to f32 FMAs
-/// (Intel Xeons, which issue `vdpbf16ps` at half the FMA rate) a step takes about as long as an
-/// f32 one; where they use `vdpbf16ps` pairs (AMD Zen 4) a 0.6B step was ~1.5x faster
-/// (BENCHMARKS.md).
+/// a step takes about as long as an f32 one; with `vdpbf16ps` pairs it is faster
+/// (BENCHMARKS.md, "the bf16-base LoRA test on Intel Xeons").
 fn bf16_products_note(kernels: bool, products: Bf16Products) -> Option<String> {
     if !kernels {
         return Some(

@@ -172,7 +172,7 @@ pub struct RolloutSection {
     /// Sampling of the agent during rollouts (validation is greedy); `seed` is the base of
     /// every episode's and turn's stream.
     pub sampling: Sampling,
-    /// `grpo` (normalised by the group's std) or `dr_grpo` (mean-only).
+    /// `grpo` (normalised by the group's std) or `dr-grpo` (mean-only).
     pub advantage: AdvantageMode,
     /// Weights of the inference-only models: the copy of the policy that rollouts and
     /// validation sample from, and the frozen reference. The update and the old log-probs always

@@ -16,71 +16,71 @@ pub const METRICS_FILE: &str = "metrics.jsonl";
 
 /// What one GRPO step did. Serialised under the metric names verl logs (`actor/pg_loss`,
 /// `critic/score/mean`, `timing_s/gen`, ...), so tools written for verl runs read ours; fields
-/// verl has no name for sit under the same kind of slash names. Lines written under the earlier
-/// plain field names (`reward_mean`, ...) still read back. A key that a line lacks reads as the
+/// verl has no name for sit under the same kind of slash names. A key that a line lacks reads as the
 /// field's default (0, `None`): the step-0 line of the validation before training holds only
 /// the step and the validation keys.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct StepRecord {
-    #[serde(rename = "training/global_step", alias = "step")]
+    #[serde(rename = "training/global_step")]
     pub step: u64,
-    #[serde(rename = "training/epoch", alias = "epoch")]
+    #[serde(rename = "training/epoch")]
     pub epoch: u64,
-    #[serde(rename = "critic/score/mean", alias = "reward_mean")]
+    #[serde(rename = "critic/score/mean")]
     pub reward_mean: f32,
-    #[serde(rename = "critic/score/std", alias = "reward_std")]
+    #[serde(rename = "critic/score/std")]
     pub reward_std: f32,
-    #[serde(rename = "reward/format/mean", alias = "format_mean")]
+    #[serde(rename = "reward/format/mean")]
     pub format_mean: Option<f32>,
-    #[serde(rename = "reward/f1/mean", alias = "f1_mean")]
+    #[serde(rename = "reward/f1/mean")]
     pub f1_mean: Option<f32>,
-    #[serde(rename = "actor/loss", alias = "loss")]
+    #[serde(rename = "actor/loss")]
     pub loss: f32,
-    #[serde(rename = "actor/pg_loss", alias = "pg_loss")]
+    #[serde(rename = "actor/pg_loss")]
     pub pg_loss: f32,
-    #[serde(rename = "actor/kl_loss", alias = "kl")]
+    #[serde(rename = "actor/kl_loss")]
     pub kl: Option<f32>,
-    #[serde(rename = "actor/entropy", alias = "entropy")]
+    #[serde(rename = "actor/entropy")]
     pub entropy: Option<f32>,
-    #[serde(rename = "actor/pg_clipfrac", alias = "clip_frac")]
+    #[serde(rename = "actor/pg_clipfrac")]
     pub clip_frac: f32,
-    #[serde(rename = "actor/pg_clipfrac_lower", alias = "dual_clip_frac")]
+    #[serde(rename = "actor/pg_clipfrac_lower")]
     pub dual_clip_frac: f32,
-    #[serde(rename = "actor/ppo_kl", alias = "approx_kl")]
+    #[serde(rename = "actor/ppo_kl")]
     pub approx_kl: f32,
-    #[serde(rename = "actor/grad_norm", alias = "grad_norm")]
+    #[serde(rename = "actor/grad_norm")]
     pub grad_norm: Option<f32>,
-    #[serde(rename = "actor/optimizer_steps", alias = "optimizer_steps")]
+    #[serde(rename = "actor/optimizer_steps")]
     pub optimizer_steps: usize,
     /// Optimiser steps skipped because the gradient norm was not finite (this step).
-    #[serde(rename = "actor/skipped_steps", alias = "skipped_steps")]
+    #[serde(rename = "actor/skipped_steps")]
     pub skipped_steps: usize,
     /// Episodes dropped because the environment failed (this step).
-    #[serde(rename = "rollout/env_failures", alias = "env_failures")]
+    #[serde(rename = "rollout/env_failures")]
     pub env_failures: usize,
-    #[serde(rename = "rollout/episodes", alias = "episodes")]
+    #[serde(rename = "rollout/episodes")]
     pub episodes: usize,
-    #[serde(rename = "rollout/agent_tokens", alias = "agent_tokens")]
+    #[serde(rename = "rollout/agent_tokens")]
     pub agent_tokens: usize,
-    #[serde(rename = "response_length/mean", alias = "mean_response_tokens")]
+    #[serde(rename = "response_length/mean")]
     pub mean_response_tokens: f32,
-    #[serde(rename = "num_turns/mean", alias = "mean_turns")]
+    #[serde(rename = "num_turns/mean")]
     pub mean_turns: f32,
-    #[serde(rename = "timing_s/gen", alias = "rollout_secs")]
+    #[serde(rename = "timing_s/gen")]
     pub rollout_secs: f32,
-    #[serde(rename = "timing_s/update_actor", alias = "learn_secs")]
+    #[serde(rename = "timing_s/update_actor")]
     pub learn_secs: f32,
     /// Agent tokens generated per second during the rollout.
-    #[serde(rename = "perf/gen_tokens_per_s", alias = "rollout_tokens_per_sec")]
+    #[serde(rename = "perf/gen_tokens_per_s")]
     pub rollout_tokens_per_sec: f32,
     /// Greedy validation reward, on the steps that validate.
-    #[serde(rename = "val/reward/mean", alias = "validation_reward")]
+    #[serde(rename = "val/reward/mean")]
     pub validation_reward: Option<f32>,
-    #[serde(rename = "val/f1/mean", alias = "validation_f1")]
+    #[serde(rename = "val/f1/mean")]
     pub validation_f1: Option<f32>,
-    /// Peak resident memory of the process so far (Linux), to see that steps do not leak.
-    #[serde(rename = "perf/peak_rss_mb", alias = "peak_rss_mb")]
+    /// Peak resident memory of the process during this step (Linux; the counter is reset as
+    /// each step starts), so a step that keeps more than the one before shows.
+    #[serde(rename = "perf/peak_rss_mb")]
     pub peak_rss_mb: Option<f32>,
     /// Groups whose episodes all got the same reward, so zero advantages (this step), counted
     /// whether dynamic sampling is on or off.
@@ -331,19 +331,5 @@ mod tests {
         assert!(json.get("reward_mean").is_none() && json.get("step").is_none(), "{json}");
         let back: StepRecord = serde_json::from_value(json).unwrap();
         assert_eq!(back, record);
-    }
-
-    #[test]
-    fn lines_with_the_earlier_field_names_still_read_back() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut line = serde_json::to_value(StepRecord::default()).unwrap();
-        let fields = line.as_object_mut().unwrap();
-        fields.remove("training/global_step");
-        fields.remove("critic/score/mean");
-        fields.insert("step".into(), 7.into());
-        fields.insert("reward_mean".into(), 0.75.into());
-        std::fs::write(dir.path().join(METRICS_FILE), format!("{line}\n")).unwrap();
-        let records = read_metrics(dir.path()).unwrap();
-        assert_eq!((records[0].step, records[0].reward_mean), (7, 0.75));
     }
 }

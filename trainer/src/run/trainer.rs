@@ -18,7 +18,7 @@ use super::config::{InferenceDtype, TrainConfig};
 use super::dynamic_sampling::groups_without_signal;
 use super::error::TrainError;
 use super::learner::{Learner, LearnerSettings, Update};
-use super::memory::peak_rss_mb;
+use super::memory::{peak_rss_mb, reset_peak_rss};
 use super::metrics_log::StepRecord;
 use super::reward::{EpisodeScore, EpisodeScorer};
 use super::session::{Resume, RunSession, SessionSettings, SteppedRun};
@@ -142,6 +142,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// One GRPO step: a batch of questions, `n` episodes each, rewards, advantages, update.
     /// The record is also appended to `metrics.jsonl`.
     pub fn train_step(&mut self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<StepRecord, TrainError> {
+        reset_peak_rss();
         let step = self.step + 1;
         let batch = self.sampler.next_batch();
         let n = self.config.rollout.n;

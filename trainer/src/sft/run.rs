@@ -24,7 +24,7 @@ use crate::optim::{AdamWOptimizer, StepOutcome};
 use crate::run::learner::{Learner, LearnerSettings, Update};
 use crate::run::metrics_log::read_lines;
 use crate::run::session::SessionSettings;
-use crate::run::{peak_rss_mb, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE};
+use crate::run::{peak_rss_mb, reset_peak_rss, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE};
 
 /// File in the run directory holding the run's configuration (with its paths resolved).
 pub const SFT_CONFIG_FILE: &str = "sft_config.json";
@@ -70,6 +70,7 @@ pub struct SftRecord {
     /// Trained tokens per second of the step.
     #[serde(rename = "perf/tokens_per_s")]
     pub tokens_per_sec: f32,
+    /// Peak resident memory of the process during this step (Linux).
     #[serde(rename = "perf/peak_rss_mb")]
     pub peak_rss_mb: Option<f32>,
 }
@@ -203,6 +204,7 @@ impl<B: AutodiffBackend> SftRun<B> {
     /// with the validation loss when this step validates (every `run.validate_every` steps and
     /// at the last step).
     pub fn train_step(&mut self) -> Result<SftRecord, TrainError> {
+        reset_peak_rss();
         let step = self.step + 1;
         let batch = self.sampler.next_batch();
         let sequences: Vec<SftSequence> = batch

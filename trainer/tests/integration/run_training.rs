@@ -185,7 +185,7 @@ fn lora_adapters_learn_the_rewarded_behaviour() {
 /// lr 0.01 and 40 steps, seed 7 rose 0.34 with `vdpbf16ps` pairs and fell 0.004 with widened
 /// FMAs (the two kernels agreeing within one bf16 rounding on every product of the run), and
 /// seed 1 fell on every path. At lr 0.005 and 60 steps, 23 of 24 runs (seeds 1-8, pairs, widened
-/// and AVX2) rose by more than 0.15 (BENCHMARKS.md, 2026-11-26). So the claim is checked over
+/// and AVX2) rose by more than 0.15 (BENCHMARKS.md, "the bf16-base LoRA test on Intel Xeons"). So the claim is checked over
 /// three seeds: the median rise must exceed 0.15.
 ///
 /// What the runs depend on is checked directly: the rollouts and old log-probs come from the
