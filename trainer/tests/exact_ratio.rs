@@ -67,11 +67,11 @@ fn every_first_ratio_is_exactly_one_on_every_path() {
                         "{path:?} {matmul:?}: the setup takes one optimiser step per step"
                     );
                     assert!(
-                        r.approx_kl == 0.0 && r.clip_frac == 0.0,
+                        r.policy.approx_kl == 0.0 && r.policy.clip_frac == 0.0,
                         "{path:?}, {matmul:?} products, LoRA {lora}, step {}: approx_kl {}, clip_frac {} (scoring and update differ)",
                         r.step,
-                        r.approx_kl,
-                        r.clip_frac
+                        r.policy.approx_kl,
+                        r.policy.clip_frac
                     );
                 }
                 assert!(

@@ -173,7 +173,7 @@ impl Probe {
         let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, matmul, ..LearnConfig::default() };
         let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
         let (_, stats) = learn_step(policy, &mut optimizer, &self.batch(old)?, &learn)?;
-        Ok(stats.approx_kl.abs() + stats.clip_frac)
+        Ok(stats.policy.approx_kl.abs() + stats.policy.clip_frac)
     }
 
     /// The learn steps' batch: the two prompts with advantages +1 and −1, every token after the

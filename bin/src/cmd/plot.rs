@@ -192,11 +192,11 @@ pub fn panels(records: &[StepRecord]) -> Vec<Panel> {
         panel("KL").left(line("kl", RED, opt(|r| r.kl))).left(line(
             "approx_kl",
             PURPLE,
-            req(|r| r.approx_kl),
+            req(|r| r.policy.approx_kl),
         )),
         panel("clip fraction")
-            .left(line("clip", BLUE, req(|r| r.clip_frac)))
-            .left(line("dual clip", ORANGE, req(|r| r.dual_clip_frac))),
+            .left(line("clip", BLUE, req(|r| r.policy.clip_frac)))
+            .left(line("dual clip", ORANGE, req(|r| r.policy.dual_clip_frac))),
         panel("grad norm").left(line("grad norm", BLUE, opt(|r| r.grad_norm))),
         panel("entropy").left(line("entropy", GREEN, opt(|r| r.entropy))),
         panel("tokens & turns")

@@ -202,7 +202,7 @@ impl OnBackend for Resuming {
                 "reward {:.3} kl {} clip {:.3} {:.0} tok/s",
                 record.reward_mean,
                 record.kl.map_or("-".into(), |k| format!("{k:.4}")),
-                record.clip_frac,
+                record.policy.clip_frac,
                 record.rollout_tokens_per_sec
             );
             let mut lines = Vec::new();

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::aggregate::{agg_loss, AggMode};
 use super::error::GrpoError;
 use super::kl::{kl_penalty, KlEstimator};
-use super::policy_loss::{policy_loss, PpoClip};
+use super::policy_loss::{policy_loss, PolicyLossStats, PpoClip};
 
 /// Loss settings; the defaults are the reference run's (trainer/README.md).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -121,10 +121,9 @@ pub struct LossStats {
     pub kl: Option<f32>,
     /// The aggregated entropy (`None` when not computed).
     pub entropy: Option<f32>,
-    pub clip_frac: f32,
-    pub dual_clip_frac: f32,
-    /// KL(π_old ‖ π) estimate over the tokens (see [`super::policy_loss::PolicyLossStats`]).
-    pub approx_kl: f32,
+    /// The clipping's token means, as [`policy_loss`] gave them.
+    pub policy: PolicyLossStats,
+    /// Number of agent (mask-1) tokens: the weight of `policy` in a step's means.
     pub n_tokens: usize,
 }
 
@@ -159,10 +158,8 @@ pub fn grpo_loss<B: Backend>(
         pg_loss,
         kl: None,
         entropy: None,
-        clip_frac: pg.stats.clip_frac,
-        dual_clip_frac: pg.stats.dual_clip_frac,
-        approx_kl: pg.stats.approx_kl,
-        n_tokens: pg.stats.n_tokens,
+        policy: pg.stats,
+        n_tokens: pg.n_tokens,
     };
     if config.uses_kl() {
         let ref_logp = ref_logp.ok_or_else(|| {

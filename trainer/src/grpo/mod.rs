@@ -35,5 +35,5 @@ pub use error::GrpoError;
 pub use kl::{kl_penalty, KlEstimator};
 pub use logprobs::sequence_logprobs;
 pub use loss::{grpo_loss, GrpoLossConfig, LossInputs, LossStats};
-pub use policy_loss::{policy_loss, PolicyLoss, PolicyLossStats, PpoClip};
+pub use policy_loss::{policy_loss, PolicyLoss, PolicyLossStats, PpoClip, TokenWeighted};
 pub use step::{learn, learn_step, learn_step_lora, LearnConfig, StepStats, Trainable};

@@ -2,6 +2,7 @@
 //! "vanilla" mode).
 
 use burn::tensor::{backend::Backend, Tensor};
+use serde::{Deserialize, Serialize};
 
 use super::aggregate::masked;
 
@@ -33,19 +34,68 @@ pub struct PolicyLoss<B: Backend> {
     /// `[b, t]`, not yet masked or aggregated.
     pub per_token: Tensor<B, 2>,
     pub stats: PolicyLossStats,
+    /// Number of mask-1 tokens (the weight of `stats` in a [`TokenWeighted`] sum).
+    pub n_tokens: usize,
 }
 
-/// Token means over the mask-1 tokens of one call.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+/// Token means over the mask-1 tokens of one call, under the metric names verl logs. The same
+/// struct goes, unchanged, into [`super::LossStats`], [`super::StepStats`] (summed over
+/// micro-batches by [`TokenWeighted`]) and each line of `metrics.jsonl` (flattened into
+/// `StepRecord`), so a new per-token statistic is one field here, its entry in
+/// [`Self::fields_mut`] and its computation in [`policy_loss`]; a plot panel is optional.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct PolicyLossStats {
     /// Fraction of tokens where the clipped term won (`−A·clip(r) > −A·r`).
+    #[serde(rename = "actor/pg_clipfrac")]
     pub clip_frac: f32,
     /// Fraction of tokens with `A < 0` whose loss was capped at `−A·c`.
+    #[serde(rename = "actor/pg_clipfrac_lower")]
     pub dual_clip_frac: f32,
     /// `mean(logπ_old − logπ)` with the clamped log-ratio: a k1 estimate of KL(π_old ‖ π).
+    #[serde(rename = "actor/ppo_kl")]
     pub approx_kl: f32,
-    /// Number of mask-1 tokens.
-    pub n_tokens: usize,
+}
+
+impl PolicyLossStats {
+    /// How many statistics there are.
+    pub const COUNT: usize = 3;
+
+    /// Every statistic, for [`TokenWeighted`] to sum and average them alike.
+    fn fields_mut(&mut self) -> [&mut f32; Self::COUNT] {
+        [&mut self.clip_frac, &mut self.dual_clip_frac, &mut self.approx_kl]
+    }
+}
+
+/// Token-weighted sums of [`PolicyLossStats`] over calls (micro-batches), in f64: their
+/// [`mean`](Self::mean) is each statistic's mean over all the calls' tokens.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenWeighted {
+    sums: [f64; PolicyLossStats::COUNT],
+    tokens: usize,
+}
+
+impl TokenWeighted {
+    /// Adds the means `stats` of `tokens` tokens.
+    pub fn add(&mut self, stats: &PolicyLossStats, tokens: usize) {
+        let n = tokens as f64;
+        self.tokens += tokens;
+        let mut stats = *stats;
+        for (sum, value) in self.sums.iter_mut().zip(stats.fields_mut()) {
+            *sum += n * f64::from(*value);
+        }
+    }
+
+    /// The means over every token added (0 when there were none).
+    pub fn mean(&self) -> PolicyLossStats {
+        let mut mean = PolicyLossStats::default();
+        if self.tokens > 0 {
+            for (value, sum) in mean.fields_mut().into_iter().zip(self.sums) {
+                *value = (sum / self.tokens as f64) as f32;
+            }
+        }
+        mean
+    }
 }
 
 /// `r = exp(clamp(logπ − logπ_old, −20, 20))`.
@@ -96,8 +146,8 @@ pub fn policy_loss<B: Backend>(
             clip_frac: stats.means[0],
             dual_clip_frac: stats.means[1],
             approx_kl: stats.means[2],
-            n_tokens: stats.n_tokens,
         },
+        n_tokens: stats.n_tokens,
     }
 }
 
@@ -190,7 +240,7 @@ mod tests {
         assert_close(&loss[..5], &[-1.2, -0.5, 1.6, 6.0, 2.2]);
         // clip: tokens 0 and 2 of 5; dual: token 3 of 5;
         // approx_kl = −(ln 1.5 + ln 0.5 + ln 0.5 + ln 5 + ln 1.1)/5 = −0.723919/5 = −0.144784.
-        assert_eq!(out.stats.n_tokens, 5);
+        assert_eq!(out.n_tokens, 5);
         assert!((out.stats.clip_frac - 0.4).abs() < 1e-6, "{:?}", out.stats);
         assert!(
             (out.stats.dual_clip_frac - 0.2).abs() < 1e-6,
@@ -229,6 +279,19 @@ mod tests {
         // e^20 = 485165195.4, not e^30.
         let r = values(ratio(row(&[0.0]), row(&[-30.0])))[0];
         assert!((r / 485_165_195.4 - 1.0).abs() < 1e-5, "{r}");
+    }
+
+    /// Each statistic is weighted by its call's tokens; nothing added reads as zeros.
+    #[test]
+    fn token_weighted_means() {
+        let mut sum = TokenWeighted::default();
+        assert_eq!(sum.mean(), PolicyLossStats::default());
+        let stats = |v: f32| PolicyLossStats { clip_frac: v, dual_clip_frac: 2.0 * v, approx_kl: -v };
+        sum.add(&stats(0.5), 1);
+        sum.add(&stats(0.25), 3);
+        sum.add(&stats(100.0), 0);
+        // (0.5·1 + 0.25·3)/4 = 0.3125.
+        assert_eq!(sum.mean(), stats(0.3125));
     }
 
     #[test]

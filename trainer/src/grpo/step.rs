@@ -19,6 +19,7 @@ use super::checkpointing::checkpointed_gradients;
 use super::head::head_gradients;
 use super::error::GrpoError;
 use super::loss::{grpo_loss, GrpoLossConfig, LossInputs, LossStats};
+use super::policy_loss::{PolicyLossStats, TokenWeighted};
 use crate::optim::{clip_and_step, OptimizerConfig, StepOutcome};
 
 /// Padding fills short rows of a micro-batch; it is hidden by the attention mask and the loss
@@ -78,7 +79,8 @@ impl LearnConfig {
 }
 
 /// What one learning step did. Loss terms are means over mini-batches of each mini-batch's
-/// aggregated value; the clip fractions and `approx_kl` are means over all agent tokens.
+/// aggregated value; the `policy` statistics (clip fractions, `approx_kl`) are means over all
+/// agent tokens (and read as fields of the step's stats too: `stats.clip_frac`).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct StepStats {
     pub loss: f32,
@@ -87,9 +89,7 @@ pub struct StepStats {
     pub kl: Option<f32>,
     /// `None` when the entropy was not computed.
     pub entropy: Option<f32>,
-    pub clip_frac: f32,
-    pub dual_clip_frac: f32,
-    pub approx_kl: f32,
+    pub policy: PolicyLossStats,
     /// The gradient norm before clipping, one per mini-batch that had agent tokens.
     pub grad_norms: Vec<f32>,
     /// Optimiser steps applied.
@@ -352,20 +352,13 @@ impl Terms {
 #[derive(Default)]
 struct Totals {
     mini_batches: Vec<Terms>,
-    tokens: usize,
-    clip_sum: f64,
-    dual_clip_sum: f64,
-    approx_kl_sum: f64,
+    policy: TokenWeighted,
     outcomes: Vec<StepOutcome>,
 }
 
 impl Totals {
     fn add_tokens(&mut self, stats: &LossStats) {
-        let n = stats.n_tokens as f64;
-        self.tokens += stats.n_tokens;
-        self.clip_sum += n * f64::from(stats.clip_frac);
-        self.dual_clip_sum += n * f64::from(stats.dual_clip_frac);
-        self.approx_kl_sum += n * f64::from(stats.approx_kl);
+        self.policy.add(&stats.policy, stats.n_tokens);
     }
 
     fn add_mini_batch(&mut self, terms: Terms, outcome: StepOutcome) {
@@ -380,21 +373,12 @@ impl Totals {
             let values: Vec<f32> = self.mini_batches.iter().filter_map(f).collect();
             (!values.is_empty()).then(|| values.iter().sum::<f32>() / values.len() as f32)
         };
-        let per_token = |sum: f64| {
-            if self.tokens == 0 {
-                0.0
-            } else {
-                (sum / self.tokens as f64) as f32
-            }
-        };
         StepStats {
             loss: mean(|t| t.loss),
             pg_loss: mean(|t| t.pg_loss),
             kl: mean_opt(|t| t.kl),
             entropy: mean_opt(|t| t.entropy),
-            clip_frac: per_token(self.clip_sum),
-            dual_clip_frac: per_token(self.dual_clip_sum),
-            approx_kl: per_token(self.approx_kl_sum),
+            policy: self.policy.mean(),
             grad_norms: self.outcomes.iter().map(StepOutcome::grad_norm).collect(),
             optimizer_steps: self.outcomes.iter().filter(|o| !o.is_skipped()).count(),
             skipped_steps: self.outcomes.iter().filter(|o| o.is_skipped()).count(),

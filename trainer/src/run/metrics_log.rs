@@ -10,6 +10,7 @@ use serde::de::{DeserializeOwned, Error as _};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::error::TrainError;
+use crate::grpo::PolicyLossStats;
 
 /// File name of the per-step metrics inside the run directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -42,12 +43,11 @@ pub struct StepRecord {
     pub kl: Option<f32>,
     #[serde(rename = "actor/entropy")]
     pub entropy: Option<f32>,
-    #[serde(rename = "actor/pg_clipfrac")]
-    pub clip_frac: f32,
-    #[serde(rename = "actor/pg_clipfrac_lower")]
-    pub dual_clip_frac: f32,
-    #[serde(rename = "actor/ppo_kl")]
-    pub approx_kl: f32,
+    /// The per-token statistics of the update (`actor/pg_clipfrac`, `actor/ppo_kl`, ...), under
+    /// their own names; they also read as the record's fields (`record.approx_kl`). Declared
+    /// before `validation_by_source`, which takes its keys from what the flattened fields leave.
+    #[serde(flatten)]
+    pub policy: PolicyLossStats,
     #[serde(rename = "actor/grad_norm")]
     pub grad_norm: Option<f32>,
     #[serde(rename = "actor/optimizer_steps")]
@@ -312,13 +312,45 @@ mod tests {
         assert!(err.contains("val/hotpot/f1"), "{err}");
     }
 
+    /// Every key of a training step's line, in the order written, with distinct values that
+    /// read back to the same line: what dashboards and `plot` read must not move.
+    #[test]
+    fn a_step_line_keeps_its_keys_order_and_values() {
+        let line = concat!(
+            r#"{"training/global_step":7,"training/epoch":2,"critic/score/mean":0.5,"critic/score/std":0.25,"#,
+            r#""reward/format/mean":0.75,"reward/f1/mean":0.375,"actor/loss":-1.5,"actor/pg_loss":-1.25,"#,
+            r#""actor/kl_loss":0.0625,"actor/entropy":1.75,"actor/pg_clipfrac":0.125,"#,
+            r#""actor/pg_clipfrac_lower":0.03125,"actor/ppo_kl":-0.015625,"actor/grad_norm":2.5,"#,
+            r#""actor/optimizer_steps":3,"actor/skipped_steps":1,"rollout/env_failures":4,"#,
+            r#""rollout/episodes":64,"rollout/agent_tokens":4096,"response_length/mean":64.5,"#,
+            r#""num_turns/mean":2.5,"timing_s/gen":12.5,"timing_s/update_actor":30.25,"#,
+            r#""perf/gen_tokens_per_s":327.5,"val/reward/mean":0.625,"val/f1/mean":0.6875,"#,
+            r#""perf/peak_rss_mb":2048.0,"batch/groups_no_signal":5,"batch/groups_dropped":6,"#,
+            r#""val/hotpot/reward":0.875}"#
+        );
+        let record: StepRecord = serde_json::from_str(line).unwrap();
+        assert_eq!(serde_json::to_string(&record).unwrap(), line);
+        let policy = PolicyLossStats { clip_frac: 0.125, dual_clip_frac: 0.03125, approx_kl: -0.015625 };
+        assert_eq!(record.policy, policy);
+        assert_eq!((record.pg_loss, record.kl, record.entropy), (-1.25, Some(0.0625), Some(1.75)));
+        assert_eq!(record.validation_by_source, BTreeMap::from([("val/hotpot/reward".to_string(), 0.875)]));
+        // A record with nothing set writes every key but the per-source validation ones.
+        let empty = serde_json::to_value(StepRecord::default()).unwrap();
+        let value: serde_json::Value = serde_json::from_str(line).unwrap();
+        let mut keys: Vec<&String> = value.as_object().unwrap().keys().filter(|k| *k != "val/hotpot/reward").collect();
+        let mut empty_keys: Vec<&String> = empty.as_object().unwrap().keys().collect();
+        keys.sort_unstable();
+        empty_keys.sort_unstable();
+        assert_eq!(keys, empty_keys);
+    }
+
     #[test]
     fn records_are_written_under_verl_metric_names() {
         let record = StepRecord {
             step: 3,
             reward_mean: 0.5,
             pg_loss: -0.25,
-            clip_frac: 0.125,
+            policy: PolicyLossStats { clip_frac: 0.125, ..PolicyLossStats::default() },
             rollout_secs: 2.0,
             ..StepRecord::default()
         };

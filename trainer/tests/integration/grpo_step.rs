@@ -265,7 +265,7 @@ fn repeated_steps_follow_the_advantages() {
             learn_step(model, &mut optim, &PolicyBatch::new(seqs).unwrap(), &config).unwrap();
         model = next;
         // On-policy with one mini-batch: every ratio is 1, nothing is clipped.
-        assert_eq!((stats.clip_frac, stats.dual_clip_frac), (0.0, 0.0));
+        assert_eq!((stats.policy.clip_frac, stats.policy.dual_clip_frac), (0.0, 0.0));
         assert_eq!((stats.optimizer_steps, stats.n_tokens), (1, 10));
         last_stats = Some(stats);
     }

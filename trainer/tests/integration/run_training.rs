@@ -68,7 +68,7 @@ fn the_policy_learns_with_bf16_products() {
     let (first, last) = first_last_gap(&records);
     println!("bf16 products: first 5 steps {first:.3}, last 5 steps {last:.3}");
     assert!(last - first > 0.15, "first {first}, last {last}");
-    assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.approx_kl == 0.0 && r.clip_frac == 0.0));
+    assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.policy.approx_kl == 0.0 && r.policy.clip_frac == 0.0));
     assert_eq!(trainer.policy().model.compute.matmul, MatmulPrecision::Bf16, "the optimiser keeps the setting");
 }
 
@@ -169,7 +169,7 @@ fn lora_adapters_learn_the_rewarded_behaviour() {
     let (first, last) = first_last_gap(&records);
     println!("LoRA: first 5 steps {first:.3}, last 5 steps {last:.3}, kl {:?} → {:?}", records[0].kl, records[39].kl);
     assert!(last - first > 0.15, "first {first}, last {last}");
-    assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.approx_kl == 0.0), "every first ratio is 1");
+    assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.policy.approx_kl == 0.0), "every first ratio is 1");
     assert_eq!(records[0].kl, Some(0.0), "the adapters start at zero: the policy is the reference");
     assert!(records[39].kl.unwrap() > 0.0);
     assert_eq!(named_weights(&trainer.policy().valid()), initial, "the base is frozen");
@@ -206,7 +206,7 @@ fn lora_adapters_learn_on_a_bf16_base() {
         config.rollout.sampling.seed = seed;
         let (trainer, records) = train(config, 60, false);
         let (first, last) = first_last_gap(&records);
-        let worst_kl = records.iter().map(|r| r.approx_kl.abs()).fold(0.0f32, f32::max);
+        let worst_kl = records.iter().map(|r| r.policy.approx_kl.abs()).fold(0.0f32, f32::max);
         println!("LoRA, bf16 base, seed {seed}: first 5 steps {first:.3}, last 5 steps {last:.3}, largest |approx_kl| {worst_kl:.2e}");
         assert!(worst_kl < 5e-3, "seed {seed}: the kernels' log-probs and the update's differ: |approx_kl| {worst_kl}");
         for r in &records {
