@@ -1,6 +1,7 @@
 //! `prompt-r1 bench`: throughput and peak memory of the model on random weights: load,
 //! prefill, KV-cache decode at several batch sizes, and per-token log-prob scoring; optionally a
-//! GRPO training step and the projections' matrix products alone.
+//! GRPO training step and the projections' matrix products alone; or (`--rollout`) multi-turn
+//! rollouts against a local scripted environment beside pure decode at the same batch.
 //! Figures are wall-clock on this machine, each the median of several runs after a warm-up;
 //! compare runs only on the same machine.
 
@@ -23,6 +24,8 @@ use crate::device::{run_on, AttentionArgs, ComputeArgs, DeviceChoice, OnBackend}
 use crate::model_dir::{parse_matmul, preset_parser};
 use trainer::plan::{LoraPlan, MemoryPlan, PlanSettings};
 use trainer::run::{peak_rss_mb, reset_peak_rss};
+
+mod rollout;
 
 /// Measure load time, prefill, decode and scoring speed with peak memory.
 ///
@@ -99,6 +102,42 @@ pub struct Args {
     /// command).
     #[arg(long, value_name = "LEVEL", env = "PROMPT_R1_CPU_ISA")]
     pub cpu_isa: Option<Isa>,
+    /// Time rollouts instead of the model's workloads: multi-turn episodes through the
+    /// trainer's rollout path (`LocalAgent` + the episode loop) against a local scripted
+    /// environment, every turn but the last forced to be a call (a random model writes no
+    /// well-formed ones), at each --rollout-batch; beside it pure decode of as many tokens at the
+    /// same batch. Reports agent tokens/s, prefill tokens per episode and rollout / decode speed.
+    /// On a few CPU cores the default 0.6B shape takes hours at these defaults: try
+    /// `--preset small` (BENCHMARKS.md).
+    #[arg(long, conflicts_with_all = ["attention", "train_step"])]
+    pub rollout: bool,
+    /// Episodes generated together (`rollout.generation_batch`) for --rollout; a comma list or
+    /// repeated.
+    #[arg(long, value_delimiter = ',', default_value = "8")]
+    pub rollout_batch: Vec<usize>,
+    /// Agent turns per episode for --rollout (every turn but the last calls the environment).
+    #[arg(long, default_value_t = 5)]
+    pub rollout_turns: usize,
+    /// Tokens the agent generates per turn for --rollout (`max_turn_tokens`; a turn ends earlier
+    /// only if the model samples a stop token, which is counted).
+    #[arg(long, default_value_t = 128)]
+    pub rollout_turn_tokens: usize,
+    /// Seed of the agent's sampling for --rollout (the same seed gives the same episodes).
+    #[arg(long, default_value_t = 0)]
+    pub rollout_seed: u64,
+    /// Timed runs of each --rollout measurement (rollout and pure decode; the median is
+    /// reported).
+    #[arg(long, default_value_t = 1)]
+    pub rollout_runs: usize,
+    /// Latency of each call of the scripted environment, in milliseconds (--rollout).
+    #[arg(long, default_value_t = 200)]
+    pub env_latency_ms: u64,
+    /// Tokens (of the agent's tokenizer) in each reply of the scripted environment (--rollout).
+    #[arg(long, default_value_t = 300)]
+    pub env_reply_tokens: usize,
+    /// Most environment calls in flight at once (--rollout; `episode.env_concurrency`).
+    #[arg(long, default_value_t = 32)]
+    pub env_concurrency: usize,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -113,13 +152,16 @@ struct Figure {
     #[serde(skip_serializing_if = "Option::is_none")]
     gflop_per_second: Option<f64>,
     peak_rss_mb: Option<f64>,
+    /// `--rollout`'s counts and ratios.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rollout: Option<rollout::RolloutStats>,
 }
 
 impl Figure {
     /// A workload measured in tokens.
     fn tokens(workload: String, seconds: f64, tokens: Option<f64>, peak_rss_mb: Option<f64>) -> Self {
         let tokens_per_second = tokens.map(|t| t / seconds);
-        Figure { workload, seconds, tokens_per_second, gflop_per_second: None, peak_rss_mb }
+        Figure { workload, seconds, tokens_per_second, gflop_per_second: None, peak_rss_mb, rollout: None }
     }
 }
 
@@ -159,7 +201,9 @@ impl OnBackend for Args {
             }
         };
         let mut figures = Vec::new();
-        if self.attention {
+        if self.rollout {
+            self.rollout_figures::<B>(&dir, &device, &mut figures)?;
+        } else if self.attention {
             let config = Qwen3Config::from_file(&dir.join("config.json"))?;
             figures.extend(attention_figures::<B>(&device, &config, &self.attention_lens, self.compute.attention.attention_block_size)?);
         } else if !self.train_step_only {
@@ -198,6 +242,9 @@ impl OnBackend for Args {
         if self.json {
             println!("{}", serde_json::to_string_pretty(&figures)?);
         } else {
+            for stats in figures.iter().filter_map(|f| f.rollout.as_ref()) {
+                rollout::print(stats);
+            }
             println!("{:<34} {:>10} {:>16} {:>14}", "workload", "seconds", "tokens/s", "peak RSS (MB)");
             for f in &figures {
                 let rate = match (f.tokens_per_second, f.gflop_per_second) {
@@ -214,6 +261,39 @@ impl OnBackend for Args {
 }
 
 impl Args {
+    /// `--rollout`: at each batch, pure decode and the rollout (see [`rollout`]).
+    fn rollout_figures<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, figures: &mut Vec<Figure>) -> Result<()> {
+        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype, compute: self.compute.attention.compute(MatmulPrecision::F32) })?
+            .with_matmul_precision(self.matmul);
+        let tokenizer = rollout::tokenizer(dir)?;
+        let settings = rollout::RolloutSettings {
+            turns: self.rollout_turns,
+            turn_tokens: self.rollout_turn_tokens,
+            latency: std::time::Duration::from_millis(self.env_latency_ms),
+            reply_tokens: self.env_reply_tokens,
+            env_concurrency: self.env_concurrency,
+            seed: self.rollout_seed,
+            runs: self.rollout_runs,
+        };
+        for &batch in &self.rollout_batch {
+            eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", batch, settings.turns);
+            reset_peak_rss();
+            let stats = rollout::measure(&model, &tokenizer, &settings, batch)?;
+            let peak = peak_rss_mb();
+            figures.push(Figure::tokens(
+                format!("decode batch {batch} ({} tokens)", settings.turns * settings.turn_tokens),
+                (batch * (settings.turns * settings.turn_tokens - 1)) as f64 / stats.decode_tokens_per_second,
+                Some((batch * (settings.turns * settings.turn_tokens - 1)) as f64),
+                None,
+            ));
+            let workload = format!("rollout batch {batch} x {} turns", settings.turns);
+            let mut figure = Figure::tokens(workload, stats.seconds, Some(stats.agent_tokens as f64), peak);
+            figure.rollout = Some(stats);
+            figures.push(figure);
+        }
+        Ok(())
+    }
+
     /// Load, prefill, decode and scoring (and the products alone with `--products`).
     fn inference_figures<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, figures: &mut Vec<Figure>) -> Result<()> {
         reset_peak_rss();
@@ -428,6 +508,7 @@ fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize
                 tokens_per_second: None,
                 gflop_per_second: Some(gflop / seconds),
                 peak_rss_mb: None,
+                rollout: None,
             });
         }
     }

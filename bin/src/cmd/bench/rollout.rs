@@ -1,0 +1,681 @@
+//! `bench --rollout`: multi-turn episodes through the real rollout path (`LocalAgent` driven
+//! by `env::run_episodes`, as `train` runs them) against a local scripted environment that
+//! sleeps a fixed latency and replies with about N tokens, beside pure decode at the same batch.
+//!
+//! A random model does not write well-formed calls, so [`ForcedCalls`] wraps the agent: the
+//! tokens are the agent's own (sampled, recorded and appended to the context exactly as in
+//! training), only the turn's text as the episode loop parses it is replaced, with a call on
+//! every turn but the last and an answer on the last. Each turn generates `--rollout-turn-tokens`
+//! tokens unless the model samples a stop token (`<|im_end|>` or `<|endoftext|>`, which
+//! `LocalAgent` stops on); such turns are counted and reported.
+//!
+//! Prefill is counted as today's loop does it: every turn's `generate_seeded` runs the whole
+//! token history of each episode through the model again (left-padded to the longest row).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use burn::tensor::backend::Backend;
+use env::{
+    run_episodes, Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment,
+    EpisodeConfig, Role, StopReason, Trajectory, TurnEnd, TurnText, ANSWER_CLOSE, ANSWER_OPEN,
+    CALL_CLOSE, CALL_OPEN,
+};
+use model::tokenizer::Qwen3Tokenizer;
+use model::{generate, Qwen3ForCausalLM, Sampling, SamplingConfig};
+use serde::Serialize;
+use trainer::rollout::LocalAgent;
+
+/// The shape of the rollout workload.
+#[derive(Clone, Debug)]
+pub struct RolloutSettings {
+    /// Agent turns per episode: every turn but the last is an environment call.
+    pub turns: usize,
+    /// Tokens the agent generates per turn (`max_turn_tokens`).
+    pub turn_tokens: usize,
+    /// How long each environment call sleeps before it replies.
+    pub latency: Duration,
+    /// Tokens (of the agent's tokenizer) in each environment reply.
+    pub reply_tokens: usize,
+    /// Most environment calls in flight at once (`episode.env_concurrency`).
+    pub env_concurrency: usize,
+    /// The agent's sampling seed.
+    pub seed: u64,
+    /// Timed runs of each measurement (the median is reported).
+    pub runs: usize,
+}
+
+/// What one rollout batch did: the counts are exact (the same seed gives the same episodes on
+/// every run), the seconds the median of the timed runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct RolloutStats {
+    pub batch: usize,
+    pub turns: usize,
+    pub turn_tokens: usize,
+    pub reply_tokens: usize,
+    pub latency_ms: u64,
+    /// Wall-clock seconds of the whole rollout.
+    pub seconds: f64,
+    /// Seconds inside the agent (generation, tokenising); the rest is spent waiting on the
+    /// environment.
+    pub agent_seconds: f64,
+    pub env_wait_seconds: f64,
+    pub agent_tokens: usize,
+    /// Agent tokens per wall-clock second of the rollout.
+    pub agent_tokens_per_second: f64,
+    /// Agent tokens per second spent inside the agent.
+    pub agent_tokens_per_agent_second: f64,
+    /// Tokens run through prefill per episode (each turn's whole history).
+    pub prefill_tokens_per_episode: f64,
+    /// The same with the padding of each turn's batch (rows × the longest history).
+    pub padded_prefill_tokens_per_episode: f64,
+    /// Tokens in an episode's context at its end (prompt, agent turns, replies).
+    pub context_tokens_per_episode: f64,
+    /// Of those, the ones not sampled by the agent: what a kept KV cache must prefill, once.
+    pub non_agent_context_tokens_per_episode: f64,
+    /// Turns that ended on a sampled stop token before `turn_tokens`.
+    pub turns_stopped_early: usize,
+    pub env_calls: usize,
+    /// Episodes that did not end with their forced answer (should be 0).
+    pub unexpected_endings: usize,
+    /// Pure decode at the same batch: as many tokens per row as an episode's turns from
+    /// 16-token prompts in one `generate` call, the prefill subtracted (contexts shorter than
+    /// the rollout's: an upper bound on what a rollout can reach).
+    pub decode_tokens_per_second: f64,
+    /// `agent_tokens_per_second / decode_tokens_per_second`.
+    pub rollout_over_decode: f64,
+}
+
+/// A local environment: each call sleeps `latency`, then returns the reply for its turn
+/// (the number of user messages it was sent, less one, picks one of `replies`).
+pub struct ScriptedEnvironment {
+    latency: Duration,
+    replies: Vec<String>,
+    calls: AtomicUsize,
+}
+
+impl ScriptedEnvironment {
+    /// An environment answering call `k` of an episode with `replies[k % replies.len()]`.
+    pub fn new(latency: Duration, replies: Vec<String>) -> Self {
+        assert!(!replies.is_empty(), "a scripted environment needs a reply");
+        Self {
+            latency,
+            replies,
+            calls: AtomicUsize::new(0),
+        }
+    }
+
+    /// An environment with `turns` replies of about `tokens` tokens each, as `count` counts them.
+    pub fn with_reply_tokens(
+        latency: Duration,
+        tokens: usize,
+        turns: usize,
+        count: impl Fn(&str) -> usize,
+    ) -> Self {
+        Self::new(
+            latency,
+            (0..turns.max(1))
+                .map(|k| reply_text(tokens, k, &count))
+                .collect(),
+        )
+    }
+
+    /// Calls answered so far.
+    pub fn calls(&self) -> usize {
+        self.calls.load(Ordering::Relaxed)
+    }
+}
+
+impl Environment for ScriptedEnvironment {
+    fn complete(&self, messages: &[ChatMessage]) -> Result<String, EnvError> {
+        if !self.latency.is_zero() {
+            std::thread::sleep(self.latency);
+        }
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        let turn = messages
+            .iter()
+            .filter(|m| m.role == Role::User)
+            .count()
+            .saturating_sub(1);
+        Ok(self.replies[turn % self.replies.len()].clone())
+    }
+}
+
+/// Deterministic English-like text of at least `tokens` tokens as `count` counts them (the
+/// first length reached, growing by one word at the end, so a word or two over at most),
+/// distinct for each `variant`.
+pub fn reply_text(tokens: usize, variant: usize, count: impl Fn(&str) -> usize) -> String {
+    const WORDS: [&str; 24] = [
+        "the", "answer", "depends", "on", "which", "record", "you", "read", "first", "and", "how",
+        "its", "figures", "were", "measured", "by", "those", "who", "kept", "them", "over", "many",
+        "years", "so",
+    ];
+    let mut text = format!("Reply {variant}:");
+    let mut i = variant * 7;
+    // Words are added in steps of an eighth of the tokens still missing (a word is at least
+    // one token and rarely more than a few), one at a time at the end, so the text is counted
+    // O(log n) times and overshoots by a word at most.
+    loop {
+        let have = count(&text);
+        if have >= tokens {
+            return text;
+        }
+        let step = ((tokens - have) / 8).max(1);
+        for _ in 0..step {
+            text.push(' ');
+            text.push_str(WORDS[i % WORDS.len()]);
+            i += 1;
+            if i % 13 == 0 {
+                text.push_str(&format!(" {}.", i / 13));
+            }
+        }
+    }
+}
+
+/// Counts of what the agent did during a rollout.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RolloutCounts {
+    /// Turns generated (rows of every `generate_turns` call).
+    pub turns: usize,
+    /// Agent tokens sampled.
+    pub agent_tokens: usize,
+    /// Tokens run through prefill: each row's whole history at each turn.
+    pub prefill_tokens: usize,
+    /// Prefill with the batch's left padding: rows × the longest history, per turn.
+    pub padded_prefill_tokens: usize,
+    /// Tokens appended from the environment's replies.
+    pub appended_tokens: usize,
+    /// Turns that ended on a stop token.
+    pub stopped_early: usize,
+}
+
+/// An agent whose turns are forced into a fixed shape: `inner` generates (and records) the
+/// tokens, but the text the episode loop parses is a call on every turn before the last
+/// (`turns`) and an answer on the last. Counts the prefill of today's loop and the time spent
+/// inside the agent.
+pub struct ForcedCalls<A> {
+    inner: A,
+    turns: usize,
+    counts: RolloutCounts,
+    agent_time: Duration,
+}
+
+impl<A: Agent> ForcedCalls<A> {
+    pub fn new(inner: A, turns: usize) -> Self {
+        Self {
+            inner,
+            turns,
+            counts: RolloutCounts::default(),
+            agent_time: Duration::ZERO,
+        }
+    }
+
+    pub fn counts(&self) -> &RolloutCounts {
+        &self.counts
+    }
+
+    /// Time spent in the inner agent's methods.
+    pub fn agent_time(&self) -> Duration {
+        self.agent_time
+    }
+
+    /// Clears the counts and the time (between timed runs).
+    pub fn reset(&mut self) {
+        self.counts = RolloutCounts::default();
+        self.agent_time = Duration::ZERO;
+    }
+
+    fn timed<T>(&mut self, f: impl FnOnce(&mut A) -> T) -> T {
+        let start = Instant::now();
+        let out = f(&mut self.inner);
+        self.agent_time += start.elapsed();
+        out
+    }
+}
+
+impl<A: Agent> Agent for ForcedCalls<A> {
+    fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), AgentError> {
+        self.timed(|a| a.begin_episode(ctx))
+    }
+
+    fn generate_turns(
+        &mut self,
+        episodes: &mut [&mut AgentContext],
+    ) -> Vec<Result<TurnText, AgentError>> {
+        let lengths: Vec<usize> = episodes.iter().map(|c| c.trace().len()).collect();
+        self.counts.prefill_tokens += lengths.iter().sum::<usize>();
+        self.counts.padded_prefill_tokens +=
+            lengths.len() * lengths.iter().copied().max().unwrap_or(0);
+        let results = self.timed(|a| a.generate_turns(episodes));
+        let turns = self.turns;
+        let counts = &mut self.counts;
+        episodes
+            .iter()
+            .zip(results)
+            .map(|(ctx, result)| {
+                let turn = result?;
+                counts.turns += 1;
+                counts.agent_tokens += turn.tokens;
+                if turn.end == TurnEnd::ImEnd {
+                    counts.stopped_early += 1;
+                }
+                let t = ctx.exchanges().len();
+                let text = if t + 1 < turns {
+                    format!("{CALL_OPEN}Call {t} of episode {}{CALL_CLOSE}", ctx.index())
+                } else {
+                    format!("{ANSWER_OPEN}forced{ANSWER_CLOSE}")
+                };
+                Ok(TurnText { text, ..turn })
+            })
+            .collect()
+    }
+
+    fn append_environment(
+        &mut self,
+        ctx: &mut AgentContext,
+        text: &str,
+    ) -> Result<usize, AgentError> {
+        let tokens = self.timed(|a| a.append_environment(ctx, text))?;
+        self.counts.appended_tokens += tokens;
+        Ok(tokens)
+    }
+
+    fn end_episode(&mut self, ctx: &mut AgentContext) {
+        self.timed(|a| a.end_episode(ctx))
+    }
+}
+
+/// Tokens today's loop prefills for one episode: at each turn the whole history, i.e. the
+/// prompt plus every earlier turn's agent tokens and appended reply. `turns[t]` is turn `t`'s
+/// (agent tokens, tokens appended after it); the last turn's appended count is not used.
+pub fn today_prefill_tokens(prompt: usize, turns: &[(usize, usize)]) -> usize {
+    let mut history = prompt;
+    let mut total = 0;
+    for &(agent, appended) in turns {
+        total += history;
+        history += agent + appended;
+    }
+    total
+}
+
+/// An episode's prompt length and turn shape, read from its loss mask: after the prompt,
+/// runs of agent tokens (mask 1), each followed by the tokens appended after it (mask 0).
+pub fn turn_shape(trajectory: &Trajectory) -> (usize, Vec<(usize, usize)>) {
+    let mut shape: Vec<(usize, usize)> = Vec::new();
+    let mut previous = 0;
+    for &m in trajectory.loss_mask.iter().skip(trajectory.prompt_len) {
+        match (m, previous) {
+            (1, 1) => shape.last_mut().expect("a run is open").0 += 1,
+            (1, _) => shape.push((1, 0)),
+            (_, 0) if shape.is_empty() => {}
+            _ => shape.last_mut().expect("a run is open").1 += 1,
+        }
+        previous = m;
+    }
+    (trajectory.prompt_len, shape)
+}
+
+/// The episode settings of the workload: `turns` rounds of exactly `turn_tokens` tokens, calls
+/// always sent, replies never cut and no response limit.
+pub fn episode_config(settings: &RolloutSettings) -> EpisodeConfig {
+    let mut config = EpisodeConfig::training();
+    config.max_turns = settings.turns;
+    config.max_turn_tokens = settings.turn_tokens;
+    config.max_response_tokens = usize::MAX;
+    config.reply.max_chars = usize::MAX;
+    config.env_concurrency = settings.env_concurrency.max(1);
+    config
+}
+
+/// The questions of a batch (one episode each).
+fn questions(batch: usize) -> Vec<String> {
+    (0..batch)
+        .map(|i| format!("What is the capital of country number {i}?"))
+        .collect()
+}
+
+/// Runs and times the workload at `batch` episodes: `settings.runs` rollouts and as many pure
+/// decode measurements (the medians are reported).
+pub fn measure<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    tokenizer: &Qwen3Tokenizer,
+    settings: &RolloutSettings,
+    batch: usize,
+) -> Result<RolloutStats> {
+    if batch == 0 || settings.turns == 0 || settings.turn_tokens < 2 || settings.runs == 0 {
+        bail!("--rollout-batch and --rollout-turns must be at least 1, --rollout-turn-tokens at least 2");
+    }
+    let count = |text: &str| tokenizer.encode(text).map(|ids| ids.len()).unwrap_or(0);
+    let environment = ScriptedEnvironment::with_reply_tokens(
+        settings.latency,
+        settings.reply_tokens,
+        settings.turns,
+        count,
+    );
+    let config = episode_config(settings);
+    let questions = questions(batch);
+    let sampling = Sampling {
+        temperature: 1.0,
+        seed: settings.seed,
+        ..Sampling::default()
+    };
+
+    // Pure decode, as the `decode batch` workload: 16-token prompts (windows of the first
+    // episode's prompt), as many new tokens per row as an episode's turns, the prefill (with
+    // the first token) subtracted. With prompts as long as the episodes' the subtracted prefill
+    // would dwarf the decode of a small model and its noise the difference.
+    let ids = tokenizer.encode(&config.prompts.first_prompt(&questions[0]).chatml())?;
+    if ids.len() < DECODE_PROMPT + 8 {
+        bail!("the episode prompt is too short ({} tokens)", ids.len());
+    }
+    let prompts: Vec<Vec<u32>> = (0..batch)
+        .map(|b| ids[b % 8..b % 8 + DECODE_PROMPT].to_vec())
+        .collect();
+    let new_tokens = settings.turns * settings.turn_tokens;
+    let decode = SamplingConfig {
+        max_new_tokens: new_tokens,
+        sampling: sampling.clone(),
+        stop_token_ids: Vec::new(),
+    };
+    let one = SamplingConfig {
+        max_new_tokens: 1,
+        ..decode.clone()
+    };
+    let pad = tokenizer.special().endoftext;
+    // Warm-up: a short forward, so that one-time costs are not timed.
+    generate(
+        model,
+        &[prompts[0][..8].to_vec()],
+        &SamplingConfig {
+            max_new_tokens: 2,
+            ..Default::default()
+        },
+        pad,
+    )?;
+    let decode_seconds = median(settings.runs, || {
+        let start = Instant::now();
+        generate(model, &prompts, &one, pad)?;
+        let prefill = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        generate(model, &prompts, &decode, pad)?;
+        Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
+    })?;
+    let decode_rate = (batch * (new_tokens - 1)) as f64 / decode_seconds;
+
+    // The rollout, through LocalAgent and run_episodes.
+    let mut agent = ForcedCalls::new(LocalAgent::new(model, tokenizer, sampling), settings.turns);
+    let mut runs = Vec::new();
+    for _ in 0..settings.runs {
+        agent.reset();
+        let start = Instant::now();
+        let trajectories = run_episodes(&mut agent, &environment, &questions, &config);
+        let seconds = start.elapsed().as_secs_f64();
+        runs.push((
+            seconds,
+            agent.agent_time().as_secs_f64(),
+            agent.counts().clone(),
+            trajectories,
+        ));
+    }
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (seconds, agent_seconds, counts, trajectories) = runs.swap_remove(runs.len() / 2);
+    let unexpected = trajectories
+        .iter()
+        .filter(|t| t.stop_reason != StopReason::Answer || t.env_calls + 1 != settings.turns)
+        .count();
+    if let Some(t) = trajectories.iter().find(|t| t.error.is_some()) {
+        eprintln!(
+            "an episode failed: {}",
+            t.error.as_deref().unwrap_or_default()
+        );
+    }
+    let expected: usize = trajectories
+        .iter()
+        .map(|t| {
+            let (prompt, shape) = turn_shape(t);
+            today_prefill_tokens(prompt, &shape)
+        })
+        .sum();
+    if expected != counts.prefill_tokens {
+        eprintln!(
+            "prefill counted in the agent ({}) differs from the episodes' turn shapes ({expected})",
+            counts.prefill_tokens
+        );
+    }
+    let env_calls: usize = trajectories.iter().map(|t| t.env_calls).sum();
+    if env_calls * settings.runs != environment.calls() {
+        eprintln!(
+            "the environment answered {} calls; the episodes count {env_calls} per run",
+            environment.calls()
+        );
+    }
+    let context: usize = trajectories.iter().map(|t| t.token_ids.len()).sum();
+    let agent_in_context: usize = trajectories
+        .iter()
+        .map(|t| t.loss_mask.iter().filter(|&&m| m == 1).count())
+        .sum();
+    let per_episode = |n: usize| n as f64 / batch as f64;
+    let rate = counts.agent_tokens as f64 / seconds;
+    Ok(RolloutStats {
+        batch,
+        turns: settings.turns,
+        turn_tokens: settings.turn_tokens,
+        reply_tokens: settings.reply_tokens,
+        latency_ms: settings.latency.as_millis() as u64,
+        seconds,
+        agent_seconds,
+        env_wait_seconds: (seconds - agent_seconds).max(0.0),
+        agent_tokens: counts.agent_tokens,
+        agent_tokens_per_second: rate,
+        agent_tokens_per_agent_second: counts.agent_tokens as f64 / agent_seconds.max(1e-9),
+        prefill_tokens_per_episode: per_episode(counts.prefill_tokens),
+        padded_prefill_tokens_per_episode: per_episode(counts.padded_prefill_tokens),
+        context_tokens_per_episode: per_episode(context),
+        non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
+        turns_stopped_early: counts.stopped_early,
+        env_calls,
+        unexpected_endings: unexpected,
+        decode_tokens_per_second: decode_rate,
+        rollout_over_decode: rate / decode_rate,
+    })
+}
+
+/// The tokenizer of the rollout: the checkpoint's own, or (random presets) the project's tiny
+/// tokenizer, whose ids are valid in every preset's vocabulary (ids a larger model samples
+/// outside it decode to nothing; the turn texts are forced anyway).
+pub fn tokenizer(dir: &std::path::Path) -> Result<Qwen3Tokenizer> {
+    if dir.join(model::tokenizer::TOKENIZER_FILE).exists() {
+        return Ok(Qwen3Tokenizer::from_dir(dir)?);
+    }
+    Ok(model::tiny_tokenizer::train_tiny_tokenizer(
+        model::tiny_tokenizer::TINY_VOCAB_SIZE,
+    )?)
+}
+
+/// Prints one batch's figures in words.
+pub fn print(stats: &RolloutStats) {
+    let s = stats;
+    println!(
+        "rollout batch {}: {} turns of {} tokens, replies of {} tokens after {} ms; LocalAgent + run_episodes (turn texts forced)",
+        s.batch, s.turns, s.turn_tokens, s.reply_tokens, s.latency_ms
+    );
+    println!(
+        "  {:.2} s wall ({:.2} s in the agent, {:.2} s waiting on the environment, {} calls); {} agent tokens ({} turns stopped early)",
+        s.seconds, s.agent_seconds, s.env_wait_seconds, s.env_calls, s.agent_tokens, s.turns_stopped_early
+    );
+    println!(
+        "  agent tokens/s {:.1} (in the agent: {:.1}); pure decode at batch {}: {:.1} tok/s; rollout / decode = {:.3}",
+        s.agent_tokens_per_second, s.agent_tokens_per_agent_second, s.batch, s.decode_tokens_per_second, s.rollout_over_decode
+    );
+    println!(
+        "  per episode: {:.0} prefill tokens ({:.0} with padding) for {:.0} context tokens, {:.0} of them not the agent's",
+        s.prefill_tokens_per_episode, s.padded_prefill_tokens_per_episode, s.context_tokens_per_episode, s.non_agent_context_tokens_per_episode
+    );
+    if s.unexpected_endings > 0 {
+        println!(
+            "  {} episodes did not end with their forced answer",
+            s.unexpected_endings
+        );
+    }
+}
+
+/// Prompt tokens per row of the pure decode measurement (as the `decode batch` workload).
+const DECODE_PROMPT: usize = 16;
+
+/// The median of `runs` calls of `time`.
+fn median(runs: usize, mut time: impl FnMut() -> Result<f64>) -> Result<f64> {
+    let mut seconds = (0..runs).map(|_| time()).collect::<Result<Vec<_>>>()?;
+    seconds.sort_by(f64::total_cmp);
+    Ok(seconds[runs / 2])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An agent that records `prompt` tokens for the first prompt, `turn` tokens per turn (or
+    /// the budget, if smaller) and one token per 4 characters of environment text.
+    struct Fixed {
+        prompt: usize,
+        turn: usize,
+    }
+
+    impl Agent for Fixed {
+        fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), AgentError> {
+            ctx.record_context_tokens(&vec![1; self.prompt]);
+            Ok(())
+        }
+
+        fn generate_turns(
+            &mut self,
+            episodes: &mut [&mut AgentContext],
+        ) -> Vec<Result<TurnText, AgentError>> {
+            episodes
+                .iter_mut()
+                .map(|ctx| {
+                    let n = self.turn.min(ctx.turn_budget());
+                    for _ in 0..n {
+                        ctx.record_agent_token(2, -1.0);
+                    }
+                    Ok(TurnText {
+                        text: "no tags at all".into(),
+                        tokens: n,
+                        end: TurnEnd::Length,
+                    })
+                })
+                .collect()
+        }
+
+        fn append_environment(
+            &mut self,
+            ctx: &mut AgentContext,
+            text: &str,
+        ) -> Result<usize, AgentError> {
+            let n = env::estimate_tokens(text);
+            ctx.record_context_tokens(&vec![3; n]);
+            Ok(n)
+        }
+    }
+
+    fn settings(turns: usize, turn_tokens: usize) -> RolloutSettings {
+        RolloutSettings {
+            turns,
+            turn_tokens,
+            latency: Duration::ZERO,
+            reply_tokens: 40,
+            env_concurrency: 4,
+            seed: 0,
+            runs: 1,
+        }
+    }
+
+    #[test]
+    fn rollout_replies_have_about_the_asked_tokens() {
+        let tokenizer =
+            model::tiny_tokenizer::train_tiny_tokenizer(model::tiny_tokenizer::TINY_VOCAB_SIZE)
+                .unwrap();
+        let count = |t: &str| tokenizer.encode(t).unwrap().len();
+        for tokens in [1, 100, 300] {
+            let env = ScriptedEnvironment::with_reply_tokens(Duration::ZERO, tokens, 3, count);
+            for turn in 0..3 {
+                let mut messages = vec![ChatMessage::system("s")];
+                for _ in 0..=turn {
+                    messages.push(ChatMessage::user("p"));
+                }
+                let reply = env.complete(&messages).unwrap();
+                let n = count(&reply);
+                assert!(
+                    n >= tokens && n <= tokens + 6,
+                    "{n} tokens for {tokens} asked"
+                );
+                assert_eq!(
+                    reply,
+                    env.complete(&messages).unwrap(),
+                    "replies are deterministic"
+                );
+            }
+        }
+        let env = ScriptedEnvironment::with_reply_tokens(Duration::ZERO, 50, 2, count);
+        let first = env.complete(&[ChatMessage::user("a")]).unwrap();
+        let second = env
+            .complete(&[ChatMessage::user("a"), ChatMessage::user("b")])
+            .unwrap();
+        assert_ne!(first, second, "each turn has its own reply");
+        assert_eq!(env.calls(), 2);
+    }
+
+    #[test]
+    fn rollout_prefill_accounting_of_a_turn_shape() {
+        // 100-token prompt, 10-token turns, 50 tokens appended after each: 100 + 160 + 220.
+        assert_eq!(
+            today_prefill_tokens(100, &[(10, 50), (10, 50), (10, 0)]),
+            480
+        );
+        assert_eq!(today_prefill_tokens(7, &[(3, 0)]), 7);
+        assert_eq!(today_prefill_tokens(7, &[]), 0);
+    }
+
+    #[test]
+    fn rollout_forced_episodes_call_every_turn_but_the_last() {
+        let (prompt, turn, turns, batch) = (30, 6, 4, 3);
+        let settings = settings(turns, turn);
+        // One reply for every turn, so that every turn appends the same number of tokens.
+        let env = ScriptedEnvironment::new(
+            Duration::ZERO,
+            vec![reply_text(40, 0, env::estimate_tokens)],
+        );
+        let mut agent = ForcedCalls::new(Fixed { prompt, turn }, turns);
+        let trajectories = run_episodes(
+            &mut agent,
+            &env,
+            &questions(batch),
+            &episode_config(&settings),
+        );
+        assert_eq!(trajectories.len(), batch);
+        for t in &trajectories {
+            assert_eq!(t.stop_reason, StopReason::Answer, "{:?}", t.error);
+            assert_eq!(t.env_calls, turns - 1);
+            assert_eq!(t.turns.len(), turns);
+        }
+        assert_eq!(env.calls(), batch * (turns - 1));
+        let counts = agent.counts();
+        assert_eq!(counts.turns, batch * turns);
+        assert_eq!(counts.agent_tokens, batch * turns * turn);
+        assert_eq!(counts.stopped_early, 0);
+        let appended = counts.appended_tokens / (batch * (turns - 1));
+        assert_eq!(counts.appended_tokens, appended * batch * (turns - 1));
+        let mut shape = vec![(turn, appended); turns];
+        shape[turns - 1].1 = 0;
+        assert_eq!(
+            counts.prefill_tokens,
+            batch * today_prefill_tokens(prompt, &shape)
+        );
+        assert_eq!(counts.padded_prefill_tokens, counts.prefill_tokens);
+        let context = prompt + turns * turn + (turns - 1) * appended;
+        for t in &trajectories {
+            assert_eq!(t.token_ids.len(), context);
+            assert_eq!(turn_shape(t), (prompt, shape.clone()));
+        }
+    }
+}
