@@ -77,6 +77,21 @@ fn trajectories_of_the_local_agent_are_consistent() {
     };
     let trajectories = run(3);
     assert!(content(&run(3)) == content(&trajectories), "same seed, same trajectories");
+
+    // Each turn prefills its episode's whole history: the tokens before the turn's first
+    // sampled token (`perf/prefill_tokens` of a training step).
+    let mut agent = LocalAgent::new(&model, &tokenizer, Sampling { temperature: 1.0, seed: 3, ..Default::default() });
+    let counted = env::run_episodes(&mut agent, &Echo, &questions, &episode);
+    let mut expected = 0u64;
+    for t in &counted {
+        let starts: Vec<usize> = (0..t.loss_mask.len())
+            .filter(|&i| t.loss_mask[i] == 1 && (i == 0 || t.loss_mask[i - 1] == 0))
+            .collect();
+        assert_eq!(starts.len(), t.turns.len(), "one run of sampled tokens per turn");
+        expected += starts.iter().map(|&i| i as u64).sum::<u64>();
+    }
+    assert!(expected > 0);
+    assert_eq!(agent.prefill_tokens(), expected);
     assert!(content(&run(4)) != content(&trajectories), "another seed samples differently");
 
     for t in &trajectories {

@@ -22,6 +22,8 @@ pub struct LocalAgent<'m, B: Backend> {
     pad_id: u32,
     stop_ids: Vec<u32>,
     turns_generated: Vec<u64>,
+    /// Tokens run through prefill so far: each turn's prompt, the row's whole history.
+    prefill_tokens: u64,
 }
 
 impl<'m, B: Backend> LocalAgent<'m, B> {
@@ -40,6 +42,7 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
             pad_id: special.endoftext,
             stop_ids: vec![special.im_end, special.endoftext],
             turns_generated: Vec::new(),
+            prefill_tokens: 0,
         }
     }
 
@@ -53,6 +56,12 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
     /// with the episode index and turn number seeds every turn's sampling.
     pub fn set_batch_stream(&mut self, stream: u64) {
         self.batch_stream = stream;
+    }
+
+    /// Tokens this agent has run through prefill: every turn prefills its episode's whole
+    /// history (the rows' own tokens, left padding not counted).
+    pub fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens
     }
 
     fn turn_seed(&self, episode: usize, turn: u64) -> u64 {
@@ -83,6 +92,7 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
             return Vec::new();
         }
         let prompts: Vec<Vec<u32>> = episodes.iter().map(|c| c.trace().ids().to_vec()).collect();
+        self.prefill_tokens += prompts.iter().map(|p| p.len() as u64).sum::<u64>();
         let seeds: Vec<u64> = episodes
             .iter()
             .map(|c| {

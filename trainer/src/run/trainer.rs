@@ -156,7 +156,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         let (policy_model, adapters) = self.inference_policy();
         let rollout_model = self.for_rollouts(policy_model.clone());
         let rollout_policy = LoraModel::new(&rollout_model, adapters.as_ref());
-        let trajectories = self.rollouts(rollout_policy, env, &examples, step, &self.config.rollout.sampling)?;
+        let (trajectories, prefill_tokens) =
+            self.rollouts(rollout_policy, env, &examples, step, &self.config.rollout.sampling)?;
         drop(rollout_model);
         let rollout_secs = rollout_start.elapsed().as_secs_f32();
 
@@ -232,6 +233,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             rollout_secs,
             learn_secs,
             rollout_tokens_per_sec: agent_tokens as f32 / rollout_secs.max(1e-6),
+            prefill_tokens,
+            context_tokens: trajectories.iter().map(|t| t.token_ids.len() as u64).sum(),
             validation_reward: None,
             validation_f1: None,
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
@@ -339,7 +342,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             temperature: 0.0,
             ..self.config.rollout.sampling.clone()
         };
-        let trajectories = self.rollouts(LoraModel::new(&model, adapters.as_ref()), env, &examples, 0, &greedy)?;
+        let (trajectories, _) = self.rollouts(LoraModel::new(&model, adapters.as_ref()), env, &examples, 0, &greedy)?;
         Ok(ValidationReport::from_scores(trajectories.iter().zip(&examples).map(|(t, ex)| {
             let score = (t.stop_reason != StopReason::EnvFailure).then(|| scorer.score(t, ex.answers()));
             (ex.data_source(), score)
@@ -355,8 +358,9 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
     }
 
-    /// Runs one episode per example, `generation_batch` at a time. Every chunk samples from its
-    /// own stream of `sampling.seed`, `stream` and the chunk number.
+    /// Runs one episode per example, `generation_batch` at a time, and counts the tokens run
+    /// through prefill. Every chunk samples from its own stream of `sampling.seed`, `stream` and
+    /// the chunk number.
     fn rollouts(
         &self,
         model: LoraModel<'_, Inner<B>>,
@@ -364,7 +368,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         examples: &[&Example],
         stream: u64,
         sampling: &Sampling,
-    ) -> Result<Vec<Trajectory>, TrainError> {
+    ) -> Result<(Vec<Trajectory>, u64), TrainError> {
         let mut agent = LocalAgent::new(model.base, &self.tokenizer, sampling.clone()).with_adapters(model.adapters);
         let episode = self.config.episode.episode_config()?;
         let mut out = Vec::with_capacity(examples.len());
@@ -373,7 +377,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             let questions: Vec<&str> = chunk.iter().map(|e| e.question()).collect();
             out.extend(env::run_episodes(&mut agent, env, &questions, &episode));
         }
-        Ok(out)
+        Ok((out, agent.prefill_tokens()))
     }
 
     /// Writes a checkpoint of the current state (see the module docs of `checkpoint`).
