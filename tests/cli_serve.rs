@@ -136,6 +136,17 @@ fn chat_completion_has_the_openai_shape_and_limits() {
     let too_long = server.chat(&json!({"messages": user("hi"), "max_tokens": 100000}));
     assert_eq!(too_long.status, 400);
     assert_eq!(too_long.json()["error"]["code"], "context_length_exceeded");
+    // The largest max_tokens a client can send is added to the prompt without wrapping around.
+    let largest = server.chat(&json!({"messages": user("hi"), "max_tokens": u64::MAX}));
+    assert_eq!(largest.status, 400);
+    let message = largest.json()["error"]["message"].as_str().unwrap().to_string();
+    let requested: u128 = message
+        .split("you requested ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{message}"));
+    assert!(requested > u128::from(u64::MAX), "{message}");
 }
 
 /// `/v1/completions` takes the raw ChatML text: the same context as the chat messages gives the
@@ -479,4 +490,38 @@ fn serve_refuses_a_model_directory_it_cannot_use() {
         "{}",
         harness::text(&output.stderr)
     );
+}
+
+/// With a key (`PROMPT_R1_API_KEY` or `--api-key`) the /v1 routes answer 401 unless the request
+/// sends it as a Bearer token; /health stays open.
+#[test]
+fn an_api_key_is_required_when_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let server = Server::start_with_env(&model, &[], &[("PROMPT_R1_API_KEY", "sk-local-1")]);
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    let send = |headers: &[(&str, &str)]| {
+        harness::request_with_headers(&server.addr, "POST", "/v1/chat/completions", Some(&chat), headers)
+    };
+    let missing = send(&[]);
+    assert_eq!(missing.status, 401, "{}", missing.body);
+    assert_eq!(missing.json()["error"]["code"], "invalid_api_key");
+    assert_eq!(send(&[("Authorization", "Bearer sk-local-2")]).status, 401);
+    assert_eq!(send(&[("Authorization", "sk-local-1")]).status, 401);
+    let allowed = send(&[("Authorization", "Bearer sk-local-1")]);
+    assert_eq!(allowed.status, 200, "{}", allowed.body);
+    assert_eq!(server.get("/v1/models").status, 401);
+    assert_eq!(server.get("/health").status, 200);
+
+    // The flag does the same.
+    let flagged = Server::start(&model, &["--api-key", "sk-flag"]);
+    assert_eq!(flagged.get("/v1/models").status, 401);
+    let models = harness::request_with_headers(
+        &flagged.addr,
+        "GET",
+        "/v1/models",
+        None,
+        &[("Authorization", "Bearer sk-flag")],
+    );
+    assert_eq!(models.status, 200);
 }

@@ -163,12 +163,24 @@ impl Reply {
 
 /// Sends one request on a fresh connection (`Connection: close`) and reads the whole reply.
 pub fn request(addr: &str, method: &str, path: &str, body: Option<&str>) -> Reply {
+    request_with_headers(addr, method, path, body, &[])
+}
+
+/// [`request`] with extra header lines, e.g. `("Authorization", "Bearer KEY")`.
+pub fn request_with_headers(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Reply {
     let mut stream = connect(addr);
     let body = body.unwrap_or("");
+    let extra: String = headers.iter().map(|(name, value)| format!("{name}: {value}\r\n")).collect();
     write!(
         stream,
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+         {extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .expect("send the request");

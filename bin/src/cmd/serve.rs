@@ -51,6 +51,11 @@ pub struct Args {
     /// Do not log one line per request on stderr.
     #[arg(long)]
     pub quiet: bool,
+    /// Require this key as `Authorization: Bearer KEY` on the /v1 routes (401 otherwise), as
+    /// vLLM's --api-key; /health stays open. Prefer the variable: a flag lands in shell history
+    /// and process lists. Without a key, serving on a non-loopback --host prints a warning.
+    #[arg(long, value_name = "KEY", env = "PROMPT_R1_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -81,6 +86,7 @@ impl OnBackend for Args {
             enable_thinking: !self.no_thinking,
             defaults: sampling_defaults(&self.model)?,
             quiet: self.quiet,
+            api_key: self.api_key.clone().filter(|key| !key.is_empty()),
         };
         let served = Served {
             model: &loaded.model,

@@ -80,6 +80,18 @@ impl ApiError {
         }
     }
 
+    /// 401 for a request without the server's API key (`--api-key`), as vLLM answers it.
+    pub fn unauthorized() -> Self {
+        Self {
+            status: 401,
+            message: "Unauthorized: send the server's API key as `Authorization: Bearer KEY`."
+                .to_string(),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
     /// 500 for a failure on the server's side.
     pub fn internal(message: impl Into<String>) -> Self {
         Self {

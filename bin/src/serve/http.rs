@@ -32,6 +32,9 @@ pub fn handle(request: Request, shared: &Shared) {
         .next()
         .unwrap_or_default()
         .to_string();
+    if path.starts_with("/v1") && !authorized(&request, shared.api_key.as_deref()) {
+        return respond_error(request, &ApiError::unauthorized());
+    }
     match (&method, path.as_str()) {
         (Method::Get, "/health") => respond_json(request, 200, &json!({"status": "ok"})),
         (Method::Get, "/v1/models") => {
@@ -56,6 +59,23 @@ pub fn handle(request: Request, shared: &Shared) {
         }
         _ => respond_error(request, &ApiError::not_found(method.as_str(), &path)),
     }
+}
+
+/// Whether `request` may use the `/v1` routes: always without a key; with one, when it sends
+/// `Authorization: Bearer KEY` (compared in constant time).
+fn authorized(request: &Request, key: Option<&str>) -> bool {
+    let Some(key) = key else { return true };
+    request
+        .headers()
+        .iter()
+        .filter(|h| h.field.equiv("Authorization"))
+        .filter_map(|h| h.value.as_str().strip_prefix("Bearer "))
+        .any(|given| same_bytes(given.trim().as_bytes(), key.as_bytes()))
+}
+
+/// Equality of two byte strings whose time does not depend on where they first differ.
+fn same_bytes(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn model_card(shared: &Shared) -> Value {
@@ -163,7 +183,7 @@ pub(super) fn job(
             format!(
                 "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the {param}, {wanted} in the completion).",
                 shared.context_len,
-                prompt.len() + wanted,
+                prompt.len() as u128 + wanted as u128,
                 prompt.len()
             ),
             Some(param),

@@ -36,6 +36,8 @@ pub struct Settings {
     /// 1, no truncation). Its seed is not used: a request without one gets a random seed.
     pub defaults: Sampling,
     pub quiet: bool,
+    /// The key clients must send as `Authorization: Bearer KEY` on the `/v1` routes.
+    pub api_key: Option<String>,
 }
 
 /// The model being served.
@@ -59,6 +61,7 @@ pub(crate) struct Shared<'m> {
     enable_thinking: bool,
     defaults: Sampling,
     quiet: bool,
+    api_key: Option<String>,
     jobs: Sender<Job>,
 }
 
@@ -88,6 +91,7 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         enable_thinking: settings.enable_thinking,
         defaults: settings.defaults.clone(),
         quiet: settings.quiet,
+        api_key: settings.api_key.clone(),
         jobs,
     };
     let engine = Engine {
@@ -97,6 +101,12 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         pad_id: served.pad_id,
         max_batch: settings.max_batch,
     };
+    if settings.api_key.is_none() && !addr.ip().is_loopback() {
+        eprintln!(
+            "warning: serving on {addr}, reachable from other machines, without an API key: \
+             anyone who can connect may use the model; set PROMPT_R1_API_KEY (or --api-key)"
+        );
+    }
     println!(
         "serving {} at http://{addr}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health)",
         settings.model_name
