@@ -158,19 +158,14 @@ impl OpenAiClient {
         let mut attempt = 1;
         let mut last: Option<EnvError> = None;
         loop {
-            let outcome = match self.wait_for_caps(deadline) {
-                Some(permit) => {
-                    self.stats.request_sent();
-                    let outcome = self.send_once(url, &body, parse, deadline);
-                    drop(permit);
-                    outcome
-                }
-                None => {
-                    let error = self.past_deadline(url, attempt - 1, last.as_ref());
-                    self.stats.call_failed(error.kind());
-                    return Err(error);
-                }
+            let Some(permit) = self.wait_for_caps(deadline) else {
+                let error = self.past_deadline(url, attempt - 1, last.as_ref());
+                self.stats.call_failed(error.kind());
+                return Err(error);
             };
+            self.stats.request_sent();
+            let outcome = self.send_once(url, &body, parse, deadline);
+            drop(permit);
             let failed = match outcome {
                 Ok(reply) => {
                     self.stats.call_succeeded();

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use env::{OpenAiClient, ENV_SYSTEM_MESSAGE};
-use trainer::run::{StepRecord, TrainConfig};
+use trainer::run::{Resume, StepRecord, TrainConfig};
 use trainer::sft::SftConfig;
 
 use self::teacher::{Demonstration, Teacher};
@@ -177,7 +177,7 @@ pub fn run(args: Args) -> Result<()> {
     stage("5/7 GRPO: the agent against the served LLM, the Prompt-R1 reward");
     let mut config = train_config;
     config.model = cold_start;
-    let records = run_on(args.device, super::train::Training { config, resume: false })?;
+    let records = run_on(args.device, super::train::Training { config, resume: Resume::Fresh })?;
     let (first, last) = first_and_last(&records);
     for r in &records {
         eprintln!(
@@ -304,7 +304,7 @@ keep_checkpoints = 1
 /// Runs an SFT configuration; returns its final checkpoint.
 fn fine_tune(config: SftConfig, device: DeviceChoice) -> Result<PathBuf> {
     let out = config.run.out_dir.clone();
-    let records = run_on(device, super::sft::FineTuning { config, resume: false })?;
+    let records = run_on(device, super::sft::FineTuning { config, resume: Resume::Fresh })?;
     if let (Some(first), Some(last)) = (records.first(), records.last()) {
         eprintln!("loss per trained token: {:.3} at step 1, {:.3} at step {}", first.loss, last.loss, last.step);
     }

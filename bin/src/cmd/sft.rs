@@ -110,30 +110,17 @@ impl Args {
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
     let resume = Resume::from_flags(args.resume, args.resume_from);
-    run_on(args.device, Resuming { config, resume }).map(drop)
+    run_on(args.device, FineTuning { config, resume }).map(drop)
 }
 
 /// A configured SFT run, ready to start on a backend.
 pub struct FineTuning {
     pub config: SftConfig,
-    pub resume: bool,
+    /// Whether and from where it continues a checkpoint.
+    pub resume: Resume,
 }
 
 impl OnBackend for FineTuning {
-    type Output = Vec<SftRecord>;
-
-    fn run<B: Backend>(self, device: B::Device) -> Result<Vec<SftRecord>> {
-        Resuming { config: self.config, resume: self.resume.into() }.run::<B>(device)
-    }
-}
-
-/// [`FineTuning`] with any [`Resume`] (`--resume-from`).
-struct Resuming {
-    config: SftConfig,
-    resume: Resume,
-}
-
-impl OnBackend for Resuming {
     type Output = Vec<SftRecord>;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Vec<SftRecord>> {

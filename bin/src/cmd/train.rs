@@ -145,30 +145,17 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     let resume = Resume::from_flags(args.resume, args.resume_from);
-    run_on(args.device, Resuming { config, resume }).map(drop)
+    run_on(args.device, Training { config, resume }).map(drop)
 }
 
 /// A configured run, ready to start on a backend.
 pub struct Training {
     pub config: TrainConfig,
-    pub resume: bool,
+    /// Whether and from where it continues a checkpoint.
+    pub resume: Resume,
 }
 
 impl OnBackend for Training {
-    type Output = Vec<StepRecord>;
-
-    fn run<B: Backend>(self, device: B::Device) -> Result<Vec<StepRecord>> {
-        Resuming { config: self.config, resume: self.resume.into() }.run::<B>(device)
-    }
-}
-
-/// [`Training`] with any [`Resume`] (`--resume-from`).
-struct Resuming {
-    config: TrainConfig,
-    resume: Resume,
-}
-
-impl OnBackend for Resuming {
     type Output = Vec<StepRecord>;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Vec<StepRecord>> {

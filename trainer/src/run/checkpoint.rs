@@ -87,11 +87,19 @@ pub fn list_checkpoints(run_dir: &Path) -> Result<Vec<u64>, TrainError> {
     if !dir.is_dir() {
         return Ok(Vec::new());
     }
-    let mut steps: Vec<u64> = std::fs::read_dir(&dir)
-        .map_err(TrainError::io(&dir))?
+    let mut steps = step_folders(&dir)?;
+    steps.retain(|&step| is_complete(&dir.join(checkpoint_name(step))));
+    Ok(steps)
+}
+
+/// The steps of the folders in `checkpoints_dir` named as [`checkpoint_name`] writes them,
+/// complete or not, in order.
+fn step_folders(checkpoints_dir: &Path) -> Result<Vec<u64>, TrainError> {
+    let mut steps: Vec<u64> = std::fs::read_dir(checkpoints_dir)
+        .map_err(TrainError::io(checkpoints_dir))?
         .filter_map(Result::ok)
+        .filter(|e| e.path().is_dir())
         .filter_map(|e| checkpoint_step(&e.file_name().to_string_lossy()))
-        .filter(|&step| is_complete(&dir.join(checkpoint_name(step))))
         .collect();
     steps.sort_unstable();
     Ok(steps)
@@ -146,14 +154,8 @@ pub(crate) fn publish(run_dir: &Path, tmp: &Path, name: &str, keep: usize) -> Re
     if keep > 0 {
         // The newest `keep` by step, always with the one just published (a run resumed from an
         // earlier checkpoint publishes below the later ones it left behind).
-        let mut steps: Vec<u64> = std::fs::read_dir(&dir)
-            .map_err(TrainError::io(&dir))?
-            .filter_map(Result::ok)
-            .filter(|e| e.path().is_dir())
-            .filter_map(|e| checkpoint_step(&e.file_name().to_string_lossy()))
-            .filter(|&step| checkpoint_name(step) != name)
-            .collect();
-        steps.sort_unstable();
+        let mut steps = step_folders(&dir)?;
+        steps.retain(|&step| checkpoint_name(step) != name);
         let excess = (steps.len() + 1).saturating_sub(keep);
         for old in &steps[..excess.min(steps.len())] {
             let old = dir.join(checkpoint_name(*old));

@@ -222,17 +222,16 @@ impl PaperSpec {
                     }
                 }
                 for metric in self.average_metrics(split) {
-                    let ours: Vec<f64> = self
+                    let averaged: Vec<&Dataset> = self
                         .datasets
                         .iter()
                         .filter(|d| d.split == split && d.metrics.contains(&metric))
+                        .collect();
+                    let ours: Vec<f64> = averaged
+                        .iter()
                         .filter_map(|d| dataset_value(d, metric, report))
                         .collect();
-                    let of = self
-                        .datasets
-                        .iter()
-                        .filter(|d| d.split == split && d.metrics.contains(&metric))
-                        .count();
+                    let of = averaged.len();
                     let mean = (!ours.is_empty()).then(|| ours.iter().sum::<f64>() / ours.len() as f64);
                     let published = self
                         .rows
