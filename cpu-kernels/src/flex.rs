@@ -22,6 +22,16 @@ pub fn is_flex_backend<B: Backend>() -> bool {
     primitive == TypeId::of::<FloatTensor<Flex>>() || primitive == TypeId::of::<FloatTensor<Autodiff<Flex>>>()
 }
 
+/// The burn-flex tensor behind `t` whether or not the portable ops are on (for writes that
+/// compute nothing), or `t` back when `B` is not burn-flex.
+pub(crate) fn flex_of<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<FlexTensor, Tensor<B, D>> {
+    if std::any::TypeId::of::<FloatTensor<B>>() != std::any::TypeId::of::<FloatTensor<Flex>>() {
+        return Err(t);
+    }
+    let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
+    Ok(*primitive.downcast::<FlexTensor>().expect("B is burn-flex"))
+}
+
 /// The burn-flex tensor behind `t`, when `B` is burn-flex.
 pub(crate) fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
     if portable_ops() {

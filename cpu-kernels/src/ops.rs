@@ -348,6 +348,48 @@ pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> 
     tracked::embedding(table, token_ids, [b, s])
 }
 
+/// `buffer` (`[b, h, capacity, d]`) with `value` (`[b, h, n, d]`) written at positions
+/// `start..start + n` of its third axis, in place, when `B` is plain burn-flex, `buffer` is
+/// contiguous and holds its memory alone, and both have one dtype (f32, bf16 or f16); otherwise
+/// `Err(buffer)` and the caller uses `slice_assign`. burn-flex 0.21's `slice_assign` copies the
+/// whole destination before writing (it keeps a second handle on it), so a KV cache appended
+/// with it copies every cached position at every decode step. The write computes nothing, so
+/// it applies with the portable ops on too.
+pub fn write_positions<B: Backend>(buffer: Tensor<B, 4>, start: usize, value: &Tensor<B, 4>) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
+    let [b, h, capacity, d] = buffer.dims();
+    let [vb, vh, n, vd] = value.dims();
+    let fits = [vb, vh, vd] == [b, h, d] && start + n <= capacity && value.dtype() == buffer.dtype();
+    if !fits || !matches!(buffer.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        return Err(buffer);
+    }
+    let mut flex = crate::flex::flex_of(buffer)?;
+    let value = crate::flex::flex_of(value.clone()).map_err(|_| ()).map(|v| flex_contiguous(&v));
+    let whole = flex.is_contiguous() && flex.layout().start_offset() == 0 && flex.bytes().len() == b * h * capacity * d * flex.dtype().size();
+    fn write<T: bytemuck::Pod + burn::tensor::Element>(dst: &mut FlexTensor, src: &FlexTensor, [b, h, capacity, d]: [usize; 4], start: usize, n: usize) -> bool {
+        let src = src.storage::<T>();
+        let Some(dst) = dst.try_storage_mut::<T>() else { return false };
+        for (row, values) in src.chunks_exact(n * d).enumerate().take(b * h) {
+            let at = (row * capacity + start) * d;
+            dst[at..at + n * d].copy_from_slice(values);
+        }
+        true
+    }
+    let written = match (&value, whole) {
+        (Ok(v), true) => match flex.dtype() {
+            DType::F32 => write::<f32>(&mut flex, v, [b, h, capacity, d], start, n),
+            DType::BF16 => write::<bf16>(&mut flex, v, [b, h, capacity, d], start, n),
+            _ => write::<burn::tensor::f16>(&mut flex, v, [b, h, capacity, d], start, n),
+        },
+        _ => false,
+    };
+    let tensor = from_flex::<B>(flex).map(|p| Tensor::from_primitive(TensorPrimitive::Float(p))).expect("B is burn-flex");
+    if written {
+        Ok(tensor)
+    } else {
+        Err(tensor)
+    }
+}
+
 /// `t` laid out contiguously when `B` is burn-flex (see `flex_contiguous`); unchanged
 /// otherwise (other backends make their own copies where their ops need them).
 pub fn contiguous<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
@@ -363,6 +405,25 @@ mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::Distribution;
+
+    /// Writing positions into a buffer gives what `slice_assign` gives, in place when the buffer
+    /// is held once, and leaves the buffer to the caller when it is shared (a clone keeps its
+    /// old values).
+    #[test]
+    fn write_positions_equals_slice_assign() {
+        let device = Default::default();
+        for dtype in [DType::F32, DType::BF16] {
+            let buffer = Tensor::<Flex, 4>::random([2, 3, 10, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let value = Tensor::<Flex, 4>::random([2, 3, 2, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let want = buffer.clone().slice_assign([0..2, 0..3, 5..7, 0..4], value.clone()).into_data();
+            let unique = buffer.clone().mul_scalar(1.0);
+            let written = write_positions(unique, 5, &value).expect("a buffer held once is written in place");
+            assert_eq!(written.into_data(), want, "{dtype:?}");
+            let shared = buffer.clone();
+            let back = write_positions(buffer, 5, &value).expect_err("a shared buffer is not written");
+            assert_eq!(back.into_data(), shared.into_data(), "{dtype:?}: the shared buffer is unchanged");
+        }
+    }
 
     /// Row-wise parallel copies give burn's element order for views of both float dtypes:
     /// swapped axes, a slice with an offset, and a view that is already contiguous.

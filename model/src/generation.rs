@@ -1,14 +1,15 @@
-//! Batched generation with a KV cache: left-padded prompts, greedy or sampled decoding
-//! (temperature, top-k, top-p), seeded per-row RNGs, stop tokens and a token budget.
+//! Batched generation on the [`Decoder`]: greedy or sampled decoding (temperature, top-k,
+//! top-p), seeded per-row RNGs, stop tokens and a token budget; each row leaves the batch as
+//! it ends.
 //! Off the CPU kernels' backend (a GPU, or the portable ops) greedy and plain-temperature
 //! tokens are chosen on the device from the same per-row draws (`device_sampling`), so a step
 //! reads back a token and a log-prob per row rather than a row of logits.
 
-use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rayon::prelude::*;
 
-use crate::batch::{row_index, Padding, TokenBatch};
+use crate::decode::{Decoder, DecoderLimits, SequenceId};
 use crate::device_sampling;
 use crate::error::ModelError;
 use crate::lora::CausalLm;
@@ -57,17 +58,16 @@ pub struct GeneratedSequence {
     pub finish_reason: FinishReason,
 }
 
-/// Generates continuations of every prompt in one left-padded batch. Row `i` samples from a
+/// Generates continuations of every prompt, batched together. Row `i` samples from a
 /// generator seeded by `config.sampling.seed` and `i`. `model` is a Qwen3 model, or a base with
 /// LoRA adapters ([`crate::LoraModel`]).
 pub fn generate<B: Backend>(
     model: &impl CausalLm<B>,
     prompts: &[Vec<u32>],
     config: &SamplingConfig,
-    pad_id: u32,
 ) -> Result<Vec<GeneratedSequence>, ModelError> {
     let seeds: Vec<u64> = (0..prompts.len()).map(|i| row_seed(config.sampling.seed, i as u64)).collect();
-    generate_seeded(model, prompts, config, pad_id, &seeds)
+    generate_seeded(model, prompts, config, &seeds)
 }
 
 /// [`generate`] with an explicit seed per row (`config.sampling.seed` is ignored), so that a sequence's
@@ -76,7 +76,6 @@ pub fn generate_seeded<B: Backend>(
     model: &impl CausalLm<B>,
     prompts: &[Vec<u32>],
     config: &SamplingConfig,
-    pad_id: u32,
     seeds: &[u64],
 ) -> Result<Vec<GeneratedSequence>, ModelError> {
     config.sampling.validate().map_err(|e| ModelError::Input(e.to_string()))?;
@@ -87,14 +86,14 @@ pub fn generate_seeded<B: Backend>(
             prompts.len()
         )));
     }
-    let (base, adapters) = (model.base(), model.adapters());
-    for p in prompts {
-        base.check_token_ids(p)?;
+    if prompts.is_empty() {
+        return Err(ModelError::Input("an empty batch".into()));
     }
-    let device = base.device();
-    let batch = TokenBatch::<B>::new(prompts, Padding::Left, pad_id, &device)?;
-    let n = prompts.len();
-    let mut outputs: Vec<GeneratedSequence> = (0..n)
+    let mut decoder = Decoder::new(DecoderLimits::default());
+    for (i, prompt) in prompts.iter().enumerate() {
+        decoder.add(model, i as SequenceId, prompt.clone())?;
+    }
+    let mut outputs: Vec<GeneratedSequence> = (0..prompts.len())
         .map(|_| GeneratedSequence {
             tokens: Vec::new(),
             logprobs: Vec::new(),
@@ -105,107 +104,71 @@ pub fn generate_seeded<B: Backend>(
         return Ok(outputs);
     }
     let mut rngs: Vec<StdRng> = seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect();
-    let mut cache = base.new_cache();
-    // On the CPU kernels' backend the logits are already in host memory; elsewhere only the
-    // chosen tokens come back (top-k and top-p still sort the row on the host).
-    let on_device = !cpu_kernels::active::<B>() && device_sampling::supported(&config.sampling);
-
-    // `active[j]` is the original row of batch row j; the key mask stays on the device and is
-    // dropped once no active row has padding.
-    let mut active: Vec<usize> = (0..n).collect();
-    let mut padding: Vec<usize> = batch.lengths.iter().map(|&l| batch.len - l).collect();
-    let mut mask = batch.mask().cloned();
-    let mut next_position: Vec<i64> = batch.lengths.iter().map(|&l| l as i64).collect();
-
-    let hidden = base
-        .model
-        .forward_with_adapters(
-            batch.input_ids.clone(),
-            batch.position_ids.clone(),
-            mask.as_ref(),
-            Some(&mut cache),
-            false,
-            adapters,
-        )
-        .last_hidden_state;
-    // Only the last position's logits are needed: the others would cost a vocab-sized matmul each.
-    let mut last = base.logits(hidden.narrow(1, batch.len - 1, 1));
-    let vocab = base.config.vocab_size;
-
-    for step in 0..config.max_new_tokens {
-        let rows = active.len();
-        // `active` is ascending, so the generators of the active rows come out in its order.
-        let mut active_rngs: Vec<&mut StdRng> = rngs
+    while let Some(step) = decoder.step(model)? {
+        // The rows come back in ascending order (all join at once, in order), so the generators
+        // of the running rows come out in theirs.
+        let mut rows: Vec<RowSampling<'_>> = rngs
             .iter_mut()
             .enumerate()
-            .filter_map(|(row, rng)| active.binary_search(&row).is_ok().then_some(rng))
+            .filter(|(i, _)| step.ids.binary_search(&(*i as SequenceId)).is_ok())
+            .map(|(_, rng)| RowSampling { sampling: &config.sampling, rng })
             .collect();
-        let choices = if on_device {
-            let temperature = config.sampling.temperature;
-            let uniforms: Vec<f64> = if temperature == 0.0 {
-                Vec::new()
-            } else {
-                active_rngs.iter_mut().map(|rng| rng.random::<f64>()).collect()
-            };
-            device_sampling::choose_tokens(last.reshape([rows, vocab]), &vec![temperature; rows], &uniforms)?
-        } else {
-            let values: Vec<f32> = last
-                .into_data()
-                .convert::<f32>()
-                .to_vec()
-                .map_err(|e| ModelError::Input(format!("reading logits: {e:?}")))?;
-            values
-                .par_chunks(vocab)
-                .zip(active_rngs.par_iter_mut())
-                .map(|(row_logits, rng)| choose_token(row_logits, &config.sampling, &mut **rng))
-                .collect()
-        };
-        let mut next_tokens = Vec::with_capacity(rows);
-        let mut still_active = Vec::with_capacity(rows);
-        for ((j, &row), &(token, logprob)) in active.iter().enumerate().zip(&choices) {
-            let out = &mut outputs[row];
+        let choices = choose_row_tokens(step.logits, &mut rows)?;
+        for (&id, (token, logprob)) in step.ids.iter().zip(choices) {
+            let out = &mut outputs[id as usize];
             out.tokens.push(token);
             out.logprobs.push(logprob);
             if config.stop_token_ids.contains(&token) {
                 out.finish_reason = FinishReason::Stop;
+                decoder.finish(id);
+            } else if out.tokens.len() == config.max_new_tokens {
+                decoder.finish(id);
             } else {
-                still_active.push(j);
-                next_tokens.push(token);
+                decoder.accept(id, token)?;
             }
         }
-        if still_active.is_empty() || step + 1 == config.max_new_tokens {
-            break;
-        }
-        if still_active.len() < rows {
-            cache.select_rows(&still_active);
-            padding = still_active.iter().map(|&j| padding[j]).collect();
-            next_position = still_active.iter().map(|&j| next_position[j]).collect();
-            active = still_active.iter().map(|&j| active[j]).collect();
-            mask = if padding.iter().all(|&p| p == 0) {
-                None
-            } else {
-                mask.map(|m| {
-                    let idx = row_index(&still_active, &device);
-                    m.select(0, idx)
-                })
-            };
-        }
-        let rows = active.len();
-        mask = mask.map(|m| {
-            let ones = Tensor::<B, 2, Int>::ones([rows, 1], &device);
-            Tensor::cat(vec![m, ones], 1)
-        });
-        let ids = Tensor::<B, 2, Int>::from_data(
-            TensorData::new(next_tokens.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(), [rows, 1]),
-            &device,
-        );
-        let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(next_position.clone(), [rows, 1]), &device);
-        for p in &mut next_position {
-            *p += 1;
-        }
-        last = base.forward_with_adapters(ids, positions, mask.as_ref(), Some(&mut cache), adapters);
     }
     Ok(outputs)
+}
+
+/// One row's sampling settings and its generator.
+pub struct RowSampling<'a> {
+    pub sampling: &'a Sampling,
+    pub rng: &'a mut StdRng,
+}
+
+/// The next token of every row of `logits` (`[rows, vocab]`, one [`RowSampling`] per row), with
+/// its log-probability (see [`GeneratedSequence::logprobs`]). Off the CPU kernels' backend (a
+/// GPU, or the portable ops), when no row needs top-k or top-p, the tokens are chosen on the
+/// device from one draw per sampled row ([`device_sampling`]), so only a token and a log-prob per
+/// row come back; otherwise each row is chosen on the host ([`choose_token`]). Both draw the
+/// same numbers from each row's generator.
+pub fn choose_row_tokens<B: Backend>(logits: Tensor<B, 2>, rows: &mut [RowSampling<'_>]) -> Result<Vec<(u32, f32)>, ModelError> {
+    let [n, vocab] = logits.dims();
+    if n != rows.len() {
+        return Err(ModelError::Input(format!("{} samplers for {n} rows of logits", rows.len())));
+    }
+    if !cpu_kernels::active::<B>() && rows.iter().all(|r| device_sampling::supported(r.sampling)) {
+        let temperatures: Vec<f32> = rows.iter().map(|r| r.sampling.temperature).collect();
+        let uniforms: Vec<f64> = if temperatures.iter().all(|&t| t == 0.0) {
+            Vec::new()
+        } else {
+            rows.iter_mut()
+                .map(|r| if r.sampling.temperature > 0.0 { r.rng.random::<f64>() } else { 0.0 })
+                .collect()
+        };
+        return device_sampling::choose_tokens(logits, &temperatures, &uniforms);
+    }
+    let values: Vec<f32> = logits
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .map_err(|e| ModelError::Input(format!("reading logits: {e:?}")))?;
+    Ok(values
+        .par_chunks(vocab)
+        .zip(rows.par_iter_mut())
+        .map(|(row_logits, row)| choose_token(row_logits, row.sampling, &mut *row.rng))
+        .collect())
 }
 
 /// Mixes a base seed with a stream number (splitmix64), giving independent, reproducible seeds

@@ -1,14 +1,15 @@
 //! The named points where the model lets backend-specific kernels stand in for its own
 //! computation, as transformers' kernel hub does for its modules: the embedding lookup,
 //! RMSNorm, the projections, RoPE, attention, SwiGLU and the chosen-token log-probability (plus
-//! two helpers: f32 → bf16 rounding to nearest even, and contiguous copies for the KV cache).
+//! three helpers: f32 → bf16 rounding to nearest even, contiguous copies for the KV cache, and
+//! writes into it in place).
 //! Each returns `None` where no kernel applies (any backend but burn-flex, the kernels switched
 //! off, a dtype they do not handle), and the caller computes the reference with burn's ops. The
 //! kernels live in the `prompt-r1-cpu-kernels` crate; see its README for what each gains.
 
 pub(crate) use cpu_kernels::ops::{
     cast, chosen_logprobs, contiguous, embedding, entropy, grouped_attention, linear, linear_bf16, rms_norm, rotary,
-    silu_mul,
+    silu_mul, write_positions,
 };
 pub(crate) use cpu_kernels::{transpose_into, WeightLayout};
 

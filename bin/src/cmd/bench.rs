@@ -309,12 +309,12 @@ impl Args {
         let decode_source = tokens(16 + 7);
 
         // Warm-up: one short forward so kernel compilation / allocation is not timed.
-        generate(&model, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() }, 0)?;
+        generate(&model, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() })?;
 
         reset_peak_rss();
         let seconds = median_seconds(TIMED_RUNS, || {
             let start = Instant::now();
-            generate(&model, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() }, 0)?;
+            generate(&model, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() })?;
             Ok(start.elapsed().as_secs_f64())
         })?;
         let workload = format!("prefill {} tokens", self.prompt_len);
@@ -332,10 +332,10 @@ impl Args {
             reset_peak_rss();
             let seconds = median_seconds(TIMED_RUNS, || {
                 let start = Instant::now();
-                generate(&model, &prompts, &one, 0)?;
+                generate(&model, &prompts, &one)?;
                 let prefill = start.elapsed().as_secs_f64();
                 let start = Instant::now();
-                generate(&model, &prompts, &config, 0)?;
+                generate(&model, &prompts, &config)?;
                 Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
             })?;
             let tokens = (batch * (self.decode_tokens - 1)) as f64;

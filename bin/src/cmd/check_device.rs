@@ -122,10 +122,10 @@ impl<'a> OnBackend for &'a Probe {
             logits.push(padded_logits(&model, &self.prompts, padding, &device)?);
         }
         let config = SamplingConfig { max_new_tokens: 16, sampling: Sampling::greedy(), ..Default::default() };
-        let greedy: Vec<Vec<u32>> = generate(&model, &self.prompts, &config, 0)?.into_iter().map(|s| s.tokens).collect();
+        let greedy: Vec<Vec<u32>> = generate(&model, &self.prompts, &config)?.into_iter().map(|s| s.tokens).collect();
         let sampling = Sampling { temperature: 1.0, seed: SAMPLING_SEED, ..Sampling::default() };
         let config = SamplingConfig { sampling, ..config };
-        let sampled: Vec<Vec<u32>> = generate(&model, &self.prompts, &config, 0)?.into_iter().map(|s| s.tokens).collect();
+        let sampled: Vec<Vec<u32>> = generate(&model, &self.prompts, &config)?.into_iter().map(|s| s.tokens).collect();
         let greedy_logits = step_logits(&model, &self.prompts, &greedy, &device)?;
         let sampled_logits = step_logits(&model, &self.prompts, &sampled, &device)?;
         let pairs: Vec<(Vec<u32>, Vec<u32>)> =
@@ -437,7 +437,7 @@ mod tests {
         let prompts = vec![vec![5, 17, 300, 41], vec![9, 8]];
         let sampling = Sampling { temperature: 1.0, seed: SAMPLING_SEED, ..Sampling::default() };
         let config = SamplingConfig { max_new_tokens: 6, sampling, ..Default::default() };
-        let sampled: Vec<Vec<u32>> = generate(&model, &prompts, &config, 0).unwrap().into_iter().map(|s| s.tokens).collect();
+        let sampled: Vec<Vec<u32>> = generate(&model, &prompts, &config).unwrap().into_iter().map(|s| s.tokens).collect();
         let logits = step_logits(&model, &prompts, &sampled, &device).unwrap();
         let draws = sampling_draws(2, 6);
         for (row, tokens) in sampled.iter().enumerate() {

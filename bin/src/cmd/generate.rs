@@ -94,7 +94,7 @@ impl OnBackend for Args {
             max_new_tokens: self.max_new_tokens,
             stop_token_ids,
         };
-        let out = generate(&loaded.policy(), &[prompt_ids], &config, loaded.pad_id())?;
+        let out = generate(&loaded.policy(), &[prompt_ids], &config)?;
         let tokens = &out[0].tokens;
         let text = match &loaded.tokenizer {
             Some(t) => Some(t.decode(tokens, false)?),

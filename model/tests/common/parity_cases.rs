@@ -7,8 +7,8 @@
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 use common::*;
 use prompt_r1_model::{
-    completion_logprobs, generate, load_pretrained, LoadOptions, Padding, Qwen3ForCausalLM,
-    Sampling, SamplingConfig, TokenBatch,
+    completion_logprobs, generate, load_pretrained, Decoder, DecoderLimits, DecoderStats, LoadOptions, Padding,
+    Qwen3ForCausalLM, Sampling, SamplingConfig, TokenBatch,
 };
 
 /// The fixture, with the fused CPU kernels switched as the including test file says; `None`
@@ -144,7 +144,7 @@ fn greedy_generation_matches_transformers() {
             sampling: Sampling::greedy(),
             ..Default::default()
         };
-        let out = generate(&model, &[ids(&greedy["prompt"])], &config, 0).unwrap();
+        let out = generate(&model, &[ids(&greedy["prompt"])], &config).unwrap();
         assert_eq!(out[0].tokens, ids(&greedy["tokens"]), "{name}: greedy tokens");
         // The log-prob of each chosen token equals log_softmax of the reference step logits.
         let vocab = model.config.vocab_size;
@@ -162,7 +162,7 @@ fn greedy_generation_matches_transformers() {
             max_new_tokens: 16,
             ..config
         };
-        let out = generate(&model, &prompts, &config, 0).unwrap();
+        let out = generate(&model, &prompts, &config).unwrap();
         for (i, expected) in batched["new_tokens"].as_array().unwrap().iter().enumerate() {
             assert_eq!(out[i].tokens, ids(expected), "{name}: batched row {i}");
         }
@@ -188,11 +188,11 @@ fn sampled_generation_is_the_same_wherever_tokens_are_chosen() {
     for temperature in [1.0, 0.7] {
         let sampling = Sampling { temperature, seed: 11, ..Sampling::default() };
         let config = SamplingConfig { max_new_tokens: 12, sampling, ..Default::default() };
-        let first = generate(&model, &prompts, &config, 0).unwrap();
+        let first = generate(&model, &prompts, &config).unwrap();
         let config = SamplingConfig { stop_token_ids: vec![first[0].tokens[3]], ..config };
-        let device = generate(&model, &prompts, &config, 0).unwrap();
+        let device = generate(&model, &prompts, &config).unwrap();
         let host_sampling = Sampling { top_k: Some(vocab), ..config.sampling.clone() };
-        let host = generate(&model, &prompts, &SamplingConfig { sampling: host_sampling, ..config.clone() }, 0).unwrap();
+        let host = generate(&model, &prompts, &SamplingConfig { sampling: host_sampling, ..config.clone() }).unwrap();
         assert!(device[0].tokens.len() <= 4, "row 0 stops early");
         for (row, (d, h)) in device.iter().zip(&host).enumerate() {
             assert_eq!(d.tokens, h.tokens, "T {temperature}, row {row}: tokens");
@@ -276,4 +276,126 @@ fn bf16_compute_stays_close_to_the_reference() {
     }
     println!("bf16 compute: max |logit diff| {worst:.3}");
     assert!(worst < 0.5, "{worst}");
+}
+
+/// One decoder step, each returned row's logits checked against a forward over its sequence's
+/// whole history from scratch (the largest difference kept in `worst`); returns each row's
+/// argmax.
+fn checked_step(model: &Qwen3ForCausalLM<B>, decoder: &mut Decoder<B>, worst: &mut f32) -> Vec<(u64, u32)> {
+    let vocab = model.config.vocab_size;
+    let Some(out) = decoder.step(model).unwrap() else { return Vec::new() };
+    let logits: Vec<f32> = out.logits.into_data().convert::<f32>().to_vec().unwrap();
+    out.ids
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| {
+            let row = &logits[i * vocab..(i + 1) * vocab];
+            let full = logits_of(model, decoder.tokens(id).unwrap());
+            *worst = worst.max(max_abs_diff(row, &full[full.len() - vocab..]));
+            (id, (0..vocab).max_by(|&a, &b| row[a].total_cmp(&row[b])).unwrap() as u32)
+        })
+        .collect()
+}
+
+/// Drives a [`Decoder`] through joins, leaves, a parked sequence extended and rejoining, and
+/// chunked prefills, checking at every step that each returned row's logits equal a forward
+/// over that sequence's whole history from scratch (no cache, no padding). Tokens are the
+/// decoder's own argmax, so each sequence goes on from what it computed.
+fn decode_against_recomputation(model: &Qwen3ForCausalLM<B>, limits: DecoderLimits, name: &str) -> DecoderStats {
+    let vocab = model.config.vocab_size;
+    let mut decoder = Decoder::<B>::new(limits);
+    let mut worst = 0.0f32;
+    let step = |decoder: &mut Decoder<B>, worst: &mut f32| checked_step(model, decoder, worst);
+    let prompt = |seed: u32, len: u32| -> Vec<u32> { (0..len).map(|i| (seed * 31 + i * 7) % vocab as u32).collect() };
+    decoder.add(model, 0, prompt(1, 5)).unwrap();
+    decoder.add(model, 1, prompt(2, 11)).unwrap();
+    // Tokens each sequence has generated, and the step sequence 0 was parked at.
+    let mut generated = [0usize; 3];
+    let (mut steps, mut parked_at) = (0, None);
+    while !decoder.is_idle() || parked_at.is_some() {
+        let chosen = step(&mut decoder, &mut worst);
+        steps += 1;
+        for (id, token) in chosen {
+            decoder.accept(id, token).unwrap();
+            generated[id as usize] += 1;
+            match (id, generated[id as usize]) {
+                // Sequence 0 leaves for an "environment call" and comes back with 6 more tokens.
+                (0, 3) => {
+                    decoder.park(0).unwrap();
+                    parked_at = Some(steps);
+                }
+                (1, 30) | (2, 12) | (0, 20) => drop(decoder.finish(id)),
+                _ => {}
+            }
+        }
+        if steps == 4 {
+            // Sequence 2 joins beside the others.
+            decoder.add(model, 2, prompt(3, 3)).unwrap();
+        }
+        if parked_at.is_some_and(|at| steps >= at + 2) {
+            decoder.extend(model, 0, &prompt(4, 6)).unwrap();
+            parked_at = None;
+        }
+        assert!(steps < 200, "{name}: the decoder did not finish");
+    }
+    assert!(worst < ATOL, "{name}: kept-cache logits differ from recomputation by {worst}");
+    decoder.stats()
+}
+
+#[test]
+fn kept_cache_decoding_equals_recomputation() {
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    let whole = decode_against_recomputation(&model, DecoderLimits::default(), "whole prefills");
+    // Each token enters the cache once: 5 + 11 + 3 prompt tokens, sequence 0's 6-token reply
+    // and the token it had accepted before parking; every other token through a decode step.
+    assert_eq!(whole.prefill_tokens, 5 + 11 + 3 + 6 + 1);
+    assert_eq!(whole.preemptions, 0);
+    let chunked = decode_against_recomputation(&model, DecoderLimits { max_batched_tokens: 4, ..DecoderLimits::default() }, "chunked prefills");
+    assert_eq!(chunked.prefill_tokens, whole.prefill_tokens);
+    assert_eq!(chunked.decode_tokens, whole.decode_tokens);
+}
+
+/// Within a KV budget too small for every sequence at once, sequences wait and running ones are
+/// preempted (prefilled again later); what each computes is unchanged and the positions held
+/// never pass the budget.
+#[test]
+fn a_kv_budget_is_respected_by_waiting_and_preempting() {
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    // The script above, with room for about two short rows: sequences wait, a parked cache is
+    // dropped and prefilled again.
+    let budget = 130;
+    let stats = decode_against_recomputation(&model, DecoderLimits { kv_budget: Some(budget), ..DecoderLimits::default() }, "budget");
+    assert!(stats.peak_kv_positions <= budget, "peak {} over the budget {budget}", stats.peak_kv_positions);
+    assert_eq!(stats.evictions, 1, "{stats:?}");
+
+    // Two rows that fit side by side while short, but not once both outgrow their first
+    // buffers: the newer is preempted, waits for the older to end, and is prefilled again.
+    let small = prompt_r1_model::qwen3::grown_capacity(20);
+    let budget = 2 * small + 16;
+    let mut decoder = Decoder::<B>::new(DecoderLimits { kv_budget: Some(budget), ..DecoderLimits::default() });
+    decoder.add(&model, 0, (1..21).collect()).unwrap();
+    decoder.add(&model, 1, (40..60).collect()).unwrap();
+    let (mut worst, mut generated) = (0.0f32, [0usize; 2]);
+    while !decoder.is_idle() {
+        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+            generated[id as usize] += 1;
+            if generated[id as usize] == small {
+                decoder.finish(id);
+            } else {
+                decoder.accept(id, token).unwrap();
+            }
+        }
+        assert!(decoder.stats().peak_kv_positions <= budget, "{:?} over {budget}", decoder.stats());
+    }
+    let stats = decoder.stats();
+    assert!(worst < ATOL, "preempted: logits differ from recomputation by {worst}");
+    assert_eq!(stats.preemptions, 1, "{stats:?}");
+    assert!(stats.prefill_tokens > 40, "the preempted row is prefilled again: {stats:?}");
+    let too_small = DecoderLimits { kv_budget: Some(8), ..DecoderLimits::default() };
+    let mut decoder = Decoder::<B>::new(too_small);
+    decoder.add(&model, 7, vec![1; 20]).unwrap();
+    let err = decoder.step(&model).unwrap_err().to_string();
+    assert!(err.contains("KV budget of 8 positions") && err.contains("sequence 7"), "{err}");
 }

@@ -19,7 +19,6 @@ pub struct LocalAgent<'m, B: Backend> {
     /// Distinguishes batches of episodes run with the same agent (e.g. training steps), so that
     /// episode `i` of two batches does not repeat its samples.
     batch_stream: u64,
-    pad_id: u32,
     stop_ids: Vec<u32>,
     turns_generated: Vec<u64>,
     /// Tokens run through prefill so far: each turn's prompt, the row's whole history.
@@ -39,7 +38,6 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
             tokenizer,
             sampling,
             batch_stream: 0,
-            pad_id: special.endoftext,
             stop_ids: vec![special.im_end, special.endoftext],
             turns_generated: Vec::new(),
             prefill_tokens: 0,
@@ -109,7 +107,7 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
             max_new_tokens: budget,
             stop_token_ids: self.stop_ids.clone(),
         };
-        let generated = match generate_seeded(&self.model, &prompts, &config, self.pad_id, &seeds) {
+        let generated = match generate_seeded(&self.model, &prompts, &config, &seeds) {
             Ok(g) => g,
             Err(e) => {
                 let message = e.to_string();

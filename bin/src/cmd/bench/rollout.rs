@@ -382,7 +382,6 @@ pub fn measure<B: Backend>(
         max_new_tokens: 1,
         ..decode.clone()
     };
-    let pad = tokenizer.special().endoftext;
     // Warm-up: a short forward, so that one-time costs are not timed.
     generate(
         model,
@@ -391,14 +390,13 @@ pub fn measure<B: Backend>(
             max_new_tokens: 2,
             ..Default::default()
         },
-        pad,
     )?;
     let decode_seconds = median(settings.runs, || {
         let start = Instant::now();
-        generate(model, &prompts, &one, pad)?;
+        generate(model, &prompts, &one)?;
         let prefill = start.elapsed().as_secs_f64();
         let start = Instant::now();
-        generate(model, &prompts, &decode, pad)?;
+        generate(model, &prompts, &decode)?;
         Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
     })?;
     let decode_rate = (batch * (new_tokens - 1)) as f64 / decode_seconds;

@@ -1,0 +1,655 @@
+//! The one decode loop: a batch of sequences, each with its KV cache kept for as long as the
+//! caller keeps the sequence, that sequences join and leave between steps, as an inference
+//! engine runs them (vLLM's scheduler, in small).
+//!
+//! A caller adds sequences ([`Decoder::add`]), then calls [`Decoder::step`]: it prefills the
+//! sequences waiting to join (only their tokens not cached yet), decodes one token's forward for
+//! every running sequence, and returns each one's next-token logits. The caller chooses the
+//! tokens and, for each sequence, [`accept`](Decoder::accept)s its token to go on,
+//! [`park`](Decoder::park)s it (it leaves the batch and keeps its cache, e.g. while an
+//! environment call runs; [`extend`](Decoder::extend) later adds the reply's tokens and it
+//! rejoins) or [`finish`](Decoder::finish)es it (its cache is freed). `generate`, `serve` and the
+//! trainer's rollouts all run on it.
+//!
+//! Memory follows the tokens in use: a leaving sequence takes only its own positions with it,
+//! padding that no running row uses any more is cut from the front of the batch, and the cache
+//! buffers grow by an eighth. Within [`DecoderLimits::kv_budget`] (KV positions held, running
+//! and parked together) a sequence waits to join until it fits; parked caches are dropped first
+//! (oldest first) and running sequences preempted (newest first) when growth would pass it, as
+//! vLLM preempts: their tokens stay, and they are prefilled again when they rejoin.
+//!
+//! Rows of one batch line up their newest positions: a row that joins beside longer ones has
+//! empty positions in front (masked out) and positions are per sequence (`0..len`), so where a
+//! row sits in the batch never changes what it computes.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
+
+use crate::error::ModelError;
+use crate::lora::CausalLm;
+use crate::qwen3::{grown_capacity, GROWTH_STEP};
+use crate::qwen3::KvCache;
+
+/// Names a sequence of a [`Decoder`]; chosen by the caller (a batch row, an episode, a request).
+pub type SequenceId = u64;
+
+/// How much a [`Decoder`] runs at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecoderLimits {
+    /// Most sequences decoding at once (vLLM's `max_num_seqs`); the others wait, in order.
+    pub max_rows: usize,
+    /// Most positions one prefill pass runs, rows × new positions with padding (vLLM's
+    /// `max_num_batched_tokens`); longer prefills run in chunks, bounding activation memory.
+    pub max_batched_tokens: usize,
+    /// Most KV positions held at once per layer, over every row (spare capacity and padding
+    /// included) and every parked cache; `None`: no limit. A position of Qwen3 costs
+    /// `2 · layers · kv_heads · head_dim` values.
+    pub kv_budget: Option<usize>,
+}
+
+impl Default for DecoderLimits {
+    /// No limit on rows, prefill size or KV memory.
+    fn default() -> Self {
+        Self {
+            max_rows: usize::MAX,
+            max_batched_tokens: usize::MAX,
+            kv_budget: None,
+        }
+    }
+}
+
+/// What a [`Decoder`] has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DecoderStats {
+    /// Tokens run through prefill passes (padding not counted).
+    pub prefill_tokens: u64,
+    /// Tokens run through one-token decode passes.
+    pub decode_tokens: u64,
+    /// Running sequences whose cache was dropped to stay within the KV budget.
+    pub preemptions: u64,
+    /// Parked caches dropped to make room.
+    pub evictions: u64,
+    /// Most KV positions held at once (see [`DecoderLimits::kv_budget`]).
+    pub peak_kv_positions: usize,
+}
+
+/// The next-token logits of the sequences one step ran: row `i` of `logits` (`[rows, vocab]`)
+/// belongs to `ids[i]`.
+#[derive(Debug, Clone)]
+pub struct StepLogits<B: Backend> {
+    pub ids: Vec<SequenceId>,
+    pub logits: Tensor<B, 2>,
+}
+
+/// Where a sequence is.
+#[derive(Debug)]
+enum Place<B: Backend> {
+    /// A row of the running batch.
+    Running,
+    /// Waiting to join, with its cache (`None`: nothing cached, or dropped for room).
+    Queued(Option<KvCache<B>>),
+    /// Out of the batch (its caller is busy with it), with its cache if kept.
+    Parked(Option<KvCache<B>>),
+}
+
+#[derive(Debug)]
+struct Sequence<B: Backend> {
+    /// Every token of the sequence, cached or not.
+    tokens: Vec<u32>,
+    /// How many of `tokens` the cache holds (positions `0..cached`).
+    cached: usize,
+    place: Place<B>,
+    /// When it was parked (for dropping the oldest parked cache first).
+    parked_at: u64,
+}
+
+impl<B: Backend> Sequence<B> {
+    /// The cache held outside the batch, if any.
+    fn own_cache(&self) -> Option<&KvCache<B>> {
+        match &self.place {
+            Place::Queued(c) | Place::Parked(c) => c.as_ref(),
+            Place::Running => None,
+        }
+    }
+}
+
+/// The running batch: one cache for every row, the rows' sequences (`None`: left, to be dropped
+/// at the next step) and which cached positions of each row are its own.
+#[derive(Debug)]
+struct Batch<B: Backend> {
+    cache: KvCache<B>,
+    ids: Vec<Option<SequenceId>>,
+    valid: Vec<Vec<bool>>,
+    mask: DeviceMask<B>,
+}
+
+/// The device copy of `Batch::valid` that the attention takes.
+#[derive(Debug)]
+enum DeviceMask<B: Backend> {
+    /// Rebuild from `valid` before the next pass.
+    Stale,
+    /// Every cached position of every row is valid: no mask.
+    AllValid,
+    Ready(Tensor<B, 2, Int>),
+}
+
+/// Sequences decoding together, joining and leaving between steps (see the module docs).
+#[derive(Debug)]
+pub struct Decoder<B: Backend> {
+    limits: DecoderLimits,
+    sequences: BTreeMap<SequenceId, Sequence<B>>,
+    queue: VecDeque<SequenceId>,
+    batch: Option<Batch<B>>,
+    clock: u64,
+    stats: DecoderStats,
+}
+
+impl<B: Backend> Decoder<B> {
+    /// An empty decoder.
+    pub fn new(limits: DecoderLimits) -> Self {
+        Self {
+            limits,
+            sequences: BTreeMap::new(),
+            queue: VecDeque::new(),
+            batch: None,
+            clock: 0,
+            stats: DecoderStats::default(),
+        }
+    }
+
+    /// Its limits.
+    pub fn limits(&self) -> DecoderLimits {
+        self.limits
+    }
+
+    /// What it has done so far.
+    pub fn stats(&self) -> DecoderStats {
+        self.stats
+    }
+
+    /// Whether `id` is one of its sequences (running, waiting or parked).
+    pub fn contains(&self, id: SequenceId) -> bool {
+        self.sequences.contains_key(&id)
+    }
+
+    /// Every token of sequence `id`, cached or not.
+    pub fn tokens(&self, id: SequenceId) -> Option<&[u32]> {
+        self.sequences.get(&id).map(|s| s.tokens.as_slice())
+    }
+
+    /// How many tokens of sequence `id` its cache holds.
+    pub fn cached_len(&self, id: SequenceId) -> Option<usize> {
+        self.sequences.get(&id).map(|s| s.cached)
+    }
+
+    /// Whether a step would have nothing to run (no sequence running or waiting).
+    pub fn is_idle(&self) -> bool {
+        self.queue.is_empty() && self.running_rows() == 0
+    }
+
+    /// Sequences waiting to join.
+    pub fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// KV positions held now: every row of the batch at its allocated capacity, and every
+    /// cache held outside it.
+    pub fn kv_positions(&self) -> usize {
+        let batch = self.batch.as_ref().map_or(0, |b| b.ids.len() * b.cache.capacity());
+        batch + self.sequences.values().filter_map(Sequence::own_cache).map(KvCache::capacity).sum::<usize>()
+    }
+
+    /// Adds a sequence of `tokens` (at least one), to join at the next step.
+    pub fn add(&mut self, model: &impl CausalLm<B>, id: SequenceId, tokens: Vec<u32>) -> Result<(), ModelError> {
+        if self.sequences.contains_key(&id) {
+            return Err(ModelError::Input(format!("sequence {id} is already in the decoder")));
+        }
+        if tokens.is_empty() {
+            return Err(ModelError::Input(format!("sequence {id} is empty")));
+        }
+        model.base().check_token_ids(&tokens)?;
+        let sequence = Sequence {
+            tokens,
+            cached: 0,
+            place: Place::Queued(None),
+            parked_at: 0,
+        };
+        self.sequences.insert(id, sequence);
+        self.queue.push_back(id);
+        Ok(())
+    }
+
+    /// Appends `tokens` to parked sequence `id` (e.g. an environment's reply), which rejoins at
+    /// the next step: only its tokens not cached yet are prefilled.
+    pub fn extend(&mut self, model: &impl CausalLm<B>, id: SequenceId, tokens: &[u32]) -> Result<(), ModelError> {
+        model.base().check_token_ids(tokens)?;
+        let sequence = self.sequences.get_mut(&id).ok_or_else(|| unknown(id))?;
+        let Place::Parked(cache) = &mut sequence.place else {
+            return Err(ModelError::Input(format!("sequence {id} is not parked: only a parked sequence can be extended")));
+        };
+        sequence.tokens.extend_from_slice(tokens);
+        if sequence.tokens.len() == sequence.cached {
+            return Err(ModelError::Input(format!("sequence {id} has no new token to decode from")));
+        }
+        sequence.place = Place::Queued(cache.take());
+        self.queue.push_back(id);
+        Ok(())
+    }
+
+    /// Appends the token chosen for running sequence `id`, which the next step feeds.
+    pub fn accept(&mut self, id: SequenceId, token: u32) -> Result<(), ModelError> {
+        let sequence = self.sequences.get_mut(&id).ok_or_else(|| unknown(id))?;
+        if !matches!(sequence.place, Place::Running) || sequence.tokens.len() != sequence.cached {
+            return Err(ModelError::Input(format!("sequence {id} is not waiting for a token")));
+        }
+        sequence.tokens.push(token);
+        Ok(())
+    }
+
+    /// Takes sequence `id` out of the batch (or the queue), keeping its cache: its own
+    /// positions only, the batch's padding dropped.
+    pub fn park(&mut self, id: SequenceId) -> Result<(), ModelError> {
+        let clock = self.clock;
+        self.clock += 1;
+        let sequence = self.sequences.get_mut(&id).ok_or_else(|| unknown(id))?;
+        sequence.parked_at = clock;
+        sequence.place = match std::mem::replace(&mut sequence.place, Place::Running) {
+            Place::Parked(cache) => Place::Parked(cache),
+            Place::Queued(cache) => {
+                self.queue.retain(|&q| q != id);
+                Place::Parked(cache)
+            }
+            Place::Running => {
+                let batch = self.batch.as_mut().expect("a running sequence has a batch");
+                let row = batch.ids.iter().position(|&r| r == Some(id)).expect("a running sequence has a row");
+                let slots: Vec<usize> = (0..batch.valid[row].len()).filter(|&j| batch.valid[row][j]).collect();
+                debug_assert_eq!(slots.len(), sequence.cached);
+                batch.ids[row] = None;
+                Place::Parked(Some(batch.cache.take_row(row, &slots)))
+            }
+        };
+        Ok(())
+    }
+
+    /// Removes sequence `id` and frees its cache; returns its tokens.
+    pub fn finish(&mut self, id: SequenceId) -> Option<Vec<u32>> {
+        let sequence = self.sequences.remove(&id)?;
+        match sequence.place {
+            Place::Running => {
+                if let Some(batch) = self.batch.as_mut() {
+                    batch.ids.iter_mut().filter(|r| **r == Some(id)).for_each(|r| *r = None);
+                }
+            }
+            Place::Queued(_) => self.queue.retain(|&q| q != id),
+            Place::Parked(_) => {}
+        }
+        Some(sequence.tokens)
+    }
+
+    /// One step: makes room within the budget, decodes every running sequence one position,
+    /// prefills the sequences that join (in chunks of at most `max_batched_tokens`), and
+    /// returns the next-token logits of all of them. `None` when nothing is running or waiting.
+    ///
+    /// After a step, every sequence it returned must be accepted, parked or finished before
+    /// the next. A sequence preempted for room is not returned until it has rejoined.
+    pub fn step(&mut self, model: &impl CausalLm<B>) -> Result<Option<StepLogits<B>>, ModelError> {
+        self.compact();
+        if let Some(batch) = &self.batch {
+            for id in batch.ids.iter().flatten() {
+                let s = &self.sequences[id];
+                if s.tokens.len() != s.cached + 1 {
+                    return Err(ModelError::Input(format!(
+                        "sequence {id} has no next token: accept, park or finish each sequence after a step"
+                    )));
+                }
+            }
+        }
+        self.make_room_to_decode()?;
+        let admitted = self.admit()?;
+        let decoded = self.decode_running(model);
+        let prefilled = (!admitted.is_empty()).then(|| self.prefill(model, admitted));
+        self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
+        Ok(match (decoded, prefilled) {
+            (None, None) => None,
+            (Some(a), None) | (None, Some(a)) => Some(a),
+            (Some(mut a), Some(b)) => {
+                a.ids.extend(b.ids);
+                Some(StepLogits {
+                    ids: a.ids,
+                    logits: Tensor::cat(vec![a.logits, b.logits], 0),
+                })
+            }
+        })
+    }
+
+    fn running_rows(&self) -> usize {
+        self.batch.as_ref().map_or(0, |b| b.ids.iter().flatten().count())
+    }
+
+    /// Drops the rows that left and the leading positions no row uses any more (once they are
+    /// worth a copy of the batch).
+    fn compact(&mut self) {
+        let Some(batch) = self.batch.as_mut() else { return };
+        let keep: Vec<usize> = (0..batch.ids.len()).filter(|&r| batch.ids[r].is_some()).collect();
+        if keep.is_empty() {
+            self.batch = None;
+            return;
+        }
+        if keep.len() < batch.ids.len() {
+            batch.cache.select_rows(&keep);
+            batch.ids = keep.iter().map(|&r| batch.ids[r]).collect();
+            batch.valid = keep.iter().map(|&r| std::mem::take(&mut batch.valid[r])).collect();
+            batch.mask = DeviceMask::Stale;
+        }
+        let width = batch.cache.len();
+        let lead = batch.valid.iter().map(|v| v.iter().take_while(|&&x| !x).count()).min().unwrap_or(0);
+        if lead > 0 && lead >= (width / 8).max(GROWTH_STEP) {
+            batch.cache.trim_front(lead);
+            batch.valid.iter_mut().for_each(|v| drop(v.drain(..lead)));
+            batch.mask = DeviceMask::Stale;
+        }
+    }
+
+    /// Positions held by caches outside the batch, except those of `except`.
+    fn held_outside(&self, except: &[SequenceId]) -> usize {
+        self.sequences
+            .iter()
+            .filter(|(id, _)| !except.contains(id))
+            .filter_map(|(_, s)| s.own_cache())
+            .map(KvCache::capacity)
+            .sum()
+    }
+
+    /// Drops the oldest cache held outside the batch (parked or waiting) not among `except`;
+    /// whether there was one. Its sequence keeps its tokens and is prefilled again on joining.
+    fn evict_parked(&mut self, except: &[SequenceId]) -> bool {
+        let oldest = self
+            .sequences
+            .iter()
+            .filter(|(id, s)| !except.contains(id) && s.own_cache().is_some())
+            .min_by_key(|(_, s)| s.parked_at)
+            .map(|(&id, _)| id);
+        let Some(id) = oldest else { return false };
+        let sequence = self.sequences.get_mut(&id).expect("just found");
+        match &mut sequence.place {
+            Place::Parked(cache) | Place::Queued(cache) => *cache = None,
+            Place::Running => unreachable!("a running sequence holds no cache of its own"),
+        }
+        sequence.cached = 0;
+        self.stats.evictions += 1;
+        true
+    }
+
+    /// Positions the batch holds after decoding one more position.
+    fn batch_after_decode(&self) -> usize {
+        self.batch.as_ref().map_or(0, |b| {
+            let needed = b.cache.len() + 1;
+            let capacity = if needed > b.cache.capacity() { grown_capacity(needed) } else { b.cache.capacity() };
+            b.ids.len() * capacity
+        })
+    }
+
+    /// Keeps the next decode within the budget: drops parked caches, then preempts the newest
+    /// running rows (their tokens kept; they wait to join again, first in line).
+    fn make_room_to_decode(&mut self) -> Result<(), ModelError> {
+        let Some(budget) = self.limits.kv_budget else { return Ok(()) };
+        while self.batch_after_decode() + self.held_outside(&[]) > budget {
+            if self.evict_parked(&[]) {
+                continue;
+            }
+            let Some(batch) = self.batch.as_mut() else { return Ok(()) };
+            if batch.ids.len() == 1 {
+                let id = batch.ids[0].expect("compacted");
+                return Err(too_small(budget, id, self.sequences[&id].tokens.len()));
+            }
+            let row = batch.ids.len() - 1;
+            let id = batch.ids[row].take().expect("compacted");
+            let sequence = self.sequences.get_mut(&id).expect("a row's sequence");
+            sequence.cached = 0;
+            sequence.place = Place::Queued(None);
+            self.queue.push_front(id);
+            self.stats.preemptions += 1;
+            self.compact();
+        }
+        Ok(())
+    }
+
+    /// Takes waiting sequences into this step while rows and the budget allow.
+    fn admit(&mut self) -> Result<Vec<SequenceId>, ModelError> {
+        let mut admitted = Vec::new();
+        let running = self.running_rows();
+        while let Some(&id) = self.queue.front() {
+            if running + admitted.len() >= self.limits.max_rows {
+                break;
+            }
+            if let Some(budget) = self.limits.kv_budget {
+                admitted.push(id);
+                let needed = self.positions_with(&admitted);
+                admitted.pop();
+                if needed > budget {
+                    let mut except = admitted.clone();
+                    except.push(id);
+                    if self.evict_parked(&except) {
+                        continue;
+                    }
+                    if running + admitted.len() == 0 {
+                        return Err(too_small(budget, id, self.sequences[&id].tokens.len()));
+                    }
+                    break;
+                }
+            }
+            self.queue.pop_front();
+            admitted.push(id);
+        }
+        Ok(admitted)
+    }
+
+    /// Positions held once `group` has joined the batch and decoded one position.
+    fn positions_with(&self, group: &[SequenceId]) -> usize {
+        let (mut past, mut new) = (0, 0);
+        for id in group {
+            let s = &self.sequences[id];
+            past = past.max(s.cached);
+            new = new.max(s.tokens.len() - s.cached);
+        }
+        let (rows, width, capacity) = self.batch.as_ref().map_or((0, 0, 0), |b| (b.ids.len(), b.cache.len(), b.cache.capacity()));
+        let width = width.max(past + new) + 1;
+        (rows + group.len()) * grown_capacity(width).max(capacity) + self.held_outside(group)
+    }
+
+    /// Feeds every running row its one new token.
+    fn decode_running(&mut self, model: &impl CausalLm<B>) -> Option<StepLogits<B>> {
+        let batch = self.batch.as_mut()?;
+        let device = model.base().device();
+        let ids: Vec<SequenceId> = batch.ids.iter().map(|r| r.expect("compacted")).collect();
+        let n = ids.len();
+        let mut tokens = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        for id in &ids {
+            let s = self.sequences.get_mut(id).expect("a row's sequence");
+            tokens.push(i64::from(s.tokens[s.cached]));
+            positions.push(s.cached as i64);
+            s.cached += 1;
+        }
+        batch.mask = match std::mem::replace(&mut batch.mask, DeviceMask::Stale) {
+            DeviceMask::Stale => device_mask(&batch.valid, true, &device),
+            DeviceMask::AllValid => DeviceMask::AllValid,
+            DeviceMask::Ready(m) => DeviceMask::Ready(Tensor::cat(vec![m, Tensor::ones([n, 1], &device)], 1)),
+        };
+        batch.valid.iter_mut().for_each(|v| v.push(true));
+        let mask = match &batch.mask {
+            DeviceMask::Ready(m) => Some(m),
+            _ => None,
+        };
+        let logits = model.base().forward_with_adapters(
+            Tensor::from_data(TensorData::new(tokens, [n, 1]), &device),
+            Tensor::from_data(TensorData::new(positions, [n, 1]), &device),
+            mask,
+            Some(&mut batch.cache),
+            model.adapters(),
+        );
+        self.stats.decode_tokens += n as u64;
+        let vocab = logits.dims()[2];
+        Some(StepLogits {
+            ids,
+            logits: logits.reshape([n, vocab]),
+        })
+    }
+
+    /// Runs the uncached tokens of `group` through the model, their newest positions lined up,
+    /// and joins them to the batch; returns their next-token logits.
+    fn prefill(&mut self, model: &impl CausalLm<B>, group: Vec<SequenceId>) -> StepLogits<B> {
+        let device = model.base().device();
+        let n = group.len();
+        let mut caches = Vec::with_capacity(n);
+        for id in &group {
+            let s = self.sequences.get_mut(id).expect("a waiting sequence");
+            let cache = match std::mem::replace(&mut s.place, Place::Running) {
+                Place::Queued(cache) => cache,
+                _ => None,
+            };
+            caches.push(cache);
+        }
+        let lens: Vec<(usize, usize)> = group
+            .iter()
+            .map(|id| {
+                let s = &self.sequences[id];
+                (s.cached, s.tokens.len() - s.cached)
+            })
+            .collect();
+        let past = lens.iter().map(|l| l.0).max().unwrap_or(0);
+        let new = lens.iter().map(|l| l.1).max().unwrap_or(0);
+        let mut cache = match caches.iter().flatten().next() {
+            None => model.base().new_cache(),
+            Some(like) => {
+                let like = like.clone();
+                let parts = caches
+                    .into_iter()
+                    .zip(&lens)
+                    .map(|(c, &(cached, _))| match c {
+                        Some(mut c) => {
+                            c.pad_front(past - cached);
+                            c
+                        }
+                        None => KvCache::zeros_like(&like, 1, past),
+                    })
+                    .collect();
+                KvCache::concat_rows(parts)
+            }
+        };
+        let mut valid = Vec::with_capacity(n);
+        let mut ids = Vec::with_capacity(n * new);
+        let mut positions = Vec::with_capacity(n * new);
+        for (id, &(cached, fresh)) in group.iter().zip(&lens) {
+            let s = &self.sequences[id];
+            let mut row = vec![false; past - cached];
+            row.extend(std::iter::repeat_n(true, cached));
+            row.extend(std::iter::repeat_n(false, new - fresh));
+            row.extend(std::iter::repeat_n(true, fresh));
+            valid.push(row);
+            ids.extend(std::iter::repeat_n(0, new - fresh));
+            ids.extend(s.tokens[cached..].iter().map(|&t| i64::from(t)));
+            positions.extend(std::iter::repeat_n(0, new - fresh));
+            positions.extend((cached..cached + fresh).map(|p| p as i64));
+        }
+        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, new]), &device);
+        let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [n, new]), &device);
+        let chunk = (self.limits.max_batched_tokens / n).clamp(1, new);
+        let mut last = None;
+        let mut start = 0;
+        while start < new {
+            let end = (start + chunk).min(new);
+            let columns: Vec<Vec<bool>> = valid.iter().map(|v| v[..past + end].to_vec()).collect();
+            let mask = match device_mask(&columns, false, &device) {
+                DeviceMask::Ready(m) => Some(m),
+                _ => None,
+            };
+            let hidden = model
+                .base()
+                .model
+                .forward_with_adapters(
+                    ids.clone().narrow(1, start, end - start),
+                    positions.clone().narrow(1, start, end - start),
+                    mask.as_ref(),
+                    Some(&mut cache),
+                    false,
+                    model.adapters(),
+                )
+                .last_hidden_state;
+            if end == new {
+                // Only the last position's logits are needed: the others would cost a
+                // vocabulary-sized product each.
+                last = Some(model.base().logits(hidden.narrow(1, end - start - 1, 1)));
+            }
+            start = end;
+        }
+        for (id, &(_, fresh)) in group.iter().zip(&lens) {
+            self.sequences.get_mut(id).expect("a joining sequence").cached += fresh;
+            self.stats.prefill_tokens += fresh as u64;
+        }
+        let joined = Batch {
+            cache,
+            ids: group.iter().map(|&id| Some(id)).collect(),
+            valid,
+            mask: DeviceMask::Stale,
+        };
+        self.batch = Some(match self.batch.take() {
+            None => joined,
+            Some(batch) => join(batch, joined),
+        });
+        let last = last.expect("a prefill has at least one position");
+        let vocab = last.dims()[2];
+        StepLogits {
+            ids: group,
+            logits: last.reshape([n, vocab]),
+        }
+    }
+}
+
+/// `a`'s rows then `b`'s, the narrower padded in front so that the newest positions line up.
+fn join<B: Backend>(mut a: Batch<B>, mut b: Batch<B>) -> Batch<B> {
+    let (wa, wb) = (a.cache.len(), b.cache.len());
+    for (batch, pad) in [(&mut a, wb.saturating_sub(wa)), (&mut b, wa.saturating_sub(wb))] {
+        if pad > 0 {
+            batch.cache.pad_front(pad);
+            for v in &mut batch.valid {
+                v.splice(0..0, std::iter::repeat_n(false, pad));
+            }
+        }
+    }
+    a.ids.extend(b.ids);
+    a.valid.extend(b.valid);
+    Batch {
+        cache: KvCache::concat_rows(vec![a.cache, b.cache]),
+        ids: a.ids,
+        valid: a.valid,
+        mask: DeviceMask::Stale,
+    }
+}
+
+/// The attention mask of `valid` (one more valid column when `plus_one`), or `AllValid`.
+fn device_mask<B: Backend>(valid: &[Vec<bool>], plus_one: bool, device: &B::Device) -> DeviceMask<B> {
+    if valid.iter().all(|v| v.iter().all(|&x| x)) {
+        return DeviceMask::AllValid;
+    }
+    let width = valid.first().map_or(0, Vec::len) + usize::from(plus_one);
+    let mut values = Vec::with_capacity(valid.len() * width);
+    for v in valid {
+        values.extend(v.iter().map(|&x| i64::from(x)));
+        if plus_one {
+            values.push(1);
+        }
+    }
+    DeviceMask::Ready(Tensor::from_data(TensorData::new(values, [valid.len(), width]), device))
+}
+
+fn unknown(id: SequenceId) -> ModelError {
+    ModelError::Input(format!("no sequence {id} in the decoder"))
+}
+
+fn too_small(budget: usize, id: SequenceId, len: usize) -> ModelError {
+    ModelError::Input(format!(
+        "a KV budget of {budget} positions cannot hold sequence {id} ({len} tokens) even alone: raise the budget or shorten the sequences"
+    ))
+}
