@@ -279,6 +279,79 @@ fn concurrent_requests_match_sequential_ones() {
     }
 }
 
+/// The text, finish reason and completion tokens of a reply, streamed (with usage) or not.
+fn answer(server: &Server, request: &Value) -> (String, String, u64) {
+    if request["stream"] == json!(true) {
+        let (text, finish, usage) = streamed(server, request);
+        let usage = usage.unwrap_or_else(|| panic!("no usage for {request}"));
+        (text, finish, usage["completion_tokens"].as_u64().unwrap())
+    } else {
+        let reply = server.chat(request);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let body = reply.json();
+        (
+            content(&body),
+            body["choices"][0]["finish_reason"].as_str().unwrap().to_string(),
+            body["usage"]["completion_tokens"].as_u64().unwrap(),
+        )
+    }
+}
+
+/// Continuous batching: 32 clients at once, each with its own greedy request (prompts of
+/// different lengths, different token limits, some streamed), get the answers each request gets
+/// alone, whether all of them decode together or at most 8 at a time (the others joining the
+/// running batch as rows end), on the CPU kernels and on burn's portable ops (tokens chosen on
+/// the device). The model's weights are scaled so that its greedy text depends on the whole
+/// prompt and on every token before it.
+#[test]
+fn concurrent_requests_answer_as_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model_scaled(dir.path(), 10.0);
+    let topics = ["the sea", "a red fox", "prime numbers", "bread", "Mars", "a quiet library", "rain", "chess"];
+    let requests: Vec<Value> = (0..32usize)
+        .map(|i| {
+            let stream = i % 4 == 3;
+            json!({
+                "messages": user(&format!("Tell me about {}. ", topics[i % topics.len()]).repeat(1 + i % 5)),
+                "max_tokens": 1 + (i * 7) % 40,
+                "temperature": 0,
+                "stream": stream,
+                "stream_options": if stream { json!({"include_usage": true}) } else { json!(null) },
+                "stop": if i % 3 == 1 { json!(["al"]) } else { json!(null) },
+            })
+        })
+        .collect();
+    let everyone = Server::start(&model, &["--max-batch", "32"]);
+    let alone: Vec<(String, String, u64)> = requests.iter().map(|r| answer(&everyone, r)).collect();
+    let texts: std::collections::BTreeSet<&str> = alone.iter().map(|a| a.0.as_str()).collect();
+    let lengths: std::collections::BTreeSet<u64> = alone.iter().map(|a| a.2).collect();
+    assert!(
+        texts.len() > 24 && lengths.len() > 8 && alone.iter().any(|a| a.1 == "stop"),
+        "the requests should answer differently and end at different steps: {alone:?}"
+    );
+    let eight = Server::start(&model, &["--max-batch", "8"]);
+    let portable = Server::start_with_env(&model, &["--max-batch", "8"], &[("PROMPT_R1_PORTABLE_OPS", "1")]);
+    for server in [&everyone, &eight, &portable] {
+        let barrier = std::sync::Barrier::new(requests.len());
+        let together: Vec<(String, String, u64)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = requests
+                .iter()
+                .map(|r| {
+                    let barrier = &barrier;
+                    scope.spawn(move || {
+                        barrier.wait();
+                        answer(server, r)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (got, want)) in together.iter().zip(&alone).enumerate() {
+            assert_eq!(got, want, "request {i}: {}", requests[i]);
+        }
+    }
+}
+
 /// Off the CPU kernels (burn's portable ops, the GPU path) the worker chooses tokens on the device
 /// from the rows' own draws: a batch of greedy and sampled rows at different temperatures gives
 /// the texts the host's choice gives; a top-p row keeps the host path for its whole batch.

@@ -47,6 +47,39 @@ pub fn tiny_model(dir: &Path) -> PathBuf {
     out
 }
 
+/// [`tiny_model`] with every projection weight (attention and MLP) multiplied by `factor`
+/// (written to `dir/tiny-scaled`). At init's scale the residual stream is mostly the input
+/// token's embedding, and the tied head makes greedy decoding repeat the prompt's last token;
+/// a factor of about 10 makes the greedy text depend on the whole context.
+pub fn tiny_model_scaled(dir: &Path, factor: f32) -> PathBuf {
+    let tiny = tiny_model(dir);
+    let out = dir.join("tiny-scaled");
+    std::fs::create_dir_all(&out).unwrap();
+    for entry in std::fs::read_dir(&tiny).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
+    }
+    let file = out.join("model.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    for (name, tensor) in header.as_object().unwrap() {
+        if !name.ends_with("_proj.weight") {
+            continue;
+        }
+        assert_eq!(tensor["dtype"], "F32", "{name}");
+        let offsets = &tensor["data_offsets"];
+        let start = 8 + header_len + offsets[0].as_u64().unwrap() as usize;
+        let end = 8 + header_len + offsets[1].as_u64().unwrap() as usize;
+        for value in bytes[start..end].chunks_exact_mut(4) {
+            let x = f32::from_le_bytes(value.try_into().unwrap()) * factor;
+            value.copy_from_slice(&x.to_le_bytes());
+        }
+    }
+    std::fs::write(&file, bytes).unwrap();
+    out
+}
+
 /// A running `prompt-r1 serve`; killed on drop.
 pub struct Server {
     child: Child,

@@ -19,8 +19,9 @@ use crate::serve::{serve, Served, Settings};
 /// max_tokens / max_completion_tokens, seed, stop, n = 1, stream_options.include_usage,
 /// chat_template_kwargs.enable_thinking), GET /v1/models, GET /health. Parameters a request
 /// leaves out come from the checkpoint's generation_config.json (else temperature 1). A request
-/// without a seed gets a random one. Concurrent requests are decoded together in batches of up
-/// to --max-batch; each request's tokens depend only on its own messages and seed.
+/// without a seed gets a random one. Concurrent requests decode together, at most --max-batch at
+/// once; the others join as rows end. Each request's tokens depend only on its own messages and
+/// seed.
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// Model directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json,
@@ -38,7 +39,7 @@ pub struct Args {
     /// Model name clients ask for (default: the model directory's name).
     #[arg(long, value_name = "NAME")]
     pub served_model_name: Option<String>,
-    /// Most requests decoded together in one batch.
+    /// Most requests decoding at once (the others wait and join as rows end).
     #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_batch: u64,
     /// Completion tokens when a request gives no max_tokens (capped by the context length).
@@ -93,7 +94,6 @@ impl OnBackend for Args {
             tokenizer,
             template,
             stop_ids,
-            pad_id: loaded.pad_id(),
         };
         serve(served, settings)
     }

@@ -1,25 +1,30 @@
-//! The generation worker: the one thread that owns the model. It takes queued requests in
-//! batches (those waiting when it becomes free, up to `max_batch`), decodes them together in
-//! one left-padded batch with a KV cache, each row with its own sampling settings and seeded
-//! generator, and sends every row's text out as it grows. A row ends at an EOS token, a stop
-//! string, its token limit, or when its client has gone (its event channel is closed). Off the
-//! CPU kernels (a GPU) tokens are chosen on the device from the rows' own draws, so a step reads
-//! back a token and a log-prob per row, unless a row asks for top-k or top-p (the host sorts).
+//! The generation worker: the one thread that owns the model. It runs every request as a
+//! sequence of one [`Decoder`], continuously batched: between steps it adds the requests that
+//! have arrived (up to `max_batch` decode at once, the others wait in order), each step decodes
+//! one token for every running row and prefills the rows that join, and a row leaves as soon as
+//! it ends, its place taken at the next step. Each row has its own sampling settings and seeded
+//! generator ([`choose_row_tokens`]: on the device off the CPU kernels, unless a row asks for
+//! top-k or top-p), so a request's text depends only on its prompt and settings, not on the rows
+//! beside it. Every row's text is sent out as it grows. A row ends at an EOS token, a stop
+//! string, its token limit, or when its client has gone (its event channel is closed). A failed
+//! step (an error or a panic) fails the rows in the decoder, and the worker goes on with the
+//! requests that come after.
 
+use std::collections::{BTreeMap, HashMap};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
-use model::device_sampling;
-use model::generation::{choose_token, row_seed};
+use burn::tensor::backend::Backend;
+use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{Padding, Qwen3ForCausalLM, Sampling, TokenBatch};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use model::{choose_row_tokens, Decoder, DecoderLimits, Qwen3ForCausalLM, RowSampling, Sampling, SequenceId};
+use rand::{rngs::StdRng, SeedableRng};
 
 use super::stop::{SentText, StopStrings};
 
-/// How long the worker waits for more requests to join a batch once it has one.
+/// How long an idle worker waits for more requests once one has come, so that requests sent
+/// together start together.
 const BATCH_WINDOW: Duration = Duration::from_millis(5);
 
 /// How one request is sampled.
@@ -79,155 +84,116 @@ pub struct Engine<'m, B: Backend> {
     pub tokenizer: &'m Qwen3Tokenizer,
     /// Token ids that end a row (not part of its text).
     pub stop_ids: Vec<u32>,
-    pub pad_id: u32,
+    /// Most rows decoding at once; later requests wait for a row to end.
     pub max_batch: usize,
 }
 
+/// The worker's requests: the decoder's sequences and each one's row.
+struct Running<B: Backend> {
+    decoder: Decoder<B>,
+    rows: BTreeMap<SequenceId, Row>,
+    next_id: SequenceId,
+}
+
 impl<B: Backend> Engine<'_, B> {
-    /// Serves jobs until every sender is gone.
+    /// Serves jobs until every sender is gone and the last row has ended.
     pub fn run(&self, jobs: &Receiver<Job>) {
-        while let Ok(first) = jobs.recv() {
-            let mut batch = vec![first];
-            let deadline = Instant::now() + BATCH_WINDOW;
-            while batch.len() < self.max_batch.max(1) {
-                let wait = deadline.saturating_duration_since(Instant::now());
-                match jobs.recv_timeout(wait) {
-                    Ok(job) => batch.push(job),
-                    Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
-                }
-            }
-            let senders: Vec<Sender<Event>> = batch.iter().map(|j| j.events.clone()).collect();
-            if let Err(panic) = catch_unwind(AssertUnwindSafe(|| self.run_batch(batch))) {
-                let text = panic
-                    .downcast_ref::<String>()
-                    .map(String::as_str)
-                    .or_else(|| panic.downcast_ref::<&str>().copied())
-                    .unwrap_or("unknown error");
-                for sender in senders {
-                    let _ = sender.send(Event::Failed(format!("generation failed: {text}")));
-                }
-            }
-        }
-    }
-
-    /// Decodes one batch to the end of its last row.
-    fn run_batch(&self, jobs: Vec<Job>) {
-        let prompts: Vec<Vec<u32>> = jobs.iter().map(|j| j.prompt.clone()).collect();
-        let mut rows: Vec<Row> = jobs.into_iter().map(Row::new).collect();
-        // `active[j]` is the row of `rows` at batch position j.
-        let mut active: Vec<usize> = (0..rows.len()).collect();
-        let device = self.model.device();
-        let batch = match TokenBatch::<B>::new(&prompts, Padding::Left, self.pad_id, &device) {
-            Ok(batch) => batch,
-            Err(err) => return fail(&rows, &active, &err.to_string()),
+        let limits = DecoderLimits {
+            max_rows: self.max_batch.max(1),
+            ..DecoderLimits::default()
         };
-        let mut cache = self.model.new_cache();
-        let mut key_mask: Vec<Vec<i64>> = batch
-            .lengths
-            .iter()
-            .map(|&l| {
-                (0..batch.len)
-                    .map(|j| i64::from(j >= batch.len - l))
-                    .collect()
-            })
-            .collect();
-        let mut next_position: Vec<i64> = batch.lengths.iter().map(|&l| l as i64).collect();
-        let hidden = self
-            .model
-            .model
-            .forward(
-                batch.input_ids.clone(),
-                batch.position_ids.clone(),
-                batch.mask(),
-                Some(&mut cache),
-                false,
-            )
-            .last_hidden_state;
-        let mut last = self.model.logits(hidden.narrow(1, batch.len - 1, 1));
-        let on_device = !model::cpu_kernels::active::<B>();
+        let mut running = Running {
+            decoder: Decoder::new(limits),
+            rows: BTreeMap::new(),
+            next_id: 0,
+        };
         loop {
-            let tokens = match self.choose(last, &mut rows, &active, on_device) {
-                Ok(tokens) => tokens,
-                Err(message) => return fail(&rows, &active, &message),
-            };
-            let mut keep = Vec::with_capacity(active.len());
-            let mut next_tokens = Vec::with_capacity(active.len());
-            for (j, (&r, token)) in active.iter().zip(tokens).enumerate() {
-                if rows[r].push(token, &self.stop_ids, self.tokenizer) {
-                    keep.push(j);
-                    next_tokens.push(token);
+            if running.decoder.is_idle() {
+                let Ok(first) = jobs.recv() else { return };
+                self.add(&mut running, first);
+                let deadline = Instant::now() + BATCH_WINDOW;
+                while running.decoder.waiting() < limits.max_rows {
+                    let wait = deadline.saturating_duration_since(Instant::now());
+                    match jobs.recv_timeout(wait) {
+                        Ok(job) => self.add(&mut running, job),
+                        Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
+                    }
+                }
+            } else {
+                while let Ok(job) = jobs.try_recv() {
+                    self.add(&mut running, job);
                 }
             }
-            if keep.is_empty() {
-                return;
+            let failure = match catch_unwind(AssertUnwindSafe(|| self.step(&mut running))) {
+                Ok(Ok(())) => continue,
+                Ok(Err(message)) => message,
+                Err(panic) => {
+                    let text = panic
+                        .downcast_ref::<String>()
+                        .map(String::as_str)
+                        .or_else(|| panic.downcast_ref::<&str>().copied())
+                        .unwrap_or("unknown error");
+                    format!("generation failed: {text}")
+                }
+            };
+            // The decoder's state is unknown after a failed step: its rows fail, and the next
+            // requests start on a fresh one.
+            for row in std::mem::take(&mut running.rows).into_values() {
+                let _ = row.events.send(Event::Failed(failure.clone()));
             }
-            if keep.len() < active.len() {
-                cache.select_rows(&keep);
-                key_mask = keep.iter().map(|&j| key_mask[j].clone()).collect();
-                next_position = keep.iter().map(|&j| next_position[j]).collect();
-                active = keep.iter().map(|&j| active[j]).collect();
-            }
-            let n = active.len();
-            for mask in &mut key_mask {
-                mask.push(1);
-            }
-            let ids: Vec<i64> = next_tokens.iter().map(|&t| i64::from(t)).collect();
-            let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, 1]), &device);
-            let positions = Tensor::<B, 2, Int>::from_data(
-                TensorData::new(next_position.clone(), [n, 1]),
-                &device,
-            );
-            let mask = key_mask.iter().any(|m| m.contains(&0)).then(|| {
-                let width = key_mask[0].len();
-                Tensor::<B, 2, Int>::from_data(
-                    TensorData::new(key_mask.concat(), [n, width]),
-                    &device,
-                )
-            });
-            for p in &mut next_position {
-                *p += 1;
-            }
-            last = self
-                .model
-                .forward(ids, positions, mask.as_ref(), Some(&mut cache));
+            running.decoder = Decoder::new(limits);
         }
     }
 
-    /// The next token of each active row from its logits (`[rows, 1, vocab]`): on the device
-    /// when `on_device` and no row needs top-k or top-p, else on the host from the whole rows.
-    fn choose(&self, logits: Tensor<B, 3>, rows: &mut [Row], active: &[usize], on_device: bool) -> Result<Vec<u32>, String> {
-        let vocab = self.model.config.vocab_size;
-        if on_device && active.iter().all(|&r| device_sampling::supported(&rows[r].sampling)) {
-            let temperatures: Vec<f32> = active.iter().map(|&r| rows[r].sampling.temperature).collect();
-            // One draw per sampled token, as `choose_token` makes: the same seed, the same text.
-            let uniforms: Vec<f64> = active
+    /// Adds `job` to the decoder to join at the next step, or tells it why its prompt cannot be
+    /// decoded.
+    fn add(&self, running: &mut Running<B>, job: Job) {
+        let id = running.next_id;
+        running.next_id += 1;
+        let Job { prompt, params, events } = job;
+        match running.decoder.add(self.model, id, prompt) {
+            Ok(()) => {
+                running.rows.insert(id, Row::new(params, events));
+            }
+            Err(err) => {
+                let _ = events.send(Event::Failed(err.to_string()));
+            }
+        }
+    }
+
+    /// One step of the decoder: every row it ran takes its next token and goes on or leaves.
+    fn step(&self, running: &mut Running<B>) -> Result<(), String> {
+        let Running { decoder, rows, .. } = running;
+        let Some(step) = decoder.step(self.model).map_err(|err| err.to_string())? else {
+            return Ok(());
+        };
+        let tokens = {
+            let mut by_id: HashMap<SequenceId, &mut Row> = rows.iter_mut().map(|(&id, row)| (id, row)).collect();
+            let mut samplers = step
+                .ids
                 .iter()
-                .map(|&r| if rows[r].sampling.temperature > 0.0 { rows[r].rng.random::<f64>() } else { 0.0 })
-                .collect();
-            let choices = device_sampling::choose_tokens(logits.reshape([active.len(), vocab]), &temperatures, &uniforms)
-                .map_err(|err| err.to_string())?;
-            return Ok(choices.into_iter().map(|(token, _)| token).collect());
+                .map(|id| {
+                    let Row { sampling, rng, .. } =
+                        by_id.remove(id).ok_or_else(|| format!("the decoder ran sequence {id}, which has no request"))?;
+                    Ok(RowSampling { sampling, rng })
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            choose_row_tokens(step.logits, &mut samplers).map_err(|err| err.to_string())?
+        };
+        for (&id, (token, _)) in step.ids.iter().zip(tokens) {
+            let row = rows.get_mut(&id).expect("every stepped sequence has a row");
+            if row.push(token, &self.stop_ids, self.tokenizer) {
+                decoder.accept(id, token).map_err(|err| err.to_string())?;
+            } else {
+                decoder.finish(id);
+                rows.remove(&id);
+            }
         }
-        let values: Vec<f32> = logits.into_data().convert::<f32>().to_vec().map_err(|err| format!("reading logits: {err:?}"))?;
-        Ok(active
-            .iter()
-            .enumerate()
-            .map(|(j, &r)| {
-                let row = &mut rows[r];
-                choose_token(&values[j * vocab..(j + 1) * vocab], &row.sampling, &mut row.rng).0
-            })
-            .collect())
+        Ok(())
     }
 }
 
-/// Tells the rows `which` of `rows` that generation failed.
-fn fail(rows: &[Row], which: &[usize], message: &str) {
-    for &r in which {
-        let _ = rows[r].events.send(Event::Failed(message.to_string()));
-    }
-}
-
-/// One request inside a batch.
+/// One request being decoded.
 struct Row {
     events: Sender<Event>,
     sampling: Sampling,
@@ -240,10 +206,9 @@ struct Row {
 }
 
 impl Row {
-    fn new(job: Job) -> Self {
-        let p = job.params;
+    fn new(p: GenParams, events: Sender<Event>) -> Self {
         Self {
-            events: job.events,
+            events,
             rng: StdRng::seed_from_u64(row_seed(p.sampling.seed, 0)),
             sampling: p.sampling,
             max_tokens: p.max_tokens.max(1),
@@ -291,5 +256,68 @@ impl Row {
             completion_tokens: self.generated,
         });
         false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use model::checkpoint::StorageDtype;
+    use model::init::write_random_checkpoint;
+    use model::tiny_tokenizer::{train_tiny_tokenizer, TINY_VOCAB_SIZE};
+    use model::{load_pretrained, LoadOptions, Preset};
+
+    use super::*;
+
+    type B = burn::backend::Flex;
+
+    fn job(prompt: Vec<u32>, max_tokens: usize) -> (Job, Receiver<Event>) {
+        let (events, received) = mpsc::channel();
+        let params = GenParams {
+            max_tokens,
+            sampling: Sampling::greedy(),
+            stop: StopStrings::new(Vec::new()),
+        };
+        (Job { prompt, params, events }, received)
+    }
+
+    /// A prompt the decoder refuses (a token out of the vocabulary, an empty one) fails alone:
+    /// the requests queued beside it are answered, and the worker returns once the queue is
+    /// closed and the last row has ended.
+    #[test]
+    fn a_rejected_prompt_fails_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+        let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![tokenizer.special().im_end]);
+        write_random_checkpoint(&config, dir.path(), 0, StorageDtype::F32).unwrap();
+        let model = load_pretrained::<B>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+        let engine = Engine {
+            model: &model,
+            tokenizer: &tokenizer,
+            stop_ids: Vec::new(),
+            max_batch: 2,
+        };
+        let vocab = config.vocab_size as u32;
+        let (jobs, queue) = mpsc::channel();
+        let mut replies = Vec::new();
+        for (prompt, max_tokens) in [(vec![1, 2, 3], 4), (vec![1, vocab + 5], 4), (vec![], 4), (vec![7], 6), (vec![2, 9, 4, 4], 3)] {
+            let (job, events) = job(prompt, max_tokens);
+            jobs.send(job).unwrap();
+            replies.push(events);
+        }
+        drop(jobs);
+        engine.run(&queue);
+        let ends: Vec<Event> = replies.iter().map(|r| r.iter().last().expect("an event")).collect();
+        for (i, max_tokens) in [(0, 4), (3, 6), (4, 3)] {
+            let want = Event::Done {
+                finish: Finish::Length,
+                completion_tokens: max_tokens,
+            };
+            assert_eq!(ends[i], want, "request {i}");
+        }
+        for i in [1, 2] {
+            assert!(matches!(&ends[i], Event::Failed(message) if !message.is_empty()), "request {i}: {:?}", ends[i]);
+        }
     }
 }

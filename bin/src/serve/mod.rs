@@ -2,8 +2,9 @@
 //! checkpoint.
 //!
 //! HTTP handler threads (one per request) parse and check requests, render the chat template
-//! and tokenize, then queue a [`engine::Job`]; the one worker thread that owns the model
-//! decodes queued jobs in batches and streams each row's text back over the job's channel.
+//! and tokenize, then queue a [`engine::Job`]; the one worker thread that owns the model runs
+//! the queued jobs continuously batched (each joins the running batch at the next decode step
+//! and leaves it when it ends) and streams each one's text back over the job's channel.
 
 mod completions;
 mod engine;
@@ -46,7 +47,6 @@ pub struct Served<'m, B: Backend> {
     pub tokenizer: &'m Qwen3Tokenizer,
     pub template: ChatTemplate,
     pub stop_ids: Vec<u32>,
-    pub pad_id: u32,
 }
 
 /// What every handler thread reads.
@@ -98,7 +98,6 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         model: served.model,
         tokenizer: served.tokenizer,
         stop_ids: served.stop_ids,
-        pad_id: served.pad_id,
         max_batch: settings.max_batch,
     };
     if settings.api_key.is_none() && !addr.ip().is_loopback() {
