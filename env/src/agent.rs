@@ -223,6 +223,28 @@ pub trait Agent {
 
     /// Called once the episode is over, to free per-episode state.
     fn end_episode(&mut self, _ctx: &mut AgentContext) {}
+
+    /// Whether the agent decodes continuously ([`start_turns`](Agent::start_turns) and
+    /// [`advance`](Agent::advance)): the episode loop then sends each call as soon as its turn
+    /// ends, while the other episodes keep decoding, instead of turn by turn over the batch.
+    fn continuous(&self) -> bool {
+        false
+    }
+
+    /// Continuous agents: the given episodes start their next turn (each within
+    /// `ctx.turn_budget()` tokens), joining those already generating. One result per episode.
+    fn start_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<(), AgentError>> {
+        episodes
+            .iter()
+            .map(|_| Err(AgentError::Model("this agent does not decode continuously".into())))
+            .collect()
+    }
+
+    /// Continuous agents: one step for every episode generating a turn (`episodes` holds each
+    /// of them, in any order); returns the turns that ended, by [`AgentContext::index`].
+    fn advance(&mut self, _episodes: &mut [&mut AgentContext]) -> Vec<(usize, Result<TurnText, AgentError>)> {
+        Vec::new()
+    }
 }
 
 /// A rough token count for text whose tokens are unknown (about four characters per token).

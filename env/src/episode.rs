@@ -142,31 +142,19 @@ where
             ),
         }
     }
-    loop {
-        for episode in episodes.iter_mut().filter(|e| e.is_running()) {
-            if episode.turns.len() >= config.max_turns {
-                run.finish(episode, StopReason::TurnLimit, None, None);
-                continue;
+    if run.agent.continuous() {
+        run.continuous(&mut episodes, env, config);
+    } else {
+        loop {
+            let active: Vec<usize> = (0..episodes.len())
+                .filter(|&i| episodes[i].is_running() && run.prepare_turn(&mut episodes[i], config))
+                .collect();
+            if active.is_empty() {
+                break;
             }
-            let left = config
-                .max_response_tokens
-                .saturating_sub(episode.response_tokens);
-            if left == 0 || config.max_turn_tokens == 0 {
-                run.finish(episode, StopReason::TokenLimit, None, None);
-            } else {
-                episode
-                    .ctx
-                    .set_turn_budget(left.min(config.max_turn_tokens));
-            }
+            let calls = run.generate(&mut episodes, &active, config);
+            run.call_environment(&mut episodes, calls, env, config);
         }
-        let active: Vec<usize> = (0..episodes.len())
-            .filter(|&i| episodes[i].is_running())
-            .collect();
-        if active.is_empty() {
-            break;
-        }
-        let calls = run.generate(&mut episodes, &active, config);
-        run.call_environment(&mut episodes, calls, env, config);
     }
     episodes
         .into_iter()
@@ -257,73 +245,92 @@ impl<A: Agent + ?Sized> Run<'_, A> {
         }
         let mut calls = Vec::new();
         for (&i, result) in active.iter().zip(results) {
-            let episode = &mut episodes[i];
-            episode.agent_time += elapsed;
-            let turn = match result {
-                Ok(turn) => turn,
-                Err(err) => {
-                    self.finish(
-                        episode,
-                        StopReason::AgentFailure,
-                        None,
-                        Some(err.to_string()),
-                    );
-                    continue;
-                }
-            };
-            let text = format!("{}{}", episode.ctx.turn_prefix(), turn.text);
-            episode.response_text.push_str(&turn.text);
-            if turn.end == TurnEnd::ImEnd {
-                episode.response_text.push_str(IM_END);
-            }
-            episode.response_tokens += turn.tokens;
-            let parsed = parse_turn(&text);
-            let mut record = TurnRecord {
-                think: parsed.think,
-                prompt: None,
-                response: None,
-                response_truncated: false,
-                answer: None,
-                text,
-                tokens: turn.tokens,
-                end: turn.end,
-                env_ms: None,
-            };
-            let stop = match parsed.action {
-                TurnAction::Answer(answer) => {
-                    record.answer = Some(answer);
-                    StopReason::Answer
-                }
-                TurnAction::Call(call) => {
-                    record.prompt = Some(call.prompt.clone());
-                    if !config.allow_calls {
-                        StopReason::TurnLimit
-                    } else if episode.response_tokens >= config.max_response_tokens {
-                        StopReason::TokenLimit
-                    } else {
-                        calls.push(PendingCall {
-                            episode: i,
-                            messages: environment_messages(
-                                &config.env_system,
-                                episode.ctx.exchanges(),
-                                &call.prompt,
-                            ),
-                            prompt: call.prompt,
-                            agent_emitted_im_end: turn.end == TurnEnd::ImEnd,
-                        });
-                        episode.turns.push(record);
-                        continue;
-                    }
-                }
-                TurnAction::Nothing if turn.end == TurnEnd::Length => StopReason::TokenLimit,
-                TurnAction::Nothing => StopReason::NoCall,
-            };
-            let answer = record.answer.clone();
-            self.observer.turn_finished(i, &record);
-            episode.turns.push(record);
-            self.finish(episode, stop, answer, None);
+            episodes[i].agent_time += elapsed;
+            calls.extend(self.take_turn(&mut episodes[i], i, result, config));
         }
         calls
+    }
+
+    /// Ends an episode that is out of turns or tokens; else sets the budget of its next turn.
+    /// Whether it goes on.
+    fn prepare_turn(&mut self, episode: &mut Episode, config: &EpisodeConfig) -> bool {
+        if episode.turns.len() >= config.max_turns {
+            self.finish(episode, StopReason::TurnLimit, None, None);
+            return false;
+        }
+        let left = config.max_response_tokens.saturating_sub(episode.response_tokens);
+        if left == 0 || config.max_turn_tokens == 0 {
+            self.finish(episode, StopReason::TokenLimit, None, None);
+            return false;
+        }
+        episode.ctx.set_turn_budget(left.min(config.max_turn_tokens));
+        true
+    }
+
+    /// Takes episode `i`'s generated turn: ends the episode (an answer, no call, a limit, a
+    /// failure) or returns the call to send.
+    fn take_turn(
+        &mut self,
+        episode: &mut Episode,
+        i: usize,
+        result: Result<crate::agent::TurnText, crate::agent::AgentError>,
+        config: &EpisodeConfig,
+    ) -> Option<PendingCall> {
+        let turn = match result {
+            Ok(turn) => turn,
+            Err(err) => {
+                self.finish(episode, StopReason::AgentFailure, None, Some(err.to_string()));
+                return None;
+            }
+        };
+        let text = format!("{}{}", episode.ctx.turn_prefix(), turn.text);
+        episode.response_text.push_str(&turn.text);
+        if turn.end == TurnEnd::ImEnd {
+            episode.response_text.push_str(IM_END);
+        }
+        episode.response_tokens += turn.tokens;
+        let parsed = parse_turn(&text);
+        let mut record = TurnRecord {
+            think: parsed.think,
+            prompt: None,
+            response: None,
+            response_truncated: false,
+            answer: None,
+            text,
+            tokens: turn.tokens,
+            end: turn.end,
+            env_ms: None,
+        };
+        let stop = match parsed.action {
+            TurnAction::Answer(answer) => {
+                record.answer = Some(answer);
+                StopReason::Answer
+            }
+            TurnAction::Call(call) => {
+                record.prompt = Some(call.prompt.clone());
+                if !config.allow_calls {
+                    StopReason::TurnLimit
+                } else if episode.response_tokens >= config.max_response_tokens {
+                    StopReason::TokenLimit
+                } else {
+                    let pending = PendingCall {
+                        episode: i,
+                        messages: environment_messages(&config.env_system, episode.ctx.exchanges(), &call.prompt),
+                        prompt: call.prompt,
+                        agent_emitted_im_end: turn.end == TurnEnd::ImEnd,
+                    };
+                    episode.turns.push(record);
+                    return Some(pending);
+                }
+            }
+            TurnAction::Nothing if turn.end == TurnEnd::Length => StopReason::TokenLimit,
+            TurnAction::Nothing => StopReason::NoCall,
+        };
+        let answer = record.answer.clone();
+        self.observer.turn_finished(i, &record);
+        episode.turns.push(record);
+        self.finish(episode, stop, answer, None);
+        None
     }
 
     /// Sends the calls in parallel and appends each reply to its episode.
@@ -340,52 +347,148 @@ impl<A: Agent + ?Sized> Run<'_, A> {
             (reply, started.elapsed())
         });
         for (call, (reply, elapsed)) in calls.into_iter().zip(replies) {
-            let episode = &mut episodes[call.episode];
-            episode.env_time += elapsed;
-            episode.calls += 1;
-            let Some(mut record) = episode.turns.pop() else {
-                continue;
-            };
-            record.env_ms = Some(millis(elapsed));
-            let reply = match reply {
-                Ok(reply) => reply.trim().to_string(),
-                Err(err) => {
-                    self.observer.turn_finished(call.episode, &record);
-                    episode.turns.push(record);
-                    self.finish(episode, StopReason::EnvFailure, None, Some(err.to_string()));
-                    continue;
-                }
-            };
-            let shown = config.reply.show(&reply);
-            let text = environment_text(&shown.text, call.agent_emitted_im_end);
-            record.response = Some(reply.clone());
-            record.response_truncated = shown.truncated;
-            match self.agent.append_environment(&mut episode.ctx, &text) {
-                Ok(tokens) => {
-                    episode.response_tokens += tokens;
-                    episode.response_text.push_str(&text);
-                    let exchange = Exchange {
-                        turn_text: record.text.clone(),
-                        prompt: call.prompt,
-                        reply,
-                        shown_reply: shown.text,
-                    };
-                    episode.ctx.push_exchange(exchange, NEXT_TURN_PREFIX);
-                    self.observer.turn_finished(call.episode, &record);
-                    episode.turns.push(record);
-                }
-                Err(err) => {
-                    self.observer.turn_finished(call.episode, &record);
-                    episode.turns.push(record);
-                    self.finish(
-                        episode,
-                        StopReason::AgentFailure,
-                        None,
-                        Some(err.to_string()),
-                    );
-                }
+            let i = call.episode;
+            self.take_reply(&mut episodes[i], call, reply, elapsed, config);
+        }
+    }
+
+    /// Appends the environment's reply to its episode (or ends it on a failed call).
+    fn take_reply(
+        &mut self,
+        episode: &mut Episode,
+        call: PendingCall,
+        reply: Result<String, crate::error::EnvError>,
+        elapsed: Duration,
+        config: &EpisodeConfig,
+    ) {
+        episode.env_time += elapsed;
+        episode.calls += 1;
+        let Some(mut record) = episode.turns.pop() else {
+            return;
+        };
+        record.env_ms = Some(millis(elapsed));
+        let reply = match reply {
+            Ok(reply) => reply.trim().to_string(),
+            Err(err) => {
+                self.observer.turn_finished(call.episode, &record);
+                episode.turns.push(record);
+                self.finish(episode, StopReason::EnvFailure, None, Some(err.to_string()));
+                return;
+            }
+        };
+        let shown = config.reply.show(&reply);
+        let text = environment_text(&shown.text, call.agent_emitted_im_end);
+        record.response = Some(reply.clone());
+        record.response_truncated = shown.truncated;
+        match self.agent.append_environment(&mut episode.ctx, &text) {
+            Ok(tokens) => {
+                episode.response_tokens += tokens;
+                episode.response_text.push_str(&text);
+                let exchange = Exchange {
+                    turn_text: record.text.clone(),
+                    prompt: call.prompt,
+                    reply,
+                    shown_reply: shown.text,
+                };
+                episode.ctx.push_exchange(exchange, NEXT_TURN_PREFIX);
+                self.observer.turn_finished(call.episode, &record);
+                episode.turns.push(record);
+            }
+            Err(err) => {
+                self.observer.turn_finished(call.episode, &record);
+                episode.turns.push(record);
+                self.finish(episode, StopReason::AgentFailure, None, Some(err.to_string()));
             }
         }
+    }
+
+    /// The loop for an agent that decodes continuously: an episode whose turn ends leaves the
+    /// batch, its call goes to one of `env_concurrency` worker threads (the environment stays
+    /// synchronous), and the other episodes keep decoding; it rejoins with its reply at the next
+    /// step.
+    fn continuous<E: Environment + ?Sized>(&mut self, episodes: &mut [Episode], env: &E, config: &EpisodeConfig) {
+        type Answered = (PendingCall, Result<String, crate::error::EnvError>, Duration);
+        let (jobs, job_queue) = std::sync::mpsc::channel::<PendingCall>();
+        let job_queue = std::sync::Mutex::new(job_queue);
+        let (answers, answered) = std::sync::mpsc::channel::<Answered>();
+        std::thread::scope(|scope| {
+            for _ in 0..config.env_concurrency.max(1).min(episodes.len().max(1)) {
+                let (job_queue, answers) = (&job_queue, answers.clone());
+                scope.spawn(move || loop {
+                    let next = job_queue.lock().map(|queue| queue.recv());
+                    let Ok(Ok(call)) = next else { return };
+                    let started = Instant::now();
+                    let reply = env.complete(&call.messages);
+                    if answers.send((call, reply, started.elapsed())).is_err() {
+                        return;
+                    }
+                });
+            }
+            drop(answers);
+            let mut ready: Vec<usize> = (0..episodes.len()).filter(|&i| episodes[i].is_running()).collect();
+            let (mut in_turn, mut waiting) = (Vec::<usize>::new(), 0usize);
+            loop {
+                let starting: Vec<usize> = std::mem::take(&mut ready)
+                    .into_iter()
+                    .filter(|&i| episodes[i].is_running() && self.prepare_turn(&mut episodes[i], config))
+                    .collect();
+                if !starting.is_empty() {
+                    let results = {
+                        let mut contexts: Vec<&mut AgentContext> = episodes.iter_mut().enumerate().filter(|(i, _)| starting.contains(i)).map(|(_, e)| &mut e.ctx).collect();
+                        self.agent.start_turns(&mut contexts)
+                    };
+                    for (&i, result) in starting.iter().zip(results) {
+                        match result {
+                            Ok(()) => in_turn.push(i),
+                            Err(err) => self.finish(&mut episodes[i], StopReason::AgentFailure, None, Some(err.to_string())),
+                        }
+                    }
+                }
+                if !in_turn.is_empty() {
+                    let started = Instant::now();
+                    let ended = {
+                        let mut contexts: Vec<&mut AgentContext> = episodes.iter_mut().enumerate().filter(|(i, _)| in_turn.contains(i)).map(|(_, e)| &mut e.ctx).collect();
+                        self.agent.advance(&mut contexts)
+                    };
+                    let elapsed = started.elapsed();
+                    for &i in &in_turn {
+                        episodes[i].agent_time += elapsed;
+                    }
+                    for (i, result) in ended {
+                        in_turn.retain(|&j| j != i);
+                        if let Some(call) = self.take_turn(&mut episodes[i], i, result, config) {
+                            waiting += 1;
+                            if let Err(unsent) = jobs.send(call) {
+                                let call = unsent.0;
+                                waiting -= 1;
+                                let lost = crate::error::EnvError::Config("the environment workers stopped".into());
+                                self.take_reply(&mut episodes[call.episode], call, Err(lost), Duration::ZERO, config);
+                            }
+                        }
+                    }
+                }
+                if in_turn.is_empty() && waiting == 0 {
+                    break;
+                }
+                // Block for a reply only when nothing can decode meanwhile.
+                let mut replies: Vec<Answered> = answered.try_iter().collect();
+                if replies.is_empty() && in_turn.is_empty() {
+                    match answered.recv() {
+                        Ok(reply) => replies.push(reply),
+                        Err(_) => break,
+                    }
+                }
+                for (call, reply, elapsed) in replies {
+                    waiting -= 1;
+                    let i = call.episode;
+                    self.take_reply(&mut episodes[i], call, reply, elapsed, config);
+                    if episodes[i].is_running() {
+                        ready.push(i);
+                    }
+                }
+            }
+            drop(jobs);
+        });
     }
 
     /// Ends an episode: frees the agent's state, builds the trajectory and reports it.

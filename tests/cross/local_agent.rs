@@ -78,17 +78,23 @@ fn trajectories_of_the_local_agent_are_consistent() {
     let trajectories = run(3);
     assert!(content(&run(3)) == content(&trajectories), "same seed, same trajectories");
 
-    // Each turn prefills its episode's whole history: the tokens before the turn's first
-    // sampled token (`perf/prefill_tokens` of a training step).
+    // Each context token enters the episode's kept cache once: the first turn prefills the
+    // prompt; a later turn prefills the previous turn's last sampled token (chosen, not yet fed)
+    // and the environment's reply; every other sampled token goes through a decode step
+    // (`perf/prefill_tokens` of a training step).
     let mut agent = LocalAgent::new(&model, &tokenizer, Sampling { temperature: 1.0, seed: 3, ..Default::default() });
     let counted = env::run_episodes(&mut agent, &Echo, &questions, &episode);
+    assert!(content(&counted) == content(&trajectories), "counting changes nothing");
     let mut expected = 0u64;
     for t in &counted {
-        let starts: Vec<usize> = (0..t.loss_mask.len())
-            .filter(|&i| t.loss_mask[i] == 1 && (i == 0 || t.loss_mask[i - 1] == 0))
-            .collect();
+        let sampled = |i: usize| t.loss_mask[i] == 1;
+        let starts: Vec<usize> = (0..t.loss_mask.len()).filter(|&i| sampled(i) && (i == 0 || !sampled(i - 1))).collect();
+        let ends: Vec<usize> = (0..t.loss_mask.len()).filter(|&i| sampled(i) && (i + 1 == t.loss_mask.len() || !sampled(i + 1))).collect();
         assert_eq!(starts.len(), t.turns.len(), "one run of sampled tokens per turn");
-        expected += starts.iter().map(|&i| i as u64).sum::<u64>();
+        expected += starts[0] as u64;
+        for k in 1..starts.len() {
+            expected += (starts[k] - ends[k - 1]) as u64;
+        }
     }
     assert!(expected > 0);
     assert_eq!(agent.prefill_tokens(), expected);
@@ -119,6 +125,133 @@ fn trajectories_of_the_local_agent_are_consistent() {
             if m == 1 {
                 assert!((lp - scored[k]).abs() < 1e-4, "token {k}: rollout {lp} vs scoring {}", scored[k]);
             }
+        }
+    }
+}
+
+/// Hands the episode loop a call on every turn but the last (a random model writes none), the
+/// agent's sampled tokens kept as they are: multi-turn episodes from a tiny model. The third
+/// field says whether the loop runs it continuously or turn by turn.
+struct ForcedCalls<'m>(LocalAgent<'m, Flex>, usize, bool);
+
+impl ForcedCalls<'_> {
+    fn force(&self, ctx: &AgentContext, turn: Result<env::TurnText, env::AgentError>) -> Result<env::TurnText, env::AgentError> {
+        let turn = turn?;
+        let t = ctx.exchanges().len();
+        let text = if t + 1 < self.1 {
+            format!("{}call {t} of {}{}", env::CALL_OPEN, ctx.question(), env::CALL_CLOSE)
+        } else {
+            format!("{}done{}", env::ANSWER_OPEN, env::ANSWER_CLOSE)
+        };
+        Ok(env::TurnText { text, ..turn })
+    }
+}
+
+impl Agent for ForcedCalls<'_> {
+    fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), env::AgentError> {
+        self.0.begin_episode(ctx)
+    }
+
+    fn generate_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<env::TurnText, env::AgentError>> {
+        let results = self.0.generate_turns(episodes);
+        episodes.iter().zip(results).map(|(ctx, turn)| self.force(ctx, turn)).collect()
+    }
+
+    fn continuous(&self) -> bool {
+        self.2
+    }
+
+    fn start_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<(), env::AgentError>> {
+        self.0.start_turns(episodes)
+    }
+
+    fn advance(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<(usize, Result<env::TurnText, env::AgentError>)> {
+        let ended = self.0.advance(episodes);
+        ended
+            .into_iter()
+            .map(|(index, turn)| {
+                let ctx = episodes.iter().find(|c| c.index() == index).expect("an episode of the step");
+                (index, self.force(ctx, turn))
+            })
+            .collect()
+    }
+
+    fn append_environment(&mut self, ctx: &mut AgentContext, text: &str) -> Result<usize, env::AgentError> {
+        self.0.append_environment(ctx, text)
+    }
+
+    fn end_episode(&mut self, ctx: &mut AgentContext) {
+        self.0.end_episode(ctx)
+    }
+}
+
+/// Replies after a random delay (its own generator: the delays differ from run to run of the
+/// test, by design), and fails every call of the question "Fail?".
+struct Delayed(std::sync::Mutex<rand::rngs::StdRng>);
+
+impl env::Environment for Delayed {
+    fn complete(&self, messages: &[env::ChatMessage]) -> Result<String, env::EnvError> {
+        use rand::Rng;
+        let delay = self.0.lock().unwrap().random_range(0..25);
+        std::thread::sleep(std::time::Duration::from_millis(delay));
+        if messages.iter().any(|m| m.content.contains("of Fail?")) {
+            return Err(env::EnvError::Config("scripted failure".into()));
+        }
+        Ok(format!("reply to {} messages", messages.len()))
+    }
+}
+
+/// Episodes run as the trainer runs them (`generation_batch` at a time, each episode's stream
+/// numbered by its place in the whole list): the same seed gives the same episodes whatever
+/// the batch size, whatever the environment's delays (which reorder who decodes beside whom
+/// when the loop runs continuously) and turn by turn or continuously, each episode keeping its
+/// KV cache across its turns; an environment failure in the middle of a batch ends only its
+/// episode.
+#[test]
+fn episodes_do_not_depend_on_batching_or_environment_delays() {
+    use rand::SeedableRng;
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+    let special = *tokenizer.special();
+    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end]);
+    write_random_checkpoint(&config, dir.path(), 9, StorageDtype::F32).unwrap();
+    let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+    let questions = ["Paris?", "Rome?", "Fail?", "Oslo?", "Lima?", "Bern?", "Kyiv?", "Nome?"];
+    let episode = env::EpisodeConfig { max_turns: 3, max_turn_tokens: 12, env_concurrency: 8, ..env::EpisodeConfig::training() };
+    let run = |generation_batch: usize, delays: u64, continuous: bool| {
+        let env = Delayed(std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(delays)));
+        let sampling = Sampling { temperature: 1.0, seed: 5, ..Default::default() };
+        let mut agent = ForcedCalls(LocalAgent::new(&model, &tokenizer, sampling), 3, continuous);
+        agent.0.set_batch_stream(2);
+        let mut out = Vec::new();
+        for (c, chunk) in questions.chunks(generation_batch).enumerate() {
+            agent.0.set_episode_offset(c * generation_batch);
+            out.extend(env::run_episodes(&mut agent, &env, chunk, &episode));
+        }
+        (out, agent.0.decoder_stats())
+    };
+    let (reference, stats) = run(8, 1, true);
+    for (i, t) in reference.iter().enumerate() {
+        if questions[i] == "Fail?" {
+            assert_eq!(t.stop_reason, env::StopReason::EnvFailure, "{:?}", t.error);
+        } else {
+            assert_eq!(t.stop_reason, env::StopReason::Answer, "episode {i}: {:?}", t.error);
+            assert_eq!(t.turns.len(), 3, "episode {i}");
+        }
+    }
+    // Each context token entered its episode's cache once, and no turn re-ran its history.
+    let fed = stats.prefill_tokens + stats.decode_tokens;
+    let context: u64 = reference.iter().map(|t| t.token_ids.len() as u64).sum();
+    assert!(fed <= context, "{fed} tokens fed for {context} context tokens");
+    for (generation_batch, delays, continuous) in [(1, 2, true), (3, 3, true), (8, 4, true), (8, 5, false), (3, 6, false)] {
+        let (other, _) = run(generation_batch, delays, continuous);
+        for (i, (a, b)) in reference.iter().zip(&other).enumerate() {
+            let case = format!("episode {i}, generation_batch {generation_batch}, continuous {continuous}");
+            assert_eq!(a.token_ids, b.token_ids, "{case}");
+            assert_eq!(a.loss_mask, b.loss_mask, "{case}");
+            assert_eq!(a.stop_reason, b.stop_reason, "{case}");
+            let worst = a.logprobs.iter().zip(&b.logprobs).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(worst < 1e-4, "{case}: log-probs differ by {worst}");
         }
     }
 }

@@ -471,6 +471,7 @@ impl TrainStep {
             micro_batch: config.micro_batch_size,
             mini_batch: config.mini_batch_size,
             generation_batch: 1,
+            rollout: Default::default(),
             context: self.seq_len,
             checkpointing: self.checkpointing,
             matmul: self.matmul,

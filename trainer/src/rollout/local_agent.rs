@@ -1,13 +1,20 @@
-//! The agent as a local Qwen3 checkpoint run by our burn model: every active episode of a batch
-//! generates its turn in one left-padded batch with a KV cache, and the context is built token by
-//! token (the first prompt and each environment text are tokenised once, on their own; the
-//! agent's sampled tokens are recorded as sampled, with their log-probs).
+//! The agent as a local Qwen3 checkpoint run by our burn model on a [`Decoder`]: each episode is
+//! one sequence of the decoder from its first prompt to its end, so its KV cache is kept across
+//! turns and after an environment reply only the reply's tokens are prefilled. Within a turn
+//! each episode leaves the batch as its own turn ends (its own token budget). The context is
+//! built token by token (the first prompt and each environment text are tokenised once, on their
+//! own; the agent's sampled tokens are recorded as sampled, with their log-probs). It decodes
+//! continuously: the episode loop hands it turns as episodes become ready and steps it, so an
+//! episode whose environment call is out leaves the batch while the others go on.
+
+use std::collections::HashMap;
 
 use burn::tensor::backend::Backend;
 use env::{Agent, AgentContext, AgentError, TurnEnd, TurnText};
 use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{generate_seeded, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling, SamplingConfig};
+use model::{choose_row_tokens, Decoder, DecoderLimits, DecoderStats, LoraAdapters, LoraModel, ModelError, Qwen3ForCausalLM, RowSampling, Sampling, SequenceId};
+use rand::{rngs::StdRng, SeedableRng};
 
 /// A local checkpoint acting as the Prompt-R1 agent (with LoRA adapters, if given).
 pub struct LocalAgent<'m, B: Backend> {
@@ -19,14 +26,30 @@ pub struct LocalAgent<'m, B: Backend> {
     /// Distinguishes batches of episodes run with the same agent (e.g. training steps), so that
     /// episode `i` of two batches does not repeat its samples.
     batch_stream: u64,
+    /// Added to each episode's index in its batch to name its sampling stream.
+    episode_offset: usize,
     stop_ids: Vec<u32>,
     turns_generated: Vec<u64>,
-    /// Tokens run through prefill so far: each turn's prompt, the row's whole history.
-    prefill_tokens: u64,
+    /// Every running episode's sequence (keyed by its index), its cache kept between turns.
+    decoder: Decoder<B>,
+    /// The episodes generating a turn, by index.
+    rows: HashMap<SequenceId, TurnRow>,
+    /// Turns that ended without decoding (a zero budget), reported by the next `advance`.
+    ended: Vec<(usize, Result<TurnText, AgentError>)>,
+}
+
+/// One episode's turn while it generates.
+struct TurnRow {
+    rng: StdRng,
+    budget: usize,
+    generated: usize,
+    /// Where the turn's tokens start in the episode's trace.
+    start: usize,
 }
 
 impl<'m, B: Backend> LocalAgent<'m, B> {
-    /// An agent over a loaded model and its tokenizer.
+    /// An agent over a loaded model and its tokenizer, decoding without limits (see
+    /// [`Self::with_limits`]).
     pub fn new(
         model: &'m Qwen3ForCausalLM<B>,
         tokenizer: &'m Qwen3Tokenizer,
@@ -38,9 +61,12 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
             tokenizer,
             sampling,
             batch_stream: 0,
+            episode_offset: 0,
             stop_ids: vec![special.im_end, special.endoftext],
             turns_generated: Vec::new(),
-            prefill_tokens: 0,
+            decoder: Decoder::new(DecoderLimits::default()),
+            rows: HashMap::new(),
+            ended: Vec::new(),
         }
     }
 
@@ -50,21 +76,105 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
         self
     }
 
+    /// The agent decoding within `limits` (rows at once, prefill chunk, KV budget).
+    pub fn with_limits(mut self, limits: DecoderLimits) -> Self {
+        self.decoder = Decoder::new(limits);
+        self
+    }
+
     /// Sets the stream of the next batch of episodes (e.g. the training step), which together
     /// with the episode index and turn number seeds every turn's sampling.
     pub fn set_batch_stream(&mut self, stream: u64) {
         self.batch_stream = stream;
     }
 
-    /// Tokens this agent has run through prefill: every turn prefills its episode's whole
-    /// history (the rows' own tokens, left padding not counted).
+    /// Numbers the next batch's episodes from `offset` in their sampling streams, so that a
+    /// run split into batches samples each episode as one batch of them all would (whatever
+    /// `generation_batch` is).
+    pub fn set_episode_offset(&mut self, offset: usize) {
+        self.episode_offset = offset;
+    }
+
+    /// Tokens this agent has run through prefill: each episode's first prompt and environment
+    /// replies, and anything prefilled again after its cache was dropped for room (padding
+    /// not counted). The agent's own tokens go through one-token decode steps.
     pub fn prefill_tokens(&self) -> u64 {
-        self.prefill_tokens
+        self.decoder.stats().prefill_tokens
+    }
+
+    /// What the decoder has done (prefill and decode tokens, preemptions, peak KV positions).
+    pub fn decoder_stats(&self) -> DecoderStats {
+        self.decoder.stats()
     }
 
     fn turn_seed(&self, episode: usize, turn: u64) -> u64 {
         let batch = row_seed(self.sampling.seed, self.batch_stream);
-        row_seed(row_seed(batch, episode as u64), turn)
+        row_seed(row_seed(batch, (self.episode_offset + episode) as u64), turn)
+    }
+
+    /// Puts episode `ctx`'s sequence in line for its next turn: a new sequence of its whole
+    /// context, or its kept sequence extended by the tokens recorded since.
+    fn queue_turn(&mut self, ctx: &AgentContext) -> Result<(), ModelError> {
+        let id = ctx.index() as SequenceId;
+        let trace = ctx.trace().ids();
+        match self.decoder.tokens(id) {
+            None => self.decoder.add(&self.model, id, trace.to_vec()),
+            Some(known) if trace.starts_with(known) => {
+                let known = known.len();
+                self.decoder.extend(&self.model, id, &trace[known..])
+            }
+            Some(_) => Err(ModelError::Input(format!(
+                "episode {id}'s context no longer starts with the tokens its cache holds"
+            ))),
+        }
+    }
+
+    /// One decoder step for every episode generating a turn (`episodes` holds them, found by
+    /// index): records each sampled token in its context, and returns the turns that ended
+    /// (their sequences parked, caches kept for the next turn).
+    fn step_once(&mut self, episodes: &mut [&mut AgentContext]) -> Result<Vec<(usize, Result<TurnText, AgentError>)>, ModelError> {
+        let Some(step) = self.decoder.step(&self.model)? else {
+            return Err(ModelError::Input("the decoder has no sequence for the turns in progress".into()));
+        };
+        let slots: HashMap<SequenceId, usize> = episodes.iter().enumerate().map(|(slot, c)| (c.index() as SequenceId, slot)).collect();
+        let mut rows = Vec::with_capacity(step.ids.len());
+        for id in &step.ids {
+            let row = self.rows.remove(id).ok_or_else(|| ModelError::Input(format!("sequence {id} is not an episode generating a turn")))?;
+            let slot = *slots.get(id).ok_or_else(|| ModelError::Input(format!("episode {id} was not handed to the step")))?;
+            rows.push((*id, slot, row));
+        }
+        let choices = {
+            let mut samplers: Vec<RowSampling<'_>> = rows.iter_mut().map(|(_, _, row)| RowSampling { sampling: &self.sampling, rng: &mut row.rng }).collect();
+            choose_row_tokens(step.logits, &mut samplers)?
+        };
+        let im_end = self.tokenizer.special().im_end;
+        let mut ended = Vec::new();
+        for ((id, slot, mut row), (token, logprob)) in rows.into_iter().zip(choices) {
+            let ctx = &mut episodes[slot];
+            ctx.record_agent_token(token, logprob);
+            row.generated += 1;
+            self.decoder.accept(id, token)?;
+            let end = if token == im_end {
+                Some(TurnEnd::ImEnd)
+            } else if self.stop_ids.contains(&token) || row.generated >= row.budget {
+                Some(TurnEnd::Length)
+            } else {
+                None
+            };
+            match end {
+                None => {
+                    self.rows.insert(id, row);
+                }
+                Some(end) => {
+                    self.decoder.park(id)?;
+                    let tokens = &ctx.trace().ids()[row.start..];
+                    let body = if end == TurnEnd::ImEnd { &tokens[..tokens.len() - 1] } else { tokens };
+                    let text = self.tokenizer.decode(body, false).map_err(|e| AgentError::Model(e.to_string()));
+                    ended.push((ctx.index(), text.map(|text| TurnText { text, tokens: tokens.len(), end })));
+                }
+            }
+        }
+        Ok(ended)
     }
 }
 
@@ -79,75 +189,92 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
             self.turns_generated.resize(ctx.index() + 1, 0);
         }
         self.turns_generated[ctx.index()] = 0;
+        self.rows.remove(&(ctx.index() as SequenceId));
+        self.decoder.finish(ctx.index() as SequenceId);
         Ok(())
     }
 
+    /// The turn of every given episode, decoded together; each leaves the batch as its turn
+    /// ends.
     fn generate_turns(
         &mut self,
         episodes: &mut [&mut AgentContext],
     ) -> Vec<Result<TurnText, AgentError>> {
-        if episodes.is_empty() {
-            return Vec::new();
-        }
-        let prompts: Vec<Vec<u32>> = episodes.iter().map(|c| c.trace().ids().to_vec()).collect();
-        self.prefill_tokens += prompts.iter().map(|p| p.len() as u64).sum::<u64>();
-        let seeds: Vec<u64> = episodes
-            .iter()
-            .map(|c| {
-                self.turn_seed(
-                    c.index(),
-                    self.turns_generated.get(c.index()).copied().unwrap_or(0),
-                )
-            })
+        let slots: HashMap<usize, usize> = episodes.iter().enumerate().map(|(slot, c)| (c.index(), slot)).collect();
+        let mut results: Vec<Option<Result<TurnText, AgentError>>> = self
+            .start_turns(episodes)
+            .into_iter()
+            .map(|started| started.err().map(Err))
             .collect();
-        let budget = episodes.iter().map(|c| c.turn_budget()).max().unwrap_or(0);
-        // The seeds are per row (`seeds`), so the config's own seed is not used.
-        let config = SamplingConfig {
-            sampling: self.sampling.clone(),
-            max_new_tokens: budget,
-            stop_token_ids: self.stop_ids.clone(),
-        };
-        let generated = match generate_seeded(&self.model, &prompts, &config, &seeds) {
-            Ok(g) => g,
-            Err(e) => {
-                let message = e.to_string();
-                return episodes
-                    .iter()
-                    .map(|_| Err(AgentError::Model(message.clone())))
-                    .collect();
+        while results.iter().any(Option::is_none) {
+            let ended = self.advance(episodes);
+            if ended.is_empty() && self.rows.is_empty() {
+                break;
             }
-        };
-        let im_end = self.tokenizer.special().im_end;
+            for (index, result) in ended {
+                if let Some(&slot) = slots.get(&index) {
+                    results[slot] = Some(result);
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(AgentError::Model("the turn was not generated".into()))))
+            .collect()
+    }
+
+    fn continuous(&self) -> bool {
+        true
+    }
+
+    fn start_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<(), AgentError>> {
         episodes
-            .iter_mut()
-            .zip(generated)
-            .map(|(ctx, out)| {
+            .iter()
+            .map(|ctx| {
+                let turn = self.turns_generated.get(ctx.index()).copied().unwrap_or(0);
                 if let Some(n) = self.turns_generated.get_mut(ctx.index()) {
                     *n += 1;
                 }
-                // Rows share one budget (the largest); each keeps only its own.
-                let keep = out.tokens.len().min(ctx.turn_budget());
-                let tokens = &out.tokens[..keep];
-                for (&id, &lp) in tokens.iter().zip(&out.logprobs) {
-                    ctx.record_agent_token(id, lp);
+                if ctx.turn_budget() == 0 {
+                    let empty = TurnText { text: String::new(), tokens: 0, end: TurnEnd::Length };
+                    self.ended.push((ctx.index(), Ok(empty)));
+                    return Ok(());
                 }
-                let ended = tokens.last() == Some(&im_end);
-                let body = if ended { &tokens[..keep - 1] } else { tokens };
-                let text = self
-                    .tokenizer
-                    .decode(body, false)
-                    .map_err(|e| AgentError::Model(e.to_string()))?;
-                Ok(TurnText {
-                    text,
-                    tokens: keep,
-                    end: if ended {
-                        TurnEnd::ImEnd
-                    } else {
-                        TurnEnd::Length
-                    },
-                })
+                self.queue_turn(ctx).map_err(|e| AgentError::Model(e.to_string()))?;
+                let row = TurnRow {
+                    rng: StdRng::seed_from_u64(self.turn_seed(ctx.index(), turn)),
+                    budget: ctx.turn_budget(),
+                    generated: 0,
+                    start: ctx.trace().len(),
+                };
+                self.rows.insert(ctx.index() as SequenceId, row);
+                Ok(())
             })
             .collect()
+    }
+
+    fn advance(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<(usize, Result<TurnText, AgentError>)> {
+        let mut ended = std::mem::take(&mut self.ended);
+        if self.rows.is_empty() {
+            return ended;
+        }
+        match self.step_once(episodes) {
+            Ok(more) => ended.extend(more),
+            Err(e) => {
+                // The step failed as a whole: every turn in progress fails with it.
+                let message = e.to_string();
+                for (id, _) in self.rows.drain() {
+                    self.decoder.finish(id);
+                    ended.push((id as usize, Err(AgentError::Model(message.clone()))));
+                }
+            }
+        }
+        ended
+    }
+
+    fn end_episode(&mut self, ctx: &mut AgentContext) {
+        self.rows.remove(&(ctx.index() as SequenceId));
+        self.decoder.finish(ctx.index() as SequenceId);
     }
 
     fn append_environment(

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::DType;
 use env::ClientConfig;
 use model::qwen3::compute::DEFAULT_ATTENTION_BLOCK_SIZE;
-use model::{AttnImplementation, Compute, LoraConfig, Sampling};
+use model::{AttnImplementation, Compute, DecoderLimits, LoraConfig, Qwen3Config, Sampling};
 use rewards::RewardConfig;
 use serde::{Deserialize, Serialize};
 
@@ -169,6 +169,18 @@ pub struct RolloutSection {
     pub n: usize,
     /// Episodes generated together in one batched forward pass.
     pub generation_batch: usize,
+    /// Most episodes decoding at once (vLLM's `max_num_seqs`): the others of a rollout batch
+    /// wait and join as episodes finish. Unset: `generation_batch`.
+    pub max_num_seqs: Option<usize>,
+    /// Most positions one prefill pass runs, rows × new tokens (vLLM's
+    /// `max_num_batched_tokens`): longer prefills run in chunks, which bounds the rollouts'
+    /// activation memory.
+    pub max_num_batched_tokens: usize,
+    /// Most memory the rollouts' KV cache holds (e.g. "24GiB"), spare capacity and caches of
+    /// episodes waiting on the environment included: episodes wait to join, and the newest are
+    /// preempted (and prefilled again later), rather than go past it. It must hold one episode
+    /// at the full context. Unset: no limit.
+    pub kv_budget: Option<String>,
     /// Sampling of the agent during rollouts (validation is greedy); `seed` is the base of
     /// every episode's and turn's stream.
     pub sampling: Sampling,
@@ -196,6 +208,49 @@ pub enum InferenceDtype {
     Bf16,
 }
 
+impl RolloutSection {
+    /// The limits of the rollouts' decoder for `model` with a KV cache of `cache_dtype`: rows
+    /// at once (`max_num_seqs`, else `generation_batch`), prefill positions per pass, and
+    /// `kv_budget` in KV positions (bytes / (2 · layers · kv_heads · head_dim · dtype size),
+    /// rounded down). An error names the key.
+    pub fn decoder_limits(&self, model: &Qwen3Config, cache_dtype: DType) -> Result<DecoderLimits, TrainError> {
+        self.validate_limits().map_err(TrainError::Invalid)?;
+        let kv_budget = match &self.kv_budget {
+            None => None,
+            Some(size) => {
+                let bytes = crate::plan::parse_size(size).map_err(|e| TrainError::Invalid(format!("rollout.kv_budget: {e}")))?;
+                let per_position = crate::plan::kv_position_bytes(model, cache_dtype).max(1);
+                let positions = bytes / per_position;
+                if positions == 0 {
+                    return Err(TrainError::Invalid(format!(
+                        "rollout.kv_budget: \"{size}\" holds no KV position of this model ({per_position} bytes each)"
+                    )));
+                }
+                Some(usize::try_from(positions).unwrap_or(usize::MAX))
+            }
+        };
+        Ok(DecoderLimits {
+            max_rows: self.max_num_seqs.unwrap_or(self.generation_batch),
+            max_batched_tokens: self.max_num_batched_tokens,
+            kv_budget,
+        })
+    }
+
+    /// Checks `max_num_seqs`, `max_num_batched_tokens` and `kv_budget`; the message names the key.
+    fn validate_limits(&self) -> Result<(), String> {
+        if self.max_num_seqs == Some(0) {
+            return Err("rollout.max_num_seqs must be at least 1".into());
+        }
+        if self.max_num_batched_tokens == 0 {
+            return Err("rollout.max_num_batched_tokens must be at least 1".into());
+        }
+        if let Some(size) = &self.kv_budget {
+            crate::plan::parse_size(size).map_err(|e| format!("rollout.kv_budget: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
 impl InferenceDtype {
     /// The tensor dtype.
     pub fn dtype(self) -> DType {
@@ -212,6 +267,9 @@ impl Default for RolloutSection {
             batch_size: 128,
             n: 5,
             generation_batch: 64,
+            max_num_seqs: None,
+            max_num_batched_tokens: crate::plan::DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            kv_budget: None,
             sampling: Sampling::default(),
             advantage: AdvantageMode::Grpo,
             dtype: InferenceDtype::F32,
@@ -308,6 +366,7 @@ impl TrainConfig {
         if self.rollout.batch_size == 0 || self.rollout.n == 0 || self.rollout.generation_batch == 0 {
             return Err("rollout.batch_size, rollout.n and rollout.generation_batch must be at least 1".into());
         }
+        self.rollout.validate_limits()?;
         self.compute().validate()?;
         if self.run.save_every == 0 {
             return Err("run.save_every must be at least 1".into());
@@ -429,6 +488,55 @@ mod tests {
         assert!(parse("80GiB").validate().is_ok());
         let err = parse("eighty").validate().unwrap_err();
         assert!(err.contains("run.device_memory") && err.contains("eighty"), "{err}");
+    }
+
+    fn parse_rollout(keys: &str) -> TrainConfig {
+        toml::from_str(&format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n[rollout]\n{keys}\n")).unwrap()
+    }
+
+    #[test]
+    fn decoder_limits_default_to_the_generation_batch_and_no_budget() {
+        let config = parse_rollout("generation_batch = 48");
+        assert_eq!((config.rollout.max_num_seqs, config.rollout.max_num_batched_tokens), (None, 8192));
+        assert_eq!(config.rollout.kv_budget, None);
+        let limits = config.rollout.decoder_limits(&model::Preset::Qwen3_4B.config(1024, vec![]), DType::BF16).unwrap();
+        assert_eq!(limits, DecoderLimits { max_rows: 48, max_batched_tokens: 8192, kv_budget: None });
+    }
+
+    #[test]
+    fn the_kv_budget_becomes_positions_of_the_models_cache() {
+        let config = parse_rollout("max_num_seqs = 32\nmax_num_batched_tokens = 4096\nkv_budget = \"24GiB\"");
+        assert!(config.validate().is_ok());
+        // Qwen3-4B: 36 layers × (keys + values) × 8 kv heads × 128 = 73,728 values a position.
+        let qwen3_4b = model::Preset::Qwen3_4B.config(1024, vec![]);
+        let bf16 = config.rollout.decoder_limits(&qwen3_4b, DType::BF16).unwrap();
+        assert_eq!(bf16.max_rows, 32);
+        assert_eq!(bf16.max_batched_tokens, 4096);
+        // 24 GiB / 147,456 bytes = 174,762.67: rounded down.
+        assert_eq!(bf16.kv_budget, Some(174_762));
+        let f32 = config.rollout.decoder_limits(&qwen3_4b, DType::F32).unwrap();
+        assert_eq!(f32.kv_budget, Some(87_381));
+        // Less than one position: no decoder can run within it.
+        let tiny = parse_rollout("kv_budget = \"1KiB\"");
+        let err = tiny.rollout.decoder_limits(&qwen3_4b, DType::BF16).unwrap_err().to_string();
+        assert!(err.contains("rollout.kv_budget") && err.contains("147456"), "{err}");
+    }
+
+    #[test]
+    fn zero_limits_and_bad_budgets_are_named() {
+        for (keys, key) in [
+            ("max_num_seqs = 0", "rollout.max_num_seqs"),
+            ("max_num_batched_tokens = 0", "rollout.max_num_batched_tokens"),
+            ("kv_budget = \"lots\"", "rollout.kv_budget"),
+            ("kv_budget = \"0GiB\"", "rollout.kv_budget"),
+        ] {
+            let config = parse_rollout(keys);
+            let err = config.validate().unwrap_err();
+            assert!(err.contains(key), "{keys}: {err}");
+            let model = model::Preset::Tiny.config(64, vec![]);
+            let err = config.rollout.decoder_limits(&model, DType::F32).unwrap_err().to_string();
+            assert!(err.contains(key), "{keys}: {err}");
+        }
     }
 
     #[test]

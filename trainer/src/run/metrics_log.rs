@@ -73,13 +73,22 @@ pub struct StepRecord {
     /// Agent tokens generated per second during the rollout.
     #[serde(rename = "perf/gen_tokens_per_s")]
     pub rollout_tokens_per_sec: f32,
-    /// Tokens run through prefill during the rollouts (each agent turn prefills its episode's
-    /// whole history), to compare with `perf/context_tokens`.
+    /// Tokens run through prefill during the rollouts (each episode's prompt and environment
+    /// replies, once: its KV cache is kept across turns; again only after a preemption), to
+    /// compare with `perf/context_tokens`.
     #[serde(rename = "perf/prefill_tokens")]
     pub prefill_tokens: u64,
     /// Tokens of the rollouts' contexts at their end: prompts, agent and environment tokens.
     #[serde(rename = "perf/context_tokens")]
     pub context_tokens: u64,
+    /// Most KV-cache positions the rollouts held at once (rows × allocated positions, and
+    /// parked caches), to compare with `rollout.kv_budget` and the plan.
+    #[serde(rename = "perf/kv_peak_positions")]
+    pub kv_peak_positions: u64,
+    /// Episodes whose KV cache was dropped during the rollouts to stay within
+    /// `rollout.kv_budget` (prefilled again later).
+    #[serde(rename = "rollout/preemptions")]
+    pub preemptions: u64,
     /// Greedy validation reward, on the steps that validate.
     #[serde(rename = "val/reward/mean")]
     pub validation_reward: Option<f32>,
@@ -332,6 +341,7 @@ mod tests {
             r#""rollout/episodes":64,"rollout/agent_tokens":4096,"response_length/mean":64.5,"#,
             r#""num_turns/mean":2.5,"timing_s/gen":12.5,"timing_s/update_actor":30.25,"#,
             r#""perf/gen_tokens_per_s":327.5,"perf/prefill_tokens":20480,"perf/context_tokens":9216,"#,
+            r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"#,
             r#""val/reward/mean":0.625,"val/f1/mean":0.6875,"#,
             r#""perf/peak_rss_mb":2048.0,"batch/groups_no_signal":5,"batch/groups_dropped":6,"#,
             r#""val/hotpot/reward":0.875}"#

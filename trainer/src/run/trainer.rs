@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use data::{BatchSampler, Example};
 use env::{Environment, StopReason, Trajectory};
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, with_dtype, LoadOptions, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling};
+use model::{load_pretrained, with_dtype, DecoderStats, LoadOptions, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling};
 
 use super::config::{InferenceDtype, TrainConfig};
 use super::dynamic_sampling::groups_without_signal;
@@ -156,7 +156,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let (policy_model, adapters) = self.inference_policy();
         let rollout_model = self.for_rollouts(policy_model.clone());
         let rollout_policy = LoraModel::new(&rollout_model, adapters.as_ref());
-        let (trajectories, prefill_tokens) =
+        let (trajectories, decoded) =
             self.rollouts(rollout_policy, env, &examples, step, &self.config.rollout.sampling)?;
         drop(rollout_model);
         let rollout_secs = rollout_start.elapsed().as_secs_f32();
@@ -233,8 +233,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             rollout_secs,
             learn_secs,
             rollout_tokens_per_sec: agent_tokens as f32 / rollout_secs.max(1e-6),
-            prefill_tokens,
+            prefill_tokens: decoded.prefill_tokens,
             context_tokens: trajectories.iter().map(|t| t.token_ids.len() as u64).sum(),
+            kv_peak_positions: decoded.peak_kv_positions as u64,
+            preemptions: decoded.preemptions + decoded.evictions,
             validation_reward: None,
             validation_f1: None,
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
@@ -359,8 +361,8 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 
     /// Runs one episode per example, `generation_batch` at a time, and counts the tokens run
-    /// through prefill. Every chunk samples from its own stream of `sampling.seed`, `stream` and
-    /// the chunk number.
+    /// through prefill, the peak KV positions and the preemptions. Every episode samples from its own stream of `sampling.seed`, `stream`
+    /// and its place among `examples`, so `generation_batch` changes how fast, not what.
     fn rollouts(
         &self,
         model: LoraModel<'_, Inner<B>>,
@@ -368,16 +370,23 @@ impl<B: AutodiffBackend> Trainer<B> {
         examples: &[&Example],
         stream: u64,
         sampling: &Sampling,
-    ) -> Result<(Vec<Trajectory>, u64), TrainError> {
-        let mut agent = LocalAgent::new(model.base, &self.tokenizer, sampling.clone()).with_adapters(model.adapters);
+    ) -> Result<(Vec<Trajectory>, DecoderStats), TrainError> {
+        // The cache holds keys and values in the dtype of the weights the rollouts run on.
+        let cache_dtype = model.base.model.embed_tokens.weight.val().dtype();
+        let limits = self.config.rollout.decoder_limits(&model.base.config, cache_dtype)?;
+        let mut agent = LocalAgent::new(model.base, &self.tokenizer, sampling.clone())
+            .with_adapters(model.adapters)
+            .with_limits(limits);
         let episode = self.config.episode.episode_config()?;
         let mut out = Vec::with_capacity(examples.len());
-        for (c, chunk) in examples.chunks(self.config.rollout.generation_batch).enumerate() {
-            agent.set_batch_stream((stream << 20) | c as u64);
+        agent.set_batch_stream(stream);
+        let generation_batch = self.config.rollout.generation_batch;
+        for (c, chunk) in examples.chunks(generation_batch).enumerate() {
+            agent.set_episode_offset(c * generation_batch);
             let questions: Vec<&str> = chunk.iter().map(|e| e.question()).collect();
             out.extend(env::run_episodes(&mut agent, env, &questions, &episode));
         }
-        Ok((out, agent.prefill_tokens()))
+        Ok((out, agent.decoder_stats()))
     }
 
     /// Writes a checkpoint of the current state (see the module docs of `checkpoint`).

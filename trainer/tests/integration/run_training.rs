@@ -267,3 +267,26 @@ fn resuming_with_lora_equals_never_stopping() {
     let err = Trainer::<B>::start(full, Default::default(), true).err().unwrap().to_string();
     assert!(err.contains("LoRA") && err.contains("[lora]"), "{err}");
 }
+
+/// `rollout.kv_budget` bounds what the rollouts hold (episodes wait for room) without changing
+/// what they sample: the same rewards and response lengths
+/// as without a budget, over steps that update the policy in between.
+#[test]
+fn a_kv_budget_bounds_the_rollouts_without_changing_them() {
+    let run = |budget: Option<&str>| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = setup(dir.path());
+        config.rollout.kv_budget = budget.map(str::to_string);
+        train(config, 3, false).1
+    };
+    let free = run(None);
+    // The tiny model's cache holds 2 layers × 2 key/value heads × 16 values, twice, in f32:
+    // 512 bytes a position, so 64 KiB is 128 positions: one or two of the 12 episodes at once.
+    let bounded = run(Some("64KiB"));
+    let positions = 64 * 1024 / 512;
+    for (step, (a, b)) in free.iter().zip(&bounded).enumerate() {
+        assert!(a.kv_peak_positions > positions, "step {step}: without a budget the peak is {}", a.kv_peak_positions);
+        assert!(b.kv_peak_positions <= positions, "step {step}: peak {} over {positions}", b.kv_peak_positions);
+        assert_eq!((a.reward_mean, a.mean_response_tokens), (b.reward_mean, b.mean_response_tokens), "step {step}");
+    }
+}

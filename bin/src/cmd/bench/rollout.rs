@@ -9,8 +9,9 @@
 //! tokens unless the model samples a stop token (`<|im_end|>` or `<|endoftext|>`, which
 //! `LocalAgent` stops on); such turns are counted and reported.
 //!
-//! Prefill is counted as today's loop does it: every turn's `generate_seeded` runs the whole
-//! token history of each episode through the model again (left-padded to the longest row).
+//! Each batch runs twice: first with every turn re-prefilling its episode's whole history (the
+//! agent's state dropped after each turn: the rollout loop before kept KV caches), then as the
+//! trainer runs it, each episode's KV cache kept across its turns. Both sample the same tokens.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -66,10 +67,14 @@ pub struct RolloutStats {
     pub agent_tokens_per_second: f64,
     /// Agent tokens per second spent inside the agent.
     pub agent_tokens_per_agent_second: f64,
-    /// Tokens run through prefill per episode (each turn's whole history).
+    /// Tokens the agent prefilled per episode (its KV cache kept across turns).
     pub prefill_tokens_per_episode: f64,
+    /// Tokens prefilled per episode when every turn re-prefills the whole history.
+    pub reprefill_prefill_tokens_per_episode: f64,
     /// The same with the padding of each turn's batch (rows × the longest history).
     pub padded_prefill_tokens_per_episode: f64,
+    /// Most KV positions the decoder held at once (rows × allocated positions, parked caches).
+    pub peak_kv_positions: usize,
     /// Tokens in an episode's context at its end (prompt, agent turns, replies).
     pub context_tokens_per_episode: f64,
     /// Of those, the ones not sampled by the agent: what a kept KV cache must prefill, once.
@@ -85,6 +90,10 @@ pub struct RolloutStats {
     pub decode_tokens_per_second: f64,
     /// `agent_tokens_per_second / decode_tokens_per_second`.
     pub rollout_over_decode: f64,
+    /// Agent tokens per wall-clock second when every turn re-prefills the whole history.
+    pub reprefill_agent_tokens_per_second: f64,
+    /// `agent_tokens_per_second / reprefill_agent_tokens_per_second`.
+    pub speedup_over_reprefill: f64,
 }
 
 /// A local environment: each call sleeps `latency`, then returns the reply for its turn
@@ -180,7 +189,7 @@ pub struct RolloutCounts {
     pub turns: usize,
     /// Agent tokens sampled.
     pub agent_tokens: usize,
-    /// Tokens run through prefill: each row's whole history at each turn.
+    /// Tokens a loop without kept caches prefills: each row's whole history at each turn.
     pub prefill_tokens: usize,
     /// Prefill with the batch's left padding: rows × the longest history, per turn.
     pub padded_prefill_tokens: usize,
@@ -197,6 +206,9 @@ pub struct RolloutCounts {
 pub struct ForcedCalls<A> {
     inner: A,
     turns: usize,
+    /// Ends the inner agent's episode state after every turn, so that each turn prefills the
+    /// whole history again (the loop before kept KV caches, for comparison).
+    forget_between_turns: bool,
     counts: RolloutCounts,
     agent_time: Duration,
 }
@@ -206,9 +218,22 @@ impl<A: Agent> ForcedCalls<A> {
         Self {
             inner,
             turns,
+            forget_between_turns: false,
             counts: RolloutCounts::default(),
             agent_time: Duration::ZERO,
         }
+    }
+
+    /// The agent re-prefilling each episode's whole history at every turn (see
+    /// `forget_between_turns`).
+    pub fn forgetting(mut self) -> Self {
+        self.forget_between_turns = true;
+        self
+    }
+
+    /// The wrapped agent.
+    pub fn inner(&self) -> &A {
+        &self.inner
     }
 
     pub fn counts(&self) -> &RolloutCounts {
@@ -224,6 +249,23 @@ impl<A: Agent> ForcedCalls<A> {
     pub fn reset(&mut self) {
         self.counts = RolloutCounts::default();
         self.agent_time = Duration::ZERO;
+    }
+
+    /// Counts a generated turn and replaces its text with the forced call or answer.
+    fn force(&mut self, ctx: &AgentContext, result: Result<TurnText, AgentError>) -> Result<TurnText, AgentError> {
+        let turn = result?;
+        self.counts.turns += 1;
+        self.counts.agent_tokens += turn.tokens;
+        if turn.end == TurnEnd::ImEnd {
+            self.counts.stopped_early += 1;
+        }
+        let t = ctx.exchanges().len();
+        let text = if t + 1 < self.turns {
+            format!("{CALL_OPEN}Call {t} of episode {}{CALL_CLOSE}", ctx.index())
+        } else {
+            format!("{ANSWER_OPEN}forced{ANSWER_CLOSE}")
+        };
+        Ok(TurnText { text, ..turn })
     }
 
     fn timed<T>(&mut self, f: impl FnOnce(&mut A) -> T) -> T {
@@ -247,26 +289,45 @@ impl<A: Agent> Agent for ForcedCalls<A> {
         self.counts.prefill_tokens += lengths.iter().sum::<usize>();
         self.counts.padded_prefill_tokens +=
             lengths.len() * lengths.iter().copied().max().unwrap_or(0);
-        let results = self.timed(|a| a.generate_turns(episodes));
-        let turns = self.turns;
-        let counts = &mut self.counts;
+        let forget = self.forget_between_turns;
+        let results = self.timed(|a| {
+            let results = a.generate_turns(episodes);
+            if forget {
+                episodes.iter_mut().for_each(|ctx| a.end_episode(ctx));
+            }
+            results
+        });
         episodes
             .iter()
             .zip(results)
-            .map(|(ctx, result)| {
-                let turn = result?;
-                counts.turns += 1;
-                counts.agent_tokens += turn.tokens;
-                if turn.end == TurnEnd::ImEnd {
-                    counts.stopped_early += 1;
-                }
-                let t = ctx.exchanges().len();
-                let text = if t + 1 < turns {
-                    format!("{CALL_OPEN}Call {t} of episode {}{CALL_CLOSE}", ctx.index())
-                } else {
-                    format!("{ANSWER_OPEN}forced{ANSWER_CLOSE}")
+            .map(|(ctx, result)| self.force(ctx, result))
+            .collect()
+    }
+
+    /// Continuous when the inner agent is, except when re-prefilling every turn (which goes
+    /// turn by turn, as the loop before kept caches did).
+    fn continuous(&self) -> bool {
+        !self.forget_between_turns && self.inner.continuous()
+    }
+
+    fn start_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<(), AgentError>> {
+        for ctx in episodes.iter() {
+            self.counts.prefill_tokens += ctx.trace().len();
+            self.counts.padded_prefill_tokens += ctx.trace().len();
+        }
+        self.timed(|a| a.start_turns(episodes))
+    }
+
+    fn advance(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<(usize, Result<TurnText, AgentError>)> {
+        let ended = self.timed(|a| a.advance(episodes));
+        ended
+            .into_iter()
+            .map(|(index, result)| {
+                let forced = match episodes.iter().find(|c| c.index() == index) {
+                    Some(ctx) => self.force(ctx, result),
+                    None => result,
                 };
-                Ok(TurnText { text, ..turn })
+                (index, forced)
             })
             .collect()
     }
@@ -401,23 +462,36 @@ pub fn measure<B: Backend>(
     })?;
     let decode_rate = (batch * (new_tokens - 1)) as f64 / decode_seconds;
 
-    // The rollout, through LocalAgent and run_episodes.
-    let mut agent = ForcedCalls::new(LocalAgent::new(model, tokenizer, sampling), settings.turns);
-    let mut runs = Vec::new();
-    for _ in 0..settings.runs {
-        agent.reset();
-        let start = Instant::now();
-        let trajectories = run_episodes(&mut agent, &environment, &questions, &config);
-        let seconds = start.elapsed().as_secs_f64();
-        runs.push((
-            seconds,
-            agent.agent_time().as_secs_f64(),
-            agent.counts().clone(),
-            trajectories,
-        ));
+    // The rollout, through LocalAgent and run_episodes: first with each turn re-prefilling its
+    // episode's history (the loop before kept caches), then as the trainer runs it.
+    let timed = |forget: bool| -> TimedRollout {
+        let mut agent = ForcedCalls::new(LocalAgent::new(model, tokenizer, sampling.clone()), settings.turns);
+        if forget {
+            agent = agent.forgetting();
+        }
+        let mut runs = Vec::new();
+        for _ in 0..settings.runs {
+            agent.reset();
+            let prefilled = agent.inner().prefill_tokens();
+            let start = Instant::now();
+            let trajectories = run_episodes(&mut agent, &environment, &questions, &config);
+            runs.push(TimedRollout {
+                seconds: start.elapsed().as_secs_f64(),
+                agent_seconds: agent.agent_time().as_secs_f64(),
+                counts: agent.counts().clone(),
+                prefill_tokens: (agent.inner().prefill_tokens() - prefilled) as usize,
+                peak_kv_positions: agent.inner().decoder_stats().peak_kv_positions,
+                trajectories,
+            });
+        }
+        runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+        runs.swap_remove(runs.len() / 2)
+    };
+    let before = timed(true);
+    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, trajectories } = timed(false);
+    if before.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids)) {
+        eprintln!("the episodes differ between re-prefilling and kept caches");
     }
-    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (seconds, agent_seconds, counts, trajectories) = runs.swap_remove(runs.len() / 2);
     let unexpected = trajectories
         .iter()
         .filter(|t| t.stop_reason != StopReason::Answer || t.env_calls + 1 != settings.turns)
@@ -435,14 +509,14 @@ pub fn measure<B: Backend>(
             today_prefill_tokens(prompt, &shape)
         })
         .sum();
-    if expected != counts.prefill_tokens {
+    if expected != before.prefill_tokens {
         eprintln!(
-            "prefill counted in the agent ({}) differs from the episodes' turn shapes ({expected})",
-            counts.prefill_tokens
+            "prefill of the re-prefilling run ({}) differs from the episodes' turn shapes ({expected})",
+            before.prefill_tokens
         );
     }
     let env_calls: usize = trajectories.iter().map(|t| t.env_calls).sum();
-    if env_calls * settings.runs != environment.calls() {
+    if 2 * env_calls * settings.runs != environment.calls() {
         eprintln!(
             "the environment answered {} calls; the episodes count {env_calls} per run",
             environment.calls()
@@ -467,8 +541,10 @@ pub fn measure<B: Backend>(
         agent_tokens: counts.agent_tokens,
         agent_tokens_per_second: rate,
         agent_tokens_per_agent_second: counts.agent_tokens as f64 / agent_seconds.max(1e-9),
-        prefill_tokens_per_episode: per_episode(counts.prefill_tokens),
+        prefill_tokens_per_episode: per_episode(prefill_tokens),
+        reprefill_prefill_tokens_per_episode: per_episode(before.prefill_tokens),
         padded_prefill_tokens_per_episode: per_episode(counts.padded_prefill_tokens),
+        peak_kv_positions,
         context_tokens_per_episode: per_episode(context),
         non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
         turns_stopped_early: counts.stopped_early,
@@ -476,7 +552,20 @@ pub fn measure<B: Backend>(
         unexpected_endings: unexpected,
         decode_tokens_per_second: decode_rate,
         rollout_over_decode: rate / decode_rate,
+        reprefill_agent_tokens_per_second: before.counts.agent_tokens as f64 / before.seconds,
+        speedup_over_reprefill: rate / (before.counts.agent_tokens as f64 / before.seconds),
     })
+}
+
+/// One timed rollout (the median of the runs).
+struct TimedRollout {
+    seconds: f64,
+    agent_seconds: f64,
+    counts: RolloutCounts,
+    /// Tokens the agent's decoder prefilled.
+    prefill_tokens: usize,
+    peak_kv_positions: usize,
+    trajectories: Vec<Trajectory>,
 }
 
 /// The tokenizer of the rollout: the checkpoint's own, or (random presets) the project's tiny
@@ -507,8 +596,12 @@ pub fn print(stats: &RolloutStats) {
         s.agent_tokens_per_second, s.agent_tokens_per_agent_second, s.batch, s.decode_tokens_per_second, s.rollout_over_decode
     );
     println!(
-        "  per episode: {:.0} prefill tokens ({:.0} with padding) for {:.0} context tokens, {:.0} of them not the agent's",
-        s.prefill_tokens_per_episode, s.padded_prefill_tokens_per_episode, s.context_tokens_per_episode, s.non_agent_context_tokens_per_episode
+        "  per episode: {:.0} prefill tokens for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions",
+        s.prefill_tokens_per_episode, s.context_tokens_per_episode, s.non_agent_context_tokens_per_episode, s.peak_kv_positions
+    );
+    println!(
+        "  re-prefilling every turn instead: {:.1} agent tokens/s, {:.0} prefill tokens per episode; kept caches are {:.2}x faster",
+        s.reprefill_agent_tokens_per_second, s.reprefill_prefill_tokens_per_episode, s.speedup_over_reprefill
     );
     if s.unexpected_endings > 0 {
         println!(
