@@ -7,6 +7,7 @@ mod agent_flags;
 mod cmd;
 mod device;
 mod model_dir;
+mod panic_text;
 mod plot;
 mod serve;
 

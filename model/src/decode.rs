@@ -20,7 +20,9 @@
 //!
 //! Rows of one batch line up their newest positions: a row that joins beside longer ones has
 //! empty positions in front (masked out) and positions are per sequence (`0..len`), so where a
-//! row sits in the batch never changes what it computes.
+//! row sits in the batch never changes what it computes. The rows share one buffer per layer
+//! (burn has no paged attention), so a join copies the batch's cache: while rows run, waiting
+//! sequences join in groups rather than one at a time.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -30,6 +32,13 @@ use crate::error::ModelError;
 use crate::lora::CausalLm;
 use crate::qwen3::{grown_capacity, GROWTH_STEP};
 use crate::qwen3::KvCache;
+
+/// While rows run, waiting sequences join once they are this fraction (1 / N) of the running
+/// rows (see `Decoder::admit`).
+const JOIN_FRACTION: usize = 8;
+
+/// The most steps a waiting sequence is held back to join with others.
+const MAX_JOIN_WAIT: u64 = 8;
 
 /// Names a sequence of a [`Decoder`]; chosen by the caller (a batch row, an episode, a request).
 pub type SequenceId = u64;
@@ -102,6 +111,8 @@ struct Sequence<B: Backend> {
     place: Place<B>,
     /// When it was parked (for dropping the oldest parked cache first).
     parked_at: u64,
+    /// The step it started waiting to join at.
+    queued_at: u64,
 }
 
 impl<B: Backend> Sequence<B> {
@@ -142,6 +153,8 @@ pub struct Decoder<B: Backend> {
     queue: VecDeque<SequenceId>,
     batch: Option<Batch<B>>,
     clock: u64,
+    /// Steps run so far.
+    steps: u64,
     stats: DecoderStats,
 }
 
@@ -154,6 +167,7 @@ impl<B: Backend> Decoder<B> {
             queue: VecDeque::new(),
             batch: None,
             clock: 0,
+            steps: 0,
             stats: DecoderStats::default(),
         }
     }
@@ -214,6 +228,7 @@ impl<B: Backend> Decoder<B> {
             cached: 0,
             place: Place::Queued(None),
             parked_at: 0,
+            queued_at: self.steps,
         };
         self.sequences.insert(id, sequence);
         self.queue.push_back(id);
@@ -233,6 +248,7 @@ impl<B: Backend> Decoder<B> {
             return Err(ModelError::Input(format!("sequence {id} has no new token to decode from")));
         }
         sequence.place = Place::Queued(cache.take());
+        sequence.queued_at = self.steps;
         self.queue.push_back(id);
         Ok(())
     }
@@ -294,6 +310,7 @@ impl<B: Backend> Decoder<B> {
     /// After a step, every sequence it returned must be accepted, parked or finished before
     /// the next. A sequence preempted for room is not returned until it has rejoined.
     pub fn step(&mut self, model: &impl CausalLm<B>) -> Result<Option<StepLogits<B>>, ModelError> {
+        self.steps += 1;
         self.compact();
         if let Some(batch) = &self.batch {
             for id in batch.ids.iter().flatten() {
@@ -408,6 +425,7 @@ impl<B: Backend> Decoder<B> {
             let sequence = self.sequences.get_mut(&id).expect("a row's sequence");
             sequence.cached = 0;
             sequence.place = Place::Queued(None);
+            sequence.queued_at = self.steps;
             self.queue.push_front(id);
             self.stats.preemptions += 1;
             self.compact();
@@ -415,10 +433,21 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Takes waiting sequences into this step while rows and the budget allow.
+    /// Takes waiting sequences into this step while rows and the budget allow. Joining copies
+    /// the batch's cache (its rows share one buffer), so while rows are running the waiting ones
+    /// join in groups: once they are [`JOIN_FRACTION`] of the running rows (or fill the room
+    /// left), or the first has waited [`MAX_JOIN_WAIT`] steps.
     fn admit(&mut self) -> Result<Vec<SequenceId>, ModelError> {
         let mut admitted = Vec::new();
         let running = self.running_rows();
+        if running > 0 {
+            let room = self.limits.max_rows.saturating_sub(running).max(1);
+            let enough = self.queue.len() >= (running / JOIN_FRACTION).clamp(1, room);
+            let waited = self.queue.front().map_or(0, |id| self.steps - self.sequences[id].queued_at);
+            if !enough && waited < MAX_JOIN_WAIT {
+                return Ok(admitted);
+            }
+        }
         while let Some(&id) = self.queue.front() {
             if running + admitted.len() >= self.limits.max_rows {
                 break;

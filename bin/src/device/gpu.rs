@@ -64,11 +64,7 @@ fn catch_backend_panic<O>(work: impl FnOnce() -> Result<O>) -> Result<O> {
     match catch_unwind(AssertUnwindSafe(work)) {
         Ok(result) => result,
         Err(panic) => {
-            let text = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("unknown error");
+            let text = crate::panic_text::panic_text(&*panic);
             if fusion_enabled() {
                 bail!(
                     "the GPU backend failed: {text}. burn 0.21's kernel fusion has open bugs that show as \

@@ -127,14 +127,7 @@ impl<B: Backend> Engine<'_, B> {
             let failure = match catch_unwind(AssertUnwindSafe(|| self.step(&mut running))) {
                 Ok(Ok(())) => continue,
                 Ok(Err(message)) => message,
-                Err(panic) => {
-                    let text = panic
-                        .downcast_ref::<String>()
-                        .map(String::as_str)
-                        .or_else(|| panic.downcast_ref::<&str>().copied())
-                        .unwrap_or("unknown error");
-                    format!("generation failed: {text}")
-                }
+                Err(panic) => format!("generation failed: {}", crate::panic_text::panic_text(&*panic)),
             };
             // The decoder's state is unknown after a failed step: its rows fail, and the next
             // requests start on a fresh one.

@@ -1288,19 +1288,7 @@ mod tests {
     /// pass's and the update's `[8, 32, 9216, 9216]` scores; the rollouts' prefill is chunked).
     #[test]
     fn the_papers_run_fits_one_80_gib_gpu_at_generation_batch_16() {
-        let s = PlanSettings {
-            lora: Some(LoraPlan::all_linear(8)),
-            base_dtype: DType::BF16,
-            rollout_dtype: DType::BF16,
-            kl: true,
-            micro_batch: 8,
-            mini_batch: 64,
-            generation_batch: 16,
-            context: PROMPT_ALLOWANCE + 8192,
-            checkpointing: true,
-            device: PlanDevice::Gpu,
-            ..settings(Preset::Qwen3_4B)
-        };
+        let s = PlanSettings { generation_batch: 16, ..papers_run_at_64() };
         let plan = MemoryPlan::new(s.clone());
         println!(
             "generation batch 16: peak {} ({}); rollouts {}",
