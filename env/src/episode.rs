@@ -1,5 +1,7 @@
-//! The episode loop shared by inference and training: turn-synchronous over a batch,
-//! with the environment calls of a turn sent in parallel.
+//! The episode loop shared by inference and training. For an agent that decodes continuously
+//! (the local model) an episode's call is sent on a worker thread as soon as its turn ends and
+//! the others keep decoding; any other agent goes turn by turn over the batch, the calls of a
+//! turn sent in parallel. Both share the per-episode steps (a turn taken, a reply appended).
 
 use std::time::{Duration, Instant};
 
