@@ -430,6 +430,8 @@ impl<A: Agent + ?Sized> Run<'_, A> {
             let mut ready: Vec<usize> = (0..episodes.len()).filter(|&i| episodes[i].is_running()).collect();
             let (mut in_turn, mut waiting) = (Vec::<usize>::new(), 0usize);
             loop {
+                // In index order, the order their contexts are handed over in.
+                ready.sort_unstable();
                 let starting: Vec<usize> = std::mem::take(&mut ready)
                     .into_iter()
                     .filter(|&i| episodes[i].is_running() && self.prepare_turn(&mut episodes[i], config))
