@@ -722,3 +722,96 @@ fn no_questions_no_episodes() {
     let none: [&str; 0] = [];
     assert!(run_episodes(&mut agent, &env, &none, &EpisodeConfig::default()).is_empty());
 }
+
+/// A continuous agent over [`ScriptedAgent`]: each `advance` ends the turn of one episode (the
+/// one whose turn started first), so turns end and calls go out one at a time while others are
+/// "decoding"; `start_turns` fails for the second turn of the question `refuse`.
+struct OneAtATime {
+    inner: ScriptedAgent,
+    refuse: &'static str,
+    in_turn: Vec<usize>,
+}
+
+impl Agent for OneAtATime {
+    fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), AgentError> {
+        self.inner.begin_episode(ctx)
+    }
+
+    fn generate_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<TurnText, AgentError>> {
+        self.inner.generate_turns(episodes)
+    }
+
+    fn append_environment(&mut self, ctx: &mut AgentContext, text: &str) -> Result<usize, AgentError> {
+        self.inner.append_environment(ctx, text)
+    }
+
+    fn end_episode(&mut self, ctx: &mut AgentContext) {
+        self.inner.end_episode(ctx)
+    }
+
+    fn continuous(&self) -> bool {
+        true
+    }
+
+    fn start_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<(), AgentError>> {
+        episodes
+            .iter()
+            .map(|ctx| {
+                if ctx.question() == self.refuse && ctx.exchanges().len() == 1 {
+                    return Err(AgentError::Model(format!("refused {}", ctx.question())));
+                }
+                self.in_turn.push(ctx.index());
+                Ok(())
+            })
+            .collect()
+    }
+
+    fn advance(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<(usize, Result<TurnText, AgentError>)> {
+        let Some(index) = (!self.in_turn.is_empty()).then(|| self.in_turn.remove(0)) else { return Vec::new() };
+        // A step takes a while, so replies pile up meanwhile and come back several at once.
+        std::thread::sleep(std::time::Duration::from_millis(25));
+        let ctx = episodes.iter_mut().find(|c| c.index() == index).expect("the loop hands every episode in turn");
+        let mut one = [&mut **ctx];
+        let result = self.inner.generate_turns(&mut one).pop().expect("one turn");
+        vec![(index, result)]
+    }
+}
+
+/// The continuous loop gives each episode what the turn-by-turn loop gives it (the same
+/// context, calls and answers), and an agent failure at the start of a turn ends only its own
+/// episode, whichever order the replies came back in (episodes then start their turns in
+/// reply order, not index order).
+#[test]
+fn the_continuous_loop_matches_the_turn_by_turn_loop() {
+    let scripts: Vec<(&str, Vec<Scripted>)> = [("What is X?", 'X'), ("What is Y?", 'Y'), ("What is Z?", 'Z'), ("What is W?", 'W')]
+        .iter()
+        .map(|&(q, l)| {
+            let first = format!("<think>\nabout {l}\n</think>\n<interaction_prompt>ask {l}</interaction_prompt>");
+            let second = format!("more\n</think>\n<interaction_prompt>check {l}</interaction_prompt>");
+            (q, vec![turn(&first), turn(&second), turn(T3)])
+        })
+        .collect();
+    let questions: Vec<&str> = scripts.iter().map(|s| s.0).collect();
+    // X's replies take longer, so X's and Y's come back together, Y's first.
+    let env = ScriptedEnv::new(|messages: &[ChatMessage]| {
+        let delay = if messages.iter().any(|m| m.content.contains(" X")) { 50 } else { 5 };
+        std::thread::sleep(std::time::Duration::from_millis(delay));
+        Ok(format!("reply to {}", last_user(messages).len()))
+    });
+    let by_turn = run_episodes(&mut ScriptedAgent::new(&scripts), &env, &questions, &EpisodeConfig::default());
+    let mut continuous = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "What is Y?", in_turn: Vec::new() };
+    let trajectories = run_episodes(&mut continuous, &env, &questions, &EpisodeConfig::default());
+    for (i, (a, b)) in by_turn.iter().zip(&trajectories).enumerate() {
+        if questions[i] == "What is Y?" {
+            assert_eq!(b.stop_reason, StopReason::AgentFailure);
+            assert_eq!(b.error.as_deref(), Some("agent model failed: refused What is Y?"));
+            assert_eq!(b.env_calls, 1);
+            continue;
+        }
+        assert_eq!(b.stop_reason, a.stop_reason, "episode {i}: {:?}", b.error);
+        assert_eq!(b.stop_reason, StopReason::Answer);
+        assert_eq!((&b.token_ids, &b.loss_mask, &b.response_text), (&a.token_ids, &a.loss_mask, &a.response_text), "episode {i}");
+        assert_eq!(b.env_calls, 2);
+    }
+    assert_eq!(continuous.inner.ended.len(), questions.len(), "every episode ended once");
+}
