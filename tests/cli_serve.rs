@@ -5,6 +5,7 @@
 mod harness;
 
 use std::io::{Read, Write};
+use std::time::Duration;
 
 use harness::{connect, Server};
 use serde_json::{json, Value};
@@ -585,6 +586,12 @@ fn an_api_key_is_required_when_set() {
     assert_eq!(allowed.status, 200, "{}", allowed.body);
     assert_eq!(server.get("/v1/models").status, 401);
     assert_eq!(server.get("/health").status, 200);
+    // The routes that change the policy too.
+    for path in ["/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/update_weights_from_disk"] {
+        assert_eq!(server.post(path, "{}").status, 401, "{path}");
+        let reply = harness::request_with_headers(&server.addr, "POST", path, Some("{}"), &[("Authorization", "Bearer sk-local-1")]);
+        assert_eq!(reply.status, 400, "{path}: {}", reply.body);
+    }
 
     // The flag does the same.
     let flagged = Server::start(&model, &["--api-key", "sk-flag"]);
@@ -597,4 +604,409 @@ fn an_api_key_is_required_when_set() {
         &[("Authorization", "Bearer sk-flag")],
     );
     assert_eq!(models.status, 200);
+}
+
+/// A `/v1/completions` reply (200 expected).
+fn complete(server: &Server, body: &Value) -> Value {
+    let reply = server.post("/v1/completions", &body.to_string());
+    assert_eq!(reply.status, 200, "{body}: {}", reply.body);
+    reply.json()
+}
+
+/// The sampled ids of a completion's first choice.
+fn ids(reply: &Value) -> Vec<u64> {
+    reply["choices"][0]["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token_ids in {reply}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .collect()
+}
+
+/// The rollout-worker protocol: a prompt of token ids gives the string prompt's completion and
+/// `prompt-r1 generate`'s greedy ids, with one log-prob per id; a stop token id ends the row on
+/// that id; ids out of the vocabulary are refused, naming the element.
+#[test]
+fn token_id_prompts_return_ids_and_logprobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model_scaled(dir.path(), 10.0);
+    let server = Server::start(&model, &[]);
+    let ask = |prompt: Value, extra: Value| {
+        let mut body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                              "logprobs": 0, "return_token_ids": true});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        complete(&server, &body)
+    };
+    let by_text = ask(json!("Tell me about the sea."), json!({}));
+    let prompt = by_text["choices"][0]["prompt_token_ids"].clone();
+    let prompt_ids: Vec<u64> = prompt.as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    assert!(prompt_ids.len() > 3, "{by_text}");
+    let by_ids = ask(prompt.clone(), json!({}));
+    let choice = &by_ids["choices"][0];
+    assert_eq!(choice["prompt_token_ids"], prompt);
+    assert_eq!(choice["token_ids"], by_text["choices"][0]["token_ids"]);
+    assert_eq!(choice["text"], by_text["choices"][0]["text"]);
+    assert_eq!(choice["logprobs"], by_text["choices"][0]["logprobs"]);
+    let greedy = ids(&by_ids);
+    assert_eq!(greedy, harness::generate_ids(&model, None, &prompt_ids, 12));
+    assert_eq!((choice["finish_reason"].as_str(), &choice["stop_reason"]), (Some("length"), &Value::Null));
+    assert_eq!(by_ids["usage"]["prompt_tokens"], json!(prompt_ids.len()));
+    assert_eq!(by_ids["usage"]["completion_tokens"], json!(12));
+    let logprobs = &choice["logprobs"];
+    let token_logprobs: Vec<f64> = logprobs["token_logprobs"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect();
+    assert_eq!(token_logprobs.len(), 12);
+    assert!(token_logprobs.iter().all(|&l| l <= 0.0), "{logprobs}");
+    assert_eq!(logprobs["tokens"].as_array().map(Vec::len), Some(12));
+    assert_eq!(logprobs["text_offset"][0], 0);
+    assert!(logprobs["top_logprobs"].is_null());
+
+    // Without logprobs and return_token_ids the reply has neither.
+    let plain = complete(&server, &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0}));
+    assert!(plain["choices"][0]["logprobs"].is_null());
+    assert!(plain["choices"][0].get("token_ids").is_none() && plain["choices"][0].get("prompt_token_ids").is_none());
+    assert_eq!(plain["choices"][0]["text"], choice["text"]);
+
+    // A stop token id ends the row on it: the id is the last of token_ids, with its log-prob.
+    let stop = greedy[6];
+    let at = greedy.iter().position(|&t| t == stop).unwrap();
+    let stopped = ask(prompt.clone(), json!({"stop_token_ids": [stop]}));
+    let choice = &stopped["choices"][0];
+    assert_eq!(ids(&stopped), greedy[..=at]);
+    assert_eq!((choice["finish_reason"].as_str(), choice["stop_reason"].as_u64()), (Some("stop"), Some(stop)));
+    assert_eq!(choice["logprobs"]["token_logprobs"].as_array().unwrap()[..], by_ids["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap()[..=at]);
+    assert_eq!(stopped["usage"]["completion_tokens"], json!(at + 1));
+    if at > 0 {
+        let shorter = ask(prompt.clone(), json!({"max_tokens": at}));
+        assert_eq!(choice["text"], shorter["choices"][0]["text"], "the stop token's text is left out");
+    }
+
+    // Ids out of the vocabulary, an empty prompt, a prompt too long for the context.
+    let vocab = 512 * 1000;
+    let error = |body: Value| {
+        let reply = server.post("/v1/completions", &body.to_string());
+        (reply.status, reply.json()["error"].clone())
+    };
+    let (status, err) = error(json!({"prompt": [1, 2, vocab], "max_tokens": 2}));
+    assert_eq!((status, err["param"].as_str()), (400, Some("prompt")));
+    assert!(err["message"].as_str().unwrap().contains("prompt[2]"), "{err}");
+    assert_eq!(error(json!({"prompt": [], "max_tokens": 2})).0, 400);
+    assert_eq!(error(json!({"prompt": [1, -2], "max_tokens": 2})).0, 400);
+    let context = server.get("/v1/models").json()["data"][0]["max_model_len"].as_u64().unwrap() as usize;
+    let (status, err) = error(json!({"prompt": vec![5; context - 10], "max_tokens": 11}));
+    assert_eq!((status, err["code"].as_str()), (400, Some("context_length_exceeded")));
+    assert_eq!(error(json!({"prompt": [1, 2], "model": "other"})).0, 404);
+}
+
+/// Seeded sampled token-id requests give the same ids and log-probs when repeated, and when
+/// sent together with others.
+#[test]
+fn seeded_token_id_requests_answer_as_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&harness::tiny_model(dir.path()), &["--max-batch", "4"]);
+    let requests: Vec<Value> = (0..6u64)
+        .map(|i| {
+            let prompt: Vec<u64> = (0..3 + 2 * i).map(|j| 10 + (7 * j + 3 * i) % 200).collect();
+            let temperature = [0.7, 1.0, 1.3][i as usize % 3];
+            json!({
+                "prompt": prompt, "max_tokens": 8 + 3 * i, "temperature": temperature,
+                "top_k": if i == 2 { json!(40) } else { json!(-1) }, "seed": 300 + i,
+                "logprobs": 0, "return_token_ids": true,
+            })
+        })
+        .collect();
+    let answer = |body: &Value| {
+        let reply = complete(&server, body);
+        (ids(&reply), reply["choices"][0]["logprobs"]["token_logprobs"].clone())
+    };
+    let alone: Vec<_> = requests.iter().map(answer).collect();
+    assert_eq!(alone, requests.iter().map(answer).collect::<Vec<_>>());
+    let together: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = requests.iter().map(|r| scope.spawn(move || answer(r))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // The same ids; the log-probs to rounding (a batch's matrix products round differently
+    // from one row's).
+    for (i, ((ids, logprobs), (alone_ids, alone_logprobs))) in together.iter().zip(&alone).enumerate() {
+        assert_eq!(ids, alone_ids, "request {i}");
+        let close = logprobs.as_array().unwrap().iter().zip(alone_logprobs.as_array().unwrap()).all(|(a, b)| {
+            (a.as_f64().unwrap() - b.as_f64().unwrap()).abs() < 1e-4
+        });
+        assert!(close, "request {i}: {logprobs} vs {alone_logprobs}");
+    }
+    let mut other_seed = requests[1].clone();
+    other_seed["seed"] = json!(999);
+    assert_ne!(answer(&other_seed), alone[1]);
+}
+
+/// `POST /v1/load_lora_adapter` adds a named adapter that requests ask for as their model (the
+/// base's name still gives the base), listed by `/v1/models` with its path as `root`; a second
+/// load under the name needs `load_inplace`; a directory that is not a PEFT adapter of the base
+/// is refused, naming it, the served adapter unchanged; unloading makes the name unknown.
+#[test]
+fn lora_adapters_load_and_unload_at_run_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model_scaled(dir.path(), 10.0);
+    let (first, second) = (dir.path().join("adapter-1"), dir.path().join("adapter-2"));
+    harness::write_adapter(&model, &first, 1, 0.5);
+    harness::write_adapter(&model, &second, 2, 0.5);
+    let server = Server::start(&model, &[]);
+    let prompt: Vec<u64> = vec![40, 41, 42, 43, 44];
+    let greedy = |name: &str| ids(&complete(&server, &json!({"model": name, "prompt": prompt, "max_tokens": 10,
+                                                            "temperature": 0, "return_token_ids": true})));
+    let base = greedy("tiny");
+    assert_eq!(base, harness::generate_ids(&model, None, &prompt, 10));
+    let load = |name: &str, path: &std::path::Path, inplace: Value| {
+        server.post(
+            "/v1/load_lora_adapter",
+            &json!({"lora_name": name, "lora_path": path.to_str().unwrap(), "load_inplace": inplace}).to_string(),
+        )
+    };
+    let loaded = load("policy", &first, json!(null));
+    assert_eq!(loaded.status, 200, "{}", loaded.body);
+    assert!(loaded.body.contains("Success"), "{}", loaded.body);
+    let adapted = greedy("policy");
+    assert_ne!(adapted, base);
+    assert_eq!(adapted, harness::generate_ids(&model, Some(&first), &prompt, 10));
+    assert_eq!(greedy("tiny"), base);
+    let chat = server.chat(&json!({"model": "policy", "messages": user("hi"), "max_tokens": 3}));
+    assert_eq!((chat.status, chat.json()["model"].clone()), (200, json!("policy")));
+
+    let models = server.get("/v1/models").json();
+    let data = models["data"].as_array().unwrap();
+    assert_eq!(data.len(), 2, "{models}");
+    assert_eq!((data[0]["id"].as_str(), data[0]["root"].as_str()), (Some("tiny"), model.to_str()));
+    assert!(data[0]["parent"].is_null());
+    assert_eq!(data[1]["id"], "policy");
+    assert_eq!((data[1]["root"].as_str(), data[1]["parent"].as_str()), (first.to_str(), Some("tiny")));
+    assert_eq!(server.get("/v1/models/policy").json()["root"], first.to_str().unwrap());
+
+    // The name is taken unless the load is in place; in place, the new adapter serves.
+    let again = load("policy", &second, json!(false));
+    assert_eq!((again.status, again.json()["error"]["param"].clone()), (400, json!("lora_name")));
+    assert_eq!(greedy("policy"), adapted);
+    assert_eq!(load("policy", &second, json!(true)).status, 200);
+    let replaced = greedy("policy");
+    assert_eq!(replaced, harness::generate_ids(&model, Some(&second), &prompt, 10));
+    assert_ne!(replaced, adapted);
+    assert_eq!(server.get("/v1/models").json()["data"][1]["root"], second.to_str().unwrap());
+
+    // Refused loads name the path and what is wrong; the adapter being served stays.
+    let wrong_rank = dir.path().join("wrong-rank");
+    std::fs::create_dir(&wrong_rank).unwrap();
+    for file in ["adapter_model.safetensors", "adapter_config.json"] {
+        std::fs::copy(first.join(file), wrong_rank.join(file)).unwrap();
+    }
+    let config = std::fs::read_to_string(wrong_rank.join("adapter_config.json")).unwrap();
+    let mut config: Value = serde_json::from_str(&config).unwrap();
+    config["r"] = json!(8);
+    std::fs::write(wrong_rank.join("adapter_config.json"), config.to_string()).unwrap();
+    let missing = dir.path().join("no-such-adapter");
+    for (path, why) in [(&model, "adapter_config.json"), (&missing, "not a directory"), (&wrong_rank, "shape")] {
+        let reply = load("policy", path, json!(true));
+        assert_eq!(reply.status, 400, "{}", reply.body);
+        let error = &reply.json()["error"];
+        let message = error["message"].as_str().unwrap();
+        assert!(message.contains(path.to_str().unwrap()) && message.contains(why), "{message}");
+        assert_eq!(error["type"], "invalid_request_error");
+    }
+    assert_eq!(load("tiny", &first, json!(true)).status, 400);
+    assert_eq!(greedy("policy"), replaced);
+
+    // Unloading.
+    let body = json!({"lora_name": "policy"}).to_string();
+    let unloaded = server.post("/v1/unload_lora_adapter", &body);
+    assert_eq!(unloaded.status, 200, "{}", unloaded.body);
+    let gone = server.post("/v1/completions", &json!({"model": "policy", "prompt": prompt}).to_string());
+    assert_eq!((gone.status, gone.json()["error"]["code"].clone()), (404, json!("model_not_found")));
+    assert_eq!(server.post("/v1/unload_lora_adapter", &body).status, 404);
+    assert_eq!(server.get("/v1/models").json()["data"].as_array().map(Vec::len), Some(1));
+    assert_eq!(server.get("/v1/models/policy").status, 404);
+    assert_eq!(greedy("tiny"), base);
+    assert_eq!(server.get("/v1/load_lora_adapter").status, 405);
+}
+
+/// `POST /update_weights_from_disk` replaces the base weights with those of another directory
+/// of the same config (`root` follows); a directory that is missing, of another config or
+/// without weights is refused (400, `success: false`, naming it) and the weights stay.
+#[test]
+fn update_weights_from_disk_replaces_the_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let scaled = harness::tiny_model_scaled(dir.path(), 10.0);
+    let tiny = dir.path().join("tiny");
+    let server = Server::start(&tiny, &[]);
+    let prompt: Vec<u64> = vec![40, 41, 42, 43, 44];
+    let greedy = || ids(&complete(&server, &json!({"prompt": prompt, "max_tokens": 10, "temperature": 0, "return_token_ids": true})));
+    let root = || server.get("/v1/models").json()["data"][0]["root"].clone();
+    let before = greedy();
+    assert_eq!(root(), json!(tiny.to_str().unwrap()));
+
+    // Special tokens stay in the text when asked. (At init's scale the greedy text repeats the
+    // prompt's last token, here <|im_start|>.)
+    let special = |skip: bool| {
+        let body = json!({"prompt": "Hi<|im_start|>", "max_tokens": 3, "temperature": 0, "skip_special_tokens": skip,
+                          "return_token_ids": true});
+        complete(&server, &body)["choices"][0].clone()
+    };
+    let (kept, skipped) = (special(false), special(true));
+    assert_eq!(kept["token_ids"], skipped["token_ids"]);
+    assert_eq!(kept["token_ids"][0], kept["prompt_token_ids"].as_array().unwrap().last().unwrap().clone());
+    assert!(kept["text"].as_str().unwrap().starts_with("<|im_start|>"), "{kept}");
+    assert!(!skipped["text"].as_str().unwrap().contains("<|im_start|>"), "{skipped}");
+
+    let update = |path: &std::path::Path| {
+        let reply = server.post("/update_weights_from_disk", &json!({"model_path": path.to_str().unwrap()}).to_string());
+        (reply.status, reply.json())
+    };
+    let (status, body) = update(&scaled);
+    assert_eq!((status, body["success"].clone()), (200, json!(true)), "{body}");
+    let after = greedy();
+    assert_ne!(after, before);
+    assert_eq!(after, harness::generate_ids(&scaled, None, &prompt, 10));
+    assert_eq!(root(), json!(scaled.to_str().unwrap()));
+
+    let other_config = dir.path().join("other-config");
+    let no_weights = dir.path().join("no-weights");
+    for out in [&other_config, &no_weights] {
+        std::fs::create_dir(out).unwrap();
+        for file in ["config.json", "model.safetensors"] {
+            std::fs::copy(tiny.join(file), out.join(file)).unwrap();
+        }
+    }
+    std::fs::remove_file(no_weights.join("model.safetensors")).unwrap();
+    let config = std::fs::read_to_string(other_config.join("config.json")).unwrap();
+    let mut config: Value = serde_json::from_str(&config).unwrap();
+    config["rms_norm_eps"] = json!(0.5);
+    std::fs::write(other_config.join("config.json"), config.to_string()).unwrap();
+    let missing = dir.path().join("missing");
+    for (path, why) in [(&missing, "not a directory"), (&other_config, "rms_norm_eps"), (&no_weights, "safetensors")] {
+        let (status, body) = update(path);
+        assert_eq!((status, body["success"].clone()), (400, json!(false)), "{body}");
+        let message = body["message"].as_str().unwrap();
+        assert!(message.contains(path.to_str().unwrap()) && message.contains(why), "{message}");
+        assert_eq!(body["error"]["message"], body["message"]);
+    }
+    assert_eq!(greedy(), after);
+    assert_eq!(root(), json!(scaled.to_str().unwrap()));
+    assert_eq!(update(&tiny).0, 200);
+    assert_eq!(greedy(), before);
+}
+
+/// The status of the reply on `stream` (its status line), waiting at most `within`.
+fn reply_status(stream: &mut std::net::TcpStream, within: Duration) -> std::io::Result<u16> {
+    stream.set_read_timeout(Some(within))?;
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    while !line.ends_with(b"\r\n") {
+        if stream.read(&mut byte)? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        line.push(byte[0]);
+    }
+    let line = String::from_utf8_lossy(&line);
+    line.split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad status line {line:?}")))
+}
+
+/// The server's VmRSS in MiB and thread count; `None` (with `skipped:` printed) without /proc.
+fn rss_and_threads(server: &Server) -> Option<(f64, u64)> {
+    let rss = server.proc_status("VmRSS");
+    let threads = server.proc_status("Threads");
+    match (rss, threads) {
+        (Some(rss), Some(threads)) => Some((rss as f64 / 1024.0, threads)),
+        _ => {
+            println!("skipped: /proc/{}/status is not readable here", server.pid());
+            None
+        }
+    }
+}
+
+/// The HTTP front's limits on the real server: an endless header is refused (431 or closed)
+/// with bounded memory, a 50 MB body gets 413, a slow body 408, and 1,000 idle sockets leave
+/// the thread count bounded and a normal request answered.
+#[test]
+fn abusive_clients_are_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let server = Server::start(&model, &["--max-connections", "1100"]);
+
+    // An endless header line.
+    let before = rss_and_threads(&server);
+    let mut socket = connect(&server.addr);
+    let _ = socket.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Endless: ");
+    let line = vec![b'a'; 64 * 1024];
+    let mut sent = 0usize;
+    while sent < 64 << 20 {
+        match socket.write(&line) {
+            Ok(n) => sent += n,
+            Err(_) => break,
+        }
+    }
+    let status = reply_status(&mut socket, Duration::from_secs(5));
+    let after = rss_and_threads(&server);
+    println!("endless header: sent {} KiB, got {status:?}", sent >> 10);
+    assert!(matches!(status, Ok(431) | Err(_)), "{status:?}");
+    assert!(sent < 64 << 20, "the server read a 64 MiB header");
+    if let (Some((rss0, _)), Some((rss1, _))) = (before, after) {
+        println!("endless header: server RSS {rss0:.1} -> {rss1:.1} MiB");
+        assert!(rss1 - rss0 < 64.0, "RSS grew {:.1} MiB", rss1 - rss0);
+    }
+    drop(socket);
+    assert_eq!(server.get("/health").status, 200);
+
+    // A 50 MB body: 413 (the body need not be read).
+    let mut socket = connect(&server.addr);
+    socket
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 50000000\r\n\r\n")
+        .unwrap();
+    let mut writer = socket.try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        let chunk = vec![b' '; 1 << 20];
+        let mut sent = 0usize;
+        while sent < 50_000_000 && writer.write_all(&chunk).is_ok() {
+            sent += chunk.len();
+        }
+        sent
+    });
+    let status = reply_status(&mut socket, Duration::from_secs(10));
+    drop(socket);
+    let sent = sender.join().unwrap();
+    println!("50 MB body: sent {} MiB, got {status:?}", sent >> 20);
+    assert_eq!(status.ok(), Some(413));
+    assert_eq!(server.get("/health").status, 200);
+
+    // 1,000 idle sockets, each with half a head.
+    let baseline = rss_and_threads(&server);
+    let mut sockets = Vec::with_capacity(1000);
+    for _ in 0..1000 {
+        let mut socket = connect(&server.addr);
+        socket.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ").unwrap();
+        sockets.push(socket);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let during = rss_and_threads(&server);
+    let started = std::time::Instant::now();
+    assert_eq!(server.get("/health").status, 200);
+    println!("1000 idle sockets: a normal request answered in {:?}", started.elapsed());
+    if let (Some((rss0, threads0)), Some((rss1, threads1))) = (baseline, during) {
+        println!("1000 idle sockets: server threads {threads0} -> {threads1}, RSS {rss0:.1} -> {rss1:.1} MiB");
+        assert!(threads1 < 200, "{threads1} threads");
+    }
+    drop(sockets);
+
+    // A slow body: 408 after --request-timeout.
+    let quick = Server::start(&model, &["--request-timeout", "1"]);
+    let mut socket = connect(&quick.addr);
+    socket
+        .write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = reply_status(&mut socket, Duration::from_secs(10));
+    println!("slow body: {status:?} after {:?}", started.elapsed());
+    assert_eq!(status.ok(), Some(408));
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert_eq!(quick.get("/health").status, 200);
 }

@@ -138,6 +138,21 @@ impl Server {
         }
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// A number field of the server's /proc/PID/status (`VmRSS` in KiB, `Threads`); `None`
+    /// where /proc cannot be read (not Linux).
+    pub fn proc_status(&self, field: &str) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -299,4 +314,53 @@ pub fn shared_dir() -> Option<PathBuf> {
     );
     eprintln!("skipped: {} is missing", dir.display());
     None
+}
+
+/// Writes a PEFT LoRA adapter for the model in `base` to `out`: rank 4, alpha 8, on every
+/// projection, with `lora_A` and `lora_B` uniform in `±scale` from a generator seeded by `seed`
+/// (a non-zero `lora_B`, so that the adapter changes the model's output).
+pub fn write_adapter(base: &Path, out: &Path, seed: u64, scale: f32) {
+    use model::lora::{save_adapter, AdapterWeights, LoraTarget};
+    use model::{LoraAdapters, LoraConfig, Qwen3Config};
+
+    let config = Qwen3Config::from_file(&base.join("config.json")).unwrap();
+    let lora = LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: LoraTarget::ALL.to_vec(),
+    };
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut uniform = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    };
+    let device = Default::default();
+    let adapters = LoraAdapters::<burn::backend::Flex>::from_weights(&lora, &config, &device, |_, _, (fan_in, fan_out)| {
+        let r = lora.rank;
+        let a: Vec<f32> = (0..fan_in * r).map(|_| uniform()).collect();
+        let b: Vec<f32> = (0..r * fan_out).map(|_| uniform()).collect();
+        AdapterWeights {
+            lora_A: burn::tensor::TensorData::new(a, [fan_in, r]),
+            lora_B: burn::tensor::TensorData::new(b, [r, fan_out]),
+        }
+    });
+    save_adapter(&adapters, out, &base.to_string_lossy()).unwrap();
+}
+
+/// The token ids `prompt-r1 generate` samples greedily from `model` (with `adapter`) after
+/// `prompt`.
+pub fn generate_ids(model: &Path, adapter: Option<&Path>, prompt: &[u64], max_new_tokens: usize) -> Vec<u64> {
+    let ids = prompt.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+    let max = max_new_tokens.to_string();
+    let mut args = vec!["generate", "--model", model.to_str().unwrap(), "--prompt-ids", &ids, "--max-new-tokens", &max, "--json"];
+    if let Some(adapter) = adapter {
+        args.extend(["--adapter", adapter.to_str().unwrap()]);
+    }
+    let output = prompt_r1(&args);
+    assert!(output.status.success(), "generate: {}", text(&output.stderr));
+    let json: Value = serde_json::from_slice(&output.stdout).unwrap();
+    json["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
 }

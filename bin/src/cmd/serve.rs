@@ -1,6 +1,7 @@
 //! `prompt-r1 serve`: an OpenAI-compatible chat server over a local checkpoint.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use burn::tensor::backend::Backend;
@@ -10,18 +11,28 @@ use model::Sampling;
 
 use crate::device::{run_on, ComputeArgs, OnBackend};
 use crate::model_dir::LoadedModel;
-use crate::serve::{serve, Served, Settings};
+use crate::serve::{serve, Limits, Served, Settings};
 
 /// Serve a model over the OpenAI chat-completions API.
 ///
-/// Serves a Qwen3 checkpoint: the trained agent (for `infer`/`eval --agent-url`) or a local
-/// large LLM as a zero-cost environment (for `--env-url`). Routes: POST /v1/chat/completions (streaming and not; temperature, top_p, top_k,
-/// max_tokens / max_completion_tokens, seed, stop, n = 1, stream_options.include_usage,
-/// chat_template_kwargs.enable_thinking), GET /v1/models, GET /health. Parameters a request
+/// Serves a Qwen3 checkpoint: the trained agent (for `infer`/`eval --agent-url`), a local
+/// large LLM as a zero-cost environment (for `--env-url`), or a rollout worker for the
+/// trainer. Routes: POST /v1/chat/completions (streaming and not; temperature, top_p, top_k,
+/// max_tokens / max_completion_tokens, seed, stop, stop_token_ids, skip_special_tokens, n = 1,
+/// stream_options.include_usage, chat_template_kwargs.enable_thinking), POST /v1/completions (a
+/// text prompt or, as vLLM, a prompt of token ids; with logprobs and return_token_ids the reply
+/// carries the sampled ids, the ending stop token included, with their log-probs), GET /v1/models,
+/// GET /health. The policy changes at run time: POST /v1/load_lora_adapter {lora_name, lora_path,
+/// load_inplace} and /v1/unload_lora_adapter {lora_name} (vLLM's; a request names the adapter as
+/// its model) and POST /update_weights_from_disk {model_path} (SGLang's: new base weights of the
+/// same config); a change applies once the requests before it have ended. Parameters a request
 /// leaves out come from the checkpoint's generation_config.json (else temperature 1). A request
 /// without a seed gets a random one. Concurrent requests decode together, at most --max-batch at
-/// once; the others join as rows end. Each request's tokens depend only on its own messages and
-/// seed.
+/// once; the others join as rows end. Each request's tokens depend only on its own prompt,
+/// settings, seed and model. Limits keep memory and threads bounded whatever clients do: a head
+/// over 16 KiB is answered 431, a body over 32 MiB 413, a body slower than --request-timeout
+/// 408; at most --max-connections are open (the rest wait to be accepted), requests run on
+/// max(64, 4 x --max-batch) handler threads, and 256 more may wait for one (then 503).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// Model directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json,
@@ -57,6 +68,39 @@ pub struct Args {
     /// and process lists. Without a key, serving on a non-loopback --host prints a warning.
     #[arg(long, value_name = "KEY", env = "PROMPT_R1_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Most LoRA adapters loaded at once through POST /v1/load_lora_adapter (vLLM's
+    /// --max-loras).
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_loras: u64,
+    /// Most client connections open at once; beyond it new ones wait to be accepted.
+    #[arg(long, value_name = "N", default_value_t = Limits::default().max_connections as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
+    /// Seconds a client has to send a request's body once its head has come (408 after); a
+    /// head must come within 10 s, or within this if shorter (else the connection is closed).
+    #[arg(long, value_name = "SECS", default_value_t = Limits::default().body_read_timeout.as_secs_f64(), value_parser = positive_seconds)]
+    pub request_timeout: f64,
+}
+
+/// A number of seconds above 0.
+fn positive_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(secs) if secs > 0.0 && secs.is_finite() && secs <= 86_400.0 => Ok(secs),
+        _ => Err(format!("expected seconds above 0 (at most 86400), got {text:?}")),
+    }
+}
+
+/// The HTTP front's limits for these flags: enough handler threads that streaming requests
+/// (each holds one while it decodes) cannot starve the others.
+fn limits(args: &Args) -> Limits {
+    let defaults = Limits::default();
+    let request_timeout = Duration::from_secs_f64(args.request_timeout);
+    Limits {
+        max_connections: args.max_connections as usize,
+        body_read_timeout: request_timeout,
+        header_read_timeout: defaults.header_read_timeout.min(request_timeout),
+        workers: defaults.workers.max((args.max_batch as usize).saturating_mul(4)),
+        ..defaults
+    }
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -68,10 +112,13 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
-        let loaded = LoadedModel::<B>::open(&self.model, &device, self.compute.load_options())?;
-        let tokenizer = loaded.require_tokenizer(&self.model, "serve")?;
+        let load_options = self.compute.load_options();
+        let loaded = LoadedModel::<B>::open(&self.model, &device, load_options)?;
+        loaded.require_tokenizer(&self.model, "serve")?;
         let template = chat_template(&self.model)?;
         let mut stop_ids = loaded.stop_ids();
+        let LoadedModel { model, tokenizer, .. } = loaded;
+        let tokenizer = tokenizer.as_ref().expect("checked above");
         stop_ids.push(tokenizer.special().endoftext);
         stop_ids.sort_unstable();
         stop_ids.dedup();
@@ -88,9 +135,14 @@ impl OnBackend for Args {
             defaults: sampling_defaults(&self.model)?,
             quiet: self.quiet,
             api_key: self.api_key.clone().filter(|key| !key.is_empty()),
+            max_loras: self.max_loras as usize,
+            limits: limits(&self),
         };
         let served = Served {
-            model: &loaded.model,
+            model,
+            root: self.model.display().to_string(),
+            device,
+            load_options,
             tokenizer,
             template,
             stop_ids,

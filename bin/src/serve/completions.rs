@@ -1,59 +1,69 @@
 //! `POST /v1/completions`: a raw text prompt, tokenized as it is (special tokens such as
-//! `<|im_start|>` included), with no chat template. A served Prompt-R1 agent is asked this way
-//! so that it sees the context it was trained on, earlier turns' `<think>` included (Qwen3's
-//! chat template drops those). Non-streaming only; one string prompt.
+//! `<|im_start|>` included), with no chat template, or a prompt of token ids (vLLM's
+//! `list[int]`). A served Prompt-R1 agent is asked this way so that it sees the context it was
+//! trained on, earlier turns' `<think>` included (Qwen3's chat template drops those), and the
+//! trainer's rollout workers so, with vLLM's extensions: `logprobs` (the sampled token's
+//! log-prob; `top_logprobs` is null), `return_token_ids` (`prompt_token_ids` and `token_ids`, the
+//! stop token a row ended on included), `skip_special_tokens`, `stop_token_ids`, and the
+//! `stop_reason`. Non-streaming only; one prompt.
 
 use std::sync::mpsc::Receiver;
 use std::time::Instant;
 
 use serde_json::{json, Map, Value};
-use tiny_http::Request;
 
-use super::engine::Event;
+use super::engine::{Event, Finished, Job, StopReason, Work};
 use super::error::ApiError;
 use super::http::{self, Accepted};
+use super::listener::Responder;
 use super::request;
 use super::Shared;
 
 /// The text-completions endpoint.
 pub(super) const ROUTE: &str = "/v1/completions";
 
+/// Most alternatives a request may ask for with `logprobs` (vLLM's default `max_logprobs`).
+const MAX_LOGPROBS: u64 = 20;
+
+/// The prompt as sent.
+#[derive(Debug, Clone, PartialEq)]
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// The completion fields the chat parser does not read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Extras {
+    /// `logprobs`: `Some` when the reply carries them.
+    logprobs: Option<u64>,
+    return_token_ids: bool,
+}
+
 /// Answers one text-completion request.
-pub fn handle(mut request: Request, shared: &Shared) {
+pub fn handle(body: &[u8], responder: Responder, shared: &Shared) {
     let started = Instant::now();
-    let prepared = http::read_body(&mut request).and_then(|body| prepare(&body, shared));
-    let (job, events, accepted) = match prepared {
+    let prepared = prepare(body, shared);
+    let (job, events, accepted, extras) = match prepared {
         Ok(ok) => ok,
         Err(err) => {
             http::log(ROUTE, shared, err.status, None, started);
-            return http::respond_error(request, &err);
+            return http::respond_error(responder, &err);
         }
     };
-    if shared.jobs.send(job).is_err() {
+    if responder.client_gone() {
+        return http::log(ROUTE, shared, 499, None, started);
+    }
+    if shared.work.send(Work::Job(job)).is_err() {
         let err = ApiError::internal("the generation worker has stopped");
         http::log(ROUTE, shared, err.status, None, started);
-        return http::respond_error(request, &err);
+        return http::respond_error(responder, &err);
     }
-    match collect(&events) {
-        Ok((text, finish, completion_tokens)) => {
-            let body = json!({
-                "id": accepted.id,
-                "object": "text_completion",
-                "created": accepted.created,
-                "model": shared.model_name,
-                "choices": [{
-                    "index": 0,
-                    "text": text,
-                    "logprobs": null,
-                    "finish_reason": finish,
-                }],
-                "usage": {
-                    "prompt_tokens": accepted.prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": accepted.prompt_tokens + completion_tokens,
-                },
-            });
-            http::respond_json(request, 200, &body);
+    match http::collect(&events) {
+        Ok((text, done)) => {
+            let completion_tokens = done.completion_tokens();
+            let body = reply(&text, &done, &accepted, extras, shared);
+            http::respond_json(responder, 200, &body);
             http::log(
                 ROUTE,
                 shared,
@@ -64,18 +74,67 @@ pub fn handle(mut request: Request, shared: &Shared) {
         }
         Err(err) => {
             http::log(ROUTE, shared, err.status, None, started);
-            http::respond_error(request, &err);
+            http::respond_error(responder, &err);
         }
     }
 }
 
+/// The reply body of a finished completion.
+fn reply(text: &str, done: &Finished, accepted: &Accepted, extras: Extras, shared: &Shared) -> Value {
+    let mut choice = json!({
+        "index": 0,
+        "text": text,
+        "logprobs": extras.logprobs.map(|_| logprobs(done, shared)),
+        "finish_reason": done.finish.as_str(),
+        "stop_reason": match &done.stop_reason {
+            None => Value::Null,
+            Some(StopReason::Token(id)) => json!(id),
+            Some(StopReason::Text(stop)) => json!(stop),
+        },
+    });
+    if extras.return_token_ids {
+        choice["prompt_token_ids"] = json!(accepted.prompt_ids.as_deref().unwrap_or_default());
+        choice["token_ids"] = json!(done.token_ids);
+    }
+    json!({
+        "id": accepted.id,
+        "object": "text_completion",
+        "created": accepted.created,
+        "model": accepted.model,
+        "choices": [choice],
+        "usage": http::usage(accepted.prompt_tokens, done.completion_tokens()),
+    })
+}
+
+/// The completion's `logprobs`: each sampled token's text (special tokens written out) and
+/// log-prob, and where each token's text starts among them (in characters).
+fn logprobs(done: &Finished, shared: &Shared) -> Value {
+    let tokens: Vec<String> = done
+        .token_ids
+        .iter()
+        .map(|&id| shared.tokenizer.decode(&[id], false).unwrap_or_default())
+        .collect();
+    let mut offset = 0;
+    let text_offset: Vec<usize> = tokens
+        .iter()
+        .map(|t| {
+            let at = offset;
+            offset += t.chars().count();
+            at
+        })
+        .collect();
+    json!({
+        "tokens": tokens,
+        "token_logprobs": done.logprobs,
+        "top_logprobs": null,
+        "text_offset": text_offset,
+    })
+}
+
 /// Checks the body and makes the job. The sampling fields are those of a chat request, so
 /// the chat parser checks them, with the prompt standing in as the one user message.
-fn prepare(
-    body: &[u8],
-    shared: &Shared,
-) -> Result<(super::engine::Job, Receiver<Event>, Accepted), ApiError> {
-    let (prompt, fields) = prompt_and_fields(body)?;
+fn prepare(body: &[u8], shared: &Shared) -> Result<(Job, Receiver<Event>, Accepted, Extras), ApiError> {
+    let (prompt, extras, fields) = prompt_and_fields(body)?;
     let chat_body = serde_json::to_vec(&Value::Object(fields))
         .map_err(|err| ApiError::internal(format!("cannot re-encode the request: {err}")))?;
     let req = request::parse(&chat_body)?;
@@ -85,14 +144,29 @@ fn prepare(
             "stream",
         ));
     }
-    if let Some(name) = req.model.as_deref().filter(|n| *n != shared.model_name) {
-        return Err(ApiError::unknown_model(name));
-    }
-    http::job(&prompt, req, shared, "prompt", "cmpl")
+    http::adapter_for(req.model.as_deref(), shared)?;
+    let keep = extras.return_token_ids;
+    let (job, events, accepted) = match prompt {
+        Prompt::Text(text) => http::job(&text, req, shared, "prompt", "cmpl", keep)?,
+        Prompt::Ids(ids) => {
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= shared.vocab_size) {
+                return Err(ApiError::invalid_value(
+                    format!(
+                        "prompt[{i}] is token id {id}, outside the model's vocabulary of {} tokens.",
+                        shared.vocab_size
+                    ),
+                    "prompt",
+                ));
+            }
+            http::job_for_ids(ids, req, shared, "prompt", "cmpl", keep)?
+        }
+    };
+    Ok((job, events, accepted, extras))
 }
 
-/// The prompt, and the body's other fields with the prompt as one user message.
-fn prompt_and_fields(body: &[u8]) -> Result<(String, Map<String, Value>), ApiError> {
+/// The prompt, the completion's own fields, and the body's other fields with the prompt as one
+/// user message (empty for token ids).
+fn prompt_and_fields(body: &[u8]) -> Result<(Prompt, Extras, Map<String, Value>), ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(|err| {
         ApiError::invalid(
             format!("We could not parse the JSON body of your request ({err})."),
@@ -106,9 +180,14 @@ fn prompt_and_fields(body: &[u8]) -> Result<(String, Map<String, Value>), ApiErr
         ));
     };
     let prompt = match fields.remove("prompt") {
-        Some(Value::String(prompt)) if !prompt.is_empty() => prompt,
+        Some(Value::String(prompt)) if !prompt.is_empty() => Prompt::Text(prompt),
         Some(Value::String(_)) => {
             return Err(ApiError::invalid_value("The prompt is empty.", "prompt"))
+        }
+        // A batch of one prompt of ids.
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_array() => Prompt::Ids(token_ids(&items[0])?),
+        Some(items @ Value::Array(_)) if items.as_array().is_some_and(|a| a.iter().all(Value::is_number)) => {
+            Prompt::Ids(token_ids(&items)?)
         }
         None | Some(Value::Null) => {
             return Err(ApiError::invalid(
@@ -118,44 +197,86 @@ fn prompt_and_fields(body: &[u8]) -> Result<(String, Map<String, Value>), ApiErr
         }
         Some(_) => {
             return Err(ApiError::invalid_value(
-                "Only one string prompt is supported.",
+                "Only one prompt is supported: a string, or an array of token ids.",
                 "prompt",
             ))
         }
     };
+    let logprobs = match fields.remove("logprobs") {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(n)) if n.as_u64().is_some_and(|n| n <= MAX_LOGPROBS) => n.as_u64(),
+        Some(other) => {
+            return Err(ApiError::invalid_value(
+                format!("'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {other}."),
+                "logprobs",
+            ))
+        }
+    };
+    let return_token_ids = match fields.remove("return_token_ids") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!("Invalid type for 'return_token_ids': expected a boolean, got {other}."),
+                Some("return_token_ids"),
+            )
+            .with_code("invalid_type"))
+        }
+    };
+    if fields.remove("echo").is_some_and(|echo| echo == json!(true)) {
+        return Err(ApiError::invalid_value("echo is not supported by this server.", "echo"));
+    }
+    let content = match &prompt {
+        Prompt::Text(text) => text.clone(),
+        Prompt::Ids(_) => String::new(),
+    };
     fields.insert(
         "messages".into(),
-        json!([{"role": "user", "content": prompt.clone()}]),
+        json!([{"role": "user", "content": content}]),
     );
-    Ok((prompt, fields))
+    let extras = Extras {
+        logprobs,
+        return_token_ids,
+    };
+    Ok((prompt, extras, fields))
 }
 
-/// The whole generated text, the finish reason and the completion tokens.
-fn collect(events: &Receiver<Event>) -> Result<(String, &'static str, usize), ApiError> {
-    let mut text = String::new();
-    loop {
-        match events.recv() {
-            Ok(Event::Text(piece)) => text.push_str(&piece),
-            Ok(Event::Done {
-                finish,
-                completion_tokens,
-            }) => return Ok((text, finish.as_str(), completion_tokens)),
-            Ok(Event::Failed(message)) => return Err(ApiError::internal(message)),
-            Err(_) => return Err(ApiError::internal("generation stopped without a result")),
-        }
+/// A non-empty array of token ids (integers that fit a `u32`); the error names the first bad
+/// element.
+fn token_ids(items: &Value) -> Result<Vec<u32>, ApiError> {
+    let items = items.as_array().map(Vec::as_slice).unwrap_or_default();
+    if items.is_empty() {
+        return Err(ApiError::invalid_value("The prompt is empty.", "prompt"));
     }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            item.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                ApiError::invalid_value(
+                    format!("prompt[{i}] must be a token id (an integer >= 0), got {item}."),
+                    "prompt",
+                )
+            })
+        })
+        .collect()
 }
-
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn error(body: &str) -> (Option<String>, String) {
+        let err = prompt_and_fields(body.as_bytes()).unwrap_err();
+        (err.param, err.message)
+    }
+
     #[test]
     fn the_prompt_becomes_the_user_message_for_the_field_checks() {
-        let (prompt, fields) =
+        let (prompt, extras, fields) =
             prompt_and_fields(br#"{"prompt": "<|im_start|>a", "max_tokens": 3}"#).unwrap();
-        assert_eq!(prompt, "<|im_start|>a");
+        assert_eq!(prompt, Prompt::Text("<|im_start|>a".into()));
+        assert_eq!(extras, Extras::default());
         assert_eq!(fields["messages"][0]["content"], "<|im_start|>a");
         assert_eq!(fields["max_tokens"], 3);
         assert!(fields.get("prompt").is_none());
@@ -170,5 +291,49 @@ mod tests {
         );
         assert_eq!(param(br#"{"max_tokens": 3}"#).as_deref(), Some("prompt"));
         assert_eq!(param(br#"{"prompt": ""}"#).as_deref(), Some("prompt"));
+    }
+
+    #[test]
+    fn reads_a_prompt_of_token_ids_and_the_completion_fields() {
+        let body = br#"{"prompt": [151644, 0, 7], "logprobs": 0, "return_token_ids": true,
+            "skip_special_tokens": false, "stop_token_ids": [3], "echo": false}"#;
+        let (prompt, extras, fields) = prompt_and_fields(body).unwrap();
+        assert_eq!(prompt, Prompt::Ids(vec![151644, 0, 7]));
+        assert_eq!(
+            extras,
+            Extras {
+                logprobs: Some(0),
+                return_token_ids: true
+            }
+        );
+        assert_eq!(fields["messages"][0]["content"], "");
+        assert!(fields.get("logprobs").is_none() && fields.get("return_token_ids").is_none());
+        // The other fields go on to the chat parser, which reads the vLLM extensions.
+        let req = request::parse(&serde_json::to_vec(&Value::Object(fields)).unwrap()).unwrap();
+        assert_eq!((req.skip_special_tokens, req.stop_token_ids), (Some(false), vec![3]));
+        let (batch, _, _) = prompt_and_fields(br#"{"prompt": [[4, 5]], "logprobs": null}"#).unwrap();
+        assert_eq!(batch, Prompt::Ids(vec![4, 5]));
+    }
+
+    #[test]
+    fn a_bad_token_id_prompt_names_the_element() {
+        let (param, message) = error(r#"{"prompt": [1, 2, -3]}"#);
+        assert_eq!(param.as_deref(), Some("prompt"));
+        assert!(message.contains("prompt[2]") && message.contains("-3"), "{message}");
+        let (_, message) = error(r#"{"prompt": [1, 4294967296]}"#);
+        assert!(message.contains("prompt[1]"), "{message}");
+        let (_, message) = error(r#"{"prompt": [1, 2.5]}"#);
+        assert!(message.contains("prompt[1]"), "{message}");
+        assert_eq!(error(r#"{"prompt": []}"#).0.as_deref(), Some("prompt"));
+        assert_eq!(error(r#"{"prompt": [[]]}"#).0.as_deref(), Some("prompt"));
+        assert_eq!(error(r#"{"prompt": [[1], [2]]}"#).0.as_deref(), Some("prompt"));
+        assert_eq!(error(r#"{"prompt": [1, "a"]}"#).0.as_deref(), Some("prompt"));
+        for bad in [r#""logprobs": -1"#, r#""logprobs": 21"#, r#""logprobs": true"#, r#""logprobs": 1.5"#] {
+            let body = format!(r#"{{"prompt": [1], {bad}}}"#);
+            assert_eq!(error(&body).0.as_deref(), Some("logprobs"), "{body}");
+        }
+        let body = r#"{"prompt": [1], "return_token_ids": "yes"}"#;
+        assert_eq!(error(body).0.as_deref(), Some("return_token_ids"));
+        assert_eq!(error(r#"{"prompt": [1], "echo": true}"#).0.as_deref(), Some("echo"));
     }
 }

@@ -1,26 +1,36 @@
-//! The generation worker: the one thread that owns the model. It runs every request as a
-//! sequence of one [`Decoder`], continuously batched: between steps it adds the requests that
-//! have arrived (up to `max_batch` decode at once, the others wait in order), each step decodes
-//! one token for every running row and prefills the rows that join, and a row leaves as soon as
-//! it ends, its place taken at the next step. Each row has its own sampling settings and seeded
-//! generator ([`choose_row_tokens`]: on the device off the CPU kernels, unless a row asks for
-//! top-k or top-p), so a request's text depends only on its prompt and settings, not on the rows
-//! beside it. Every row's text is sent out as it grows. A row ends at an EOS token, a stop
-//! string, its token limit, or when its client has gone (its event channel is closed). A failed
-//! step (an error or a panic) fails the rows in the decoder, and the worker goes on with the
-//! requests that come after.
+//! The generation worker: the one thread that owns the model (the [`Policy`]: base weights and
+//! named LoRA adapters). It runs every request as a sequence of one [`Decoder`], continuously
+//! batched: between steps it adds the requests that have arrived (up to `max_batch` decode at
+//! once, the others wait in order), each step decodes one token for every running row and
+//! prefills the rows that join, and a row leaves as soon as it ends, its place taken at the next
+//! step. Each row has its own sampling settings and seeded generator ([`choose_row_tokens`]: on
+//! the device off the CPU kernels, unless a row asks for top-k or top-p), so a request's tokens
+//! depend only on its prompt, settings and policy, not on the rows beside it. Every row's text
+//! is sent out as it grows; its token ids and their log-probs come with its end. A row ends at
+//! an EOS or stop token, a stop string, its token limit, or when its client has gone (its event
+//! channel is closed). A failed step (an error or a panic) fails the rows in the decoder, and
+//! the worker goes on with the requests that come after.
+//!
+//! Work is taken in arrival order. Rows of different adapters cannot share a forward, so the
+//! decoder runs one variant (an adapter, or the base alone) at a time: a request for another
+//! waits until the running rows have ended. A change of the policy (an adapter loaded or
+//! unloaded, new base weights) waits the same way: every request that came before it ends with
+//! the policy it started with, every request after it runs with the new one.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{choose_row_tokens, Decoder, DecoderLimits, Qwen3ForCausalLM, RowSampling, Sampling, SequenceId};
+use model::{choose_row_tokens, Decoder, DecoderLimits, LoraModel, RowSampling, Sampling, SequenceId};
 use rand::{rngs::StdRng, SeedableRng};
 
+use super::error::ApiError;
+use super::policy::{Change, Models, Policy};
 use super::stop::{SentText, StopStrings};
 
 /// How long an idle worker waits for more requests once one has come, so that requests sent
@@ -36,13 +46,31 @@ pub struct GenParams {
     /// batch row 0.
     pub sampling: Sampling,
     pub stop: StopStrings,
+    /// Token ids that end this row besides the server's own EOS ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Whether special tokens are left out of the text (vLLM's default: true).
+    pub skip_special_tokens: bool,
 }
 
 /// A request waiting for the worker.
 pub struct Job {
     pub prompt: Vec<u32>,
+    /// The LoRA adapter it runs with; `None`: the base model alone.
+    pub adapter: Option<String>,
     pub params: GenParams,
     pub events: Sender<Event>,
+}
+
+/// A change of the policy and where its outcome goes.
+pub struct Control {
+    pub change: Change,
+    pub reply: Sender<Result<String, ApiError>>,
+}
+
+/// What the handlers send the worker.
+pub enum Work {
+    Job(Job),
+    Control(Control),
 }
 
 /// What the worker tells a request's handler.
@@ -51,18 +79,43 @@ pub enum Event {
     /// More text (never part of a stop string, never half a character).
     Text(String),
     /// The row is over.
-    Done {
-        finish: Finish,
-        completion_tokens: usize,
-    },
+    Done(Finished),
     /// Generation failed.
     Failed(String),
+    /// The request cannot run as asked (its adapter was unloaded before it started).
+    Refused(ApiError),
+}
+
+/// How a row ended, with every token it sampled.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub finish: Finish,
+    /// vLLM's `stop_reason`: the stop token id or stop string that ended the row; `None` at
+    /// the token limit or at one of the server's own EOS ids.
+    pub stop_reason: Option<StopReason>,
+    /// The sampled ids, the one that ended the row included.
+    pub token_ids: Vec<u32>,
+    /// The sampler's log-prob of each of `token_ids`.
+    pub logprobs: Vec<f32>,
+}
+
+impl Finished {
+    pub fn completion_tokens(&self) -> usize {
+        self.token_ids.len()
+    }
+}
+
+/// What ended a row early.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    Token(u32),
+    Text(String),
 }
 
 /// Why a row ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
-    /// An EOS token or a stop string.
+    /// An EOS or stop token, or a stop string.
     Stop,
     /// The token limit.
     Length,
@@ -78,26 +131,30 @@ impl Finish {
     }
 }
 
-/// The model and what decoding needs besides it.
+/// The policy and what decoding needs besides it.
 pub struct Engine<'m, B: Backend> {
-    pub model: &'m Qwen3ForCausalLM<B>,
+    pub policy: Policy<B>,
     pub tokenizer: &'m Qwen3Tokenizer,
-    /// Token ids that end a row (not part of its text).
+    /// Token ids that end every row (not part of its text).
     pub stop_ids: Vec<u32>,
     /// Most rows decoding at once; later requests wait for a row to end.
     pub max_batch: usize,
+    /// Where the handlers see the policy's parts; updated after every change.
+    pub models: &'m Mutex<Models>,
 }
 
-/// The worker's requests: the decoder's sequences and each one's row.
+/// The worker's requests: the decoder's sequences and each one's row, and the adapter they run
+/// with.
 struct Running<B: Backend> {
     decoder: Decoder<B>,
     rows: BTreeMap<SequenceId, Row>,
     next_id: SequenceId,
+    variant: Option<String>,
 }
 
 impl<B: Backend> Engine<'_, B> {
-    /// Serves jobs until every sender is gone and the last row has ended.
-    pub fn run(&self, jobs: &Receiver<Job>) {
+    /// Serves work until every sender is gone and the last row has ended.
+    pub fn run(&mut self, work: &Receiver<Work>) {
         let limits = DecoderLimits {
             max_rows: self.max_batch.max(1),
             ..DecoderLimits::default()
@@ -106,23 +163,30 @@ impl<B: Backend> Engine<'_, B> {
             decoder: Decoder::new(limits),
             rows: BTreeMap::new(),
             next_id: 0,
+            variant: None,
         };
+        let mut pending: VecDeque<Work> = VecDeque::new();
+        self.publish();
         loop {
-            if running.decoder.is_idle() {
-                let Ok(first) = jobs.recv() else { return };
-                self.add(&mut running, first);
+            if running.decoder.is_idle() && pending.is_empty() {
+                let Ok(first) = work.recv() else { return };
+                pending.push_back(first);
                 let deadline = Instant::now() + BATCH_WINDOW;
-                while running.decoder.waiting() < limits.max_rows {
+                while pending.len() < limits.max_rows {
                     let wait = deadline.saturating_duration_since(Instant::now());
-                    match jobs.recv_timeout(wait) {
-                        Ok(job) => self.add(&mut running, job),
+                    match work.recv_timeout(wait) {
+                        Ok(next) => pending.push_back(next),
                         Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
                     }
                 }
             } else {
-                while let Ok(job) = jobs.try_recv() {
-                    self.add(&mut running, job);
+                while let Ok(next) = work.try_recv() {
+                    pending.push_back(next);
                 }
+            }
+            self.admit(&mut running, &mut pending);
+            if running.decoder.is_idle() {
+                continue;
             }
             let failure = match catch_unwind(AssertUnwindSafe(|| self.step(&mut running))) {
                 Ok(Ok(())) => continue,
@@ -138,13 +202,54 @@ impl<B: Backend> Engine<'_, B> {
         }
     }
 
-    /// Adds `job` to the decoder to join at the next step, or tells it why its prompt cannot be
-    /// decoded.
+    /// Takes the pending work in order while it can start now: requests for the variant the
+    /// decoder runs (any variant once it is idle), and changes of the policy once it is idle.
+    fn admit(&mut self, running: &mut Running<B>, pending: &mut VecDeque<Work>) {
+        while let Some(next) = pending.front() {
+            let idle = running.decoder.is_idle();
+            match next {
+                Work::Job(job) if job.adapter != running.variant && !idle => break,
+                Work::Control(_) if !idle => break,
+                _ => {}
+            }
+            match pending.pop_front().expect("a front") {
+                Work::Job(job) => {
+                    running.variant = job.adapter.clone();
+                    self.add(running, job);
+                }
+                Work::Control(Control { change, reply }) => {
+                    let outcome = self.policy.apply(change);
+                    if outcome.is_ok() {
+                        self.publish();
+                    }
+                    let _ = reply.send(outcome);
+                }
+            }
+        }
+    }
+
+    /// Shows the handlers the policy as it is now.
+    fn publish(&self) {
+        let view = self.policy.view();
+        *self.models.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = view;
+    }
+
+    /// Adds `job` to the decoder to join at the next step, or tells it why it cannot run.
     fn add(&self, running: &mut Running<B>, job: Job) {
         let id = running.next_id;
         running.next_id += 1;
-        let Job { prompt, params, events } = job;
-        match running.decoder.add(self.model, id, prompt) {
+        let Job {
+            prompt,
+            adapter,
+            params,
+            events,
+        } = job;
+        if self.policy.model(adapter.as_deref()).is_none() {
+            let name = adapter.unwrap_or_default();
+            let _ = events.send(Event::Refused(ApiError::unknown_model(&name)));
+            return;
+        }
+        match running.decoder.add(self.policy.base(), id, prompt) {
             Ok(()) => {
                 running.rows.insert(id, Row::new(params, events));
             }
@@ -156,8 +261,17 @@ impl<B: Backend> Engine<'_, B> {
 
     /// One step of the decoder: every row it ran takes its next token and goes on or leaves.
     fn step(&self, running: &mut Running<B>) -> Result<(), String> {
-        let Running { decoder, rows, .. } = running;
-        let Some(step) = decoder.step(self.model).map_err(|err| err.to_string())? else {
+        let Running {
+            decoder,
+            rows,
+            variant,
+            ..
+        } = running;
+        let model: LoraModel<'_, B> = self
+            .policy
+            .model(variant.as_deref())
+            .ok_or_else(|| format!("the LoRA adapter {variant:?} is no longer loaded"))?;
+        let Some(step) = decoder.step(&model).map_err(|err| err.to_string())? else {
             return Ok(());
         };
         let tokens = {
@@ -173,9 +287,9 @@ impl<B: Backend> Engine<'_, B> {
                 .collect::<Result<Vec<_>, String>>()?;
             choose_row_tokens(step.logits, &mut samplers).map_err(|err| err.to_string())?
         };
-        for (&id, (token, _)) in step.ids.iter().zip(tokens) {
+        for (&id, (token, logprob)) in step.ids.iter().zip(tokens) {
             let row = rows.get_mut(&id).expect("every stepped sequence has a row");
-            if row.push(token, &self.stop_ids, self.tokenizer) {
+            if row.push(token, logprob, &self.stop_ids, self.tokenizer) {
                 decoder.accept(id, token).map_err(|err| err.to_string())?;
             } else {
                 decoder.finish(id);
@@ -193,8 +307,13 @@ struct Row {
     rng: StdRng,
     max_tokens: usize,
     stop: StopStrings,
+    stop_token_ids: Vec<u32>,
+    skip_special_tokens: bool,
+    /// Every sampled token, with its log-prob.
+    sampled: Vec<u32>,
+    logprobs: Vec<f32>,
+    /// The tokens of the text (the sampled ones but an ending stop token).
     tokens: Vec<u32>,
-    generated: usize,
     sent: SentText,
 }
 
@@ -206,31 +325,39 @@ impl Row {
             sampling: p.sampling,
             max_tokens: p.max_tokens.max(1),
             stop: p.stop,
+            stop_token_ids: p.stop_token_ids,
+            skip_special_tokens: p.skip_special_tokens,
+            sampled: Vec::new(),
+            logprobs: Vec::new(),
             tokens: Vec::new(),
-            generated: 0,
             sent: SentText::default(),
         }
     }
 
-    /// Takes the next token; returns whether the row goes on.
-    fn push(&mut self, token: u32, stop_ids: &[u32], tokenizer: &Qwen3Tokenizer) -> bool {
-        self.generated += 1;
+    /// Takes the next token and its log-prob; returns whether the row goes on.
+    fn push(&mut self, token: u32, logprob: f32, stop_ids: &[u32], tokenizer: &Qwen3Tokenizer) -> bool {
+        self.sampled.push(token);
+        self.logprobs.push(logprob);
         if stop_ids.contains(&token) {
-            return self.finish(Finish::Stop);
+            return self.finish(Finish::Stop, None);
+        }
+        if self.stop_token_ids.contains(&token) {
+            return self.finish(Finish::Stop, Some(StopReason::Token(token)));
         }
         self.tokens.push(token);
-        let text = match tokenizer.decode(&self.tokens, true) {
+        let text = match tokenizer.decode(&self.tokens, self.skip_special_tokens) {
             Ok(text) => text,
             Err(err) => {
                 let _ = self.events.send(Event::Failed(format!("decoding: {err}")));
                 return false;
             }
         };
-        if let Some(at) = self.stop.first_match(&text) {
-            return self.send_text(&text, at) && self.finish(Finish::Stop);
+        if let Some((at, stop)) = self.stop.earliest(&text) {
+            let reason = StopReason::Text(stop.to_string());
+            return self.send_text(&text, at) && self.finish(Finish::Stop, Some(reason));
         }
-        if self.generated >= self.max_tokens {
-            return self.send_text(&text, text.len()) && self.finish(Finish::Length);
+        if self.sampled.len() >= self.max_tokens {
+            return self.send_text(&text, text.len()) && self.finish(Finish::Length, None);
         }
         let safe = self.stop.safe_len(&text);
         self.send_text(&text, safe)
@@ -243,23 +370,26 @@ impl Row {
     }
 
     /// Reports the end of the row; always false (the row does not go on).
-    fn finish(&mut self, finish: Finish) -> bool {
-        let _ = self.events.send(Event::Done {
+    fn finish(&mut self, finish: Finish, stop_reason: Option<StopReason>) -> bool {
+        let _ = self.events.send(Event::Done(Finished {
             finish,
-            completion_tokens: self.generated,
-        });
+            stop_reason,
+            token_ids: std::mem::take(&mut self.sampled),
+            logprobs: std::mem::take(&mut self.logprobs),
+        }));
         false
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
     use std::sync::mpsc;
 
     use model::checkpoint::StorageDtype;
     use model::init::write_random_checkpoint;
     use model::tiny_tokenizer::{train_tiny_tokenizer, TINY_VOCAB_SIZE};
-    use model::{load_pretrained, LoadOptions, Preset};
+    use model::{load_pretrained, LoadOptions, Preset, Qwen3Config};
 
     use super::*;
 
@@ -271,8 +401,40 @@ mod tests {
             max_tokens,
             sampling: Sampling::greedy(),
             stop: StopStrings::new(Vec::new()),
+            stop_token_ids: Vec::new(),
+            skip_special_tokens: true,
         };
-        (Job { prompt, params, events }, received)
+        let job = Job {
+            prompt,
+            adapter: None,
+            params,
+            events,
+        };
+        (job, received)
+    }
+
+    fn tiny(dir: &Path, seed: u64) -> (Qwen3Config, Qwen3Tokenizer) {
+        let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+        let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![tokenizer.special().im_end]);
+        write_random_checkpoint(&config, dir, seed, StorageDtype::F32).unwrap();
+        (config, tokenizer)
+    }
+
+    fn engine<'m>(dir: &Path, tokenizer: &'m Qwen3Tokenizer, models: &'m Mutex<Models>) -> Engine<'m, B> {
+        let options = LoadOptions::default();
+        let model = load_pretrained::<B>(dir, &Default::default(), options).unwrap();
+        let root = dir.display().to_string();
+        Engine {
+            policy: Policy::new("tiny".into(), model, root, Default::default(), options, 2),
+            tokenizer,
+            stop_ids: Vec::new(),
+            max_batch: 2,
+            models,
+        }
+    }
+
+    fn last(events: &Receiver<Event>) -> Event {
+        events.iter().last().expect("an event")
     }
 
     /// A prompt the decoder refuses (a token out of the vocabulary, an empty one) fails alone:
@@ -281,36 +443,107 @@ mod tests {
     #[test]
     fn a_rejected_prompt_fails_alone() {
         let dir = tempfile::tempdir().unwrap();
-        let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
-        let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![tokenizer.special().im_end]);
-        write_random_checkpoint(&config, dir.path(), 0, StorageDtype::F32).unwrap();
-        let model = load_pretrained::<B>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
-        let engine = Engine {
-            model: &model,
-            tokenizer: &tokenizer,
-            stop_ids: Vec::new(),
-            max_batch: 2,
-        };
+        let (config, tokenizer) = tiny(dir.path(), 0);
+        let models = Mutex::default();
+        let mut engine = engine(dir.path(), &tokenizer, &models);
         let vocab = config.vocab_size as u32;
-        let (jobs, queue) = mpsc::channel();
+        let (work, queue) = mpsc::channel();
         let mut replies = Vec::new();
         for (prompt, max_tokens) in [(vec![1, 2, 3], 4), (vec![1, vocab + 5], 4), (vec![], 4), (vec![7], 6), (vec![2, 9, 4, 4], 3)] {
             let (job, events) = job(prompt, max_tokens);
-            jobs.send(job).unwrap();
+            work.send(Work::Job(job)).unwrap();
             replies.push(events);
         }
-        drop(jobs);
+        drop(work);
         engine.run(&queue);
-        let ends: Vec<Event> = replies.iter().map(|r| r.iter().last().expect("an event")).collect();
+        let ends: Vec<Event> = replies.iter().map(last).collect();
         for (i, max_tokens) in [(0, 4), (3, 6), (4, 3)] {
-            let want = Event::Done {
-                finish: Finish::Length,
-                completion_tokens: max_tokens,
-            };
-            assert_eq!(ends[i], want, "request {i}");
+            let Event::Done(done) = &ends[i] else { panic!("request {i}: {:?}", ends[i]) };
+            assert_eq!((done.finish, done.completion_tokens(), done.logprobs.len()), (Finish::Length, max_tokens, max_tokens));
+            assert!(done.logprobs.iter().all(|&l| l <= 0.0 && l.is_finite()), "{done:?}");
         }
         for i in [1, 2] {
             assert!(matches!(&ends[i], Event::Failed(message) if !message.is_empty()), "request {i}: {:?}", ends[i]);
         }
+        assert_eq!(models.lock().unwrap().base_root, dir.path().display().to_string());
+    }
+
+    /// A row ends at a stop token of its own with that token as its last id and its stop
+    /// reason, and at one of the server's EOS ids with no stop reason.
+    #[test]
+    fn stop_tokens_are_the_last_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, tokenizer) = tiny(dir.path(), 0);
+        let models = Mutex::default();
+        let greedy = |engine: &mut Engine<'_, B>, stop_token_ids: Vec<u32>| {
+            let (work, queue) = mpsc::channel();
+            let (mut job, events) = job(vec![5, 9, 12, 30], 12);
+            job.params.stop_token_ids = stop_token_ids;
+            work.send(Work::Job(job)).unwrap();
+            drop(work);
+            engine.run(&queue);
+            match last(&events) {
+                Event::Done(done) => done,
+                other => panic!("{other:?}"),
+            }
+        };
+        let mut plain = engine(dir.path(), &tokenizer, &models);
+        let full = greedy(&mut plain, Vec::new());
+        assert_eq!(full.token_ids.len(), 12);
+        let stop = full.token_ids[3];
+        let at = full.token_ids.iter().position(|&t| t == stop).unwrap();
+        let cut = greedy(&mut plain, vec![stop]);
+        assert_eq!(cut.token_ids, full.token_ids[..=at]);
+        assert_eq!(cut.logprobs, full.logprobs[..=at]);
+        assert_eq!((cut.finish, cut.stop_reason), (Finish::Stop, Some(StopReason::Token(stop))));
+        plain.stop_ids = vec![stop];
+        let eos = greedy(&mut plain, vec![stop]);
+        assert_eq!((eos.token_ids, eos.finish, eos.stop_reason), (cut.token_ids, Finish::Stop, None));
+    }
+
+    /// New base weights are applied once the rows before them have ended: a request queued
+    /// before the change decodes with the old weights, one queued after with the new, and a
+    /// request for an adapter that is not loaded is refused with a 404.
+    #[test]
+    fn a_policy_change_waits_for_the_rows_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (old_dir, new_dir) = (dir.path().join("old"), dir.path().join("new"));
+        let (_, tokenizer) = tiny(&old_dir, 0);
+        tiny(&new_dir, 1);
+        let models = Mutex::default();
+        let answer = |engine: &mut Engine<'_, B>, change: Option<Change>| {
+            let (work, queue) = mpsc::channel();
+            let (before, before_events) = job(vec![3, 1, 4, 1, 5], 8);
+            let (after, after_events) = job(vec![3, 1, 4, 1, 5], 8);
+            let (mut missing, missing_events) = job(vec![3], 2);
+            missing.adapter = Some("nope".into());
+            let (reply, outcome) = mpsc::channel();
+            work.send(Work::Job(before)).unwrap();
+            if let Some(change) = change {
+                work.send(Work::Control(Control { change, reply })).unwrap();
+            }
+            work.send(Work::Job(after)).unwrap();
+            work.send(Work::Job(missing)).unwrap();
+            drop(work);
+            engine.run(&queue);
+            assert!(matches!(last(&missing_events), Event::Refused(err) if err.status == 404));
+            (last(&before_events), last(&after_events), outcome.try_recv().ok())
+        };
+        let (old, _, _) = answer(&mut engine(&old_dir, &tokenizer, &models), None);
+        let (new, _, _) = answer(&mut engine(&new_dir, &tokenizer, &models), None);
+        assert_ne!(old, new);
+        let mut served = engine(&old_dir, &tokenizer, &models);
+        let path = new_dir.display().to_string();
+        let (before, after, outcome) = answer(&mut served, Some(Change::UpdateWeights { path: path.clone() }));
+        assert!(outcome.is_some_and(|o| o.is_ok()));
+        assert_eq!((before, after), (old.clone(), new));
+        assert_eq!(models.lock().unwrap().base_root, path);
+        // A bad directory is refused, naming it, and the weights stay.
+        let bad = dir.path().join("none").display().to_string();
+        let mut served = engine(&old_dir, &tokenizer, &models);
+        let (_, after, outcome) = answer(&mut served, Some(Change::UpdateWeights { path: bad.clone() }));
+        let err = outcome.unwrap().unwrap_err();
+        assert!(err.status == 400 && err.message.contains(&bad), "{err:?}");
+        assert_eq!(after, old);
     }
 }

@@ -68,18 +68,6 @@ impl ApiError {
         }
     }
 
-    /// 413 for a body over the size limit.
-    pub fn too_large(limit: usize) -> Self {
-        Self {
-            status: 413,
-            code: Some("request_too_large"),
-            ..Self::invalid(
-                format!("The request body is larger than {limit} bytes."),
-                None,
-            )
-        }
-    }
-
     /// 401 for a request without the server's API key (`--api-key`), as vLLM answers it.
     pub fn unauthorized() -> Self {
         Self {

@@ -1,63 +1,60 @@
 //! Routes and replies: `/health`, `/v1/models`, `/v1/chat/completions` (JSON or server-sent
-//! events), `/v1/completions` (in `completions`), OpenAI-style errors for everything else.
+//! events), `/v1/completions` (in `completions`), the policy's control routes (in `control`),
+//! OpenAI-style errors for everything else.
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::sync::mpsc::{self, Receiver};
 use std::time::Instant;
 
 use model::chat_template::RenderOptions;
 use model::Sampling;
 use serde_json::{json, Value};
-use tiny_http::{HTTPVersion, Header, Method, Request, Response};
 
 use super::completions;
-use super::engine::{Event, Finish, GenParams, Job};
+use super::control;
+use super::engine::{Event, Finish, Finished, GenParams, Job, Work};
 use super::error::ApiError;
+use super::listener::{Request, Responder, Stream};
+use super::policy::Models;
 use super::request::{self, CompletionRequest};
 use super::stop::StopStrings;
 use super::Shared;
 
-
 /// The chat-completions endpoint.
 const CHAT_ROUTE: &str = "/v1/chat/completions";
-/// Largest request body accepted.
-const MAX_BODY_BYTES: usize = 32 << 20;
-
-/// Answers one request.
-pub fn handle(request: Request, shared: &Shared) {
-    let method = request.method().clone();
-    let path = request
-        .url()
-        .split('?')
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    if path.starts_with("/v1") && !authorized(&request, shared.api_key.as_deref()) {
-        return respond_error(request, &ApiError::unauthorized());
+/// Answers one request (its body already read, within the listener's limits).
+pub fn handle(request: Request, responder: Responder, shared: &Shared) {
+    let method = request.method.as_str();
+    let path = request.path.as_str();
+    let guarded = path.starts_with("/v1") || path == control::UPDATE_WEIGHTS_ROUTE;
+    if guarded && !authorized(&request, shared.api_key.as_deref()) {
+        return respond_error(responder, &ApiError::unauthorized());
     }
-    match (&method, path.as_str()) {
-        (Method::Get, "/health") => respond_json(request, 200, &json!({"status": "ok"})),
-        (Method::Get, "/v1/models") => {
-            let body = json!({"object": "list", "data": [model_card(shared)]});
-            respond_json(request, 200, &body)
+    match (method, path) {
+        ("GET", "/health") => respond_json(responder, 200, &json!({"status": "ok"})),
+        ("GET", "/v1/models") => {
+            let body = json!({"object": "list", "data": model_cards(shared)});
+            respond_json(responder, 200, &body)
         }
-        (Method::Get, p) if p.starts_with("/v1/models/") => {
+        ("GET", p) if p.starts_with("/v1/models/") => {
             let name = &p["/v1/models/".len()..];
-            if name == shared.model_name {
-                respond_json(request, 200, &model_card(shared))
-            } else {
-                respond_error(request, &ApiError::unknown_model(name))
+            match model_cards(shared).into_iter().find(|card| card["id"] == name) {
+                Some(card) => respond_json(responder, 200, &card),
+                None => respond_error(responder, &ApiError::unknown_model(name)),
             }
         }
-        (Method::Post, CHAT_ROUTE) => chat(request, shared),
-        (Method::Post, completions::ROUTE) => completions::handle(request, shared),
-        (_, "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions") => {
-            respond_error(
-                request,
-                &ApiError::method_not_allowed(method.as_str(), &path),
-            )
+        ("POST", CHAT_ROUTE) => chat(&request.body, responder, shared),
+        ("POST", completions::ROUTE) => completions::handle(&request.body, responder, shared),
+        ("POST", p) if control::ROUTES.contains(&p) => {
+            control::handle(&request.body, responder, p, shared)
         }
-        _ => respond_error(request, &ApiError::not_found(method.as_str(), &path)),
+        (_, p)
+            if matches!(p, "/health" | "/v1/models" | CHAT_ROUTE | completions::ROUTE)
+                || control::ROUTES.contains(&p) =>
+        {
+            respond_error(responder, &ApiError::method_not_allowed(method, path))
+        }
+        _ => respond_error(responder, &ApiError::not_found(method, path)),
     }
 }
 
@@ -66,10 +63,10 @@ pub fn handle(request: Request, shared: &Shared) {
 fn authorized(request: &Request, key: Option<&str>) -> bool {
     let Some(key) = key else { return true };
     request
-        .headers()
+        .headers
         .iter()
-        .filter(|h| h.field.equiv("Authorization"))
-        .filter_map(|h| h.value.as_str().strip_prefix("Bearer "))
+        .filter(|(name, _)| name.eq_ignore_ascii_case("authorization"))
+        .filter_map(|(_, value)| value.strip_prefix("Bearer "))
         .any(|given| same_bytes(given.trim().as_bytes(), key.as_bytes()))
 }
 
@@ -78,44 +75,74 @@ fn same_bytes(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn model_card(shared: &Shared) -> Value {
-    json!({
-        "id": shared.model_name,
-        "object": "model",
-        "created": shared.created,
-        "owned_by": "prompt-r1",
-        "max_model_len": shared.context_len,
-    })
+/// The served model, then each loaded adapter, as vLLM lists them: `root` is the directory
+/// the weights were (last) loaded from, an adapter's `parent` the served model.
+fn model_cards(shared: &Shared) -> Vec<Value> {
+    let Models { base_root, adapters } = shared.models();
+    let card = |id: &str, created: u64, root: &str, parent: Option<&str>| {
+        json!({
+            "id": id,
+            "object": "model",
+            "created": created,
+            "owned_by": "prompt-r1",
+            "root": root,
+            "parent": parent,
+            "max_model_len": shared.context_len,
+        })
+    };
+    let mut cards = vec![card(&shared.model_name, shared.created, &base_root, None)];
+    for (name, adapter) in &adapters {
+        cards.push(card(name, adapter.created, &adapter.root, Some(&shared.model_name)));
+    }
+    cards
+}
+
+/// The adapter a request for model `name` runs with (`None`: the base alone, also when the
+/// request names no model), or 404 when no such model is served.
+pub(super) fn adapter_for(name: Option<&str>, shared: &Shared) -> Result<Option<String>, ApiError> {
+    match name {
+        None => Ok(None),
+        Some(name) if name == shared.model_name => Ok(None),
+        Some(name) if shared.models().adapters.contains_key(name) => Ok(Some(name.to_string())),
+        Some(name) => Err(ApiError::unknown_model(name)),
+    }
 }
 
 /// What the reply to an accepted request needs.
 pub(super) struct Accepted {
     pub id: String,
     pub created: u64,
+    /// The model as the request named it (the served name when it named none).
+    pub model: String,
     pub prompt_tokens: usize,
+    /// The prompt's ids, kept when the reply shows them (`return_token_ids`).
+    pub prompt_ids: Option<Vec<u32>>,
     pub stream: bool,
     pub include_usage: bool,
 }
 
-fn chat(mut request: Request, shared: &Shared) {
+fn chat(body: &[u8], responder: Responder, shared: &Shared) {
     let started = Instant::now();
-    let accepted = read_body(&mut request).and_then(|body| prepare(&body, shared));
-    let (job, events, accepted) = match accepted {
+    let (job, events, accepted) = match prepare(body, shared) {
         Ok(ok) => ok,
         Err(err) => {
             log(CHAT_ROUTE, shared, err.status, None, started);
-            return respond_error(request, &err);
+            return respond_error(responder, &err);
         }
     };
-    if shared.jobs.send(job).is_err() {
+    // A client that left while its request waited for a handler costs no generation.
+    if responder.client_gone() {
+        return log(CHAT_ROUTE, shared, 499, None, started);
+    }
+    if shared.work.send(Work::Job(job)).is_err() {
         let err = ApiError::internal("the generation worker has stopped");
         log(CHAT_ROUTE, shared, err.status, None, started);
-        return respond_error(request, &err);
+        return respond_error(responder, &err);
     }
     let (status, completion) = if accepted.stream {
-        stream(request, &events, &accepted, shared)
+        stream(responder, &events, &accepted)
     } else {
-        complete(request, &events, &accepted, shared)
+        complete(responder, &events, &accepted)
     };
     log(
         CHAT_ROUTE,
@@ -126,43 +153,26 @@ fn chat(mut request: Request, shared: &Shared) {
     );
 }
 
-pub(super) fn read_body(request: &mut Request) -> Result<Vec<u8>, ApiError> {
-    if request.body_length().is_some_and(|n| n > MAX_BODY_BYTES) {
-        return Err(ApiError::too_large(MAX_BODY_BYTES));
-    }
-    let mut body = Vec::new();
-    request
-        .as_reader()
-        .take(MAX_BODY_BYTES as u64 + 1)
-        .read_to_end(&mut body)
-        .map_err(|err| ApiError::invalid(format!("cannot read the request body: {err}"), None))?;
-    if body.len() > MAX_BODY_BYTES {
-        return Err(ApiError::too_large(MAX_BODY_BYTES));
-    }
-    Ok(body)
-}
-
 /// Checks the request and turns it into a job for the worker.
 fn prepare(body: &[u8], shared: &Shared) -> Result<(Job, Receiver<Event>, Accepted), ApiError> {
     let req: CompletionRequest = request::parse(body)?;
-    if let Some(name) = req.model.as_deref().filter(|n| *n != shared.model_name) {
-        return Err(ApiError::unknown_model(name));
-    }
+    adapter_for(req.model.as_deref(), shared)?;
     let thinking = req.enable_thinking.unwrap_or(shared.enable_thinking);
     let text = shared
         .template
         .render(&req.messages, RenderOptions::generation(thinking));
-    job(&text, req, shared, "messages", "chatcmpl")
+    job(&text, req, shared, "messages", "chatcmpl", false)
 }
 
 /// Tokenizes `text` (from the request's `param`) and makes the job for `req`'s sampling, with
-/// an id starting with `id_prefix`.
+/// an id starting with `id_prefix`; `keep_ids`: the reply shows the prompt ids.
 pub(super) fn job(
     text: &str,
     req: CompletionRequest,
     shared: &Shared,
     param: &str,
     id_prefix: &str,
+    keep_ids: bool,
 ) -> Result<(Job, Receiver<Event>, Accepted), ApiError> {
     let prompt = shared
         .tokenizer
@@ -177,6 +187,20 @@ pub(super) fn job(
             Some(param),
         ));
     }
+    job_for_ids(prompt, req, shared, param, id_prefix, keep_ids)
+}
+
+/// Makes the job for the prompt ids `prompt` (in the vocabulary) and `req`'s model and
+/// sampling, with an id starting with `id_prefix`; `keep_ids`: the reply shows the prompt ids.
+pub(super) fn job_for_ids(
+    prompt: Vec<u32>,
+    req: CompletionRequest,
+    shared: &Shared,
+    param: &str,
+    id_prefix: &str,
+    keep_ids: bool,
+) -> Result<(Job, Receiver<Event>, Accepted), ApiError> {
+    let adapter = adapter_for(req.model.as_deref(), shared)?;
     let room = shared.context_len.saturating_sub(prompt.len());
     let context_error = |wanted: usize| {
         ApiError::invalid(
@@ -206,6 +230,8 @@ pub(super) fn job(
             seed: req.seed.unwrap_or_else(rand::random),
         },
         stop: StopStrings::new(req.stop),
+        stop_token_ids: req.stop_token_ids,
+        skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
     };
     let (sender, events) = mpsc::channel();
     let accepted = Accepted {
@@ -215,12 +241,15 @@ pub(super) fn job(
             rand::random::<u32>()
         ),
         created: unix_time(),
+        model: req.model.unwrap_or_else(|| shared.model_name.clone()),
         prompt_tokens: prompt.len(),
+        prompt_ids: keep_ids.then(|| prompt.clone()),
         stream: req.stream,
         include_usage: req.include_usage,
     };
     let job = Job {
         prompt,
+        adapter,
         params,
         events: sender,
     };
@@ -229,36 +258,23 @@ pub(super) fn job(
 
 /// Collects the whole reply; returns the status sent and the completion tokens.
 fn complete(
-    request: Request,
+    responder: Responder,
     events: &Receiver<Event>,
     accepted: &Accepted,
-    shared: &Shared,
 ) -> (u16, Option<usize>) {
-    let mut content = String::new();
-    let (finish, completion_tokens) = loop {
-        match events.recv() {
-            Ok(Event::Text(text)) => content.push_str(&text),
-            Ok(Event::Done {
-                finish,
-                completion_tokens,
-            }) => break (finish, completion_tokens),
-            Ok(Event::Failed(message)) => {
-                let err = ApiError::internal(message);
-                respond_error(request, &err);
-                return (err.status, None);
-            }
-            Err(_) => {
-                let err = ApiError::internal("generation stopped without a result");
-                respond_error(request, &err);
-                return (err.status, None);
-            }
+    let (content, done) = match collect(events) {
+        Ok(ok) => ok,
+        Err(err) => {
+            respond_error(responder, &err);
+            return (err.status, None);
         }
     };
+    let (finish, completion_tokens) = (done.finish, done.completion_tokens());
     let body = json!({
         "id": accepted.id,
         "object": "chat.completion",
         "created": accepted.created,
-        "model": shared.model_name,
+        "model": accepted.model,
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": content},
@@ -267,11 +283,25 @@ fn complete(
         }],
         "usage": usage(accepted.prompt_tokens, completion_tokens),
     });
-    respond_json(request, 200, &body);
+    respond_json(responder, 200, &body);
     (200, Some(completion_tokens))
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+/// The whole text of a reply and how it ended.
+pub(super) fn collect(events: &Receiver<Event>) -> Result<(String, Finished), ApiError> {
+    let mut text = String::new();
+    loop {
+        match events.recv() {
+            Ok(Event::Text(piece)) => text.push_str(&piece),
+            Ok(Event::Done(done)) => return Ok((text, done)),
+            Ok(Event::Failed(message)) => return Err(ApiError::internal(message)),
+            Ok(Event::Refused(err)) => return Err(err),
+            Err(_) => return Err(ApiError::internal("generation stopped without a result")),
+        }
+    }
+}
+
+pub(super) fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
     json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -282,18 +312,19 @@ fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 /// Sends the reply as server-sent events while it is generated. A client that goes away
 /// closes the event channel (dropped on return), which ends its row in the worker.
 fn stream(
-    request: Request,
+    responder: Responder,
     events: &Receiver<Event>,
     accepted: &Accepted,
-    shared: &Shared,
 ) -> (u16, Option<usize>) {
-    let chunked = *request.http_version() != HTTPVersion(1, 0);
     let mut out = EventStream {
-        writer: request.into_writer(),
-        chunked,
+        stream: Some(responder.stream_with_headers(
+            200,
+            "text/event-stream; charset=utf-8",
+            &[("cache-control", "no-cache"), ("connection", "close"), SERVER_HEADER],
+        )),
     };
     let mut completion = None;
-    match write_events(&mut out, events, accepted, shared, &mut completion) {
+    match write_events(&mut out, events, accepted, &mut completion) {
         Ok(()) if completion.is_some() => (200, completion),
         Ok(()) => (500, None),
         // The client went away.
@@ -307,7 +338,6 @@ fn write_events(
     out: &mut EventStream,
     events: &Receiver<Event>,
     accepted: &Accepted,
-    shared: &Shared,
     completion: &mut Option<usize>,
 ) -> io::Result<()> {
     let chunk = |choices: Value| {
@@ -315,7 +345,7 @@ fn write_events(
             "id": accepted.id,
             "object": "chat.completion.chunk",
             "created": accepted.created,
-            "model": shared.model_name,
+            "model": accepted.model,
             "choices": choices,
         });
         if accepted.include_usage {
@@ -331,17 +361,14 @@ fn write_events(
             "finish_reason": finish.map(Finish::as_str),
         }]))
     };
-    out.head()?;
     out.data(&delta(json!({"role": "assistant", "content": ""}), None))?;
     loop {
         match events.recv() {
             Ok(Event::Text(text)) => out.data(&delta(json!({"content": text}), None))?,
-            Ok(Event::Done {
-                finish,
-                completion_tokens,
-            }) => {
+            Ok(Event::Done(done)) => {
+                let completion_tokens = done.completion_tokens();
                 *completion = Some(completion_tokens);
-                out.data(&delta(json!({}), Some(finish)))?;
+                out.data(&delta(json!({}), Some(done.finish)))?;
                 if accepted.include_usage {
                     let mut last = chunk(json!([]));
                     last["usage"] = usage(accepted.prompt_tokens, completion_tokens);
@@ -353,6 +380,10 @@ fn write_events(
                 out.data(&ApiError::internal(message).body())?;
                 break;
             }
+            Ok(Event::Refused(err)) => {
+                out.data(&err.body())?;
+                break;
+            }
             Err(_) => {
                 out.data(&ApiError::internal("generation stopped without a result").body())?;
                 break;
@@ -362,62 +393,59 @@ fn write_events(
     out.done()
 }
 
-/// A `text/event-stream` body written straight to the connection, each event flushed at once.
+/// A `text/event-stream` body; the listener sends (and flushes) each event as it comes, chunked
+/// (or, to an HTTP/1.0 client, until the connection closes).
 struct EventStream {
-    writer: Box<dyn Write + Send>,
-    chunked: bool,
+    stream: Option<Stream>,
 }
 
 impl EventStream {
-    fn head(&mut self) -> io::Result<()> {
-        let framing = if self.chunked {
-            "Transfer-Encoding: chunked\r\n"
-        } else {
-            ""
-        };
-        write!(
-            self.writer,
-            "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n\
-             Cache-Control: no-cache\r\nConnection: close\r\nServer: prompt-r1\r\n{framing}\r\n"
-        )?;
-        self.writer.flush()
-    }
-
     fn data(&mut self, value: &Value) -> io::Result<()> {
         self.raw(format!("data: {value}\n\n").as_bytes())
     }
 
     fn done(&mut self) -> io::Result<()> {
         self.raw(b"data: [DONE]\n\n")?;
-        if self.chunked {
-            self.writer.write_all(b"0\r\n\r\n")?;
+        if let Some(stream) = self.stream.take() {
+            stream.finish();
         }
-        self.writer.flush()
+        Ok(())
     }
 
+    /// Fails once the client is gone, so that generation stops.
     fn raw(&mut self, bytes: &[u8]) -> io::Result<()> {
-        if self.chunked {
-            write!(self.writer, "{:x}\r\n", bytes.len())?;
-            self.writer.write_all(bytes)?;
-            self.writer.write_all(b"\r\n")?;
-        } else {
-            self.writer.write_all(bytes)?;
+        match &mut self.stream {
+            Some(stream) => stream.write(bytes),
+            None => Err(io::Error::other("the stream has ended")),
         }
-        self.writer.flush()
     }
 }
 
-pub(super) fn respond_json(request: Request, status: u16, body: &Value) {
-    let mut response = Response::from_string(body.to_string()).with_status_code(status);
-    if let Ok(header) = Header::from_bytes("Content-Type", "application/json") {
-        response = response.with_header(header);
-    }
-    // A client that went away needs no answer.
-    let _ = request.respond(response);
+/// Sent with every reply.
+const SERVER_HEADER: (&str, &str) = ("server", "prompt-r1");
+
+pub(super) fn respond_json(responder: Responder, status: u16, body: &Value) {
+    // A client that went away needs no answer (the responder drops it).
+    responder.send_with_headers(
+        status,
+        "application/json",
+        &[SERVER_HEADER],
+        body.to_string().into_bytes(),
+    );
 }
 
-pub(super) fn respond_error(request: Request, err: &ApiError) {
-    respond_json(request, err.status, &err.body());
+/// A plain-text reply (vLLM answers a LoRA load or unload so).
+pub(super) fn respond_text(responder: Responder, status: u16, text: String) {
+    responder.send_with_headers(
+        status,
+        "text/plain; charset=utf-8",
+        &[SERVER_HEADER],
+        text.into_bytes(),
+    );
+}
+
+pub(super) fn respond_error(responder: Responder, err: &ApiError) {
+    respond_json(responder, err.status, &err.body());
 }
 
 /// One line per request on stderr for `route` (never the request's headers or content).

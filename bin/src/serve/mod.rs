@@ -1,28 +1,41 @@
 //! `prompt-r1 serve`: an OpenAI-compatible chat (and text-completion) server over a local Qwen3
 //! checkpoint.
 //!
-//! HTTP handler threads (one per request) parse and check requests, render the chat template
-//! and tokenize, then queue a [`engine::Job`]; the one worker thread that owns the model runs
-//! the queued jobs continuously batched (each joins the running batch at the next decode step
-//! and leaves it when it ends) and streams each one's text back over the job's channel.
+//! The HTTP front ([`listener`]: hyper on a small tokio runtime) reads each request within fixed
+//! limits (head and body size, timeouts, open connections) and hands it to a fixed pool of
+//! handler threads, which parse and check it, render the chat template and tokenize, then queue
+//! a [`engine::Job`]; the one worker thread that owns the model runs the queued jobs
+//! continuously batched (each joins the running batch at the next decode step and leaves it when
+//! it ends) and streams each one's text back over the job's channel.
+//!
+//! The worker owns the served policy: the base weights and a few named LoRA adapters, which
+//! the control routes (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
+//! `/update_weights_from_disk`) change at run time, between decode steps (see [`engine`]).
 
 mod completions;
+mod control;
 mod engine;
 mod error;
 mod http;
+mod listener;
+mod policy;
 mod request;
 mod stop;
 
 use std::io::Write;
 use std::sync::mpsc::{self, Sender};
+use std::sync::Mutex;
 
 use anyhow::{anyhow, Result};
 use burn::tensor::backend::Backend;
 use model::chat_template::ChatTemplate;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{Qwen3ForCausalLM, Sampling};
+use model::{LoadOptions, Qwen3ForCausalLM, Sampling};
 
-use engine::{Engine, Job};
+use engine::{Engine, Work};
+use listener::Listener;
+pub use listener::Limits;
+use policy::{Models, Policy};
 
 /// Server settings.
 #[derive(Debug, Clone)]
@@ -37,13 +50,23 @@ pub struct Settings {
     /// 1, no truncation). Its seed is not used: a request without one gets a random seed.
     pub defaults: Sampling,
     pub quiet: bool,
-    /// The key clients must send as `Authorization: Bearer KEY` on the `/v1` routes.
+    /// The key clients must send as `Authorization: Bearer KEY` on the `/v1` routes (and
+    /// `/update_weights_from_disk`).
     pub api_key: Option<String>,
+    /// Most LoRA adapters loaded at once.
+    pub max_loras: usize,
+    /// The HTTP front's limits (sizes, timeouts, connections, handler threads).
+    pub limits: Limits,
 }
 
-/// The model being served.
+/// The model being served: the worker owns it, and may replace its weights at run time.
 pub struct Served<'m, B: Backend> {
-    pub model: &'m Qwen3ForCausalLM<B>,
+    pub model: Qwen3ForCausalLM<B>,
+    /// The directory the weights came from, as given (`root` in `GET /v1/models`).
+    pub root: String,
+    /// Where, and how, new weights are loaded (as the first were).
+    pub device: B::Device,
+    pub load_options: LoadOptions,
     pub tokenizer: &'m Qwen3Tokenizer,
     pub template: ChatTemplate,
     pub stop_ids: Vec<u32>,
@@ -62,24 +85,34 @@ pub(crate) struct Shared<'m> {
     defaults: Sampling,
     quiet: bool,
     api_key: Option<String>,
-    jobs: Sender<Job>,
+    /// The policy's parts as the worker last published them.
+    models: Mutex<Models>,
+    work: Sender<Work>,
+}
+
+impl Shared<'_> {
+    /// What `GET /v1/models` shows now.
+    fn models(&self) -> Models {
+        self.models
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .clone()
+    }
 }
 
 /// Listens, prints the base URL when ready, and serves until the process is stopped.
 pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()> {
-    let server =
-        tiny_http::Server::http((settings.host.as_str(), settings.port)).map_err(|err| {
-            anyhow!(
-                "cannot listen on {}:{}: {err}",
-                settings.host,
-                settings.port
-            )
-        })?;
-    let addr = server
-        .server_addr()
-        .to_ip()
-        .ok_or_else(|| anyhow!("the server is not listening on an IP address"))?;
-    let (jobs, queue) = mpsc::channel();
+    let listener = Listener::bind(&settings.host, settings.port).map_err(|err| {
+        anyhow!(
+            "cannot listen on {}:{}: {err}",
+            settings.host,
+            settings.port
+        )
+    })?;
+    let addr = listener
+        .local_addr()
+        .map_err(|err| anyhow!("cannot read the address listened on: {err}"))?;
+    let (work, queue) = mpsc::channel();
     let shared = Shared {
         model_name: settings.model_name.clone(),
         created: http::unix_time(),
@@ -92,13 +125,26 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         defaults: settings.defaults.clone(),
         quiet: settings.quiet,
         api_key: settings.api_key.clone(),
-        jobs,
+        models: Mutex::new(Models {
+            base_root: served.root.clone(),
+            ..Models::default()
+        }),
+        work,
     };
-    let engine = Engine {
-        model: served.model,
+    let policy = Policy::new(
+        settings.model_name.clone(),
+        served.model,
+        served.root,
+        served.device,
+        served.load_options,
+        settings.max_loras,
+    );
+    let mut engine = Engine {
+        policy,
         tokenizer: served.tokenizer,
         stop_ids: served.stop_ids,
         max_batch: settings.max_batch,
+        models: &shared.models,
     };
     if settings.api_key.is_none() && !addr.ip().is_loopback() {
         eprintln!(
@@ -107,16 +153,20 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         );
     }
     println!(
-        "serving {} at http://{addr}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health)",
+        "serving {} at http://{addr}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health; \
+         POST /v1/load_lora_adapter, /v1/unload_lora_adapter, /update_weights_from_disk)",
         settings.model_name
     );
     std::io::stdout().flush()?;
+    let limits = settings.limits.clone();
     std::thread::scope(|scope| {
         let shared = &shared;
-        let server = &server;
         scope.spawn(move || {
-            for request in server.incoming_requests() {
-                scope.spawn(move || http::handle(request, shared));
+            let handler = move |request, responder| http::handle(request, responder, shared);
+            // `serve` returns only when the front cannot start; the worker would wait forever.
+            if let Err(err) = listener.serve(limits, &handler) {
+                eprintln!("error: the HTTP front stopped: {err}");
+                std::process::exit(1);
             }
         });
         engine.run(&queue);

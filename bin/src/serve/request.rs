@@ -19,7 +19,8 @@ pub struct CompletionRequest {
     pub messages: Vec<ChatMessage>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
-    /// Extension (vLLM, Ollama): sample among the k most likely tokens.
+    /// Extension (vLLM, Ollama): sample among the k most likely tokens; 0 (or vLLM's -1, read
+    /// as 0): among all, whatever the server's default.
     pub top_k: Option<usize>,
     /// `max_completion_tokens`, else `max_tokens`.
     pub max_tokens: Option<usize>,
@@ -30,6 +31,10 @@ pub struct CompletionRequest {
     pub include_usage: bool,
     /// Extension (vLLM): `chat_template_kwargs.enable_thinking`.
     pub enable_thinking: Option<bool>,
+    /// Extension (vLLM): leave special tokens out of the text (default true).
+    pub skip_special_tokens: Option<bool>,
+    /// Extension (vLLM): token ids that end the completion besides the model's EOS ids.
+    pub stop_token_ids: Vec<u32>,
 }
 
 /// The request body as sent: the fields this server reads, typed but not yet checked.
@@ -50,6 +55,8 @@ struct Body {
     chat_template_kwargs: Option<ChatTemplateKwargs>,
     logprobs: Option<bool>,
     tools: Option<Value>,
+    skip_special_tokens: Option<bool>,
+    stop_token_ids: Option<Vec<Number>>,
 }
 
 #[derive(Deserialize)]
@@ -129,8 +136,11 @@ pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
         messages: messages(body.messages)?,
         temperature: in_range(body.temperature, "temperature", 0.0, 2.0, true)?,
         top_p: in_range(body.top_p, "top_p", 0.0, 1.0, false)?,
-        top_k: integer(body.top_k.as_ref(), "top_k", 0)?
-            .map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
+        // vLLM's -1 turns top-k off, as 0 does (over a default from generation_config.json).
+        top_k: match body.top_k.as_ref() {
+            Some(k) if k.as_i64() == Some(-1) => Some(0),
+            k => integer(k, "top_k", 0)?.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
+        },
         max_tokens: max_tokens.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
         seed: body.seed.map(|n| seed(&n)).transpose()?,
         stop: stop(body.stop)?,
@@ -140,7 +150,25 @@ pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
         enable_thinking: body.chat_template_kwargs.and_then(|k| k.enable_thinking),
+        skip_special_tokens: body.skip_special_tokens,
+        stop_token_ids: stop_token_ids(body.stop_token_ids)?,
     })
+}
+
+/// Token ids, each an integer that fits a `u32`.
+fn stop_token_ids(ids: Option<Vec<Number>>) -> Result<Vec<u32>, ApiError> {
+    ids.unwrap_or_default()
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            n.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                ApiError::invalid_value(
+                    format!("stop_token_ids[{i}] must be a token id (an integer >= 0), got {n}."),
+                    "stop_token_ids",
+                )
+            })
+        })
+        .collect()
 }
 
 /// A deserialisation failure as an OpenAI error: unreadable JSON, a body that is not an
@@ -314,7 +342,8 @@ mod tests {
                 {"role": "assistant", "content": null}],
               "temperature": 0, "top_p": 0.5, "top_k": 3, "max_tokens": 7, "seed": -1,
               "stop": "x", "stream": true, "stream_options": {"include_usage": true},
-              "chat_template_kwargs": {"enable_thinking": false}, "n": 1, "user": "ignored"}"#,
+              "chat_template_kwargs": {"enable_thinking": false}, "n": 1, "user": "ignored",
+              "skip_special_tokens": false, "stop_token_ids": [7, 4294967295]}"#,
         )
         .unwrap();
         assert_eq!(r.model.as_deref(), Some("m"));
@@ -329,6 +358,8 @@ mod tests {
         assert_eq!(r.stop, vec!["x".to_string()]);
         assert!(r.stream && r.include_usage);
         assert_eq!(r.enable_thinking, Some(false));
+        assert_eq!(r.skip_special_tokens, Some(false));
+        assert_eq!(r.stop_token_ids, vec![7, u32::MAX]);
     }
 
     #[test]
@@ -342,6 +373,8 @@ mod tests {
         assert_eq!(r.temperature, None);
         assert_eq!(r.stop, vec!["a".to_string()]);
         assert!(!r.stream);
+        let off = |k: &str| parse_str(&format!(r#"{{"messages": [{{"role": "user", "content": "q"}}], "top_k": {k}}}"#)).unwrap().top_k;
+        assert_eq!((off("-1"), off("0"), off("5"), off("null")), (Some(0), Some(0), Some(5), None));
     }
 
     #[test]
@@ -396,6 +429,11 @@ mod tests {
             ("stop", r#"["a","b","c","d","e"]"#),
             ("stream", "\"yes\""),
             ("model", "3"),
+            ("stop_token_ids", "[1, -2]"),
+            ("top_k", "-2"),
+            ("stop_token_ids", "[4294967296]"),
+            ("stop_token_ids", "3"),
+            ("skip_special_tokens", "1"),
         ] {
             let body = format!("{{{user}, \"{field}\": {value}}}");
             assert_eq!(param_of(&body).as_deref(), Some(field), "{body}");

@@ -12,12 +12,13 @@ impl StopStrings {
         Self(stops.into_iter().filter(|s| !s.is_empty()).collect())
     }
 
-    /// Byte offset of the earliest stop string in `text`: the text is cut there.
-    pub fn first_match(&self, text: &str) -> Option<usize> {
+    /// The earliest stop string in `text` (the first listed among those starting at the same
+    /// offset), with its byte offset: the text is cut there.
+    pub fn earliest(&self, text: &str) -> Option<(usize, &str)> {
         self.0
             .iter()
-            .filter_map(|stop| text.find(stop.as_str()))
-            .min()
+            .filter_map(|stop| text.find(stop.as_str()).map(|at| (at, stop.as_str())))
+            .min_by_key(|&(at, _)| at)
     }
 
     /// Length of the prefix of `text` that is safe to send: it leaves out a trailing part that
@@ -77,9 +78,9 @@ mod tests {
     #[test]
     fn earliest_stop_string_wins() {
         let s = stops(&["</answer>", "b", ""]);
-        assert_eq!(s.first_match("a b </answer>"), Some(2));
-        assert_eq!(s.first_match("nothing"), None);
-        assert_eq!(stops(&[]).first_match("x"), None);
+        assert_eq!(s.earliest("a b </answer>"), Some((2, "b")));
+        assert_eq!(s.earliest("nothing"), None);
+        assert_eq!(stops(&[]).earliest("x"), None);
     }
 
     #[test]
