@@ -5,8 +5,9 @@
 //! - [`grpo`]: group-relative advantages, the clipped policy loss with its KL and entropy
 //!   terms, loss aggregation, and the learning step on prepared sequences (mini-batches,
 //!   micro-batches with gradient accumulation).
-//! - [`rollout`]: the local burn model as the episode agent (batched, turn-synchronous,
-//!   token-level contexts with loss masks and log-probs).
+//! - [`rollout`]: the engines that generate episodes ([`rollout::RolloutEngine`]): the local
+//!   burn model as the episode agent (continuously batched, token-level contexts with loss
+//!   masks and log-probs), or OpenAI-compatible rollout workers given token-id prompts.
 //! - [`run`]: a training run (TOML config, the GRPO step over rollouts, validation,
 //!   metrics.jsonl, atomic checkpoints that resume exactly).
 //! - [`optim`]: AdamW with PyTorch's defaults, clipping by the global gradient norm, and the

@@ -108,8 +108,7 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
     }
 
     fn turn_seed(&self, episode: usize, turn: u64) -> u64 {
-        let batch = row_seed(self.sampling.seed, self.batch_stream);
-        row_seed(row_seed(batch, (self.episode_offset + episode) as u64), turn)
+        super::turn_seed(self.sampling.seed, self.batch_stream, self.episode_offset + episode, turn)
     }
 
     /// Puts episode `ctx`'s sequence in line for its next turn: a new sequence of its whole
@@ -242,7 +241,9 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
                 }
                 self.queue_turn(ctx).map_err(|e| AgentError::Model(e.to_string()))?;
                 let row = TurnRow {
-                    rng: StdRng::seed_from_u64(self.turn_seed(ctx.index(), turn)),
+                    // As `prompt-r1 serve` seeds a request's row from its `seed`, so that a
+                    // server given the turn's seed samples what this agent samples.
+                    rng: StdRng::seed_from_u64(row_seed(self.turn_seed(ctx.index(), turn), 0)),
                     budget: ctx.turn_budget(),
                     generated: 0,
                     start: ctx.trace().len(),

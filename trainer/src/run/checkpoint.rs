@@ -176,7 +176,7 @@ pub(crate) fn staging_dir(run_dir: &Path, name: &str) -> Result<PathBuf, TrainEr
 }
 
 /// fsyncs a directory so that renames and new entries inside it are durable.
-fn sync_dir(dir: &Path) -> Result<(), TrainError> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), TrainError> {
     for entry in std::fs::read_dir(dir).map_err(TrainError::io(dir))? {
         let path = entry.map_err(TrainError::io(dir))?.path();
         if path.is_file() {
@@ -194,6 +194,17 @@ fn sync_dir(dir: &Path) -> Result<(), TrainError> {
 /// tokenizer beside the model (or the adapters).
 const TOKENIZER_FILES: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
 
+/// Copies `initial`'s tokenizer files ([`TOKENIZER_FILES`], those it has) into `dir`.
+pub(crate) fn copy_tokenizer_files(initial: &Path, dir: &Path) -> Result<(), TrainError> {
+    for file in TOKENIZER_FILES {
+        let from = initial.join(file);
+        if from.is_file() {
+            std::fs::copy(&from, dir.join(file)).map_err(TrainError::io(&from))?;
+        }
+    }
+    Ok(())
+}
+
 /// Writes the checkpoint after `state.step` steps of a run that started from the HF directory
 /// `initial`: what `learner` trains with its optimiser state (see [`Learner::save_into`]),
 /// `initial`'s tokenizer files and `state`, staged and then published (see the module docs),
@@ -208,12 +219,7 @@ pub(crate) fn write_checkpoint<B: AutodiffBackend>(
     let name = checkpoint_name(state.step);
     let tmp = staging_dir(run_dir, &name)?;
     learner.save_into(&tmp, initial)?;
-    for file in TOKENIZER_FILES {
-        let from = initial.join(file);
-        if from.is_file() {
-            std::fs::copy(&from, tmp.join(file)).map_err(TrainError::io(&from))?;
-        }
-    }
+    copy_tokenizer_files(initial, &tmp)?;
     let json = serde_json::to_string_pretty(state).expect("state serialises");
     model::checkpoint::write_atomic(&tmp.join(STATE_FILE), json.as_bytes())?;
     publish(run_dir, &tmp, &name, keep)

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::TrainError;
 use crate::grpo::{AdvantageMode, LearnConfig};
+use crate::rollout::ServerSettings;
 
 /// Everything a run needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -194,6 +195,23 @@ pub struct RolloutSection {
     /// equal (their advantages are 0). They are counted in `metrics.jsonl` either way
     /// (`batch/groups_no_signal`, `batch/groups_dropped`). Off by default, as the reference.
     pub dynamic_sampling: bool,
+    /// What generates the episodes: `local` (the default: the trainer's own model on its own
+    /// device) or `servers` (the rollout workers of `[rollout.servers]`, given token-id
+    /// prompts; the policy is pushed to them after every optimiser step).
+    pub engine: RolloutEngineKind,
+    /// The rollout workers of `engine = "servers"` (see [`ServerSettings`]).
+    pub servers: Option<ServerSettings>,
+}
+
+/// Which engine generates the rollouts (see [`RolloutSection::engine`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutEngineKind {
+    /// The trainer's model, decoding on the trainer's device.
+    #[default]
+    Local,
+    /// OpenAI-compatible rollout workers (`prompt-r1 serve`, vLLM).
+    Servers,
 }
 
 /// The weight precision of the inference-only models (see [`RolloutSection::dtype`]).
@@ -236,6 +254,17 @@ impl RolloutSection {
         })
     }
 
+    /// Checks `engine` against `[rollout.servers]`; the message names the key.
+    fn validate_engine(&self) -> Result<(), String> {
+        match (self.engine, &self.servers) {
+            (RolloutEngineKind::Servers, None) => Err(
+                "rollout.engine = \"servers\" needs a [rollout.servers] table with `urls`".into(),
+            ),
+            (_, Some(servers)) => servers.validate(),
+            (RolloutEngineKind::Local, None) => Ok(()),
+        }
+    }
+
     /// Checks `max_num_seqs`, `max_num_batched_tokens` and `kv_budget`; the message names the key.
     fn validate_limits(&self) -> Result<(), String> {
         if self.max_num_seqs == Some(0) {
@@ -274,6 +303,8 @@ impl Default for RolloutSection {
             advantage: AdvantageMode::Grpo,
             dtype: InferenceDtype::F32,
             dynamic_sampling: false,
+            engine: RolloutEngineKind::Local,
+            servers: None,
         }
     }
 }
@@ -356,6 +387,9 @@ impl TrainConfig {
         if let Some(p) = self.episode.instruction.as_mut() {
             fix(p);
         }
+        if let Some(p) = self.rollout.servers.as_mut().and_then(|s| s.policy_dir.as_mut()) {
+            fix(p);
+        }
     }
 
     /// Checks the settings that a run relies on; the message names the key.
@@ -367,6 +401,7 @@ impl TrainConfig {
             return Err("rollout.batch_size, rollout.n and rollout.generation_batch must be at least 1".into());
         }
         self.rollout.validate_limits()?;
+        self.rollout.validate_engine()?;
         self.compute().validate()?;
         if self.run.save_every == 0 {
             return Err("run.save_every must be at least 1".into());
@@ -537,6 +572,33 @@ mod tests {
             let err = config.rollout.decoder_limits(&model, DType::F32).unwrap_err().to_string();
             assert!(err.contains(key), "{keys}: {err}");
         }
+    }
+
+    #[test]
+    fn the_rollout_engine_is_local_or_servers() {
+        let local = parse_rollout("");
+        assert_eq!((local.rollout.engine, local.rollout.servers.as_ref()), (RolloutEngineKind::Local, None));
+        let servers = parse_rollout(
+            "engine = \"servers\"\n[rollout.servers]\nurls = [\"http://w1:8000/v1\", \"http://w2:8000\"]\nrequest_timeout_secs = 60\npolicy_dir = \"shared/policy\"",
+        );
+        assert!(servers.validate().is_ok());
+        let table = servers.rollout.servers.as_ref().unwrap();
+        assert_eq!(table.base_urls().unwrap(), ["http://w1:8000", "http://w2:8000"]);
+        assert_eq!((table.request_timeout_secs, table.adapter_name.as_str(), table.model_name.as_deref()), (60, "policy", None));
+        let mut resolved = servers.clone();
+        resolved.resolve_paths(Path::new("/runs"));
+        assert_eq!(resolved.rollout.servers.unwrap().policy_dir.unwrap(), Path::new("/runs/shared/policy"));
+        // Errors name the key.
+        let err = parse_rollout("engine = \"servers\"").validate().unwrap_err();
+        assert!(err.contains("rollout.engine") && err.contains("[rollout.servers]"), "{err}");
+        let err = parse_rollout("engine = \"servers\"\n[rollout.servers]\nurls = []").validate().unwrap_err();
+        assert!(err.contains("rollout.servers.urls"), "{err}");
+        let err = parse_rollout("engine = \"servers\"\n[rollout.servers]\nurls = [\"w1:8000\"]").validate().unwrap_err();
+        assert!(err.contains("rollout.servers.urls") && err.contains("w1:8000"), "{err}");
+        let bad = |keys: &str| toml::from_str::<TrainConfig>(&format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n[rollout]\n{keys}\n")).unwrap_err().to_string();
+        assert!(bad("engine = \"vllm\"").contains("vllm"));
+        let err = bad("engine = \"servers\"\n[rollout.servers]\nurls = [\"http://a\"]\nurl = \"http://b\"");
+        assert!(err.contains("url") && err.contains("urls"), "{err}");
     }
 
     #[test]

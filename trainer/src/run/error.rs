@@ -38,6 +38,10 @@ pub enum TrainError {
     Resume { error: Box<TrainError>, hint: String },
     #[error("every episode of step {step} failed in the environment (first error: {first})")]
     AllEpisodesFailed { step: u64, first: String },
+    /// The rollout workers of `engine = "servers"` failed: none is left for a rollout, or none
+    /// took the new policy.
+    #[error("rollout servers: {0}")]
+    Servers(String),
 }
 
 impl TrainError {

@@ -29,6 +29,9 @@ mod tests {
 
     #[test]
     fn peak_rss_covers_a_large_allocation() {
+        // From the current RSS: a peak that tests running alongside set earlier (and freed
+        // since) would hide part of the block.
+        reset_peak_rss();
         let Some(before) = peak_rss_mb() else { return };
         // black_box keeps the optimiser from eliding the touched 64 MB. Tests running alongside
         // may free some megabytes meanwhile, so half the block is what is required.

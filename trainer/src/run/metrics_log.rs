@@ -89,6 +89,10 @@ pub struct StepRecord {
     /// `rollout.kv_budget` (prefilled again later).
     #[serde(rename = "rollout/preemptions")]
     pub preemptions: u64,
+    /// Turns sent again to another rollout worker after one failed (`rollout.engine =
+    /// "servers"`; 0 otherwise).
+    #[serde(rename = "rollout/server_retries")]
+    pub server_retries: u64,
     /// Greedy validation reward, on the steps that validate.
     #[serde(rename = "val/reward/mean")]
     pub validation_reward: Option<f32>,
@@ -341,7 +345,7 @@ mod tests {
             r#""rollout/episodes":64,"rollout/agent_tokens":4096,"response_length/mean":64.5,"#,
             r#""num_turns/mean":2.5,"timing_s/gen":12.5,"timing_s/update_actor":30.25,"#,
             r#""perf/gen_tokens_per_s":327.5,"perf/prefill_tokens":20480,"perf/context_tokens":9216,"#,
-            r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"#,
+            r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"rollout/server_retries":3,"#,
             r#""val/reward/mean":0.625,"val/f1/mean":0.6875,"#,
             r#""perf/peak_rss_mb":2048.0,"batch/groups_no_signal":5,"batch/groups_dropped":6,"#,
             r#""val/hotpot/reward":0.875}"#

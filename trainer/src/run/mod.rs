@@ -15,7 +15,9 @@ mod trainer;
 mod validation;
 
 pub use checkpoint::{checkpoint_at, latest_checkpoint, list_checkpoints, CHECKPOINTS_DIR, LATEST_FILE};
-pub use config::{DataSection, EpisodeSection, InferenceDtype, ModelDtype, RolloutSection, RunSection, TrainConfig};
+pub use config::{
+    DataSection, EpisodeSection, InferenceDtype, ModelDtype, RolloutEngineKind, RolloutSection, RunSection, TrainConfig,
+};
 pub use error::TrainError;
 pub use memory::{peak_rss_mb, reset_peak_rss, total_ram_bytes};
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};

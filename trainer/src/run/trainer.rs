@@ -12,7 +12,7 @@ use burn::tensor::backend::AutodiffBackend;
 use data::{BatchSampler, Example};
 use env::{Environment, StopReason, Trajectory};
 use model::tokenizer::Qwen3Tokenizer;
-use model::{load_pretrained, with_dtype, DecoderStats, LoadOptions, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling};
+use model::{load_pretrained, with_dtype, LoadOptions, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling};
 
 use super::config::{InferenceDtype, TrainConfig};
 use super::dynamic_sampling::groups_without_signal;
@@ -27,7 +27,7 @@ use crate::grpo::{
     group_advantages, learn, sequence_logprobs, LearnConfig, PolicyBatch, PolicySequence, StepStats, Trainable,
 };
 use crate::optim::AdamWOptimizer;
-use crate::rollout::LocalAgent;
+use crate::rollout::{engine_for, RolloutBatch, RolloutEngine, RolloutStats};
 
 type Policy<B> = Qwen3ForCausalLM<B>;
 type Inner<B> = <B as AutodiffBackend>::InnerBackend;
@@ -47,6 +47,10 @@ pub struct Trainer<B: AutodiffBackend> {
     sampler: BatchSampler,
     step: u64,
     last_validation: Option<ValidationReport>,
+    /// What generates the episodes (`rollout.engine`).
+    engine: Box<dyn RolloutEngine<Inner<B>>>,
+    /// Whether the engine has been told of the current policy (see [`Self::sync_policy`]).
+    policy_synced: bool,
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -92,6 +96,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         };
         let sampler = session.sampler(train.len(), config.rollout.batch_size)?;
         let step = session.start_step();
+        let engine = engine_for::<Inner<B>>(&config)?;
         session.begin("run_config.json", &config)?;
         Ok(Self {
             config,
@@ -105,6 +110,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             sampler,
             step,
             last_validation: None,
+            engine,
+            policy_synced: false,
         })
     }
 
@@ -146,20 +153,17 @@ impl<B: AutodiffBackend> Trainer<B> {
         let step = self.step + 1;
         let batch = self.sampler.next_batch();
         let n = self.config.rollout.n;
-        let examples: Vec<&Example> = batch
-            .indices
-            .iter()
-            .flat_map(|&i| std::iter::repeat_n(&self.train[i], n))
-            .collect();
+        let picked: Vec<usize> = batch.indices.iter().flat_map(|&i| std::iter::repeat_n(i, n)).collect();
+        let questions: Vec<String> = picked.iter().map(|&i| self.train[i].question().to_string()).collect();
 
         let rollout_start = Instant::now();
+        self.sync_policy()?;
         let (policy_model, adapters) = self.inference_policy();
-        let rollout_model = self.for_rollouts(policy_model.clone());
-        let rollout_policy = LoraModel::new(&rollout_model, adapters.as_ref());
-        let (trajectories, decoded) =
-            self.rollouts(rollout_policy, env, &examples, step, &self.config.rollout.sampling)?;
-        drop(rollout_model);
+        let sampling = self.config.rollout.sampling.clone();
+        let (trajectories, rolled) = self.rollouts(&policy_model, adapters.as_ref(), env, &questions, step, &sampling)?;
+        let decoded = rolled.decoder;
         let rollout_secs = rollout_start.elapsed().as_secs_f32();
+        let examples: Vec<&Example> = picked.iter().map(|&i| &self.train[i]).collect();
 
         // Score, drop failed episodes, group by question.
         let mut kept: Vec<(usize, &Trajectory, EpisodeScore)> = Vec::new();
@@ -195,6 +199,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             drop((policy_model, adapters));
             StepStats::default()
         } else {
+            // The engine hears of the new policy before its next rollout.
+            self.policy_synced = false;
             self.learn(step, policy_model, adapters, &kept)?
         };
         let learn_secs = learn_start.elapsed().as_secs_f32();
@@ -237,6 +243,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             context_tokens: trajectories.iter().map(|t| t.token_ids.len() as u64).sum(),
             kv_peak_positions: decoded.peak_kv_positions as u64,
             preemptions: decoded.preemptions + decoded.evictions,
+            server_retries: rolled.server_retries,
             validation_reward: None,
             validation_f1: None,
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
@@ -336,19 +343,31 @@ impl<B: AutodiffBackend> Trainer<B> {
     }
 
     /// Greedy episodes on the held-out set with the current policy.
-    pub fn validate(&self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<ValidationReport, TrainError> {
+    pub fn validate(&mut self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<ValidationReport, TrainError> {
+        self.sync_policy()?;
         let (policy_model, adapters) = self.inference_policy();
-        let model = self.for_rollouts(policy_model);
-        let examples: Vec<&Example> = self.validation.iter().collect();
+        let questions: Vec<String> = self.validation.iter().map(|e| e.question().to_string()).collect();
         let greedy = Sampling {
             temperature: 0.0,
             ..self.config.rollout.sampling.clone()
         };
-        let (trajectories, _) = self.rollouts(LoraModel::new(&model, adapters.as_ref()), env, &examples, 0, &greedy)?;
-        Ok(ValidationReport::from_scores(trajectories.iter().zip(&examples).map(|(t, ex)| {
+        let (trajectories, _) = self.rollouts(&policy_model, adapters.as_ref(), env, &questions, 0, &greedy)?;
+        Ok(ValidationReport::from_scores(trajectories.iter().zip(&self.validation).map(|(t, ex)| {
             let score = (t.stop_reason != StopReason::EnvFailure).then(|| scorer.score(t, ex.answers()));
             (ex.data_source(), score)
         })))
+    }
+
+    /// Tells the engine of the current policy, once after each update (and before the first
+    /// rollout): rollout workers load it before they sample again.
+    fn sync_policy(&mut self) -> Result<(), TrainError> {
+        if self.policy_synced {
+            return Ok(());
+        }
+        let (policy_model, adapters) = self.inference_policy();
+        self.engine.policy_changed(self.step, LoraModel::new(&policy_model, adapters.as_ref()))?;
+        self.policy_synced = true;
+        Ok(())
     }
 
     /// The model episodes sample from: the policy (or LoRA base) itself, or its copy in
@@ -360,33 +379,31 @@ impl<B: AutodiffBackend> Trainer<B> {
         }
     }
 
-    /// Runs one episode per example, `generation_batch` at a time, and counts the tokens run
-    /// through prefill, the peak KV positions and the preemptions. Every episode samples from its own stream of `sampling.seed`, `stream`
-    /// and its place among `examples`, so `generation_batch` changes how fast, not what.
+    /// One episode per question from the engine ([`RolloutEngine::rollouts`]), each sampling
+    /// from its own stream of `sampling.seed`, `stream` and its place among `questions`. A
+    /// local engine samples from the policy in `rollout.dtype`.
     fn rollouts(
-        &self,
-        model: LoraModel<'_, Inner<B>>,
+        &mut self,
+        policy_model: &Policy<Inner<B>>,
+        adapters: Option<&LoraAdapters<Inner<B>>>,
         env: &dyn Environment,
-        examples: &[&Example],
+        questions: &[impl AsRef<str>],
         stream: u64,
         sampling: &Sampling,
-    ) -> Result<(Vec<Trajectory>, DecoderStats), TrainError> {
-        // The cache holds keys and values in the dtype of the weights the rollouts run on.
-        let cache_dtype = model.base.model.embed_tokens.weight.val().dtype();
-        let limits = self.config.rollout.decoder_limits(&model.base.config, cache_dtype)?;
-        let mut agent = LocalAgent::new(model.base, &self.tokenizer, sampling.clone())
-            .with_adapters(model.adapters)
-            .with_limits(limits);
+    ) -> Result<(Vec<Trajectory>, RolloutStats), TrainError> {
+        let copy = self.engine.samples_locally().then(|| self.for_rollouts(policy_model.clone()));
+        let model = copy.as_ref().unwrap_or(policy_model);
         let episode = self.config.episode.episode_config()?;
-        let mut out = Vec::with_capacity(examples.len());
-        agent.set_batch_stream(stream);
-        let generation_batch = self.config.rollout.generation_batch;
-        for (c, chunk) in examples.chunks(generation_batch).enumerate() {
-            agent.set_episode_offset(c * generation_batch);
-            let questions: Vec<&str> = chunk.iter().map(|e| e.question()).collect();
-            out.extend(env::run_episodes(&mut agent, env, &questions, &episode));
-        }
-        Ok((out, agent.decoder_stats()))
+        let questions: Vec<&str> = questions.iter().map(AsRef::as_ref).collect();
+        self.engine.rollouts(RolloutBatch {
+            policy: LoraModel::new(model, adapters),
+            tokenizer: &self.tokenizer,
+            env,
+            questions: &questions,
+            episode: &episode,
+            stream,
+            sampling,
+        })
     }
 
     /// Writes a checkpoint of the current state (see the module docs of `checkpoint`).

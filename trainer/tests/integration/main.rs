@@ -10,6 +10,7 @@ mod common;
 mod checkpointing;
 mod grpo_logprobs;
 mod grpo_step;
+mod rollout_servers;
 mod run_training;
 mod sft;
 mod validation_and_sampling;

@@ -160,21 +160,33 @@ fn a_checkpoint_reloads_to_the_same_logits() {
 /// its adapters off (no second model): the KL starts at 0 (B = 0) and grows as the adapters do.
 /// The adapters move only hidden states, so learning is slower than with every weight free:
 /// each step collects every question (24 episodes, a 5-step mean's standard error about 0.013),
-/// and the bar is the full-weight tests' rise of 0.15 (measured: 0.60 → 0.94).
+/// and the bar is the full-weight tests' rise of 0.15. One run's rise depends on its sampling
+/// streams: since each turn's generator is seeded as `prompt-r1 serve` seeds a request
+/// (`row_seed(turn_seed, 0)`), seeds 0-7 rose 0.42, 0.33, 0.37, 0.29, 0.29, 0.16, 0.35 and 0.12
+/// (seed 7, this test's until then, was the slowest). So the claim is checked over five seeds
+/// (3-7): the median rise must exceed 0.15 (measured 0.29); the other claims hold on every run.
 #[test]
 fn lora_adapters_learn_the_rewarded_behaviour() {
     let dir = tempfile::tempdir().unwrap();
-    let mut config = every_question_each_step(with_lora(setup(dir.path())));
-    config.grpo.loss.kl_coef = 0.001;
-    let initial = named_weights(&Trainer::<B>::start(config.clone(), Default::default(), false).unwrap().policy().valid());
-    let (trainer, records) = train(config, 40, false);
-    let (first, last) = first_last_gap(&records);
-    println!("LoRA: first 5 steps {first:.3}, last 5 steps {last:.3}, kl {:?} → {:?}", records[0].kl, records[39].kl);
-    assert!(last - first > 0.15, "first {first}, last {last}");
-    assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.policy.approx_kl == 0.0), "every first ratio is 1");
-    assert_eq!(records[0].kl, Some(0.0), "the adapters start at zero: the policy is the reference");
-    assert!(records[39].kl.unwrap() > 0.0);
-    assert_eq!(named_weights(&trainer.policy().valid()), initial, "the base is frozen");
+    let mut rises = Vec::new();
+    for seed in [3, 4, 5, 6, 7] {
+        let run_dir = dir.path().join(format!("seed-{seed}"));
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let mut config = every_question_each_step(with_lora(setup(&run_dir)));
+        config.grpo.loss.kl_coef = 0.001;
+        config.rollout.sampling.seed = seed;
+        let initial = named_weights(&Trainer::<B>::start(config.clone(), Default::default(), false).unwrap().policy().valid());
+        let (trainer, records) = train(config, 40, false);
+        let (first, last) = first_last_gap(&records);
+        println!("LoRA, seed {seed}: first 5 steps {first:.3}, last 5 steps {last:.3}, kl {:?} → {:?}", records[0].kl, records[39].kl);
+        assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.policy.approx_kl == 0.0), "every first ratio is 1");
+        assert_eq!(records[0].kl, Some(0.0), "the adapters start at zero: the policy is the reference");
+        assert!(records[39].kl.unwrap() > 0.0);
+        assert_eq!(named_weights(&trainer.policy().valid()), initial, "the base is frozen");
+        rises.push(last - first);
+    }
+    rises.sort_by(f32::total_cmp);
+    assert!(rises[2] > 0.15, "median rise {} over seeds 3-7 ({rises:?})", rises[2]);
 }
 
 /// LoRA on a bf16 base (`model_dtype = "bf16"`): the base's weights and activations are bf16,
@@ -294,3 +306,4 @@ fn a_kv_budget_bounds_the_rollouts_without_changing_them() {
         assert_eq!((a.reward_mean, a.mean_response_tokens), (b.reward_mean, b.mean_response_tokens), "step {step}");
     }
 }
+
