@@ -138,6 +138,16 @@ pub struct Args {
     /// Most environment calls in flight at once (--rollout; `episode.env_concurrency`).
     #[arg(long, default_value_t = 32)]
     pub env_concurrency: usize,
+    /// Also run each --rollout batch on these rollout workers (`prompt-r1 serve` or vLLM
+    /// serving the same --model; a comma list or repeated), as `[rollout] engine = "servers"`
+    /// runs it: same seeds, so the same tokens as the local rollout; reports their agent tokens/s
+    /// beside the local figure.
+    #[arg(long, value_name = "URL", value_delimiter = ',', requires = "rollout")]
+    pub rollout_workers: Vec<String>,
+    /// The model name the --rollout-workers serve (default: the --model directory's name, what
+    /// `serve` calls it unless told otherwise).
+    #[arg(long, value_name = "NAME", requires = "rollout_workers")]
+    pub rollout_worker_model: Option<String>,
     /// Print the results as JSON.
     #[arg(long)]
     pub json: bool,
@@ -274,6 +284,8 @@ impl Args {
             env_concurrency: self.env_concurrency,
             seed: self.rollout_seed,
             runs: self.rollout_runs,
+            workers: self.rollout_workers.clone(),
+            worker_model: self.rollout_worker_model.clone().unwrap_or_else(|| crate::cmd::serve::dir_name(dir)),
         };
         for &batch in &self.rollout_batch {
             eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", batch, settings.turns);

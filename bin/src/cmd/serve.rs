@@ -167,7 +167,7 @@ fn chat_template(dir: &Path) -> Result<ChatTemplate> {
 }
 
 /// The last component of the model path (after resolving `.` and the like).
-fn dir_name(dir: &Path) -> String {
+pub(crate) fn dir_name(dir: &Path) -> String {
     let resolved = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
     resolved
         .file_name()

@@ -16,7 +16,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use burn::tensor::backend::Backend;
 use env::{
     run_episodes, Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment,
@@ -26,7 +26,7 @@ use env::{
 use model::tokenizer::Qwen3Tokenizer;
 use model::{generate, Qwen3ForCausalLM, Sampling, SamplingConfig};
 use serde::Serialize;
-use trainer::rollout::LocalAgent;
+use trainer::rollout::{LocalAgent, ServerAgent, ServerPool, ServerSettings};
 
 /// The shape of the rollout workload.
 #[derive(Clone, Debug)]
@@ -45,6 +45,10 @@ pub struct RolloutSettings {
     pub seed: u64,
     /// Timed runs of each measurement (the median is reported).
     pub runs: usize,
+    /// Rollout workers serving the same model, to run each batch on as well (none: local only).
+    pub workers: Vec<String>,
+    /// The model name the workers serve.
+    pub worker_model: String,
 }
 
 /// What one rollout batch did: the counts are exact (the same seed gives the same episodes on
@@ -94,6 +98,24 @@ pub struct RolloutStats {
     pub reprefill_agent_tokens_per_second: f64,
     /// `agent_tokens_per_second / reprefill_agent_tokens_per_second`.
     pub speedup_over_reprefill: f64,
+    /// The same batch on rollout workers, when some were given.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub workers: Option<WorkerRollout>,
+}
+
+/// One rollout batch on rollout workers (`engine = "servers"`): the median of the timed runs.
+#[derive(Clone, Debug, Serialize)]
+pub struct WorkerRollout {
+    pub workers: usize,
+    pub seconds: f64,
+    pub agent_tokens: usize,
+    pub agent_tokens_per_second: f64,
+    /// `agent_tokens_per_second` over the local rollout's.
+    pub over_local: f64,
+    /// Whether every episode's tokens equal the local rollout's (same seeds, same model).
+    pub same_tokens_as_local: bool,
+    /// Turns sent again to another worker after one failed.
+    pub retries: u64,
 }
 
 /// A local environment: each call sleeps `latency`, then returns the reply for its turn
@@ -515,6 +537,12 @@ pub fn measure<B: Backend>(
             before.prefill_tokens
         );
     }
+    let workers = if settings.workers.is_empty() {
+        None
+    } else {
+        let rate = counts.agent_tokens as f64 / seconds;
+        Some(on_workers(tokenizer, &environment, &questions, &config, &sampling, settings, model.config.vocab_size, &trajectories, rate)?)
+    };
     let env_calls: usize = trajectories.iter().map(|t| t.env_calls).sum();
     if 2 * env_calls * settings.runs != environment.calls() {
         eprintln!(
@@ -554,6 +582,49 @@ pub fn measure<B: Backend>(
         rollout_over_decode: rate / decode_rate,
         reprefill_agent_tokens_per_second: before.counts.agent_tokens as f64 / before.seconds,
         speedup_over_reprefill: rate / (before.counts.agent_tokens as f64 / before.seconds),
+        workers,
+    })
+}
+
+/// The batch on `settings.workers` through the trainer's server agent (the median of
+/// `settings.runs` runs), compared with the local rollout's `local` trajectories and agent
+/// tokens/s.
+#[allow(clippy::too_many_arguments)]
+fn on_workers(
+    tokenizer: &Qwen3Tokenizer,
+    environment: &ScriptedEnvironment,
+    questions: &[String],
+    config: &EpisodeConfig,
+    sampling: &Sampling,
+    settings: &RolloutSettings,
+    vocab_size: usize,
+    local: &[Trajectory],
+    local_rate: f64,
+) -> Result<WorkerRollout> {
+    let servers = ServerSettings { urls: settings.workers.clone(), model_name: Some(settings.worker_model.clone()), ..ServerSettings::default() };
+    let mut pool = ServerPool::new(&servers, false).map_err(|e| anyhow!("--rollout-workers: {e}"))?;
+    let mut runs = Vec::new();
+    for _ in 0..settings.runs {
+        let mut agent = ForcedCalls::new(ServerAgent::new(&mut pool, tokenizer, sampling.clone(), vocab_size), settings.turns);
+        let start = Instant::now();
+        let trajectories = run_episodes(&mut agent, environment, questions, config);
+        let seconds = start.elapsed().as_secs_f64();
+        if let Some(t) = trajectories.iter().find(|t| t.error.is_some()) {
+            bail!("an episode failed on the workers: {}", t.error.as_deref().unwrap_or_default());
+        }
+        runs.push((seconds, agent.counts().agent_tokens, trajectories));
+    }
+    runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (seconds, agent_tokens, trajectories) = runs.swap_remove(runs.len() / 2);
+    let rate = agent_tokens as f64 / seconds;
+    Ok(WorkerRollout {
+        workers: settings.workers.len(),
+        seconds,
+        agent_tokens,
+        agent_tokens_per_second: rate,
+        over_local: rate / local_rate,
+        same_tokens_as_local: trajectories.iter().map(|t| &t.token_ids).eq(local.iter().map(|t| &t.token_ids)),
+        retries: pool.retries(),
     })
 }
 
@@ -603,6 +674,17 @@ pub fn print(stats: &RolloutStats) {
         "  re-prefilling every turn instead: {:.1} agent tokens/s, {:.0} prefill tokens per episode; kept caches are {:.2}x faster",
         s.reprefill_agent_tokens_per_second, s.reprefill_prefill_tokens_per_episode, s.speedup_over_reprefill
     );
+    if let Some(w) = &s.workers {
+        println!(
+            "  on {} rollout worker(s): {:.2} s wall, {:.1} agent tokens/s ({:.2}x the local rollout); tokens {} the local ones; {} turns resent",
+            w.workers,
+            w.seconds,
+            w.agent_tokens_per_second,
+            w.over_local,
+            if w.same_tokens_as_local { "equal to" } else { "DIFFER from" },
+            w.retries
+        );
+    }
     if s.unexpected_endings > 0 {
         println!(
             "  {} episodes did not end with their forced answer",
