@@ -144,6 +144,11 @@ pub fn describe(plan: &MemoryPlan) -> String {
             ""
         };
         let title = format!("{}{marker}", phase.name);
+        if phase.terms.is_empty() {
+            // A phase the trainer does not run itself (rollouts on workers): its line says so.
+            out.push_str(&format!("  {title}\n"));
+            continue;
+        }
         out.push_str(&format!(
             "  {title:<62} {:>10}\n",
             format_size(phase.total())

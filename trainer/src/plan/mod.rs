@@ -11,7 +11,9 @@
 //!   capacity of the full context, or `rollout.kv_budget` when that is smaller (sequences then
 //!   wait or are preempted rather than go past it); a turn prefills only its new tokens, in
 //!   chunks of at most `rollout.max_num_batched_tokens` positions (rows × chunk) attending over
-//!   up to the full context of keys;
+//!   up to the full context of keys. With `rollout.engine = "servers"` the rollouts run on the
+//!   workers of `[rollout.servers]`: the trainer holds none of this (the phase has no terms and
+//!   names the workers; their memory is planned as a local run's, or by the server's limits);
 //! - **scoring**: the old and reference log-probs, a micro-batch at a time without autodiff;
 //! - **update**: a micro-batch's forward and backward pass (what the forward keeps is counted
 //!   tensor by tensor in `activations`, with and without activation checkpointing), the
@@ -37,7 +39,7 @@ use model::qwen3::attention::memory_efficient::block_sizes;
 use model::qwen3::grown_capacity;
 use model::{AttnImplementation, MatmulPrecision, Qwen3Config};
 
-use crate::run::TrainConfig;
+use crate::run::{RolloutEngineKind, TrainConfig};
 use activations::{Dims, LoraActivations};
 pub use size::{format_size, parse_size};
 
@@ -160,7 +162,8 @@ pub struct PlanSettings {
     pub device: PlanDevice,
 }
 
-/// The limits of the rollouts' decoder (`model::DecoderLimits`, from the `[rollout]` keys).
+/// Where the rollouts run, and the limits of their decoder (`model::DecoderLimits`, from the
+/// `[rollout]` keys).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RolloutLimits {
     /// Most episodes decoding at once (`rollout.max_num_seqs`); `None`: `generation_batch`.
@@ -169,16 +172,21 @@ pub struct RolloutLimits {
     pub max_batched_tokens: usize,
     /// Most bytes of KV cache the rollouts hold (`rollout.kv_budget`); `None`: no limit.
     pub kv_budget: Option<u64>,
+    /// `None`: the rollouts run here (`rollout.engine = "local"`); `Some(n)`: on the `n` workers
+    /// of `[rollout.servers]` (`engine = "servers"`), which hold their weights and KV cache
+    /// themselves, so none of the limits above is the trainer's.
+    pub workers: Option<usize>,
 }
 
 impl Default for RolloutLimits {
-    /// The `[rollout]` defaults: `generation_batch` episodes at once, prefill passes of 8,192
-    /// positions, no KV budget.
+    /// The `[rollout]` defaults: local rollouts, `generation_batch` episodes at once, prefill
+    /// passes of 8,192 positions, no KV budget.
     fn default() -> Self {
         Self {
             max_num_seqs: None,
             max_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             kv_budget: None,
+            workers: None,
         }
     }
 }
@@ -222,6 +230,10 @@ impl PlanSettings {
                 max_batched_tokens: config.rollout.max_num_batched_tokens,
                 // Validated with the configuration (`TrainConfig::validate`).
                 kv_budget: config.rollout.kv_budget.as_deref().and_then(|size| parse_size(size).ok()),
+                workers: match config.rollout.engine {
+                    RolloutEngineKind::Local => None,
+                    RolloutEngineKind::Servers => Some(config.rollout.servers.as_ref().map_or(0, |s| s.urls.len())),
+                },
             },
             context: context.unwrap_or(PROMPT_ALLOWANCE + config.episode.max_response_tokens),
             checkpointing: config.grpo.activation_checkpointing,
@@ -649,6 +661,10 @@ fn candidate_changes(s: &PlanSettings) -> Vec<PlanSettings> {
             ..s.clone()
         });
     }
+    if s.rollout.workers.is_some() {
+        // The rollouts' limits are the workers' business.
+        return out;
+    }
     // A KV budget lets episodes wait or be preempted instead of every one holding the full
     // context: half of what the cache holds now, in whole GiB (MiB below 1 GiB), while it
     // still holds one episode at the full context.
@@ -802,8 +818,18 @@ fn persistent_terms(s: &PlanSettings) -> Vec<Term> {
 
 /// The rollouts as `model::Decoder` runs them (see the module docs): the rollout copy, the KV
 /// cache of the episodes decoding at once at the full context (or the KV budget), and one
-/// chunked prefill pass.
+/// chunked prefill pass. None of them with rollouts on workers: the phase then only names them.
 fn rollout_phase(s: &PlanSettings) -> Phase {
+    if let Some(workers) = s.rollout.workers {
+        return Phase {
+            name: format!(
+                "rollouts: on {workers} worker{} ([rollout.servers]); their memory is the workers' \
+                 (plan them with `plan --config` of a local run, or the server's own limits)",
+                if workers == 1 { "" } else { "s" }
+            ),
+            terms: Vec::new(),
+        };
+    }
     let m = &s.model;
     let params = m.num_parameters() as f64;
     let mut terms = Vec::new();
@@ -1433,6 +1459,62 @@ mod tests {
             format_size(prefill_term(&plan).bytes)
         );
         assert!(plan.check(80 << 30).fits, "peak {}", format_size(plan.peak()));
+    }
+
+    /// With `rollout.engine = "servers"` the rollouts are the workers': the paper's run at
+    /// generation batch 64 without a KV budget (over 80 GiB with local rollouts) keeps no rollout
+    /// copy, KV cache or prefill pass on the trainer, names the workers instead, and fits; the
+    /// scoring, the update and the KL reference stay.
+    #[test]
+    fn rollouts_on_workers_hold_nothing_on_the_trainer() {
+        let local = MemoryPlan::new(papers_run_at_64());
+        let on_workers = |s: PlanSettings, n| PlanSettings { rollout: RolloutLimits { workers: Some(n), ..s.rollout }, ..s };
+        let servers = MemoryPlan::new(on_workers(papers_run_at_64(), 2));
+        let rollouts = &servers.phases[0];
+        assert!(rollouts.terms.is_empty(), "{:?}", rollouts.terms);
+        assert_eq!(rollouts.total(), 0);
+        assert!(rollouts.name.starts_with("rollouts: on 2 workers ([rollout.servers])"), "{}", rollouts.name);
+        let all_terms = |plan: &MemoryPlan| -> Vec<String> {
+            plan.persistent.iter().chain(plan.phases.iter().flat_map(|p| &p.terms)).map(|t| t.name.clone()).collect()
+        };
+        for absent in ["KV cache", "prefill pass"] {
+            assert!(all_terms(&local).iter().any(|t| t.starts_with(absent)), "{absent} with local rollouts");
+            assert!(!all_terms(&servers).iter().any(|t| t.starts_with(absent)), "{absent} with servers");
+        }
+        // Full fine-tuning with bf16 rollouts: no bf16 rollout copy either; the KL reference stays.
+        let full = PlanSettings { rollout_dtype: DType::BF16, kl: true, ..settings(Preset::Qwen3_0_6B) };
+        let (full_local, full_servers) =
+            (MemoryPlan::new(full.clone()), MemoryPlan::new(on_workers(full, 1)));
+        assert!(all_terms(&full_local).iter().any(|t| t.starts_with("rollout copy")));
+        assert!(!all_terms(&full_servers).iter().any(|t| t.starts_with("rollout copy")));
+        assert!(all_terms(&full_servers).iter().any(|t| t.starts_with("KL reference")));
+        assert!(full_servers.phases[0].name.starts_with("rollouts: on 1 worker ("), "{}", full_servers.phases[0].name);
+        assert_eq!(servers.persistent, local.persistent, "the weights, adapters, moments and runtime stay");
+        assert_eq!(servers.phases[1..], local.phases[1..], "the scoring and the update stay");
+        println!(
+            "paper's 4B at generation batch 64: local peak {} ({}); servers peak {} ({})",
+            format_size(local.peak()),
+            local.peak_phase().name,
+            format_size(servers.peak()),
+            servers.peak_phase().name
+        );
+        assert!(servers.peak() < local.peak());
+        assert!(!local.check(80 << 30).fits && servers.check(80 << 30).fits);
+        // No advice touches the rollouts' limits: they are not the trainer's.
+        let tight = MemoryPlan::new(PlanSettings { micro_batch: 64, checkpointing: false, ..servers.settings.clone() });
+        let advice = tight.check(80 << 30).advice;
+        assert!(!advice.is_empty() && advice.iter().all(|a| !a.contains("rollout.")), "{advice:?}");
+        // `from_config` takes the engine and the workers' number.
+        let mut config: TrainConfig = toml::from_str("model = \"m\"\n[data]\ntrain = [\"t.csv\"]\n").unwrap();
+        let shape = Preset::Tiny.config(512, vec![2]);
+        assert_eq!(PlanSettings::from_config(&config, shape.clone(), PlanDevice::Gpu, None).rollout.workers, None);
+        config.rollout.engine = RolloutEngineKind::Servers;
+        config.rollout.servers = Some(crate::rollout::ServerSettings {
+            urls: vec!["http://a:8000".into(), "http://b:8000".into(), "http://c:8000".into()],
+            ..Default::default()
+        });
+        let plan = MemoryPlan::new(PlanSettings::from_config(&config, shape, PlanDevice::Gpu, None));
+        assert!(plan.phases[0].name.starts_with("rollouts: on 3 workers"), "{}", plan.phases[0].name);
     }
 
     /// A prefill pass of `max_num_batched_tokens` positions costs what its chunk attends over,

@@ -109,3 +109,147 @@ fn rollouts_on_workers_train_as_local_rollouts() {
     kept.sort();
     assert_eq!(kept, ["step-0000001", "step-0000002"]);
 }
+
+/// The tiny dataset's questions (see `setup`) and the city each names.
+const CITIES: [(&str, &str); 6] =
+    [("Paris?", "Paris"), ("Rome?", "Rome"), ("Oslo?", "Oslo"), ("Lima?", "Lima"), ("Bern?", "Bern"), ("Kyiv?", "Kyiv")];
+
+/// A full-weights worker whose agent is scripted: the first turn of an episode calls the
+/// environment about the episode's question (found by decoding the prompt's ids), a turn whose
+/// context holds the environment's reply answers. Even seeds answer with the city, odd ones
+/// with "Atlantis", so each group's rewards differ. Policy pushes are taken and listed.
+fn scripted_agent_worker() -> FakeWorker {
+    let tokenizer = model::tiny_tokenizer::train_tiny_tokenizer(model::tiny_tokenizer::TINY_VOCAB_SIZE).unwrap();
+    let served = Mutex::new(String::new());
+    FakeWorker::start(move |r: &Received| {
+        let body = r.json();
+        match r.path.as_str() {
+            "/update_weights_from_disk" => {
+                *served.lock().unwrap() = body["model_path"].as_str().unwrap().to_string();
+                Answer::Json(200, r#"{"success": true, "message": "loaded"}"#.into())
+            }
+            "/v1/models" => Answer::Json(
+                200,
+                json!({"object": "list", "data": [
+                    {"id": "tiny", "object": "model", "root": *served.lock().unwrap(), "parent": null},
+                ]})
+                .to_string(),
+            ),
+            "/v1/completions" => {
+                let prompt: Vec<u32> = serde_json::from_value(body["prompt"].clone()).unwrap();
+                let context = tokenizer.decode(&prompt, false).unwrap();
+                let (question, city) = CITIES.iter().find(|(q, _)| context.contains(q)).expect("a question in the prompt");
+                let seed = body["seed"].as_u64().unwrap();
+                let text = if context.contains("<interaction_response>") {
+                    let said = if seed % 2 == 0 { city } else { "Atlantis" };
+                    format!("<think>the reply says</think>\n<answer>{said}</answer>")
+                } else {
+                    format!("<think>ask</think>\n<interaction_prompt>Which city does {question} name</interaction_prompt>")
+                };
+                let mut ids = tokenizer.encode(&text).unwrap();
+                ids.push(tokenizer.special().im_end);
+                assert!(ids.len() <= body["max_tokens"].as_u64().unwrap() as usize, "the turn fits its budget");
+                let logprobs: Vec<f64> = (0..ids.len()).map(|k| -(((seed % 89) + k as u64) as f64) / 64.0).collect();
+                let reply = json!({
+                    "id": "cmpl-fake", "object": "text_completion", "created": 0, "model": body["model"],
+                    "choices": [{"index": 0, "text": text, "finish_reason": "stop", "stop_reason": null,
+                                 "logprobs": {"tokens": ids.iter().map(|_| "").collect::<Vec<_>>(), "token_logprobs": logprobs,
+                                              "top_logprobs": null, "text_offset": []},
+                                 "prompt_token_ids": prompt, "token_ids": ids}],
+                    "usage": {"prompt_tokens": prompt.len(), "completion_tokens": ids.len(), "total_tokens": prompt.len() + ids.len()},
+                });
+                Answer::Json(200, reply.to_string())
+            }
+            _ => Answer::Json(404, r#"{"error": {"message": "no such route"}}"#.into()),
+        }
+    })
+}
+
+/// Fails every call about Rome (a 503 after its retries); names the city of the others.
+#[derive(Default)]
+struct NoRome {
+    calls: Mutex<Vec<String>>,
+}
+
+impl env::Environment for NoRome {
+    fn complete(&self, messages: &[env::ChatMessage]) -> Result<String, env::EnvError> {
+        let prompt = &messages.last().unwrap().content;
+        let (question, city) = CITIES.iter().find(|(q, _)| prompt.contains(q)).expect("the call names its question");
+        self.calls.lock().unwrap().push(question.to_string());
+        if *question == "Rome?" {
+            return Err(env::EnvError::Http {
+                url: "http://env/v1/chat/completions".into(),
+                status: 503,
+                message: "overloaded".into(),
+                attempts: 3,
+            });
+        }
+        Ok(format!("It names {city}."))
+    }
+}
+
+/// 1 for the question's city, 0 otherwise; keeps what it scored.
+#[derive(Default)]
+struct CityAnswer {
+    seen: Mutex<Vec<(String, Option<String>, usize)>>,
+}
+
+impl prompt_r1_trainer::run::EpisodeScorer for CityAnswer {
+    fn score(&self, t: &env::Trajectory, _answers: &[String]) -> prompt_r1_trainer::run::EpisodeScore {
+        self.seen.lock().unwrap().push((t.question.clone(), t.answer.clone(), t.turns.len()));
+        let city = CITIES.iter().find(|(q, _)| *q == t.question).unwrap().1;
+        let reward = if t.answer.as_deref().map(str::trim) == Some(city) { 1.0 } else { 0.0 };
+        prompt_r1_trainer::run::EpisodeScore { reward, format: None, f1: None }
+    }
+}
+
+/// Issue 32: during `train`, an environment failure drops only its episode and counts it
+/// (`rollout/env_failures`); the batch's other episodes reach the environment, are scored and
+/// learnt from, and the step goes on.
+#[test]
+fn an_environment_failure_drops_only_its_episode_during_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = every_question_each_step(setup(dir.path()));
+    config.episode.max_turns = 3;
+    config.episode.max_turn_tokens = 160;
+    config.episode.max_response_tokens = 512;
+    let worker = scripted_agent_worker();
+    config.rollout.engine = RolloutEngineKind::Servers;
+    config.rollout.servers = Some(ServerSettings { urls: vec![worker.url.clone()], ..Default::default() });
+    assert!(config.validate().is_ok());
+    let (questions, n) = (config.rollout.batch_size, config.rollout.n);
+    assert_eq!(questions, CITIES.len(), "every question, Rome included, in every batch");
+
+    let (env, scorer) = (NoRome::default(), CityAnswer::default());
+    let mut trainer = prompt_r1_trainer::run::Trainer::<B>::start(config.clone(), Default::default(), false).unwrap();
+    let steps = 3;
+    let records: Vec<_> = (0..steps).map(|_| trainer.train_step(&env, &scorer).expect("the step goes on")).collect();
+
+    let calls = env.calls.lock().unwrap().clone();
+    let seen = scorer.seen.lock().unwrap().clone();
+    for (k, r) in records.iter().enumerate() {
+        assert_eq!(r.episodes, questions * n, "step {}", r.step);
+        assert_eq!(r.env_failures, n, "step {}: exactly the Rome episodes failed", r.step);
+        // Kept episodes: a call and an answer; failed ones: the call alone.
+        let turns = ((questions - 1) * n * 2 + n) as f32 / (questions * n) as f32;
+        assert!((r.mean_turns - turns).abs() < 1e-5, "step {}: {} turns on average, not {turns}", r.step, r.mean_turns);
+        assert!(r.reward_mean > 0.0 && r.reward_mean < 1.0, "step {}: {}", r.step, r.reward_mean);
+        assert_eq!(r.optimizer_steps, 1, "step {}: the kept episodes were learnt from", r.step);
+        assert!(r.loss.is_finite());
+        // Every episode called the environment once; the scorer saw all but Rome's, each answered.
+        let step_calls = &calls[k * questions * n..(k + 1) * questions * n];
+        assert_eq!(step_calls.iter().filter(|q| *q == "Rome?").count(), n);
+        let step_seen = &seen[k * (questions - 1) * n..(k + 1) * (questions - 1) * n];
+        assert!(step_seen.iter().all(|(q, answer, turns)| q != "Rome?" && answer.is_some() && *turns == 2), "{step_seen:?}");
+    }
+    assert_eq!(calls.len(), steps * questions * n);
+    assert_eq!(seen.len(), steps * (questions - 1) * n);
+
+    // The metrics lines count them under `rollout/env_failures`.
+    let text = std::fs::read_to_string(config.run.out_dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), steps);
+    assert!(lines.iter().all(|l| l["rollout/env_failures"] == n), "{text}");
+    let read = prompt_r1_trainer::run::read_metrics(&config.run.out_dir).unwrap();
+    assert_eq!(read.iter().map(|r| r.env_failures).collect::<Vec<_>>(), vec![n; steps]);
+}
