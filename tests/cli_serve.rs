@@ -1010,3 +1010,144 @@ fn abusive_clients_are_bounded() {
     assert!(started.elapsed() < Duration::from_secs(5));
     assert_eq!(quick.get("/health").status, 200);
 }
+
+/// A `/v1/completions` request of token ids returning its ids and log-probs.
+fn id_request(prompt: &[u64], extra: Value) -> Value {
+    let mut body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                          "logprobs": 0, "return_token_ids": true});
+    for (key, value) in extra.as_object().unwrap() {
+        body[key] = value.clone();
+    }
+    body
+}
+
+/// The sampled log-probs of a completion.
+fn token_logprobs(reply: &Value) -> Vec<f64> {
+    reply["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().iter().map(|l| l.as_f64().unwrap()).collect()
+}
+
+fn cached_tokens(reply: &Value) -> u64 {
+    reply["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or_else(|| panic!("no cached_tokens in {reply}"))
+}
+
+/// Whether two replies sampled the same ids, with log-probs within 1e-4.
+fn assert_same_answer(got: &Value, want: &Value, what: &str) {
+    assert_eq!(ids(got), ids(want), "{what}");
+    let (a, b) = (token_logprobs(got), token_logprobs(want));
+    assert!(a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4), "{what}: {a:?} vs {b:?}");
+}
+
+/// The next turn's prompt: the last prompt, the ids it returned and `reply` ids.
+fn next_turn(prompt: &[u64], reply: &Value, env: &[u64]) -> Vec<u64> {
+    let mut next = prompt.to_vec();
+    next.extend(ids(reply));
+    next.extend(env);
+    next
+}
+
+/// The prefix cache (the rollout worker's multi-turn protocol): a turn whose prompt is the last
+/// turn's prompt, its returned ids and more reuses the last turn's KV cache (`cached_tokens`:
+/// all but the last returned id) and answers as a server without the cache, greedy and seeded
+/// sampled, turn after turn; chat replies carry the field; a LoRA load or new base weights
+/// drop the cache (cached_tokens 0, the new policy's answer); an adapter's turns hit its own.
+#[test]
+fn the_prefix_cache_answers_as_a_full_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model_scaled(dir.path(), 10.0);
+    let tiny = dir.path().join("tiny");
+    let adapter = dir.path().join("adapter");
+    harness::write_adapter(&model, &adapter, 1, 0.5);
+    let cached = Server::start(&model, &[]);
+    let plain = Server::start(&model, &["--prefix-cache-memory", "0"]);
+    for extra in [json!({}), json!({"temperature": 1.0, "seed": 7})] {
+        let first: Vec<u64> = (40..52).collect();
+        let one = complete(&cached, &id_request(&first, extra.clone()));
+        assert_eq!(cached_tokens(&one), 0);
+        assert_same_answer(&one, &complete(&plain, &id_request(&first, extra.clone())), "turn 1");
+        let mut prompt = first.clone();
+        let mut last = one;
+        for turn in 2..5u64 {
+            let held = prompt.len() + ids(&last).len() - 1;
+            prompt = next_turn(&prompt, &last, &[60 + turn, 61, 62]);
+            let reply = complete(&cached, &id_request(&prompt, extra.clone()));
+            let want = complete(&plain, &id_request(&prompt, extra.clone()));
+            assert_eq!((cached_tokens(&reply), cached_tokens(&want)), (held as u64, 0), "turn {turn}");
+            assert_eq!(reply["usage"]["prompt_tokens"], json!(prompt.len()));
+            assert_same_answer(&reply, &want, &format!("turn {turn} of {extra}"));
+            last = reply;
+        }
+    }
+    let chat = cached.chat(&json!({"messages": user("hi"), "max_tokens": 3})).json();
+    assert_eq!(chat["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{chat}");
+    let (_, _, usage) = streamed(&cached, &json!({"messages": user("hi"), "max_tokens": 3, "stream": true,
+                                                  "stream_options": {"include_usage": true}}));
+    assert!(usage.unwrap()["prompt_tokens_details"]["cached_tokens"].is_u64());
+
+    // A policy change drops the cache.
+    let first: Vec<u64> = (100..110).collect();
+    let one = complete(&cached, &id_request(&first, json!({})));
+    let second = next_turn(&first, &one, &[7, 8]);
+    let loaded = cached.post(
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "policy", "lora_path": adapter.to_str().unwrap()}).to_string(),
+    );
+    assert_eq!(loaded.status, 200, "{}", loaded.body);
+    let base = complete(&cached, &id_request(&second, json!({})));
+    assert_eq!((cached_tokens(&base), ids(&base)), (0, harness::generate_ids(&model, None, &second, 8)));
+    // The adapter's turns reuse the adapter's sequences (not the base's).
+    let adapted = complete(&cached, &id_request(&second, json!({"model": "policy"})));
+    assert_eq!((cached_tokens(&adapted), ids(&adapted)), (0, harness::generate_ids(&model, Some(&adapter), &second, 8)));
+    let third = next_turn(&second, &adapted, &[9]);
+    let adapted_again = complete(&cached, &id_request(&third, json!({"model": "policy"})));
+    assert_eq!(cached_tokens(&adapted_again) as usize, second.len() + 7);
+    assert_eq!(ids(&adapted_again), harness::generate_ids(&model, Some(&adapter), &third, 8));
+    let base_third = next_turn(&second, &base, &[9]);
+    let update = cached.post("/update_weights_from_disk", &json!({"model_path": tiny.to_str().unwrap()}).to_string());
+    assert_eq!(update.status, 200, "{}", update.body);
+    let after = complete(&cached, &id_request(&base_third, json!({})));
+    assert_eq!((cached_tokens(&after), ids(&after)), (0, harness::generate_ids(&tiny, None, &base_third, 8)));
+}
+
+/// Many clients' two-turn exchanges at once answer as alone on a server without the cache,
+/// with the default cache and with one too small for more than one sequence (it evicts the
+/// least recently used and fails no request).
+#[test]
+fn concurrent_turns_with_a_prefix_cache_answer_as_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model_scaled(dir.path(), 10.0);
+    let plain = Server::start(&model, &["--prefix-cache-memory", "0"]);
+    let firsts: Vec<Vec<u64>> = (0..8u64).map(|i| (0..10 + i).map(|j| 20 + 13 * i + j).collect()).collect();
+    let exchange = |server: &Server, first: &Vec<u64>| {
+        let one = complete(server, &id_request(first, json!({"max_tokens": 6})));
+        let two = complete(server, &id_request(&next_turn(first, &one, &[5, 6]), json!({"max_tokens": 6})));
+        (one, two)
+    };
+    let alone: Vec<(Value, Value)> = firsts.iter().map(|f| exchange(&plain, f)).collect();
+    // Tiny's KV position is 512 bytes (f32, 2 layers, 2 KV heads of 16): 12 KiB hold 24.
+    let small = Server::start(&model, &["--prefix-cache-memory", "12KiB", "--max-batch", "4"]);
+    let roomy = Server::start(&model, &["--max-batch", "4"]);
+    // Sequentially in the small cache: the second exchange's first turn evicts the first's.
+    let (_, two) = exchange(&small, &firsts[0]);
+    assert_eq!(cached_tokens(&two), 15);
+    let one_b = complete(&small, &id_request(&firsts[1], json!({"max_tokens": 6})));
+    let again = complete(&small, &id_request(&next_turn(&firsts[0], &alone[0].0, &[5, 6]), json!({"max_tokens": 6})));
+    assert_eq!(cached_tokens(&again), 0);
+    assert_same_answer(&again, &alone[0].1, "evicted");
+    let two_b = complete(&small, &id_request(&next_turn(&firsts[1], &one_b, &[5, 6]), json!({"max_tokens": 6})));
+    assert_same_answer(&two_b, &alone[1].1, "kept");
+    for server in [&small, &roomy] {
+        let together: Vec<(Value, Value)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = firsts.iter().map(|f| scope.spawn(move || exchange(server, f))).collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, ((one, two), (want_one, want_two))) in together.iter().zip(&alone).enumerate() {
+            assert_same_answer(one, want_one, &format!("exchange {i}, turn 1"));
+            assert_same_answer(two, want_two, &format!("exchange {i}, turn 2"));
+        }
+    }
+    let hits: u64 = std::thread::scope(|scope| {
+        let handles: Vec<_> = firsts.iter().map(|f| scope.spawn(|| cached_tokens(&exchange(&roomy, f).1))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).sum()
+    });
+    assert!(hits > 0, "the roomy cache should serve second turns");
+}

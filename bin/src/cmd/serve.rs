@@ -33,6 +33,13 @@ use crate::serve::{serve, Limits, Served, Settings};
 /// over 16 KiB is answered 431, a body over 32 MiB 413, a body slower than --request-timeout
 /// 408; at most --max-connections are open (the rest wait to be accepted), requests run on
 /// max(64, 4 x --max-batch) handler threads, and 256 more may wait for one (then 503).
+///
+/// Prefix cache (as vLLM's automatic prefix caching, per sequence): an ended request's KV cache
+/// is kept, within --prefix-cache-memory (least recently used dropped first), and a later request
+/// of the same model or adapter whose prompt extends that request's prompt and sampled ids (the
+/// next turn of a multi-turn episode) prefills only the rest; the reply's
+/// usage.prompt_tokens_details.cached_tokens counts the prompt tokens not prefilled. Any change
+/// of the policy drops the cache. Results equal a full prefill's to float rounding.
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
     /// Model directory in Hugging Face layout (config.json, *.safetensors, tokenizer.json,
@@ -79,6 +86,19 @@ pub struct Args {
     /// head must come within 10 s, or within this if shorter (else the connection is closed).
     #[arg(long, value_name = "SECS", default_value_t = Limits::default().body_read_timeout.as_secs_f64(), value_parser = positive_seconds)]
     pub request_timeout: f64,
+    /// KV-cache memory the prefix cache may hold (e.g. 2GiB, 512MiB, 8GB), counted in the
+    /// weights' dtype; 0 turns the prefix cache off. Running requests are not bounded by it.
+    #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = memory_size)]
+    pub prefix_cache_memory: u64,
+}
+
+/// A memory size in bytes (`trainer::plan::parse_size`), or 0.
+fn memory_size(text: &str) -> Result<u64, String> {
+    let number = text.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim();
+    if number.parse::<f64>() == Ok(0.0) {
+        return Ok(0);
+    }
+    trainer::plan::parse_size(text)
 }
 
 /// A number of seconds above 0.
@@ -137,6 +157,7 @@ impl OnBackend for Args {
             api_key: self.api_key.clone().filter(|key| !key.is_empty()),
             max_loras: self.max_loras as usize,
             limits: limits(&self),
+            prefix_cache_memory: self.prefix_cache_memory,
         };
         let served = Served {
             model,
@@ -209,6 +230,16 @@ fn sampling_defaults(dir: &Path) -> Result<Sampling> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefix_cache_memory_takes_sizes_and_zero() {
+        assert_eq!(memory_size("2GiB"), Ok(2 << 30));
+        assert_eq!(memory_size("512 MiB"), Ok(512 << 20));
+        assert_eq!(memory_size("0"), Ok(0));
+        assert_eq!(memory_size("0GiB"), Ok(0));
+        assert!(memory_size("lots").is_err());
+        assert!(memory_size("-1GB").is_err());
+    }
 
     #[test]
     fn reads_sampling_defaults_from_generation_config() {

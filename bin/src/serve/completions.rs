@@ -102,7 +102,7 @@ fn reply(text: &str, done: &Finished, accepted: &Accepted, extras: Extras, share
         "created": accepted.created,
         "model": accepted.model,
         "choices": [choice],
-        "usage": http::usage(accepted.prompt_tokens, done.completion_tokens()),
+        "usage": http::usage(accepted.prompt_tokens, done.completion_tokens(), done.cached_tokens),
     })
 }
 

@@ -16,6 +16,12 @@
 //! waits until the running rows have ended. A change of the policy (an adapter loaded or
 //! unloaded, new base weights) waits the same way: every request that came before it ends with
 //! the policy it started with, every request after it runs with the new one.
+//!
+//! A row that ends is parked in the decoder, its KV cache kept, in the [`PrefixCache`] (within
+//! `prefix_cache` positions, the least recently cached finished first): a later request of the
+//! same variant whose prompt extends its tokens (prompt and accepted tokens, the ending one not
+//! included) takes it over and prefills only the rest of its prompt. A change of the policy
+//! drops every cached sequence, so that none is reused under weights it was not computed with.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -31,6 +37,7 @@ use rand::{rngs::StdRng, SeedableRng};
 
 use super::error::ApiError;
 use super::policy::{Change, Models, Policy};
+use super::prefix_cache::PrefixCache;
 use super::stop::{SentText, StopStrings};
 
 /// How long an idle worker waits for more requests once one has come, so that requests sent
@@ -97,6 +104,8 @@ pub struct Finished {
     pub token_ids: Vec<u32>,
     /// The sampler's log-prob of each of `token_ids`.
     pub logprobs: Vec<f32>,
+    /// Prompt tokens whose KV cache came from the prefix cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 impl Finished {
@@ -141,6 +150,8 @@ pub struct Engine<'m, B: Backend> {
     pub max_batch: usize,
     /// Where the handlers see the policy's parts; updated after every change.
     pub models: &'m Mutex<Models>,
+    /// Most KV positions the prefix cache holds (0: no prefix cache).
+    pub prefix_cache: usize,
 }
 
 /// The worker's requests: the decoder's sequences and each one's row, and the adapter they run
@@ -150,6 +161,8 @@ struct Running<B: Backend> {
     rows: BTreeMap<SequenceId, Row>,
     next_id: SequenceId,
     variant: Option<String>,
+    /// Ended rows' sequences, parked in `decoder`.
+    cache: PrefixCache,
 }
 
 impl<B: Backend> Engine<'_, B> {
@@ -164,6 +177,7 @@ impl<B: Backend> Engine<'_, B> {
             rows: BTreeMap::new(),
             next_id: 0,
             variant: None,
+            cache: PrefixCache::new(self.prefix_cache),
         };
         let mut pending: VecDeque<Work> = VecDeque::new();
         self.publish();
@@ -199,6 +213,7 @@ impl<B: Backend> Engine<'_, B> {
                 let _ = row.events.send(Event::Failed(failure.clone()));
             }
             running.decoder = Decoder::new(limits);
+            running.cache.clear();
         }
     }
 
@@ -218,6 +233,12 @@ impl<B: Backend> Engine<'_, B> {
                     self.add(running, job);
                 }
                 Work::Control(Control { change, reply }) => {
+                    // Cached sequences were computed with the policy as it is: dropped
+                    // whatever the outcome (a failed change leaves the policy unchanged, but
+                    // dropping is always safe).
+                    for id in running.cache.clear() {
+                        running.decoder.finish(id);
+                    }
                     let outcome = self.policy.apply(change);
                     if outcome.is_ok() {
                         self.publish();
@@ -249,14 +270,48 @@ impl<B: Backend> Engine<'_, B> {
             let _ = events.send(Event::Refused(ApiError::unknown_model(&name)));
             return;
         }
+        // A cached sequence whose tokens start the prompt is extended by the rest.
+        if let Some((cached_id, _)) = running.cache.take(adapter.as_deref(), &prompt) {
+            let held = running.decoder.tokens(cached_id).map_or(0, <[u32]>::len);
+            let cached = running.decoder.cached_len(cached_id).unwrap_or(0);
+            if held < prompt.len() && prompt.starts_with(running.decoder.tokens(cached_id).unwrap_or_default()) {
+                match running.decoder.extend(self.policy.base(), cached_id, &prompt[held..]) {
+                    Ok(()) => {
+                        running.rows.insert(cached_id, Row::new(params, events, cached));
+                    }
+                    Err(err) => {
+                        running.decoder.finish(cached_id);
+                        let _ = events.send(Event::Failed(err.to_string()));
+                    }
+                }
+                return;
+            }
+            // Not what the cache said it held (cannot happen): not used.
+            running.decoder.finish(cached_id);
+        }
         match running.decoder.add(self.policy.base(), id, prompt) {
             Ok(()) => {
-                running.rows.insert(id, Row::new(params, events));
+                running.rows.insert(id, Row::new(params, events, 0));
             }
             Err(err) => {
                 let _ = events.send(Event::Failed(err.to_string()));
             }
         }
+    }
+
+    /// Ends sequence `id`'s row: parks it in the prefix cache (finishing what the cache's bound
+    /// no longer holds), or finishes it when caching is off.
+    fn retire(decoder: &mut Decoder<B>, cache: &mut PrefixCache, variant: &Option<String>, id: SequenceId) -> Result<(), String> {
+        if !cache.enabled() {
+            decoder.finish(id);
+            return Ok(());
+        }
+        decoder.park(id).map_err(|err| err.to_string())?;
+        let tokens = decoder.tokens(id).map(<[u32]>::to_vec).unwrap_or_default();
+        for evicted in cache.insert(id, variant.clone(), tokens) {
+            decoder.finish(evicted);
+        }
+        Ok(())
     }
 
     /// One step of the decoder: every row it ran takes its next token and goes on or leaves.
@@ -265,6 +320,7 @@ impl<B: Backend> Engine<'_, B> {
             decoder,
             rows,
             variant,
+            cache,
             ..
         } = running;
         let model: LoraModel<'_, B> = self
@@ -292,8 +348,8 @@ impl<B: Backend> Engine<'_, B> {
             if row.push(token, logprob, &self.stop_ids, self.tokenizer) {
                 decoder.accept(id, token).map_err(|err| err.to_string())?;
             } else {
-                decoder.finish(id);
                 rows.remove(&id);
+                Self::retire(decoder, cache, variant, id)?;
             }
         }
         Ok(())
@@ -315,10 +371,12 @@ struct Row {
     /// The tokens of the text (the sampled ones but an ending stop token).
     tokens: Vec<u32>,
     sent: SentText,
+    /// Prompt tokens taken from the prefix cache.
+    cached_tokens: usize,
 }
 
 impl Row {
-    fn new(p: GenParams, events: Sender<Event>) -> Self {
+    fn new(p: GenParams, events: Sender<Event>, cached_tokens: usize) -> Self {
         Self {
             events,
             rng: StdRng::seed_from_u64(row_seed(p.sampling.seed, 0)),
@@ -331,6 +389,7 @@ impl Row {
             logprobs: Vec::new(),
             tokens: Vec::new(),
             sent: SentText::default(),
+            cached_tokens,
         }
     }
 
@@ -376,6 +435,7 @@ impl Row {
             stop_reason,
             token_ids: std::mem::take(&mut self.sampled),
             logprobs: std::mem::take(&mut self.logprobs),
+            cached_tokens: self.cached_tokens,
         }));
         false
     }
@@ -430,6 +490,7 @@ mod tests {
             stop_ids: Vec::new(),
             max_batch: 2,
             models,
+            prefix_cache: 0,
         }
     }
 
@@ -466,6 +527,61 @@ mod tests {
             assert!(matches!(&ends[i], Event::Failed(message) if !message.is_empty()), "request {i}: {:?}", ends[i]);
         }
         assert_eq!(models.lock().unwrap().base_root, dir.path().display().to_string());
+    }
+
+    /// The prefix cache: a request whose prompt extends an ended request's prompt and ids
+    /// takes over its cache (`cached_tokens`: the first request's prompt and ids but the last)
+    /// and answers as without the cache; a policy change drops it; a bound too small for one
+    /// sequence caches nothing.
+    #[test]
+    fn a_prompt_that_extends_an_ended_request_reuses_its_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, tokenizer) = tiny(dir.path(), 0);
+        let models = Mutex::default();
+        let first: Vec<u32> = vec![5, 9, 12, 30, 7];
+        let turns = |engine: &mut Engine<'_, B>, change: bool| {
+            let (work, queue) = mpsc::channel();
+            std::thread::scope(|scope| {
+                scope.spawn(move || engine.run(&queue));
+                let ask = |prompt: Vec<u32>| {
+                    let (job, events) = job(prompt, 6);
+                    work.send(Work::Job(job)).unwrap();
+                    match last(&events) {
+                        Event::Done(done) => done,
+                        other => panic!("{other:?}"),
+                    }
+                };
+                let one = ask(first.clone());
+                let mut second = first.clone();
+                second.extend(&one.token_ids);
+                second.extend([3, 4, 8]);
+                if change {
+                    let (reply, outcome) = mpsc::channel();
+                    let path = dir.path().display().to_string();
+                    work.send(Work::Control(Control { change: Change::UpdateWeights { path }, reply })).unwrap();
+                    assert!(outcome.recv().unwrap().is_ok());
+                }
+                let two = ask(second);
+                drop(work);
+                (one, two)
+            })
+        };
+        let mut plain = engine(dir.path(), &tokenizer, &models);
+        let (one, two) = turns(&mut plain, false);
+        assert_eq!((one.cached_tokens, two.cached_tokens), (0, 0));
+        let mut cached = engine(dir.path(), &tokenizer, &models);
+        cached.prefix_cache = 1000;
+        let (hit_one, hit_two) = turns(&mut cached, false);
+        assert_eq!((hit_one.cached_tokens, hit_two.cached_tokens), (0, first.len() + one.token_ids.len() - 1));
+        assert_eq!((&hit_one.token_ids, &hit_two.token_ids), (&one.token_ids, &two.token_ids));
+        for (a, b) in hit_two.logprobs.iter().zip(&two.logprobs) {
+            assert!((a - b).abs() < 1e-4, "{:?} vs {:?}", hit_two.logprobs, two.logprobs);
+        }
+        let (_, changed) = turns(&mut cached, true);
+        assert_eq!((changed.cached_tokens, &changed.token_ids), (0, &two.token_ids));
+        cached.prefix_cache = 4;
+        let (_, small) = turns(&mut cached, false);
+        assert_eq!((small.cached_tokens, &small.token_ids), (0, &two.token_ids));
     }
 
     /// A row ends at a stop token of its own with that token as its last id and its stop

@@ -281,7 +281,7 @@ fn complete(
             "logprobs": null,
             "finish_reason": finish.as_str(),
         }],
-        "usage": usage(accepted.prompt_tokens, completion_tokens),
+        "usage": usage(accepted.prompt_tokens, completion_tokens, done.cached_tokens),
     });
     respond_json(responder, 200, &body);
     (200, Some(completion_tokens))
@@ -301,11 +301,13 @@ pub(super) fn collect(events: &Receiver<Event>) -> Result<(String, Finished), Ap
     }
 }
 
-pub(super) fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+/// A reply's `usage`; `cached_tokens`: prompt tokens not prefilled thanks to the prefix cache.
+pub(super) fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
     json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     })
 }
 
@@ -371,7 +373,7 @@ fn write_events(
                 out.data(&delta(json!({}), Some(done.finish)))?;
                 if accepted.include_usage {
                     let mut last = chunk(json!([]));
-                    last["usage"] = usage(accepted.prompt_tokens, completion_tokens);
+                    last["usage"] = usage(accepted.prompt_tokens, completion_tokens, done.cached_tokens);
                     out.data(&last)?;
                 }
                 break;

@@ -19,6 +19,7 @@ mod error;
 mod http;
 mod listener;
 mod policy;
+mod prefix_cache;
 mod request;
 mod stop;
 
@@ -57,6 +58,8 @@ pub struct Settings {
     pub max_loras: usize,
     /// The HTTP front's limits (sizes, timeouts, connections, handler threads).
     pub limits: Limits,
+    /// Bytes of KV cache the prefix cache may hold (0: no prefix cache).
+    pub prefix_cache_memory: u64,
 }
 
 /// The model being served: the worker owns it, and may replace its weights at run time.
@@ -131,6 +134,9 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         }),
         work,
     };
+    // The cache holds keys and values in the dtype of the weights.
+    let per_position = trainer::plan::kv_position_bytes(&served.model.config, served.load_options.dtype).max(1);
+    let prefix_cache = usize::try_from(settings.prefix_cache_memory / per_position).unwrap_or(usize::MAX);
     let policy = Policy::new(
         settings.model_name.clone(),
         served.model,
@@ -145,6 +151,7 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         stop_ids: served.stop_ids,
         max_batch: settings.max_batch,
         models: &shared.models,
+        prefix_cache,
     };
     if settings.api_key.is_none() && !addr.ip().is_loopback() {
         eprintln!(

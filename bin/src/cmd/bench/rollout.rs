@@ -760,6 +760,8 @@ mod tests {
             env_concurrency: 4,
             seed: 0,
             runs: 1,
+            workers: Vec::new(),
+            worker_model: String::new(),
         }
     }
 
