@@ -247,6 +247,35 @@ pub trait Agent {
     }
 }
 
+/// [`Agent::generate_turns`] for a continuous agent: starts every given episode's turn, then
+/// advances until each has ended, or until `idle` says the agent has nothing left in progress
+/// (a turn still missing then fails). One result per episode, in order.
+pub fn turns_by_advancing<A: Agent + ?Sized>(
+    agent: &mut A,
+    episodes: &mut [&mut AgentContext],
+    idle: impl Fn(&A) -> bool,
+) -> Vec<Result<TurnText, AgentError>> {
+    let slots: std::collections::HashMap<usize, usize> =
+        episodes.iter().enumerate().map(|(slot, c)| (c.index(), slot)).collect();
+    let mut results: Vec<Option<Result<TurnText, AgentError>>> =
+        agent.start_turns(episodes).into_iter().map(|started| started.err().map(Err)).collect();
+    while results.iter().any(Option::is_none) {
+        let ended = agent.advance(episodes);
+        if ended.is_empty() && idle(agent) {
+            break;
+        }
+        for (index, result) in ended {
+            if let Some(&slot) = slots.get(&index) {
+                results[slot] = Some(result);
+            }
+        }
+    }
+    results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(AgentError::Model("the turn was not generated".into()))))
+        .collect()
+}
+
 /// A rough token count for text whose tokens are unknown (about four characters per token).
 pub fn estimate_tokens(text: &str) -> usize {
     text.chars().count().div_ceil(4)

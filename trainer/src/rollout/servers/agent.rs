@@ -235,24 +235,7 @@ impl Agent for ServerAgent<'_> {
 
     /// Every given episode's turn, the requests out together.
     fn generate_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<TurnText, AgentError>> {
-        let slots: HashMap<usize, usize> = episodes.iter().enumerate().map(|(slot, c)| (c.index(), slot)).collect();
-        let mut results: Vec<Option<Result<TurnText, AgentError>>> =
-            self.start_turns(episodes).into_iter().map(|started| started.err().map(Err)).collect();
-        while results.iter().any(Option::is_none) {
-            let ended = self.advance(episodes);
-            if ended.is_empty() && self.in_flight.is_empty() && self.ended.is_empty() {
-                break;
-            }
-            for (index, result) in ended {
-                if let Some(&slot) = slots.get(&index) {
-                    results[slot] = Some(result);
-                }
-            }
-        }
-        results
-            .into_iter()
-            .map(|r| r.unwrap_or_else(|| Err(AgentError::Model("the turn was not generated".into()))))
-            .collect()
+        env::turns_by_advancing(self, episodes, |agent| agent.in_flight.is_empty() && agent.ended.is_empty())
     }
 
     fn continuous(&self) -> bool {
