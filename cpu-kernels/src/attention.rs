@@ -5,8 +5,10 @@
 //! Work is split into tasks of (batch row, key/value head, block of query positions). A task
 //! packs the keys it needs transposed (`Kᵀ`, `[d, columns]`) and the values (`[columns, d]`) in
 //! f32 once, then serves every query head of its group: scores, softmax and `P V` for
-//! `groups × block` rows at a time. Keys past the last one any row of the block may attend to
-//! (the causal future) are never read: their softmax weight would be exactly zero.
+//! `groups × block` rows at a time. A task of few rows (a decode step: one position, `groups`
+//! rows) packs nothing: it reads each key and value row where it lies (see `reads_in_place`).
+//! Keys past the last one any row of the block may attend to (the causal future) are never
+//! read: their softmax weight would be exactly zero.
 //!
 //! Training reuses this forward pass (see `tracked`): it also returns each query row's softmax
 //! maximum and sum, from which `attention_backward` recomputes the probabilities.
@@ -39,6 +41,8 @@ pub trait Element: Copy + Send + Sync + 'static {
     fn round(x: f32) -> f32;
     /// `x` rounded to this type.
     fn narrow(x: f32) -> Self;
+    /// Whether the type is bf16 (else f32): how the AVX-512 kernels load it.
+    const BF16: bool;
 }
 
 impl Element for f32 {
@@ -54,6 +58,7 @@ impl Element for f32 {
     fn narrow(x: f32) -> Self {
         x
     }
+    const BF16: bool = false;
 }
 
 impl Element for bf16 {
@@ -69,6 +74,7 @@ impl Element for bf16 {
     fn narrow(x: f32) -> Self {
         bf16_bits::narrow(x)
     }
+    const BF16: bool = true;
 }
 
 /// A `[batch, heads, positions, d]` operand read through strides (in elements); each row of `d`
@@ -89,6 +95,38 @@ impl<T> Heads<'_, T> {
             + head * self.head_stride
             + position * self.position_stride;
         &self.data[start..start + d]
+    }
+
+    /// Rows `0..columns` of head `head` of batch row `batch`, each `d` long, read in place.
+    #[inline(always)]
+    pub(super) fn rows(&self, batch: usize, head: usize, columns: usize, d: usize) -> Rows<'_, T> {
+        let start = self.offset + batch * self.batch_stride + head * self.head_stride;
+        let len = if columns == 0 { 0 } else { (columns - 1) * self.position_stride + d };
+        Rows { data: &self.data[start..start + len], stride: self.position_stride, len: columns }
+    }
+}
+
+/// `len` rows of `d` elements in place, row `j` starting at `j * stride` of `data` (which holds
+/// the last row's end: every row is in bounds).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Rows<'a, T> {
+    pub data: &'a [T],
+    pub stride: usize,
+    pub len: usize,
+}
+
+impl<'a, T> Rows<'a, T> {
+    #[inline(always)]
+    pub fn row(&self, j: usize, d: usize) -> &[T] {
+        &self.data[j * self.stride..][..d]
+    }
+
+    /// Rows `start..start + len` (within `0..self.len`).
+    #[inline(always)]
+    pub fn sub(&self, start: usize, len: usize) -> Rows<'a, T> {
+        assert!(start + len <= self.len);
+        let data = if len == 0 { &self.data[..0] } else { &self.data[start * self.stride..] };
+        Rows { data, stride: self.stride, len }
     }
 }
 
@@ -182,11 +220,46 @@ pub fn grouped_attention_with_stats<T: Element>(
     shape: AttentionShape,
     scale: f32,
 ) -> (Vec<T>, Vec<SoftmaxStats>) {
-    let AttentionShape { queries, heads, head_dim: d, .. } = shape;
+    attention_via(query, key, value, bias, shape, scale, reads_in_place)
+}
+
+/// Query rows per task (`groups × block`) up to which a task reads keys and values in place
+/// instead of packing them (see [`reads_in_place`]), at the AVX-512 level and below it. Measured
+/// on a Zen 4 (`decode_timing`, 3,000 bf16 keys, head dims 64 and 128): in place was 4-9 times as
+/// fast with 2 rows, 1.4-1.9 with 16 and 1.0-1.3 with 32 at the AVX-512 level; with the portable
+/// loops 1.8-2.0 times with 2 rows, 1.3-1.5 with 4, even with 8 and slower with 16.
+const IN_PLACE_ROWS: [usize; 2] = [16, 4];
+
+/// Whether a task of `m` query rows (`groups × block`) takes the in-place path: scores as dot
+/// products of each query row with each key row where it lies, and `P V` summed straight from
+/// the value rows. Packing `Kᵀ` and `V` costs two passes over `2 · d · columns` values whatever
+/// `m`, which the tiled products only repay with many rows; a decode step has `m = groups`.
+pub(super) fn reads_in_place(m: usize) -> bool {
+    m <= IN_PLACE_ROWS[usize::from(!crate::isa::avx512())]
+}
+
+/// [`grouped_attention_with_stats`] with the path of each task chosen by `in_place` (given the
+/// task's query rows): the tests and benchmarks force either path through it.
+pub(super) fn attention_via<T: Element>(
+    query: Heads<'_, T>,
+    key: Heads<'_, T>,
+    value: Heads<'_, T>,
+    bias: Bias<'_, T>,
+    shape: AttentionShape,
+    scale: f32,
+    in_place: fn(usize) -> bool,
+) -> (Vec<T>, Vec<SoftmaxStats>) {
+    let AttentionShape { queries, heads, kv_heads, head_dim: d, .. } = shape;
     let tasks = Task::all(shape);
     let results: Vec<(Vec<f32>, Vec<SoftmaxStats>)> = tasks
         .par_iter()
-        .map(|t| wide_simd!(task(&query, &key, &value, &bias, shape, scale, t)))
+        .map(|t| {
+            if in_place(heads / kv_heads * t.rows.len()) {
+                wide_simd!(task_in_place(&query, &key, &value, &bias, shape, scale, t))
+            } else {
+                wide_simd!(task(&query, &key, &value, &bias, shape, scale, t))
+            }
+        })
         .collect();
 
     let mut out = vec![T::narrow(0.0); shape.batch * queries * heads * d];
@@ -351,6 +424,40 @@ fn task<T: Element>(
     (out, stats)
 }
 
+/// [`task`] without packing (see [`reads_in_place`]): each score is the dot product of a query
+/// row with a key row read where it lies (bf16 widened on the fly), and `P V` adds each value
+/// row, read where it lies, into the output rows. Same softmax, rounding and statistics.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn task_in_place<T: Element>(
+    query: &Heads<'_, T>,
+    key: &Heads<'_, T>,
+    value: &Heads<'_, T>,
+    bias: &Bias<'_, T>,
+    shape: AttentionShape,
+    scale: f32,
+    t: &Task,
+) -> (Vec<f32>, Vec<SoftmaxStats>) {
+    let d = shape.head_dim;
+    let columns = t.columns(bias, shape.keys);
+    let q = t.gather_rows(query, shape);
+    let m = q.len() / d;
+    let keys = key.rows(t.batch, t.group, columns, d);
+    let mut scores = vec![0.0f32; m * columns];
+    kernels::scores_in_place(&q, m, d, keys, &mut scores);
+    let biases = t.biases(bias, columns);
+    let block = t.rows.len();
+    let mut stats = Vec::with_capacity(m);
+    for r in 0..m {
+        let biases = &biases[(r % block) * columns..][..columns];
+        stats.push(softmax_row::<T>(&mut scores[r * columns..][..columns], biases, scale));
+    }
+    let values = value.rows(t.batch, t.group, columns, d);
+    let mut out = vec![0.0f32; m * d];
+    kernels::weighted_values_in_place(&scores, m, values, d, &mut out);
+    (out, stats)
+}
+
 /// Turns raw dot products into attention probabilities in place, with `T`'s rounding at each
 /// step HF rounds (see the module docs); returns the row's [`SoftmaxStats`].
 #[inline(always)]
@@ -369,8 +476,89 @@ fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) -> Softmax
     SoftmaxStats { max, sum }
 }
 
-/// The two matrix products, with an AVX-512 path and a portable one.
+/// The two matrix products, on packed operands and on rows read in place, with an AVX-512 path
+/// and a portable one.
 pub(super) mod kernels {
+    use super::{Element, Rows};
+
+    /// `s[r * columns + j] = q[r, :] · keys[j]` for `m` rows of `q` (`[m, d]`) and the
+    /// `columns = keys.len` key rows where they lie, widened on the fly.
+    pub fn scores_in_place<T: Element>(q: &[f32], m: usize, d: usize, keys: Rows<'_, T>, s: &mut [f32]) {
+        let columns = keys.len;
+        assert!(q.len() >= m * d && s.len() >= m * columns);
+        #[cfg(target_arch = "x86_64")]
+        if d.is_multiple_of(16) && avx512::available() {
+            // SAFETY: the CPU has AVX-512F; `d` is a multiple of 16 and the sizes are as above.
+            unsafe { avx512::scores_in_place(q, m, d, keys, s) };
+            return;
+        }
+        let mut k = vec![0.0f32; d];
+        for j in 0..columns {
+            for (dst, x) in k.iter_mut().zip(keys.row(j, d)) {
+                *dst = x.widen();
+            }
+            for (r, qr) in q.chunks_exact(d).take(m).enumerate() {
+                s[r * columns + j] = dot(qr, &k);
+            }
+        }
+    }
+
+    /// `a · b` over 16 running sums added pairwise at the end, so that it vectorises.
+    #[inline(always)]
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [0.0f32; 16];
+        let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+        let (ta, tb) = (ca.remainder(), cb.remainder());
+        for (x, y) in ca.zip(cb) {
+            for ((acc, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+                *acc += x * y;
+            }
+        }
+        for ((acc, &x), &y) in acc.iter_mut().zip(ta).zip(tb) {
+            *acc += x * y;
+        }
+        let mut width = 8;
+        while width > 0 {
+            for i in 0..width {
+                acc[i] += acc[i + width];
+            }
+            width /= 2;
+        }
+        acc[0]
+    }
+
+    /// `out[r, :] = Σ_{j < columns} p[r * columns + j] · values[j]` for `m` rows of `p` and the
+    /// `columns = values.len` value rows where they lie, widened on the fly: the sums of
+    /// [`weighted_values`], in the same order.
+    pub fn weighted_values_in_place<T: Element>(
+        p: &[f32],
+        m: usize,
+        values: Rows<'_, T>,
+        d: usize,
+        out: &mut [f32],
+    ) {
+        let columns = values.len;
+        assert!(p.len() >= m * columns && out.len() >= m * d);
+        #[cfg(target_arch = "x86_64")]
+        if d.is_multiple_of(16) && avx512::available() {
+            // SAFETY: the CPU has AVX-512F; `d` is a multiple of 16 and the sizes are as above.
+            unsafe { avx512::weighted_values_in_place(p, m, values, d, out) };
+            return;
+        }
+        let mut v = vec![0.0f32; d];
+        for j in 0..columns {
+            for (dst, x) in v.iter_mut().zip(values.row(j, d)) {
+                *dst = x.widen();
+            }
+            for (r, or) in out.chunks_exact_mut(d).take(m).enumerate() {
+                let w = p[r * columns + j];
+                for (o, &x) in or.iter_mut().zip(&v) {
+                    *o += w * x;
+                }
+            }
+        }
+    }
+
     /// `scores[r, j] = q[r, :] · kt[:, j]` for `m` rows of `q` (`[m, d]`) and the `padded`
     /// columns of `kt` (`[d, padded]`, `padded` a multiple of 64).
     pub fn scores(q: &[f32], m: usize, d: usize, kt: &[f32], padded: usize, scores: &mut [f32]) {
@@ -418,6 +606,191 @@ pub(super) mod kernels {
     #[cfg(target_arch = "x86_64")]
     mod avx512 {
         use std::arch::x86_64::*;
+
+        use super::{Element, Rows};
+
+        /// Key or value rows per block of the in-place kernels: 64 KiB of f32 rows of 128.
+        const KEY_BLOCK: usize = 128;
+
+        /// 16 elements of `T` from `p`, as f32 (bf16 widened).
+        #[inline(always)]
+        unsafe fn load<T: Element>(p: *const T) -> __m512 {
+            if T::BF16 {
+                let h = _mm256_loadu_si256(p.cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            } else {
+                _mm512_loadu_ps(p.cast())
+            }
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn scores_in_place<T: Element>(q: &[f32], m: usize, d: usize, keys: Rows<'_, T>, s: &mut [f32]) {
+            let columns = keys.len;
+            assert!(d.is_multiple_of(16) && q.len() >= m * d && s.len() >= m * columns);
+            let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
+            // Keys a block at a time, which stays in cache while every query row reads it; query
+            // rows a few at a time, held in registers where `d` is one of these sizes.
+            for j0 in (0..columns).step_by(KEY_BLOCK) {
+                let keys = keys.sub(j0, KEY_BLOCK.min(columns - j0));
+                let mut r = 0;
+                while r < m {
+                    let (q, s, left) = (qp.add(r * d), sp.add(r * columns + j0), m - r);
+                    r += match d {
+                        64 if left >= 4 => dots_held::<T, 4, 4>(q, keys, s, columns),
+                        64 if left >= 2 => dots_held::<T, 2, 4>(q, keys, s, columns),
+                        64 => dots_held::<T, 1, 4>(q, keys, s, columns),
+                        128 if left >= 2 => dots_held::<T, 2, 8>(q, keys, s, columns),
+                        128 => dots_held::<T, 1, 8>(q, keys, s, columns),
+                        _ if left >= 4 => dots::<T, 4>(q, d, keys, s, columns),
+                        _ if left >= 2 => dots::<T, 2>(q, d, keys, s, columns),
+                        _ => dots::<T, 1>(q, d, keys, s, columns),
+                    };
+                }
+            }
+        }
+
+        /// Scores of `R` query rows of `d = 16 · NV` (held in registers) against every key:
+        /// `s[r * s_stride + j]`, two running sums per row. Returns `R`.
+        #[inline(always)]
+        unsafe fn dots_held<T: Element, const R: usize, const NV: usize>(
+            q: *const f32,
+            keys: Rows<'_, T>,
+            s: *mut f32,
+            s_stride: usize,
+        ) -> usize {
+            let d = 16 * NV;
+            let mut qr = [[_mm512_setzero_ps(); NV]; R];
+            for (r, qr) in qr.iter_mut().enumerate() {
+                for (u, x) in qr.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(q.add(r * d + 16 * u));
+                }
+            }
+            let kp = keys.data.as_ptr();
+            for j in 0..keys.len {
+                let k = kp.add(j * keys.stride);
+                let mut acc = [[_mm512_setzero_ps(); 2]; R];
+                for u in 0..NV {
+                    let x = load(k.add(16 * u));
+                    for (acc, qr) in acc.iter_mut().zip(&qr) {
+                        acc[u % 2] = _mm512_fmadd_ps(qr[u], x, acc[u % 2]);
+                    }
+                }
+                for (r, acc) in acc.iter().enumerate() {
+                    *s.add(r * s_stride + j) = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+                }
+            }
+            R
+        }
+
+        /// [`dots_held`] for any `d` (a multiple of 16), the query rows read from memory.
+        #[inline(always)]
+        unsafe fn dots<T: Element, const R: usize>(
+            q: *const f32,
+            d: usize,
+            keys: Rows<'_, T>,
+            s: *mut f32,
+            s_stride: usize,
+        ) -> usize {
+            let kp = keys.data.as_ptr();
+            for j in 0..keys.len {
+                let k = kp.add(j * keys.stride);
+                let mut acc = [_mm512_setzero_ps(); R];
+                for c in (0..d).step_by(16) {
+                    let x = load(k.add(c));
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        *acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * d + c)), x, *acc);
+                    }
+                }
+                for (r, acc) in acc.iter().enumerate() {
+                    *s.add(r * s_stride + j) = _mm512_reduce_add_ps(*acc);
+                }
+            }
+            R
+        }
+
+        #[target_feature(enable = "avx512f")]
+        pub unsafe fn weighted_values_in_place<T: Element>(
+            p: &[f32],
+            m: usize,
+            values: Rows<'_, T>,
+            d: usize,
+            out: &mut [f32],
+        ) {
+            let columns = values.len;
+            assert!(d.is_multiple_of(16) && p.len() >= m * columns && out.len() >= m * d);
+            let (pp, op) = (p.as_ptr(), out.as_mut_ptr());
+            // A block of value rows at a time (see `scores_in_place`), each block's sums added to
+            // the previous blocks' in `out`, so that each output element sums over `j` in order.
+            for j0 in (0..columns).step_by(KEY_BLOCK) {
+                let values = values.sub(j0, KEY_BLOCK.min(columns - j0));
+                let pp = pp.add(j0);
+                let mut c = 0;
+                while c < d {
+                    // Columns `c..c + 16 · NV` of `R` rows at a time: at most 16 accumulators.
+                    let width = if d - c >= 128 && m <= 2 {
+                        8
+                    } else if d - c >= 64 {
+                        4
+                    } else {
+                        1
+                    };
+                    let mut r = 0;
+                    while r < m {
+                        let (p, o, left) = (pp.add(r * columns), op.add(r * d + c), m - r);
+                        r += match width {
+                            8 if left >= 2 => axpys::<T, 2, 8>(p, columns, values, c, o, d),
+                            8 => axpys::<T, 1, 8>(p, columns, values, c, o, d),
+                            4 if left >= 4 => axpys::<T, 4, 4>(p, columns, values, c, o, d),
+                            4 if left >= 2 => axpys::<T, 2, 4>(p, columns, values, c, o, d),
+                            4 => axpys::<T, 1, 4>(p, columns, values, c, o, d),
+                            _ if left >= 4 => axpys::<T, 4, 1>(p, columns, values, c, o, d),
+                            _ if left >= 2 => axpys::<T, 2, 1>(p, columns, values, c, o, d),
+                            _ => axpys::<T, 1, 1>(p, columns, values, c, o, d),
+                        };
+                    }
+                    c += 16 * width;
+                }
+            }
+        }
+
+        /// `out[r * out_stride + i] += Σ_j p[r * p_stride + j] · values[j][c + i]` for `r < R`,
+        /// `i < 16 · NV`: `R × NV` accumulators, summed over `j` in order. Returns `R`.
+        #[inline(always)]
+        unsafe fn axpys<T: Element, const R: usize, const NV: usize>(
+            p: *const f32,
+            p_stride: usize,
+            values: Rows<'_, T>,
+            c: usize,
+            out: *mut f32,
+            out_stride: usize,
+        ) -> usize {
+            let vp = values.data.as_ptr().add(c);
+            let mut acc = [[_mm512_setzero_ps(); NV]; R];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for (u, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_loadu_ps(out.add(r * out_stride + 16 * u));
+                }
+            }
+            for j in 0..values.len {
+                let v = vp.add(j * values.stride);
+                let mut x = [_mm512_setzero_ps(); NV];
+                for (u, x) in x.iter_mut().enumerate() {
+                    *x = load(v.add(16 * u));
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let w = _mm512_set1_ps(*p.add(r * p_stride + j));
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = _mm512_fmadd_ps(w, x, *a);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (u, a) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(out.add(r * out_stride + 16 * u), *a);
+                }
+            }
+            R
+        }
 
         /// Whether the kernels run at the AVX-512 level (see [`mod@crate::isa`]).
         pub fn available() -> bool {
@@ -594,6 +967,18 @@ pub(super) mod tests {
     }
 
     fn run<T: Element>(s: AttentionShape, past: usize, pad: usize) -> (Vec<f32>, Vec<f32>) {
+        let (got, _, want) = run_via::<T>(s, past, pad, reads_in_place);
+        (got, want)
+    }
+
+    /// The kernel's output with each task's path chosen by `in_place`, its statistics, and the
+    /// reference output.
+    fn run_via<T: Element>(
+        s: AttentionShape,
+        past: usize,
+        pad: usize,
+        in_place: fn(usize) -> bool,
+    ) -> (Vec<f32>, Vec<SoftmaxStats>, Vec<f32>) {
         let d = s.head_dim;
         let q = values::<T>(s.batch * s.queries * s.heads * d, 1);
         let k = values::<T>(s.batch * s.kv_heads * s.keys * d, 2);
@@ -621,16 +1006,17 @@ pub(super) mod tests {
             query_stride: s.keys,
             key_stride: 1,
         };
-        let got = grouped_attention(
+        let (got, stats) = attention_via(
             query,
             heads(&k[..], s.kv_heads, 1, s.keys),
             heads(&v[..], s.kv_heads, 1, s.keys),
             bias_view,
             s,
             scale,
+            in_place,
         );
         let got = got.iter().map(|x| x.widen()).collect();
-        (got, reference(&q, &k, &v, &bias, s, scale))
+        (got, stats, reference(&q, &k, &v, &bias, s, scale))
     }
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -677,6 +1063,198 @@ pub(super) mod tests {
             assert!(diff <= 0.05, "{s:?}: {diff}");
             let exact = got.iter().zip(&want).filter(|(a, b)| a == b).count();
             assert!(exact * 10 >= got.len() * 9, "{s:?}: only {exact} of {} equal", got.len());
+        }
+    }
+
+    /// Decode steps (one query position after `keys - 1` cached keys): 1, 63, 64, 65 and 3000
+    /// keys, 1, 3 and 4 query heads per key/value head, head dims held in registers (64, 128),
+    /// other multiples of 16 (48) and odd (24), with batch row 1's leading keys masked
+    /// (padding; with one key, a row that attends to nothing).
+    fn decode_shapes() -> Vec<(AttentionShape, usize, usize)> {
+        let mut out = Vec::new();
+        for keys in [1, 63, 64, 65, 3000] {
+            for (heads, kv_heads, head_dim) in [(6, 2, 64), (8, 2, 128), (2, 2, 48), (3, 1, 24)] {
+                let s = AttentionShape { batch: 2, queries: 1, keys, heads, kv_heads, head_dim };
+                out.push((s, keys - 1, keys.div_ceil(3)));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn decode_steps_read_keys_in_place() {
+        for (s, _, _) in decode_shapes() {
+            for t in Task::all(s) {
+                assert!(reads_in_place(s.heads / s.kv_heads * t.rows.len()), "{s:?}");
+            }
+        }
+        // Prefill blocks pack.
+        assert!(!reads_in_place(2 * QUERY_BLOCK));
+        let most = IN_PLACE_ROWS[usize::from(!crate::isa::avx512())];
+        assert!(reads_in_place(1) && reads_in_place(most) && !reads_in_place(most + 1));
+    }
+
+    /// The in-place path at the same tolerances as the packed one (see the tests above).
+    #[test]
+    fn decode_f32_matches_plain_attention() {
+        for (s, past, pad) in decode_shapes() {
+            let (got, _, want) = run_via::<f32>(s, past, pad, |_| true);
+            assert!(max_diff(&got, &want) < 1e-5, "{s:?}: {}", max_diff(&got, &want));
+        }
+    }
+
+    #[test]
+    fn decode_bf16_matches_plain_attention() {
+        for (s, past, pad) in decode_shapes() {
+            let (got, _, want) = run_via::<bf16>(s, past, pad, |_| true);
+            let diff = max_diff(&got, &want);
+            assert!(diff <= 0.05, "{s:?}: {diff}");
+            let exact = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+            assert!(exact * 10 >= got.len() * 9, "{s:?}: only {exact} of {} equal", got.len());
+        }
+    }
+
+    /// Both paths, forced, on decode steps and on blocks of many rows: the same outputs and
+    /// softmax statistics (which training's backward pass reads) up to f32 summation order.
+    #[test]
+    fn in_place_and_packed_paths_agree() {
+        let mut cases = decode_shapes();
+        cases.extend(shapes());
+        for (s, past, pad) in cases {
+            let (a, sa, want) = run_via::<f32>(s, past, pad, |_| true);
+            let (b, sb, _) = run_via::<f32>(s, past, pad, |_| false);
+            assert!(max_diff(&a, &b) < 1e-5 && max_diff(&b, &want) < 1e-5, "{s:?}: {}", max_diff(&a, &b));
+            for (x, y) in sa.iter().zip(&sb) {
+                let close = |u: f32, v: f32| (u - v).abs() <= 1e-5 * u.abs().max(v.abs()).max(1.0);
+                assert!(close(x.max, y.max) && close(x.sum, y.sum), "{s:?}: {x:?} vs {y:?}");
+            }
+        }
+    }
+
+    /// One batch row's output and statistics through either path, alone (its `n` keys filling
+    /// the key dimension) and as row 1 of 3 beside rows of other contents and lengths, in a key
+    /// dimension 37 longer than its `n` keys (the rest masked): bit for bit the same, so that a
+    /// row's answer does not depend on the rows batched beside it or the cache's capacity.
+    fn row_beside_others<T: Element + std::fmt::Debug + PartialEq>() {
+        for (heads, kv_heads, d) in [(6, 2, 64), (8, 2, 128), (4, 2, 16), (2, 2, 48), (3, 1, 24)] {
+            for (n, queries) in [(1, 1), (63, 1), (65, 1), (300, 1), (300, 4), (3000, 1)] {
+                let (q, k, v) = (
+                    values::<T>(queries * heads * d, 1),
+                    values::<T>(kv_heads * n * d, 2),
+                    values::<T>(kv_heads * n * d, 3),
+                );
+                // `[batch, queries, keys]` causal biases: row b's query i sees keys
+                // `..ends[b] - queries + i + 1`.
+                let run = |batch: usize, keys: usize, ends: &[usize], row: usize, in_place: fn(usize) -> bool| {
+                    let s = AttentionShape { batch, queries, keys, heads, kv_heads, head_dim: d };
+                    let mut qs = values::<T>(batch * queries * heads * d, 4);
+                    let mut ks = values::<T>(batch * kv_heads * keys * d, 5);
+                    let mut vs = values::<T>(batch * kv_heads * keys * d, 6);
+                    qs[row * queries * heads * d..][..queries * heads * d].copy_from_slice(&q);
+                    for g in 0..kv_heads {
+                        let at = (row * kv_heads + g) * keys * d;
+                        ks[at..at + n * d].copy_from_slice(&k[g * n * d..][..n * d]);
+                        vs[at..at + n * d].copy_from_slice(&v[g * n * d..][..n * d]);
+                    }
+                    let mut bias = Vec::new();
+                    for &end in ends {
+                        for i in 0..queries {
+                            let seen = end - queries + i + 1;
+                            bias.extend((0..keys).map(|j| T::narrow(if j < seen { 0.0 } else { -1.0e9 })));
+                        }
+                    }
+                    let kv = |data| Heads {
+                        data,
+                        offset: 0,
+                        batch_stride: kv_heads * keys * d,
+                        head_stride: keys * d,
+                        position_stride: d,
+                    };
+                    let query = Heads {
+                        data: &qs[..],
+                        offset: 0,
+                        batch_stride: queries * heads * d,
+                        head_stride: d,
+                        position_stride: heads * d,
+                    };
+                    let bias = Bias {
+                        data: &bias[..],
+                        offset: 0,
+                        batch_stride: queries * keys,
+                        query_stride: keys,
+                        key_stride: 1,
+                    };
+                    let (out, stats) = attention_via(query, kv(&ks[..]), kv(&vs[..]), bias, s, 0.125, in_place);
+                    let out = out[row * queries * heads * d..][..queries * heads * d].to_vec();
+                    let stats: Vec<_> = stats[row * heads * queries..][..heads * queries]
+                        .iter()
+                        .map(|st| (st.max.to_bits(), st.sum.to_bits()))
+                        .collect();
+                    (out, stats)
+                };
+                for in_place in [(|_| true) as fn(usize) -> bool, |_| false] {
+                    let alone = run(1, n, &[n], 0, in_place);
+                    let beside = run(3, n + 37, &[n + 37, n, n.div_ceil(2).max(queries)], 1, in_place);
+                    let path = if in_place(0) { "in place" } else { "packed" };
+                    assert!(alone == beside, "{path}, heads {heads}/{kv_heads}, d {d}, {n} keys, {queries} queries");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_rows_beside_it_f32() {
+        row_beside_others::<f32>();
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_the_rows_beside_it_bf16() {
+        row_beside_others::<bf16>();
+    }
+
+    /// Times the packed and in-place paths on decode steps over 3,000 keys (8 batch rows, 2
+    /// key/value heads of 2 query heads each, head dim 64 and 128, bf16):
+    /// `cargo test --release -p prompt-r1-cpu-kernels decode_timing -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn decode_timing() {
+        for (head_dim, heads) in [(64, 4), (128, 4), (128, 8)] {
+            for block in [1, 2, 4, 16] {
+                let s = AttentionShape { batch: 8, queries: block, keys: 3000, heads, kv_heads: 2, head_dim };
+                let d = head_dim;
+                let q = values::<bf16>(s.batch * s.queries * s.heads * d, 1);
+                let k = values::<bf16>(s.batch * s.kv_heads * s.keys * d, 2);
+                let v = values::<bf16>(s.batch * s.kv_heads * s.keys * d, 3);
+                let bias = causal_bias::<bf16>(s, s.keys - block, 10);
+                let kv = |data| {
+                    let batch_stride = s.kv_heads * s.keys * d;
+                    Heads { data, offset: 0, batch_stride, head_stride: s.keys * d, position_stride: d }
+                };
+                let (batch_stride, position_stride) = (s.queries * s.heads * d, s.heads * d);
+                let query = Heads { data: &q[..], offset: 0, batch_stride, head_stride: d, position_stride };
+                let batch_stride = s.queries * s.keys;
+                let bias = Bias { data: &bias[..], offset: 0, batch_stride, query_stride: s.keys, key_stride: 1 };
+                let time = |in_place: fn(usize) -> bool| {
+                    let runs = 50;
+                    (0..3)
+                        .map(|_| {
+                            let start = std::time::Instant::now();
+                            for _ in 0..runs {
+                                let (k, v) = (kv(&k[..]), kv(&v[..]));
+                                std::hint::black_box(attention_via(query, k, v, bias, s, 0.125, in_place));
+                            }
+                            start.elapsed().as_secs_f64() * 1e6 / runs as f64
+                        })
+                        .fold(f64::INFINITY, f64::min)
+                };
+                let (packed, in_place) = (time(|_| false), time(|_| true));
+                println!(
+                    "d {d}, groups {}, block {block} (m {}): packed {packed:.0} us, in place {in_place:.0} us ({:.2}x)",
+                    heads / 2,
+                    heads / 2 * block,
+                    packed / in_place
+                );
+            }
         }
     }
 

@@ -645,14 +645,26 @@ mod tests {
             assert!(matches!(last(&missing_events), Event::Refused(err) if err.status == 404));
             (last(&before_events), last(&after_events), outcome.try_recv().ok())
         };
+        // Without a change both requests decode together; with one, each alone. The ids are
+        // equal either way, the log-probs within 1e-4: a batch of two rounds its products
+        // differently from one row (the CPU kernels' one-row products sum in another order),
+        // while the two weights' log-probs differ by far more.
+        let same = |a: &Event, b: &Event| match (a, b) {
+            (Event::Done(a), Event::Done(b)) => {
+                a.token_ids == b.token_ids
+                    && a.finish == b.finish
+                    && a.logprobs.iter().zip(&b.logprobs).all(|(x, y)| (x - y).abs() < 1e-4)
+            }
+            _ => false,
+        };
         let (old, _, _) = answer(&mut engine(&old_dir, &tokenizer, &models), None);
         let (new, _, _) = answer(&mut engine(&new_dir, &tokenizer, &models), None);
-        assert_ne!(old, new);
+        assert!(!same(&old, &new), "{old:?} {new:?}");
         let mut served = engine(&old_dir, &tokenizer, &models);
         let path = new_dir.display().to_string();
         let (before, after, outcome) = answer(&mut served, Some(Change::UpdateWeights { path: path.clone() }));
         assert!(outcome.is_some_and(|o| o.is_ok()));
-        assert_eq!((before, after), (old.clone(), new));
+        assert!(same(&before, &old) && same(&after, &new), "{before:?} {old:?} {after:?} {new:?}");
         assert_eq!(models.lock().unwrap().base_root, path);
         // A bad directory is refused, naming it, and the weights stay.
         let bad = dir.path().join("none").display().to_string();
@@ -660,6 +672,6 @@ mod tests {
         let (_, after, outcome) = answer(&mut served, Some(Change::UpdateWeights { path: bad.clone() }));
         let err = outcome.unwrap().unwrap_err();
         assert!(err.status == 400 && err.message.contains(&bad), "{err:?}");
-        assert_eq!(after, old);
+        assert!(same(&after, &old), "{after:?} {old:?}");
     }
 }
