@@ -87,6 +87,9 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
         // The cache holds keys and values in the dtype of the weights the rollouts run on.
         let cache_dtype = model.base.model.embed_tokens.weight.val().dtype();
         let limits = self.rollout.decoder_limits(&model.base.config, cache_dtype)?;
+        if let Some(budget) = limits.kv_budget {
+            check_budget_holds_an_episode(budget, batch.tokenizer, batch.questions, batch.episode)?;
+        }
         let mut agent = LocalAgent::new(model.base, batch.tokenizer, batch.sampling.clone())
             .with_adapters(model.adapters)
             .with_limits(limits);
@@ -103,5 +106,56 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
     /// Nothing to do: every rollout samples from the policy it is handed.
     fn policy_changed(&mut self, _step: u64, _policy: LoraModel<'_, B>) -> Result<(), TrainError> {
         Ok(())
+    }
+}
+
+/// Refuses, before any episode starts, a `kv_budget` of `budget` positions that could not hold
+/// the longest episode of `questions` alone (its first prompt plus `max_response_tokens`, at the
+/// capacity the cache grows to), as vLLM refuses a KV cache smaller than one `max_model_len`
+/// sequence: otherwise such an episode would fail once it grew past the budget.
+fn check_budget_holds_an_episode(
+    budget: usize,
+    tokenizer: &Qwen3Tokenizer,
+    questions: &[&str],
+    episode: &EpisodeConfig,
+) -> Result<(), TrainError> {
+    let mut longest = 0;
+    for question in questions {
+        let prompt = episode.prompts.first_prompt(question).chatml();
+        longest = longest.max(tokenizer.encode(&prompt)?.len());
+    }
+    let needed = model::qwen3::grown_capacity(longest + episode.max_response_tokens + 1);
+    if budget < needed {
+        return Err(TrainError::Invalid(format!(
+            "rollout.kv_budget holds {budget} KV positions, but one episode may need {needed}: its \
+             {longest}-token first prompt plus episode.max_response_tokens = {} (at the capacity the \
+             cache grows to); raise rollout.kv_budget or lower episode.max_response_tokens",
+            episode.max_response_tokens
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use model::tiny_tokenizer::{train_tiny_tokenizer, TINY_VOCAB_SIZE};
+
+    /// A budget that cannot hold the longest episode alone is refused, naming the key and the
+    /// positions; one that can is accepted.
+    #[test]
+    fn a_kv_budget_below_one_episode_is_refused_before_any_episode() {
+        let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+        let episode = EpisodeConfig { max_response_tokens: 64, ..EpisodeConfig::default() };
+        let questions = ["Paris?", "Which river runs through the capital of France, and how long is it?"];
+        let longest = questions
+            .iter()
+            .map(|q| tokenizer.encode(&episode.prompts.first_prompt(q).chatml()).unwrap().len())
+            .max()
+            .unwrap();
+        let needed = model::qwen3::grown_capacity(longest + 64 + 1);
+        let err = check_budget_holds_an_episode(needed - 1, &tokenizer, &questions, &episode).unwrap_err().to_string();
+        assert!(err.contains("rollout.kv_budget") && err.contains(&needed.to_string()) && err.contains(&format!("{longest}-token")), "{err}");
+        assert!(check_budget_holds_an_episode(needed, &tokenizer, &questions, &episode).is_ok());
     }
 }

@@ -297,9 +297,12 @@ fn a_kv_budget_bounds_the_rollouts_without_changing_them() {
     };
     let free = run(None);
     // The tiny model's cache holds 2 layers × 2 key/value heads × 16 values, twice, in f32:
-    // 512 bytes a position, so 64 KiB is 128 positions: one or two of the 12 episodes at once.
-    let bounded = run(Some("64KiB"));
-    let positions = 64 * 1024 / 512;
+    // 512 bytes a position, so 80 KiB is 160 positions: the least that holds one episode of
+    // the longest kind the config allows (a 42-token prompt and max_response_tokens = 64 grow
+    // the cache to 160; smaller budgets are refused before the first episode), and about three
+    // of the 12 episodes (one 8-token turn each) at once.
+    let bounded = run(Some("80KiB"));
+    let positions = 80 * 1024 / 512;
     for (step, (a, b)) in free.iter().zip(&bounded).enumerate() {
         assert!(a.kv_peak_positions > positions, "step {step}: without a budget the peak is {}", a.kv_peak_positions);
         assert!(b.kv_peak_positions <= positions, "step {step}: peak {} over {positions}", b.kv_peak_positions);
