@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex};
 use env::{ChatMessage, EnvError, Environment, Trajectory};
-use model::checkpoint::{write_safetensors, Checkpoint, StorageDtype, TensorToWrite};
+use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::tiny_tokenizer::{train_tiny_tokenizer, write_tokenizer_files, TINY_VOCAB_SIZE};
 use model::Preset;
@@ -63,7 +63,7 @@ fn setup(dir: &Path, lora: bool) -> TrainConfig {
     if lora {
         // Without a trained model's spread of embeddings no hidden state moves the tied head's
         // logits far from uniform, and adapters have nothing to learn (see the trainer's tests).
-        scale_embeddings(&model_dir, 6.5);
+        model::checkpoint::scale_tensors(&model_dir, |name| name == "model.embed_tokens.weight", 6.5).unwrap();
     }
     let rows: String = ["Paris?", "Rome?", "Oslo?", "Lima?", "Bern?", "Kyiv?"]
         .iter()
@@ -88,25 +88,6 @@ fn setup(dir: &Path, lora: bool) -> TrainConfig {
     let config = TrainConfig::from_toml_file(&dir.join("run.toml")).unwrap();
     assert_eq!(config.lora.is_some(), lora);
     config
-}
-
-/// Rewrites the checkpoint in `dir` with its embedding table multiplied by `factor`.
-fn scale_embeddings(dir: &Path, factor: f32) {
-    let checkpoint = Checkpoint::open(dir).unwrap();
-    let tensors: Vec<TensorToWrite> = checkpoint
-        .names()
-        .into_iter()
-        .map(|name| {
-            let shape = checkpoint.shape(&name).unwrap();
-            let mut values = checkpoint.read(&name, &shape).unwrap().values;
-            if name == "model.embed_tokens.weight" {
-                values.iter_mut().for_each(|v| *v *= factor);
-            }
-            TensorToWrite { name, shape, values }
-        })
-        .collect();
-    drop(checkpoint);
-    write_safetensors(dir, &tensors, StorageDtype::F32).unwrap();
 }
 
 /// `config` with its rollouts on `workers`.

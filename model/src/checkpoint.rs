@@ -388,6 +388,34 @@ pub fn write_safetensors(
     })
 }
 
+/// Multiplies by `factor` every tensor of the single-file checkpoint in `dir` whose name `which`
+/// accepts, and rewrites the file atomically in its dtype (its tensors must share one). For tests
+/// and experiments that want a random checkpoint at another scale than its init gives.
+pub fn scale_tensors(dir: &Path, which: impl Fn(&str) -> bool, factor: f32) -> Result<(), ModelError> {
+    let checkpoint = Checkpoint::open(dir)?;
+    let path = dir.join(SINGLE_FILE);
+    let bad = |reason: String| ModelError::Safetensors { path: path.clone(), reason };
+    if checkpoint.shards.len() != 1 || checkpoint.shards[0].path != path {
+        return Err(bad("only a single-file checkpoint can be rescaled".into()));
+    }
+    let mut dtype = None;
+    let mut tensors = Vec::new();
+    for name in checkpoint.names() {
+        let found = checkpoint.dtype(&name)?;
+        if *dtype.get_or_insert(found) != found {
+            return Err(bad(format!("tensor \"{name}\" is {found:?}, others {:?}: the tensors must share a dtype", dtype.unwrap())));
+        }
+        let shape = checkpoint.shape(&name)?;
+        let mut values = checkpoint.read(&name, &shape)?.values;
+        if which(&name) {
+            values.iter_mut().for_each(|v| *v *= factor);
+        }
+        tensors.push(TensorToWrite { name, shape, values });
+    }
+    drop(checkpoint);
+    write_safetensors(dir, &tensors, dtype.unwrap_or(StorageDtype::F32)).map(drop)
+}
+
 /// Streaming form of [`write_safetensors`]: `entries` name every tensor and its shape, and
 /// `values(name)` produces one tensor's values at a time, so a checkpoint larger than memory can
 /// be written. The file is written by the `safetensors` crate with the `{"format": "pt"}` header
@@ -573,6 +601,19 @@ mod tests {
             assert_eq!(ckpt.dtype("a").unwrap(), dtype);
             let a = ckpt.read("a", &[2, 3]).unwrap();
             assert_eq!(a.values, vec![0.0, 0.5, 1.0, 1.5, 2.0, 2.5]);
+        }
+    }
+
+    #[test]
+    fn scaling_multiplies_only_the_chosen_tensors_and_keeps_the_dtype() {
+        for dtype in [StorageDtype::F32, StorageDtype::BF16] {
+            let dir = tempfile::tempdir().unwrap();
+            write_safetensors(dir.path(), &sample(), dtype).unwrap();
+            scale_tensors(dir.path(), |name| name == "a", 2.0).unwrap();
+            let ckpt = Checkpoint::open(dir.path()).unwrap();
+            assert_eq!(ckpt.dtype("a").unwrap(), dtype);
+            assert_eq!(ckpt.read("a", &[2, 3]).unwrap().values, vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+            assert_eq!(ckpt.read("b", &[2]).unwrap().values, vec![1.0, -2.0]);
         }
     }
 

@@ -59,24 +59,7 @@ pub fn tiny_model_scaled(dir: &Path, factor: f32) -> PathBuf {
         let path = entry.unwrap().path();
         std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
     }
-    let file = out.join("model.safetensors");
-    let mut bytes = std::fs::read(&file).unwrap();
-    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
-    for (name, tensor) in header.as_object().unwrap() {
-        if !name.ends_with("_proj.weight") {
-            continue;
-        }
-        assert_eq!(tensor["dtype"], "F32", "{name}");
-        let offsets = &tensor["data_offsets"];
-        let start = 8 + header_len + offsets[0].as_u64().unwrap() as usize;
-        let end = 8 + header_len + offsets[1].as_u64().unwrap() as usize;
-        for value in bytes[start..end].chunks_exact_mut(4) {
-            let x = f32::from_le_bytes(value.try_into().unwrap()) * factor;
-            value.copy_from_slice(&x.to_le_bytes());
-        }
-    }
-    std::fs::write(&file, bytes).unwrap();
+    model::checkpoint::scale_tensors(&out, |name| name.ends_with("_proj.weight"), factor).unwrap();
     out
 }
 

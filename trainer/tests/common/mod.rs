@@ -159,26 +159,7 @@ pub fn every_question_each_step(mut config: TrainConfig) -> TrainConfig {
 
 /// Rewrites the checkpoint in `dir` with its embedding table multiplied by `factor`.
 pub fn scale_embeddings(dir: &Path, factor: f32) {
-    use model::checkpoint::{write_safetensors, Checkpoint, TensorToWrite};
-    let checkpoint = Checkpoint::open(dir).unwrap();
-    let tensors: Vec<TensorToWrite> = checkpoint
-        .names()
-        .into_iter()
-        .map(|name| {
-            let shape = checkpoint.shape(&name).unwrap();
-            let mut values = checkpoint.read(&name, &shape).unwrap().values;
-            if name == "model.embed_tokens.weight" {
-                values.iter_mut().for_each(|v| *v *= factor);
-            }
-            TensorToWrite {
-                name,
-                shape,
-                values,
-            }
-        })
-        .collect();
-    drop(checkpoint);
-    write_safetensors(dir, &tensors, StorageDtype::F32).unwrap();
+    model::checkpoint::scale_tensors(dir, |name| name == "model.embed_tokens.weight", factor).unwrap();
 }
 
 pub fn train(config: TrainConfig, steps: u64, resume: bool) -> (Trainer<B>, Vec<StepRecord>) {
