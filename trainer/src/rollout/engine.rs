@@ -120,7 +120,9 @@ fn check_budget_holds_an_episode(
     episode: &EpisodeConfig,
 ) -> Result<(), TrainError> {
     let mut longest = 0;
-    for question in questions {
+    // A GRPO group repeats its question `n` times: each distinct one is tokenised once.
+    let distinct: std::collections::BTreeSet<&str> = questions.iter().copied().collect();
+    for question in distinct {
         let prompt = episode.prompts.first_prompt(question).chatml();
         longest = longest.max(tokenizer.encode(&prompt)?.len());
     }
