@@ -356,29 +356,61 @@ pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> 
 /// with it copies every cached position at every decode step. The write computes nothing, so
 /// it applies with the portable ops on too.
 pub fn write_positions<B: Backend>(buffer: Tensor<B, 4>, start: usize, value: &Tensor<B, 4>) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
+    let [b, _, _, _] = buffer.dims();
+    let [vb, _, n, _] = value.dims();
+    if vb != b {
+        return Err(buffer);
+    }
+    copy_block(buffer, [0, start], value, 0..b, 0..n)
+}
+
+/// `buffer` (`[b, h, capacity, d]`) with rows `rows` and positions `positions` of `source`
+/// (`[sb, h, sc, d]`) copied to row `at[0]` and position `at[1]` onward, in place, under the
+/// conditions of [`write_positions`]; otherwise `Err(buffer)` and the caller uses `slice_assign`.
+/// A KV cache rebuilt for a changed batch (rows leaving and joining) copies each kept position
+/// once this way, where each `slice_assign` would copy the whole destination again.
+pub fn copy_block<B: Backend>(
+    buffer: Tensor<B, 4>,
+    at: [usize; 2],
+    source: &Tensor<B, 4>,
+    rows: std::ops::Range<usize>,
+    positions: std::ops::Range<usize>,
+) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
     let [b, h, capacity, d] = buffer.dims();
-    let [vb, vh, n, vd] = value.dims();
-    let fits = [vb, vh, vd] == [b, h, d] && start + n <= capacity && value.dtype() == buffer.dtype();
+    let [sb, sh, sc, sd] = source.dims();
+    let (n, len) = (rows.len(), positions.len());
+    let fits = [sh, sd] == [h, d]
+        && rows.end <= sb
+        && positions.end <= sc
+        && at[0] + n <= b
+        && at[1] + len <= capacity
+        && source.dtype() == buffer.dtype();
     if !fits || !matches!(buffer.dtype(), DType::F32 | DType::BF16 | DType::F16) {
         return Err(buffer);
     }
     let mut flex = crate::flex::flex_of(buffer)?;
-    let value = crate::flex::flex_of(value.clone()).map_err(|_| ()).map(|v| flex_contiguous(&v));
+    let source = crate::flex::flex_of(source.clone()).map_err(|_| ()).map(|s| flex_contiguous(&s));
     let whole = flex.is_contiguous() && flex.layout().start_offset() == 0 && flex.bytes().len() == b * h * capacity * d * flex.dtype().size();
-    fn write<T: bytemuck::Pod + burn::tensor::Element>(dst: &mut FlexTensor, src: &FlexTensor, [b, h, capacity, d]: [usize; 4], start: usize, n: usize) -> bool {
+    /// Copies `n` rows from `row0` of `src` (`[_, h, sc, d]`), positions `col0..col0 + len`, to
+    /// row `at_row` and position `at_col` of `dst` (`[_, h, capacity, d]`).
+    fn copy<T: bytemuck::Pod + burn::tensor::Element>(dst: &mut FlexTensor, src: &FlexTensor, [h, capacity, d, sc, row0, n, col0, len, at_row, at_col]: [usize; 10]) -> bool {
         let src = src.storage::<T>();
         let Some(dst) = dst.try_storage_mut::<T>() else { return false };
-        for (row, values) in src.chunks_exact(n * d).enumerate().take(b * h) {
-            let at = (row * capacity + start) * d;
-            dst[at..at + n * d].copy_from_slice(values);
+        for r in 0..n {
+            for head in 0..h {
+                let from = (((row0 + r) * h + head) * sc + col0) * d;
+                let to = (((at_row + r) * h + head) * capacity + at_col) * d;
+                dst[to..to + len * d].copy_from_slice(&src[from..from + len * d]);
+            }
         }
         true
     }
-    let written = match (&value, whole) {
-        (Ok(v), true) => match flex.dtype() {
-            DType::F32 => write::<f32>(&mut flex, v, [b, h, capacity, d], start, n),
-            DType::BF16 => write::<bf16>(&mut flex, v, [b, h, capacity, d], start, n),
-            _ => write::<burn::tensor::f16>(&mut flex, v, [b, h, capacity, d], start, n),
+    let plan = [h, capacity, d, sc, rows.start, n, positions.start, len, at[0], at[1]];
+    let written = match (&source, whole) {
+        (Ok(src), true) => match flex.dtype() {
+            DType::F32 => copy::<f32>(&mut flex, src, plan),
+            DType::BF16 => copy::<bf16>(&mut flex, src, plan),
+            _ => copy::<burn::tensor::f16>(&mut flex, src, plan),
         },
         _ => false,
     };
@@ -421,6 +453,29 @@ mod tests {
             assert_eq!(written.into_data(), want, "{dtype:?}");
             let shared = buffer.clone();
             let back = write_positions(buffer, 5, &value).expect_err("a shared buffer is not written");
+            assert_eq!(back.into_data(), shared.into_data(), "{dtype:?}: the shared buffer is unchanged");
+        }
+    }
+
+    /// Copying a block of rows and positions gives what `slice_assign` gives, in place when the
+    /// buffer is held once; a block that does not fit, or a shared buffer, is left to the caller.
+    #[test]
+    fn copy_block_equals_slice_assign() {
+        let device = Default::default();
+        for dtype in [DType::F32, DType::BF16] {
+            let buffer = Tensor::<Flex, 4>::random([4, 3, 10, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let source = Tensor::<Flex, 4>::random([3, 3, 7, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let want = buffer
+                .clone()
+                .slice_assign([2..4, 0..3, 6..10, 0..4], source.clone().slice([1..3, 0..3, 2..6, 0..4]))
+                .into_data();
+            let unique = buffer.clone().mul_scalar(1.0);
+            let written = copy_block(unique, [2, 6], &source, 1..3, 2..6).expect("a buffer held once is written in place");
+            assert_eq!(written.into_data(), want, "{dtype:?}");
+            let unique = buffer.clone().mul_scalar(1.0);
+            copy_block(unique, [3, 6], &source, 1..3, 2..6).expect_err("a block past the last row is not written");
+            let shared = buffer.clone();
+            let back = copy_block(buffer, [2, 6], &source, 1..3, 2..6).expect_err("a shared buffer is not written");
             assert_eq!(back.into_data(), shared.into_data(), "{dtype:?}: the shared buffer is unchanged");
         }
     }

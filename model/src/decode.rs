@@ -21,8 +21,14 @@
 //! Rows of one batch line up their newest positions: a row that joins beside longer ones has
 //! empty positions in front (masked out) and positions are per sequence (`0..len`), so where a
 //! row sits in the batch never changes what it computes. The rows share one buffer per layer
-//! (burn has no paged attention), so a join copies the batch's cache: while rows run, waiting
-//! sequences join in groups rather than one at a time.
+//! (burn has no paged attention), so changing the rows means rebuilding the batch's cache, and
+//! the decoder rebuilds rarely, copying each kept position once
+//! ([`KvCache::assemble`](crate::qwen3::KvCache::assemble)): waiting sequences join in groups
+//! while rows run, and the place a row leaves stays in the batch (decoded past and ignored, a
+//! [`DecoderStats::vacant_rows`]) until a join rebuilds it anyway, those places reach an eighth
+//! of the rows with nobody waiting, or the budget needs their memory. A parked sequence's cache
+//! stays in the row it left until it rejoins or the batch is rebuilt, and is copied out then:
+//! no cache is ever held twice.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -30,11 +36,11 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 use crate::error::ModelError;
 use crate::lora::CausalLm;
-use crate::qwen3::{grown_capacity, GROWTH_STEP};
-use crate::qwen3::KvCache;
+use crate::qwen3::{grown_capacity, KvCache, RowBlock, GROWTH_STEP};
 
 /// While rows run, waiting sequences join once they are this fraction (1 / N) of the running
-/// rows (see `Decoder::admit`).
+/// rows (see `Decoder::admit`), and the places rows left are dropped without a join once they
+/// are this fraction of the batch's rows (see `Decoder::compact`).
 const JOIN_FRACTION: usize = 8;
 
 /// The most steps a waiting sequence is held back to join with others.
@@ -81,6 +87,12 @@ pub struct DecoderStats {
     pub evictions: u64,
     /// Most KV positions held at once (see [`DecoderLimits::kv_budget`]).
     pub peak_kv_positions: usize,
+    /// KV positions copied to rebuild the batch as rows left and joined (every kept row's
+    /// positions once per rebuild, and each rejoining sequence's cache).
+    pub rebuilt_positions: u64,
+    /// Rows of one-token passes run for places that sequences had left (computed and ignored
+    /// until the batch is rebuilt, instead of a copy of the batch at every leave).
+    pub vacant_rows: u64,
 }
 
 /// The next-token logits of the sequences one step ran: row `i` of `logits` (`[rows, vocab]`)
@@ -100,6 +112,9 @@ enum Place<B: Backend> {
     Queued(Option<KvCache<B>>),
     /// Out of the batch (its caller is busy with it), with its cache if kept.
     Parked(Option<KvCache<B>>),
+    /// Out of the batch, its cache still in the row it left (`Batch::parked`): taken out when
+    /// it rejoins or the batch is rebuilt, so that no cache is held twice meanwhile.
+    ParkedInRow,
 }
 
 #[derive(Debug)]
@@ -120,19 +135,29 @@ impl<B: Backend> Sequence<B> {
     fn own_cache(&self) -> Option<&KvCache<B>> {
         match &self.place {
             Place::Queued(c) | Place::Parked(c) => c.as_ref(),
-            Place::Running => None,
+            Place::Running | Place::ParkedInRow => None,
         }
     }
 }
 
-/// The running batch: one cache for every row, the rows' sequences (`None`: left, to be dropped
-/// at the next step) and which cached positions of each row are its own.
+/// The running batch: one cache for every row, the rows' running sequences (`None`: a place a
+/// sequence left, decoded past until the batch is rebuilt), the parked sequences whose caches
+/// are still in the rows they left, and which cached positions of each row are its own.
 #[derive(Debug)]
 struct Batch<B: Backend> {
     cache: KvCache<B>,
     ids: Vec<Option<SequenceId>>,
+    parked: BTreeMap<usize, SequenceId>,
     valid: Vec<Vec<bool>>,
     mask: DeviceMask<B>,
+}
+
+impl<B: Backend> Batch<B> {
+    /// Row `row`'s own positions as a cache of their own (the batch's padding dropped).
+    fn take_row(&self, row: usize) -> KvCache<B> {
+        let slots: Vec<usize> = (0..self.valid[row].len()).filter(|&j| self.valid[row][j]).collect();
+        self.cache.take_row(row, &slots)
+    }
 }
 
 /// The device copy of `Batch::valid` that the attention takes.
@@ -239,14 +264,17 @@ impl<B: Backend> Decoder<B> {
     /// the next step: only its tokens not cached yet are prefilled.
     pub fn extend(&mut self, model: &impl CausalLm<B>, id: SequenceId, tokens: &[u32]) -> Result<(), ModelError> {
         model.base().check_token_ids(tokens)?;
-        let sequence = self.sequences.get_mut(&id).ok_or_else(|| unknown(id))?;
-        let Place::Parked(cache) = &mut sequence.place else {
+        let sequence = self.sequences.get(&id).ok_or_else(|| unknown(id))?;
+        if !matches!(sequence.place, Place::Parked(_) | Place::ParkedInRow) {
             return Err(ModelError::Input(format!("sequence {id} is not parked: only a parked sequence can be extended")));
-        };
-        sequence.tokens.extend_from_slice(tokens);
-        if sequence.tokens.len() == sequence.cached {
+        }
+        if sequence.tokens.len() + tokens.len() == sequence.cached {
             return Err(ModelError::Input(format!("sequence {id} has no new token to decode from")));
         }
+        self.take_out_of_row(id);
+        let sequence = self.sequences.get_mut(&id).expect("checked above");
+        sequence.tokens.extend_from_slice(tokens);
+        let Place::Parked(cache) = &mut sequence.place else { unreachable!("taken out of its row") };
         sequence.place = Place::Queued(cache.take());
         sequence.queued_at = self.steps;
         self.queue.push_back(id);
@@ -263,15 +291,15 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Takes sequence `id` out of the batch (or the queue), keeping its cache: its own
-    /// positions only, the batch's padding dropped.
+    /// Takes sequence `id` out of the batch (or the queue), keeping its cache (its own positions
+    /// only, the batch's padding dropped; until it rejoins or the batch is rebuilt, in the row it
+    /// left).
     pub fn park(&mut self, id: SequenceId) -> Result<(), ModelError> {
         let clock = self.clock;
         self.clock += 1;
         let sequence = self.sequences.get_mut(&id).ok_or_else(|| unknown(id))?;
         sequence.parked_at = clock;
         sequence.place = match std::mem::replace(&mut sequence.place, Place::Running) {
-            Place::Parked(cache) => Place::Parked(cache),
             Place::Queued(cache) => {
                 self.queue.retain(|&q| q != id);
                 Place::Parked(cache)
@@ -279,13 +307,28 @@ impl<B: Backend> Decoder<B> {
             Place::Running => {
                 let batch = self.batch.as_mut().expect("a running sequence has a batch");
                 let row = batch.ids.iter().position(|&r| r == Some(id)).expect("a running sequence has a row");
-                let slots: Vec<usize> = (0..batch.valid[row].len()).filter(|&j| batch.valid[row][j]).collect();
-                debug_assert_eq!(slots.len(), sequence.cached);
+                debug_assert_eq!(batch.valid[row].iter().filter(|&&v| v).count(), sequence.cached);
                 batch.ids[row] = None;
-                Place::Parked(Some(batch.cache.take_row(row, &slots)))
+                batch.parked.insert(row, id);
+                Place::ParkedInRow
             }
+            parked => parked,
         };
         Ok(())
+    }
+
+    /// Copies parked sequence `id`'s cache out of the row it left, if it is still there.
+    fn take_out_of_row(&mut self, id: SequenceId) {
+        let sequence = self.sequences.get_mut(&id).expect("a sequence of the decoder");
+        if !matches!(sequence.place, Place::ParkedInRow) {
+            return;
+        }
+        let batch = self.batch.as_mut().expect("a sequence parked in a row has a batch");
+        let row = batch.parked.iter().find(|&(_, &p)| p == id).map(|(&r, _)| r).expect("its row");
+        batch.parked.remove(&row);
+        let cache = batch.take_row(row);
+        self.stats.rebuilt_positions += sequence.cached as u64;
+        sequence.place = Place::Parked(Some(cache));
     }
 
     /// Removes sequence `id` and frees its cache; returns its tokens.
@@ -298,6 +341,11 @@ impl<B: Backend> Decoder<B> {
                 }
             }
             Place::Queued(_) => self.queue.retain(|&q| q != id),
+            Place::ParkedInRow => {
+                if let Some(batch) = self.batch.as_mut() {
+                    batch.parked.retain(|_, p| *p != id);
+                }
+            }
             Place::Parked(_) => {}
         }
         Some(sequence.tokens)
@@ -311,7 +359,7 @@ impl<B: Backend> Decoder<B> {
     /// the next. A sequence preempted for room is not returned until it has rejoined.
     pub fn step(&mut self, model: &impl CausalLm<B>) -> Result<Option<StepLogits<B>>, ModelError> {
         self.steps += 1;
-        self.compact();
+        self.compact(false);
         if let Some(batch) = &self.batch {
             for id in batch.ids.iter().flatten() {
                 let s = &self.sequences[id];
@@ -344,28 +392,84 @@ impl<B: Backend> Decoder<B> {
         self.batch.as_ref().map_or(0, |b| b.ids.iter().flatten().count())
     }
 
-    /// Drops the rows that left and the leading positions no row uses any more (once they are
-    /// worth a copy of the batch).
-    fn compact(&mut self) {
-        let Some(batch) = self.batch.as_mut() else { return };
-        let keep: Vec<usize> = (0..batch.ids.len()).filter(|&r| batch.ids[r].is_some()).collect();
-        if keep.is_empty() {
-            self.batch = None;
+    /// Rebuilds the batch without the rows that left (once they are an eighth of its rows and no
+    /// sequence waits to join, whose join would drop them anyway; always when `force`d) or
+    /// without the leading positions no row uses any more (once they are worth a copy).
+    fn compact(&mut self, force: bool) {
+        let Some(batch) = self.batch.as_ref() else { return };
+        let rows = batch.ids.len();
+        let running: Vec<usize> = (0..rows).filter(|&r| batch.ids[r].is_some()).collect();
+        if running.is_empty() {
+            // Takes the parked caches out of their rows.
+            let batch = self.batch.take().expect("checked above");
+            self.batch = self.rebuild(batch, None);
             return;
         }
-        if keep.len() < batch.ids.len() {
-            batch.cache.select_rows(&keep);
-            batch.ids = keep.iter().map(|&r| batch.ids[r]).collect();
-            batch.valid = keep.iter().map(|&r| std::mem::take(&mut batch.valid[r])).collect();
-            batch.mask = DeviceMask::Stale;
-        }
+        let holes = rows - running.len();
+        let drop_holes = holes > 0 && (force || holes * JOIN_FRACTION >= rows && self.queue.is_empty());
         let width = batch.cache.len();
-        let lead = batch.valid.iter().map(|v| v.iter().take_while(|&&x| !x).count()).min().unwrap_or(0);
-        if lead > 0 && lead >= (width / 8).max(GROWTH_STEP) {
-            batch.cache.trim_front(lead);
-            batch.valid.iter_mut().for_each(|v| drop(v.drain(..lead)));
-            batch.mask = DeviceMask::Stale;
+        let lead = running.iter().chain(batch.parked.keys()).map(|&r| leading_invalid(&batch.valid[r])).min().unwrap_or(0);
+        let trim = lead > 0 && lead >= (width / 8).max(GROWTH_STEP);
+        if drop_holes || trim {
+            let batch = self.batch.take().expect("checked above");
+            self.batch = self.rebuild(batch, None);
         }
+    }
+
+    /// The rows of `batch` still running, then every row of `joined`, in one batch whose cache
+    /// lines up their newest positions and drops the leading positions no row uses: each kept
+    /// position is copied once. `None` when no row is left.
+    fn rebuild(&mut self, mut batch: Batch<B>, joined: Option<Batch<B>>) -> Option<Batch<B>> {
+        for (row, id) in std::mem::take(&mut batch.parked) {
+            let sequence = self.sequences.get_mut(&id).expect("a parked sequence");
+            sequence.place = Place::Parked(Some(batch.take_row(row)));
+            self.stats.rebuilt_positions += sequence.cached as u64;
+        }
+        let parts: Vec<Batch<B>> = std::iter::once(batch).chain(joined).collect();
+        let kept: Vec<(Vec<usize>, usize, usize)> = parts
+            .iter()
+            .map(|part| {
+                let rows: Vec<usize> = (0..part.ids.len()).filter(|&r| part.ids[r].is_some()).collect();
+                let width = part.cache.len();
+                let lead = rows.iter().map(|&r| leading_invalid(&part.valid[r])).min().unwrap_or(width);
+                (rows, lead, width)
+            })
+            .collect();
+        let width = kept.iter().map(|(_, lead, w)| w - lead).max().unwrap_or(0);
+        let total: usize = kept.iter().map(|(rows, ..)| rows.len()).sum();
+        if total == 0 {
+            return None;
+        }
+        let (mut sources, mut blocks, mut ids, mut valid) = (Vec::new(), Vec::new(), Vec::with_capacity(total), Vec::with_capacity(total));
+        for (i, (part, (rows, lead, part_width))) in parts.into_iter().zip(&kept).enumerate() {
+            let pad = width - (part_width - lead);
+            let mut r = 0;
+            while r < rows.len() {
+                let run = rows[r..].iter().enumerate().take_while(|&(k, &row)| row == rows[r] + k).count();
+                blocks.push(RowBlock {
+                    source: i,
+                    rows: rows[r]..rows[r] + run,
+                    positions: *lead..*part_width,
+                    at: [ids.len() + r, pad],
+                });
+                r += run;
+            }
+            for &row in rows {
+                ids.push(part.ids[row]);
+                let mut v = vec![false; pad];
+                v.extend_from_slice(&part.valid[row][*lead..]);
+                valid.push(v);
+            }
+            self.stats.rebuilt_positions += (rows.len() * (part_width - lead)) as u64;
+            sources.push(part.cache);
+        }
+        Some(Batch {
+            cache: KvCache::assemble(sources, &blocks, total, width, grown_capacity(width)),
+            ids,
+            parked: BTreeMap::new(),
+            valid,
+            mask: DeviceMask::Stale,
+        })
     }
 
     /// Positions held by caches outside the batch, except those of `except`.
@@ -391,7 +495,7 @@ impl<B: Backend> Decoder<B> {
         let sequence = self.sequences.get_mut(&id).expect("just found");
         match &mut sequence.place {
             Place::Parked(cache) | Place::Queued(cache) => *cache = None,
-            Place::Running => unreachable!("a running sequence holds no cache of its own"),
+            Place::Running | Place::ParkedInRow => unreachable!("holds no cache of its own"),
         }
         sequence.cached = 0;
         self.stats.evictions += 1;
@@ -415,6 +519,10 @@ impl<B: Backend> Decoder<B> {
             if self.evict_parked(&[]) {
                 continue;
             }
+            if self.has_holes() {
+                self.compact(true);
+                continue;
+            }
             let Some(batch) = self.batch.as_mut() else { return Ok(()) };
             if batch.ids.len() == 1 {
                 let id = batch.ids[0].expect("compacted");
@@ -428,9 +536,14 @@ impl<B: Backend> Decoder<B> {
             sequence.queued_at = self.steps;
             self.queue.push_front(id);
             self.stats.preemptions += 1;
-            self.compact();
+            self.compact(true);
         }
         Ok(())
+    }
+
+    /// Whether rows that left still hold their place in the batch.
+    fn has_holes(&self) -> bool {
+        self.batch.as_ref().is_some_and(|b| b.ids.iter().any(Option::is_none))
     }
 
     /// Takes waiting sequences into this step while rows and the budget allow. Joining copies
@@ -462,6 +575,10 @@ impl<B: Backend> Decoder<B> {
                     if self.evict_parked(&except) {
                         continue;
                     }
+                    if self.has_holes() {
+                        self.compact(true);
+                        continue;
+                    }
                     if running + admitted.len() == 0 {
                         return Err(too_small(budget, id, self.sequences[&id].tokens.len()));
                     }
@@ -482,31 +599,44 @@ impl<B: Backend> Decoder<B> {
             past = past.max(s.cached);
             new = new.max(s.tokens.len() - s.cached);
         }
-        let (rows, width, capacity) = self.batch.as_ref().map_or((0, 0, 0), |b| (b.ids.len(), b.cache.len(), b.cache.capacity()));
-        let width = width.max(past + new) + 1;
-        (rows + group.len()) * grown_capacity(width).max(capacity) + self.held_outside(group)
+        // Joining rebuilds the batch without the rows that left, in buffers grown for `width`,
+        // and the parked caches still in their rows come out at their own size.
+        let width = self.batch.as_ref().map_or(0, |b| b.cache.len()).max(past + new) + 1;
+        let parked_in_rows: usize = self.batch.as_ref().map_or(0, |b| b.parked.values().map(|id| self.sequences[id].cached).sum());
+        (self.running_rows() + group.len()) * grown_capacity(width) + parked_in_rows + self.held_outside(group)
     }
 
-    /// Feeds every running row its one new token.
+    /// Feeds every running row its one new token (and each place a row left, one it ignores).
     fn decode_running(&mut self, model: &impl CausalLm<B>) -> Option<StepLogits<B>> {
         let batch = self.batch.as_mut()?;
         let device = model.base().device();
-        let ids: Vec<SequenceId> = batch.ids.iter().map(|r| r.expect("compacted")).collect();
-        let n = ids.len();
+        let n = batch.ids.len();
+        let mut ids = Vec::with_capacity(n);
+        let mut running = Vec::with_capacity(n);
         let mut tokens = Vec::with_capacity(n);
         let mut positions = Vec::with_capacity(n);
-        for id in &ids {
-            let s = self.sequences.get_mut(id).expect("a row's sequence");
+        for (row, id) in batch.ids.iter().enumerate() {
+            let Some(id) = *id else {
+                tokens.push(0);
+                positions.push(0);
+                continue;
+            };
+            let s = self.sequences.get_mut(&id).expect("a row's sequence");
             tokens.push(i64::from(s.tokens[s.cached]));
             positions.push(s.cached as i64);
             s.cached += 1;
+            ids.push(id);
+            running.push(row);
         }
         batch.mask = match std::mem::replace(&mut batch.mask, DeviceMask::Stale) {
             DeviceMask::Stale => device_mask(&batch.valid, true, &device),
             DeviceMask::AllValid => DeviceMask::AllValid,
             DeviceMask::Ready(m) => DeviceMask::Ready(Tensor::cat(vec![m, Tensor::ones([n, 1], &device)], 1)),
         };
-        batch.valid.iter_mut().for_each(|v| v.push(true));
+        // The rows that left compute on (ignored); their new positions are nobody's.
+        for (v, id) in batch.valid.iter_mut().zip(&batch.ids) {
+            v.push(id.is_some());
+        }
         let mask = match &batch.mask {
             DeviceMask::Ready(m) => Some(m),
             _ => None,
@@ -518,12 +648,12 @@ impl<B: Backend> Decoder<B> {
             Some(&mut batch.cache),
             model.adapters(),
         );
-        self.stats.decode_tokens += n as u64;
+        self.stats.decode_tokens += ids.len() as u64;
+        self.stats.vacant_rows += (n - ids.len()) as u64;
         let vocab = logits.dims()[2];
-        Some(StepLogits {
-            ids,
-            logits: logits.reshape([n, vocab]),
-        })
+        let logits = logits.reshape([n, vocab]);
+        let logits = if running.len() == n { logits } else { logits.select(0, crate::batch::row_index(&running, &device)) };
+        Some(StepLogits { ids, logits })
     }
 
     /// Runs the uncached tokens of `group` through the model, their newest positions lined up,
@@ -549,23 +679,20 @@ impl<B: Backend> Decoder<B> {
             .collect();
         let past = lens.iter().map(|l| l.0).max().unwrap_or(0);
         let new = lens.iter().map(|l| l.1).max().unwrap_or(0);
-        let mut cache = match caches.iter().flatten().next() {
-            None => model.base().new_cache(),
-            Some(like) => {
-                let like = like.clone();
-                let parts = caches
-                    .into_iter()
-                    .zip(&lens)
-                    .map(|(c, &(cached, _))| match c {
-                        Some(mut c) => {
-                            c.pad_front(past - cached);
-                            c
-                        }
-                        None => KvCache::zeros_like(&like, 1, past),
-                    })
-                    .collect();
-                KvCache::concat_rows(parts)
+        // The cached positions of the group, their newest lined up at `past`, in buffers with
+        // room for the new ones.
+        let mut cache = if caches.iter().all(Option::is_none) {
+            model.base().new_cache()
+        } else {
+            let (mut sources, mut blocks) = (Vec::new(), Vec::new());
+            for (row, (c, &(cached, _))) in caches.into_iter().zip(&lens).enumerate() {
+                if let Some(c) = c {
+                    blocks.push(RowBlock { source: sources.len(), rows: 0..1, positions: 0..cached, at: [row, past - cached] });
+                    sources.push(c);
+                    self.stats.rebuilt_positions += cached as u64;
+                }
             }
+            KvCache::assemble(sources, &blocks, n, past, grown_capacity(past + new))
         };
         let mut valid = Vec::with_capacity(n);
         let mut ids = Vec::with_capacity(n * new);
@@ -619,14 +746,15 @@ impl<B: Backend> Decoder<B> {
         }
         let joined = Batch {
             cache,
+            parked: BTreeMap::new(),
             ids: group.iter().map(|&id| Some(id)).collect(),
             valid,
             mask: DeviceMask::Stale,
         };
-        self.batch = Some(match self.batch.take() {
-            None => joined,
-            Some(batch) => join(batch, joined),
-        });
+        self.batch = match self.batch.take() {
+            None => Some(joined),
+            Some(batch) => self.rebuild(batch, Some(joined)),
+        };
         let last = last.expect("a prefill has at least one position");
         let vocab = last.dims()[2];
         StepLogits {
@@ -636,25 +764,9 @@ impl<B: Backend> Decoder<B> {
     }
 }
 
-/// `a`'s rows then `b`'s, the narrower padded in front so that the newest positions line up.
-fn join<B: Backend>(mut a: Batch<B>, mut b: Batch<B>) -> Batch<B> {
-    let (wa, wb) = (a.cache.len(), b.cache.len());
-    for (batch, pad) in [(&mut a, wb.saturating_sub(wa)), (&mut b, wa.saturating_sub(wb))] {
-        if pad > 0 {
-            batch.cache.pad_front(pad);
-            for v in &mut batch.valid {
-                v.splice(0..0, std::iter::repeat_n(false, pad));
-            }
-        }
-    }
-    a.ids.extend(b.ids);
-    a.valid.extend(b.valid);
-    Batch {
-        cache: KvCache::concat_rows(vec![a.cache, b.cache]),
-        ids: a.ids,
-        valid: a.valid,
-        mask: DeviceMask::Stale,
-    }
+/// How many positions at the front of a row are not its own.
+fn leading_invalid(valid: &[bool]) -> usize {
+    valid.iter().take_while(|&&x| !x).count()
 }
 
 /// The attention mask of `valid` (one more valid column when `plus_one`), or `AllValid`.

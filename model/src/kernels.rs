@@ -8,7 +8,7 @@
 //! kernels live in the `prompt-r1-cpu-kernels` crate; see its README for what each gains.
 
 pub(crate) use cpu_kernels::ops::{
-    cast, chosen_logprobs, contiguous, embedding, entropy, grouped_attention, linear, linear_bf16, rms_norm, rotary,
+    cast, chosen_logprobs, contiguous, copy_block, embedding, entropy, grouped_attention, linear, linear_bf16, rms_norm, rotary,
     silu_mul, write_positions,
 };
 pub(crate) use cpu_kernels::{transpose_into, WeightLayout};

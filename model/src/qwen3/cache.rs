@@ -1,8 +1,9 @@
 //! The KV cache: a value owned by the caller (one per batch of sequences being generated), not
 //! state inside the model. Keys and values live in preallocated buffers that grow by an eighth
 //! (at least [`GROWTH_STEP`] positions) when full, so what is held stays within an eighth of what
-//! is used. Rows can be taken out (one sequence, only the positions it uses), padded at the front
-//! and joined, which is what [`crate::decode::Decoder`] does as sequences leave and join a batch.
+//! is used. A row can be taken out (one sequence, only the positions it uses), and a batch can be
+//! assembled from blocks of rows of other caches, each kept position copied once, which is what
+//! [`crate::decode::Decoder`] does as sequences leave and join a batch.
 
 use burn::tensor::{backend::Backend, Tensor};
 
@@ -64,16 +65,6 @@ impl<B: Backend> LayerKvCache<B> {
         self.keys.as_ref().map_or(0, |k| k.dims()[2])
     }
 
-    /// Keeps only the batch rows in `rows` (episodes that are still generating).
-    pub fn select_rows(&mut self, rows: &[usize]) {
-        for buffer in [&mut self.keys, &mut self.values] {
-            if let Some(t) = buffer.take() {
-                let idx = crate::batch::row_index(rows, &t.device());
-                *buffer = Some(t.select(0, idx));
-            }
-        }
-    }
-
     /// Batch row `row` alone, with only the cached positions `slots` (in that order), in
     /// buffers of exactly that size.
     fn take_row(&self, row: usize, slots: &[usize]) -> Self {
@@ -92,70 +83,48 @@ impl<B: Backend> LayerKvCache<B> {
         }
     }
 
-    /// `rows` rows of `len` zero positions, with `like`'s heads, head size, dtype and device.
-    fn zeros_like(like: &Self, rows: usize, len: usize) -> Self {
-        let make = |t: &Option<Tensor<B, 4>>| {
-            t.as_ref().map(|t| {
-                let [_, h, _, d] = t.dims();
-                Tensor::<B, 4>::zeros([rows, h, len, d], (&t.device(), t.dtype()))
-            })
+    /// A cache of `rows` rows holding `len` positions in buffers of `capacity`, zero but for
+    /// `blocks` of `sources` (which it consumes): each copied position is copied once.
+    fn assemble(sources: Vec<Self>, blocks: &[RowBlock], rows: usize, len: usize, capacity: usize) -> Self {
+        let Some(like) = sources.iter().find_map(|s| s.keys.clone()) else {
+            return Self::default();
         };
+        let [_, h, _, d] = like.dims();
+        let (device, dtype) = (like.device(), like.dtype());
+        drop(like);
+        let build = |pick: fn(&Self) -> Option<&Tensor<B, 4>>| {
+            let mut buffer = Tensor::<B, 4>::zeros([rows, h, capacity, d], (&device, dtype));
+            for block in blocks.iter().filter(|b| !b.rows.is_empty() && !b.positions.is_empty()) {
+                let Some(source) = pick(&sources[block.source]) else { continue };
+                let [row, at] = block.at;
+                buffer = kernels::copy_block(buffer, block.at, source, block.rows.clone(), block.positions.clone()).unwrap_or_else(|buffer| {
+                    let value = source.clone().slice([block.rows.clone(), 0..h, block.positions.clone(), 0..d]);
+                    buffer.slice_assign([row..row + block.rows.len(), 0..h, at..at + block.positions.len(), 0..d], value)
+                });
+            }
+            buffer
+        };
+        let keys = build(|s| s.keys.as_ref());
+        let values = build(|s| s.values.as_ref());
         Self {
-            keys: make(&like.keys),
-            values: make(&like.values),
+            keys: Some(keys),
+            values: Some(values),
             len,
         }
     }
+}
 
-    /// `n` empty positions before the cached ones (masked out by whoever uses them).
-    fn pad_front(&mut self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        let len = self.len;
-        for buffer in [&mut self.keys, &mut self.values] {
-            if let Some(t) = buffer.take() {
-                let [b, h, _, d] = t.dims();
-                let fresh = Tensor::<B, 4>::zeros([b, h, n + len, d], (&t.device(), t.dtype()));
-                *buffer = Some(fresh.slice_assign([0..b, 0..h, n..n + len, 0..d], t.slice([0..b, 0..h, 0..len, 0..d])));
-            }
-        }
-        self.len += n;
-    }
-
-    /// Drops the first `n` cached positions, copying the rest into buffers of their size.
-    fn trim_front(&mut self, n: usize) {
-        let len = self.len;
-        for buffer in [&mut self.keys, &mut self.values] {
-            if let Some(t) = buffer.take() {
-                let [b, h, _, d] = t.dims();
-                let fresh = Tensor::<B, 4>::zeros([b, h, len - n, d], (&t.device(), t.dtype()));
-                *buffer = Some(fresh.slice_assign([0..b, 0..h, 0..len - n, 0..d], t.slice([0..b, 0..h, n..len, 0..d])));
-            }
-        }
-        self.len = len - n;
-    }
-
-    /// The rows of `parts` (each of the same length) in one cache, in order.
-    fn concat_rows(parts: Vec<Self>) -> Self {
-        let len = parts.first().map_or(0, |p| p.len);
-        debug_assert!(parts.iter().all(|p| p.len == len), "joined caches differ in length");
-        let used = |t: Tensor<B, 4>| {
-            let [b, h, _, d] = t.dims();
-            t.slice([0..b, 0..h, 0..len, 0..d])
-        };
-        let (keys, values): (Vec<_>, Vec<_>) = parts
-            .into_iter()
-            .filter_map(|p| p.keys.zip(p.values))
-            .map(|(k, v)| (used(k), used(v)))
-            .unzip();
-        let join = |t: Vec<Tensor<B, 4>>| (!t.is_empty()).then(|| Tensor::cat(t, 0));
-        Self {
-            keys: join(keys),
-            values: join(values),
-            len,
-        }
-    }
+/// Rows of one cache to copy into an assembled one (see [`KvCache::assemble`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowBlock {
+    /// Which of the sources the rows come from.
+    pub source: usize,
+    /// The source's rows to copy.
+    pub rows: std::ops::Range<usize>,
+    /// The source's positions to copy.
+    pub positions: std::ops::Range<usize>,
+    /// The row and position of the assembled cache the block starts at.
+    pub at: [usize; 2],
 }
 
 /// The capacity a buffer gets when it must hold `needed` positions: an eighth more, at least
@@ -215,13 +184,6 @@ impl<B: Backend> KvCache<B> {
         self.layers.first().map_or(0, LayerKvCache::capacity)
     }
 
-    /// Keeps only the batch rows in `rows`, in that order.
-    pub fn select_rows(&mut self, rows: &[usize]) {
-        for layer in &mut self.layers {
-            layer.select_rows(rows);
-        }
-    }
-
     /// Batch row `row` alone as a cache of one row, holding only the positions `slots` (in
     /// that order) in buffers of exactly that size: a sequence leaving a batch, its padding
     /// dropped.
@@ -231,39 +193,20 @@ impl<B: Backend> KvCache<B> {
         }
     }
 
-    /// `rows` rows of `len` zero positions (to be masked out), shaped as `like`'s.
-    pub fn zeros_like(like: &Self, rows: usize, len: usize) -> Self {
+    /// A cache of `rows` rows holding `len` positions in buffers of `capacity` positions, zero
+    /// (to be masked out) but for `blocks` copied from `sources`, which it consumes one layer at a
+    /// time: a batch that rows leave and join is rebuilt copying each kept position once, and
+    /// holds at most one layer twice while it does.
+    pub fn assemble(mut sources: Vec<Self>, blocks: &[RowBlock], rows: usize, len: usize, capacity: usize) -> Self {
+        assert!(capacity >= len, "a cache of {len} positions in buffers of {capacity}");
+        let layers = sources.first().map_or(0, |s| s.layers.len());
         Self {
-            layers: like.layers.iter().map(|l| LayerKvCache::zeros_like(l, rows, len)).collect(),
-        }
-    }
-
-    /// Puts `n` empty positions before the cached ones in every row (to be masked out).
-    pub fn pad_front(&mut self, n: usize) {
-        for layer in &mut self.layers {
-            layer.pad_front(n);
-        }
-    }
-
-    /// Drops the first `n` cached positions of every row (padding no row uses any more), freeing
-    /// their memory.
-    pub fn trim_front(&mut self, n: usize) {
-        for layer in &mut self.layers {
-            layer.trim_front(n.min(layer.len));
-        }
-    }
-
-    /// The rows of `parts`, all of one length and with the same number of layers, as one cache.
-    pub fn concat_rows(parts: Vec<Self>) -> Self {
-        let layers = parts.first().map_or(0, |p| p.layers.len());
-        let mut per_layer: Vec<Vec<LayerKvCache<B>>> = (0..layers).map(|_| Vec::with_capacity(parts.len())).collect();
-        for part in parts {
-            for (i, layer) in part.layers.into_iter().enumerate() {
-                per_layer[i].push(layer);
-            }
-        }
-        Self {
-            layers: per_layer.into_iter().map(LayerKvCache::concat_rows).collect(),
+            layers: (0..layers)
+                .map(|i| {
+                    let parts = sources.iter_mut().map(|s| std::mem::take(&mut s.layers[i])).collect();
+                    LayerKvCache::assemble(parts, blocks, rows, len, capacity)
+                })
+                .collect(),
         }
     }
 }

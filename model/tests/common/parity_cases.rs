@@ -356,6 +356,55 @@ fn kept_cache_decoding_equals_recomputation() {
     assert_eq!(chunked.decode_tokens, whole.decode_tokens);
 }
 
+/// Nine sequences of different lengths that leave (finished or parked) one at a time: the
+/// places they leave are decoded past (their logits never returned) until a join or enough of
+/// them rebuild the batch, a parked cache stays in its row (held once) until it rejoins, and
+/// every returned row still equals recomputation.
+#[test]
+fn rows_that_leave_are_skipped_until_the_batch_is_rebuilt() {
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    let vocab = model.config.vocab_size as u32;
+    let mut decoder = Decoder::<B>::new(DecoderLimits::default());
+    for id in 0..9u64 {
+        let len = 3 + (id as u32 * 5) % 7;
+        decoder.add(&model, id, (0..len).map(|i| (id as u32 * 37 + i * 11) % vocab).collect()).unwrap();
+    }
+    let (mut worst, mut generated, mut steps) = (0.0f32, [0usize; 10], 0);
+    let mut parked = None;
+    while !decoder.is_idle() || parked.is_some() {
+        let chosen = checked_step(&model, &mut decoder, &mut worst);
+        steps += 1;
+        assert!(chosen.iter().all(|&(id, _)| decoder.contains(id)), "a row that left was returned");
+        for (id, token) in chosen {
+            generated[id as usize] += 1;
+            match (id, generated[id as usize]) {
+                (3, 2) => {
+                    decoder.accept(id, token).unwrap();
+                    let held = decoder.kv_positions();
+                    decoder.park(id).unwrap();
+                    assert_eq!(decoder.kv_positions(), held, "a parked cache is held twice");
+                    parked = Some(steps);
+                }
+                (id, n) if n == 3 + id as usize => drop(decoder.finish(id)),
+                _ => decoder.accept(id, token).unwrap(),
+            }
+        }
+        if steps == 5 {
+            decoder.add(&model, 9, vec![5, 6, 7]).unwrap();
+        }
+        if parked.is_some_and(|at| steps >= at + 3) {
+            decoder.extend(&model, 3, &[9, 8, 7, 6]).unwrap();
+            parked = None;
+        }
+        assert!(steps < 100, "the decoder did not finish");
+    }
+    assert!(worst < ATOL, "logits differ from recomputation by {worst} after rows left and joined");
+    let stats = decoder.stats();
+    assert!(stats.vacant_rows > 0, "no step ran past places rows had left: {stats:?}");
+    assert!(stats.rebuilt_positions > 0, "{stats:?}");
+}
+
 /// Within a KV budget too small for every sequence at once, sequences wait and running ones are
 /// preempted (prefilled again later); what each computes is unchanged and the positions held
 /// never pass the budget.
