@@ -79,6 +79,10 @@ pub struct RolloutStats {
     pub padded_prefill_tokens_per_episode: f64,
     /// Most KV positions the decoder held at once (rows × allocated positions, parked caches).
     pub peak_kv_positions: usize,
+    /// KV positions copied to rebuild the batch as rows left and joined, per agent token.
+    pub rebuilt_positions_per_token: f64,
+    /// Of the rows of the one-token passes, the share run for places rows had left.
+    pub vacant_row_share: f64,
     /// Tokens in an episode's context at its end (prompt, agent turns, replies).
     pub context_tokens_per_episode: f64,
     /// Of those, the ones not sampled by the agent: what a kept KV cache must prefill, once.
@@ -495,6 +499,7 @@ pub fn measure<B: Backend>(
         for _ in 0..settings.runs {
             agent.reset();
             let prefilled = agent.inner().prefill_tokens();
+            let stats_before = agent.inner().decoder_stats();
             let start = Instant::now();
             let trajectories = run_episodes(&mut agent, &environment, &questions, &config);
             runs.push(TimedRollout {
@@ -503,6 +508,14 @@ pub fn measure<B: Backend>(
                 counts: agent.counts().clone(),
                 prefill_tokens: (agent.inner().prefill_tokens() - prefilled) as usize,
                 peak_kv_positions: agent.inner().decoder_stats().peak_kv_positions,
+                decoder: {
+                    let after = agent.inner().decoder_stats();
+                    [
+                        after.rebuilt_positions - stats_before.rebuilt_positions,
+                        after.vacant_rows - stats_before.vacant_rows,
+                        after.decode_tokens - stats_before.decode_tokens,
+                    ]
+                },
                 trajectories,
             });
         }
@@ -510,7 +523,8 @@ pub fn measure<B: Backend>(
         runs.swap_remove(runs.len() / 2)
     };
     let before = timed(true);
-    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, trajectories } = timed(false);
+    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, trajectories } = timed(false);
+    let [rebuilt, vacant, decoded] = decoder.map(|n| n as f64);
     if before.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids)) {
         eprintln!("the episodes differ between re-prefilling and kept caches");
     }
@@ -573,6 +587,8 @@ pub fn measure<B: Backend>(
         reprefill_prefill_tokens_per_episode: per_episode(before.prefill_tokens),
         padded_prefill_tokens_per_episode: per_episode(counts.padded_prefill_tokens),
         peak_kv_positions,
+        rebuilt_positions_per_token: rebuilt / counts.agent_tokens.max(1) as f64,
+        vacant_row_share: vacant / (vacant + decoded).max(1.0),
         context_tokens_per_episode: per_episode(context),
         non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
         turns_stopped_early: counts.stopped_early,
@@ -636,6 +652,8 @@ struct TimedRollout {
     /// Tokens the agent's decoder prefilled.
     prefill_tokens: usize,
     peak_kv_positions: usize,
+    /// The decoder's rebuilt positions, vacant rows and decoded tokens during the run.
+    decoder: [u64; 3],
     trajectories: Vec<Trajectory>,
 }
 
@@ -669,6 +687,11 @@ pub fn print(stats: &RolloutStats) {
     println!(
         "  per episode: {:.0} prefill tokens for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions",
         s.prefill_tokens_per_episode, s.context_tokens_per_episode, s.non_agent_context_tokens_per_episode, s.peak_kv_positions
+    );
+    println!(
+        "  batch rebuilds copied {:.0} KV positions per agent token; {:.1}% of the decoded rows were places rows had left",
+        s.rebuilt_positions_per_token,
+        100.0 * s.vacant_row_share
     );
     println!(
         "  re-prefilling every turn instead: {:.1} agent tokens/s, {:.0} prefill tokens per episode; kept caches are {:.2}x faster",
