@@ -32,6 +32,11 @@
 #   memory     a Qwen3-4B-shaped LoRA training step (random weights, bf16 base, 1 x 1024 tokens),
 #              with and without activation checkpointing: peak GPU memory (nvidia-smi) beside
 #              the memory plan's prediction that `bench` prints
+#   rollout    issue 32's rollout workload on the device (`bench --rollout`: 5 turns of 128
+#              tokens, 300-token replies after 200 ms): re-prefilling against the kept-KV decoder
+#              and the rollout's speed as a fraction of pure decode, at batch 8 and 64, on the
+#              small shape (f32) and the 0.6B shape (bf16 weights); each with its peak GPU
+#              memory beside the decoder's peak KV positions
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -42,7 +47,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|variants|first|check|check-0.6b|train|bench|bench-f32|memory}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|variants|first|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -287,8 +292,14 @@ case "$stage" in
     grep -h "memory plan" "$work"/*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
+  rollout)
+    bench rollout-small --preset small --rollout --rollout-batch 8,64 --rollout-runs 3
+    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64
+    grep -h '"rollout_over_decode"\|"speedup_over_reprefill"\|"peak_kv_positions"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
   *)
-    say "unknown stage $stage: use build, compile, variants, first, check, check-0.6b, train, bench, bench-f32 or memory"
+    say "unknown stage $stage: use build, compile, variants, first, check, check-0.6b, train, bench, bench-f32, memory or rollout"
     failed=1
     ;;
 esac
