@@ -88,12 +88,21 @@ step() {
     failed=1
     return
   fi
-  if ! timeout "$((left < step_timeout ? left : step_timeout))" "$@" > "$work/$name.txt" 2>> "$work/stderr.txt"; then
+  # CubeCL's compilation log (unless the stage keeps its own): the kernels this step compiled.
+  local klog=${CUBECL_DEBUG_LOG:-$work/$name.klog} kernels
+  if ! CUBECL_DEBUG_LOG=$klog timeout "$((left < step_timeout ? left : step_timeout))" "$@" > "$work/$name.txt" 2>> "$work/stderr.txt"; then
     say "   FAILED after $((SECONDS - start)) s (stderr.txt has its messages)"
     tail -5 "$work/$name.txt" | tee -a "$log"
     failed=1
   else
     say "   ok in $((SECONDS - start)) s"
+  fi
+  if [ -z "${CUBECL_DEBUG_LOG:-}" ]; then
+    kernels=$(grep -c START_KERNEL_COMPILATION "$klog" 2> /dev/null)
+    say "   kernels compiled: ${kernels:-0}"
+    grep -A1 START_KERNEL_COMPILATION "$klog" 2> /dev/null | grep '^name:' | cut -c7-60 | sort | uniq -c | sort -rn \
+      | head -6 | sed 's/^/     /' | tee -a "$log"
+    rm -f "$klog"
   fi
 }
 
@@ -201,7 +210,7 @@ compile_probe() {
     done
   ) &
   local sampler=$!
-  step "compile-$1" env CUBECL_DEBUG_LOG="$klog" PROMPT_R1_KERNEL_CACHE="$work/kernel-cache" \
+  CUBECL_DEBUG_LOG="$klog" step "compile-$1" env PROMPT_R1_KERNEL_CACHE="$work/kernel-cache" \
     "$bin" check-device --device cuda
   kill "$sampler" 2> /dev/null
   wait "$sampler" 2> /dev/null

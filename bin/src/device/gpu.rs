@@ -105,16 +105,15 @@ type CudaUnfused = burn_cubecl::CubeBackend<burn::cubecl::cuda::CudaRuntime, f32
 
 #[cfg(feature = "cuda")]
 pub(super) fn run_on_cuda<T: OnBackend>(index: usize, task: T) -> Result<T::Output> {
-    use burn::backend::cuda::CudaDevice;
-    let device = CudaDevice::new(index);
-    run_fused_or_not::<burn::backend::Cuda, CudaUnfused, T>(device.clone(), device, "CUDA", CUDA_HELP, task)
+    let device = burn_cuda::CudaDevice::new(index);
+    run_fused_or_not::<burn_cuda::Cuda, CudaUnfused, T>(device.clone(), device, "CUDA", CUDA_HELP, task)
 }
 
 #[cfg(feature = "cuda")]
 pub(super) fn check_cuda(index: usize) -> Result<()> {
-    let device = burn::backend::cuda::CudaDevice::new(index);
+    let device = burn_cuda::CudaDevice::new(index);
     if fusion_enabled() {
-        ready::<burn::backend::Cuda>(&device, "CUDA", CUDA_HELP)
+        ready::<burn_cuda::Cuda>(&device, "CUDA", CUDA_HELP)
     } else {
         ready::<CudaUnfused>(&device, "CUDA", CUDA_HELP)
     }
@@ -127,7 +126,7 @@ pub(super) fn check_cuda(index: usize) -> Result<()> {
 pub(super) fn cuda_total_memory(index: usize) -> Option<u64> {
     use burn::cubecl::Runtime;
     configure_cubecl();
-    let device = burn::backend::cuda::CudaDevice::new(index);
+    let device = burn_cuda::CudaDevice::new(index);
     catch_unwind(AssertUnwindSafe(|| {
         burn::cubecl::cuda::CudaRuntime::client(&device).properties().memory.max_page_size * 4
     }))
