@@ -5,8 +5,9 @@
 #   scripts/gpu_run.sh build     # here, no GPU needed: the CUDA 13 binary, stripped, in .gpu/
 #   scripts/gpu_run.sh STAGE     # on the GPU host, one stage per command (each well under 10 min)
 #
-# A lease of 15 minutes of device time (the machine's start included) holds one such command
-# and perhaps a rerun: run `first` then, and the other stages in later leases.
+# A lease of 15 minutes of device time (the machine's start included) holds about two such
+# commands on one warm machine (`first` took 230 s on an H100 with CUDA built without autotune):
+# run `first`, then another stage.
 #
 # Stages (each also records nvidia-smi, the NVRTC it found and the environment in its log):
 #   compile    where the CUDA path's host time goes: one `check-device` with an empty kernel
@@ -35,8 +36,8 @@
 #   rollout    issue 32's rollout workload on the device (`bench --rollout`: 5 turns of 128
 #              tokens, 300-token replies after 200 ms): re-prefilling against the kept-KV decoder
 #              and the rollout's speed as a fraction of pure decode, at batch 8 and 64, on the
-#              small shape (f32) and the 0.6B shape (bf16 weights); each with its peak GPU
-#              memory beside the decoder's peak KV positions
+#              small shape (f32, batch 8 and 64) and the 0.6B shape (bf16 weights, batch
+#              64); each with its peak GPU memory beside the decoder's peak KV positions
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -302,8 +303,10 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   rollout)
-    bench rollout-small --preset small --rollout --rollout-batch 8,64 --rollout-runs 3
-    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64
+    # One run each: on the H100 three runs of the small shape at 8 and 64 took 296 s, and the
+    # 0.6B shape at both batches did not finish in the 223 s left.
+    bench rollout-small --preset small --rollout --rollout-batch 8,64
+    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 64
     grep -h '"rollout_over_decode"\|"speedup_over_reprefill"\|"peak_kv_positions"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
