@@ -20,8 +20,13 @@
 #   first      the most telling steps of the others, most important first, within one command:
 #              check-device on the tiny model (f32, then bf16 weights), the trainer on the device
 #              (`demo --device cuda --steps 2`), then ours and PyTorch on the 0.6B shape, bf16
-#              weights (prefill, decode at batch 1 and 64); steps the time does not reach say
-#              NOT RUN
+#              weights (prefill, decode at batch 1 and 64), and ours again with fusion off;
+#              steps the time does not reach say NOT RUN
+#   host       where a decode step's time goes (the H100 ran the 0.6B shape at 0.2x PyTorch,
+#              host-bound): bench at batch 1 and 64 with fusion on and off, each with the
+#              busiest threads sampled by top (main, CubeCL's DSU fusion and DSD device threads),
+#              then a short decode of each under CubeCL's profiler (CUBECL_DEBUG_OPTION=
+#              profile-medium: every kernel timed on the GPU): kernels and GPU time by name
 #   check      check-device against the CPU on a tiny random model: f32 and bf16 weights, and
 #              f32 again with fusion off (PROMPT_R1_FUSION=0)
 #   check-0.6b the same for a 0.6B-shaped random model, f32 and bf16 weights
@@ -48,7 +53,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|variants|first|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|variants|first|host|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -109,16 +114,46 @@ step() {
 
 # Runs one of our benches with nvidia-smi polling the memory in use; adds the peak to
 # peak-memory.txt (it includes the CUDA context, about 0.5 GB).
+# Every 3 s it also records the busiest threads of the process (top -H): which of our main
+# thread, CubeCL's fusion thread (DSU-*) and its device thread (DSD-*) is the bottleneck.
 bench() {
   local name=$1
   shift
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 50 > "$work/$name.mem" &
   local poller=$!
+  (
+    while sleep 3; do
+      pid=$(pgrep -n -f "$bin bench") || continue
+      echo "-- $(date +%T) utilisation $(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader)"
+      top -b -H -n1 -p "$pid" 2> /dev/null | sed -n '8,12p'
+    done
+  ) > "$work/$name.threads" 2> /dev/null &
+  local sampler=$!
   step "$name" "$bin" bench --device cuda --json "$@"
-  kill "$poller" 2> /dev/null
-  wait "$poller" 2> /dev/null
+  kill "$poller" "$sampler" 2> /dev/null
+  wait "$poller" "$sampler" 2> /dev/null
   echo "$name: $(sort -n "$work/$name.mem" | tail -1) MiB" >> "$work/peak-memory.txt"
   rm -f "$work/$name.mem"
+}
+
+# CubeCL's profiling log of one short decode (every kernel timed on the GPU, one at a time):
+# kernels per decode step and the GPU time they take, against the step's wall time, by name.
+kernel_profile() {
+  local name=$1 plog="$work/$1.profile"
+  shift
+  CUBECL_DEBUG_LOG=$plog step "$name" env CUBECL_DEBUG_OPTION=profile-medium "$bin" bench --device cuda --json "$@"
+  # Lines such as "| 12.3µs | KernelBinop | MulOp | CudaRuntime": count and GPU time per name.
+  awk -F'|' '/^\| *[0-9.]+(ns|µs|ms|s) *\|/ {
+      d = $2; gsub(/ /, "", d); v = d + 0
+      if (d ~ /ns$/) v /= 1000; else if (d ~ /ms$/) v *= 1000; else if (d !~ /µs$/) v *= 1e6
+      k = $3 "|" $4; n[k]++; t[k] += v; all += v; count++
+    }
+    END {
+      printf "%d kernels, %.1f ms of GPU time in all\n", count, all / 1000 > "/dev/stderr"
+      for (k in n) printf "%8d %10.1f ms  %s\n", n[k], t[k] / 1000, k
+    }' "$plog" 2> "$work/$name.kernels" | sort -k2 -rn | head -40 >> "$work/$name.kernels"
+  head -25 "$work/$name.kernels" | tee -a "$log"
+  rm -f "$plog"
 }
 
 finish() {
@@ -276,6 +311,19 @@ case "$stage" in
     check_tiny
     train_demo 2
     bench_0_6b bf16
+    bench ours-bf16-unfused --preset qwen3-0.6b --dtype bf16 --decode-batch 1,64 --fusion off
+    ;;
+  host)
+    # Where a decode step's time goes on the host: ours with fusion on and off (each with its
+    # threads' CPU use), then one short decode of each with every kernel timed on the GPU.
+    model="$work/qwen3-0.6b"
+    step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
+    bench host-fused --model "$model" --dtype bf16 --decode-batch 1,64
+    bench host-unfused --model "$model" --dtype bf16 --decode-batch 1,64 --fusion off
+    kernel_profile profile-fused --model "$model" --dtype bf16 --decode-batch 1 --decode-tokens 8 --prompt-len 32
+    kernel_profile profile-unfused --model "$model" --dtype bf16 --decode-batch 1 --decode-tokens 8 --prompt-len 32 --fusion off
+    rm -rf "$model"
+    cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   check)
     check_tiny
@@ -311,7 +359,7 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
-    say "unknown stage $stage: use build, compile, variants, first, check, check-0.6b, train, bench, bench-f32, memory or rollout"
+    say "unknown stage $stage: use build, compile, variants, first, host, check, check-0.6b, train, bench, bench-f32, memory or rollout"
     failed=1
     ;;
 esac
