@@ -14,9 +14,6 @@
 #              cache and CubeCL's compilation log (CUBECL_DEBUG_LOG), the kernels compiled every
 #              5 s, then the same command again on the filled cache (does it hit?), and the kernel
 #              names counted
-#   variants   `check-device` under four CubeCL settings at once (default, fusion off, minimal
-#              autotune, both), each with its own cache, for VARIANT_SECONDS (default 360): time,
-#              kernels compiled, autotuned keys, panics; each one that finished again on its cache
 #   first      the most telling steps of the others, most important first, within one command:
 #              check-device on the tiny model (f32, then bf16 weights), the trainer on the device
 #              (`demo --device cuda --steps 2`), then ours and PyTorch on the 0.6B shape, bf16
@@ -53,7 +50,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|variants|first|host|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|first|host|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -256,24 +253,6 @@ compile_probe() {
     | head -15 | tee -a "$log"
 }
 
-# One `check-device` per CubeCL setting, all at once (NVRTC compiles on one host thread per
-# process and the host has cores to spare), each with its own kernel cache and compilation log:
-# which setting finishes, in what time, after how many kernels; then each finished one again on
-# its filled cache (what a user's second run costs).
-variant() {
-  local name=$1 seconds=$2
-  shift 2
-  local klog="$work/variant-$name.log" start=$SECONDS rc=0
-  env CUBECL_DEBUG_LOG="$klog" PROMPT_R1_KERNEL_CACHE="$work/cache-$name" "$@" \
-    timeout "$seconds" "$bin" check-device --device cuda > "$work/variant-$name.txt" 2> "$work/variant-$name.err" || rc=$?
-  echo "$name: rc $rc after $((SECONDS - start)) s, $(grep -c START_KERNEL_COMPILATION "$klog" 2> /dev/null) kernels compiled," \
-    "$(grep -c 'Fastest result' "$klog" 2> /dev/null) autotuned keys, $(grep -c panicked "$work/variant-$name.err") panics" \
-    >> "$work/variants.txt"
-  grep -A1 START_KERNEL_COMPILATION "$klog" 2> /dev/null | grep '^name:' | cut -c7-70 | sort | uniq -c | sort -rn | head -8 \
-    | sed "s/^/   $name /" >> "$work/variants.txt"
-  rm -f "$klog"
-}
-
 case "$stage" in
   compile)
     compile_probe 1
@@ -285,27 +264,6 @@ case "$stage" in
       head -c 2000000 "$f" > "$f.head" && rm -f "$f"
     done
     rm -rf "$work/kernel-cache"
-    ;;
-  variants)
-    cold=${VARIANT_SECONDS:-360}
-    variant default "$cold" &
-    variant unfused "$cold" PROMPT_R1_FUSION=0 &
-    variant minimal-tune "$cold" CUBECL_AUTOTUNE_LEVEL=minimal &
-    variant unfused-minimal-tune "$cold" PROMPT_R1_FUSION=0 CUBECL_AUTOTUNE_LEVEL=minimal &
-    wait
-    for name in default unfused minimal-tune unfused-minimal-tune; do
-      grep -q "^$name: rc 0 " "$work/variants.txt" || continue
-      case $name in
-        default) settings=() ;;
-        unfused) settings=(PROMPT_R1_FUSION=0) ;;
-        minimal-tune) settings=(CUBECL_AUTOTUNE_LEVEL=minimal) ;;
-        *) settings=(PROMPT_R1_FUSION=0 CUBECL_AUTOTUNE_LEVEL=minimal) ;;
-      esac
-      left=$((deadline - SECONDS - 15))
-      [ "$left" -gt 10 ] && variant "$name-warm" "$left" PROMPT_R1_KERNEL_CACHE="$work/cache-$name" "${settings[@]}"
-    done
-    rm -rf "$work"/cache-*
-    tee -a "$log" < "$work/variants.txt"
     ;;
   first)
     check_tiny
@@ -359,7 +317,7 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
-    say "unknown stage $stage: use build, compile, variants, first, host, check, check-0.6b, train, bench, bench-f32, memory or rollout"
+    say "unknown stage $stage: use build, compile, first, host, check, check-0.6b, train, bench, bench-f32, memory or rollout"
     failed=1
     ;;
 esac

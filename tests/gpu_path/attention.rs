@@ -4,7 +4,7 @@
 //! prints `skipped`). The model crate's integration tests run the same cases on burn-flex.
 
 mod wgpu {
-    type Inner = burn::backend::Vulkan;
+    type Inner = burn_wgpu::Vulkan;
 
     use crate::common::*;
 

@@ -15,7 +15,7 @@ mod portable {
 /// On burn's wgpu backend. f32 only: Vulkan through wgpu has no bf16 (the bf16 case prints
 /// `skipped`).
 mod wgpu {
-    type Inner = burn::backend::Vulkan;
+    type Inner = burn_wgpu::Vulkan;
     const PORTABLE: bool = true;
 
     use crate::common;

@@ -2,8 +2,8 @@
 //! and gradient cases against the Hugging Face references and a whole GRPO training run, each
 //! (a) through burn's portable tensor ops on the CPU (the fused CPU kernels off: the ops the CUDA
 //! backend runs) and (b) on burn's wgpu backend (Vulkan; in CI Mesa's lavapipe, a Vulkan driver
-//! on the CPU), which runs the CUDA backend's CubeCL kernels, fusion and autotune; only the final
-//! compiler differs (SPIR-V instead of NVRTC).
+//! on the CPU), which runs the CUDA backend's CubeCL kernels and fusion, without autotune as the
+//! CUDA build runs; only the final compiler differs (SPIR-V instead of NVRTC).
 //!
 //! One binary, so that burn's wgpu backend and the model's generic code over it are built once:
 //! as three binaries (parity, gradients, training) each took 175–212 s of one core to build.
@@ -48,7 +48,7 @@ mod common {
 
     /// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`
     /// (CubeCL's default is a `target/` inside the crate's folder, and no kernels); `CUBECL_*`
-    /// variables (e.g. `CUBECL_AUTOTUNE_LEVEL`) apply. Once per process, before any kernel.
+    /// variables (e.g. `CUBECL_DEBUG_LOG`) apply. Once per process, before any kernel.
     fn configure_cubecl() {
         use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
         static ONCE: std::sync::Once = std::sync::Once::new();

@@ -18,7 +18,7 @@ mod portable {
 /// On burn's wgpu backend. f32 only: Vulkan through wgpu has no bf16 (those cases print
 /// `skipped`).
 mod wgpu {
-    type B = burn::backend::Vulkan;
+    type B = burn_wgpu::Vulkan;
     const ATOL: f32 = 1e-4;
     const PORTABLE: bool = true;
 

@@ -3,7 +3,8 @@
 //! whose reward is known, as it does with the CPU kernels (`trainer/tests/integration/
 //! run_training.rs` gives the threshold), over 40 steps with the KL term on.
 
-use burn::backend::{Autodiff, Flex, Vulkan};
+use burn::backend::{Autodiff, Flex};
+use burn_wgpu::Vulkan;
 use burn::tensor::backend::AutodiffBackend;
 
 use crate::common::backend_ready;

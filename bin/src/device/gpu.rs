@@ -139,12 +139,12 @@ const WGPU_HELP: &str = "It needs a Vulkan driver (libvulkan and an ICD: a GPU's
 
 /// burn's wgpu backend on Vulkan without fusion.
 #[cfg(feature = "wgpu")]
-type WgpuUnfused = burn::backend::wgpu::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u8>;
+type WgpuUnfused = burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, f32, i32, u8>;
 
 #[cfg(feature = "wgpu")]
 pub(super) fn run_on_wgpu<T: OnBackend>(task: T) -> Result<T::Output> {
-    use burn::backend::wgpu::WgpuDevice;
-    run_fused_or_not::<burn::backend::Vulkan, WgpuUnfused, T>(
+    use burn_wgpu::WgpuDevice;
+    run_fused_or_not::<burn_wgpu::Vulkan, WgpuUnfused, T>(
         WgpuDevice::DefaultDevice,
         WgpuDevice::DefaultDevice,
         "wgpu (Vulkan)",
@@ -155,9 +155,9 @@ pub(super) fn run_on_wgpu<T: OnBackend>(task: T) -> Result<T::Output> {
 
 #[cfg(feature = "wgpu")]
 pub(super) fn check_wgpu() -> Result<()> {
-    let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+    let device = burn_wgpu::WgpuDevice::DefaultDevice;
     if fusion_enabled() {
-        ready::<burn::backend::Vulkan>(&device, "wgpu (Vulkan)", WGPU_HELP)
+        ready::<burn_wgpu::Vulkan>(&device, "wgpu (Vulkan)", WGPU_HELP)
     } else {
         ready::<WgpuUnfused>(&device, "wgpu (Vulkan)", WGPU_HELP)
     }
