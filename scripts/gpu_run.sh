@@ -139,6 +139,7 @@ kernel_profile() {
   local name=$1 plog="$work/$1.profile"
   shift
   CUBECL_DEBUG_LOG=$plog step "$name" env CUBECL_DEBUG_OPTION=profile-medium "$bin" bench --device cuda --json "$@"
+  [ -f "$plog" ] || { say "   no profiling log"; return; }
   # Lines such as "| 12.3µs | KernelBinop | MulOp | CudaRuntime": count and GPU time per name.
   awk -F'|' '/^\| *[0-9.]+(ns|µs|ms|s) *\|/ {
       d = $2; gsub(/ /, "", d); v = d + 0
