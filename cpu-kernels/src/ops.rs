@@ -348,14 +348,27 @@ pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> 
     tracked::embedding(table, token_ids, [b, s])
 }
 
+/// `buffer` (`[b, h, capacity, d]`) with `value` (`[b, h, n, d]`) written at positions
+/// `start..start + n` of its third axis, in place, when `B` is plain burn-flex, `buffer` is
+/// contiguous and holds its memory alone, and both have one dtype (f32, bf16 or f16); otherwise
+/// `Err(buffer)` and the caller uses `slice_assign`. burn-flex 0.21's `slice_assign` copies the
+/// whole destination before writing (it keeps a second handle on it), so a KV cache appended
+/// with it copies every cached position at every decode step. The write computes nothing, so
+/// it applies with the portable ops on too.
+pub fn write_positions<B: Backend>(buffer: Tensor<B, 4>, start: usize, value: &Tensor<B, 4>) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
+    let [b, _, _, _] = buffer.dims();
+    let [vb, _, n, _] = value.dims();
+    if vb != b {
+        return Err(buffer);
+    }
+    copy_block(buffer, [0, start], value, 0..b, 0..n)
+}
+
 /// `buffer` (`[b, h, capacity, d]`) with rows `rows` and positions `positions` of `source`
-/// (`[sb, h, sc, d]`) copied to row `at[0]` and position `at[1]` onward, in place, when `B` is
-/// plain burn-flex, `buffer` is contiguous and holds its memory alone, and both have one dtype
-/// (f32, bf16 or f16); otherwise `Err(buffer)` and the caller uses `slice_assign`. burn-flex
-/// 0.21's `slice_assign` copies the whole destination before writing (it keeps a second handle on
-/// it), so a KV cache appended with it would copy every cached position at every decode step, and
-/// a batch rebuilt with it (rows leaving and joining) the whole batch per block; this copies each
-/// position once. The copy computes nothing, so it applies with the portable ops on too.
+/// (`[sb, h, sc, d]`) copied to row `at[0]` and position `at[1]` onward, in place, under the
+/// conditions of [`write_positions`]; otherwise `Err(buffer)` and the caller uses `slice_assign`.
+/// A KV cache rebuilt for a changed batch (rows leaving and joining) copies each kept position
+/// once this way, where each `slice_assign` would copy the whole destination again.
 pub fn copy_block<B: Backend>(
     buffer: Tensor<B, 4>,
     at: [usize; 2],
@@ -425,21 +438,21 @@ mod tests {
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::Distribution;
 
-    /// Writing whole rows at later positions (a KV cache's append) gives what `slice_assign`
-    /// gives, in place when the buffer is held once, and leaves the buffer to the caller when it
-    /// is shared (a clone keeps its old values).
+    /// Writing positions into a buffer gives what `slice_assign` gives, in place when the buffer
+    /// is held once, and leaves the buffer to the caller when it is shared (a clone keeps its
+    /// old values).
     #[test]
-    fn appending_positions_equals_slice_assign() {
+    fn write_positions_equals_slice_assign() {
         let device = Default::default();
         for dtype in [DType::F32, DType::BF16] {
             let buffer = Tensor::<Flex, 4>::random([2, 3, 10, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
             let value = Tensor::<Flex, 4>::random([2, 3, 2, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
             let want = buffer.clone().slice_assign([0..2, 0..3, 5..7, 0..4], value.clone()).into_data();
             let unique = buffer.clone().mul_scalar(1.0);
-            let written = copy_block(unique, [0, 5], &value, 0..2, 0..2).expect("a buffer held once is written in place");
+            let written = write_positions(unique, 5, &value).expect("a buffer held once is written in place");
             assert_eq!(written.into_data(), want, "{dtype:?}");
             let shared = buffer.clone();
-            let back = copy_block(buffer, [0, 5], &value, 0..2, 0..2).expect_err("a shared buffer is not written");
+            let back = write_positions(buffer, 5, &value).expect_err("a shared buffer is not written");
             assert_eq!(back.into_data(), shared.into_data(), "{dtype:?}: the shared buffer is unchanged");
         }
     }

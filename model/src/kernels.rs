@@ -9,7 +9,7 @@
 
 pub(crate) use cpu_kernels::ops::{
     cast, chosen_logprobs, contiguous, copy_block, embedding, entropy, grouped_attention, linear, linear_bf16, rms_norm, rotary,
-    silu_mul,
+    silu_mul, write_positions,
 };
 pub(crate) use cpu_kernels::{transpose_into, WeightLayout};
 

@@ -5,8 +5,6 @@
 //! assembled from blocks of rows of other caches, each kept position copied once, which is what
 //! [`crate::decode::Decoder`] does as sequences leave and join a batch.
 
-use std::ops::Range;
-
 use burn::tensor::{backend::Backend, Tensor};
 
 use crate::kernels;
@@ -42,14 +40,16 @@ impl<B: Backend> LayerKvCache<B> {
 
     /// Appends `[b, kv_heads, new, d]` keys/values and returns all cached ones so far.
     pub fn append(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let [b, h, new_len, d] = k.dims();
-        let end = self.len + new_len;
+        let [b, h, new, d] = k.dims();
+        let end = self.len + new;
         // Usually views of `[b, new, kv_heads, d]` tensors; copied here in parallel on the CPU.
         let (k, v) = (kernels::contiguous(k), kernels::contiguous(v));
         let keys = grow(self.keys.take(), &k, end);
         let values = grow(self.values.take(), &v, end);
-        let write = |buffer: Tensor<B, 4>, new: &Tensor<B, 4>| copy_into(buffer, [0, self.len], new, 0..b, 0..new_len);
-        let (keys, values) = (write(keys, &k), write(values, &v));
+        let write = |buffer: Tensor<B, 4>, new: Tensor<B, 4>| {
+            kernels::write_positions(buffer, self.len, &new).unwrap_or_else(|buffer| buffer.slice_assign([0..b, 0..h, self.len..end, 0..d], new))
+        };
+        let (keys, values) = (write(keys, k), write(values, v));
         self.len = end;
         let out = (
             keys.clone().slice([0..b, 0..h, 0..end, 0..d]),
@@ -96,7 +96,11 @@ impl<B: Backend> LayerKvCache<B> {
             let mut buffer = Tensor::<B, 4>::zeros([rows, h, capacity, d], (&device, dtype));
             for block in blocks.iter().filter(|b| !b.rows.is_empty() && !b.positions.is_empty()) {
                 let Some(source) = pick(&sources[block.source]) else { continue };
-                buffer = copy_into(buffer, block.at, source, block.rows.clone(), block.positions.clone());
+                let [row, at] = block.at;
+                buffer = kernels::copy_block(buffer, block.at, source, block.rows.clone(), block.positions.clone()).unwrap_or_else(|buffer| {
+                    let value = source.clone().slice([block.rows.clone(), 0..h, block.positions.clone(), 0..d]);
+                    buffer.slice_assign([row..row + block.rows.len(), 0..h, at..at + block.positions.len(), 0..d], value)
+                });
             }
             buffer
         };
@@ -141,27 +145,14 @@ fn grow<B: Backend>(buffer: Option<Tensor<B, 4>>, like: &Tensor<B, 4>, needed: u
             let capacity = grown_capacity(needed);
             let fresh = Tensor::<B, 4>::zeros([b, h, capacity, d], (&like.device(), like.dtype()));
             match old {
-                Some(old) => copy_into(fresh, [0, 0], &old, 0..b, 0..old.dims()[2]),
+                Some(old) => {
+                    let used = old.dims()[2];
+                    fresh.slice_assign([0..b, 0..h, 0..used, 0..d], old)
+                }
                 None => fresh,
             }
         }
     }
-}
-
-/// `buffer` (`[rows, h, capacity, d]`) with rows `rows` and positions `positions` of `source`
-/// copied to row `at[0]` and position `at[1]` onward: in place by the CPU kernels' copy where it
-/// applies (burn-flex's `slice_assign` copies the whole destination first), else by
-/// `slice_assign`, of the source itself when the block is all of it.
-fn copy_into<B: Backend>(buffer: Tensor<B, 4>, at: [usize; 2], source: &Tensor<B, 4>, rows: Range<usize>, positions: Range<usize>) -> Tensor<B, 4> {
-    kernels::copy_block(buffer, at, source, rows.clone(), positions.clone()).unwrap_or_else(|buffer| {
-        let [source_rows, h, source_len, d] = source.dims();
-        let value = if rows == (0..source_rows) && positions == (0..source_len) {
-            source.clone()
-        } else {
-            source.clone().slice([rows.clone(), 0..h, positions.clone(), 0..d])
-        };
-        buffer.slice_assign([at[0]..at[0] + rows.len(), 0..h, at[1]..at[1] + positions.len(), 0..d], value)
-    })
 }
 
 /// The cache of every layer of a model, for one batch of sequences.
