@@ -19,3 +19,10 @@ pub(crate) use cpu_kernels::{transpose_into, WeightLayout};
 pub(crate) fn may_run<B: burn::tensor::backend::Backend>() -> bool {
     cpu_kernels::is_flex_backend::<B>() && !cpu_kernels::portable_ops()
 }
+
+/// Whether backend `B` adds a broadcast operand much more slowly than one of equal shape
+/// (burn-flex, plain or under autodiff), so that the model materialises a mask's bias at the
+/// scores' shape there and lets the other backends broadcast it.
+pub(crate) fn broadcasts_slowly<B: burn::tensor::backend::Backend>() -> bool {
+    cpu_kernels::is_flex_backend::<B>()
+}

@@ -31,6 +31,8 @@ pub struct AttentionMask<B: Backend> {
     device: B::Device,
     /// The causal blocks built so far, by `(kv_heads, groups, rows, columns, offset)`.
     blocks: Arc<Mutex<HashMap<BlockKey, Tensor<B, 4>>>>,
+    /// The key padding's bias `[b, 1, 1, k1 − k0]` of the key spans seen so far, by `(k0, k1)`.
+    padding: Arc<Mutex<HashMap<(usize, usize), Tensor<B, 4>>>>,
     /// The same mask on an autodiff backend's inner backend, made once ([`Self::inner`]).
     inner: Arc<OnceLock<Box<dyn Any + Send + Sync>>>,
 }
@@ -48,8 +50,8 @@ impl<B: Backend> AttentionMask<B> {
     }
 
     fn from_parts(key_padding: Option<Tensor<B, 2>>, batch: usize, past: usize, q_len: usize, device: B::Device) -> Self {
-        let (blocks, inner) = (Arc::default(), Arc::default());
-        Self { key_padding, batch, past, q_len, device, blocks, inner }
+        let (blocks, padding, inner) = (Arc::default(), Arc::default(), Arc::default());
+        Self { key_padding, batch, past, q_len, device, blocks, padding, inner }
     }
 
     /// Keys cached before this pass's queries.
@@ -75,13 +77,16 @@ impl<B: Backend> AttentionMask<B> {
 
     /// The additive f32 bias of keys `k0..k1` for queries `q0..q1` of `kv_heads · groups` heads,
     /// each key/value head's `groups` query heads stacked along the rows (row `r` is query
-    /// `q0 + r % (q1 − q0)`), at the scores' shape `[b, kv_heads, groups · (q1 − q0), k1 − k0]`
-    /// (burn-flex adds tensors of equal shape more than ten times faster than it broadcasts:
-    /// 0.65 against 8.7 ms for one 256-token block of Qwen3-0.6B's heads); `None` when no key of
-    /// the block is masked for any of them. The causal part depends on the block's shape and on
-    /// where its keys start relative to its queries, not on where it lies: the memory-efficient
-    /// attention asks for the same triangle at every query block, so a pass builds it once, and
-    /// without padding that triangle is the whole bias.
+    /// `q0 + r % (q1 − q0)`), for scores of shape `[b, kv_heads, groups · (q1 − q0), k1 − k0]`;
+    /// `None` when no key of the block is masked for any of them. The causal part depends on the
+    /// block's shape and on where its keys start relative to its queries, not on where it lies:
+    /// the memory-efficient attention asks for the same triangle at every query block, so a pass
+    /// builds it once, and without padding that triangle is the whole bias. The padding part is
+    /// built once per pass too, as one row per sequence `[b, 1, 1, k1 − k0]` that the scores'
+    /// addition broadcasts, except on burn-flex, which adds tensors of equal shape more than ten
+    /// times faster than it broadcasts (0.65 against 8.7 ms for one 256-token block of
+    /// Qwen3-0.6B's heads) and gets the bias at the scores' shape. Without this, every layer of a
+    /// padded decoding step rebuilt the same padding with four kernels on a GPU.
     pub(crate) fn block_bias(
         &self,
         kv_heads: usize,
@@ -90,17 +95,30 @@ impl<B: Backend> AttentionMask<B> {
         (k0, k1): (usize, usize),
     ) -> Option<Tensor<B, 4>> {
         let causal = (k1 - 1 > self.past + q0).then(|| self.causal_block(kv_heads, groups, (q0, q1), (k0, k1)));
-        let padding = self.key_padding.as_ref().map(|valid| {
-            (valid.clone().narrow(1, k0, k1 - k0).neg().add_scalar(1.0))
-                .mul_scalar(MASK_VALUE)
-                .reshape([self.batch, 1, 1, k1 - k0])
-                .repeat_dim(1, kv_heads)
-                .repeat_dim(2, groups * (q1 - q0))
+        let padding = self.padding_rows(k0, k1).map(|rows| {
+            if crate::kernels::broadcasts_slowly::<B>() {
+                rows.repeat_dim(1, kv_heads).repeat_dim(2, groups * (q1 - q0))
+            } else {
+                rows
+            }
         });
         match (causal, padding) {
             (Some(c), Some(p)) => Some(c + p),
             (c, p) => c.or(p),
         }
+    }
+
+    /// The padding's bias of keys `k0..k1`, `[b, 1, 1, k1 − k0]`, built once per pass; `None`
+    /// without padding.
+    fn padding_rows(&self, k0: usize, k1: usize) -> Option<Tensor<B, 4>> {
+        let valid = self.key_padding.as_ref()?;
+        let mut built = self.padding.lock().expect("mask padding lock");
+        let rows = built.entry((k0, k1)).or_insert_with(|| {
+            (valid.clone().narrow(1, k0, k1 - k0).neg().add_scalar(1.0))
+                .mul_scalar(MASK_VALUE)
+                .reshape([self.batch, 1, 1, k1 - k0])
+        });
+        Some(rows.clone())
     }
 
     /// The causal part of [`Self::block_bias`] at its full shape, built once per pass for each

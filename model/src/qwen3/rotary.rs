@@ -7,6 +7,11 @@
 //! layer. The tables are expanded to every head once per forward pass and laid out
 //! `[b, q, heads, head_dim]`, the layout of the projections, so each layer multiplies contiguous
 //! tensors of equal shape (the fast element-wise path of CPU backends).
+//!
+//! Through burn's ops (GPU backends, the portable CPU path) `swap_halves` is one `select` of the
+//! last axis with a permutation built once per pass, which CubeCL's fusion reads inside the
+//! element-wise kernel around it; burn's `cat` of the two halves would fill an empty tensor with
+//! one `slice_assign` kernel per half, for each of q and k in every layer.
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
@@ -18,11 +23,14 @@ pub struct Qwen3RotaryEmbedding {
     inv_freq: Vec<f32>,
 }
 
-/// `cos` and `signed_sin` for one forward pass, `[b, q, heads, head_dim]`.
+/// `cos` and `signed_sin` for one forward pass, `[b, q, heads, head_dim]`, and the permutation
+/// of `head_dim` that [`swap_halves`] applies.
 #[derive(Debug, Clone)]
 pub struct RotaryTables<B: Backend> {
     pub cos: Tensor<B, 4>,
     pub signed_sin: Tensor<B, 4>,
+    /// `[d/2, .., d-1, 0, .., d/2-1]`.
+    pub halves_swapped: Tensor<B, 1, Int>,
 }
 
 impl Qwen3RotaryEmbedding {
@@ -47,9 +55,11 @@ impl Qwen3RotaryEmbedding {
         let cos = Tensor::cat(vec![cos.clone(), cos], 2);
         let signed_sin = Tensor::cat(vec![sin.clone().neg(), sin], 2);
         let one_head = |t: Tensor<B, 3>| kernels::cast(t.unsqueeze_dim::<4>(2), dtype);
+        let halves_swapped: Vec<i64> = (half..2 * half).chain(0..half).map(|i| i as i64).collect();
         RotaryTables {
             cos: one_head(cos),
             signed_sin: one_head(signed_sin),
+            halves_swapped: Tensor::from_data(halves_swapped.as_slice(), &device),
         }
     }
 }
@@ -60,22 +70,21 @@ impl<B: Backend> RotaryTables<B> {
         Self {
             cos: self.cos.clone().repeat_dim(2, heads),
             signed_sin: self.signed_sin.clone().repeat_dim(2, heads),
+            halves_swapped: self.halves_swapped.clone(),
         }
     }
 }
 
-/// `cat(x2, x1)` over the last axis: HF's `rotate_half` without its negation.
-pub fn swap_halves<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
-    let d = x.dims()[3];
-    let x1 = x.clone().narrow(3, 0, d / 2);
-    let x2 = x.narrow(3, d / 2, d / 2);
-    Tensor::cat(vec![x2, x1], 3)
+/// `cat(x2, x1)` over the last axis, HF's `rotate_half` without its negation, as one `select`
+/// with the tables' permutation.
+pub fn swap_halves<B: Backend>(x: Tensor<B, 4>, tables: &RotaryTables<B>) -> Tensor<B, 4> {
+    x.select(3, tables.halves_swapped.clone())
 }
 
 /// HF's `apply_rotary_pos_emb` for one of q or k, `[b, q, heads, head_dim]`.
 pub fn apply_rotary_pos_emb<B: Backend>(x: Tensor<B, 4>, tables: &RotaryTables<B>) -> Tensor<B, 4> {
     kernels::rotary(&x, &tables.cos, &tables.signed_sin)
-        .unwrap_or_else(|| x.clone() * tables.cos.clone() + swap_halves(x) * tables.signed_sin.clone())
+        .unwrap_or_else(|| x.clone() * tables.cos.clone() + swap_halves(x, tables) * tables.signed_sin.clone())
 }
 
 #[cfg(test)]
@@ -86,9 +95,10 @@ mod tests {
 
     #[test]
     fn swap_halves_swaps() {
-        let x = Tensor::<Flex, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &Default::default())
-            .reshape([1, 1, 1, 4]);
-        let r: Vec<f32> = swap_halves(x).into_data().to_vec().unwrap();
+        let device = Default::default();
+        let x = Tensor::<Flex, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &device).reshape([1, 1, 1, 4]);
+        let tables = Qwen3RotaryEmbedding::new(4, 10_000.0).tables(Tensor::<Flex, 2, Int>::from_ints([[0]], &device), DType::F32);
+        let r: Vec<f32> = swap_halves(x, &tables).into_data().to_vec().unwrap();
         assert_eq!(r, vec![3.0, 4.0, 1.0, 2.0]);
     }
 
@@ -142,7 +152,7 @@ mod tests {
         let tables = rope.tables(pos, DType::BF16).repeat_heads(h);
         let x = Tensor::<Flex, 4>::random([1, q, h, d], Distribution::Normal(0.0, 3.0), &device).cast(DType::BF16);
         let fused = kernels::rotary(&x, &tables.cos, &tables.signed_sin).expect("bf16 on burn-flex is fused");
-        let formula = x.clone() * tables.cos.clone() + swap_halves(x) * tables.signed_sin.clone();
+        let formula = x.clone() * tables.cos.clone() + swap_halves(x, &tables) * tables.signed_sin.clone();
         assert_eq!(fused.dtype(), DType::BF16);
         let bits = |t: Tensor<Flex, 4>| -> Vec<u16> {
             t.into_data().to_vec::<half::bf16>().unwrap().iter().map(|v| v.to_bits()).collect()

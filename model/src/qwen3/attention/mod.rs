@@ -110,10 +110,8 @@ impl<B: Backend> Qwen3Attention<B> {
             .k_norm
             .forward(lora_linear(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), hidden_states.clone(), matmul).reshape([b, q_len, kv, d]));
         let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q);
-        let key_states = apply_rotary_pos_emb(key_states, &inputs.rotary_k).swap_dims(1, 2);
-        let value_states = lora_linear(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), hidden_states, matmul)
-            .reshape([b, q_len, kv, d])
-            .swap_dims(1, 2);
+        let key_states = heads_first(apply_rotary_pos_emb(key_states, &inputs.rotary_k));
+        let value_states = heads_first(lora_linear(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), hidden_states, matmul).reshape([b, q_len, kv, d]));
 
         let (key_states, value_states) = match cache {
             Some(cache) => cache.append(key_states, value_states),
@@ -126,7 +124,7 @@ impl<B: Backend> Qwen3Attention<B> {
             .as_ref()
             .and_then(|bias| kernels::grouped_attention(&query_states, &key_states, &value_states, bias, scaling as f32));
         let attn_output = fused.unwrap_or_else(|| {
-            let query_states = query_states.swap_dims(1, 2);
+            let query_states = heads_first(query_states);
             let output = match compute.attn_implementation {
                 AttnImplementation::Eager => {
                     let bias = inputs.grouped_bias.as_ref().expect("AttentionInputs builds it for eager");
@@ -137,9 +135,26 @@ impl<B: Backend> Qwen3Attention<B> {
                     memory_efficient_attention(x, &inputs.mask, compute.attention_block_size, scaling as f32)
                 }
             };
-            output.swap_dims(1, 2).reshape([b, q_len, h * d])
+            heads_last(output).reshape([b, q_len, h * d])
         });
         lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, matmul)
+    }
+}
+
+/// `[b, q, heads, d]` as `[b, heads, q, d]`. A decoding step's single query needs no transpose,
+/// only a reshape, so the tensor stays contiguous and later reshapes copy nothing.
+fn heads_first<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    match x.dims() {
+        [b, 1, heads, d] => x.reshape([b, heads, 1, d]),
+        _ => x.swap_dims(1, 2),
+    }
+}
+
+/// The inverse of [`heads_first`]: `[b, heads, q, d]` as `[b, q, heads, d]`.
+fn heads_last<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    match x.dims() {
+        [b, heads, 1, d] => x.reshape([b, 1, heads, d]),
+        _ => x.swap_dims(1, 2),
     }
 }
 
