@@ -3,6 +3,7 @@
 # network (such as the lent machines: CUDA 13, driver 580, python3 with torch + transformers).
 #
 #   scripts/gpu_run.sh build     # here, no GPU needed: the CUDA 13 binary, stripped, in .gpu/
+#                                # (FEATURES=cuda-fusion-autotune: a variant, see the build step)
 #   scripts/gpu_run.sh STAGE     # on the GPU host, one stage per command (each well under 10 min)
 #
 # A lease of 15 minutes of device time (the machine's start included) holds about two such
@@ -55,14 +56,20 @@ stage=${1:?usage: scripts/gpu_run.sh build|compile|first|host|check|check-0.6b|t
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
   set -e
-  CUDARC_CUDA_VERSION=13000 cargo build --release -p prompt-r1 --features cuda
-  mkdir -p .gpu
+  # FEATURES=cuda-fusion-autotune builds the variant with autotune for fused kernels only, into
+  # GPU_DIR (default .gpu-cuda-fusion-autotune), to carry in a second command on the same warm
+  # machine (each command carries its own 64 MiB) and run with BIN=GPU_DIR/prompt-r1.
+  features=${FEATURES:-cuda}
+  dir=${GPU_DIR:-.gpu}
+  [ "$features" = cuda ] || dir=${GPU_DIR:-.gpu-$features}
+  CUDARC_CUDA_VERSION=13000 cargo build --release -p prompt-r1 --features "$features"
+  mkdir -p "$dir"
   exclude=$(git rev-parse --git-path info/exclude)
-  grep -qx '/.gpu/' "$exclude" 2> /dev/null || echo '/.gpu/' >> "$exclude"
-  strip -o .gpu/prompt-r1 target/release/prompt-r1
-  size=$(du -m .gpu/prompt-r1 | cut -f1)
+  grep -qx "/$dir/" "$exclude" 2> /dev/null || echo "/$dir/" >> "$exclude"
+  strip -o "$dir/prompt-r1" target/release/prompt-r1
+  size=$(du -m "$dir/prompt-r1" | cut -f1)
   tree=$(git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
-  echo "built .gpu/prompt-r1 (${size} MiB stripped); tracked files ${tree} MiB; carry .gpu (limit 64 MiB in all)"
+  echo "built $dir/prompt-r1 (--features $features, ${size} MiB stripped); tracked files ${tree} MiB; carry $dir (limit 64 MiB in all)"
   [ $((size + tree)) -le 60 ] || { echo "error: over the device tool's 64 MiB" >&2; exit 1; }
   exit 0
 fi
