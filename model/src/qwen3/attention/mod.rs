@@ -19,7 +19,7 @@ use super::mask::AttentionMask;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
 use crate::kernels;
-use crate::lora::LoraLayer;
+use crate::lora::{LoraLayer, LoraLinear};
 use memory_efficient::{Blocks, Operands};
 
 /// Self-attention of one decoder layer. Projections have no bias.
@@ -103,19 +103,18 @@ impl<B: Backend> Qwen3Attention<B> {
         let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
         let matmul = compute.matmul;
 
-        // Each of q and k through its projection, norm and RoPE before the next begins: CubeCL's
-        // fusion builds its kernels from runs of operations of one shape, and interleaving q's
-        // (heads) with k's (kv_heads) left many of them single kernels on a GPU (205 instead of
-        // 185 kernels per decoding step of the small shape, scripts/kernel_census.sh).
-        let query_states = self
-            .q_norm
-            .forward(lora_linear(&self.q_proj, adapters.and_then(|a| a.q_proj.as_ref()), hidden_states.clone(), matmul).reshape([b, q_len, h, d]));
-        let query_states = apply_rotary_pos_emb(query_states, &inputs.rotary_q);
-        let key_states = self
-            .k_norm
-            .forward(lora_linear(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), hidden_states.clone(), matmul).reshape([b, q_len, kv, d]));
-        let key_states = heads_first(apply_rotary_pos_emb(key_states, &inputs.rotary_k));
-        let value_states = heads_first(lora_linear(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), hidden_states, matmul).reshape([b, q_len, kv, d]));
+        // The three projections first, then q's norm and RoPE, then k's: CubeCL's fusion builds
+        // its kernels from runs of operations of one shape, and k's operations (kv_heads) or a
+        // projection between q's (heads) and k's left many of them single kernels on a GPU (169
+        // kernels per decoding step of the small shape instead of 205, scripts/kernel_census.sh).
+        let project = |layer, adapter: Option<&LoraLinear<B>>, heads| {
+            lora_linear(layer, adapter, hidden_states.clone(), matmul).reshape([b, q_len, heads, d])
+        };
+        let query_states = project(&self.q_proj, adapters.and_then(|a| a.q_proj.as_ref()), h);
+        let key_states = project(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), kv);
+        let value_states = heads_first(project(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), kv));
+        let query_states = apply_rotary_pos_emb(self.q_norm.forward(query_states), &inputs.rotary_q);
+        let key_states = heads_first(apply_rotary_pos_emb(self.k_norm.forward(key_states), &inputs.rotary_k));
 
         let (key_states, value_states) = match cache {
             Some(cache) => cache.append(key_states, value_states),
