@@ -86,7 +86,7 @@ impl<B: Backend> AttentionMask<B> {
     /// addition broadcasts, except on burn-flex, which adds tensors of equal shape more than ten
     /// times faster than it broadcasts (0.65 against 8.7 ms for one 256-token block of
     /// Qwen3-0.6B's heads) and gets the bias at the scores' shape. Without this, every layer of a
-    /// padded decoding step rebuilt the same padding with four kernels on a GPU.
+    /// padded decoding step rebuilt the same padding with several kernels on a GPU.
     pub(crate) fn block_bias(
         &self,
         kv_heads: usize,
