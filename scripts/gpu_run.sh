@@ -36,11 +36,14 @@
 #   memory     a Qwen3-4B-shaped LoRA training step (random weights, bf16 base, 1 x 1024 tokens),
 #              with and without activation checkpointing: peak GPU memory (nvidia-smi) beside
 #              the memory plan's prediction that `bench` prints
+#   autotune   for a variant build (BIN=...): check-device's kernels compiled, decode on the
+#              0.6B shape (bf16, batch 1 and 64) and the small rollout at batch 8
 #   rollout    issue 32's rollout workload on the device (`bench --rollout`: 5 turns of 128
 #              tokens, 300-token replies after 200 ms): re-prefilling against the kept-KV decoder
 #              and the rollout's speed as a fraction of pure decode, at batch 8 and 64, on the
 #              small shape (f32, batch 8 and 64) and the 0.6B shape (bf16 weights, batch
-#              64); each with its peak GPU memory beside the decoder's peak KV positions
+#              8 and 64, 3 turns of 32 tokens and 100-token replies); each with its peak GPU
+#              memory beside the decoder's peak KV positions
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -51,7 +54,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|first|host|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -291,6 +294,15 @@ case "$stage" in
     rm -rf "$model"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
+  autotune)
+    # A short look at a variant build (BIN=.gpu-cuda-fusion-autotune/prompt-r1): the kernels it
+    # compiles for check-device, its decode speed on the 0.6B shape and the small rollout at 8.
+    step check-tiny-f32 "$bin" check-device --device cuda
+    bench autotune-bf16 --preset qwen3-0.6b --dtype bf16 --decode-batch 1,64
+    bench autotune-rollout-small --preset small --rollout --rollout-batch 8
+    grep -h '"rollout_over_decode"\|"speedup_over_reprefill"' "$work"/*rollout*.txt 2> /dev/null | tee -a "$log"
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
   check)
     check_tiny
     step check-tiny-unfused env PROMPT_R1_FUSION=0 "$bin" check-device --device cuda
@@ -320,12 +332,15 @@ case "$stage" in
     # One run each: on the H100 three runs of the small shape at 8 and 64 took 296 s, and the
     # 0.6B shape at both batches did not finish in the 223 s left.
     bench rollout-small --preset small --rollout --rollout-batch 8,64
-    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 64
+    # The 0.6B shape with shorter episodes (3 turns of 32 tokens, 100-token replies), so that the
+    # three passes (pure decode, re-prefilled, kept) finish within the stage.
+    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
+      --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100
     grep -h '"rollout_over_decode"\|"speedup_over_reprefill"\|"peak_kv_positions"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
-    say "unknown stage $stage: use build, compile, first, host, check, check-0.6b, train, bench, bench-f32, memory or rollout"
+    say "unknown stage $stage: use build, compile, first, host, autotune, check, check-0.6b, train, bench, bench-f32, memory or rollout"
     failed=1
     ;;
 esac
