@@ -126,9 +126,14 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub rollout_seed: u64,
     /// Timed runs of each --rollout measurement (rollout and pure decode; the median is
-    /// reported).
+    /// reported). On a GPU the first run of each rollout mode also compiles the kernels of its
+    /// new shapes: take 3 there for figures without it.
     #[arg(long, default_value_t = 1)]
     pub rollout_runs: usize,
+    /// Also time each --rollout batch turn by turn (`[rollout] continuous_batching = false`:
+    /// every episode's turn, then all their calls), for the cost of reproducible batches.
+    #[arg(long, requires = "rollout")]
+    pub rollout_turn_by_turn: bool,
     /// Latency of each call of the scripted environment, in milliseconds (--rollout).
     #[arg(long, default_value_t = 200)]
     pub env_latency_ms: u64,
@@ -286,6 +291,7 @@ impl Args {
             runs: self.rollout_runs,
             workers: self.rollout_workers.clone(),
             worker_model: self.rollout_worker_model.clone().unwrap_or_else(|| crate::cmd::serve::dir_name(dir)),
+            turn_by_turn: self.rollout_turn_by_turn,
         };
         for &batch in &self.rollout_batch {
             eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", batch, settings.turns);

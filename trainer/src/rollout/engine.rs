@@ -92,7 +92,8 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
         }
         let mut agent = LocalAgent::new(model.base, batch.tokenizer, batch.sampling.clone())
             .with_adapters(model.adapters)
-            .with_limits(limits);
+            .with_limits(limits)
+            .with_continuous_batching(self.rollout.continuous_batching);
         let mut out = Vec::with_capacity(batch.questions.len());
         agent.set_batch_stream(batch.stream);
         let generation_batch = self.rollout.generation_batch.max(1);

@@ -3,11 +3,13 @@
 //! turns and after an environment reply only the reply's tokens are prefilled. Within a turn
 //! each episode leaves the batch as its own turn ends (its own token budget). The context is
 //! built token by token (the first prompt and each environment text are tokenised once, on their
-//! own; the agent's sampled tokens are recorded as sampled, with their log-probs). It decodes
-//! continuously: the episode loop hands it turns as episodes become ready and steps it, so an
-//! episode whose environment call is out leaves the batch while the others go on.
+//! own; the agent's sampled tokens are recorded as sampled, with their log-probs). By default it
+//! decodes continuously: the episode loop hands it turns as episodes become ready and steps it,
+//! so an episode whose environment call is out leaves the batch while the others go on (see
+//! [`LocalAgent::with_continuous_batching`] for turn by turn).
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use env::{Agent, AgentContext, AgentError, TurnEnd, TurnText};
@@ -36,6 +38,33 @@ pub struct LocalAgent<'m, B: Backend> {
     rows: HashMap<SequenceId, TurnRow>,
     /// Turns that ended without decoding (a zero budget), reported by the next `advance`.
     ended: Vec<(usize, Result<TurnText, AgentError>)>,
+    step_times: StepTimes,
+    /// Whether turns join and leave the batch as their episodes are ready (see
+    /// [`Self::with_continuous_batching`]).
+    continuous: bool,
+}
+
+/// Where a [`LocalAgent`]'s decoder steps spent their wall-clock time, each step with its
+/// sampling (which waits for a GPU to finish the step): steps that only decoded, and steps that
+/// also prefilled sequences joining the batch (their batch rebuilt with them).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    pub decode_steps: u64,
+    pub decode_time: Duration,
+    pub prefill_steps: u64,
+    pub prefill_time: Duration,
+}
+
+impl StepTimes {
+    /// The steps and time since `earlier` (a copy taken before).
+    pub fn since(&self, earlier: &StepTimes) -> StepTimes {
+        StepTimes {
+            decode_steps: self.decode_steps - earlier.decode_steps,
+            decode_time: self.decode_time.saturating_sub(earlier.decode_time),
+            prefill_steps: self.prefill_steps - earlier.prefill_steps,
+            prefill_time: self.prefill_time.saturating_sub(earlier.prefill_time),
+        }
+    }
 }
 
 /// One episode's turn while it generates.
@@ -67,6 +96,8 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
             decoder: Decoder::new(DecoderLimits::default()),
             rows: HashMap::new(),
             ended: Vec::new(),
+            step_times: StepTimes::default(),
+            continuous: true,
         }
     }
 
@@ -79,6 +110,17 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
     /// The agent decoding within `limits` (rows at once, prefill chunk, KV budget).
     pub fn with_limits(mut self, limits: DecoderLimits) -> Self {
         self.decoder = Decoder::new(limits);
+        self
+    }
+
+    /// Continuous batching (`true`, the default) or turn by turn (`false`): with it, an
+    /// episode's environment call goes out as soon as its turn ends and the episode rejoins the
+    /// batch with the reply while the others decode, so which rows decode side by side follows
+    /// the environment's timing (moving the last bits of their logits); turn by turn, every
+    /// running episode of the batch generates its turn, then all their calls run, so the same
+    /// seed gives the same episodes bit for bit whatever the timing. Kept caches either way.
+    pub fn with_continuous_batching(mut self, continuous: bool) -> Self {
+        self.continuous = continuous;
         self
     }
 
@@ -107,6 +149,11 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
         self.decoder.stats()
     }
 
+    /// The time this agent's decoder steps took so far, by kind of step.
+    pub fn step_times(&self) -> StepTimes {
+        self.step_times
+    }
+
     fn turn_seed(&self, episode: usize, turn: u64) -> u64 {
         super::turn_seed(self.sampling.seed, self.batch_stream, self.episode_offset + episode, turn)
     }
@@ -132,6 +179,8 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
     /// index): records each sampled token in its context, and returns the turns that ended
     /// (their sequences parked, caches kept for the next turn).
     fn step_once(&mut self, episodes: &mut [&mut AgentContext]) -> Result<Vec<(usize, Result<TurnText, AgentError>)>, ModelError> {
+        let start = Instant::now();
+        let prefilled = self.decoder.stats().prefill_tokens;
         let Some(step) = self.decoder.step(&self.model)? else {
             return Err(ModelError::Input("the decoder has no sequence for the turns in progress".into()));
         };
@@ -146,6 +195,14 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
             let mut samplers: Vec<RowSampling<'_>> = rows.iter_mut().map(|(_, _, row)| RowSampling { sampling: &self.sampling, rng: &mut row.rng }).collect();
             choose_row_tokens(step.logits, &mut samplers)?
         };
+        let t = &mut self.step_times;
+        if self.decoder.stats().prefill_tokens > prefilled {
+            t.prefill_steps += 1;
+            t.prefill_time += start.elapsed();
+        } else {
+            t.decode_steps += 1;
+            t.decode_time += start.elapsed();
+        }
         let im_end = self.tokenizer.special().im_end;
         let mut ended = Vec::new();
         for ((id, slot, mut row), (token, logprob)) in rows.into_iter().zip(choices) {
@@ -203,7 +260,7 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
     }
 
     fn continuous(&self) -> bool {
-        true
+        self.continuous
     }
 
     fn start_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<(), AgentError>> {

@@ -9,7 +9,7 @@ mod local_agent;
 pub mod servers;
 
 pub use engine::{engine_for, LocalEngine, RolloutBatch, RolloutEngine, RolloutStats};
-pub use local_agent::LocalAgent;
+pub use local_agent::{LocalAgent, StepTimes};
 pub use servers::{ServerAgent, ServerEngine, ServerPool, ServerSettings};
 
 use model::generation::row_seed;

@@ -182,6 +182,14 @@ pub struct RolloutSection {
     /// preempted (and prefilled again later), rather than go past it. It must hold one episode
     /// at the full context. Unset: no limit.
     pub kv_budget: Option<String>,
+    /// Continuous batching (the default): an episode whose turn ends sends its environment call
+    /// at once and rejoins the batch with the reply while the others keep decoding. The rows
+    /// that decode side by side then depend on the environment's timing, which moves the last
+    /// bits of their logits, so a sampled token near a tie can differ from run to run.
+    /// `false`: turn by turn over each generation batch (every episode's turn, then all their
+    /// calls): slower while calls are out, and the same seed gives the same episodes bit for
+    /// bit on one host, whatever the environment's timing. Local engine only.
+    pub continuous_batching: bool,
     /// Sampling of the agent during rollouts (validation is greedy); `seed` is the base of
     /// every episode's and turn's stream.
     pub sampling: Sampling,
@@ -299,6 +307,7 @@ impl Default for RolloutSection {
             max_num_seqs: None,
             max_num_batched_tokens: crate::plan::DEFAULT_MAX_NUM_BATCHED_TOKENS,
             kv_budget: None,
+            continuous_batching: true,
             sampling: Sampling::default(),
             advantage: AdvantageMode::Grpo,
             dtype: InferenceDtype::F32,
@@ -534,6 +543,8 @@ mod tests {
         let config = parse_rollout("generation_batch = 48");
         assert_eq!((config.rollout.max_num_seqs, config.rollout.max_num_batched_tokens), (None, 8192));
         assert_eq!(config.rollout.kv_budget, None);
+        assert!(config.rollout.continuous_batching, "continuous batching is the default");
+        assert!(!parse_rollout("continuous_batching = false").rollout.continuous_batching);
         let limits = config.rollout.decoder_limits(&model::Preset::Qwen3_4B.config(1024, vec![]), DType::BF16).unwrap();
         assert_eq!(limits, DecoderLimits { max_rows: 48, max_batched_tokens: 8192, kv_budget: None });
     }

@@ -26,7 +26,7 @@ use env::{
 use model::tokenizer::Qwen3Tokenizer;
 use model::{generate, Qwen3ForCausalLM, Sampling, SamplingConfig};
 use serde::Serialize;
-use trainer::rollout::{LocalAgent, ServerAgent, ServerPool, ServerSettings};
+use trainer::rollout::{LocalAgent, ServerAgent, ServerPool, ServerSettings, StepTimes};
 
 /// The shape of the rollout workload.
 #[derive(Clone, Debug)]
@@ -49,6 +49,8 @@ pub struct RolloutSettings {
     pub workers: Vec<String>,
     /// The model name the workers serve.
     pub worker_model: String,
+    /// Also time the rollout turn by turn (`[rollout] continuous_batching = false`).
+    pub turn_by_turn: bool,
 }
 
 /// What one rollout batch did: the counts are exact (the same seed gives the same episodes on
@@ -98,10 +100,26 @@ pub struct RolloutStats {
     pub decode_tokens_per_second: f64,
     /// `agent_tokens_per_second / decode_tokens_per_second`.
     pub rollout_over_decode: f64,
+    /// Milliseconds per step of the pure decode (all rows, sampling included).
+    pub pure_decode_step_ms: f64,
+    /// The rollout's decoder steps that only decoded, and their mean milliseconds (sampling
+    /// included).
+    pub decode_steps: u64,
+    pub decode_step_ms: f64,
+    /// The rollout's steps that also prefilled joining sequences (and rebuilt the batch with
+    /// them), and their mean milliseconds.
+    pub prefill_steps: u64,
+    pub prefill_step_ms: f64,
+    /// Seconds in the agent outside decoder steps (tokenising, queueing turns, the episode loop).
+    pub agent_seconds_outside_steps: f64,
     /// Agent tokens per wall-clock second when every turn re-prefills the whole history.
     pub reprefill_agent_tokens_per_second: f64,
     /// `agent_tokens_per_second / reprefill_agent_tokens_per_second`.
     pub speedup_over_reprefill: f64,
+    /// Agent tokens per wall-clock second turn by turn (kept caches, not continuous), when
+    /// asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turn_by_turn_agent_tokens_per_second: Option<f64>,
     /// The same batch on rollout workers, when some were given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<WorkerRollout>,
@@ -469,13 +487,14 @@ pub fn measure<B: Backend>(
         max_new_tokens: 1,
         ..decode.clone()
     };
-    // Warm-up: a short forward, so that one-time costs are not timed.
+    // Warm-up: a few steps at the measured batch, so that one-time costs (on a GPU, compiling
+    // the kernels of this batch's shapes) are not timed.
     generate(
         model,
-        &[prompts[0][..8].to_vec()],
+        &prompts,
         &SamplingConfig {
-            max_new_tokens: 2,
-            ..Default::default()
+            max_new_tokens: 4,
+            ..decode.clone()
         },
     )?;
     let decode_seconds = median(settings.runs, || {
@@ -490,8 +509,9 @@ pub fn measure<B: Backend>(
 
     // The rollout, through LocalAgent and run_episodes: first with each turn re-prefilling its
     // episode's history (the loop before kept caches), then as the trainer runs it.
-    let timed = |forget: bool| -> TimedRollout {
-        let mut agent = ForcedCalls::new(LocalAgent::new(model, tokenizer, sampling.clone()), settings.turns);
+    let timed = |forget: bool, continuous: bool| -> TimedRollout {
+        let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_continuous_batching(continuous);
+        let mut agent = ForcedCalls::new(local, settings.turns);
         if forget {
             agent = agent.forgetting();
         }
@@ -500,6 +520,7 @@ pub fn measure<B: Backend>(
             agent.reset();
             let prefilled = agent.inner().prefill_tokens();
             let stats_before = agent.inner().decoder_stats();
+            let steps_before = agent.inner().step_times();
             let start = Instant::now();
             let trajectories = run_episodes(&mut agent, &environment, &questions, &config);
             runs.push(TimedRollout {
@@ -516,14 +537,19 @@ pub fn measure<B: Backend>(
                         after.decode_tokens - stats_before.decode_tokens,
                     ]
                 },
+                steps: agent.inner().step_times().since(&steps_before),
                 trajectories,
             });
         }
         runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
         runs.swap_remove(runs.len() / 2)
     };
-    let before = timed(true);
-    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, trajectories } = timed(false);
+    let before = timed(true, true);
+    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, steps, trajectories } = timed(false, true);
+    let turn_by_turn = settings.turn_by_turn.then(|| timed(false, false));
+    if turn_by_turn.as_ref().is_some_and(|t| t.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids))) {
+        eprintln!("the episodes differ between continuous batching and turn by turn");
+    }
     let [rebuilt, vacant, decoded] = decoder.map(|n| n as f64);
     if before.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids)) {
         eprintln!("the episodes differ between re-prefilling and kept caches");
@@ -596,8 +622,15 @@ pub fn measure<B: Backend>(
         unexpected_endings: unexpected,
         decode_tokens_per_second: decode_rate,
         rollout_over_decode: rate / decode_rate,
+        pure_decode_step_ms: 1e3 * decode_seconds / (new_tokens - 1) as f64,
+        decode_steps: steps.decode_steps,
+        decode_step_ms: 1e3 * steps.decode_time.as_secs_f64() / steps.decode_steps.max(1) as f64,
+        prefill_steps: steps.prefill_steps,
+        prefill_step_ms: 1e3 * steps.prefill_time.as_secs_f64() / steps.prefill_steps.max(1) as f64,
+        agent_seconds_outside_steps: (agent_seconds - (steps.decode_time + steps.prefill_time).as_secs_f64()).max(0.0),
         reprefill_agent_tokens_per_second: before.counts.agent_tokens as f64 / before.seconds,
         speedup_over_reprefill: rate / (before.counts.agent_tokens as f64 / before.seconds),
+        turn_by_turn_agent_tokens_per_second: turn_by_turn.map(|t| t.counts.agent_tokens as f64 / t.seconds),
         workers,
     })
 }
@@ -654,6 +687,8 @@ struct TimedRollout {
     peak_kv_positions: usize,
     /// The decoder's rebuilt positions, vacant rows and decoded tokens during the run.
     decoder: [u64; 3],
+    /// The agent's decoder steps during the run.
+    steps: StepTimes,
     trajectories: Vec<Trajectory>,
 }
 
@@ -689,6 +724,10 @@ pub fn print(stats: &RolloutStats) {
         s.prefill_tokens_per_episode, s.context_tokens_per_episode, s.non_agent_context_tokens_per_episode, s.peak_kv_positions
     );
     println!(
+        "  decoder steps: {} decoding only at {:.1} ms (pure decode: {:.1} ms a step), {} with a prefill at {:.1} ms; {:.2} s in the agent outside steps",
+        s.decode_steps, s.decode_step_ms, s.pure_decode_step_ms, s.prefill_steps, s.prefill_step_ms, s.agent_seconds_outside_steps
+    );
+    println!(
         "  batch rebuilds copied {:.0} KV positions per agent token; {:.1}% of the decoded rows were places rows had left",
         s.rebuilt_positions_per_token,
         100.0 * s.vacant_row_share
@@ -697,6 +736,13 @@ pub fn print(stats: &RolloutStats) {
         "  re-prefilling every turn instead: {:.1} agent tokens/s, {:.0} prefill tokens per episode; kept caches are {:.2}x faster",
         s.reprefill_agent_tokens_per_second, s.reprefill_prefill_tokens_per_episode, s.speedup_over_reprefill
     );
+    if let Some(rate) = s.turn_by_turn_agent_tokens_per_second {
+        println!(
+            "  turn by turn (continuous_batching = false): {:.1} agent tokens/s, {:.2}x the continuous rollout",
+            rate,
+            rate / s.agent_tokens_per_second
+        );
+    }
     if let Some(w) = &s.workers {
         println!(
             "  on {} rollout worker(s): {:.2} s wall, {:.1} agent tokens/s ({:.2}x the local rollout); tokens {} the local ones; {} turns resent",
@@ -785,6 +831,7 @@ mod tests {
             runs: 1,
             workers: Vec::new(),
             worker_model: String::new(),
+            turn_by_turn: false,
         }
     }
 
