@@ -49,8 +49,10 @@ pub struct LocalAgent<'m, B: Backend> {
 /// also prefilled sequences joining the batch (their batch rebuilt with them).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepTimes {
+    /// Steps that only decoded one token for each running row.
     pub decode_steps: u64,
     pub decode_time: Duration,
+    /// Steps that also prefilled joining sequences.
     pub prefill_steps: u64,
     pub prefill_time: Duration,
 }
