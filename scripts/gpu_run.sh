@@ -43,7 +43,8 @@
 #              and the rollout's speed as a fraction of pure decode, at batch 8 and 64, on the
 #              small shape (f32, batch 8 and 64) and the 0.6B shape (bf16 weights, batch
 #              8 and 64, 3 turns of 32 tokens and 100-token replies); each with its peak GPU
-#              memory beside the decoder's peak KV positions
+#              memory beside the decoder's peak KV, CubeCL's pool (in use / reserved) per mode,
+#              and the time of its decode-only and prefill steps against pure decode's step
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -336,7 +337,7 @@ case "$stage" in
     # three passes (pure decode, re-prefilled, kept) finish within the stage.
     bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
       --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100
-    grep -h '"rollout_over_decode"\|"speedup_over_reprefill"\|"peak_kv_positions"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+    grep -h '"rollout_over_decode"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|_mib"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)

@@ -130,6 +130,10 @@ pub struct Args {
     /// new shapes: take 3 there for figures without it.
     #[arg(long, default_value_t = 1)]
     pub rollout_runs: usize,
+    /// Most positions of one prefill pass in --rollout (`[rollout] max_num_batched_tokens`, the
+    /// trainer's default): longer prefills run in chunks, as in training.
+    #[arg(long, default_value_t = trainer::plan::DEFAULT_MAX_NUM_BATCHED_TOKENS, requires = "rollout")]
+    pub max_num_batched_tokens: usize,
     /// Also time each --rollout batch turn by turn (`[rollout] continuous_batching = false`:
     /// every episode's turn, then all their calls), for the cost of reproducible batches.
     #[arg(long, requires = "rollout")]
@@ -292,11 +296,13 @@ impl Args {
             workers: self.rollout_workers.clone(),
             worker_model: self.rollout_worker_model.clone().unwrap_or_else(|| crate::cmd::serve::dir_name(dir)),
             turn_by_turn: self.rollout_turn_by_turn,
+            max_batched_tokens: self.max_num_batched_tokens.max(1),
         };
         for &batch in &self.rollout_batch {
             eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", batch, settings.turns);
             reset_peak_rss();
-            let stats = rollout::measure(&model, &tokenizer, &settings, batch)?;
+            let probe = crate::device::MemoryProbe::new(self.compute.device).map(std::rc::Rc::new);
+            let stats = rollout::measure(&model, &tokenizer, &settings, batch, probe)?;
             let peak = peak_rss_mb();
             figures.push(Figure::tokens(
                 format!("decode batch {batch} ({} tokens)", settings.turns * settings.turn_tokens),

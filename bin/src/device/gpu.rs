@@ -153,6 +153,22 @@ pub(super) fn run_on_wgpu<T: OnBackend>(task: T) -> Result<T::Output> {
     )
 }
 
+/// CubeCL's memory pool on CUDA GPU `index`: bytes in use by tensors and bytes reserved.
+#[cfg(feature = "cuda")]
+pub(super) fn cuda_memory(index: usize) -> Option<super::DeviceMemory> {
+    use burn::cubecl::Runtime;
+    let usage = burn::cubecl::cuda::CudaRuntime::client(&burn_cuda::CudaDevice::new(index)).memory_usage().ok()?;
+    Some(super::DeviceMemory { in_use: usage.bytes_in_use, reserved: usage.bytes_reserved })
+}
+
+/// The same on wgpu's default adapter.
+#[cfg(feature = "wgpu")]
+pub(super) fn wgpu_memory() -> Option<super::DeviceMemory> {
+    use burn::cubecl::Runtime;
+    let usage = burn_wgpu::WgpuRuntime::client(&burn_wgpu::WgpuDevice::DefaultDevice).memory_usage().ok()?;
+    Some(super::DeviceMemory { in_use: usage.bytes_in_use, reserved: usage.bytes_reserved })
+}
+
 #[cfg(feature = "wgpu")]
 pub(super) fn check_wgpu() -> Result<()> {
     let device = burn_wgpu::WgpuDevice::DefaultDevice;

@@ -156,6 +156,58 @@ pub fn total_memory(choice: DeviceChoice) -> Option<(u64, String)> {
     }
 }
 
+/// A GPU's memory as CubeCL's pool sees it: bytes held by live tensors, and bytes the pool has
+/// reserved from the device (pages kept for reuse included; what `nvidia-smi` shows, less the
+/// CUDA context).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub in_use: u64,
+    pub reserved: u64,
+}
+
+/// The chosen GPU's memory now; `None` for the CPU (or a GPU whose runtime has not started).
+pub fn device_memory(choice: DeviceChoice) -> Option<DeviceMemory> {
+    match choice {
+        #[cfg(feature = "cuda")]
+        DeviceChoice::Cuda(index) => gpu::cuda_memory(index),
+        #[cfg(feature = "wgpu")]
+        DeviceChoice::Wgpu => gpu::wgpu_memory(),
+        _ => None,
+    }
+}
+
+/// The largest GPU memory ([`device_memory`]) seen at the moments it is sampled. CubeCL keeps
+/// one memory pool per thread that issues tensor operations, so [`MemoryProbe::sample`] must be
+/// called from that thread (e.g. after each step): a peak between two samples is missed, the
+/// reserved bytes (which only grow until the pool is cleaned) are not.
+pub struct MemoryProbe {
+    choice: DeviceChoice,
+    peak: std::cell::Cell<DeviceMemory>,
+}
+
+impl MemoryProbe {
+    /// A probe of `choice`'s memory; `None` for the CPU.
+    pub fn new(choice: DeviceChoice) -> Option<Self> {
+        device_memory(choice).map(|now| Self { choice, peak: std::cell::Cell::new(now) })
+    }
+
+    /// Records the memory now, on this thread's pool.
+    pub fn sample(&self) {
+        if let Some(now) = device_memory(self.choice) {
+            let p = self.peak.get();
+            self.peak.set(DeviceMemory { in_use: p.in_use.max(now.in_use), reserved: p.reserved.max(now.reserved) });
+        }
+    }
+
+    /// The largest figures since the last call (or the start), then starts over from now.
+    pub fn take(&self) -> DeviceMemory {
+        self.sample();
+        let peak = self.peak.get();
+        self.peak.set(device_memory(self.choice).unwrap_or_default());
+        peak
+    }
+}
+
 /// The error for a device whose backend this binary was built without.
 #[cfg(not(all(feature = "cuda", feature = "wgpu")))]
 fn not_built(choice: DeviceChoice) -> anyhow::Error {

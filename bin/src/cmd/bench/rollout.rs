@@ -13,6 +13,7 @@
 //! agent's state dropped after each turn: the rollout loop before kept KV caches), then as the
 //! trainer runs it, each episode's KV cache kept across its turns. Both sample the same tokens.
 
+use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -24,9 +25,10 @@ use env::{
     CALL_CLOSE, CALL_OPEN,
 };
 use model::tokenizer::Qwen3Tokenizer;
-use model::{generate, Qwen3ForCausalLM, Sampling, SamplingConfig};
+use model::{generate, DecoderLimits, Qwen3ForCausalLM, Sampling, SamplingConfig};
 use serde::Serialize;
 use trainer::rollout::{LocalAgent, ServerAgent, ServerPool, ServerSettings, StepTimes};
+use crate::device::MemoryProbe;
 
 /// The shape of the rollout workload.
 #[derive(Clone, Debug)]
@@ -51,6 +53,8 @@ pub struct RolloutSettings {
     pub worker_model: String,
     /// Also time the rollout turn by turn (`[rollout] continuous_batching = false`).
     pub turn_by_turn: bool,
+    /// Most positions of one prefill pass (`[rollout] max_num_batched_tokens`).
+    pub max_batched_tokens: usize,
 }
 
 /// What one rollout batch did: the counts are exact (the same seed gives the same episodes on
@@ -62,6 +66,8 @@ pub struct RolloutStats {
     pub turn_tokens: usize,
     pub reply_tokens: usize,
     pub latency_ms: u64,
+    /// Most positions of one prefill pass.
+    pub max_num_batched_tokens: usize,
     /// Wall-clock seconds of the whole rollout.
     pub seconds: f64,
     /// Seconds inside the agent (generation, tokenising); the rest is spent waiting on the
@@ -81,6 +87,8 @@ pub struct RolloutStats {
     pub padded_prefill_tokens_per_episode: f64,
     /// Most KV positions the decoder held at once (rows × allocated positions, parked caches).
     pub peak_kv_positions: usize,
+    /// Their size in MiB (keys and values of every layer, in the dtype of the weights).
+    pub peak_kv_mib: f64,
     /// KV positions copied to rebuild the batch as rows left and joined, per agent token.
     pub rebuilt_positions_per_token: f64,
     /// Of the rows of the one-token passes, the share run for places rows had left.
@@ -116,6 +124,9 @@ pub struct RolloutStats {
     pub reprefill_agent_tokens_per_second: f64,
     /// `agent_tokens_per_second / reprefill_agent_tokens_per_second`.
     pub speedup_over_reprefill: f64,
+    /// On a GPU, the largest memory of CubeCL's pool during each measurement (sampled).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_memory: Option<RolloutMemory>,
     /// Agent tokens per wall-clock second turn by turn (kept caches, not continuous), when
     /// asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -123,6 +134,18 @@ pub struct RolloutStats {
     /// The same batch on rollout workers, when some were given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<WorkerRollout>,
+}
+
+/// A GPU's memory during the three measurements of a rollout batch, in MiB: the most held by
+/// live tensors, and the most CubeCL's pool had reserved from the device.
+#[derive(Clone, Debug, Serialize)]
+pub struct RolloutMemory {
+    pub decode_in_use_mib: f64,
+    pub decode_reserved_mib: f64,
+    pub reprefill_in_use_mib: f64,
+    pub reprefill_reserved_mib: f64,
+    pub kept_in_use_mib: f64,
+    pub kept_reserved_mib: f64,
 }
 
 /// One rollout batch on rollout workers (`engine = "servers"`): the median of the timed runs.
@@ -255,6 +278,8 @@ pub struct ForcedCalls<A> {
     forget_between_turns: bool,
     counts: RolloutCounts,
     agent_time: Duration,
+    /// Samples the GPU's memory after every call into the inner agent (not timed).
+    probe: Option<Rc<MemoryProbe>>,
 }
 
 impl<A: Agent> ForcedCalls<A> {
@@ -265,7 +290,14 @@ impl<A: Agent> ForcedCalls<A> {
             forget_between_turns: false,
             counts: RolloutCounts::default(),
             agent_time: Duration::ZERO,
+            probe: None,
         }
+    }
+
+    /// The agent with its GPU memory sampled after every call into it.
+    pub fn with_probe(mut self, probe: Option<Rc<MemoryProbe>>) -> Self {
+        self.probe = probe;
+        self
     }
 
     /// The agent re-prefilling each episode's whole history at every turn (see
@@ -316,6 +348,9 @@ impl<A: Agent> ForcedCalls<A> {
         let start = Instant::now();
         let out = f(&mut self.inner);
         self.agent_time += start.elapsed();
+        if let Some(probe) = &self.probe {
+            probe.sample();
+        }
         out
     }
 }
@@ -447,6 +482,7 @@ pub fn measure<B: Backend>(
     tokenizer: &Qwen3Tokenizer,
     settings: &RolloutSettings,
     batch: usize,
+    probe: Option<Rc<MemoryProbe>>,
 ) -> Result<RolloutStats> {
     if batch == 0 || settings.turns == 0 || settings.turn_tokens < 2 || settings.runs == 0 {
         bail!("--rollout-batch and --rollout-turns must be at least 1, --rollout-turn-tokens at least 2");
@@ -497,6 +533,9 @@ pub fn measure<B: Backend>(
             ..decode.clone()
         },
     )?;
+    let mib = |m: crate::device::DeviceMemory| (m.in_use as f64 / 1048576.0, m.reserved as f64 / 1048576.0);
+    let memory = || probe.as_ref().map(|p| mib(p.take()));
+    memory();
     let decode_seconds = median(settings.runs, || {
         let start = Instant::now();
         generate(model, &prompts, &one)?;
@@ -510,8 +549,9 @@ pub fn measure<B: Backend>(
     // The rollout, through LocalAgent and run_episodes: first with each turn re-prefilling its
     // episode's history (the loop before kept caches), then as the trainer runs it.
     let timed = |forget: bool, continuous: bool| -> TimedRollout {
-        let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_continuous_batching(continuous);
-        let mut agent = ForcedCalls::new(local, settings.turns);
+        let limits = DecoderLimits { max_batched_tokens: settings.max_batched_tokens, ..DecoderLimits::default() };
+        let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_limits(limits).with_continuous_batching(continuous);
+        let mut agent = ForcedCalls::new(local, settings.turns).with_probe(probe.clone());
         if forget {
             agent = agent.forgetting();
         }
@@ -544,8 +584,18 @@ pub fn measure<B: Backend>(
         runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
         runs.swap_remove(runs.len() / 2)
     };
+    let decode_memory = memory();
     let before = timed(true, true);
+    let reprefill_memory = memory();
     let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, steps, trajectories } = timed(false, true);
+    let device_memory = decode_memory.zip(reprefill_memory).zip(memory()).map(|((d, r), k)| RolloutMemory {
+        decode_in_use_mib: d.0,
+        decode_reserved_mib: d.1,
+        reprefill_in_use_mib: r.0,
+        reprefill_reserved_mib: r.1,
+        kept_in_use_mib: k.0,
+        kept_reserved_mib: k.1,
+    });
     let turn_by_turn = settings.turn_by_turn.then(|| timed(false, false));
     if turn_by_turn.as_ref().is_some_and(|t| t.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids))) {
         eprintln!("the episodes differ between continuous batching and turn by turn");
@@ -603,6 +653,7 @@ pub fn measure<B: Backend>(
         turn_tokens: settings.turn_tokens,
         reply_tokens: settings.reply_tokens,
         latency_ms: settings.latency.as_millis() as u64,
+        max_num_batched_tokens: settings.max_batched_tokens,
         seconds,
         agent_seconds,
         env_wait_seconds: (seconds - agent_seconds).max(0.0),
@@ -613,6 +664,11 @@ pub fn measure<B: Backend>(
         reprefill_prefill_tokens_per_episode: per_episode(before.prefill_tokens),
         padded_prefill_tokens_per_episode: per_episode(counts.padded_prefill_tokens),
         peak_kv_positions,
+        peak_kv_mib: {
+            let c = &model.config;
+            let bytes = model.model.embed_tokens.weight.val().dtype().size();
+            (peak_kv_positions * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * bytes) as f64 / 1048576.0
+        },
         rebuilt_positions_per_token: rebuilt / counts.agent_tokens.max(1) as f64,
         vacant_row_share: vacant / (vacant + decoded).max(1.0),
         context_tokens_per_episode: per_episode(context),
@@ -631,6 +687,7 @@ pub fn measure<B: Backend>(
         reprefill_agent_tokens_per_second: before.counts.agent_tokens as f64 / before.seconds,
         speedup_over_reprefill: rate / (before.counts.agent_tokens as f64 / before.seconds),
         turn_by_turn_agent_tokens_per_second: turn_by_turn.map(|t| t.counts.agent_tokens as f64 / t.seconds),
+        device_memory,
         workers,
     })
 }
@@ -708,8 +765,8 @@ pub fn tokenizer(dir: &std::path::Path) -> Result<Qwen3Tokenizer> {
 pub fn print(stats: &RolloutStats) {
     let s = stats;
     println!(
-        "rollout batch {}: {} turns of {} tokens, replies of {} tokens after {} ms; LocalAgent + run_episodes (turn texts forced)",
-        s.batch, s.turns, s.turn_tokens, s.reply_tokens, s.latency_ms
+        "rollout batch {}: {} turns of {} tokens, replies of {} tokens after {} ms; LocalAgent + run_episodes (turn texts forced), prefill passes of at most {} positions",
+        s.batch, s.turns, s.turn_tokens, s.reply_tokens, s.latency_ms, s.max_num_batched_tokens
     );
     println!(
         "  {:.2} s wall ({:.2} s in the agent, {:.2} s waiting on the environment, {} calls); {} agent tokens ({} turns stopped early)",
@@ -720,8 +777,8 @@ pub fn print(stats: &RolloutStats) {
         s.agent_tokens_per_second, s.agent_tokens_per_agent_second, s.batch, s.decode_tokens_per_second, s.rollout_over_decode
     );
     println!(
-        "  per episode: {:.0} prefill tokens for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions",
-        s.prefill_tokens_per_episode, s.context_tokens_per_episode, s.non_agent_context_tokens_per_episode, s.peak_kv_positions
+        "  per episode: {:.0} prefill tokens for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions ({:.0} MiB)",
+        s.prefill_tokens_per_episode, s.context_tokens_per_episode, s.non_agent_context_tokens_per_episode, s.peak_kv_positions, s.peak_kv_mib
     );
     println!(
         "  decoder steps: {} decoding only at {:.1} ms (pure decode: {:.1} ms a step), {} with a prefill at {:.1} ms; {:.2} s in the agent outside steps",
@@ -736,6 +793,12 @@ pub fn print(stats: &RolloutStats) {
         "  re-prefilling every turn instead: {:.1} agent tokens/s, {:.0} prefill tokens per episode; kept caches are {:.2}x faster",
         s.reprefill_agent_tokens_per_second, s.reprefill_prefill_tokens_per_episode, s.speedup_over_reprefill
     );
+    if let Some(m) = &s.device_memory {
+        println!(
+            "  GPU memory (CubeCL's pool, MiB in use / reserved): pure decode {:.0} / {:.0}, re-prefilling {:.0} / {:.0}, kept caches {:.0} / {:.0}",
+            m.decode_in_use_mib, m.decode_reserved_mib, m.reprefill_in_use_mib, m.reprefill_reserved_mib, m.kept_in_use_mib, m.kept_reserved_mib
+        );
+    }
     if let Some(rate) = s.turn_by_turn_agent_tokens_per_second {
         println!(
             "  turn by turn (continuous_batching = false): {:.1} agent tokens/s, {:.2}x the continuous rollout",
@@ -832,6 +895,7 @@ mod tests {
             workers: Vec::new(),
             worker_model: String::new(),
             turn_by_turn: false,
+            max_batched_tokens: 8192,
         }
     }
 
