@@ -278,7 +278,8 @@ pub struct ForcedCalls<A> {
     forget_between_turns: bool,
     counts: RolloutCounts,
     agent_time: Duration,
-    /// Samples the GPU's memory after every call into the inner agent (not timed).
+    /// Samples the GPU's memory after every call into the inner agent (outside `agent_time`,
+    /// inside the rollout's wall time: a call into the GPU's server per step).
     probe: Option<Rc<MemoryProbe>>,
 }
 
