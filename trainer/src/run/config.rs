@@ -187,8 +187,8 @@ pub struct RolloutSection {
     /// that decode side by side then depend on the environment's timing, which moves the last
     /// bits of their logits, so a sampled token near a tie can differ from run to run.
     /// `false`: turn by turn over each generation batch (every episode's turn, then all their
-    /// calls): slower while calls are out, and the same seed gives the same episodes bit for
-    /// bit on one host, whatever the environment's timing. Local engine only.
+    /// calls, waiting for the slowest): the same seed gives the same episodes bit for bit on one
+    /// host, whatever the environment's timing. Local engine only.
     pub continuous_batching: bool,
     /// Sampling of the agent during rollouts (validation is greedy); `seed` is the base of
     /// every episode's and turn's stream.
