@@ -35,6 +35,9 @@ pub struct RolloutStats {
     pub decoder: DecoderStats,
     /// Turns sent again to another worker after one failed (`rollout/server_retries`).
     pub server_retries: u64,
+    /// The local decoder's steps and their time, by kind; zero for engines that decode
+    /// elsewhere.
+    pub steps: super::StepTimes,
 }
 
 /// Generates episodes for the trainer.
@@ -101,7 +104,7 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
             agent.set_episode_offset(c * generation_batch);
             out.extend(env::run_episodes(&mut agent, batch.env, chunk, batch.episode));
         }
-        Ok((out, RolloutStats { decoder: agent.decoder_stats(), server_retries: 0 }))
+        Ok((out, RolloutStats { decoder: agent.decoder_stats(), server_retries: 0, steps: agent.step_times() }))
     }
 
     /// Nothing to do: every rollout samples from the policy it is handed.

@@ -93,6 +93,12 @@ pub struct StepRecord {
     /// "servers"`; 0 otherwise).
     #[serde(rename = "rollout/server_retries")]
     pub server_retries: u64,
+    /// Seconds of the local rollouts' decoder steps that only decoded (sampling included), and
+    /// of those that also prefilled joining episodes: where `timing_s/gen` went (0 on workers).
+    #[serde(rename = "timing_s/gen_decode_steps")]
+    pub rollout_decode_secs: f32,
+    #[serde(rename = "timing_s/gen_prefill_steps")]
+    pub rollout_prefill_secs: f32,
     /// Greedy validation reward, on the steps that validate.
     #[serde(rename = "val/reward/mean")]
     pub validation_reward: Option<f32>,
@@ -346,6 +352,7 @@ mod tests {
             r#""num_turns/mean":2.5,"timing_s/gen":12.5,"timing_s/update_actor":30.25,"#,
             r#""perf/gen_tokens_per_s":327.5,"perf/prefill_tokens":20480,"perf/context_tokens":9216,"#,
             r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"rollout/server_retries":3,"#,
+            r#""timing_s/gen_decode_steps":8.5,"timing_s/gen_prefill_steps":3.75,"#,
             r#""val/reward/mean":0.625,"val/f1/mean":0.6875,"#,
             r#""perf/peak_rss_mb":2048.0,"batch/groups_no_signal":5,"batch/groups_dropped":6,"#,
             r#""val/hotpot/reward":0.875}"#

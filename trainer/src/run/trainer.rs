@@ -244,6 +244,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             kv_peak_positions: decoded.peak_kv_positions as u64,
             preemptions: decoded.preemptions + decoded.evictions,
             server_retries: rolled.server_retries,
+            rollout_decode_secs: rolled.steps.decode_time.as_secs_f32(),
+            rollout_prefill_secs: rolled.steps.prefill_time.as_secs_f32(),
             validation_reward: None,
             validation_f1: None,
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),

@@ -138,7 +138,7 @@ impl<B: Backend> RolloutEngine<B> for ServerEngine {
                 self.pool.describe_failures()
             )));
         }
-        Ok((out, RolloutStats { decoder: Default::default(), server_retries: self.pool.retries() - retries }))
+        Ok((out, RolloutStats { decoder: Default::default(), server_retries: self.pool.retries() - retries, steps: Default::default() }))
     }
 
     /// Writes the policy (see [`ServerEngine::write_policy`]), has every worker load it and
