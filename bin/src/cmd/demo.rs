@@ -372,6 +372,7 @@ instruction = {instruction:?}
 batch_size = {batch}
 n = {n}
 generation_batch = 64
+continuous_batching = false   # turn by turn: the same run every time on one host (README)
 [rollout.sampling]
 temperature = {temperature}
 seed = {seed}
