@@ -153,20 +153,23 @@ pub(super) fn run_on_wgpu<T: OnBackend>(task: T) -> Result<T::Output> {
     )
 }
 
-/// CubeCL's memory pool on CUDA GPU `index`: bytes in use by tensors and bytes reserved.
-#[cfg(feature = "cuda")]
-pub(super) fn cuda_memory(index: usize) -> Option<super::DeviceMemory> {
-    use burn::cubecl::Runtime;
-    let usage = burn::cubecl::cuda::CudaRuntime::client(&burn_cuda::CudaDevice::new(index)).memory_usage().ok()?;
+/// CubeCL's memory pool of this thread on `device` of runtime `R`: bytes in use by tensors and
+/// bytes reserved.
+fn pool_memory<R: burn::cubecl::Runtime>(device: &R::Device) -> Option<super::DeviceMemory> {
+    let usage = R::client(device).memory_usage().ok()?;
     Some(super::DeviceMemory { in_use: usage.bytes_in_use, reserved: usage.bytes_reserved })
 }
 
-/// The same on wgpu's default adapter.
+/// [`pool_memory`] on CUDA GPU `index`.
+#[cfg(feature = "cuda")]
+pub(super) fn cuda_memory(index: usize) -> Option<super::DeviceMemory> {
+    pool_memory::<burn::cubecl::cuda::CudaRuntime>(&burn_cuda::CudaDevice::new(index))
+}
+
+/// [`pool_memory`] on wgpu's default adapter.
 #[cfg(feature = "wgpu")]
 pub(super) fn wgpu_memory() -> Option<super::DeviceMemory> {
-    use burn::cubecl::Runtime;
-    let usage = burn_wgpu::WgpuRuntime::client(&burn_wgpu::WgpuDevice::DefaultDevice).memory_usage().ok()?;
-    Some(super::DeviceMemory { in_use: usage.bytes_in_use, reserved: usage.bytes_reserved })
+    pool_memory::<burn_wgpu::WgpuRuntime>(&burn_wgpu::WgpuDevice::DefaultDevice)
 }
 
 #[cfg(feature = "wgpu")]

@@ -193,18 +193,23 @@ impl MemoryProbe {
 
     /// Records the memory now, on this thread's pool.
     pub fn sample(&self) {
-        if let Some(now) = device_memory(self.choice) {
-            let p = self.peak.get();
-            self.peak.set(DeviceMemory { in_use: p.in_use.max(now.in_use), reserved: p.reserved.max(now.reserved) });
-        }
+        self.record();
     }
 
     /// The largest figures since the last call (or the start), then starts over from now.
     pub fn take(&self) -> DeviceMemory {
-        self.sample();
-        let peak = self.peak.get();
-        self.peak.set(device_memory(self.choice).unwrap_or_default());
+        let (peak, now) = self.record();
+        self.peak.set(now);
         peak
+    }
+
+    /// Adds the memory now to the peak; returns the peak and the memory now.
+    fn record(&self) -> (DeviceMemory, DeviceMemory) {
+        let now = device_memory(self.choice).unwrap_or_default();
+        let p = self.peak.get();
+        let peak = DeviceMemory { in_use: p.in_use.max(now.in_use), reserved: p.reserved.max(now.reserved) };
+        self.peak.set(peak);
+        (peak, now)
     }
 }
 

@@ -665,11 +665,8 @@ pub fn measure<B: Backend>(
         reprefill_prefill_tokens_per_episode: per_episode(before.prefill_tokens),
         padded_prefill_tokens_per_episode: per_episode(counts.padded_prefill_tokens),
         peak_kv_positions,
-        peak_kv_mib: {
-            let c = &model.config;
-            let bytes = model.model.embed_tokens.weight.val().dtype().size();
-            (peak_kv_positions * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * bytes) as f64 / 1048576.0
-        },
+        peak_kv_mib: (peak_kv_positions as u64 * trainer::plan::kv_position_bytes(&model.config, model.model.embed_tokens.weight.val().dtype())) as f64
+            / 1048576.0,
         rebuilt_positions_per_token: rebuilt / counts.agent_tokens.max(1) as f64,
         vacant_row_share: vacant / (vacant + decoded).max(1.0),
         context_tokens_per_episode: per_episode(context),
