@@ -2,7 +2,7 @@
 # The GPU proof in a few short commands, for a CUDA host that has no Rust toolchain and no
 # network (such as the lent machines: CUDA 13, driver 580, python3 with torch + transformers).
 #
-#   scripts/gpu_run.sh build     # here, no GPU needed: the CUDA 13 binary, stripped, in .gpu/
+#   scripts/gpu_run.sh build     # here, no GPU needed: the CUDA 13 binary, gzipped, in .gpu/
 #                                # (FEATURES=cuda-fusion-autotune: a variant, see the build step)
 #   scripts/gpu_run.sh STAGE     # on the GPU host, one stage per command (each well under 10 min)
 #
@@ -21,7 +21,9 @@
 #              weights (prefill, decode at batch 1 and 64), and ours again with fusion off;
 #              steps the time does not reach say NOT RUN
 #   host       where a decode step's time goes (the H100 ran the 0.6B shape at 0.2x PyTorch,
-#              host-bound): bench at batch 1 and 64 with fusion on and off, each with the
+#              host-bound): first a decode at batch 1 with every thread's stack sampled by
+#              cuda-gdb about once a second (scripts/stack_profile.py sums them up: the functions
+#              each busy thread is in), then bench at batch 1 and 64 with fusion on and off, each with the
 #              busiest threads sampled by top (main, CubeCL's DSU fusion and DSD device threads),
 #              then a short decode of each under CubeCL's profiler (CUBECL_DEBUG_OPTION=
 #              profile-medium: every kernel timed on the GPU): kernels and GPU time by name
@@ -50,7 +52,8 @@
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
 # one before it failed, each under `timeout` (STEP_TIMEOUT seconds, default 240, 150 in `first`) and all within
 # the stage's STAGE_SECONDS (default 540, so the tar is written inside the tool's 10 minutes);
-# the exit status says whether any failed. BIN overrides the binary (default .gpu/prompt-r1).
+# the exit status says whether any failed. BIN overrides the binary (default .gpu/prompt-r1, unpacked from
+# .gpu/prompt-r1.gz where only that was carried).
 # CubeCL keeps compiled kernels and autotune results in ~/.cache/prompt-r1/cubecl, so within a
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
@@ -70,15 +73,22 @@ if [ "$stage" = build ]; then
   mkdir -p "$dir"
   exclude=$(git rev-parse --git-path info/exclude)
   grep -qx "/$dir/" "$exclude" 2> /dev/null || echo "/$dir/" >> "$exclude"
-  strip -o "$dir/prompt-r1" target/release/prompt-r1
-  size=$(du -m "$dir/prompt-r1" | cut -f1)
+  # The binary keeps its symbol table (function names for the `host` stage's stack samples and
+  # for backtraces), gzipped: about 20 MiB where the stripped binary is 54. Stages unpack it.
+  rm -f "$dir/prompt-r1"
+  gzip -6 -c target/release/prompt-r1 > "$dir/prompt-r1.gz"
+  size=$(du -m "$dir/prompt-r1.gz" | cut -f1)
   tree=$(git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
-  echo "built $dir/prompt-r1 (--features $features, ${size} MiB stripped); tracked files ${tree} MiB; carry $dir (limit 64 MiB in all)"
+  echo "built $dir/prompt-r1.gz (--features $features, ${size} MiB with symbols, gzipped); tracked files ${tree} MiB; carry $dir (limit 64 MiB in all)"
   [ $((size + tree)) -le 60 ] || { echo "error: over the device tool's 64 MiB" >&2; exit 1; }
   exit 0
 fi
 
 bin=${BIN:-.gpu/prompt-r1}
+# `build` leaves the binary gzipped beside where it runs from.
+if [ ! -x "$bin" ] && [ -f "$bin.gz" ]; then
+  gzip -dc "$bin.gz" > "$bin" && chmod +x "$bin"
+fi
 out=${OUT:-gpu-results/$stage}
 default_timeout=240
 [ "$stage" = first ] && default_timeout=150
@@ -142,6 +152,40 @@ bench() {
   wait "$poller" "$sampler" 2> /dev/null
   echo "$name: $(sort -n "$work/$name.mem" | tail -1) MiB" >> "$work/peak-memory.txt"
   rm -f "$work/$name.mem"
+}
+
+# Stack samples of one of our benches, a poor man's profiler (the lent hosts have no perf, but
+# cuda-gdb attaches to a running process): from $2 seconds in, every thread's stack about every
+# second (STACK_SAMPLES of them, default 40; each attach stops the process for a moment), summed
+# up per thread by scripts/stack_profile.py: which functions the busy threads are in.
+stacks() {
+  local name=$1 delay=$2 gdb
+  shift 2
+  gdb=$(command -v gdb || command -v cuda-gdb || ls /usr/local/cuda/bin/cuda-gdb 2> /dev/null | head -1)
+  if [ -z "$gdb" ]; then
+    say "== $name: NOT RUN: neither gdb nor cuda-gdb is installed"
+    failed=1
+    return
+  fi
+  mkdir -p "$work/$name.stacks"
+  (
+    sleep "$delay"
+    i=0
+    while [ "$i" -lt "${STACK_SAMPLES:-40}" ] && pid=$(pgrep -n -f "$bin bench"); do
+      timeout 30 "$gdb" -q -batch -p "$pid" -ex "set pagination off" -ex "thread apply all bt 80" \
+        > "$work/$name.stacks/$i.bt" 2>&1
+      i=$((i + 1))
+      sleep 0.5
+    done
+  ) &
+  local sampler=$!
+  bench "$name" "$@"
+  kill "$sampler" 2> /dev/null
+  wait "$sampler" 2> /dev/null
+  say "   stack samples with $gdb: $(ls "$work/$name.stacks" | wc -l)"
+  python3 scripts/stack_profile.py "$work/$name.stacks"/*.bt > "$work/$name.profile.txt" 2>&1
+  head -70 "$work/$name.profile.txt" | tee -a "$log"
+  tar czf "$work/$name.stacks.tar.gz" -C "$work" "$name.stacks" && rm -rf "$work/$name.stacks"
 }
 
 # CubeCL's profiling log of one short decode (every kernel timed on the GPU, one at a time):
@@ -288,6 +332,9 @@ case "$stage" in
     # threads' CPU use), then one short decode of each with every kernel timed on the GPU.
     model="$work/qwen3-0.6b"
     step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
+    # First the stacks of a decode at batch 1 (about 130 ms a step at the fourth lease: 128 steps
+    # per timed run), sampled once loading and compiling are over.
+    stacks host-stacks 15 --model "$model" --dtype bf16 --decode-batch 1 --decode-tokens 128 --prompt-len 32
     bench host-fused --model "$model" --dtype bf16 --decode-batch 1,64
     bench host-unfused --model "$model" --dtype bf16 --decode-batch 1,64 --fusion off
     kernel_profile profile-fused --model "$model" --dtype bf16 --decode-batch 1 --decode-tokens 8 --prompt-len 32
