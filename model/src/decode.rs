@@ -19,16 +19,19 @@
 //! vLLM preempts: their tokens stay, and they are prefilled again when they rejoin.
 //!
 //! Rows of one batch line up their newest positions: a row that joins beside longer ones has
-//! empty positions in front (masked out) and positions are per sequence (`0..len`), so where a
-//! row sits in the batch never changes what it computes. The rows share one buffer per layer
-//! (burn has no paged attention), so changing the rows means rebuilding the batch's cache, and
-//! the decoder rebuilds rarely, copying each kept position once
-//! ([`KvCache::assemble`](crate::qwen3::KvCache::assemble)): waiting sequences join in groups
-//! while rows run, and the place a row leaves stays in the batch (decoded past and ignored, a
-//! [`DecoderStats::vacant_rows`]) until a join rebuilds it anyway, those places reach an eighth
-//! of the rows with nobody waiting, or the budget needs their memory. A parked sequence's cache
-//! stays in the row it left until it rejoins or the batch is rebuilt, and is copied out then:
-//! no cache is ever held twice.
+//! empty positions in front (masked out), a longer one widens the batch (the other rows' new
+//! columns masked), and positions are per sequence (`0..len`), so where a row sits in the
+//! batch, and which of its columns hold its positions, never changes what it computes. The rows
+//! share one buffer per layer (burn has no paged attention). The place a row leaves stays in
+//! the batch (decoded past and ignored, a [`DecoderStats::vacant_rows`]), and sequences that
+//! join (in groups while rows run) take such places: only their own positions are copied in
+//! ([`KvCache::place`](crate::qwen3::KvCache::place), a [`DecoderStats::joins_in_place`]).
+//! The batch's cache is rebuilt, each kept position copied once
+//! ([`KvCache::assemble`](crate::qwen3::KvCache::assemble)), only when a join finds too few
+//! places, when the places that no parked sequence may take again reach an eighth of the rows
+//! with nobody waiting, or when the budget needs their memory. A parked sequence's cache stays
+//! in the row it left until it rejoins, another sequence needs the place or the batch is
+//! rebuilt, and is copied out then: no cache is ever held twice.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -93,6 +96,8 @@ pub struct DecoderStats {
     /// Rows of one-token passes run for places that sequences had left (computed and ignored
     /// until the batch is rebuilt, instead of a copy of the batch at every leave).
     pub vacant_rows: u64,
+    /// Joins whose sequences took places rows had left, the batch not rebuilt.
+    pub joins_in_place: u64,
 }
 
 /// The next-token logits of the sequences one step ran: row `i` of `logits` (`[rows, vocab]`)
@@ -392,9 +397,10 @@ impl<B: Backend> Decoder<B> {
         self.batch.as_ref().map_or(0, |b| b.ids.iter().flatten().count())
     }
 
-    /// Rebuilds the batch without the rows that left (once they are an eighth of its rows and no
-    /// sequence waits to join, whose join would drop them anyway; always when `force`d) or
-    /// without the leading positions no row uses any more (once they are worth a copy).
+    /// Rebuilds the batch without the rows that left (once those that no parked sequence may
+    /// take again are an eighth of its rows and no sequence waits to join; always when
+    /// `force`d) or without the leading positions no row uses any more (once they are worth a
+    /// copy).
     fn compact(&mut self, force: bool) {
         let Some(batch) = self.batch.as_ref() else { return };
         let rows = batch.ids.len();
@@ -406,7 +412,11 @@ impl<B: Backend> Decoder<B> {
             return;
         }
         let holes = rows - running.len();
-        let drop_holes = holes > 0 && (force || holes * JOIN_FRACTION >= rows && self.queue.is_empty());
+        // Parked sequences are expected back (an environment's reply): they rejoin in places
+        // rows left, so the places they may take are not counted against the batch.
+        let returning = self.sequences.values().filter(|s| matches!(s.place, Place::Parked(_) | Place::ParkedInRow)).count();
+        let spare = holes.saturating_sub(returning);
+        let drop_holes = holes > 0 && (force || spare * JOIN_FRACTION >= rows && self.queue.is_empty());
         let width = batch.cache.len();
         let lead = running.iter().chain(batch.parked.keys()).map(|&r| leading_invalid(&batch.valid[r])).min().unwrap_or(0);
         let trim = lead > 0 && lead >= (width / 8).max(GROWTH_STEP);
@@ -470,6 +480,60 @@ impl<B: Backend> Decoder<B> {
             valid,
             mask: DeviceMask::Stale,
         })
+    }
+
+    /// Puts the rows of `joined` in places of `batch` that no running row holds: places rows
+    /// left, then rows of parked sequences (whose caches are copied out first, as a rebuild
+    /// would). Each joined row's positions end at the batch's newest column; a joining row
+    /// longer than the batch widens it, the other rows' new columns masked, as a rebuild pads
+    /// the shorter rows. Only the joining rows' positions are copied, where a rebuild copies
+    /// every row's. Gives both back when there are too few such places or the KV budget would
+    /// not hold the batch at its number of rows.
+    fn join_in_place(&mut self, mut batch: Batch<B>, joined: Batch<B>) -> Result<Batch<B>, (Batch<B>, Batch<B>)> {
+        let n = joined.ids.len();
+        let vacant: Vec<usize> = (0..batch.ids.len()).filter(|r| batch.ids[*r].is_none() && !batch.parked.contains_key(r)).collect();
+        let parked: Vec<usize> = batch.parked.keys().copied().take(n.saturating_sub(vacant.len())).collect();
+        if vacant.len() + parked.len() < n {
+            return Err((batch, joined));
+        }
+        let (width, joined_width) = (batch.cache.len(), joined.cache.len());
+        let new_width = width.max(joined_width);
+        // Room for the next decode step's position too, so that it does not grow the buffers again.
+        let capacity = if new_width + 1 > batch.cache.capacity() { grown_capacity(new_width + 1) } else { batch.cache.capacity() };
+        if let Some(budget) = self.limits.kv_budget {
+            let taken_out: usize = parked.iter().map(|r| self.sequences[&batch.parked[r]].cached).sum();
+            if batch.ids.len() * capacity + self.held_outside(&[]) + taken_out > budget {
+                return Err((batch, joined));
+            }
+        }
+        for row in &parked {
+            let id = batch.parked.remove(row).expect("a parked row");
+            let sequence = self.sequences.get_mut(&id).expect("a parked sequence");
+            sequence.place = Place::Parked(Some(batch.take_row(*row)));
+            self.stats.rebuilt_positions += sequence.cached as u64;
+        }
+        let places: Vec<usize> = vacant.into_iter().chain(parked).take(n).collect();
+        let offset = new_width - joined_width;
+        // One block per run of joined rows going to consecutive places.
+        let mut blocks: Vec<RowBlock> = Vec::new();
+        for (i, &row) in places.iter().enumerate() {
+            match blocks.last_mut() {
+                Some(b) if b.rows.end == i && b.at[0] + b.rows.len() == row => b.rows.end += 1,
+                _ => blocks.push(RowBlock { source: 0, rows: i..i + 1, positions: 0..joined_width, at: [row, offset] }),
+            }
+        }
+        batch.cache.place(joined.cache, &blocks, new_width, new_width + 1);
+        for v in &mut batch.valid {
+            v.resize(new_width, false);
+        }
+        for ((&row, id), valid) in places.iter().zip(joined.ids).zip(joined.valid) {
+            batch.ids[row] = id;
+            batch.valid[row] = std::iter::repeat_n(false, offset).chain(valid).collect();
+        }
+        batch.mask = DeviceMask::Stale;
+        self.stats.rebuilt_positions += (n * joined_width) as u64;
+        self.stats.joins_in_place += 1;
+        Ok(batch)
     }
 
     /// Positions held by caches outside the batch, except those of `except`.
@@ -753,7 +817,10 @@ impl<B: Backend> Decoder<B> {
         };
         self.batch = match self.batch.take() {
             None => Some(joined),
-            Some(batch) => self.rebuild(batch, Some(joined)),
+            Some(batch) => match self.join_in_place(batch, joined) {
+                Ok(batch) => Some(batch),
+                Err((batch, joined)) => self.rebuild(batch, Some(joined)),
+            },
         };
         let last = last.expect("a prefill has at least one position");
         let vocab = last.dims()[2];

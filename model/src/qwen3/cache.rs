@@ -112,6 +112,31 @@ impl<B: Backend> LayerKvCache<B> {
             len,
         }
     }
+
+    /// Copies `blocks` of `source` (their `source` field unused) into this cache, which first
+    /// grows to hold `needed` positions (if it has room for fewer) and then holds `len` positions
+    /// (if it held fewer): rows joining a batch in places other rows left, each joined position
+    /// copied once and nothing else moved.
+    fn place(&mut self, source: Self, blocks: &[RowBlock], len: usize, needed: usize) {
+        let (Some(keys), Some(values), Some(source_keys), Some(source_values)) = (self.keys.take(), self.values.take(), source.keys, source.values) else {
+            return;
+        };
+        let [_, h, _, d] = keys.dims();
+        let build = |buffer: Tensor<B, 4>, source: &Tensor<B, 4>| {
+            let mut buffer = grow(Some(buffer), source, needed);
+            for block in blocks.iter().filter(|b| !b.rows.is_empty() && !b.positions.is_empty()) {
+                let [row, at] = block.at;
+                buffer = kernels::copy_block(buffer, block.at, source, block.rows.clone(), block.positions.clone()).unwrap_or_else(|buffer| {
+                    let value = source.clone().slice([block.rows.clone(), 0..h, block.positions.clone(), 0..d]);
+                    buffer.slice_assign([row..row + block.rows.len(), 0..h, at..at + block.positions.len(), 0..d], value)
+                });
+            }
+            buffer
+        };
+        self.keys = Some(build(keys, &source_keys));
+        self.values = Some(build(values, &source_values));
+        self.len = self.len.max(len);
+    }
 }
 
 /// Rows of one cache to copy into an assembled one (see [`KvCache::assemble`]).
@@ -136,18 +161,20 @@ pub fn grown_capacity(needed: usize) -> usize {
 /// The smallest growth of a cache buffer, in positions.
 pub const GROWTH_STEP: usize = 32;
 
-/// Returns a buffer with room for `needed` positions holding the old buffer's contents.
+/// Returns a buffer with room for `needed` positions holding the old buffer's contents (as
+/// many rows as the old buffer, else as `like`).
 fn grow<B: Backend>(buffer: Option<Tensor<B, 4>>, like: &Tensor<B, 4>, needed: usize) -> Tensor<B, 4> {
-    let [b, h, _, d] = like.dims();
+    let [_, h, _, d] = like.dims();
     match buffer {
         Some(buf) if buf.dims()[2] >= needed => buf,
         old => {
             let capacity = grown_capacity(needed);
+            let b = old.as_ref().map_or(like.dims()[0], |old| old.dims()[0]);
             let fresh = Tensor::<B, 4>::zeros([b, h, capacity, d], (&like.device(), like.dtype()));
             match old {
                 Some(old) => {
                     let used = old.dims()[2];
-                    fresh.slice_assign([0..b, 0..h, 0..used, 0..d], old)
+                    kernels::copy_block(fresh, [0, 0], &old, 0..b, 0..used).unwrap_or_else(|fresh| fresh.slice_assign([0..b, 0..h, 0..used, 0..d], old))
                 }
                 None => fresh,
             }
@@ -190,6 +217,17 @@ impl<B: Backend> KvCache<B> {
     pub fn take_row(&self, row: usize, slots: &[usize]) -> Self {
         Self {
             layers: self.layers.iter().map(|l| l.take_row(row, slots)).collect(),
+        }
+    }
+
+    /// Copies `blocks` of `source` into this cache's rows (`RowBlock::source` unused), which
+    /// grows to hold `needed` positions (by [`grown_capacity`], if it has room for fewer) and
+    /// then holds `len` positions (if it held fewer; the rows' new positions are theirs to mask):
+    /// sequences joining a batch in places other rows left, only their positions copied.
+    pub fn place(&mut self, mut source: Self, blocks: &[RowBlock], len: usize, needed: usize) {
+        assert!(needed >= len, "a cache of {len} positions with room for {needed}");
+        for (layer, source) in self.layers.iter_mut().zip(source.layers.iter_mut()) {
+            layer.place(std::mem::take(source), blocks, len, needed);
         }
     }
 

@@ -351,6 +351,8 @@ fn kept_cache_decoding_equals_recomputation() {
     // and the token it had accepted before parking; every other token through a decode step.
     assert_eq!(whole.prefill_tokens, 5 + 11 + 3 + 6 + 1);
     assert_eq!(whole.preemptions, 0);
+    // Sequence 0 rejoins, longer than the batch, in the place it left.
+    assert!(whole.joins_in_place > 0, "{whole:?}");
     let chunked = decode_against_recomputation(&model, DecoderLimits { max_batched_tokens: 4, ..DecoderLimits::default() }, "chunked prefills");
     assert_eq!(chunked.prefill_tokens, whole.prefill_tokens);
     assert_eq!(chunked.decode_tokens, whole.decode_tokens);
@@ -403,6 +405,50 @@ fn rows_that_leave_are_skipped_until_the_batch_is_rebuilt() {
     let stats = decoder.stats();
     assert!(stats.vacant_rows > 0, "no step ran past places rows had left: {stats:?}");
     assert!(stats.rebuilt_positions > 0, "{stats:?}");
+}
+
+/// Sequences that join while places rows left are free take those places, the batch not
+/// rebuilt: a parked sequence back with a reply longer than the batch is wide (the batch widens,
+/// the other rows' new positions masked), and a short new one where a finished row was; every
+/// returned row still equals recomputation, and only the joining rows' positions are copied.
+#[test]
+fn joining_sequences_take_the_places_rows_left() {
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    let mut decoder = Decoder::<B>::new(DecoderLimits::default());
+    for id in 0..4u64 {
+        decoder.add(&model, id, (0..3 + 2 * id as u32).map(|i| 1 + id as u32 * 13 + i * 5).collect()).unwrap();
+    }
+    let (mut worst, mut generated, mut steps) = (0.0f32, [0usize; 5], 0);
+    while !decoder.is_idle() || decoder.contains(1) && steps < 6 {
+        let chosen = checked_step(&model, &mut decoder, &mut worst);
+        steps += 1;
+        for (id, token) in chosen {
+            generated[id as usize] += 1;
+            decoder.accept(id, token).unwrap();
+            match (id, generated[id as usize]) {
+                (1, 2) => decoder.park(1).unwrap(),
+                (2, 3) => {
+                    // A row ends and a short sequence joins in its place at the next step.
+                    decoder.finish(2);
+                    decoder.add(&model, 4, vec![7, 8]).unwrap();
+                }
+                (_, 8) => drop(decoder.finish(id)),
+                _ => {}
+            }
+        }
+        if steps == 5 {
+            // Sequence 1's reply makes it longer than any row of the batch.
+            let before = decoder.stats().rebuilt_positions;
+            let cached = decoder.cached_len(1).unwrap() as u64;
+            decoder.extend(&model, 1, &[3; 12]).unwrap();
+            assert_eq!(decoder.stats().rebuilt_positions, before + cached, "the parked cache is copied out once");
+        }
+        assert!(steps < 40, "the decoder did not finish");
+    }
+    assert!(worst < ATOL, "logits differ from recomputation by {worst} after joins in place");
+    let stats = decoder.stats();
+    assert!(stats.joins_in_place >= 2, "{stats:?}");
 }
 
 /// Within a KV budget too small for every sequence at once, sequences wait and running ones are
