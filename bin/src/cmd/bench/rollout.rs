@@ -89,8 +89,11 @@ pub struct RolloutStats {
     pub peak_kv_positions: usize,
     /// Their size in MiB (keys and values of every layer, in the dtype of the weights).
     pub peak_kv_mib: f64,
-    /// KV positions copied to rebuild the batch as rows left and joined, per agent token.
+    /// KV positions copied as rows left and joined (joins in place and batch rebuilds), per
+    /// agent token.
     pub rebuilt_positions_per_token: f64,
+    /// Joins whose sequences took places rows had left (the batch not rebuilt).
+    pub joins_in_place: u64,
     /// Of the rows of the one-token passes, the share run for places rows had left.
     pub vacant_row_share: f64,
     /// Tokens in an episode's context at its end (prompt, agent turns, replies).
@@ -576,6 +579,7 @@ pub fn measure<B: Backend>(
                         after.rebuilt_positions - stats_before.rebuilt_positions,
                         after.vacant_rows - stats_before.vacant_rows,
                         after.decode_tokens - stats_before.decode_tokens,
+                        after.joins_in_place - stats_before.joins_in_place,
                     ]
                 },
                 steps: agent.inner().step_times().since(&steps_before),
@@ -601,7 +605,7 @@ pub fn measure<B: Backend>(
     if turn_by_turn.as_ref().is_some_and(|t| t.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids))) {
         eprintln!("the episodes differ between continuous batching and turn by turn");
     }
-    let [rebuilt, vacant, decoded] = decoder.map(|n| n as f64);
+    let [rebuilt, vacant, decoded, joins_in_place] = decoder.map(|n| n as f64);
     if before.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids)) {
         eprintln!("the episodes differ between re-prefilling and kept caches");
     }
@@ -668,6 +672,7 @@ pub fn measure<B: Backend>(
         peak_kv_mib: (peak_kv_positions as u64 * trainer::plan::kv_position_bytes(&model.config, model.model.embed_tokens.weight.val().dtype())) as f64
             / 1048576.0,
         rebuilt_positions_per_token: rebuilt / counts.agent_tokens.max(1) as f64,
+        joins_in_place: joins_in_place as u64,
         vacant_row_share: vacant / (vacant + decoded).max(1.0),
         context_tokens_per_episode: per_episode(context),
         non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
@@ -740,8 +745,9 @@ struct TimedRollout {
     /// Tokens the agent's decoder prefilled.
     prefill_tokens: usize,
     peak_kv_positions: usize,
-    /// The decoder's rebuilt positions, vacant rows and decoded tokens during the run.
-    decoder: [u64; 3],
+    /// The decoder's rebuilt positions, vacant rows, decoded tokens and joins in place during
+    /// the run.
+    decoder: [u64; 4],
     /// The agent's decoder steps during the run.
     steps: StepTimes,
     trajectories: Vec<Trajectory>,
@@ -783,8 +789,10 @@ pub fn print(stats: &RolloutStats) {
         s.decode_steps, s.decode_step_ms, s.pure_decode_step_ms, s.prefill_steps, s.prefill_step_ms, s.agent_seconds_outside_steps
     );
     println!(
-        "  batch rebuilds copied {:.0} KV positions per agent token; {:.1}% of the decoded rows were places rows had left",
+        "  joins and batch rebuilds copied {:.0} KV positions per agent token ({} joins in place of {} steps with a prefill); {:.1}% of the decoded rows were places rows had left",
         s.rebuilt_positions_per_token,
+        s.joins_in_place,
+        s.prefill_steps,
         100.0 * s.vacant_row_share
     );
     println!(
