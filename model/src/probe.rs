@@ -24,13 +24,7 @@ pub fn probe_device<B: Backend>(device: &B::Device) -> Result<(), String> {
     std::panic::set_hook(Box::new(move |info| {
         let mut slot = record.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.is_none() {
-            let text = info
-                .payload()
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| info.payload().downcast_ref::<&str>().copied())
-                .unwrap_or("unknown error");
-            *slot = Some(text.to_owned());
+            *slot = Some(panic_message(info).to_owned());
         }
     }));
     // Nothing the closure touches outlives a panic in it but the device handle, which stays usable.
@@ -41,6 +35,46 @@ pub fn probe_device<B: Backend>(device: &B::Device) -> Result<(), String> {
     std::panic::set_hook(previous);
     let cause = first_panic.lock().unwrap_or_else(PoisonError::into_inner).take();
     verdict(probe.ok(), cause)
+}
+
+/// Passes every later panic on one of CubeCL's device threads (named `DSU-*` and `DSD-*`: the
+/// fusion server and the device server) to `on_failure`, with the first line of its message,
+/// after the panic hook installed before it has run (which prints it). CubeCL catches such a
+/// panic, logs it and goes on: a tensor whose allocation failed (more memory than the device
+/// has, or than it allows in one buffer) is never written, and every result computed from it
+/// after is wrong, so `on_failure` is where a program stops. The first call installs it; later
+/// calls do nothing.
+pub fn watch_device_threads(on_failure: fn(&str)) {
+    static WATCHING: std::sync::Once = std::sync::Once::new();
+    WATCHING.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            if std::thread::current().name().is_some_and(is_device_thread) {
+                on_failure(first_line(panic_message(info)));
+            }
+        }));
+    });
+}
+
+/// Whether a thread of this name is one of CubeCL's device threads (`DS` with `U`pstream or
+/// `D`ownstream, then the device's type and index, as cubecl-common names them).
+fn is_device_thread(name: &str) -> bool {
+    name.starts_with("DSD-") || name.starts_with("DSU-")
+}
+
+/// A panic's message, when it carries one.
+fn panic_message<'a>(info: &'a std::panic::PanicHookInfo<'_>) -> &'a str {
+    info.payload()
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| info.payload().downcast_ref::<&str>().copied())
+        .unwrap_or("unknown error")
+}
+
+/// The first line of `text` (CubeCL's errors carry a backtrace after it).
+fn first_line(text: &str) -> &str {
+    text.lines().next().unwrap_or(text).trim_end()
 }
 
 /// The probe's outcome from its sum (`None` when it panicked) and the first panic message seen
@@ -62,6 +96,14 @@ mod tests {
     #[test]
     fn the_cpu_backend_passes() {
         assert_eq!(probe_device::<Flex>(&Default::default()), Ok(()));
+    }
+
+    #[test]
+    fn device_threads_are_known_by_name() {
+        assert!(is_device_thread("DSD-4-0") && is_device_thread("DSU-0-1"));
+        assert!(!is_device_thread("main") && !is_device_thread("DS") && !is_device_thread("DSX-0-0"));
+        assert_eq!(first_line("can't allocate buffer of size: 150077440\n   0: backtrace"), "can't allocate buffer of size: 150077440");
+        assert_eq!(first_line(""), "");
     }
 
     #[test]

@@ -21,6 +21,7 @@ mod model_common;
 mod training_common;
 
 mod attention;
+mod device_threads;
 mod gradients;
 mod parity;
 mod training;

@@ -2,7 +2,9 @@
 //! (kernels compiled to SPIR-V). Before the first use this sets CubeCL's persistent caches, probes
 //! the device (a missing runtime becomes an error naming its cause), and runs the task with
 //! burn's kernel fusion on, or off with `--fusion off` (`PROMPT_R1_FUSION=0`). A panic inside the
-//! backend becomes an error that says how to try without fusion.
+//! backend becomes an error that says how to try without fusion; one on CubeCL's own device
+//! threads (which CubeCL would swallow, computing on with a tensor never written, e.g. after an
+//! allocation the device refused) stops the process with its cause.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -76,6 +78,24 @@ fn catch_backend_panic<O>(work: impl FnOnce() -> Result<O>) -> Result<O> {
     }
 }
 
+/// Stops the process after a panic on one of CubeCL's device threads (installed once the device
+/// answered the probe, see [`model::probe::watch_device_threads`]): CubeCL would log it and go
+/// on, and every result after it would be wrong. Files being written are left whole: results and
+/// checkpoints are written to a temporary name and renamed.
+fn device_thread_failed(text: &str) {
+    let hint = if text.contains("can't allocate buffer") || text.contains("out of memory") || text.contains("OutOfMemory") {
+        "the device has no room for a tensor: more memory than it has, or than it allows in one buffer (CUDA: a \
+         quarter of the GPU's memory; wgpu: the adapter's largest storage buffer). Lower the batch, \
+         rollout.max_num_batched_tokens or the sequence length (`prompt-r1 plan` estimates a run's memory)"
+    } else if fusion_enabled() {
+        "burn 0.21's kernel fusion has open bugs: try again with --fusion off (or PROMPT_R1_FUSION=0; slower)"
+    } else {
+        "a bug in the GPU backend or in prompt-r1: please report it with this message"
+    };
+    eprintln!("error: the GPU backend failed on its device thread: {text}. Its results from here on would be wrong, so prompt-r1 stops: {hint}");
+    std::process::exit(1);
+}
+
 /// Runs `task` on backend `B` (fused) or `U` (the same runtime unfused), as `--fusion` says.
 fn run_fused_or_not<B, U, T>(device: B::Device, unfused: U::Device, what: &str, help: &str, task: T) -> Result<T::Output>
 where
@@ -86,10 +106,12 @@ where
     // Training records the memory-efficient attention as one autodiff node on these backends.
     if fusion_enabled() {
         ready::<B>(&device, what, help)?;
+        model::probe::watch_device_threads(device_thread_failed);
         model::qwen3::register_autodiff_attention::<burn::backend::Autodiff<B>>();
         catch_backend_panic(|| task.run::<B>(device))
     } else {
         ready::<U>(&unfused, what, help)?;
+        model::probe::watch_device_threads(device_thread_failed);
         model::qwen3::register_autodiff_attention::<burn::backend::Autodiff<U>>();
         catch_backend_panic(|| task.run::<U>(unfused))
     }
