@@ -174,6 +174,8 @@ stacks() {
     while [ "$i" -lt "${STACK_SAMPLES:-40}" ] && pid=$(pgrep -n -f "$bin bench"); do
       timeout 30 "$gdb" -q -batch -p "$pid" -ex "set pagination off" -ex "thread apply all bt 80" \
         > "$work/$name.stacks/$i.bt" 2>&1
+      # An attach that shows no thread (ptrace refused, say) will not do better next time.
+      grep -q '^Thread ' "$work/$name.stacks/$i.bt" || break
       i=$((i + 1))
       sleep 0.5
     done
@@ -182,7 +184,11 @@ stacks() {
   bench "$name" "$@"
   kill "$sampler" 2> /dev/null
   wait "$sampler" 2> /dev/null
-  say "   stack samples with $gdb: $(ls "$work/$name.stacks" | wc -l)"
+  say "   stack samples with $gdb: $(grep -l '^Thread ' "$work/$name.stacks"/*.bt 2> /dev/null | wc -l)"
+  if ! grep -qs '^Thread ' "$work/$name.stacks"/*.bt; then
+    say "   no stack came back; the first attach said:"
+    head -8 "$(ls "$work/$name.stacks"/*.bt 2> /dev/null | head -1)" 2> /dev/null | tee -a "$log"
+  fi
   python3 scripts/stack_profile.py "$work/$name.stacks"/*.bt > "$work/$name.profile.txt" 2>&1
   head -70 "$work/$name.profile.txt" | tee -a "$log"
   tar czf "$work/$name.stacks.tar.gz" -C "$work" "$name.stacks" && rm -rf "$work/$name.stacks"
