@@ -118,8 +118,9 @@ impl<B: Backend> LayerKvCache<B> {
     /// (if it held fewer): rows joining a batch in places other rows left, each joined position
     /// copied once and nothing else moved.
     fn place(&mut self, source: Self, blocks: &[RowBlock], len: usize, needed: usize) {
-        let (Some(keys), Some(values), Some(source_keys), Some(source_values)) = (self.keys.take(), self.values.take(), source.keys, source.values) else {
-            return;
+        let (Some(source_keys), Some(source_values)) = (source.keys, source.values) else { return };
+        let (Some(keys), Some(values)) = (self.keys.take(), self.values.take()) else {
+            unreachable!("rows placed into a cache without buffers (a batch always has them)");
         };
         let [_, h, _, d] = keys.dims();
         let build = |buffer: Tensor<B, 4>, source: &Tensor<B, 4>| {
