@@ -96,11 +96,7 @@ impl<B: Backend> LayerKvCache<B> {
             let mut buffer = Tensor::<B, 4>::zeros([rows, h, capacity, d], (&device, dtype));
             for block in blocks.iter().filter(|b| !b.rows.is_empty() && !b.positions.is_empty()) {
                 let Some(source) = pick(&sources[block.source]) else { continue };
-                let [row, at] = block.at;
-                buffer = kernels::copy_block(buffer, block.at, source, block.rows.clone(), block.positions.clone()).unwrap_or_else(|buffer| {
-                    let value = source.clone().slice([block.rows.clone(), 0..h, block.positions.clone(), 0..d]);
-                    buffer.slice_assign([row..row + block.rows.len(), 0..h, at..at + block.positions.len(), 0..d], value)
-                });
+                buffer = copy_rows(buffer, source, block);
             }
             buffer
         };
@@ -122,17 +118,9 @@ impl<B: Backend> LayerKvCache<B> {
         let (Some(keys), Some(values)) = (self.keys.take(), self.values.take()) else {
             unreachable!("rows placed into a cache without buffers (a batch always has them)");
         };
-        let [_, h, _, d] = keys.dims();
         let build = |buffer: Tensor<B, 4>, source: &Tensor<B, 4>| {
-            let mut buffer = grow(Some(buffer), source, needed);
-            for block in blocks.iter().filter(|b| !b.rows.is_empty() && !b.positions.is_empty()) {
-                let [row, at] = block.at;
-                buffer = kernels::copy_block(buffer, block.at, source, block.rows.clone(), block.positions.clone()).unwrap_or_else(|buffer| {
-                    let value = source.clone().slice([block.rows.clone(), 0..h, block.positions.clone(), 0..d]);
-                    buffer.slice_assign([row..row + block.rows.len(), 0..h, at..at + block.positions.len(), 0..d], value)
-                });
-            }
-            buffer
+            let grown = grow(Some(buffer), source, needed);
+            blocks.iter().filter(|b| !b.rows.is_empty() && !b.positions.is_empty()).fold(grown, |buffer, block| copy_rows(buffer, source, block))
         };
         self.keys = Some(build(keys, &source_keys));
         self.values = Some(build(values, &source_values));
@@ -174,13 +162,24 @@ fn grow<B: Backend>(buffer: Option<Tensor<B, 4>>, like: &Tensor<B, 4>, needed: u
             let fresh = Tensor::<B, 4>::zeros([b, h, capacity, d], (&like.device(), like.dtype()));
             match old {
                 Some(old) => {
-                    let used = old.dims()[2];
-                    kernels::copy_block(fresh, [0, 0], &old, 0..b, 0..used).unwrap_or_else(|fresh| fresh.slice_assign([0..b, 0..h, 0..used, 0..d], old))
+                    let all = RowBlock { source: 0, rows: 0..b, positions: 0..old.dims()[2], at: [0, 0] };
+                    copy_rows(fresh, &old, &all)
                 }
                 None => fresh,
             }
         }
     }
+}
+
+/// `buffer` with `block`'s rows and positions of `source` copied to where the block says: in
+/// place on the CPU ([`kernels::copy_block`]), else by `slice_assign`.
+fn copy_rows<B: Backend>(buffer: Tensor<B, 4>, source: &Tensor<B, 4>, block: &RowBlock) -> Tensor<B, 4> {
+    let [_, h, _, d] = buffer.dims();
+    let [row, at] = block.at;
+    kernels::copy_block(buffer, block.at, source, block.rows.clone(), block.positions.clone()).unwrap_or_else(|buffer| {
+        let value = source.clone().slice([block.rows.clone(), 0..h, block.positions.clone(), 0..d]);
+        buffer.slice_assign([row..row + block.rows.len(), 0..h, at..at + block.positions.len(), 0..d], value)
+    })
 }
 
 /// The cache of every layer of a model, for one batch of sequences.
