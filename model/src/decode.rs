@@ -328,12 +328,19 @@ impl<B: Backend> Decoder<B> {
         if !matches!(sequence.place, Place::ParkedInRow) {
             return;
         }
-        let batch = self.batch.as_mut().expect("a sequence parked in a row has a batch");
+        let mut batch = self.batch.take().expect("a sequence parked in a row has a batch");
         let row = batch.parked.iter().find(|&(_, &p)| p == id).map(|(&r, _)| r).expect("its row");
-        batch.parked.remove(&row);
-        let cache = batch.take_row(row);
+        self.release_parked_row(&mut batch, row);
+        self.batch = Some(batch);
+    }
+
+    /// Copies the cache of the sequence parked in `row` of `batch` out of the row, for the
+    /// sequence to hold itself (counted in `rebuilt_positions`); the row becomes a place left.
+    fn release_parked_row(&mut self, batch: &mut Batch<B>, row: usize) {
+        let id = batch.parked.remove(&row).expect("a row holding a parked sequence");
+        let sequence = self.sequences.get_mut(&id).expect("a parked sequence");
+        sequence.place = Place::Parked(Some(batch.take_row(row)));
         self.stats.rebuilt_positions += sequence.cached as u64;
-        sequence.place = Place::Parked(Some(cache));
     }
 
     /// Removes sequence `id` and frees its cache; returns its tokens.
@@ -430,10 +437,9 @@ impl<B: Backend> Decoder<B> {
     /// lines up their newest positions and drops the leading positions no row uses: each kept
     /// position is copied once. `None` when no row is left.
     fn rebuild(&mut self, mut batch: Batch<B>, joined: Option<Batch<B>>) -> Option<Batch<B>> {
-        for (row, id) in std::mem::take(&mut batch.parked) {
-            let sequence = self.sequences.get_mut(&id).expect("a parked sequence");
-            sequence.place = Place::Parked(Some(batch.take_row(row)));
-            self.stats.rebuilt_positions += sequence.cached as u64;
+        let parked: Vec<usize> = batch.parked.keys().copied().collect();
+        for row in parked {
+            self.release_parked_row(&mut batch, row);
         }
         let parts: Vec<Batch<B>> = std::iter::once(batch).chain(joined).collect();
         let kept: Vec<(Vec<usize>, usize, usize)> = parts
@@ -506,11 +512,8 @@ impl<B: Backend> Decoder<B> {
                 return Err((batch, joined));
             }
         }
-        for row in &parked {
-            let id = batch.parked.remove(row).expect("a parked row");
-            let sequence = self.sequences.get_mut(&id).expect("a parked sequence");
-            sequence.place = Place::Parked(Some(batch.take_row(*row)));
-            self.stats.rebuilt_positions += sequence.cached as u64;
+        for &row in &parked {
+            self.release_parked_row(&mut batch, row);
         }
         let places: Vec<usize> = vacant.into_iter().chain(parked).take(n).collect();
         let offset = new_width - joined_width;

@@ -46,7 +46,7 @@ pub struct LocalAgent<'m, B: Backend> {
 
 /// Where a [`LocalAgent`]'s decoder steps spent their wall-clock time, each step with its
 /// sampling (which waits for a GPU to finish the step): steps that only decoded, and steps that
-/// also prefilled sequences joining the batch (their batch rebuilt with them).
+/// also prefilled sequences joining the batch (and joined them to it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepTimes {
     /// Steps that only decoded one token for each running row.

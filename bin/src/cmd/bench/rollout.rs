@@ -117,8 +117,8 @@ pub struct RolloutStats {
     /// included).
     pub decode_steps: u64,
     pub decode_step_ms: f64,
-    /// The rollout's steps that also prefilled joining sequences (and rebuilt the batch with
-    /// them), and their mean milliseconds.
+    /// The rollout's steps that also prefilled joining sequences (and joined them to the
+    /// batch), and their mean milliseconds.
     pub prefill_steps: u64,
     pub prefill_step_ms: f64,
     /// Seconds in the agent outside decoder steps (tokenising, queueing turns, the episode loop).
