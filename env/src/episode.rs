@@ -88,7 +88,8 @@ pub struct NoObserver;
 
 impl EpisodeObserver for NoObserver {}
 
-/// Runs one episode per question and returns the trajectories in question order.
+/// Runs one episode per question, all begun at once, and returns the trajectories in question
+/// order.
 pub fn run_episodes<A, E, Q>(
     agent: &mut A,
     env: &E,
@@ -116,10 +117,33 @@ where
     E: Environment + ?Sized,
     Q: AsRef<str>,
 {
+    run_episodes_in_flight(agent, env, questions, config, questions.len(), observer)
+}
+
+/// Runs one episode per question with at most `max_in_flight` of them begun and not yet ended:
+/// the next question's episode begins as soon as one ends, as an inference engine admits a new
+/// request when one finishes, so a long episode does not hold the others' places empty (as
+/// running the questions in fixed batches of `max_in_flight` would). Episodes begin in question
+/// order; the trajectories come back in question order. `observer` hears of each turn and
+/// episode as it ends.
+pub fn run_episodes_in_flight<A, E, Q>(
+    agent: &mut A,
+    env: &E,
+    questions: &[Q],
+    config: &EpisodeConfig,
+    max_in_flight: usize,
+    observer: &mut dyn EpisodeObserver,
+) -> Vec<Trajectory>
+where
+    A: Agent + ?Sized,
+    E: Environment + ?Sized,
+    Q: AsRef<str>,
+{
     let mut run = Run {
         agent,
         observer,
-        start: Instant::now(),
+        max_in_flight: max_in_flight.max(1),
+        begun: 0,
     };
     let mut episodes: Vec<Episode> = questions
         .iter()
@@ -133,26 +157,19 @@ where
             ))
         })
         .collect();
-    for episode in &mut episodes {
-        match run.agent.begin_episode(&mut episode.ctx) {
-            Ok(()) => episode.prompt_len = episode.ctx.trace().len(),
-            Err(err) => run.finish(
-                episode,
-                StopReason::AgentFailure,
-                None,
-                Some(err.to_string()),
-            ),
-        }
-    }
     if run.agent.continuous() {
         run.continuous(&mut episodes, env, config);
     } else {
         loop {
+            run.admit(&mut episodes);
             let active: Vec<usize> = (0..episodes.len())
                 .filter(|&i| episodes[i].is_running() && run.prepare_turn(&mut episodes[i], config))
                 .collect();
             if active.is_empty() {
-                break;
+                if run.begun == episodes.len() {
+                    break;
+                }
+                continue;
             }
             let calls = run.generate(&mut episodes, &active, config);
             run.call_environment(&mut episodes, calls, env, config);
@@ -174,6 +191,8 @@ struct Episode {
     response_text: String,
     agent_time: Duration,
     env_time: Duration,
+    /// When the episode began (`None`: not yet, waiting for a place among those in flight).
+    begun: Option<Instant>,
     done: Option<Trajectory>,
 }
 
@@ -188,12 +207,14 @@ impl Episode {
             response_text: String::new(),
             agent_time: Duration::ZERO,
             env_time: Duration::ZERO,
+            begun: None,
             done: None,
         }
     }
 
+    /// Begun and not ended.
     fn is_running(&self) -> bool {
-        self.done.is_none()
+        self.begun.is_some() && self.done.is_none()
     }
 }
 
@@ -208,10 +229,35 @@ struct PendingCall {
 struct Run<'a, A: ?Sized> {
     agent: &'a mut A,
     observer: &'a mut dyn EpisodeObserver,
-    start: Instant,
+    /// Most episodes begun and not ended at once.
+    max_in_flight: usize,
+    /// Episodes begun so far: the first `begun` of the list.
+    begun: usize,
 }
 
 impl<A: Agent + ?Sized> Run<'_, A> {
+    /// Begins the next episodes while fewer than `max_in_flight` run; returns those that began
+    /// (an episode the agent cannot begin ends at once, as an agent failure).
+    fn admit(&mut self, episodes: &mut [Episode]) -> Vec<usize> {
+        let mut running = episodes[..self.begun].iter().filter(|e| e.is_running()).count();
+        let mut admitted = Vec::new();
+        while running < self.max_in_flight && self.begun < episodes.len() {
+            let i = self.begun;
+            self.begun += 1;
+            let episode = &mut episodes[i];
+            episode.begun = Some(Instant::now());
+            match self.agent.begin_episode(&mut episode.ctx) {
+                Ok(()) => {
+                    episode.prompt_len = episode.ctx.trace().len();
+                    admitted.push(i);
+                    running += 1;
+                }
+                Err(err) => self.finish(episode, StopReason::AgentFailure, None, Some(err.to_string())),
+            }
+        }
+        admitted
+    }
+
     /// Generates one turn for every active episode and returns the calls to make.
     fn generate(
         &mut self,
@@ -427,9 +473,11 @@ impl<A: Agent + ?Sized> Run<'_, A> {
                 });
             }
             drop(answers);
-            let mut ready: Vec<usize> = (0..episodes.len()).filter(|&i| episodes[i].is_running()).collect();
+            let mut ready: Vec<usize> = Vec::new();
             let (mut in_turn, mut waiting) = (Vec::<usize>::new(), 0usize);
             loop {
+                // Episodes begin as places among those in flight come free.
+                ready.extend(self.admit(episodes));
                 // In index order, the order their contexts are handed over in.
                 ready.sort_unstable();
                 let starting: Vec<usize> = std::mem::take(&mut ready)
@@ -472,7 +520,10 @@ impl<A: Agent + ?Sized> Run<'_, A> {
                     }
                 }
                 if in_turn.is_empty() && waiting == 0 {
-                    break;
+                    if self.begun == episodes.len() {
+                        break;
+                    }
+                    continue;
                 }
                 // Block for a reply only when nothing can decode meanwhile.
                 let mut replies: Vec<Answered> = answered.try_iter().collect();
@@ -520,7 +571,7 @@ impl<A: Agent + ?Sized> Run<'_, A> {
             response_tokens: episode.response_tokens,
             env_calls: episode.calls,
             timings: Timings {
-                total_ms: millis(self.start.elapsed()),
+                total_ms: millis(episode.begun.map_or(Duration::ZERO, |begun| begun.elapsed())),
                 agent_ms: millis(episode.agent_time),
                 env_ms: millis(episode.env_time),
             },

@@ -56,7 +56,7 @@ pub struct TurnRecord {
 /// Where an episode's time went, in milliseconds.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Timings {
-    /// From the start of the batch to the end of this episode.
+    /// From the episode's beginning to its end.
     pub total_ms: u64,
     /// Generation calls this episode took part in (batched calls count in full).
     pub agent_ms: u64,

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use prompt_r1_env::{
-    run_episodes, run_episodes_observed, Agent, AgentContext, AgentError, ChatMessage, EnvError,
+    run_episodes, run_episodes_in_flight, run_episodes_observed, Agent, AgentContext, AgentError, ChatMessage, EnvError,
     Environment, EpisodeConfig, EpisodeObserver, ReplyFormat, StopReason, Trajectory, TurnEnd,
     TurnRecord, TurnText, ENV_SYSTEM_MESSAGE, REFERENCE_INSTRUCTION, REFERENCE_SYSTEM,
 };
@@ -65,6 +65,8 @@ struct ScriptedAgent {
     batch_sizes: Vec<usize>,
     prefixes_seen: Vec<(usize, String)>,
     ended: Vec<usize>,
+    /// Episodes begun (`true`) and ended (`false`), in order.
+    log: Vec<(bool, usize)>,
 }
 
 impl ScriptedAgent {
@@ -81,6 +83,7 @@ impl ScriptedAgent {
 
 impl Agent for ScriptedAgent {
     fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), AgentError> {
+        self.log.push((true, ctx.index()));
         let ids = tokenize(&ctx.prompt().chatml());
         ctx.record_context_tokens(&ids);
         Ok(())
@@ -143,6 +146,7 @@ impl Agent for ScriptedAgent {
 
     fn end_episode(&mut self, ctx: &mut AgentContext) {
         self.ended.push(ctx.index());
+        self.log.push((false, ctx.index()));
     }
 }
 
@@ -814,4 +818,63 @@ fn the_continuous_loop_matches_the_turn_by_turn_loop() {
         assert_eq!(b.env_calls, 2);
     }
     assert_eq!(continuous.inner.ended.len(), questions.len(), "every episode ended once");
+}
+
+/// The most episodes begun and not ended at once in `log`, and where in `log` each episode
+/// began and ended.
+fn in_flight(log: &[(bool, usize)]) -> (usize, HashMap<usize, usize>, HashMap<usize, usize>) {
+    let (mut now, mut most, mut began, mut ended) = (0usize, 0usize, HashMap::new(), HashMap::new());
+    for (at, &(begin, i)) in log.iter().enumerate() {
+        if begin {
+            now += 1;
+            most = most.max(now);
+            began.insert(i, at);
+        } else {
+            now -= 1;
+            ended.insert(i, at);
+        }
+    }
+    assert_eq!(began.len(), ended.len(), "every episode begun ends");
+    (most, began, ended)
+}
+
+/// With at most two episodes in flight, both loops begin the next question's episode as soon as
+/// one ends (the third begins before the long second one ends, where batches of two would wait
+/// for it), never run more than two at once, and give every episode what it gets when all run
+/// at once, in question order.
+#[test]
+fn episodes_begin_as_others_end_within_the_in_flight_limit() {
+    let call = |l: char| turn(&format!("<think>\nabout {l}\n</think>\n<interaction_prompt>ask {l}</interaction_prompt>"));
+    // Episode 1 calls twice before answering; the others answer at once or after one call.
+    let scripts: Vec<(&str, Vec<Scripted>)> = vec![
+        ("What is A?", vec![turn(T3)]),
+        ("What is B?", vec![call('B'), call('B'), turn(T3)]),
+        ("What is C?", vec![call('C'), turn(T3)]),
+        ("What is D?", vec![turn(T3)]),
+        ("What is E?", vec![call('E'), turn(T3)]),
+    ];
+    let questions: Vec<&str> = scripts.iter().map(|s| s.0).collect();
+    let env = ScriptedEnv::new(|messages: &[ChatMessage]| Ok(format!("reply to {}", last_user(messages).len())));
+    let config = EpisodeConfig::default();
+    let all_at_once = run_episodes(&mut ScriptedAgent::new(&scripts), &env, &questions, &config);
+    let check = |trajectories: &[Trajectory], log: &[(bool, usize)], what: &str| {
+        assert_eq!(trajectories.len(), questions.len(), "{what}");
+        for (i, (a, b)) in all_at_once.iter().zip(trajectories).enumerate() {
+            assert_eq!(b.question, questions[i], "{what}: episode {i} in question order");
+            assert_eq!(b.stop_reason, StopReason::Answer, "{what}: episode {i}: {:?}", b.error);
+            assert_eq!((&b.token_ids, &b.loss_mask, b.env_calls), (&a.token_ids, &a.loss_mask, a.env_calls), "{what}: episode {i}");
+        }
+        let (most, began, ended) = in_flight(log);
+        assert_eq!(most, 2, "{what}: at most two episodes in flight, and two at a time: {log:?}");
+        assert!(began[&2] < ended[&1], "{what}: episode 2 begins before episode 1 ends: {log:?}");
+        let begun: Vec<usize> = log.iter().filter(|e| e.0).map(|e| e.1).collect();
+        assert_eq!(begun, vec![0, 1, 2, 3, 4], "{what}: episodes begin in question order");
+    };
+    let mut by_turn = ScriptedAgent::new(&scripts);
+    let trajectories = run_episodes_in_flight(&mut by_turn, &env, &questions, &config, 2, &mut prompt_r1_env::NoObserver);
+    check(&trajectories, &by_turn.log, "turn by turn");
+    assert!(by_turn.batch_sizes.iter().all(|&b| b <= 2), "{:?}", by_turn.batch_sizes);
+    let mut continuous = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "", in_turn: Vec::new() };
+    let trajectories = run_episodes_in_flight(&mut continuous, &env, &questions, &config, 2, &mut prompt_r1_env::NoObserver);
+    check(&trajectories, &continuous.inner.log, "continuous");
 }

@@ -200,8 +200,9 @@ impl env::Environment for Delayed {
     }
 }
 
-/// Episodes run as the trainer runs them (`generation_batch` at a time, each episode's stream
-/// numbered by its place in the whole list): the same seed gives the same episodes whatever
+/// Episodes run as the trainer runs them (at most `generation_batch` in flight, the next
+/// beginning as one ends, each episode's stream numbered by its place in the list): the same
+/// seed gives the same episodes whatever
 /// the batch size, whatever the environment's delays (which reorder who decodes beside whom
 /// when the loop runs continuously) and turn by turn or continuously, each episode keeping its
 /// KV cache across its turns; an environment failure in the middle of a batch ends only its
@@ -223,11 +224,7 @@ fn episodes_do_not_depend_on_batching_or_environment_delays() {
         let sampling = Sampling { temperature: 1.0, seed: 5, ..Default::default() };
         let mut agent = ForcedCalls(LocalAgent::new(&model, &tokenizer, sampling).with_continuous_batching(continuous), 3);
         agent.0.set_batch_stream(2);
-        let mut out = Vec::new();
-        for (c, chunk) in questions.chunks(generation_batch).enumerate() {
-            agent.0.set_episode_offset(c * generation_batch);
-            out.extend(env::run_episodes(&mut agent, &env, chunk, &episode));
-        }
+        let out = env::run_episodes_in_flight(&mut agent, &env, &questions, &episode, generation_batch, &mut env::NoObserver);
         (out, agent.0.decoder_stats())
     };
     let (reference, stats) = run(8, 1, true);

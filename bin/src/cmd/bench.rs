@@ -111,10 +111,21 @@ pub struct Args {
     /// `--preset small` (BENCHMARKS.md).
     #[arg(long, conflicts_with_all = ["attention", "train_step"])]
     pub rollout: bool,
-    /// Episodes generated together (`rollout.generation_batch`) for --rollout; a comma list or
-    /// repeated.
+    /// Most episodes in flight at once (`rollout.generation_batch`) for --rollout; a comma list
+    /// or repeated.
     #[arg(long, value_delimiter = ',', default_value = "8")]
     pub rollout_batch: Vec<usize>,
+    /// Episodes per measured rollout (default: the --rollout-batch): with more, the next
+    /// episode begins as one ends, as `train` runs a step's episodes, and the rollout is also
+    /// timed in fixed batches of --rollout-batch (how `train` ran them before), each batch
+    /// waiting for its longest episode.
+    #[arg(long, value_name = "N", requires = "rollout")]
+    pub rollout_episodes: Option<usize>,
+    /// Give each --rollout episode its own number of turns, from 1 to --rollout-turns (drawn
+    /// from its index, the same every run), as real episodes answer after different numbers of
+    /// calls; default: every episode takes --rollout-turns.
+    #[arg(long, requires = "rollout")]
+    pub rollout_varied_turns: bool,
     /// Agent turns per episode for --rollout (every turn but the last calls the environment).
     #[arg(long, default_value_t = 5)]
     pub rollout_turns: usize,
@@ -297,9 +308,11 @@ impl Args {
             worker_model: self.rollout_worker_model.clone().unwrap_or_else(|| crate::cmd::serve::dir_name(dir)),
             turn_by_turn: self.rollout_turn_by_turn,
             max_batched_tokens: self.max_num_batched_tokens.max(1),
+            episodes: self.rollout_episodes,
+            varied_turns: self.rollout_varied_turns,
         };
         for &batch in &self.rollout_batch {
-            eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", batch, settings.turns);
+            eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", settings.episodes.unwrap_or(batch), settings.turns);
             reset_peak_rss();
             let probe = crate::device::MemoryProbe::new(self.compute.device).map(std::rc::Rc::new);
             let stats = rollout::measure(&model, &tokenizer, &settings, batch, probe)?;

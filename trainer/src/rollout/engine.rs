@@ -63,8 +63,8 @@ pub fn engine_for<B: Backend>(config: &TrainConfig) -> Result<Box<dyn RolloutEng
     }
 }
 
-/// Rollouts on the trainer's own device: the [`LocalAgent`] decoding `generation_batch`
-/// episodes at a time within the decoder limits of `[rollout]`.
+/// Rollouts on the trainer's own device: the [`LocalAgent`] decoding at most
+/// `generation_batch` episodes in flight within the decoder limits of `[rollout]`.
 pub struct LocalEngine {
     rollout: crate::run::RolloutSection,
 }
@@ -81,10 +81,10 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
         true
     }
 
-    /// Runs one episode per question, `generation_batch` at a time, and counts the tokens run
-    /// through prefill, the peak KV positions and the preemptions. Every episode samples from
-    /// its own stream of `sampling.seed`, `stream` and its place among the questions, so
-    /// `generation_batch` changes how fast, not what.
+    /// Runs one episode per question, at most `generation_batch` in flight (the next begins as
+    /// one ends), and counts the tokens run through prefill, the peak KV positions and the
+    /// preemptions. Every episode samples from its own stream of `sampling.seed`, `stream` and
+    /// its place among the questions, so `generation_batch` changes how fast, not what.
     fn rollouts(&mut self, batch: RolloutBatch<'_, B>) -> Result<(Vec<Trajectory>, RolloutStats), TrainError> {
         let model = batch.policy;
         // The cache holds keys and values in the dtype of the weights the rollouts run on.
@@ -97,13 +97,9 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
             .with_adapters(model.adapters)
             .with_limits(limits)
             .with_continuous_batching(self.rollout.continuous_batching);
-        let mut out = Vec::with_capacity(batch.questions.len());
         agent.set_batch_stream(batch.stream);
         let generation_batch = self.rollout.generation_batch.max(1);
-        for (c, chunk) in batch.questions.chunks(generation_batch).enumerate() {
-            agent.set_episode_offset(c * generation_batch);
-            out.extend(env::run_episodes(&mut agent, batch.env, chunk, batch.episode));
-        }
+        let out = env::run_episodes_in_flight(&mut agent, batch.env, batch.questions, batch.episode, generation_batch, &mut env::NoObserver);
         Ok((out, RolloutStats { decoder: agent.decoder_stats(), server_retries: 0, steps: agent.step_times() }))
     }
 

@@ -132,9 +132,8 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
         self.batch_stream = stream;
     }
 
-    /// Numbers the next batch's episodes from `offset` in their sampling streams, so that a
-    /// run split into batches samples each episode as one batch of them all would (whatever
-    /// `generation_batch` is).
+    /// Numbers the next run's episodes from `offset` in their sampling streams, so that a list
+    /// of episodes run in parts samples each episode as one run of them all would.
     pub fn set_episode_offset(&mut self, offset: usize) {
         self.episode_offset = offset;
     }

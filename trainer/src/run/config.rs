@@ -168,10 +168,12 @@ pub struct RolloutSection {
     pub batch_size: usize,
     /// Episodes per question (the GRPO group).
     pub n: usize,
-    /// Episodes generated together in one batched forward pass.
+    /// Most episodes in flight at once (begun and not ended, each holding its KV cache): the
+    /// next question's episode begins as soon as one ends, so a long episode does not keep the
+    /// others' places empty.
     pub generation_batch: usize,
-    /// Most episodes decoding at once (vLLM's `max_num_seqs`): the others of a rollout batch
-    /// wait and join as episodes finish. Unset: `generation_batch`.
+    /// Most episodes decoding at once (vLLM's `max_num_seqs`): the others in flight wait and
+    /// join as rows come free. Unset: `generation_batch`.
     pub max_num_seqs: Option<usize>,
     /// Most positions one prefill pass runs, rows × new tokens (vLLM's
     /// `max_num_batched_tokens`): longer prefills run in chunks, which bounds the rollouts'
@@ -186,7 +188,7 @@ pub struct RolloutSection {
     /// at once and rejoins the batch with the reply while the others keep decoding. The rows
     /// that decode side by side then depend on the environment's timing, which moves the last
     /// bits of their logits, so a sampled token near a tie can differ from run to run.
-    /// `false`: turn by turn over each generation batch (every episode's turn, then all their
+    /// `false`: turn by turn over the episodes in flight (every episode's turn, then all their
     /// calls, waiting for the slowest): the same seed gives the same episodes bit for bit on one
     /// host, whatever the environment's timing. Local engine only.
     pub continuous_batching: bool,

@@ -99,6 +99,11 @@ pub struct StepRecord {
     pub rollout_decode_secs: f32,
     #[serde(rename = "timing_s/gen_prefill_steps")]
     pub rollout_prefill_secs: f32,
+    /// Episodes decoding per step of the local rollouts' decoder, on average (at most
+    /// `rollout.max_num_seqs`; 0 on workers): on a GPU whose step costs about the same at any
+    /// number of rows, the rollouts' speed follows it.
+    #[serde(rename = "perf/gen_rows_per_step", default)]
+    pub rollout_rows_per_step: f32,
     /// Greedy validation reward, on the steps that validate.
     #[serde(rename = "val/reward/mean")]
     pub validation_reward: Option<f32>,
@@ -352,7 +357,7 @@ mod tests {
             r#""num_turns/mean":2.5,"timing_s/gen":12.5,"timing_s/update_actor":30.25,"#,
             r#""perf/gen_tokens_per_s":327.5,"perf/prefill_tokens":20480,"perf/context_tokens":9216,"#,
             r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"rollout/server_retries":3,"#,
-            r#""timing_s/gen_decode_steps":8.5,"timing_s/gen_prefill_steps":3.75,"#,
+            r#""timing_s/gen_decode_steps":8.5,"timing_s/gen_prefill_steps":3.75,"perf/gen_rows_per_step":6.25,"#,
             r#""val/reward/mean":0.625,"val/f1/mean":0.6875,"#,
             r#""perf/peak_rss_mb":2048.0,"batch/groups_no_signal":5,"batch/groups_dropped":6,"#,
             r#""val/hotpot/reward":0.875}"#

@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Result};
 use burn::tensor::backend::Backend;
 use env::{
-    run_episodes, Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment,
-    EpisodeConfig, Role, StopReason, Trajectory, TurnEnd, TurnText, ANSWER_CLOSE, ANSWER_OPEN,
+    run_episodes, run_episodes_in_flight, Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment,
+    EpisodeConfig, NoObserver, Role, StopReason, Trajectory, TurnEnd, TurnText, ANSWER_CLOSE, ANSWER_OPEN,
     CALL_CLOSE, CALL_OPEN,
 };
 use model::tokenizer::Qwen3Tokenizer;
@@ -55,13 +55,32 @@ pub struct RolloutSettings {
     pub turn_by_turn: bool,
     /// Most positions of one prefill pass (`[rollout] max_num_batched_tokens`).
     pub max_batched_tokens: usize,
+    /// Episodes per rollout (`None`: the batch); the batch is then the most in flight.
+    pub episodes: Option<usize>,
+    /// Each episode takes its own number of turns ([`episode_turns`]), else `turns`.
+    pub varied_turns: bool,
+}
+
+/// The turns episode `index` takes: `turns`, or with `varied` one of 1 to `turns` drawn from
+/// the index (the same every run).
+pub fn episode_turns(turns: usize, varied: bool, index: usize) -> usize {
+    use rand::{Rng, SeedableRng};
+    if !varied || turns <= 1 {
+        return turns;
+    }
+    rand::rngs::StdRng::seed_from_u64(index as u64).random_range(1..=turns)
 }
 
 /// What one rollout batch did: the counts are exact (the same seed gives the same episodes on
 /// every run), the seconds the median of the timed runs.
 #[derive(Clone, Debug, Serialize)]
 pub struct RolloutStats {
+    /// Most episodes in flight (`rollout.generation_batch`).
     pub batch: usize,
+    /// Episodes of the rollout.
+    pub episodes: usize,
+    /// Whether each episode took its own number of turns (1 to `turns`).
+    pub varied_turns: bool,
     pub turns: usize,
     pub turn_tokens: usize,
     pub reply_tokens: usize,
@@ -96,6 +115,9 @@ pub struct RolloutStats {
     pub joins_in_place: u64,
     /// Of the rows of the one-token passes, the share run for places rows had left.
     pub vacant_row_share: f64,
+    /// Sequences decoding per decoder step, on average (at most `batch`): on a GPU whose step
+    /// costs the same at any number of rows, the rollout's speed follows it.
+    pub rows_per_step: f64,
     /// Tokens in an episode's context at its end (prompt, agent turns, replies).
     pub context_tokens_per_episode: f64,
     /// Of those, the ones not sampled by the agent: what a kept KV cache must prefill, once.
@@ -137,6 +159,23 @@ pub struct RolloutStats {
     /// The same batch on rollout workers, when some were given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<WorkerRollout>,
+    /// With more episodes than the batch: the rollout in fixed batches of `batch` episodes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fixed_batches: Option<FixedBatches>,
+}
+
+/// The episodes run in fixed batches of `batch`, each batch waiting for its longest episode
+/// (how `train` ran a step's episodes before they began as others ended): the same episodes,
+/// sampled from the same streams.
+#[derive(Clone, Debug, Serialize)]
+pub struct FixedBatches {
+    pub seconds: f64,
+    pub agent_tokens: usize,
+    pub agent_tokens_per_second: f64,
+    /// Sequences decoding per decoder step, on average.
+    pub rows_per_step: f64,
+    /// The rollout's agent tokens/s (the next episode beginning as one ends) over these.
+    pub in_flight_over_fixed: f64,
 }
 
 /// A GPU's memory during the three measurements of a rollout batch, in MiB: the most held by
@@ -276,6 +315,10 @@ pub struct RolloutCounts {
 pub struct ForcedCalls<A> {
     inner: A,
     turns: usize,
+    /// Each episode takes its own number of turns ([`episode_turns`]).
+    varied: bool,
+    /// Added to an episode's index to find its turns (a batch of a longer list).
+    first_index: usize,
     /// Ends the inner agent's episode state after every turn, so that each turn prefills the
     /// whole history again (the loop before kept KV caches, for comparison).
     forget_between_turns: bool,
@@ -291,11 +334,25 @@ impl<A: Agent> ForcedCalls<A> {
         Self {
             inner,
             turns,
+            varied: false,
+            first_index: 0,
             forget_between_turns: false,
             counts: RolloutCounts::default(),
             agent_time: Duration::ZERO,
             probe: None,
         }
+    }
+
+    /// The agent giving each episode its own number of turns, from 1 to `turns`
+    /// ([`episode_turns`]), if `varied`.
+    pub fn with_varied_turns(mut self, varied: bool) -> Self {
+        self.varied = varied;
+        self
+    }
+
+    /// Episodes of the next run are episodes `first_index..` of the whole list (for their turns).
+    pub fn set_first_index(&mut self, first_index: usize) {
+        self.first_index = first_index;
     }
 
     /// The agent with its GPU memory sampled after every call into it.
@@ -314,6 +371,11 @@ impl<A: Agent> ForcedCalls<A> {
     /// The wrapped agent.
     pub fn inner(&self) -> &A {
         &self.inner
+    }
+
+    /// The wrapped agent, to change.
+    pub fn inner_mut(&mut self) -> &mut A {
+        &mut self.inner
     }
 
     pub fn counts(&self) -> &RolloutCounts {
@@ -340,7 +402,7 @@ impl<A: Agent> ForcedCalls<A> {
             self.counts.stopped_early += 1;
         }
         let t = ctx.exchanges().len();
-        let text = if t + 1 < self.turns {
+        let text = if t + 1 < episode_turns(self.turns, self.varied, self.first_index + ctx.index()) {
             format!("{CALL_OPEN}Call {t} of episode {}{CALL_CLOSE}", ctx.index())
         } else {
             format!("{ANSWER_OPEN}forced{ANSWER_CLOSE}")
@@ -499,7 +561,8 @@ pub fn measure<B: Backend>(
         count,
     );
     let config = episode_config(settings);
-    let questions = questions(batch);
+    let episodes = settings.episodes.unwrap_or(batch).max(1);
+    let questions = questions(episodes);
     let sampling = Sampling {
         temperature: 1.0,
         seed: settings.seed,
@@ -550,12 +613,13 @@ pub fn measure<B: Backend>(
     })?;
     let decode_rate = (batch * (new_tokens - 1)) as f64 / decode_seconds;
 
-    // The rollout, through LocalAgent and run_episodes: first with each turn re-prefilling its
-    // episode's history (the loop before kept caches), then as the trainer runs it.
-    let timed = |forget: bool, continuous: bool| -> TimedRollout {
+    // The rollout, through LocalAgent and the episode loop: first with each turn re-prefilling
+    // its episode's history (the loop before kept caches), then as the trainer runs it (at
+    // most `batch` episodes in flight), or in fixed batches of `batch` (`fixed`).
+    let timed = |forget: bool, continuous: bool, fixed: bool| -> TimedRollout {
         let limits = DecoderLimits { max_batched_tokens: settings.max_batched_tokens, ..DecoderLimits::default() };
         let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_limits(limits).with_continuous_batching(continuous);
-        let mut agent = ForcedCalls::new(local, settings.turns).with_probe(probe.clone());
+        let mut agent = ForcedCalls::new(local, settings.turns).with_varied_turns(settings.varied_turns).with_probe(probe.clone());
         if forget {
             agent = agent.forgetting();
         }
@@ -566,7 +630,19 @@ pub fn measure<B: Backend>(
             let stats_before = agent.inner().decoder_stats();
             let steps_before = agent.inner().step_times();
             let start = Instant::now();
-            let trajectories = run_episodes(&mut agent, &environment, &questions, &config);
+            let trajectories = if fixed {
+                let mut out = Vec::new();
+                for (c, chunk) in questions.chunks(batch).enumerate() {
+                    agent.set_first_index(c * batch);
+                    agent.inner_mut().set_episode_offset(c * batch);
+                    out.extend(run_episodes(&mut agent, &environment, chunk, &config));
+                }
+                agent.set_first_index(0);
+                agent.inner_mut().set_episode_offset(0);
+                out
+            } else {
+                run_episodes_in_flight(&mut agent, &environment, &questions, &config, batch, &mut NoObserver)
+            };
             runs.push(TimedRollout {
                 seconds: start.elapsed().as_secs_f64(),
                 agent_seconds: agent.agent_time().as_secs_f64(),
@@ -590,9 +666,9 @@ pub fn measure<B: Backend>(
         runs.swap_remove(runs.len() / 2)
     };
     let decode_memory = memory();
-    let before = timed(true, true);
+    let before = timed(true, true, false);
     let reprefill_memory = memory();
-    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, steps, trajectories } = timed(false, true);
+    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, steps, trajectories } = timed(false, true, false);
     let device_memory = decode_memory.zip(reprefill_memory).zip(memory()).map(|((d, r), k)| RolloutMemory {
         decode_in_use_mib: d.0,
         decode_reserved_mib: d.1,
@@ -601,7 +677,20 @@ pub fn measure<B: Backend>(
         kept_in_use_mib: k.0,
         kept_reserved_mib: k.1,
     });
-    let turn_by_turn = settings.turn_by_turn.then(|| timed(false, false));
+    let turn_by_turn = settings.turn_by_turn.then(|| timed(false, false, false));
+    let rate = counts.agent_tokens as f64 / seconds;
+    let rows_per_step = |decoded: u64, steps: &StepTimes| decoded as f64 / (steps.decode_steps + steps.prefill_steps).max(1) as f64;
+    let fixed_batches = (episodes > batch).then(|| {
+        let fixed = timed(false, true, true);
+        let fixed_rate = fixed.counts.agent_tokens as f64 / fixed.seconds;
+        FixedBatches {
+            seconds: fixed.seconds,
+            agent_tokens: fixed.counts.agent_tokens,
+            agent_tokens_per_second: fixed_rate,
+            rows_per_step: rows_per_step(fixed.decoder[2], &fixed.steps),
+            in_flight_over_fixed: rate / fixed_rate,
+        }
+    });
     if turn_by_turn.as_ref().is_some_and(|t| t.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids))) {
         eprintln!("the episodes differ between continuous batching and turn by turn");
     }
@@ -611,7 +700,8 @@ pub fn measure<B: Backend>(
     }
     let unexpected = trajectories
         .iter()
-        .filter(|t| t.stop_reason != StopReason::Answer || t.env_calls + 1 != settings.turns)
+        .enumerate()
+        .filter(|(i, t)| t.stop_reason != StopReason::Answer || t.env_calls + 1 != episode_turns(settings.turns, settings.varied_turns, *i))
         .count();
     if let Some(t) = trajectories.iter().find(|t| t.error.is_some()) {
         eprintln!(
@@ -636,10 +726,11 @@ pub fn measure<B: Backend>(
         None
     } else {
         let rate = counts.agent_tokens as f64 / seconds;
-        Some(on_workers(tokenizer, &environment, &questions, &config, &sampling, settings, model.config.vocab_size, &trajectories, rate)?)
+        Some(on_workers(tokenizer, &environment, &questions, batch, &config, &sampling, settings, model.config.vocab_size, &trajectories, rate)?)
     };
     let env_calls: usize = trajectories.iter().map(|t| t.env_calls).sum();
-    if 2 * env_calls * settings.runs != environment.calls() {
+    let modes = 2 + usize::from(turn_by_turn.is_some()) + usize::from(fixed_batches.is_some()) + settings.workers.len().min(1);
+    if modes * env_calls * settings.runs != environment.calls() {
         eprintln!(
             "the environment answered {} calls; the episodes count {env_calls} per run",
             environment.calls()
@@ -650,10 +741,11 @@ pub fn measure<B: Backend>(
         .iter()
         .map(|t| t.loss_mask.iter().filter(|&&m| m == 1).count())
         .sum();
-    let per_episode = |n: usize| n as f64 / batch as f64;
-    let rate = counts.agent_tokens as f64 / seconds;
+    let per_episode = |n: usize| n as f64 / episodes as f64;
     Ok(RolloutStats {
         batch,
+        episodes,
+        varied_turns: settings.varied_turns,
         turns: settings.turns,
         turn_tokens: settings.turn_tokens,
         reply_tokens: settings.reply_tokens,
@@ -674,6 +766,7 @@ pub fn measure<B: Backend>(
         rebuilt_positions_per_token: rebuilt / counts.agent_tokens.max(1) as f64,
         joins_in_place: joins_in_place as u64,
         vacant_row_share: vacant / (vacant + decoded).max(1.0),
+        rows_per_step: rows_per_step(decoded as u64, &steps),
         context_tokens_per_episode: per_episode(context),
         non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
         turns_stopped_early: counts.stopped_early,
@@ -692,6 +785,7 @@ pub fn measure<B: Backend>(
         turn_by_turn_agent_tokens_per_second: turn_by_turn.map(|t| t.counts.agent_tokens as f64 / t.seconds),
         device_memory,
         workers,
+        fixed_batches,
     })
 }
 
@@ -703,6 +797,7 @@ fn on_workers(
     tokenizer: &Qwen3Tokenizer,
     environment: &ScriptedEnvironment,
     questions: &[String],
+    batch: usize,
     config: &EpisodeConfig,
     sampling: &Sampling,
     settings: &RolloutSettings,
@@ -714,9 +809,9 @@ fn on_workers(
     let mut pool = ServerPool::new(&servers, false).map_err(|e| anyhow!("--rollout-workers: {e}"))?;
     let mut runs = Vec::new();
     for _ in 0..settings.runs {
-        let mut agent = ForcedCalls::new(ServerAgent::new(&mut pool, tokenizer, sampling.clone(), vocab_size), settings.turns);
+        let mut agent = ForcedCalls::new(ServerAgent::new(&mut pool, tokenizer, sampling.clone(), vocab_size), settings.turns).with_varied_turns(settings.varied_turns);
         let start = Instant::now();
-        let trajectories = run_episodes(&mut agent, environment, questions, config);
+        let trajectories = run_episodes_in_flight(&mut agent, environment, questions, config, batch, &mut NoObserver);
         let seconds = start.elapsed().as_secs_f64();
         if let Some(t) = trajectories.iter().find(|t| t.error.is_some()) {
             bail!("an episode failed on the workers: {}", t.error.as_deref().unwrap_or_default());
@@ -768,9 +863,10 @@ pub fn tokenizer(dir: &std::path::Path) -> Result<Qwen3Tokenizer> {
 /// Prints one batch's figures in words.
 pub fn print(stats: &RolloutStats) {
     let s = stats;
+    let turns = if s.varied_turns { format!("1 to {} turns", s.turns) } else { format!("{} turns", s.turns) };
     println!(
-        "rollout batch {}: {} turns of {} tokens, replies of {} tokens after {} ms; LocalAgent + run_episodes (turn texts forced), prefill passes of at most {} positions",
-        s.batch, s.turns, s.turn_tokens, s.reply_tokens, s.latency_ms, s.max_num_batched_tokens
+        "rollout batch {}: {} episodes of {turns} of {} tokens, replies of {} tokens after {} ms; LocalAgent + the episode loop (turn texts forced), prefill passes of at most {} positions",
+        s.batch, s.episodes, s.turn_tokens, s.reply_tokens, s.latency_ms, s.max_num_batched_tokens
     );
     println!(
         "  {:.2} s wall ({:.2} s in the agent, {:.2} s waiting on the environment, {} calls); {} agent tokens ({} turns stopped early)",
@@ -789,12 +885,20 @@ pub fn print(stats: &RolloutStats) {
         s.decode_steps, s.decode_step_ms, s.pure_decode_step_ms, s.prefill_steps, s.prefill_step_ms, s.agent_seconds_outside_steps
     );
     println!(
-        "  joins and batch rebuilds copied {:.0} KV positions per agent token ({} joins in place of {} steps with a prefill); {:.1}% of the decoded rows were places rows had left",
+        "  joins and batch rebuilds copied {:.0} KV positions per agent token ({} joins in place of {} steps with a prefill); {:.1}% of the decoded rows were places rows had left; {:.2} of {} rows decoded per step",
         s.rebuilt_positions_per_token,
         s.joins_in_place,
         s.prefill_steps,
-        100.0 * s.vacant_row_share
+        100.0 * s.vacant_row_share,
+        s.rows_per_step,
+        s.batch
     );
+    if let Some(f) = &s.fixed_batches {
+        println!(
+            "  in fixed batches of {} (each waiting for its longest episode): {:.2} s wall, {:.1} agent tokens/s, {:.2} rows decoded per step; beginning episodes as others end is {:.2}x faster",
+            s.batch, f.seconds, f.agent_tokens_per_second, f.rows_per_step, f.in_flight_over_fixed
+        );
+    }
     println!(
         "  re-prefilling every turn instead: {:.1} agent tokens/s, {:.0} prefill tokens per episode; kept caches are {:.2}x faster",
         s.reprefill_agent_tokens_per_second, s.reprefill_prefill_tokens_per_episode, s.speedup_over_reprefill
@@ -902,6 +1006,8 @@ mod tests {
             worker_model: String::new(),
             turn_by_turn: false,
             max_batched_tokens: 8192,
+            episodes: None,
+            varied_turns: false,
         }
     }
 
@@ -938,6 +1044,32 @@ mod tests {
             .unwrap();
         assert_ne!(first, second, "each turn has its own reply");
         assert_eq!(env.calls(), 2);
+    }
+
+    /// With varied turns each episode answers after its own number of turns, from 1 to the
+    /// most, found by its place in the whole list also when the list runs in parts.
+    #[test]
+    fn rollout_varied_turns_end_each_episode_at_its_own_turn() {
+        let (turns, episodes) = (4, 12);
+        let settings = settings(turns, 3);
+        let env = ScriptedEnvironment::new(Duration::ZERO, vec![reply_text(5, 0, env::estimate_tokens)]);
+        let drawn: Vec<usize> = (0..episodes).map(|i| episode_turns(turns, true, i)).collect();
+        assert!(drawn.iter().all(|&t| (1..=turns).contains(&t)), "{drawn:?}");
+        assert!(drawn.contains(&1) && drawn.contains(&turns), "from 1 to {turns}: {drawn:?}");
+        assert_eq!(drawn, (0..episodes).map(|i| episode_turns(turns, true, i)).collect::<Vec<_>>(), "the same every run");
+        assert!((0..episodes).all(|i| episode_turns(turns, false, i) == turns));
+        let mut agent = ForcedCalls::new(Fixed { prompt: 10, turn: 3 }, turns).with_varied_turns(true);
+        let all = run_episodes_in_flight(&mut agent, &env, &questions(episodes), &episode_config(&settings), 4, &mut NoObserver);
+        let mut parts = Vec::new();
+        for (c, chunk) in questions(episodes).chunks(5).enumerate() {
+            agent.set_first_index(c * 5);
+            parts.extend(run_episodes(&mut agent, &env, chunk, &episode_config(&settings)));
+        }
+        for (i, (a, b)) in all.iter().zip(&parts).enumerate() {
+            assert_eq!(a.stop_reason, StopReason::Answer, "episode {i}: {:?}", a.error);
+            assert_eq!((a.turns.len(), a.env_calls), (drawn[i], drawn[i] - 1), "episode {i}");
+            assert_eq!((b.turns.len(), b.stop_reason), (drawn[i], StopReason::Answer), "episode {i} in parts");
+        }
     }
 
     #[test]

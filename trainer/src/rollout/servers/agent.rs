@@ -37,7 +37,6 @@ pub struct ServerAgent<'a> {
     vocab_size: usize,
     stop_ids: Vec<u32>,
     batch_stream: u64,
-    episode_offset: usize,
     turns_generated: HashMap<usize, u64>,
     /// The worker each running episode is on.
     affinity: HashMap<usize, usize>,
@@ -79,7 +78,6 @@ impl<'a> ServerAgent<'a> {
             vocab_size,
             stop_ids: vec![special.im_end, special.endoftext],
             batch_stream: 0,
-            episode_offset: 0,
             turns_generated: HashMap::new(),
             affinity: HashMap::new(),
             in_flight: HashMap::new(),
@@ -95,10 +93,6 @@ impl<'a> ServerAgent<'a> {
         self.batch_stream = stream;
     }
 
-    /// Numbers the next batch's episodes from `offset` in their sampling streams.
-    pub fn set_episode_offset(&mut self, offset: usize) {
-        self.episode_offset = offset;
-    }
 
     /// The episode's worker: the one it is on, or (at its first turn, or when its worker was
     /// left out) the usable one with the fewest episodes.
@@ -256,7 +250,7 @@ impl Agent for ServerAgent<'_> {
                     return Ok(());
                 }
                 let worker = self.assign(index)?;
-                let seed = turn_seed(self.sampling.seed, self.batch_stream, self.episode_offset + index, turn);
+                let seed = turn_seed(self.sampling.seed, self.batch_stream, index, turn);
                 let body = self.request_body(ctx, seed);
                 self.send(index, Request { body, budget: ctx.turn_budget(), worker, attempt: 0 })
             })

@@ -115,22 +115,17 @@ impl<B: Backend> RolloutEngine<B> for ServerEngine {
         false
     }
 
-    /// One episode per question, `generation_batch` at a time (in flight together over all the
-    /// workers). An error when no worker is left by the end of a batch: its episodes failed.
+    /// One episode per question, at most `generation_batch` in flight over all the workers (the
+    /// next begins as one ends). An error when no worker is left by the end: episodes failed.
     fn rollouts(&mut self, batch: RolloutBatch<'_, B>) -> Result<(Vec<Trajectory>, RolloutStats), TrainError> {
         if self.pool.live() == 0 {
             return Err(TrainError::Servers(format!("no rollout worker is usable: {}", self.pool.describe_failures())));
         }
         let retries = self.pool.retries();
         let vocab_size = batch.policy.base.config.vocab_size;
-        let generation_batch = self.generation_batch;
-        let mut out = Vec::with_capacity(batch.questions.len());
         let mut agent = ServerAgent::new(&mut self.pool, batch.tokenizer, batch.sampling.clone(), vocab_size);
         agent.set_batch_stream(batch.stream);
-        for (c, chunk) in batch.questions.chunks(generation_batch).enumerate() {
-            agent.set_episode_offset(c * generation_batch);
-            out.extend(env::run_episodes(&mut agent, batch.env, chunk, batch.episode));
-        }
+        let out = env::run_episodes_in_flight(&mut agent, batch.env, batch.questions, batch.episode, self.generation_batch, &mut env::NoObserver);
         drop(agent);
         if self.pool.live() == 0 {
             return Err(TrainError::Servers(format!(
