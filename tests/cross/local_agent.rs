@@ -258,3 +258,43 @@ fn episodes_do_not_depend_on_batching_or_environment_delays() {
         assert_eq!(a.logprobs, b.logprobs, "episode {i}, turn by turn: log-probs not bit for bit equal");
     }
 }
+
+/// Replies after a fixed delay.
+struct Slow(std::time::Duration);
+
+impl env::Environment for Slow {
+    fn complete(&self, messages: &[env::ChatMessage]) -> Result<String, env::EnvError> {
+        std::thread::sleep(self.0);
+        Ok(format!("reply to {} messages", messages.len()))
+    }
+}
+
+/// With fewer rows than episodes in flight (`max_num_seqs` below `generation_batch`), an
+/// episode waiting on the environment keeps its cache while others take its row: the KV held
+/// goes past the rows' share, and stays within what the memory plan counts (every episode in
+/// flight at its cache's grown capacity).
+#[test]
+fn episodes_waiting_on_the_environment_keep_their_caches_beyond_the_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+    let special = *tokenizer.special();
+    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end]);
+    write_random_checkpoint(&config, dir.path(), 9, StorageDtype::F32).unwrap();
+    let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+    let questions = ["Paris?", "Rome?", "Oslo?", "Lima?", "Bern?", "Kyiv?"];
+    let episode = env::EpisodeConfig { max_turns: 3, max_turn_tokens: 8, ..env::EpisodeConfig::training() };
+    let sampling = Sampling { temperature: 1.0, seed: 5, ..Default::default() };
+    let (rows, in_flight) = (2, questions.len());
+    let limits = model::DecoderLimits { max_rows: rows, ..Default::default() };
+    let mut agent = ForcedCalls(LocalAgent::new(&model, &tokenizer, sampling).with_limits(limits), 3);
+    let env = Slow(std::time::Duration::from_millis(150));
+    let trajectories = env::run_episodes_in_flight(&mut agent, &env, &questions, &episode, in_flight, &mut env::NoObserver);
+    assert!(trajectories.iter().all(|t| t.stop_reason == env::StopReason::Answer), "{:?}", trajectories.iter().map(|t| &t.error).collect::<Vec<_>>());
+    let shortest = trajectories.iter().map(|t| t.prompt_len).min().unwrap();
+    let longest = trajectories.iter().map(|t| t.token_ids.len()).max().unwrap();
+    let peak = agent.0.decoder_stats().peak_kv_positions;
+    println!("peak {peak} KV positions; prompts of {shortest}+ tokens, the longest episode {longest}");
+    assert!(peak > rows * model::qwen3::grown_capacity(longest), "peak {peak} positions: parked caches are kept");
+    assert!(peak >= (rows + 2) * shortest, "peak {peak} positions");
+    assert!(peak <= in_flight * model::qwen3::grown_capacity(longest), "peak {peak} positions, past the plan's bound");
+}

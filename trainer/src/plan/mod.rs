@@ -6,10 +6,11 @@
 //! (the weights, the optimiser's moments, the KL reference):
 //! - **rollouts**: the rollout copy of the policy (bf16 rollouts), the KV cache and one prefill
 //!   pass, as `model::Decoder` runs them: each episode's cache is kept across its turns and
-//!   grows by an eighth ([`grown_capacity`]), so the episodes decoding at once
-//!   (`rollout.max_num_seqs`, else `generation_batch`) hold at most their number × the grown
-//!   capacity of the full context, or `rollout.kv_budget` when that is smaller (sequences then
-//!   wait or are preempted rather than go past it); a turn prefills only its new tokens, in
+//!   grows by an eighth ([`grown_capacity`]), so the episodes in flight (`generation_batch`:
+//!   those decoding and those waiting on the environment, whose caches are kept; fewer decode
+//!   at once under `rollout.max_num_seqs`) hold at most their number × the grown capacity of
+//!   the full context, or `rollout.kv_budget` when that is smaller (sequences then wait or are
+//!   preempted rather than go past it); a turn prefills only its new tokens, in
 //!   chunks of at most `rollout.max_num_batched_tokens` positions (rows × chunk) attending over
 //!   up to the full context of keys. With `rollout.engine = "servers"` the rollouts run on the
 //!   workers of `[rollout.servers]`: the trainer holds none of this (the phase has no terms and
@@ -267,10 +268,11 @@ impl PlanSettings {
         grown_capacity(self.context)
     }
 
-    /// KV positions the rollouts hold at most: every episode decoding at once at the full
-    /// context, or `rollout.kv_budget` when that is smaller; and whether the budget bounds it.
+    /// KV positions the rollouts hold at most: every episode in flight (`generation_batch`,
+    /// decoding or waiting on the environment with its cache kept) at the full context, or
+    /// `rollout.kv_budget` when that is smaller; and whether the budget bounds it.
     pub fn rollout_kv_positions(&self) -> (usize, bool) {
-        let every = self.rollout_rows() * self.episode_kv_positions();
+        let every = self.generation_batch.max(1) * self.episode_kv_positions();
         match self.kv_budget_positions() {
             Some(budget) if budget < every => (budget, true),
             _ => (every, false),
@@ -681,20 +683,12 @@ fn candidate_changes(s: &PlanSettings) -> Vec<PlanSettings> {
             ..s.clone()
         });
     }
-    // Fewer episodes at once: `max_num_seqs` where it is what limits them, else the batch.
-    match s.rollout.max_num_seqs {
-        Some(rows) if rows > 1 && rows < s.generation_batch => out.push(PlanSettings {
-            rollout: RolloutLimits {
-                max_num_seqs: Some(rows / 2),
-                ..s.rollout
-            },
-            ..s.clone()
-        }),
-        _ if s.generation_batch > 1 && s.rollout_rows() == s.generation_batch => out.push(PlanSettings {
+    // Fewer episodes in flight: each may hold its cache, decoding or not.
+    if s.generation_batch > 1 {
+        out.push(PlanSettings {
             generation_batch: s.generation_batch / 2,
             ..s.clone()
-        }),
-        _ => {}
+        });
     }
     out
 }
@@ -850,7 +844,8 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
     let name = match s.rollout.kv_budget {
         Some(budget) if budgeted => format!("KV cache (budget {})", format_size(budget)),
         _ => format!(
-            "KV cache ({rows} episodes × {} positions)",
+            "KV cache ({} episodes × {} positions)",
+            s.generation_batch.max(1),
             grouped(s.episode_kv_positions())
         ),
     };
@@ -1426,11 +1421,16 @@ mod tests {
         assert!(!verdict.fits);
         // A KV budget is the first lever.
         assert!(verdict.advice[0].starts_with("rollout.kv_budget = \"45GiB\""), "{:?}", verdict.advice);
-        // `max_num_seqs` bounds the episodes at once within the batch.
-        let fewer = MemoryPlan::new(PlanSettings {
+        // `max_num_seqs` bounds the episodes decoding at once, not the caches: the episodes
+        // waiting on the environment keep theirs.
+        let fewer_rows = MemoryPlan::new(PlanSettings {
             rollout: RolloutLimits { max_num_seqs: Some(16), ..s.rollout },
-            ..s
+            ..s.clone()
         });
+        assert_eq!(kv_term(&fewer_rows).bytes, kv.bytes);
+        assert_eq!(kv_term(&fewer_rows).name, "KV cache (64 episodes × 10,368 positions)");
+        assert!(prefill_term(&fewer_rows).name.starts_with("prefill pass of 16 × 512 new tokens"), "{}", prefill_term(&fewer_rows).name);
+        let fewer = MemoryPlan::new(PlanSettings { generation_batch: 16, ..s });
         assert_eq!(kv_term(&fewer).bytes, 16 * 10_368 * per_position);
     }
 

@@ -173,7 +173,8 @@ pub struct RolloutSection {
     /// others' places empty.
     pub generation_batch: usize,
     /// Most episodes decoding at once (vLLM's `max_num_seqs`): the others in flight wait and
-    /// join as rows come free. Unset: `generation_batch`.
+    /// join as rows come free. The KV memory still follows `generation_batch`: episodes
+    /// waiting on the environment keep their caches. Unset: `generation_batch`.
     pub max_num_seqs: Option<usize>,
     /// Most positions one prefill pass runs, rows × new tokens (vLLM's
     /// `max_num_batched_tokens`): longer prefills run in chunks, which bounds the rollouts'
