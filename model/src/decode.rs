@@ -244,6 +244,13 @@ impl<B: Backend> Decoder<B> {
         batch + self.sequences.values().filter_map(Sequence::own_cache).map(KvCache::capacity).sum::<usize>()
     }
 
+    /// Columns of the running batch's cache (0 without a batch): as many as its longest row
+    /// holds, and more only while a row that left is not yet trimmed away (the shorter rows
+    /// mask the columns in front of theirs).
+    pub fn batch_width(&self) -> usize {
+        self.batch.as_ref().map_or(0, |b| b.cache.len())
+    }
+
     /// Adds a sequence of `tokens` (at least one), to join at the next step.
     pub fn add(&mut self, model: &impl CausalLm<B>, id: SequenceId, tokens: Vec<u32>) -> Result<(), ModelError> {
         if self.sequences.contains_key(&id) {
@@ -491,10 +498,12 @@ impl<B: Backend> Decoder<B> {
     /// Puts the rows of `joined` in places of `batch` that no running row holds: places rows
     /// left, then rows of parked sequences (whose caches are copied out first, as a rebuild
     /// would). Each joined row's positions end at the batch's newest column; a joining row
-    /// longer than the batch widens it, the other rows' new columns masked, as a rebuild pads
-    /// the shorter rows. Only the joining rows' positions are copied, where a rebuild copies
-    /// every row's. Gives both back when there are too few such places or the KV budget would
-    /// not hold the batch at its number of rows.
+    /// longer than the batch widens it in front, the other rows moved on (a copy of the batch,
+    /// as a rebuild would make; widening at the end instead would leave every other row a gap
+    /// that no trim removes, and the batch would grow wider than its longest row while episodes
+    /// of all ages join it). Otherwise only the joining rows' positions are copied, where a
+    /// rebuild copies every row's. Gives both back when there are too few such places or the KV
+    /// budget would not hold the batch at its number of rows.
     fn join_in_place(&mut self, mut batch: Batch<B>, joined: Batch<B>) -> Result<Batch<B>, (Batch<B>, Batch<B>)> {
         let n = joined.ids.len();
         let vacant: Vec<usize> = (0..batch.ids.len()).filter(|r| batch.ids[*r].is_none() && !batch.parked.contains_key(r)).collect();
@@ -516,7 +525,7 @@ impl<B: Backend> Decoder<B> {
             self.release_parked_row(&mut batch, row);
         }
         let places: Vec<usize> = vacant.into_iter().chain(parked).take(n).collect();
-        let offset = new_width - joined_width;
+        let (offset, shift) = (new_width - joined_width, new_width - width);
         // One block per run of joined rows going to consecutive places.
         let mut blocks: Vec<RowBlock> = Vec::new();
         for (i, &row) in places.iter().enumerate() {
@@ -525,9 +534,12 @@ impl<B: Backend> Decoder<B> {
                 _ => blocks.push(RowBlock { source: 0, rows: i..i + 1, positions: 0..joined_width, at: [row, offset] }),
             }
         }
-        batch.cache.place(joined.cache, &blocks, new_width, new_width + 1);
-        for v in &mut batch.valid {
-            v.resize(new_width, false);
+        batch.cache.place(joined.cache, &blocks, shift, new_width, new_width + 1);
+        if shift > 0 {
+            for v in &mut batch.valid {
+                v.splice(0..0, std::iter::repeat_n(false, shift));
+            }
+            self.stats.rebuilt_positions += (batch.ids.len() * width) as u64;
         }
         for ((&row, id), valid) in places.iter().zip(joined.ids).zip(joined.valid) {
             batch.ids[row] = id;

@@ -110,16 +110,18 @@ impl<B: Backend> LayerKvCache<B> {
     }
 
     /// Copies `blocks` of `source` (their `source` field unused) into this cache, which first
-    /// grows to hold `needed` positions (if it has room for fewer) and then holds `len` positions
-    /// (if it held fewer): rows joining a batch in places other rows left, each joined position
-    /// copied once and nothing else moved.
-    fn place(&mut self, source: Self, blocks: &[RowBlock], len: usize, needed: usize) {
+    /// grows to hold `needed` positions (if it has room for fewer), its positions moved `shift`
+    /// columns on (into a new buffer), and then holds `len` positions (if it held fewer): rows
+    /// joining a batch in places other rows left, each joined position copied once, the others
+    /// moved only to make room in front for a joining row longer than the batch.
+    fn place(&mut self, source: Self, blocks: &[RowBlock], shift: usize, len: usize, needed: usize) {
         let (Some(source_keys), Some(source_values)) = (source.keys, source.values) else { return };
         let (Some(keys), Some(values)) = (self.keys.take(), self.values.take()) else {
             unreachable!("rows placed into a cache without buffers (a batch always has them)");
         };
+        let held = self.len;
         let build = |buffer: Tensor<B, 4>, source: &Tensor<B, 4>| {
-            let grown = grow(Some(buffer), source, needed);
+            let grown = if shift == 0 { grow(Some(buffer), source, needed) } else { shifted(buffer, held, shift, needed) };
             blocks.iter().filter(|b| !b.rows.is_empty() && !b.positions.is_empty()).fold(grown, |buffer, block| copy_rows(buffer, source, block))
         };
         self.keys = Some(build(keys, &source_keys));
@@ -169,6 +171,17 @@ fn grow<B: Backend>(buffer: Option<Tensor<B, 4>>, like: &Tensor<B, 4>, needed: u
             }
         }
     }
+}
+
+/// A new buffer with room for `needed` positions (the old buffer's capacity, or more by
+/// [`grown_capacity`]) holding the old buffer's first `held` positions `shift` columns on.
+fn shifted<B: Backend>(buffer: Tensor<B, 4>, held: usize, shift: usize, needed: usize) -> Tensor<B, 4> {
+    let [b, h, capacity, d] = buffer.dims();
+    let capacity = if needed > capacity { grown_capacity(needed) } else { capacity };
+    assert!(held + shift <= capacity, "{held} positions moved {shift} on in a buffer of {capacity}");
+    let fresh = Tensor::<B, 4>::zeros([b, h, capacity, d], (&buffer.device(), buffer.dtype()));
+    let all = RowBlock { source: 0, rows: 0..b, positions: 0..held, at: [0, shift] };
+    copy_rows(fresh, &buffer, &all)
 }
 
 /// `buffer` with `block`'s rows and positions of `source` copied to where the block says: in
@@ -221,13 +234,15 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Copies `blocks` of `source` into this cache's rows (`RowBlock::source` unused), which
-    /// grows to hold `needed` positions (by [`grown_capacity`], if it has room for fewer) and
-    /// then holds `len` positions (if it held fewer; the rows' new positions are theirs to mask):
-    /// sequences joining a batch in places other rows left, only their positions copied.
-    pub fn place(&mut self, mut source: Self, blocks: &[RowBlock], len: usize, needed: usize) {
+    /// grows to hold `needed` positions (by [`grown_capacity`], if it has room for fewer), its
+    /// cached positions first moved `shift` columns on (`0`: nothing moved; the columns left in
+    /// front are zero), and then holds `len` positions (if it held fewer; the rows' new
+    /// positions are theirs to mask): sequences joining a batch in places other rows left, only
+    /// their positions copied unless a longer one needs room in front.
+    pub fn place(&mut self, mut source: Self, blocks: &[RowBlock], shift: usize, len: usize, needed: usize) {
         assert!(needed >= len, "a cache of {len} positions with room for {needed}");
         for (layer, source) in self.layers.iter_mut().zip(source.layers.iter_mut()) {
-            layer.place(std::mem::take(source), blocks, len, needed);
+            layer.place(std::mem::take(source), blocks, shift, len, needed);
         }
     }
 

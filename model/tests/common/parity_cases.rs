@@ -444,11 +444,56 @@ fn joining_sequences_take_the_places_rows_left() {
             decoder.extend(&model, 1, &[3; 12]).unwrap();
             assert_eq!(decoder.stats().rebuilt_positions, before + cached, "the parked cache is copied out once");
         }
+        if steps == 6 {
+            // It joined in place, in front of the other rows: the batch is as wide as its
+            // longest row, with no gap left in the others.
+            let longest = (0..5).filter_map(|id| decoder.cached_len(id)).max().unwrap();
+            assert_eq!(decoder.cached_len(1), Some(longest), "sequence 1 is the longest");
+            assert_eq!(decoder.batch_width(), longest, "{:?}", decoder.stats());
+        }
         assert!(steps < 40, "the decoder did not finish");
     }
     assert!(worst < ATOL, "logits differ from recomputation by {worst} after joins in place");
     let stats = decoder.stats();
     assert!(stats.joins_in_place >= 2, "{stats:?}");
+}
+
+/// A sequence that rejoins longer than the batch makes room in front of the other rows, so
+/// that when it ends the batch narrows again to its longest row: a gap left inside the other
+/// rows could never be trimmed, and a batch that episodes of all ages join would keep growing
+/// wider than its rows.
+#[test]
+fn a_longer_sequence_joins_in_front_of_the_other_rows() {
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    let mut decoder = Decoder::<B>::new(DecoderLimits::default());
+    decoder.add(&model, 0, (1..41).collect()).unwrap();
+    decoder.add(&model, 1, (50..90).collect()).unwrap();
+    decoder.add(&model, 2, (90..130).collect()).unwrap();
+    let mut worst = 0.0f32;
+    let (mut generated, mut steps) = ([0usize; 3], 0);
+    while decoder.contains(1) {
+        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+            generated[id as usize] += 1;
+            decoder.accept(id, token).unwrap();
+            match (id, generated[id as usize]) {
+                (1, 2) => {
+                    // It leaves, and comes back at the next step with a reply of 80 tokens.
+                    decoder.park(1).unwrap();
+                    decoder.extend(&model, 1, &[3; 80]).unwrap();
+                }
+                (1, 4) => drop(decoder.finish(1)),
+                _ => {}
+            }
+        }
+        steps += 1;
+        assert!(steps < 20, "sequence 1 did not finish");
+    }
+    assert!(decoder.stats().joins_in_place >= 1, "{:?}", decoder.stats());
+    checked_step(&model, &mut decoder, &mut worst);
+    assert!(worst < ATOL, "logits differ from recomputation by {worst}");
+    let longest = [0, 2].iter().filter_map(|&id| decoder.cached_len(id)).max().unwrap();
+    assert_eq!(decoder.batch_width(), longest, "the columns in front of the rows left are trimmed once the longer sequence ends");
 }
 
 /// Within a KV budget too small for every sequence at once, sequences wait and running ones are
