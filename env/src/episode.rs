@@ -117,21 +117,37 @@ where
     E: Environment + ?Sized,
     Q: AsRef<str>,
 {
-    run_episodes_in_flight(agent, env, questions, config, questions.len(), observer)
+    run_episodes_admitted(agent, env, questions, config, Admission::Batches(questions.len()), observer)
 }
 
-/// Runs one episode per question with at most `max_in_flight` of them begun and not yet ended:
-/// the next question's episode begins as soon as one ends, as an inference engine admits a new
-/// request when one finishes, so a long episode does not hold the others' places empty (as
-/// running the questions in fixed batches of `max_in_flight` would). Episodes begin in question
-/// order; the trajectories come back in question order. `observer` hears of each turn and
-/// episode as it ends.
-pub fn run_episodes_in_flight<A, E, Q>(
+/// When the episodes of a run begin, with at most `n` begun and not yet ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// `n` at a time: the next `n` begin once all of the previous have ended.
+    Batches(usize),
+    /// The next episode begins as soon as one ends, as an inference engine admits a request
+    /// when another finishes: a long episode does not keep the places of finished ones empty.
+    Continuous(usize),
+}
+
+impl Admission {
+    /// The most episodes in flight.
+    pub fn max_in_flight(self) -> usize {
+        match self {
+            Admission::Batches(n) | Admission::Continuous(n) => n.max(1),
+        }
+    }
+}
+
+/// Runs one episode per question, beginning them in question order as `admission` says; the
+/// trajectories come back in question order. `observer` hears of each turn and episode as it
+/// ends.
+pub fn run_episodes_admitted<A, E, Q>(
     agent: &mut A,
     env: &E,
     questions: &[Q],
     config: &EpisodeConfig,
-    max_in_flight: usize,
+    admission: Admission,
     observer: &mut dyn EpisodeObserver,
 ) -> Vec<Trajectory>
 where
@@ -142,7 +158,7 @@ where
     let mut run = Run {
         agent,
         observer,
-        max_in_flight: max_in_flight.max(1),
+        admission,
         begun: 0,
     };
     let mut episodes: Vec<Episode> = questions
@@ -229,19 +245,22 @@ struct PendingCall {
 struct Run<'a, A: ?Sized> {
     agent: &'a mut A,
     observer: &'a mut dyn EpisodeObserver,
-    /// Most episodes begun and not ended at once.
-    max_in_flight: usize,
+    /// When episodes begin.
+    admission: Admission,
     /// Episodes begun so far: the first `begun` of the list.
     begun: usize,
 }
 
 impl<A: Agent + ?Sized> Run<'_, A> {
-    /// Begins the next episodes while fewer than `max_in_flight` run; returns those that began
-    /// (an episode the agent cannot begin ends at once, as an agent failure).
+    /// Begins the next episodes as the admission allows; returns those that began (an episode
+    /// the agent cannot begin ends at once, as an agent failure).
     fn admit(&mut self, episodes: &mut [Episode]) -> Vec<usize> {
         let mut running = episodes[..self.begun].iter().filter(|e| e.is_running()).count();
         let mut admitted = Vec::new();
-        while running < self.max_in_flight && self.begun < episodes.len() {
+        if matches!(self.admission, Admission::Batches(_)) && running > 0 {
+            return admitted;
+        }
+        while running < self.admission.max_in_flight() && self.begun < episodes.len() {
             let i = self.begun;
             self.begun += 1;
             let episode = &mut episodes[i];

@@ -38,7 +38,7 @@ pub use client::OpenAiClient;
 pub use config::{ClientConfig, RetryPolicy, DEFAULT_API_KEY_ENV};
 pub use environment::{environment_messages, Environment, ENV_SYSTEM_MESSAGE};
 pub use episode::{
-    run_episodes, run_episodes_in_flight, run_episodes_observed, EpisodeConfig, EpisodeObserver, NoObserver,
+    run_episodes, run_episodes_admitted, run_episodes_observed, Admission, EpisodeConfig, EpisodeObserver, NoObserver,
 };
 pub use error::{EnvError, FailureKind};
 pub use parallel::ParallelRunner;

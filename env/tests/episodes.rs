@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use prompt_r1_env::{
-    run_episodes, run_episodes_in_flight, run_episodes_observed, Agent, AgentContext, AgentError, ChatMessage, EnvError,
+    run_episodes, run_episodes_admitted, run_episodes_observed, Admission, Agent, AgentContext, AgentError, ChatMessage, EnvError,
     Environment, EpisodeConfig, EpisodeObserver, ReplyFormat, StopReason, Trajectory, TurnEnd,
     TurnRecord, TurnText, ENV_SYSTEM_MESSAGE, REFERENCE_INSTRUCTION, REFERENCE_SYSTEM,
 };
@@ -839,11 +839,11 @@ fn in_flight(log: &[(bool, usize)]) -> (usize, HashMap<usize, usize>, HashMap<us
 }
 
 /// With at most two episodes in flight, both loops begin the next question's episode as soon as
-/// one ends (the third begins before the long second one ends, where batches of two would wait
-/// for it), never run more than two at once, and give every episode what it gets when all run
-/// at once, in question order.
+/// one ends under continuous admission (the third begins before the long second one ends), and
+/// only once both have ended in batches; never more than two at once, and every episode gets
+/// what it gets when all run at once, in question order.
 #[test]
-fn episodes_begin_as_others_end_within_the_in_flight_limit() {
+fn episodes_begin_as_the_admission_says() {
     let call = |l: char| turn(&format!("<think>\nabout {l}\n</think>\n<interaction_prompt>ask {l}</interaction_prompt>"));
     // Episode 1 calls twice before answering; the others answer at once or after one call.
     let scripts: Vec<(&str, Vec<Scripted>)> = vec![
@@ -857,7 +857,7 @@ fn episodes_begin_as_others_end_within_the_in_flight_limit() {
     let env = ScriptedEnv::new(|messages: &[ChatMessage]| Ok(format!("reply to {}", last_user(messages).len())));
     let config = EpisodeConfig::default();
     let all_at_once = run_episodes(&mut ScriptedAgent::new(&scripts), &env, &questions, &config);
-    let check = |trajectories: &[Trajectory], log: &[(bool, usize)], what: &str| {
+    let check = |trajectories: &[Trajectory], log: &[(bool, usize)], admission: Admission, what: &str| {
         assert_eq!(trajectories.len(), questions.len(), "{what}");
         for (i, (a, b)) in all_at_once.iter().zip(trajectories).enumerate() {
             assert_eq!(b.question, questions[i], "{what}: episode {i} in question order");
@@ -866,15 +866,23 @@ fn episodes_begin_as_others_end_within_the_in_flight_limit() {
         }
         let (most, began, ended) = in_flight(log);
         assert_eq!(most, 2, "{what}: at most two episodes in flight, and two at a time: {log:?}");
-        assert!(began[&2] < ended[&1], "{what}: episode 2 begins before episode 1 ends: {log:?}");
+        match admission {
+            Admission::Continuous(_) => assert!(began[&2] < ended[&1], "{what}: episode 2 begins before episode 1 ends: {log:?}"),
+            Admission::Batches(_) => {
+                assert!(began[&2] > ended[&0].max(ended[&1]), "{what}: episode 2 begins after episodes 0 and 1: {log:?}");
+                assert!(began[&4] > ended[&2].max(ended[&3]), "{what}: episode 4 begins after episodes 2 and 3: {log:?}");
+            }
+        }
         let begun: Vec<usize> = log.iter().filter(|e| e.0).map(|e| e.1).collect();
         assert_eq!(begun, vec![0, 1, 2, 3, 4], "{what}: episodes begin in question order");
     };
-    let mut by_turn = ScriptedAgent::new(&scripts);
-    let trajectories = run_episodes_in_flight(&mut by_turn, &env, &questions, &config, 2, &mut prompt_r1_env::NoObserver);
-    check(&trajectories, &by_turn.log, "turn by turn");
-    assert!(by_turn.batch_sizes.iter().all(|&b| b <= 2), "{:?}", by_turn.batch_sizes);
-    let mut continuous = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "", in_turn: Vec::new() };
-    let trajectories = run_episodes_in_flight(&mut continuous, &env, &questions, &config, 2, &mut prompt_r1_env::NoObserver);
-    check(&trajectories, &continuous.inner.log, "continuous");
+    for admission in [Admission::Continuous(2), Admission::Batches(2)] {
+        let mut by_turn = ScriptedAgent::new(&scripts);
+        let trajectories = run_episodes_admitted(&mut by_turn, &env, &questions, &config, admission, &mut prompt_r1_env::NoObserver);
+        check(&trajectories, &by_turn.log, admission, &format!("turn by turn, {admission:?}"));
+        assert!(by_turn.batch_sizes.iter().all(|&b| b <= 2), "{:?}", by_turn.batch_sizes);
+        let mut continuous = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "", in_turn: Vec::new() };
+        let trajectories = run_episodes_admitted(&mut continuous, &env, &questions, &config, admission, &mut prompt_r1_env::NoObserver);
+        check(&trajectories, &continuous.inner.log, admission, &format!("continuous, {admission:?}"));
+    }
 }

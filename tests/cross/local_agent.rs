@@ -200,9 +200,9 @@ impl env::Environment for Delayed {
     }
 }
 
-/// Episodes run as the trainer runs them (at most `generation_batch` in flight, the next
-/// beginning as one ends, each episode's stream numbered by its place in the list): the same
-/// seed gives the same episodes whatever
+/// Episodes run as the trainer runs them (at most `generation_batch` in flight, in batches turn
+/// by turn and beginning as others end continuously, each episode's stream numbered by its
+/// place in the list): the same seed gives the same episodes whatever
 /// the batch size, whatever the environment's delays (which reorder who decodes beside whom
 /// when the loop runs continuously) and turn by turn or continuously, each episode keeping its
 /// KV cache across its turns; an environment failure in the middle of a batch ends only its
@@ -224,7 +224,8 @@ fn episodes_do_not_depend_on_batching_or_environment_delays() {
         let sampling = Sampling { temperature: 1.0, seed: 5, ..Default::default() };
         let mut agent = ForcedCalls(LocalAgent::new(&model, &tokenizer, sampling).with_continuous_batching(continuous), 3);
         agent.0.set_batch_stream(2);
-        let out = env::run_episodes_in_flight(&mut agent, &env, &questions, &episode, generation_batch, &mut env::NoObserver);
+        let admission = if continuous { env::Admission::Continuous(generation_batch) } else { env::Admission::Batches(generation_batch) };
+        let out = env::run_episodes_admitted(&mut agent, &env, &questions, &episode, admission, &mut env::NoObserver);
         (out, agent.0.decoder_stats())
     };
     let (reference, stats) = run(8, 1, true);
@@ -288,7 +289,7 @@ fn episodes_waiting_on_the_environment_keep_their_caches_beyond_the_rows() {
     let limits = model::DecoderLimits { max_rows: rows, ..Default::default() };
     let mut agent = ForcedCalls(LocalAgent::new(&model, &tokenizer, sampling).with_limits(limits), 3);
     let env = Slow(std::time::Duration::from_millis(150));
-    let trajectories = env::run_episodes_in_flight(&mut agent, &env, &questions, &episode, in_flight, &mut env::NoObserver);
+    let trajectories = env::run_episodes_admitted(&mut agent, &env, &questions, &episode, env::Admission::Batches(in_flight), &mut env::NoObserver);
     assert!(trajectories.iter().all(|t| t.stop_reason == env::StopReason::Answer), "{:?}", trajectories.iter().map(|t| &t.error).collect::<Vec<_>>());
     let shortest = trajectories.iter().map(|t| t.prompt_len).min().unwrap();
     let longest = trajectories.iter().map(|t| t.token_ids.len()).max().unwrap();

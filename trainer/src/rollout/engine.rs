@@ -64,7 +64,8 @@ pub fn engine_for<B: Backend>(config: &TrainConfig) -> Result<Box<dyn RolloutEng
 }
 
 /// Rollouts on the trainer's own device: the [`LocalAgent`] decoding at most
-/// `generation_batch` episodes in flight within the decoder limits of `[rollout]`.
+/// `generation_batch` episodes in flight (as `rollout.admission` begins them) within the decoder
+/// limits of `[rollout]`.
 pub struct LocalEngine {
     rollout: crate::run::RolloutSection,
 }
@@ -81,8 +82,8 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
         true
     }
 
-    /// Runs one episode per question, at most `generation_batch` in flight (the next begins as
-    /// one ends), and counts the tokens run through prefill, the peak KV positions and the
+    /// Runs one episode per question, at most `generation_batch` in flight (beginning as
+    /// `rollout.admission` says), and counts the tokens run through prefill, the peak KV positions and the
     /// preemptions. Every episode samples from its own stream of `sampling.seed`, `stream` and
     /// its place among the questions, so `generation_batch` changes how fast, not what.
     fn rollouts(&mut self, batch: RolloutBatch<'_, B>) -> Result<(Vec<Trajectory>, RolloutStats), TrainError> {
@@ -98,8 +99,7 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
             .with_limits(limits)
             .with_continuous_batching(self.rollout.continuous_batching);
         agent.set_batch_stream(batch.stream);
-        let generation_batch = self.rollout.generation_batch.max(1);
-        let out = env::run_episodes_in_flight(&mut agent, batch.env, batch.questions, batch.episode, generation_batch, &mut env::NoObserver);
+        let out = env::run_episodes_admitted(&mut agent, batch.env, batch.questions, batch.episode, self.rollout.admission(), &mut env::NoObserver);
         Ok((out, RolloutStats { decoder: agent.decoder_stats(), server_retries: 0, steps: agent.step_times() }))
     }
 

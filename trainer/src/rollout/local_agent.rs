@@ -28,8 +28,6 @@ pub struct LocalAgent<'m, B: Backend> {
     /// Distinguishes batches of episodes run with the same agent (e.g. training steps), so that
     /// episode `i` of two batches does not repeat its samples.
     batch_stream: u64,
-    /// Added to each episode's index in its batch to name its sampling stream.
-    episode_offset: usize,
     stop_ids: Vec<u32>,
     turns_generated: Vec<u64>,
     /// Every running episode's sequence (keyed by its index), its cache kept between turns.
@@ -92,7 +90,6 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
             tokenizer,
             sampling,
             batch_stream: 0,
-            episode_offset: 0,
             stop_ids: vec![special.im_end, special.endoftext],
             turns_generated: Vec::new(),
             decoder: Decoder::new(DecoderLimits::default()),
@@ -132,11 +129,6 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
         self.batch_stream = stream;
     }
 
-    /// Numbers the next run's episodes from `offset` in their sampling streams, so that a list
-    /// of episodes run in parts samples each episode as one run of them all would.
-    pub fn set_episode_offset(&mut self, offset: usize) {
-        self.episode_offset = offset;
-    }
 
     /// Tokens this agent has run through prefill: each episode's first prompt and environment
     /// replies, and anything prefilled again after its cache was dropped for room (padding
@@ -156,7 +148,7 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
     }
 
     fn turn_seed(&self, episode: usize, turn: u64) -> u64 {
-        super::turn_seed(self.sampling.seed, self.batch_stream, self.episode_offset + episode, turn)
+        super::turn_seed(self.sampling.seed, self.batch_stream, episode, turn)
     }
 
     /// Puts episode `ctx`'s sequence in line for its next turn: a new sequence of its whole

@@ -168,10 +168,15 @@ pub struct RolloutSection {
     pub batch_size: usize,
     /// Episodes per question (the GRPO group).
     pub n: usize,
-    /// Most episodes in flight at once (begun and not ended, each holding its KV cache): the
-    /// next question's episode begins as soon as one ends, so a long episode does not keep the
-    /// others' places empty.
+    /// Most episodes in flight at once (begun and not ended, each holding its KV cache); when
+    /// the next ones begin is `admission`.
     pub generation_batch: usize,
+    /// When a step's episodes begin: `batches` (the default: `generation_batch` at a time, the
+    /// next batch once all of one have ended) or `continuous` (the next episode as soon as one
+    /// ends, so a long episode does not keep the places of finished ones empty). On the local
+    /// engine `continuous` needs `kv_budget`: its batch mixes episodes of all ages, every row
+    /// padded to the longest, so the KV cache outgrows `generation_batch` × context.
+    pub admission: Admission,
     /// Most episodes decoding at once (vLLM's `max_num_seqs`): the others in flight wait and
     /// join as rows come free. The KV memory still follows `generation_batch`: episodes
     /// waiting on the environment keep their caches. Unset: `generation_batch`.
@@ -212,6 +217,27 @@ pub struct RolloutSection {
     pub engine: RolloutEngineKind,
     /// The rollout workers of `engine = "servers"` (see [`ServerSettings`]).
     pub servers: Option<ServerSettings>,
+}
+
+/// When a step's episodes begin (see [`RolloutSection::admission`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Admission {
+    /// `generation_batch` at a time.
+    #[default]
+    Batches,
+    /// The next as soon as one ends, at most `generation_batch` in flight.
+    Continuous,
+}
+
+impl RolloutSection {
+    /// The episode loop's admission of these settings.
+    pub fn admission(&self) -> env::Admission {
+        match self.admission {
+            Admission::Batches => env::Admission::Batches(self.generation_batch.max(1)),
+            Admission::Continuous => env::Admission::Continuous(self.generation_batch.max(1)),
+        }
+    }
 }
 
 /// Which engine generates the rollouts (see [`RolloutSection::engine`]).
@@ -272,6 +298,11 @@ impl RolloutSection {
                 "rollout.engine = \"servers\" needs a [rollout.servers] table with `urls`".into(),
             ),
             (_, Some(servers)) => servers.validate(),
+            (RolloutEngineKind::Local, None) if self.admission == Admission::Continuous && self.kv_budget.is_none() => Err(
+                "rollout.admission = \"continuous\" on the local engine needs rollout.kv_budget: episodes of all ages share \
+                 the batch, every row padded to the longest, so the KV cache is not bounded by generation_batch × context"
+                    .into(),
+            ),
             (RolloutEngineKind::Local, None) => Ok(()),
         }
     }
@@ -307,6 +338,7 @@ impl Default for RolloutSection {
             batch_size: 128,
             n: 5,
             generation_batch: 64,
+            admission: Admission::Batches,
             max_num_seqs: None,
             max_num_batched_tokens: crate::plan::DEFAULT_MAX_NUM_BATCHED_TOKENS,
             kv_budget: None,
@@ -547,6 +579,12 @@ mod tests {
         assert_eq!((config.rollout.max_num_seqs, config.rollout.max_num_batched_tokens), (None, 8192));
         assert_eq!(config.rollout.kv_budget, None);
         assert!(config.rollout.continuous_batching, "continuous batching is the default");
+        assert_eq!(config.rollout.admission(), env::Admission::Batches(48), "episodes begin in batches by default");
+        let continuous = parse_rollout("admission = \"continuous\"\nkv_budget = \"1GiB\"");
+        assert_eq!(continuous.rollout.admission(), env::Admission::Continuous(64));
+        assert_eq!(continuous.validate(), Ok(()));
+        let err = parse_rollout("admission = \"continuous\"").validate().unwrap_err();
+        assert!(err.contains("rollout.admission") && err.contains("rollout.kv_budget"), "{err}");
         assert!(!parse_rollout("continuous_batching = false").rollout.continuous_batching);
         let limits = config.rollout.decoder_limits(&model::Preset::Qwen3_4B.config(1024, vec![]), DType::BF16).unwrap();
         assert_eq!(limits, DecoderLimits { max_rows: 48, max_batched_tokens: 8192, kv_budget: None });

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Result};
 use burn::tensor::backend::Backend;
 use env::{
-    run_episodes, run_episodes_in_flight, Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment,
+    run_episodes_admitted, Admission, Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment,
     EpisodeConfig, NoObserver, Role, StopReason, Trajectory, TurnEnd, TurnText, ANSWER_CLOSE, ANSWER_OPEN,
     CALL_CLOSE, CALL_OPEN,
 };
@@ -55,7 +55,8 @@ pub struct RolloutSettings {
     pub turn_by_turn: bool,
     /// Most positions of one prefill pass (`[rollout] max_num_batched_tokens`).
     pub max_batched_tokens: usize,
-    /// Episodes per rollout (`None`: the batch); the batch is then the most in flight.
+    /// Episodes per rollout (`None`: the batch), run `batch` at a time (and with continuous
+    /// admission too, when more).
     pub episodes: Option<usize>,
     /// Each episode takes its own number of turns ([`episode_turns`]), else `turns`.
     pub varied_turns: bool,
@@ -159,23 +160,32 @@ pub struct RolloutStats {
     /// The same batch on rollout workers, when some were given.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub workers: Option<WorkerRollout>,
-    /// With more episodes than the batch: the rollout in fixed batches of `batch` episodes.
+    /// With more episodes than the batch: the rollout with each episode beginning as one ends.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub fixed_batches: Option<FixedBatches>,
+    pub continuous_admission: Option<ContinuousAdmission>,
 }
 
-/// The episodes run in fixed batches of `batch`, each batch waiting for its longest episode
-/// (how `train` ran a step's episodes before they began as others ended): the same episodes,
-/// sampled from the same streams.
+/// The episodes run with at most `batch` in flight, the next beginning as soon as one ends
+/// (`[rollout] admission = "continuous"`), where the rollout above runs them `batch` at a time
+/// (the default, each batch waiting for its longest episode): the same episodes, sampled from
+/// the same streams.
 #[derive(Clone, Debug, Serialize)]
-pub struct FixedBatches {
+pub struct ContinuousAdmission {
     pub seconds: f64,
     pub agent_tokens: usize,
     pub agent_tokens_per_second: f64,
     /// Sequences decoding per decoder step, on average.
     pub rows_per_step: f64,
-    /// The rollout's agent tokens/s (the next episode beginning as one ends) over these.
-    pub in_flight_over_fixed: f64,
+    /// The decoder's steps that only decoded and those with a prefill, and their mean
+    /// milliseconds.
+    pub decode_steps: u64,
+    pub decode_step_ms: f64,
+    pub prefill_steps: u64,
+    pub prefill_step_ms: f64,
+    /// Most KV positions the decoder held at once.
+    pub peak_kv_positions: usize,
+    /// These agent tokens/s over the rollout's in batches.
+    pub over_batches: f64,
 }
 
 /// A GPU's memory during the three measurements of a rollout batch, in MiB: the most held by
@@ -317,8 +327,6 @@ pub struct ForcedCalls<A> {
     turns: usize,
     /// Each episode takes its own number of turns ([`episode_turns`]).
     varied: bool,
-    /// Added to an episode's index to find its turns (a batch of a longer list).
-    first_index: usize,
     /// Ends the inner agent's episode state after every turn, so that each turn prefills the
     /// whole history again (the loop before kept KV caches, for comparison).
     forget_between_turns: bool,
@@ -335,7 +343,6 @@ impl<A: Agent> ForcedCalls<A> {
             inner,
             turns,
             varied: false,
-            first_index: 0,
             forget_between_turns: false,
             counts: RolloutCounts::default(),
             agent_time: Duration::ZERO,
@@ -348,11 +355,6 @@ impl<A: Agent> ForcedCalls<A> {
     pub fn with_varied_turns(mut self, varied: bool) -> Self {
         self.varied = varied;
         self
-    }
-
-    /// Episodes of the next run are episodes `first_index..` of the whole list (for their turns).
-    pub fn set_first_index(&mut self, first_index: usize) {
-        self.first_index = first_index;
     }
 
     /// The agent with its GPU memory sampled after every call into it.
@@ -371,11 +373,6 @@ impl<A: Agent> ForcedCalls<A> {
     /// The wrapped agent.
     pub fn inner(&self) -> &A {
         &self.inner
-    }
-
-    /// The wrapped agent, to change.
-    pub fn inner_mut(&mut self) -> &mut A {
-        &mut self.inner
     }
 
     pub fn counts(&self) -> &RolloutCounts {
@@ -402,7 +399,7 @@ impl<A: Agent> ForcedCalls<A> {
             self.counts.stopped_early += 1;
         }
         let t = ctx.exchanges().len();
-        let text = if t + 1 < episode_turns(self.turns, self.varied, self.first_index + ctx.index()) {
+        let text = if t + 1 < episode_turns(self.turns, self.varied, ctx.index()) {
             format!("{CALL_OPEN}Call {t} of episode {}{CALL_CLOSE}", ctx.index())
         } else {
             format!("{ANSWER_OPEN}forced{ANSWER_CLOSE}")
@@ -614,9 +611,9 @@ pub fn measure<B: Backend>(
     let decode_rate = (batch * (new_tokens - 1)) as f64 / decode_seconds;
 
     // The rollout, through LocalAgent and the episode loop: first with each turn re-prefilling
-    // its episode's history (the loop before kept caches), then as the trainer runs it (at
-    // most `batch` episodes in flight), or in fixed batches of `batch` (`fixed`).
-    let timed = |forget: bool, continuous: bool, fixed: bool| -> TimedRollout {
+    // its episode's history (the loop before kept caches), then as the trainer runs it (`batch`
+    // episodes at a time), or beginning each as one ends (`admission`).
+    let timed = |forget: bool, continuous: bool, admission: Admission| -> TimedRollout {
         let limits = DecoderLimits { max_batched_tokens: settings.max_batched_tokens, ..DecoderLimits::default() };
         let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_limits(limits).with_continuous_batching(continuous);
         let mut agent = ForcedCalls::new(local, settings.turns).with_varied_turns(settings.varied_turns).with_probe(probe.clone());
@@ -630,19 +627,7 @@ pub fn measure<B: Backend>(
             let stats_before = agent.inner().decoder_stats();
             let steps_before = agent.inner().step_times();
             let start = Instant::now();
-            let trajectories = if fixed {
-                let mut out = Vec::new();
-                for (c, chunk) in questions.chunks(batch).enumerate() {
-                    agent.set_first_index(c * batch);
-                    agent.inner_mut().set_episode_offset(c * batch);
-                    out.extend(run_episodes(&mut agent, &environment, chunk, &config));
-                }
-                agent.set_first_index(0);
-                agent.inner_mut().set_episode_offset(0);
-                out
-            } else {
-                run_episodes_in_flight(&mut agent, &environment, &questions, &config, batch, &mut NoObserver)
-            };
+            let trajectories = run_episodes_admitted(&mut agent, &environment, &questions, &config, admission, &mut NoObserver);
             runs.push(TimedRollout {
                 seconds: start.elapsed().as_secs_f64(),
                 agent_seconds: agent.agent_time().as_secs_f64(),
@@ -666,9 +651,10 @@ pub fn measure<B: Backend>(
         runs.swap_remove(runs.len() / 2)
     };
     let decode_memory = memory();
-    let before = timed(true, true, false);
+    let batches = Admission::Batches(batch);
+    let before = timed(true, true, batches);
     let reprefill_memory = memory();
-    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, steps, trajectories } = timed(false, true, false);
+    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, steps, trajectories } = timed(false, true, batches);
     let device_memory = decode_memory.zip(reprefill_memory).zip(memory()).map(|((d, r), k)| RolloutMemory {
         decode_in_use_mib: d.0,
         decode_reserved_mib: d.1,
@@ -677,18 +663,23 @@ pub fn measure<B: Backend>(
         kept_in_use_mib: k.0,
         kept_reserved_mib: k.1,
     });
-    let turn_by_turn = settings.turn_by_turn.then(|| timed(false, false, false));
+    let turn_by_turn = settings.turn_by_turn.then(|| timed(false, false, batches));
     let rate = counts.agent_tokens as f64 / seconds;
     let rows_per_step = |decoded: u64, steps: &StepTimes| decoded as f64 / (steps.decode_steps + steps.prefill_steps).max(1) as f64;
-    let fixed_batches = (episodes > batch).then(|| {
-        let fixed = timed(false, true, true);
-        let fixed_rate = fixed.counts.agent_tokens as f64 / fixed.seconds;
-        FixedBatches {
-            seconds: fixed.seconds,
-            agent_tokens: fixed.counts.agent_tokens,
-            agent_tokens_per_second: fixed_rate,
-            rows_per_step: rows_per_step(fixed.decoder[2], &fixed.steps),
-            in_flight_over_fixed: rate / fixed_rate,
+    let continuous_admission = (episodes > batch).then(|| {
+        let run = timed(false, true, Admission::Continuous(batch));
+        let run_rate = run.counts.agent_tokens as f64 / run.seconds;
+        ContinuousAdmission {
+            seconds: run.seconds,
+            agent_tokens: run.counts.agent_tokens,
+            agent_tokens_per_second: run_rate,
+            rows_per_step: rows_per_step(run.decoder[2], &run.steps),
+            decode_steps: run.steps.decode_steps,
+            decode_step_ms: 1e3 * run.steps.decode_time.as_secs_f64() / run.steps.decode_steps.max(1) as f64,
+            prefill_steps: run.steps.prefill_steps,
+            prefill_step_ms: 1e3 * run.steps.prefill_time.as_secs_f64() / run.steps.prefill_steps.max(1) as f64,
+            peak_kv_positions: run.peak_kv_positions,
+            over_batches: run_rate / rate,
         }
     });
     if turn_by_turn.as_ref().is_some_and(|t| t.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids))) {
@@ -729,7 +720,7 @@ pub fn measure<B: Backend>(
         Some(on_workers(tokenizer, &environment, &questions, batch, &config, &sampling, settings, model.config.vocab_size, &trajectories, rate)?)
     };
     let env_calls: usize = trajectories.iter().map(|t| t.env_calls).sum();
-    let modes = 2 + usize::from(turn_by_turn.is_some()) + usize::from(fixed_batches.is_some()) + settings.workers.len().min(1);
+    let modes = 2 + usize::from(turn_by_turn.is_some()) + usize::from(continuous_admission.is_some()) + settings.workers.len().min(1);
     if modes * env_calls * settings.runs != environment.calls() {
         eprintln!(
             "the environment answered {} calls; the episodes count {env_calls} per run",
@@ -785,7 +776,7 @@ pub fn measure<B: Backend>(
         turn_by_turn_agent_tokens_per_second: turn_by_turn.map(|t| t.counts.agent_tokens as f64 / t.seconds),
         device_memory,
         workers,
-        fixed_batches,
+        continuous_admission,
     })
 }
 
@@ -811,7 +802,7 @@ fn on_workers(
     for _ in 0..settings.runs {
         let mut agent = ForcedCalls::new(ServerAgent::new(&mut pool, tokenizer, sampling.clone(), vocab_size), settings.turns).with_varied_turns(settings.varied_turns);
         let start = Instant::now();
-        let trajectories = run_episodes_in_flight(&mut agent, environment, questions, config, batch, &mut NoObserver);
+        let trajectories = run_episodes_admitted(&mut agent, environment, questions, config, Admission::Batches(batch), &mut NoObserver);
         let seconds = start.elapsed().as_secs_f64();
         if let Some(t) = trajectories.iter().find(|t| t.error.is_some()) {
             bail!("an episode failed on the workers: {}", t.error.as_deref().unwrap_or_default());
@@ -893,10 +884,10 @@ pub fn print(stats: &RolloutStats) {
         s.rows_per_step,
         s.batch
     );
-    if let Some(f) = &s.fixed_batches {
+    if let Some(c) = &s.continuous_admission {
         println!(
-            "  in fixed batches of {} (each waiting for its longest episode): {:.2} s wall, {:.1} agent tokens/s, {:.2} rows decoded per step; beginning episodes as others end is {:.2}x faster",
-            s.batch, f.seconds, f.agent_tokens_per_second, f.rows_per_step, f.in_flight_over_fixed
+            "  beginning each episode as one ends (admission = \"continuous\", at most {} in flight): {:.2} s wall, {:.1} agent tokens/s ({:.2}x the batches'), {:.2} rows decoded per step; {} steps decoding only at {:.1} ms, {} with a prefill at {:.1} ms; peak KV {} positions",
+            s.batch, c.seconds, c.agent_tokens_per_second, c.over_batches, c.rows_per_step, c.decode_steps, c.decode_step_ms, c.prefill_steps, c.prefill_step_ms, c.peak_kv_positions
         );
     }
     println!(
@@ -1047,7 +1038,7 @@ mod tests {
     }
 
     /// With varied turns each episode answers after its own number of turns, from 1 to the
-    /// most, found by its place in the whole list also when the list runs in parts.
+    /// most, found by its place in the whole list whichever way the episodes begin.
     #[test]
     fn rollout_varied_turns_end_each_episode_at_its_own_turn() {
         let (turns, episodes) = (4, 12);
@@ -1059,16 +1050,12 @@ mod tests {
         assert_eq!(drawn, (0..episodes).map(|i| episode_turns(turns, true, i)).collect::<Vec<_>>(), "the same every run");
         assert!((0..episodes).all(|i| episode_turns(turns, false, i) == turns));
         let mut agent = ForcedCalls::new(Fixed { prompt: 10, turn: 3 }, turns).with_varied_turns(true);
-        let all = run_episodes_in_flight(&mut agent, &env, &questions(episodes), &episode_config(&settings), 4, &mut NoObserver);
-        let mut parts = Vec::new();
-        for (c, chunk) in questions(episodes).chunks(5).enumerate() {
-            agent.set_first_index(c * 5);
-            parts.extend(run_episodes(&mut agent, &env, chunk, &episode_config(&settings)));
-        }
-        for (i, (a, b)) in all.iter().zip(&parts).enumerate() {
-            assert_eq!(a.stop_reason, StopReason::Answer, "episode {i}: {:?}", a.error);
-            assert_eq!((a.turns.len(), a.env_calls), (drawn[i], drawn[i] - 1), "episode {i}");
-            assert_eq!((b.turns.len(), b.stop_reason), (drawn[i], StopReason::Answer), "episode {i} in parts");
+        for admission in [Admission::Batches(5), Admission::Continuous(4)] {
+            let trajectories = run_episodes_admitted(&mut agent, &env, &questions(episodes), &episode_config(&settings), admission, &mut NoObserver);
+            for (i, t) in trajectories.iter().enumerate() {
+                assert_eq!(t.stop_reason, StopReason::Answer, "episode {i}: {:?}", t.error);
+                assert_eq!((t.turns.len(), t.env_calls), (drawn[i], drawn[i] - 1), "episode {i}, {admission:?}");
+            }
         }
     }
 
@@ -1093,7 +1080,7 @@ mod tests {
             vec![reply_text(40, 0, env::estimate_tokens)],
         );
         let mut agent = ForcedCalls::new(Fixed { prompt, turn }, turns);
-        let trajectories = run_episodes(
+        let trajectories = env::run_episodes(
             &mut agent,
             &env,
             &questions(batch),

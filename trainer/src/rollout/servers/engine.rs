@@ -27,8 +27,8 @@ pub struct ServerEngine {
     initial: PathBuf,
     /// The dtype full weights are written in (`rollout.dtype`).
     storage: StorageDtype,
-    /// Episodes run together.
-    generation_batch: usize,
+    /// When episodes begin, and how many are in flight over all the workers.
+    admission: env::Admission,
 }
 
 impl ServerEngine {
@@ -46,12 +46,19 @@ impl ServerEngine {
             InferenceDtype::F32 => StorageDtype::F32,
             InferenceDtype::Bf16 => StorageDtype::BF16,
         };
-        Ok(Self::new(pool, policy_root, config.model.clone(), storage, config.rollout.generation_batch))
+        Ok(Self::new(pool, policy_root, config.model.clone(), storage, config.rollout.generation_batch).with_admission(config.rollout.admission()))
     }
 
-    /// An engine on `pool`, writing policies under `policy_root`.
+    /// An engine on `pool`, writing policies under `policy_root`, running `generation_batch`
+    /// episodes at a time.
     pub fn new(pool: ServerPool, policy_root: PathBuf, initial: PathBuf, storage: StorageDtype, generation_batch: usize) -> Self {
-        Self { pool, policy_root, initial, storage, generation_batch: generation_batch.max(1) }
+        Self { pool, policy_root, initial, storage, admission: env::Admission::Batches(generation_batch.max(1)) }
+    }
+
+    /// The engine beginning episodes as `admission` says.
+    pub fn with_admission(mut self, admission: env::Admission) -> Self {
+        self.admission = admission;
+        self
     }
 
     /// The workers.
@@ -115,8 +122,9 @@ impl<B: Backend> RolloutEngine<B> for ServerEngine {
         false
     }
 
-    /// One episode per question, at most `generation_batch` in flight over all the workers (the
-    /// next begins as one ends). An error when no worker is left by the end: episodes failed.
+    /// One episode per question, at most `generation_batch` in flight over all the workers (as
+    /// `rollout.admission` begins them). An error when no worker is left by the end: episodes
+    /// failed.
     fn rollouts(&mut self, batch: RolloutBatch<'_, B>) -> Result<(Vec<Trajectory>, RolloutStats), TrainError> {
         if self.pool.live() == 0 {
             return Err(TrainError::Servers(format!("no rollout worker is usable: {}", self.pool.describe_failures())));
@@ -125,7 +133,7 @@ impl<B: Backend> RolloutEngine<B> for ServerEngine {
         let vocab_size = batch.policy.base.config.vocab_size;
         let mut agent = ServerAgent::new(&mut self.pool, batch.tokenizer, batch.sampling.clone(), vocab_size);
         agent.set_batch_stream(batch.stream);
-        let out = env::run_episodes_in_flight(&mut agent, batch.env, batch.questions, batch.episode, self.generation_batch, &mut env::NoObserver);
+        let out = env::run_episodes_admitted(&mut agent, batch.env, batch.questions, batch.episode, self.admission, &mut env::NoObserver);
         drop(agent);
         if self.pool.live() == 0 {
             return Err(TrainError::Servers(format!(
