@@ -126,6 +126,10 @@ pub struct Args {
     /// calls; default: every episode takes --rollout-turns.
     #[arg(long, requires = "rollout")]
     pub rollout_varied_turns: bool,
+    /// The rollouts' KV budget for --rollout (`[rollout] kv_budget`, e.g. 160MiB): episodes wait
+    /// or are preempted rather than hold more; default: no limit.
+    #[arg(long, value_name = "SIZE", value_parser = parse_kv_budget, requires = "rollout")]
+    pub kv_budget: Option<u64>,
     /// Agent turns per episode for --rollout (every turn but the last calls the environment).
     #[arg(long, default_value_t = 5)]
     pub rollout_turns: usize,
@@ -310,6 +314,7 @@ impl Args {
             max_batched_tokens: self.max_num_batched_tokens.max(1),
             episodes: self.rollout_episodes,
             varied_turns: self.rollout_varied_turns,
+            kv_budget: self.kv_budget,
         };
         for &batch in &self.rollout_batch {
             eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", settings.episodes.unwrap_or(batch), settings.turns);
@@ -643,3 +648,8 @@ const TIMED_PRODUCTS: usize = 5;
 /// Training steps timed by `--train-step` (the median is reported); `scripts/bench_pytorch.py`
 /// times PyTorch the same way.
 const TIMED_STEPS: usize = 3;
+
+/// `--kv-budget`: a size such as `160MiB` or `2GB`.
+fn parse_kv_budget(text: &str) -> Result<u64, String> {
+    trainer::plan::parse_size(text)
+}

@@ -60,6 +60,8 @@ pub struct RolloutSettings {
     pub episodes: Option<usize>,
     /// Each episode takes its own number of turns ([`episode_turns`]), else `turns`.
     pub varied_turns: bool,
+    /// The rollouts' KV budget in bytes (`[rollout] kv_budget`); `None`: no limit.
+    pub kv_budget: Option<u64>,
 }
 
 /// The turns episode `index` takes: `turns`, or with `varied` one of 1 to `turns` drawn from
@@ -88,6 +90,10 @@ pub struct RolloutStats {
     pub latency_ms: u64,
     /// Most positions of one prefill pass.
     pub max_num_batched_tokens: usize,
+    /// The KV budget in positions, if one was given.
+    pub kv_budget_positions: Option<usize>,
+    /// Episodes whose cache was dropped to stay within the budget (preempted or evicted).
+    pub preemptions: u64,
     /// Wall-clock seconds of the whole rollout.
     pub seconds: f64,
     /// Seconds inside the agent (generation, tokenising); the rest is spent waiting on the
@@ -184,6 +190,8 @@ pub struct ContinuousAdmission {
     pub prefill_step_ms: f64,
     /// Most KV positions the decoder held at once.
     pub peak_kv_positions: usize,
+    /// Episodes whose cache was dropped to stay within the budget.
+    pub preemptions: u64,
     /// These agent tokens/s over the rollout's in batches.
     pub over_batches: f64,
 }
@@ -613,8 +621,10 @@ pub fn measure<B: Backend>(
     // The rollout, through LocalAgent and the episode loop: first with each turn re-prefilling
     // its episode's history (the loop before kept caches), then as the trainer runs it (`batch`
     // episodes at a time), or beginning each as one ends (`admission`).
+    let per_position = trainer::plan::kv_position_bytes(&model.config, model.model.embed_tokens.weight.val().dtype());
+    let kv_budget = settings.kv_budget.map(|bytes| usize::try_from(bytes / per_position.max(1)).unwrap_or(usize::MAX));
     let timed = |forget: bool, continuous: bool, admission: Admission| -> TimedRollout {
-        let limits = DecoderLimits { max_batched_tokens: settings.max_batched_tokens, ..DecoderLimits::default() };
+        let limits = DecoderLimits { max_batched_tokens: settings.max_batched_tokens, kv_budget, ..DecoderLimits::default() };
         let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_limits(limits).with_continuous_batching(continuous);
         let mut agent = ForcedCalls::new(local, settings.turns).with_varied_turns(settings.varied_turns).with_probe(probe.clone());
         if forget {
@@ -641,6 +651,7 @@ pub fn measure<B: Backend>(
                         after.vacant_rows - stats_before.vacant_rows,
                         after.decode_tokens - stats_before.decode_tokens,
                         after.joins_in_place - stats_before.joins_in_place,
+                        after.preemptions + after.evictions - stats_before.preemptions - stats_before.evictions,
                     ]
                 },
                 steps: agent.inner().step_times().since(&steps_before),
@@ -679,13 +690,14 @@ pub fn measure<B: Backend>(
             prefill_steps: run.steps.prefill_steps,
             prefill_step_ms: 1e3 * run.steps.prefill_time.as_secs_f64() / run.steps.prefill_steps.max(1) as f64,
             peak_kv_positions: run.peak_kv_positions,
+            preemptions: run.decoder[4],
             over_batches: run_rate / rate,
         }
     });
     if turn_by_turn.as_ref().is_some_and(|t| t.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids))) {
         eprintln!("the episodes differ between continuous batching and turn by turn");
     }
-    let [rebuilt, vacant, decoded, joins_in_place] = decoder.map(|n| n as f64);
+    let [rebuilt, vacant, decoded, joins_in_place, preemptions] = decoder.map(|n| n as f64);
     if before.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids)) {
         eprintln!("the episodes differ between re-prefilling and kept caches");
     }
@@ -742,6 +754,8 @@ pub fn measure<B: Backend>(
         reply_tokens: settings.reply_tokens,
         latency_ms: settings.latency.as_millis() as u64,
         max_num_batched_tokens: settings.max_batched_tokens,
+        kv_budget_positions: kv_budget,
+        preemptions: preemptions as u64,
         seconds,
         agent_seconds,
         env_wait_seconds: (seconds - agent_seconds).max(0.0),
@@ -831,9 +845,9 @@ struct TimedRollout {
     /// Tokens the agent's decoder prefilled.
     prefill_tokens: usize,
     peak_kv_positions: usize,
-    /// The decoder's rebuilt positions, vacant rows, decoded tokens and joins in place during
-    /// the run.
-    decoder: [u64; 4],
+    /// The decoder's rebuilt positions, vacant rows, decoded tokens, joins in place and
+    /// preemptions (evictions included) during the run.
+    decoder: [u64; 5],
     /// The agent's decoder steps during the run.
     steps: StepTimes,
     trajectories: Vec<Trajectory>,
@@ -868,8 +882,13 @@ pub fn print(stats: &RolloutStats) {
         s.agent_tokens_per_second, s.agent_tokens_per_agent_second, s.batch, s.decode_tokens_per_second, s.rollout_over_decode
     );
     println!(
-        "  per episode: {:.0} prefill tokens for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions ({:.0} MiB)",
-        s.prefill_tokens_per_episode, s.context_tokens_per_episode, s.non_agent_context_tokens_per_episode, s.peak_kv_positions, s.peak_kv_mib
+        "  per episode: {:.0} prefill tokens for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions ({:.0} MiB){}",
+        s.prefill_tokens_per_episode,
+        s.context_tokens_per_episode,
+        s.non_agent_context_tokens_per_episode,
+        s.peak_kv_positions,
+        s.peak_kv_mib,
+        s.kv_budget_positions.map_or(String::new(), |b| format!(" within a budget of {b} ({} preempted)", s.preemptions))
     );
     println!(
         "  decoder steps: {} decoding only at {:.1} ms (pure decode: {:.1} ms a step), {} with a prefill at {:.1} ms; {:.2} s in the agent outside steps",
@@ -886,8 +905,8 @@ pub fn print(stats: &RolloutStats) {
     );
     if let Some(c) = &s.continuous_admission {
         println!(
-            "  beginning each episode as one ends (admission = \"continuous\", at most {} in flight): {:.2} s wall, {:.1} agent tokens/s ({:.2}x the batches'), {:.2} rows decoded per step; {} steps decoding only at {:.1} ms, {} with a prefill at {:.1} ms; peak KV {} positions",
-            s.batch, c.seconds, c.agent_tokens_per_second, c.over_batches, c.rows_per_step, c.decode_steps, c.decode_step_ms, c.prefill_steps, c.prefill_step_ms, c.peak_kv_positions
+            "  beginning each episode as one ends (admission = \"continuous\", at most {} in flight): {:.2} s wall, {:.1} agent tokens/s ({:.2}x the batches'), {:.2} rows decoded per step; {} steps decoding only at {:.1} ms, {} with a prefill at {:.1} ms; peak KV {} positions ({} preempted)",
+            s.batch, c.seconds, c.agent_tokens_per_second, c.over_batches, c.rows_per_step, c.decode_steps, c.decode_step_ms, c.prefill_steps, c.prefill_step_ms, c.peak_kv_positions, c.preemptions
         );
     }
     println!(
@@ -999,6 +1018,7 @@ mod tests {
             max_batched_tokens: 8192,
             episodes: None,
             varied_turns: false,
+            kv_budget: None,
         }
     }
 
