@@ -11,14 +11,21 @@ use model::tiny_tokenizer::{train_tiny_tokenizer, TINY_VOCAB_SIZE};
 use model::{completion_logprobs, load_pretrained, LoadOptions, Preset, Sampling};
 use trainer::rollout::LocalAgent;
 
-#[test]
-fn local_agent_builds_the_context_token_by_token() {
+/// A random checkpoint of the tiny preset (weights from `seed`) loaded on the CPU, and the tiny
+/// tokenizer; the checkpoint's directory lives as long as the first value.
+fn tiny_model(seed: u64) -> (tempfile::TempDir, model::tokenizer::Qwen3Tokenizer, model::Qwen3ForCausalLM<Flex>) {
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
     let special = *tokenizer.special();
     let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end]);
-    write_random_checkpoint(&config, dir.path(), 5, StorageDtype::F32).unwrap();
+    write_random_checkpoint(&config, dir.path(), seed, StorageDtype::F32).unwrap();
     let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+    (dir, tokenizer, model)
+}
+
+#[test]
+fn local_agent_builds_the_context_token_by_token() {
+    let (_dir, tokenizer, model) = tiny_model(5);
 
     let sampling = Sampling { temperature: 1.0, seed: 11, ..Default::default() };
     let mut agent = LocalAgent::new(&model, &tokenizer, sampling);
@@ -52,12 +59,7 @@ fn local_agent_builds_the_context_token_by_token() {
 /// trajectory's tokens, mask and log-probs.
 #[test]
 fn trajectories_of_the_local_agent_are_consistent() {
-    let dir = tempfile::tempdir().unwrap();
-    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
-    let special = *tokenizer.special();
-    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end]);
-    write_random_checkpoint(&config, dir.path(), 5, StorageDtype::F32).unwrap();
-    let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+    let (_dir, tokenizer, model) = tiny_model(5);
 
     struct Echo;
     impl env::Environment for Echo {
@@ -118,7 +120,7 @@ fn trajectories_of_the_local_agent_are_consistent() {
 
         // Rollout log-probs equal a scoring pass over the finished sequence (sampling at T = 1).
         let start = t.prompt_len;
-        let scored = completion_logprobs(&model, &[(ids[..start].to_vec(), ids[start..].to_vec())], special.endoftext)
+        let scored = completion_logprobs(&model, &[(ids[..start].to_vec(), ids[start..].to_vec())], tokenizer.special().endoftext)
             .unwrap()
             .remove(0);
         for (k, (&m, &lp)) in t.loss_mask[start..].iter().zip(&t.logprobs[start..]).enumerate() {
@@ -211,12 +213,7 @@ impl env::Environment for Delayed {
 #[test]
 fn episodes_do_not_depend_on_batching_or_environment_delays() {
     use rand::SeedableRng;
-    let dir = tempfile::tempdir().unwrap();
-    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
-    let special = *tokenizer.special();
-    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end]);
-    write_random_checkpoint(&config, dir.path(), 9, StorageDtype::F32).unwrap();
-    let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+    let (_dir, tokenizer, model) = tiny_model(9);
     let questions = ["Paris?", "Rome?", "Fail?", "Oslo?", "Lima?", "Bern?", "Kyiv?", "Nome?"];
     let episode = env::EpisodeConfig { max_turns: 3, max_turn_tokens: 12, env_concurrency: 8, ..env::EpisodeConfig::training() };
     let run = |generation_batch: usize, delays: u64, continuous: bool| {
@@ -276,12 +273,7 @@ impl env::Environment for Slow {
 /// flight at its cache's grown capacity).
 #[test]
 fn episodes_waiting_on_the_environment_keep_their_caches_beyond_the_rows() {
-    let dir = tempfile::tempdir().unwrap();
-    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
-    let special = *tokenizer.special();
-    let config = Preset::Tiny.config(tokenizer.vocab_size(), vec![special.im_end]);
-    write_random_checkpoint(&config, dir.path(), 9, StorageDtype::F32).unwrap();
-    let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+    let (_dir, tokenizer, model) = tiny_model(9);
     let questions = ["Paris?", "Rome?", "Oslo?", "Lima?", "Bern?", "Kyiv?"];
     let episode = env::EpisodeConfig { max_turns: 3, max_turn_tokens: 8, ..env::EpisodeConfig::training() };
     let sampling = Sampling { temperature: 1.0, seed: 5, ..Default::default() };
