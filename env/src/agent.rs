@@ -190,9 +190,10 @@ impl AgentContext {
 
 /// An agent that writes the turns of many episodes at once.
 ///
-/// The episode loop ([`run_episodes`](crate::run_episodes)) calls, for a batch:
-/// [`begin_episode`](Agent::begin_episode) once per episode, then turn by turn
-/// [`generate_turns`](Agent::generate_turns) with every episode still running, then
+/// The episode loop ([`run_episodes`](crate::run_episodes)) calls
+/// [`begin_episode`](Agent::begin_episode) once per episode as it begins (all at once, or as
+/// [`Admission`](crate::Admission) lets them in, between other episodes' turns), then turn by
+/// turn [`generate_turns`](Agent::generate_turns) with every episode still running, then
 /// [`append_environment`](Agent::append_environment) for each episode whose call was answered,
 /// and finally [`end_episode`](Agent::end_episode).
 ///

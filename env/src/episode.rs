@@ -177,10 +177,17 @@ where
         run.continuous(&mut episodes, env, config);
     } else {
         loop {
-            run.admit(&mut episodes);
-            let active: Vec<usize> = (0..episodes.len())
-                .filter(|&i| episodes[i].is_running() && run.prepare_turn(&mut episodes[i], config))
-                .collect();
+            // Episodes that end before their turn (out of turns or tokens) free their places for
+            // this round already (`prepare_turn` only ends episodes or sets the same budget).
+            let active = loop {
+                run.admit(&mut episodes);
+                let active: Vec<usize> = (0..episodes.len())
+                    .filter(|&i| episodes[i].is_running() && run.prepare_turn(&mut episodes[i], config))
+                    .collect();
+                if !run.can_admit(&episodes) {
+                    break active;
+                }
+            };
             if active.is_empty() {
                 if run.begun == episodes.len() {
                     break;
@@ -252,14 +259,24 @@ struct Run<'a, A: ?Sized> {
 }
 
 impl<A: Agent + ?Sized> Run<'_, A> {
+    /// Whether the admission lets an episode begin now.
+    fn can_admit(&self, episodes: &[Episode]) -> bool {
+        let running = episodes[..self.begun].iter().filter(|e| e.is_running()).count();
+        self.begun < episodes.len()
+            && match self.admission {
+                Admission::Batches(_) => running == 0,
+                Admission::Continuous(n) => running < n.max(1),
+            }
+    }
+
     /// Begins the next episodes as the admission allows; returns those that began (an episode
     /// the agent cannot begin ends at once, as an agent failure).
     fn admit(&mut self, episodes: &mut [Episode]) -> Vec<usize> {
-        let mut running = episodes[..self.begun].iter().filter(|e| e.is_running()).count();
         let mut admitted = Vec::new();
-        if matches!(self.admission, Admission::Batches(_)) && running > 0 {
+        if !self.can_admit(episodes) {
             return admitted;
         }
+        let mut running = episodes[..self.begun].iter().filter(|e| e.is_running()).count();
         while running < self.admission.max_in_flight() && self.begun < episodes.len() {
             let i = self.begun;
             self.begun += 1;
@@ -538,7 +555,14 @@ impl<A: Agent + ?Sized> Run<'_, A> {
                         }
                     }
                 }
-                if in_turn.is_empty() && waiting == 0 {
+                // Places that episodes ended in just now are taken before anything blocks.
+                ready.extend(self.admit(episodes));
+                if in_turn.is_empty() && waiting == 0 && ready.is_empty() {
+                    // An episode still running here is in no turn and has no call out: the agent
+                    // dropped its turn (fewer results than episodes). It ends as a failure.
+                    for episode in episodes[..self.begun].iter_mut().filter(|e| e.is_running()) {
+                        self.finish(episode, StopReason::AgentFailure, None, Some("the agent returned no result for this episode's turn".into()));
+                    }
                     if self.begun == episodes.len() {
                         break;
                     }
@@ -546,7 +570,7 @@ impl<A: Agent + ?Sized> Run<'_, A> {
                 }
                 // Block for a reply only when nothing can decode meanwhile.
                 let mut replies: Vec<Answered> = answered.try_iter().collect();
-                if replies.is_empty() && in_turn.is_empty() {
+                if replies.is_empty() && in_turn.is_empty() && ready.is_empty() {
                     match answered.recv() {
                         Ok(reply) => replies.push(reply),
                         Err(_) => break,

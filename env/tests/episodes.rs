@@ -734,10 +734,13 @@ struct OneAtATime {
     inner: ScriptedAgent,
     refuse: &'static str,
     in_turn: Vec<usize>,
+    /// The questions of the episodes begun so far, for the environment to see.
+    began: std::sync::Arc<Mutex<Vec<String>>>,
 }
 
 impl Agent for OneAtATime {
     fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), AgentError> {
+        self.began.lock().unwrap().push(ctx.question().to_string());
         self.inner.begin_episode(ctx)
     }
 
@@ -803,7 +806,7 @@ fn the_continuous_loop_matches_the_turn_by_turn_loop() {
         Ok(format!("reply to {}", last_user(messages).len()))
     });
     let by_turn = run_episodes(&mut ScriptedAgent::new(&scripts), &env, &questions, &EpisodeConfig::default());
-    let mut continuous = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "What is Y?", in_turn: Vec::new() };
+    let mut continuous = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "What is Y?", in_turn: Vec::new(), began: Default::default() };
     let trajectories = run_episodes(&mut continuous, &env, &questions, &EpisodeConfig::default());
     for (i, (a, b)) in by_turn.iter().zip(&trajectories).enumerate() {
         if questions[i] == "What is Y?" {
@@ -881,8 +884,89 @@ fn episodes_begin_as_the_admission_says() {
         let trajectories = run_episodes_admitted(&mut by_turn, &env, &questions, &config, admission, &mut prompt_r1_env::NoObserver);
         check(&trajectories, &by_turn.log, admission, &format!("turn by turn, {admission:?}"));
         assert!(by_turn.batch_sizes.iter().all(|&b| b <= 2), "{:?}", by_turn.batch_sizes);
-        let mut continuous = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "", in_turn: Vec::new() };
+        let mut continuous = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "", in_turn: Vec::new(), began: Default::default() };
         let trajectories = run_episodes_admitted(&mut continuous, &env, &questions, &config, admission, &mut prompt_r1_env::NoObserver);
         check(&trajectories, &continuous.inner.log, admission, &format!("continuous, {admission:?}"));
     }
+}
+
+/// Continuous admission takes a place as soon as an episode ends, also when every other episode
+/// is out on a call: the environment here answers B only once C has begun (else it fails B
+/// after two seconds), and A's answer frees the place C takes.
+#[test]
+fn a_place_is_taken_while_the_others_wait_on_the_environment() {
+    let call = turn("<think>\nabout B\n</think>\n<interaction_prompt>ask B</interaction_prompt>");
+    let scripts: Vec<(&str, Vec<Scripted>)> =
+        vec![("What is B?", vec![call, turn(T3)]), ("What is A?", vec![turn(T3)]), ("What is C?", vec![turn(T3)])];
+    let questions: Vec<&str> = scripts.iter().map(|s| s.0).collect();
+    let mut agent = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "", in_turn: Vec::new(), began: Default::default() };
+    let began = agent.began.clone();
+    let env = ScriptedEnv::new(move |_: &[ChatMessage]| {
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_secs(2) {
+            if began.lock().unwrap().iter().any(|q| q == "What is C?") {
+                return Ok("reply".to_string());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        Err(EnvError::Config("C had not begun while B waited on its call".into()))
+    });
+    let trajectories = run_episodes_admitted(&mut agent, &env, &questions, &EpisodeConfig::default(), Admission::Continuous(2), &mut prompt_r1_env::NoObserver);
+    for t in &trajectories {
+        assert_eq!(t.stop_reason, StopReason::Answer, "{}: {:?}", t.question, t.error);
+    }
+    assert_eq!(trajectories[0].env_calls, 1);
+}
+
+/// A continuous agent that drops the last episode of every `start_turns` call of more than one
+/// (a broken agent: fewer results than episodes).
+struct DropsATurn(OneAtATime);
+
+impl Agent for DropsATurn {
+    fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), AgentError> {
+        self.0.begin_episode(ctx)
+    }
+
+    fn generate_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<TurnText, AgentError>> {
+        self.0.generate_turns(episodes)
+    }
+
+    fn append_environment(&mut self, ctx: &mut AgentContext, text: &str) -> Result<usize, AgentError> {
+        self.0.append_environment(ctx, text)
+    }
+
+    fn end_episode(&mut self, ctx: &mut AgentContext) {
+        self.0.end_episode(ctx)
+    }
+
+    fn continuous(&self) -> bool {
+        true
+    }
+
+    fn start_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<(), AgentError>> {
+        let n = episodes.len();
+        let keep = if n > 1 { n - 1 } else { n };
+        let mut results = self.0.start_turns(&mut episodes[..keep]);
+        results.truncate(keep);
+        results
+    }
+
+    fn advance(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<(usize, Result<TurnText, AgentError>)> {
+        self.0.advance(episodes)
+    }
+}
+
+/// An episode whose turn the agent drops ends as an agent failure, and the run goes on to the
+/// next batch instead of waiting for it forever.
+#[test]
+fn an_episode_the_agent_drops_ends_as_a_failure() {
+    let scripts: Vec<(&str, Vec<Scripted>)> = ["What is A?", "What is B?", "What is C?", "What is D?"].iter().map(|&q| (q, vec![turn(T3)])).collect();
+    let questions: Vec<&str> = scripts.iter().map(|s| s.0).collect();
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("reply".to_string()));
+    let inner = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "", in_turn: Vec::new(), began: Default::default() };
+    let mut agent = DropsATurn(inner);
+    let trajectories = run_episodes_admitted(&mut agent, &env, &questions, &EpisodeConfig::default(), Admission::Batches(2), &mut prompt_r1_env::NoObserver);
+    let reasons: Vec<StopReason> = trajectories.iter().map(|t| t.stop_reason).collect();
+    assert_eq!(reasons, vec![StopReason::Answer, StopReason::AgentFailure, StopReason::Answer, StopReason::AgentFailure]);
+    assert_eq!(trajectories[1].error.as_deref(), Some("the agent returned no result for this episode's turn"));
 }

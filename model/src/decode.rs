@@ -244,9 +244,11 @@ impl<B: Backend> Decoder<B> {
         batch + self.sequences.values().filter_map(Sequence::own_cache).map(KvCache::capacity).sum::<usize>()
     }
 
-    /// Columns of the running batch's cache (0 without a batch): as many as its longest row
-    /// holds, and more only while a row that left is not yet trimmed away (the shorter rows
-    /// mask the columns in front of theirs).
+    /// Columns of the running batch's cache (0 without a batch): at least as many as its longest
+    /// row holds. Shorter rows mask the columns in front of theirs; a row may also have masked
+    /// columns inside it (sequences prefilled together line up their new tokens, so one with a
+    /// short reply keeps a gap between its cache and its reply), and columns no row uses any
+    /// more stay until they are worth trimming.
     pub fn batch_width(&self) -> usize {
         self.batch.as_ref().map_or(0, |b| b.cache.len())
     }

@@ -148,7 +148,7 @@ pub struct PlanSettings {
     pub entropy_grad: bool,
     pub micro_batch: usize,
     pub mini_batch: usize,
-    /// Episodes of one rollout batch (`rollout.generation_batch`, at most the step's episodes).
+    /// Episodes in flight at once (`rollout.generation_batch`, at most the step's episodes).
     pub generation_batch: usize,
     /// How the rollouts' decoder is limited (`rollout.max_num_seqs`,
     /// `rollout.max_num_batched_tokens`, `rollout.kv_budget`).

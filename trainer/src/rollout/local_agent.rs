@@ -129,7 +129,6 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
         self.batch_stream = stream;
     }
 
-
     /// Tokens this agent has run through prefill: each episode's first prompt and environment
     /// replies, and anything prefilled again after its cache was dropped for room (padding
     /// not counted). The agent's own tokens go through one-token decode steps.

@@ -293,16 +293,16 @@ impl RolloutSection {
 
     /// Checks `engine` against `[rollout.servers]`; the message names the key.
     fn validate_engine(&self) -> Result<(), String> {
+        if self.engine == RolloutEngineKind::Local && self.admission == Admission::Continuous && self.kv_budget.is_none() {
+            return Err("rollout.admission = \"continuous\" on the local engine needs rollout.kv_budget: episodes of all ages \
+                 share the batch, every row padded to the longest, so the KV cache is not bounded by generation_batch × context"
+                .into());
+        }
         match (self.engine, &self.servers) {
             (RolloutEngineKind::Servers, None) => Err(
                 "rollout.engine = \"servers\" needs a [rollout.servers] table with `urls`".into(),
             ),
             (_, Some(servers)) => servers.validate(),
-            (RolloutEngineKind::Local, None) if self.admission == Admission::Continuous && self.kv_budget.is_none() => Err(
-                "rollout.admission = \"continuous\" on the local engine needs rollout.kv_budget: episodes of all ages share \
-                 the batch, every row padded to the longest, so the KV cache is not bounded by generation_batch × context"
-                    .into(),
-            ),
             (RolloutEngineKind::Local, None) => Ok(()),
         }
     }
@@ -585,6 +585,11 @@ mod tests {
         assert_eq!(continuous.validate(), Ok(()));
         let err = parse_rollout("admission = \"continuous\"").validate().unwrap_err();
         assert!(err.contains("rollout.admission") && err.contains("rollout.kv_budget"), "{err}");
+        // A [rollout.servers] table left in a local run does not lift the rule.
+        let leftover = parse_rollout("admission = \"continuous\"\n[rollout.servers]\nurls = [\"http://localhost:8000\"]");
+        assert!(leftover.validate().unwrap_err().contains("rollout.kv_budget"));
+        let servers = parse_rollout("admission = \"continuous\"\nengine = \"servers\"\n[rollout.servers]\nurls = [\"http://localhost:8000\"]");
+        assert_eq!(servers.validate(), Ok(()), "the workers hold their own caches");
         assert!(!parse_rollout("continuous_batching = false").rollout.continuous_batching);
         let limits = config.rollout.decoder_limits(&model::Preset::Qwen3_4B.config(1024, vec![]), DType::BF16).unwrap();
         assert_eq!(limits, DecoderLimits { max_rows: 48, max_batched_tokens: 8192, kv_budget: None });

@@ -93,7 +93,6 @@ impl<'a> ServerAgent<'a> {
         self.batch_stream = stream;
     }
 
-
     /// The episode's worker: the one it is on, or (at its first turn, or when its worker was
     /// left out) the usable one with the fewest episodes.
     fn assign(&mut self, episode: usize) -> Result<usize, AgentError> {
