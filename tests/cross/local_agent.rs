@@ -257,12 +257,21 @@ fn episodes_do_not_depend_on_batching_or_environment_delays() {
     }
 }
 
-/// Replies after a fixed delay.
-struct Slow(std::time::Duration);
+/// Holds every call until `n` calls have come in (at most two seconds), then replies: at least
+/// `n` episodes are out on a call at once, however fast the agent decodes.
+struct Gathering {
+    n: usize,
+    calls: std::sync::Mutex<usize>,
+    arrived: std::sync::Condvar,
+}
 
-impl env::Environment for Slow {
+impl env::Environment for Gathering {
     fn complete(&self, messages: &[env::ChatMessage]) -> Result<String, env::EnvError> {
-        std::thread::sleep(self.0);
+        let mut calls = self.calls.lock().unwrap();
+        *calls += 1;
+        self.arrived.notify_all();
+        let timeout = std::time::Duration::from_secs(2);
+        let _ = self.arrived.wait_timeout_while(calls, timeout, |calls| *calls < self.n).unwrap();
         Ok(format!("reply to {} messages", messages.len()))
     }
 }
@@ -280,7 +289,7 @@ fn episodes_waiting_on_the_environment_keep_their_caches_beyond_the_rows() {
     let (rows, in_flight) = (2, questions.len());
     let limits = model::DecoderLimits { max_rows: rows, ..Default::default() };
     let mut agent = ForcedCalls(LocalAgent::new(&model, &tokenizer, sampling).with_limits(limits), 3);
-    let env = Slow(std::time::Duration::from_millis(150));
+    let env = Gathering { n: 4, calls: Default::default(), arrived: Default::default() };
     let trajectories = env::run_episodes_admitted(&mut agent, &env, &questions, &episode, env::Admission::Batches(in_flight), &mut env::NoObserver);
     assert!(trajectories.iter().all(|t| t.stop_reason == env::StopReason::Answer), "{:?}", trajectories.iter().map(|t| &t.error).collect::<Vec<_>>());
     let shortest = trajectories.iter().map(|t| t.prompt_len).min().unwrap();
