@@ -56,6 +56,21 @@ pub struct StepTimes {
 }
 
 impl StepTimes {
+    /// Mean milliseconds of a step that only decoded (0 without one).
+    pub fn decode_step_ms(&self) -> f64 {
+        1e3 * self.decode_time.as_secs_f64() / self.decode_steps.max(1) as f64
+    }
+
+    /// Mean milliseconds of a step that also prefilled (0 without one).
+    pub fn prefill_step_ms(&self) -> f64 {
+        1e3 * self.prefill_time.as_secs_f64() / self.prefill_steps.max(1) as f64
+    }
+
+    /// Rows decoded per step on average, for `decode_tokens` decoded over these steps.
+    pub fn rows_per_step(&self, decode_tokens: u64) -> f64 {
+        decode_tokens as f64 / (self.decode_steps + self.prefill_steps).max(1) as f64
+    }
+
     /// The steps and time since `earlier` (a copy taken before).
     pub fn since(&self, earlier: &StepTimes) -> StepTimes {
         StepTimes {

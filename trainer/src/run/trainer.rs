@@ -246,7 +246,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             server_retries: rolled.server_retries,
             rollout_decode_secs: rolled.steps.decode_time.as_secs_f32(),
             rollout_prefill_secs: rolled.steps.prefill_time.as_secs_f32(),
-            rollout_rows_per_step: decoded.decode_tokens as f32 / (rolled.steps.decode_steps + rolled.steps.prefill_steps).max(1) as f32,
+            rollout_rows_per_step: rolled.steps.rows_per_step(decoded.decode_tokens) as f32,
             validation_reward: None,
             validation_f1: None,
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),

@@ -676,7 +676,6 @@ pub fn measure<B: Backend>(
     });
     let turn_by_turn = settings.turn_by_turn.then(|| timed(false, false, batches));
     let rate = counts.agent_tokens as f64 / seconds;
-    let rows_per_step = |decoded: u64, steps: &StepTimes| decoded as f64 / (steps.decode_steps + steps.prefill_steps).max(1) as f64;
     let continuous_admission = (episodes > batch).then(|| {
         let run = timed(false, true, Admission::Continuous(batch));
         let run_rate = run.counts.agent_tokens as f64 / run.seconds;
@@ -684,11 +683,11 @@ pub fn measure<B: Backend>(
             seconds: run.seconds,
             agent_tokens: run.counts.agent_tokens,
             agent_tokens_per_second: run_rate,
-            rows_per_step: rows_per_step(run.decoder[2], &run.steps),
+            rows_per_step: run.steps.rows_per_step(run.decoder[2]),
             decode_steps: run.steps.decode_steps,
-            decode_step_ms: 1e3 * run.steps.decode_time.as_secs_f64() / run.steps.decode_steps.max(1) as f64,
+            decode_step_ms: run.steps.decode_step_ms(),
             prefill_steps: run.steps.prefill_steps,
-            prefill_step_ms: 1e3 * run.steps.prefill_time.as_secs_f64() / run.steps.prefill_steps.max(1) as f64,
+            prefill_step_ms: run.steps.prefill_step_ms(),
             peak_kv_positions: run.peak_kv_positions,
             preemptions: run.decoder[4],
             over_batches: run_rate / rate,
@@ -771,7 +770,7 @@ pub fn measure<B: Backend>(
         rebuilt_positions_per_token: rebuilt / counts.agent_tokens.max(1) as f64,
         joins_in_place: joins_in_place as u64,
         vacant_row_share: vacant / (vacant + decoded).max(1.0),
-        rows_per_step: rows_per_step(decoded as u64, &steps),
+        rows_per_step: steps.rows_per_step(decoder[2]),
         context_tokens_per_episode: per_episode(context),
         non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
         turns_stopped_early: counts.stopped_early,
@@ -781,9 +780,9 @@ pub fn measure<B: Backend>(
         rollout_over_decode: rate / decode_rate,
         pure_decode_step_ms: 1e3 * decode_seconds / (new_tokens - 1) as f64,
         decode_steps: steps.decode_steps,
-        decode_step_ms: 1e3 * steps.decode_time.as_secs_f64() / steps.decode_steps.max(1) as f64,
+        decode_step_ms: steps.decode_step_ms(),
         prefill_steps: steps.prefill_steps,
-        prefill_step_ms: 1e3 * steps.prefill_time.as_secs_f64() / steps.prefill_steps.max(1) as f64,
+        prefill_step_ms: steps.prefill_step_ms(),
         agent_seconds_outside_steps: (agent_seconds - (steps.decode_time + steps.prefill_time).as_secs_f64()).max(0.0),
         reprefill_agent_tokens_per_second: before.counts.agent_tokens as f64 / before.seconds,
         speedup_over_reprefill: rate / (before.counts.agent_tokens as f64 / before.seconds),
