@@ -155,20 +155,15 @@ pub const GROWTH_STEP: usize = 32;
 /// Returns a buffer with room for `needed` positions holding the old buffer's contents (as
 /// many rows as the old buffer, else as `like`).
 fn grow<B: Backend>(buffer: Option<Tensor<B, 4>>, like: &Tensor<B, 4>, needed: usize) -> Tensor<B, 4> {
-    let [_, h, _, d] = like.dims();
     match buffer {
         Some(buf) if buf.dims()[2] >= needed => buf,
-        old => {
-            let capacity = grown_capacity(needed);
-            let b = old.as_ref().map_or(like.dims()[0], |old| old.dims()[0]);
-            let fresh = Tensor::<B, 4>::zeros([b, h, capacity, d], (&like.device(), like.dtype()));
-            match old {
-                Some(old) => {
-                    let all = RowBlock { source: 0, rows: 0..b, positions: 0..old.dims()[2], at: [0, 0] };
-                    copy_rows(fresh, &old, &all)
-                }
-                None => fresh,
-            }
+        Some(old) => {
+            let held = old.dims()[2];
+            shifted(old, held, 0, needed)
+        }
+        None => {
+            let [b, h, _, d] = like.dims();
+            Tensor::<B, 4>::zeros([b, h, grown_capacity(needed), d], (&like.device(), like.dtype()))
         }
     }
 }
