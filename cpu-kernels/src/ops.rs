@@ -348,69 +348,40 @@ pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> 
     tracked::embedding(table, token_ids, [b, s])
 }
 
-/// `buffer` (`[b, h, capacity, d]`) with `value` (`[b, h, n, d]`) written at positions
-/// `start..start + n` of its third axis, in place, when `B` is plain burn-flex, `buffer` is
-/// contiguous and holds its memory alone, and both have one dtype (f32, bf16 or f16); otherwise
-/// `Err(buffer)` and the caller uses `slice_assign`. burn-flex 0.21's `slice_assign` copies the
-/// whole destination before writing (it keeps a second handle on it), so a KV cache appended
-/// with it copies every cached position at every decode step. The write computes nothing, so
-/// it applies with the portable ops on too.
-pub fn write_positions<B: Backend>(buffer: Tensor<B, 4>, start: usize, value: &Tensor<B, 4>) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
-    let [b, _, _, _] = buffer.dims();
-    let [vb, _, n, _] = value.dims();
-    if vb != b {
-        return Err(buffer);
+/// `pool` (`[slots, h, d]`, a paged KV cache's keys or values) with `value` (`[b, h, n, d]`)
+/// written to its slots: row `r`'s position `j` to slot `slots[r * n + j]`, in place, under the
+/// conditions of [`write_positions`]; otherwise `Err(pool)` and the caller uses `scatter_nd`
+/// (burn-flex 0.21's copies the whole pool). A slot named twice gets the later write. The
+/// write computes nothing, so it applies with the portable ops on too.
+pub fn write_slots<B: Backend>(pool: Tensor<B, 3>, slots: &[usize], value: &Tensor<B, 4>) -> Result<Tensor<B, 3>, Tensor<B, 3>> {
+    let [capacity, h, d] = pool.dims();
+    let [b, vh, n, vd] = value.dims();
+    let fits = [vh, vd] == [h, d] && slots.len() == b * n && slots.iter().all(|&s| s < capacity) && value.dtype() == pool.dtype();
+    if !fits || !matches!(pool.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        return Err(pool);
     }
-    copy_block(buffer, [0, start], value, 0..b, 0..n)
-}
-
-/// `buffer` (`[b, h, capacity, d]`) with rows `rows` and positions `positions` of `source`
-/// (`[sb, h, sc, d]`) copied to row `at[0]` and position `at[1]` onward, in place, under the
-/// conditions of [`write_positions`]; otherwise `Err(buffer)` and the caller uses `slice_assign`.
-/// A KV cache rebuilt for a changed batch (rows leaving and joining) copies each kept position
-/// once this way, where each `slice_assign` would copy the whole destination again.
-pub fn copy_block<B: Backend>(
-    buffer: Tensor<B, 4>,
-    at: [usize; 2],
-    source: &Tensor<B, 4>,
-    rows: std::ops::Range<usize>,
-    positions: std::ops::Range<usize>,
-) -> Result<Tensor<B, 4>, Tensor<B, 4>> {
-    let [b, h, capacity, d] = buffer.dims();
-    let [sb, sh, sc, sd] = source.dims();
-    let (n, len) = (rows.len(), positions.len());
-    let fits = [sh, sd] == [h, d]
-        && rows.end <= sb
-        && positions.end <= sc
-        && at[0] + n <= b
-        && at[1] + len <= capacity
-        && source.dtype() == buffer.dtype();
-    if !fits || !matches!(buffer.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-        return Err(buffer);
-    }
-    let mut flex = crate::flex::flex_of(buffer)?;
-    let source = crate::flex::flex_of(source.clone()).map_err(|_| ()).map(|s| flex_contiguous(&s));
-    let whole = flex.is_contiguous() && flex.layout().start_offset() == 0 && flex.bytes().len() == b * h * capacity * d * flex.dtype().size();
-    /// Copies `n` rows from `row0` of `src` (`[_, h, sc, d]`), positions `col0..col0 + len`, to
-    /// row `at_row` and position `at_col` of `dst` (`[_, h, capacity, d]`).
-    fn copy<T: bytemuck::Pod + burn::tensor::Element>(dst: &mut FlexTensor, src: &FlexTensor, [h, capacity, d, sc, row0, n, col0, len, at_row, at_col]: [usize; 10]) -> bool {
+    let mut flex = crate::flex::flex_of(pool)?;
+    let source = crate::flex::flex_of(value.clone()).map_err(|_| ()).map(|s| flex_contiguous(&s));
+    let whole = flex.is_contiguous() && flex.layout().start_offset() == 0 && flex.bytes().len() == capacity * h * d * flex.dtype().size();
+    /// Copies each of `src`'s (`[b, h, n, d]`) positions to its slot of `dst` (`[_, h, d]`).
+    fn copy<T: bytemuck::Pod + burn::tensor::Element>(dst: &mut FlexTensor, src: &FlexTensor, slots: &[usize], [h, n, d]: [usize; 3]) -> bool {
         let src = src.storage::<T>();
         let Some(dst) = dst.try_storage_mut::<T>() else { return false };
-        for r in 0..n {
+        for (i, &slot) in slots.iter().enumerate() {
+            let (r, j) = (i / n, i % n);
             for head in 0..h {
-                let from = (((row0 + r) * h + head) * sc + col0) * d;
-                let to = (((at_row + r) * h + head) * capacity + at_col) * d;
-                dst[to..to + len * d].copy_from_slice(&src[from..from + len * d]);
+                let from = ((r * h + head) * n + j) * d;
+                let to = (slot * h + head) * d;
+                dst[to..to + d].copy_from_slice(&src[from..from + d]);
             }
         }
         true
     }
-    let plan = [h, capacity, d, sc, rows.start, n, positions.start, len, at[0], at[1]];
     let written = match (&source, whole) {
         (Ok(src), true) => match flex.dtype() {
-            DType::F32 => copy::<f32>(&mut flex, src, plan),
-            DType::BF16 => copy::<bf16>(&mut flex, src, plan),
-            _ => copy::<burn::tensor::f16>(&mut flex, src, plan),
+            DType::F32 => copy::<f32>(&mut flex, src, slots, [h, n, d]),
+            DType::BF16 => copy::<bf16>(&mut flex, src, slots, [h, n, d]),
+            _ => copy::<burn::tensor::f16>(&mut flex, src, slots, [h, n, d]),
         },
         _ => false,
     };
@@ -422,14 +393,39 @@ pub fn copy_block<B: Backend>(
     }
 }
 
-/// `t` laid out contiguously when `B` is burn-flex (see `flex_contiguous`); unchanged
-/// otherwise (other backends make their own copies where their ops need them).
-pub fn contiguous<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
-    match to_flex(t.clone()) {
-        Some(flex) => from_flex::<B>(flex_contiguous(&flex))
-            .map_or(t, |p| Tensor::from_primitive(TensorPrimitive::Float(p))),
-        None => t,
+/// The slots `table` (`rows × width`, row-major) of `pool` (`[slots, h, d]`) as a contiguous
+/// `[rows, h, width, d]` tensor, column `c` of row `r` from slot `table[r * width + c]`, copied
+/// in parallel, when `B` is plain burn-flex (the portable ops on or off: it computes nothing)
+/// and the pool is f32, bf16 or f16; `None` otherwise, for the caller to use `select`.
+pub fn gather_slots<B: Backend>(pool: &Tensor<B, 3>, table: &[usize], rows: usize) -> Option<Tensor<B, 4>> {
+    use rayon::prelude::*;
+    let [capacity, h, d] = pool.dims();
+    if rows == 0 || table.len() % rows != 0 || table.iter().any(|&s| s >= capacity) {
+        return None;
     }
+    let width = table.len() / rows;
+    let flex = crate::flex::flex_of(pool.clone()).ok()?;
+    let flex = flex_contiguous(&flex);
+    fn gather<T: bytemuck::Pod + Default + Send + Sync + burn::tensor::Element>(src: &[T], table: &[usize], [h, width, d]: [usize; 3]) -> Vec<T> {
+        let mut out = vec![T::default(); table.len() * h * d];
+        // One task per (row, head): its `width` positions are consecutive in the output.
+        out.par_chunks_mut(width * d).enumerate().for_each(|(task, dst)| {
+            let (r, head) = (task / h, task % h);
+            for (c, dst) in dst.chunks_exact_mut(d).enumerate() {
+                let from = (table[r * width + c] * h + head) * d;
+                dst.copy_from_slice(&src[from..from + d]);
+            }
+        });
+        out
+    }
+    let dims = [rows, h, width, d];
+    let bytes = match flex.dtype() {
+        DType::F32 => Bytes::from_elems(gather(flex.storage::<f32>(), table, [h, width, d])),
+        DType::BF16 => Bytes::from_elems(gather(flex.storage::<bf16>(), table, [h, width, d])),
+        DType::F16 => Bytes::from_elems(gather(flex.storage::<burn::tensor::f16>(), table, [h, width, d])),
+        _ => return None,
+    };
+    flex_output(bytes, dims, flex.dtype())
 }
 
 #[cfg(test)]
@@ -438,45 +434,29 @@ mod tests {
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::Distribution;
 
-    /// Writing positions into a buffer gives what `slice_assign` gives, in place when the buffer
-    /// is held once, and leaves the buffer to the caller when it is shared (a clone keeps its
-    /// old values).
+    /// Writing into a pool's slots gives what `scatter_nd` gives, in place when the pool is held
+    /// once; gathering slots gives `select` laid out as `[rows, h, width, d]`.
     #[test]
-    fn write_positions_equals_slice_assign() {
+    fn slots_are_written_and_gathered_as_burn_does() {
         let device = Default::default();
         for dtype in [DType::F32, DType::BF16] {
-            let buffer = Tensor::<Flex, 4>::random([2, 3, 10, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
-            let value = Tensor::<Flex, 4>::random([2, 3, 2, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
-            let want = buffer.clone().slice_assign([0..2, 0..3, 5..7, 0..4], value.clone()).into_data();
-            let unique = buffer.clone().mul_scalar(1.0);
-            let written = write_positions(unique, 5, &value).expect("a buffer held once is written in place");
-            assert_eq!(written.into_data(), want, "{dtype:?}");
-            let shared = buffer.clone();
-            let back = write_positions(buffer, 5, &value).expect_err("a shared buffer is not written");
-            assert_eq!(back.into_data(), shared.into_data(), "{dtype:?}: the shared buffer is unchanged");
-        }
-    }
-
-    /// Copying a block of rows and positions gives what `slice_assign` gives, in place when the
-    /// buffer is held once; a block that does not fit, or a shared buffer, is left to the caller.
-    #[test]
-    fn copy_block_equals_slice_assign() {
-        let device = Default::default();
-        for dtype in [DType::F32, DType::BF16] {
-            let buffer = Tensor::<Flex, 4>::random([4, 3, 10, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
-            let source = Tensor::<Flex, 4>::random([3, 3, 7, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
-            let want = buffer
-                .clone()
-                .slice_assign([2..4, 0..3, 6..10, 0..4], source.clone().slice([1..3, 0..3, 2..6, 0..4]))
-                .into_data();
-            let unique = buffer.clone().mul_scalar(1.0);
-            let written = copy_block(unique, [2, 6], &source, 1..3, 2..6).expect("a buffer held once is written in place");
-            assert_eq!(written.into_data(), want, "{dtype:?}");
-            let unique = buffer.clone().mul_scalar(1.0);
-            copy_block(unique, [3, 6], &source, 1..3, 2..6).expect_err("a block past the last row is not written");
-            let shared = buffer.clone();
-            let back = copy_block(buffer, [2, 6], &source, 1..3, 2..6).expect_err("a shared buffer is not written");
-            assert_eq!(back.into_data(), shared.into_data(), "{dtype:?}: the shared buffer is unchanged");
+            let pool = Tensor::<Flex, 3>::random([9, 2, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let value = Tensor::<Flex, 4>::random([2, 2, 3, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let slots = [7, 1, 4, 2, 8, 0];
+            let index = Tensor::<Flex, 2, Int>::from_data(burn::tensor::TensorData::new(slots.map(|s| s as i64).to_vec(), [6, 1]), &device);
+            let rows = value.clone().swap_dims(1, 2).reshape([6, 2, 4]);
+            let want = pool.clone().scatter_nd(index, rows, burn::tensor::IndexingUpdateOp::Assign).into_data();
+            let written = write_slots(pool.clone().mul_scalar(1.0), &slots, &value).expect("a pool held once is written in place");
+            assert_eq!(written.clone().into_data(), want, "{dtype:?}");
+            let shared = pool.clone();
+            assert!(write_slots(pool, &slots, &value).is_err(), "a shared pool is not written");
+            drop(shared);
+            let table = [3, 0, 0, 8, 5, 2];
+            let index = Tensor::<Flex, 1, Int>::from_data(burn::tensor::TensorData::new(table.map(|s| s as i64).to_vec(), [6]), &device);
+            let want = written.clone().select(0, index).reshape([2, 3, 2, 4]).swap_dims(1, 2).into_data();
+            let got = gather_slots(&written, &table, 2).expect("burn-flex gathers");
+            assert_eq!(got.dims(), [2, 2, 3, 4]);
+            assert_eq!(got.into_data(), want, "{dtype:?}");
         }
     }
 
@@ -494,9 +474,9 @@ mod tests {
                 base.clone().slice([1..2, 0..37, 0..8, 0..16]),
             ];
             for view in views {
-                let ours = contiguous(view.clone());
-                let flex = to_flex(ours.clone()).unwrap();
+                let flex = flex_contiguous(&to_flex(view.clone()).unwrap());
                 assert!(flex.is_contiguous() && flex.layout().start_offset() == 0);
+                let ours = Tensor::<Flex, 4>::from_primitive(TensorPrimitive::Float(flex));
                 assert_eq!(ours.dims(), view.dims());
                 assert_eq!(ours.into_data(), view.into_data());
             }

@@ -92,12 +92,6 @@ impl<B: Backend> TokenBatch<B> {
     }
 }
 
-/// The row numbers `rows` as an index tensor for `select(0, ..)` (keeping some rows of a batch).
-pub(crate) fn row_index<B: Backend>(rows: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
-    let rows: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-    Tensor::from_data(rows.as_slice(), device)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,15 +1,15 @@
 //! The named points where the model lets backend-specific kernels stand in for its own
 //! computation, as transformers' kernel hub does for its modules: the embedding lookup,
 //! RMSNorm, the projections, RoPE, attention, SwiGLU and the chosen-token log-probability (plus
-//! three helpers: f32 → bf16 rounding to nearest even, contiguous copies for the KV cache, and
-//! writes into it in place).
+//! three helpers: f32 → bf16 rounding to nearest even, contiguous copies, and the paged KV cache's
+//! writes in place and gathers).
 //! Each returns `None` where no kernel applies (any backend but burn-flex, the kernels switched
 //! off, a dtype they do not handle), and the caller computes the reference with burn's ops. The
 //! kernels live in the `prompt-r1-cpu-kernels` crate; see its README for what each gains.
 
 pub(crate) use cpu_kernels::ops::{
-    cast, chosen_logprobs, contiguous, copy_block, embedding, entropy, grouped_attention, linear, linear_bf16, rms_norm, rotary,
-    silu_mul, write_positions,
+    cast, chosen_logprobs, embedding, entropy, grouped_attention, linear, linear_bf16, rms_norm, rotary,
+    gather_slots, silu_mul, write_slots,
 };
 pub(crate) use cpu_kernels::{transpose_into, WeightLayout};
 

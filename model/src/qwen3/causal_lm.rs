@@ -45,7 +45,8 @@ impl<B: Backend> Qwen3Model<B> {
     /// Runs the decoder on `input_ids` `[b, q]` at `position_ids` `[b, q]`.
     ///
     /// `attention_mask` is `[b, past + q]` (1 = real token, 0 = padding) or `None` for no padding;
-    /// `cache`, when given, holds `past` positions and receives the new ones.
+    /// `cache`, when given, has its pass's slots set ([`KvCache::set_slots`]): the new positions
+    /// are written there and each row attends to `past` positions before them.
     pub fn forward(
         &self,
         input_ids: Tensor<B, 2, Int>,
@@ -73,7 +74,7 @@ impl<B: Backend> Qwen3Model<B> {
             assert_eq!(a.layers.len(), self.layers.len(), "LoRA adapters for {} layers, the model has {}", a.layers.len(), self.layers.len());
         }
         let [b, q_len] = input_ids.dims();
-        let past = cache.as_ref().map_or(0, |c| c.len());
+        let past = cache.as_ref().map_or(0, |c| c.past());
         let device = input_ids.device();
         let mut hidden_states = kernels::embedding(&self.embed_tokens.weight.val(), &input_ids)
             .unwrap_or_else(|| self.embed_tokens.forward(input_ids));

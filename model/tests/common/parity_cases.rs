@@ -351,19 +351,16 @@ fn kept_cache_decoding_equals_recomputation() {
     // and the token it had accepted before parking; every other token through a decode step.
     assert_eq!(whole.prefill_tokens, 5 + 11 + 3 + 6 + 1);
     assert_eq!(whole.preemptions, 0);
-    // Sequence 0 rejoins, longer than the batch, in the place it left.
-    assert!(whole.joins_in_place > 0, "{whole:?}");
     let chunked = decode_against_recomputation(&model, DecoderLimits { max_batched_tokens: 4, ..DecoderLimits::default() }, "chunked prefills");
     assert_eq!(chunked.prefill_tokens, whole.prefill_tokens);
     assert_eq!(chunked.decode_tokens, whole.decode_tokens);
 }
 
-/// Nine sequences of different lengths that leave (finished or parked) one at a time: the
-/// places they leave are decoded past (their logits never returned) until a join or enough of
-/// them rebuild the batch, a parked cache stays in its row (held once) until it rejoins, and
-/// every returned row still equals recomputation.
+/// Nine sequences of different lengths that leave (finished or parked) one at a time and one
+/// that joins: a parked sequence keeps its blocks (nothing copied, nothing held twice) until it
+/// rejoins with a reply, and every returned row still equals recomputation.
 #[test]
-fn rows_that_leave_are_skipped_until_the_batch_is_rebuilt() {
+fn sequences_leave_and_join_by_their_blocks() {
     let Some(fx) = fixture("tiny") else { return };
     let model = load(&fx.dir);
     let vocab = model.config.vocab_size as u32;
@@ -383,9 +380,9 @@ fn rows_that_leave_are_skipped_until_the_batch_is_rebuilt() {
             match (id, generated[id as usize]) {
                 (3, 2) => {
                     decoder.accept(id, token).unwrap();
-                    let held = decoder.kv_positions();
+                    let held = (decoder.kv_positions(), decoder.kv_positions_in_use());
                     decoder.park(id).unwrap();
-                    assert_eq!(decoder.kv_positions(), held, "a parked cache is held twice");
+                    assert_eq!((decoder.kv_positions(), decoder.kv_positions_in_use()), held, "parking copies or frees nothing");
                     parked = Some(steps);
                 }
                 (id, n) if n == 3 + id as usize => drop(decoder.finish(id)),
@@ -402,98 +399,54 @@ fn rows_that_leave_are_skipped_until_the_batch_is_rebuilt() {
         assert!(steps < 100, "the decoder did not finish");
     }
     assert!(worst < ATOL, "logits differ from recomputation by {worst} after rows left and joined");
-    let stats = decoder.stats();
-    assert!(stats.vacant_rows > 0, "no step ran past places rows had left: {stats:?}");
-    assert!(stats.rebuilt_positions > 0, "{stats:?}");
+    assert_eq!(decoder.kv_positions(), 0, "the pool is freed once every sequence has finished");
 }
 
-/// Sequences that join while places rows left are free take those places, the batch not
-/// rebuilt: a parked sequence back with a reply longer than the batch is wide (the batch widens,
-/// the other rows' new positions masked), and a short new one where a finished row was; every
-/// returned row still equals recomputation, and only the joining rows' positions are copied.
+/// Memory follows the positions in use, not the longest row: one long sequence beside short
+/// ones holds about its own blocks and theirs (a batch padded to the longest row would hold
+/// 8 × 200 positions), blocks a finished sequence gave back are taken again without the pool
+/// growing, and a sequence rejoining with a long reply beside short rows still equals
+/// recomputation.
 #[test]
-fn joining_sequences_take_the_places_rows_left() {
+fn memory_follows_the_positions_in_use() {
+    use prompt_r1_model::qwen3::BLOCK_SIZE;
     let Some(fx) = fixture("tiny") else { return };
     let model = load(&fx.dir);
     let mut decoder = Decoder::<B>::new(DecoderLimits::default());
-    for id in 0..4u64 {
-        decoder.add(&model, id, (0..3 + 2 * id as u32).map(|i| 1 + id as u32 * 13 + i * 5).collect()).unwrap();
+    decoder.add(&model, 0, (0..200).map(|i| 1 + i % 50).collect()).unwrap();
+    for id in 1..8u64 {
+        decoder.add(&model, id, vec![2 + id as u32; 5]).unwrap();
     }
-    let (mut worst, mut generated, mut steps) = (0.0f32, [0usize; 5], 0);
-    while !decoder.is_idle() || decoder.contains(1) && steps < 6 {
-        let chosen = checked_step(&model, &mut decoder, &mut worst);
-        steps += 1;
-        for (id, token) in chosen {
-            generated[id as usize] += 1;
-            decoder.accept(id, token).unwrap();
-            match (id, generated[id as usize]) {
-                (1, 2) => decoder.park(1).unwrap(),
-                (2, 3) => {
-                    // A row ends and a short sequence joins in its place at the next step.
-                    decoder.finish(2);
-                    decoder.add(&model, 4, vec![7, 8]).unwrap();
-                }
-                (_, 8) => drop(decoder.finish(id)),
-                _ => {}
-            }
-        }
-        if steps == 5 {
-            // Sequence 1's reply makes it longer than any row of the batch.
-            let before = decoder.stats().rebuilt_positions;
-            let cached = decoder.cached_len(1).unwrap() as u64;
-            decoder.extend(&model, 1, &[3; 12]).unwrap();
-            assert_eq!(decoder.stats().rebuilt_positions, before + cached, "the parked cache is copied out once");
-        }
-        if steps == 6 {
-            // It joined in place, in front of the other rows: the batch is as wide as its
-            // longest row, with no gap left in the others.
-            let longest = (0..5).filter_map(|id| decoder.cached_len(id)).max().unwrap();
-            assert_eq!(decoder.cached_len(1), Some(longest), "sequence 1 is the longest");
-            assert_eq!(decoder.batch_width(), longest, "{:?}", decoder.stats());
-        }
-        assert!(steps < 40, "the decoder did not finish");
-    }
-    assert!(worst < ATOL, "logits differ from recomputation by {worst} after joins in place");
-    let stats = decoder.stats();
-    assert!(stats.joins_in_place >= 2, "{stats:?}");
-}
-
-/// A sequence that rejoins longer than the batch makes room in front of the other rows, so
-/// that when it ends the batch narrows again to its longest row: a gap left inside the other
-/// rows could never be trimmed, and a batch that episodes of all ages join would keep growing
-/// wider than its rows.
-#[test]
-fn a_longer_sequence_joins_in_front_of_the_other_rows() {
-    let Some(fx) = fixture("tiny") else { return };
-    let model = load(&fx.dir);
-    let mut decoder = Decoder::<B>::new(DecoderLimits::default());
-    decoder.add(&model, 0, (1..41).collect()).unwrap();
-    decoder.add(&model, 1, (50..90).collect()).unwrap();
-    decoder.add(&model, 2, (90..130).collect()).unwrap();
     let mut worst = 0.0f32;
-    let (mut generated, mut steps) = ([0usize; 3], 0);
-    while decoder.contains(1) {
-        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
-            generated[id as usize] += 1;
-            decoder.accept(id, token).unwrap();
-            match (id, generated[id as usize]) {
-                (1, 2) => {
-                    // It leaves, and comes back at the next step with a reply of 80 tokens.
-                    decoder.park(1).unwrap();
-                    decoder.extend(&model, 1, &[3; 80]).unwrap();
-                }
-                (1, 4) => drop(decoder.finish(1)),
-                _ => {}
-            }
-        }
-        steps += 1;
-        assert!(steps < 20, "sequence 1 did not finish");
+    for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+        decoder.accept(id, token).unwrap();
     }
-    assert!(decoder.stats().joins_in_place >= 1, "{:?}", decoder.stats());
-    checked_step(&model, &mut decoder, &mut worst);
+    // Sequence 0's 201 positions take 13 blocks, each short one 1, plus the scratch block.
+    let in_use = (13 + 7 + 1) * BLOCK_SIZE;
+    assert_eq!(decoder.kv_positions_in_use(), in_use);
+    assert!(decoder.kv_positions() <= prompt_r1_model::qwen3::grown_capacity(in_use), "{} held for {in_use} in use", decoder.kv_positions());
+    let held = decoder.kv_positions();
+    // A short sequence ends and another takes its block: nothing grows.
+    decoder.finish(3);
+    decoder.add(&model, 8, vec![9; 6]).unwrap();
+    for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+        decoder.accept(id, token).unwrap();
+    }
+    assert_eq!((decoder.kv_positions(), decoder.kv_positions_in_use()), (held, in_use), "the freed block was taken again");
+    // Sequence 1 leaves and comes back with a reply of 60 tokens.
+    decoder.park(1).unwrap();
+    decoder.extend(&model, 1, &[3; 60]).unwrap();
+    for _ in 0..6 {
+        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+            decoder.accept(id, token).unwrap();
+        }
+    }
     assert!(worst < ATOL, "logits differ from recomputation by {worst}");
-    let longest = [0, 2].iter().filter_map(|&id| decoder.cached_len(id)).max().unwrap();
-    assert_eq!(decoder.batch_width(), longest, "the columns in front of the rows left are trimmed once the longer sequence ends");
+    // Sequence 0 (207 positions) still fits its 13 blocks; they are free once it ends.
+    let before = decoder.kv_positions_in_use();
+    decoder.finish(0);
+    assert_eq!(decoder.kv_positions_in_use(), before - 13 * BLOCK_SIZE);
+    assert!(decoder.stats().gathered_positions > 0);
 }
 
 /// Within a KV budget too small for every sequence at once, sequences wait and running ones are
@@ -503,17 +456,44 @@ fn a_longer_sequence_joins_in_front_of_the_other_rows() {
 fn a_kv_budget_is_respected_by_waiting_and_preempting() {
     let Some(fx) = fixture("tiny") else { return };
     let model = load(&fx.dir);
-    // The script above, with room for about two short rows: sequences wait, a parked cache is
-    // dropped and prefilled again.
-    let budget = 130;
+    use prompt_r1_model::qwen3::BLOCK_SIZE;
+    // The script above, with room for the scratch block and three of the sequences' blocks:
+    // sequences wait, and running ones are preempted and prefilled again.
+    let budget = 4 * BLOCK_SIZE;
     let stats = decode_against_recomputation(&model, DecoderLimits { kv_budget: Some(budget), ..DecoderLimits::default() }, "budget");
     assert!(stats.peak_kv_positions <= budget, "peak {} over the budget {budget}", stats.peak_kv_positions);
-    assert_eq!(stats.evictions, 1, "{stats:?}");
+    assert!(stats.preemptions >= 1 && stats.prefill_tokens > 5 + 11 + 3 + 6 + 1, "{stats:?}");
 
-    // Two rows that fit side by side while short, but not once both outgrow their first
-    // buffers: the newer is preempted, waits for the older to end, and is prefilled again.
-    let small = prompt_r1_model::qwen3::grown_capacity(20);
-    let budget = 2 * small + 16;
+    // A parked cache is dropped before any running row is preempted: A (20 tokens, two blocks)
+    // parks, B (10 tokens) needs its second block with the budget full, so A's blocks go; A's
+    // reply then waits for B to end and A is prefilled again from its first token.
+    let mut decoder = Decoder::<B>::new(DecoderLimits { kv_budget: Some(budget), ..DecoderLimits::default() });
+    decoder.add(&model, 0, (1..21).collect()).unwrap();
+    decoder.add(&model, 1, (30..40).collect()).unwrap();
+    let (mut worst, mut generated) = (0.0f32, [0usize; 2]);
+    while !decoder.is_idle() || decoder.contains(0) {
+        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+            generated[id as usize] += 1;
+            decoder.accept(id, token).unwrap();
+            match (id, generated[id as usize]) {
+                (0, 1) => decoder.park(0).unwrap(),
+                // B has taken its second block (at 16 positions): A's reply comes back.
+                (1, 8) => decoder.extend(&model, 0, &[4, 5, 6]).unwrap(),
+                (1, 10) | (0, 3) => drop(decoder.finish(id)),
+                _ => {}
+            }
+        }
+        assert!(decoder.kv_positions() <= budget, "{} held over {budget}", decoder.kv_positions());
+    }
+    let stats = decoder.stats();
+    assert!(worst < ATOL, "evicted: logits differ from recomputation by {worst}");
+    assert_eq!((stats.evictions, stats.preemptions), (1, 0), "{stats:?}");
+    assert_eq!(stats.prefill_tokens, 20 + 10 + 24, "A is prefilled again whole: {stats:?}");
+
+    // Two rows of 20 tokens (two blocks each) fit side by side with the scratch block in six
+    // blocks, but not once both pass 32 positions: the newer is preempted, waits for the older
+    // to end at 40, and is prefilled again.
+    let (small, budget) = (20, 6 * BLOCK_SIZE);
     let mut decoder = Decoder::<B>::new(DecoderLimits { kv_budget: Some(budget), ..DecoderLimits::default() });
     decoder.add(&model, 0, (1..21).collect()).unwrap();
     decoder.add(&model, 1, (40..60).collect()).unwrap();

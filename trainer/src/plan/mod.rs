@@ -5,12 +5,14 @@
 //! A step has three phases, and the peak is the largest of them on top of what lives throughout
 //! (the weights, the optimiser's moments, the KL reference):
 //! - **rollouts**: the rollout copy of the policy (bf16 rollouts), the KV cache and one prefill
-//!   pass, as `model::Decoder` runs them: each episode's cache is kept across its turns and
-//!   grows by an eighth ([`grown_capacity`]), so the episodes in flight (`generation_batch`:
-//!   those decoding and those waiting on the environment, whose caches are kept; fewer decode
-//!   at once under `rollout.max_num_seqs`) hold at most their number × the grown capacity of
-//!   the full context, or `rollout.kv_budget` when that is smaller (sequences then wait or are
-//!   preempted rather than go past it); a turn prefills only its new tokens, in
+//!   pass, as `model::Decoder` runs them: each episode's cache is kept across its turns in
+//!   blocks of a paged pool that grows by an eighth ([`grown_capacity`]), so the episodes in
+//!   flight (`generation_batch`: those decoding and those waiting on the environment, whose
+//!   caches are kept; fewer decode at once under `rollout.max_num_seqs`) hold at most their
+//!   number × the full context in blocks, the pool grown by an eighth, or `rollout.kv_budget`
+//!   when that is smaller (sequences then wait or are preempted rather than go past it); each
+//!   pass gathers one layer's keys and values for its rows (rows × the full context at most);
+//!   a turn prefills only its new tokens, in
 //!   chunks of at most `rollout.max_num_batched_tokens` positions (rows × chunk) attending over
 //!   up to the full context of keys. With `rollout.engine = "servers"` the rollouts run on the
 //!   workers of `[rollout.servers]`: the trainer holds none of this (the phase has no terms and
@@ -37,7 +39,7 @@ use burn::tensor::DType;
 use model::logprobs::LOGITS_CHUNK_ELEMENTS;
 use model::lora::{LoraConfig, LoraTarget};
 use model::qwen3::attention::memory_efficient::block_sizes;
-use model::qwen3::grown_capacity;
+use model::qwen3::{grown_capacity, BLOCK_SIZE};
 use model::{AttnImplementation, MatmulPrecision, Qwen3Config};
 
 use crate::run::{RolloutEngineKind, TrainConfig};
@@ -263,16 +265,17 @@ impl PlanSettings {
         }
     }
 
-    /// KV positions one episode at the full context holds (its buffer grown by an eighth).
+    /// KV positions one episode at the full context holds: its blocks.
     pub fn episode_kv_positions(&self) -> usize {
-        grown_capacity(self.context)
+        self.context.div_ceil(BLOCK_SIZE) * BLOCK_SIZE
     }
 
     /// KV positions the rollouts hold at most: every episode in flight (`generation_batch`,
-    /// decoding or waiting on the environment with its cache kept) at the full context, or
-    /// `rollout.kv_budget` when that is smaller; and whether the budget bounds it.
+    /// decoding or waiting on the environment with its cache kept) at the full context and the
+    /// pool's scratch block, the pool grown by an eighth, or `rollout.kv_budget` when that is
+    /// smaller; and whether the budget bounds it.
     pub fn rollout_kv_positions(&self) -> (usize, bool) {
-        let every = self.generation_batch.max(1) * self.episode_kv_positions();
+        let every = grown_capacity(self.generation_batch.max(1) * self.episode_kv_positions() + BLOCK_SIZE);
         match self.kv_budget_positions() {
             Some(budget) if budget < every => (budget, true),
             _ => (every, false),
@@ -672,7 +675,7 @@ fn candidate_changes(s: &PlanSettings) -> Vec<PlanSettings> {
     // still holds one episode at the full context.
     let per_position = kv_position_bytes(&s.model, s.rollout_cache_dtype());
     let (positions, _) = s.rollout_kv_positions();
-    let one_episode = s.episode_kv_positions() as u64 * per_position;
+    let one_episode = (s.episode_kv_positions() + BLOCK_SIZE) as u64 * per_position;
     let budget = round_size_down(positions as u64 * per_position / 2);
     if budget >= one_episode && budget / per_position < positions as u64 {
         out.push(PlanSettings {
@@ -844,12 +847,17 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
     let name = match s.rollout.kv_budget {
         Some(budget) if budgeted => format!("KV cache (budget {})", format_size(budget)),
         _ => format!(
-            "KV cache ({} episodes × {} positions)",
+            "KV cache ({} episodes × {} positions, the pool grown by an eighth)",
             s.generation_batch.max(1),
             grouped(s.episode_kv_positions())
         ),
     };
     terms.push(Term::new(name, positions as f64 * per_position));
+    // A pass gathers its rows' keys and values one layer at a time (burn has no paged attention).
+    terms.push(Term::new(
+        format!("keys and values of one layer gathered for {rows} × {} positions", grouped(s.context)),
+        (rows * s.context) as f64 * per_position / m.num_hidden_layers.max(1) as f64,
+    ));
     // The decoder cuts a prefill into chunks of `max_batched_tokens / rows` new positions a row;
     // the last chunk of the longest turn attends over the whole context.
     let chunk = (s.rollout.max_batched_tokens / rows).clamp(1, s.context.max(1));
@@ -1362,17 +1370,21 @@ mod tests {
     }
 
     #[test]
-    fn the_kv_cache_grows_by_an_eighth() {
+    fn the_kv_pool_grows_by_an_eighth() {
         let mut s = settings(Preset::Qwen3_0_6B);
         s.generation_batch = 4;
         s.context = 1000;
         let plan = MemoryPlan::new(s);
-        // 1,000 positions grow to 1,000 + 125, rounded up to 1,152 (a multiple of 32).
-        assert_eq!(grown_capacity(1000), 1152);
-        // 4 episodes × 28 layers × (keys + values) × 8 heads × 128 × 1,152 positions × 4 bytes.
+        // 1,000 positions take 63 blocks of 16 (1,008); 4 episodes and the scratch block hold
+        // 4,048, grown by an eighth (506) and rounded up to 4,576 (a multiple of 32).
+        assert_eq!(grown_capacity(4 * 1008 + 16), 4576);
+        // 28 layers × (keys + values) × 8 heads × 128 × 4,576 positions × 4 bytes.
         let kv = kv_term(&plan);
-        assert_eq!(kv.bytes, 4 * 28 * 2 * 1024 * 1152 * 4);
-        assert_eq!(kv.name, "KV cache (4 episodes × 1,152 positions)");
+        assert_eq!(kv.bytes, 28 * 2 * 1024 * 4576 * 4);
+        assert_eq!(kv.name, "KV cache (4 episodes × 1,008 positions, the pool grown by an eighth)");
+        // One layer's keys and values gathered for 4 rows × 1,000 positions.
+        let gathered = plan.phases[0].terms.iter().find(|t| t.name.starts_with("keys and values of one layer")).unwrap();
+        assert_eq!(gathered.bytes, 4 * 1000 * 2 * 1024 * 4);
     }
 
     /// The paper's run at generation batch 64 (the reference's): Qwen3-4B, LoRA rank 8 on a
@@ -1393,19 +1405,20 @@ mod tests {
         }
     }
 
-    /// Without a budget every episode of the rollout batch holds the grown capacity of the full
-    /// context: 64 × 10,368 positions of 144 KiB (36 layers × 2 × 8 heads × 128 × bf16), 91 GiB,
-    /// more than the device; the prefill is one pass of at most 8,192 new positions.
+    /// Without a budget every episode of the rollout batch holds the full context in the pool,
+    /// grown by an eighth: 663,584 positions of 144 KiB (36 layers × 2 × 8 heads × 128 × bf16),
+    /// 91 GiB, more than the device; the prefill is one pass of at most 8,192 new positions.
     #[test]
     fn generation_batch_64_without_a_budget_holds_every_episode_at_the_full_context() {
         let s = papers_run_at_64();
         let plan = MemoryPlan::new(s.clone());
         let per_position = kv_position_bytes(&s.model, DType::BF16);
         assert_eq!(per_position, 2 * 36 * 8 * 128 * 2);
-        assert_eq!(grown_capacity(9216), 10_368);
+        let pool = grown_capacity(64 * 9216 + 16);
+        assert_eq!(pool, 663_584);
         let kv = kv_term(&plan);
-        assert_eq!(kv.bytes, 64 * 10_368 * per_position);
-        assert_eq!(kv.name, "KV cache (64 episodes × 10,368 positions)");
+        assert_eq!(kv.bytes, pool as u64 * per_position);
+        assert_eq!(kv.name, "KV cache (64 episodes × 9,216 positions, the pool grown by an eighth)");
         let prefill = prefill_term(&plan);
         assert_eq!(prefill.name, "prefill pass of 64 × 128 new tokens over 9,216 positions");
         assert!(prefill.bytes < 4 << 30, "prefill {}", format_size(prefill.bytes));
@@ -1419,8 +1432,9 @@ mod tests {
             verdict.advice
         );
         assert!(!verdict.fits);
-        // A KV budget is the first lever.
-        assert!(verdict.advice[0].starts_with("rollout.kv_budget = \"45GiB\""), "{:?}", verdict.advice);
+        // A KV budget is one lever, half the episodes another.
+        assert!(verdict.advice.iter().any(|a| a.starts_with("rollout.kv_budget = \"45GiB\"")), "{:?}", verdict.advice);
+        assert!(verdict.advice.iter().any(|a| a.starts_with("rollout.generation_batch = 32")), "{:?}", verdict.advice);
         // `max_num_seqs` bounds the episodes decoding at once, not the caches: the episodes
         // waiting on the environment keep theirs.
         let fewer_rows = MemoryPlan::new(PlanSettings {
@@ -1428,10 +1442,10 @@ mod tests {
             ..s.clone()
         });
         assert_eq!(kv_term(&fewer_rows).bytes, kv.bytes);
-        assert_eq!(kv_term(&fewer_rows).name, "KV cache (64 episodes × 10,368 positions)");
+        assert_eq!(kv_term(&fewer_rows).name, kv.name);
         assert!(prefill_term(&fewer_rows).name.starts_with("prefill pass of 16 × 512 new tokens"), "{}", prefill_term(&fewer_rows).name);
         let fewer = MemoryPlan::new(PlanSettings { generation_batch: 16, ..s });
-        assert_eq!(kv_term(&fewer).bytes, 16 * 10_368 * per_position);
+        assert_eq!(kv_term(&fewer).bytes, grown_capacity(16 * 9216 + 16) as u64 * per_position);
     }
 
     /// With `rollout.kv_budget = "24GiB"` generation batch 64 fits one 80 GiB GPU: the cache

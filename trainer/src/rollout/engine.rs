@@ -126,13 +126,14 @@ fn check_budget_holds_an_episode(
         let prompt = episode.prompts.first_prompt(question).chatml();
         longest = longest.max(tokenizer.encode(&prompt)?.len());
     }
-    let needed = model::qwen3::grown_capacity(longest + episode.max_response_tokens + 1);
+    let needed = model::decode::positions_to_hold(longest + episode.max_response_tokens + 1);
     if budget < needed {
         return Err(TrainError::Invalid(format!(
             "rollout.kv_budget holds {budget} KV positions, but one episode may need {needed}: its \
-             {longest}-token first prompt plus episode.max_response_tokens = {} (at the capacity the \
-             cache grows to); raise rollout.kv_budget or lower episode.max_response_tokens",
-            episode.max_response_tokens
+             {longest}-token first prompt plus episode.max_response_tokens = {} (in blocks of \
+             {}, with the cache's scratch block); raise rollout.kv_budget or lower episode.max_response_tokens",
+            episode.max_response_tokens,
+            model::qwen3::BLOCK_SIZE
         )));
     }
     Ok(())
@@ -155,7 +156,7 @@ mod tests {
             .map(|q| tokenizer.encode(&episode.prompts.first_prompt(q).chatml()).unwrap().len())
             .max()
             .unwrap();
-        let needed = model::qwen3::grown_capacity(longest + 64 + 1);
+        let needed = model::decode::positions_to_hold(longest + 64 + 1);
         let err = check_budget_holds_an_episode(needed - 1, &tokenizer, &questions, &episode).unwrap_err().to_string();
         assert!(err.contains("rollout.kv_budget") && err.contains(&needed.to_string()) && err.contains(&format!("{longest}-token")), "{err}");
         assert!(check_budget_holds_an_episode(needed, &tokenizer, &questions, &episode).is_ok());

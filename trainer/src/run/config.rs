@@ -173,9 +173,9 @@ pub struct RolloutSection {
     pub generation_batch: usize,
     /// When a step's episodes begin: `batches` (the default: `generation_batch` at a time, the
     /// next batch once all of one have ended) or `continuous` (the next episode as soon as one
-    /// ends, so a long episode does not keep the places of finished ones empty). On the local
-    /// engine `continuous` needs `kv_budget`: its batch mixes episodes of all ages, every row
-    /// padded to the longest, so the KV cache outgrows `generation_batch` × context.
+    /// ends, so a long episode does not keep the places of finished ones empty). Either way at
+    /// most `generation_batch` episodes hold KV blocks, so the cache stays within
+    /// `generation_batch` × context (the plan's KV term).
     pub admission: Admission,
     /// Most episodes decoding at once (vLLM's `max_num_seqs`): the others in flight wait and
     /// join as rows come free. The KV memory still follows `generation_batch`: episodes
@@ -293,11 +293,6 @@ impl RolloutSection {
 
     /// Checks `engine` against `[rollout.servers]`; the message names the key.
     fn validate_engine(&self) -> Result<(), String> {
-        if self.engine == RolloutEngineKind::Local && self.admission == Admission::Continuous && self.kv_budget.is_none() {
-            return Err("rollout.admission = \"continuous\" on the local engine needs rollout.kv_budget: episodes of all ages \
-                 share the batch, every row padded to the longest, so the KV cache is not bounded by generation_batch × context"
-                .into());
-        }
         match (self.engine, &self.servers) {
             (RolloutEngineKind::Servers, None) => Err(
                 "rollout.engine = \"servers\" needs a [rollout.servers] table with `urls`".into(),
@@ -580,14 +575,11 @@ mod tests {
         assert_eq!(config.rollout.kv_budget, None);
         assert!(config.rollout.continuous_batching, "continuous batching is the default");
         assert_eq!(config.rollout.admission(), env::Admission::Batches(48), "episodes begin in batches by default");
-        let continuous = parse_rollout("admission = \"continuous\"\nkv_budget = \"1GiB\"");
+        // The paged KV cache holds only the blocks of the episodes in flight: continuous
+        // admission needs no budget.
+        let continuous = parse_rollout("admission = \"continuous\"");
         assert_eq!(continuous.rollout.admission(), env::Admission::Continuous(64));
         assert_eq!(continuous.validate(), Ok(()));
-        let err = parse_rollout("admission = \"continuous\"").validate().unwrap_err();
-        assert!(err.contains("rollout.admission") && err.contains("rollout.kv_budget"), "{err}");
-        // A [rollout.servers] table left in a local run does not lift the rule.
-        let leftover = parse_rollout("admission = \"continuous\"\n[rollout.servers]\nurls = [\"http://localhost:8000\"]");
-        assert!(leftover.validate().unwrap_err().contains("rollout.kv_budget"));
         let servers = parse_rollout("admission = \"continuous\"\nengine = \"servers\"\n[rollout.servers]\nurls = [\"http://localhost:8000\"]");
         assert_eq!(servers.validate(), Ok(()), "the workers hold their own caches");
         assert!(!parse_rollout("continuous_batching = false").rollout.continuous_batching);

@@ -25,7 +25,7 @@ use env::{
     CALL_CLOSE, CALL_OPEN,
 };
 use model::tokenizer::Qwen3Tokenizer;
-use model::{generate, DecoderLimits, Qwen3ForCausalLM, Sampling, SamplingConfig};
+use model::{generate, DecoderLimits, DecoderStats, Qwen3ForCausalLM, Sampling, SamplingConfig};
 use serde::Serialize;
 use trainer::rollout::{LocalAgent, ServerAgent, ServerPool, ServerSettings, StepTimes};
 use crate::device::MemoryProbe;
@@ -111,17 +111,17 @@ pub struct RolloutStats {
     pub reprefill_prefill_tokens_per_episode: f64,
     /// The same with the padding of each turn's batch (rows × the longest history).
     pub padded_prefill_tokens_per_episode: f64,
-    /// Most KV positions the decoder held at once (rows × allocated positions, parked caches).
+    /// Most KV positions the decoder's pool held at once (the blocks of running and parked
+    /// sequences, free blocks, the scratch block).
     pub peak_kv_positions: usize,
     /// Their size in MiB (keys and values of every layer, in the dtype of the weights).
     pub peak_kv_mib: f64,
-    /// KV positions copied as rows left and joined (joins in place and batch rebuilds), per
-    /// agent token.
-    pub rebuilt_positions_per_token: f64,
-    /// Joins whose sequences took places rows had left (the batch not rebuilt).
-    pub joins_in_place: u64,
-    /// Of the rows of the one-token passes, the share run for places rows had left.
-    pub vacant_row_share: f64,
+    /// Most KV positions in the blocks sequences held at once.
+    pub peak_kv_positions_in_use: usize,
+    /// KV positions gathered for the attention (rows × the longest row's positions, per
+    /// layer), per token run through the decoder: the padding's share of the attention's reads
+    /// is what passes the positions a token's own sequence holds.
+    pub gathered_positions_per_token: f64,
     /// Sequences decoding per decoder step, on average (at most `batch`): on a GPU whose step
     /// costs the same at any number of rows, the rollout's speed follows it.
     pub rows_per_step: f64,
@@ -188,7 +188,7 @@ pub struct ContinuousAdmission {
     pub decode_step_ms: f64,
     pub prefill_steps: u64,
     pub prefill_step_ms: f64,
-    /// Most KV positions the decoder held at once.
+    /// Most KV positions the decoder's pool held at once.
     pub peak_kv_positions: usize,
     /// Episodes whose cache was dropped to stay within the budget.
     pub preemptions: u64,
@@ -643,17 +643,7 @@ pub fn measure<B: Backend>(
                 agent_seconds: agent.agent_time().as_secs_f64(),
                 counts: agent.counts().clone(),
                 prefill_tokens: (agent.inner().prefill_tokens() - prefilled) as usize,
-                peak_kv_positions: agent.inner().decoder_stats().peak_kv_positions,
-                decoder: {
-                    let after = agent.inner().decoder_stats();
-                    [
-                        after.rebuilt_positions - stats_before.rebuilt_positions,
-                        after.vacant_rows - stats_before.vacant_rows,
-                        after.decode_tokens - stats_before.decode_tokens,
-                        after.joins_in_place - stats_before.joins_in_place,
-                        after.preemptions + after.evictions - stats_before.preemptions - stats_before.evictions,
-                    ]
-                },
+                decoder: DecoderRun::between(&stats_before, &agent.inner().decoder_stats()),
                 steps: agent.inner().step_times().since(&steps_before),
                 trajectories,
             });
@@ -665,7 +655,7 @@ pub fn measure<B: Backend>(
     let batches = Admission::Batches(batch);
     let before = timed(true, true, batches);
     let reprefill_memory = memory();
-    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, peak_kv_positions, decoder, steps, trajectories } = timed(false, true, batches);
+    let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, decoder, steps, trajectories } = timed(false, true, batches);
     let device_memory = decode_memory.zip(reprefill_memory).zip(memory()).map(|((d, r), k)| RolloutMemory {
         decode_in_use_mib: d.0,
         decode_reserved_mib: d.1,
@@ -683,20 +673,19 @@ pub fn measure<B: Backend>(
             seconds: run.seconds,
             agent_tokens: run.counts.agent_tokens,
             agent_tokens_per_second: run_rate,
-            rows_per_step: run.steps.rows_per_step(run.decoder[2]),
+            rows_per_step: run.steps.rows_per_step(run.decoder.decoded),
             decode_steps: run.steps.decode_steps,
             decode_step_ms: run.steps.decode_step_ms(),
             prefill_steps: run.steps.prefill_steps,
             prefill_step_ms: run.steps.prefill_step_ms(),
-            peak_kv_positions: run.peak_kv_positions,
-            preemptions: run.decoder[4],
+            peak_kv_positions: run.decoder.peak_kv_positions,
+            preemptions: run.decoder.preemptions,
             over_batches: run_rate / rate,
         }
     });
     if turn_by_turn.as_ref().is_some_and(|t| t.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids))) {
         eprintln!("the episodes differ between continuous batching and turn by turn");
     }
-    let [rebuilt, vacant, decoded, joins_in_place, preemptions] = decoder.map(|n| n as f64);
     if before.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids)) {
         eprintln!("the episodes differ between re-prefilling and kept caches");
     }
@@ -754,7 +743,7 @@ pub fn measure<B: Backend>(
         latency_ms: settings.latency.as_millis() as u64,
         max_num_batched_tokens: settings.max_batched_tokens,
         kv_budget_positions: kv_budget,
-        preemptions: preemptions as u64,
+        preemptions: decoder.preemptions,
         seconds,
         agent_seconds,
         env_wait_seconds: (seconds - agent_seconds).max(0.0),
@@ -764,13 +753,11 @@ pub fn measure<B: Backend>(
         prefill_tokens_per_episode: per_episode(prefill_tokens),
         reprefill_prefill_tokens_per_episode: per_episode(before.prefill_tokens),
         padded_prefill_tokens_per_episode: per_episode(counts.padded_prefill_tokens),
-        peak_kv_positions,
-        peak_kv_mib: (peak_kv_positions as u64 * trainer::plan::kv_position_bytes(&model.config, model.model.embed_tokens.weight.val().dtype())) as f64
-            / 1048576.0,
-        rebuilt_positions_per_token: rebuilt / counts.agent_tokens.max(1) as f64,
-        joins_in_place: joins_in_place as u64,
-        vacant_row_share: vacant / (vacant + decoded).max(1.0),
-        rows_per_step: steps.rows_per_step(decoder[2]),
+        peak_kv_positions: decoder.peak_kv_positions,
+        peak_kv_mib: (decoder.peak_kv_positions as u64 * per_position) as f64 / 1048576.0,
+        peak_kv_positions_in_use: decoder.peak_kv_positions_in_use,
+        gathered_positions_per_token: decoder.gathered as f64 / (decoder.decoded + prefill_tokens as u64).max(1) as f64,
+        rows_per_step: steps.rows_per_step(decoder.decoded),
         context_tokens_per_episode: per_episode(context),
         non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
         turns_stopped_early: counts.stopped_early,
@@ -843,13 +830,37 @@ struct TimedRollout {
     counts: RolloutCounts,
     /// Tokens the agent's decoder prefilled.
     prefill_tokens: usize,
-    peak_kv_positions: usize,
-    /// The decoder's rebuilt positions, vacant rows, decoded tokens, joins in place and
-    /// preemptions (evictions included) during the run.
-    decoder: [u64; 5],
+    decoder: DecoderRun,
     /// The agent's decoder steps during the run.
     steps: StepTimes,
     trajectories: Vec<Trajectory>,
+}
+
+/// What the agent's decoder did during one run.
+struct DecoderRun {
+    /// Tokens through one-token decode passes.
+    decoded: u64,
+    /// Caches dropped for room: running sequences preempted and parked caches evicted.
+    preemptions: u64,
+    /// KV positions gathered for the attention.
+    gathered: u64,
+    /// The pool's peak, and the peak of the blocks in use (the decoder's, over every run so
+    /// far: the pool is freed between runs, so each run reaches its own).
+    peak_kv_positions: usize,
+    peak_kv_positions_in_use: usize,
+}
+
+impl DecoderRun {
+    /// The difference between the decoder's stats `before` and `after` a run.
+    fn between(before: &DecoderStats, after: &DecoderStats) -> Self {
+        Self {
+            decoded: after.decode_tokens - before.decode_tokens,
+            preemptions: after.preemptions + after.evictions - before.preemptions - before.evictions,
+            gathered: after.gathered_positions - before.gathered_positions,
+            peak_kv_positions: after.peak_kv_positions,
+            peak_kv_positions_in_use: after.peak_kv_positions_in_use,
+        }
+    }
 }
 
 /// The tokenizer of the rollout: the checkpoint's own, or (random presets) the project's tiny
@@ -894,13 +905,8 @@ pub fn print(stats: &RolloutStats) {
         s.decode_steps, s.decode_step_ms, s.pure_decode_step_ms, s.prefill_steps, s.prefill_step_ms, s.agent_seconds_outside_steps
     );
     println!(
-        "  joins and batch rebuilds copied {:.0} KV positions per agent token ({} joins in place of {} steps with a prefill); {:.1}% of the decoded rows were places rows had left; {:.2} of {} rows decoded per step",
-        s.rebuilt_positions_per_token,
-        s.joins_in_place,
-        s.prefill_steps,
-        100.0 * s.vacant_row_share,
-        s.rows_per_step,
-        s.batch
+        "  paged KV: at most {} positions in sequences' blocks (the pool {}); the attention gathered {:.0} KV positions per token (padding to each pass's longest row included); {:.2} of {} rows decoded per step",
+        s.peak_kv_positions_in_use, s.peak_kv_positions, s.gathered_positions_per_token, s.rows_per_step, s.batch
     );
     if let Some(c) = &s.continuous_admission {
         println!(
