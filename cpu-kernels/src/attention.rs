@@ -86,15 +86,50 @@ pub struct Heads<'a, T> {
     pub batch_stride: usize,
     pub head_stride: usize,
     pub position_stride: usize,
+    /// A paged KV cache's table: position `p` of batch row `b` is the row of slot `slot(b, p)`.
+    pub pages: Option<Pages<'a>>,
+}
+
+/// Where the positions of a paged operand lie: position `p` of batch row `b` is slot
+/// `slots[b * width + p]`, its row at `slot * position_stride` (`batch_stride` unused).
+#[derive(Debug, Clone, Copy)]
+pub struct Pages<'a> {
+    pub slots: &'a [usize],
+    pub width: usize,
+    /// A slot whose positions are never read (masked padding): the in-place path skips them.
+    pub skip: Option<usize>,
 }
 
 impl<T> Heads<'_, T> {
     pub(super) fn row(&self, batch: usize, head: usize, position: usize, d: usize) -> &[T] {
-        let start = self.offset
-            + batch * self.batch_stride
-            + head * self.head_stride
-            + position * self.position_stride;
+        let start = match self.pages {
+            Some(pages) => self.offset + head * self.head_stride + pages.slots[batch * pages.width + position] * self.position_stride,
+            None => self.offset + batch * self.batch_stride + head * self.head_stride + position * self.position_stride,
+        };
         &self.data[start..start + d]
+    }
+
+    /// Rows `0..columns` of head `head` of batch row `batch` as runs of rows that lie one
+    /// after the other, each with its first position: one run unless the operand is paged
+    /// (then a run per stretch of consecutive slots, the `skip` slot's positions left out).
+    pub(super) fn runs(&self, batch: usize, head: usize, columns: usize, d: usize) -> Vec<(usize, Rows<'_, T>)> {
+        let Some(pages) = self.pages else {
+            return vec![(0, self.rows(batch, head, columns, d))];
+        };
+        let slots = &pages.slots[batch * pages.width..][..columns];
+        let mut runs = Vec::new();
+        let mut c = 0;
+        while c < columns {
+            let first = slots[c];
+            let len = 1 + slots[c + 1..].iter().zip(first + 1..).take_while(|&(&s, next)| s == next).count();
+            if Some(first) != pages.skip {
+                let start = self.offset + head * self.head_stride + first * self.position_stride;
+                let end = start + (len - 1) * self.position_stride + d;
+                runs.push((c, Rows { data: &self.data[start..end], stride: self.position_stride, len }));
+            }
+            c += len;
+        }
+        runs
     }
 
     /// Rows `0..columns` of head `head` of batch row `batch`, each `d` long, read in place.
@@ -442,9 +477,19 @@ fn task_in_place<T: Element>(
     let columns = t.columns(bias, shape.keys);
     let q = t.gather_rows(query, shape);
     let m = q.len() / d;
-    let keys = key.rows(t.batch, t.group, columns, d);
     let mut scores = vec![0.0f32; m * columns];
-    kernels::scores_in_place(&q, m, d, keys, &mut scores);
+    for (start, keys) in key.runs(t.batch, t.group, columns, d) {
+        if keys.len == columns {
+            kernels::scores_in_place(&q, m, d, keys, &mut scores);
+            continue;
+        }
+        // A paged run: its scores, then into their columns (skipped columns stay 0, masked).
+        let mut part = vec![0.0f32; m * keys.len];
+        kernels::scores_in_place(&q, m, d, keys, &mut part);
+        for (row, part) in scores.chunks_exact_mut(columns).zip(part.chunks_exact(keys.len)) {
+            row[start..start + keys.len].copy_from_slice(part);
+        }
+    }
     let biases = t.biases(bias, columns);
     let block = t.rows.len();
     let mut stats = Vec::with_capacity(m);
@@ -452,9 +497,17 @@ fn task_in_place<T: Element>(
         let biases = &biases[(r % block) * columns..][..columns];
         stats.push(softmax_row::<T>(&mut scores[r * columns..][..columns], biases, scale));
     }
-    let values = value.rows(t.batch, t.group, columns, d);
     let mut out = vec![0.0f32; m * d];
-    kernels::weighted_values_in_place(&scores, m, values, d, &mut out);
+    for (start, values) in value.runs(t.batch, t.group, columns, d) {
+        if values.len == columns {
+            kernels::weighted_values_in_place(&scores, m, values, d, &mut out);
+            continue;
+        }
+        // A paged run: its probabilities, their products added to `out` (skipped columns have
+        // none: masked, their probabilities are 0).
+        let part: Vec<f32> = scores.chunks_exact(columns).flat_map(|row| row[start..start + values.len].iter().copied()).collect();
+        kernels::weighted_values_in_place(&part, m, values, d, &mut out);
+    }
     (out, stats)
 }
 
@@ -991,6 +1044,7 @@ pub(super) mod tests {
             batch_stride: outer * inner * rows * d,
             head_stride: rows * d,
             position_stride: d,
+            pages: None,
         };
         let query = Heads {
             data: &q[..],
@@ -998,6 +1052,7 @@ pub(super) mod tests {
             batch_stride: s.queries * s.heads * d,
             head_stride: d,
             position_stride: s.heads * d,
+            pages: None,
         };
         let bias_view = Bias {
             data: &bias[..],
@@ -1169,6 +1224,7 @@ pub(super) mod tests {
                         batch_stride: kv_heads * keys * d,
                         head_stride: keys * d,
                         position_stride: d,
+                        pages: None,
                     };
                     let query = Heads {
                         data: &qs[..],
@@ -1176,6 +1232,7 @@ pub(super) mod tests {
                         batch_stride: queries * heads * d,
                         head_stride: d,
                         position_stride: heads * d,
+                        pages: None,
                     };
                     let bias = Bias {
                         data: &bias[..],
@@ -1228,10 +1285,10 @@ pub(super) mod tests {
                 let bias = causal_bias::<bf16>(s, s.keys - block, 10);
                 let kv = |data| {
                     let batch_stride = s.kv_heads * s.keys * d;
-                    Heads { data, offset: 0, batch_stride, head_stride: s.keys * d, position_stride: d }
+                    Heads { data, offset: 0, batch_stride, head_stride: s.keys * d, position_stride: d, pages: None }
                 };
                 let (batch_stride, position_stride) = (s.queries * s.heads * d, s.heads * d);
-                let query = Heads { data: &q[..], offset: 0, batch_stride, head_stride: d, position_stride };
+                let query = Heads { data: &q[..], offset: 0, batch_stride, head_stride: d, position_stride, pages: None };
                 let batch_stride = s.queries * s.keys;
                 let bias = Bias { data: &bias[..], offset: 0, batch_stride, query_stride: s.keys, key_stride: 1 };
                 let time = |in_place: fn(usize) -> bool| {

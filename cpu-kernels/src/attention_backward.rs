@@ -51,6 +51,7 @@ pub fn grouped_attention_backward(
         batch_stride: queries * heads * d,
         head_stride: d,
         position_stride: heads * d,
+        pages: None,
     };
     let operands = Operands {
         query,
@@ -239,8 +240,8 @@ mod tests {
                 })
                 .collect();
             let scale = (d as f32).powf(-0.5);
-            let query = |data| Heads { data, offset: 0, batch_stride: queries * s.heads * d, head_stride: d, position_stride: s.heads * d };
-            let kv = |data| Heads { data, offset: 0, batch_stride: s.kv_heads * queries * d, head_stride: queries * d, position_stride: d };
+            let query = |data| Heads { data, offset: 0, batch_stride: queries * s.heads * d, head_stride: d, position_stride: s.heads * d, pages: None };
+            let kv = |data| Heads { data, offset: 0, batch_stride: s.kv_heads * queries * d, head_stride: queries * d, position_stride: d, pages: None };
             let bias_view = Bias { data: &bias[..], offset: 0, batch_stride: queries * queries, query_stride: queries, key_stride: 1 };
             let (out, stats) = grouped_attention_with_stats(query(&q[..]), kv(&k[..]), kv(&v[..]), bias_view, s, scale);
             let grads = grouped_attention_backward(query(&q[..]), kv(&k[..]), kv(&v[..]), bias_view, &out, &stats, &cot, s, scale);

@@ -268,6 +268,72 @@ pub fn grouped_attention<B: Backend>(
     flex_output(bytes, [batch, queries, heads * head_dim], dtype)
 }
 
+/// [`grouped_attention`] over a paged KV cache: row `r`'s key and value `c` are slot
+/// `table[r * width + c]` of `key_pool` and `value_pool` (`[kv_heads, slots, d]`, contiguous),
+/// read where they lie (runs of consecutive slots at a time; `skip`'s positions, masked
+/// padding, not read) instead of gathered into `[b, kv_heads, width, d]` first. Same
+/// conditions as [`grouped_attention`] (plain burn-flex, the kernels on, f32 or bf16), and
+/// `None` otherwise, for the caller to gather.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_attention_paged<B: Backend>(
+    query: &Tensor<B, 4>,
+    key_pool: &Tensor<B, 3>,
+    value_pool: &Tensor<B, 3>,
+    table: &[usize],
+    skip: Option<usize>,
+    bias: &Tensor<B, 4>,
+    scale: f32,
+) -> Option<Tensor<B, 3>> {
+    let [batch, queries, heads, head_dim] = query.dims();
+    let [kv_heads, slots, _] = key_pool.dims();
+    let keys = table.len().checked_div(batch)?;
+    let shapes_agree = key_pool.dims() == [kv_heads, slots, head_dim]
+        && value_pool.dims() == key_pool.dims()
+        && table.len() == batch * keys
+        && table.iter().all(|&s| s < slots)
+        && bias.dims() == [batch, 1, queries, keys]
+        && kv_heads > 0
+        && heads % kv_heads == 0;
+    let dtype = query.dtype();
+    let dtypes_agree = [key_pool.dtype(), value_pool.dtype(), bias.dtype()].iter().all(|&t| t == dtype);
+    if !shapes_agree || !dtypes_agree || !matches!(dtype, DType::F32 | DType::BF16) {
+        return None;
+    }
+    let q = to_flex(query.clone()).map(rows_contiguous)?;
+    let [k, v] = [key_pool, value_pool].map(|t| to_flex(t.clone()).map(|t| flex_contiguous(&t)));
+    let (k, v, m) = (k?, v?, to_flex(bias.clone()).map(rows_contiguous)?);
+    let shape = attention::AttentionShape { batch, queries, keys, heads, kv_heads, head_dim };
+    let pages = attention::Pages { slots: table, width: keys, skip };
+    fn run<T: attention::Element + burn::tensor::Element + bytemuck::Pod>(
+        [q, k, v, m]: [&FlexTensor; 4],
+        pages: attention::Pages<'_>,
+        shape: attention::AttentionShape,
+        scale: f32,
+    ) -> Bytes {
+        let (q, _, _, m) = attention_views::<T>([q, q, q, m]);
+        let out = attention::grouped_attention(q, pool_view(k, pages, shape.head_dim), pool_view(v, pages, shape.head_dim), m, shape, scale);
+        Bytes::from_elems(out)
+    }
+    let operands = [&q, &k, &v, &m];
+    let bytes = match dtype {
+        DType::F32 => run::<f32>(operands, pages, shape, scale),
+        _ => run::<bf16>(operands, pages, shape, scale),
+    };
+    flex_output(bytes, [batch, queries, heads * head_dim], dtype)
+}
+
+/// A contiguous `[kv_heads, slots, d]` pool read through `pages`.
+fn pool_view<'a, T: burn::tensor::Element + bytemuck::Pod>(t: &'a FlexTensor, pages: attention::Pages<'a>, d: usize) -> attention::Heads<'a, T> {
+    attention::Heads {
+        data: t.storage::<T>(),
+        offset: 0,
+        batch_stride: 0,
+        head_stride: t.layout().shape()[1] * d,
+        position_stride: d,
+        pages: Some(pages),
+    }
+}
+
 /// The attention operands `[query, key, value, bias]` (layouts as for [`grouped_attention`], rows
 /// contiguous) as the attention kernels read them.
 #[allow(clippy::type_complexity)]
@@ -289,6 +355,7 @@ fn heads_view<T: burn::tensor::Element + bytemuck::Pod>(
         batch_stride: s[batch] as usize,
         head_stride: s[head] as usize,
         position_stride: s[position] as usize,
+        pages: None,
     }
 }
 
@@ -348,13 +415,14 @@ pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> 
     tracked::embedding(table, token_ids, [b, s])
 }
 
-/// `pool` (`[slots, h, d]`, a paged KV cache's keys or values) with `value` (`[b, h, n, d]`)
-/// written to its slots: row `r`'s position `j` to slot `slots[r * n + j]`, in place, under the
-/// conditions of [`write_positions`]; otherwise `Err(pool)` and the caller uses `scatter_nd`
-/// (burn-flex 0.21's copies the whole pool). A slot named twice gets the later write. The
-/// write computes nothing, so it applies with the portable ops on too.
+/// `pool` (`[h, slots, d]`, a paged KV cache's keys or values) with `value` (`[b, h, n, d]`)
+/// written to its slots: row `r`'s position `j` to slot `slots[r * n + j]`, in place, when `B`
+/// is plain burn-flex, the pool is contiguous and held alone, and both have one dtype (f32,
+/// bf16 or f16); otherwise `Err(pool)` and the caller uses `scatter_nd` (burn-flex 0.21's copies
+/// the whole pool). A slot named twice gets the later write. The write computes nothing, so it
+/// applies with the portable ops on too.
 pub fn write_slots<B: Backend>(pool: Tensor<B, 3>, slots: &[usize], value: &Tensor<B, 4>) -> Result<Tensor<B, 3>, Tensor<B, 3>> {
-    let [capacity, h, d] = pool.dims();
+    let [h, capacity, d] = pool.dims();
     let [b, vh, n, vd] = value.dims();
     let fits = [vh, vd] == [h, d] && slots.len() == b * n && slots.iter().all(|&s| s < capacity) && value.dtype() == pool.dtype();
     if !fits || !matches!(pool.dtype(), DType::F32 | DType::BF16 | DType::F16) {
@@ -363,25 +431,26 @@ pub fn write_slots<B: Backend>(pool: Tensor<B, 3>, slots: &[usize], value: &Tens
     let mut flex = crate::flex::flex_of(pool)?;
     let source = crate::flex::flex_of(value.clone()).map_err(|_| ()).map(|s| flex_contiguous(&s));
     let whole = flex.is_contiguous() && flex.layout().start_offset() == 0 && flex.bytes().len() == capacity * h * d * flex.dtype().size();
-    /// Copies each of `src`'s (`[b, h, n, d]`) positions to its slot of `dst` (`[_, h, d]`).
-    fn copy<T: bytemuck::Pod + burn::tensor::Element>(dst: &mut FlexTensor, src: &FlexTensor, slots: &[usize], [h, n, d]: [usize; 3]) -> bool {
+    /// Copies each of `src`'s (`[b, h, n, d]`) positions to its slot of `dst` (`[h, capacity, d]`).
+    fn copy<T: bytemuck::Pod + burn::tensor::Element>(dst: &mut FlexTensor, src: &FlexTensor, slots: &[usize], [h, capacity, n, d]: [usize; 4]) -> bool {
         let src = src.storage::<T>();
         let Some(dst) = dst.try_storage_mut::<T>() else { return false };
         for (i, &slot) in slots.iter().enumerate() {
             let (r, j) = (i / n, i % n);
             for head in 0..h {
                 let from = ((r * h + head) * n + j) * d;
-                let to = (slot * h + head) * d;
+                let to = (head * capacity + slot) * d;
                 dst[to..to + d].copy_from_slice(&src[from..from + d]);
             }
         }
         true
     }
+    let plan = [h, capacity, n, d];
     let written = match (&source, whole) {
         (Ok(src), true) => match flex.dtype() {
-            DType::F32 => copy::<f32>(&mut flex, src, slots, [h, n, d]),
-            DType::BF16 => copy::<bf16>(&mut flex, src, slots, [h, n, d]),
-            _ => copy::<burn::tensor::f16>(&mut flex, src, slots, [h, n, d]),
+            DType::F32 => copy::<f32>(&mut flex, src, slots, plan),
+            DType::BF16 => copy::<bf16>(&mut flex, src, slots, plan),
+            _ => copy::<burn::tensor::f16>(&mut flex, src, slots, plan),
         },
         _ => false,
     };
@@ -393,39 +462,67 @@ pub fn write_slots<B: Backend>(pool: Tensor<B, 3>, slots: &[usize], value: &Tens
     }
 }
 
-/// The slots `table` (`rows × width`, row-major) of `pool` (`[slots, h, d]`) as a contiguous
-/// `[rows, h, width, d]` tensor, column `c` of row `r` from slot `table[r * width + c]`, copied
-/// in parallel, when `B` is plain burn-flex (the portable ops on or off: it computes nothing)
-/// and the pool is f32, bf16 or f16; `None` otherwise, for the caller to use `select`.
-pub fn gather_slots<B: Backend>(pool: &Tensor<B, 3>, table: &[usize], rows: usize) -> Option<Tensor<B, 4>> {
+/// Elements from which [`gather_slots`] copies on every thread.
+const PARALLEL_GATHER_ELEMENTS: usize = 1 << 16;
+
+/// The slots `table` (`rows × width`, row-major) of `pool` (`[h, slots, d]`) as a contiguous
+/// `[rows, h, width, d]` tensor, column `c` of row `r` from slot `table[r * width + c]` (zeros
+/// where that is `zero_slot`: padding), when `B` is plain burn-flex (the portable ops on or
+/// off: it computes nothing) and the pool is f32, bf16 or f16; `None` otherwise, for the caller
+/// to use `select`. Runs of consecutive slots (a block's positions) are copied in one piece,
+/// one task per row and head.
+pub fn gather_slots<B: Backend>(pool: &Tensor<B, 3>, table: &[usize], rows: usize, zero_slot: Option<usize>) -> Option<Tensor<B, 4>> {
     use rayon::prelude::*;
-    let [capacity, h, d] = pool.dims();
+    let [h, capacity, d] = pool.dims();
     if rows == 0 || table.len() % rows != 0 || table.iter().any(|&s| s >= capacity) {
         return None;
     }
     let width = table.len() / rows;
     let flex = crate::flex::flex_of(pool.clone()).ok()?;
     let flex = flex_contiguous(&flex);
-    fn gather<T: bytemuck::Pod + Default + Send + Sync + burn::tensor::Element>(src: &[T], table: &[usize], [h, width, d]: [usize; 3]) -> Vec<T> {
+    fn gather<T: bytemuck::Pod + Default + Send + Sync + burn::tensor::Element>(
+        src: &[T],
+        table: &[usize],
+        zero_slot: Option<usize>,
+        [h, capacity, width, d]: [usize; 4],
+    ) -> Vec<T> {
         let mut out = vec![T::default(); table.len() * h * d];
-        // One task per (row, head): its `width` positions are consecutive in the output.
-        out.par_chunks_mut(width * d).enumerate().for_each(|(task, dst)| {
+        if width == 0 {
+            return out;
+        }
+        let fill = |(task, dst): (usize, &mut [T])| {
             let (r, head) = (task / h, task % h);
-            for (c, dst) in dst.chunks_exact_mut(d).enumerate() {
-                let from = (table[r * width + c] * h + head) * d;
-                dst.copy_from_slice(&src[from..from + d]);
+            let slots = &table[r * width..(r + 1) * width];
+            let mut c = 0;
+            while c < width {
+                let start = slots[c];
+                if Some(start) == zero_slot {
+                    // `out` starts zeroed.
+                    c += 1;
+                    continue;
+                }
+                let run = 1 + slots[c + 1..].iter().zip(start + 1..).take_while(|&(&s, next)| s == next).count();
+                let from = (head * capacity + start) * d;
+                dst[c * d..(c + run) * d].copy_from_slice(&src[from..from + run * d]);
+                c += run;
             }
-        });
+        };
+        // A decode step's small gathers cost less on one thread than waking the others.
+        if out.len() < PARALLEL_GATHER_ELEMENTS {
+            out.chunks_mut(width * d).enumerate().for_each(fill);
+        } else {
+            out.par_chunks_mut(width * d).enumerate().for_each(fill);
+        }
         out
     }
-    let dims = [rows, h, width, d];
+    let plan = [h, capacity, width, d];
     let bytes = match flex.dtype() {
-        DType::F32 => Bytes::from_elems(gather(flex.storage::<f32>(), table, [h, width, d])),
-        DType::BF16 => Bytes::from_elems(gather(flex.storage::<bf16>(), table, [h, width, d])),
-        DType::F16 => Bytes::from_elems(gather(flex.storage::<burn::tensor::f16>(), table, [h, width, d])),
+        DType::F32 => Bytes::from_elems(gather(flex.storage::<f32>(), table, zero_slot, plan)),
+        DType::BF16 => Bytes::from_elems(gather(flex.storage::<bf16>(), table, zero_slot, plan)),
+        DType::F16 => Bytes::from_elems(gather(flex.storage::<burn::tensor::f16>(), table, zero_slot, plan)),
         _ => return None,
     };
-    flex_output(bytes, dims, flex.dtype())
+    flex_output(bytes, [rows, h, width, d], flex.dtype())
 }
 
 #[cfg(test)]
@@ -435,28 +532,78 @@ mod tests {
     use burn::tensor::Distribution;
 
     /// Writing into a pool's slots gives what `scatter_nd` gives, in place when the pool is held
-    /// once; gathering slots gives `select` laid out as `[rows, h, width, d]`.
+    /// once; gathering slots gives `select` laid out as `[rows, h, width, d]`, with zeros where
+    /// the table names the zero slot.
     #[test]
     fn slots_are_written_and_gathered_as_burn_does() {
+        use burn::tensor::{IndexingUpdateOp, TensorData};
         let device = Default::default();
         for dtype in [DType::F32, DType::BF16] {
-            let pool = Tensor::<Flex, 3>::random([9, 2, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+            let pool = Tensor::<Flex, 3>::random([2, 9, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
             let value = Tensor::<Flex, 4>::random([2, 2, 3, 4], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
             let slots = [7, 1, 4, 2, 8, 0];
-            let index = Tensor::<Flex, 2, Int>::from_data(burn::tensor::TensorData::new(slots.map(|s| s as i64).to_vec(), [6, 1]), &device);
-            let rows = value.clone().swap_dims(1, 2).reshape([6, 2, 4]);
-            let want = pool.clone().scatter_nd(index, rows, burn::tensor::IndexingUpdateOp::Assign).into_data();
+            // (head, slot) of each of the values' `[b, n, h]` rows.
+            let pairs: Vec<i64> = slots.iter().flat_map(|&s| [0, s as i64, 1, s as i64]).collect();
+            let index = Tensor::<Flex, 2, Int>::from_data(TensorData::new(pairs, [12, 2]), &device);
+            let rows = value.clone().swap_dims(1, 2).reshape([12, 4]);
+            let want = pool.clone().scatter_nd(index, rows, IndexingUpdateOp::Assign).into_data();
             let written = write_slots(pool.clone().mul_scalar(1.0), &slots, &value).expect("a pool held once is written in place");
             assert_eq!(written.clone().into_data(), want, "{dtype:?}");
             let shared = pool.clone();
             assert!(write_slots(pool, &slots, &value).is_err(), "a shared pool is not written");
             drop(shared);
-            let table = [3, 0, 0, 8, 5, 2];
-            let index = Tensor::<Flex, 1, Int>::from_data(burn::tensor::TensorData::new(table.map(|s| s as i64).to_vec(), [6]), &device);
-            let want = written.clone().select(0, index).reshape([2, 3, 2, 4]).swap_dims(1, 2).into_data();
-            let got = gather_slots(&written, &table, 2).expect("burn-flex gathers");
-            assert_eq!(got.dims(), [2, 2, 3, 4]);
-            assert_eq!(got.into_data(), want, "{dtype:?}");
+            // Runs of consecutive slots and single ones.
+            let table = [3, 4, 5, 8, 0, 1, 2, 6];
+            let index = Tensor::<Flex, 1, Int>::from_data(TensorData::new(table.map(|s| s as i64).to_vec(), [8]), &device);
+            let want = written.clone().select(1, index).reshape([2, 2, 4, 4]).swap_dims(0, 1);
+            let got = gather_slots(&written, &table, 2, None).expect("burn-flex gathers");
+            assert_eq!(got.dims(), [2, 2, 4, 4]);
+            assert_eq!(got.into_data(), want.clone().into_data(), "{dtype:?}");
+            // Slot 0 (row 1, column 0) read as zeros.
+            let padded = gather_slots(&written, &table, 2, Some(0)).unwrap();
+            let zeroed = want.slice_assign([1..2, 0..2, 0..1, 0..4], Tensor::zeros([1, 2, 1, 4], (&device, dtype)));
+            assert_eq!(padded.into_data(), zeroed.into_data(), "{dtype:?}");
+        }
+    }
+
+    /// Attention over a paged pool equals attention over the same keys and values gathered
+    /// first, on both paths (in place for decode-sized query groups, packed for prefills), with
+    /// leading padding read from a skipped slot.
+    #[test]
+    fn paged_attention_equals_attention_over_gathered_keys() {
+        let device = Default::default();
+        let (heads, kv_heads, d, slots) = (4, 2, 32, 40);
+        for dtype in [DType::F32, DType::BF16] {
+            for queries in [1, 9] {
+                let pool = |seed| {
+                    <Flex as Backend>::seed(&device, seed);
+                    Tensor::<Flex, 3>::random([kv_heads, slots, d], Distribution::Normal(0.0, 1.0), &device).cast(dtype)
+                };
+                let (k, v) = (pool(1), pool(2));
+                let query = Tensor::<Flex, 4>::random([2, queries, heads, d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+                // Row 0: two padding columns (slot 0), then a run 16..20 and a run 5..12; row 1:
+                // slots 30..39 and then 1 and 2.
+                let width = 13;
+                let mut table: Vec<usize> = vec![0, 0];
+                table.extend(16..20);
+                table.extend(5..12);
+                table.extend(28..39);
+                table.extend([1, 2]);
+                let valid = |r: usize, c: usize| r == 1 || c >= 2;
+                let bias: Vec<f32> = (0..2)
+                    .flat_map(|r| (0..queries).flat_map(move |i| (0..width).map(move |c| {
+                        let causal = c + queries <= width + i;
+                        if valid(r, c) && causal { 0.0 } else { -1.0e9 }
+                    })))
+                    .collect();
+                let bias = Tensor::<Flex, 4>::from_data(burn::tensor::TensorData::new(bias, [2, 1, queries, width]), &device).cast(dtype);
+                let gathered = |pool: &Tensor<Flex, 3>| gather_slots(pool, &table, 2, None).unwrap();
+                let want = grouped_attention(&query, &gathered(&k), &gathered(&v), &bias, 0.125).expect("burn-flex attends");
+                let got = grouped_attention_paged(&query, &k, &v, &table, Some(0), &bias, 0.125).expect("burn-flex attends to pages");
+                let diff = max_diff(want.cast(DType::F32), got.cast(DType::F32));
+                let tolerance = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+                assert!(diff <= tolerance, "{dtype:?}, {queries} queries: {diff}");
+            }
         }
     }
 

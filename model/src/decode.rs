@@ -34,7 +34,7 @@ use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
 use crate::error::ModelError;
 use crate::lora::CausalLm;
-use crate::qwen3::{grown_capacity, KvCache, BLOCK_SIZE};
+use crate::qwen3::{grown_capacity, KvCache, BLOCK_SIZE, SCRATCH_SLOT as SCRATCH};
 
 /// While rows run, waiting sequences join once they are this fraction (1 / N) of the running
 /// rows (see `Decoder::admit`): each group that joins costs a prefill pass of its own.
@@ -42,9 +42,6 @@ const JOIN_FRACTION: usize = 8;
 
 /// The most steps a waiting sequence is held back to join with others.
 const MAX_JOIN_WAIT: u64 = 8;
-
-/// The pool's scratch slot: padding columns are written and read there (masked out).
-const SCRATCH: usize = 0;
 
 /// The KV budget (in positions) that holds one sequence of `len` positions alone: its blocks and
 /// the scratch block. A smaller budget makes [`Decoder::step`] fail on such a sequence.
@@ -96,10 +93,10 @@ pub struct DecoderStats {
     pub peak_kv_positions: usize,
     /// Most KV positions in use at once: the blocks sequences held (and the scratch block).
     pub peak_kv_positions_in_use: usize,
-    /// KV positions gathered for the attention, summed over passes: rows × columns (padding
-    /// included), once per layer. Divided by the tokens decoded, it is what a token's attention
-    /// reads beyond its own sequence's positions.
-    pub gathered_positions: u64,
+    /// Key columns the passes' rows spanned, summed over passes: rows × the longest row's
+    /// positions, padding included. burn's ops gather that many keys and values per layer (the
+    /// CPU kernels read only each row's own positions where they lie).
+    pub attention_columns: u64,
 }
 
 /// The next-token logits of the sequences one step ran: row `i` of `logits` (`[rows, vocab]`)
@@ -520,7 +517,7 @@ impl<B: Backend> Decoder<B> {
         let device = model.base().device();
         let rows = ids.dims()[0];
         let (write, read) = slots;
-        self.stats.gathered_positions += read.len() as u64;
+        self.stats.attention_columns += read.len() as u64;
         let mask = valid.and_then(|valid| device_mask::<B>(valid, &device));
         let total = self.pool.total * BLOCK_SIZE;
         let cache = self.cache.get_or_insert_with(|| model.base().new_cache());

@@ -8,7 +8,7 @@
 //! kernels live in the `prompt-r1-cpu-kernels` crate; see its README for what each gains.
 
 pub(crate) use cpu_kernels::ops::{
-    cast, chosen_logprobs, embedding, entropy, grouped_attention, linear, linear_bf16, rms_norm, rotary,
+    cast, chosen_logprobs, embedding, entropy, grouped_attention, grouped_attention_paged, linear, linear_bf16, rms_norm, rotary,
     gather_slots, silu_mul, write_slots,
 };
 pub(crate) use cpu_kernels::{transpose_into, WeightLayout};

@@ -1,11 +1,13 @@
 //! The KV cache: a value owned by the caller, not state inside the model. It is paged, as
 //! vLLM's: each layer's keys and values live in a pool of blocks of [`BLOCK_SIZE`] positions
-//! (`[slots, kv_heads, head_dim]`), a sequence's positions in blocks of its own wherever they
+//! (`[kv_heads, slots, head_dim]`: a block of one head is contiguous), a sequence's positions
+//! in blocks of its own wherever they
 //! are in the pool, so memory follows the positions in use, whatever the sequences' lengths. A
 //! pass names, before it runs ([`KvCache::set_slots`]), the slot each new position goes to and
 //! the slots each row of the batch attends to; each layer writes its new keys and values there
 //! and gathers the rows' keys and values (`[rows, kv_heads, width, head_dim]`, one layer at a
-//! time) for the attention. Slot 0 is scratch: padding is written and read there, masked out.
+//! time) for the attention. Slot [`SCRATCH_SLOT`] is scratch: padding is written and read there,
+//! masked out.
 //! [`crate::decode::Decoder`] keeps the sequences' block tables.
 
 use std::sync::Arc;
@@ -17,6 +19,9 @@ use crate::kernels;
 /// Positions per block of the pool.
 pub const BLOCK_SIZE: usize = 16;
 
+/// The slot padding is written to and read from (masked out): no sequence's block holds it.
+pub const SCRATCH_SLOT: usize = 0;
+
 /// The smallest growth of a pool, in positions (see [`grown_capacity`]).
 pub const GROWTH_STEP: usize = 32;
 
@@ -27,18 +32,20 @@ pub fn grown_capacity(needed: usize) -> usize {
 }
 
 /// Where one pass writes and reads: new position `j` of row `r` goes to slot
-/// `write[r * new + j]`, and column `c` of row `r`'s keys comes from slot `read[r * width + c]`.
+/// `write[r * new + j]` (of every head), and column `c` of row `r`'s keys comes from slot
+/// `read[r * width + c]`.
 #[derive(Debug, Clone)]
 struct PassSlots<B: Backend> {
     write: Arc<[usize]>,
     read: Arc<[usize]>,
     rows: usize,
-    /// `write` as `[n, 1]` indices for `scatter_nd`, `read` as indices for `select`.
+    /// `write` as `[n · kv_heads, 2]` (head, slot) indices for `scatter_nd` (the values' order:
+    /// row, position, head), `read` as indices for `select`.
     write_index: Tensor<B, 2, Int>,
     read_index: Tensor<B, 1, Int>,
 }
 
-/// One layer's pools of keys and values, `[slots, kv_heads, head_dim]` each, allocated by the
+/// One layer's pools of keys and values, `[kv_heads, slots, head_dim]` each, allocated by the
 /// first pass that writes them, and the slots of the pass under way.
 #[derive(Debug, Clone)]
 pub struct LayerKvCache<B: Backend> {
@@ -62,24 +69,47 @@ impl<B: Backend> Default for LayerKvCache<B> {
 
 impl<B: Backend> LayerKvCache<B> {
     /// Writes the pass's new `[b, kv_heads, new, d]` keys and values to their slots and returns
-    /// the keys and values its rows attend to, `[b, kv_heads, width, d]`.
+    /// the keys and values its rows attend to (to be dropped before the next pass writes).
     ///
     /// Panics if no pass was set ([`KvCache::set_slots`]) or its slots do not match `k`.
-    pub fn append(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> (Tensor<B, 4>, Tensor<B, 4>) {
-        let pass = self.pass.as_ref().expect("KvCache::set_slots names a pass's slots before it runs");
+    pub fn append(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> CachedKv<B> {
+        let pass = self.pass.clone().expect("KvCache::set_slots names a pass's slots before it runs");
         let [b, _, new, _] = k.dims();
         assert_eq!((b, b * new), (pass.rows, pass.write.len()), "a pass of {b} rows × {new} positions, slots set for another");
-        let keys = write(self.keys.take(), k, pass, self.slots);
-        let values = write(self.values.take(), v, pass, self.slots);
-        let out = (gather(&keys, pass), gather(&values, pass));
-        self.keys = Some(keys);
-        self.values = Some(values);
-        out
+        let keys = write(self.keys.take(), k, &pass, self.slots);
+        let values = write(self.values.take(), v, &pass, self.slots);
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        CachedKv { keys, values, pass }
     }
 
     /// Slots its pools have (0 before the first pass).
     fn allocated(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.dims()[0])
+        self.keys.as_ref().map_or(0, |k| k.dims()[1])
+    }
+}
+
+/// The keys and values one pass's rows attend to: a layer's pools and the rows' slots. The
+/// CPU kernels attend to them where they lie ([`Self::attention`]); otherwise
+/// [`Self::gather`] lays them out for burn's ops.
+#[derive(Debug)]
+pub struct CachedKv<B: Backend> {
+    keys: Tensor<B, 3>,
+    values: Tensor<B, 3>,
+    pass: PassSlots<B>,
+}
+
+impl<B: Backend> CachedKv<B> {
+    /// The rows' keys and values, `[rows, kv_heads, width, head_dim]` each.
+    pub fn gather(self) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        (gather(&self.keys, &self.pass), gather(&self.values, &self.pass))
+    }
+
+    /// `softmax(Q Kᵀ · scale + bias) V` for `query` (`[b, q, heads, d]`) and `bias`
+    /// (`[b, 1, q, width]`) read straight from the pools by a CPU kernel
+    /// ([`kernels::grouped_attention_paged`]), `[b, q, heads · d]`; `None` where none applies.
+    pub fn attention(&self, query: &Tensor<B, 4>, bias: &Tensor<B, 4>, scale: f32) -> Option<Tensor<B, 3>> {
+        kernels::grouped_attention_paged(query, &self.keys, &self.values, &self.pass.read, Some(SCRATCH_SLOT), bias, scale)
     }
 }
 
@@ -89,27 +119,27 @@ impl<B: Backend> LayerKvCache<B> {
 fn write<B: Backend>(pool: Option<Tensor<B, 3>>, value: Tensor<B, 4>, pass: &PassSlots<B>, slots: usize) -> Tensor<B, 3> {
     let [b, h, new, d] = value.dims();
     let pool = match pool {
-        Some(pool) if pool.dims()[0] >= slots => pool,
+        Some(pool) if pool.dims()[1] >= slots => pool,
         Some(pool) => {
-            let extra = slots - pool.dims()[0];
-            let zeros = Tensor::<B, 3>::zeros([extra, h, d], (&pool.device(), pool.dtype()));
-            Tensor::cat(vec![pool, zeros], 0)
+            let extra = slots - pool.dims()[1];
+            let zeros = Tensor::<B, 3>::zeros([h, extra, d], (&pool.device(), pool.dtype()));
+            Tensor::cat(vec![pool, zeros], 1)
         }
-        None => Tensor::<B, 3>::zeros([slots, h, d], (&value.device(), value.dtype())),
+        None => Tensor::<B, 3>::zeros([h, slots, d], (&value.device(), value.dtype())),
     };
     kernels::write_slots(pool, &pass.write, &value).unwrap_or_else(|pool| {
         // `[b, h, new, d]` is usually a view of `[b, new, h, d]`: swapped back, it reshapes freely.
-        let rows = value.swap_dims(1, 2).reshape([b * new, h, d]);
+        let rows = value.swap_dims(1, 2).reshape([b * new * h, d]);
         pool.scatter_nd(pass.write_index.clone(), rows, IndexingUpdateOp::Assign)
     })
 }
 
 /// The pass's rows' slots of `pool`, `[rows, h, width, d]`.
 fn gather<B: Backend>(pool: &Tensor<B, 3>, pass: &PassSlots<B>) -> Tensor<B, 4> {
-    kernels::gather_slots(pool, &pass.read, pass.rows).unwrap_or_else(|| {
-        let [_, h, d] = pool.dims();
+    kernels::gather_slots(pool, &pass.read, pass.rows, Some(SCRATCH_SLOT)).unwrap_or_else(|| {
+        let [h, _, d] = pool.dims();
         let width = pass.read.len() / pass.rows;
-        pool.clone().select(0, pass.read_index.clone()).reshape([pass.rows, width, h, d]).swap_dims(1, 2)
+        pool.clone().select(1, pass.read_index.clone()).reshape([h, pass.rows, width, d]).swap_dims(0, 1)
     })
 }
 
@@ -117,14 +147,16 @@ fn gather<B: Backend>(pool: &Tensor<B, 3>, pass: &PassSlots<B>) -> Tensor<B, 4> 
 #[derive(Debug, Clone)]
 pub struct KvCache<B: Backend> {
     pub layers: Vec<LayerKvCache<B>>,
+    kv_heads: usize,
     slots: usize,
 }
 
 impl<B: Backend> KvCache<B> {
-    /// An empty cache for a model with `num_layers` layers.
-    pub fn new(num_layers: usize) -> Self {
+    /// An empty cache for a model with `num_layers` layers of `kv_heads` key-value heads.
+    pub fn new(num_layers: usize, kv_heads: usize) -> Self {
         Self {
             layers: (0..num_layers).map(|_| LayerKvCache::default()).collect(),
+            kv_heads,
             slots: 0,
         }
     }
@@ -147,10 +179,12 @@ impl<B: Backend> KvCache<B> {
     pub fn set_slots(&mut self, write: Vec<usize>, read: Vec<usize>, rows: usize, device: &B::Device) {
         assert!(rows > 0 && write.len() % rows == 0 && read.len() % rows == 0, "slot tables for {rows} rows");
         assert!(write.iter().chain(&read).all(|&s| s < self.slots), "a slot past the cache's {} positions", self.slots);
-        let index = |slots: &[usize]| slots.iter().map(|&s| s as i64).collect::<Vec<_>>();
+        let h = self.kv_heads;
+        let pairs: Vec<i64> = write.iter().flat_map(|&s| (0..h).flat_map(move |head| [head as i64, s as i64])).collect();
+        let read_index: Vec<i64> = read.iter().map(|&s| s as i64).collect();
         let pass = PassSlots {
-            write_index: Tensor::from_data(TensorData::new(index(&write), [write.len(), 1]), device),
-            read_index: Tensor::from_data(TensorData::new(index(&read), [read.len()]), device),
+            write_index: Tensor::from_data(TensorData::new(pairs, [write.len() * h, 2]), device),
+            read_index: Tensor::from_data(TensorData::new(read_index, [read.len()]), device),
             write: write.into(),
             read: read.into(),
             rows,

@@ -168,7 +168,7 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
 
     /// An empty KV cache sized for this model.
     pub fn new_cache(&self) -> KvCache<B> {
-        KvCache::new(self.model.layers.len())
+        KvCache::new(self.model.layers.len(), self.config.num_key_value_heads)
     }
 
     /// The device the weights live on.

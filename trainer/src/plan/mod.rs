@@ -853,11 +853,14 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
         ),
     };
     terms.push(Term::new(name, positions as f64 * per_position));
-    // A pass gathers its rows' keys and values one layer at a time (burn has no paged attention).
-    terms.push(Term::new(
-        format!("keys and values of one layer gathered for {rows} × {} positions", grouped(s.context)),
-        (rows * s.context) as f64 * per_position / m.num_hidden_layers.max(1) as f64,
-    ));
+    // Burn's ops gather a pass's rows' keys and values one layer at a time (it has no paged
+    // attention); the CPU kernels read them where they lie.
+    if s.device != PlanDevice::CpuKernels {
+        terms.push(Term::new(
+            format!("keys and values of one layer gathered for {rows} × {} positions", grouped(s.context)),
+            (rows * s.context) as f64 * per_position / m.num_hidden_layers.max(1) as f64,
+        ));
+    }
     // The decoder cuts a prefill into chunks of `max_batched_tokens / rows` new positions a row;
     // the last chunk of the longest turn attends over the whole context.
     let chunk = (s.rollout.max_batched_tokens / rows).clamp(1, s.context.max(1));
@@ -1374,7 +1377,8 @@ mod tests {
         let mut s = settings(Preset::Qwen3_0_6B);
         s.generation_batch = 4;
         s.context = 1000;
-        let plan = MemoryPlan::new(s);
+        s.device = PlanDevice::Gpu;
+        let plan = MemoryPlan::new(s.clone());
         // 1,000 positions take 63 blocks of 16 (1,008); 4 episodes and the scratch block hold
         // 4,048, grown by an eighth (506) and rounded up to 4,576 (a multiple of 32).
         assert_eq!(grown_capacity(4 * 1008 + 16), 4576);
@@ -1385,6 +1389,9 @@ mod tests {
         // One layer's keys and values gathered for 4 rows × 1,000 positions.
         let gathered = plan.phases[0].terms.iter().find(|t| t.name.starts_with("keys and values of one layer")).unwrap();
         assert_eq!(gathered.bytes, 4 * 1000 * 2 * 1024 * 4);
+        // The CPU kernels read the pool where it lies.
+        let cpu = MemoryPlan::new(PlanSettings { device: PlanDevice::CpuKernels, ..s });
+        assert!(cpu.phases[0].terms.iter().all(|t| !t.name.starts_with("keys and values of one layer")));
     }
 
     /// The paper's run at generation batch 64 (the reference's): Qwen3-4B, LoRA rank 8 on a

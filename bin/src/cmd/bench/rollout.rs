@@ -118,10 +118,9 @@ pub struct RolloutStats {
     pub peak_kv_mib: f64,
     /// Most KV positions in the blocks sequences held at once.
     pub peak_kv_positions_in_use: usize,
-    /// KV positions gathered for the attention (rows × the longest row's positions, per
-    /// layer), per token run through the decoder: the padding's share of the attention's reads
-    /// is what passes the positions a token's own sequence holds.
-    pub gathered_positions_per_token: f64,
+    /// Key columns the attention spanned (rows × each pass's longest row, padding included),
+    /// per token run through the decoder: what burn's ops (the GPU path) gather per layer.
+    pub attention_columns_per_token: f64,
     /// Sequences decoding per decoder step, on average (at most `batch`): on a GPU whose step
     /// costs the same at any number of rows, the rollout's speed follows it.
     pub rows_per_step: f64,
@@ -756,7 +755,7 @@ pub fn measure<B: Backend>(
         peak_kv_positions: decoder.peak_kv_positions,
         peak_kv_mib: (decoder.peak_kv_positions as u64 * per_position) as f64 / 1048576.0,
         peak_kv_positions_in_use: decoder.peak_kv_positions_in_use,
-        gathered_positions_per_token: decoder.gathered as f64 / (decoder.decoded + prefill_tokens as u64).max(1) as f64,
+        attention_columns_per_token: decoder.attention_columns as f64 / (decoder.decoded + prefill_tokens as u64).max(1) as f64,
         rows_per_step: steps.rows_per_step(decoder.decoded),
         context_tokens_per_episode: per_episode(context),
         non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
@@ -842,8 +841,8 @@ struct DecoderRun {
     decoded: u64,
     /// Caches dropped for room: running sequences preempted and parked caches evicted.
     preemptions: u64,
-    /// KV positions gathered for the attention.
-    gathered: u64,
+    /// Key columns the attention spanned.
+    attention_columns: u64,
     /// The pool's peak, and the peak of the blocks in use (the decoder's, over every run so
     /// far: the pool is freed between runs, so each run reaches its own).
     peak_kv_positions: usize,
@@ -856,7 +855,7 @@ impl DecoderRun {
         Self {
             decoded: after.decode_tokens - before.decode_tokens,
             preemptions: after.preemptions + after.evictions - before.preemptions - before.evictions,
-            gathered: after.gathered_positions - before.gathered_positions,
+            attention_columns: after.attention_columns - before.attention_columns,
             peak_kv_positions: after.peak_kv_positions,
             peak_kv_positions_in_use: after.peak_kv_positions_in_use,
         }
@@ -905,8 +904,8 @@ pub fn print(stats: &RolloutStats) {
         s.decode_steps, s.decode_step_ms, s.pure_decode_step_ms, s.prefill_steps, s.prefill_step_ms, s.agent_seconds_outside_steps
     );
     println!(
-        "  paged KV: at most {} positions in sequences' blocks (the pool {}); the attention gathered {:.0} KV positions per token (padding to each pass's longest row included); {:.2} of {} rows decoded per step",
-        s.peak_kv_positions_in_use, s.peak_kv_positions, s.gathered_positions_per_token, s.rows_per_step, s.batch
+        "  paged KV: at most {} positions in sequences' blocks (the pool {}); the attention spanned {:.0} key columns per token (padding to each pass's longest row included; burn's ops gather them); {:.2} of {} rows decoded per step",
+        s.peak_kv_positions_in_use, s.peak_kv_positions, s.attention_columns_per_token, s.rows_per_step, s.batch
     );
     if let Some(c) = &s.continuous_admission {
         println!(

@@ -12,7 +12,7 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
-use super::cache::LayerKvCache;
+use super::cache::{CachedKv, LayerKvCache};
 use super::compute::{AttnImplementation, Compute};
 use super::linear::lora_linear;
 use super::mask::AttentionMask;
@@ -116,17 +116,22 @@ impl<B: Backend> Qwen3Attention<B> {
         let query_states = apply_rotary_pos_emb(self.q_norm.forward(query_states), &inputs.rotary_q);
         let key_states = heads_first(apply_rotary_pos_emb(self.k_norm.forward(key_states), &inputs.rotary_k));
 
-        let (key_states, value_states) = match cache {
-            Some(cache) => cache.append(key_states, value_states),
-            None => (key_states, value_states),
-        };
-
         let scaling = (d as f64).powf(-0.5);
-        let fused = inputs
-            .bias
-            .as_ref()
-            .and_then(|bias| kernels::grouped_attention(&query_states, &key_states, &value_states, bias, scaling as f32));
+        // With a cache, the pass's rows attend to its pools: the CPU kernel reads them where
+        // they lie, burn's ops take them gathered.
+        let attended = match cache {
+            Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
+            None => Attended::Fresh(key_states, value_states),
+        };
+        let fused = inputs.bias.as_ref().and_then(|bias| match &attended {
+            Attended::Cached(cached) => cached.attention(&query_states, bias, scaling as f32),
+            Attended::Fresh(k, v) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32),
+        });
         let attn_output = fused.unwrap_or_else(|| {
+            let (key_states, value_states) = match attended {
+                Attended::Cached(cached) => cached.gather(),
+                Attended::Fresh(k, v) => (k, v),
+            };
             let query_states = heads_first(query_states);
             let output = match compute.attn_implementation {
                 AttnImplementation::Eager => {
@@ -142,6 +147,12 @@ impl<B: Backend> Qwen3Attention<B> {
         });
         lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, matmul)
     }
+}
+
+/// The keys and values a pass attends to: its own (`[b, kv_heads, q, d]`), or a KV cache's.
+enum Attended<B: Backend> {
+    Fresh(Tensor<B, 4>, Tensor<B, 4>),
+    Cached(CachedKv<B>),
 }
 
 /// `[b, q, heads, d]` as `[b, heads, q, d]`. A decoding step's single query needs no transpose,
