@@ -112,24 +112,27 @@ impl<T> Heads<'_, T> {
     /// Rows `0..columns` of head `head` of batch row `batch` as runs of rows that lie one
     /// after the other, each with its first position: one run unless the operand is paged
     /// (then a run per stretch of consecutive slots, the `skip` slot's positions left out).
-    pub(super) fn runs(&self, batch: usize, head: usize, columns: usize, d: usize) -> Vec<(usize, Rows<'_, T>)> {
-        let Some(pages) = self.pages else {
-            return vec![(0, self.rows(batch, head, columns, d))];
-        };
-        let slots = &pages.slots[batch * pages.width..][..columns];
-        let mut runs = Vec::new();
-        let mut c = 0;
-        while c < columns {
-            let first = slots[c];
-            let len = 1 + slots[c + 1..].iter().zip(first + 1..).take_while(|&(&s, next)| s == next).count();
-            if Some(first) != pages.skip {
-                let start = self.offset + head * self.head_stride + first * self.position_stride;
-                let end = start + (len - 1) * self.position_stride + d;
-                runs.push((c, Rows { data: &self.data[start..end], stride: self.position_stride, len }));
+    pub(super) fn runs(&self, batch: usize, head: usize, columns: usize, d: usize) -> impl Iterator<Item = (usize, Rows<'_, T>)> + '_ {
+        let (mut c, mut whole) = (0, self.pages.is_none());
+        std::iter::from_fn(move || {
+            if whole {
+                whole = false;
+                return Some((0, self.rows(batch, head, columns, d)));
             }
-            c += len;
-        }
-        runs
+            let pages = self.pages?;
+            let slots = &pages.slots[batch * pages.width..][..columns];
+            while c < columns {
+                let (start, first) = (c, slots[c]);
+                let len = 1 + slots[c + 1..].iter().zip(first + 1..).take_while(|&(&s, next)| s == next).count();
+                c += len;
+                if Some(first) != pages.skip {
+                    let from = self.offset + head * self.head_stride + first * self.position_stride;
+                    let end = from + (len - 1) * self.position_stride + d;
+                    return Some((start, Rows { data: &self.data[from..end], stride: self.position_stride, len }));
+                }
+            }
+            None
+        })
     }
 
     /// Rows `0..columns` of head `head` of batch row `batch`, each `d` long, read in place.
@@ -477,18 +480,10 @@ fn task_in_place<T: Element>(
     let columns = t.columns(bias, shape.keys);
     let q = t.gather_rows(query, shape);
     let m = q.len() / d;
+    // A run of keys at a time (one unless paged; skipped columns keep 0 and are masked).
     let mut scores = vec![0.0f32; m * columns];
     for (start, keys) in key.runs(t.batch, t.group, columns, d) {
-        if keys.len == columns {
-            kernels::scores_in_place(&q, m, d, keys, &mut scores);
-            continue;
-        }
-        // A paged run: its scores, then into their columns (skipped columns stay 0, masked).
-        let mut part = vec![0.0f32; m * keys.len];
-        kernels::scores_in_place(&q, m, d, keys, &mut part);
-        for (row, part) in scores.chunks_exact_mut(columns).zip(part.chunks_exact(keys.len)) {
-            row[start..start + keys.len].copy_from_slice(part);
-        }
+        kernels::scores_in_place(&q, m, d, keys, &mut scores[start..], columns);
     }
     let biases = t.biases(bias, columns);
     let block = t.rows.len();
@@ -497,16 +492,10 @@ fn task_in_place<T: Element>(
         let biases = &biases[(r % block) * columns..][..columns];
         stats.push(softmax_row::<T>(&mut scores[r * columns..][..columns], biases, scale));
     }
+    // Each run's products added to `out` (skipped columns have none: their probabilities are 0).
     let mut out = vec![0.0f32; m * d];
     for (start, values) in value.runs(t.batch, t.group, columns, d) {
-        if values.len == columns {
-            kernels::weighted_values_in_place(&scores, m, values, d, &mut out);
-            continue;
-        }
-        // A paged run: its probabilities, their products added to `out` (skipped columns have
-        // none: masked, their probabilities are 0).
-        let part: Vec<f32> = scores.chunks_exact(columns).flat_map(|row| row[start..start + values.len].iter().copied()).collect();
-        kernels::weighted_values_in_place(&part, m, values, d, &mut out);
+        kernels::weighted_values_in_place(&scores[start..], columns, m, values, d, &mut out);
     }
     (out, stats)
 }
@@ -534,15 +523,15 @@ fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) -> Softmax
 pub(super) mod kernels {
     use super::{Element, Rows};
 
-    /// `s[r * columns + j] = q[r, :] · keys[j]` for `m` rows of `q` (`[m, d]`) and the
-    /// `columns = keys.len` key rows where they lie, widened on the fly.
-    pub fn scores_in_place<T: Element>(q: &[f32], m: usize, d: usize, keys: Rows<'_, T>, s: &mut [f32]) {
+    /// `s[r * stride + j] = q[r, :] · keys[j]` for `m` rows of `q` (`[m, d]`) and the
+    /// `columns = keys.len` key rows where they lie (`columns <= stride`), widened on the fly.
+    pub fn scores_in_place<T: Element>(q: &[f32], m: usize, d: usize, keys: Rows<'_, T>, s: &mut [f32], stride: usize) {
         let columns = keys.len;
-        assert!(q.len() >= m * d && s.len() >= m * columns);
+        assert!(columns <= stride && q.len() >= m * d && (m == 0 || s.len() >= (m - 1) * stride + columns));
         #[cfg(target_arch = "x86_64")]
         if d.is_multiple_of(16) && avx512::available() {
             // SAFETY: the CPU has AVX-512F; `d` is a multiple of 16 and the sizes are as above.
-            unsafe { avx512::scores_in_place(q, m, d, keys, s) };
+            unsafe { avx512::scores_in_place(q, m, d, keys, s, stride) };
             return;
         }
         let mut k = vec![0.0f32; d];
@@ -551,7 +540,7 @@ pub(super) mod kernels {
                 *dst = x.widen();
             }
             for (r, qr) in q.chunks_exact(d).take(m).enumerate() {
-                s[r * columns + j] = dot(qr, &k);
+                s[r * stride + j] = dot(qr, &k);
             }
         }
     }
@@ -580,22 +569,23 @@ pub(super) mod kernels {
         acc[0]
     }
 
-    /// `out[r, :] = Σ_{j < columns} p[r * columns + j] · values[j]` for `m` rows of `p` and the
-    /// `columns = values.len` value rows where they lie, widened on the fly: the sums of
-    /// [`weighted_values`], in the same order.
+    /// `out[r, :] += Σ_{j < columns} p[r * stride + j] · values[j]` for `m` rows of `p` and the
+    /// `columns = values.len` value rows where they lie (`columns <= stride`), widened on the
+    /// fly: the sums of [`weighted_values`], in the same order.
     pub fn weighted_values_in_place<T: Element>(
         p: &[f32],
+        stride: usize,
         m: usize,
         values: Rows<'_, T>,
         d: usize,
         out: &mut [f32],
     ) {
         let columns = values.len;
-        assert!(p.len() >= m * columns && out.len() >= m * d);
+        assert!(columns <= stride && (m == 0 || p.len() >= (m - 1) * stride + columns) && out.len() >= m * d);
         #[cfg(target_arch = "x86_64")]
         if d.is_multiple_of(16) && avx512::available() {
             // SAFETY: the CPU has AVX-512F; `d` is a multiple of 16 and the sizes are as above.
-            unsafe { avx512::weighted_values_in_place(p, m, values, d, out) };
+            unsafe { avx512::weighted_values_in_place(p, stride, m, values, d, out) };
             return;
         }
         let mut v = vec![0.0f32; d];
@@ -604,7 +594,7 @@ pub(super) mod kernels {
                 *dst = x.widen();
             }
             for (r, or) in out.chunks_exact_mut(d).take(m).enumerate() {
-                let w = p[r * columns + j];
+                let w = p[r * stride + j];
                 for (o, &x) in or.iter_mut().zip(&v) {
                     *o += w * x;
                 }
@@ -677,9 +667,9 @@ pub(super) mod kernels {
         }
 
         #[target_feature(enable = "avx512f")]
-        pub unsafe fn scores_in_place<T: Element>(q: &[f32], m: usize, d: usize, keys: Rows<'_, T>, s: &mut [f32]) {
+        pub unsafe fn scores_in_place<T: Element>(q: &[f32], m: usize, d: usize, keys: Rows<'_, T>, s: &mut [f32], stride: usize) {
             let columns = keys.len;
-            assert!(d.is_multiple_of(16) && q.len() >= m * d && s.len() >= m * columns);
+            assert!(d.is_multiple_of(16) && columns <= stride && q.len() >= m * d && (m == 0 || s.len() >= (m - 1) * stride + columns));
             let (qp, sp) = (q.as_ptr(), s.as_mut_ptr());
             // Keys a block at a time, which stays in cache while every query row reads it; query
             // rows a few at a time, held in registers where `d` is one of these sizes.
@@ -687,16 +677,16 @@ pub(super) mod kernels {
                 let keys = keys.sub(j0, KEY_BLOCK.min(columns - j0));
                 let mut r = 0;
                 while r < m {
-                    let (q, s, left) = (qp.add(r * d), sp.add(r * columns + j0), m - r);
+                    let (q, s, left) = (qp.add(r * d), sp.add(r * stride + j0), m - r);
                     r += match d {
-                        64 if left >= 4 => dots_held::<T, 4, 4>(q, keys, s, columns),
-                        64 if left >= 2 => dots_held::<T, 2, 4>(q, keys, s, columns),
-                        64 => dots_held::<T, 1, 4>(q, keys, s, columns),
-                        128 if left >= 2 => dots_held::<T, 2, 8>(q, keys, s, columns),
-                        128 => dots_held::<T, 1, 8>(q, keys, s, columns),
-                        _ if left >= 4 => dots::<T, 4>(q, d, keys, s, columns),
-                        _ if left >= 2 => dots::<T, 2>(q, d, keys, s, columns),
-                        _ => dots::<T, 1>(q, d, keys, s, columns),
+                        64 if left >= 4 => dots_held::<T, 4, 4>(q, keys, s, stride),
+                        64 if left >= 2 => dots_held::<T, 2, 4>(q, keys, s, stride),
+                        64 => dots_held::<T, 1, 4>(q, keys, s, stride),
+                        128 if left >= 2 => dots_held::<T, 2, 8>(q, keys, s, stride),
+                        128 => dots_held::<T, 1, 8>(q, keys, s, stride),
+                        _ if left >= 4 => dots::<T, 4>(q, d, keys, s, stride),
+                        _ if left >= 2 => dots::<T, 2>(q, d, keys, s, stride),
+                        _ => dots::<T, 1>(q, d, keys, s, stride),
                     };
                 }
             }
@@ -764,13 +754,14 @@ pub(super) mod kernels {
         #[target_feature(enable = "avx512f")]
         pub unsafe fn weighted_values_in_place<T: Element>(
             p: &[f32],
+            stride: usize,
             m: usize,
             values: Rows<'_, T>,
             d: usize,
             out: &mut [f32],
         ) {
             let columns = values.len;
-            assert!(d.is_multiple_of(16) && p.len() >= m * columns && out.len() >= m * d);
+            assert!(d.is_multiple_of(16) && columns <= stride && (m == 0 || p.len() >= (m - 1) * stride + columns) && out.len() >= m * d);
             let (pp, op) = (p.as_ptr(), out.as_mut_ptr());
             // A block of value rows at a time (see `scores_in_place`), each block's sums added to
             // the previous blocks' in `out`, so that each output element sums over `j` in order.
@@ -789,16 +780,16 @@ pub(super) mod kernels {
                     };
                     let mut r = 0;
                     while r < m {
-                        let (p, o, left) = (pp.add(r * columns), op.add(r * d + c), m - r);
+                        let (p, o, left) = (pp.add(r * stride), op.add(r * d + c), m - r);
                         r += match width {
-                            8 if left >= 2 => axpys::<T, 2, 8>(p, columns, values, c, o, d),
-                            8 => axpys::<T, 1, 8>(p, columns, values, c, o, d),
-                            4 if left >= 4 => axpys::<T, 4, 4>(p, columns, values, c, o, d),
-                            4 if left >= 2 => axpys::<T, 2, 4>(p, columns, values, c, o, d),
-                            4 => axpys::<T, 1, 4>(p, columns, values, c, o, d),
-                            _ if left >= 4 => axpys::<T, 4, 1>(p, columns, values, c, o, d),
-                            _ if left >= 2 => axpys::<T, 2, 1>(p, columns, values, c, o, d),
-                            _ => axpys::<T, 1, 1>(p, columns, values, c, o, d),
+                            8 if left >= 2 => axpys::<T, 2, 8>(p, stride, values, c, o, d),
+                            8 => axpys::<T, 1, 8>(p, stride, values, c, o, d),
+                            4 if left >= 4 => axpys::<T, 4, 4>(p, stride, values, c, o, d),
+                            4 if left >= 2 => axpys::<T, 2, 4>(p, stride, values, c, o, d),
+                            4 => axpys::<T, 1, 4>(p, stride, values, c, o, d),
+                            _ if left >= 4 => axpys::<T, 4, 1>(p, stride, values, c, o, d),
+                            _ if left >= 2 => axpys::<T, 2, 1>(p, stride, values, c, o, d),
+                            _ => axpys::<T, 1, 1>(p, stride, values, c, o, d),
                         };
                     }
                     c += 16 * width;

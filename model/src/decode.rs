@@ -261,8 +261,8 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// The longest running sequence's cached positions (0 when none runs): the next decode
-    /// step gathers one more than that for every row.
-    pub fn batch_width(&self) -> usize {
+    /// step's rows span one more than that.
+    fn longest_running(&self) -> usize {
         self.running.iter().map(|id| self.sequences[id].cached).max().unwrap_or(0)
     }
 
@@ -542,7 +542,7 @@ impl<B: Backend> Decoder<B> {
             self.grow_sequence(id, len);
         }
         let n = ids.len();
-        let width = self.batch_width() + 1;
+        let width = self.longest_running() + 1;
         let (mut tokens, mut positions) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let (mut write, mut read, mut valid) = (Vec::with_capacity(n), Vec::with_capacity(n * width), Vec::with_capacity(n));
         for id in &ids {

@@ -277,9 +277,9 @@ impl env::Environment for Gathering {
 }
 
 /// With fewer rows than episodes in flight (`max_num_seqs` below `generation_batch`), an
-/// episode waiting on the environment keeps its cache while others take its row: the KV held
-/// goes past the rows' share, and stays within what the memory plan counts (every episode in
-/// flight at its cache's grown capacity).
+/// episode waiting on the environment keeps its cache while others take its row: the blocks in
+/// use go past the rows' share, and the pool stays within what the memory plan counts (every
+/// episode in flight at the longest context in blocks, the pool grown by an eighth).
 #[test]
 fn episodes_waiting_on_the_environment_keep_their_caches_beyond_the_rows() {
     let (_dir, tokenizer, model) = tiny_model(9);
@@ -294,9 +294,12 @@ fn episodes_waiting_on_the_environment_keep_their_caches_beyond_the_rows() {
     assert!(trajectories.iter().all(|t| t.stop_reason == env::StopReason::Answer), "{:?}", trajectories.iter().map(|t| &t.error).collect::<Vec<_>>());
     let shortest = trajectories.iter().map(|t| t.prompt_len).min().unwrap();
     let longest = trajectories.iter().map(|t| t.token_ids.len()).max().unwrap();
-    let peak = agent.0.decoder_stats().peak_kv_positions;
-    println!("peak {peak} KV positions; prompts of {shortest}+ tokens, the longest episode {longest}");
-    assert!(peak > rows * model::qwen3::grown_capacity(longest), "peak {peak} positions: parked caches are kept");
-    assert!(peak >= (rows + 2) * shortest, "peak {peak} positions");
-    assert!(peak <= in_flight * model::qwen3::grown_capacity(longest), "peak {peak} positions, past the plan's bound");
+    let stats = agent.0.decoder_stats();
+    let (peak, in_use) = (stats.peak_kv_positions, stats.peak_kv_positions_in_use);
+    println!("peak {peak} KV positions ({in_use} in use); prompts of {shortest}+ tokens, the longest episode {longest}");
+    let blocks = |n: usize| n.div_ceil(model::qwen3::BLOCK_SIZE) * model::qwen3::BLOCK_SIZE;
+    assert!(in_use > rows * blocks(longest) + model::qwen3::BLOCK_SIZE, "{in_use} positions in use: parked caches are kept");
+    assert!(in_use >= (rows + 2) * blocks(shortest), "{in_use} positions in use");
+    let plan = model::qwen3::grown_capacity(in_flight * blocks(longest) + model::qwen3::BLOCK_SIZE);
+    assert!(peak <= plan, "peak {peak} positions, past the plan's bound {plan}");
 }

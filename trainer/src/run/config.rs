@@ -185,8 +185,8 @@ pub struct RolloutSection {
     /// `max_num_batched_tokens`): longer prefills run in chunks, which bounds the rollouts'
     /// activation memory.
     pub max_num_batched_tokens: usize,
-    /// Most memory the rollouts' KV cache holds (e.g. "24GiB"), spare capacity and caches of
-    /// episodes waiting on the environment included: episodes wait to join, and the newest are
+    /// Most memory the rollouts' KV cache holds (e.g. "24GiB"): its paged pool, the blocks of
+    /// episodes waiting on the environment and free blocks included; episodes wait to join, and the newest are
     /// preempted (and prefilled again later), rather than go past it. It must hold one episode
     /// at the full context. Unset: no limit.
     pub kv_budget: Option<String>,

@@ -81,8 +81,8 @@ pub struct StepRecord {
     /// Tokens of the rollouts' contexts at their end: prompts, agent and environment tokens.
     #[serde(rename = "perf/context_tokens")]
     pub context_tokens: u64,
-    /// Most KV-cache positions the rollouts held at once (rows × allocated positions, and
-    /// parked caches), to compare with `rollout.kv_budget` and the plan.
+    /// Most KV-cache positions the rollouts' paged pool held at once (the blocks of running and
+    /// parked episodes, free blocks), to compare with `rollout.kv_budget` and the plan.
     #[serde(rename = "perf/kv_peak_positions")]
     pub kv_peak_positions: u64,
     /// Episodes whose KV cache was dropped during the rollouts to stay within
