@@ -234,8 +234,7 @@ pub fn grouped_attention<B: Backend>(
         && kv_heads > 0
         && heads % kv_heads == 0;
     let dtype = query.dtype();
-    let dtypes_agree = [key.dtype(), value.dtype(), bias.dtype()].iter().all(|&t| t == dtype);
-    if !shapes_agree || !dtypes_agree || !matches!(dtype, DType::F32 | DType::BF16) {
+    if !shapes_agree || !kernel_dtypes(dtype, [key.dtype(), value.dtype(), bias.dtype()]) {
         return None;
     }
     let shape = attention::AttentionShape {
@@ -295,8 +294,7 @@ pub fn grouped_attention_paged<B: Backend>(
         && kv_heads > 0
         && heads % kv_heads == 0;
     let dtype = query.dtype();
-    let dtypes_agree = [key_pool.dtype(), value_pool.dtype(), bias.dtype()].iter().all(|&t| t == dtype);
-    if !shapes_agree || !dtypes_agree || !matches!(dtype, DType::F32 | DType::BF16) {
+    if !shapes_agree || !kernel_dtypes(dtype, [key_pool.dtype(), value_pool.dtype(), bias.dtype()]) {
         return None;
     }
     let q = to_flex(query.clone()).map(rows_contiguous)?;
@@ -320,6 +318,11 @@ pub fn grouped_attention_paged<B: Backend>(
         _ => run::<bf16>(operands, pages, shape, scale),
     };
     flex_output(bytes, [batch, queries, heads * head_dim], dtype)
+}
+
+/// Whether the attention kernels take operands of `dtype` (f32 or bf16) with `others` of it too.
+fn kernel_dtypes(dtype: DType, others: [DType; 3]) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16) && others.iter().all(|&t| t == dtype)
 }
 
 /// A contiguous `[kv_heads, slots, d]` pool read through `pages`.
