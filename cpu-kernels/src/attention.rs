@@ -123,13 +123,15 @@ impl<T> Heads<'_, T> {
             let slots = &pages.slots[batch * pages.width..][..columns];
             while c < columns {
                 let (start, first) = (c, slots[c]);
-                let len = 1 + slots[c + 1..].iter().zip(first + 1..).take_while(|&(&s, next)| s == next).count();
-                c += len;
-                if Some(first) != pages.skip {
-                    let from = self.offset + head * self.head_stride + first * self.position_stride;
-                    let end = from + (len - 1) * self.position_stride + d;
-                    return Some((start, Rows { data: &self.data[from..end], stride: self.position_stride, len }));
+                if Some(first) == pages.skip {
+                    c += 1;
+                    continue;
                 }
+                let len = 1 + slots[c + 1..].iter().zip(first + 1..).take_while(|&(&s, next)| s == next && Some(s) != pages.skip).count();
+                c += len;
+                let from = self.offset + head * self.head_stride + first * self.position_stride;
+                let end = from + (len - 1) * self.position_stride + d;
+                return Some((start, Rows { data: &self.data[from..end], stride: self.position_stride, len }));
             }
             None
         })

@@ -22,6 +22,11 @@ pub fn is_flex_backend<B: Backend>() -> bool {
     primitive == TypeId::of::<FloatTensor<Flex>>() || primitive == TypeId::of::<FloatTensor<Autodiff<Flex>>>()
 }
 
+/// Whether `B` is plain burn-flex (not under autodiff), whether or not the portable ops are on.
+pub(crate) fn is_plain_flex<B: Backend>() -> bool {
+    std::any::TypeId::of::<FloatTensor<B>>() == std::any::TypeId::of::<FloatTensor<Flex>>()
+}
+
 /// The burn-flex tensor behind `t` whether or not the portable ops are on (for writes that
 /// compute nothing), or `t` back when `B` is not burn-flex.
 pub(crate) fn flex_of<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<FlexTensor, Tensor<B, D>> {

@@ -1,7 +1,8 @@
 //! The named points where the model hands work to the kernels. Each takes tensors of any
 //! backend and returns `None` unless the backend is burn-flex (plain, or under autodiff where
 //! the kernel has a backward), the kernels are on and the dtypes are ones the kernel handles;
-//! the caller then computes the same thing with burn's ops.
+//! the caller then computes the same thing with burn's ops. The paged KV cache's writes and
+//! gathers (`write_slots`, `gather_slots`) compute nothing and also run with the portable ops.
 
 use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Tensor, TensorPrimitive};
 use burn_flex::FlexTensor;
@@ -283,6 +284,8 @@ pub fn grouped_attention_paged<B: Backend>(
     bias: &Tensor<B, 4>,
     scale: f32,
 ) -> Option<Tensor<B, 3>> {
+    // Other backends (and the portable ops) return before the table is scanned.
+    let q = to_flex(query.clone()).map(rows_contiguous)?;
     let [batch, queries, heads, head_dim] = query.dims();
     let [kv_heads, slots, _] = key_pool.dims();
     let keys = table.len().checked_div(batch)?;
@@ -297,7 +300,6 @@ pub fn grouped_attention_paged<B: Backend>(
     if !shapes_agree || !kernel_dtypes(dtype, [key_pool.dtype(), value_pool.dtype(), bias.dtype()]) {
         return None;
     }
-    let q = to_flex(query.clone()).map(rows_contiguous)?;
     let [k, v] = [key_pool, value_pool].map(|t| to_flex(t.clone()).map(|t| flex_contiguous(&t)));
     let (k, v, m) = (k?, v?, to_flex(bias.clone()).map(rows_contiguous)?);
     let shape = attention::AttentionShape { batch, queries, keys, heads, kv_heads, head_dim };
@@ -425,6 +427,10 @@ pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> 
 /// the whole pool). A slot named twice gets the later write. The write computes nothing, so it
 /// applies with the portable ops on too.
 pub fn write_slots<B: Backend>(pool: Tensor<B, 3>, slots: &[usize], value: &Tensor<B, 4>) -> Result<Tensor<B, 3>, Tensor<B, 3>> {
+    // Other backends return before the slots are scanned (a GPU pass's host time).
+    if !crate::flex::is_plain_flex::<B>() {
+        return Err(pool);
+    }
     let [h, capacity, d] = pool.dims();
     let [b, vh, n, vd] = value.dims();
     let fits = [vh, vd] == [h, d] && slots.len() == b * n && slots.iter().all(|&s| s < capacity) && value.dtype() == pool.dtype();
@@ -477,7 +483,7 @@ const PARALLEL_GATHER_ELEMENTS: usize = 1 << 16;
 pub fn gather_slots<B: Backend>(pool: &Tensor<B, 3>, table: &[usize], rows: usize, zero_slot: Option<usize>) -> Option<Tensor<B, 4>> {
     use rayon::prelude::*;
     let [h, capacity, d] = pool.dims();
-    if rows == 0 || table.len() % rows != 0 || table.iter().any(|&s| s >= capacity) {
+    if !crate::flex::is_plain_flex::<B>() || rows == 0 || table.len() % rows != 0 || table.iter().any(|&s| s >= capacity) {
         return None;
     }
     let width = table.len() / rows;
@@ -584,15 +590,15 @@ mod tests {
                 };
                 let (k, v) = (pool(1), pool(2));
                 let query = Tensor::<Flex, 4>::random([2, queries, heads, d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
-                // Row 0: two padding columns (slot 0), then a run 16..20 and a run 5..12; row 1:
-                // slots 30..39 and then 1 and 2.
+                // Row 0: a padding column (slot 0, skipped) right before slots 1 and 2, then a
+                // run 16..20 and a run 5..11; row 1: slots 28..39 and then 1 and 2.
                 let width = 13;
-                let mut table: Vec<usize> = vec![0, 0];
+                let mut table: Vec<usize> = vec![0, 1, 2];
                 table.extend(16..20);
-                table.extend(5..12);
+                table.extend(5..11);
                 table.extend(28..39);
                 table.extend([1, 2]);
-                let valid = |r: usize, c: usize| r == 1 || c >= 2;
+                let valid = |r: usize, c: usize| r == 1 || c >= 1;
                 let bias: Vec<f32> = (0..2)
                     .flat_map(|r| (0..queries).flat_map(move |i| (0..width).map(move |c| {
                         let causal = c + queries <= width + i;

@@ -16,16 +16,17 @@
 //! dropped, so memory follows the positions in use (rounded up to a block per sequence), not
 //! the batch's longest row. Sequences leave and join by their block tables alone: nothing is
 //! copied, and a parked sequence's blocks wait in the pool. The pool grows by an eighth when
-//! full and is freed when the decoder holds no sequence. Within [`DecoderLimits::kv_budget`]
+//! full, shrinks to the parked sequences' blocks once nothing runs or waits and at most half of
+//! it is in use, and is freed when the decoder holds no sequence. Within [`DecoderLimits::kv_budget`]
 //! (the pool's positions) a sequence waits to join until its blocks fit; parked caches are
 //! dropped first (oldest first) and running sequences preempted (newest first) when growth
 //! would pass it, as vLLM preempts: their tokens stay, and they are prefilled again when they
 //! rejoin.
 //!
-//! Each pass gathers, one layer at a time, the keys and values its rows attend to as
-//! `[rows, kv_heads, width, head_dim]` (burn has no paged attention op): rows line up their
-//! newest positions, a shorter row's columns in front point at a scratch slot and are masked
-//! out, and positions are per sequence (`0..len`), so which blocks a sequence holds and beside
+//! Each pass's rows attend to their own slots: the CPU kernels read them in place, burn's ops
+//! (the GPU path; burn has no paged attention op) get them gathered one layer at a time as
+//! `[rows, kv_heads, width, head_dim]`. Rows line up their newest positions, a shorter row's
+//! columns in front point at a scratch slot and are masked out, and positions are per sequence (`0..len`), so which blocks a sequence holds and beside
 //! which rows it runs never change what it computes.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -176,8 +177,10 @@ impl BlockPool {
         Some((0..n).map(|_| self.free.pop().expect("checked above")).collect())
     }
 
+    /// Frees `blocks`; the next `take` hands them out again in their order (consecutive
+    /// blocks stay consecutive, one run for the attention).
     fn give_back(&mut self, blocks: Vec<usize>) {
-        self.free.extend(blocks);
+        self.free.extend(blocks.into_iter().rev());
     }
 }
 
@@ -329,6 +332,7 @@ impl<B: Backend> Decoder<B> {
             Place::Running => self.running.retain(|&r| r != id),
             Place::Parked => {}
         }
+        self.shrink_pool();
         Ok(())
     }
 
@@ -345,8 +349,31 @@ impl<B: Backend> Decoder<B> {
         if self.sequences.is_empty() {
             self.cache = None;
             self.pool = BlockPool::default();
+        } else {
+            self.shrink_pool();
         }
         Some(sequence.tokens)
+    }
+
+    /// Once no sequence runs or waits and at most half the pool is in use, moves the blocks the
+    /// parked sequences hold to a pool of just those (a copy of the positions in use): a
+    /// server's cached prefixes keep their caches, not the pool a burst of requests grew.
+    fn shrink_pool(&mut self) {
+        if !self.is_idle() || self.pool.used() * 2 > self.pool.total {
+            return;
+        }
+        let Some(cache) = self.cache.as_mut() else { return };
+        // New block `i` is old block `order[i]`; the scratch block stays first.
+        let mut order = vec![0];
+        for sequence in self.sequences.values_mut() {
+            for block in &mut sequence.blocks {
+                order.push(*block);
+                *block = order.len() - 1;
+            }
+        }
+        let slots: Vec<usize> = order.iter().flat_map(|&b| b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE).collect();
+        cache.keep_slots(&slots);
+        self.pool = BlockPool { total: order.len(), free: Vec::new() };
     }
 
     /// One step: makes room within the budget, decodes every running sequence one position,
@@ -407,6 +434,15 @@ impl<B: Backend> Decoder<B> {
         sequence.cached = 0;
         let blocks = std::mem::take(&mut sequence.blocks);
         self.pool.give_back(blocks);
+    }
+
+    /// Blocks held by sequences out of the batch (parked or waiting) not among `except`.
+    fn evictable_blocks(&self, except: &[SequenceId]) -> usize {
+        self.sequences
+            .iter()
+            .filter(|(id, s)| !except.contains(id) && s.place != Place::Running)
+            .map(|(_, s)| s.blocks.len())
+            .sum()
     }
 
     /// Drops the oldest cache of a sequence out of the batch (parked or waiting) not among
@@ -475,7 +511,8 @@ impl<B: Backend> Decoder<B> {
                 if taken + needed > self.blocks_left() {
                     let mut except = admitted.clone();
                     except.push(id);
-                    if self.evict_parked(&except) {
+                    // Parked caches are dropped only when dropping them all would make room.
+                    if taken + needed <= self.blocks_left() + self.evictable_blocks(&except) && self.evict_parked(&except) {
                         continue;
                     }
                     if running + admitted.len() == 0 {

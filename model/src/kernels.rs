@@ -1,8 +1,9 @@
 //! The named points where the model lets backend-specific kernels stand in for its own
 //! computation, as transformers' kernel hub does for its modules: the embedding lookup,
-//! RMSNorm, the projections, RoPE, attention, SwiGLU and the chosen-token log-probability (plus
-//! three helpers: f32 → bf16 rounding to nearest even, contiguous copies, and the paged KV cache's
-//! writes in place and gathers).
+//! RMSNorm, the projections, RoPE, attention (also over the paged KV cache), SwiGLU and the
+//! chosen-token log-probability (plus helpers: f32 → bf16 rounding to nearest even, and the
+//! paged KV cache's writes in place and gathers, which compute nothing and also run with the
+//! portable ops).
 //! Each returns `None` where no kernel applies (any backend but burn-flex, the kernels switched
 //! off, a dtype they do not handle), and the caller computes the reference with burn's ops. The
 //! kernels live in the `prompt-r1-cpu-kernels` crate; see its README for what each gains.

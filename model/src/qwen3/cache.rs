@@ -4,9 +4,9 @@
 //! in blocks of its own wherever they
 //! are in the pool, so memory follows the positions in use, whatever the sequences' lengths. A
 //! pass names, before it runs ([`KvCache::set_slots`]), the slot each new position goes to and
-//! the slots each row of the batch attends to; each layer writes its new keys and values there
-//! and gathers the rows' keys and values (`[rows, kv_heads, width, head_dim]`, one layer at a
-//! time) for the attention. Slot [`SCRATCH_SLOT`] is scratch: padding is written and read there,
+//! the slots each row of the batch attends to; each layer writes its new keys and values there,
+//! and its attention reads the rows' slots (in place with the CPU kernels, else gathered as
+//! `[rows, kv_heads, width, head_dim]`, one layer at a time). Slot [`SCRATCH_SLOT`] is scratch: padding is written and read there,
 //! masked out.
 //! [`crate::decode::Decoder`] keeps the sequences' block tables.
 
@@ -47,7 +47,7 @@ struct PassSlots<B: Backend> {
 
 /// One layer's pools of keys and values, `[kv_heads, slots, head_dim]` each, allocated by the
 /// first pass that writes them, and the slots of the pass under way.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct LayerKvCache<B: Backend> {
     keys: Option<Tensor<B, 3>>,
     values: Option<Tensor<B, 3>>,
@@ -83,10 +83,6 @@ impl<B: Backend> LayerKvCache<B> {
         CachedKv { keys, values, pass }
     }
 
-    /// Slots its pools have (0 before the first pass).
-    fn allocated(&self) -> usize {
-        self.keys.as_ref().map_or(0, |k| k.dims()[1])
-    }
 }
 
 /// The keys and values one pass's rows attend to: a layer's pools and the rows' slots. The
@@ -144,7 +140,7 @@ fn gather<B: Backend>(pool: &Tensor<B, 3>, pass: &PassSlots<B>) -> Tensor<B, 4> 
 }
 
 /// The cache of every layer of a model: pools of `slots` positions (whole blocks).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvCache<B: Backend> {
     pub layers: Vec<LayerKvCache<B>>,
     kv_heads: usize,
@@ -159,11 +155,6 @@ impl<B: Backend> KvCache<B> {
             kv_heads,
             slots: 0,
         }
-    }
-
-    /// Positions its pools hold (or will, once a pass has written them), each layer.
-    pub fn capacity(&self) -> usize {
-        self.slots
     }
 
     /// Makes the pools hold `slots` positions from the next pass on (never fewer than now):
@@ -200,8 +191,21 @@ impl<B: Backend> KvCache<B> {
         self.layers.first().and_then(|l| l.pass.as_ref()).map_or(0, |p| (p.read.len() - p.write.len()) / p.rows)
     }
 
-    /// Positions allocated on the device so far (the first layer's pools).
-    pub fn allocated(&self) -> usize {
-        self.layers.first().map_or(0, LayerKvCache::allocated)
+    /// Keeps only the positions `slots` of every layer's pools, in that order, in pools of
+    /// exactly that size (a copy): the cache compacted to the blocks still held.
+    pub fn keep_slots(&mut self, slots: &[usize]) {
+        let positions: Vec<i64> = slots.iter().map(|&s| s as i64).collect();
+        let mut index = None;
+        for layer in &mut self.layers {
+            for pool in [&mut layer.keys, &mut layer.values] {
+                if let Some(t) = pool.take() {
+                    let index = index.get_or_insert_with(|| Tensor::<B, 1, Int>::from_data(TensorData::new(positions.clone(), [slots.len()]), &t.device()));
+                    *pool = Some(t.select(1, index.clone()));
+                }
+            }
+            layer.slots = slots.len();
+            layer.pass = None;
+        }
+        self.slots = slots.len();
     }
 }

@@ -446,6 +446,23 @@ fn memory_follows_the_positions_in_use() {
     let before = decoder.kv_positions_in_use();
     decoder.finish(0);
     assert_eq!(decoder.kv_positions_in_use(), before - 13 * BLOCK_SIZE);
+    // Once nothing runs or waits (a server's cached prefixes, all parked), the pool shrinks to
+    // the blocks still held, and a parked sequence that comes back computes as before.
+    let held = decoder.kv_positions();
+    let in_use = decoder.kv_positions_in_use();
+    assert!(in_use * 2 <= held, "{in_use} of {held} in use");
+    for id in [1, 2, 4, 5, 6, 7, 8] {
+        decoder.park(id).unwrap();
+    }
+    assert_eq!(decoder.kv_positions(), in_use, "the pool of {held} positions shrinks to the {in_use} in use");
+    decoder.extend(&model, 6, &[4, 5]).unwrap();
+    decoder.extend(&model, 1, &[7]).unwrap();
+    for _ in 0..4 {
+        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+            decoder.accept(id, token).unwrap();
+        }
+    }
+    assert!(worst < ATOL, "after the pool shrank, logits differ from recomputation by {worst}");
     assert!(decoder.stats().attention_columns > 0);
 }
 
