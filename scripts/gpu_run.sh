@@ -385,7 +385,8 @@ case "$stage" in
   rollout)
     # First, what continuous admission gains where a decode step costs about the same at any
     # number of rows: 64 episodes of 1 to 5 turns, 32 in flight, in batches and continuously
-    # (on 2 CPU cores: 0.66x the decoder steps, 0.83x the speed, 1.7x the peak KV).
+    # (on 2 CPU cores with the paged KV cache: 0.65x the decoder steps, 0.80x the speed, 1.44x
+    # the peak KV; the padded buffer before it took 1.7x).
     bench rollout-admission --preset small --rollout --rollout-batch 32 --rollout-episodes 64 --rollout-varied-turns
     # One run each: on the H100 three runs of the small shape at 8 and 64 took 296 s, and the
     # 0.6B shape at both batches did not finish in the 223 s left.
@@ -394,7 +395,7 @@ case "$stage" in
     # three passes (pure decode, re-prefilled, kept) finish within the stage.
     bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
       --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100
-    grep -h '"rollout_over_decode"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+    grep -h '"rollout_over_decode"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
