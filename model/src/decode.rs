@@ -436,24 +436,20 @@ impl<B: Backend> Decoder<B> {
         self.pool.give_back(blocks);
     }
 
-    /// Blocks held by sequences out of the batch (parked or waiting) not among `except`.
+    /// The sequences out of the batch (parked or waiting) not among `except`.
+    fn out_of_batch<'a>(&'a self, except: &'a [SequenceId]) -> impl Iterator<Item = (&'a SequenceId, &'a Sequence)> {
+        self.sequences.iter().filter(move |(id, s)| !except.contains(id) && s.place != Place::Running)
+    }
+
+    /// Blocks held by sequences out of the batch not among `except`.
     fn evictable_blocks(&self, except: &[SequenceId]) -> usize {
-        self.sequences
-            .iter()
-            .filter(|(id, s)| !except.contains(id) && s.place != Place::Running)
-            .map(|(_, s)| s.blocks.len())
-            .sum()
+        self.out_of_batch(except).map(|(_, s)| s.blocks.len()).sum()
     }
 
     /// Drops the oldest cache of a sequence out of the batch (parked or waiting) not among
     /// `except`; whether there was one.
     fn evict_parked(&mut self, except: &[SequenceId]) -> bool {
-        let oldest = self
-            .sequences
-            .iter()
-            .filter(|(id, s)| !except.contains(id) && s.place != Place::Running && !s.blocks.is_empty())
-            .min_by_key(|(_, s)| s.parked_at)
-            .map(|(&id, _)| id);
+        let oldest = self.out_of_batch(except).filter(|(_, s)| !s.blocks.is_empty()).min_by_key(|(_, s)| s.parked_at).map(|(&id, _)| id);
         let Some(id) = oldest else { return false };
         self.drop_cache(id);
         self.stats.evictions += 1;
@@ -540,22 +536,13 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Runs one pass of the model over `ids` and `positions` (`[rows, new]`), writing the new
-    /// positions to `write` and attending to `read` (`rows × width` slots) under `valid`
-    /// (`None`: every column valid): the last hidden states.
-    #[allow(clippy::too_many_arguments)]
-    fn pass(
-        &mut self,
-        model: &impl CausalLm<B>,
-        ids: Tensor<B, 2, Int>,
-        positions: Tensor<B, 2, Int>,
-        slots: (Vec<usize>, Vec<usize>),
-        valid: Option<&[Vec<bool>]>,
-    ) -> Tensor<B, 3> {
+    /// positions to `write` and attending to `read` (`rows × width` slots; the scratch slot's
+    /// columns are padding, masked out): the last hidden states.
+    fn pass(&mut self, model: &impl CausalLm<B>, ids: Tensor<B, 2, Int>, positions: Tensor<B, 2, Int>, (write, read): (Vec<usize>, Vec<usize>)) -> Tensor<B, 3> {
         let device = model.base().device();
         let rows = ids.dims()[0];
-        let (write, read) = slots;
         self.stats.attention_columns += read.len() as u64;
-        let mask = valid.and_then(|valid| device_mask::<B>(valid, &device));
+        let mask = device_mask::<B>(&read, rows, &device);
         let total = self.pool.total * BLOCK_SIZE;
         let cache = self.cache.get_or_insert_with(|| model.base().new_cache());
         cache.reserve(total);
@@ -581,7 +568,7 @@ impl<B: Backend> Decoder<B> {
         let n = ids.len();
         let width = self.longest_running() + 1;
         let (mut tokens, mut positions) = (Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut write, mut read, mut valid) = (Vec::with_capacity(n), Vec::with_capacity(n * width), Vec::with_capacity(n));
+        let (mut write, mut read) = (Vec::with_capacity(n), Vec::with_capacity(n * width));
         for id in &ids {
             let s = &self.sequences[id];
             let pad = width - 1 - s.cached;
@@ -590,14 +577,12 @@ impl<B: Backend> Decoder<B> {
             write.push(s.slot(s.cached));
             read.extend(std::iter::repeat_n(SCRATCH, pad));
             read.extend((0..=s.cached).map(|p| s.slot(p)));
-            valid.push(std::iter::repeat_n(false, pad).chain(std::iter::repeat_n(true, s.cached + 1)).collect::<Vec<_>>());
         }
         let hidden = self.pass(
             model,
             Tensor::from_data(TensorData::new(tokens, [n, 1]), &device),
             Tensor::from_data(TensorData::new(positions, [n, 1]), &device),
             (write, read),
-            Some(&valid),
         );
         for id in &ids {
             self.sequences.get_mut(id).expect("a row's sequence").cached += 1;
@@ -629,7 +614,6 @@ impl<B: Backend> Decoder<B> {
         // Row `r`'s columns: `past - cached` padding, its cached positions, `new - fresh`
         // padding, its new positions. `columns[r][c]` is the slot of column `c`.
         let mut columns: Vec<Vec<usize>> = Vec::with_capacity(n);
-        let mut valid = Vec::with_capacity(n);
         let mut ids = Vec::with_capacity(n * new);
         let mut positions = Vec::with_capacity(n * new);
         for (id, &(cached, fresh)) in group.iter().zip(&lens) {
@@ -639,11 +623,6 @@ impl<B: Backend> Decoder<B> {
             row.extend(std::iter::repeat_n(SCRATCH, new - fresh));
             row.extend((cached..cached + fresh).map(|p| s.slot(p)));
             columns.push(row);
-            let mut v = vec![false; past - cached];
-            v.extend(std::iter::repeat_n(true, cached));
-            v.extend(std::iter::repeat_n(false, new - fresh));
-            v.extend(std::iter::repeat_n(true, fresh));
-            valid.push(v);
             ids.extend(std::iter::repeat_n(0, new - fresh));
             ids.extend(s.tokens[cached..].iter().map(|&t| i64::from(t)));
             positions.extend(std::iter::repeat_n(0, new - fresh));
@@ -658,14 +637,7 @@ impl<B: Backend> Decoder<B> {
             let end = (start + chunk).min(new);
             let write = columns.iter().flat_map(|row| row[past + start..past + end].iter().copied()).collect();
             let read = columns.iter().flat_map(|row| row[..past + end].iter().copied()).collect();
-            let seen: Vec<Vec<bool>> = valid.iter().map(|v| v[..past + end].to_vec()).collect();
-            let hidden = self.pass(
-                model,
-                ids.clone().narrow(1, start, end - start),
-                positions.clone().narrow(1, start, end - start),
-                (write, read),
-                Some(&seen),
-            );
+            let hidden = self.pass(model, ids.clone().narrow(1, start, end - start), positions.clone().narrow(1, start, end - start), (write, read));
             if end == new {
                 // Only the last position's logits are needed: the others would cost a
                 // vocabulary-sized product each.
@@ -689,14 +661,14 @@ impl<B: Backend> Decoder<B> {
     }
 }
 
-/// The attention mask of `valid`, or `None` when every column of every row is valid.
-fn device_mask<B: Backend>(valid: &[Vec<bool>], device: &B::Device) -> Option<Tensor<B, 2, Int>> {
-    if valid.iter().all(|v| v.iter().all(|&x| x)) {
+/// The attention mask of a pass's `rows` reading `read` (`[rows, width]` slots): a column is
+/// valid unless it reads the scratch slot (padding); `None` when no column does.
+fn device_mask<B: Backend>(read: &[usize], rows: usize, device: &B::Device) -> Option<Tensor<B, 2, Int>> {
+    if !read.contains(&SCRATCH) {
         return None;
     }
-    let width = valid.first().map_or(0, Vec::len);
-    let values: Vec<i64> = valid.iter().flat_map(|v| v.iter().map(|&x| i64::from(x))).collect();
-    Some(Tensor::from_data(TensorData::new(values, [valid.len(), width]), device))
+    let values: Vec<i64> = read.iter().map(|&slot| i64::from(slot != SCRATCH)).collect();
+    Some(Tensor::from_data(TensorData::new(values, [rows, read.len() / rows]), device))
 }
 
 fn unknown(id: SequenceId) -> ModelError {

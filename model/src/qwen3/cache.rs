@@ -39,6 +39,8 @@ struct PassSlots<B: Backend> {
     write: Arc<[usize]>,
     read: Arc<[usize]>,
     rows: usize,
+    /// The positions each layer's pools hold for this pass (grown when they hold fewer).
+    pool: usize,
     /// `write` as `[n · kv_heads, 2]` (head, slot) indices for `scatter_nd` (the values' order:
     /// row, position, head), `read` as indices for `select`.
     write_index: Tensor<B, 2, Int>,
@@ -51,8 +53,6 @@ struct PassSlots<B: Backend> {
 pub struct LayerKvCache<B: Backend> {
     keys: Option<Tensor<B, 3>>,
     values: Option<Tensor<B, 3>>,
-    /// The slots the pools must have (the cache's, set with the pass).
-    slots: usize,
     pass: Option<PassSlots<B>>,
 }
 
@@ -61,7 +61,6 @@ impl<B: Backend> Default for LayerKvCache<B> {
         Self {
             keys: None,
             values: None,
-            slots: 0,
             pass: None,
         }
     }
@@ -76,8 +75,8 @@ impl<B: Backend> LayerKvCache<B> {
         let pass = self.pass.clone().expect("KvCache::set_slots names a pass's slots before it runs");
         let [b, _, new, _] = k.dims();
         assert_eq!((b, b * new), (pass.rows, pass.write.len()), "a pass of {b} rows × {new} positions, slots set for another");
-        let keys = write(self.keys.take(), k, &pass, self.slots);
-        let values = write(self.values.take(), v, &pass, self.slots);
+        let keys = write(self.keys.take(), k, &pass);
+        let values = write(self.values.take(), v, &pass);
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         CachedKv { keys, values, pass }
@@ -109,11 +108,12 @@ impl<B: Backend> CachedKv<B> {
     }
 }
 
-/// `pool` (grown to `slots`, or new) with `value`'s positions written to the pass's slots: in
-/// place on the CPU ([`kernels::write_slots`]), else by `scatter_nd`, in place where the pool
-/// is held once (CubeCL).
-fn write<B: Backend>(pool: Option<Tensor<B, 3>>, value: Tensor<B, 4>, pass: &PassSlots<B>, slots: usize) -> Tensor<B, 3> {
+/// `pool` (grown to the pass's size, or new) with `value`'s positions written to the pass's
+/// slots: in place on the CPU ([`kernels::write_slots`]), else by `scatter_nd`, in place where
+/// the pool is held once (CubeCL).
+fn write<B: Backend>(pool: Option<Tensor<B, 3>>, value: Tensor<B, 4>, pass: &PassSlots<B>) -> Tensor<B, 3> {
     let [b, h, new, d] = value.dims();
+    let slots = pass.pool;
     let pool = match pool {
         Some(pool) if pool.dims()[1] >= slots => pool,
         Some(pool) => {
@@ -164,7 +164,7 @@ impl<B: Backend> KvCache<B> {
     }
 
     /// Names the next pass's slots (see [`PassSlots`]): `write` holds `rows × new` slots and
-    /// `read` `rows × width`, each below [`Self::capacity`].
+    /// `read` `rows × width`, each below the positions reserved ([`Self::reserve`]).
     ///
     /// Panics when a slot is past the capacity or the tables do not split into `rows`.
     pub fn set_slots(&mut self, write: Vec<usize>, read: Vec<usize>, rows: usize, device: &B::Device) {
@@ -179,9 +179,9 @@ impl<B: Backend> KvCache<B> {
             write: write.into(),
             read: read.into(),
             rows,
+            pool: self.slots,
         };
         for layer in &mut self.layers {
-            layer.slots = self.slots;
             layer.pass = Some(pass.clone());
         }
     }
@@ -203,7 +203,6 @@ impl<B: Backend> KvCache<B> {
                     *pool = Some(t.select(1, index.clone()));
                 }
             }
-            layer.slots = slots.len();
             layer.pass = None;
         }
         self.slots = slots.len();
