@@ -30,6 +30,12 @@ struct Cli {
     #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_FUSION", default_value = "on",
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     fusion: bool,
+    /// prompt-r1's own CubeCL kernels on the GPU backends (on or off): a decoding step's
+    /// attention read in place from the paged KV cache. Off, burn's ops gather each layer's
+    /// keys and values first (for comparisons, or to rule the kernels out).
+    #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_DEVICE_KERNELS", default_value = "on",
+          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    device_kernels: bool,
     /// Folder of the GPU backends' persistent kernel and autotune caches (default:
     /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
     #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
@@ -91,7 +97,7 @@ fn main() {
         std::process::exit(2);
     }
     let cli = Cli::parse();
-    device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, kernel_cache: cli.kernel_cache });
+    device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, device_kernels: cli.device_kernels, kernel_cache: cli.kernel_cache });
     #[cfg(target_os = "linux")]
     large_alloc::configure(cli.alloc_cache_mb);
     let result = match cli.command {

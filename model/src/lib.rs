@@ -19,6 +19,7 @@ pub mod chat_template;
 pub mod checkpoint;
 pub mod config;
 pub mod decode;
+pub mod device_kernels;
 pub mod device_sampling;
 pub mod error;
 pub mod generation;

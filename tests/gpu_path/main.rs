@@ -5,6 +5,10 @@
 //! on the CPU), which runs the CUDA backend's CubeCL kernels and fusion, without autotune as the
 //! CUDA build runs; only the final compiler differs (SPIR-V instead of NVRTC).
 //!
+//! On wgpu, decoding steps attend through the paged-decode kernel of `prompt-r1-device-kernels`
+//! (registered for `Vulkan` as the binary registers it for its GPU backends), other passes
+//! through burn's ops over the gathered cache; `paged_decode.rs` checks the kernel alone.
+//!
 //! One binary, so that burn's wgpu backend and the model's generic code over it are built once:
 //! as three binaries (parity, gradients, training) each took 175–212 s of one core to build.
 //! Every test here runs with the CPU kernels off, a process-wide setting they share. When
@@ -23,6 +27,7 @@ mod training_common;
 mod attention;
 mod device_threads;
 mod gradients;
+mod paged_decode;
 mod parity;
 mod training;
 
@@ -44,6 +49,8 @@ mod common {
         }
         prompt_r1_model::cpu_kernels::set_portable_ops(true);
         configure_cubecl();
+        // As the binary does on a GPU: decoding steps on wgpu read the paged KV cache in place.
+        device_kernels::register::<burn_wgpu::Vulkan>();
         crate::model_common::backend_ready::<B>()
     }
 

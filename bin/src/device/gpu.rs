@@ -1,7 +1,9 @@
 //! The GPU backends, both CubeCL runtimes: CUDA (kernels compiled by NVRTC) and wgpu on Vulkan
 //! (kernels compiled to SPIR-V). Before the first use this sets CubeCL's persistent caches, probes
 //! the device (a missing runtime becomes an error naming its cause), and runs the task with
-//! burn's kernel fusion on, or off with `--fusion off` (`PROMPT_R1_FUSION=0`). A panic inside the
+//! burn's kernel fusion on, or off with `--fusion off` (`PROMPT_R1_FUSION=0`), and prompt-r1's own
+//! CubeCL kernels (`prompt-r1-device-kernels`) lent to the model, or not with
+//! `--device-kernels off` (`PROMPT_R1_DEVICE_KERNELS=0`). A panic inside the
 //! backend becomes an error that says how to try without fusion; one on CubeCL's own device
 //! threads (which CubeCL would swallow, computing on with a tensor never written, e.g. after an
 //! allocation the device refused) stops the process with its cause.
@@ -13,6 +15,7 @@ use std::sync::Once;
 use anyhow::{anyhow, bail, Result};
 use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
 use burn::tensor::backend::Backend;
+use device_kernels::DeviceKernels;
 use model::probe::probe_device;
 
 use super::OnBackend;
@@ -96,13 +99,21 @@ fn device_thread_failed(text: &str) {
     std::process::exit(1);
 }
 
-/// Runs `task` on backend `B` (fused) or `U` (the same runtime unfused), as `--fusion` says.
+/// Runs `task` on backend `B` (fused) or `U` (the same runtime unfused), as `--fusion` says,
+/// with prompt-r1's CubeCL kernels lent to the model unless `--device-kernels off`.
 fn run_fused_or_not<B, U, T>(device: B::Device, unfused: U::Device, what: &str, help: &str, task: T) -> Result<T::Output>
 where
-    B: Backend,
-    U: Backend,
+    B: DeviceKernels,
+    U: DeviceKernels,
     T: OnBackend,
 {
+    if super::gpu_options().device_kernels {
+        device_kernels::register::<B>();
+        device_kernels::register::<U>();
+    } else {
+        model::device_kernels::unregister_paged_decode::<B>();
+        model::device_kernels::unregister_paged_decode::<U>();
+    }
     // Training records the memory-efficient attention as one autodiff node on these backends.
     if fusion_enabled() {
         ready::<B>(&device, what, help)?;

@@ -101,6 +101,8 @@ pub trait OnBackend {
 pub struct GpuOptions {
     /// burn's kernel fusion (`--fusion`, `PROMPT_R1_FUSION`).
     pub fusion: bool,
+    /// prompt-r1's CubeCL kernels (`--device-kernels`, `PROMPT_R1_DEVICE_KERNELS`).
+    pub device_kernels: bool,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
 }
@@ -112,10 +114,10 @@ pub fn set_gpu_options(options: GpuOptions) {
     let _ = GPU_OPTIONS.set(options);
 }
 
-/// The GPU backends' options: as set, else fusion on and the default cache folder.
+/// The GPU backends' options: as set, else fusion and our kernels on and the default cache folder.
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 fn gpu_options() -> GpuOptions {
-    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, kernel_cache: None })
+    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: true, kernel_cache: None })
 }
 
 /// Runs `task` on the chosen device.

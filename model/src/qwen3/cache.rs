@@ -12,8 +12,10 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
+use super::mask::AttentionMask;
+use crate::device_kernels::{self, PagedDecode};
 use crate::kernels;
 
 /// Positions per block of the pool.
@@ -105,6 +107,35 @@ impl<B: Backend> CachedKv<B> {
     /// ([`kernels::grouped_attention_paged`]), `[b, q, heads · d]`; `None` where none applies.
     pub fn attention(&self, query: &Tensor<B, 4>, bias: &Tensor<B, 4>, scale: f32) -> Option<Tensor<B, 3>> {
         kernels::grouped_attention_paged(query, &self.keys, &self.values, &self.pass.read, Some(SCRATCH_SLOT), bias, scale)
+    }
+
+    /// One decoding step's attention (`query` `[b, 1, heads, d]`, one per row) under `mask`,
+    /// read straight from the pools by the device kernel registered for `B`
+    /// ([`device_kernels::paged_decode`]), `[b, 1, heads · d]`; `None` where none is registered
+    /// or the pass has more than one query per row.
+    pub fn decode_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 3>> {
+        let [b, q_len, heads, d] = query.dims();
+        if q_len != 1 {
+            return None;
+        }
+        let kernel = device_kernels::paged_decode::<B>()?;
+        let width = self.pass.read.len() / self.pass.rows;
+        let valid = match mask.key_padding() {
+            Some(valid) => {
+                assert_eq!(valid.dims(), [b, width], "the mask's keys are the pass's columns");
+                valid.clone()
+            }
+            None => Tensor::ones([b, width], (&query.device(), DType::F32)),
+        };
+        let step = PagedDecode {
+            query: query.clone().reshape([b, heads, d]),
+            keys: self.keys.clone(),
+            values: self.values.clone(),
+            read: self.pass.read_index.clone(),
+            valid,
+            scale,
+        };
+        Some(kernel(step).reshape([b, 1, heads * d]))
     }
 }
 

@@ -59,6 +59,11 @@ impl<B: Backend> AttentionMask<B> {
         self.past
     }
 
+    /// `[b, past + q_len]`, f32: 1 for a real key, 0 for padding; `None` when nothing is padded.
+    pub fn key_padding(&self) -> Option<&Tensor<B, 2>> {
+        self.key_padding.as_ref()
+    }
+
     /// The additive bias `[b, 1, q, k]` in `dtype` (see [`attention_bias`]).
     pub fn bias(&self, dtype: DType) -> Tensor<B, 4> {
         let k_len = self.past + self.q_len;

@@ -2,7 +2,9 @@
 //! (`q_norm`, `k_norm`) applied before RoPE, and the attention implementations it can run
 //! ([`AttnImplementation`], chosen at load in the model's [`Compute`]): HF's eager formula
 //! ([`eager`]) and FlashAttention-2's blocks ([`memory_efficient`], one autodiff node through
-//! [`autodiff`]). On burn-flex with the CPU kernels on, the fused CPU kernel stands in for both.
+//! [`autodiff`]). On burn-flex with the CPU kernels on, the fused CPU kernel stands in for both;
+//! a decoding step over the paged KV cache takes a GPU backend's kernel where one is registered
+//! ([`crate::device_kernels`]).
 
 pub mod autodiff;
 pub mod eager;
@@ -123,10 +125,16 @@ impl<B: Backend> Qwen3Attention<B> {
             Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
             None => Attended::Fresh(key_states, value_states),
         };
-        let fused = inputs.bias.as_ref().and_then(|bias| match &attended {
-            Attended::Cached(cached) => cached.attention(&query_states, bias, scaling as f32),
-            Attended::Fresh(k, v) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32),
-        });
+        let fused = match (&attended, &inputs.bias) {
+            (Attended::Cached(cached), Some(bias)) => cached.attention(&query_states, bias, scaling as f32),
+            (Attended::Fresh(k, v), Some(bias)) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32),
+            // A decoding step on a backend that lent a paged-attention kernel (a GPU's) reads the
+            // pools in place too; the eager formula stays burn's ops, the reference.
+            (Attended::Cached(cached), None) if compute.attn_implementation == AttnImplementation::MemoryEfficient => {
+                cached.decode_attention(&query_states, &inputs.mask, scaling as f32)
+            }
+            _ => None,
+        };
         let attn_output = fused.unwrap_or_else(|| {
             let (key_states, value_states) = match attended {
                 Attended::Cached(cached) => cached.gather(),

@@ -1,0 +1,54 @@
+//! The kernels on a fused CubeCL backend: each is one custom operation of the fusion stream,
+//! which runs the unfused backend's kernel on the operands' handles when the stream reaches it.
+
+use std::marker::PhantomData;
+
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::Shape;
+use burn_fusion::stream::{Operation, OperationStreams};
+use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
+use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+
+use crate::DeviceKernels;
+
+impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
+    fn paged_decode(
+        query: FloatTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        read: IntTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        let client = query.client.clone();
+        let streams = OperationStreams::with_inputs([&query, &keys, &values, &read, &valid]);
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(query.shape.dims::<3>()), query.dtype);
+        let inputs = [query.into_ir(), keys.into_ir(), values.into_ir(), read.into_ir(), valid.into_ir()];
+        let desc = CustomOpIr::new("paged_decode_attention", &inputs, &[output]);
+        let op = PagedDecodeOp::<B> { desc: desc.clone(), scale, backend: PhantomData };
+        client.register(streams, OperationIr::Custom(desc), op).output()
+    }
+}
+
+/// [`DeviceKernels::paged_decode`] waiting in the fusion stream.
+#[derive(Debug)]
+struct PagedDecodeOp<B> {
+    desc: CustomOpIr,
+    scale: f32,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for PagedDecodeOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([query, keys, values, read, valid], [output]) = self.desc.as_fixed();
+        let result = B::paged_decode(
+            handles.get_float_tensor::<B>(query),
+            handles.get_float_tensor::<B>(keys),
+            handles.get_float_tensor::<B>(values),
+            handles.get_int_tensor::<B>(read),
+            handles.get_float_tensor::<B>(valid),
+            self.scale,
+        );
+        handles.register_float_tensor::<B>(&output.id, result);
+    }
+}

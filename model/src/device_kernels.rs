@@ -1,0 +1,86 @@
+//! Kernels a GPU backend lends the model, found by the backend's type (as the autodiff
+//! attention nodes are): the model stays generic over its backend and never names a GPU crate.
+//! A binary registers what its backends offer ([`register_paged_decode`]; the
+//! `prompt-r1-device-kernels` crate has one for CubeCL's backends, fused or not); where nothing
+//! is registered, or a pass is not one a kernel takes, the model computes with burn's ops.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::{OnceLock, RwLock};
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
+
+/// One decoding step's attention over a paged KV cache: each row's single query attends to
+/// the slots its read table names, with no gather of `[rows, kv_heads, width, head_dim]`.
+#[derive(Debug, Clone)]
+pub struct PagedDecode<B: Backend> {
+    /// `[rows, heads, head_dim]`, after RoPE; query head `h` reads key-value head
+    /// `h / (heads / kv_heads)`.
+    pub query: Tensor<B, 3>,
+    /// A layer's pool of keys, `[kv_heads, slots, head_dim]`, in the query's dtype.
+    pub keys: Tensor<B, 3>,
+    /// A layer's pool of values, `[kv_heads, slots, head_dim]`.
+    pub values: Tensor<B, 3>,
+    /// `[rows · width]`: column `c` of row `r` reads slot `read[r · width + c]`.
+    pub read: Tensor<B, 1, Int>,
+    /// `[rows, width]`, f32: 1 where a column is a key the row attends to, 0 where it is
+    /// padding. Every row has at least one key.
+    pub valid: Tensor<B, 2>,
+    /// The factor on `q · k` (`head_dim^-0.5`).
+    pub scale: f32,
+}
+
+/// A kernel computing [`PagedDecode`]: `softmax(q · Kᵀ · scale) V` over each row's valid
+/// columns, `[rows, heads, head_dim]` in the query's dtype.
+pub type PagedDecodeFn<B> = fn(PagedDecode<B>) -> Tensor<B, 3>;
+
+/// Lets `kernel` compute [`PagedDecode`] on backend `B` from now on, for the whole process
+/// (replacing an earlier one).
+pub fn register_paged_decode<B: Backend>(kernel: PagedDecodeFn<B>) {
+    let entry: Box<dyn Any + Send + Sync> = Box::new(kernel);
+    registry().write().expect("registry lock").insert(TypeId::of::<B>(), entry);
+}
+
+/// Forgets backend `B`'s [`PagedDecode`] kernel: burn's ops compute it again.
+pub fn unregister_paged_decode<B: Backend>() {
+    registry().write().expect("registry lock").remove(&TypeId::of::<B>());
+}
+
+/// The [`PagedDecode`] kernel registered for backend `B`.
+pub fn paged_decode<B: Backend>() -> Option<PagedDecodeFn<B>> {
+    registry()
+        .read()
+        .expect("registry lock")
+        .get(&TypeId::of::<B>())
+        .and_then(|entry| entry.downcast_ref::<PagedDecodeFn<B>>().copied())
+}
+
+/// Kernels by the backend's type; each value is a `PagedDecodeFn` of that backend.
+fn registry() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
+    static REGISTRY: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+
+    fn zeros<B: Backend>(step: PagedDecode<B>) -> Tensor<B, 3> {
+        step.query.zeros_like()
+    }
+
+    /// A kernel is found by the backend it was registered for, and only by that one. (A
+    /// backend no other test computes on: the registry is the process's.)
+    #[test]
+    fn kernels_are_found_by_the_backend_type() {
+        type Other = Autodiff<Autodiff<Flex>>;
+        assert!(paged_decode::<Other>().is_none());
+        register_paged_decode::<Other>(zeros::<Other>);
+        assert!(paged_decode::<Other>().is_some());
+        assert!(paged_decode::<Flex>().is_none());
+        unregister_paged_decode::<Other>();
+        assert!(paged_decode::<Other>().is_none());
+    }
+}
