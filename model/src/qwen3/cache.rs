@@ -5,14 +5,15 @@
 //! are in the pool, so memory follows the positions in use, whatever the sequences' lengths. A
 //! pass names, before it runs ([`KvCache::set_slots`]), the slot each new position goes to and
 //! the slots each row of the batch attends to; each layer writes its new keys and values there,
-//! and its attention reads the rows' slots (in place with the CPU kernels, else gathered as
-//! `[rows, kv_heads, width, head_dim]`, one layer at a time). Slot [`SCRATCH_SLOT`] is scratch: padding is written and read there,
+//! and its attention reads the rows' slots (in place with the CPU kernels and a GPU backend's
+//! paged-decode kernel, else gathered as `[rows, kv_heads, width, head_dim]`, one layer at a
+//! time). Slot [`SCRATCH_SLOT`] is scratch: padding is written and read there,
 //! masked out.
 //! [`crate::decode::Decoder`] keeps the sequences' block tables.
 
 use std::sync::Arc;
 
-use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::mask::AttentionMask;
 use crate::device_kernels::{self, PagedDecode};
@@ -87,7 +88,8 @@ impl<B: Backend> LayerKvCache<B> {
 }
 
 /// The keys and values one pass's rows attend to: a layer's pools and the rows' slots. The
-/// CPU kernels attend to them where they lie ([`Self::attention`]); otherwise
+/// CPU kernels attend to them where they lie ([`Self::attention`]), and so does a GPU
+/// backend's kernel in a decoding step ([`Self::decode_attention`]); otherwise
 /// [`Self::gather`] lays them out for burn's ops.
 #[derive(Debug)]
 pub struct CachedKv<B: Backend> {
@@ -120,13 +122,8 @@ impl<B: Backend> CachedKv<B> {
         }
         let kernel = device_kernels::paged_decode::<B>()?;
         let width = self.pass.read.len() / self.pass.rows;
-        let valid = match mask.key_padding() {
-            Some(valid) => {
-                assert_eq!(valid.dims(), [b, width], "the mask's keys are the pass's columns");
-                valid.clone()
-            }
-            None => Tensor::ones([b, width], (&query.device(), DType::F32)),
-        };
+        let valid = mask.valid_keys();
+        assert_eq!(valid.dims(), [b, width], "the mask's keys are the pass's columns");
         let step = PagedDecode {
             query: query.clone().reshape([b, heads, d]),
             keys: self.keys.clone(),

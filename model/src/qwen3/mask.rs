@@ -35,6 +35,8 @@ pub struct AttentionMask<B: Backend> {
     padding: Arc<Mutex<HashMap<(usize, usize), Tensor<B, 4>>>>,
     /// The same mask on an autodiff backend's inner backend, made once ([`Self::inner`]).
     inner: Arc<OnceLock<Box<dyn Any + Send + Sync>>>,
+    /// [`Self::valid_keys`] where nothing is padded, made once for every layer.
+    all_valid: Arc<OnceLock<Tensor<B, 2>>>,
 }
 
 /// A causal block of [`AttentionMask::block_bias`]: `(kv_heads, groups, rows, columns, offset)`,
@@ -50,8 +52,8 @@ impl<B: Backend> AttentionMask<B> {
     }
 
     fn from_parts(key_padding: Option<Tensor<B, 2>>, batch: usize, past: usize, q_len: usize, device: B::Device) -> Self {
-        let (blocks, padding, inner) = (Arc::default(), Arc::default(), Arc::default());
-        Self { key_padding, batch, past, q_len, device, blocks, padding, inner }
+        let (blocks, padding, inner, all_valid) = (Arc::default(), Arc::default(), Arc::default(), Arc::default());
+        Self { key_padding, batch, past, q_len, device, blocks, padding, inner, all_valid }
     }
 
     /// Keys cached before this pass's queries.
@@ -59,9 +61,16 @@ impl<B: Backend> AttentionMask<B> {
         self.past
     }
 
-    /// `[b, past + q_len]`, f32: 1 for a real key, 0 for padding; `None` when nothing is padded.
-    pub fn key_padding(&self) -> Option<&Tensor<B, 2>> {
-        self.key_padding.as_ref()
+    /// `[b, past + q_len]`, f32: 1 for a real key, 0 for padding (all ones, made once per
+    /// mask, where nothing is padded).
+    pub fn valid_keys(&self) -> Tensor<B, 2> {
+        match &self.key_padding {
+            Some(valid) => valid.clone(),
+            None => self
+                .all_valid
+                .get_or_init(|| Tensor::ones([self.batch, self.past + self.q_len], (&self.device, DType::F32)))
+                .clone(),
+        }
     }
 
     /// The additive bias `[b, 1, q, k]` in `dtype` (see [`attention_bias`]).

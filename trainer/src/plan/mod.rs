@@ -854,7 +854,8 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
     };
     terms.push(Term::new(name, positions as f64 * per_position));
     // Burn's ops gather a pass's rows' keys and values one layer at a time (it has no paged
-    // attention); the CPU kernels read them where they lie.
+    // attention); the CPU kernels read them where they lie, and so does the GPU's paged-decode
+    // kernel in a decoding step, but a pass with a prefill still gathers (the peak).
     if s.device != PlanDevice::CpuKernels {
         terms.push(Term::new(
             format!("keys and values of one layer gathered for {rows} × {} positions", grouped(s.context)),
