@@ -1,10 +1,17 @@
 //! One decoding step's attention over the paged KV cache (see
-//! [`model::device_kernels::PagedDecode`]), as a CubeCL kernel: one cube per (row, query head),
-//! [`TILE`] units. The units take the row's columns [`TILE`] at a time: each unit looks up its
-//! column's slot and scores its key (masked columns are not read), the cube updates a running
-//! maximum and sum (FlashAttention's online softmax), and each unit adds the tile's values to
-//! the output dimensions it owns. Scores, probabilities and sums are f32 whatever the pools'
-//! dtype; the keys and values are read once, where they lie in the pools.
+//! [`model::device_kernels::PagedDecode`]), as a CubeCL kernel: one cube of [`UNITS`] units per
+//! (query head, row), a row's heads side by side (those sharing a key-value head then find its
+//! keys and values in L2). The cube takes the row's columns a tile at a time ([`tile_for`]):
+//! 1. the first units look up their column's slot and whether it is a key;
+//! 2. all units copy the tile's keys into shared memory, consecutive units reading consecutive
+//!    elements of one key (coalesced; a masked column's key is not read);
+//! 3. each of the first units scores its column's key from shared memory (rows padded by one
+//!    element, so that the units read distinct banks);
+//! 4. the cube updates a running maximum and sum (FlashAttention's online softmax), and each
+//!    unit adds the tile's values to the output dimensions it owns (coalesced too).
+//!
+//! Scores, probabilities and sums are f32 whatever the pools' dtype; each key and value is read
+//! from the pools once per query head, where it lies.
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorMetadata};
@@ -16,8 +23,23 @@ use cubecl::prelude::*;
 
 use crate::DeviceKernels;
 
-/// Units per cube, and columns per tile.
-pub const TILE: u32 = 64;
+/// Units per cube.
+pub const UNITS: u32 = 64;
+
+/// Bytes of shared memory the tile of keys may take: well within the 32 KiB that every CubeCL
+/// target offers a cube (lavapipe's limit; CUDA's default is 48 KiB).
+const KEY_TILE_BYTES: usize = 16 * 1024 + 512;
+
+/// Columns per tile for heads of `head_dim`: the most, up to [`UNITS`] and a power of two,
+/// whose keys (f32, rows of `head_dim + 1`) fit [`KEY_TILE_BYTES`]: 32 for Qwen3's 128.
+pub fn tile_for(head_dim: usize) -> u32 {
+    let fit = KEY_TILE_BYTES / (4 * (head_dim + 1));
+    let mut tile = 1;
+    while tile * 2 <= fit.min(UNITS as usize) {
+        tile *= 2;
+    }
+    tile as u32
+}
 
 /// A hash of this file, one of the kernel's compile-time arguments: CubeCL's persistent cache
 /// of compiled kernels (`--kernel-cache`) keys a kernel by its name and those arguments only,
@@ -38,11 +60,15 @@ fn paged_decode_kernel<F: Float, I: Numeric, V: Float>(
     #[comptime] _revision: u32,
     #[define(F, I, V)] _dtypes: [StorageType; 3],
 ) {
-    let row = CUBE_POS_X as usize;
-    let head = CUBE_POS_Y as usize;
+    let head = CUBE_POS_X as usize;
+    let row = CUBE_POS_Y as usize;
     let unit = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
     let d = head_dim as usize;
     let tile_len = tile as usize;
+    // Keys sit in shared memory in rows of d + 1: unit j reading element e of key j then
+    // touches bank (j + e) mod 32, no two units the same.
+    let key_stride = d + 1;
 
     let heads = query.shape(1);
     let kv_heads = keys.shape(0);
@@ -55,71 +81,101 @@ fn paged_decode_kernel<F: Float, I: Numeric, V: Float>(
     let masked = f32::new(-1.0e30);
     let mut q = SharedMemory::<f32>::new(d);
     let mut acc = SharedMemory::<f32>::new(d);
+    let mut key_tile = SharedMemory::<f32>::new(tile_len * key_stride);
     let mut scores = SharedMemory::<f32>::new(tile_len);
     let mut probs = SharedMemory::<f32>::new(tile_len);
     let mut slot_of = SharedMemory::<u32>::new(tile_len);
+    let mut is_key = SharedMemory::<u32>::new(tile_len);
 
     let mut e = unit;
     while e < d {
         q[e] = f32::cast_from(query[query_base + e]) * scale;
         acc[e] = 0.0;
-        e += tile_len;
+        e += units;
     }
-    sync_cube();
 
     let mut running_max = masked;
     let mut total = 0.0f32;
     let mut start = 0usize;
     while start < width {
-        let column = start + unit;
-        let mut score = masked;
-        let mut slot = 0u32;
-        if column < width {
-            if f32::cast_from(valid[row * width + column]) > 0.5 {
-                slot = u32::cast_from(read[row * width + column]);
-                let key_base = pool_base + slot as usize * d;
+        // 1. The tile's slots.
+        if unit < tile_len {
+            let column = start + unit;
+            let mut slot = 0u32;
+            let mut key = 0u32;
+            if column < width {
+                if f32::cast_from(valid[row * width + column]) > 0.5 {
+                    slot = u32::cast_from(read[row * width + column]);
+                    key = 1;
+                }
+            }
+            slot_of[unit] = slot;
+            is_key[unit] = key;
+        }
+        sync_cube();
+
+        // 2. The tile's keys, coalesced.
+        let mut i = unit;
+        while i < tile_len * d {
+            let j = i / d;
+            let e = i % d;
+            let mut k = 0.0f32;
+            if is_key[j] == 1 {
+                k = f32::cast_from(keys[pool_base + slot_of[j] as usize * d + e]);
+            }
+            key_tile[j * key_stride + e] = k;
+            i += units;
+        }
+        sync_cube();
+
+        // 3. Scores.
+        if unit < tile_len {
+            let mut score = masked;
+            if is_key[unit] == 1 {
+                let base = unit * key_stride;
                 let mut dot = 0.0f32;
-                for i in 0..d {
-                    dot += q[i] * f32::cast_from(keys[key_base + i]);
+                for e in 0..d {
+                    dot += q[e] * key_tile[base + e];
                 }
                 score = dot;
             }
+            scores[unit] = score;
         }
-        scores[unit] = score;
-        slot_of[unit] = slot;
         sync_cube();
 
+        // 4. The online softmax and the values.
         let mut new_max = running_max;
-        for i in 0..tile_len {
-            let s = scores[i];
+        for j in 0..tile_len {
+            let s = scores[j];
             if s > new_max {
                 new_max = s;
             }
         }
-        let mut p = 0.0f32;
-        if score > masked {
-            p = (score - new_max).exp();
+        if unit < tile_len {
+            let mut p = 0.0f32;
+            if is_key[unit] == 1 {
+                p = (scores[unit] - new_max).exp();
+            }
+            probs[unit] = p;
         }
-        probs[unit] = p;
         sync_cube();
 
         let rescale = (running_max - new_max).exp();
         let mut tile_sum = 0.0f32;
-        for i in 0..tile_len {
-            tile_sum += probs[i];
+        for j in 0..tile_len {
+            tile_sum += probs[j];
         }
         total = total * rescale + tile_sum;
         let mut e = unit;
         while e < d {
             let mut sum = acc[e] * rescale;
-            for i in 0..tile_len {
-                let weight = probs[i];
-                if weight > 0.0 {
-                    sum += weight * f32::cast_from(values[pool_base + slot_of[i] as usize * d + e]);
+            for j in 0..tile_len {
+                if is_key[j] == 1 {
+                    sum += probs[j] * f32::cast_from(values[pool_base + slot_of[j] as usize * d + e]);
                 }
             }
             acc[e] = sum;
-            e += tile_len;
+            e += units;
         }
         running_max = new_max;
         sync_cube();
@@ -133,7 +189,7 @@ fn paged_decode_kernel<F: Float, I: Numeric, V: Float>(
             out = acc[e] / total;
         }
         output[query_base + e] = F::cast_from(out);
-        e += tile_len;
+        e += units;
     }
 }
 
@@ -164,8 +220,10 @@ pub fn paged_decode<R: CubeRuntime>(
     let output = empty_device_dtype(client.clone(), query.device.clone(), Shape::new([rows, heads, head_dim]), query.dtype);
     paged_decode_kernel::launch::<R>(
         &client,
-        CubeCount::Static(rows as u32, heads as u32, 1),
-        CubeDim::new_1d(TILE),
+        // A row's heads side by side: those that share a key-value head run together, so its
+        // keys and values come from L2 for all but the first.
+        CubeCount::Static(heads as u32, rows as u32, 1),
+        CubeDim::new_1d(UNITS),
         query.into_tensor_arg(),
         keys.into_tensor_arg(),
         values.into_tensor_arg(),
@@ -174,7 +232,7 @@ pub fn paged_decode<R: CubeRuntime>(
         output.clone().into_tensor_arg(),
         scale,
         head_dim as u32,
-        TILE,
+        tile_for(head_dim),
         REVISION,
         dtypes,
     );
