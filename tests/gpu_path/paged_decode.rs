@@ -8,6 +8,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{activation::softmax, DType, Distribution, Int, Tensor, TensorData};
 use device_kernels::DeviceKernels;
+use prompt_r1_model::device_kernels::PagedDecode;
 
 use crate::common;
 
@@ -74,15 +75,10 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, d
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [ROWS, WIDTH]), &device);
     let scale = (d as f32).powf(-0.5);
     let expected = reference(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), scale);
-    let output = B::paged_decode(
-        query.into_primitive().tensor(),
-        keys.into_primitive().tensor(),
-        values.into_primitive().tensor(),
-        read.into_primitive(),
-        valid.into_primitive().tensor(),
-        scale,
-    );
-    let output = Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(output));
+    // Through the registry, as the model finds it.
+    device_kernels::register::<B>();
+    let kernel = prompt_r1_model::device_kernels::paged_decode::<B>().expect("registered just now");
+    let output = kernel(PagedDecode { query, keys, values, read, valid, scale });
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     let difference = (output.cast(DType::F32) - expected).abs().max().into_scalar();
     difference.to_string().parse().expect("a float")
