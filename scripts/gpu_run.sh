@@ -390,8 +390,8 @@ case "$stage" in
     # (--device-kernels off): decode at 64 rows over 2,048-token prompts of the 0.6B shape, where
     # the gather writes and reads again 0.5 GiB per layer and step. check-device (`first`) has
     # checked the kernel's tokens against the CPU.
-    bench decode-kernel-on --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-batch 64 --decode-tokens 32
-    bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
+    bench decode-kernel-on --preset qwen3-0.6b --dtype bf16 --decode-context 2048 --decode-batch 64 --decode-tokens 32
+    bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
     grep -h -A2 '"decode batch' "$work"/decode-kernel-*.txt 2> /dev/null | tee -a "$log"
     # Then what continuous admission gains where a decode step costs about the same at any
     # number of rows: 64 episodes of 1 to 5 turns, 32 in flight, in batches and continuously

@@ -16,7 +16,7 @@
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
@@ -104,7 +104,7 @@ fn paged_decode_kernel<F: Float, I: Numeric, V: Float>(
             let mut slot = 0u32;
             let mut key = 0u32;
             if column < width {
-                if f32::cast_from(valid[row * width + column]) > 0.5 {
+                if f32::cast_from(valid[row * valid.stride(0) + column * valid.stride(1)]) > 0.5 {
                     slot = u32::cast_from(read[row * width + column]);
                     key = 1;
                 }
@@ -214,10 +214,13 @@ pub fn paged_decode<R: CubeRuntime>(
     assert!(query.dtype == keys.dtype && keys.dtype == values.dtype, "paged decode: query and pools of one dtype");
     assert!(matches!(query.dtype, DType::F32 | DType::F16 | DType::BF16), "paged decode: no kernel for {:?}", query.dtype);
 
-    let [query, keys, values, read, valid] = [query, keys, values, read, valid].map(into_contiguous);
+    // The kernel indexes these as packed row-major tensors (a no-op where they are; the mask,
+    // one per pass, is read through its strides instead, not copied at every layer), and its
+    // output is allocated packed: CUDA's default layout may pad rows.
+    let [query, keys, values, read] = [query, keys, values, read].map(into_contiguous);
     let client = query.client.clone();
     let dtypes = [query.dtype.into(), read.dtype.into(), valid.dtype.into()];
-    let output = empty_device_dtype(client.clone(), query.device.clone(), Shape::new([rows, heads, head_dim]), query.dtype);
+    let output = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([rows, heads, head_dim]), query.dtype);
     paged_decode_kernel::launch::<R>(
         &client,
         // A row's heads side by side: those that share a key-value head run together, so its

@@ -25,7 +25,8 @@ pub struct PagedDecode<B: Backend> {
     /// `[rows · width]`: column `c` of row `r` reads slot `read[r · width + c]`.
     pub read: Tensor<B, 1, Int>,
     /// `[rows, width]`, f32: 1 where a column is a key the row attends to, 0 where it is
-    /// padding. Every row has at least one key.
+    /// padding. A row with no key (a padding query of a prefill cut into one-token chunks) gets
+    /// zeros, which only its scratch slot receives.
     pub valid: Tensor<B, 2>,
     /// The factor on `q · k` (`head_dim^-0.5`).
     pub scale: f32,

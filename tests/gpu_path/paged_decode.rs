@@ -72,7 +72,9 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, d
     let query = Tensor::<B, 3>::random([ROWS, heads, d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
     let (read, valid) = read_table();
     let read = Tensor::<B, 1, Int>::from_data(TensorData::new(read, [ROWS * WIDTH]), &device);
-    let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [ROWS, WIDTH]), &device);
+    // The mask as a transposed view: the kernel reads it through its strides.
+    let valid_by_column: Vec<f32> = (0..WIDTH).flat_map(|c| (0..ROWS).map(move |r| (r, c))).map(|(r, c)| valid[r * WIDTH + c]).collect();
+    let valid = Tensor::<B, 2>::from_data(TensorData::new(valid_by_column, [WIDTH, ROWS]), &device).transpose();
     let scale = (d as f32).powf(-0.5);
     let expected = reference(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), scale);
     // Through the registry, as the model finds it.

@@ -47,6 +47,11 @@ pub struct Args {
     /// Batch sizes for the decode measurement.
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     pub decode_batch: Vec<usize>,
+    /// Prompt tokens of each decode row: the context its decoding steps attend to starts there
+    /// (on a GPU, burn's ops gather it per layer and step; the paged-decode kernel reads it in
+    /// place). Its prefill is not timed.
+    #[arg(long, default_value_t = 16)]
+    pub decode_context: usize,
     #[command(flatten)]
     pub compute: ComputeArgs,
     /// Precision of products with f32 weights, for every workload but decode (whose few rows
@@ -222,6 +227,9 @@ impl OnBackend for Args {
         if self.prompt_len < 8 {
             anyhow::bail!("--prompt-len must be at least 8 (got {})", self.prompt_len);
         }
+        if self.decode_context == 0 {
+            anyhow::bail!("--decode-context must be at least 1");
+        }
         let temp;
         let dir = match &self.model {
             Some(dir) => dir.clone(),
@@ -347,8 +355,8 @@ impl Args {
         let vocab = model.config.vocab_size as u32;
         let tokens = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect() };
         let prompt = tokens(self.prompt_len);
-        // Decode prompts are 16-token windows of one fixed sequence, whatever --prompt-len is.
-        let decode_source = tokens(16 + 7);
+        // Decode prompts are --decode-context-token windows of one fixed sequence.
+        let decode_source = tokens(self.decode_context + 7);
 
         // Warm-up: one short forward so kernel compilation / allocation is not timed.
         generate(&model, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() })?;
@@ -363,7 +371,7 @@ impl Args {
         figures.push(Figure::tokens(workload, seconds, Some(self.prompt_len as f64), peak_rss_mb()));
 
         for &batch in &self.decode_batch {
-            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + 16].to_vec()).collect();
+            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + self.decode_context].to_vec()).collect();
             let config = SamplingConfig {
                 max_new_tokens: self.decode_tokens,
                 sampling: Sampling { temperature: 1.0, seed: 1, ..Sampling::default() },
@@ -381,7 +389,11 @@ impl Args {
                 Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
             })?;
             let tokens = (batch * (self.decode_tokens - 1)) as f64;
-            figures.push(Figure::tokens(format!("decode batch {batch}"), seconds, Some(tokens), peak_rss_mb()));
+            let workload = match self.decode_context {
+                16 => format!("decode batch {batch}"),
+                context => format!("decode batch {batch}, context {context}"),
+            };
+            figures.push(Figure::tokens(workload, seconds, Some(tokens), peak_rss_mb()));
         }
 
         reset_peak_rss();

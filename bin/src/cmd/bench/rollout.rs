@@ -119,7 +119,9 @@ pub struct RolloutStats {
     /// Most KV positions in the blocks sequences held at once.
     pub peak_kv_positions_in_use: usize,
     /// Key columns the attention spanned (rows × each pass's longest row, padding included),
-    /// per token run through the decoder: what burn's ops (the GPU path) gather per layer.
+    /// per token run through the decoder: what burn's ops (the GPU path) gather per layer where
+    /// no kernel reads the cache in place (passes with a prefill; decoding steps with
+    /// `--device-kernels off` or `--portable-ops`).
     pub attention_columns_per_token: f64,
     /// Sequences decoding per decoder step, on average (at most `batch`): on a GPU whose step
     /// costs the same at any number of rows, the rollout's speed follows it.
@@ -904,7 +906,7 @@ pub fn print(stats: &RolloutStats) {
         s.decode_steps, s.decode_step_ms, s.pure_decode_step_ms, s.prefill_steps, s.prefill_step_ms, s.agent_seconds_outside_steps
     );
     println!(
-        "  paged KV: at most {} positions in sequences' blocks (the pool {}); the attention spanned {:.0} key columns per token (padding to each pass's longest row included; burn's ops gather them); {:.2} of {} rows decoded per step",
+        "  paged KV: at most {} positions in sequences' blocks (the pool {}); the attention spanned {:.0} key columns per token (padding to each pass's longest row included; burn's ops gather them where no kernel reads the cache in place); {:.2} of {} rows decoded per step",
         s.peak_kv_positions_in_use, s.peak_kv_positions, s.attention_columns_per_token, s.rows_per_step, s.batch
     );
     if let Some(c) = &s.continuous_admission {

@@ -119,8 +119,9 @@ impl<B: Backend> Qwen3Attention<B> {
         let key_states = heads_first(apply_rotary_pos_emb(self.k_norm.forward(key_states), &inputs.rotary_k));
 
         let scaling = (d as f64).powf(-0.5);
-        // With a cache, the pass's rows attend to its pools: the CPU kernel reads them where
-        // they lie, burn's ops take them gathered.
+        // With a cache, the pass's rows attend to its pools: the CPU kernel, and a GPU's
+        // paged-decode kernel in a decoding step, read them where they lie; burn's ops take
+        // them gathered.
         let attended = match cache {
             Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
             None => Attended::Fresh(key_states, value_states),
