@@ -13,7 +13,10 @@
 //!
 //! The CPU kernel (`cpu_kernels::ops::grouped_attention`) is one parallel pass that keeps two
 //! floats per query row and is faster on the CPU than either formula in burn's ops; it takes the
-//! mask as a `[b, 1, q, k]` bias.
+//! mask as a `[b, 1, q, k]` bias. With `memory_efficient`, a decoding step over the paged KV
+//! cache (one query per row) runs instead through the kernel a GPU backend registered
+//! ([`crate::device_kernels`]; the binary's CUDA and wgpu backends lend CubeCL's unless
+//! `--device-kernels off`), which reads the cache in place.
 
 use std::fmt;
 use std::str::FromStr;
