@@ -43,11 +43,6 @@ pub fn register_paged_decode<B: Backend>(kernel: PagedDecodeFn<B>) {
     registry().write().expect("registry lock").insert(TypeId::of::<B>(), entry);
 }
 
-/// Forgets backend `B`'s [`PagedDecode`] kernel: burn's ops compute it again.
-pub fn unregister_paged_decode<B: Backend>() {
-    registry().write().expect("registry lock").remove(&TypeId::of::<B>());
-}
-
 /// The [`PagedDecode`] kernel registered for backend `B`.
 pub fn paged_decode<B: Backend>() -> Option<PagedDecodeFn<B>> {
     registry()
@@ -81,7 +76,5 @@ mod tests {
         register_paged_decode::<Other>(zeros::<Other>);
         assert!(paged_decode::<Other>().is_some());
         assert!(paged_decode::<Flex>().is_none());
-        unregister_paged_decode::<Other>();
-        assert!(paged_decode::<Other>().is_none());
     }
 }

@@ -27,6 +27,10 @@ use trainer::run::{peak_rss_mb, reset_peak_rss};
 
 mod rollout;
 
+/// Prompt tokens of each decode row unless `--decode-context` says otherwise (the decode
+/// figures' long-standing workload, named without its context).
+const DEFAULT_DECODE_CONTEXT: usize = 16;
+
 /// Measure load time, prefill, decode and scoring speed with peak memory.
 ///
 /// Prefill, each decode batch and scoring are the median of 3 runs after a warm-up.
@@ -50,7 +54,7 @@ pub struct Args {
     /// Prompt tokens of each decode row: the context its decoding steps attend to starts there
     /// (on a GPU, burn's ops gather it per layer and step; the paged-decode kernel reads it in
     /// place). Its prefill is not timed.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = DEFAULT_DECODE_CONTEXT)]
     pub decode_context: usize,
     #[command(flatten)]
     pub compute: ComputeArgs,
@@ -390,7 +394,7 @@ impl Args {
             })?;
             let tokens = (batch * (self.decode_tokens - 1)) as f64;
             let workload = match self.decode_context {
-                16 => format!("decode batch {batch}"),
+                DEFAULT_DECODE_CONTEXT => format!("decode batch {batch}"),
                 context => format!("decode batch {batch}, context {context}"),
             };
             figures.push(Figure::tokens(workload, seconds, Some(tokens), peak_rss_mb()));

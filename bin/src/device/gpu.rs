@@ -110,9 +110,6 @@ where
     if super::gpu_options().device_kernels {
         device_kernels::register::<B>();
         device_kernels::register::<U>();
-    } else {
-        model::device_kernels::unregister_paged_decode::<B>();
-        model::device_kernels::unregister_paged_decode::<U>();
     }
     // Training records the memory-efficient attention as one autodiff node on these backends.
     if fusion_enabled() {
