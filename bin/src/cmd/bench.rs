@@ -139,6 +139,12 @@ pub struct Args {
     /// or are preempted rather than hold more; default: no limit.
     #[arg(long, value_name = "SIZE", value_parser = parse_kv_budget, requires = "rollout")]
     pub kv_budget: Option<u64>,
+    /// Most episodes decoding at once in --rollout (`[rollout] max_num_seqs`, vLLM's
+    /// `max_num_seqs`): the others in flight wait for a row, so that while some wait on the
+    /// environment others decode. The pure decode beside it runs this many rows. Default: every
+    /// episode in flight decodes.
+    #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..), requires = "rollout")]
+    pub max_num_seqs: Option<u64>,
     /// Agent turns per episode for --rollout (every turn but the last calls the environment).
     #[arg(long, default_value_t = 5)]
     pub rollout_turns: usize,
@@ -327,6 +333,7 @@ impl Args {
             episodes: self.rollout_episodes,
             varied_turns: self.rollout_varied_turns,
             kv_budget: self.kv_budget,
+            max_num_seqs: self.max_num_seqs.map(|rows| rows as usize),
         };
         for &batch in &self.rollout_batch {
             eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", settings.episodes.unwrap_or(batch), settings.turns);
@@ -334,10 +341,17 @@ impl Args {
             let probe = crate::device::MemoryProbe::new(self.compute.device).map(std::rc::Rc::new);
             let stats = rollout::measure(&model, &tokenizer, &settings, batch, probe)?;
             let peak = peak_rss_mb();
+            let decoded = (stats.decode_rows * (settings.turns * settings.turn_tokens - 1)) as f64;
             figures.push(Figure::tokens(
-                format!("decode batch {batch} ({} tokens)", settings.turns * settings.turn_tokens),
-                (batch * (settings.turns * settings.turn_tokens - 1)) as f64 / stats.decode_tokens_per_second,
-                Some((batch * (settings.turns * settings.turn_tokens - 1)) as f64),
+                format!("decode batch {} ({} tokens)", stats.decode_rows, settings.turns * settings.turn_tokens),
+                decoded / stats.decode_tokens_per_second,
+                Some(decoded),
+                None,
+            ));
+            figures.push(Figure::tokens(
+                format!("decode batch {} from {}", stats.decode_rows, stats.context_decode_prompt_tokens),
+                decoded / stats.context_decode_tokens_per_second,
+                Some(decoded),
                 None,
             ));
             let workload = format!("rollout batch {batch} x {} turns", settings.turns);

@@ -62,6 +62,9 @@ pub struct RolloutSettings {
     pub varied_turns: bool,
     /// The rollouts' KV budget in bytes (`[rollout] kv_budget`); `None`: no limit.
     pub kv_budget: Option<u64>,
+    /// Most episodes decoding at once (`[rollout] max_num_seqs`); the others in flight wait for a
+    /// row. `None`: every episode in flight decodes.
+    pub max_num_seqs: Option<usize>,
 }
 
 /// The turns episode `index` takes: `turns`, or with `varied` one of 1 to `turns` drawn from
@@ -90,6 +93,11 @@ pub struct RolloutStats {
     pub latency_ms: u64,
     /// Most positions of one prefill pass.
     pub max_num_batched_tokens: usize,
+    /// Most episodes decoding at once (`max_num_seqs`), if fewer than `batch`.
+    pub max_num_seqs: Option<usize>,
+    /// Rows of the pure decode measurements: `batch`, or `max_num_seqs` when fewer, the most the
+    /// rollout's decoder runs at once.
+    pub decode_rows: usize,
     /// The KV budget in positions, if one was given.
     pub kv_budget_positions: Option<usize>,
     /// Episodes whose cache was dropped to stay within the budget (preempted or evicted).
@@ -135,12 +143,27 @@ pub struct RolloutStats {
     pub env_calls: usize,
     /// Episodes that did not end with their forced answer (should be 0).
     pub unexpected_endings: usize,
-    /// Pure decode at the same batch: as many tokens per row as an episode's turns from
-    /// 16-token prompts in one `generate` call, the prefill subtracted (contexts shorter than
-    /// the rollout's: an upper bound on what a rollout can reach).
+    /// Pure decode at the same batch (`decode_rows`): as many tokens per row as an episode's
+    /// turns from 16-token prompts in one `generate` call, the prefill subtracted (contexts
+    /// shorter than the rollout's: an upper bound on what a rollout can reach).
     pub decode_tokens_per_second: f64,
     /// `agent_tokens_per_second / decode_tokens_per_second`.
     pub rollout_over_decode: f64,
+    /// Positions before the rollout's agent tokens, on average: the context each was decoded at.
+    pub mean_agent_token_context: f64,
+    /// Prompt tokens per row of the pure decode at the rollout's contexts: its tokens sit at
+    /// `mean_agent_token_context` on average (16 at least).
+    pub context_decode_prompt_tokens: usize,
+    /// Pure decode of as many tokens, at the same rows, from `context_decode_prompt_tokens`-token
+    /// prompts (windows of the episodes' own tokens): what decoding the rollout's tokens costs
+    /// where they were decoded, with nothing else to do.
+    pub context_decode_tokens_per_second: f64,
+    /// `agent_tokens_per_second / context_decode_tokens_per_second`.
+    pub rollout_over_context_decode: f64,
+    /// Shares of the rollout's wall time: decoder steps that only decoded, steps with a prefill,
+    /// the agent outside steps, and the rest (no step running: every episode in flight waiting
+    /// on the environment, and the episode loop). They add up to 1.
+    pub time_shares: TimeShares,
     /// Milliseconds per step of the pure decode (all rows, sampling included).
     pub pure_decode_step_ms: f64,
     /// The rollout's decoder steps that only decoded, and their mean milliseconds (sampling
@@ -170,6 +193,27 @@ pub struct RolloutStats {
     /// With more episodes than the batch: the rollout with each episode beginning as one ends.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub continuous_admission: Option<ContinuousAdmission>,
+}
+
+/// Where a rollout's wall time went, as fractions of it (see [`RolloutStats::time_shares`]).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct TimeShares {
+    pub decode_steps: f64,
+    pub prefill_steps: f64,
+    pub agent_outside_steps: f64,
+    pub waiting: f64,
+}
+
+impl TimeShares {
+    /// The shares of `seconds` of wall time with `agent_seconds` in the agent and `steps` in it.
+    fn of(seconds: f64, agent_seconds: f64, steps: &StepTimes) -> Self {
+        let wall = seconds.max(1e-9);
+        let decode = steps.decode_time.as_secs_f64() / wall;
+        let prefill = steps.prefill_time.as_secs_f64() / wall;
+        let agent = (agent_seconds / wall).min(1.0);
+        let outside = (agent - decode - prefill).max(0.0);
+        Self { decode_steps: decode, prefill_steps: prefill, agent_outside_steps: outside, waiting: (1.0 - decode - prefill - outside).max(0.0) }
+    }
 }
 
 /// The episodes run with at most `batch` in flight, the next beginning as soon as one ends
@@ -578,46 +622,22 @@ pub fn measure<B: Backend>(
     // Pure decode, as the `decode batch` workload: 16-token prompts (windows of the first
     // episode's prompt), as many new tokens per row as an episode's turns, the prefill (with
     // the first token) subtracted. With prompts as long as the episodes' the subtracted prefill
-    // would dwarf the decode of a small model and its noise the difference.
+    // would dwarf the decode of a small model and its noise the difference; the pure decode at
+    // the rollout's contexts (below, after the rollout) takes that noise.
     let ids = tokenizer.encode(&config.prompts.first_prompt(&questions[0]).chatml())?;
     if ids.len() < DECODE_PROMPT + 8 {
         bail!("the episode prompt is too short ({} tokens)", ids.len());
     }
-    let prompts: Vec<Vec<u32>> = (0..batch)
+    let decode_rows = batch.min(settings.max_num_seqs.unwrap_or(usize::MAX)).max(1);
+    let prompts: Vec<Vec<u32>> = (0..decode_rows)
         .map(|b| ids[b % 8..b % 8 + DECODE_PROMPT].to_vec())
         .collect();
     let new_tokens = settings.turns * settings.turn_tokens;
-    let decode = SamplingConfig {
-        max_new_tokens: new_tokens,
-        sampling: sampling.clone(),
-        stop_token_ids: Vec::new(),
-    };
-    let one = SamplingConfig {
-        max_new_tokens: 1,
-        ..decode.clone()
-    };
-    // Warm-up: a few steps at the measured batch, so that one-time costs (on a GPU, compiling
-    // the kernels of this batch's shapes) are not timed.
-    generate(
-        model,
-        &prompts,
-        &SamplingConfig {
-            max_new_tokens: 4,
-            ..decode.clone()
-        },
-    )?;
     let mib = |m: crate::device::DeviceMemory| (m.in_use as f64 / 1048576.0, m.reserved as f64 / 1048576.0);
     let memory = || probe.as_ref().map(|p| mib(p.take()));
     memory();
-    let decode_seconds = median(settings.runs, || {
-        let start = Instant::now();
-        generate(model, &prompts, &one)?;
-        let prefill = start.elapsed().as_secs_f64();
-        let start = Instant::now();
-        generate(model, &prompts, &decode)?;
-        Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
-    })?;
-    let decode_rate = (batch * (new_tokens - 1)) as f64 / decode_seconds;
+    let decode_seconds = pure_decode_seconds(model, &prompts, new_tokens, &sampling, settings.runs)?;
+    let decode_rate = (decode_rows * (new_tokens - 1)) as f64 / decode_seconds;
 
     // The rollout, through LocalAgent and the episode loop: first with each turn re-prefilling
     // its episode's history (the loop before kept caches), then as the trainer runs it (`batch`
@@ -625,7 +645,11 @@ pub fn measure<B: Backend>(
     let per_position = trainer::plan::kv_position_bytes(&model.config, model.model.embed_tokens.weight.val().dtype());
     let kv_budget = settings.kv_budget.map(|bytes| usize::try_from(bytes / per_position.max(1)).unwrap_or(usize::MAX));
     let timed = |forget: bool, continuous: bool, admission: Admission| -> TimedRollout {
-        let limits = DecoderLimits { max_batched_tokens: settings.max_batched_tokens, kv_budget, ..DecoderLimits::default() };
+        let limits = DecoderLimits {
+            max_rows: settings.max_num_seqs.unwrap_or(usize::MAX).max(1),
+            max_batched_tokens: settings.max_batched_tokens,
+            kv_budget,
+        };
         let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_limits(limits).with_continuous_batching(continuous);
         let mut agent = ForcedCalls::new(local, settings.turns).with_varied_turns(settings.varied_turns).with_probe(probe.clone());
         if forget {
@@ -728,6 +752,22 @@ pub fn measure<B: Backend>(
             environment.calls()
         );
     }
+    // Pure decode where the rollout decoded: from prompts of the episodes' own tokens, long
+    // enough that the decoded tokens sit at the rollout's mean context.
+    let (positions, agent_tokens_in_context) = trajectories
+        .iter()
+        .flat_map(|t| t.loss_mask.iter().enumerate().filter(|&(_, &m)| m == 1).map(|(p, _)| p))
+        .fold((0usize, 0usize), |(sum, n), p| (sum + p, n + 1));
+    let mean_context = positions as f64 / agent_tokens_in_context.max(1) as f64;
+    let context_prompt = ((mean_context - (new_tokens / 2) as f64).round().max(0.0) as usize).max(DECODE_PROMPT);
+    let context_prompts: Vec<Vec<u32>> = (0..decode_rows)
+        .map(|r| {
+            let source = &trajectories[r % trajectories.len()].token_ids;
+            (0..context_prompt).map(|i| source[(i + r % 8) % source.len()]).collect()
+        })
+        .collect();
+    let context_decode_seconds = pure_decode_seconds(model, &context_prompts, new_tokens, &sampling, settings.runs)?;
+    let context_decode_rate = (decode_rows * (new_tokens - 1)) as f64 / context_decode_seconds;
     let context: usize = trajectories.iter().map(|t| t.token_ids.len()).sum();
     let agent_in_context: usize = trajectories
         .iter()
@@ -743,6 +783,8 @@ pub fn measure<B: Backend>(
         reply_tokens: settings.reply_tokens,
         latency_ms: settings.latency.as_millis() as u64,
         max_num_batched_tokens: settings.max_batched_tokens,
+        max_num_seqs: settings.max_num_seqs.filter(|&rows| rows < batch),
+        decode_rows,
         kv_budget_positions: kv_budget,
         preemptions: decoder.preemptions,
         seconds,
@@ -766,6 +808,11 @@ pub fn measure<B: Backend>(
         unexpected_endings: unexpected,
         decode_tokens_per_second: decode_rate,
         rollout_over_decode: rate / decode_rate,
+        mean_agent_token_context: mean_context,
+        context_decode_prompt_tokens: context_prompt,
+        context_decode_tokens_per_second: context_decode_rate,
+        rollout_over_context_decode: rate / context_decode_rate,
+        time_shares: TimeShares::of(seconds, agent_seconds, &steps),
         pure_decode_step_ms: 1e3 * decode_seconds / (new_tokens - 1) as f64,
         decode_steps: steps.decode_steps,
         decode_step_ms: steps.decode_step_ms(),
@@ -880,8 +927,9 @@ pub fn tokenizer(dir: &std::path::Path) -> Result<Qwen3Tokenizer> {
 pub fn print(stats: &RolloutStats) {
     let s = stats;
     let turns = if s.varied_turns { format!("1 to {} turns", s.turns) } else { format!("{} turns", s.turns) };
+    let rows = s.max_num_seqs.map_or(String::new(), |rows| format!(", at most {rows} decoding at once (max_num_seqs)"));
     println!(
-        "rollout batch {}: {} episodes of {turns} of {} tokens, replies of {} tokens after {} ms; LocalAgent + the episode loop (turn texts forced), prefill passes of at most {} positions",
+        "rollout batch {}: {} episodes of {turns} of {} tokens, replies of {} tokens after {} ms; LocalAgent + the episode loop (turn texts forced), prefill passes of at most {} positions{rows}",
         s.batch, s.episodes, s.turn_tokens, s.reply_tokens, s.latency_ms, s.max_num_batched_tokens
     );
     println!(
@@ -889,8 +937,24 @@ pub fn print(stats: &RolloutStats) {
         s.seconds, s.agent_seconds, s.env_wait_seconds, s.env_calls, s.agent_tokens, s.turns_stopped_early
     );
     println!(
-        "  agent tokens/s {:.1} (in the agent: {:.1}); pure decode at batch {}: {:.1} tok/s; rollout / decode = {:.3}",
-        s.agent_tokens_per_second, s.agent_tokens_per_agent_second, s.batch, s.decode_tokens_per_second, s.rollout_over_decode
+        "  agent tokens/s {:.1} (in the agent: {:.1}); pure decode at batch {}: {:.1} tok/s from {DECODE_PROMPT}-token prompts, {:.1} tok/s from {}-token prompts (the rollout decoded its tokens at {:.0} positions on average); rollout / decode = {:.3}, {:.3} at the rollout's contexts",
+        s.agent_tokens_per_second,
+        s.agent_tokens_per_agent_second,
+        s.decode_rows,
+        s.decode_tokens_per_second,
+        s.context_decode_tokens_per_second,
+        s.context_decode_prompt_tokens,
+        s.mean_agent_token_context,
+        s.rollout_over_decode,
+        s.rollout_over_context_decode
+    );
+    let t = &s.time_shares;
+    println!(
+        "  wall time: {:.0}% in steps that only decoded, {:.0}% in steps with a prefill, {:.0}% in the agent outside steps, {:.0}% with no step running (every episode in flight on the environment, the episode loop)",
+        100.0 * t.decode_steps,
+        100.0 * t.prefill_steps,
+        100.0 * t.agent_outside_steps,
+        100.0 * t.waiting
     );
     println!(
         "  per episode: {:.0} prefill tokens for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions ({:.0} MiB){}",
@@ -907,7 +971,7 @@ pub fn print(stats: &RolloutStats) {
     );
     println!(
         "  paged KV: at most {} positions in sequences' blocks (the pool {}); the attention spanned {:.0} key columns per token (padding to each pass's longest row included; burn's ops gather them where no kernel reads the cache in place); {:.2} of {} rows decoded per step",
-        s.peak_kv_positions_in_use, s.peak_kv_positions, s.attention_columns_per_token, s.rows_per_step, s.batch
+        s.peak_kv_positions_in_use, s.peak_kv_positions, s.attention_columns_per_token, s.rows_per_step, s.decode_rows
     );
     if let Some(c) = &s.continuous_admission {
         println!(
@@ -953,6 +1017,33 @@ pub fn print(stats: &RolloutStats) {
 
 /// Prompt tokens per row of the pure decode measurement (as the `decode batch` workload).
 const DECODE_PROMPT: usize = 16;
+
+/// Seconds `generate` takes to decode `new_tokens - 1` tokens for each row of `prompts` after
+/// its first (the prefill and first token, timed on their own, subtracted): the median of
+/// `runs`, after a few untimed steps (on a GPU they compile the kernels of these shapes).
+fn pure_decode_seconds<B: Backend>(
+    model: &Qwen3ForCausalLM<B>,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+    sampling: &Sampling,
+    runs: usize,
+) -> Result<f64> {
+    let decode = SamplingConfig {
+        max_new_tokens: new_tokens,
+        sampling: sampling.clone(),
+        stop_token_ids: Vec::new(),
+    };
+    let one = SamplingConfig { max_new_tokens: 1, ..decode.clone() };
+    generate(model, prompts, &SamplingConfig { max_new_tokens: 4, ..decode.clone() })?;
+    median(runs, || {
+        let start = Instant::now();
+        generate(model, prompts, &one)?;
+        let prefill = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        generate(model, prompts, &decode)?;
+        Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
+    })
+}
 
 /// The median of `runs` calls of `time`.
 fn median(runs: usize, mut time: impl FnMut() -> Result<f64>) -> Result<f64> {
@@ -1025,6 +1116,7 @@ mod tests {
             episodes: None,
             varied_turns: false,
             kv_budget: None,
+            max_num_seqs: None,
         }
     }
 
