@@ -175,7 +175,9 @@ where
     fn run<B: Backend>(self, device: B::Device) -> Result<T> {
         let loaded = LoadedModel::<B>::open(self.dir, &device, self.options)?;
         let tokenizer = loaded.require_tokenizer(self.dir, "the agent")?;
-        let mut agent = LocalAgent::new(&loaded.model, tokenizer, self.sampling);
+        // One model for the whole run: episodes share their prompts' common KV blocks.
+        let limits = model::DecoderLimits { share_prefixes: true, ..model::DecoderLimits::default() };
+        let mut agent = LocalAgent::new(&loaded.model, tokenizer, self.sampling).with_limits(limits);
         (self.work)(&mut agent)
     }
 }

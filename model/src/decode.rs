@@ -23,13 +23,22 @@
 //! would pass it, as vLLM preempts: their tokens stay, and they are prefilled again when they
 //! rejoin.
 //!
+//! With [`DecoderLimits::share_prefixes`], sequences whose tokens begin alike share the blocks
+//! of their common prefix (vLLM's automatic prefix caching): every full block a sequence has
+//! computed is indexed by its tokens and the block before it, and a sequence that joins with no
+//! cache takes the indexed blocks its tokens begin with (counted, not copied) and prefills only
+//! the rest. A shared block is full, so no sequence writes to it; it is freed when its last
+//! holder lets it go. Among sequences joining together whose common prefix is not cached yet,
+//! the first joins alone and the others join at the next step, over its blocks. A decoder that
+//! shares prefixes must run one model: the blocks hold that model's keys and values.
+//!
 //! Each pass's rows attend to their own slots: the CPU kernels read them in place, burn's ops
 //! (the GPU path; burn has no paged attention op) get them gathered one layer at a time as
 //! `[rows, kv_heads, width, head_dim]`. Rows line up their newest positions, a shorter row's
 //! columns in front point at a scratch slot and are masked out, and positions are per sequence (`0..len`), so which blocks a sequence holds and beside
 //! which rows it runs never change what it computes.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use burn::tensor::{backend::Backend, Int, Tensor, TensorData};
 
@@ -66,15 +75,19 @@ pub struct DecoderLimits {
     /// costs `2 · layers · kv_heads · head_dim` values. A pass also gathers its rows' keys and
     /// values for one layer at a time (rows × the longest row's positions), outside the pool.
     pub kv_budget: Option<usize>,
+    /// Sequences share the blocks of equal prefixes (see the module docs): only for a decoder
+    /// whose steps all run the same model (weights and adapters).
+    pub share_prefixes: bool,
 }
 
 impl Default for DecoderLimits {
-    /// No limit on rows, prefill size or KV memory.
+    /// No limit on rows, prefill size or KV memory; no prefix shared.
     fn default() -> Self {
         Self {
             max_rows: usize::MAX,
             max_batched_tokens: usize::MAX,
             kv_budget: None,
+            share_prefixes: false,
         }
     }
 }
@@ -86,6 +99,9 @@ pub struct DecoderStats {
     pub prefill_tokens: u64,
     /// Tokens run through one-token decode passes.
     pub decode_tokens: u64,
+    /// Positions sequences took from other sequences' blocks instead of prefilling them
+    /// ([`DecoderLimits::share_prefixes`]).
+    pub shared_prefix_tokens: u64,
     /// Running sequences whose cache was dropped to stay within the KV budget.
     pub preemptions: u64,
     /// Parked caches dropped to make room.
@@ -128,6 +144,8 @@ struct Sequence {
     cached: usize,
     /// Its block table: position `p` is in block `blocks[p / BLOCK_SIZE]`.
     blocks: Vec<usize>,
+    /// Its leading blocks already indexed as prefixes (or found indexed for another holder).
+    indexed: usize,
     place: Place,
     /// When it was parked (for dropping the oldest parked cache first).
     parked_at: u64,
@@ -147,12 +165,15 @@ impl Sequence {
     }
 }
 
-/// Which blocks of the pool are free. Block 0 holds the scratch slot; it is never handed out.
+/// Which blocks of the pool are free, and how many sequences hold each of the others. Block 0
+/// holds the scratch slot; it is never handed out.
 #[derive(Debug, Default)]
 struct BlockPool {
     /// Blocks the pool has (0 before the first sequence, else at least the scratch block).
     total: usize,
     free: Vec<usize>,
+    /// Holders of each block (0 for free blocks and the scratch block).
+    holders: Vec<u32>,
 }
 
 impl BlockPool {
@@ -174,14 +195,94 @@ impl BlockPool {
             // Taken from the end: the lowest new blocks first.
             self.free.extend((self.total.max(1)..total).rev());
             self.total = total;
+            self.holders.resize(total, 0);
         }
-        Some((0..n).map(|_| self.free.pop().expect("checked above")).collect())
+        let blocks: Vec<usize> = (0..n).map(|_| self.free.pop().expect("checked above")).collect();
+        for &b in &blocks {
+            self.holders[b] = 1;
+        }
+        Some(blocks)
     }
 
-    /// Frees `blocks`; the next `take` hands them out again in their order (consecutive
-    /// blocks stay consecutive, one run for the attention).
-    fn give_back(&mut self, blocks: Vec<usize>) {
-        self.free.extend(blocks.into_iter().rev());
+    /// One more holder of `block`.
+    fn share(&mut self, block: usize) {
+        self.holders[block] += 1;
+    }
+
+    /// Lets go of `blocks`; those with no holder left are freed and returned. The next `take`
+    /// hands freed blocks out again in their order (consecutive blocks stay consecutive, one
+    /// run for the attention).
+    fn give_back(&mut self, blocks: Vec<usize>) -> Vec<usize> {
+        let freed: Vec<usize> = blocks
+            .into_iter()
+            .filter(|&b| {
+                self.holders[b] -= 1;
+                self.holders[b] == 0
+            })
+            .collect();
+        self.free.extend(freed.iter().rev());
+        freed
+    }
+}
+
+/// A full block as the prefix index knows it: the block before it ([`NO_PARENT`] for a
+/// sequence's first) and its tokens. The block before stands for the whole prefix: an indexed
+/// block is only ever held with the blocks before it, so it is freed (and leaves the index)
+/// no later than they are.
+type BlockKey = (usize, [u32; BLOCK_SIZE]);
+
+/// The parent of a sequence's first block in a [`BlockKey`].
+const NO_PARENT: usize = usize::MAX;
+
+/// The full blocks sequences computed, by what they hold (see [`DecoderLimits::share_prefixes`]).
+#[derive(Debug, Default)]
+struct PrefixIndex {
+    blocks: HashMap<BlockKey, usize>,
+    keys: HashMap<usize, BlockKey>,
+}
+
+impl PrefixIndex {
+    /// The key of block `k` of a sequence of `tokens` held in `blocks`.
+    fn key(tokens: &[u32], blocks: &[usize], k: usize) -> BlockKey {
+        let parent = if k == 0 { NO_PARENT } else { blocks[k - 1] };
+        let held: [u32; BLOCK_SIZE] = tokens[k * BLOCK_SIZE..(k + 1) * BLOCK_SIZE].try_into().expect("a full block");
+        (parent, held)
+    }
+
+    /// Indexes `block` as `key`, unless another block already holds that prefix; whether it is
+    /// indexed now.
+    fn insert(&mut self, key: BlockKey, block: usize) -> bool {
+        if self.keys.contains_key(&block) {
+            return true;
+        }
+        if self.blocks.contains_key(&key) {
+            return false;
+        }
+        self.blocks.insert(key, block);
+        self.keys.insert(block, key);
+        true
+    }
+
+    /// Forgets freed `blocks`.
+    fn remove(&mut self, blocks: &[usize]) {
+        for b in blocks {
+            if let Some(key) = self.keys.remove(b) {
+                self.blocks.remove(&key);
+            }
+        }
+    }
+
+    /// The indexed blocks `tokens` begin with, leaving at least one token after them (a
+    /// sequence must prefill a token to get its next-token logits).
+    fn lookup(&self, tokens: &[u32]) -> Vec<usize> {
+        let mut found: Vec<usize> = Vec::new();
+        while (found.len() + 1) * BLOCK_SIZE < tokens.len() {
+            match self.blocks.get(&Self::key(tokens, &found, found.len())) {
+                Some(&b) => found.push(b),
+                None => break,
+            }
+        }
+        found
     }
 }
 
@@ -196,6 +297,8 @@ pub struct Decoder<B: Backend> {
     /// The pools of keys and values (`None` while no sequence has been run).
     cache: Option<KvCache<B>>,
     pool: BlockPool,
+    /// The full blocks sequences may share (empty unless `limits.share_prefixes`).
+    prefixes: PrefixIndex,
     clock: u64,
     /// Steps run so far.
     steps: u64,
@@ -212,6 +315,7 @@ impl<B: Backend> Decoder<B> {
             running: Vec::new(),
             cache: None,
             pool: BlockPool::default(),
+            prefixes: PrefixIndex::default(),
             clock: 0,
             steps: 0,
             stats: DecoderStats::default(),
@@ -283,6 +387,7 @@ impl<B: Backend> Decoder<B> {
             tokens,
             cached: 0,
             blocks: Vec::new(),
+            indexed: 0,
             place: Place::Queued,
             parked_at: 0,
             queued_at: self.steps,
@@ -346,10 +451,11 @@ impl<B: Backend> Decoder<B> {
             Place::Queued => self.queue.retain(|&q| q != id),
             Place::Parked => {}
         }
-        self.pool.give_back(sequence.blocks);
+        self.release(sequence.blocks);
         if self.sequences.is_empty() {
             self.cache = None;
             self.pool = BlockPool::default();
+            self.prefixes = PrefixIndex::default();
         } else {
             self.shrink_pool();
         }
@@ -364,17 +470,65 @@ impl<B: Backend> Decoder<B> {
             return;
         }
         let Some(cache) = self.cache.as_mut() else { return };
-        // New block `i` is old block `order[i]`; the scratch block stays first.
+        // New block `i` is old block `order[i]` (a shared block once); the scratch block stays
+        // first.
         let mut order = vec![0];
+        let mut moved: HashMap<usize, usize> = HashMap::new();
+        let mut holders = vec![0];
         for sequence in self.sequences.values_mut() {
             for block in &mut sequence.blocks {
-                order.push(*block);
-                *block = order.len() - 1;
+                let new = *moved.entry(*block).or_insert_with(|| {
+                    order.push(*block);
+                    holders.push(0);
+                    order.len() - 1
+                });
+                holders[new] += 1;
+                *block = new;
             }
         }
         let slots: Vec<usize> = order.iter().flat_map(|&b| b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE).collect();
         cache.keep_slots(&slots);
-        self.pool = BlockPool { total: order.len(), free: Vec::new() };
+        self.pool = BlockPool { total: order.len(), free: Vec::new(), holders };
+        // An indexed block and the one before it are held (by the same sequences), so both
+        // moved.
+        let renumber = |b: usize| if b == NO_PARENT { Some(b) } else { moved.get(&b).copied() };
+        let mut prefixes = PrefixIndex::default();
+        for (&block, &(parent, tokens)) in &self.prefixes.keys {
+            if let (Some(parent), Some(block)) = (renumber(parent), renumber(block)) {
+                prefixes.insert((parent, tokens), block);
+            }
+        }
+        self.prefixes = prefixes;
+    }
+
+    /// Lets go of a sequence's `blocks`: the freed ones leave the prefix index.
+    fn release(&mut self, blocks: Vec<usize>) {
+        let freed = self.pool.give_back(blocks);
+        self.prefixes.remove(&freed);
+    }
+
+    /// Indexes the full blocks sequence `id` has computed (when prefixes are shared), up to the
+    /// first whose prefix another block holds already.
+    fn index_blocks(&mut self, id: SequenceId) {
+        if !self.limits.share_prefixes {
+            return;
+        }
+        let s = self.sequences.get_mut(&id).expect("a sequence of the decoder");
+        while s.indexed < s.cached / BLOCK_SIZE {
+            let key = PrefixIndex::key(&s.tokens, &s.blocks, s.indexed);
+            if !self.prefixes.insert(key, s.blocks[s.indexed]) {
+                break;
+            }
+            s.indexed += 1;
+        }
+    }
+
+    /// The indexed blocks a sequence with no cache would take ([`DecoderLimits::share_prefixes`]).
+    fn shared_prefix(&self, s: &Sequence) -> Vec<usize> {
+        if !self.limits.share_prefixes || s.cached > 0 || !s.blocks.is_empty() {
+            return Vec::new();
+        }
+        self.prefixes.lookup(&s.tokens)
     }
 
     /// One step: makes room within the budget, decodes every running sequence one position,
@@ -433,8 +587,9 @@ impl<B: Backend> Decoder<B> {
     fn drop_cache(&mut self, id: SequenceId) {
         let sequence = self.sequences.get_mut(&id).expect("a sequence of the decoder");
         sequence.cached = 0;
+        sequence.indexed = 0;
         let blocks = std::mem::take(&mut sequence.blocks);
-        self.pool.give_back(blocks);
+        self.release(blocks);
     }
 
     /// The sequences out of the batch (parked or waiting) not among `except`.
@@ -442,9 +597,9 @@ impl<B: Backend> Decoder<B> {
         self.sequences.iter().filter(move |(id, s)| !except.contains(id) && s.place != Place::Running)
     }
 
-    /// Blocks held by sequences out of the batch not among `except`.
+    /// Blocks held by sequences out of the batch not among `except`, and by nothing else.
     fn evictable_blocks(&self, except: &[SequenceId]) -> usize {
-        self.out_of_batch(except).map(|(_, s)| s.blocks.len()).sum()
+        self.out_of_batch(except).map(|(_, s)| s.blocks.iter().filter(|&&b| self.pool.holders[b] == 1).count()).sum()
     }
 
     /// Drops the oldest cache of a sequence out of the batch (parked or waiting) not among
@@ -503,7 +658,13 @@ impl<B: Backend> Decoder<B> {
                 break;
             }
             let s = &self.sequences[&id];
-            let needed = s.blocks_short_of(s.tokens.len());
+            let shared = self.shared_prefix(s);
+            if self.limits.share_prefixes && s.cached == 0 && self.joins_after(&admitted, &s.tokens, shared.len()) {
+                // It shares more than the indexed blocks with a sequence joining now: it takes
+                // them once they are computed, at the next step.
+                break;
+            }
+            let needed = s.blocks_short_of(s.tokens.len()) - shared.len();
             if let Some(budget) = self.limits.kv_budget {
                 if taken + needed > self.blocks_left() {
                     let mut except = admitted.clone();
@@ -520,9 +681,34 @@ impl<B: Backend> Decoder<B> {
             }
             taken += needed;
             self.queue.pop_front();
+            if !shared.is_empty() {
+                for &b in &shared {
+                    self.pool.share(b);
+                }
+                let s = self.sequences.get_mut(&id).expect("a waiting sequence");
+                s.cached = shared.len() * BLOCK_SIZE;
+                s.indexed = shared.len();
+                s.blocks = shared;
+                self.stats.shared_prefix_tokens += s.cached as u64;
+            }
             admitted.push(id);
         }
         Ok(admitted)
+    }
+
+    /// Whether a sequence of `tokens` with no cache, finding `indexed` blocks of its prefix in
+    /// the index, would find more once one of `admitted` has been prefilled: it begins with
+    /// more full blocks of one of them (a token still after them).
+    fn joins_after(&self, admitted: &[SequenceId], tokens: &[u32], indexed: usize) -> bool {
+        let blocks = (tokens.len() - 1) / BLOCK_SIZE;
+        if blocks <= indexed {
+            return false;
+        }
+        let end = (indexed + 1) * BLOCK_SIZE;
+        admitted.iter().any(|id| {
+            let other = &self.sequences[id].tokens;
+            other.len() >= end && other[..end] == tokens[..end]
+        })
     }
 
     /// Gives sequence `id` the blocks it lacks to hold `len` positions (within the budget: the
@@ -585,8 +771,9 @@ impl<B: Backend> Decoder<B> {
             Tensor::from_data(TensorData::new(positions, [n, 1]), &device),
             (write, read),
         );
-        for id in &ids {
-            self.sequences.get_mut(id).expect("a row's sequence").cached += 1;
+        for &id in &ids {
+            self.sequences.get_mut(&id).expect("a row's sequence").cached += 1;
+            self.index_blocks(id);
         }
         self.stats.decode_tokens += n as u64;
         let logits = model.base().logits(hidden);
@@ -646,11 +833,12 @@ impl<B: Backend> Decoder<B> {
             }
             start = end;
         }
-        for (id, &(_, fresh)) in group.iter().zip(&lens) {
-            let s = self.sequences.get_mut(id).expect("a joining sequence");
+        for (&id, &(_, fresh)) in group.iter().zip(&lens) {
+            let s = self.sequences.get_mut(&id).expect("a joining sequence");
             s.cached += fresh;
             s.place = Place::Running;
             self.stats.prefill_tokens += fresh as u64;
+            self.index_blocks(id);
         }
         self.running.extend(&group);
         let last = last.expect("a prefill has at least one position");

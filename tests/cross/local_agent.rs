@@ -210,21 +210,25 @@ impl env::Environment for Delayed {
 /// KV cache across its turns; an environment failure in the middle of a batch ends only its
 /// episode. Turn by turn, the same batch size gives the same log-probs bit for bit whatever
 /// the delays (continuously, the rows decoded side by side follow the delays: within 1e-4).
+/// With shared prefixes (the trainer's default) the tokens are the same and the log-probs
+/// within 1e-4, and the prompts' common blocks are prefilled once.
 #[test]
 fn episodes_do_not_depend_on_batching_or_environment_delays() {
     use rand::SeedableRng;
     let (_dir, tokenizer, model) = tiny_model(9);
     let questions = ["Paris?", "Rome?", "Fail?", "Oslo?", "Lima?", "Bern?", "Kyiv?", "Nome?"];
     let episode = env::EpisodeConfig { max_turns: 3, max_turn_tokens: 12, env_concurrency: 8, ..env::EpisodeConfig::training() };
-    let run = |generation_batch: usize, delays: u64, continuous: bool| {
+    let run_sharing = |generation_batch: usize, delays: u64, continuous: bool, share_prefixes: bool| {
         let env = Delayed(std::sync::Mutex::new(rand::rngs::StdRng::seed_from_u64(delays)));
         let sampling = Sampling { temperature: 1.0, seed: 5, ..Default::default() };
-        let mut agent = ForcedCalls(LocalAgent::new(&model, &tokenizer, sampling).with_continuous_batching(continuous), 3);
+        let limits = model::DecoderLimits { share_prefixes, ..Default::default() };
+        let mut agent = ForcedCalls(LocalAgent::new(&model, &tokenizer, sampling).with_limits(limits).with_continuous_batching(continuous), 3);
         agent.0.set_batch_stream(2);
         let admission = if continuous { env::Admission::Continuous(generation_batch) } else { env::Admission::Batches(generation_batch) };
         let out = env::run_episodes_admitted(&mut agent, &env, &questions, &episode, admission, &mut env::NoObserver);
         (out, agent.0.decoder_stats())
     };
+    let run = |generation_batch: usize, delays: u64, continuous: bool| run_sharing(generation_batch, delays, continuous, false);
     let (reference, stats) = run(8, 1, true);
     for (i, t) in reference.iter().enumerate() {
         if questions[i] == "Fail?" {
@@ -238,10 +242,17 @@ fn episodes_do_not_depend_on_batching_or_environment_delays() {
     let fed = stats.prefill_tokens + stats.decode_tokens;
     let context: u64 = reference.iter().map(|t| t.token_ids.len() as u64).sum();
     assert!(fed <= context, "{fed} tokens fed for {context} context tokens");
-    for (generation_batch, delays, continuous) in [(1, 2, true), (3, 3, true), (8, 4, true), (8, 5, false), (3, 6, false)] {
-        let (other, _) = run(generation_batch, delays, continuous);
+    let cases = [(1, 2, true, false), (3, 3, true, false), (8, 4, true, false), (8, 5, false, false), (3, 6, false, false), (8, 8, true, true), (3, 9, false, true)];
+    for (generation_batch, delays, continuous, share_prefixes) in cases {
+        let (other, other_stats) = run_sharing(generation_batch, delays, continuous, share_prefixes);
+        if share_prefixes {
+            // The prompts share their system prompt's full blocks: the episodes after the first
+            // of each batch take them; every other context token is fed once, as without.
+            assert!(other_stats.shared_prefix_tokens > 0, "{other_stats:?}");
+            assert_eq!(other_stats.prefill_tokens + other_stats.shared_prefix_tokens, stats.prefill_tokens, "{other_stats:?}");
+        }
         for (i, (a, b)) in reference.iter().zip(&other).enumerate() {
-            let case = format!("episode {i}, generation_batch {generation_batch}, continuous {continuous}");
+            let case = format!("episode {i}, generation_batch {generation_batch}, continuous {continuous}, share_prefixes {share_prefixes}");
             assert_eq!(a.token_ids, b.token_ids, "{case}");
             assert_eq!(a.loss_mask, b.loss_mask, "{case}");
             assert_eq!(a.stop_reason, b.stop_reason, "{case}");

@@ -538,3 +538,86 @@ fn a_kv_budget_is_respected_by_waiting_and_preempting() {
     let err = decoder.step(&model).unwrap_err().to_string();
     assert!(err.contains("KV budget of 8 positions") && err.contains("sequence 7"), "{err}");
 }
+
+/// Sequences whose tokens begin alike share the blocks of their common prefix
+/// (`share_prefixes`): of four sequences joining together over the same 40 tokens, the first
+/// joins alone and the other three take its two full blocks at the next step (32 positions
+/// each, not prefilled); a sequence of exactly two blocks takes one (a token is left to
+/// prefill); a sequence with other tokens takes none. Shared blocks are held once, outlive
+/// the sequence that computed them, survive the pool shrinking, and every returned row equals
+/// recomputation throughout.
+#[test]
+fn sequences_share_the_blocks_of_equal_prefixes() {
+    use prompt_r1_model::qwen3::BLOCK_SIZE;
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    let vocab = model.config.vocab_size as u32;
+    let common: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % vocab).collect();
+    let with_tail = |tail: &[u32]| -> Vec<u32> { common.iter().chain(tail).copied().collect() };
+    let limits = DecoderLimits { share_prefixes: true, ..DecoderLimits::default() };
+    let mut decoder = Decoder::<B>::new(limits);
+    for id in 0..4u64 {
+        decoder.add(&model, id, with_tail(&[1 + id as u32, 2, 3])).unwrap();
+    }
+    let worst = std::cell::Cell::new(0.0f32);
+    let step = |decoder: &mut Decoder<B>| {
+        let mut w = worst.get();
+        let chosen = checked_step(&model, decoder, &mut w);
+        worst.set(w);
+        let ids: Vec<u64> = chosen.iter().map(|&(id, _)| id).collect();
+        for (id, token) in chosen {
+            decoder.accept(id, token).unwrap();
+        }
+        ids
+    };
+    assert_eq!(step(&mut decoder), [0], "the first of an uncached prefix joins alone");
+    assert_eq!(decoder.stats().shared_prefix_tokens, 0);
+    assert_eq!(step(&mut decoder), [0, 1, 2, 3], "the others join over its blocks");
+    let shared = 3 * 2 * BLOCK_SIZE as u64;
+    assert_eq!(decoder.stats().shared_prefix_tokens, shared);
+    assert_eq!(decoder.stats().prefill_tokens, 43 + 3 * (43 - 32), "only the tails are prefilled");
+    // Sequence 0's 3 blocks (44 positions), the others' third blocks, the scratch block.
+    assert_eq!(decoder.kv_positions_in_use(), (3 + 3 + 1) * BLOCK_SIZE, "shared blocks are held once");
+
+    // Exactly two full blocks: one is taken, the last token's block prefilled. Other tokens:
+    // nothing taken.
+    decoder.add(&model, 4, common[..2 * BLOCK_SIZE].to_vec()).unwrap();
+    decoder.add(&model, 5, (0..40).map(|i| (i * 17 + 3) % vocab).collect()).unwrap();
+    // A long sequence grows the pool for a while.
+    decoder.add(&model, 9, (0..300).map(|i| (i * 7 + 1) % vocab).collect()).unwrap();
+    // The leader ends; its blocks stay with the sequences that share them.
+    decoder.finish(0);
+    for _ in 0..3 {
+        step(&mut decoder);
+    }
+    decoder.finish(9);
+    assert_eq!(decoder.stats().shared_prefix_tokens, shared + BLOCK_SIZE as u64);
+    // Parked, the sequences' shared blocks move once when the pool shrinks; they come back
+    // and go on as before.
+    for id in 1..6u64 {
+        decoder.park(id).unwrap();
+    }
+    let in_use = decoder.kv_positions_in_use();
+    assert_eq!(decoder.kv_positions(), in_use, "the pool shrinks to the blocks in use, shared ones once");
+    decoder.extend(&model, 2, &[7, 8]).unwrap();
+    decoder.extend(&model, 4, &[9]).unwrap();
+    // A new sequence still finds the prefix its parked holders keep.
+    decoder.add(&model, 6, with_tail(&[4])).unwrap();
+    for _ in 0..4 {
+        step(&mut decoder);
+    }
+    assert_eq!(decoder.stats().shared_prefix_tokens, shared + 3 * BLOCK_SIZE as u64);
+    assert!(worst.get() < ATOL, "with shared prefixes, logits differ from recomputation by {}", worst.get());
+    for id in 1..7u64 {
+        decoder.finish(id);
+    }
+    assert_eq!(decoder.kv_positions(), 0, "the pool is freed once every sequence has finished");
+
+    // Without sharing, the same four sequences join together and prefill everything.
+    let mut decoder = Decoder::<B>::new(DecoderLimits::default());
+    for id in 0..4u64 {
+        decoder.add(&model, id, with_tail(&[1 + id as u32, 2, 3])).unwrap();
+    }
+    assert_eq!(step(&mut decoder), [0, 1, 2, 3]);
+    assert_eq!((decoder.stats().shared_prefix_tokens, decoder.stats().prefill_tokens), (0, 4 * 43));
+}

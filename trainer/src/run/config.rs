@@ -190,6 +190,12 @@ pub struct RolloutSection {
     /// preempted (and prefilled again later), rather than go past it. It must hold one episode
     /// at the full context. Unset: no limit.
     pub kv_budget: Option<String>,
+    /// Episodes whose contexts begin alike share the KV blocks of their common prefix, computed
+    /// and held once (vLLM's automatic prefix caching; the default): the system prompt and, for
+    /// a GRPO group's `n` episodes, the whole first prompt. Each episode's tokens and log-probs
+    /// are as without it, up to the last bits of the floating-point sums (a prefix's keys and
+    /// values come from another episode's pass). `false`: each episode prefills its own.
+    pub share_prefixes: bool,
     /// Continuous batching (the default): an episode whose turn ends sends its environment call
     /// at once and rejoins the batch with the reply while the others keep decoding. The rows
     /// that decode side by side then depend on the environment's timing, which moves the last
@@ -288,6 +294,7 @@ impl RolloutSection {
             max_rows: self.max_num_seqs.unwrap_or(self.generation_batch),
             max_batched_tokens: self.max_num_batched_tokens,
             kv_budget,
+            share_prefixes: self.share_prefixes,
         })
     }
 
@@ -337,6 +344,7 @@ impl Default for RolloutSection {
             max_num_seqs: None,
             max_num_batched_tokens: crate::plan::DEFAULT_MAX_NUM_BATCHED_TOKENS,
             kv_budget: None,
+            share_prefixes: true,
             continuous_batching: true,
             sampling: Sampling::default(),
             advantage: AdvantageMode::Grpo,
@@ -584,7 +592,8 @@ mod tests {
         assert_eq!(servers.validate(), Ok(()), "the workers hold their own caches");
         assert!(!parse_rollout("continuous_batching = false").rollout.continuous_batching);
         let limits = config.rollout.decoder_limits(&model::Preset::Qwen3_4B.config(1024, vec![]), DType::BF16).unwrap();
-        assert_eq!(limits, DecoderLimits { max_rows: 48, max_batched_tokens: 8192, kv_budget: None });
+        assert_eq!(limits, DecoderLimits { max_rows: 48, max_batched_tokens: 8192, kv_budget: None, share_prefixes: true });
+        assert!(!parse_rollout("share_prefixes = false").rollout.decoder_limits(&model::Preset::Qwen3_4B.config(1024, vec![]), DType::BF16).unwrap().share_prefixes);
     }
 
     #[test]

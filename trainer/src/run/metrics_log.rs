@@ -78,6 +78,11 @@ pub struct StepRecord {
     /// compare with `perf/context_tokens`.
     #[serde(rename = "perf/prefill_tokens")]
     pub prefill_tokens: u64,
+    /// Context positions the rollouts took from KV blocks other episodes had computed instead of
+    /// prefilling them (`rollout.share_prefixes`: prompts' common prefixes). With
+    /// `perf/prefill_tokens` and the agent's decoded tokens they make up `perf/context_tokens`.
+    #[serde(rename = "perf/shared_prefix_tokens", default)]
+    pub shared_prefix_tokens: u64,
     /// Tokens of the rollouts' contexts at their end: prompts, agent and environment tokens.
     #[serde(rename = "perf/context_tokens")]
     pub context_tokens: u64,
@@ -355,7 +360,7 @@ mod tests {
             r#""actor/optimizer_steps":3,"actor/skipped_steps":1,"rollout/env_failures":4,"#,
             r#""rollout/episodes":64,"rollout/agent_tokens":4096,"response_length/mean":64.5,"#,
             r#""num_turns/mean":2.5,"timing_s/gen":12.5,"timing_s/update_actor":30.25,"#,
-            r#""perf/gen_tokens_per_s":327.5,"perf/prefill_tokens":20480,"perf/context_tokens":9216,"#,
+            r#""perf/gen_tokens_per_s":327.5,"perf/prefill_tokens":20480,"perf/shared_prefix_tokens":1024,"perf/context_tokens":9216,"#,
             r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"rollout/server_retries":3,"#,
             r#""timing_s/gen_decode_steps":8.5,"timing_s/gen_prefill_steps":3.75,"perf/gen_rows_per_step":6.25,"#,
             r#""val/reward/mean":0.625,"val/f1/mean":0.6875,"#,

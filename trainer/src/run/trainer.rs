@@ -240,6 +240,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             learn_secs,
             rollout_tokens_per_sec: agent_tokens as f32 / rollout_secs.max(1e-6),
             prefill_tokens: decoded.prefill_tokens,
+            shared_prefix_tokens: decoded.shared_prefix_tokens,
             context_tokens: trajectories.iter().map(|t| t.token_ids.len() as u64).sum(),
             kv_peak_positions: decoded.peak_kv_positions as u64,
             preemptions: decoded.preemptions + decoded.evictions,
