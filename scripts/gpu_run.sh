@@ -402,10 +402,11 @@ case "$stage" in
     # 0.6B shape at both batches did not finish in the 223 s left.
     bench rollout-small --preset small --rollout --rollout-batch 8,64
     # The 0.6B shape with shorter episodes (3 turns of 32 tokens, 100-token replies), so that the
-    # three passes (pure decode, re-prefilled, kept) finish within the stage.
+    # passes (pure decode twice, re-prefilled, kept) finish within the stage; groups of 5
+    # episodes per question, as GRPO's rollout.n, whose first prompts are shared.
     bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
-      --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100
-    grep -h '"rollout_over_decode"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+      --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+    grep -h '"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)

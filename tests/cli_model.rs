@@ -405,3 +405,41 @@ fn bench_reports_every_workload_and_rejects_short_prompts() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--prompt-len must be at least 8"));
 }
+
+/// `bench --rollout` on a tiny model: four episodes in flight, two decoding at once
+/// (`--max-num-seqs`), each question asked by two episodes whose first prompts are then shared;
+/// pure decode runs the two rows, from 16-token prompts and from prompts as long as the
+/// rollout's contexts; the wall time's shares add up; without shared prefixes the same tokens
+/// come out and each episode prefills what it took before.
+#[test]
+fn bench_times_rollouts_with_fewer_rows_and_shared_prefixes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let figures = json(&[
+        "bench", "--model", &model, "--rollout", "--rollout-batch", "4", "--max-num-seqs", "2", "--rollout-turns", "2",
+        "--rollout-turn-tokens", "4", "--env-latency-ms", "0", "--env-reply-tokens", "8", "--rollout-group-size", "2",
+        "--rollout-unshared", "--json",
+    ]);
+    let figures = figures.as_array().unwrap();
+    let names: Vec<&str> = figures.iter().map(|f| f["workload"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert_eq!(names[0], "decode batch 2 (8 tokens)");
+    assert!(names[1].starts_with("decode batch 2 from "), "{names:?}");
+    assert_eq!(names[2], "rollout batch 4 x 2 turns");
+    let r = &figures[2]["rollout"];
+    assert_eq!((r["decode_rows"].as_u64(), r["max_num_seqs"].as_u64(), r["group_size"].as_u64()), (Some(2), Some(2), Some(2)), "{r}");
+    assert!(r["rows_per_step"].as_f64().unwrap() <= 2.0, "{r}");
+    let context = r["mean_agent_token_context"].as_f64().unwrap();
+    let prompt = r["context_decode_prompt_tokens"].as_u64().unwrap();
+    assert!(prompt >= 16 && (prompt as f64) < context, "{r}");
+    assert!(r["context_decode_tokens_per_second"].as_f64().unwrap() > 0.0 && r["rollout_over_context_decode"].as_f64().unwrap() > 0.0, "{r}");
+    let shares = &r["time_shares"];
+    let total: f64 = ["decode_steps", "prefill_steps", "agent_outside_steps", "waiting"].iter().map(|k| shares[k].as_f64().unwrap()).sum();
+    assert!((total - 1.0).abs() < 1e-6, "{shares}");
+    let shared = r["shared_prefix_tokens_per_episode"].as_f64().unwrap();
+    assert!(shared > 0.0 && r["share_prefixes"] == true, "{r}");
+    let unshared = &r["unshared"];
+    assert_eq!(unshared["same_tokens"], true, "{unshared}");
+    let prefill = r["prefill_tokens_per_episode"].as_f64().unwrap();
+    assert!((unshared["prefill_tokens_per_episode"].as_f64().unwrap() - (prefill + shared)).abs() < 1e-6, "{r}");
+}

@@ -145,6 +145,19 @@ pub struct Args {
     /// episode in flight decodes.
     #[arg(long, value_name = "ROWS", value_parser = clap::value_parser!(u64).range(1..), requires = "rollout")]
     pub max_num_seqs: Option<u64>,
+    /// Whether --rollout's episodes share the KV blocks of equal prefixes (`[rollout]
+    /// share_prefixes`, the trainer's default: on).
+    #[arg(long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new(), requires = "rollout")]
+    pub share_prefixes: bool,
+    /// Episodes asking the same question in --rollout, one after another (a GRPO group:
+    /// `rollout.n`; the trainer's default is 5): their first prompts are equal, so with shared
+    /// prefixes it is computed once. Default: each episode its own question.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..), requires = "rollout")]
+    pub rollout_group_size: u64,
+    /// Also time each --rollout batch without shared prefixes, for what sharing gains.
+    #[arg(long, requires = "rollout")]
+    pub rollout_unshared: bool,
     /// Agent turns per episode for --rollout (every turn but the last calls the environment).
     #[arg(long, default_value_t = 5)]
     pub rollout_turns: usize,
@@ -334,6 +347,9 @@ impl Args {
             varied_turns: self.rollout_varied_turns,
             kv_budget: self.kv_budget,
             max_num_seqs: self.max_num_seqs.map(|rows| rows as usize),
+            share_prefixes: self.share_prefixes,
+            unshared: self.rollout_unshared,
+            group_size: self.rollout_group_size as usize,
         };
         for &batch in &self.rollout_batch {
             eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", settings.episodes.unwrap_or(batch), settings.turns);

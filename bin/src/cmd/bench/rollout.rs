@@ -65,6 +65,12 @@ pub struct RolloutSettings {
     /// Most episodes decoding at once (`[rollout] max_num_seqs`); the others in flight wait for a
     /// row. `None`: every episode in flight decodes.
     pub max_num_seqs: Option<usize>,
+    /// Episodes share the KV blocks of equal prefixes (`[rollout] share_prefixes`).
+    pub share_prefixes: bool,
+    /// Also time the rollout without shared prefixes (when they are shared).
+    pub unshared: bool,
+    /// Consecutive episodes asking the same question (a GRPO group, `rollout.n`).
+    pub group_size: usize,
 }
 
 /// The turns episode `index` takes: `turns`, or with `varied` one of 1 to `turns` drawn from
@@ -85,6 +91,8 @@ pub struct RolloutStats {
     pub batch: usize,
     /// Episodes of the rollout.
     pub episodes: usize,
+    /// Consecutive episodes asking the same question.
+    pub group_size: usize,
     /// Whether each episode took its own number of turns (1 to `turns`).
     pub varied_turns: bool,
     pub turns: usize,
@@ -115,6 +123,10 @@ pub struct RolloutStats {
     pub agent_tokens_per_agent_second: f64,
     /// Tokens the agent prefilled per episode (its KV cache kept across turns).
     pub prefill_tokens_per_episode: f64,
+    /// Whether episodes shared the KV blocks of equal prefixes (`[rollout] share_prefixes`).
+    pub share_prefixes: bool,
+    /// Positions per episode taken from blocks other episodes computed, not prefilled.
+    pub shared_prefix_tokens_per_episode: f64,
     /// Tokens prefilled per episode when every turn re-prefills the whole history.
     pub reprefill_prefill_tokens_per_episode: f64,
     /// The same with the padding of each turn's batch (rows × the longest history).
@@ -193,6 +205,24 @@ pub struct RolloutStats {
     /// With more episodes than the batch: the rollout with each episode beginning as one ends.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub continuous_admission: Option<ContinuousAdmission>,
+    /// The same rollout without shared prefixes, when asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unshared: Option<Unshared>,
+}
+
+/// The rollout with each episode prefilling its whole context itself (`share_prefixes = false`),
+/// beside the rollout that shares prefixes.
+#[derive(Clone, Debug, Serialize)]
+pub struct Unshared {
+    pub seconds: f64,
+    pub agent_tokens_per_second: f64,
+    pub prefill_tokens_per_episode: f64,
+    /// Most KV positions the decoder's pool held at once.
+    pub peak_kv_positions: usize,
+    /// The sharing rollout's agent tokens/s over these.
+    pub shared_over_unshared: f64,
+    /// Whether every episode's tokens equal the sharing rollout's.
+    pub same_tokens: bool,
 }
 
 /// Where a rollout's wall time went, as fractions of it (see [`RolloutStats::time_shares`]).
@@ -584,10 +614,11 @@ pub fn episode_config(settings: &RolloutSettings) -> EpisodeConfig {
     config
 }
 
-/// The questions of a batch (one episode each).
-fn questions(batch: usize) -> Vec<String> {
-    (0..batch)
-        .map(|i| format!("What is the capital of country number {i}?"))
+/// The questions of `episodes` episodes, each asked by `group` consecutive episodes (as a GRPO
+/// group of `rollout.n` samples a question).
+fn questions(episodes: usize, group: usize) -> Vec<String> {
+    (0..episodes)
+        .map(|i| format!("What is the capital of country number {}?", i / group.max(1)))
         .collect()
 }
 
@@ -612,7 +643,7 @@ pub fn measure<B: Backend>(
     );
     let config = episode_config(settings);
     let episodes = settings.episodes.unwrap_or(batch).max(1);
-    let questions = questions(episodes);
+    let questions = questions(episodes, settings.group_size);
     let sampling = Sampling {
         temperature: 1.0,
         seed: settings.seed,
@@ -644,11 +675,12 @@ pub fn measure<B: Backend>(
     // episodes at a time), or beginning each as one ends (`admission`).
     let per_position = trainer::plan::kv_position_bytes(&model.config, model.model.embed_tokens.weight.val().dtype());
     let kv_budget = settings.kv_budget.map(|bytes| usize::try_from(bytes / per_position.max(1)).unwrap_or(usize::MAX));
-    let timed = |forget: bool, continuous: bool, admission: Admission| -> TimedRollout {
+    let timed_sharing = |forget: bool, continuous: bool, admission: Admission, share_prefixes: bool| -> TimedRollout {
         let limits = DecoderLimits {
             max_rows: settings.max_num_seqs.unwrap_or(usize::MAX).max(1),
             max_batched_tokens: settings.max_batched_tokens,
             kv_budget,
+            share_prefixes,
         };
         let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_limits(limits).with_continuous_batching(continuous);
         let mut agent = ForcedCalls::new(local, settings.turns).with_varied_turns(settings.varied_turns).with_probe(probe.clone());
@@ -676,6 +708,8 @@ pub fn measure<B: Backend>(
         runs.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
         runs.swap_remove(runs.len() / 2)
     };
+    // Re-prefilling every turn is the loop before kept caches: no prefix shared either.
+    let timed = |forget: bool, continuous: bool, admission: Admission| timed_sharing(forget, continuous, admission, settings.share_prefixes && !forget);
     let decode_memory = memory();
     let batches = Admission::Batches(batch);
     let before = timed(true, true, batches);
@@ -690,6 +724,7 @@ pub fn measure<B: Backend>(
         kept_reserved_mib: k.1,
     });
     let turn_by_turn = settings.turn_by_turn.then(|| timed(false, false, batches));
+    let unshared = (settings.unshared && settings.share_prefixes).then(|| timed_sharing(false, true, batches, false));
     let rate = counts.agent_tokens as f64 / seconds;
     let continuous_admission = (episodes > batch).then(|| {
         let run = timed(false, true, Admission::Continuous(batch));
@@ -745,7 +780,7 @@ pub fn measure<B: Backend>(
         Some(on_workers(tokenizer, &environment, &questions, batch, &config, &sampling, settings, model.config.vocab_size, &trajectories, rate)?)
     };
     let env_calls: usize = trajectories.iter().map(|t| t.env_calls).sum();
-    let modes = 2 + usize::from(turn_by_turn.is_some()) + usize::from(continuous_admission.is_some()) + settings.workers.len().min(1);
+    let modes = 2 + usize::from(turn_by_turn.is_some()) + usize::from(unshared.is_some()) + usize::from(continuous_admission.is_some()) + settings.workers.len().min(1);
     if modes * env_calls * settings.runs != environment.calls() {
         eprintln!(
             "the environment answered {} calls; the episodes count {env_calls} per run",
@@ -777,6 +812,7 @@ pub fn measure<B: Backend>(
     Ok(RolloutStats {
         batch,
         episodes,
+        group_size: settings.group_size.max(1),
         varied_turns: settings.varied_turns,
         turns: settings.turns,
         turn_tokens: settings.turn_tokens,
@@ -794,6 +830,8 @@ pub fn measure<B: Backend>(
         agent_tokens_per_second: rate,
         agent_tokens_per_agent_second: counts.agent_tokens as f64 / agent_seconds.max(1e-9),
         prefill_tokens_per_episode: per_episode(prefill_tokens),
+        share_prefixes: settings.share_prefixes,
+        shared_prefix_tokens_per_episode: per_episode(decoder.shared_prefix_tokens as usize),
         reprefill_prefill_tokens_per_episode: per_episode(before.prefill_tokens),
         padded_prefill_tokens_per_episode: per_episode(counts.padded_prefill_tokens),
         peak_kv_positions: decoder.peak_kv_positions,
@@ -825,6 +863,14 @@ pub fn measure<B: Backend>(
         device_memory,
         workers,
         continuous_admission,
+        unshared: unshared.map(|run| Unshared {
+            seconds: run.seconds,
+            agent_tokens_per_second: run.counts.agent_tokens as f64 / run.seconds,
+            prefill_tokens_per_episode: per_episode(run.prefill_tokens),
+            peak_kv_positions: run.decoder.peak_kv_positions,
+            shared_over_unshared: rate / (run.counts.agent_tokens as f64 / run.seconds),
+            same_tokens: run.trajectories.iter().map(|t| &t.token_ids).eq(trajectories.iter().map(|t| &t.token_ids)),
+        }),
     })
 }
 
@@ -888,6 +934,8 @@ struct TimedRollout {
 struct DecoderRun {
     /// Tokens through one-token decode passes.
     decoded: u64,
+    /// Positions taken from other sequences' blocks instead of prefilled.
+    shared_prefix_tokens: u64,
     /// Caches dropped for room: running sequences preempted and parked caches evicted.
     preemptions: u64,
     /// Key columns the attention spanned.
@@ -903,6 +951,7 @@ impl DecoderRun {
     fn between(before: &DecoderStats, after: &DecoderStats) -> Self {
         Self {
             decoded: after.decode_tokens - before.decode_tokens,
+            shared_prefix_tokens: after.shared_prefix_tokens - before.shared_prefix_tokens,
             preemptions: after.preemptions + after.evictions - before.preemptions - before.evictions,
             attention_columns: after.attention_columns - before.attention_columns,
             peak_kv_positions: after.peak_kv_positions,
@@ -927,7 +976,10 @@ pub fn tokenizer(dir: &std::path::Path) -> Result<Qwen3Tokenizer> {
 pub fn print(stats: &RolloutStats) {
     let s = stats;
     let turns = if s.varied_turns { format!("1 to {} turns", s.turns) } else { format!("{} turns", s.turns) };
-    let rows = s.max_num_seqs.map_or(String::new(), |rows| format!(", at most {rows} decoding at once (max_num_seqs)"));
+    let mut rows = s.max_num_seqs.map_or(String::new(), |rows| format!(", at most {rows} decoding at once (max_num_seqs)"));
+    if s.group_size > 1 {
+        rows.push_str(&format!(", each question asked by {} episodes", s.group_size));
+    }
     println!(
         "rollout batch {}: {} episodes of {turns} of {} tokens, replies of {} tokens after {} ms; LocalAgent + the episode loop (turn texts forced), prefill passes of at most {} positions{rows}",
         s.batch, s.episodes, s.turn_tokens, s.reply_tokens, s.latency_ms, s.max_num_batched_tokens
@@ -956,8 +1008,9 @@ pub fn print(stats: &RolloutStats) {
         100.0 * t.agent_outside_steps,
         100.0 * t.waiting
     );
+    let shared = if s.share_prefixes { format!(" ({:.0} more taken from prefixes other episodes computed)", s.shared_prefix_tokens_per_episode) } else { " (no prefix shared)".to_string() };
     println!(
-        "  per episode: {:.0} prefill tokens for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions ({:.0} MiB){}",
+        "  per episode: {:.0} prefill tokens{shared} for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions ({:.0} MiB){}",
         s.prefill_tokens_per_episode,
         s.context_tokens_per_episode,
         s.non_agent_context_tokens_per_episode,
@@ -987,6 +1040,16 @@ pub fn print(stats: &RolloutStats) {
         println!(
             "  GPU memory (CubeCL's pool, MiB in use / reserved): pure decode {:.0} / {:.0}, re-prefilling {:.0} / {:.0}, kept caches {:.0} / {:.0}",
             m.decode_in_use_mib, m.decode_reserved_mib, m.reprefill_in_use_mib, m.reprefill_reserved_mib, m.kept_in_use_mib, m.kept_reserved_mib
+        );
+    }
+    if let Some(u) = &s.unshared {
+        println!(
+            "  without shared prefixes (share_prefixes = false): {:.1} agent tokens/s, {:.0} prefill tokens per episode, peak KV {} positions; sharing is {:.2}x faster; tokens {} the sharing rollout's",
+            u.agent_tokens_per_second,
+            u.prefill_tokens_per_episode,
+            u.peak_kv_positions,
+            u.shared_over_unshared,
+            if u.same_tokens { "equal to" } else { "DIFFER from" }
         );
     }
     if let Some(rate) = s.turn_by_turn_agent_tokens_per_second {
@@ -1117,6 +1180,9 @@ mod tests {
             varied_turns: false,
             kv_budget: None,
             max_num_seqs: None,
+            share_prefixes: true,
+            unshared: false,
+            group_size: 1,
         }
     }
 
@@ -1169,7 +1235,7 @@ mod tests {
         assert!((0..episodes).all(|i| episode_turns(turns, false, i) == turns));
         let mut agent = ForcedCalls::new(Fixed { prompt: 10, turn: 3 }, turns).with_varied_turns(true);
         for admission in [Admission::Batches(5), Admission::Continuous(4)] {
-            let trajectories = run_episodes_admitted(&mut agent, &env, &questions(episodes), &episode_config(&settings), admission, &mut NoObserver);
+            let trajectories = run_episodes_admitted(&mut agent, &env, &questions(episodes, 1), &episode_config(&settings), admission, &mut NoObserver);
             for (i, t) in trajectories.iter().enumerate() {
                 assert_eq!(t.stop_reason, StopReason::Answer, "episode {i}: {:?}", t.error);
                 assert_eq!((t.turns.len(), t.env_calls), (drawn[i], drawn[i] - 1), "episode {i}, {admission:?}");
@@ -1201,7 +1267,7 @@ mod tests {
         let trajectories = env::run_episodes(
             &mut agent,
             &env,
-            &questions(batch),
+            &questions(batch, 1),
             &episode_config(&settings),
         );
         assert_eq!(trajectories.len(), batch);
