@@ -594,6 +594,39 @@ fn eval_with_the_local_agent_and_every_mode() {
         check_trajectory(&row["trajectory"]);
     }
     assert_eq!(metrics(&agent_out)["overall"]["n"], 3);
+    // Two places for three questions: continuously (the default) the third begins as soon as
+    // one ends, in batches once both have; the greedy answers are the same either way.
+    let by_id = |rows: &[Value]| -> std::collections::BTreeMap<String, (Value, Value)> {
+        rows.iter().map(|r| (format!("{}/{}", r["data_source"], r["id"]), (r["prediction"].clone(), r["trajectory"]["token_ids"].clone()))).collect()
+    };
+    let mut answers = Vec::new();
+    for admission in ["continuous", "batches"] {
+        let admission_out = out(admission);
+        ok(&with(
+            &[
+                "eval",
+                "--data",
+                data,
+                "--out",
+                admission_out.to_str().unwrap(),
+                "--agent",
+                model,
+                "--max-turn-tokens",
+                "32",
+                "--batch-size",
+                "2",
+                "--admission",
+                admission,
+            ],
+            &env,
+        ));
+        let admission_rows = rows(&admission_out);
+        assert_eq!(admission_rows.len(), 3, "--admission {admission}");
+        check_rows(&admission_rows, "agent");
+        answers.push(by_id(&admission_rows));
+    }
+    assert_eq!(answers[0], answers[1], "continuous admission answers as batches do");
+    assert_eq!(answers[0], by_id(&agent_rows), "and as all three at once");
 
     for mode in ["direct", "cot"] {
         let mode_out = out(mode);

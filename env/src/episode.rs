@@ -80,6 +80,12 @@ pub trait EpisodeObserver {
     fn turn_finished(&mut self, _episode: usize, _turn: &TurnRecord) {}
     /// An episode is over.
     fn episode_finished(&mut self, _episode: usize, _trajectory: &Trajectory) {}
+    /// Whether episodes not begun yet may begin; `false` (e.g. their results could not be
+    /// kept): the run ends once the episodes in flight have, and the others come back
+    /// unfinished.
+    fn admits_more(&self) -> bool {
+        true
+    }
 }
 
 /// An observer that ignores everything.
@@ -189,7 +195,7 @@ where
                 }
             };
             if active.is_empty() {
-                if run.begun == episodes.len() {
+                if run.begun == episodes.len() || !run.observer.admits_more() {
                     break;
                 }
                 continue;
@@ -263,6 +269,7 @@ impl<A: Agent + ?Sized> Run<'_, A> {
     fn can_admit(&self, episodes: &[Episode]) -> bool {
         let running = episodes[..self.begun].iter().filter(|e| e.is_running()).count();
         self.begun < episodes.len()
+            && self.observer.admits_more()
             && match self.admission {
                 Admission::Batches(_) => running == 0,
                 Admission::Continuous(n) => running < n.max(1),
@@ -563,7 +570,7 @@ impl<A: Agent + ?Sized> Run<'_, A> {
                     for episode in episodes[..self.begun].iter_mut().filter(|e| e.is_running()) {
                         self.finish(episode, StopReason::AgentFailure, None, Some("the agent returned no result for this episode's turn".into()));
                     }
-                    if self.begun == episodes.len() {
+                    if self.begun == episodes.len() || !self.observer.admits_more() {
                         break;
                     }
                     continue;

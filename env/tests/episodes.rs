@@ -970,3 +970,42 @@ fn an_episode_the_agent_drops_ends_as_a_failure() {
     assert_eq!(reasons, vec![StopReason::Answer, StopReason::AgentFailure, StopReason::Answer, StopReason::AgentFailure]);
     assert_eq!(trajectories[1].error.as_deref(), Some("the agent returned no result for this episode's turn"));
 }
+
+/// Stops admitting episodes after the first has finished (as `eval` does once a result cannot
+/// be written).
+struct StopsAfterOne(usize);
+
+impl prompt_r1_env::EpisodeObserver for StopsAfterOne {
+    fn episode_finished(&mut self, _episode: usize, _trajectory: &Trajectory) {
+        self.0 += 1;
+    }
+
+    fn admits_more(&self) -> bool {
+        self.0 == 0
+    }
+}
+
+/// An observer that admits no more episodes ends the run once those in flight have ended,
+/// in both loops and under both admissions; the episodes never begun come back unfinished.
+#[test]
+fn an_observer_can_stop_further_episodes() {
+    let scripts: Vec<(&str, Vec<Scripted>)> = ["What is A?", "What is B?", "What is C?", "What is D?", "What is E?"].iter().map(|&q| (q, vec![turn(T3)])).collect();
+    let questions: Vec<&str> = scripts.iter().map(|s| s.0).collect();
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("reply".to_string()));
+    for admission in [Admission::Continuous(2), Admission::Batches(2)] {
+        for continuous in [false, true] {
+            let mut observer = StopsAfterOne(0);
+            let trajectories = if continuous {
+                let mut agent = OneAtATime { inner: ScriptedAgent::new(&scripts), refuse: "", in_turn: Vec::new(), began: Default::default() };
+                run_episodes_admitted(&mut agent, &env, &questions, &EpisodeConfig::default(), admission, &mut observer)
+            } else {
+                run_episodes_admitted(&mut ScriptedAgent::new(&scripts), &env, &questions, &EpisodeConfig::default(), admission, &mut observer)
+            };
+            let answered = trajectories.iter().filter(|t| t.stop_reason == StopReason::Answer).count();
+            let what = format!("{admission:?}, continuous {continuous}");
+            assert_eq!(answered, observer.0, "{what}: every episode begun finished");
+            assert!((1..=2).contains(&answered), "{what}: only the episodes in flight ran: {answered}");
+            assert!(trajectories[answered..].iter().all(|t| t.token_ids.is_empty()), "{what}");
+        }
+    }
+}

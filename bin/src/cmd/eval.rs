@@ -13,8 +13,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args as ClapArgs, ValueEnum};
 use data::{Example, OnBadRow};
 use env::{
-    run_episodes_observed, ChatMessage, EnvError, Environment, EpisodeObserver, ParallelRunner,
-    Trajectory,
+    run_episodes_admitted, Admission, ChatMessage, EnvError, Environment, EpisodeObserver,
+    ParallelRunner, Trajectory,
 };
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -25,8 +25,8 @@ use predictions::{key_of, PredictionsFile, Row};
 
 /// Evaluate on datasets: predictions.jsonl, metrics.json and the metrics table.
 ///
-/// Every question of the --data files (CSV, JSONL or verl parquet) is answered in batches of
-/// --batch-size; each answer is appended to OUT/predictions.jsonl as one line
+/// Every question of the --data files (CSV, JSONL or verl parquet) is answered, --batch-size at a
+/// time (with the agent: the next question beginning as soon as one ends); each answer is appended to OUT/predictions.jsonl as one line
 /// {"id", "data_source", "question", "prediction", "answers", "mode", "stop_reason", "failed",
 /// "error", "trajectory"} as soon as it is done. Run the same command again to resume: rows
 /// already in the file are not redone (failed ones are). The end prints
@@ -59,6 +59,12 @@ pub struct Args {
     /// large LLM in parallel).
     #[arg(long, value_name = "B", default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..))]
     pub batch_size: u64,
+    /// When the agent's next questions begin: `continuous` (as soon as one ends, at most
+    /// --batch-size in flight, as an inference engine admits requests) or `batches` (--batch-size
+    /// at a time, each batch waiting for its longest episode). Greedy answers are the same
+    /// either way.
+    #[arg(long, value_enum, default_value = "continuous")]
+    pub admission: EvalAdmission,
     /// all-MiniLM-L6-v2 folder (config.json, tokenizer.json, model.safetensors): adds SSim.
     #[arg(long, value_name = "DIR")]
     pub ssim_model: Option<PathBuf>,
@@ -324,10 +330,18 @@ fn run_agent(
             counts: RunCounts::default(),
             error: None,
         };
-        for batch in todo.chunks(batch_size) {
+        let batches = match args.admission {
+            EvalAdmission::Batches => todo.chunks(batch_size).collect(),
+            EvalAdmission::Continuous => vec![todo],
+        };
+        for batch in batches {
             writer.batch = batch;
             let questions: Vec<&str> = batch.iter().map(|e| e.question()).collect();
-            run_episodes_observed(agent, env.as_ref(), &questions, &config, &mut writer);
+            let admission = match args.admission {
+                EvalAdmission::Batches => Admission::Batches(batch_size),
+                EvalAdmission::Continuous => Admission::Continuous(batch_size),
+            };
+            run_episodes_admitted(agent, env.as_ref(), &questions, &config, admission, &mut writer);
             if let Some(err) = writer.error.take() {
                 return Err(err);
             }
@@ -336,7 +350,15 @@ fn run_agent(
     })
 }
 
-/// Writes each episode's row as soon as the episode ends.
+/// When `eval`'s agent episodes begin (see [`Args::admission`]).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EvalAdmission {
+    Continuous,
+    Batches,
+}
+
+/// Writes each episode's row as soon as the episode ends; once a row cannot be written, no
+/// further episode begins.
 struct RowWriter<'a> {
     mode: Mode,
     batch: &'a [&'a Example],
@@ -358,6 +380,10 @@ impl EpisodeObserver for RowWriter<'_> {
                 self.error.get_or_insert(err);
             }
         }
+    }
+
+    fn admits_more(&self) -> bool {
+        self.error.is_none()
     }
 }
 
