@@ -29,7 +29,8 @@
 //! cache takes the indexed blocks its tokens begin with (counted, not copied) and prefills only
 //! the rest. A shared block is full, so no sequence writes to it; it is freed when its last
 //! holder lets it go. Among sequences joining together whose common prefix is not cached yet,
-//! the first joins alone and the others join at the next step, over its blocks. A decoder that
+//! the first joins alone and the others (and those queued behind them) join at the next step,
+//! over its blocks. A decoder that
 //! shares prefixes must run one model: the blocks hold that model's keys and values.
 //!
 //! Each pass's rows attend to their own slots: the CPU kernels read them in place, burn's ops
@@ -597,9 +598,16 @@ impl<B: Backend> Decoder<B> {
         self.sequences.iter().filter(move |(id, s)| !except.contains(id) && s.place != Place::Running)
     }
 
-    /// Blocks held by sequences out of the batch not among `except`, and by nothing else.
-    fn evictable_blocks(&self, except: &[SequenceId]) -> usize {
-        self.out_of_batch(except).map(|(_, s)| s.blocks.iter().filter(|&&b| self.pool.holders[b] == 1).count()).sum()
+    /// Blocks that dropping the caches of the sequences out of the batch (not among `except`)
+    /// would free: those no other sequence holds, `keep` (blocks about to be shared) left out.
+    fn evictable_blocks(&self, except: &[SequenceId], keep: &[usize]) -> usize {
+        let mut held: HashMap<usize, u32> = HashMap::new();
+        for (_, s) in self.out_of_batch(except) {
+            for &b in &s.blocks {
+                *held.entry(b).or_default() += 1;
+            }
+        }
+        held.iter().filter(|&(b, &n)| self.pool.holders[*b] == n && !keep.contains(b)).count()
     }
 
     /// Drops the oldest cache of a sequence out of the batch (parked or waiting) not among
@@ -661,7 +669,8 @@ impl<B: Backend> Decoder<B> {
             let shared = self.shared_prefix(s);
             if self.limits.share_prefixes && s.cached == 0 && self.joins_after(&admitted, &s.tokens, shared.len()) {
                 // It shares more than the indexed blocks with a sequence joining now: it takes
-                // them once they are computed, at the next step.
+                // them once they are computed, at the next step (the sequences behind it wait
+                // with it, in order).
                 break;
             }
             let needed = s.blocks_short_of(s.tokens.len()) - shared.len();
@@ -670,7 +679,7 @@ impl<B: Backend> Decoder<B> {
                     let mut except = admitted.clone();
                     except.push(id);
                     // Parked caches are dropped only when dropping them all would make room.
-                    if taken + needed <= self.blocks_left() + self.evictable_blocks(&except) && self.evict_parked(&except) {
+                    if taken + needed <= self.blocks_left() + self.evictable_blocks(&except, &shared) && self.evict_parked(&except) {
                         continue;
                     }
                     if running + admitted.len() == 0 {

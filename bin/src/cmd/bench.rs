@@ -351,6 +351,9 @@ impl Args {
             unshared: self.rollout_unshared,
             group_size: self.rollout_group_size as usize,
         };
+        if self.rollout_unshared && !self.share_prefixes {
+            eprintln!("note: --rollout-unshared does nothing with --share-prefixes off (every run is unshared)");
+        }
         for &batch in &self.rollout_batch {
             eprintln!("rollout batch {batch}: pure decode, then {} episodes of {} turns...", settings.episodes.unwrap_or(batch), settings.turns);
             reset_peak_rss();

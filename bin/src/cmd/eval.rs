@@ -62,7 +62,7 @@ pub struct Args {
     /// When the agent's next questions begin: `continuous` (as soon as one ends, at most
     /// --batch-size in flight, as an inference engine admits requests) or `batches` (--batch-size
     /// at a time, each batch waiting for its longest episode). Greedy answers are the same
-    /// either way.
+    /// either way, but for ties within floating-point rounding.
     #[arg(long, value_enum, default_value = "continuous")]
     pub admission: EvalAdmission,
     /// all-MiniLM-L6-v2 folder (config.json, tokenizer.json, model.safetensors): adds SSim.
@@ -299,7 +299,11 @@ impl RunCounts {
     }
 }
 
-/// `agent` and `agent-only`: episodes in batches, each row written when its episode ends.
+/// `agent` and `agent-only`: at most `batch_size` episodes in flight, beginning as the
+/// admission says, each row written when its episode ends. Continuously, the questions go to
+/// the episode loop a window of [`WINDOW_BATCHES`] batches at a time, so that the loop holds
+/// that many trajectories at most, not the whole dataset's.
+
 fn run_agent(
     args: &Args,
     todo: &[&Example],
@@ -330,9 +334,9 @@ fn run_agent(
             counts: RunCounts::default(),
             error: None,
         };
-        let batches = match args.admission {
+        let batches: Vec<&[&Example]> = match args.admission {
             EvalAdmission::Batches => todo.chunks(batch_size).collect(),
-            EvalAdmission::Continuous => vec![todo],
+            EvalAdmission::Continuous => todo.chunks(batch_size * WINDOW_BATCHES).collect(),
         };
         for batch in batches {
             writer.batch = batch;
@@ -349,6 +353,11 @@ fn run_agent(
         Ok(writer.counts)
     })
 }
+
+/// Batches of questions per call of the episode loop under continuous admission: the places of
+/// finished episodes are taken at once within a window, and only its last episodes wait for
+/// each other.
+const WINDOW_BATCHES: usize = 32;
 
 /// When `eval`'s agent episodes begin (see [`Args::admission`]).
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

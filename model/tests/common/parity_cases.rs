@@ -621,3 +621,50 @@ fn sequences_share_the_blocks_of_equal_prefixes() {
     assert_eq!(step(&mut decoder), [0, 1, 2, 3]);
     assert_eq!((decoder.stats().shared_prefix_tokens, decoder.stats().prefill_tokens), (0, 4 * 43));
 }
+
+/// Within a KV budget, blocks that parked sequences share count as room: dropping every
+/// holder's cache frees them. Two parked sequences share a 32-position prefix (held once); a new
+/// 60-token sequence needs four blocks where one is free, so both parked caches are dropped
+/// (their own blocks and the shared ones) rather than the new sequence refused as too large for
+/// the budget; the parked two come back, share again, and every row equals recomputation.
+#[test]
+fn a_kv_budget_counts_shared_blocks_as_room() {
+    use prompt_r1_model::qwen3::BLOCK_SIZE;
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    let vocab = model.config.vocab_size as u32;
+    let common: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % vocab).collect();
+    let budget = 6 * BLOCK_SIZE;
+    let mut decoder = Decoder::<B>::new(DecoderLimits { kv_budget: Some(budget), share_prefixes: true, ..DecoderLimits::default() });
+    for id in 0..2u64 {
+        decoder.add(&model, id, common.iter().chain(&[1 + id as u32, 2, 3]).copied().collect()).unwrap();
+    }
+    let mut worst = 0.0f32;
+    while decoder.stats().prefill_tokens < 43 + 11 {
+        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+            decoder.accept(id, token).unwrap();
+            decoder.park(id).unwrap();
+        }
+    }
+    // Two shared blocks, each sequence's third, the scratch block.
+    assert_eq!(decoder.kv_positions_in_use(), 5 * BLOCK_SIZE);
+    decoder.add(&model, 2, (0..60).map(|i| (i * 17 + 3) % vocab).collect()).unwrap();
+    for _ in 0..3 {
+        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+            decoder.accept(id, token).unwrap();
+        }
+        assert!(decoder.kv_positions() <= budget, "{} held over {budget}", decoder.kv_positions());
+    }
+    assert_eq!(decoder.stats().evictions, 2, "{:?}", decoder.stats());
+    decoder.finish(2);
+    decoder.extend(&model, 0, &[4]).unwrap();
+    decoder.extend(&model, 1, &[5]).unwrap();
+    for _ in 0..3 {
+        for (id, token) in checked_step(&model, &mut decoder, &mut worst) {
+            decoder.accept(id, token).unwrap();
+        }
+        assert!(decoder.kv_positions() <= budget, "{} held over {budget}", decoder.kv_positions());
+    }
+    assert_eq!(decoder.stats().shared_prefix_tokens, 2 * 2 * BLOCK_SIZE as u64, "shared before and after the evictions");
+    assert!(worst < ATOL, "logits differ from recomputation by {worst}");
+}

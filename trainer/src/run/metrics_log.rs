@@ -80,7 +80,9 @@ pub struct StepRecord {
     pub prefill_tokens: u64,
     /// Context positions the rollouts took from KV blocks other episodes had computed instead of
     /// prefilling them (`rollout.share_prefixes`: prompts' common prefixes). With
-    /// `perf/prefill_tokens` and the agent's decoded tokens they make up `perf/context_tokens`.
+    /// `perf/prefill_tokens` and the agent's decoded tokens they make up about
+    /// `perf/context_tokens` (each episode's last token is never fed; a preempted episode is fed
+    /// again).
     #[serde(rename = "perf/shared_prefix_tokens", default)]
     pub shared_prefix_tokens: u64,
     /// Tokens of the rollouts' contexts at their end: prompts, agent and environment tokens.
