@@ -795,9 +795,13 @@ pub fn measure<B: Backend>(
         .fold((0usize, 0usize), |(sum, n), p| (sum + p, n + 1));
     let mean_context = positions as f64 / agent_tokens_in_context.max(1) as f64;
     let context_prompt = ((mean_context - (new_tokens / 2) as f64).round().max(0.0) as usize).max(DECODE_PROMPT);
+    let sources: Vec<&[u32]> = trajectories.iter().map(|t| t.token_ids.as_slice()).filter(|ids| !ids.is_empty()).collect();
+    if sources.is_empty() {
+        bail!("no episode of the rollout recorded a token");
+    }
     let context_prompts: Vec<Vec<u32>> = (0..decode_rows)
         .map(|r| {
-            let source = &trajectories[r % trajectories.len()].token_ids;
+            let source = sources[r % sources.len()];
             (0..context_prompt).map(|i| source[(i + r % 8) % source.len()]).collect()
         })
         .collect();
