@@ -26,9 +26,9 @@ use predictions::{key_of, PredictionsFile, Row};
 /// Evaluate on datasets: predictions.jsonl, metrics.json and the metrics table.
 ///
 /// Every question of the --data files (CSV, JSONL or verl parquet) is answered, --batch-size at a
-/// time (with the agent: the next question beginning as soon as one ends); each answer is appended to OUT/predictions.jsonl as one line
-/// {"id", "data_source", "question", "prediction", "answers", "mode", "stop_reason", "failed",
-/// "error", "trajectory"} as soon as it is done. Run the same command again to resume: rows
+/// time (with the agent: the next question beginning as soon as one ends); each answer is
+/// appended to OUT/predictions.jsonl as one line {"id", "data_source", "question", "prediction",
+/// "answers", "mode", "stop_reason", "failed", "error", "trajectory"} as soon as it is done. Run the same command again to resume: rows
 /// already in the file are not redone (failed ones are). The end prints
 /// EM, SM, F1 (and SSim with --ssim-model) ×100 per data source and their mean, also written to
 /// OUT/metrics.json, and laid out like the paper's Tables 1 and 2 (each data set with the
@@ -303,7 +303,6 @@ impl RunCounts {
 /// admission says, each row written when its episode ends. Continuously, the questions go to
 /// the episode loop a window of [`WINDOW_BATCHES`] batches at a time, so that the loop holds
 /// that many trajectories at most, not the whole dataset's.
-
 fn run_agent(
     args: &Args,
     todo: &[&Example],
@@ -334,17 +333,13 @@ fn run_agent(
             counts: RunCounts::default(),
             error: None,
         };
-        let batches: Vec<&[&Example]> = match args.admission {
-            EvalAdmission::Batches => todo.chunks(batch_size).collect(),
-            EvalAdmission::Continuous => todo.chunks(batch_size * WINDOW_BATCHES).collect(),
+        let (batches, admission): (Vec<&[&Example]>, _) = match args.admission {
+            EvalAdmission::Batches => (todo.chunks(batch_size).collect(), Admission::Batches(batch_size)),
+            EvalAdmission::Continuous => (todo.chunks(batch_size * WINDOW_BATCHES).collect(), Admission::Continuous(batch_size)),
         };
         for batch in batches {
             writer.batch = batch;
             let questions: Vec<&str> = batch.iter().map(|e| e.question()).collect();
-            let admission = match args.admission {
-                EvalAdmission::Batches => Admission::Batches(batch_size),
-                EvalAdmission::Continuous => Admission::Continuous(batch_size),
-            };
             run_episodes_admitted(agent, env.as_ref(), &questions, &config, admission, &mut writer);
             if let Some(err) = writer.error.take() {
                 return Err(err);
