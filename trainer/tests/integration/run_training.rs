@@ -70,8 +70,10 @@ fn the_policy_learns_with_bf16_products() {
     assert!(last - first > 0.15, "first {first}, last {last}");
     assert!(records.iter().all(|r| r.optimizer_steps == 1 && r.policy.approx_kl == 0.0 && r.policy.clip_frac == 0.0));
     assert_eq!(trainer.policy().model.compute.matmul, MatmulPrecision::Bf16, "the optimiser keeps the setting");
-    // Every context token that the agent did not sample went through prefill at least once.
-    assert!(records.iter().all(|r| r.prefill_tokens > 0 && r.prefill_tokens + r.agent_tokens as u64 >= r.context_tokens));
+    // Every context token that the agent did not sample went through prefill at least once, or
+    // came from another episode's blocks (the group's shared prompt).
+    assert!(records.iter().all(|r| r.prefill_tokens > 0 && r.prefill_tokens + r.shared_prefix_tokens + r.agent_tokens as u64 >= r.context_tokens));
+    assert!(records.iter().all(|r| r.shared_prefix_tokens > 0), "a group's episodes share their prompt");
 }
 
 /// Training 4 steps equals training 2, saving, starting a new trainer from the checkpoint and
