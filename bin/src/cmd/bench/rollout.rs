@@ -743,10 +743,10 @@ pub fn measure<B: Backend>(
             over_batches: run_rate / rate,
         }
     });
-    if turn_by_turn.as_ref().is_some_and(|t| t.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids))) {
+    if turn_by_turn.as_ref().is_some_and(|t| !same_tokens(&t.trajectories, &trajectories)) {
         eprintln!("the episodes differ between continuous batching and turn by turn");
     }
-    if before.trajectories.iter().map(|t| &t.token_ids).ne(trajectories.iter().map(|t| &t.token_ids)) {
+    if !same_tokens(&before.trajectories, &trajectories) {
         eprintln!("the episodes differ between re-prefilling and kept caches");
     }
     let unexpected = trajectories
@@ -808,10 +808,6 @@ pub fn measure<B: Backend>(
     let context_decode_seconds = pure_decode_seconds(model, &context_prompts, new_tokens, &sampling, settings.runs)?;
     let context_decode_rate = (decode_rows * (new_tokens - 1)) as f64 / context_decode_seconds;
     let context: usize = trajectories.iter().map(|t| t.token_ids.len()).sum();
-    let agent_in_context: usize = trajectories
-        .iter()
-        .map(|t| t.loss_mask.iter().filter(|&&m| m == 1).count())
-        .sum();
     let per_episode = |n: usize| n as f64 / episodes as f64;
     Ok(RolloutStats {
         batch,
@@ -844,7 +840,7 @@ pub fn measure<B: Backend>(
         attention_columns_per_token: decoder.attention_columns as f64 / (decoder.decoded + prefill_tokens as u64).max(1) as f64,
         rows_per_step: steps.rows_per_step(decoder.decoded),
         context_tokens_per_episode: per_episode(context),
-        non_agent_context_tokens_per_episode: per_episode(context - agent_in_context),
+        non_agent_context_tokens_per_episode: per_episode(context - agent_tokens_in_context),
         turns_stopped_early: counts.stopped_early,
         env_calls,
         unexpected_endings: unexpected,
@@ -867,13 +863,16 @@ pub fn measure<B: Backend>(
         device_memory,
         workers,
         continuous_admission,
-        unshared: unshared.map(|run| Unshared {
-            seconds: run.seconds,
-            agent_tokens_per_second: run.counts.agent_tokens as f64 / run.seconds,
-            prefill_tokens_per_episode: per_episode(run.prefill_tokens),
-            peak_kv_positions: run.decoder.peak_kv_positions,
-            shared_over_unshared: rate / (run.counts.agent_tokens as f64 / run.seconds),
-            same_tokens: run.trajectories.iter().map(|t| &t.token_ids).eq(trajectories.iter().map(|t| &t.token_ids)),
+        unshared: unshared.map(|run| {
+            let unshared_rate = run.counts.agent_tokens as f64 / run.seconds;
+            Unshared {
+                seconds: run.seconds,
+                agent_tokens_per_second: unshared_rate,
+                prefill_tokens_per_episode: per_episode(run.prefill_tokens),
+                peak_kv_positions: run.decoder.peak_kv_positions,
+                shared_over_unshared: rate / unshared_rate,
+                same_tokens: same_tokens(&run.trajectories, &trajectories),
+            }
         }),
     })
 }
@@ -916,7 +915,7 @@ fn on_workers(
         agent_tokens,
         agent_tokens_per_second: rate,
         over_local: rate / local_rate,
-        same_tokens_as_local: trajectories.iter().map(|t| &t.token_ids).eq(local.iter().map(|t| &t.token_ids)),
+        same_tokens_as_local: same_tokens(&trajectories, local),
         retries: pool.retries(),
     })
 }
@@ -1110,6 +1109,11 @@ fn pure_decode_seconds<B: Backend>(
         generate(model, prompts, &decode)?;
         Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
     })
+}
+
+/// Whether two runs of the same episodes sampled the same tokens, episode by episode.
+fn same_tokens(a: &[Trajectory], b: &[Trajectory]) -> bool {
+    a.iter().map(|t| &t.token_ids).eq(b.iter().map(|t| &t.token_ids))
 }
 
 /// The median of `runs` calls of `time`.
