@@ -12,7 +12,7 @@ use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorI
 use crate::DeviceKernels;
 
 impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
-    fn paged_decode(
+    fn paged_attention(
         query: FloatTensor<Self>,
         keys: FloatTensor<Self>,
         values: FloatTensor<Self>,
@@ -22,26 +22,26 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
     ) -> FloatTensor<Self> {
         let client = query.client.clone();
         let streams = OperationStreams::with_inputs([&query, &keys, &values, &read, &valid]);
-        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(query.shape.dims::<3>()), query.dtype);
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(query.shape.dims::<4>()), query.dtype);
         let inputs = [query.into_ir(), keys.into_ir(), values.into_ir(), read.into_ir(), valid.into_ir()];
-        let desc = CustomOpIr::new("paged_decode_attention", &inputs, &[output]);
-        let op = PagedDecodeOp::<B> { desc: desc.clone(), scale, backend: PhantomData };
+        let desc = CustomOpIr::new("paged_attention", &inputs, &[output]);
+        let op = PagedAttentionOp::<B> { desc: desc.clone(), scale, backend: PhantomData };
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 }
 
-/// [`DeviceKernels::paged_decode`] waiting in the fusion stream.
+/// [`DeviceKernels::paged_attention`] waiting in the fusion stream.
 #[derive(Debug)]
-struct PagedDecodeOp<B> {
+struct PagedAttentionOp<B> {
     desc: CustomOpIr,
     scale: f32,
     backend: PhantomData<fn() -> B>,
 }
 
-impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for PagedDecodeOp<B> {
+impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for PagedAttentionOp<B> {
     fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
         let ([query, keys, values, read, valid], [output]) = self.desc.as_fixed();
-        let result = B::paged_decode(
+        let result = B::paged_attention(
             handles.get_float_tensor::<B>(query),
             handles.get_float_tensor::<B>(keys),
             handles.get_float_tensor::<B>(values),

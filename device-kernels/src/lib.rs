@@ -1,6 +1,6 @@
 //! CubeCL kernels for the model's GPU path, lent through [`model::device_kernels`]: the
-//! attention of a decoding step read in place from the paged KV cache
-//! ([`paged_decode`]), so that burn's ops need not gather each layer's
+//! attention of a pass over the paged KV cache (a decoding step or a prefill chunk) read in
+//! place from its pools ([`paged_attention`]), so that burn's ops need not gather each layer's
 //! `[rows, kv_heads, width, head_dim]` keys and values first. They run on any CubeCL runtime
 //! (CUDA; wgpu, where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a
 //! custom operation in the fusion stream) or not.
@@ -8,18 +8,19 @@
 //! A binary calls [`register`] for each backend it runs on.
 
 mod fusion;
-pub mod paged_decode;
+pub mod paged_attention;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
-use model::device_kernels::{register_paged_decode, PagedDecode};
+use model::device_kernels::{register_paged_attention, PagedAttention};
 
-/// A backend that computes [`PagedDecode`] with a kernel of this crate.
+/// A backend that computes [`PagedAttention`] with a kernel of this crate.
 pub trait DeviceKernels: Backend {
-    /// [`PagedDecode`] on primitives: `query` `[rows, heads, d]`, pools `[kv_heads, slots, d]`,
-    /// `read` `[rows · width]`, `valid` `[rows, width]`; `[rows, heads, d]`.
-    fn paged_decode(
+    /// [`PagedAttention`] on primitives: `query` `[rows, queries, heads, d]`, pools
+    /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;
+    /// `[rows, queries, heads, d]`.
+    fn paged_attention(
         query: FloatTensor<Self>,
         keys: FloatTensor<Self>,
         values: FloatTensor<Self>,
@@ -31,12 +32,12 @@ pub trait DeviceKernels: Backend {
 
 /// Lends the model this crate's kernels on backend `B` (idempotent).
 pub fn register<B: DeviceKernels>() {
-    register_paged_decode::<B>(run_paged_decode::<B>);
+    register_paged_attention::<B>(run_paged_attention::<B>);
 }
 
-fn run_paged_decode<B: DeviceKernels>(step: PagedDecode<B>) -> Tensor<B, 3> {
-    let PagedDecode { query, keys, values, read, valid, scale } = step;
-    let output = B::paged_decode(
+fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+    let PagedAttention { query, keys, values, read, valid, scale } = pass;
+    let output = B::paged_attention(
         query.into_primitive().tensor(),
         keys.into_primitive().tensor(),
         values.into_primitive().tensor(),
@@ -47,7 +48,7 @@ fn run_paged_decode<B: DeviceKernels>(step: PagedDecode<B>) -> Tensor<B, 3> {
     Tensor::from_primitive(TensorPrimitive::Float(output))
 }
 
-/// FNV-1a of `source`, folded to 32 bits: a kernel's revision (see `paged_decode::REVISION`).
+/// FNV-1a of `source`, folded to 32 bits: a kernel's revision (see `paged_attention::REVISION`).
 const fn source_revision(source: &[u8]) -> u32 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     let mut i = 0;

@@ -1,6 +1,6 @@
 //! Kernels a GPU backend lends the model, found by the backend's type (as the autodiff
 //! attention nodes are): the model stays generic over its backend and never names a GPU crate.
-//! A binary registers what its backends offer ([`register_paged_decode`]; the
+//! A binary registers what its backends offer ([`register_paged_attention`]; the
 //! `prompt-r1-device-kernels` crate has one for CubeCL's backends, fused or not); where nothing
 //! is registered, or a pass is not one a kernel takes, the model computes with burn's ops.
 
@@ -11,13 +11,15 @@ use std::sync::{OnceLock, RwLock};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-/// One decoding step's attention over a paged KV cache: each row's single query attends to
-/// the slots its read table names, with no gather of `[rows, kv_heads, width, head_dim]`.
+/// One pass's attention over a paged KV cache, a decoding step's or a prefill chunk's: each
+/// row's queries attend to the slots its read table names, with no gather of
+/// `[rows, kv_heads, width, head_dim]`. A row's queries are its last `queries` columns, causal:
+/// query `i` sees the valid columns up to `width − queries + i`.
 #[derive(Debug, Clone)]
-pub struct PagedDecode<B: Backend> {
-    /// `[rows, heads, head_dim]`, after RoPE; query head `h` reads key-value head
+pub struct PagedAttention<B: Backend> {
+    /// `[rows, queries, heads, head_dim]`, after RoPE; query head `h` reads key-value head
     /// `h / (heads / kv_heads)`.
-    pub query: Tensor<B, 3>,
+    pub query: Tensor<B, 4>,
     /// A layer's pool of keys, `[kv_heads, slots, head_dim]`, in the query's dtype.
     pub keys: Tensor<B, 3>,
     /// A layer's pool of values, `[kv_heads, slots, head_dim]`.
@@ -25,34 +27,34 @@ pub struct PagedDecode<B: Backend> {
     /// `[rows · width]`: column `c` of row `r` reads slot `read[r · width + c]`.
     pub read: Tensor<B, 1, Int>,
     /// `[rows, width]`, f32: 1 where a column is a key the row attends to, 0 where it is
-    /// padding. A row with no key (a padding query of a prefill cut into one-token chunks) gets
+    /// padding. A query with no key to see (a padding query of a left-padded prefill) gets
     /// zeros, which only its scratch slot receives.
     pub valid: Tensor<B, 2>,
     /// The factor on `q · k` (`head_dim^-0.5`).
     pub scale: f32,
 }
 
-/// A kernel computing [`PagedDecode`]: `softmax(q · Kᵀ · scale) V` over each row's valid
-/// columns, `[rows, heads, head_dim]` in the query's dtype.
-pub type PagedDecodeFn<B> = fn(PagedDecode<B>) -> Tensor<B, 3>;
+/// A kernel computing [`PagedAttention`]: `softmax(q · Kᵀ · scale) V` over each query's
+/// columns, `[rows, queries, heads, head_dim]` in the query's dtype.
+pub type PagedAttentionFn<B> = fn(PagedAttention<B>) -> Tensor<B, 4>;
 
-/// Lets `kernel` compute [`PagedDecode`] on backend `B` from now on, for the whole process
+/// Lets `kernel` compute [`PagedAttention`] on backend `B` from now on, for the whole process
 /// (replacing an earlier one).
-pub fn register_paged_decode<B: Backend>(kernel: PagedDecodeFn<B>) {
+pub fn register_paged_attention<B: Backend>(kernel: PagedAttentionFn<B>) {
     let entry: Box<dyn Any + Send + Sync> = Box::new(kernel);
     registry().write().expect("registry lock").insert(TypeId::of::<B>(), entry);
 }
 
-/// The [`PagedDecode`] kernel registered for backend `B`.
-pub fn paged_decode<B: Backend>() -> Option<PagedDecodeFn<B>> {
+/// The [`PagedAttention`] kernel registered for backend `B`.
+pub fn paged_attention<B: Backend>() -> Option<PagedAttentionFn<B>> {
     registry()
         .read()
         .expect("registry lock")
         .get(&TypeId::of::<B>())
-        .and_then(|entry| entry.downcast_ref::<PagedDecodeFn<B>>().copied())
+        .and_then(|entry| entry.downcast_ref::<PagedAttentionFn<B>>().copied())
 }
 
-/// Kernels by the backend's type; each value is a `PagedDecodeFn` of that backend.
+/// Kernels by the backend's type; each value is a `PagedAttentionFn` of that backend.
 fn registry() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
     static REGISTRY: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
@@ -63,8 +65,8 @@ mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
 
-    fn zeros<B: Backend>(step: PagedDecode<B>) -> Tensor<B, 3> {
-        step.query.zeros_like()
+    fn zeros<B: Backend>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+        pass.query.zeros_like()
     }
 
     /// A kernel is found by the backend it was registered for, and only by that one. (A
@@ -72,9 +74,9 @@ mod tests {
     #[test]
     fn kernels_are_found_by_the_backend_type() {
         type Other = Autodiff<Autodiff<Flex>>;
-        assert!(paged_decode::<Other>().is_none());
-        register_paged_decode::<Other>(zeros::<Other>);
-        assert!(paged_decode::<Other>().is_some());
-        assert!(paged_decode::<Flex>().is_none());
+        assert!(paged_attention::<Other>().is_none());
+        register_paged_attention::<Other>(zeros::<Other>);
+        assert!(paged_attention::<Other>().is_some());
+        assert!(paged_attention::<Flex>().is_none());
     }
 }

@@ -5,9 +5,10 @@
 //! on the CPU), which runs the CUDA backend's CubeCL kernels and fusion, without autotune as the
 //! CUDA build runs; only the final compiler differs (SPIR-V instead of NVRTC).
 //!
-//! On wgpu, decoding steps attend through the paged-decode kernel of `prompt-r1-device-kernels`
-//! (registered for `Vulkan` as the binary registers it for its GPU backends), other passes
-//! through burn's ops over the gathered cache; `paged_decode.rs` checks the kernel alone.
+//! On wgpu, the passes over the KV cache (prefill chunks and decoding steps) attend through the
+//! paged-attention kernel of `prompt-r1-device-kernels` (registered for `Vulkan` as the binary
+//! registers it for its GPU backends), passes without a cache through burn's ops;
+//! `paged_attention.rs` checks the kernel alone.
 //!
 //! One binary, so that burn's wgpu backend and the model's generic code over it are built once:
 //! as three binaries (parity, gradients, training) each took 175–212 s of one core to build.
@@ -27,7 +28,7 @@ mod training_common;
 mod attention;
 mod device_threads;
 mod gradients;
-mod paged_decode;
+mod paged_attention;
 mod parity;
 mod training;
 
@@ -49,7 +50,7 @@ mod common {
         }
         prompt_r1_model::cpu_kernels::set_portable_ops(true);
         configure_cubecl();
-        // As the binary does on a GPU: decoding steps on wgpu read the paged KV cache in place.
+        // As the binary does on a GPU: passes on wgpu read the paged KV cache in place.
         device_kernels::register::<burn_wgpu::Vulkan>();
         crate::model_common::backend_ready::<B>()
     }

@@ -52,8 +52,8 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     pub decode_batch: Vec<usize>,
     /// Prompt tokens of each decode row: the context its decoding steps attend to starts there
-    /// (on a GPU, burn's ops gather it per layer and step; the paged-decode kernel reads it in
-    /// place). Its prefill is not timed.
+    /// (on a GPU, burn's ops gather it per layer and step; the paged-attention kernel reads it
+    /// in place). Its prefill is not timed.
     #[arg(long, default_value_t = DEFAULT_DECODE_CONTEXT)]
     pub decode_context: usize,
     #[command(flatten)]

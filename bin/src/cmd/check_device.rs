@@ -84,9 +84,10 @@ struct Results {
     /// Values whose f32 → bf16 cast on this backend is not the nearest bf16 (ties to even);
     /// `None` on a backend without bf16.
     cast_errors: Option<usize>,
-    /// Whether decoding steps ran through a kernel lent to the model (`model::device_kernels`:
-    /// the GPU builds' paged-decode kernel) rather than burn's ops.
-    paged_decode_kernel: bool,
+    /// Whether the passes over the KV cache (prefill and decoding steps) ran through a kernel
+    /// lent to the model (`model::device_kernels`: the GPU builds' paged-attention kernel)
+    /// rather than burn's ops.
+    paged_attention_kernel: bool,
 }
 
 /// The same fixed inputs for both sides.
@@ -161,7 +162,7 @@ impl<'a> OnBackend for &'a Probe {
             grad_norm,
             ratio_drift,
             cast_errors: if bf16 { Some(cast_errors::<B>(&device)?) } else { None },
-            paged_decode_kernel: model::device_kernels::paged_decode::<B>().is_some(),
+            paged_attention_kernel: model::device_kernels::paged_attention::<B>().is_some(),
         })
     }
 }
@@ -285,8 +286,8 @@ pub fn run(args: Args) -> Result<()> {
             run_on(device, &probe)
         }
     }?;
-    if target.paged_decode_kernel {
-        eprintln!("decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-decode kernel (--device-kernels off: burn's ops)");
+    if target.paged_attention_kernel {
+        eprintln!("the prompt's prefill and the decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-attention kernel (--device-kernels off: burn's ops)");
     }
 
     let relative = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(1e-6);

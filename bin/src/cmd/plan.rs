@@ -81,12 +81,14 @@ fn model_shape(config: &TrainConfig) -> Result<Qwen3Config> {
     Qwen3Config::from_file(&path).with_context(|| format!("the model's shape ({})", path.display()))
 }
 
-/// What the plan assumes of a device: the CPU with or without its kernels, or a GPU.
+/// What the plan assumes of a device: the CPU with or without its kernels, or a GPU with or
+/// without prompt-r1's kernels (`--device-kernels`).
 pub fn plan_device(device: DeviceChoice) -> PlanDevice {
     match device {
         DeviceChoice::Cpu if model::cpu_kernels::portable_ops() => PlanDevice::CpuPortable,
         DeviceChoice::Cpu => PlanDevice::CpuKernels,
-        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::Gpu,
+        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::gpu_options().device_kernels => PlanDevice::Gpu,
+        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::GpuOpsOnly,
     }
 }
 

@@ -115,8 +115,7 @@ pub fn set_gpu_options(options: GpuOptions) {
 }
 
 /// The GPU backends' options: as set, else fusion and our kernels on and the default cache folder.
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
-fn gpu_options() -> GpuOptions {
+pub(crate) fn gpu_options() -> GpuOptions {
     GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: true, kernel_cache: None })
 }
 

@@ -6,8 +6,8 @@
 //! pass names, before it runs ([`KvCache::set_slots`]), the slot each new position goes to and
 //! the slots each row of the batch attends to; each layer writes its new keys and values there,
 //! and its attention reads the rows' slots (in place with the CPU kernels and a GPU backend's
-//! paged-decode kernel, else gathered as `[rows, kv_heads, width, head_dim]`, one layer at a
-//! time). Slot [`SCRATCH_SLOT`] is scratch: padding is written and read there,
+//! paged-attention kernel, else gathered as `[rows, kv_heads, width, head_dim]`, one layer at
+//! a time). Slot [`SCRATCH_SLOT`] is scratch: padding is written and read there,
 //! masked out.
 //! [`crate::decode::Decoder`] keeps the sequences' block tables.
 
@@ -16,7 +16,7 @@ use std::sync::Arc;
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::mask::AttentionMask;
-use crate::device_kernels::{self, PagedDecode};
+use crate::device_kernels::{self, PagedAttention};
 use crate::kernels;
 
 /// Positions per block of the pool.
@@ -89,8 +89,8 @@ impl<B: Backend> LayerKvCache<B> {
 
 /// The keys and values one pass's rows attend to: a layer's pools and the rows' slots. The
 /// CPU kernels attend to them where they lie ([`Self::attention`]), and so does a GPU
-/// backend's kernel in a decoding step ([`Self::decode_attention`]); otherwise
-/// [`Self::gather`] lays them out for burn's ops.
+/// backend's kernel ([`Self::paged_attention`]); otherwise [`Self::gather`] lays them out for
+/// burn's ops.
 #[derive(Debug)]
 pub struct CachedKv<B: Backend> {
     keys: Tensor<B, 3>,
@@ -111,28 +111,26 @@ impl<B: Backend> CachedKv<B> {
         kernels::grouped_attention_paged(query, &self.keys, &self.values, &self.pass.read, Some(SCRATCH_SLOT), bias, scale)
     }
 
-    /// One decoding step's attention (`query` `[b, 1, heads, d]`, one per row) under `mask`,
-    /// read straight from the pools by the device kernel registered for `B`
-    /// ([`device_kernels::paged_decode`]), `[b, 1, heads · d]`; `None` where none is registered
-    /// or the pass has more than one query per row.
-    pub fn decode_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 3>> {
+    /// The pass's attention (`query` `[b, q, heads, d]`: a decoding step's one query a row or
+    /// a prefill chunk's `q`, its rows' last columns) under `mask`, read straight from the
+    /// pools by the device kernel registered for `B` ([`device_kernels::paged_attention`]),
+    /// `[b, q, heads · d]`; `None` where none is registered.
+    pub fn paged_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 3>> {
+        let kernel = device_kernels::paged_attention::<B>()?;
         let [b, q_len, heads, d] = query.dims();
-        if q_len != 1 {
-            return None;
-        }
-        let kernel = device_kernels::paged_decode::<B>()?;
         let width = self.pass.read.len() / self.pass.rows;
         let valid = mask.valid_keys();
         assert_eq!(valid.dims(), [b, width], "the mask's keys are the pass's columns");
-        let step = PagedDecode {
-            query: query.clone().reshape([b, heads, d]),
+        assert_eq!(mask.past(), width - q_len, "the pass's queries are its rows' last columns");
+        let pass = PagedAttention {
+            query: query.clone(),
             keys: self.keys.clone(),
             values: self.values.clone(),
             read: self.pass.read_index.clone(),
             valid,
             scale,
         };
-        Some(kernel(step).reshape([b, 1, heads * d]))
+        Some(kernel(pass).reshape([b, q_len, heads * d]))
     }
 }
 

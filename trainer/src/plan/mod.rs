@@ -57,8 +57,12 @@ pub enum PlanDevice {
     CpuKernels,
     /// burn-flex through burn's portable tensor ops (`PROMPT_R1_PORTABLE_OPS=1`).
     CpuPortable,
-    /// A GPU backend (CUDA, wgpu): burn's portable tensor ops on CubeCL.
+    /// A GPU backend (CUDA, wgpu): burn's portable tensor ops on CubeCL, with prompt-r1's
+    /// paged-attention kernel reading the KV cache in place (the binary's default).
     Gpu,
+    /// A GPU backend with `--device-kernels off`: burn's ops alone, which gather the rows' keys
+    /// and values out of the KV cache a layer at a time.
+    GpuOpsOnly,
 }
 
 /// How the forward pass computes its layers.
@@ -79,7 +83,7 @@ impl PlanDevice {
     pub fn path(self) -> ComputePath {
         match self {
             PlanDevice::CpuKernels => ComputePath::CpuKernels,
-            PlanDevice::CpuPortable | PlanDevice::Gpu => ComputePath::Portable,
+            PlanDevice::CpuPortable | PlanDevice::Gpu | PlanDevice::GpuOpsOnly => ComputePath::Portable,
         }
     }
 
@@ -90,7 +94,7 @@ impl PlanDevice {
     pub fn margin(self) -> f64 {
         match self {
             PlanDevice::CpuKernels | PlanDevice::CpuPortable => 0.2,
-            PlanDevice::Gpu => 0.1,
+            PlanDevice::Gpu | PlanDevice::GpuOpsOnly => 0.1,
         }
     }
 
@@ -100,7 +104,7 @@ impl PlanDevice {
     fn runtime(self) -> u64 {
         match self {
             PlanDevice::CpuKernels | PlanDevice::CpuPortable => 20 << 20,
-            PlanDevice::Gpu => 512 << 20,
+            PlanDevice::Gpu | PlanDevice::GpuOpsOnly => 512 << 20,
         }
     }
 }
@@ -327,6 +331,12 @@ impl PlanSettings {
     /// implementations as burn's tensor ops. Inference passes take the device's path
     /// ([`PlanDevice::path`]: the CPU kernel serves bf16 activations there), the update
     /// [`Self::path`].
+    /// Whether the rollouts' passes over the KV cache attend through the GPU's paged-attention
+    /// kernel (the memory-efficient attention on a GPU with prompt-r1's kernels).
+    fn paged_attention_kernel(&self) -> bool {
+        self.device == PlanDevice::Gpu && self.attention == AttnImplementation::MemoryEfficient
+    }
+
     fn attention_path(&self, path: ComputePath) -> AttentionPath {
         match (path, self.attention) {
             (ComputePath::CpuKernels, _) => AttentionPath::CpuKernel,
@@ -854,24 +864,31 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
     };
     terms.push(Term::new(name, positions as f64 * per_position));
     // Burn's ops gather a pass's rows' keys and values one layer at a time (it has no paged
-    // attention); the CPU kernels read them where they lie, and so does the GPU's paged-decode
-    // kernel in a decoding step, but a pass with a prefill still gathers (the peak).
-    if s.device != PlanDevice::CpuKernels {
+    // attention); the CPU kernels and the GPU's paged-attention kernel read them where they lie.
+    let paged_kernel = s.paged_attention_kernel();
+    if s.device != PlanDevice::CpuKernels && !paged_kernel {
         terms.push(Term::new(
             format!("keys and values of one layer gathered for {rows} × {} positions", grouped(s.context)),
             (rows * s.context) as f64 * per_position / m.num_hidden_layers.max(1) as f64,
         ));
     }
     // The decoder cuts a prefill into chunks of `max_batched_tokens / rows` new positions a row;
-    // the last chunk of the longest turn attends over the whole context.
+    // the last chunk of the longest turn attends over the whole context. The GPU's kernel
+    // holds no scores and no mask beyond a row of valid keys.
     let chunk = (s.rollout.max_batched_tokens / rows).clamp(1, s.context.max(1));
+    let (rows_f, chunk_f) = (rows as f64, chunk as f64);
+    let prefill = if paged_kernel {
+        forward_activations(s, rows_f, chunk_f, act)
+    } else {
+        inference_forward(s, rows_f, chunk_f, s.context as f64, act)
+    };
     terms.push(Term::new(
         format!(
             "prefill pass of {rows} × {} new tokens over {} positions",
             grouped(chunk),
             grouped(s.context)
         ),
-        inference_forward(s, rows as f64, chunk as f64, s.context as f64, act),
+        prefill,
     ));
     Phase {
         name: "rollouts".into(),
@@ -920,15 +937,19 @@ fn scoring_phase(s: &PlanSettings) -> Phase {
 /// activations of `act` bytes: the masks (built once per pass), the RoPE tables, one layer's
 /// temporaries, and attention's transients.
 fn inference_forward(s: &PlanSettings, rows: f64, queries: f64, keys: f64, act: f64) -> f64 {
+    let path = s.device.path();
+    s.masks(path, rows, queries, keys, act)
+        + forward_activations(s, rows, queries, act)
+        + s.attention_transient(path, rows, queries, keys, 2.0) * F32
+}
+
+/// What [`inference_forward`] holds besides attention's masks and transients: the RoPE tables
+/// and one layer's temporaries for `rows × queries` new tokens.
+fn forward_activations(s: &PlanSettings, rows: f64, queries: f64, act: f64) -> f64 {
     let dims = s.dims();
     let tokens = rows * queries;
-    let path = s.device.path();
     let tables = tokens * activations::rotary_tables(dims, s.device == PlanDevice::CpuKernels) * act;
-    let layer = tokens * activations::layer_transient(dims) * act;
-    s.masks(path, rows, queries, keys, act)
-        + tables
-        + layer
-        + s.attention_transient(path, rows, queries, keys, 2.0) * F32
+    tables + tokens * activations::layer_transient(dims) * act
 }
 
 /// Rows of one chunk of logits (`model::logprobs` forms `LOGITS_CHUNK_ELEMENTS` at most).
@@ -1030,7 +1051,7 @@ fn update_parts(s: &PlanSettings) -> UpdateParts {
             0.0
         },
         optimizer: match s.device {
-            PlanDevice::Gpu => 5.0 * largest_trained.max(grads / layers.max(1.0)),
+            PlanDevice::Gpu | PlanDevice::GpuOpsOnly => 5.0 * largest_trained.max(grads / layers.max(1.0)),
             _ => 0.0,
         },
     }
@@ -1047,7 +1068,7 @@ fn embedding_grad_transient(s: &PlanSettings, table: f64) -> f64 {
         PlanDevice::CpuKernels if s.model.tie_word_embeddings && !s.checkpointing => table,
         PlanDevice::CpuKernels => 0.0,
         PlanDevice::CpuPortable => table,
-        PlanDevice::Gpu => 2.0 * table,
+        PlanDevice::Gpu | PlanDevice::GpuOpsOnly => 2.0 * table,
     }
 }
 
@@ -1387,12 +1408,13 @@ mod tests {
         let kv = kv_term(&plan);
         assert_eq!(kv.bytes, 28 * 2 * 1024 * 4576 * 4);
         assert_eq!(kv.name, "KV cache (4 episodes × 1,008 positions, the pool grown by an eighth)");
-        // One layer's keys and values gathered for 4 rows × 1,000 positions.
-        let gathered = plan.phases[0].terms.iter().find(|t| t.name.starts_with("keys and values of one layer")).unwrap();
-        assert_eq!(gathered.bytes, 4 * 1000 * 2 * 1024 * 4);
-        // The CPU kernels read the pool where it lies.
-        let cpu = MemoryPlan::new(PlanSettings { device: PlanDevice::CpuKernels, ..s });
-        assert!(cpu.phases[0].terms.iter().all(|t| !t.name.starts_with("keys and values of one layer")));
+        // burn's ops alone gather one layer's keys and values for 4 rows × 1,000 positions.
+        let gathers = |plan: &MemoryPlan| plan.phases[0].terms.iter().find(|t| t.name.starts_with("keys and values of one layer")).map(|t| t.bytes);
+        let ops_only = MemoryPlan::new(PlanSettings { device: PlanDevice::GpuOpsOnly, ..s.clone() });
+        assert_eq!(gathers(&ops_only), Some(4 * 1000 * 2 * 1024 * 4));
+        // The GPU's paged-attention kernel and the CPU kernels read the pool where it lies.
+        assert_eq!(gathers(&plan), None);
+        assert_eq!(gathers(&MemoryPlan::new(PlanSettings { device: PlanDevice::CpuKernels, ..s })), None);
     }
 
     /// The paper's run at generation batch 64 (the reference's): Qwen3-4B, LoRA rank 8 on a

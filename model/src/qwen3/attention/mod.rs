@@ -3,7 +3,7 @@
 //! ([`AttnImplementation`], chosen at load in the model's [`Compute`]): HF's eager formula
 //! ([`eager`]) and FlashAttention-2's blocks ([`memory_efficient`], one autodiff node through
 //! [`autodiff`]). On burn-flex with the CPU kernels on, the fused CPU kernel stands in for both;
-//! a decoding step over the paged KV cache takes a GPU backend's kernel where one is registered
+//! a pass over the paged KV cache takes a GPU backend's kernel where one is registered
 //! ([`crate::device_kernels`]).
 
 pub mod autodiff;
@@ -119,9 +119,8 @@ impl<B: Backend> Qwen3Attention<B> {
         let key_states = heads_first(apply_rotary_pos_emb(self.k_norm.forward(key_states), &inputs.rotary_k));
 
         let scaling = (d as f64).powf(-0.5);
-        // With a cache, the pass's rows attend to its pools: the CPU kernel, and a GPU's
-        // paged-decode kernel in a decoding step, read them where they lie; burn's ops take
-        // them gathered.
+        // With a cache, the pass's rows attend to its pools: the CPU kernel and a GPU's
+        // paged-attention kernel read them where they lie; burn's ops take them gathered.
         let attended = match cache {
             Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
             None => Attended::Fresh(key_states, value_states),
@@ -129,10 +128,11 @@ impl<B: Backend> Qwen3Attention<B> {
         let fused = match (&attended, &inputs.bias) {
             (Attended::Cached(cached), Some(bias)) => cached.attention(&query_states, bias, scaling as f32),
             (Attended::Fresh(k, v), Some(bias)) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32),
-            // A decoding step on a backend that lent a paged-attention kernel (a GPU's) reads the
-            // pools in place too; the eager formula stays burn's ops, the reference.
+            // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
+            // too, in decoding steps and prefill chunks; the eager formula stays burn's ops, the
+            // reference.
             (Attended::Cached(cached), None) if compute.attn_implementation == AttnImplementation::MemoryEfficient => {
-                cached.decode_attention(&query_states, &inputs.mask, scaling as f32)
+                cached.paged_attention(&query_states, &inputs.mask, scaling as f32)
             }
             _ => None,
         };

@@ -1,14 +1,16 @@
-//! The paged-decode kernel of `prompt-r1-device-kernels` against burn's ops on wgpu (fused and
-//! unfused): each row's query attends to the slots its read table names, masked columns
-//! (padding, pointing at a scratch slot full of large values) left out. Shapes that exercise the
-//! kernel's edges: grouped query heads, a head size above and below its 64 units, a width that
-//! is not a whole number of tiles, a first tile wholly masked, rows with one key. f32 and f16 (the
-//! dtype the GPU's bf16 takes the same code for); the kernel sums in f32 either way.
+//! The paged-attention kernel of `prompt-r1-device-kernels` against burn's ops on wgpu (fused and
+//! unfused): each row's queries (its last columns, causal) attend to the slots its read table
+//! names, masked columns (padding, pointing at a scratch slot full of large values) left out.
+//! Shapes that exercise the kernel's edges: grouped query heads, a head size above and below its
+//! 64 units, a width that is not a whole number of tiles, a first tile wholly masked, rows with
+//! one key, one query a row (a decoding step) and prefill chunks of 5 and 40 queries (blocks of
+//! queries cut short, queries that see no key at all). f32 and f16 (the dtype the GPU's bf16
+//! takes the same code for); the kernel sums in f32 either way.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{activation::softmax, DType, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{activation::softmax, Bool, DType, Distribution, Int, Tensor, TensorData};
 use device_kernels::DeviceKernels;
-use prompt_r1_model::device_kernels::PagedDecode;
+use prompt_r1_model::device_kernels::PagedAttention;
 
 use crate::common;
 
@@ -19,6 +21,10 @@ type Unfused = burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, f32, i32, u8>;
 const SLOTS: usize = 200;
 const ROWS: usize = 4;
 const WIDTH: usize = 150;
+
+/// Queries a row in each pass checked: a decoding step, a chunk shorter than a block of
+/// queries, and one of several blocks, the last cut short.
+const QUERIES: [usize; 3] = [1, 5, 40];
 
 /// Which columns of each row are keys: row 0 is padded over its first 70 columns (more than
 /// a tile), row 1 not at all, row 2 has five keys, row 3 one.
@@ -46,22 +52,38 @@ fn read_table() -> (Vec<i64>, Vec<f32>) {
     (read, valid)
 }
 
-/// `softmax(q Kᵀ scale + mask) V` with burn's ops over the gathered keys, in f32.
-fn reference<B: Backend>(query: Tensor<B, 3>, keys: Tensor<B, 3>, values: Tensor<B, 3>, read: Tensor<B, 1, Int>, valid: Tensor<B, 2>, scale: f32) -> Tensor<B, 3> {
-    let [rows, heads, d] = query.dims();
+/// Whether query `i` of `queries` in `row` sees any key (causal: columns up to
+/// `WIDTH − queries + i`).
+fn sees_a_key(row: usize, queries: usize, i: usize) -> bool {
+    (0..=WIDTH - queries + i).any(|column| valid_columns(row, column))
+}
+
+/// `softmax(q Kᵀ scale + mask) V` with burn's ops over the gathered keys, in f32, `query`
+/// `[rows, queries, heads, d]`; zeros for a query that sees no key (the kernel's answer: burn's
+/// ops would average the masked columns).
+fn reference<B: Backend>(query: Tensor<B, 4>, keys: Tensor<B, 3>, values: Tensor<B, 3>, read: Tensor<B, 1, Int>, valid: Tensor<B, 2>, scale: f32) -> Tensor<B, 4> {
+    let [rows, queries, heads, d] = query.dims();
     let kv_heads = keys.dims()[0];
+    let device = query.device();
     let gathered = |pool: Tensor<B, 3>| {
         let per_row = pool.cast(DType::F32).select(1, read.clone()).reshape([kv_heads, rows, WIDTH, d]).swap_dims(0, 1);
         per_row.reshape([rows, kv_heads, 1, WIDTH, d]).repeat_dim(2, heads / kv_heads).reshape([rows, heads, WIDTH, d])
     };
-    let query = query.cast(DType::F32).reshape([rows, heads, 1, d]);
-    let masked = valid.equal_elem(0.0).reshape([rows, 1, 1, WIDTH]).expand([rows, heads, 1, WIDTH]);
-    let scores = query.matmul(gathered(keys).swap_dims(2, 3)).mul_scalar(scale).mask_fill(masked, -1.0e9);
-    softmax(scores, 3).matmul(gathered(values)).reshape([rows, heads, d])
+    let query = query.cast(DType::F32).swap_dims(1, 2);
+    let padding = valid.equal_elem(0.0).reshape([rows, 1, 1, WIDTH]).expand([rows, heads, queries, WIDTH]);
+    let future = Tensor::<B, 2, Bool>::tril_mask([queries, WIDTH], (WIDTH - queries) as i64, &device)
+        .reshape([1, 1, queries, WIDTH])
+        .expand([rows, heads, queries, WIDTH]);
+    let scores = query.matmul(gathered(keys).swap_dims(2, 3)).mul_scalar(scale).mask_fill(padding.bool_or(future), -1.0e9);
+    let output = softmax(scores, 3).matmul(gathered(values)).swap_dims(1, 2);
+    let blind: Vec<bool> = (0..rows).flat_map(|r| (0..queries).map(move |i| !sees_a_key(r, queries, i))).collect();
+    let blind = Tensor::<B, 2, Bool>::from_data(TensorData::new(blind, [rows, queries]), &device);
+    output.mask_fill(blind.reshape([rows, queries, 1, 1]).expand([rows, queries, heads, d]), 0.0)
 }
 
-/// The kernel's output against [`reference`] on backend `B`: the largest difference.
-fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, dtype: DType) -> f32 {
+/// The kernel's output against [`reference`] on backend `B` for `queries` queries a row: the
+/// largest difference.
+fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, queries: usize, dtype: DType) -> f32 {
     let device = Default::default();
     let pool = |seed| {
         let pool = Tensor::<B, 3>::random([kv_heads, SLOTS, d], Distribution::Normal(0.0, 1.0), &device).mul_scalar(seed);
@@ -69,7 +91,7 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, d
         pool.slice_assign([0..kv_heads, 0..1, 0..d], Tensor::full([kv_heads, 1, d], 1.0e4, &device)).cast(dtype)
     };
     let (keys, values) = (pool(1.0), pool(2.0));
-    let query = Tensor::<B, 3>::random([ROWS, heads, d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
+    let query = Tensor::<B, 4>::random([ROWS, queries, heads, d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
     let (read, valid) = read_table();
     let read = Tensor::<B, 1, Int>::from_data(TensorData::new(read, [ROWS * WIDTH]), &device);
     // The mask as a transposed view: the kernel reads it through its strides.
@@ -79,8 +101,8 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, d
     let expected = reference(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), scale);
     // Through the registry, as the model finds it.
     device_kernels::register::<B>();
-    let kernel = prompt_r1_model::device_kernels::paged_decode::<B>().expect("registered just now");
-    let output = kernel(PagedDecode { query, keys, values, read, valid, scale });
+    let kernel = prompt_r1_model::device_kernels::paged_attention::<B>().expect("registered just now");
+    let output = kernel(PagedAttention { query, keys, values, read, valid, scale });
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     let difference = (output.cast(DType::F32) - expected).abs().max().into_scalar();
     difference.to_string().parse().expect("a float")
@@ -89,9 +111,11 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, d
 /// Each shape on backend `B` within `tolerance`.
 fn check_shapes<B: DeviceKernels>(dtype: DType, tolerance: f32) {
     for (heads, kv_heads, d) in [(4, 2, 24), (4, 4, 128), (6, 2, 72)] {
-        let worst = worst_difference::<B>(heads, kv_heads, d, dtype);
-        println!("{} {dtype:?}, {heads} heads over {kv_heads}, head_dim {d}: worst |Δ| {worst:.2e}", std::any::type_name::<B>());
-        assert!(worst <= tolerance, "{heads} heads over {kv_heads}, head_dim {d}, {dtype:?}: |Δ| {worst} > {tolerance}");
+        for queries in QUERIES {
+            let worst = worst_difference::<B>(heads, kv_heads, d, queries, dtype);
+            println!("{} {dtype:?}, {heads} heads over {kv_heads}, head_dim {d}, {queries} queries a row: worst |Δ| {worst:.2e}", std::any::type_name::<B>());
+            assert!(worst <= tolerance, "{heads} heads over {kv_heads}, head_dim {d}, {queries} queries, {dtype:?}: |Δ| {worst} > {tolerance}");
+        }
     }
 }
 
