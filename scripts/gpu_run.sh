@@ -40,8 +40,9 @@
 #              the memory plan's prediction that `bench` prints
 #   autotune   for a variant build (BIN=...): check-device's kernels compiled, decode on the
 #              0.6B shape (bf16, batch 1 and 64) and the small rollout at batch 8
-#   rollout    decode at 64 rows over 2,048 positions with our paged-decode kernel and without
-#              (--device-kernels off: burn's ops over gathered keys and values), then
+#   rollout    a 2,048-token prefill and decode at 64 rows over 2,048 positions with our
+#              paged-attention kernel in decoding steps, in every pass (--device-kernels all)
+#              and nowhere (off: burn's ops over gathered keys and values), then
 #              issue 32's rollout workload on the device (`bench --rollout`: 5 turns of 128
 #              tokens, 300-token replies after 200 ms): re-prefilling against the kept-KV decoder
 #              and the rollout's speed as a fraction of pure decode, at batch 8 and 64, on the
@@ -385,14 +386,17 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   rollout)
-    # First, the paged-decode kernel (prompt-r1-device-kernels: a decoding step's attention read
-    # in place from the paged KV cache) against burn's ops over the gathered keys and values
-    # (--device-kernels off): decode at 64 rows over 2,048-token prompts of the 0.6B shape, where
-    # the gather writes and reads again 0.5 GiB per layer and step. check-device (`first`) has
-    # checked the kernel's tokens against the CPU.
-    bench decode-kernel-on --preset qwen3-0.6b --dtype bf16 --decode-context 2048 --decode-batch 64 --decode-tokens 32
-    bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
-    grep -h -A2 '"decode batch' "$work"/decode-kernel-*.txt 2> /dev/null | tee -a "$log"
+    # First, the paged-attention kernel (prompt-r1-device-kernels: a pass's attention read in
+    # place from the paged KV cache) against burn's ops over the gathered keys and values: a
+    # 2,048-token prefill and decode at 64 rows over 2,048-token prompts of the 0.6B shape, where
+    # the gather writes and reads again 0.5 GiB per layer and step; with the kernel in decoding
+    # steps (the default), in prefill chunks too (all: is the scalar kernel faster than the
+    # gather and the memory-efficient attention's blocks on a GPU? lavapipe says no), and
+    # nowhere (off). check-device (`first`) has checked the kernel's tokens against the CPU.
+    bench decode-kernel-on --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32
+    bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels all
+    bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
+    grep -h -A2 '"decode batch\|"prefill' "$work"/decode-kernel-*.txt 2> /dev/null | tee -a "$log"
     # Then what continuous admission gains where a decode step costs about the same at any
     # number of rows: 64 episodes of 1 to 5 turns, 32 in flight, in batches and continuously
     # (on 2 CPU cores with the paged KV cache: 0.65x the decoder steps, 0.80x the speed, 1.44x

@@ -14,6 +14,7 @@ mod serve;
 use clap::{Parser, Subcommand};
 #[cfg(target_os = "linux")]
 use model::cpu_kernels::large_alloc;
+use model::device_kernels::KernelPasses;
 
 /// Prompt-R1 in Rust: a small Qwen3 agent trained with GRPO to prompt a large LLM.
 #[derive(Parser)]
@@ -30,16 +31,31 @@ struct Cli {
     #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_FUSION", default_value = "on",
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     fusion: bool,
-    /// prompt-r1's own CubeCL kernels on the GPU backends (on or off): a decoding step's
-    /// attention read in place from the paged KV cache. Off, burn's ops gather each layer's
-    /// keys and values first (for comparisons, or to rule the kernels out).
-    #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_DEVICE_KERNELS", default_value = "on",
-          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
-    device_kernels: bool,
+    /// prompt-r1's own CubeCL kernels on the GPU backends: the attention of the passes over the
+    /// paged KV cache read where it lies. `decode` (or `on`): decoding steps; `all`: prefill
+    /// chunks too (not yet measured on a GPU: on lavapipe a prefill is slower so); `off`:
+    /// burn's ops gather each layer's keys and values first (for comparisons, or to rule the
+    /// kernels out).
+    #[arg(long, global = true, value_name = "decode|all|off", env = "PROMPT_R1_DEVICE_KERNELS", default_value = "decode",
+          value_parser = kernel_passes)]
+    device_kernels: KernelChoice,
     /// Folder of the GPU backends' persistent kernel and autotune caches (default:
     /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
     #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
     kernel_cache: Option<std::path::PathBuf>,
+}
+
+/// `--device-kernels`: the passes prompt-r1's kernels take, `None` for off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct KernelChoice(Option<KernelPasses>);
+
+fn kernel_passes(value: &str) -> Result<KernelChoice, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "decode" | "on" | "true" | "1" | "yes" => Ok(KernelChoice(Some(KernelPasses::Decode))),
+        "all" => Ok(KernelChoice(Some(KernelPasses::All))),
+        "off" | "false" | "0" | "no" => Ok(KernelChoice(None)),
+        _ => Err("decode, all or off is expected (--device-kernels or PROMPT_R1_DEVICE_KERNELS)".to_string()),
+    }
 }
 
 /// A whole number of megabytes; the message names both ways of giving it.
@@ -97,7 +113,7 @@ fn main() {
         std::process::exit(2);
     }
     let cli = Cli::parse();
-    device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, device_kernels: cli.device_kernels, kernel_cache: cli.kernel_cache });
+    device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, device_kernels: cli.device_kernels.0, kernel_cache: cli.kernel_cache });
     #[cfg(target_os = "linux")]
     large_alloc::configure(cli.alloc_cache_mb);
     let result = match cli.command {
@@ -156,5 +172,20 @@ mod tests {
         assert_eq!(error_text(&err), format!("loading the agent: {once}"));
         let err = anyhow::Error::new(io()).context("reading data/train.csv");
         assert_eq!(error_text(&err), "reading data/train.csv: no such file");
+    }
+
+    /// `--device-kernels` takes the passes by name, and the old on/off spellings (scripts and
+    /// `PROMPT_R1_DEVICE_KERNELS=0` keep working); anything else names the flag.
+    #[test]
+    fn device_kernels_are_named_by_their_passes() {
+        for (value, passes) in [("decode", Some(KernelPasses::Decode)), ("on", Some(KernelPasses::Decode)), ("1", Some(KernelPasses::Decode)), ("All", Some(KernelPasses::All)), ("off", None), ("0", None)] {
+            assert_eq!(kernel_passes(value), Ok(KernelChoice(passes)), "{value}");
+            let cli = Cli::try_parse_from(["prompt-r1", "--device-kernels", value, "demo"]).expect("parses");
+            assert_eq!(cli.device_kernels, KernelChoice(passes), "{value}");
+        }
+        let default = Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses");
+        assert_eq!(default.device_kernels, KernelChoice(Some(KernelPasses::Decode)));
+        let err = kernel_passes("prefill").unwrap_err();
+        assert!(err.contains("--device-kernels") && err.contains("PROMPT_R1_DEVICE_KERNELS"), "{err}");
     }
 }

@@ -13,6 +13,7 @@ pub mod paged_attention;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
+pub use model::device_kernels::KernelPasses;
 use model::device_kernels::{register_paged_attention, PagedAttention};
 
 /// A backend that computes [`PagedAttention`] with a kernel of this crate.
@@ -30,9 +31,10 @@ pub trait DeviceKernels: Backend {
     ) -> FloatTensor<Self>;
 }
 
-/// Lends the model this crate's kernels on backend `B` (idempotent).
-pub fn register<B: DeviceKernels>() {
-    register_paged_attention::<B>(run_paged_attention::<B>);
+/// Lends the model this crate's kernels on backend `B`, the paged attention for `passes`
+/// (idempotent).
+pub fn register<B: DeviceKernels>(passes: KernelPasses) {
+    register_paged_attention::<B>(run_paged_attention::<B>, passes);
 }
 
 fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {

@@ -1,20 +1,21 @@
 //! One pass's attention over the paged KV cache (see [`model::device_kernels::PagedAttention`]),
 //! a decoding step's single query a row or a prefill chunk's many, as one CubeCL kernel: one cube
-//! of [`UNITS`] units per (query head, row, block of queries), a row's heads side by side (those
-//! sharing a key-value head then find its keys and values in L2). The cube takes the row's
-//! columns a tile at a time ([`blocks_for`]), up to the last one its queries may see (causal):
+//! of [`UNITS`] units per (query heads sharing a key-value head, row, block of queries), so that
+//! each key and value it stages serves all of them (grouped-query attention). The cube takes the
+//! row's columns a tile at a time ([`blocks_for`]), up to the last one its queries may see
+//! (causal):
 //! 1. the first units look up their column's slot and whether it is a key;
 //! 2. all units copy the tile's keys into shared memory, consecutive units reading consecutive
 //!    elements of one key (coalesced; a masked column's key is not read);
-//! 3. the units score the block's (query, column) pairs from shared memory (key rows padded by
-//!    one element, so that units reading one element of different keys touch distinct banks);
-//!    a column after the query's own position, or padding, is masked;
-//! 4. one unit a query updates its running maximum and sum (FlashAttention's online softmax)
-//!    and turns the tile's scores into probabilities;
+//! 3. the units score the cube's ((head, query), column) pairs from shared memory (key rows
+//!    padded by one element, so that units reading one element of different keys touch
+//!    distinct banks); a column after the query's own position, or padding, is masked;
+//! 4. one unit a (head, query) updates its running maximum and sum (FlashAttention's online
+//!    softmax) and turns the tile's scores into probabilities;
 //! 5. the units copy the tile's values into the same shared memory (coalesced) and each adds
 //!    them to the output elements it owns.
 //!
-//! Each key and value is read from the pools once per (query head, block of queries), where it
+//! Each key and value is read from the pools once per (cube's heads, block of queries), where it
 //! lies; scores, probabilities and sums are f32 whatever the pools' dtype.
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -34,33 +35,48 @@ pub const UNITS: u32 = 64;
 /// cube (lavapipe's limit; CUDA's default is 48 KiB).
 const SHARED_BYTES: usize = 28 * 1024;
 
-/// Queries a cube takes at most: each key and value it copies into shared memory serves that
-/// many of them.
+/// (head, query) pairs a cube takes at most: each key and value it copies into shared memory
+/// serves that many of them.
 const MOST_QUERIES: usize = 16;
 
-/// f32 words of shared memory a cube of `queries` queries and tiles of `tile` columns takes:
-/// the queries and their outputs, a tile of keys (then values) in rows of `head_dim + 1`, the
-/// tile's scores, three statistics a query and two words a column.
-const fn shared_words(head_dim: usize, queries: usize, tile: usize) -> usize {
-    2 * queries * head_dim + tile * (head_dim + 1) + queries * tile + 3 * queries + 2 * tile
+/// f32 words of shared memory a cube of `entries` (head, query) pairs and tiles of `tile`
+/// columns takes: the queries and their outputs, a tile of keys (then values) in rows of
+/// `head_dim + 1`, the tile's scores, three statistics an entry and two words a column.
+const fn shared_words(head_dim: usize, entries: usize, tile: usize) -> usize {
+    2 * entries * head_dim + tile * (head_dim + 1) + entries * tile + 3 * entries + 2 * tile
 }
 
-/// Queries per cube and columns per tile for a pass of `queries` queries a row over heads of
-/// `head_dim`: as many queries as the pass has, rounded up to a power of two, up to
-/// [`MOST_QUERIES`] (fewer where even tiles of 16 columns would not fit), and then the most
-/// columns, a power of two up to [`UNITS`], that fit [`SHARED_BYTES`]. A decoding step (one
-/// query) of Qwen3's heads of 128 takes tiles of 32; a prefill 16 queries and tiles of 16.
-pub fn blocks_for(head_dim: usize, queries: usize) -> (u32, u32) {
-    let fits = |q: usize, t: usize| 4 * shared_words(head_dim, q, t) <= SHARED_BYTES;
-    let mut block = queries.clamp(1, MOST_QUERIES).next_power_of_two();
-    while block > 1 && !fits(block, 16) {
+/// How a pass is cut into cubes and tiles ([`blocks_for`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Blocks {
+    /// Query heads a cube takes, all of one key-value head.
+    pub heads: u32,
+    /// Queries of a row a cube takes (for each of its heads).
+    pub queries: u32,
+    /// Columns per tile.
+    pub tile: u32,
+}
+
+/// The cubes and tiles of a pass of `queries` queries a row over heads of `head_dim`, `groups`
+/// query heads to a key-value head: a cube takes the most of a group's heads that divide it
+/// (up to [`MOST_QUERIES`]), then as many queries as the pass has, a power of two, up to
+/// [`MOST_QUERIES`] (head, query) pairs in all (fewer where tiles of 16 columns would not fit),
+/// and the most columns a tile, a power of two up to [`UNITS`], that fit [`SHARED_BYTES`].
+/// Qwen3-4B's heads of 128, 4 to a group: a decoding step takes cubes of 4 heads and tiles of
+/// 32 columns, a prefill 4 heads × 4 queries and tiles of 16.
+pub fn blocks_for(head_dim: usize, groups: usize, queries: usize) -> Blocks {
+    let fits = |entries: usize, tile: usize| 4 * shared_words(head_dim, entries, tile) <= SHARED_BYTES;
+    let heads = (1..=groups.clamp(1, MOST_QUERIES)).rev().find(|&h| groups % h == 0 && fits(h, 16)).unwrap_or(1);
+    let most = 1 << (MOST_QUERIES / heads).max(1).ilog2();
+    let mut block = queries.max(1).next_power_of_two().min(most);
+    while block > 1 && !fits(heads * block, 16) {
         block /= 2;
     }
     let mut tile = 1;
-    while tile * 2 <= UNITS as usize && fits(block, tile * 2) {
+    while tile * 2 <= UNITS as usize && fits(heads * block, tile * 2) {
         tile *= 2;
     }
-    (block as u32, tile as u32)
+    Blocks { heads: heads as u32, queries: block as u32, tile: tile as u32 }
 }
 
 /// A hash of this file, one of the kernel's compile-time arguments: CubeCL's persistent cache
@@ -78,17 +94,20 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     output: &mut Tensor<F>,
     scale: f32,
     #[comptime] head_dim: u32,
+    #[comptime] cube_heads: u32,
     #[comptime] block: u32,
     #[comptime] tile: u32,
     #[comptime] _revision: u32,
     #[define(F, I, V)] _dtypes: [StorageType; 3],
 ) {
-    let head = CUBE_POS_X as usize;
     let row = CUBE_POS_Y as usize;
     let unit = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
     let d = head_dim as usize;
+    // Entry b of the cube is query b % block of head first_head + b / block.
     let block_len = block as usize;
+    let entries = cube_heads as usize * block_len;
+    let first_head = CUBE_POS_X as usize * cube_heads as usize;
     let tile_len = tile as usize;
     // Keys and values sit in shared memory in rows of d + 1: units reading element e of
     // different keys touch distinct banks.
@@ -107,32 +126,33 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         count = block_len;
     }
     let end = past + first + count;
-    let pool_base = (head / (heads / kv_heads)) * slots * d;
+    let pool_base = (first_head / (heads / kv_heads)) * slots * d;
 
     // A masked column's score: below any real score, finite (as the model's mask value).
     let masked = f32::new(-1.0e30);
-    let mut q = SharedMemory::<f32>::new(block_len * d);
-    let mut acc = SharedMemory::<f32>::new(block_len * d);
+    let mut q = SharedMemory::<f32>::new(entries * d);
+    let mut acc = SharedMemory::<f32>::new(entries * d);
     let mut kv_tile = SharedMemory::<f32>::new(tile_len * kv_stride);
-    let mut scores = SharedMemory::<f32>::new(block_len * tile_len);
-    let mut running_max = SharedMemory::<f32>::new(block_len);
-    let mut total = SharedMemory::<f32>::new(block_len);
-    let mut rescale = SharedMemory::<f32>::new(block_len);
+    let mut scores = SharedMemory::<f32>::new(entries * tile_len);
+    let mut running_max = SharedMemory::<f32>::new(entries);
+    let mut total = SharedMemory::<f32>::new(entries);
+    let mut rescale = SharedMemory::<f32>::new(entries);
     let mut slot_of = SharedMemory::<u32>::new(tile_len);
     let mut is_key = SharedMemory::<u32>::new(tile_len);
 
     let mut i = unit;
-    while i < block_len * d {
-        let qi = i / d;
+    while i < entries * d {
+        let b = i / d;
+        let qi = b % block_len;
         let mut x = 0.0f32;
         if qi < count {
-            x = f32::cast_from(query[((row * queries + first + qi) * heads + head) * d + i % d]) * scale;
+            x = f32::cast_from(query[((row * queries + first + qi) * heads + first_head + b / block_len) * d + i % d]) * scale;
         }
         q[i] = x;
         acc[i] = 0.0;
         i += units;
     }
-    if unit < block_len {
+    if unit < entries {
         running_max[unit] = masked;
         total[unit] = 0.0;
     }
@@ -171,12 +191,13 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
 
         // 3. Scores: a column is seen by the queries at or after its position.
         let mut p = unit;
-        while p < block_len * tile_len {
-            let qi = p / tile_len;
+        while p < entries * tile_len {
+            let b = p / tile_len;
+            let qi = b % block_len;
             let j = p % tile_len;
             let mut score = masked;
             if is_key[j] == 1 && qi < count && start + j <= past + first + qi {
-                let q_base = qi * d;
+                let q_base = b * d;
                 let k_base = j * kv_stride;
                 let mut dot = 0.0f32;
                 for e in 0..d {
@@ -189,8 +210,8 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
         sync_cube();
 
-        // 4. The online softmax, one unit a query.
-        if unit < block_len {
+        // 4. The online softmax, one unit an entry.
+        if unit < entries {
             let base = unit * tile_len;
             let old_max = running_max[unit];
             let mut new_max = old_max;
@@ -231,11 +252,11 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         sync_cube();
 
         let mut i = unit;
-        while i < block_len * d {
-            let qi = i / d;
+        while i < entries * d {
+            let b = i / d;
             let e = i % d;
-            let base = qi * tile_len;
-            let mut sum = acc[i] * rescale[qi];
+            let base = b * tile_len;
+            let mut sum = acc[i] * rescale[b];
             for j in 0..tile_len {
                 sum += scores[base + j] * kv_tile[j * kv_stride + e];
             }
@@ -247,13 +268,16 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     }
 
     let mut i = unit;
-    while i < count * d {
-        let qi = i / d;
-        let mut out = 0.0f32;
-        if total[qi] > 0.0 {
-            out = acc[i] / total[qi];
+    while i < entries * d {
+        let b = i / d;
+        let qi = b % block_len;
+        if qi < count {
+            let mut out = 0.0f32;
+            if total[b] > 0.0 {
+                out = acc[i] / total[b];
+            }
+            output[((row * queries + first + qi) * heads + first_head + b / block_len) * d + i % d] = F::cast_from(out);
         }
-        output[((row * queries + first + qi) * heads + head) * d + i % d] = F::cast_from(out);
         i += units;
     }
 }
@@ -287,12 +311,10 @@ pub fn paged_attention<R: CubeRuntime>(
     let client = query.client.clone();
     let dtypes = [query.dtype.into(), read.dtype.into(), valid.dtype.into()];
     let output = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([rows, queries, heads, head_dim]), query.dtype);
-    let (block, tile) = blocks_for(head_dim, queries);
+    let blocks = blocks_for(head_dim, heads / kv_heads, queries);
     paged_attention_kernel::launch::<R>(
         &client,
-        // A row's heads side by side: those that share a key-value head run together, so its
-        // keys and values come from L2 for all but the first.
-        CubeCount::Static(heads as u32, rows as u32, queries.div_ceil(block as usize) as u32),
+        CubeCount::Static(heads as u32 / blocks.heads, rows as u32, queries.div_ceil(blocks.queries as usize) as u32),
         CubeDim::new_1d(UNITS),
         query.into_tensor_arg(),
         keys.into_tensor_arg(),
@@ -302,8 +324,9 @@ pub fn paged_attention<R: CubeRuntime>(
         output.clone().into_tensor_arg(),
         scale,
         head_dim as u32,
-        block,
-        tile,
+        blocks.heads,
+        blocks.queries,
+        blocks.tile,
         REVISION,
         dtypes,
     );
@@ -327,19 +350,27 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
 mod tests {
     use super::*;
 
-    /// Every choice fits the shared memory, a decoding step of Qwen3's heads keeps its tiles of
-    /// 32, and a prefill takes blocks of 16 queries where they fit.
+    /// Every choice fits the shared memory and takes whole groups' worth of heads where they
+    /// fit; Qwen3's heads of 128 keep tiles of 32 in a decoding step, and a prefill takes 16
+    /// (head, query) pairs a cube.
     #[test]
     fn blocks_fit_the_shared_memory() {
-        assert_eq!(blocks_for(128, 1), (1, 32));
-        assert_eq!(blocks_for(128, 300), (16, 16));
-        assert_eq!(blocks_for(128, 3), (4, 32));
-        assert_eq!(blocks_for(24, 40), (16, 64));
+        let blocks = |heads, queries, tile| Blocks { heads, queries, tile };
+        assert_eq!(blocks_for(128, 1, 1), blocks(1, 1, 32));
+        assert_eq!(blocks_for(128, 4, 1), blocks(4, 1, 32));
+        assert_eq!(blocks_for(128, 2, 300), blocks(2, 8, 16));
+        assert_eq!(blocks_for(128, 4, 300), blocks(4, 4, 16));
+        assert_eq!(blocks_for(128, 1, 3), blocks(1, 4, 32));
+        assert_eq!(blocks_for(72, 3, 40), blocks(3, 4, 32));
         for d in [8, 24, 64, 72, 128, 256, 512] {
-            for queries in [1, 2, 5, 16, 17, 1000] {
-                let (block, tile) = blocks_for(d, queries);
-                assert!(4 * shared_words(d, block as usize, tile as usize) <= SHARED_BYTES, "head_dim {d}, {queries} queries");
-                assert!(block as usize <= queries.next_power_of_two() && tile >= 1);
+            for groups in [1, 2, 3, 4, 5, 8, 20, 64] {
+                for queries in [1, 2, 5, 16, 17, 1000] {
+                    let b = blocks_for(d, groups, queries);
+                    let entries = (b.heads * b.queries) as usize;
+                    assert!(4 * shared_words(d, entries, b.tile as usize) <= SHARED_BYTES, "head_dim {d}, {groups} groups, {queries} queries");
+                    assert!(groups % b.heads as usize == 0 && entries <= MOST_QUERIES && b.tile >= 1, "{b:?}");
+                    assert!(b.queries as usize <= queries.next_power_of_two(), "{b:?}");
+                }
             }
         }
     }

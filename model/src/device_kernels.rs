@@ -38,23 +38,47 @@ pub struct PagedAttention<B: Backend> {
 /// columns, `[rows, queries, heads, head_dim]` in the query's dtype.
 pub type PagedAttentionFn<B> = fn(PagedAttention<B>) -> Tensor<B, 4>;
 
-/// Lets `kernel` compute [`PagedAttention`] on backend `B` from now on, for the whole process
-/// (replacing an earlier one).
-pub fn register_paged_attention<B: Backend>(kernel: PagedAttentionFn<B>) {
-    let entry: Box<dyn Any + Send + Sync> = Box::new(kernel);
+/// The passes over the KV cache a registered [`PagedAttention`] kernel takes; burn's ops
+/// (over the gathered cache) take the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelPasses {
+    /// Decoding steps: one query a row.
+    Decode,
+    /// Every pass, prefill chunks too.
+    All,
+}
+
+impl KernelPasses {
+    /// Whether a pass of `queries` queries a row is one of these.
+    pub fn take(self, queries: usize) -> bool {
+        self == KernelPasses::All || queries == 1
+    }
+}
+
+/// Lets `kernel` compute [`PagedAttention`] for `passes` on backend `B` from now on, for the
+/// whole process (replacing an earlier one).
+pub fn register_paged_attention<B: Backend>(kernel: PagedAttentionFn<B>, passes: KernelPasses) {
+    let entry: Box<dyn Any + Send + Sync> = Box::new((kernel, passes));
     registry().write().expect("registry lock").insert(TypeId::of::<B>(), entry);
 }
 
-/// The [`PagedAttention`] kernel registered for backend `B`.
-pub fn paged_attention<B: Backend>() -> Option<PagedAttentionFn<B>> {
+/// The [`PagedAttention`] kernel registered for backend `B`, and the passes it takes.
+pub fn registered_paged_attention<B: Backend>() -> Option<(PagedAttentionFn<B>, KernelPasses)> {
     registry()
         .read()
         .expect("registry lock")
         .get(&TypeId::of::<B>())
-        .and_then(|entry| entry.downcast_ref::<PagedAttentionFn<B>>().copied())
+        .and_then(|entry| entry.downcast_ref::<(PagedAttentionFn<B>, KernelPasses)>().copied())
 }
 
-/// Kernels by the backend's type; each value is a `PagedAttentionFn` of that backend.
+/// The [`PagedAttention`] kernel registered for backend `B` if it takes passes of `queries`
+/// queries a row.
+pub fn paged_attention<B: Backend>(queries: usize) -> Option<PagedAttentionFn<B>> {
+    registered_paged_attention::<B>().and_then(|(kernel, passes)| passes.take(queries).then_some(kernel))
+}
+
+/// Kernels by the backend's type; each value is a `PagedAttentionFn` of that backend with its
+/// [`KernelPasses`].
 fn registry() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
     static REGISTRY: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
@@ -69,14 +93,18 @@ mod tests {
         pass.query.zeros_like()
     }
 
-    /// A kernel is found by the backend it was registered for, and only by that one. (A
-    /// backend no other test computes on: the registry is the process's.)
+    /// A kernel is found by the backend it was registered for, and only by that one, for the
+    /// passes it was registered for. (A backend no other test computes on: the registry is the
+    /// process's.)
     #[test]
     fn kernels_are_found_by_the_backend_type() {
         type Other = Autodiff<Autodiff<Flex>>;
-        assert!(paged_attention::<Other>().is_none());
-        register_paged_attention::<Other>(zeros::<Other>);
-        assert!(paged_attention::<Other>().is_some());
-        assert!(paged_attention::<Flex>().is_none());
+        assert!(paged_attention::<Other>(1).is_none());
+        register_paged_attention::<Other>(zeros::<Other>, KernelPasses::Decode);
+        assert!(paged_attention::<Other>(1).is_some());
+        assert!(paged_attention::<Other>(7).is_none(), "a decoding kernel takes no prefill");
+        register_paged_attention::<Other>(zeros::<Other>, KernelPasses::All);
+        assert!(paged_attention::<Other>(7).is_some());
+        assert!(paged_attention::<Flex>(1).is_none());
     }
 }

@@ -7,7 +7,7 @@
 //!
 //! On wgpu, the passes over the KV cache (prefill chunks and decoding steps) attend through the
 //! paged-attention kernel of `prompt-r1-device-kernels` (registered for `Vulkan` as the binary
-//! registers it for its GPU backends), passes without a cache through burn's ops;
+//! registers it with `--device-kernels all`), passes without a cache through burn's ops;
 //! `paged_attention.rs` checks the kernel alone.
 //!
 //! One binary, so that burn's wgpu backend and the model's generic code over it are built once:
@@ -50,8 +50,10 @@ mod common {
         }
         prompt_r1_model::cpu_kernels::set_portable_ops(true);
         configure_cubecl();
-        // As the binary does on a GPU: passes on wgpu read the paged KV cache in place.
-        device_kernels::register::<burn_wgpu::Vulkan>();
+        // As the binary does on a GPU with `--device-kernels all`: every pass on wgpu, prefill
+        // chunks too, reads the paged KV cache in place. (The default's prefill, burn's ops over
+        // the gathered cache, is the portable cases' path.)
+        device_kernels::register::<burn_wgpu::Vulkan>(device_kernels::KernelPasses::All);
         crate::model_common::backend_ready::<B>()
     }
 

@@ -100,8 +100,8 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, q
     let scale = (d as f32).powf(-0.5);
     let expected = reference(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), scale);
     // Through the registry, as the model finds it.
-    device_kernels::register::<B>();
-    let kernel = prompt_r1_model::device_kernels::paged_attention::<B>().expect("registered just now");
+    device_kernels::register::<B>(device_kernels::KernelPasses::All);
+    let kernel = prompt_r1_model::device_kernels::paged_attention::<B>(queries).expect("registered just now");
     let output = kernel(PagedAttention { query, keys, values, read, valid, scale });
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     let difference = (output.cast(DType::F32) - expected).abs().max().into_scalar();

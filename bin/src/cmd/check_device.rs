@@ -84,10 +84,9 @@ struct Results {
     /// Values whose f32 → bf16 cast on this backend is not the nearest bf16 (ties to even);
     /// `None` on a backend without bf16.
     cast_errors: Option<usize>,
-    /// Whether the passes over the KV cache (prefill and decoding steps) ran through a kernel
-    /// lent to the model (`model::device_kernels`: the GPU builds' paged-attention kernel)
-    /// rather than burn's ops.
-    paged_attention_kernel: bool,
+    /// The passes over the KV cache that ran through a kernel lent to the model
+    /// (`model::device_kernels`: the GPU builds' paged-attention kernel) rather than burn's ops.
+    paged_attention_kernel: Option<model::device_kernels::KernelPasses>,
 }
 
 /// The same fixed inputs for both sides.
@@ -162,7 +161,7 @@ impl<'a> OnBackend for &'a Probe {
             grad_norm,
             ratio_drift,
             cast_errors: if bf16 { Some(cast_errors::<B>(&device)?) } else { None },
-            paged_attention_kernel: model::device_kernels::paged_attention::<B>().is_some(),
+            paged_attention_kernel: model::device_kernels::registered_paged_attention::<B>().map(|(_, passes)| passes),
         })
     }
 }
@@ -286,8 +285,14 @@ pub fn run(args: Args) -> Result<()> {
             run_on(device, &probe)
         }
     }?;
-    if target.paged_attention_kernel {
-        eprintln!("the prompt's prefill and the decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-attention kernel (--device-kernels off: burn's ops)");
+    match target.paged_attention_kernel {
+        Some(model::device_kernels::KernelPasses::All) => {
+            eprintln!("the prompts' prefill and the decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-attention kernel (--device-kernels off: burn's ops)")
+        }
+        Some(model::device_kernels::KernelPasses::Decode) => {
+            eprintln!("the decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-attention kernel, the prefill through burn's ops (--device-kernels all: the kernel for both; off: burn's ops)")
+        }
+        None => {}
     }
 
     let relative = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(1e-6);

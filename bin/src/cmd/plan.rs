@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use model::tiny_tokenizer::TINY_VOCAB_SIZE;
+use model::device_kernels::KernelPasses;
 use model::{Preset, Qwen3Config};
 use trainer::plan::{format_size, parse_size, MemoryPlan, PlanDevice, PlanSettings, Verdict};
 use trainer::run::TrainConfig;
@@ -81,14 +82,16 @@ fn model_shape(config: &TrainConfig) -> Result<Qwen3Config> {
     Qwen3Config::from_file(&path).with_context(|| format!("the model's shape ({})", path.display()))
 }
 
-/// What the plan assumes of a device: the CPU with or without its kernels, or a GPU with or
-/// without prompt-r1's kernels (`--device-kernels`).
+/// What the plan assumes of a device: the CPU with or without its kernels, or a GPU whose
+/// prefill passes gather the KV cache or not (`--device-kernels all`).
 pub fn plan_device(device: DeviceChoice) -> PlanDevice {
     match device {
         DeviceChoice::Cpu if model::cpu_kernels::portable_ops() => PlanDevice::CpuPortable,
         DeviceChoice::Cpu => PlanDevice::CpuKernels,
-        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::gpu_options().device_kernels => PlanDevice::Gpu,
-        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::GpuOpsOnly,
+        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::gpu_options().device_kernels == Some(KernelPasses::All) => {
+            PlanDevice::GpuPagedPrefill
+        }
+        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::Gpu,
     }
 }
 

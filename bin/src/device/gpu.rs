@@ -107,9 +107,9 @@ where
     U: DeviceKernels,
     T: OnBackend,
 {
-    if super::gpu_options().device_kernels {
-        device_kernels::register::<B>();
-        device_kernels::register::<U>();
+    if let Some(passes) = super::gpu_options().device_kernels {
+        device_kernels::register::<B>(passes);
+        device_kernels::register::<U>(passes);
     }
     // Training records the memory-efficient attention as one autodiff node on these backends.
     if fusion_enabled() {

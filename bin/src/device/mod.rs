@@ -101,8 +101,9 @@ pub trait OnBackend {
 pub struct GpuOptions {
     /// burn's kernel fusion (`--fusion`, `PROMPT_R1_FUSION`).
     pub fusion: bool,
-    /// prompt-r1's CubeCL kernels (`--device-kernels`, `PROMPT_R1_DEVICE_KERNELS`).
-    pub device_kernels: bool,
+    /// The passes prompt-r1's CubeCL kernels take (`--device-kernels`,
+    /// `PROMPT_R1_DEVICE_KERNELS`); `None`: off.
+    pub device_kernels: Option<model::device_kernels::KernelPasses>,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
 }
@@ -116,7 +117,7 @@ pub fn set_gpu_options(options: GpuOptions) {
 
 /// The GPU backends' options: as set, else fusion and our kernels on and the default cache folder.
 pub(crate) fn gpu_options() -> GpuOptions {
-    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: true, kernel_cache: None })
+    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: Some(model::device_kernels::KernelPasses::Decode), kernel_cache: None })
 }
 
 /// Runs `task` on the chosen device.

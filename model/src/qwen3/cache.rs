@@ -114,10 +114,10 @@ impl<B: Backend> CachedKv<B> {
     /// The pass's attention (`query` `[b, q, heads, d]`: a decoding step's one query a row or
     /// a prefill chunk's `q`, its rows' last columns) under `mask`, read straight from the
     /// pools by the device kernel registered for `B` ([`device_kernels::paged_attention`]),
-    /// `[b, q, heads · d]`; `None` where none is registered.
+    /// `[b, q, heads · d]`; `None` where none is registered for such passes.
     pub fn paged_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 3>> {
-        let kernel = device_kernels::paged_attention::<B>()?;
         let [b, q_len, heads, d] = query.dims();
+        let kernel = device_kernels::paged_attention::<B>(q_len)?;
         let width = self.pass.read.len() / self.pass.rows;
         let valid = mask.valid_keys();
         assert_eq!(valid.dims(), [b, width], "the mask's keys are the pass's columns");

@@ -57,12 +57,14 @@ pub enum PlanDevice {
     CpuKernels,
     /// burn-flex through burn's portable tensor ops (`PROMPT_R1_PORTABLE_OPS=1`).
     CpuPortable,
-    /// A GPU backend (CUDA, wgpu): burn's portable tensor ops on CubeCL, with prompt-r1's
-    /// paged-attention kernel reading the KV cache in place (the binary's default).
+    /// A GPU backend (CUDA, wgpu): burn's portable tensor ops on CubeCL, prompt-r1's
+    /// paged-attention kernel in decoding steps (`--device-kernels decode`, the default) or
+    /// nowhere (`off`): a pass with a prefill gathers its rows' keys and values out of the KV
+    /// cache a layer at a time.
     Gpu,
-    /// A GPU backend with `--device-kernels off`: burn's ops alone, which gather the rows' keys
-    /// and values out of the KV cache a layer at a time.
-    GpuOpsOnly,
+    /// A GPU backend with `--device-kernels all`: every pass over the KV cache reads it in
+    /// place through prompt-r1's kernel, prefill chunks too.
+    GpuPagedPrefill,
 }
 
 /// How the forward pass computes its layers.
@@ -83,7 +85,7 @@ impl PlanDevice {
     pub fn path(self) -> ComputePath {
         match self {
             PlanDevice::CpuKernels => ComputePath::CpuKernels,
-            PlanDevice::CpuPortable | PlanDevice::Gpu | PlanDevice::GpuOpsOnly => ComputePath::Portable,
+            PlanDevice::CpuPortable | PlanDevice::Gpu | PlanDevice::GpuPagedPrefill => ComputePath::Portable,
         }
     }
 
@@ -94,7 +96,7 @@ impl PlanDevice {
     pub fn margin(self) -> f64 {
         match self {
             PlanDevice::CpuKernels | PlanDevice::CpuPortable => 0.2,
-            PlanDevice::Gpu | PlanDevice::GpuOpsOnly => 0.1,
+            PlanDevice::Gpu | PlanDevice::GpuPagedPrefill => 0.1,
         }
     }
 
@@ -104,7 +106,7 @@ impl PlanDevice {
     fn runtime(self) -> u64 {
         match self {
             PlanDevice::CpuKernels | PlanDevice::CpuPortable => 20 << 20,
-            PlanDevice::Gpu | PlanDevice::GpuOpsOnly => 512 << 20,
+            PlanDevice::Gpu | PlanDevice::GpuPagedPrefill => 512 << 20,
         }
     }
 }
@@ -331,10 +333,10 @@ impl PlanSettings {
     /// implementations as burn's tensor ops. Inference passes take the device's path
     /// ([`PlanDevice::path`]: the CPU kernel serves bf16 activations there), the update
     /// [`Self::path`].
-    /// Whether the rollouts' passes over the KV cache attend through the GPU's paged-attention
-    /// kernel (the memory-efficient attention on a GPU with prompt-r1's kernels).
+    /// Whether the rollouts' prefill passes attend through the GPU's paged-attention kernel
+    /// (the memory-efficient attention on a GPU with `--device-kernels all`).
     fn paged_attention_kernel(&self) -> bool {
-        self.device == PlanDevice::Gpu && self.attention == AttnImplementation::MemoryEfficient
+        self.device == PlanDevice::GpuPagedPrefill && self.attention == AttnImplementation::MemoryEfficient
     }
 
     fn attention_path(&self, path: ComputePath) -> AttentionPath {
@@ -864,7 +866,8 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
     };
     terms.push(Term::new(name, positions as f64 * per_position));
     // Burn's ops gather a pass's rows' keys and values one layer at a time (it has no paged
-    // attention); the CPU kernels and the GPU's paged-attention kernel read them where they lie.
+    // attention), and a GPU's prefill passes take them unless `--device-kernels all`; the CPU
+    // kernels and the GPU's paged-attention kernel read them where they lie.
     let paged_kernel = s.paged_attention_kernel();
     if s.device != PlanDevice::CpuKernels && !paged_kernel {
         terms.push(Term::new(
@@ -874,7 +877,7 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
     }
     // The decoder cuts a prefill into chunks of `max_batched_tokens / rows` new positions a row;
     // the last chunk of the longest turn attends over the whole context. The GPU's kernel
-    // holds no scores and no mask beyond a row of valid keys.
+    // (`--device-kernels all`) holds no scores and no mask beyond a row of valid keys.
     let chunk = (s.rollout.max_batched_tokens / rows).clamp(1, s.context.max(1));
     let (rows_f, chunk_f) = (rows as f64, chunk as f64);
     let prefill = if paged_kernel {
@@ -1051,7 +1054,7 @@ fn update_parts(s: &PlanSettings) -> UpdateParts {
             0.0
         },
         optimizer: match s.device {
-            PlanDevice::Gpu | PlanDevice::GpuOpsOnly => 5.0 * largest_trained.max(grads / layers.max(1.0)),
+            PlanDevice::Gpu | PlanDevice::GpuPagedPrefill => 5.0 * largest_trained.max(grads / layers.max(1.0)),
             _ => 0.0,
         },
     }
@@ -1068,7 +1071,7 @@ fn embedding_grad_transient(s: &PlanSettings, table: f64) -> f64 {
         PlanDevice::CpuKernels if s.model.tie_word_embeddings && !s.checkpointing => table,
         PlanDevice::CpuKernels => 0.0,
         PlanDevice::CpuPortable => table,
-        PlanDevice::Gpu | PlanDevice::GpuOpsOnly => 2.0 * table,
+        PlanDevice::Gpu | PlanDevice::GpuPagedPrefill => 2.0 * table,
     }
 }
 
@@ -1408,12 +1411,14 @@ mod tests {
         let kv = kv_term(&plan);
         assert_eq!(kv.bytes, 28 * 2 * 1024 * 4576 * 4);
         assert_eq!(kv.name, "KV cache (4 episodes × 1,008 positions, the pool grown by an eighth)");
-        // burn's ops alone gather one layer's keys and values for 4 rows × 1,000 positions.
+        // burn's ops gather one layer's keys and values for 4 rows × 1,000 positions in a
+        // prefill pass.
         let gathers = |plan: &MemoryPlan| plan.phases[0].terms.iter().find(|t| t.name.starts_with("keys and values of one layer")).map(|t| t.bytes);
-        let ops_only = MemoryPlan::new(PlanSettings { device: PlanDevice::GpuOpsOnly, ..s.clone() });
-        assert_eq!(gathers(&ops_only), Some(4 * 1000 * 2 * 1024 * 4));
-        // The GPU's paged-attention kernel and the CPU kernels read the pool where it lies.
-        assert_eq!(gathers(&plan), None);
+        assert_eq!(gathers(&plan), Some(4 * 1000 * 2 * 1024 * 4));
+        // The GPU's paged-attention kernel in every pass and the CPU kernels read the pool
+        // where it lies.
+        let paged = MemoryPlan::new(PlanSettings { device: PlanDevice::GpuPagedPrefill, ..s.clone() });
+        assert_eq!(gathers(&paged), None);
         assert_eq!(gathers(&MemoryPlan::new(PlanSettings { device: PlanDevice::CpuKernels, ..s })), None);
     }
 

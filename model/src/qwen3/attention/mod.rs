@@ -129,7 +129,7 @@ impl<B: Backend> Qwen3Attention<B> {
             (Attended::Cached(cached), Some(bias)) => cached.attention(&query_states, bias, scaling as f32),
             (Attended::Fresh(k, v), Some(bias)) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32),
             // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
-            // too, in decoding steps and prefill chunks; the eager formula stays burn's ops, the
+            // too, in the passes it was lent for; the eager formula stays burn's ops, the
             // reference.
             (Attended::Cached(cached), None) if compute.attn_implementation == AttnImplementation::MemoryEfficient => {
                 cached.paged_attention(&query_states, &inputs.mask, scaling as f32)
