@@ -224,8 +224,9 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             let mut tile_sum = 0.0f32;
             for j in 0..tile_len {
                 let s = scores[base + j];
+                // A masked column gets no weight; a NaN score (a fault upstream) stays NaN.
                 let mut prob = 0.0f32;
-                if s > masked {
+                if s != masked {
                     prob = (s - new_max).exp();
                 }
                 scores[base + j] = prob;

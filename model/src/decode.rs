@@ -112,9 +112,9 @@ pub struct DecoderStats {
     /// Most KV positions in use at once: the blocks sequences held (and the scratch block).
     pub peak_kv_positions_in_use: usize,
     /// Key columns the passes' rows spanned, summed over passes: rows × the longest row's
-    /// positions, padding included. burn's ops gather that many keys and values per layer where
-    /// no paged-attention kernel is registered (the CPU kernels and a GPU's kernel read only
-    /// each row's own positions where they lie).
+    /// positions, padding included. burn's ops gather that many keys and values per layer in a
+    /// pass no paged-attention kernel is registered for (the CPU kernels and a GPU's kernel read
+    /// only each row's own positions where they lie).
     pub attention_columns: u64,
 }
 

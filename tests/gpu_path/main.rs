@@ -5,10 +5,11 @@
 //! on the CPU), which runs the CUDA backend's CubeCL kernels and fusion, without autotune as the
 //! CUDA build runs; only the final compiler differs (SPIR-V instead of NVRTC).
 //!
-//! On wgpu, the passes over the KV cache (prefill chunks and decoding steps) attend through the
-//! paged-attention kernel of `prompt-r1-device-kernels` (registered for `Vulkan` as the binary
-//! registers it with `--device-kernels all`), passes without a cache through burn's ops;
-//! `paged_attention.rs` checks the kernel alone.
+//! On wgpu, decoding steps attend through the paged-attention kernel of
+//! `prompt-r1-device-kernels` (registered for `Vulkan` as the binary registers it for its GPU
+//! backends), prefill chunks through burn's ops over the gathered cache, or through the kernel
+//! too with `PROMPT_R1_DEVICE_KERNELS=all` (as `--device-kernels all`; CI runs the parity cases
+//! again so); `paged_attention.rs` checks the kernel alone.
 //!
 //! One binary, so that burn's wgpu backend and the model's generic code over it are built once:
 //! as three binaries (parity, gradients, training) each took 175–212 s of one core to build.
@@ -50,11 +51,21 @@ mod common {
         }
         prompt_r1_model::cpu_kernels::set_portable_ops(true);
         configure_cubecl();
-        // As the binary does on a GPU with `--device-kernels all`: every pass on wgpu, prefill
-        // chunks too, reads the paged KV cache in place. (The default's prefill, burn's ops over
-        // the gathered cache, is the portable cases' path.)
-        device_kernels::register::<burn_wgpu::Vulkan>(device_kernels::KernelPasses::All);
+        // As the binary does on a GPU: decoding steps on wgpu read the paged KV cache in place,
+        // and prefill chunks too under `PROMPT_R1_DEVICE_KERNELS=all` (CI runs the parity cases
+        // both ways).
+        device_kernels::register::<burn_wgpu::Vulkan>(kernel_passes());
         crate::model_common::backend_ready::<B>()
+    }
+
+    /// The passes the paged-attention kernel takes in this process: every pass where
+    /// `PROMPT_R1_DEVICE_KERNELS` is `all` (`--device-kernels all`), else decoding steps (the
+    /// binary's default).
+    pub fn kernel_passes() -> device_kernels::KernelPasses {
+        match std::env::var("PROMPT_R1_DEVICE_KERNELS") {
+            Ok(value) if value.trim().eq_ignore_ascii_case("all") => device_kernels::KernelPasses::All,
+            _ => device_kernels::KernelPasses::Decode,
+        }
     }
 
     /// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`

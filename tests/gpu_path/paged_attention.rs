@@ -3,7 +3,7 @@
 //! names, masked columns (padding, pointing at a scratch slot full of large values) left out.
 //! Shapes that exercise the kernel's edges: grouped query heads, a head size above and below its
 //! 64 units, a width that is not a whole number of tiles, a first tile wholly masked, rows with
-//! one key, one query a row (a decoding step) and prefill chunks of 5 and 40 queries (blocks of
+//! one key, one query a row (a decoding step) and prefill chunks of 5 and 37 queries (blocks of
 //! queries cut short, queries that see no key at all). f32 and f16 (the dtype the GPU's bf16
 //! takes the same code for); the kernel sums in f32 either way.
 
@@ -23,8 +23,8 @@ const ROWS: usize = 4;
 const WIDTH: usize = 150;
 
 /// Queries a row in each pass checked: a decoding step, a chunk shorter than a block of
-/// queries, and one of several blocks, the last cut short.
-const QUERIES: [usize; 3] = [1, 5, 40];
+/// queries, and one of several blocks, the last cut short (blocks of 4, 8 and 16 here).
+const QUERIES: [usize; 3] = [1, 5, 37];
 
 /// Which columns of each row are keys: row 0 is padded over its first 70 columns (more than
 /// a tile), row 1 not at all, row 2 has five keys, row 3 one.
@@ -38,7 +38,7 @@ fn valid_columns(row: usize, column: usize) -> bool {
 }
 
 /// The read table: masked columns read the scratch slot, keys a slot spread over the pool
-/// (rows share some, as sequences never do, which the kernel must not mind).
+/// (rows share some, as sequences sharing a prefix do).
 fn read_table() -> (Vec<i64>, Vec<f32>) {
     let mut read = Vec::new();
     let mut valid = Vec::new();
@@ -100,8 +100,9 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, q
     let scale = (d as f32).powf(-0.5);
     let expected = reference(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), scale);
     // Through the registry, as the model finds it.
-    device_kernels::register::<B>(device_kernels::KernelPasses::All);
-    let kernel = prompt_r1_model::device_kernels::paged_attention::<B>(queries).expect("registered just now");
+    // Registered as the other tests of this binary register it (the registry is the process's).
+    device_kernels::register::<B>(common::kernel_passes());
+    let (kernel, _) = prompt_r1_model::device_kernels::registered_paged_attention::<B>().expect("registered just now");
     let output = kernel(PagedAttention { query, keys, values, read, valid, scale });
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     let difference = (output.cast(DType::F32) - expected).abs().max().into_scalar();

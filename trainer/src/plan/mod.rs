@@ -10,8 +10,9 @@
 //!   flight (`generation_batch`: those decoding and those waiting on the environment, whose
 //!   caches are kept; fewer decode at once under `rollout.max_num_seqs`) hold at most their
 //!   number × the full context in blocks, the pool grown by an eighth, or `rollout.kv_budget`
-//!   when that is smaller (sequences then wait or are preempted rather than go past it); each
-//!   pass gathers one layer's keys and values for its rows (rows × the full context at most);
+//!   when that is smaller (sequences then wait or are preempted rather than go past it); on
+//!   burn's ops a pass gathers one layer's keys and values for its rows (rows × the full
+//!   context at most: a GPU's prefill passes, unless `--device-kernels all`);
 //!   a turn prefills only its new tokens, in
 //!   chunks of at most `rollout.max_num_batched_tokens` positions (rows × chunk) attending over
 //!   up to the full context of keys. With `rollout.engine = "servers"` the rollouts run on the
@@ -329,16 +330,16 @@ impl PlanSettings {
         }
     }
 
-    /// Where attention runs on a pass taking `path`: the CPU kernel, or one of the
-    /// implementations as burn's tensor ops. Inference passes take the device's path
-    /// ([`PlanDevice::path`]: the CPU kernel serves bf16 activations there), the update
-    /// [`Self::path`].
     /// Whether the rollouts' prefill passes attend through the GPU's paged-attention kernel
     /// (the memory-efficient attention on a GPU with `--device-kernels all`).
     fn paged_attention_kernel(&self) -> bool {
         self.device == PlanDevice::GpuPagedPrefill && self.attention == AttnImplementation::MemoryEfficient
     }
 
+    /// Where attention runs on a pass taking `path`: the CPU kernel, or one of the
+    /// implementations as burn's tensor ops. Inference passes take the device's path
+    /// ([`PlanDevice::path`]: the CPU kernel serves bf16 activations there), the update
+    /// [`Self::path`].
     fn attention_path(&self, path: ComputePath) -> AttentionPath {
         match (path, self.attention) {
             (ComputePath::CpuKernels, _) => AttentionPath::CpuKernel,

@@ -140,7 +140,8 @@ pub struct RolloutStats {
     pub peak_kv_positions_in_use: usize,
     /// Key columns the attention spanned (rows × each pass's longest row, padding included),
     /// per token run through the decoder: what burn's ops (the GPU path) gather per layer where
-    /// no kernel reads the cache in place (`--device-kernels off`, `--portable-ops`).
+    /// no kernel reads the cache in place (a GPU's prefill passes unless `--device-kernels all`;
+    /// every pass with `off` or `--portable-ops`).
     pub attention_columns_per_token: f64,
     /// Sequences decoding per decoder step, on average (at most `batch`): on a GPU whose step
     /// costs the same at any number of rows, the rollout's speed follows it.
