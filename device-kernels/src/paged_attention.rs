@@ -175,18 +175,8 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
         sync_cube();
 
-        // 2. The tile's keys, coalesced.
-        let mut i = unit;
-        while i < tile_len * d {
-            let j = i / d;
-            let e = i % d;
-            let mut k = 0.0f32;
-            if is_key[j] == 1 {
-                k = f32::cast_from(keys[pool_base + slot_of[j] as usize * d + e]);
-            }
-            kv_tile[j * kv_stride + e] = k;
-            i += units;
-        }
+        // 2. The tile's keys.
+        stage_tile::<F>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile);
         sync_cube();
 
         // 3. Scores: a column is seen by the queries at or after its position.
@@ -238,18 +228,8 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             running_max[unit] = new_max;
         }
 
-        // 5. The tile's values, coalesced, into the keys' place, and the outputs.
-        let mut i = unit;
-        while i < tile_len * d {
-            let j = i / d;
-            let e = i % d;
-            let mut v = 0.0f32;
-            if is_key[j] == 1 {
-                v = f32::cast_from(values[pool_base + slot_of[j] as usize * d + e]);
-            }
-            kv_tile[j * kv_stride + e] = v;
-            i += units;
-        }
+        // 5. The tile's values, into the keys' place, and the outputs.
+        stage_tile::<F>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile);
         sync_cube();
 
         let mut i = unit;
@@ -280,6 +260,33 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             output[((row * queries + first + qi) * heads + first_head + b / block_len) * d + i % d] = F::cast_from(out);
         }
         i += units;
+    }
+}
+
+/// Copies a tile's keys or values (`pool`'s rows of `head_dim` from `pool_base`, at the slots
+/// `slot_of` names) into `staged` in rows of `head_dim + 1`, consecutive units reading
+/// consecutive elements of one row (coalesced); a column that is not a key is not read and
+/// gets zeros.
+#[cube]
+fn stage_tile<F: Float>(
+    pool: &Tensor<F>,
+    pool_base: usize,
+    slot_of: &SharedMemory<u32>,
+    is_key: &SharedMemory<u32>,
+    staged: &mut SharedMemory<f32>,
+    #[comptime] head_dim: u32,
+    #[comptime] tile: u32,
+) {
+    let d = head_dim as usize;
+    let mut i = UNIT_POS_X as usize;
+    while i < tile as usize * d {
+        let j = i / d;
+        let mut x = 0.0f32;
+        if is_key[j] == 1 {
+            x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
+        }
+        staged[j * (d + 1) + i % d] = x;
+        i += CUBE_DIM_X as usize;
     }
 }
 
