@@ -50,12 +50,9 @@ struct Cli {
 struct KernelChoice(Option<KernelPasses>);
 
 fn kernel_passes(value: &str) -> Result<KernelChoice, String> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "decode" | "on" | "true" | "1" | "yes" | "y" | "t" => Ok(KernelChoice(Some(KernelPasses::Decode))),
-        "all" => Ok(KernelChoice(Some(KernelPasses::All))),
-        "off" | "false" | "0" | "no" | "n" | "f" => Ok(KernelChoice(None)),
-        _ => Err("decode, all or off is expected (--device-kernels or PROMPT_R1_DEVICE_KERNELS)".to_string()),
-    }
+    KernelPasses::parse_setting(value)
+        .map(KernelChoice)
+        .ok_or_else(|| "decode, all or off is expected (--device-kernels or PROMPT_R1_DEVICE_KERNELS)".to_string())
 }
 
 /// A whole number of megabytes; the message names both ways of giving it.

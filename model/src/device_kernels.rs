@@ -49,6 +49,18 @@ pub enum KernelPasses {
 }
 
 impl KernelPasses {
+    /// A `--device-kernels` setting (`PROMPT_R1_DEVICE_KERNELS`), case and surrounding spaces
+    /// ignored: `decode` (or on, true, 1, yes, y, t), `all`, or off (off, false, 0, no, n, f) as
+    /// `Some(None)`; `None` for anything else.
+    pub fn parse_setting(value: &str) -> Option<Option<KernelPasses>> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "decode" | "on" | "true" | "1" | "yes" | "y" | "t" => Some(Some(KernelPasses::Decode)),
+            "all" => Some(Some(KernelPasses::All)),
+            "off" | "false" | "0" | "no" | "n" | "f" => Some(None),
+            _ => None,
+        }
+    }
+
     /// Whether a pass of `queries` queries a row is one of these.
     pub fn take(self, queries: usize) -> bool {
         self == KernelPasses::All || queries == 1
@@ -88,6 +100,15 @@ fn registry() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
 mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
+
+    /// Settings name the passes, and the old on/off spellings still say decode or off.
+    #[test]
+    fn settings_name_the_passes() {
+        for (value, passes) in [("decode", Some(KernelPasses::Decode)), (" On ", Some(KernelPasses::Decode)), ("1", Some(KernelPasses::Decode)), ("y", Some(KernelPasses::Decode)), ("All", Some(KernelPasses::All)), ("off", None), ("0", None), ("f", None)] {
+            assert_eq!(KernelPasses::parse_setting(value), Some(passes), "{value}");
+        }
+        assert_eq!(KernelPasses::parse_setting("prefill"), None);
+    }
 
     fn zeros<B: Backend>(pass: PagedAttention<B>) -> Tensor<B, 4> {
         pass.query.zeros_like()

@@ -58,14 +58,14 @@ mod common {
         crate::model_common::backend_ready::<B>()
     }
 
-    /// The passes the paged-attention kernel takes in this process: every pass where
-    /// `PROMPT_R1_DEVICE_KERNELS` is `all` (`--device-kernels all`), else decoding steps (the
-    /// binary's default).
+    /// The passes the paged-attention kernel takes in this process: as `PROMPT_R1_DEVICE_KERNELS`
+    /// says (read as the binary reads it), else decoding steps (the binary's default; also for
+    /// `off`, since the kernel's own tests need it registered).
     pub fn kernel_passes() -> device_kernels::KernelPasses {
-        match std::env::var("PROMPT_R1_DEVICE_KERNELS") {
-            Ok(value) if value.trim().eq_ignore_ascii_case("all") => device_kernels::KernelPasses::All,
-            _ => device_kernels::KernelPasses::Decode,
-        }
+        std::env::var("PROMPT_R1_DEVICE_KERNELS")
+            .ok()
+            .and_then(|value| device_kernels::KernelPasses::parse_setting(&value).flatten())
+            .unwrap_or(device_kernels::KernelPasses::Decode)
     }
 
     /// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`
