@@ -15,8 +15,8 @@ use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::{
-    completion_logprobs, generate, load_pretrained, LoadOptions, LoraAdapters, LoraConfig, MatmulPrecision, Preset, Qwen3Config,
-    Sampling, SamplingConfig,
+    completion_logprobs, generate, load_pretrained, LoadOptions, LoraAdapters, LoraConfig, LoraModel, MatmulPrecision,
+    Preset, Qwen3Config, Sampling, SamplingConfig,
 };
 use serde::Serialize;
 
@@ -83,10 +83,16 @@ pub struct Args {
     /// Train with activation checkpointing (grpo.activation_checkpointing).
     #[arg(long)]
     pub activation_checkpointing: bool,
-    /// Train LoRA adapters (rank 8 on every linear projection, `[lora]`'s defaults) beside the
-    /// frozen base, held in --dtype (`model_dtype`), instead of every weight.
+    /// LoRA adapters (rank 8 on every linear projection, `[lora]`'s defaults) beside the frozen
+    /// base, held in --dtype (`model_dtype`): the training step trains them instead of every
+    /// weight, and prefill, decode and scoring run through them (each adapted projection adds
+    /// two small products: what unmerged rollouts cost).
     #[arg(long)]
     pub lora: bool,
+    /// With --lora, prefill, decode and scoring run on the adapters merged into a copy of the
+    /// weights (`rollout.merge_lora`, the trainer's default for its rollouts).
+    #[arg(long, requires = "lora")]
+    pub merge_lora: bool,
     /// Also time the projections' matrix products alone, f32 operands at f32 and at bf16
     /// precision, on the training step's 2 × prompt-len rows and the model's projection shapes
     /// (GFLOP/s; the median of 5 after a warm-up).
@@ -389,6 +395,17 @@ impl Args {
             .with_matmul_precision(self.matmul);
         B::sync(device)?;
         figures.push(Figure::tokens("load".into(), start.elapsed().as_secs_f64(), None, peak_rss_mb()));
+        let adapters = self.lora.then(|| LoraAdapters::<B>::init(&LoraConfig::default(), &model.config, 0, device));
+        let (model, adapters) = match adapters {
+            Some(adapters) if self.merge_lora => (model::lora::merge_adapters(model, &adapters), None),
+            adapters => (model, adapters),
+        };
+        let policy = LoraModel::new(&model, adapters.as_ref());
+        let lora = match (self.lora, self.merge_lora) {
+            (false, _) => "",
+            (true, false) => ", LoRA",
+            (true, true) => ", LoRA merged",
+        };
         let vocab = model.config.vocab_size as u32;
         let tokens = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect() };
         let prompt = tokens(self.prompt_len);
@@ -396,15 +413,15 @@ impl Args {
         let decode_source = tokens(self.decode_context + 7);
 
         // Warm-up: one short forward so kernel compilation / allocation is not timed.
-        generate(&model, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() })?;
+        generate(&policy, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() })?;
 
         reset_peak_rss();
         let seconds = median_seconds(TIMED_RUNS, || {
             let start = Instant::now();
-            generate(&model, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() })?;
+            generate(&policy, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() })?;
             Ok(start.elapsed().as_secs_f64())
         })?;
-        let workload = format!("prefill {} tokens", self.prompt_len);
+        let workload = format!("prefill {} tokens{lora}", self.prompt_len);
         figures.push(Figure::tokens(workload, seconds, Some(self.prompt_len as f64), peak_rss_mb()));
 
         for &batch in &self.decode_batch {
@@ -419,16 +436,16 @@ impl Args {
             reset_peak_rss();
             let seconds = median_seconds(TIMED_RUNS, || {
                 let start = Instant::now();
-                generate(&model, &prompts, &one)?;
+                generate(&policy, &prompts, &one)?;
                 let prefill = start.elapsed().as_secs_f64();
                 let start = Instant::now();
-                generate(&model, &prompts, &config)?;
+                generate(&policy, &prompts, &config)?;
                 Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
             })?;
             let tokens = (batch * (self.decode_tokens - 1)) as f64;
             let workload = match self.decode_context {
-                DEFAULT_DECODE_CONTEXT => format!("decode batch {batch}"),
-                context => format!("decode batch {batch}, context {context}"),
+                DEFAULT_DECODE_CONTEXT => format!("decode batch {batch}{lora}"),
+                context => format!("decode batch {batch}, context {context}{lora}"),
             };
             figures.push(Figure::tokens(workload, seconds, Some(tokens), peak_rss_mb()));
         }
@@ -438,10 +455,10 @@ impl Args {
         let pairs = vec![(prompt[..half].to_vec(), prompt[half..].to_vec()); 2];
         let seconds = median_seconds(TIMED_RUNS, || {
             let start = Instant::now();
-            completion_logprobs(&model, &pairs, 0)?;
+            completion_logprobs(&policy, &pairs, 0)?;
             Ok(start.elapsed().as_secs_f64())
         })?;
-        let workload = format!("score 2 x {} tokens", self.prompt_len);
+        let workload = format!("score 2 x {} tokens{lora}", self.prompt_len);
         figures.push(Figure::tokens(workload, seconds, Some((2 * self.prompt_len) as f64), peak_rss_mb()));
 
         let c = &model.config;
@@ -450,6 +467,7 @@ impl Args {
             (c.hidden_size, c.intermediate_size),
             (c.intermediate_size, c.hidden_size),
         ];
+        drop(adapters);
         drop(model);
         if self.products {
             figures.extend(product_figures::<B>(device, 2 * self.prompt_len, &shapes)?);
@@ -557,6 +575,7 @@ impl TrainStep {
             lora: self.lora.as_ref().map(LoraPlan::from_config),
             base_dtype: self.dtype,
             rollout_dtype: self.dtype,
+            merge_lora: false,
             kl: false,
             entropy_grad: false,
             micro_batch: config.micro_batch_size,

@@ -151,6 +151,9 @@ pub struct PlanSettings {
     pub base_dtype: DType,
     /// `rollout.dtype`: the rollout copy's and the KL reference's weights.
     pub rollout_dtype: DType,
+    /// `rollout.merge_lora`: with LoRA, the rollouts sample from a copy of the base with the
+    /// adapters merged into the weights they adapt.
+    pub merge_lora: bool,
     /// Whether the loss has a KL term (`grpo.loss.kl_coef ≠ 0`).
     pub kl: bool,
     /// Whether the entropy takes a gradient (`grpo.loss.entropy_coef ≠ 0`).
@@ -227,6 +230,7 @@ impl PlanSettings {
             lora: config.lora.as_ref().map(LoraPlan::from_config),
             base_dtype: config.model_dtype.dtype(),
             rollout_dtype: config.rollout.dtype.dtype(),
+            merge_lora: config.rollout.merge_lora,
             kl: config.grpo.loss.uses_kl(),
             entropy_grad: config.grpo.loss.uses_entropy(),
             micro_batch: config
@@ -423,6 +427,21 @@ impl PlanSettings {
                 .sum();
             (per_layer * self.model.num_hidden_layers) as u64
         })
+    }
+
+    /// Parameters of the weights the adapters adapt (`None` without LoRA): what a merged
+    /// rollout copy holds again.
+    pub fn adapted_parameters(&self) -> Option<u64> {
+        let lora = self.lora.as_ref()?;
+        let per_layer: usize = lora
+            .targets
+            .iter()
+            .map(|t| {
+                let (i, o) = t.features(&self.model);
+                i * o
+            })
+            .sum();
+        Some((per_layer * self.model.num_hidden_layers) as u64)
     }
 
     /// Parameters that take gradients and optimiser state.
@@ -683,6 +702,12 @@ fn candidate_changes(s: &PlanSettings) -> Vec<PlanSettings> {
         // The rollouts' limits are the workers' business.
         return out;
     }
+    if s.lora.is_some() && s.merge_lora {
+        out.push(PlanSettings {
+            merge_lora: false,
+            ..s.clone()
+        });
+    }
     // A KV budget lets episodes wait or be preempted instead of every one holding the full
     // context: half of what the cache holds now, in whole GiB (MiB below 1 GiB), while it
     // still holds one episode at the full context.
@@ -754,6 +779,9 @@ fn describe_changes(from: &PlanSettings, to: &PlanSettings) -> String {
             "rollout.dtype = \"{}\"",
             dtype_name(to.rollout_dtype)
         ));
+    }
+    if to.merge_lora != from.merge_lora && to.lora.is_some() && from.lora.is_some() {
+        keys.push(format!("rollout.merge_lora = {}", to.merge_lora));
     }
     if to.generation_batch != from.generation_batch {
         keys.push(format!(
@@ -850,6 +878,15 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
         terms.push(Term::new(
             "rollout copy of the weights (bf16)",
             params * 2.0,
+        ));
+    }
+    // `rollout.merge_lora` merges the adapters into new weights of the rollouts' dtype, which
+    // live beside the base (or its bf16 copy) while the rollouts run.
+    if let Some(adapted) = s.adapted_parameters().filter(|_| s.merge_lora) {
+        let dtype = if s.rollout_dtype == DType::BF16 { DType::BF16 } else { s.weights_dtype() };
+        terms.push(Term::new(
+            format!("adapted weights with the LoRA merged ({})", dtype_name(dtype)),
+            adapted as f64 * dtype_bytes(dtype),
         ));
     }
     let cache_dtype = s.rollout_cache_dtype();
@@ -1209,6 +1246,7 @@ mod tests {
             lora: None,
             base_dtype: DType::F32,
             rollout_dtype: DType::F32,
+            merge_lora: true,
             kl: false,
             entropy_grad: false,
             micro_batch: 2,
@@ -1439,6 +1477,29 @@ mod tests {
             device: PlanDevice::Gpu,
             ..settings(Preset::Qwen3_4B)
         }
+    }
+
+    /// `rollout.merge_lora` holds the adapted weights once more, in the rollouts' dtype, while
+    /// the rollouts run: Qwen3-4B's seven projections a layer in bf16. Without it, or without
+    /// LoRA, no such term; the plan offers turning it off.
+    #[test]
+    fn merged_lora_holds_the_adapted_weights_again_during_the_rollouts() {
+        let s = papers_run_at_64();
+        let m = &s.model;
+        let (h, q, kv, i) = (m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim, m.intermediate_size);
+        let per_layer = h * q + 2 * h * kv + q * h + 3 * h * i;
+        assert_eq!(s.adapted_parameters(), Some((per_layer * m.num_hidden_layers) as u64));
+        let merged_term = |s: &PlanSettings| {
+            MemoryPlan::new(s.clone()).phases[0].terms.iter().find(|t| t.name.starts_with("adapted weights with the LoRA merged")).cloned()
+        };
+        let term = merged_term(&s).expect("a merged copy");
+        assert_eq!(term.name, "adapted weights with the LoRA merged (bf16)");
+        assert_eq!(term.bytes, 2 * (per_layer * m.num_hidden_layers) as u64);
+        assert!(merged_term(&PlanSettings { merge_lora: false, ..s.clone() }).is_none());
+        assert!(merged_term(&PlanSettings { lora: None, ..s.clone() }).is_none());
+        assert_eq!(settings(Preset::Qwen3_4B).adapted_parameters(), None);
+        let unmerged = PlanSettings { merge_lora: false, ..s.clone() };
+        assert_eq!(describe_changes(&s, &unmerged), "rollout.merge_lora = false");
     }
 
     /// Without a budget every episode of the rollout batch holds the full context in the pool,

@@ -196,6 +196,13 @@ pub struct RolloutSection {
     /// are as without it, up to the last bits of the floating-point sums (a prefix's keys and
     /// values come from another episode's pass). `false`: each episode prefills its own.
     pub share_prefixes: bool,
+    /// With LoRA, the local engine's rollouts (and validation) sample from a copy of the base
+    /// with the adapters merged into its weights (PEFT's `merge_and_unload`, in f32, rounded
+    /// once to `dtype`; the default): each adapted projection is then one product instead of
+    /// three and an addition, which on a GPU is most of a decoding step's kernels. The update and
+    /// the old log-probs keep the adapters apart; the copy costs the adapted weights once more
+    /// while the rollouts run. `false`: the rollouts run the adapters beside the base.
+    pub merge_lora: bool,
     /// Continuous batching (the default): an episode whose turn ends sends its environment call
     /// at once and rejoins the batch with the reply while the others keep decoding. The rows
     /// that decode side by side then depend on the environment's timing, which moves the last
@@ -345,6 +352,7 @@ impl Default for RolloutSection {
             max_num_batched_tokens: crate::plan::DEFAULT_MAX_NUM_BATCHED_TOKENS,
             kv_budget: None,
             share_prefixes: true,
+            merge_lora: true,
             continuous_batching: true,
             sampling: Sampling::default(),
             advantage: AdvantageMode::Grpo,

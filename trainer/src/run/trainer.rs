@@ -8,13 +8,14 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use data::{BatchSampler, Example};
 use env::{Environment, StopReason, Trajectory};
 use model::tokenizer::Qwen3Tokenizer;
+use model::lora::merge_adapters;
 use model::{load_pretrained, with_dtype, LoadOptions, LoraAdapters, LoraModel, Qwen3ForCausalLM, Sampling};
 
-use super::config::{InferenceDtype, TrainConfig};
+use super::config::{InferenceDtype, RolloutSection, TrainConfig};
 use super::dynamic_sampling::groups_without_signal;
 use super::error::TrainError;
 use super::learner::{Learner, LearnerSettings, Update};
@@ -374,15 +375,6 @@ impl<B: AutodiffBackend> Trainer<B> {
         Ok(())
     }
 
-    /// The model episodes sample from: the policy (or LoRA base) itself, or its copy in
-    /// `rollout.dtype` (LoRA adapters stay f32).
-    fn for_rollouts(&self, policy: Policy<Inner<B>>) -> Policy<Inner<B>> {
-        match self.config.rollout.dtype {
-            InferenceDtype::F32 => policy,
-            other => with_dtype(policy, other.dtype()),
-        }
-    }
-
     /// One episode per question from the engine ([`RolloutEngine::rollouts`]), each sampling
     /// from its own stream of `sampling.seed`, `stream` and its place among `questions`. A
     /// local engine samples from the policy in `rollout.dtype`.
@@ -395,8 +387,12 @@ impl<B: AutodiffBackend> Trainer<B> {
         stream: u64,
         sampling: &Sampling,
     ) -> Result<(Vec<Trajectory>, RolloutStats), TrainError> {
-        let copy = self.engine.samples_locally().then(|| self.for_rollouts(policy_model.clone()));
-        let model = copy.as_ref().unwrap_or(policy_model);
+        let copy = self.engine.samples_locally().then(|| for_rollouts(policy_model.clone(), adapters, &self.config.rollout));
+        let (model, adapters) = match &copy {
+            Some((model, true)) => (model, None),
+            Some((model, false)) => (model, adapters),
+            None => (policy_model, adapters),
+        };
         let episode = self.config.episode.episode_config()?;
         let questions: Vec<&str> = questions.iter().map(AsRef::as_ref).collect();
         self.engine.rollouts(RolloutBatch {
@@ -472,4 +468,77 @@ fn load_examples(files: &[PathBuf], config: &TrainConfig) -> Result<Vec<Example>
         all.extend(data::load(file, config.on_bad_row())?.into_examples());
     }
     Ok(all)
+}
+
+/// The model a local engine's episodes sample from, and whether `adapters` are merged into it:
+/// the policy (or LoRA base) itself, or a copy with the adapters merged
+/// (`rollout.merge_lora`) and in `rollout.dtype` (unmerged adapters stay f32).
+fn for_rollouts<B: Backend>(policy: Policy<B>, adapters: Option<&LoraAdapters<B>>, rollout: &RolloutSection) -> (Policy<B>, bool) {
+    let (policy, merged) = match adapters {
+        Some(adapters) if rollout.merge_lora => (merge_adapters(policy, adapters), true),
+        _ => (policy, false),
+    };
+    let policy = match rollout.dtype {
+        InferenceDtype::F32 => policy,
+        other => with_dtype(policy, other.dtype()),
+    };
+    (policy, merged)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::tensor::{DType, Int, Tensor};
+    use model::checkpoint::StorageDtype;
+    use model::init::write_random_checkpoint;
+    use model::{LoraConfig, Preset};
+
+    use super::*;
+
+    /// With LoRA the rollouts sample from the base with the adapters merged (`merge_lora`, the
+    /// default), which computes what the base with the adapters computes (f32: within 1e-5 of
+    /// the logits), in `rollout.dtype`; with `merge_lora = false` the adapters go beside the
+    /// base as they are.
+    #[test]
+    fn rollouts_sample_from_the_merged_adapters() {
+        let config = Preset::Tiny.config(300, vec![299]);
+        let dir = tempfile::tempdir().unwrap();
+        write_random_checkpoint(&config, dir.path(), 3, StorageDtype::F32).unwrap();
+        let device = Default::default();
+        let base = load_pretrained::<Flex>(dir.path(), &device, LoadOptions::default()).unwrap();
+        let mut adapters = LoraAdapters::<Flex>::init(&LoraConfig::default(), &config, 1, &device);
+        for layer in &mut adapters.layers {
+            for a in [&mut layer.q_proj, &mut layer.v_proj, &mut layer.up_proj].into_iter().flatten() {
+                a.lora_B = a.lora_B.clone().map(|b| b.ones_like().mul_scalar(0.05));
+            }
+        }
+        let logits = |model: LoraModel<'_, Flex>| -> Vec<f32> {
+            let ids = Tensor::<Flex, 2, Int>::from_ints([[1, 5, 9, 200, 7]], &device);
+            let positions = Tensor::<Flex, 2, Int>::from_ints([[0, 1, 2, 3, 4]], &device);
+            model.base.forward_with_adapters(ids, positions, None, None, model.adapters).cast(DType::F32).into_data().to_vec().unwrap()
+        };
+        let adapted = logits(LoraModel::new(&base, Some(&adapters)));
+        let plain = logits(LoraModel::new(&base, None));
+        let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(diff(&adapted, &plain) > 1e-2, "the adapters change the logits");
+
+        let rollout = RolloutSection::default();
+        assert!(rollout.merge_lora, "merging is the default");
+        let (merged, was_merged) = for_rollouts(base.clone(), Some(&adapters), &rollout);
+        assert!(was_merged);
+        let worst = diff(&logits(LoraModel::new(&merged, None)), &adapted);
+        assert!(worst < 1e-5, "merged against adapters beside the base: {worst}");
+
+        let bf16 = RolloutSection { dtype: InferenceDtype::Bf16, ..RolloutSection::default() };
+        let (merged, _) = for_rollouts(base.clone(), Some(&adapters), &bf16);
+        assert_eq!(merged.model.layers[0].self_attn.q_proj.weight.val().dtype(), DType::BF16);
+
+        let apart = RolloutSection { merge_lora: false, ..RolloutSection::default() };
+        let (same, was_merged) = for_rollouts(base.clone(), Some(&adapters), &apart);
+        assert!(!was_merged);
+        assert_eq!(logits(LoraModel::new(&same, None)), plain, "the base as it was");
+        let (same, was_merged) = for_rollouts(base, None, &rollout);
+        assert!(!was_merged, "nothing to merge without adapters");
+        assert_eq!(logits(LoraModel::new(&same, None)), plain);
+    }
 }
