@@ -397,6 +397,12 @@ case "$stage" in
     bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels all
     bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
     grep -h -A2 '"decode batch\|"prefill' "$work"/decode-kernel-*.txt 2> /dev/null | tee -a "$log"
+    # LoRA rollouts (the paper's run: rank 8 on every projection of a bf16 base) with the
+    # adapters beside the base and merged into it (rollout.merge_lora, the default): on lavapipe
+    # a decoding step launched 244 kernels a token apart and 155 merged (the base's count).
+    bench decode-lora-apart --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora
+    bench decode-lora-merged --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora --merge-lora
+    grep -h -A2 '"decode batch\|"prefill' "$work"/decode-lora-*.txt 2> /dev/null | tee -a "$log"
     # Then what continuous admission gains where a decode step costs about the same at any
     # number of rows: 64 episodes of 1 to 5 turns, 32 in flight, in batches and continuously
     # (on 2 CPU cores with the paged KV cache: 0.65x the decoder steps, 0.80x the speed, 1.44x
