@@ -72,7 +72,10 @@ fn rollouts_on_workers_train_as_local_rollouts() {
     let (local_dir, remote_dir) = (dir.path().join("local"), dir.path().join("servers"));
     std::fs::create_dir_all(&local_dir).unwrap();
     std::fs::create_dir_all(&remote_dir).unwrap();
-    let local = with_lora(setup(&local_dir));
+    let mut local = with_lora(setup(&local_dir));
+    // The workers run the adapters beside the base; so does the local engine here, so that both
+    // compute alike to the last bit (merged, the logits move by rounding: merge_lora's own test).
+    local.rollout.merge_lora = false;
     let mut remote = with_lora(setup(&remote_dir));
     let base = load_pretrained::<Flex>(&remote.model, &Default::default(), LoadOptions::default()).unwrap();
     let workers = [lora_worker(base.clone()), lora_worker(base)];
