@@ -263,6 +263,28 @@ fn bench_runs_through_the_portable_ops() {
     assert!(!String::from_utf8_lossy(&fused.stderr).contains("fused CPU kernels off"));
 }
 
+/// `--lora` runs prefill, decode and scoring through adapters and `--lora --merge-lora` through
+/// them merged, each named so; `--merge-lora` alone is refused.
+#[test]
+fn bench_decodes_with_adapters_apart_or_merged() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let args = ["bench", "--model", &model, "--prompt-len", "8", "--decode-tokens", "2", "--decode-batch", "1", "--json"];
+    let workloads = |extra: &[&str]| -> Vec<String> {
+        let out = prompt_r1(&[&args[..], extra].concat());
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let figures: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        figures.as_array().unwrap().iter().map(|f| f["workload"].as_str().unwrap().to_owned()).collect()
+    };
+    assert_eq!(workloads(&["--lora"])[1..], ["prefill 8 tokens, LoRA", "decode batch 1, LoRA", "score 2 x 8 tokens, LoRA"]);
+    assert_eq!(
+        workloads(&["--lora", "--merge-lora"])[1..],
+        ["prefill 8 tokens, LoRA merged", "decode batch 1, LoRA merged", "score 2 x 8 tokens, LoRA merged"]
+    );
+    let out = prompt_r1(&[&args[..], &["--merge-lora"]].concat());
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--lora"));
+}
+
 /// `--cpu-isa` caps the kernels' instruction set and bench says at which level they ran; a level
 /// that does not exist, by flag or in `PROMPT_R1_CPU_ISA`, is refused before any work.
 #[test]

@@ -16,7 +16,7 @@ use crate::device::{total_memory, DeviceChoice};
 use crate::model_dir::preset_parser;
 
 /// Predict a run's peak memory before starting it: weights, adapters, gradients, optimiser
-/// state, KL reference, rollout copy and KV cache, activations with and without checkpointing;
+/// state, KL reference, rollout copy (or merged LoRA weights) and KV cache, activations with and without checkpointing;
 /// and whether it fits the device (the model's config.json is read, no weights).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {

@@ -4,7 +4,8 @@
 //!
 //! A step has three phases, and the peak is the largest of them on top of what lives throughout
 //! (the weights, the optimiser's moments, the KL reference):
-//! - **rollouts**: the rollout copy of the policy (bf16 rollouts), the KV cache and one prefill
+//! - **rollouts**: the rollout copy of the policy (bf16 rollouts; with LoRA and
+//!   `rollout.merge_lora`, the adapted weights with the adapters merged), the KV cache and one prefill
 //!   pass, as `model::Decoder` runs them: each episode's cache is kept across its turns in
 //!   blocks of a paged pool that grows by an eighth ([`grown_capacity`]), so the episodes in
 //!   flight (`generation_batch`: those decoding and those waiting on the environment, whose
@@ -854,7 +855,8 @@ fn persistent_terms(s: &PlanSettings) -> Vec<Term> {
     terms
 }
 
-/// The rollouts as `model::Decoder` runs them (see the module docs): the rollout copy, the KV
+/// The rollouts as `model::Decoder` runs them (see the module docs): the rollout copy (or the
+/// merged adapted weights), the KV
 /// cache of the episodes decoding at once at the full context (or the KV budget), and one
 /// chunked prefill pass. None of them with rollouts on workers: the phase then only names them.
 fn rollout_phase(s: &PlanSettings) -> Phase {
@@ -880,10 +882,11 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
             params * 2.0,
         ));
     }
-    // `rollout.merge_lora` merges the adapters into new weights of the rollouts' dtype, which
-    // live beside the base (or its bf16 copy) while the rollouts run.
-    if let Some(adapted) = s.adapted_parameters().filter(|_| s.merge_lora) {
-        let dtype = if s.rollout_dtype == DType::BF16 { DType::BF16 } else { s.weights_dtype() };
+    // `rollout.merge_lora` merges the adapters into new weights of the base's dtype, which live
+    // beside the base while the rollouts run. Where a bf16 copy is made, the merged weights are
+    // part of it (merged in f32, then cast with the rest, before any KV cache is taken).
+    if let Some(adapted) = s.adapted_parameters().filter(|_| s.merge_lora && !bf16_copy) {
+        let dtype = s.weights_dtype();
         terms.push(Term::new(
             format!("adapted weights with the LoRA merged ({})", dtype_name(dtype)),
             adapted as f64 * dtype_bytes(dtype),
@@ -1496,6 +1499,12 @@ mod tests {
         assert_eq!(term.name, "adapted weights with the LoRA merged (bf16)");
         assert_eq!(term.bytes, 2 * (per_layer * m.num_hidden_layers) as u64);
         assert!(merged_term(&PlanSettings { merge_lora: false, ..s.clone() }).is_none());
+        // An f32 base: the merged weights in f32; with bf16 rollouts they are the bf16 copy's.
+        let f32_base = PlanSettings { base_dtype: DType::F32, rollout_dtype: DType::F32, ..s.clone() };
+        assert_eq!(merged_term(&f32_base).unwrap().bytes, 4 * (per_layer * m.num_hidden_layers) as u64);
+        let bf16_copy = PlanSettings { base_dtype: DType::F32, ..s.clone() };
+        assert!(merged_term(&bf16_copy).is_none());
+        assert!(MemoryPlan::new(bf16_copy).phases[0].terms.iter().any(|t| t.name == "rollout copy of the weights (bf16)"));
         assert!(merged_term(&PlanSettings { lora: None, ..s.clone() }).is_none());
         assert_eq!(settings(Preset::Qwen3_4B).adapted_parameters(), None);
         let unmerged = PlanSettings { merge_lora: false, ..s.clone() };

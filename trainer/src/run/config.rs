@@ -197,11 +197,14 @@ pub struct RolloutSection {
     /// values come from another episode's pass). `false`: each episode prefills its own.
     pub share_prefixes: bool,
     /// With LoRA, the local engine's rollouts (and validation) sample from a copy of the base
-    /// with the adapters merged into its weights (PEFT's `merge_and_unload`, in f32, rounded
-    /// once to `dtype`; the default): each adapted projection is then one product instead of
-    /// three and an addition, which on a GPU is most of a decoding step's kernels. The update and
-    /// the old log-probs keep the adapters apart; the copy costs the adapted weights once more
-    /// while the rollouts run. `false`: the rollouts run the adapters beside the base.
+    /// with the adapters merged into its weights (PEFT's `merge_and_unload`: in f32, rounded once
+    /// to the base's dtype, then to `dtype`'s; the default): each adapted projection is then one
+    /// product instead of three and an addition, a third of a decoding step's GPU kernels. On a
+    /// bf16 base an adapter's change smaller than half a bf16 step of a weight rounds away in
+    /// the merged copy, as in any merge into bf16 (vLLM's or PEFT's). The update and the old
+    /// log-probs keep the adapters apart; the copy holds the adapted weights once more while
+    /// the rollouts run. `false`: the rollouts run the adapters beside the base. Not for
+    /// `engine = "servers"` (the workers run the adapters beside their base).
     pub merge_lora: bool,
     /// Continuous batching (the default): an episode whose turn ends sends its environment call
     /// at once and rejoins the batch with the reply while the others keep decoding. The rows

@@ -540,5 +540,17 @@ mod tests {
         let (same, was_merged) = for_rollouts(base, None, &rollout);
         assert!(!was_merged, "nothing to merge without adapters");
         assert_eq!(logits(LoraModel::new(&same, None)), plain);
+
+        // A bf16 base: the merged weights round once to bf16, the adapters beside the base
+        // round their sum at each projection's output; both stay far closer to each other than
+        // to the base alone.
+        let base = load_pretrained::<Flex>(dir.path(), &device, LoadOptions { dtype: DType::BF16, ..Default::default() }).unwrap();
+        let adapted = logits(LoraModel::new(&base, Some(&adapters)));
+        let plain = logits(LoraModel::new(&base, None));
+        let (merged, _) = for_rollouts(base, Some(&adapters), &rollout);
+        assert_eq!(merged.model.layers[0].mlp.up_proj.weight.val().dtype(), DType::BF16);
+        let (moved, apart) = (diff(&adapted, &plain), diff(&logits(LoraModel::new(&merged, None)), &adapted));
+        println!("bf16 base: the adapters move the logits by {moved}, merged and apart differ by {apart}");
+        assert!(apart < 0.1 * moved, "merged against apart {apart}, the adapters' change {moved}");
     }
 }
