@@ -740,6 +740,29 @@ fn seeded_token_id_requests_answer_as_alone() {
     assert_ne!(answer(&other_seed), alone[1]);
 }
 
+/// `serve --merge-lora` serves a loaded adapter merged into the base: its greedy answer's first
+/// token and log-prob are those of the adapter beside the base (the log-prob within 1e-4; the
+/// later tokens may part at a near tie, since the sums round differently).
+#[test]
+fn merged_adapters_answer_as_the_adapter_beside_the_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model_scaled(dir.path(), 10.0);
+    let adapter = dir.path().join("adapter");
+    harness::write_adapter(&model, &adapter, 1, 0.5);
+    let prompt: Vec<u64> = vec![40, 41, 42, 43, 44];
+    let first = |args: &[&str]| -> (u64, f64) {
+        let server = Server::start(&model, args);
+        let body = json!({"lora_name": "policy", "lora_path": adapter.to_str().unwrap()}).to_string();
+        assert_eq!(server.post("/v1/load_lora_adapter", &body).status, 200);
+        let reply = complete(&server, &json!({"model": "policy", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                              "logprobs": 0, "return_token_ids": true}));
+        (ids(&reply)[0], reply["choices"][0]["logprobs"]["token_logprobs"][0].as_f64().unwrap())
+    };
+    let (apart, merged) = (first(&[]), first(&["--merge-lora"]));
+    assert_eq!(merged.0, apart.0);
+    assert!((merged.1 - apart.1).abs() < 1e-4, "merged {merged:?}, apart {apart:?}");
+}
+
 /// `POST /v1/load_lora_adapter` adds a named adapter that requests ask for as their model (the
 /// base's name still gives the base), listed by `/v1/models` with its path as `root`; a second
 /// load under the name needs `load_inplace`; a directory that is not a PEFT adapter of the base

@@ -79,6 +79,14 @@ pub struct Args {
     /// --max-loras).
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_loras: u64,
+    /// Run each LoRA adapter's requests on a copy of the base with the adapter merged in, made
+    /// when it (or new base weights) is loaded: a decoding step then runs one product per
+    /// adapted projection instead of three and an addition (37% fewer GPU kernels a token on
+    /// the small shape, as the trainer's own rollouts, `rollout.merge_lora`). Each loaded
+    /// adapter holds the weights it adapts once more, and its answers move by rounding from
+    /// those of the adapter beside the base. For rollout workers.
+    #[arg(long)]
+    pub merge_lora: bool,
     /// Most client connections open at once; beyond it new ones wait to be accepted.
     #[arg(long, value_name = "N", default_value_t = Limits::default().max_connections as u64, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_connections: u64,
@@ -156,6 +164,7 @@ impl OnBackend for Args {
             quiet: self.quiet,
             api_key: self.api_key.clone().filter(|key| !key.is_empty()),
             max_loras: self.max_loras as usize,
+            merge_lora: self.merge_lora,
             limits: limits(&self),
             prefix_cache_memory: self.prefix_cache_memory,
         };

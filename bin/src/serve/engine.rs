@@ -485,7 +485,7 @@ mod tests {
         let model = load_pretrained::<B>(dir, &Default::default(), options).unwrap();
         let root = dir.display().to_string();
         Engine {
-            policy: Policy::new("tiny".into(), model, root, Default::default(), options, 2),
+            policy: Policy::new("tiny".into(), model, root, Default::default(), options, 2, false),
             tokenizer,
             stop_ids: Vec::new(),
             max_batch: 2,

@@ -56,6 +56,8 @@ pub struct Settings {
     pub api_key: Option<String>,
     /// Most LoRA adapters loaded at once.
     pub max_loras: usize,
+    /// Serve each adapter merged into a copy of the weights it adapts.
+    pub merge_lora: bool,
     /// The HTTP front's limits (sizes, timeouts, connections, handler threads).
     pub limits: Limits,
     /// Bytes of KV cache the prefix cache may hold (0: no prefix cache).
@@ -144,6 +146,7 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         served.device,
         served.load_options,
         settings.max_loras,
+        settings.merge_lora,
     );
     let mut engine = Engine {
         policy,

@@ -1,12 +1,14 @@
 //! The served policy, owned by the worker thread: the base weights and at most a few named LoRA
 //! adapters, each loadable at run time (vLLM's runtime LoRA updating, SGLang's
-//! `update_weights_from_disk`). A load that fails leaves the policy as it was.
+//! `update_weights_from_disk`). A load that fails leaves the policy as it was. With
+//! `--merge-lora` each adapter is also merged into a copy of the weights it adapts, made when it
+//! (or a new base) is loaded, and its requests run on that copy.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
-use model::lora::{is_adapter_dir, load_adapter};
+use model::lora::{is_adapter_dir, load_adapter, merge_adapters};
 use model::{load_pretrained, LoadOptions, LoraAdapters, LoraModel, Qwen3Config, Qwen3ForCausalLM};
 use serde_json::Value;
 
@@ -40,21 +42,31 @@ pub enum Change {
     UpdateWeights { path: String },
 }
 
+/// A loaded adapter: its weights, where it came from, and with `--merge-lora` the base with it
+/// merged in.
+struct Loaded<B: Backend> {
+    adapters: LoraAdapters<B>,
+    card: AdapterCard,
+    merged: Option<Qwen3ForCausalLM<B>>,
+}
+
 /// The base model and its adapters, with what loading more needs.
 pub struct Policy<B: Backend> {
     /// The served model name (no adapter may take it).
     pub name: String,
     base: Qwen3ForCausalLM<B>,
     base_root: String,
-    adapters: BTreeMap<String, (LoraAdapters<B>, AdapterCard)>,
+    adapters: BTreeMap<String, Loaded<B>>,
     max_adapters: usize,
+    /// Whether each adapter's requests run on a copy of the base with it merged in.
+    merge: bool,
     device: B::Device,
     options: LoadOptions,
 }
 
 impl<B: Backend> Policy<B> {
     /// `base`, loaded from `root` with `options` onto `device`, without adapters; at most
-    /// `max_adapters` may be loaded at once.
+    /// `max_adapters` may be loaded at once, each merged into a copy of the base if `merge`.
     pub fn new(
         name: String,
         base: Qwen3ForCausalLM<B>,
@@ -62,6 +74,7 @@ impl<B: Backend> Policy<B> {
         device: B::Device,
         options: LoadOptions,
         max_adapters: usize,
+        merge: bool,
     ) -> Self {
         Self {
             name,
@@ -69,6 +82,7 @@ impl<B: Backend> Policy<B> {
             base_root: root,
             adapters: BTreeMap::new(),
             max_adapters,
+            merge,
             device,
             options,
         }
@@ -83,11 +97,16 @@ impl<B: Backend> Policy<B> {
     pub fn model(&self, adapter: Option<&str>) -> Option<LoraModel<'_, B>> {
         match adapter {
             None => Some(LoraModel::new(&self.base, None)),
-            Some(name) => self
-                .adapters
-                .get(name)
-                .map(|(adapters, _)| LoraModel::new(&self.base, Some(adapters))),
+            Some(name) => self.adapters.get(name).map(|loaded| match &loaded.merged {
+                Some(merged) => LoraModel::new(merged, None),
+                None => LoraModel::new(&self.base, Some(&loaded.adapters)),
+            }),
         }
+    }
+
+    /// `adapters` merged into a copy of the base when adapters are served merged.
+    fn merged(&self, adapters: &LoraAdapters<B>) -> Option<Qwen3ForCausalLM<B>> {
+        self.merge.then(|| merge_adapters(self.base.clone(), adapters))
     }
 
     /// What the handlers see.
@@ -97,7 +116,7 @@ impl<B: Backend> Policy<B> {
             adapters: self
                 .adapters
                 .iter()
-                .map(|(name, (_, card))| (name.clone(), card.clone()))
+                .map(|(name, loaded)| (name.clone(), loaded.card.clone()))
                 .collect(),
         }
     }
@@ -160,7 +179,8 @@ impl<B: Backend> Policy<B> {
             root: path,
             created: unix_time(),
         };
-        self.adapters.insert(name.clone(), (adapters, card));
+        let merged = self.merged(&adapters);
+        self.adapters.insert(name.clone(), Loaded { adapters, card, merged });
         Ok(format!("Success: LoRA adapter '{name}' added successfully."))
     }
 
@@ -199,6 +219,11 @@ impl<B: Backend> Policy<B> {
             .map_err(|err| bad(format!("cannot load the weights in model_path {path}: {err}")))?;
         self.base = model;
         self.base_root = path;
+        let names: Vec<String> = self.adapters.keys().cloned().collect();
+        for name in names {
+            let merged = self.merged(&self.adapters[&name].adapters);
+            self.adapters.get_mut(&name).expect("a loaded adapter").merged = merged;
+        }
         Ok(format!("Succeeded to update model weights from {}.", self.base_root))
     }
 }
@@ -220,7 +245,66 @@ fn config_differences(served: &Qwen3Config, new: &Qwen3Config) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    use burn::backend::Flex;
+    use burn::tensor::{DType, Int, Tensor};
+    use model::checkpoint::StorageDtype;
+    use model::init::write_random_checkpoint;
+    use model::lora::save_adapter;
+    use model::{CausalLm, LoraConfig};
+
     use super::*;
+
+    fn logits(model: LoraModel<'_, Flex>) -> Vec<f32> {
+        let device = Default::default();
+        let ids = Tensor::<Flex, 2, Int>::from_ints([[1, 5, 9, 200, 7]], &device);
+        let positions = Tensor::<Flex, 2, Int>::from_ints([[0, 1, 2, 3, 4]], &device);
+        let out = model.base().forward_with_adapters(ids, positions, None, None, model.adapters());
+        out.cast(DType::F32).into_data().to_vec().unwrap()
+    }
+
+    fn worst(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    /// With `--merge-lora` an adapter's requests run on the base with it merged in (no adapters
+    /// beside it), computing what the adapter beside the base computes (f32: within 1e-5 of the
+    /// logits); new base weights are merged again. Without it the adapter goes beside the base.
+    #[test]
+    fn merged_adapters_compute_what_they_compute_beside_the_base() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = model::Preset::Tiny.config(300, vec![299]);
+        let (base_dir, new_base_dir, adapter_dir) = (dir.path().join("base"), dir.path().join("new"), dir.path().join("adapter"));
+        write_random_checkpoint(&config, &base_dir, 3, StorageDtype::F32).unwrap();
+        write_random_checkpoint(&config, &new_base_dir, 4, StorageDtype::F32).unwrap();
+        let device = Default::default();
+        let mut adapters = LoraAdapters::<Flex>::init(&LoraConfig::default(), &config, 1, &device);
+        for layer in &mut adapters.layers {
+            for a in [&mut layer.q_proj, &mut layer.o_proj, &mut layer.down_proj].into_iter().flatten() {
+                a.lora_B = a.lora_B.clone().map(|b| b.ones_like().mul_scalar(0.05));
+            }
+        }
+        save_adapter(&adapters, &adapter_dir, "base").unwrap();
+        let policy = |merge| {
+            let base = load_pretrained::<Flex>(&base_dir, &device, LoadOptions::default()).unwrap();
+            let mut policy = Policy::new("tiny".into(), base, "base".into(), device, LoadOptions::default(), 2, merge);
+            let load = Change::LoadAdapter { name: "policy".into(), path: adapter_dir.display().to_string(), replace: false };
+            policy.apply(load).unwrap();
+            policy
+        };
+        let (mut apart, mut merged) = (policy(false), policy(true));
+        assert!(apart.model(Some("policy")).unwrap().adapters().is_some());
+        assert!(merged.model(Some("policy")).unwrap().adapters().is_none(), "merged: nothing beside the base");
+        let adapted = logits(apart.model(Some("policy")).unwrap());
+        assert!(worst(&adapted, &logits(apart.model(None).unwrap())) > 1e-2, "the adapter changes the logits");
+        assert!(worst(&logits(merged.model(Some("policy")).unwrap()), &adapted) < 1e-5);
+        assert_eq!(logits(merged.model(None).unwrap()), logits(apart.model(None).unwrap()), "the base stays as loaded");
+
+        for policy in [&mut apart, &mut merged] {
+            policy.apply(Change::UpdateWeights { path: new_base_dir.display().to_string() }).unwrap();
+        }
+        let adapted = logits(apart.model(Some("policy")).unwrap());
+        assert!(worst(&logits(merged.model(Some("policy")).unwrap()), &adapted) < 1e-5, "merged again into the new base");
+    }
 
     #[test]
     fn config_differences_name_the_keys_but_not_the_dtype() {
