@@ -150,8 +150,14 @@ fn write<B: Backend>(pool: Option<Tensor<B, 3>>, value: Tensor<B, 4>, pass: &Pas
         None => Tensor::<B, 3>::zeros([h, slots, d], (&value.device(), value.dtype())),
     };
     kernels::write_slots(pool, &pass.write, &value).unwrap_or_else(|pool| {
-        // `[b, h, new, d]` is usually a view of `[b, new, h, d]`: swapped back, it reshapes freely.
-        let rows = value.swap_dims(1, 2).reshape([b * new * h, d]);
+        // The rows go in (row, position, head) order. A decoding step's `[b, h, 1, d]` is
+        // already in it: reshaped, not swapped, it stays a view (a swapped view is copied first,
+        // a kernel per layer and pool on a GPU). A prefill's `[b, h, new, d]` is usually a view
+        // of `[b, new, h, d]`: swapped back, it reshapes freely.
+        let rows = match new {
+            1 => value.reshape([b * h, d]),
+            _ => value.swap_dims(1, 2).reshape([b * new * h, d]),
+        };
         pool.scatter_nd(pass.write_index.clone(), rows, IndexingUpdateOp::Assign)
     })
 }
