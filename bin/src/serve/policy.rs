@@ -219,10 +219,9 @@ impl<B: Backend> Policy<B> {
             .map_err(|err| bad(format!("cannot load the weights in model_path {path}: {err}")))?;
         self.base = model;
         self.base_root = path;
-        let names: Vec<String> = self.adapters.keys().cloned().collect();
-        for name in names {
-            let merged = self.merged(&self.adapters[&name].adapters);
-            self.adapters.get_mut(&name).expect("a loaded adapter").merged = merged;
+        let (merge, base) = (self.merge, &self.base);
+        for loaded in self.adapters.values_mut() {
+            loaded.merged = merge.then(|| merge_adapters(base.clone(), &loaded.adapters));
         }
         Ok(format!("Succeeded to update model weights from {}.", self.base_root))
     }

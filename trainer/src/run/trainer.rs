@@ -377,7 +377,8 @@ impl<B: AutodiffBackend> Trainer<B> {
 
     /// One episode per question from the engine ([`RolloutEngine::rollouts`]), each sampling
     /// from its own stream of `sampling.seed`, `stream` and its place among `questions`. A
-    /// local engine samples from the policy in `rollout.dtype`.
+    /// local engine samples from the policy in `rollout.dtype`, its LoRA adapters merged in
+    /// unless `rollout.merge_lora` is off ([`for_rollouts`]).
     fn rollouts(
         &mut self,
         policy_model: &Policy<Inner<B>>,
