@@ -32,10 +32,11 @@ struct Cli {
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     fusion: bool,
     /// prompt-r1's own CubeCL kernels on the GPU backends: the attention of the passes over the
-    /// paged KV cache read where it lies. `decode` (or `on`): decoding steps; `all`: prefill
-    /// chunks too (less memory; on lavapipe slower than burn's ops, not yet measured on a
-    /// GPU); `off`: burn's ops gather each layer's keys and values first (for comparisons, or
-    /// to rule the kernels out).
+    /// paged KV cache read where it lies, and the RMS norms as one kernel each. `decode` (or
+    /// `on`): the attention of decoding steps; `all`: of prefill chunks too (less memory; on
+    /// lavapipe slower than burn's ops, not yet measured on a GPU); `off`: burn's ops
+    /// everywhere, the keys and values of each layer gathered first (for comparisons, or to rule
+    /// the kernels out).
     #[arg(long, global = true, value_name = "decode|all|off", env = "PROMPT_R1_DEVICE_KERNELS", default_value = "decode",
           value_parser = kernel_passes)]
     device_kernels: KernelChoice,

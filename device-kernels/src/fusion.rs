@@ -28,6 +28,31 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let op = PagedAttentionOp::<B> { desc: desc.clone(), scale, backend: PhantomData };
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
+
+    fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
+        let client = input.client.clone();
+        let streams = OperationStreams::with_inputs([&input, &weight]);
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(input.shape.dims::<2>()), input.dtype);
+        let desc = CustomOpIr::new("rms_norm", &[input.into_ir(), weight.into_ir()], &[output]);
+        let op = RmsNormOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
+        client.register(streams, OperationIr::Custom(desc), op).output()
+    }
+}
+
+/// [`DeviceKernels::rms_norm`] waiting in the fusion stream.
+#[derive(Debug)]
+struct RmsNormOp<B> {
+    desc: CustomOpIr,
+    eps: f64,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for RmsNormOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([input, weight], [output]) = self.desc.as_fixed();
+        let result = B::rms_norm(handles.get_float_tensor::<B>(input), handles.get_float_tensor::<B>(weight), self.eps);
+        handles.register_float_tensor::<B>(&output.id, result);
+    }
 }
 
 /// [`DeviceKernels::paged_attention`] waiting in the fusion stream.

@@ -18,15 +18,12 @@
 //! Each key and value is read from the pools once per (cube's heads, block of queries), where it
 //! lies; scores, probabilities and sums are f32 whatever the pools' dtype.
 
-use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
-
-use crate::DeviceKernels;
 
 /// Units per cube.
 pub const UNITS: u32 = 64;
@@ -339,19 +336,6 @@ pub fn paged_attention<R: CubeRuntime>(
         dtypes,
     );
     output
-}
-
-impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKernels for CubeBackend<R, F, I, BT> {
-    fn paged_attention(
-        query: FloatTensor<Self>,
-        keys: FloatTensor<Self>,
-        values: FloatTensor<Self>,
-        read: IntTensor<Self>,
-        valid: FloatTensor<Self>,
-        scale: f32,
-    ) -> FloatTensor<Self> {
-        paged_attention(query, keys, values, read, valid, scale)
-    }
 }
 
 #[cfg(test)]

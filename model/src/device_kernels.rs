@@ -1,6 +1,7 @@
 //! Kernels a GPU backend lends the model, found by the backend's type (as the autodiff
 //! attention nodes are): the model stays generic over its backend and never names a GPU crate.
-//! A binary registers what its backends offer ([`register_paged_attention`]; the
+//! A binary registers what its backends offer ([`register_paged_attention`],
+//! [`register_rms_norm`]; the
 //! `prompt-r1-device-kernels` crate has one for CubeCL's backends, fused or not); where nothing
 //! is registered, or a pass is not one a kernel takes, the model computes with burn's ops.
 
@@ -67,20 +68,42 @@ impl KernelPasses {
     }
 }
 
+/// A kernel computing `Qwen3RMSNorm` over the last axis of `x` (`[rows, hidden]`) with
+/// `weight` (`[hidden]`, `x`'s dtype) and `eps`: `weight · cast(x / sqrt(mean(x²) + eps))`,
+/// the statistics in f32, as HF computes it; `[rows, hidden]` in `x`'s dtype.
+pub type RmsNormFn<B> = fn(x: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> Tensor<B, 2>;
+
 /// Lets `kernel` compute [`PagedAttention`] for `passes` on backend `B` from now on, for the
 /// whole process (replacing an earlier one).
 pub fn register_paged_attention<B: Backend>(kernel: PagedAttentionFn<B>, passes: KernelPasses) {
-    let entry: Box<dyn Any + Send + Sync> = Box::new((kernel, passes));
-    registry().write().expect("registry lock").insert(TypeId::of::<B>(), entry);
+    register::<B, _>("paged_attention", (kernel, passes));
 }
 
 /// The [`PagedAttention`] kernel registered for backend `B`, and the passes it takes.
 pub fn registered_paged_attention<B: Backend>() -> Option<(PagedAttentionFn<B>, KernelPasses)> {
+    registered::<B, (PagedAttentionFn<B>, KernelPasses)>("paged_attention")
+}
+
+/// Lets `kernel` compute the RMS norms on backend `B` from now on, for the whole process.
+pub fn register_rms_norm<B: Backend>(kernel: RmsNormFn<B>) {
+    register::<B, _>("rms_norm", kernel);
+}
+
+/// The RMS-norm kernel registered for backend `B`.
+pub fn rms_norm<B: Backend>() -> Option<RmsNormFn<B>> {
+    registered::<B, RmsNormFn<B>>("rms_norm")
+}
+
+fn register<B: Backend, K: Any + Send + Sync>(name: &'static str, kernel: K) {
+    registry().write().expect("registry lock").insert((TypeId::of::<B>(), name), Box::new(kernel));
+}
+
+fn registered<B: Backend, K: Any + Copy>(name: &'static str) -> Option<K> {
     registry()
         .read()
         .expect("registry lock")
-        .get(&TypeId::of::<B>())
-        .and_then(|entry| entry.downcast_ref::<(PagedAttentionFn<B>, KernelPasses)>().copied())
+        .get(&(TypeId::of::<B>(), name))
+        .and_then(|entry| entry.downcast_ref::<K>().copied())
 }
 
 /// The [`PagedAttention`] kernel registered for backend `B` if it takes passes of `queries`
@@ -89,10 +112,12 @@ pub fn paged_attention<B: Backend>(queries: usize) -> Option<PagedAttentionFn<B>
     registered_paged_attention::<B>().and_then(|(kernel, passes)| passes.take(queries).then_some(kernel))
 }
 
-/// Kernels by the backend's type; each value is a `PagedAttentionFn` of that backend with its
-/// [`KernelPasses`].
-fn registry() -> &'static RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>> {
-    static REGISTRY: OnceLock<RwLock<HashMap<TypeId, Box<dyn Any + Send + Sync>>>> = OnceLock::new();
+/// Kernels by the backend's type and the kernel's name: a `PagedAttentionFn` of that backend
+/// with its [`KernelPasses`], or a [`RmsNormFn`].
+type Registry = HashMap<(TypeId, &'static str), Box<dyn Any + Send + Sync>>;
+
+fn registry() -> &'static RwLock<Registry> {
+    static REGISTRY: OnceLock<RwLock<Registry>> = OnceLock::new();
     REGISTRY.get_or_init(Default::default)
 }
 
@@ -127,5 +152,8 @@ mod tests {
         register_paged_attention::<Other>(zeros::<Other>, KernelPasses::All);
         assert!(paged_attention::<Other>(7).is_some());
         assert!(paged_attention::<Flex>(1).is_none());
+        assert!(rms_norm::<Other>().is_none(), "kernels are found by their name too");
+        register_rms_norm::<Other>(|x, _, _| x);
+        assert!(rms_norm::<Other>().is_some() && paged_attention::<Other>(7).is_some());
     }
 }

@@ -31,6 +31,7 @@ mod device_threads;
 mod gradients;
 mod paged_attention;
 mod parity;
+mod rms_norm;
 mod training;
 
 /// The model tests' helpers, with [`backend_ready`](common::backend_ready) made this binary's.

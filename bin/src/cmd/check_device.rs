@@ -87,6 +87,8 @@ struct Results {
     /// The passes over the KV cache that ran through a kernel lent to the model
     /// (`model::device_kernels`: the GPU builds' paged-attention kernel) rather than burn's ops.
     paged_attention_kernel: Option<model::device_kernels::KernelPasses>,
+    /// Whether the generation passes' RMS norms ran through a kernel lent to the model.
+    rms_norm_kernel: bool,
 }
 
 /// The same fixed inputs for both sides.
@@ -162,6 +164,7 @@ impl<'a> OnBackend for &'a Probe {
             ratio_drift,
             cast_errors: if bf16 { Some(cast_errors::<B>(&device)?) } else { None },
             paged_attention_kernel: model::device_kernels::registered_paged_attention::<B>().map(|(_, passes)| passes),
+            rms_norm_kernel: model::device_kernels::rms_norm::<B>().is_some(),
         })
     }
 }
@@ -293,6 +296,9 @@ pub fn run(args: Args) -> Result<()> {
             eprintln!("the decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-attention kernel, the prefill through burn's ops (--device-kernels all: the kernel for both; off: burn's ops)")
         }
         None => {}
+    }
+    if target.rms_norm_kernel {
+        eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernel, scoring and the update through burn's ops (--device-kernels off: burn's ops for all)");
     }
 
     let relative = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(1e-6);

@@ -75,6 +75,7 @@ impl<B: Backend> Qwen3Model<B> {
         }
         let [b, q_len] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.past());
+        let over_cache = cache.is_some();
         let device = input_ids.device();
         let mut hidden_states = kernels::embedding(&self.embed_tokens.weight.val(), &input_ids)
             .unwrap_or_else(|| self.embed_tokens.forward(input_ids));
@@ -90,7 +91,7 @@ impl<B: Backend> Qwen3Model<B> {
             }
         }
         ModelOutput {
-            last_hidden_state: self.norm.forward(hidden_states),
+            last_hidden_state: self.norm.forward_over_cache(hidden_states, over_cache),
             hidden_states: all_hidden,
         }
     }

@@ -41,14 +41,16 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         compute: &Compute,
         adapters: Option<&LoraLayer<B>>,
     ) -> Tensor<B, 3> {
+        // A pass over a KV cache may normalise through a GPU backend's kernel.
+        let over_cache = cache.is_some();
         let residual = hidden_states.clone();
-        let hidden_states = self.input_layernorm.forward(hidden_states);
+        let hidden_states = self.input_layernorm.forward_over_cache(hidden_states, over_cache);
         let hidden_states = residual
             + self
                 .self_attn
                 .forward_with_adapters(hidden_states, inputs, cache, compute, adapters);
         let residual = hidden_states.clone();
-        let hidden_states = self.post_attention_layernorm.forward(hidden_states);
+        let hidden_states = self.post_attention_layernorm.forward_over_cache(hidden_states, over_cache);
         residual
             + self
                 .mlp

@@ -3,7 +3,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-use crate::kernels;
+use crate::{device_kernels, kernels};
 
 /// Root-mean-square layer norm over the last dimension.
 #[derive(Module, Debug)]
@@ -23,8 +23,21 @@ impl<B: Backend> Qwen3RMSNorm<B> {
 
     /// Normalises `hidden_states` over its last dimension; the statistics are taken in f32.
     pub fn forward<const D: usize>(&self, hidden_states: Tensor<B, D>) -> Tensor<B, D> {
+        self.forward_over_cache(hidden_states, false)
+    }
+
+    /// [`Self::forward`] in a pass that is `over_cache` (generation's prefill and decoding
+    /// steps over a KV cache), where a GPU backend's kernel may stand in
+    /// ([`device_kernels::rms_norm`]). Passes without a cache (scoring, the update) keep burn's
+    /// ops, so that old log-probs and the update's forward agree to the last bit.
+    pub fn forward_over_cache<const D: usize>(&self, hidden_states: Tensor<B, D>, over_cache: bool) -> Tensor<B, D> {
         let weight = self.weight.val();
-        kernels::rms_norm(&hidden_states, &weight, self.variance_epsilon).unwrap_or_else(|| {
+        let fused = kernels::rms_norm(&hidden_states, &weight, self.variance_epsilon).or_else(|| {
+            over_cache
+                .then(|| on_device(&hidden_states, &weight, self.variance_epsilon))
+                .flatten()
+        });
+        fused.unwrap_or_else(|| {
             let input_dtype = hidden_states.dtype();
             let hidden_states = hidden_states.cast(DType::F32);
             let variance = hidden_states.clone().square().mean_dim(D - 1);
@@ -32,4 +45,18 @@ impl<B: Backend> Qwen3RMSNorm<B> {
             weight.unsqueeze() * hidden_states.cast(input_dtype)
         })
     }
+}
+
+/// The norm by the kernel a GPU backend lent ([`device_kernels::rms_norm`]): one kernel where
+/// burn's ops take a reduction and two element-wise kernels. `None` where none is registered
+/// (autodiff backends included) or the weight's dtype differs from the activations'.
+fn on_device<B: Backend, const D: usize>(x: &Tensor<B, D>, weight: &Tensor<B, 1>, eps: f64) -> Option<Tensor<B, D>> {
+    let kernel = device_kernels::rms_norm::<B>()?;
+    if weight.dtype() != x.dtype() {
+        return None;
+    }
+    let dims = x.dims();
+    let hidden = dims[D - 1];
+    let rows = dims[..D - 1].iter().product();
+    Some(kernel(x.clone().reshape([rows, hidden]), weight.clone(), eps).reshape(dims))
 }

@@ -115,8 +115,9 @@ impl<B: Backend> Qwen3Attention<B> {
         let query_states = project(&self.q_proj, adapters.and_then(|a| a.q_proj.as_ref()), h);
         let key_states = project(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), kv);
         let value_states = heads_first(project(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), kv));
-        let query_states = apply_rotary_pos_emb(self.q_norm.forward(query_states), &inputs.rotary_q);
-        let key_states = heads_first(apply_rotary_pos_emb(self.k_norm.forward(key_states), &inputs.rotary_k));
+        let over_cache = cache.is_some();
+        let query_states = apply_rotary_pos_emb(self.q_norm.forward_over_cache(query_states, over_cache), &inputs.rotary_q);
+        let key_states = heads_first(apply_rotary_pos_emb(self.k_norm.forward_over_cache(key_states, over_cache), &inputs.rotary_k));
 
         let scaling = (d as f64).powf(-0.5);
         // With a cache, the pass's rows attend to its pools: the CPU kernel and a GPU's
