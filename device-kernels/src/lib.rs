@@ -19,7 +19,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 pub use model::device_kernels::KernelPasses;
 use model::device_kernels::{register_paged_attention, register_rms_norm, PagedAttention};
 
-/// A backend that computes [`PagedAttention`] with a kernel of this crate.
+/// A backend that computes [`PagedAttention`] and the RMS norm with kernels of this crate.
 pub trait DeviceKernels: Backend {
     /// [`PagedAttention`] on primitives: `query` `[rows, queries, heads, d]`, pools
     /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;

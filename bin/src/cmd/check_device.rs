@@ -87,7 +87,8 @@ struct Results {
     /// The passes over the KV cache that ran through a kernel lent to the model
     /// (`model::device_kernels`: the GPU builds' paged-attention kernel) rather than burn's ops.
     paged_attention_kernel: Option<model::device_kernels::KernelPasses>,
-    /// Whether the generation passes' RMS norms ran through a kernel lent to the model.
+    /// Whether an RMS-norm kernel is lent to the model for this backend (the generation passes'
+    /// norms then run through it).
     rms_norm_kernel: bool,
 }
 
