@@ -1482,9 +1482,10 @@ mod tests {
         }
     }
 
-    /// `rollout.merge_lora` holds the adapted weights once more, in the rollouts' dtype, while
-    /// the rollouts run: Qwen3-4B's seven projections a layer in bf16. Without it, or without
-    /// LoRA, no such term; the plan offers turning it off.
+    /// `rollout.merge_lora` holds the adapted weights once more, in the base's dtype, while the
+    /// rollouts run: Qwen3-4B's seven projections a layer in bf16 (inside the bf16 rollout copy
+    /// where one is made). Without it, or without LoRA, no such term; the plan offers turning it
+    /// off.
     #[test]
     fn merged_lora_holds_the_adapted_weights_again_during_the_rollouts() {
         let s = papers_run_at_64();
