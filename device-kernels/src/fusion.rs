@@ -37,6 +37,82 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let op = RmsNormOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
+
+    fn add_rms_norm(
+        residual: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let client = residual.client.clone();
+        let streams = OperationStreams::with_inputs([&residual, &delta, &weight]);
+        let shape = Shape::new(residual.shape.dims::<2>());
+        let outputs = [(); 2].map(|_| TensorIr::uninit(client.create_empty_handle(), shape.clone(), residual.dtype));
+        let desc = CustomOpIr::new("add_rms_norm", &[residual.into_ir(), delta.into_ir(), weight.into_ir()], &outputs);
+        let op = AddRmsNormOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
+        let [sum, normed] = client.register(streams, OperationIr::Custom(desc), op).outputs();
+        (sum, normed)
+    }
+
+    fn rms_norm_rope(
+        input: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        signed_sin: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        let client = input.client.clone();
+        let streams = OperationStreams::with_inputs([&input, &weight, &cos, &signed_sin]);
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(input.shape.dims::<2>()), input.dtype);
+        let inputs = [input.into_ir(), weight.into_ir(), cos.into_ir(), signed_sin.into_ir()];
+        let desc = CustomOpIr::new("rms_norm_rope", &inputs, &[output]);
+        let op = RmsNormRopeOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
+        client.register(streams, OperationIr::Custom(desc), op).output()
+    }
+}
+
+/// [`DeviceKernels::add_rms_norm`] waiting in the fusion stream.
+#[derive(Debug)]
+struct AddRmsNormOp<B> {
+    desc: CustomOpIr,
+    eps: f64,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for AddRmsNormOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([residual, delta, weight], [sum, normed]) = self.desc.as_fixed();
+        let (sum_result, normed_result) = B::add_rms_norm(
+            handles.get_float_tensor::<B>(residual),
+            handles.get_float_tensor::<B>(delta),
+            handles.get_float_tensor::<B>(weight),
+            self.eps,
+        );
+        handles.register_float_tensor::<B>(&sum.id, sum_result);
+        handles.register_float_tensor::<B>(&normed.id, normed_result);
+    }
+}
+
+/// [`DeviceKernels::rms_norm_rope`] waiting in the fusion stream.
+#[derive(Debug)]
+struct RmsNormRopeOp<B> {
+    desc: CustomOpIr,
+    eps: f64,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for RmsNormRopeOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([input, weight, cos, signed_sin], [output]) = self.desc.as_fixed();
+        let result = B::rms_norm_rope(
+            handles.get_float_tensor::<B>(input),
+            handles.get_float_tensor::<B>(weight),
+            handles.get_float_tensor::<B>(cos),
+            handles.get_float_tensor::<B>(signed_sin),
+            self.eps,
+        );
+        handles.register_float_tensor::<B>(&output.id, result);
+    }
 }
 
 /// [`DeviceKernels::rms_norm`] waiting in the fusion stream.

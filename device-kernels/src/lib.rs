@@ -2,7 +2,8 @@
 //! attention of a pass over the paged KV cache (a decoding step or a prefill chunk) read in
 //! place from its pools ([`paged_attention`]), so that burn's ops need not gather each layer's
 //! `[rows, kv_heads, width, head_dim]` keys and values first; and the RMS norm as one kernel
-//! ([`rms_norm`]) where burn's ops take three. They run on any CubeCL runtime
+//! ([`rms_norm`]) where burn's ops take three, alone, after the residual addition, or before
+//! RoPE. They run on any CubeCL runtime
 //! (CUDA; wgpu, where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a
 //! custom operation in the fusion stream) or not.
 //!
@@ -17,9 +18,9 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
-use model::device_kernels::{register_paged_attention, register_rms_norm, PagedAttention};
+use model::device_kernels::{register_norms, register_paged_attention, NormKernels, PagedAttention};
 
-/// A backend that computes [`PagedAttention`] and the RMS norm with kernels of this crate.
+/// A backend that computes [`PagedAttention`] and the RMS norms with kernels of this crate.
 pub trait DeviceKernels: Backend {
     /// [`PagedAttention`] on primitives: `query` `[rows, queries, heads, d]`, pools
     /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;
@@ -36,6 +37,24 @@ pub trait DeviceKernels: Backend {
     /// [`model::device_kernels::RmsNormFn`] on primitives: `input` `[rows, hidden]`, `weight`
     /// `[hidden]`.
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self>;
+
+    /// [`model::device_kernels::AddRmsNormFn`] on primitives: `(residual + delta, norm)`.
+    fn add_rms_norm(
+        residual: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`model::device_kernels::RmsNormRopeFn`] on primitives: `input` `[tokens · heads,
+    /// head_dim]`, `weight` `[head_dim]`, `cos` and `signed_sin` `[tokens, head_dim]`.
+    fn rms_norm_rope(
+        input: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        signed_sin: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self>;
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKernels for CubeBackend<R, F, I, BT> {
@@ -53,31 +72,62 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         rms_norm::rms_norm(input, weight, eps)
     }
+
+    fn add_rms_norm(
+        residual: FloatTensor<Self>,
+        delta: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        rms_norm::add_rms_norm(delta, residual, weight, eps)
+    }
+
+    fn rms_norm_rope(
+        input: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        signed_sin: FloatTensor<Self>,
+        eps: f64,
+    ) -> FloatTensor<Self> {
+        rms_norm::rms_norm_rope(input, weight, cos, signed_sin, eps)
+    }
 }
 
 /// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, and
-/// the RMS norm (idempotent).
+/// the RMS norms (idempotent).
 pub fn register<B: DeviceKernels>(passes: KernelPasses) {
     register_paged_attention::<B>(run_paged_attention::<B>, passes);
-    register_rms_norm::<B>(run_rms_norm::<B>);
+    register_norms::<B>(NormKernels {
+        rms_norm: run_rms_norm::<B>,
+        add_rms_norm: run_add_rms_norm::<B>,
+        rms_norm_rope: run_rms_norm_rope::<B>,
+    });
+}
+
+fn float<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> FloatTensor<B> {
+    tensor.into_primitive().tensor()
+}
+
+fn tensor<B: Backend, const D: usize>(primitive: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(primitive))
 }
 
 fn run_rms_norm<B: DeviceKernels>(x: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> Tensor<B, 2> {
-    let output = B::rms_norm(x.into_primitive().tensor(), weight.into_primitive().tensor(), eps);
-    Tensor::from_primitive(TensorPrimitive::Float(output))
+    tensor(B::rms_norm(float(x), float(weight), eps))
+}
+
+fn run_add_rms_norm<B: DeviceKernels>(residual: Tensor<B, 2>, delta: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let (sum, normed) = B::add_rms_norm(float(residual), float(delta), float(weight), eps);
+    (tensor(sum), tensor(normed))
+}
+
+fn run_rms_norm_rope<B: DeviceKernels>(x: Tensor<B, 2>, weight: Tensor<B, 1>, cos: Tensor<B, 2>, signed_sin: Tensor<B, 2>, eps: f64) -> Tensor<B, 2> {
+    tensor(B::rms_norm_rope(float(x), float(weight), float(cos), float(signed_sin), eps))
 }
 
 fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
     let PagedAttention { query, keys, values, read, valid, scale } = pass;
-    let output = B::paged_attention(
-        query.into_primitive().tensor(),
-        keys.into_primitive().tensor(),
-        values.into_primitive().tensor(),
-        read.into_primitive(),
-        valid.into_primitive().tensor(),
-        scale,
-    );
-    Tensor::from_primitive(TensorPrimitive::Float(output))
+    tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), scale))
 }
 
 /// FNV-1a of `source`, folded to 32 bits: a kernel's revision (see `paged_attention::REVISION`).

@@ -1,9 +1,14 @@
-//! `Qwen3RMSNorm` as one CubeCL kernel (see [`model::device_kernels::RmsNormFn`]): one cube of
-//! [`UNITS`] units a row; each unit sums the squares of its strided elements in f32, the cube
+//! `Qwen3RMSNorm` as one CubeCL kernel (see [`model::device_kernels::NormKernels`]): one cube
+//! of [`UNITS`] units a row; each unit sums the squares of its strided elements in f32, the cube
 //! adds the partial sums in shared memory, and each unit writes its elements as
 //! `weight · cast(x / sqrt(mean(x²) + eps))`. burn's ops take a reduction and two element-wise
 //! kernels for the same (the fusion cannot join a reduction to the scaling after it without
 //! autotune), and a decoding step runs four norms a layer.
+//!
+//! Two variants take in the operation next to a norm, which would otherwise run as a kernel of
+//! its own beside the custom operation: the residual addition before a layer's
+//! `input_layernorm` and the final norm ([`add_rms_norm`], vLLM's `fused_add_rms_norm`), and
+//! RoPE after `q_norm` and `k_norm` ([`rms_norm_rope`]).
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
@@ -22,6 +27,41 @@ const GRID_X: usize = 32_768;
 /// A hash of this file (see `paged_attention::REVISION`).
 const REVISION: u32 = crate::source_revision(include_bytes!("rms_norm.rs"));
 
+/// The sum over the cube of each unit's `own` value, in f32, through `partial` (one slot a
+/// unit). Every unit of the cube must call it.
+#[cube]
+fn cube_sum(partial: &mut SharedMemory<f32>, own: f32) -> f32 {
+    let unit = UNIT_POS_X as usize;
+    partial[unit] = own;
+    sync_cube();
+    if unit == 0 {
+        let mut total = 0.0f32;
+        for j in 0..CUBE_DIM_X as usize {
+            total += partial[j];
+        }
+        partial[0] = total;
+    }
+    sync_cube();
+    let total = partial[0];
+    // No unit may overwrite its slot (a later call) before every unit has read the total.
+    sync_cube();
+    total
+}
+
+/// `weight[i] · cast(x · scale)`, rounded to `F` as HF rounds it: the normalised value in the
+/// input's dtype before the weight.
+#[cube]
+fn normed<F: Float>(x: F, weight: F, scale: f32) -> F {
+    let normalised = F::cast_from(f32::cast_from(x) * scale);
+    F::cast_from(f32::cast_from(weight) * f32::cast_from(normalised))
+}
+
+/// The row this cube computes (the grid's two axes).
+#[cube]
+fn cube_row() -> usize {
+    (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+}
+
 #[cube(launch)]
 fn rms_norm_kernel<F: Float>(
     input: &Tensor<F>,
@@ -32,7 +72,7 @@ fn rms_norm_kernel<F: Float>(
     #[comptime] _revision: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let row = cube_row();
     let unit = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
     let n = hidden as usize;
@@ -47,21 +87,102 @@ fn rms_norm_kernel<F: Float>(
             sum += x * x;
             i += units;
         }
-        partial[unit] = sum;
-        sync_cube();
-        if unit == 0 {
-            let mut total = 0.0f32;
-            for j in 0..units {
-                total += partial[j];
-            }
-            partial[0] = total;
-        }
-        sync_cube();
-        let scale = 1.0f32 / (partial[0] / f32::cast_from(hidden) + eps).sqrt();
+        let total = cube_sum(&mut partial, sum);
+        let scale = 1.0f32 / (total / f32::cast_from(hidden) + eps).sqrt();
         let mut i = unit;
         while i < n {
-            let normed = F::cast_from(f32::cast_from(input[base + i]) * scale);
-            output[base + i] = F::cast_from(f32::cast_from(weight[i]) * f32::cast_from(normed));
+            output[base + i] = normed::<F>(input[base + i], weight[i], scale);
+            i += units;
+        }
+    }
+}
+
+/// [`rms_norm_kernel`] of `input + residual`, which it writes too (`sum`, rounded to `F` as
+/// burn's addition rounds it; the statistics are of the rounded sum).
+#[cube(launch)]
+fn add_rms_norm_kernel<F: Float>(
+    input: &Tensor<F>,
+    residual: &Tensor<F>,
+    weight: &Tensor<F>,
+    sum: &mut Tensor<F>,
+    output: &mut Tensor<F>,
+    eps: f32,
+    #[comptime] hidden: u32,
+    #[comptime] _revision: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = cube_row();
+    let unit = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let n = hidden as usize;
+    let mut partial = SharedMemory::<f32>::new(UNITS as usize);
+    if row < input.shape(0) {
+        let base = row * n;
+        let mut squares = 0.0f32;
+        let mut i = unit;
+        while i < n {
+            let s = residual[base + i] + input[base + i];
+            sum[base + i] = s;
+            let s = f32::cast_from(s);
+            squares += s * s;
+            i += units;
+        }
+        let total = cube_sum(&mut partial, squares);
+        let scale = 1.0f32 / (total / f32::cast_from(hidden) + eps).sqrt();
+        let mut i = unit;
+        while i < n {
+            // Each unit reads back only the elements it wrote.
+            output[base + i] = normed::<F>(sum[base + i], weight[i], scale);
+            i += units;
+        }
+    }
+}
+
+/// [`rms_norm_kernel`] of each head (a row of `head_dim`), then RoPE at the row's token
+/// (`row / heads`): `y · cos + swap_halves(y) · signed_sin`, in `F` as burn's ops compute it.
+/// The normalised head waits in shared memory for the swap of its halves.
+#[cube(launch)]
+fn rms_norm_rope_kernel<F: Float>(
+    input: &Tensor<F>,
+    weight: &Tensor<F>,
+    cos: &Tensor<F>,
+    signed_sin: &Tensor<F>,
+    output: &mut Tensor<F>,
+    eps: f32,
+    heads: u32,
+    #[comptime] head_dim: u32,
+    #[comptime] _revision: u32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = cube_row();
+    let unit = UNIT_POS_X as usize;
+    let units = CUBE_DIM_X as usize;
+    let n = head_dim as usize;
+    let half = n / 2;
+    let mut partial = SharedMemory::<f32>::new(UNITS as usize);
+    let mut head = SharedMemory::<F>::new(head_dim as usize);
+    if row < input.shape(0) {
+        let base = row * n;
+        let table = (row / heads as usize) * n;
+        let mut sum = 0.0f32;
+        let mut i = unit;
+        while i < n {
+            let x = f32::cast_from(input[base + i]);
+            sum += x * x;
+            i += units;
+        }
+        let total = cube_sum(&mut partial, sum);
+        let scale = 1.0f32 / (total / f32::cast_from(head_dim) + eps).sqrt();
+        let mut i = unit;
+        while i < n {
+            head[i] = normed::<F>(input[base + i], weight[i], scale);
+            i += units;
+        }
+        sync_cube();
+        let mut i = unit;
+        while i < n {
+            let swapped = if i < half { head[i + half] } else { head[i - half] };
+            output[base + i] = head[i] * cos[table + i] + swapped * signed_sin[table + i];
             i += units;
         }
     }
@@ -73,28 +194,118 @@ fn rms_norm_kernel<F: Float>(
 /// Panics on operands whose shapes or dtypes disagree.
 pub fn rms_norm<R: CubeRuntime>(input: CubeTensor<R>, weight: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
     let [rows, hidden] = input.shape().dims::<2>();
-    assert_eq!(weight.shape().dims::<1>(), [hidden], "rms norm: a weight of the rows' width");
-    assert_eq!(input.dtype, weight.dtype, "rms norm: input and weight of one dtype");
-    assert!(matches!(input.dtype, DType::F32 | DType::F16 | DType::BF16), "rms norm: no kernel for {:?}", input.dtype);
+    check_operands("rms norm", &input, &[&weight], hidden, weight.shape().dims::<1>()[0]);
     let [input, weight] = [input, weight].map(into_contiguous);
     let client = input.client.clone();
     let dtype = input.dtype.into();
     let output = empty_device_contiguous_dtype(client.clone(), input.device.clone(), Shape::new([rows, hidden]), input.dtype);
-    if rows == 0 {
-        return output;
+    if rows > 0 {
+        rms_norm_kernel::launch::<R>(
+            &client,
+            grid(rows),
+            CubeDim::new_1d(UNITS),
+            input.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            eps as f32,
+            hidden as u32,
+            REVISION,
+            dtype,
+        );
     }
-    let (x, y) = (rows.min(GRID_X), rows.div_ceil(GRID_X));
-    rms_norm_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(x as u32, y as u32, 1),
-        CubeDim::new_1d(UNITS),
-        input.into_tensor_arg(),
-        weight.into_tensor_arg(),
-        output.clone().into_tensor_arg(),
-        eps as f32,
-        hidden as u32,
-        REVISION,
-        dtype,
-    );
     output
+}
+
+/// Launches [`add_rms_norm_kernel`] for `input` and `residual` `[rows, hidden]` and `weight`
+/// `[hidden]` of one dtype: `(input + residual, norm(input + residual))`.
+///
+/// Panics on operands whose shapes or dtypes disagree.
+pub fn add_rms_norm<R: CubeRuntime>(
+    input: CubeTensor<R>,
+    residual: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    eps: f64,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [rows, hidden] = input.shape().dims::<2>();
+    assert_eq!(residual.shape().dims::<2>(), [rows, hidden], "add rms norm: a residual of the input's shape");
+    check_operands("add rms norm", &input, &[&residual, &weight], hidden, weight.shape().dims::<1>()[0]);
+    let [input, residual, weight] = [input, residual, weight].map(into_contiguous);
+    let client = input.client.clone();
+    let dtype = input.dtype.into();
+    let empty = || empty_device_contiguous_dtype(client.clone(), input.device.clone(), Shape::new([rows, hidden]), input.dtype);
+    let (sum, output) = (empty(), empty());
+    if rows > 0 {
+        add_rms_norm_kernel::launch::<R>(
+            &client,
+            grid(rows),
+            CubeDim::new_1d(UNITS),
+            input.into_tensor_arg(),
+            residual.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            sum.clone().into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            eps as f32,
+            hidden as u32,
+            REVISION,
+            dtype,
+        );
+    }
+    (sum, output)
+}
+
+/// Launches [`rms_norm_rope_kernel`] for `input` `[tokens · heads, head_dim]` (a token's heads
+/// side by side), `weight` `[head_dim]`, and `cos` and `signed_sin` `[tokens, head_dim]`, all of
+/// one dtype.
+///
+/// Panics on operands whose shapes or dtypes disagree, or an odd `head_dim`.
+pub fn rms_norm_rope<R: CubeRuntime>(
+    input: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    cos: CubeTensor<R>,
+    signed_sin: CubeTensor<R>,
+    eps: f64,
+) -> CubeTensor<R> {
+    let [rows, head_dim] = input.shape().dims::<2>();
+    let [tokens, table_dim] = cos.shape().dims::<2>();
+    assert_eq!(signed_sin.shape().dims::<2>(), [tokens, table_dim], "rms norm rope: cos and sin of one shape");
+    assert_eq!(table_dim, head_dim, "rms norm rope: tables of the heads' width");
+    assert!(head_dim % 2 == 0, "rms norm rope: an even head_dim");
+    assert!(tokens > 0 && rows % tokens == 0 || rows == 0, "rms norm rope: {rows} rows for {tokens} tokens");
+    check_operands("rms norm rope", &input, &[&weight, &cos, &signed_sin], head_dim, weight.shape().dims::<1>()[0]);
+    let [input, weight, cos, signed_sin] = [input, weight, cos, signed_sin].map(into_contiguous);
+    let client = input.client.clone();
+    let dtype = input.dtype.into();
+    let output = empty_device_contiguous_dtype(client.clone(), input.device.clone(), Shape::new([rows, head_dim]), input.dtype);
+    if rows > 0 {
+        rms_norm_rope_kernel::launch::<R>(
+            &client,
+            grid(rows),
+            CubeDim::new_1d(UNITS),
+            input.into_tensor_arg(),
+            weight.into_tensor_arg(),
+            cos.into_tensor_arg(),
+            signed_sin.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            eps as f32,
+            (rows / tokens) as u32,
+            head_dim as u32,
+            REVISION,
+            dtype,
+        );
+    }
+    output
+}
+
+/// One cube a row: `rows` cubes over the grid's two axes.
+fn grid(rows: usize) -> CubeCount {
+    let (x, y) = (rows.min(GRID_X), rows.div_ceil(GRID_X));
+    CubeCount::Static(x as u32, y as u32, 1)
+}
+
+/// Panics unless `others` share `input`'s dtype, the weight is `width` wide and the dtype has a
+/// kernel.
+fn check_operands<R: CubeRuntime>(kernel: &str, input: &CubeTensor<R>, others: &[&CubeTensor<R>], width: usize, weight: usize) {
+    assert_eq!(weight, width, "{kernel}: a weight of the rows' width");
+    assert!(others.iter().all(|t| t.dtype == input.dtype), "{kernel}: operands of one dtype");
+    assert!(matches!(input.dtype, DType::F32 | DType::F16 | DType::BF16), "{kernel}: no kernel for {:?}", input.dtype);
 }

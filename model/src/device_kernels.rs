@@ -1,7 +1,7 @@
 //! Kernels a GPU backend lends the model, found by the backend's type (as the autodiff
 //! attention nodes are): the model stays generic over its backend and never names a GPU crate.
 //! A binary registers what its backends offer ([`register_paged_attention`],
-//! [`register_rms_norm`]; the
+//! [`register_norms`]; the
 //! `prompt-r1-device-kernels` crate has one for CubeCL's backends, fused or not); where nothing
 //! is registered, or a pass is not one a kernel takes, the model computes with burn's ops.
 
@@ -73,6 +73,35 @@ impl KernelPasses {
 /// the statistics in f32, as HF computes it; `[rows, hidden]` in `x`'s dtype.
 pub type RmsNormFn<B> = fn(x: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> Tensor<B, 2>;
 
+/// [`RmsNormFn`] of `residual + delta` (`[rows, hidden]`, rounded to their dtype as burn's
+/// addition rounds it), returning that sum too: `(residual + delta, norm(residual + delta))`,
+/// the residual addition before a decoder layer's `input_layernorm` (or the final norm) in one
+/// kernel.
+pub type AddRmsNormFn<B> = fn(residual: Tensor<B, 2>, delta: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> (Tensor<B, 2>, Tensor<B, 2>);
+
+/// [`RmsNormFn`] of each head of `x` (`[tokens · heads, head_dim]`, a token's heads side by
+/// side), then RoPE at the head's token: `y · cos + swap_halves(y) · signed_sin` with `cos` and
+/// `signed_sin` `[tokens, head_dim]` (see `qwen3::rotary`), in `x`'s dtype: `q_norm` or
+/// `k_norm` and `apply_rotary_pos_emb` in one kernel.
+pub type RmsNormRopeFn<B> =
+    fn(x: Tensor<B, 2>, weight: Tensor<B, 1>, cos: Tensor<B, 2>, signed_sin: Tensor<B, 2>, eps: f64) -> Tensor<B, 2>;
+
+/// The norm kernels a backend lends, taken by the passes over a KV cache (see
+/// `Qwen3RMSNorm::forward_over_cache`).
+pub struct NormKernels<B: Backend> {
+    pub rms_norm: RmsNormFn<B>,
+    pub add_rms_norm: AddRmsNormFn<B>,
+    pub rms_norm_rope: RmsNormRopeFn<B>,
+}
+
+impl<B: Backend> Clone for NormKernels<B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for NormKernels<B> {}
+
 /// Lets `kernel` compute [`PagedAttention`] for `passes` on backend `B` from now on, for the
 /// whole process (replacing an earlier one).
 pub fn register_paged_attention<B: Backend>(kernel: PagedAttentionFn<B>, passes: KernelPasses) {
@@ -84,14 +113,14 @@ pub fn registered_paged_attention<B: Backend>() -> Option<(PagedAttentionFn<B>, 
     registered::<B, (PagedAttentionFn<B>, KernelPasses)>("paged_attention")
 }
 
-/// Lets `kernel` compute the RMS norms on backend `B` from now on, for the whole process.
-pub fn register_rms_norm<B: Backend>(kernel: RmsNormFn<B>) {
-    register::<B, _>("rms_norm", kernel);
+/// Lets `kernels` compute the RMS norms on backend `B` from now on, for the whole process.
+pub fn register_norms<B: Backend>(kernels: NormKernels<B>) {
+    register::<B, _>("norms", kernels);
 }
 
-/// The RMS-norm kernel registered for backend `B`.
-pub fn rms_norm<B: Backend>() -> Option<RmsNormFn<B>> {
-    registered::<B, RmsNormFn<B>>("rms_norm")
+/// The norm kernels registered for backend `B`.
+pub fn norms<B: Backend>() -> Option<NormKernels<B>> {
+    registered::<B, NormKernels<B>>("norms")
 }
 
 fn register<B: Backend, K: Any + Send + Sync>(name: &'static str, kernel: K) {
@@ -113,7 +142,7 @@ pub fn paged_attention<B: Backend>(queries: usize) -> Option<PagedAttentionFn<B>
 }
 
 /// Kernels by the backend's type and the kernel's name: a `PagedAttentionFn` of that backend
-/// with its [`KernelPasses`], or a [`RmsNormFn`].
+/// with its [`KernelPasses`], or [`NormKernels`].
 type Registry = HashMap<(TypeId, &'static str), Box<dyn Any + Send + Sync>>;
 
 fn registry() -> &'static RwLock<Registry> {
@@ -152,8 +181,8 @@ mod tests {
         register_paged_attention::<Other>(zeros::<Other>, KernelPasses::All);
         assert!(paged_attention::<Other>(7).is_some());
         assert!(paged_attention::<Flex>(1).is_none());
-        assert!(rms_norm::<Other>().is_none(), "kernels are found by their name too");
-        register_rms_norm::<Other>(|x, _, _| x);
-        assert!(rms_norm::<Other>().is_some() && paged_attention::<Other>(7).is_some());
+        assert!(norms::<Other>().is_none(), "kernels are found by their name too");
+        register_norms::<Other>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), rms_norm_rope: |x, _, _, _, _| x });
+        assert!(norms::<Other>().is_some() && paged_attention::<Other>(7).is_some());
     }
 }

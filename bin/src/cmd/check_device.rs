@@ -87,8 +87,9 @@ struct Results {
     /// The passes over the KV cache that ran through a kernel lent to the model
     /// (`model::device_kernels`: the GPU builds' paged-attention kernel) rather than burn's ops.
     paged_attention_kernel: Option<model::device_kernels::KernelPasses>,
-    /// Whether an RMS-norm kernel is lent to the model for this backend (the generation passes'
-    /// norms then run through it).
+    /// Whether the RMS-norm kernels are lent to the model for this backend (the generation
+    /// passes' norms, with the residual addition before them or RoPE after them, then run
+    /// through them).
     rms_norm_kernel: bool,
 }
 
@@ -165,7 +166,7 @@ impl<'a> OnBackend for &'a Probe {
             ratio_drift,
             cast_errors: if bf16 { Some(cast_errors::<B>(&device)?) } else { None },
             paged_attention_kernel: model::device_kernels::registered_paged_attention::<B>().map(|(_, passes)| passes),
-            rms_norm_kernel: model::device_kernels::rms_norm::<B>().is_some(),
+            rms_norm_kernel: model::device_kernels::norms::<B>().is_some(),
         })
     }
 }
@@ -299,7 +300,7 @@ pub fn run(args: Args) -> Result<()> {
         None => {}
     }
     if target.rms_norm_kernel {
-        eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernel, scoring and the update through burn's ops (--device-kernels off: burn's ops for all)");
+        eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernels (with the residual addition before input_layernorm and the final norm, and RoPE after q_norm and k_norm), scoring and the update through burn's ops (--device-kernels off: burn's ops for all)");
     }
 
     let relative = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(1e-6);

@@ -7,7 +7,7 @@ use burn::tensor::{backend::Backend, Int, Tensor};
 
 use super::attention::AttentionInputs;
 use super::cache::KvCache;
-use super::decoder_layer::Qwen3DecoderLayer;
+use super::decoder_layer::{Qwen3DecoderLayer, ResidualStream};
 use super::compute::Compute;
 use super::linear::{project, MatmulPrecision};
 use super::mask::AttentionMask;
@@ -77,23 +77,25 @@ impl<B: Backend> Qwen3Model<B> {
         let past = cache.as_ref().map_or(0, |c| c.past());
         let over_cache = cache.is_some();
         let device = input_ids.device();
-        let mut hidden_states = kernels::embedding(&self.embed_tokens.weight.val(), &input_ids)
+        let hidden_states = kernels::embedding(&self.embed_tokens.weight.val(), &input_ids)
             .unwrap_or_else(|| self.embed_tokens.forward(input_ids));
         let mask = AttentionMask::new(attention_mask, b, past, q_len, &device);
         let inputs = self.attention_inputs(position_ids, mask, hidden_states.dtype());
         let mut all_hidden = output_hidden_states.then(|| vec![hidden_states.clone()]);
+        let mut stream = ResidualStream::new(hidden_states);
         for (i, layer) in self.layers.iter().enumerate() {
             let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[i]);
             let layer_adapters = adapters.map(|a| &a.layers[i]);
-            hidden_states = layer.forward_with_adapters(hidden_states, &inputs, layer_cache, &self.compute, layer_adapters);
+            stream = layer.forward_stream(stream, &inputs, layer_cache, &self.compute, layer_adapters);
             if let Some(all) = all_hidden.as_mut() {
+                let hidden_states = stream.summed();
                 all.push(hidden_states.clone());
+                stream = ResidualStream::new(hidden_states);
             }
         }
-        ModelOutput {
-            last_hidden_state: self.norm.forward_over_cache(hidden_states, over_cache),
-            hidden_states: all_hidden,
-        }
+        // Each layer's MLP output is added by the next norm, the last one by this one.
+        let (_, last_hidden_state) = self.norm.add_and_forward(stream.residual, stream.pending, over_cache);
+        ModelOutput { last_hidden_state, hidden_states: all_hidden }
     }
 
     /// What every layer's attention takes from a pass at `position_ids` under `mask` with

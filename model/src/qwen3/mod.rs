@@ -20,7 +20,7 @@ pub use attention::{AttentionInputs, Qwen3Attention};
 pub use cache::{grown_capacity, CachedKv, KvCache, LayerKvCache, BLOCK_SIZE, GROWTH_STEP, SCRATCH_SLOT};
 pub use causal_lm::{ModelOutput, Qwen3ForCausalLM, Qwen3Model};
 pub use compute::{AttnImplementation, Compute};
-pub use decoder_layer::Qwen3DecoderLayer;
+pub use decoder_layer::{Qwen3DecoderLayer, ResidualStream};
 pub use mask::{attention_bias, AttentionMask, MASK_VALUE};
 pub use linear::{lora_linear, product, MatmulPrecision};
 pub use mlp::Qwen3MLP;

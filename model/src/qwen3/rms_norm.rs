@@ -3,6 +3,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, DType, Tensor};
 
+use super::rotary::{apply_rotary_pos_emb, RotaryTables};
 use crate::{device_kernels, kernels};
 
 /// Root-mean-square layer norm over the last dimension.
@@ -28,14 +29,14 @@ impl<B: Backend> Qwen3RMSNorm<B> {
 
     /// [`Self::forward`] in a pass that is `over_cache` (generation's prefill and decoding
     /// steps over a KV cache), where a GPU backend's kernel may stand in
-    /// ([`device_kernels::rms_norm`]). Passes without a cache (scoring, the update) keep burn's
-    /// ops, so that old log-probs and the update's forward agree to the last bit.
+    /// ([`device_kernels::NormKernels`]). Passes without a cache (scoring, the update) keep
+    /// burn's ops, so that old log-probs and the update's forward agree to the last bit.
     pub fn forward_over_cache<const D: usize>(&self, hidden_states: Tensor<B, D>, over_cache: bool) -> Tensor<B, D> {
         let weight = self.weight.val();
         let fused = kernels::rms_norm(&hidden_states, &weight, self.variance_epsilon).or_else(|| {
-            over_cache
-                .then(|| on_device(&hidden_states, &weight, self.variance_epsilon))
-                .flatten()
+            let kernels = lent(over_cache, &[&hidden_states], &weight)?;
+            let (rows, dims) = rows(&hidden_states);
+            Some((kernels.rms_norm)(hidden_states.clone().reshape(rows), weight.clone(), self.variance_epsilon).reshape(dims))
         });
         fused.unwrap_or_else(|| {
             let input_dtype = hidden_states.dtype();
@@ -45,18 +46,53 @@ impl<B: Backend> Qwen3RMSNorm<B> {
             weight.unsqueeze() * hidden_states.cast(input_dtype)
         })
     }
+
+    /// The residual addition before this norm, then the norm: `(residual + delta,
+    /// norm(residual + delta))`, or `(residual, norm(residual))` with no `delta`. In a pass
+    /// `over_cache` a GPU backend's kernel may take both in one (vLLM's `fused_add_rms_norm`).
+    pub fn add_and_forward(&self, residual: Tensor<B, 3>, delta: Option<Tensor<B, 3>>, over_cache: bool) -> (Tensor<B, 3>, Tensor<B, 3>) {
+        let Some(delta) = delta else {
+            return (residual.clone(), self.forward_over_cache(residual, over_cache));
+        };
+        let weight = self.weight.val();
+        if let Some(kernels) = lent(over_cache, &[&residual, &delta], &weight) {
+            let (rows, dims) = rows(&residual);
+            let (sum, normed) = (kernels.add_rms_norm)(residual.reshape(rows), delta.reshape(rows), weight, self.variance_epsilon);
+            return (sum.reshape(dims), normed.reshape(dims));
+        }
+        let sum = residual + delta;
+        (sum.clone(), self.forward_over_cache(sum, over_cache))
+    }
+
+    /// This norm over each head of `x` (`[b, q, heads, head_dim]`), then RoPE by `tables`
+    /// (HF's `apply_rotary_pos_emb(q_norm(q), ..)`). In a pass `over_cache` a GPU backend's
+    /// kernel may take both in one.
+    pub fn forward_rotated(&self, x: Tensor<B, 4>, tables: &RotaryTables<B>, over_cache: bool) -> Tensor<B, 4> {
+        let weight = self.weight.val();
+        let [b, q, heads, d] = x.dims();
+        // The kernel takes one table row a token (the tables of burn's ops, one head broadcast).
+        let one_head = tables.cos.dims() == [b, q, 1, d] && tables.signed_sin.dtype() == x.dtype();
+        if let Some(kernels) = one_head.then(|| lent(over_cache, &[&x, &tables.cos], &weight)).flatten() {
+            let table = |t: &Tensor<B, 4>| t.clone().reshape([b * q, d]);
+            let rotated = (kernels.rms_norm_rope)(x.reshape([b * q * heads, d]), weight, table(&tables.cos), table(&tables.signed_sin), self.variance_epsilon);
+            return rotated.reshape([b, q, heads, d]);
+        }
+        apply_rotary_pos_emb(self.forward_over_cache(x, over_cache), tables)
+    }
 }
 
-/// The norm by the kernel a GPU backend lent ([`device_kernels::rms_norm`]): one kernel where
-/// burn's ops take a reduction and two element-wise kernels. `None` where none is registered
-/// (autodiff backends included) or the weight's dtype differs from the activations'.
-fn on_device<B: Backend, const D: usize>(x: &Tensor<B, D>, weight: &Tensor<B, 1>, eps: f64) -> Option<Tensor<B, D>> {
-    let kernel = device_kernels::rms_norm::<B>()?;
-    if weight.dtype() != x.dtype() {
+/// The norm kernels a GPU backend lent, for a pass `over_cache` whose operands share the
+/// weight's dtype. `None` where none are registered (autodiff backends included), off the
+/// cache, or with dtypes that differ.
+fn lent<B: Backend, const D: usize>(over_cache: bool, operands: &[&Tensor<B, D>], weight: &Tensor<B, 1>) -> Option<device_kernels::NormKernels<B>> {
+    if !over_cache || operands.iter().any(|x| x.dtype() != weight.dtype()) {
         return None;
     }
+    device_kernels::norms::<B>()
+}
+
+/// `x`'s leading axes as one: `[rows, hidden]`, and `x`'s dims to restore.
+fn rows<B: Backend, const D: usize>(x: &Tensor<B, D>) -> ([usize; 2], [usize; D]) {
     let dims = x.dims();
-    let hidden = dims[D - 1];
-    let rows = dims[..D - 1].iter().product();
-    Some(kernel(x.clone().reshape([rows, hidden]), weight.clone(), eps).reshape(dims))
+    ([dims[..D - 1].iter().product(), dims[D - 1]], dims)
 }

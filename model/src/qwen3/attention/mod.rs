@@ -19,7 +19,7 @@ use super::compute::{AttnImplementation, Compute};
 use super::linear::lora_linear;
 use super::mask::AttentionMask;
 use super::rms_norm::Qwen3RMSNorm;
-use super::rotary::{apply_rotary_pos_emb, Qwen3RotaryEmbedding, RotaryTables};
+use super::rotary::{Qwen3RotaryEmbedding, RotaryTables};
 use crate::kernels;
 use crate::lora::{LoraLayer, LoraLinear};
 use memory_efficient::{Blocks, Operands};
@@ -116,8 +116,9 @@ impl<B: Backend> Qwen3Attention<B> {
         let key_states = project(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), kv);
         let value_states = heads_first(project(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), kv));
         let over_cache = cache.is_some();
-        let query_states = apply_rotary_pos_emb(self.q_norm.forward_over_cache(query_states, over_cache), &inputs.rotary_q);
-        let key_states = heads_first(apply_rotary_pos_emb(self.k_norm.forward_over_cache(key_states, over_cache), &inputs.rotary_k));
+        // apply_rotary_pos_emb(q_norm(q)) and the same for k.
+        let query_states = self.q_norm.forward_rotated(query_states, &inputs.rotary_q, over_cache);
+        let key_states = heads_first(self.k_norm.forward_rotated(key_states, &inputs.rotary_k, over_cache));
 
         let scaling = (d as f64).powf(-0.5);
         // With a cache, the pass's rows attend to its pools: the CPU kernel and a GPU's
