@@ -48,6 +48,27 @@ fn cube_sum(partial: &mut SharedMemory<f32>, own: f32) -> f32 {
     total
 }
 
+/// `1 / sqrt(mean + eps)` of a row of `width` elements whose squares this unit summed to
+/// `own_squares` (the cube's units together cover the row). Every unit of the cube must call it.
+#[cube]
+fn inverse_rms(partial: &mut SharedMemory<f32>, own_squares: f32, #[comptime] width: u32, eps: f32) -> f32 {
+    let total = cube_sum(partial, own_squares);
+    1.0f32 / (total / f32::cast_from(width) + eps).sqrt()
+}
+
+/// The sum of the squares, in f32, of this unit's strided elements of the row of `n` from `base`.
+#[cube]
+fn own_squares<F: Float>(input: &Tensor<F>, base: usize, n: usize) -> f32 {
+    let mut sum = 0.0f32;
+    let mut i = UNIT_POS_X as usize;
+    while i < n {
+        let x = f32::cast_from(input[base + i]);
+        sum += x * x;
+        i += CUBE_DIM_X as usize;
+    }
+    sum
+}
+
 /// `weight[i] · cast(x · scale)`, rounded to `F` as HF rounds it: the normalised value in the
 /// input's dtype before the weight.
 #[cube]
@@ -80,15 +101,7 @@ fn rms_norm_kernel<F: Float>(
     // Every unit of a cube takes the same branch, so the syncs inside are reached by all.
     if row < input.shape(0) {
         let base = row * n;
-        let mut sum = 0.0f32;
-        let mut i = unit;
-        while i < n {
-            let x = f32::cast_from(input[base + i]);
-            sum += x * x;
-            i += units;
-        }
-        let total = cube_sum(&mut partial, sum);
-        let scale = 1.0f32 / (total / f32::cast_from(hidden) + eps).sqrt();
+        let scale = inverse_rms(&mut partial, own_squares::<F>(input, base, n), hidden, eps);
         let mut i = unit;
         while i < n {
             output[base + i] = normed::<F>(input[base + i], weight[i], scale);
@@ -127,8 +140,7 @@ fn add_rms_norm_kernel<F: Float>(
             squares += s * s;
             i += units;
         }
-        let total = cube_sum(&mut partial, squares);
-        let scale = 1.0f32 / (total / f32::cast_from(hidden) + eps).sqrt();
+        let scale = inverse_rms(&mut partial, squares, hidden, eps);
         let mut i = unit;
         while i < n {
             // Each unit reads back only the elements it wrote.
@@ -164,15 +176,7 @@ fn rms_norm_rope_kernel<F: Float>(
     if row < input.shape(0) {
         let base = row * n;
         let table = (row / heads as usize) * n;
-        let mut sum = 0.0f32;
-        let mut i = unit;
-        while i < n {
-            let x = f32::cast_from(input[base + i]);
-            sum += x * x;
-            i += units;
-        }
-        let total = cube_sum(&mut partial, sum);
-        let scale = 1.0f32 / (total / f32::cast_from(head_dim) + eps).sqrt();
+        let scale = inverse_rms(&mut partial, own_squares::<F>(input, base, n), head_dim, eps);
         let mut i = unit;
         while i < n {
             head[i] = normed::<F>(input[base + i], weight[i], scale);
