@@ -192,7 +192,7 @@ fn rms_norm_rope_kernel<F: Float>(
     }
 }
 
-/// Launches the kernel on CubeCL runtime `R` for `input` `[rows, hidden]` and `weight`
+/// Launches [`rms_norm_kernel`] on CubeCL runtime `R` for `input` `[rows, hidden]` and `weight`
 /// `[hidden]` of one dtype.
 ///
 /// Panics on operands whose shapes or dtypes disagree.
@@ -274,7 +274,7 @@ pub fn rms_norm_rope<R: CubeRuntime>(
     assert_eq!(signed_sin.shape().dims::<2>(), [tokens, table_dim], "rms norm rope: cos and sin of one shape");
     assert_eq!(table_dim, head_dim, "rms norm rope: tables of the heads' width");
     assert!(head_dim % 2 == 0, "rms norm rope: an even head_dim");
-    assert!(tokens > 0 && rows % tokens == 0 || rows == 0, "rms norm rope: {rows} rows for {tokens} tokens");
+    assert!((tokens > 0 && rows % tokens == 0) || rows == 0, "rms norm rope: {rows} rows for {tokens} tokens");
     check_operands("rms norm rope", &input, &[&weight, &cos, &signed_sin], head_dim, weight.shape().dims::<1>()[0]);
     let [input, weight, cos, signed_sin] = [input, weight, cos, signed_sin].map(into_contiguous);
     let client = input.client.clone();

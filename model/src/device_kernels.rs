@@ -87,7 +87,7 @@ pub type RmsNormRopeFn<B> =
     fn(x: Tensor<B, 2>, weight: Tensor<B, 1>, cos: Tensor<B, 2>, signed_sin: Tensor<B, 2>, eps: f64) -> Tensor<B, 2>;
 
 /// The norm kernels a backend lends, taken by the passes over a KV cache (see
-/// `Qwen3RMSNorm::forward_over_cache`).
+/// `Qwen3RMSNorm::forward_over_cache`, `add_and_forward` and `forward_rotated`).
 pub struct NormKernels<B: Backend> {
     pub rms_norm: RmsNormFn<B>,
     pub add_rms_norm: AddRmsNormFn<B>,
