@@ -82,7 +82,7 @@ fn reference<B: Backend>(query: Tensor<B, 4>, keys: Tensor<B, 3>, values: Tensor
 }
 
 /// The kernel's output against [`reference`] on backend `B` for `queries` queries a row: the
-/// largest difference.
+/// largest difference, divided by the output's magnitude where that exceeds 1.
 fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, queries: usize, dtype: DType) -> f32 {
     let device = Default::default();
     let pool = |seed| {
@@ -105,7 +105,8 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, q
     let (kernel, _) = prompt_r1_model::device_kernels::registered_paged_attention::<B>().expect("registered just now");
     let output = kernel(PagedAttention { query, keys, values, read, valid, scale });
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
-    let difference = (output.cast(DType::F32) - expected).abs().max().into_scalar();
+    // Relative to the output where it exceeds 1: f16 rounds each output to its own step.
+    let difference = ((output.cast(DType::F32) - expected.clone()).abs() / expected.abs().clamp_min(1.0)).max().into_scalar();
     difference.to_string().parse().expect("a float")
 }
 
@@ -131,7 +132,10 @@ fn the_kernel_matches_burns_ops_in_f32() {
     check_shapes::<Unfused>(DType::F32, 1e-5);
 }
 
-/// f16 operands, f32 sums: within f16's rounding of the output (values of order 1: 1e-3).
+/// f16 operands, f32 sums: within f16's rounding of the output and of the probabilities that
+/// weigh the values (2⁻¹¹ relative each; 2e-3). The values are of order 2 and a query that sees
+/// few keys returns about one of them, so outputs reach 4-8: an absolute bound of 2e-3 failed
+/// once in CI at 3.3e-3.
 #[test]
 fn the_kernel_matches_burns_ops_in_f16() {
     if !common::backend_ready::<Fused>() {
