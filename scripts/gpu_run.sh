@@ -49,7 +49,8 @@
 #              small shape (f32, batch 8 and 64) and the 0.6B shape (bf16 weights, batch
 #              8 and 64, 3 turns of 32 tokens and 100-token replies); each with its peak GPU
 #              memory beside the decoder's peak KV, CubeCL's pool (in use / reserved) per mode,
-#              and the time of its decode-only and prefill steps against pure decode's step
+#              and the time of its decode-only and prefill steps against pure decode's step;
+#              last, the small rollout at 64 with --device-kernels all
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -416,6 +417,11 @@ case "$stage" in
     # episodes per question, as GRPO's rollout.n, whose first prompts are shared.
     bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
       --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+    # Last, if time is left: the small rollout with the kernel in the replies' prefill passes
+    # too. On lavapipe a prefill pass launched 31.6 kernels a layer more with burn's ops than
+    # with `all`, and ran 2.5x slower with `all` (the kernel's scalar products on the CPU);
+    # against rollout-small's batch 64, this says which a host-bound GPU prefers.
+    bench rollout-small-all --preset small --rollout --rollout-batch 64 --device-kernels all
     grep -h '"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
