@@ -104,9 +104,9 @@ impl<B: Backend> Policy<B> {
         }
     }
 
-    /// `adapters` merged into a copy of the base when adapters are served merged.
-    fn merged(&self, adapters: &LoraAdapters<B>) -> Option<Qwen3ForCausalLM<B>> {
-        self.merge.then(|| merge_adapters(self.base.clone(), adapters))
+    /// `adapters` merged into a copy of `base` when adapters are served merged (`merge`).
+    fn merged(merge: bool, base: &Qwen3ForCausalLM<B>, adapters: &LoraAdapters<B>) -> Option<Qwen3ForCausalLM<B>> {
+        merge.then(|| merge_adapters(base.clone(), adapters))
     }
 
     /// What the handlers see.
@@ -179,7 +179,7 @@ impl<B: Backend> Policy<B> {
             root: path,
             created: unix_time(),
         };
-        let merged = self.merged(&adapters);
+        let merged = Self::merged(self.merge, &self.base, &adapters);
         self.adapters.insert(name.clone(), Loaded { adapters, card, merged });
         Ok(format!("Success: LoRA adapter '{name}' added successfully."))
     }
@@ -221,7 +221,7 @@ impl<B: Backend> Policy<B> {
         self.base_root = path;
         let (merge, base) = (self.merge, &self.base);
         for loaded in self.adapters.values_mut() {
-            loaded.merged = merge.then(|| merge_adapters(base.clone(), &loaded.adapters));
+            loaded.merged = Self::merged(merge, base, &loaded.adapters);
         }
         Ok(format!("Succeeded to update model weights from {}.", self.base_root))
     }
