@@ -79,7 +79,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         weight: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        rms_norm::add_rms_norm(delta, residual, weight, eps)
+        rms_norm::add_rms_norm(residual, delta, weight, eps)
     }
 
     fn rms_norm_rope(

@@ -110,12 +110,12 @@ fn rms_norm_kernel<F: Float>(
     }
 }
 
-/// [`rms_norm_kernel`] of `input + residual`, which it writes too (`sum`, rounded to `F` as
+/// [`rms_norm_kernel`] of `residual + delta`, which it writes too (`sum`, rounded to `F` as
 /// burn's addition rounds it; the statistics are of the rounded sum).
 #[cube(launch)]
 fn add_rms_norm_kernel<F: Float>(
-    input: &Tensor<F>,
     residual: &Tensor<F>,
+    delta: &Tensor<F>,
     weight: &Tensor<F>,
     sum: &mut Tensor<F>,
     output: &mut Tensor<F>,
@@ -129,12 +129,12 @@ fn add_rms_norm_kernel<F: Float>(
     let units = CUBE_DIM_X as usize;
     let n = hidden as usize;
     let mut partial = SharedMemory::<f32>::new(UNITS as usize);
-    if row < input.shape(0) {
+    if row < residual.shape(0) {
         let base = row * n;
         let mut squares = 0.0f32;
         let mut i = unit;
         while i < n {
-            let s = residual[base + i] + input[base + i];
+            let s = residual[base + i] + delta[base + i];
             sum[base + i] = s;
             let s = f32::cast_from(s);
             squares += s * s;
@@ -198,7 +198,7 @@ fn rms_norm_rope_kernel<F: Float>(
 /// Panics on operands whose shapes or dtypes disagree.
 pub fn rms_norm<R: CubeRuntime>(input: CubeTensor<R>, weight: CubeTensor<R>, eps: f64) -> CubeTensor<R> {
     let [rows, hidden] = input.shape().dims::<2>();
-    check_operands("rms norm", &input, &[&weight], hidden, weight.shape().dims::<1>()[0]);
+    check_operands("rms norm", &input, &weight, &[], hidden);
     let [input, weight] = [input, weight].map(into_contiguous);
     let client = input.client.clone();
     let dtype = input.dtype.into();
@@ -220,31 +220,31 @@ pub fn rms_norm<R: CubeRuntime>(input: CubeTensor<R>, weight: CubeTensor<R>, eps
     output
 }
 
-/// Launches [`add_rms_norm_kernel`] for `input` and `residual` `[rows, hidden]` and `weight`
-/// `[hidden]` of one dtype: `(input + residual, norm(input + residual))`.
+/// Launches [`add_rms_norm_kernel`] for `residual` and `delta` `[rows, hidden]` and `weight`
+/// `[hidden]` of one dtype: `(residual + delta, norm(residual + delta))`.
 ///
 /// Panics on operands whose shapes or dtypes disagree.
 pub fn add_rms_norm<R: CubeRuntime>(
-    input: CubeTensor<R>,
     residual: CubeTensor<R>,
+    delta: CubeTensor<R>,
     weight: CubeTensor<R>,
     eps: f64,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let [rows, hidden] = input.shape().dims::<2>();
-    assert_eq!(residual.shape().dims::<2>(), [rows, hidden], "add rms norm: a residual of the input's shape");
-    check_operands("add rms norm", &input, &[&residual, &weight], hidden, weight.shape().dims::<1>()[0]);
-    let [input, residual, weight] = [input, residual, weight].map(into_contiguous);
-    let client = input.client.clone();
-    let dtype = input.dtype.into();
-    let empty = || empty_device_contiguous_dtype(client.clone(), input.device.clone(), Shape::new([rows, hidden]), input.dtype);
+    let [rows, hidden] = residual.shape().dims::<2>();
+    assert_eq!(delta.shape().dims::<2>(), [rows, hidden], "add rms norm: a delta of the residual's shape");
+    check_operands("add rms norm", &residual, &weight, &[&delta], hidden);
+    let [residual, delta, weight] = [residual, delta, weight].map(into_contiguous);
+    let client = residual.client.clone();
+    let dtype = residual.dtype.into();
+    let empty = || empty_device_contiguous_dtype(client.clone(), residual.device.clone(), Shape::new([rows, hidden]), residual.dtype);
     let (sum, output) = (empty(), empty());
     if rows > 0 {
         add_rms_norm_kernel::launch::<R>(
             &client,
             grid(rows),
             CubeDim::new_1d(UNITS),
-            input.into_tensor_arg(),
             residual.into_tensor_arg(),
+            delta.into_tensor_arg(),
             weight.into_tensor_arg(),
             sum.clone().into_tensor_arg(),
             output.clone().into_tensor_arg(),
@@ -275,7 +275,7 @@ pub fn rms_norm_rope<R: CubeRuntime>(
     assert_eq!(table_dim, head_dim, "rms norm rope: tables of the heads' width");
     assert!(head_dim % 2 == 0, "rms norm rope: an even head_dim");
     assert!((tokens > 0 && rows % tokens == 0) || rows == 0, "rms norm rope: {rows} rows for {tokens} tokens");
-    check_operands("rms norm rope", &input, &[&weight, &cos, &signed_sin], head_dim, weight.shape().dims::<1>()[0]);
+    check_operands("rms norm rope", &input, &weight, &[&cos, &signed_sin], head_dim);
     let [input, weight, cos, signed_sin] = [input, weight, cos, signed_sin].map(into_contiguous);
     let client = input.client.clone();
     let dtype = input.dtype.into();
@@ -306,10 +306,10 @@ fn grid(rows: usize) -> CubeCount {
     CubeCount::Static(x as u32, y as u32, 1)
 }
 
-/// Panics unless `others` share `input`'s dtype, the weight is `width` wide and the dtype has a
-/// kernel.
-fn check_operands<R: CubeRuntime>(kernel: &str, input: &CubeTensor<R>, others: &[&CubeTensor<R>], width: usize, weight: usize) {
-    assert_eq!(weight, width, "{kernel}: a weight of the rows' width");
-    assert!(others.iter().all(|t| t.dtype == input.dtype), "{kernel}: operands of one dtype");
+/// Panics unless `weight` is `[width]`, it and `others` share `input`'s dtype, and the dtype has
+/// a kernel.
+fn check_operands<R: CubeRuntime>(kernel: &str, input: &CubeTensor<R>, weight: &CubeTensor<R>, others: &[&CubeTensor<R>], width: usize) {
+    assert_eq!(weight.shape().dims::<1>(), [width], "{kernel}: a weight of the rows' width");
+    assert!(others.iter().chain([&weight]).all(|t| t.dtype == input.dtype), "{kernel}: operands of one dtype");
     assert!(matches!(input.dtype, DType::F32 | DType::F16 | DType::BF16), "{kernel}: no kernel for {:?}", input.dtype);
 }
