@@ -34,8 +34,9 @@ struct Cli {
     /// prompt-r1's own CubeCL kernels on the GPU backends: the attention of the passes over the
     /// paged KV cache read where it lies, and the RMS norms as one kernel each (with RoPE after
     /// q_norm and k_norm, the residual addition before input_layernorm). `decode` (or
-    /// `on`): the attention of decoding steps; `all`: of prefill chunks too (less memory; on
-    /// lavapipe slower than burn's ops, not yet measured on a GPU); `off`: burn's ops
+    /// `on`): the attention of decoding steps; `all`: of prefill chunks too, and a step's
+    /// joining sequences run beside its decoding rows in one ragged pass (less memory, fewer
+    /// passes; on lavapipe slower than burn's ops, not yet measured on a GPU); `off`: burn's ops
     /// everywhere, the keys and values of each layer gathered first (for comparisons, or to rule
     /// the kernels out).
     #[arg(long, global = true, value_name = "decode|all|off", env = "PROMPT_R1_DEVICE_KERNELS", default_value = "decode",

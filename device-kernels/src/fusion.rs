@@ -18,14 +18,20 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
         valid: FloatTensor<Self>,
+        ragged: Option<(IntTensor<Self>, usize)>,
         scale: f32,
     ) -> FloatTensor<Self> {
         let client = query.client.clone();
-        let streams = OperationStreams::with_inputs([&query, &keys, &values, &read, &valid]);
+        let (starts, longest) = ragged.map_or((None, 0), |(starts, longest)| (Some(starts), longest));
+        let mut operands = vec![&query, &keys, &values, &read, &valid];
+        operands.extend(starts.as_ref());
+        let streams = OperationStreams::with_inputs(operands);
         let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(query.shape.dims::<4>()), query.dtype);
-        let inputs = [query.into_ir(), keys.into_ir(), values.into_ir(), read.into_ir(), valid.into_ir()];
+        let mut inputs = vec![query.into_ir(), keys.into_ir(), values.into_ir(), read.into_ir(), valid.into_ir()];
+        let ragged = starts.is_some();
+        inputs.extend(starts.map(|s| s.into_ir()));
         let desc = CustomOpIr::new("paged_attention", &inputs, &[output]);
-        let op = PagedAttentionOp::<B> { desc: desc.clone(), scale, backend: PhantomData };
+        let op = PagedAttentionOp::<B> { desc: desc.clone(), scale, longest: ragged.then_some(longest), backend: PhantomData };
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
@@ -136,20 +142,24 @@ impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for RmsNormOp
 struct PagedAttentionOp<B> {
     desc: CustomOpIr,
     scale: f32,
+    /// A ragged pass's longest row (its row starts are the sixth input).
+    longest: Option<usize>,
     backend: PhantomData<fn() -> B>,
 }
 
 impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for PagedAttentionOp<B> {
     fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let ([query, keys, values, read, valid], [output]) = self.desc.as_fixed();
+        let inputs = &self.desc.inputs;
+        let ragged = self.longest.map(|longest| (handles.get_int_tensor::<B>(&inputs[5]), longest));
         let result = B::paged_attention(
-            handles.get_float_tensor::<B>(query),
-            handles.get_float_tensor::<B>(keys),
-            handles.get_float_tensor::<B>(values),
-            handles.get_int_tensor::<B>(read),
-            handles.get_float_tensor::<B>(valid),
+            handles.get_float_tensor::<B>(&inputs[0]),
+            handles.get_float_tensor::<B>(&inputs[1]),
+            handles.get_float_tensor::<B>(&inputs[2]),
+            handles.get_int_tensor::<B>(&inputs[3]),
+            handles.get_float_tensor::<B>(&inputs[4]),
+            ragged,
             self.scale,
         );
-        handles.register_float_tensor::<B>(&output.id, result);
+        handles.register_float_tensor::<B>(&self.desc.outputs[0].id, result);
     }
 }

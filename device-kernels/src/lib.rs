@@ -24,13 +24,15 @@ use model::device_kernels::{register_norms, register_paged_attention, NormKernel
 pub trait DeviceKernels: Backend {
     /// [`PagedAttention`] on primitives: `query` `[rows, queries, heads, d]`, pools
     /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;
-    /// `[rows, queries, heads, d]`.
+    /// `[rows, queries, heads, d]`. A ragged pass's `query` is `[1, tokens, heads, d]`, with its
+    /// rows' starts `[rows + 1]` and the longest row's length.
     fn paged_attention(
         query: FloatTensor<Self>,
         keys: FloatTensor<Self>,
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
         valid: FloatTensor<Self>,
+        ragged: Option<(IntTensor<Self>, usize)>,
         scale: f32,
     ) -> FloatTensor<Self>;
 
@@ -64,9 +66,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
         valid: FloatTensor<Self>,
+        ragged: Option<(IntTensor<Self>, usize)>,
         scale: f32,
     ) -> FloatTensor<Self> {
-        paged_attention::paged_attention(query, keys, values, read, valid, scale)
+        let ragged = ragged.map(|(starts, longest)| paged_attention::Ragged { starts, longest });
+        paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale)
     }
 
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
@@ -126,8 +130,9 @@ fn run_rms_norm_rope<B: DeviceKernels>(x: Tensor<B, 2>, weight: Tensor<B, 1>, co
 }
 
 fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
-    let PagedAttention { query, keys, values, read, valid, scale } = pass;
-    tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), scale))
+    let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
+    let ragged = ragged.map(|rows| (rows.starts.into_primitive(), rows.longest));
+    tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale))
 }
 
 /// FNV-1a of `source`, folded to 32 bits: a kernel's revision (see `paged_attention::REVISION`).

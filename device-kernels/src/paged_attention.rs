@@ -1,5 +1,6 @@
 //! One pass's attention over the paged KV cache (see [`model::device_kernels::PagedAttention`]),
-//! a decoding step's single query a row or a prefill chunk's many, as one CubeCL kernel: one cube
+//! a decoding step's single query a row, a prefill chunk's many, or a ragged pass's rows of
+//! different lengths (a decoding step's rows beside prefill chunks), as one CubeCL kernel: one cube
 //! of [`UNITS`] units per (query heads sharing a key-value head, row, block of queries), so that
 //! each key and value it stages serves all of them (grouped-query attention). The cube takes the
 //! row's columns a tile at a time ([`blocks_for`]), up to the last one its queries may see
@@ -88,8 +89,10 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     values: &Tensor<F>,
     read: &Tensor<I>,
     valid: &Tensor<V>,
+    row_starts: &Tensor<I>,
     output: &mut Tensor<F>,
     scale: f32,
+    #[comptime] ragged: bool,
     #[comptime] head_dim: u32,
     #[comptime] cube_heads: u32,
     #[comptime] block: u32,
@@ -110,14 +113,26 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     // different keys touch distinct banks.
     let kv_stride = d + 1;
 
-    let queries = query.shape(1);
     let heads = query.shape(2);
     let kv_heads = keys.shape(0);
     let slots = keys.shape(1);
     let width = valid.shape(1);
-    // The pass's queries are its rows' last columns: query i sees columns up to past + i.
-    let past = width - queries;
+    // The row's queries: `queries` from token `token0` of the pass (rows of equal length, or
+    // a ragged pass's `row_starts[row]..row_starts[row + 1]`).
+    let mut token0 = row * query.shape(1);
+    let mut queries = query.shape(1);
+    if ragged {
+        token0 = usize::cast_from(row_starts[row]);
+        queries = usize::cast_from(row_starts[row + 1]) - token0;
+    }
     let first = CUBE_POS_Z as usize * block_len;
+    if first >= queries {
+        // A ragged pass's grid covers its longest row; shorter rows leave cubes with nothing
+        // to do (every unit of the cube returns here, before any barrier).
+        terminate!();
+    }
+    // The row's queries are its last columns: query i sees columns up to past + i.
+    let past = width - queries;
     let mut count = queries - first;
     if count > block_len {
         count = block_len;
@@ -143,7 +158,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         let qi = b % block_len;
         let mut x = 0.0f32;
         if qi < count {
-            x = f32::cast_from(query[((row * queries + first + qi) * heads + first_head + b / block_len) * d + i % d]) * scale;
+            x = f32::cast_from(query[((token0 + first + qi) * heads + first_head + b / block_len) * d + i % d]) * scale;
         }
         q[i] = x;
         acc[i] = 0.0;
@@ -254,7 +269,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             if total[b] > 0.0 {
                 out = acc[i] / total[b];
             }
-            output[((row * queries + first + qi) * heads + first_head + b / block_len) * d + i % d] = F::cast_from(out);
+            output[((token0 + first + qi) * heads + first_head + b / block_len) * d + i % d] = F::cast_from(out);
         }
         i += units;
     }
@@ -287,7 +302,17 @@ fn stage_tile<F: Float>(
     }
 }
 
+/// The rows of a ragged pass (see [`model::device_kernels::RaggedRows`]): row `r`'s queries are
+/// the pass's tokens `starts[r]..starts[r + 1]` (`starts` `[rows + 1]`), at most `longest`.
+#[derive(Debug, Clone)]
+pub struct Ragged<R: CubeRuntime> {
+    pub starts: CubeTensor<R>,
+    pub longest: usize,
+}
+
 /// Launches the kernel on CubeCL runtime `R`; see [`model::device_kernels::PagedAttention`].
+/// `query` is `[rows, queries, heads, head_dim]`, or `[1, tokens, heads, head_dim]` in a
+/// `ragged` pass.
 ///
 /// Panics on operands whose shapes or dtypes disagree.
 pub fn paged_attention<R: CubeRuntime>(
@@ -296,13 +321,26 @@ pub fn paged_attention<R: CubeRuntime>(
     values: CubeTensor<R>,
     read: CubeTensor<R>,
     valid: CubeTensor<R>,
+    ragged: Option<Ragged<R>>,
     scale: f32,
 ) -> CubeTensor<R> {
-    let [rows, queries, heads, head_dim] = query.shape().dims::<4>();
+    let [batch, tokens, heads, head_dim] = query.shape().dims::<4>();
     let [kv_heads, slots, pool_dim] = keys.shape().dims::<3>();
-    let [valid_rows, width] = valid.shape().dims::<2>();
+    let [rows, width] = valid.shape().dims::<2>();
     assert_eq!(values.shape().dims::<3>(), [kv_heads, slots, head_dim], "values pool of another shape than the keys'");
-    assert_eq!((pool_dim, valid_rows), (head_dim, rows), "paged attention: pools of head_dim {pool_dim}, mask of {valid_rows} rows");
+    assert_eq!(pool_dim, head_dim, "paged attention: pools of head_dim {pool_dim}, queries of {head_dim}");
+    // The most queries a row has.
+    let queries = match &ragged {
+        None => {
+            assert_eq!(batch, rows, "paged attention: {batch} rows of queries, a mask of {rows}");
+            tokens
+        }
+        Some(ragged) => {
+            assert_eq!(batch, 1, "paged attention: a ragged pass's queries are [1, tokens, heads, d]");
+            assert_eq!(ragged.starts.shape().num_elements(), rows + 1, "paged attention: row starts for {rows} rows");
+            ragged.longest
+        }
+    };
     assert!(queries >= 1 && width >= queries, "paged attention: {queries} queries a row over {width} columns");
     assert_eq!(read.shape().num_elements(), rows * width, "paged attention: a read table of rows × width slots");
     assert!(kv_heads > 0 && heads % kv_heads == 0, "{heads} query heads over {kv_heads} key-value heads");
@@ -313,9 +351,17 @@ pub fn paged_attention<R: CubeRuntime>(
     // one per pass, is read through its strides instead, not copied at every layer), and its
     // output is allocated packed: CUDA's default layout may pad rows.
     let [query, keys, values, read] = [query, keys, values, read].map(into_contiguous);
+    // A pass of rows of equal length never reads the row starts: the read table stands in.
+    let starts = match &ragged {
+        Some(ragged) => {
+            assert_eq!(ragged.starts.dtype, read.dtype, "paged attention: row starts of the read table's dtype");
+            into_contiguous(ragged.starts.clone())
+        }
+        None => read.clone(),
+    };
     let client = query.client.clone();
     let dtypes = [query.dtype.into(), read.dtype.into(), valid.dtype.into()];
-    let output = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([rows, queries, heads, head_dim]), query.dtype);
+    let output = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([batch, tokens, heads, head_dim]), query.dtype);
     let blocks = blocks_for(head_dim, heads / kv_heads, queries);
     paged_attention_kernel::launch::<R>(
         &client,
@@ -326,8 +372,10 @@ pub fn paged_attention<R: CubeRuntime>(
         values.into_tensor_arg(),
         read.into_tensor_arg(),
         valid.into_tensor_arg(),
+        starts.into_tensor_arg(),
         output.clone().into_tensor_arg(),
         scale,
+        ragged.is_some(),
         head_dim as u32,
         blocks.heads,
         blocks.queries,

@@ -33,6 +33,15 @@
 //! over its blocks. A decoder that
 //! shares prefixes must run one model: the blocks hold that model's keys and values.
 //!
+//! Where the model takes ragged passes ([`crate::Qwen3ForCausalLM::takes_ragged_passes`]: a GPU
+//! backend's paged-attention kernel that takes prefills), a step with sequences joining runs
+//! their uncached tokens beside the running rows' one token each in one pass, the rows' tokens
+//! one after another with no padding (vLLM's mixed batches): a step costs one pass where it
+//! cost a decoding pass and a prefill pass, which on a GPU whose steps are bound by launching
+//! kernels is most of a prefill's cost. Joining tokens beyond `max_batched_tokens` run in
+//! further ragged passes of the same step. Elsewhere (the CPU, burn's ops) the prefill runs
+//! in passes of its own, its rows left-padded to the longest.
+//!
 //! Each pass's rows attend to their own slots: the CPU kernels read them in place, burn's ops
 //! (the GPU path; burn has no paged attention op) get them gathered one layer at a time as
 //! `[rows, kv_heads, width, head_dim]`. Rows line up their newest positions, a shorter row's
@@ -79,16 +88,23 @@ pub struct DecoderLimits {
     /// Sequences share the blocks of equal prefixes (see the module docs): only for a decoder
     /// whose steps all run the same model (weights and adapters).
     pub share_prefixes: bool,
+    /// A step with sequences joining runs their prefill beside the running rows' decoding in
+    /// ragged passes (see the module docs), where the model takes such passes
+    /// ([`crate::Qwen3ForCausalLM::takes_ragged_passes`]: a GPU backend's paged-attention kernel
+    /// that takes prefills); otherwise, or when `false`, in passes of their own.
+    pub ragged_passes: bool,
 }
 
 impl Default for DecoderLimits {
-    /// No limit on rows, prefill size or KV memory; no prefix shared.
+    /// No limit on rows, prefill size or KV memory; no prefix shared; ragged passes where the
+    /// model takes them.
     fn default() -> Self {
         Self {
             max_rows: usize::MAX,
             max_batched_tokens: usize::MAX,
             kv_budget: None,
             share_prefixes: false,
+            ragged_passes: true,
         }
     }
 }
@@ -116,6 +132,8 @@ pub struct DecoderStats {
     /// pass no paged-attention kernel is registered for (the CPU kernels and a GPU's kernel read
     /// only each row's own positions where they lie).
     pub attention_columns: u64,
+    /// Forward passes run: a step's decoding pass, its prefill chunks, or its ragged passes.
+    pub passes: u64,
 }
 
 /// The next-token logits of the sequences one step ran: row `i` of `logits` (`[rows, vocab]`)
@@ -550,6 +568,12 @@ impl<B: Backend> Decoder<B> {
         }
         self.make_room_to_decode()?;
         let admitted = self.admit()?;
+        if !admitted.is_empty() && self.limits.ragged_passes && model.base().takes_ragged_passes() {
+            let logits = self.ragged_step(model, admitted);
+            self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
+            self.stats.peak_kv_positions_in_use = self.stats.peak_kv_positions_in_use.max(self.kv_positions_in_use());
+            return Ok(Some(logits));
+        }
         let decoded = self.decode_running(model);
         let prefilled = (!admitted.is_empty()).then(|| self.prefill(model, admitted));
         self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
@@ -738,6 +762,7 @@ impl<B: Backend> Decoder<B> {
         let device = model.base().device();
         let rows = ids.dims()[0];
         self.stats.attention_columns += read.len() as u64;
+        self.stats.passes += 1;
         let mask = device_mask::<B>(&read, rows, &device);
         let total = self.pool.total * BLOCK_SIZE;
         let cache = self.cache.get_or_insert_with(|| model.base().new_cache());
@@ -856,6 +881,117 @@ impl<B: Backend> Decoder<B> {
             ids: group,
             logits: last.reshape([n, vocab]),
         }
+    }
+}
+
+impl<B: Backend> Decoder<B> {
+    /// One step as ragged passes (vLLM's mixed batches): the running rows' one token each and
+    /// the joining sequences' uncached tokens, one row after another with no padding, at most
+    /// `max_batched_tokens` a pass. The first pass takes every running row and the joining
+    /// tokens that fit, in order; the rest of the joining tokens run in further passes. Returns
+    /// the running rows' logits, then the joining sequences'.
+    fn ragged_step(&mut self, model: &impl CausalLm<B>, group: Vec<SequenceId>) -> StepLogits<B> {
+        let device = model.base().device();
+        let running = self.running.clone();
+        for &id in &running {
+            let len = self.sequences[&id].cached + 1;
+            self.grow_sequence(id, len);
+        }
+        for &id in &group {
+            let len = self.sequences[&id].tokens.len();
+            self.grow_sequence(id, len);
+        }
+        // (sequence, its next position to run, the end of its positions this step).
+        let mut rows: Vec<(SequenceId, usize, usize)> = running
+            .iter()
+            .map(|id| (*id, self.sequences[id].cached, self.sequences[id].cached + 1))
+            .chain(group.iter().map(|id| (*id, self.sequences[id].cached, self.sequences[id].tokens.len())))
+            .collect();
+        let mut ids = Vec::with_capacity(rows.len());
+        let mut logits = Vec::new();
+        while rows.iter().any(|&(_, next, end)| next < end) {
+            // The rows' positions in order while the pass has room: a row that does not fit
+            // whole runs the rest in the next pass, so rows end in order.
+            let mut room = self.limits.max_batched_tokens.max(1);
+            let mut pass = Vec::new();
+            for (r, &(_, next, end)) in rows.iter().enumerate() {
+                let n = (end - next).min(room);
+                if n > 0 {
+                    room -= n;
+                    pass.push((r, n));
+                }
+            }
+            let width = pass.iter().map(|&(r, n)| rows[r].1 + n).max().expect("a pass runs a row");
+            let (mut tokens, mut positions, mut write, mut read, mut lens) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for &(r, n) in &pass {
+                let (id, next, _) = rows[r];
+                let s = &self.sequences[&id];
+                tokens.extend(s.tokens[next..next + n].iter().map(|&t| i64::from(t)));
+                positions.extend((next..next + n).map(|p| p as i64));
+                write.extend((next..next + n).map(|p| s.slot(p)));
+                read.extend(std::iter::repeat_n(SCRATCH, width - next - n));
+                read.extend((0..next + n).map(|p| s.slot(p)));
+                lens.push(n);
+            }
+            let count = tokens.len();
+            self.stats.attention_columns += read.len() as u64;
+            self.stats.passes += 1;
+            let total = self.pool.total * BLOCK_SIZE;
+            let cache = self.cache.get_or_insert_with(|| model.base().new_cache());
+            cache.reserve(total);
+            cache.set_ragged_slots(write, read, &lens, &device);
+            let hidden = model
+                .base()
+                .model
+                .forward_with_adapters(
+                    Tensor::from_data(TensorData::new(tokens, [1, count]), &device),
+                    Tensor::from_data(TensorData::new(positions, [1, count]), &device),
+                    None,
+                    Some(cache),
+                    false,
+                    model.adapters(),
+                )
+                .last_hidden_state;
+            // The rows whose last position ran: the next-token logits of that position only.
+            let mut ends = Vec::new();
+            let mut at = 0;
+            for &(r, n) in &pass {
+                at += n;
+                rows[r].1 += n;
+                if rows[r].1 == rows[r].2 {
+                    ends.push(at as i64 - 1);
+                    ids.push(rows[r].0);
+                }
+            }
+            if !ends.is_empty() {
+                let k = ends.len();
+                let hidden = match k == count {
+                    true => hidden,
+                    false => hidden.select(1, Tensor::from_data(TensorData::new(ends, [k]), &device)),
+                };
+                let last = model.base().logits(hidden);
+                let vocab = last.dims()[2];
+                logits.push(last.reshape([k, vocab]));
+            }
+        }
+        for &id in &running {
+            self.sequences.get_mut(&id).expect("a row's sequence").cached += 1;
+            self.index_blocks(id);
+        }
+        self.stats.decode_tokens += running.len() as u64;
+        for &id in &group {
+            let s = self.sequences.get_mut(&id).expect("a joining sequence");
+            self.stats.prefill_tokens += (s.tokens.len() - s.cached) as u64;
+            s.cached = s.tokens.len();
+            s.place = Place::Running;
+            self.index_blocks(id);
+        }
+        self.running.extend(&group);
+        let logits = match logits.len() {
+            1 => logits.pop().expect("one"),
+            _ => Tensor::cat(logits, 0),
+        };
+        StepLogits { ids, logits }
     }
 }
 

@@ -12,14 +12,15 @@ use std::sync::{OnceLock, RwLock};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor};
 
-/// One pass's attention over a paged KV cache, a decoding step's or a prefill chunk's: each
-/// row's queries attend to the slots its read table names, with no gather of
-/// `[rows, kv_heads, width, head_dim]`. A row's queries are its last `queries` columns, causal:
-/// query `i` sees the valid columns up to `width − queries + i`.
+/// One pass's attention over a paged KV cache, a decoding step's, a prefill chunk's, or a
+/// ragged pass's (rows of different lengths, see [`RaggedRows`]): each row's queries attend to
+/// the slots its read table names, with no gather of `[rows, kv_heads, width, head_dim]`. A
+/// row's queries are its last `queries` columns, causal: query `i` sees the valid columns up to
+/// `width − queries + i`.
 #[derive(Debug, Clone)]
 pub struct PagedAttention<B: Backend> {
-    /// `[rows, queries, heads, head_dim]`, after RoPE; query head `h` reads key-value head
-    /// `h / (heads / kv_heads)`.
+    /// `[rows, queries, heads, head_dim]` (`[1, tokens, heads, head_dim]` in a ragged pass),
+    /// after RoPE; query head `h` reads key-value head `h / (heads / kv_heads)`.
     pub query: Tensor<B, 4>,
     /// A layer's pool of keys, `[kv_heads, slots, head_dim]`, in the query's dtype.
     pub keys: Tensor<B, 3>,
@@ -33,6 +34,19 @@ pub struct PagedAttention<B: Backend> {
     pub valid: Tensor<B, 2>,
     /// The factor on `q · k` (`head_dim^-0.5`).
     pub scale: f32,
+    /// Where each row's queries lie in a ragged pass; `None` when every row has `queries`.
+    pub ragged: Option<RaggedRows<B>>,
+}
+
+/// The rows of a ragged pass, whose queries are the pass's tokens one row after another
+/// (vLLM's flattened batch, FlashAttention's `cu_seqlens_q`): a decoding step's rows (one token
+/// each) beside the prefill chunks of rows joining, in one pass.
+#[derive(Debug, Clone)]
+pub struct RaggedRows<B: Backend> {
+    /// `[rows + 1]`: row `r`'s queries are tokens `starts[r]..starts[r + 1]`.
+    pub starts: Tensor<B, 1, Int>,
+    /// The most queries a row has.
+    pub longest: usize,
 }
 
 /// A kernel computing [`PagedAttention`]: `softmax(q · Kᵀ · scale) V` over each query's

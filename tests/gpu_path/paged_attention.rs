@@ -10,7 +10,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{activation::softmax, Bool, DType, Distribution, Int, Tensor, TensorData};
 use device_kernels::DeviceKernels;
-use prompt_r1_model::device_kernels::PagedAttention;
+use prompt_r1_model::device_kernels::{PagedAttention, RaggedRows};
 
 use crate::common;
 
@@ -84,6 +84,15 @@ fn reference<B: Backend>(query: Tensor<B, 4>, keys: Tensor<B, 3>, values: Tensor
 /// The kernel's output against [`reference`] on backend `B` for `queries` queries a row: the
 /// largest difference, divided by the output's magnitude where that exceeds 1.
 fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, queries: usize, dtype: DType) -> f32 {
+    worst_ragged_difference::<B>(heads, kv_heads, d, &[queries; ROWS], false, dtype)
+}
+
+/// [`worst_difference`] with row `r` running `lens[r]` queries; `ragged`: as one ragged pass
+/// (`[1, tokens, heads, d]`, the rows' queries one after another), else (equal lengths only)
+/// as `[rows, queries, heads, d]`. The reference runs every row with the longest row's queries
+/// and keeps each row's last `lens[r]`: those see the same columns.
+fn worst_ragged_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, lens: &[usize; ROWS], ragged: bool, dtype: DType) -> f32 {
+    let queries = lens.iter().copied().max().expect("rows");
     let device = Default::default();
     let pool = |seed| {
         let pool = Tensor::<B, 3>::random([kv_heads, SLOTS, d], Distribution::Normal(0.0, 1.0), &device).mul_scalar(seed);
@@ -99,11 +108,21 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, q
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid_by_column, [WIDTH, ROWS]), &device).transpose();
     let scale = (d as f32).powf(-0.5);
     let expected = reference(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), scale);
+    // Each row's last lens[r] queries, one row after another.
+    let last = |x: Tensor<B, 4>| Tensor::cat((0..ROWS).map(|r| x.clone().narrow(0, r, 1).narrow(1, queries - lens[r], lens[r])).collect(), 1);
+    let (query, expected, rows) = match ragged {
+        true => {
+            let starts: Vec<i64> = (0..=ROWS).map(|r| lens[..r].iter().sum::<usize>() as i64).collect();
+            let starts = Tensor::<B, 1, Int>::from_data(TensorData::new(starts, [ROWS + 1]), &device);
+            (last(query), last(expected), Some(RaggedRows { starts, longest: queries }))
+        }
+        false => (query, expected, None),
+    };
     // Through the registry, as the model finds it.
     // Registered as the other tests of this binary register it (the registry is the process's).
     device_kernels::register::<B>(common::kernel_passes());
     let (kernel, _) = prompt_r1_model::device_kernels::registered_paged_attention::<B>().expect("registered just now");
-    let output = kernel(PagedAttention { query, keys, values, read, valid, scale });
+    let output = kernel(PagedAttention { query, keys, values, read, valid, scale, ragged: rows });
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     // Relative to the output where it exceeds 1: f16 rounds each output to its own step.
     let difference = ((output.cast(DType::F32) - expected.clone()).abs() / expected.abs().clamp_min(1.0)).max().into_scalar();
@@ -119,6 +138,31 @@ fn check_shapes<B: DeviceKernels>(dtype: DType, tolerance: f32) {
             assert!(worst <= tolerance, "{heads} heads over {kv_heads}, head_dim {d}, {queries} queries, {dtype:?}: |Δ| {worst} > {tolerance}");
         }
     }
+}
+
+/// Ragged passes: rows of a decoding step's one query beside prefill chunks of 5 and 37, in
+/// several orders (a row with few keys running many queries, some of which see none), and a
+/// pass of one row.
+fn check_ragged<B: DeviceKernels>(dtype: DType, tolerance: f32) {
+    for (heads, kv_heads, d) in [(4, 2, 24), (6, 2, 72)] {
+        for lens in [[1, 37, 1, 5], [37, 1, 5, 1], [1, 1, 1, 37], [5, 5, 5, 5], [1, 1, 1, 1]] {
+            let worst = worst_ragged_difference::<B>(heads, kv_heads, d, &lens, true, dtype);
+            println!("{} {dtype:?}, {heads} heads over {kv_heads}, head_dim {d}, ragged rows of {lens:?} queries: worst |Δ| {worst:.2e}", std::any::type_name::<B>());
+            assert!(worst <= tolerance, "{heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}, {dtype:?}: |Δ| {worst} > {tolerance}");
+        }
+    }
+}
+
+/// A ragged pass (rows of different lengths, their queries one after another) gives each row
+/// what a pass of its own gives it, within the f32 tolerance below.
+#[test]
+fn the_kernel_takes_ragged_passes() {
+    if !common::backend_ready::<Fused>() {
+        return;
+    }
+    check_ragged::<Fused>(DType::F32, 1e-5);
+    check_ragged::<Unfused>(DType::F32, 1e-5);
+    check_ragged::<Fused>(DType::F16, 2e-3);
 }
 
 /// f32: both sum in f32, in another order (1e-5 at these sizes: values of order 1, sums of up to

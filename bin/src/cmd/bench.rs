@@ -161,6 +161,13 @@ pub struct Args {
     /// prefixes it is computed once. Default: each episode its own question.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..), requires = "rollout")]
     pub rollout_group_size: u64,
+    /// Whether --rollout's steps with episodes joining run their prefill beside the decoding
+    /// rows in ragged passes (vLLM's mixed batches; the default), where the model takes them: a
+    /// GPU's paged-attention kernel that takes prefills (`--device-kernels all`). `off` runs
+    /// each step's prefill in passes of its own, as the CPU path always does.
+    #[arg(long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new(), requires = "rollout")]
+    pub ragged_passes: bool,
     /// Also time each --rollout batch without shared prefixes, for what sharing gains.
     #[arg(long, requires = "rollout")]
     pub rollout_unshared: bool,
@@ -356,6 +363,7 @@ impl Args {
             share_prefixes: self.share_prefixes,
             unshared: self.rollout_unshared,
             group_size: self.rollout_group_size as usize,
+            ragged_passes: self.ragged_passes,
         };
         if self.rollout_unshared && !self.share_prefixes {
             eprintln!("note: --rollout-unshared does nothing with --share-prefixes off (every run is unshared)");

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::mask::AttentionMask;
-use crate::device_kernels::{self, PagedAttention};
+use crate::device_kernels::{self, PagedAttention, RaggedRows};
 use crate::kernels;
 
 /// Positions per block of the pool.
@@ -48,6 +48,16 @@ struct PassSlots<B: Backend> {
     /// row, position, head), `read` as indices for `select`.
     write_index: Tensor<B, 2, Int>,
     read_index: Tensor<B, 1, Int>,
+    /// A ragged pass's rows ([`KvCache::set_ragged_slots`]).
+    ragged: Option<RaggedPass<B>>,
+}
+
+/// The rows of a ragged pass: their queries one row after another, and which columns are keys.
+#[derive(Debug, Clone)]
+struct RaggedPass<B: Backend> {
+    rows: RaggedRows<B>,
+    /// `[rows, width]`, f32: 1 where a column reads a key, 0 where it reads the scratch slot.
+    valid: Tensor<B, 2>,
 }
 
 /// One layer's pools of keys and values, `[kv_heads, slots, head_dim]` each, allocated by the
@@ -77,7 +87,8 @@ impl<B: Backend> LayerKvCache<B> {
     pub fn append(&mut self, k: Tensor<B, 4>, v: Tensor<B, 4>) -> CachedKv<B> {
         let pass = self.pass.clone().expect("KvCache::set_slots names a pass's slots before it runs");
         let [b, _, new, _] = k.dims();
-        assert_eq!((b, b * new), (pass.rows, pass.write.len()), "a pass of {b} rows × {new} positions, slots set for another");
+        let rows = if pass.ragged.is_some() { 1 } else { pass.rows };
+        assert_eq!((b, b * new), (rows, pass.write.len()), "a pass of {b} rows × {new} positions, slots set for another");
         let keys = write(self.keys.take(), k, &pass);
         let values = write(self.values.take(), v, &pass);
         self.keys = Some(keys.clone());
@@ -115,13 +126,26 @@ impl<B: Backend> CachedKv<B> {
     /// a prefill chunk's `q`, its rows' last columns) under `mask`, read straight from the
     /// pools by the device kernel registered for `B` ([`device_kernels::paged_attention`]),
     /// `[b, q, heads · d]`; `None` where none is registered for such passes.
+    ///
+    /// A ragged pass ([`KvCache::set_ragged_slots`]; `query` `[1, tokens, heads, d]`) takes
+    /// its rows' lengths and padding from its slots, not from `mask`.
     pub fn paged_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 3>> {
         let [b, q_len, heads, d] = query.dims();
-        let kernel = device_kernels::paged_attention::<B>(q_len)?;
         let width = self.pass.read.len() / self.pass.rows;
-        let valid = mask.valid_keys();
-        assert_eq!(valid.dims(), [b, width], "the mask's keys are the pass's columns");
-        assert_eq!(mask.past(), width - q_len, "the pass's queries are its rows' last columns");
+        let (valid, ragged) = match &self.pass.ragged {
+            Some(ragged) => {
+                // A ragged pass has prefill rows: the kernel must take prefills.
+                device_kernels::paged_attention::<B>(2)?;
+                (ragged.valid.clone(), Some(ragged.rows.clone()))
+            }
+            None => {
+                let valid = mask.valid_keys();
+                assert_eq!(valid.dims(), [b, width], "the mask's keys are the pass's columns");
+                assert_eq!(mask.past(), width - q_len, "the pass's queries are its rows' last columns");
+                (valid, None)
+            }
+        };
+        let kernel = device_kernels::paged_attention::<B>(ragged.as_ref().map_or(q_len, |r| r.longest))?;
         let pass = PagedAttention {
             query: query.clone(),
             keys: self.keys.clone(),
@@ -129,8 +153,15 @@ impl<B: Backend> CachedKv<B> {
             read: self.pass.read_index.clone(),
             valid,
             scale,
+            ragged,
         };
         Some(kernel(pass).reshape([b, q_len, heads * d]))
+    }
+
+    /// Whether this is a ragged pass's ([`KvCache::set_ragged_slots`]): only a paged-attention
+    /// kernel that takes prefills computes its attention.
+    pub fn is_ragged(&self) -> bool {
+        self.pass.ragged.is_some()
     }
 }
 
@@ -201,6 +232,35 @@ impl<B: Backend> KvCache<B> {
     /// Panics when a slot is past the capacity or the tables do not split into `rows`.
     pub fn set_slots(&mut self, write: Vec<usize>, read: Vec<usize>, rows: usize, device: &B::Device) {
         assert!(rows > 0 && write.len() % rows == 0 && read.len() % rows == 0, "slot tables for {rows} rows");
+        self.set_pass(write, read, rows, None, device);
+    }
+
+    /// Names the next pass's slots for a ragged pass: its input is `[1, tokens]`, rows one after
+    /// another, row `r` `lens[r]` tokens, whose new positions go to `write` (`tokens` slots, in
+    /// that order); column `c` of row `r` reads slot `read[r · width + c]`, a row's new positions
+    /// its last `lens[r]` columns, [`SCRATCH_SLOT`] its padding. Only a GPU backend's
+    /// paged-attention kernel that takes prefills computes such a pass
+    /// ([`crate::Qwen3ForCausalLM::takes_ragged_passes`]).
+    pub fn set_ragged_slots(&mut self, write: Vec<usize>, read: Vec<usize>, lens: &[usize], device: &B::Device) {
+        let rows = lens.len();
+        assert!(rows > 0 && read.len() % rows == 0, "slot tables for {rows} rows");
+        assert_eq!(lens.iter().sum::<usize>(), write.len(), "a ragged pass writes each of its tokens once");
+        let width = read.len() / rows;
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        assert!(lens.iter().all(|&n| n >= 1) && longest <= width, "rows of 1 to {width} tokens");
+        let starts: Vec<i64> = std::iter::once(0).chain(lens.iter().scan(0i64, |end, &n| {
+            *end += n as i64;
+            Some(*end)
+        })).collect();
+        let valid: Vec<f32> = read.iter().map(|&slot| f32::from(u8::from(slot != SCRATCH_SLOT))).collect();
+        let ragged = RaggedPass {
+            rows: RaggedRows { starts: Tensor::from_data(TensorData::new(starts, [rows + 1]), device), longest },
+            valid: Tensor::from_data(TensorData::new(valid, [rows, width]), device),
+        };
+        self.set_pass(write, read, rows, Some(ragged), device);
+    }
+
+    fn set_pass(&mut self, write: Vec<usize>, read: Vec<usize>, rows: usize, ragged: Option<RaggedPass<B>>, device: &B::Device) {
         assert!(write.iter().chain(&read).all(|&s| s < self.slots), "a slot past the cache's {} positions", self.slots);
         let h = self.kv_heads;
         let pairs: Vec<i64> = write.iter().flat_map(|&s| (0..h).flat_map(move |head| [head as i64, s as i64])).collect();
@@ -212,15 +272,18 @@ impl<B: Backend> KvCache<B> {
             read: read.into(),
             rows,
             pool: self.slots,
+            ragged,
         };
         for layer in &mut self.layers {
             layer.pass = Some(pass.clone());
         }
     }
 
-    /// Positions each row of the pass set attends to before its new ones (0 without a pass).
+    /// Positions each row of the pass set attends to before its new ones (0 without a pass, and
+    /// in a ragged pass, whose rows differ).
     pub fn past(&self) -> usize {
-        self.layers.first().and_then(|l| l.pass.as_ref()).map_or(0, |p| (p.read.len() - p.write.len()) / p.rows)
+        let pass = self.layers.first().and_then(|l| l.pass.as_ref()).filter(|p| p.ragged.is_none());
+        pass.map_or(0, |p| (p.read.len() - p.write.len()) / p.rows)
     }
 
     /// Keeps only the positions `slots` of every layer's pools, in that order, in pools of

@@ -169,6 +169,15 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
         self
     }
 
+    /// Whether this model computes ragged passes over a KV cache
+    /// ([`KvCache::set_ragged_slots`]): on a backend whose paged-attention kernel takes
+    /// prefills, with the memory-efficient attention and no CPU kernels.
+    pub fn takes_ragged_passes(&self) -> bool {
+        crate::device_kernels::paged_attention::<B>(2).is_some()
+            && self.model.compute.attn_implementation == super::compute::AttnImplementation::MemoryEfficient
+            && !crate::kernels::may_run::<B>()
+    }
+
     /// An empty KV cache sized for this model.
     pub fn new_cache(&self) -> KvCache<B> {
         KvCache::new(self.model.layers.len(), self.config.num_key_value_heads)

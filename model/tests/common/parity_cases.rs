@@ -354,6 +354,15 @@ fn kept_cache_decoding_equals_recomputation() {
     let chunked = decode_against_recomputation(&model, DecoderLimits { max_batched_tokens: 4, ..DecoderLimits::default() }, "chunked prefills");
     assert_eq!(chunked.prefill_tokens, whole.prefill_tokens);
     assert_eq!(chunked.decode_tokens, whole.decode_tokens);
+    // Prefills in passes of their own: where the model takes ragged passes (a GPU kernel that
+    // takes prefills), the runs above joined sequences beside the decoding rows in one pass.
+    let separate = decode_against_recomputation(&model, DecoderLimits { ragged_passes: false, ..DecoderLimits::default() }, "separate prefills");
+    assert_eq!((separate.prefill_tokens, separate.decode_tokens), (whole.prefill_tokens, whole.decode_tokens));
+    println!("forward passes: {} ragged where taken, {} separate (ragged passes taken: {})", whole.passes, separate.passes, model.takes_ragged_passes());
+    match model.takes_ragged_passes() {
+        true => assert!(whole.passes < separate.passes, "{} ragged passes, {} separate", whole.passes, separate.passes),
+        false => assert_eq!(whole.passes, separate.passes),
+    }
 }
 
 /// Nine sequences of different lengths that leave (finished or parked) one at a time and one

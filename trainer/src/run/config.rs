@@ -305,6 +305,7 @@ impl RolloutSection {
             max_batched_tokens: self.max_num_batched_tokens,
             kv_budget,
             share_prefixes: self.share_prefixes,
+            ..DecoderLimits::default()
         })
     }
 
@@ -603,7 +604,7 @@ mod tests {
         assert_eq!(servers.validate(), Ok(()), "the workers hold their own caches");
         assert!(!parse_rollout("continuous_batching = false").rollout.continuous_batching);
         let limits = config.rollout.decoder_limits(&model::Preset::Qwen3_4B.config(1024, vec![]), DType::BF16).unwrap();
-        assert_eq!(limits, DecoderLimits { max_rows: 48, max_batched_tokens: 8192, kv_budget: None, share_prefixes: true });
+        assert_eq!(limits, DecoderLimits { max_rows: 48, max_batched_tokens: 8192, kv_budget: None, share_prefixes: true, ragged_passes: true });
         assert!(!parse_rollout("share_prefixes = false").rollout.decoder_limits(&model::Preset::Qwen3_4B.config(1024, vec![]), DType::BF16).unwrap().share_prefixes);
     }
 

@@ -71,6 +71,9 @@ pub struct RolloutSettings {
     pub unshared: bool,
     /// Consecutive episodes asking the same question (a GRPO group, `rollout.n`).
     pub group_size: usize,
+    /// Steps with sequences joining run them beside the decoding rows in ragged passes, where
+    /// the model takes them (`DecoderLimits::ragged_passes`).
+    pub ragged_passes: bool,
 }
 
 /// The turns episode `index` takes: `turns`, or with `varied` one of 1 to `turns` drawn from
@@ -138,6 +141,11 @@ pub struct RolloutStats {
     pub peak_kv_mib: f64,
     /// Most KV positions in the blocks sequences held at once.
     pub peak_kv_positions_in_use: usize,
+    /// Whether steps with a prefill ran it beside the decoding rows in ragged passes (asked for
+    /// and taken by the model: a GPU's paged-attention kernel that takes prefills).
+    pub ragged_passes: bool,
+    /// Forward passes per decoder step: 1 where every step is one pass.
+    pub passes_per_step: f64,
     /// Key columns the attention spanned (rows × each pass's longest row, padding included),
     /// per token run through the decoder: what burn's ops (the GPU path) gather per layer where
     /// no kernel reads the cache in place (a GPU's prefill passes unless `--device-kernels all`;
@@ -681,6 +689,7 @@ pub fn measure<B: Backend>(
             max_batched_tokens: settings.max_batched_tokens,
             kv_budget,
             share_prefixes,
+            ragged_passes: settings.ragged_passes,
         };
         let local = LocalAgent::new(model, tokenizer, sampling.clone()).with_limits(limits).with_continuous_batching(continuous);
         let mut agent = ForcedCalls::new(local, settings.turns).with_varied_turns(settings.varied_turns).with_probe(probe.clone());
@@ -837,6 +846,8 @@ pub fn measure<B: Backend>(
         peak_kv_positions: decoder.peak_kv_positions,
         peak_kv_mib: (decoder.peak_kv_positions as u64 * per_position) as f64 / 1048576.0,
         peak_kv_positions_in_use: decoder.peak_kv_positions_in_use,
+        ragged_passes: settings.ragged_passes && model.takes_ragged_passes(),
+        passes_per_step: decoder.passes as f64 / (steps.decode_steps + steps.prefill_steps).max(1) as f64,
         attention_columns_per_token: decoder.attention_columns as f64 / (decoder.decoded + prefill_tokens as u64).max(1) as f64,
         rows_per_step: steps.rows_per_step(decoder.decoded),
         context_tokens_per_episode: per_episode(context),
@@ -943,6 +954,8 @@ struct DecoderRun {
     preemptions: u64,
     /// Key columns the attention spanned.
     attention_columns: u64,
+    /// Forward passes.
+    passes: u64,
     /// The pool's peak, and the peak of the blocks in use (the decoder's, over every run so
     /// far: the pool is freed between runs, so each run reaches its own).
     peak_kv_positions: usize,
@@ -957,6 +970,7 @@ impl DecoderRun {
             shared_prefix_tokens: after.shared_prefix_tokens - before.shared_prefix_tokens,
             preemptions: after.preemptions + after.evictions - before.preemptions - before.evictions,
             attention_columns: after.attention_columns - before.attention_columns,
+            passes: after.passes - before.passes,
             peak_kv_positions: after.peak_kv_positions,
             peak_kv_positions_in_use: after.peak_kv_positions_in_use,
         }
@@ -1022,8 +1036,15 @@ pub fn print(stats: &RolloutStats) {
         s.kv_budget_positions.map_or(String::new(), |b| format!(" within a budget of {b} ({} preempted)", s.preemptions))
     );
     println!(
-        "  decoder steps: {} decoding only at {:.1} ms (pure decode: {:.1} ms a step), {} with a prefill at {:.1} ms; {:.2} s in the agent outside steps",
-        s.decode_steps, s.decode_step_ms, s.pure_decode_step_ms, s.prefill_steps, s.prefill_step_ms, s.agent_seconds_outside_steps
+        "  decoder steps: {} decoding only at {:.1} ms (pure decode: {:.1} ms a step), {} with a prefill at {:.1} ms ({}); {:.2} forward passes a step; {:.2} s in the agent outside steps",
+        s.decode_steps,
+        s.decode_step_ms,
+        s.pure_decode_step_ms,
+        s.prefill_steps,
+        s.prefill_step_ms,
+        if s.ragged_passes { "ragged passes: the prefill beside the decoding rows" } else { "the prefill in passes of its own" },
+        s.passes_per_step,
+        s.agent_seconds_outside_steps
     );
     println!(
         "  paged KV: at most {} positions in sequences' blocks (the pool {}); the attention spanned {:.0} key columns per token (padding to each pass's longest row included; burn's ops gather them where no kernel reads the cache in place); {:.2} of {} rows decoded per step",
@@ -1191,6 +1212,7 @@ mod tests {
             share_prefixes: true,
             unshared: false,
             group_size: 1,
+            ragged_passes: true,
         }
     }
 

@@ -128,6 +128,10 @@ impl<B: Backend> Qwen3Attention<B> {
             None => Attended::Fresh(key_states, value_states),
         };
         let fused = match (&attended, &inputs.bias) {
+            (Attended::Cached(cached), _) if cached.is_ragged() => {
+                let attended = cached.paged_attention(&query_states, &inputs.mask, scaling as f32);
+                Some(attended.expect("a ragged pass runs only where a paged-attention kernel takes prefills (Qwen3ForCausalLM::takes_ragged_passes)"))
+            }
             (Attended::Cached(cached), Some(bias)) => cached.attention(&query_states, bias, scaling as f32),
             (Attended::Fresh(k, v), Some(bias)) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32),
             // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
