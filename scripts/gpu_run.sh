@@ -50,7 +50,8 @@
 #              8 and 64, 3 turns of 32 tokens and 100-token replies); each with its peak GPU
 #              memory beside the decoder's peak KV, CubeCL's pool (in use / reserved) per mode,
 #              and the time of its decode-only and prefill steps against pure decode's step;
-#              last, the small rollout at 64 with --device-kernels all
+#              last, the small rollout at 64 with --device-kernels all, with ragged passes and
+#              without
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -420,9 +421,13 @@ case "$stage" in
     # Last, if time is left: the small rollout with the kernel in the replies' prefill passes
     # too. On lavapipe a prefill pass launched 31.6 kernels a layer more with burn's ops than
     # with `all`, and ran 2.5x slower with `all` (the kernel's scalar products on the CPU);
-    # against rollout-small's batch 64, this says which a host-bound GPU prefers.
+    # against rollout-small's batch 64, this says which a host-bound GPU prefers. With `all`
+    # the episodes joining also run beside the decoding rows in one ragged pass a step (vLLM's
+    # mixed batches); then the same with their prefill in passes of its own, for what that gains
+    # (on lavapipe one decoding pass's kernels a step with a prefill).
     bench rollout-small-all --preset small --rollout --rollout-batch 64 --device-kernels all
-    grep -h '"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+    bench rollout-small-all-separate --preset small --rollout --rollout-batch 64 --device-kernels all --ragged-passes off
+    grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)

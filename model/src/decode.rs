@@ -567,8 +567,9 @@ impl<B: Backend> Decoder<B> {
             }
         }
         self.make_room_to_decode()?;
-        let admitted = self.admit()?;
-        if !admitted.is_empty() && self.limits.ragged_passes && model.base().takes_ragged_passes() {
+        let ragged = self.limits.ragged_passes && model.base().takes_ragged_passes();
+        let admitted = self.admit(ragged)?;
+        if !admitted.is_empty() && ragged {
             let logits = self.ragged_step(model, admitted);
             self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
             self.stats.peak_kv_positions_in_use = self.stats.peak_kv_positions_in_use.max(self.kv_positions_in_use());
@@ -668,14 +669,15 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Takes waiting sequences into this step while rows and the budget allow. Each group that
-    /// joins costs a prefill pass of its own, so while rows are running the waiting ones join
-    /// in groups: once they are [`JOIN_FRACTION`] of the running rows (or fill the room left),
-    /// or the first has waited [`MAX_JOIN_WAIT`] steps.
-    fn admit(&mut self) -> Result<Vec<SequenceId>, ModelError> {
+    /// Takes waiting sequences into this step while rows and the budget allow. Outside ragged
+    /// passes each group that joins costs a prefill pass of its own, so while rows are running
+    /// the waiting ones join in groups: once they are [`JOIN_FRACTION`] of the running rows (or
+    /// fill the room left), or the first has waited [`MAX_JOIN_WAIT`] steps. In a ragged step
+    /// (`ragged`) they join the decoding rows' pass, so they join at once.
+    fn admit(&mut self, ragged: bool) -> Result<Vec<SequenceId>, ModelError> {
         let mut admitted = Vec::new();
         let running = self.running.len();
-        if running > 0 {
+        if running > 0 && !ragged {
             let room = self.limits.max_rows.saturating_sub(running).max(1);
             let enough = self.queue.len() >= (running / JOIN_FRACTION).clamp(1, room);
             let waited = self.queue.front().map_or(0, |id| self.steps - self.sequences[id].queued_at);
