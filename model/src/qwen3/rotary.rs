@@ -13,7 +13,7 @@
 //! element-wise kernel around it; burn's `cat` of the two halves would fill an empty tensor with
 //! one `slice_assign` kernel per half, for each of q and k in every layer.
 
-use burn::tensor::{backend::Backend, DType, Int, Tensor};
+use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
 use crate::kernels;
 
@@ -46,14 +46,16 @@ impl Qwen3RotaryEmbedding {
     pub fn tables<B: Backend>(&self, position_ids: Tensor<B, 2, Int>, dtype: DType) -> RotaryTables<B> {
         let device = position_ids.device();
         let half = self.inv_freq.len();
-        let inv_freq = Tensor::<B, 1>::from_data(self.inv_freq.as_slice(), (&device, DType::F32))
-            .reshape([1, 1, half]);
+        // HF's `emb = cat(freqs, freqs)` from the frequencies laid out twice, and the sign of
+        // `signed_sin` as a row of ±1 (exact): the same values, with no `cat` (two
+        // `slice_assign` kernels each on a GPU) in every pass.
+        let row = |values: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(values, [2 * half]), (&device, DType::F32)).reshape([1, 1, 2 * half]);
+        let inv_freq = row(self.inv_freq.iter().chain(&self.inv_freq).copied().collect());
+        let sign = row((0..2 * half).map(|i| if i < half { -1.0 } else { 1.0 }).collect());
         let positions = position_ids.float().cast(DType::F32).unsqueeze_dim::<3>(2);
         let freqs = positions * inv_freq;
         let cos = freqs.clone().cos();
-        let sin = freqs.sin();
-        let cos = Tensor::cat(vec![cos.clone(), cos], 2);
-        let signed_sin = Tensor::cat(vec![sin.clone().neg(), sin], 2);
+        let signed_sin = freqs.sin() * sign;
         let one_head = |t: Tensor<B, 3>| kernels::cast(t.unsqueeze_dim::<4>(2), dtype);
         let halves_swapped: Vec<i64> = (half..2 * half).chain(0..half).map(|i| i as i64).collect();
         RotaryTables {
