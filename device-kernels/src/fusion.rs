@@ -35,6 +35,16 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
+    fn choose_tokens(logits: FloatTensor<Self>, temperatures: FloatTensor<Self>, uniforms: FloatTensor<Self>) -> FloatTensor<Self> {
+        let client = logits.client.clone();
+        let streams = OperationStreams::with_inputs([&logits, &temperatures, &uniforms]);
+        let rows = logits.shape.dims::<2>()[0];
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new([rows, 2]), burn::tensor::DType::F32);
+        let desc = CustomOpIr::new("choose_tokens", &[logits.into_ir(), temperatures.into_ir(), uniforms.into_ir()], &[output]);
+        let op = ChooseTokensOp::<B> { desc: desc.clone(), backend: PhantomData };
+        client.register(streams, OperationIr::Custom(desc), op).output()
+    }
+
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         let client = input.client.clone();
         let streams = OperationStreams::with_inputs([&input, &weight]);
@@ -116,6 +126,25 @@ impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for RmsNormRo
             handles.get_float_tensor::<B>(cos),
             handles.get_float_tensor::<B>(signed_sin),
             self.eps,
+        );
+        handles.register_float_tensor::<B>(&output.id, result);
+    }
+}
+
+/// [`DeviceKernels::choose_tokens`] waiting in the fusion stream.
+#[derive(Debug)]
+struct ChooseTokensOp<B> {
+    desc: CustomOpIr,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for ChooseTokensOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([logits, temperatures, uniforms], [output]) = self.desc.as_fixed();
+        let result = B::choose_tokens(
+            handles.get_float_tensor::<B>(logits),
+            handles.get_float_tensor::<B>(temperatures),
+            handles.get_float_tensor::<B>(uniforms),
         );
         handles.register_float_tensor::<B>(&output.id, result);
     }

@@ -3,7 +3,8 @@
 //! place from its pools ([`paged_attention`]), so that burn's ops need not gather each layer's
 //! `[rows, kv_heads, width, head_dim]` keys and values first; and the RMS norm as one kernel
 //! ([`rms_norm`]) where burn's ops take three, alone, after the residual addition, or before
-//! RoPE. They run on any CubeCL runtime
+//! RoPE; and the choice of each row's token from its logits ([`sampling`]) where burn's ops
+//! take about 17. They run on any CubeCL runtime
 //! (CUDA; wgpu, where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a
 //! custom operation in the fusion stream) or not.
 //!
@@ -12,13 +13,14 @@
 mod fusion;
 pub mod paged_attention;
 pub mod rms_norm;
+pub mod sampling;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
-use model::device_kernels::{register_norms, register_paged_attention, NormKernels, PagedAttention};
+use model::device_kernels::{register_norms, register_paged_attention, register_token_choice, NormKernels, PagedAttention};
 
 /// A backend that computes [`PagedAttention`] and the RMS norms with kernels of this crate.
 pub trait DeviceKernels: Backend {
@@ -47,6 +49,10 @@ pub trait DeviceKernels: Backend {
         weight: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`model::device_kernels::ChooseTokensFn`] on primitives: `logits` `[rows, vocab]`,
+    /// `temperatures` and `uniforms` `[rows]` f32; `[rows, 2]` f32.
+    fn choose_tokens(logits: FloatTensor<Self>, temperatures: FloatTensor<Self>, uniforms: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// [`model::device_kernels::RmsNormRopeFn`] on primitives: `input` `[tokens · heads,
     /// head_dim]`, `weight` `[head_dim]`, `cos` and `signed_sin` `[tokens, head_dim]`.
@@ -77,6 +83,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         rms_norm::rms_norm(input, weight, eps)
     }
 
+    fn choose_tokens(logits: FloatTensor<Self>, temperatures: FloatTensor<Self>, uniforms: FloatTensor<Self>) -> FloatTensor<Self> {
+        sampling::choose_tokens(logits, temperatures, uniforms)
+    }
+
     fn add_rms_norm(
         residual: FloatTensor<Self>,
         delta: FloatTensor<Self>,
@@ -97,10 +107,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
     }
 }
 
-/// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, and
-/// the RMS norms (idempotent).
+/// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, the
+/// RMS norms and the token choice (idempotent).
 pub fn register<B: DeviceKernels>(passes: KernelPasses) {
     register_paged_attention::<B>(run_paged_attention::<B>, passes);
+    register_token_choice::<B>(run_choose_tokens::<B>);
     register_norms::<B>(NormKernels {
         rms_norm: run_rms_norm::<B>,
         add_rms_norm: run_add_rms_norm::<B>,
@@ -127,6 +138,10 @@ fn run_add_rms_norm<B: DeviceKernels>(residual: Tensor<B, 2>, delta: Tensor<B, 2
 
 fn run_rms_norm_rope<B: DeviceKernels>(x: Tensor<B, 2>, weight: Tensor<B, 1>, cos: Tensor<B, 2>, signed_sin: Tensor<B, 2>, eps: f64) -> Tensor<B, 2> {
     tensor(B::rms_norm_rope(float(x), float(weight), float(cos), float(signed_sin), eps))
+}
+
+fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tensor<B, 1>, uniforms: Tensor<B, 1>) -> Tensor<B, 2> {
+    tensor(B::choose_tokens(float(logits), float(temperatures), float(uniforms)))
 }
 
 fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {

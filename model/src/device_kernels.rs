@@ -100,6 +100,25 @@ pub type AddRmsNormFn<B> = fn(residual: Tensor<B, 2>, delta: Tensor<B, 2>, weigh
 pub type RmsNormRopeFn<B> =
     fn(x: Tensor<B, 2>, weight: Tensor<B, 1>, cos: Tensor<B, 2>, signed_sin: Tensor<B, 2>, eps: f64) -> Tensor<B, 2>;
 
+/// A kernel choosing each row's token from `logits` (`[rows, vocab]`, any float dtype), as
+/// `crate::device_sampling::choose_tokens` does with burn's ops: with `temperatures[row]` 0 the
+/// first column of the maximum, otherwise the first column whose running sum of
+/// `exp(logits / T − max)` exceeds `uniforms[row]` of the row's total (the last where none
+/// does), sums in f32 in an order of the kernel's own; each token beside its log-probability
+/// under `log_softmax(logits / T)` (T 1 when greedy), `[rows, 2]` f32. `temperatures` and
+/// `uniforms` are `[rows]` f32.
+pub type ChooseTokensFn<B> = fn(logits: Tensor<B, 2>, temperatures: Tensor<B, 1>, uniforms: Tensor<B, 1>) -> Tensor<B, 2>;
+
+/// Lets `kernel` choose tokens on backend `B` from now on, for the whole process.
+pub fn register_token_choice<B: Backend>(kernel: ChooseTokensFn<B>) {
+    register::<B, _>("choose_tokens", kernel);
+}
+
+/// The token-choice kernel registered for backend `B`.
+pub fn token_choice<B: Backend>() -> Option<ChooseTokensFn<B>> {
+    registered::<B, ChooseTokensFn<B>>("choose_tokens")
+}
+
 /// The norm kernels a backend lends, taken by the passes over a KV cache (see
 /// `Qwen3RMSNorm::forward_over_cache`, `add_and_forward` and `forward_rotated`).
 pub struct NormKernels<B: Backend> {

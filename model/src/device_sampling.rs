@@ -12,6 +12,10 @@
 //!
 //! Each row has its own temperature (0: greedy). Top-k and top-p are not done here: they need a
 //! sort of the row.
+//!
+//! A GPU backend may lend one kernel for all of it
+//! ([`crate::device_kernels::ChooseTokensFn`]), which sums in an order of its own: the same
+//! tokens but within f32 rounding of a boundary, as between this path and the host's.
 
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
@@ -48,6 +52,17 @@ pub fn choose_tokens<B: Backend>(
         return Err(ModelError::Input(format!("a vocabulary of {vocab} tokens is too large to sample on the device")));
     }
     let device = logits.device();
+    if let Some(kernel) = crate::device_kernels::token_choice::<B>() {
+        if uniforms.len() != rows && temperatures.iter().any(|&t| t != 0.0) {
+            return Err(ModelError::Input(format!("{} uniforms for {rows} rows", uniforms.len())));
+        }
+        let row = |values: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(values, [rows]), (&device, DType::F32));
+        let uniforms = match uniforms.len() == rows {
+            true => uniforms.iter().map(|&u| u as f32).collect(),
+            false => vec![0.0; rows],
+        };
+        return read_packed(kernel(logits, row(temperatures.to_vec()), row(uniforms)));
+    }
     let logits = if logits.dtype() == DType::F32 {
         logits
     } else {
@@ -80,7 +95,11 @@ pub fn choose_tokens<B: Backend>(
         }
     };
     let logprobs = scaled.gather(1, tokens.clone()) - log_normaliser;
-    let packed = Tensor::cat(vec![tokens.float().cast(DType::F32), logprobs], 1);
+    read_packed(Tensor::cat(vec![tokens.float().cast(DType::F32), logprobs], 1))
+}
+
+/// Each row's (token, log-probability) from `packed` (`[rows, 2]` f32), in one transfer.
+fn read_packed<B: Backend>(packed: Tensor<B, 2>) -> Result<Vec<(u32, f32)>, ModelError> {
     let values: Vec<f32> = packed
         .into_data()
         .convert::<f32>()

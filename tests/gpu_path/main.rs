@@ -32,6 +32,7 @@ mod gradients;
 mod paged_attention;
 mod parity;
 mod rms_norm;
+mod sampling;
 mod training;
 
 /// The model tests' helpers, with [`backend_ready`](common::backend_ready) made this binary's.

@@ -300,7 +300,7 @@ pub fn run(args: Args) -> Result<()> {
         None => {}
     }
     if target.rms_norm_kernel {
-        eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernels (with the residual addition before input_layernorm and the final norm, and RoPE after q_norm and k_norm), scoring and the update through burn's ops (--device-kernels off: burn's ops for all)");
+        eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernels (with the residual addition before input_layernorm and the final norm, and RoPE after q_norm and k_norm), scoring and the update through burn's ops, and tokens are chosen by prompt-r1's token-choice kernel (--device-kernels off: burn's ops for all)");
     }
 
     let relative = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(1e-6);

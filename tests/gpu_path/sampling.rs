@@ -1,0 +1,88 @@
+//! The token-choice kernel of `prompt-r1-device-kernels` on wgpu (fused and unfused), through
+//! `device_sampling::choose_tokens` as the decoder calls it, against the host's sampler
+//! (`generation::choose_token`, sums in f64) on the same draws: the same tokens, except where a
+//! draw lies within f32 rounding of the boundary between two tokens, and log-probabilities
+//! within 1e-4. Vocabularies of a few tokens (fewer than the cube's units: empty chunks), of
+//! several thousand, and Qwen3's 151,936; temperatures 0 (greedy), 0.7, 1 and 1.6 in one batch;
+//! f32 and f16 logits.
+
+use burn::tensor::{DType, Tensor, TensorData};
+use device_kernels::DeviceKernels;
+use prompt_r1_model::device_sampling::choose_tokens;
+use prompt_r1_model::generation::choose_token;
+use prompt_r1_model::Sampling;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::common;
+
+type Fused = burn_wgpu::Vulkan;
+type Unfused = burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, f32, i32, u8>;
+
+/// Where the host's cumulative probability (in f64) reaches token `t`'s start.
+fn cdf_before(row: &[f32], temperature: f32, t: usize) -> f64 {
+    let z: Vec<f64> = row.iter().map(|&x| f64::from(x) / f64::from(temperature)).collect();
+    let max = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = z.iter().map(|&x| (x - max).exp()).collect();
+    w[..t].iter().sum::<f64>() / w.iter().sum::<f64>()
+}
+
+/// Rows of `vocab` seeded logits (one row with a dominant token, one with a tie for the
+/// maximum) chosen on `B` in `dtype` and on the host; returns how many sampled tokens differ
+/// at a boundary (panicking on any other difference).
+fn boundary_differences<B: DeviceKernels>(vocab: usize, dtype: DType) -> usize {
+    device_kernels::register::<B>(common::kernel_passes());
+    assert!(prompt_r1_model::device_kernels::token_choice::<B>().is_some(), "registered just now");
+    let rows = 32;
+    let temperatures: Vec<f32> = (0..rows).map(|r| [0.0, 0.7, 1.0, 1.6][r % 4]).collect();
+    let mut rng = StdRng::seed_from_u64(vocab as u64);
+    let mut values: Vec<f32> = (0..rows * vocab).map(|_| rng.random_range(-6.0..6.0f32)).collect();
+    values[3] = 40.0;
+    // Row 4 (greedy): the maximum twice; the first is the argmax.
+    values[4 * vocab + vocab / 3] = 50.0;
+    values[4 * vocab + vocab - 1] = 50.0;
+    let device = Default::default();
+    let logits = Tensor::<B, 2>::from_data(TensorData::new(values, [rows, vocab]), &device).cast(dtype);
+    // The host sees the logits as the kernel reads them (rounded to `dtype`).
+    let seen: Vec<f32> = logits.clone().cast(DType::F32).into_data().to_vec().expect("f32 logits");
+    let mut uniforms = Vec::new();
+    let host: Vec<(u32, f32)> = (0..rows)
+        .map(|r| {
+            let seed = r as u64 * 7919 + vocab as u64;
+            uniforms.push(StdRng::seed_from_u64(seed).random::<f64>());
+            let config = Sampling { temperature: temperatures[r], ..Sampling::default() };
+            choose_token(&seen[r * vocab..(r + 1) * vocab], &config, &mut StdRng::seed_from_u64(seed))
+        })
+        .collect();
+    let chosen = choose_tokens(logits, &temperatures, &uniforms).expect("tokens");
+    let mut differences = 0;
+    for (r, (h, d)) in host.iter().zip(&chosen).enumerate() {
+        let row = &seen[r * vocab..(r + 1) * vocab];
+        let t = temperatures[r];
+        if h.0 != d.0 {
+            let later = h.0.max(d.0) as usize;
+            let gap = (cdf_before(row, t, later) - uniforms[r]).abs();
+            assert!(t > 0.0 && gap < 1e-5, "vocab {vocab}, {dtype:?}, T {t}, row {r}: host {h:?}, kernel {d:?}");
+            differences += 1;
+            continue;
+        }
+        assert!((h.1 - d.1).abs() < 1e-4, "vocab {vocab}, {dtype:?}, T {t}, row {r}: log-prob {} vs {}", h.1, d.1);
+    }
+    assert_eq!(chosen[4].0 as usize, vocab / 3, "the first maximum is the greedy token");
+    println!("{} {dtype:?}, vocab {vocab}: {differences} of {rows} rows differ at a boundary", std::any::type_name::<B>());
+    differences
+}
+
+/// The kernel chooses what the host chooses (ties and boundaries aside).
+#[test]
+fn the_token_choice_kernel_matches_the_host_sampler() {
+    if !common::backend_ready::<Fused>() {
+        return;
+    }
+    let mut differences = 0;
+    for vocab in [5, 1000, 151_936] {
+        differences += boundary_differences::<Fused>(vocab, DType::F32);
+        differences += boundary_differences::<Unfused>(vocab, DType::F32);
+    }
+    differences += boundary_differences::<Fused>(1000, DType::F16);
+    assert!(differences <= 1, "{differences} of 224 rows differ at a boundary");
+}
