@@ -19,10 +19,11 @@ pub const UNITS: u32 = 128;
 /// A hash of this file (see `paged_attention::REVISION`).
 const REVISION: u32 = crate::source_revision(include_bytes!("sampling.rs"));
 
-/// `x` scaled by the row's inverse temperature, in f32.
+/// `x / temperature` in f32, as burn's ops divide (`x` itself for a greedy row, `temperature`
+/// 1).
 #[cube]
-fn scaled<F: Float>(x: F, inverse_temperature: f32) -> f32 {
-    f32::cast_from(x) * inverse_temperature
+fn scaled<F: Float>(x: F, temperature: f32) -> f32 {
+    f32::cast_from(x) / temperature
 }
 
 #[cube(launch)]
@@ -39,11 +40,10 @@ fn choose_tokens_kernel<F: Float>(
     let units = CUBE_DIM_X as usize;
     let vocab = logits.shape(1);
     let base = row * vocab;
-    let temperature = temperatures[row];
+    let mut temperature = temperatures[row];
     let greedy = temperature == 0.0;
-    let mut inverse_temperature = 1.0f32;
-    if !greedy {
-        inverse_temperature = 1.0f32 / temperature;
+    if greedy {
+        temperature = 1.0;
     }
     let chunk = vocab.div_ceil(units);
     let first = unit * chunk;
@@ -57,7 +57,7 @@ fn choose_tokens_kernel<F: Float>(
     let mut best_column = vocab;
     let mut i = first;
     while i < end {
-        let s = scaled::<F>(logits[base + i], inverse_temperature);
+        let s = scaled::<F>(logits[base + i], temperature);
         if s > best {
             best = s;
             best_column = i;
@@ -90,7 +90,7 @@ fn choose_tokens_kernel<F: Float>(
     let mut own = 0.0f32;
     let mut i = first;
     while i < end {
-        own += (scaled::<F>(logits[base + i], inverse_temperature) - max).exp();
+        own += (scaled::<F>(logits[base + i], temperature) - max).exp();
         i += 1;
     }
     sums[unit] = own;
@@ -109,42 +109,47 @@ fn choose_tokens_kernel<F: Float>(
             column = (vocab - 1) as u32;
         }
         if !greedy {
+            // Past the total (rounding): the last column, as burn's ops and the host give.
+            column = (vocab - 1) as u32;
             let mut left = uniforms[row] * total;
-            let mut chosen = units - 1;
-            let mut searching = true;
+            let mut chosen = units;
             for j in 0..units {
-                if searching {
+                if chosen == units {
                     if left < sums[j] {
                         chosen = j;
-                        searching = false;
                     } else {
                         left -= sums[j];
                     }
                 }
             }
-            let start = chosen * chunk;
-            let mut stop = start + chunk;
-            if stop > vocab {
-                stop = vocab;
-            }
-            column = (vocab - 1) as u32;
-            let mut searching = true;
-            let mut i = start;
-            while i < stop {
-                if searching {
-                    let w = (scaled::<F>(logits[base + i], inverse_temperature) - max).exp();
-                    if left < w {
-                        column = i as u32;
-                        searching = false;
-                    } else {
-                        left -= w;
-                    }
+            if chosen < units {
+                let start = chosen * chunk;
+                let mut stop = start + chunk;
+                if stop > vocab {
+                    stop = vocab;
                 }
-                i += 1;
+                // Subtracting the chunk's weights one by one may round below its sum: then
+                // the chunk's last column with weight (a neighbour of the boundary).
+                let mut searching = true;
+                let mut i = start;
+                while i < stop {
+                    if searching {
+                        let w = (scaled::<F>(logits[base + i], temperature) - max).exp();
+                        if w > 0.0 {
+                            column = i as u32;
+                        }
+                        if left < w {
+                            searching = false;
+                        } else {
+                            left -= w;
+                        }
+                    }
+                    i += 1;
+                }
             }
         }
         output[row * 2] = f32::cast_from(column);
-        output[row * 2 + 1] = scaled::<F>(logits[base + usize::cast_from(column)], inverse_temperature) - (total.ln() + max);
+        output[row * 2 + 1] = scaled::<F>(logits[base + usize::cast_from(column)], temperature) - (total.ln() + max);
     }
 }
 

@@ -112,9 +112,10 @@ impl Default for DecoderLimits {
 /// What a [`Decoder`] has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DecoderStats {
-    /// Tokens run through prefill passes (padding not counted).
+    /// Tokens of sequences joining, run through prefill passes or beside decoding rows in
+    /// ragged passes (padding not counted).
     pub prefill_tokens: u64,
-    /// Tokens run through one-token decode passes.
+    /// Running sequences' one token a step (a decoding pass's rows, or a ragged pass's).
     pub decode_tokens: u64,
     /// Positions sequences took from other sequences' blocks instead of prefilling them
     /// ([`DecoderLimits::share_prefixes`]).
@@ -889,9 +890,10 @@ impl<B: Backend> Decoder<B> {
 impl<B: Backend> Decoder<B> {
     /// One step as ragged passes (vLLM's mixed batches): the running rows' one token each and
     /// the joining sequences' uncached tokens, one row after another with no padding, at most
-    /// `max_batched_tokens` a pass. The first pass takes every running row and the joining
-    /// tokens that fit, in order; the rest of the joining tokens run in further passes. Returns
-    /// the running rows' logits, then the joining sequences'.
+    /// `max_batched_tokens` a pass. Each pass takes the rows' tokens in order (the running rows
+    /// first) while it has room, a row that does not fit whole running the rest in the next
+    /// pass; so rows end in order, and the running rows' logits come first, then the joining
+    /// sequences'.
     fn ragged_step(&mut self, model: &impl CausalLm<B>, group: Vec<SequenceId>) -> StepLogits<B> {
         let device = model.base().device();
         let running = self.running.clone();

@@ -50,7 +50,8 @@ pub struct RaggedRows<B: Backend> {
 }
 
 /// A kernel computing [`PagedAttention`]: `softmax(q · Kᵀ · scale) V` over each query's
-/// columns, `[rows, queries, heads, head_dim]` in the query's dtype.
+/// columns, in the query's shape (`[rows, queries, heads, head_dim]`, or a ragged pass's
+/// `[1, tokens, heads, head_dim]`) and dtype.
 pub type PagedAttentionFn<B> = fn(PagedAttention<B>) -> Tensor<B, 4>;
 
 /// The passes over the KV cache a registered [`PagedAttention`] kernel takes; burn's ops

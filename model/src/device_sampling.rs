@@ -44,13 +44,8 @@ pub fn choose_tokens<B: Backend>(
     temperatures: &[f32],
     uniforms: &[f64],
 ) -> Result<Vec<(u32, f32)>, ModelError> {
-    let [rows, vocab] = logits.dims();
-    if temperatures.len() != rows {
-        return Err(ModelError::Input(format!("{} temperatures for {rows} rows", temperatures.len())));
-    }
-    if vocab > MAX_VOCAB {
-        return Err(ModelError::Input(format!("a vocabulary of {vocab} tokens is too large to sample on the device")));
-    }
+    let [rows, _] = logits.dims();
+    check_shapes(&logits, temperatures)?;
     let device = logits.device();
     if let Some(kernel) = crate::device_kernels::token_choice::<B>() {
         if uniforms.len() != rows && temperatures.iter().any(|&t| t != 0.0) {
@@ -58,11 +53,41 @@ pub fn choose_tokens<B: Backend>(
         }
         let row = |values: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(values, [rows]), (&device, DType::F32));
         let uniforms = match uniforms.len() == rows {
-            true => uniforms.iter().map(|&u| u as f32).collect(),
+            true => uniforms.iter().map(|&u| below_one(u)).collect(),
             false => vec![0.0; rows],
         };
         return read_packed(kernel(logits, row(temperatures.to_vec()), row(uniforms)));
     }
+    choose_tokens_with_ops(logits, temperatures, uniforms)
+}
+
+/// A temperature a row, and token ids exact in f32.
+fn check_shapes<B: Backend>(logits: &Tensor<B, 2>, temperatures: &[f32]) -> Result<(), ModelError> {
+    let [rows, vocab] = logits.dims();
+    if temperatures.len() != rows {
+        return Err(ModelError::Input(format!("{} temperatures for {rows} rows", temperatures.len())));
+    }
+    if vocab > MAX_VOCAB {
+        return Err(ModelError::Input(format!("a vocabulary of {vocab} tokens is too large to sample on the device")));
+    }
+    Ok(())
+}
+
+/// A uniform draw in `[0, 1)` as f32, still below 1 (a draw within 2⁻²⁵ of 1 would round to 1,
+/// a target at the total, which picks the last column: a padding token of Qwen3's vocabulary).
+fn below_one(u: f64) -> f32 {
+    (u as f32).min(1.0 - f32::EPSILON / 2.0)
+}
+
+/// [`choose_tokens`] through burn's ops, whatever kernel the backend lends (for comparisons).
+pub fn choose_tokens_with_ops<B: Backend>(
+    logits: Tensor<B, 2>,
+    temperatures: &[f32],
+    uniforms: &[f64],
+) -> Result<Vec<(u32, f32)>, ModelError> {
+    let [rows, _] = logits.dims();
+    check_shapes(&logits, temperatures)?;
+    let device = logits.device();
     let logits = if logits.dtype() == DType::F32 {
         logits
     } else {
@@ -85,7 +110,7 @@ pub fn choose_tokens<B: Backend>(
         if uniforms.len() != rows {
             return Err(ModelError::Input(format!("{} uniforms for {rows} rows", uniforms.len())));
         }
-        let drawn = inverse_transform(weights, column(uniforms.iter().map(|&u| u as f32).collect()) * total);
+        let drawn = inverse_transform(weights, column(uniforms.iter().map(|&u| below_one(u)).collect()) * total);
         if temperatures.iter().all(|&t| t > 0.0) {
             drawn
         } else {

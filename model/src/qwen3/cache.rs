@@ -132,12 +132,10 @@ impl<B: Backend> CachedKv<B> {
     pub fn paged_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 3>> {
         let [b, q_len, heads, d] = query.dims();
         let width = self.pass.read.len() / self.pass.rows;
+        // A ragged pass has prefill rows: only a kernel that takes prefills computes it.
+        let kernel = device_kernels::paged_attention::<B>(if self.is_ragged() { usize::MAX } else { q_len })?;
         let (valid, ragged) = match &self.pass.ragged {
-            Some(ragged) => {
-                // A ragged pass has prefill rows: the kernel must take prefills.
-                device_kernels::paged_attention::<B>(2)?;
-                (ragged.valid.clone(), Some(ragged.rows.clone()))
-            }
+            Some(ragged) => (ragged.valid.clone(), Some(ragged.rows.clone())),
             None => {
                 let valid = mask.valid_keys();
                 assert_eq!(valid.dims(), [b, width], "the mask's keys are the pass's columns");
@@ -145,7 +143,6 @@ impl<B: Backend> CachedKv<B> {
                 (valid, None)
             }
         };
-        let kernel = device_kernels::paged_attention::<B>(ragged.as_ref().map_or(q_len, |r| r.longest))?;
         let pass = PagedAttention {
             query: query.clone(),
             keys: self.keys.clone(),
