@@ -570,27 +570,26 @@ impl<B: Backend> Decoder<B> {
         self.make_room_to_decode()?;
         let ragged = self.limits.ragged_passes && model.base().takes_ragged_passes();
         let admitted = self.admit(ragged)?;
-        if !admitted.is_empty() && ragged {
-            let logits = self.ragged_step(model, admitted);
-            self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
-            self.stats.peak_kv_positions_in_use = self.stats.peak_kv_positions_in_use.max(self.kv_positions_in_use());
-            return Ok(Some(logits));
-        }
-        let decoded = self.decode_running(model);
-        let prefilled = (!admitted.is_empty()).then(|| self.prefill(model, admitted));
+        let out = if !admitted.is_empty() && ragged {
+            Some(self.ragged_step(model, admitted))
+        } else {
+            let decoded = self.decode_running(model);
+            let prefilled = (!admitted.is_empty()).then(|| self.prefill(model, admitted));
+            match (decoded, prefilled) {
+                (None, None) => None,
+                (Some(a), None) | (None, Some(a)) => Some(a),
+                (Some(mut a), Some(b)) => {
+                    a.ids.extend(b.ids);
+                    Some(StepLogits {
+                        ids: a.ids,
+                        logits: Tensor::cat(vec![a.logits, b.logits], 0),
+                    })
+                }
+            }
+        };
         self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
         self.stats.peak_kv_positions_in_use = self.stats.peak_kv_positions_in_use.max(self.kv_positions_in_use());
-        Ok(match (decoded, prefilled) {
-            (None, None) => None,
-            (Some(a), None) | (None, Some(a)) => Some(a),
-            (Some(mut a), Some(b)) => {
-                a.ids.extend(b.ids);
-                Some(StepLogits {
-                    ids: a.ids,
-                    logits: Tensor::cat(vec![a.logits, b.logits], 0),
-                })
-            }
-        })
+        Ok(out)
     }
 
     /// The budget in blocks, if any.
@@ -760,17 +759,36 @@ impl<B: Backend> Decoder<B> {
 
     /// Runs one pass of the model over `ids` and `positions` (`[rows, new]`), writing the new
     /// positions to `write` and attending to `read` (`rows × width` slots; the scratch slot's
-    /// columns are padding, masked out): the last hidden states.
-    fn pass(&mut self, model: &impl CausalLm<B>, ids: Tensor<B, 2, Int>, positions: Tensor<B, 2, Int>, (write, read): (Vec<usize>, Vec<usize>)) -> Tensor<B, 3> {
+    /// columns are padding, masked out): the last hidden states. A ragged pass (`ragged`: its
+    /// rows' lengths) has `ids` `[1, tokens]`, the rows one after another
+    /// ([`KvCache::set_ragged_slots`]).
+    fn pass(
+        &mut self,
+        model: &impl CausalLm<B>,
+        ids: Tensor<B, 2, Int>,
+        positions: Tensor<B, 2, Int>,
+        (write, read): (Vec<usize>, Vec<usize>),
+        ragged: Option<&[usize]>,
+    ) -> Tensor<B, 3> {
         let device = model.base().device();
-        let rows = ids.dims()[0];
         self.stats.attention_columns += read.len() as u64;
         self.stats.passes += 1;
-        let mask = device_mask::<B>(&read, rows, &device);
         let total = self.pool.total * BLOCK_SIZE;
         let cache = self.cache.get_or_insert_with(|| model.base().new_cache());
         cache.reserve(total);
-        cache.set_slots(write, read, rows, &device);
+        // A ragged pass's padding is in its slots; a padded pass's in the mask too.
+        let mask = match ragged {
+            Some(lens) => {
+                cache.set_ragged_slots(write, read, lens, &device);
+                None
+            }
+            None => {
+                let rows = ids.dims()[0];
+                let mask = device_mask::<B>(&read, rows, &device);
+                cache.set_slots(write, read, rows, &device);
+                mask
+            }
+        };
         model
             .base()
             .model
@@ -807,6 +825,7 @@ impl<B: Backend> Decoder<B> {
             Tensor::from_data(TensorData::new(tokens, [n, 1]), &device),
             Tensor::from_data(TensorData::new(positions, [n, 1]), &device),
             (write, read),
+            None,
         );
         for &id in &ids {
             self.sequences.get_mut(&id).expect("a row's sequence").cached += 1;
@@ -862,7 +881,7 @@ impl<B: Backend> Decoder<B> {
             let end = (start + chunk).min(new);
             let write = columns.iter().flat_map(|row| row[past + start..past + end].iter().copied()).collect();
             let read = columns.iter().flat_map(|row| row[..past + end].iter().copied()).collect();
-            let hidden = self.pass(model, ids.clone().narrow(1, start, end - start), positions.clone().narrow(1, start, end - start), (write, read));
+            let hidden = self.pass(model, ids.clone().narrow(1, start, end - start), positions.clone().narrow(1, start, end - start), (write, read), None);
             if end == new {
                 // Only the last position's logits are needed: the others would cost a
                 // vocabulary-sized product each.
@@ -885,9 +904,7 @@ impl<B: Backend> Decoder<B> {
             logits: last.reshape([n, vocab]),
         }
     }
-}
 
-impl<B: Backend> Decoder<B> {
     /// One step as ragged passes (vLLM's mixed batches): the running rows' one token each and
     /// the joining sequences' uncached tokens, one row after another with no padding, at most
     /// `max_batched_tokens` a pass. Each pass takes the rows' tokens in order (the running rows
@@ -938,24 +955,13 @@ impl<B: Backend> Decoder<B> {
                 lens.push(n);
             }
             let count = tokens.len();
-            self.stats.attention_columns += read.len() as u64;
-            self.stats.passes += 1;
-            let total = self.pool.total * BLOCK_SIZE;
-            let cache = self.cache.get_or_insert_with(|| model.base().new_cache());
-            cache.reserve(total);
-            cache.set_ragged_slots(write, read, &lens, &device);
-            let hidden = model
-                .base()
-                .model
-                .forward_with_adapters(
-                    Tensor::from_data(TensorData::new(tokens, [1, count]), &device),
-                    Tensor::from_data(TensorData::new(positions, [1, count]), &device),
-                    None,
-                    Some(cache),
-                    false,
-                    model.adapters(),
-                )
-                .last_hidden_state;
+            let hidden = self.pass(
+                model,
+                Tensor::from_data(TensorData::new(tokens, [1, count]), &device),
+                Tensor::from_data(TensorData::new(positions, [1, count]), &device),
+                (write, read),
+                Some(&lens),
+            );
             // The rows whose last position ran: the next-token logits of that position only.
             let mut ends = Vec::new();
             let mut at = 0;

@@ -44,31 +44,31 @@ pub fn choose_tokens<B: Backend>(
     temperatures: &[f32],
     uniforms: &[f64],
 ) -> Result<Vec<(u32, f32)>, ModelError> {
+    let Some(kernel) = crate::device_kernels::token_choice::<B>() else {
+        return choose_tokens_with_ops(logits, temperatures, uniforms);
+    };
+    check_operands(&logits, temperatures, uniforms)?;
     let [rows, _] = logits.dims();
-    check_shapes(&logits, temperatures)?;
     let device = logits.device();
-    if let Some(kernel) = crate::device_kernels::token_choice::<B>() {
-        if uniforms.len() != rows && temperatures.iter().any(|&t| t != 0.0) {
-            return Err(ModelError::Input(format!("{} uniforms for {rows} rows", uniforms.len())));
-        }
-        let row = |values: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(values, [rows]), (&device, DType::F32));
-        let uniforms = match uniforms.len() == rows {
-            true => uniforms.iter().map(|&u| below_one(u)).collect(),
-            false => vec![0.0; rows],
-        };
-        return read_packed(kernel(logits, row(temperatures.to_vec()), row(uniforms)));
-    }
-    choose_tokens_with_ops(logits, temperatures, uniforms)
+    let row = |values: Vec<f32>| Tensor::<B, 1>::from_data(TensorData::new(values, [rows]), (&device, DType::F32));
+    let uniforms = match uniforms.len() == rows {
+        true => uniforms.iter().map(|&u| below_one(u)).collect(),
+        false => vec![0.0; rows],
+    };
+    read_packed(kernel(logits, row(temperatures.to_vec()), row(uniforms)))
 }
 
-/// A temperature a row, and token ids exact in f32.
-fn check_shapes<B: Backend>(logits: &Tensor<B, 2>, temperatures: &[f32]) -> Result<(), ModelError> {
+/// A temperature a row, a uniform a row unless every row is greedy, and token ids exact in f32.
+fn check_operands<B: Backend>(logits: &Tensor<B, 2>, temperatures: &[f32], uniforms: &[f64]) -> Result<(), ModelError> {
     let [rows, vocab] = logits.dims();
     if temperatures.len() != rows {
         return Err(ModelError::Input(format!("{} temperatures for {rows} rows", temperatures.len())));
     }
     if vocab > MAX_VOCAB {
         return Err(ModelError::Input(format!("a vocabulary of {vocab} tokens is too large to sample on the device")));
+    }
+    if uniforms.len() != rows && temperatures.iter().any(|&t| t != 0.0) {
+        return Err(ModelError::Input(format!("{} uniforms for {rows} rows", uniforms.len())));
     }
     Ok(())
 }
@@ -85,8 +85,8 @@ pub fn choose_tokens_with_ops<B: Backend>(
     temperatures: &[f32],
     uniforms: &[f64],
 ) -> Result<Vec<(u32, f32)>, ModelError> {
+    check_operands(&logits, temperatures, uniforms)?;
     let [rows, _] = logits.dims();
-    check_shapes(&logits, temperatures)?;
     let device = logits.device();
     let logits = if logits.dtype() == DType::F32 {
         logits
@@ -107,9 +107,6 @@ pub fn choose_tokens_with_ops<B: Backend>(
     let tokens = if temperatures.iter().all(|&t| t == 0.0) {
         greedy()
     } else {
-        if uniforms.len() != rows {
-            return Err(ModelError::Input(format!("{} uniforms for {rows} rows", uniforms.len())));
-        }
         let drawn = inverse_transform(weights, column(uniforms.iter().map(|&u| below_one(u)).collect()) * total);
         if temperatures.iter().all(|&t| t > 0.0) {
             drawn
