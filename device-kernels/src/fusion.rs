@@ -9,7 +9,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use crate::DeviceKernels;
+use crate::{DeviceKernels, QkNormRopeWrite};
 
 impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
     fn paged_attention(
@@ -70,20 +70,17 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         (sum, normed)
     }
 
-    fn rms_norm_rope(
-        input: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        cos: FloatTensor<Self>,
-        signed_sin: FloatTensor<Self>,
-        eps: f64,
-    ) -> FloatTensor<Self> {
-        let client = input.client.clone();
-        let streams = OperationStreams::with_inputs([&input, &weight, &cos, &signed_sin]);
-        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(input.shape.dims::<2>()), input.dtype);
-        let inputs = [input.into_ir(), weight.into_ir(), cos.into_ir(), signed_sin.into_ir()];
-        let desc = CustomOpIr::new("rms_norm_rope", &inputs, &[output]);
-        let op = RmsNormRopeOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
-        client.register(streams, OperationIr::Custom(desc), op).output()
+    fn qk_norm_rope_write(pass: QkNormRopeWrite<FloatTensor<Self>, IntTensor<Self>>) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
+        let client = query.client.clone();
+        let streams = OperationStreams::with_inputs([&query, &key, &value, &q_weight, &k_weight, &cos, &signed_sin, &slots, &keys, &values]);
+        let output = |tensor: &FloatTensor<Self>| TensorIr::uninit(client.create_empty_handle(), tensor.shape.clone(), tensor.dtype);
+        let outputs = [output(&query), output(&keys), output(&values)];
+        let inputs = [query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values].map(|t| t.into_ir());
+        let desc = CustomOpIr::new("qk_norm_rope_write", &inputs, &outputs);
+        let op = QkNormRopeWriteOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
+        let [query, keys, values] = client.register(streams, OperationIr::Custom(desc), op).outputs();
+        (query, keys, values)
     }
 }
 
@@ -109,25 +106,35 @@ impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for AddRmsNor
     }
 }
 
-/// [`DeviceKernels::rms_norm_rope`] waiting in the fusion stream.
+/// [`DeviceKernels::qk_norm_rope_write`] waiting in the fusion stream. The pools' handles
+/// come out of the stream's container where nothing else reads them (the KV cache passes them
+/// on), so the kernel writes them in place.
 #[derive(Debug)]
-struct RmsNormRopeOp<B> {
+struct QkNormRopeWriteOp<B> {
     desc: CustomOpIr,
     eps: f64,
     backend: PhantomData<fn() -> B>,
 }
 
-impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for RmsNormRopeOp<B> {
+impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for QkNormRopeWriteOp<B> {
     fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let ([input, weight, cos, signed_sin], [output]) = self.desc.as_fixed();
-        let result = B::rms_norm_rope(
-            handles.get_float_tensor::<B>(input),
-            handles.get_float_tensor::<B>(weight),
-            handles.get_float_tensor::<B>(cos),
-            handles.get_float_tensor::<B>(signed_sin),
-            self.eps,
-        );
-        handles.register_float_tensor::<B>(&output.id, result);
+        let ([query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values], [rotated, keys_out, values_out]) = self.desc.as_fixed();
+        let (rotated_result, keys_result, values_result) = B::qk_norm_rope_write(QkNormRopeWrite {
+            query: handles.get_float_tensor::<B>(query),
+            key: handles.get_float_tensor::<B>(key),
+            value: handles.get_float_tensor::<B>(value),
+            q_weight: handles.get_float_tensor::<B>(q_weight),
+            k_weight: handles.get_float_tensor::<B>(k_weight),
+            cos: handles.get_float_tensor::<B>(cos),
+            signed_sin: handles.get_float_tensor::<B>(signed_sin),
+            slots: handles.get_int_tensor::<B>(slots),
+            keys: handles.get_float_tensor::<B>(keys),
+            values: handles.get_float_tensor::<B>(values),
+            eps: self.eps,
+        });
+        handles.register_float_tensor::<B>(&rotated.id, rotated_result);
+        handles.register_float_tensor::<B>(&keys_out.id, keys_result);
+        handles.register_float_tensor::<B>(&values_out.id, values_result);
     }
 }
 

@@ -1,12 +1,13 @@
 //! CubeCL kernels for the model's GPU path, lent through [`model::device_kernels`]: the
 //! attention of a pass over the paged KV cache (a decoding step or a prefill chunk) read in
 //! place from its pools ([`paged_attention`]), so that burn's ops need not gather each layer's
-//! `[rows, kv_heads, width, head_dim]` keys and values first; and the RMS norm as one kernel
-//! ([`rms_norm`]) where burn's ops take three, alone, after the residual addition, or before
-//! RoPE; and the choice of each row's token from its logits ([`sampling`]) where burn's ops
-//! take about 17. They run on any CubeCL runtime
-//! (CUDA; wgpu, where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a
-//! custom operation in the fusion stream) or not.
+//! `[rows, kv_heads, width, head_dim]` keys and values first; the RMS norm as one kernel
+//! ([`rms_norm`]) where burn's ops take three, alone or after the residual addition; `q_norm`
+//! and `k_norm` with RoPE and the keys and values written to the cache's pools as one kernel a
+//! layer ([`rms_norm::qk_norm_rope_write`]); and the choice of each row's token from its logits
+//! ([`sampling`]) where burn's ops take about 17. They run on any CubeCL runtime (CUDA; wgpu,
+//! where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a custom
+//! operation in the fusion stream) or not.
 //!
 //! A binary calls [`register`] for each backend it runs on.
 
@@ -21,6 +22,7 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
 use model::device_kernels::{register_norms, register_paged_attention, register_token_choice, NormKernels, PagedAttention};
+pub use rms_norm::QkNormRopeWrite;
 
 /// A backend that computes [`PagedAttention`] and the RMS norms with kernels of this crate.
 pub trait DeviceKernels: Backend {
@@ -54,15 +56,9 @@ pub trait DeviceKernels: Backend {
     /// `temperatures` and `uniforms` `[rows]` f32; `[rows, 2]` f32.
     fn choose_tokens(logits: FloatTensor<Self>, temperatures: FloatTensor<Self>, uniforms: FloatTensor<Self>) -> FloatTensor<Self>;
 
-    /// [`model::device_kernels::RmsNormRopeFn`] on primitives: `input` `[tokens · heads,
-    /// head_dim]`, `weight` `[head_dim]`, `cos` and `signed_sin` `[tokens, head_dim]`.
-    fn rms_norm_rope(
-        input: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        cos: FloatTensor<Self>,
-        signed_sin: FloatTensor<Self>,
-        eps: f64,
-    ) -> FloatTensor<Self>;
+    /// [`model::device_kernels::QkNormRopeWriteFn`] on primitives (see
+    /// [`rms_norm::qk_norm_rope_write`]): `(rotated query, keys, values)`.
+    fn qk_norm_rope_write(pass: QkNormRopeWrite<FloatTensor<Self>, IntTensor<Self>>) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKernels for CubeBackend<R, F, I, BT> {
@@ -96,14 +92,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         rms_norm::add_rms_norm(residual, delta, weight, eps)
     }
 
-    fn rms_norm_rope(
-        input: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        cos: FloatTensor<Self>,
-        signed_sin: FloatTensor<Self>,
-        eps: f64,
-    ) -> FloatTensor<Self> {
-        rms_norm::rms_norm_rope(input, weight, cos, signed_sin, eps)
+    fn qk_norm_rope_write(pass: QkNormRopeWrite<FloatTensor<Self>, IntTensor<Self>>) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        rms_norm::qk_norm_rope_write(pass)
     }
 }
 
@@ -115,7 +105,7 @@ pub fn register<B: DeviceKernels>(passes: KernelPasses) {
     register_norms::<B>(NormKernels {
         rms_norm: run_rms_norm::<B>,
         add_rms_norm: run_add_rms_norm::<B>,
-        rms_norm_rope: run_rms_norm_rope::<B>,
+        qk_norm_rope_write: run_qk_norm_rope_write::<B>,
     });
 }
 
@@ -136,8 +126,22 @@ fn run_add_rms_norm<B: DeviceKernels>(residual: Tensor<B, 2>, delta: Tensor<B, 2
     (tensor(sum), tensor(normed))
 }
 
-fn run_rms_norm_rope<B: DeviceKernels>(x: Tensor<B, 2>, weight: Tensor<B, 1>, cos: Tensor<B, 2>, signed_sin: Tensor<B, 2>, eps: f64) -> Tensor<B, 2> {
-    tensor(B::rms_norm_rope(float(x), float(weight), float(cos), float(signed_sin), eps))
+fn run_qk_norm_rope_write<B: DeviceKernels>(pass: model::device_kernels::QkNormRopeWrite<B>) -> (Tensor<B, 2>, Tensor<B, 3>, Tensor<B, 3>) {
+    let model::device_kernels::QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
+    let (query, keys, values) = B::qk_norm_rope_write(QkNormRopeWrite {
+        query: float(query),
+        key: float(key),
+        value: float(value),
+        q_weight: float(q_weight),
+        k_weight: float(k_weight),
+        cos: float(cos),
+        signed_sin: float(signed_sin),
+        slots: slots.into_primitive(),
+        keys: float(keys),
+        values: float(values),
+        eps,
+    });
+    (tensor(query), tensor(keys), tensor(values))
 }
 
 fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tensor<B, 1>, uniforms: Tensor<B, 1>) -> Tensor<B, 2> {

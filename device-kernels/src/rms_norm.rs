@@ -5,10 +5,11 @@
 //! kernels for the same (the fusion cannot join a reduction to the scaling after it without
 //! autotune), and a decoding step runs four norms a layer.
 //!
-//! Two variants take in the operation next to a norm, which would otherwise run as a kernel of
-//! its own beside the custom operation: the residual addition before a layer's
+//! Two variants take in the operations next to a norm, which would otherwise run as kernels of
+//! their own beside the custom operation: the residual addition before a layer's
 //! `input_layernorm` and the final norm ([`add_rms_norm`], vLLM's `fused_add_rms_norm`), and
-//! RoPE after `q_norm` and `k_norm` ([`rms_norm_rope`]).
+//! RoPE after `q_norm` and `k_norm` with the keys and values written to the paged KV cache
+//! ([`qk_norm_rope_write`]: where burn's ops take two norm kernels and two scatters a layer).
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
@@ -150,44 +151,95 @@ fn add_rms_norm_kernel<F: Float>(
     }
 }
 
-/// [`rms_norm_kernel`] of each head (a row of `head_dim`), then RoPE at the row's token
-/// (`row / heads`): `y · cos + swap_halves(y) · signed_sin`, in `F` as burn's ops compute it.
-/// The normalised head waits in shared memory for the swap of its halves.
-#[cube(launch)]
-fn rms_norm_rope_kernel<F: Float>(
+/// [`rms_norm_kernel`] of the head of `head_dim` at `base` of `input` by `weight`, then RoPE
+/// at table row `table`: `y · cos + swap_halves(y) · signed_sin`, in `F` as burn's ops compute
+/// it, written to `output` from `out`. The normalised head waits in `head` for the swap of its
+/// halves. Every unit of the cube must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn norm_rope_head<F: Float>(
     input: &Tensor<F>,
+    base: usize,
     weight: &Tensor<F>,
     cos: &Tensor<F>,
     signed_sin: &Tensor<F>,
+    table: usize,
     output: &mut Tensor<F>,
+    out: usize,
+    partial: &mut SharedMemory<f32>,
+    head: &mut SharedMemory<F>,
     eps: f32,
-    heads: u32,
     #[comptime] head_dim: u32,
-    #[comptime] _revision: u32,
-    #[define(F)] _dtype: StorageType,
 ) {
-    let row = cube_row();
     let unit = UNIT_POS_X as usize;
     let units = CUBE_DIM_X as usize;
     let n = head_dim as usize;
     let half = n / 2;
+    let scale = inverse_rms(partial, own_squares::<F>(input, base, n), head_dim, eps);
+    let mut i = unit;
+    while i < n {
+        head[i] = normed::<F>(input[base + i], weight[i], scale);
+        i += units;
+    }
+    sync_cube();
+    let mut i = unit;
+    while i < n {
+        let swapped = if i < half { head[i + half] } else { head[i - half] };
+        output[out + i] = head[i] * cos[table + i] + swapped * signed_sin[table + i];
+        i += units;
+    }
+}
+
+/// `q_norm` and `k_norm` with RoPE ([`norm_rope_head`]) of one pass's query and key heads, the
+/// rotated keys and the values written to their token's slot of a layer's pools
+/// (`[kv_heads, slots, head_dim]`): one cube a head of a token, its `heads` query heads and then
+/// its `kv_heads` key heads. The query heads go to `rotated_query`, in the query's layout.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
+    query: &Tensor<F>,
+    key: &Tensor<F>,
+    value: &Tensor<F>,
+    q_weight: &Tensor<F>,
+    k_weight: &Tensor<F>,
+    cos: &Tensor<F>,
+    signed_sin: &Tensor<F>,
+    slots: &Tensor<I>,
+    rotated_query: &mut Tensor<F>,
+    keys: &mut Tensor<F>,
+    values: &mut Tensor<F>,
+    eps: f32,
+    heads: u32,
+    kv_heads: u32,
+    #[comptime] head_dim: u32,
+    #[comptime] _revision: u32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let row = cube_row();
+    let n = head_dim as usize;
+    let h = heads as usize;
+    let kv = kv_heads as usize;
+    let token = row / (h + kv);
+    let j = row % (h + kv);
     let mut partial = SharedMemory::<f32>::new(UNITS as usize);
     let mut head = SharedMemory::<F>::new(head_dim as usize);
-    if row < input.shape(0) {
-        let base = row * n;
-        let table = (row / heads as usize) * n;
-        let scale = inverse_rms(&mut partial, own_squares::<F>(input, base, n), head_dim, eps);
-        let mut i = unit;
-        while i < n {
-            head[i] = normed::<F>(input[base + i], weight[i], scale);
-            i += units;
-        }
-        sync_cube();
-        let mut i = unit;
-        while i < n {
-            let swapped = if i < half { head[i + half] } else { head[i - half] };
-            output[base + i] = head[i] * cos[table + i] + swapped * signed_sin[table + i];
-            i += units;
+    // Every unit of a cube takes the same branches, so the syncs inside are reached by all.
+    if token < slots.shape(0) {
+        let table = token * n;
+        if j < h {
+            let base = (token * h + j) * n;
+            norm_rope_head::<F>(query, base, q_weight, cos, signed_sin, table, rotated_query, base, &mut partial, &mut head, eps, head_dim);
+        } else {
+            let kv_head = j - h;
+            let base = (token * kv + kv_head) * n;
+            let slot = u32::cast_from(slots[token]) as usize;
+            let at = (kv_head * keys.shape(1) + slot) * n;
+            norm_rope_head::<F>(key, base, k_weight, cos, signed_sin, table, keys, at, &mut partial, &mut head, eps, head_dim);
+            let mut i = UNIT_POS_X as usize;
+            while i < n {
+                values[at + i] = value[base + i];
+                i += CUBE_DIM_X as usize;
+            }
         }
     }
 }
@@ -257,47 +309,87 @@ pub fn add_rms_norm<R: CubeRuntime>(
     (sum, output)
 }
 
-/// Launches [`rms_norm_rope_kernel`] for `input` `[tokens · heads, head_dim]` (a token's heads
-/// side by side), `weight` `[head_dim]`, and `cos` and `signed_sin` `[tokens, head_dim]`, all of
-/// one dtype.
+/// The operands of [`qk_norm_rope_write`]: one pass's projections, `[tokens · heads, head_dim]`
+/// (`query`) and `[tokens · kv_heads, head_dim]` (`key`, `value`), a token's heads side by
+/// side; the norms' weights `[head_dim]`; RoPE's `cos` and `signed_sin` `[tokens, head_dim]`;
+/// the slot of each token `[tokens]` (ints); a layer's pools `[kv_heads, slots, head_dim]`. All
+/// floats of one dtype. `F` and `I` are a backend's float and int primitives.
+#[derive(Debug)]
+pub struct QkNormRopeWrite<F, I> {
+    pub query: F,
+    pub key: F,
+    pub value: F,
+    pub q_weight: F,
+    pub k_weight: F,
+    pub cos: F,
+    pub signed_sin: F,
+    pub slots: I,
+    pub keys: F,
+    pub values: F,
+    pub eps: f64,
+}
+
+/// Launches [`qk_norm_rope_write_kernel`]: `(rotated query, keys, values)`, the pools written
+/// in place where nothing else holds them (a KV cache's pools, passed on from pass to pass),
+/// else in a copy.
 ///
 /// Panics on operands whose shapes or dtypes disagree, or an odd `head_dim`.
-pub fn rms_norm_rope<R: CubeRuntime>(
-    input: CubeTensor<R>,
-    weight: CubeTensor<R>,
-    cos: CubeTensor<R>,
-    signed_sin: CubeTensor<R>,
-    eps: f64,
-) -> CubeTensor<R> {
-    let [rows, head_dim] = input.shape().dims::<2>();
+pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, CubeTensor<R>>) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
+    let [query_rows, head_dim] = query.shape().dims::<2>();
+    let [key_rows, key_dim] = key.shape().dims::<2>();
     let [tokens, table_dim] = cos.shape().dims::<2>();
-    assert_eq!(signed_sin.shape().dims::<2>(), [tokens, table_dim], "rms norm rope: cos and sin of one shape");
-    assert_eq!(table_dim, head_dim, "rms norm rope: tables of the heads' width");
-    assert!(head_dim % 2 == 0, "rms norm rope: an even head_dim");
-    assert!((tokens > 0 && rows % tokens == 0) || rows == 0, "rms norm rope: {rows} rows for {tokens} tokens");
-    check_operands("rms norm rope", &input, &weight, &[&cos, &signed_sin], head_dim);
-    let [input, weight, cos, signed_sin] = [input, weight, cos, signed_sin].map(into_contiguous);
-    let client = input.client.clone();
-    let dtype = input.dtype.into();
-    let output = empty_device_contiguous_dtype(client.clone(), input.device.clone(), Shape::new([rows, head_dim]), input.dtype);
-    if rows > 0 {
-        rms_norm_rope_kernel::launch::<R>(
-            &client,
-            grid(rows),
-            CubeDim::new_1d(UNITS),
-            input.into_tensor_arg(),
-            weight.into_tensor_arg(),
-            cos.into_tensor_arg(),
-            signed_sin.into_tensor_arg(),
-            output.clone().into_tensor_arg(),
-            eps as f32,
-            (rows / tokens) as u32,
-            head_dim as u32,
-            REVISION,
-            dtype,
-        );
+    let [kv_heads, pool_slots, pool_dim] = keys.shape().dims::<3>();
+    assert_eq!(signed_sin.shape().dims::<2>(), [tokens, table_dim], "qk norm rope write: cos and sin of one shape");
+    assert_eq!((key_dim, table_dim, pool_dim), (head_dim, head_dim, head_dim), "qk norm rope write: keys, tables and pools of the queries' head_dim");
+    assert!(head_dim % 2 == 0, "qk norm rope write: an even head_dim");
+    assert!(tokens > 0 && query_rows % tokens == 0, "qk norm rope write: {query_rows} query rows for {tokens} tokens");
+    assert_eq!(key_rows, tokens * kv_heads, "qk norm rope write: {key_rows} key rows for {tokens} tokens of {kv_heads} heads");
+    assert_eq!(value.shape().dims::<2>(), [key_rows, head_dim], "qk norm rope write: values of the keys' shape");
+    assert_eq!(values.shape().dims::<3>(), [kv_heads, pool_slots, head_dim], "qk norm rope write: values pool of another shape than the keys'");
+    assert_eq!(slots.shape().num_elements(), tokens, "qk norm rope write: a slot a token");
+    check_operands("qk norm rope write", &query, &q_weight, &[&k_weight, &key, &value, &cos, &signed_sin, &keys, &values], head_dim);
+    let [query, key, value, q_weight, k_weight, cos, signed_sin, slots] =
+        [query, key, value, q_weight, k_weight, cos, signed_sin, slots].map(into_contiguous);
+    let [keys, values] = [keys, values].map(writable);
+    let client = query.client.clone();
+    let dtypes = [query.dtype.into(), slots.dtype.into()];
+    let rotated = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([query_rows, head_dim]), query.dtype);
+    let heads = query_rows / tokens;
+    qk_norm_rope_write_kernel::launch::<R>(
+        &client,
+        grid(tokens * (heads + kv_heads)),
+        CubeDim::new_1d(UNITS),
+        query.into_tensor_arg(),
+        key.into_tensor_arg(),
+        value.into_tensor_arg(),
+        q_weight.into_tensor_arg(),
+        k_weight.into_tensor_arg(),
+        cos.into_tensor_arg(),
+        signed_sin.into_tensor_arg(),
+        slots.into_tensor_arg(),
+        rotated.clone().into_tensor_arg(),
+        keys.clone().into_tensor_arg(),
+        values.clone().into_tensor_arg(),
+        eps as f32,
+        heads as u32,
+        kv_heads as u32,
+        head_dim as u32,
+        REVISION,
+        dtypes,
+    );
+    (rotated, keys, values)
+}
+
+/// `pool` packed row-major and held by nothing else, for a kernel to write in place: itself
+/// where it is so (a KV cache's pool), else a copy.
+fn writable<R: CubeRuntime>(pool: CubeTensor<R>) -> CubeTensor<R> {
+    let pool = into_contiguous(pool);
+    if pool.can_mut() {
+        pool
+    } else {
+        pool.copy()
     }
-    output
 }
 
 /// One cube a row: `rows` cubes over the grid's two axes.

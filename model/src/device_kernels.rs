@@ -94,12 +94,37 @@ pub type RmsNormFn<B> = fn(x: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> T
 /// kernel.
 pub type AddRmsNormFn<B> = fn(residual: Tensor<B, 2>, delta: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> (Tensor<B, 2>, Tensor<B, 2>);
 
-/// [`RmsNormFn`] of each head of `x` (`[tokens · heads, head_dim]`, a token's heads side by
-/// side), then RoPE at the head's token: `y · cos + swap_halves(y) · signed_sin` with `cos` and
-/// `signed_sin` `[tokens, head_dim]` (see `qwen3::rotary`), in `x`'s dtype: `q_norm` or
-/// `k_norm` and `apply_rotary_pos_emb` in one kernel.
-pub type RmsNormRopeFn<B> =
-    fn(x: Tensor<B, 2>, weight: Tensor<B, 1>, cos: Tensor<B, 2>, signed_sin: Tensor<B, 2>, eps: f64) -> Tensor<B, 2>;
+/// One pass's `q_norm` and `k_norm` with RoPE, its keys and values written to a layer's pools
+/// (see [`QkNormRopeWriteFn`]). Floats of one dtype.
+#[derive(Debug, Clone)]
+pub struct QkNormRopeWrite<B: Backend> {
+    /// `[tokens · heads, head_dim]`, a token's heads side by side (`q_proj`'s output).
+    pub query: Tensor<B, 2>,
+    /// `[tokens · kv_heads, head_dim]` (`k_proj`'s output).
+    pub key: Tensor<B, 2>,
+    /// `[tokens · kv_heads, head_dim]` (`v_proj`'s output).
+    pub value: Tensor<B, 2>,
+    /// `q_norm`'s and `k_norm`'s weights, `[head_dim]`.
+    pub q_weight: Tensor<B, 1>,
+    pub k_weight: Tensor<B, 1>,
+    /// RoPE's tables at each token, `[tokens, head_dim]` (see `qwen3::rotary`).
+    pub cos: Tensor<B, 2>,
+    pub signed_sin: Tensor<B, 2>,
+    /// `[tokens]`: the slot of the pools each token's key and value go to.
+    pub slots: Tensor<B, 1, Int>,
+    /// A layer's pools, `[kv_heads, pool slots, head_dim]`.
+    pub keys: Tensor<B, 3>,
+    pub values: Tensor<B, 3>,
+    /// The norms' epsilon.
+    pub eps: f64,
+}
+
+/// A kernel computing [`QkNormRopeWrite`]: each head normalised as [`RmsNormFn`] does, then
+/// RoPE at its token, `y · cos + swap_halves(y) · signed_sin` (HF's
+/// `apply_rotary_pos_emb(q_norm(q), k_norm(k))`), the rotated keys and the values written to
+/// their tokens' slots. Returns `(rotated query, keys, values)`: the query in its layout, the
+/// pools written (in place where nothing else holds them).
+pub type QkNormRopeWriteFn<B> = fn(QkNormRopeWrite<B>) -> (Tensor<B, 2>, Tensor<B, 3>, Tensor<B, 3>);
 
 /// A kernel choosing each row's token from `logits` (`[rows, vocab]`, any float dtype), as
 /// `crate::device_sampling::choose_tokens` does with burn's ops: with `temperatures[row]` 0 the
@@ -121,11 +146,12 @@ pub fn token_choice<B: Backend>() -> Option<ChooseTokensFn<B>> {
 }
 
 /// The norm kernels a backend lends, taken by the passes over a KV cache (see
-/// `Qwen3RMSNorm::forward_over_cache`, `add_and_forward` and `forward_rotated`).
+/// `Qwen3RMSNorm::forward_over_cache` and `add_and_forward`, and the attention's write to the
+/// cache).
 pub struct NormKernels<B: Backend> {
     pub rms_norm: RmsNormFn<B>,
     pub add_rms_norm: AddRmsNormFn<B>,
-    pub rms_norm_rope: RmsNormRopeFn<B>,
+    pub qk_norm_rope_write: QkNormRopeWriteFn<B>,
 }
 
 impl<B: Backend> Clone for NormKernels<B> {
@@ -216,7 +242,7 @@ mod tests {
         assert!(paged_attention::<Other>(7).is_some());
         assert!(paged_attention::<Flex>(1).is_none());
         assert!(norms::<Other>().is_none(), "kernels are found by their name too");
-        register_norms::<Other>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), rms_norm_rope: |x, _, _, _, _| x });
+        register_norms::<Other>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), qk_norm_rope_write: |p| (p.query, p.keys, p.values) });
         assert!(norms::<Other>().is_some() && paged_attention::<Other>(7).is_some());
     }
 }

@@ -1,6 +1,7 @@
 //! The RMS-norm kernels of `prompt-r1-device-kernels` against burn's ops on wgpu (fused and
 //! unfused), as the model finds them through the registry: the norm alone, with the residual
-//! addition before it, and with RoPE after it. Rows narrower and wider than the kernels' 64
+//! addition before it, and as `q_norm` and `k_norm` with RoPE after them and the keys and
+//! values written to a KV cache's pools. Rows narrower and wider than the kernels' 64
 //! units and not a multiple of them (Qwen3's head_dim 128 for q_norm and k_norm, a hidden size
 //! of 1,024), one row and many (more than the grid's first axis takes), values of several
 //! magnitudes per row; f32 and f16 (the dtype the GPU's bf16 takes the same code for:
@@ -8,9 +9,9 @@
 //! HF does).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Distribution, Tensor};
+use burn::tensor::{DType, Distribution, IndexingUpdateOp, Int, Tensor, TensorData};
 use device_kernels::DeviceKernels;
-use prompt_r1_model::device_kernels::NormKernels;
+use prompt_r1_model::device_kernels::{NormKernels, QkNormRopeWrite};
 
 use crate::common;
 
@@ -85,18 +86,69 @@ fn check<B: DeviceKernels>(dtype: DType, tolerance: f32, rope_tolerance: f32) {
         report::<B>("add_rms_norm's sum", dtype, &shape, worst(sum, expected_sum.clone(), dtype), 0.0);
         report::<B>("add_rms_norm", dtype, &shape, worst(normed, reference(expected_sum, weight), dtype), tolerance);
     }
-    // RoPE after the norm of each head: tokens' heads side by side, tables one row a token.
-    for (tokens, heads, head_dim) in [(1, 16, 128), (3, 8, 128), (5, 2, 64), (7, 3, 24), (2, 5, 130), (40_000, 1, 8)] {
-        let shape = format!("{tokens} tokens of {heads} heads of {head_dim}");
-        let rows = tokens * heads;
-        let x = scaled_rows::<B>(rows, head_dim, dtype, &device);
-        let weight = uniform::<B, 1>([head_dim], 0.5, 1.5, dtype, &device);
-        let cos = uniform::<B, 2>([tokens, head_dim], -1.0, 1.0, dtype, &device);
-        let signed_sin = uniform::<B, 2>([tokens, head_dim], -1.0, 1.0, dtype, &device);
-        let output = (kernels.rms_norm_rope)(x.clone(), weight.clone(), cos.clone(), signed_sin.clone(), EPS);
-        let normed = reference(x, weight).reshape([tokens, heads, head_dim]);
-        let expected = rotated(normed, cos, signed_sin).reshape([rows, head_dim]);
-        report::<B>("rms_norm_rope", dtype, &shape, worst(output, expected, dtype), rope_tolerance);
+    for (tokens, heads, kv_heads, head_dim) in [(1, 16, 8, 128), (3, 8, 2, 128), (5, 2, 1, 64), (7, 3, 3, 24), (2, 4, 2, 130), (20_000, 1, 1, 8)] {
+        check_qk_norm_rope_write::<B>(kernels, [tokens, heads, kv_heads, head_dim], dtype, rope_tolerance);
+    }
+}
+
+/// `q_norm` and `k_norm` with RoPE and the write to the pools against burn's ops (the norm,
+/// RoPE, `scatter_nd`) for `tokens` tokens of `heads` query and `kv_heads` key heads of
+/// `head_dim`: the rotated queries and keys within `tolerance`, the values and every slot not
+/// written unchanged. Two passes: tokens at distinct slots, then padding (every other token at
+/// the scratch slot 0, whose contents are not compared) written into pools still held
+/// elsewhere, which must be left as they were (the kernel writes a copy).
+fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, heads, kv_heads, head_dim]: [usize; 4], dtype: DType, tolerance: f32) {
+    let device = Default::default();
+    let shape = format!("{tokens} tokens of {heads} and {kv_heads} heads of {head_dim}");
+    let query = scaled_rows::<B>(tokens * heads, head_dim, dtype, &device);
+    let key = scaled_rows::<B>(tokens * kv_heads, head_dim, dtype, &device);
+    let value = uniform::<B, 2>([tokens * kv_heads, head_dim], -2.0, 2.0, dtype, &device);
+    let q_weight = uniform::<B, 1>([head_dim], 0.5, 1.5, dtype, &device);
+    let k_weight = uniform::<B, 1>([head_dim], 0.5, 1.5, dtype, &device);
+    let cos = uniform::<B, 2>([tokens, head_dim], -1.0, 1.0, dtype, &device);
+    let signed_sin = uniform::<B, 2>([tokens, head_dim], -1.0, 1.0, dtype, &device);
+    let pool_slots = 2 * tokens + 3;
+    // Distinct slots in an order unlike the tokens', never the scratch slot; then with padding.
+    let distinct: Vec<usize> = (0..tokens).map(|t| 1 + (t * 7919) % (2 * tokens + 1)).collect();
+    let padded: Vec<usize> = distinct.iter().enumerate().map(|(t, &s)| if t % 2 == 1 { 0 } else { s }).collect();
+    for (slots, held) in [(distinct, false), (padded, true)] {
+        let keys = uniform::<B, 3>([kv_heads, pool_slots, head_dim], -3.0, 3.0, dtype, &device);
+        let values = uniform::<B, 3>([kv_heads, pool_slots, head_dim], -3.0, 3.0, dtype, &device);
+        let index: Vec<i64> = slots.iter().map(|&s| s as i64).collect();
+        let pairs: Vec<i64> = slots.iter().flat_map(|&s| (0..kv_heads).flat_map(move |h| [h as i64, s as i64])).collect();
+        let pairs = Tensor::<B, 2, Int>::from_data(TensorData::new(pairs, [tokens * kv_heads, 2]), &device);
+        let rope = |x: Tensor<B, 2>, weight: Tensor<B, 1>, n: usize| {
+            let normed = reference(x, weight).reshape([tokens, n, head_dim]);
+            rotated(normed, cos.clone(), signed_sin.clone()).reshape([tokens * n, head_dim])
+        };
+        let expected_query = rope(query.clone(), q_weight.clone(), heads);
+        let expected_keys = keys.clone().scatter_nd(pairs.clone(), rope(key.clone(), k_weight.clone(), kv_heads), IndexingUpdateOp::Assign);
+        let expected_values = values.clone().scatter_nd(pairs, value.clone(), IndexingUpdateOp::Assign);
+        // Pools still held elsewhere keep their contents (host copies to compare with after).
+        let held_pools = held.then(|| ((keys.clone(), keys.to_data()), (values.clone(), values.to_data())));
+        let pass = QkNormRopeWrite {
+            query: query.clone(),
+            key: key.clone(),
+            value: value.clone(),
+            q_weight: q_weight.clone(),
+            k_weight: k_weight.clone(),
+            cos: cos.clone(),
+            signed_sin: signed_sin.clone(),
+            slots: Tensor::from_data(TensorData::new(index, [tokens]), &device),
+            keys,
+            values,
+            eps: EPS,
+        };
+        let (rotated_query, written_keys, written_values) = (kernels.qk_norm_rope_write)(pass);
+        let but_scratch = |pool: Tensor<B, 3>| pool.slice([0..kv_heads, 1..pool_slots, 0..head_dim]);
+        let case = format!("{shape}{}", if held { ", padded, pools held" } else { "" });
+        report::<B>("qk_norm_rope_write's query", dtype, &case, worst(rotated_query, expected_query, dtype), tolerance);
+        report::<B>("qk_norm_rope_write's keys", dtype, &case, worst(but_scratch(written_keys), but_scratch(expected_keys), dtype), tolerance);
+        report::<B>("qk_norm_rope_write's values", dtype, &case, worst(but_scratch(written_values), but_scratch(expected_values), dtype), 0.0);
+        for (name, (pool, before)) in ["keys", "values"].into_iter().zip(held_pools.map(|(k, v)| [k, v]).into_iter().flatten()) {
+            let before = Tensor::<B, 3>::from_data(before, &device);
+            report::<B>(&format!("qk_norm_rope_write's held {name}"), dtype, &case, worst(pool, before, dtype), 0.0);
+        }
     }
 }
 

@@ -11,7 +11,7 @@
 //! masked out.
 //! [`crate::decode::Decoder`] keeps the sequences' block tables.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
 
@@ -44,9 +44,14 @@ struct PassSlots<B: Backend> {
     rows: usize,
     /// The positions each layer's pools hold for this pass (grown when they hold fewer).
     pool: usize,
-    /// `write` as `[n · kv_heads, 2]` (head, slot) indices for `scatter_nd` (the values' order:
-    /// row, position, head), `read` as indices for `select`.
-    write_index: Tensor<B, 2, Int>,
+    /// `write` on the device, built when a layer first needs it and shared by the pass's layers:
+    /// as `[n · kv_heads, 2]` (head, slot) indices for `scatter_nd` (the values' order: row,
+    /// position, head), or as it is, `[n]`, for a kernel that writes the pools itself.
+    write_index: Arc<OnceLock<Tensor<B, 2, Int>>>,
+    write_slots: Arc<OnceLock<Tensor<B, 1, Int>>>,
+    kv_heads: usize,
+    device: B::Device,
+    /// `read` as indices for `select`.
     read_index: Tensor<B, 1, Int>,
     /// A ragged pass's rows ([`KvCache::set_ragged_slots`]).
     ragged: Option<RaggedPass<B>>,
@@ -96,6 +101,61 @@ impl<B: Backend> LayerKvCache<B> {
         CachedKv { keys, values, pass }
     }
 
+    /// [`Self::append`] by a kernel that writes the pools itself (a GPU backend's, see
+    /// `device_kernels::NormKernels::qk_norm_rope_write`): `write` is given the pass's keys and
+    /// values, `[tokens · kv_heads, d]` in the order of the pass's slots (row, position, head),
+    /// the layer's pools grown to the pass's size, and each token's slot; it returns what else
+    /// it computed and the pools written.
+    ///
+    /// Panics if no pass was set or its slots do not match `key`.
+    pub fn append_with<T>(&mut self, key: Tensor<B, 2>, value: Tensor<B, 2>, write: impl FnOnce(KvWrite<B>) -> (T, Tensor<B, 3>, Tensor<B, 3>)) -> (T, CachedKv<B>) {
+        let pass = self.pass.clone().expect("KvCache::set_slots names a pass's slots before it runs");
+        let [rows, d] = key.dims();
+        assert_eq!((rows, value.dims()), (pass.write.len() * pass.kv_heads, [rows, d]), "{rows} keys and values, slots set for {} positions", pass.write.len());
+        let keys = grown(self.keys.take(), d, &key, &pass);
+        let values = grown(self.values.take(), d, &value, &pass);
+        let (computed, keys, values) = write(KvWrite { key, value, keys, values, slots: pass.write_slots() });
+        self.keys = Some(keys.clone());
+        self.values = Some(values.clone());
+        (computed, CachedKv { keys, values, pass })
+    }
+}
+
+/// What a kernel writing a pass's keys and values to a layer's pools is given
+/// ([`LayerKvCache::append_with`]).
+#[derive(Debug)]
+pub struct KvWrite<B: Backend> {
+    /// The pass's new keys and values, `[tokens · kv_heads, head_dim]`.
+    pub key: Tensor<B, 2>,
+    pub value: Tensor<B, 2>,
+    /// The layer's pools, `[kv_heads, slots, head_dim]`.
+    pub keys: Tensor<B, 3>,
+    pub values: Tensor<B, 3>,
+    /// `[tokens]`: the slot each token's key and value go to.
+    pub slots: Tensor<B, 1, Int>,
+}
+
+impl<B: Backend> PassSlots<B> {
+    /// `write` as `scatter_nd`'s (head, slot) pairs (see the field).
+    fn write_index(&self) -> Tensor<B, 2, Int> {
+        let h = self.kv_heads;
+        self.write_index
+            .get_or_init(|| {
+                let pairs: Vec<i64> = self.write.iter().flat_map(|&s| (0..h).flat_map(move |head| [head as i64, s as i64])).collect();
+                Tensor::from_data(TensorData::new(pairs, [self.write.len() * h, 2]), &self.device)
+            })
+            .clone()
+    }
+
+    /// `write` on the device, `[n]`.
+    fn write_slots(&self) -> Tensor<B, 1, Int> {
+        self.write_slots
+            .get_or_init(|| {
+                let slots: Vec<i64> = self.write.iter().map(|&s| s as i64).collect();
+                Tensor::from_data(TensorData::new(slots, [self.write.len()]), &self.device)
+            })
+            .clone()
+    }
 }
 
 /// The keys and values one pass's rows attend to: a layer's pools and the rows' slots. The
@@ -162,21 +222,28 @@ impl<B: Backend> CachedKv<B> {
     }
 }
 
+/// `pool` grown to the pass's size, or a new pool of `like`'s dtype and device, of positions
+/// of `head_dim` (for `pass.kv_heads` heads).
+fn grown<B: Backend, const D: usize>(pool: Option<Tensor<B, 3>>, head_dim: usize, like: &Tensor<B, D>, pass: &PassSlots<B>) -> Tensor<B, 3> {
+    let (h, slots) = (pass.kv_heads, pass.pool);
+    match pool {
+        Some(pool) if pool.dims()[1] >= slots => pool,
+        Some(pool) => {
+            let extra = slots - pool.dims()[1];
+            let zeros = Tensor::<B, 3>::zeros([h, extra, head_dim], (&pool.device(), pool.dtype()));
+            Tensor::cat(vec![pool, zeros], 1)
+        }
+        None => Tensor::<B, 3>::zeros([h, slots, head_dim], (&like.device(), like.dtype())),
+    }
+}
+
 /// `pool` (grown to the pass's size, or new) with `value`'s positions written to the pass's
 /// slots: in place on the CPU ([`kernels::write_slots`]), else by `scatter_nd`, in place where
 /// the pool is held once (CubeCL).
 fn write<B: Backend>(pool: Option<Tensor<B, 3>>, value: Tensor<B, 4>, pass: &PassSlots<B>) -> Tensor<B, 3> {
     let [b, h, new, d] = value.dims();
-    let slots = pass.pool;
-    let pool = match pool {
-        Some(pool) if pool.dims()[1] >= slots => pool,
-        Some(pool) => {
-            let extra = slots - pool.dims()[1];
-            let zeros = Tensor::<B, 3>::zeros([h, extra, d], (&pool.device(), pool.dtype()));
-            Tensor::cat(vec![pool, zeros], 1)
-        }
-        None => Tensor::<B, 3>::zeros([h, slots, d], (&value.device(), value.dtype())),
-    };
+    assert_eq!(h, pass.kv_heads, "a pass's keys and values of the cache's {} heads", pass.kv_heads);
+    let pool = grown(pool, d, &value, pass);
     kernels::write_slots(pool, &pass.write, &value).unwrap_or_else(|pool| {
         // The rows go in (row, position, head) order. A decoding step's `[b, h, 1, d]` is
         // already in it: reshaped, not swapped, it stays a view (a swapped view is copied first,
@@ -186,7 +253,7 @@ fn write<B: Backend>(pool: Option<Tensor<B, 3>>, value: Tensor<B, 4>, pass: &Pas
             1 => value.reshape([b * h, d]),
             _ => value.swap_dims(1, 2).reshape([b * new * h, d]),
         };
-        pool.scatter_nd(pass.write_index.clone(), rows, IndexingUpdateOp::Assign)
+        pool.scatter_nd(pass.write_index(), rows, IndexingUpdateOp::Assign)
     })
 }
 
@@ -259,11 +326,12 @@ impl<B: Backend> KvCache<B> {
 
     fn set_pass(&mut self, write: Vec<usize>, read: Vec<usize>, rows: usize, ragged: Option<RaggedPass<B>>, device: &B::Device) {
         assert!(write.iter().chain(&read).all(|&s| s < self.slots), "a slot past the cache's {} positions", self.slots);
-        let h = self.kv_heads;
-        let pairs: Vec<i64> = write.iter().flat_map(|&s| (0..h).flat_map(move |head| [head as i64, s as i64])).collect();
         let read_index: Vec<i64> = read.iter().map(|&s| s as i64).collect();
         let pass = PassSlots {
-            write_index: Tensor::from_data(TensorData::new(pairs, [write.len() * h, 2]), device),
+            write_index: Arc::default(),
+            write_slots: Arc::default(),
+            kv_heads: self.kv_heads,
+            device: device.clone(),
             read_index: Tensor::from_data(TensorData::new(read_index, [read.len()]), device),
             write: write.into(),
             read: read.into(),

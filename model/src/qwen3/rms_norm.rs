@@ -65,18 +65,10 @@ impl<B: Backend> Qwen3RMSNorm<B> {
     }
 
     /// This norm over each head of `x` (`[b, q, heads, head_dim]`), then RoPE by `tables`
-    /// (HF's `apply_rotary_pos_emb(q_norm(q), ..)`). In a pass `over_cache` a GPU backend's
-    /// kernel may take both in one.
+    /// (HF's `apply_rotary_pos_emb(q_norm(q), ..)`). In a pass over a KV cache a GPU backend's
+    /// kernel may take both, for the queries and the keys, with the cache's write
+    /// (`Qwen3Attention`).
     pub fn forward_rotated(&self, x: Tensor<B, 4>, tables: &RotaryTables<B>, over_cache: bool) -> Tensor<B, 4> {
-        let weight = self.weight.val();
-        let [b, q, heads, d] = x.dims();
-        // The kernel takes one table row a token (the tables of burn's ops, one head broadcast).
-        let one_head = tables.cos.dims() == [b, q, 1, d] && tables.signed_sin.dtype() == x.dtype();
-        if let Some(kernels) = one_head.then(|| lent(over_cache, &[&x, &tables.cos], &weight)).flatten() {
-            let table = |t: &Tensor<B, 4>| t.clone().reshape([b * q, d]);
-            let rotated = (kernels.rms_norm_rope)(x.reshape([b * q * heads, d]), weight, table(&tables.cos), table(&tables.signed_sin), self.variance_epsilon);
-            return rotated.reshape([b, q, heads, d]);
-        }
         apply_rotary_pos_emb(self.forward_over_cache(x, over_cache), tables)
     }
 }
@@ -84,7 +76,7 @@ impl<B: Backend> Qwen3RMSNorm<B> {
 /// The norm kernels a GPU backend lent, for a pass `over_cache` whose operands share the
 /// weight's dtype. `None` where none are registered (autodiff backends included), off the
 /// cache, or with dtypes that differ.
-fn lent<B: Backend, const D: usize>(over_cache: bool, operands: &[&Tensor<B, D>], weight: &Tensor<B, 1>) -> Option<device_kernels::NormKernels<B>> {
+pub(crate) fn lent<B: Backend, const D: usize>(over_cache: bool, operands: &[&Tensor<B, D>], weight: &Tensor<B, 1>) -> Option<device_kernels::NormKernels<B>> {
     if !over_cache || operands.iter().any(|x| x.dtype() != weight.dtype()) {
         return None;
     }

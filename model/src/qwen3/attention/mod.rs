@@ -14,12 +14,13 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
-use super::cache::{CachedKv, LayerKvCache};
+use super::cache::{CachedKv, KvWrite, LayerKvCache};
 use super::compute::{AttnImplementation, Compute};
 use super::linear::lora_linear;
 use super::mask::AttentionMask;
-use super::rms_norm::Qwen3RMSNorm;
+use super::rms_norm::{self, Qwen3RMSNorm};
 use super::rotary::{Qwen3RotaryEmbedding, RotaryTables};
+use crate::device_kernels::QkNormRopeWrite;
 use crate::kernels;
 use crate::lora::{LoraLayer, LoraLinear};
 use memory_efficient::{Blocks, Operands};
@@ -105,7 +106,7 @@ impl<B: Backend> Qwen3Attention<B> {
         let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
         let matmul = compute.matmul;
 
-        // The three projections first, then q's norm and RoPE, then k's: CubeCL's fusion builds
+        // The three projections first, then the norms and RoPE (q's, then k's): CubeCL's fusion builds
         // its kernels from runs of operations of one shape, and k's operations (kv_heads) or a
         // projection between q's (heads) and k's left many of them single kernels on a GPU (169
         // kernels per decoding step of the small shape instead of 205, scripts/kernel_census.sh).
@@ -114,19 +115,34 @@ impl<B: Backend> Qwen3Attention<B> {
         };
         let query_states = project(&self.q_proj, adapters.and_then(|a| a.q_proj.as_ref()), h);
         let key_states = project(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), kv);
-        let value_states = heads_first(project(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), kv));
+        let value_states = project(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), kv);
         let over_cache = cache.is_some();
-        // apply_rotary_pos_emb(q_norm(q)) and the same for k.
-        let query_states = self.q_norm.forward_rotated(query_states, &inputs.rotary_q, over_cache);
-        let key_states = heads_first(self.k_norm.forward_rotated(key_states, &inputs.rotary_k, over_cache));
+        // apply_rotary_pos_emb(q_norm(q), k_norm(k)), and the keys and values to the cache:
+        // one kernel where a GPU backend lends it.
+        let written = match cache {
+            Some(cache) => match self.norm_rope_and_write(query_states, key_states, value_states, &inputs.rotary_q, cache) {
+                Ok(written) => Ok(written),
+                Err(projections) => Err((projections, Some(cache))),
+            },
+            None => Err(([query_states, key_states, value_states], None)),
+        };
+        let (query_states, attended) = match written {
+            Ok((query_states, cached)) => (query_states, Attended::Cached(cached)),
+            Err(([query_states, key_states, value_states], cache)) => {
+                let query_states = self.q_norm.forward_rotated(query_states, &inputs.rotary_q, over_cache);
+                let key_states = heads_first(self.k_norm.forward_rotated(key_states, &inputs.rotary_k, over_cache));
+                let value_states = heads_first(value_states);
+                let attended = match cache {
+                    Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
+                    None => Attended::Fresh(key_states, value_states),
+                };
+                (query_states, attended)
+            }
+        };
 
         let scaling = (d as f64).powf(-0.5);
         // With a cache, the pass's rows attend to its pools: the CPU kernel and a GPU's
         // paged-attention kernel read them where they lie; burn's ops take them gathered.
-        let attended = match cache {
-            Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
-            None => Attended::Fresh(key_states, value_states),
-        };
         let fused = match (&attended, &inputs.bias) {
             (Attended::Cached(cached), _) if cached.is_ragged() => {
                 let attended = cached.paged_attention(&query_states, &inputs.mask, scaling as f32);
@@ -161,6 +177,41 @@ impl<B: Backend> Qwen3Attention<B> {
             heads_last(output).reshape([b, q_len, h * d])
         });
         lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, matmul)
+    }
+}
+
+impl<B: Backend> Qwen3Attention<B> {
+    /// `q_norm` and `k_norm` with RoPE by `tables` of a pass's projections (`[b, q, heads or
+    /// kv_heads, d]`), the keys and values written to `cache`, as one kernel where a GPU backend
+    /// lends it ([`device_kernels::NormKernels::qk_norm_rope_write`]): the rotated queries and
+    /// what the rows attend to. The projections come back where none is lent or the operands
+    /// do not suit it (dtypes other than the norms', tables of more than one head a token).
+    fn norm_rope_and_write(
+        &self,
+        query: Tensor<B, 4>,
+        key: Tensor<B, 4>,
+        value: Tensor<B, 4>,
+        tables: &RotaryTables<B>,
+        cache: &mut LayerKvCache<B>,
+    ) -> Result<(Tensor<B, 4>, CachedKv<B>), [Tensor<B, 4>; 3]> {
+        let [b, q_len, heads, d] = query.dims();
+        let (q_weight, k_weight) = (self.q_norm.weight.val(), self.k_norm.weight.val());
+        let one_head = tables.cos.dims() == [b, q_len, 1, d] && k_weight.dtype() == q_weight.dtype();
+        let same_eps = self.q_norm.variance_epsilon == self.k_norm.variance_epsilon;
+        let operands = [&query, &key, &value, &tables.cos, &tables.signed_sin];
+        let Some(kernels) = (one_head && same_eps).then(|| rms_norm::lent(true, &operands, &q_weight)).flatten() else {
+            return Err([query, key, value]);
+        };
+        let (tokens, kv) = (b * q_len, key.dims()[2]);
+        let table = |t: &Tensor<B, 4>| t.clone().reshape([tokens, d]);
+        let (cos, signed_sin) = (table(&tables.cos), table(&tables.signed_sin));
+        let eps = self.q_norm.variance_epsilon;
+        let (rotated, cached) = cache.append_with(key.reshape([tokens * kv, d]), value.reshape([tokens * kv, d]), |write| {
+            let KvWrite { key, value, keys, values, slots } = write;
+            let query = query.reshape([tokens * heads, d]);
+            (kernels.qk_norm_rope_write)(QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps })
+        });
+        Ok((rotated.reshape([b, q_len, heads, d]), cached))
     }
 }
 
