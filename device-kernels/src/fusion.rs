@@ -45,6 +45,15 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
+    fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let client = gate.client.clone();
+        let streams = OperationStreams::with_inputs([&gate, &up]);
+        let output = TensorIr::uninit(client.create_empty_handle(), gate.shape.clone(), gate.dtype);
+        let desc = CustomOpIr::new("silu_mul", &[gate.into_ir(), up.into_ir()], &[output]);
+        let op = SiluMulOp::<B> { desc: desc.clone(), backend: PhantomData };
+        client.register(streams, OperationIr::Custom(desc), op).output()
+    }
+
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         let client = input.client.clone();
         let streams = OperationStreams::with_inputs([&input, &weight]);
@@ -135,6 +144,21 @@ impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for QkNormRop
         handles.register_float_tensor::<B>(&rotated.id, rotated_result);
         handles.register_float_tensor::<B>(&keys_out.id, keys_result);
         handles.register_float_tensor::<B>(&values_out.id, values_result);
+    }
+}
+
+/// [`DeviceKernels::silu_mul`] waiting in the fusion stream.
+#[derive(Debug)]
+struct SiluMulOp<B> {
+    desc: CustomOpIr,
+    backend: PhantomData<fn() -> B>,
+}
+
+impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for SiluMulOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([gate, up], [output]) = self.desc.as_fixed();
+        let result = B::silu_mul(handles.get_float_tensor::<B>(gate), handles.get_float_tensor::<B>(up));
+        handles.register_float_tensor::<B>(&output.id, result);
     }
 }
 

@@ -4,7 +4,8 @@
 //! `[rows, kv_heads, width, head_dim]` keys and values first; the RMS norm as one kernel
 //! ([`rms_norm`]) where burn's ops take three, alone or after the residual addition; `q_norm`
 //! and `k_norm` with RoPE and the keys and values written to the cache's pools as one kernel a
-//! layer ([`rms_norm::qk_norm_rope_write`]); and the choice of each row's token from its logits
+//! layer ([`rms_norm::qk_norm_rope_write`]); SwiGLU's `silu(gate) · up` ([`swiglu`]); and the
+//! choice of each row's token from its logits
 //! ([`sampling`]) where burn's ops take about 17. They run on any CubeCL runtime (CUDA; wgpu,
 //! where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a custom
 //! operation in the fusion stream) or not.
@@ -15,13 +16,14 @@ mod fusion;
 pub mod paged_attention;
 pub mod rms_norm;
 pub mod sampling;
+pub mod swiglu;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
-use model::device_kernels::{register_norms, register_paged_attention, register_token_choice, NormKernels, PagedAttention};
+use model::device_kernels::{register_norms, register_paged_attention, register_silu_mul, register_token_choice, NormKernels, PagedAttention};
 pub use rms_norm::QkNormRopeWrite;
 
 /// A backend that computes [`PagedAttention`] and the RMS norms with kernels of this crate.
@@ -55,6 +57,9 @@ pub trait DeviceKernels: Backend {
     /// [`model::device_kernels::ChooseTokensFn`] on primitives: `logits` `[rows, vocab]`,
     /// `temperatures` and `uniforms` `[rows]` f32; `[rows, 2]` f32.
     fn choose_tokens(logits: FloatTensor<Self>, temperatures: FloatTensor<Self>, uniforms: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// [`model::device_kernels::SiluMulFn`] on primitives: `gate` and `up` `[rows, width]`.
+    fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// [`model::device_kernels::QkNormRopeWriteFn`] on primitives (see
     /// [`rms_norm::qk_norm_rope_write`]): `(rotated query, keys, values)`.
@@ -95,13 +100,18 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
     fn qk_norm_rope_write(pass: QkNormRopeWrite<FloatTensor<Self>, IntTensor<Self>>) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         rms_norm::qk_norm_rope_write(pass)
     }
+
+    fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::silu_mul(gate, up)
+    }
 }
 
 /// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, the
-/// RMS norms and the token choice (idempotent).
+/// RMS norms, SwiGLU's `silu(gate) · up` and the token choice (idempotent).
 pub fn register<B: DeviceKernels>(passes: KernelPasses) {
     register_paged_attention::<B>(run_paged_attention::<B>, passes);
     register_token_choice::<B>(run_choose_tokens::<B>);
+    register_silu_mul::<B>(run_silu_mul::<B>);
     register_norms::<B>(NormKernels {
         rms_norm: run_rms_norm::<B>,
         add_rms_norm: run_add_rms_norm::<B>,
@@ -142,6 +152,10 @@ fn run_qk_norm_rope_write<B: DeviceKernels>(pass: model::device_kernels::QkNormR
         eps,
     });
     (tensor(query), tensor(keys), tensor(values))
+}
+
+fn run_silu_mul<B: DeviceKernels>(gate: Tensor<B, 2>, up: Tensor<B, 2>) -> Tensor<B, 2> {
+    tensor(B::silu_mul(float(gate), float(up)))
 }
 
 fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tensor<B, 1>, uniforms: Tensor<B, 1>) -> Tensor<B, 2> {

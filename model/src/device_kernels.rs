@@ -1,8 +1,8 @@
 //! Kernels a GPU backend lends the model, found by the backend's type (as the autodiff
 //! attention nodes are): the model stays generic over its backend and never names a GPU crate.
 //! A binary registers what its backends offer ([`register_paged_attention`],
-//! [`register_norms`]; the
-//! `prompt-r1-device-kernels` crate has one for CubeCL's backends, fused or not); where nothing
+//! [`register_norms`], [`register_silu_mul`], [`register_token_choice`]; the
+//! `prompt-r1-device-kernels` crate has them for CubeCL's backends, fused or not); where nothing
 //! is registered, or a pass is not one a kernel takes, the model computes with burn's ops.
 
 use std::any::{Any, TypeId};
@@ -145,6 +145,21 @@ pub fn token_choice<B: Backend>() -> Option<ChooseTokensFn<B>> {
     registered::<B, ChooseTokensFn<B>>("choose_tokens")
 }
 
+/// A kernel computing SwiGLU's `silu(gate) · up` for `gate` and `up` `[rows, width]` of one
+/// dtype, as HF does in a dtype of 16 bits: `silu` in f32 rounded to the dtype, then the product.
+pub type SiluMulFn<B> = fn(gate: Tensor<B, 2>, up: Tensor<B, 2>) -> Tensor<B, 2>;
+
+/// Lets `kernel` compute SwiGLU's element-wise step on backend `B` from now on, for the whole
+/// process (taken by the passes over a KV cache, as the norm kernels are).
+pub fn register_silu_mul<B: Backend>(kernel: SiluMulFn<B>) {
+    register::<B, _>("silu_mul", kernel);
+}
+
+/// The SwiGLU kernel registered for backend `B`.
+pub fn silu_mul<B: Backend>() -> Option<SiluMulFn<B>> {
+    registered::<B, SiluMulFn<B>>("silu_mul")
+}
+
 /// The norm kernels a backend lends, taken by the passes over a KV cache (see
 /// `Qwen3RMSNorm::forward_over_cache` and `add_and_forward`, and the attention's write to the
 /// cache).
@@ -202,7 +217,7 @@ pub fn paged_attention<B: Backend>(queries: usize) -> Option<PagedAttentionFn<B>
 }
 
 /// Kernels by the backend's type and the kernel's name: a `PagedAttentionFn` of that backend
-/// with its [`KernelPasses`], or [`NormKernels`].
+/// with its [`KernelPasses`], [`NormKernels`], a [`SiluMulFn`] or a [`ChooseTokensFn`].
 type Registry = HashMap<(TypeId, &'static str), Box<dyn Any + Send + Sync>>;
 
 fn registry() -> &'static RwLock<Registry> {

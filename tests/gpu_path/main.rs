@@ -33,6 +33,7 @@ mod paged_attention;
 mod parity;
 mod rms_norm;
 mod sampling;
+mod swiglu;
 mod training;
 
 /// The model tests' helpers, with [`backend_ready`](common::backend_ready) made this binary's.

@@ -62,14 +62,8 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         let attn_output = self
             .self_attn
             .forward_with_adapters(hidden_states, inputs, cache, compute, adapters);
-        // The addition before this norm stays burn's: with it in the kernel as well, CubeCL's
-        // fusion no longer joined SwiGLU's element-wise operations into one kernel (a decoding
-        // step of the small shape launched 122.8 kernels a token instead of 98.8 on lavapipe,
-        // scripts/kernel_census.sh).
-        let hidden_states = residual + attn_output;
-        let residual = hidden_states.clone();
-        let hidden_states = self.post_attention_layernorm.forward_over_cache(hidden_states, over_cache);
-        let mlp_output = self.mlp.forward_with_adapters(hidden_states, compute.matmul, adapters);
+        let (residual, hidden_states) = self.post_attention_layernorm.add_and_forward(residual, Some(attn_output), over_cache);
+        let mlp_output = self.mlp.forward_with_adapters(hidden_states, compute.matmul, adapters, over_cache);
         ResidualStream { residual, pending: Some(mlp_output) }
     }
 }
