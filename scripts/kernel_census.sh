@@ -8,8 +8,9 @@
 # (set DEVICE=cuda). It runs `bench` twice under CubeCL's profiler (CUBECL_DEBUG_OPTION=
 # profile-medium logs every kernel), decoding 8 and then 40 tokens at batch 1 from a 16-token
 # prompt, and prints the difference per decoded token: prefill, scoring and start-up cancel out.
-# Extra options go to both runs (`--fusion off`, `--preset qwen3-0.6b`; the default preset is
-# `small`, 4 layers).
+# Extra options go to both runs (`--fusion off`, `--device-kernels off`). PRESET=qwen3-0.6b
+# counts that shape (the default is `small`, 4 layers) where the device holds it (lavapipe does
+# not: its largest buffer is smaller than the 0.6B shape's f32 embedding, 594 MiB).
 set -euo pipefail
 bin=${1:?usage: scripts/kernel_census.sh BIN [bench options...]}
 shift
@@ -22,7 +23,7 @@ count() {
   local tokens=$1
   shift
   CUBECL_DEBUG_OPTION=profile-medium CUBECL_DEBUG_LOG="$work/$tokens.log" \
-    "$bin" bench --device "$device" --preset small --decode-batch 1 --decode-tokens "$tokens" --prompt-len 16 "$@" \
+    "$bin" bench --device "$device" --preset "${PRESET:-small}" --decode-batch 1 --decode-tokens "$tokens" --prompt-len 16 "$@" \
     > "$work/$tokens.out" 2>&1 || { cat "$work/$tokens.out" >&2; exit 1; }
   # Profiler lines look like "| 12.3µs | KernelBinop | MulOp | WgpuRuntime |".
   awk -F'|' '/^\| *[0-9.]+(ns|µs|ms|s) *\|/ { k = $3 "|" $4; gsub(/  +/, " ", k); n[k]++ }
