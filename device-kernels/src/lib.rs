@@ -26,7 +26,8 @@ pub use model::device_kernels::KernelPasses;
 use model::device_kernels::{register_norms, register_paged_attention, register_silu_mul, register_token_choice, NormKernels, PagedAttention};
 pub use rms_norm::QkNormRopeWrite;
 
-/// A backend that computes [`PagedAttention`] and the RMS norms with kernels of this crate.
+/// A backend that computes [`PagedAttention`], the RMS norms, SwiGLU's `silu(gate) · up` and the
+/// token choice with kernels of this crate.
 pub trait DeviceKernels: Backend {
     /// [`PagedAttention`] on primitives: `query` `[rows, queries, heads, d]`, pools
     /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;

@@ -7,7 +7,8 @@
 //!
 //! Two variants take in the operations next to a norm, which would otherwise run as kernels of
 //! their own beside the custom operation: the residual addition before a layer's
-//! `input_layernorm` and the final norm ([`add_rms_norm`], vLLM's `fused_add_rms_norm`), and
+//! `input_layernorm` and `post_attention_layernorm` and before the final norm
+//! ([`add_rms_norm`], vLLM's `fused_add_rms_norm`), and
 //! RoPE after `q_norm` and `k_norm` with the keys and values written to the paged KV cache
 //! ([`qk_norm_rope_write`]: where burn's ops take two norm kernels and two scatters a layer).
 
@@ -78,9 +79,9 @@ fn normed<F: Float>(x: F, weight: F, scale: f32) -> F {
     F::cast_from(f32::cast_from(weight) * f32::cast_from(normalised))
 }
 
-/// The row this cube computes (the grid's two axes).
+/// The row this cube computes (the grid's two axes, see [`grid`]).
 #[cube]
-fn cube_row() -> usize {
+pub(crate) fn cube_row() -> usize {
     (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
 }
 
@@ -331,7 +332,8 @@ pub struct QkNormRopeWrite<F, I> {
 
 /// Launches [`qk_norm_rope_write_kernel`]: `(rotated query, keys, values)`, the pools written
 /// in place where nothing else holds them (a KV cache's pools, passed on from pass to pass),
-/// else in a copy.
+/// else in a copy. The slots are the caller's to keep below the pools' size (the KV cache
+/// checks them when a pass is set); the kernel does not.
 ///
 /// Panics on operands whose shapes or dtypes disagree, or an odd `head_dim`.
 pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, CubeTensor<R>>) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
@@ -343,7 +345,8 @@ pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, C
     assert_eq!(signed_sin.shape().dims::<2>(), [tokens, table_dim], "qk norm rope write: cos and sin of one shape");
     assert_eq!((key_dim, table_dim, pool_dim), (head_dim, head_dim, head_dim), "qk norm rope write: keys, tables and pools of the queries' head_dim");
     assert!(head_dim % 2 == 0, "qk norm rope write: an even head_dim");
-    assert!(tokens > 0 && query_rows % tokens == 0, "qk norm rope write: {query_rows} query rows for {tokens} tokens");
+    assert!((tokens == 0 && query_rows == 0) || (tokens > 0 && query_rows % tokens == 0), "qk norm rope write: {query_rows} query rows for {tokens} tokens");
+    assert_eq!(k_weight.shape().dims::<1>(), [head_dim], "qk norm rope write: a k_norm weight of the heads' width");
     assert_eq!(key_rows, tokens * kv_heads, "qk norm rope write: {key_rows} key rows for {tokens} tokens of {kv_heads} heads");
     assert_eq!(value.shape().dims::<2>(), [key_rows, head_dim], "qk norm rope write: values of the keys' shape");
     assert_eq!(values.shape().dims::<3>(), [kv_heads, pool_slots, head_dim], "qk norm rope write: values pool of another shape than the keys'");
@@ -355,7 +358,10 @@ pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, C
     let client = query.client.clone();
     let dtypes = [query.dtype.into(), slots.dtype.into()];
     let rotated = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([query_rows, head_dim]), query.dtype);
-    let heads = query_rows / tokens;
+    let heads = query_rows.checked_div(tokens).unwrap_or(0);
+    if tokens == 0 {
+        return (rotated, keys, values);
+    }
     qk_norm_rope_write_kernel::launch::<R>(
         &client,
         grid(tokens * (heads + kv_heads)),
@@ -392,8 +398,8 @@ fn writable<R: CubeRuntime>(pool: CubeTensor<R>) -> CubeTensor<R> {
     }
 }
 
-/// One cube a row: `rows` cubes over the grid's two axes.
-fn grid(rows: usize) -> CubeCount {
+/// One cube a row: `rows` cubes over the grid's two axes (see [`cube_row`]).
+pub(crate) fn grid(rows: usize) -> CubeCount {
     let (x, y) = (rows.min(GRID_X), rows.div_ceil(GRID_X));
     CubeCount::Static(x as u32, y as u32, 1)
 }

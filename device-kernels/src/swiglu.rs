@@ -10,11 +10,10 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
+use crate::rms_norm::{cube_row, grid};
+
 /// Units per cube (one element a unit).
 const UNITS: u32 = 256;
-
-/// Cubes along the grid's first axis at most (wgpu allows 65,535 a dimension).
-const GRID_X: usize = 32_768;
 
 /// A hash of this file (see `paged_attention::REVISION`).
 const REVISION: u32 = crate::source_revision(include_bytes!("swiglu.rs"));
@@ -23,8 +22,7 @@ const REVISION: u32 = crate::source_revision(include_bytes!("swiglu.rs"));
 /// rounded to `F`, then the product rounded to `F`.
 #[cube(launch)]
 fn silu_mul_kernel<F: Float>(gate: &Tensor<F>, up: &Tensor<F>, output: &mut Tensor<F>, #[comptime] _revision: u32, #[define(F)] _dtype: StorageType) {
-    let cube = CUBE_POS_Y as usize * CUBE_COUNT_X as usize + CUBE_POS_X as usize;
-    let i = cube * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    let i = cube_row() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
     if i < output.len() {
         let g = f32::cast_from(gate[i]);
         let silu = F::cast_from(g / (1.0f32 + (-g).exp()));
@@ -46,8 +44,7 @@ pub fn silu_mul<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeT
     let output = empty_device_contiguous_dtype(client.clone(), gate.device.clone(), Shape::new(dims), gate.dtype);
     let cubes = (dims[0] * dims[1]).div_ceil(UNITS as usize);
     if cubes > 0 {
-        let count = CubeCount::Static(cubes.min(GRID_X) as u32, cubes.div_ceil(GRID_X) as u32, 1);
-        silu_mul_kernel::launch::<R>(&client, count, CubeDim::new_1d(UNITS), gate.into_tensor_arg(), up.into_tensor_arg(), output.clone().into_tensor_arg(), REVISION, dtype);
+        silu_mul_kernel::launch::<R>(&client, grid(cubes), CubeDim::new_1d(UNITS), gate.into_tensor_arg(), up.into_tensor_arg(), output.clone().into_tensor_arg(), REVISION, dtype);
     }
     output
 }

@@ -90,8 +90,8 @@ pub type RmsNormFn<B> = fn(x: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> T
 
 /// [`RmsNormFn`] of `residual + delta` (`[rows, hidden]`, rounded to their dtype as burn's
 /// addition rounds it), returning that sum too: `(residual + delta, norm(residual + delta))`,
-/// the residual addition before a decoder layer's `input_layernorm` (or the final norm) in one
-/// kernel.
+/// the residual addition before a decoder layer's `input_layernorm`,
+/// `post_attention_layernorm` or the final norm in one kernel.
 pub type AddRmsNormFn<B> = fn(residual: Tensor<B, 2>, delta: Tensor<B, 2>, weight: Tensor<B, 1>, eps: f64) -> (Tensor<B, 2>, Tensor<B, 2>);
 
 /// One pass's `q_norm` and `k_norm` with RoPE, its keys and values written to a layer's pools

@@ -94,9 +94,10 @@ fn check<B: DeviceKernels>(dtype: DType, tolerance: f32, rope_tolerance: f32) {
 /// `q_norm` and `k_norm` with RoPE and the write to the pools against burn's ops (the norm,
 /// RoPE, `scatter_nd`) for `tokens` tokens of `heads` query and `kv_heads` key heads of
 /// `head_dim`: the rotated queries and keys within `tolerance`, the values and every slot not
-/// written unchanged. Two passes: tokens at distinct slots, then padding (every other token at
-/// the scratch slot 0, whose contents are not compared) written into pools still held
-/// elsewhere, which must be left as they were (the kernel writes a copy).
+/// written unchanged. Two passes: tokens at distinct slots into pools held nowhere else (written
+/// in place: a copy of them queued before the kernel must still read them as they were), then
+/// padding (every other token at the scratch slot 0, whose contents are not compared) written
+/// into pools still held elsewhere, which must be left as they were (the kernel writes a copy).
 fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, heads, kv_heads, head_dim]: [usize; 4], dtype: DType, tolerance: f32) {
     let device = Default::default();
     let shape = format!("{tokens} tokens of {heads} and {kv_heads} heads of {head_dim}");
@@ -125,7 +126,10 @@ fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, 
         let expected_keys = keys.clone().scatter_nd(pairs.clone(), rope(key.clone(), k_weight.clone(), kv_heads), IndexingUpdateOp::Assign);
         let expected_values = values.clone().scatter_nd(pairs, value.clone(), IndexingUpdateOp::Assign);
         // Pools still held elsewhere keep their contents (host copies to compare with after).
-        let held_pools = held.then(|| ((keys.clone(), keys.to_data()), (values.clone(), values.to_data())));
+        // Unheld, the pools are written in place, after what reads them before the kernel (a
+        // copy queued here) has read them.
+        let before = [keys.to_data(), values.to_data()];
+        let readers = if held { [keys.clone(), values.clone()] } else { [keys.clone() * 1.0, values.clone() * 1.0] };
         let pass = QkNormRopeWrite {
             query: query.clone(),
             key: key.clone(),
@@ -145,9 +149,10 @@ fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, 
         report::<B>("qk_norm_rope_write's query", dtype, &case, worst(rotated_query, expected_query, dtype), tolerance);
         report::<B>("qk_norm_rope_write's keys", dtype, &case, worst(but_scratch(written_keys), but_scratch(expected_keys), dtype), tolerance);
         report::<B>("qk_norm_rope_write's values", dtype, &case, worst(but_scratch(written_values), but_scratch(expected_values), dtype), 0.0);
-        for (name, (pool, before)) in ["keys", "values"].into_iter().zip(held_pools.map(|(k, v)| [k, v]).into_iter().flatten()) {
+        let reader = if held { "held" } else { "read before the kernel" };
+        for ((name, pool), before) in ["keys", "values"].into_iter().zip(readers).zip(before) {
             let before = Tensor::<B, 3>::from_data(before, &device);
-            report::<B>(&format!("qk_norm_rope_write's held {name}"), dtype, &case, worst(pool, before, dtype), 0.0);
+            report::<B>(&format!("qk_norm_rope_write's {name} {reader}"), dtype, &case, worst(pool, before, dtype), 0.0);
         }
     }
 }

@@ -4,7 +4,6 @@
 //! the cube, gates from −12 to 12 (where `silu` saturates either way); f32 and f16.
 
 use burn::tensor::activation::silu;
-use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor};
 use device_kernels::DeviceKernels;
 

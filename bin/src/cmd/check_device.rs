@@ -88,8 +88,8 @@ struct Results {
     /// (`model::device_kernels`: the GPU builds' paged-attention kernel) rather than burn's ops.
     paged_attention_kernel: Option<model::device_kernels::KernelPasses>,
     /// Whether the RMS-norm kernels are lent to the model for this backend (the generation
-    /// passes' norms, with the residual addition before them or RoPE after them, then run
-    /// through them).
+    /// passes' norms, with the residual addition before them or RoPE and the KV cache's write
+    /// after them, then run through them, and SwiGLU's `silu(gate) · up` through its kernel).
     rms_norm_kernel: bool,
 }
 
@@ -300,7 +300,7 @@ pub fn run(args: Args) -> Result<()> {
         None => {}
     }
     if target.rms_norm_kernel {
-        eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernels (with the residual addition before input_layernorm and the final norm, and RoPE after q_norm and k_norm), scoring and the update through burn's ops, and tokens are chosen by prompt-r1's token-choice kernel (--device-kernels off: burn's ops for all)");
+        eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernels (with the residual addition before input_layernorm, post_attention_layernorm and the final norm, and RoPE and the KV cache's write after q_norm and k_norm) and compute SwiGLU through its kernel, scoring and the update through burn's ops, and tokens are chosen by prompt-r1's token-choice kernel (--device-kernels off: burn's ops for all)");
     }
 
     let relative = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(1e-6);

@@ -5,6 +5,7 @@ use burn::nn::Linear;
 use burn::tensor::{activation::silu, backend::Backend, Tensor};
 
 use super::linear::{lora_linear, MatmulPrecision};
+use super::rms_norm::rows;
 use crate::lora::LoraLayer;
 use crate::{device_kernels, kernels};
 
@@ -39,8 +40,7 @@ impl<B: Backend> Qwen3MLP<B> {
         let hidden = kernels::silu_mul(&gate, &up)
             .or_else(|| {
                 let kernel = lent.then(device_kernels::silu_mul::<B>).flatten()?;
-                let dims = gate.dims();
-                let rows = [dims[..D - 1].iter().product(), dims[D - 1]];
+                let (rows, dims) = rows(&gate);
                 Some(kernel(gate.clone().reshape(rows), up.clone().reshape(rows)).reshape(dims))
             })
             .unwrap_or_else(|| silu(gate) * up);

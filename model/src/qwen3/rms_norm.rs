@@ -84,7 +84,7 @@ pub(crate) fn lent<B: Backend, const D: usize>(over_cache: bool, operands: &[&Te
 }
 
 /// `x`'s leading axes as one: `[rows, hidden]`, and `x`'s dims to restore.
-fn rows<B: Backend, const D: usize>(x: &Tensor<B, D>) -> ([usize; 2], [usize; D]) {
+pub(crate) fn rows<B: Backend, const D: usize>(x: &Tensor<B, D>) -> ([usize; 2], [usize; D]) {
     let dims = x.dims();
     ([dims[..D - 1].iter().product(), dims[D - 1]], dims)
 }

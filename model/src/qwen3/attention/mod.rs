@@ -183,7 +183,7 @@ impl<B: Backend> Qwen3Attention<B> {
 impl<B: Backend> Qwen3Attention<B> {
     /// `q_norm` and `k_norm` with RoPE by `tables` of a pass's projections (`[b, q, heads or
     /// kv_heads, d]`), the keys and values written to `cache`, as one kernel where a GPU backend
-    /// lends it ([`device_kernels::NormKernels::qk_norm_rope_write`]): the rotated queries and
+    /// lends it ([`crate::device_kernels::NormKernels::qk_norm_rope_write`]): the rotated queries and
     /// what the rows attend to. The projections come back where none is lent or the operands
     /// do not suit it (dtypes other than the norms', tables of more than one head a token).
     fn norm_rope_and_write(
@@ -193,7 +193,7 @@ impl<B: Backend> Qwen3Attention<B> {
         value: Tensor<B, 4>,
         tables: &RotaryTables<B>,
         cache: &mut LayerKvCache<B>,
-    ) -> Result<(Tensor<B, 4>, CachedKv<B>), [Tensor<B, 4>; 3]> {
+    ) -> Result<(Tensor<B, 4>, CachedKv<B>), Projections<B>> {
         let [b, q_len, heads, d] = query.dims();
         let (q_weight, k_weight) = (self.q_norm.weight.val(), self.k_norm.weight.val());
         let one_head = tables.cos.dims() == [b, q_len, 1, d] && k_weight.dtype() == q_weight.dtype();
@@ -214,6 +214,9 @@ impl<B: Backend> Qwen3Attention<B> {
         Ok((rotated.reshape([b, q_len, heads, d]), cached))
     }
 }
+
+/// A pass's query, key and value projections, `[b, q, heads or kv_heads, d]`.
+type Projections<B> = [Tensor<B, 4>; 3];
 
 /// The keys and values a pass attends to: its own (`[b, kv_heads, q, d]`), or a KV cache's.
 enum Attended<B: Backend> {
