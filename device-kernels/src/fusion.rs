@@ -1,7 +1,7 @@
 //! The kernels on a fused CubeCL backend: each is one custom operation of the fusion stream,
 //! which runs the unfused backend's kernel on the operands' handles when the stream reaches it.
 
-use std::marker::PhantomData;
+use std::fmt;
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::Shape;
@@ -31,7 +31,22 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let ragged = starts.is_some();
         inputs.extend(starts.map(|s| s.into_ir()));
         let desc = CustomOpIr::new("paged_attention", &inputs, &[output]);
-        let op = PagedAttentionOp::<B> { desc: desc.clone(), scale, longest: ragged.then_some(longest), backend: PhantomData };
+        let longest = ragged.then_some(longest);
+        let op = KernelOp::<B>::new(&desc, move |desc, handles| {
+            let inputs = &desc.inputs;
+            // A ragged pass's row starts are the sixth input.
+            let ragged = longest.map(|longest| (handles.get_int_tensor::<B>(&inputs[5]), longest));
+            let result = B::paged_attention(
+                handles.get_float_tensor::<B>(&inputs[0]),
+                handles.get_float_tensor::<B>(&inputs[1]),
+                handles.get_float_tensor::<B>(&inputs[2]),
+                handles.get_int_tensor::<B>(&inputs[3]),
+                handles.get_float_tensor::<B>(&inputs[4]),
+                ragged,
+                scale,
+            );
+            handles.register_float_tensor::<B>(&desc.outputs[0].id, result);
+        });
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
@@ -41,7 +56,15 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let rows = logits.shape.dims::<2>()[0];
         let output = TensorIr::uninit(client.create_empty_handle(), Shape::new([rows, 2]), burn::tensor::DType::F32);
         let desc = CustomOpIr::new("choose_tokens", &[logits.into_ir(), temperatures.into_ir(), uniforms.into_ir()], &[output]);
-        let op = ChooseTokensOp::<B> { desc: desc.clone(), backend: PhantomData };
+        let op = KernelOp::<B>::new(&desc, |desc, handles| {
+            let ([logits, temperatures, uniforms], [output]) = desc.as_fixed();
+            let result = B::choose_tokens(
+                handles.get_float_tensor::<B>(logits),
+                handles.get_float_tensor::<B>(temperatures),
+                handles.get_float_tensor::<B>(uniforms),
+            );
+            handles.register_float_tensor::<B>(&output.id, result);
+        });
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
@@ -50,7 +73,11 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let streams = OperationStreams::with_inputs([&gate, &up]);
         let output = TensorIr::uninit(client.create_empty_handle(), gate.shape.clone(), gate.dtype);
         let desc = CustomOpIr::new("silu_mul", &[gate.into_ir(), up.into_ir()], &[output]);
-        let op = SiluMulOp::<B> { desc: desc.clone(), backend: PhantomData };
+        let op = KernelOp::<B>::new(&desc, |desc, handles| {
+            let ([gate, up], [output]) = desc.as_fixed();
+            let result = B::silu_mul(handles.get_float_tensor::<B>(gate), handles.get_float_tensor::<B>(up));
+            handles.register_float_tensor::<B>(&output.id, result);
+        });
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
@@ -59,7 +86,11 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let streams = OperationStreams::with_inputs([&input, &weight]);
         let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(input.shape.dims::<2>()), input.dtype);
         let desc = CustomOpIr::new("rms_norm", &[input.into_ir(), weight.into_ir()], &[output]);
-        let op = RmsNormOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
+        let op = KernelOp::<B>::new(&desc, move |desc, handles| {
+            let ([input, weight], [output]) = desc.as_fixed();
+            let result = B::rms_norm(handles.get_float_tensor::<B>(input), handles.get_float_tensor::<B>(weight), eps);
+            handles.register_float_tensor::<B>(&output.id, result);
+        });
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
@@ -74,7 +105,17 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let shape = Shape::new(residual.shape.dims::<2>());
         let outputs = [(); 2].map(|_| TensorIr::uninit(client.create_empty_handle(), shape.clone(), residual.dtype));
         let desc = CustomOpIr::new("add_rms_norm", &[residual.into_ir(), delta.into_ir(), weight.into_ir()], &outputs);
-        let op = AddRmsNormOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
+        let op = KernelOp::<B>::new(&desc, move |desc, handles| {
+            let ([residual, delta, weight], [sum, normed]) = desc.as_fixed();
+            let (sum_result, normed_result) = B::add_rms_norm(
+                handles.get_float_tensor::<B>(residual),
+                handles.get_float_tensor::<B>(delta),
+                handles.get_float_tensor::<B>(weight),
+                eps,
+            );
+            handles.register_float_tensor::<B>(&sum.id, sum_result);
+            handles.register_float_tensor::<B>(&normed.id, normed_result);
+        });
         let [sum, normed] = client.register(streams, OperationIr::Custom(desc), op).outputs();
         (sum, normed)
     }
@@ -87,139 +128,57 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let outputs = [output(&query), output(&keys), output(&values)];
         let inputs = [query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values].map(|t| t.into_ir());
         let desc = CustomOpIr::new("qk_norm_rope_write", &inputs, &outputs);
-        let op = QkNormRopeWriteOp::<B> { desc: desc.clone(), eps, backend: PhantomData };
+        // The pools' handles come out of the stream's container where nothing else reads them
+        // (the KV cache passes them on), so the kernel writes them in place.
+        let op = KernelOp::<B>::new(&desc, move |desc, handles| {
+            let ([query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values], [rotated, keys_out, values_out]) = desc.as_fixed();
+            let (rotated_result, keys_result, values_result) = B::qk_norm_rope_write(QkNormRopeWrite {
+                query: handles.get_float_tensor::<B>(query),
+                key: handles.get_float_tensor::<B>(key),
+                value: handles.get_float_tensor::<B>(value),
+                q_weight: handles.get_float_tensor::<B>(q_weight),
+                k_weight: handles.get_float_tensor::<B>(k_weight),
+                cos: handles.get_float_tensor::<B>(cos),
+                signed_sin: handles.get_float_tensor::<B>(signed_sin),
+                slots: handles.get_int_tensor::<B>(slots),
+                keys: handles.get_float_tensor::<B>(keys),
+                values: handles.get_float_tensor::<B>(values),
+                eps,
+            });
+            handles.register_float_tensor::<B>(&rotated.id, rotated_result);
+            handles.register_float_tensor::<B>(&keys_out.id, keys_result);
+            handles.register_float_tensor::<B>(&values_out.id, values_result);
+        });
         let [query, keys, values] = client.register(streams, OperationIr::Custom(desc), op).outputs();
         (query, keys, values)
     }
 }
 
-/// [`DeviceKernels::add_rms_norm`] waiting in the fusion stream.
-#[derive(Debug)]
-struct AddRmsNormOp<B> {
+/// The handles of a fusion stream of backend `B`.
+type Handles<B> = HandleContainer<<<B as FusionBackend>::FusionRuntime as FusionRuntime>::FusionHandle>;
+
+/// One of this crate's kernels waiting in the fusion stream: when the stream reaches it, `run`
+/// computes it on the unfused backend's handles its description names, with the settings it
+/// captured (an eps, a scale).
+struct KernelOp<B: FusionBackend> {
     desc: CustomOpIr,
-    eps: f64,
-    backend: PhantomData<fn() -> B>,
+    run: Box<dyn Fn(&CustomOpIr, &mut Handles<B>) + Send + Sync>,
 }
 
-impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for AddRmsNormOp<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let ([residual, delta, weight], [sum, normed]) = self.desc.as_fixed();
-        let (sum_result, normed_result) = B::add_rms_norm(
-            handles.get_float_tensor::<B>(residual),
-            handles.get_float_tensor::<B>(delta),
-            handles.get_float_tensor::<B>(weight),
-            self.eps,
-        );
-        handles.register_float_tensor::<B>(&sum.id, sum_result);
-        handles.register_float_tensor::<B>(&normed.id, normed_result);
+impl<B: FusionBackend> KernelOp<B> {
+    fn new(desc: &CustomOpIr, run: impl Fn(&CustomOpIr, &mut Handles<B>) + Send + Sync + 'static) -> Self {
+        Self { desc: desc.clone(), run: Box::new(run) }
     }
 }
 
-/// [`DeviceKernels::qk_norm_rope_write`] waiting in the fusion stream. The pools' handles
-/// come out of the stream's container where nothing else reads them (the KV cache passes them
-/// on), so the kernel writes them in place.
-#[derive(Debug)]
-struct QkNormRopeWriteOp<B> {
-    desc: CustomOpIr,
-    eps: f64,
-    backend: PhantomData<fn() -> B>,
-}
-
-impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for QkNormRopeWriteOp<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let ([query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values], [rotated, keys_out, values_out]) = self.desc.as_fixed();
-        let (rotated_result, keys_result, values_result) = B::qk_norm_rope_write(QkNormRopeWrite {
-            query: handles.get_float_tensor::<B>(query),
-            key: handles.get_float_tensor::<B>(key),
-            value: handles.get_float_tensor::<B>(value),
-            q_weight: handles.get_float_tensor::<B>(q_weight),
-            k_weight: handles.get_float_tensor::<B>(k_weight),
-            cos: handles.get_float_tensor::<B>(cos),
-            signed_sin: handles.get_float_tensor::<B>(signed_sin),
-            slots: handles.get_int_tensor::<B>(slots),
-            keys: handles.get_float_tensor::<B>(keys),
-            values: handles.get_float_tensor::<B>(values),
-            eps: self.eps,
-        });
-        handles.register_float_tensor::<B>(&rotated.id, rotated_result);
-        handles.register_float_tensor::<B>(&keys_out.id, keys_result);
-        handles.register_float_tensor::<B>(&values_out.id, values_result);
+impl<B: FusionBackend> fmt::Debug for KernelOp<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KernelOp").field("desc", &self.desc).finish_non_exhaustive()
     }
 }
 
-/// [`DeviceKernels::silu_mul`] waiting in the fusion stream.
-#[derive(Debug)]
-struct SiluMulOp<B> {
-    desc: CustomOpIr,
-    backend: PhantomData<fn() -> B>,
-}
-
-impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for SiluMulOp<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let ([gate, up], [output]) = self.desc.as_fixed();
-        let result = B::silu_mul(handles.get_float_tensor::<B>(gate), handles.get_float_tensor::<B>(up));
-        handles.register_float_tensor::<B>(&output.id, result);
-    }
-}
-
-/// [`DeviceKernels::choose_tokens`] waiting in the fusion stream.
-#[derive(Debug)]
-struct ChooseTokensOp<B> {
-    desc: CustomOpIr,
-    backend: PhantomData<fn() -> B>,
-}
-
-impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for ChooseTokensOp<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let ([logits, temperatures, uniforms], [output]) = self.desc.as_fixed();
-        let result = B::choose_tokens(
-            handles.get_float_tensor::<B>(logits),
-            handles.get_float_tensor::<B>(temperatures),
-            handles.get_float_tensor::<B>(uniforms),
-        );
-        handles.register_float_tensor::<B>(&output.id, result);
-    }
-}
-
-/// [`DeviceKernels::rms_norm`] waiting in the fusion stream.
-#[derive(Debug)]
-struct RmsNormOp<B> {
-    desc: CustomOpIr,
-    eps: f64,
-    backend: PhantomData<fn() -> B>,
-}
-
-impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for RmsNormOp<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let ([input, weight], [output]) = self.desc.as_fixed();
-        let result = B::rms_norm(handles.get_float_tensor::<B>(input), handles.get_float_tensor::<B>(weight), self.eps);
-        handles.register_float_tensor::<B>(&output.id, result);
-    }
-}
-
-/// [`DeviceKernels::paged_attention`] waiting in the fusion stream.
-#[derive(Debug)]
-struct PagedAttentionOp<B> {
-    desc: CustomOpIr,
-    scale: f32,
-    /// A ragged pass's longest row (its row starts are the sixth input).
-    longest: Option<usize>,
-    backend: PhantomData<fn() -> B>,
-}
-
-impl<B: FusionBackend + DeviceKernels> Operation<B::FusionRuntime> for PagedAttentionOp<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
-        let inputs = &self.desc.inputs;
-        let ragged = self.longest.map(|longest| (handles.get_int_tensor::<B>(&inputs[5]), longest));
-        let result = B::paged_attention(
-            handles.get_float_tensor::<B>(&inputs[0]),
-            handles.get_float_tensor::<B>(&inputs[1]),
-            handles.get_float_tensor::<B>(&inputs[2]),
-            handles.get_int_tensor::<B>(&inputs[3]),
-            handles.get_float_tensor::<B>(&inputs[4]),
-            ragged,
-            self.scale,
-        );
-        handles.register_float_tensor::<B>(&self.desc.outputs[0].id, result);
+impl<B: FusionBackend> Operation<B::FusionRuntime> for KernelOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        (self.run)(&self.desc, handles)
     }
 }
