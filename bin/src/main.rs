@@ -32,9 +32,10 @@ struct Cli {
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     fusion: bool,
     /// prompt-r1's own CubeCL kernels on the GPU backends: the attention of the passes over the
-    /// paged KV cache read where it lies, the RMS norms as one kernel each (with RoPE after
-    /// q_norm and k_norm, the residual addition before input_layernorm), and the choice of each
-    /// sampled or greedy token as one kernel. `decode` (or
+    /// paged KV cache read where it lies, the RMS norms as one kernel each (the residual
+    /// addition before input_layernorm and post_attention_layernorm in it; q_norm and k_norm
+    /// with RoPE and the write of the keys and values to the cache in one), SwiGLU's
+    /// silu(gate)·up, and the choice of each sampled or greedy token as one kernel. `decode` (or
     /// `on`): the attention of decoding steps; `all`: of prefill chunks too, and a step's
     /// joining sequences run beside its decoding rows in one ragged pass (less memory, fewer
     /// passes; on lavapipe slower than burn's ops, not yet measured on a GPU); `off`: burn's ops
