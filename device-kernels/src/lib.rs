@@ -10,8 +10,11 @@
 //! where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a custom
 //! operation in the fusion stream) or not.
 //!
-//! A binary calls [`register`] for each backend it runs on.
+//! A binary calls [`register`] for each backend it runs on. [`definitions`] gives every kernel
+//! as CubeCL defines it for a compiler, so that CUDA's compile is checked without a GPU
+//! (`scripts/nvrtc_check.sh`); a new kernel adds its definition there.
 
+pub mod definitions;
 mod fusion;
 pub mod paged_attention;
 pub mod rms_norm;

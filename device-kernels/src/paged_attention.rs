@@ -415,3 +415,38 @@ mod tests {
         }
     }
 }
+
+/// [`paged_attention_kernel`] over `dtypes` (the query's and pools', the read table's, the mask's)
+/// as CubeCL defines it for compilation, for heads of `head_dim` in groups of `groups` and passes
+/// of `queries` a row (`ragged`: a ragged pass's).
+pub(crate) fn definition<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtypes: [StorageType; 3],
+    head_dim: usize,
+    groups: usize,
+    queries: usize,
+    ragged: bool,
+) -> KernelDefinition {
+    let arg = || TensorCompilationArg { inplace: None };
+    let blocks = blocks_for(head_dim, groups, queries);
+    paged_attention_kernel::PagedAttentionKernel::<R>::new(
+        crate::definitions::settings(UNITS),
+        client.clone(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        (),
+        ragged,
+        head_dim as u32,
+        blocks.heads,
+        blocks.queries,
+        blocks.tile,
+        REVISION,
+        dtypes,
+    )
+    .define()
+}

@@ -182,3 +182,9 @@ pub fn choose_tokens<R: CubeRuntime>(logits: CubeTensor<R>, temperatures: CubeTe
     );
     output
 }
+
+/// [`choose_tokens_kernel`] over logits of `dtype` as CubeCL defines it for compilation.
+pub(crate) fn definition<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> KernelDefinition {
+    let arg = || TensorCompilationArg { inplace: None };
+    choose_tokens_kernel::ChooseTokensKernel::<R>::new(crate::definitions::settings(UNITS), client.clone(), arg(), arg(), arg(), arg(), REVISION, dtype).define()
+}

@@ -27,6 +27,7 @@ mod model_common;
 mod training_common;
 
 mod attention;
+mod cuda_source;
 mod device_threads;
 mod gradients;
 mod paged_attention;

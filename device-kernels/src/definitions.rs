@@ -1,0 +1,55 @@
+//! Every kernel of this crate as CubeCL defines it for a compiler, at the shapes of the Qwen3
+//! models, for compile checks of backends the tests cannot run (CUDA's code generator and NVRTC
+//! need no GPU; `tests/gpu_path/cuda_source.rs`). The definitions take the settings, compile-time
+//! arguments and revisions the launches take.
+
+use cubecl::ir::{ElemType, FloatKind, IntKind};
+use cubecl::prelude::*;
+
+/// The address type of every kernel of this crate.
+pub const ADDRESS: AddressType = AddressType::U32;
+
+/// The settings each kernel of this crate launches with: `units` a cube along x, addresses of
+/// [`ADDRESS`].
+pub(crate) fn settings(units: u32) -> KernelSettings {
+    KernelSettings::default().cube_dim(CubeDim::new_1d(units)).address_type(ADDRESS)
+}
+
+/// The hidden sizes of Qwen3-0.6B, 4B and 8B.
+const HIDDEN: [u32; 3] = [1024, 2560, 4096];
+
+/// Every Qwen3's `head_dim`.
+const HEAD_DIM: u32 = 128;
+
+/// Query heads a key-value head: Qwen3-0.6B's and 1.7B's 2, 4B's and 8B's 4.
+const GROUPS: [usize; 2] = [2, 4];
+
+/// A prefill chunk's queries a row (the most a cube takes at once).
+const PREFILL_QUERIES: usize = 512;
+
+/// Every kernel of this crate, each with a name that says which and at what shape, over floats
+/// of `dtype` and indices of the CUDA backend's `i32` (the attention's mask of valid columns in
+/// f32, as the model builds it), defined on `client`.
+pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> Vec<(String, KernelDefinition)> {
+    let index = StorageType::Scalar(ElemType::Int(IntKind::I32));
+    let mask = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    let mut out = vec![
+        (format!("silu_mul {dtype}"), crate::swiglu::definition(client, dtype)),
+        (format!("choose_tokens {dtype}"), crate::sampling::definition(client, dtype)),
+    ];
+    for hidden in HIDDEN {
+        let [rms_norm, add_rms_norm, qk_norm_rope_write] = crate::rms_norm::definitions(client, dtype, index, hidden, HEAD_DIM);
+        out.push((format!("rms_norm {dtype} hidden {hidden}"), rms_norm));
+        out.push((format!("add_rms_norm {dtype} hidden {hidden}"), add_rms_norm));
+        if hidden == HIDDEN[0] {
+            out.push((format!("qk_norm_rope_write {dtype} head_dim {HEAD_DIM}"), qk_norm_rope_write));
+        }
+    }
+    for groups in GROUPS {
+        for (pass, queries, ragged) in [("decode", 1, false), ("prefill", PREFILL_QUERIES, false), ("ragged", PREFILL_QUERIES, true)] {
+            let definition = crate::paged_attention::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, queries, ragged);
+            out.push((format!("paged_attention {dtype} {pass} groups {groups}"), definition));
+        }
+    }
+    out
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Compiles every CubeCL kernel of prompt-r1-device-kernels as the CUDA backend would, without a
+# GPU: CubeCL's CUDA C++ of each kernel (f32, f16, bf16; the Qwen3 shapes) through NVIDIA's
+# runtime compiler, NVRTC, for sm_80, sm_90a and sm_100a (tests/gpu_path/cuda_source.rs).
+#
+# NVRTC and the CUDA headers come from PyPI's NVIDIA wheels (nvidia-cuda-nvrtc-cu12 and
+# nvidia-cuda-runtime-cu12, about 95 MB), installed once into a virtual environment under the
+# target directory. Needs a Vulkan adapter (lavapipe will do) for the kernels' definitions.
+# PROMPT_R1_CUDA_SOURCES=DIR also writes each source to DIR. Exits non-zero on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target="${CARGO_TARGET_DIR:-$PWD/target}"
+venv="$target/python-venvs/nvrtc-12.9"
+if [ ! -f "$venv/.installed" ]; then
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check \
+        nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79
+    touch "$venv/.installed"
+fi
+nvrtc="$(find "$venv" -path '*/nvidia/cuda_nvrtc/lib/libnvrtc.so.12' | head -n 1)"
+include="$(find "$venv" -path '*/nvidia/cuda_runtime/include' -type d | head -n 1)"
+if [ -z "$nvrtc" ] || [ -z "$include" ]; then
+    echo "error: the NVIDIA wheels in $venv hold no libnvrtc.so.12 or CUDA headers" >&2
+    exit 1
+fi
+# The whole workspace, so that features unify as in `cargo test --release --workspace` and its
+# build is reused.
+PROMPT_R1_NVRTC="$nvrtc" PROMPT_R1_CUDA_INCLUDE="$include" \
+    cargo test --release --workspace --test gpu_path -- cuda_source --nocapture

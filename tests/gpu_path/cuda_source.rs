@@ -1,0 +1,164 @@
+//! Every kernel of `prompt-r1-device-kernels` as the CUDA backend compiles it, without a GPU:
+//! CubeCL's CUDA C++ code generator (what `burn-cuda` runs before NVRTC) on each kernel in f32,
+//! f16 and bf16 at the shapes of the Qwen3 presets, then, where `PROMPT_R1_NVRTC` names
+//! NVIDIA's runtime compiler (`libnvrtc.so`) and `PROMPT_R1_CUDA_INCLUDE` the CUDA headers,
+//! NVRTC itself on each source for the architectures of an A100, an H100 and a B200, with the
+//! options `cubecl-cuda` passes. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
+//! and runs this (CI does); without them NVRTC's part prints `skipped`. Lavapipe's client
+//! defines the kernels: a definition reads the device's properties, which none of these
+//! kernels' code depends on. Without a Vulkan adapter the test prints `skipped`.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::path::{Path, PathBuf};
+
+use cubecl::ir::{ElemType, FloatKind, StorageType};
+use cubecl::prelude::*;
+use cubecl::Compiler;
+use cubecl_cpp::cuda::{mma::CudaWmmaCompiler, CudaDialect};
+use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
+
+type CudaCompiler = cubecl_cpp::shared::CppCompiler<CudaDialect<CudaWmmaCompiler>>;
+
+/// The options `cubecl-cuda` 0.10 compiles with on a GPU of compute capability 8.0 or more
+/// (its `runtime.rs`): warps of 32, fast math, grid constants, and from 9.0 clusters and
+/// `elect.sync`.
+fn compilation_options(arch: u32) -> CompilationOptions {
+    CompilationOptions {
+        warp_size: 32,
+        supports_features: CppSupportedFeatures {
+            grid_constants: true,
+            clusters: arch >= 90,
+            fast_math: true,
+            fast_tanh: true,
+            elect_sync: arch >= 90,
+        },
+    }
+}
+
+/// The architectures NVRTC compiles for, with `cubecl-cuda`'s suffix (`sm_90a` from 9.0).
+const ARCHITECTURES: [u32; 3] = [80, 90, 100];
+
+#[test]
+fn every_kernel_compiles_for_cuda() {
+    if !crate::common::backend_ready::<burn_wgpu::Vulkan>() {
+        return;
+    }
+    let client = burn_wgpu::WgpuRuntime::client(&burn_wgpu::WgpuDevice::DefaultDevice);
+    let nvrtc = match std::env::var_os("PROMPT_R1_NVRTC") {
+        None => {
+            println!("skipped: NVRTC (PROMPT_R1_NVRTC names no libnvrtc.so; scripts/nvrtc_check.sh); the CUDA C++ is generated, not compiled");
+            None
+        }
+        Some(_) => Some(Nvrtc::from_env().unwrap_or_else(|e| panic!("NVRTC: {e}"))),
+    };
+    let out = std::env::var_os("PROMPT_R1_CUDA_SOURCES").map(PathBuf::from);
+    let mut failures = Vec::new();
+    let mut compiled = 0;
+    // A definition compiles once: its scope's variables are taken as it compiles, so each
+    // architecture gets its own.
+    for arch in ARCHITECTURES {
+        for dtype in [FloatKind::F32, FloatKind::F16, FloatKind::BF16] {
+            let dtype = StorageType::Scalar(ElemType::Float(dtype));
+            for (name, definition) in device_kernels::definitions::definitions(&client, dtype) {
+                let source = CudaCompiler::default()
+                    .compile(definition, &compilation_options(arch), ExecutionMode::Checked, device_kernels::definitions::ADDRESS.unsigned_type())
+                    .unwrap_or_else(|e| panic!("{name}: CubeCL's CUDA code generator refused it: {e}"))
+                    .to_string();
+                assert!(source.contains("extern \"C\" __global__"), "{name}: no kernel entry in\n{source}");
+                if let Some(dir) = &out {
+                    write_source(dir, &name, arch, &source);
+                }
+                if let Some(nvrtc) = &nvrtc {
+                    match nvrtc.compile(&source, arch) {
+                        Ok(()) => compiled += 1,
+                        Err(log) => failures.push(format!("{name} for sm_{arch}:\n{log}")),
+                    }
+                }
+            }
+        }
+    }
+    if let Some(nvrtc) = &nvrtc {
+        println!("NVRTC {}: {compiled} kernel sources compiled for {ARCHITECTURES:?}", nvrtc.version);
+    }
+    assert!(failures.is_empty(), "NVRTC refused {} kernel sources:\n{}", failures.len(), failures.join("\n"));
+}
+
+fn write_source(dir: &Path, name: &str, arch: u32, source: &str) {
+    std::fs::create_dir_all(dir).expect("PROMPT_R1_CUDA_SOURCES: a folder");
+    let file = format!("{}.sm_{arch}.cu", name.replace([' ', '/'], "_"));
+    std::fs::write(dir.join(file), source).expect("a CUDA source written");
+}
+
+/// NVIDIA's runtime compiler, loaded from `PROMPT_R1_NVRTC`, with the CUDA headers of
+/// `PROMPT_R1_CUDA_INCLUDE`.
+struct Nvrtc {
+    library: libloading::Library,
+    include: String,
+    version: String,
+}
+
+type Program = *mut std::ffi::c_void;
+
+impl Nvrtc {
+    fn from_env() -> Result<Self, String> {
+        let path = std::env::var("PROMPT_R1_NVRTC").map_err(|e| format!("PROMPT_R1_NVRTC: {e}"))?;
+        let include = std::env::var("PROMPT_R1_CUDA_INCLUDE").map_err(|_| "PROMPT_R1_CUDA_INCLUDE names no CUDA headers".to_string())?;
+        if !Path::new(&include).join("cuda_bf16.h").exists() {
+            return Err(format!("{include} holds no cuda_bf16.h"));
+        }
+        // SAFETY: loading NVRTC runs its initialisers, which have no preconditions.
+        let library = unsafe { libloading::Library::new(&path) }.map_err(|e| format!("{path}: {e}"))?;
+        let mut nvrtc = Self { library, include, version: String::new() };
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: nvrtcVersion writes two ints.
+        nvrtc.check("nvrtcVersion", unsafe { nvrtc.symbol::<unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int>(b"nvrtcVersion\0")(&mut major, &mut minor) })?;
+        nvrtc.version = format!("{major}.{minor}");
+        Ok(nvrtc)
+    }
+
+    /// # Safety
+    /// `T` must be the C signature of the symbol `name`.
+    unsafe fn symbol<T: Copy>(&self, name: &[u8]) -> T {
+        *unsafe { self.library.get::<T>(name) }.unwrap_or_else(|e| panic!("NVRTC lacks {}: {e}", String::from_utf8_lossy(name)))
+    }
+
+    fn check(&self, call: &str, status: c_int) -> Result<(), String> {
+        match status {
+            0 => Ok(()),
+            _ => Err(format!("{call} returned NVRTC error {status}")),
+        }
+    }
+
+    /// Compiles `source` for `sm_{arch}` as `cubecl-cuda` does: the program's log on failure.
+    fn compile(&self, source: &str, arch: u32) -> Result<(), String> {
+        let suffix = if arch >= 90 { "a" } else { "" };
+        let options = [format!("--gpu-architecture=sm_{arch}{suffix}"), format!("--include-path={}", self.include), "-lineinfo".into()];
+        let options: Vec<CString> = options.into_iter().map(|o| CString::new(o).expect("no NUL")).collect();
+        let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
+        let source = CString::new(source).expect("a source without NUL");
+        let mut program: Program = std::ptr::null_mut();
+        // SAFETY: the signatures are NVRTC's (nvrtc.h); every pointer outlives the calls, and
+        // the program is destroyed before returning.
+        unsafe {
+            type Create = unsafe extern "C" fn(*mut Program, *const c_char, *const c_char, c_int, *const *const c_char, *const *const c_char) -> c_int;
+            type CompileProgram = unsafe extern "C" fn(Program, c_int, *const *const c_char) -> c_int;
+            type LogSize = unsafe extern "C" fn(Program, *mut usize) -> c_int;
+            type Log = unsafe extern "C" fn(Program, *mut c_char) -> c_int;
+            type Destroy = unsafe extern "C" fn(*mut Program) -> c_int;
+            let create = self.symbol::<Create>(b"nvrtcCreateProgram\0");
+            self.check("nvrtcCreateProgram", create(&mut program, source.as_ptr(), c"kernel.cu".as_ptr(), 0, std::ptr::null(), std::ptr::null()))?;
+            let status = self.symbol::<CompileProgram>(b"nvrtcCompileProgram\0")(program, pointers.len() as c_int, pointers.as_ptr());
+            let result = if status == 0 {
+                Ok(())
+            } else {
+                let mut size = 0;
+                self.check("nvrtcGetProgramLogSize", self.symbol::<LogSize>(b"nvrtcGetProgramLogSize\0")(program, &mut size))?;
+                let mut log = vec![0 as c_char; size.max(1)];
+                self.check("nvrtcGetProgramLog", self.symbol::<Log>(b"nvrtcGetProgramLog\0")(program, log.as_mut_ptr()))?;
+                Err(CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned())
+            };
+            self.symbol::<Destroy>(b"nvrtcDestroyProgram\0")(&mut program);
+            result
+        }
+    }
+}
