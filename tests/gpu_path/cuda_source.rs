@@ -3,7 +3,8 @@
 //! f16 and bf16 at the shapes of the Qwen3 presets, then, where `PROMPT_R1_NVRTC` names
 //! NVIDIA's runtime compiler (`libnvrtc.so`) and `PROMPT_R1_CUDA_INCLUDE` the CUDA headers,
 //! NVRTC itself on each source for the architectures of an A100, an H100 and a B200, with the
-//! options `cubecl-cuda` passes. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
+//! options `cubecl-cuda` passes, printing ptxas's registers a thread for each; no kernel may
+//! spill registers to local memory. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
 //! and runs this (CI does); without them NVRTC's part prints `skipped`. Lavapipe's client
 //! defines the kernels: a definition reads the device's properties, which none of these
 //! kernels' code depends on. Without a Vulkan adapter the test prints `skipped`.
@@ -52,7 +53,7 @@ fn every_kernel_compiles_for_cuda() {
         Some(_) => Some(Nvrtc::from_env().unwrap_or_else(|e| panic!("NVRTC: {e}"))),
     };
     let out = std::env::var_os("PROMPT_R1_CUDA_SOURCES").map(PathBuf::from);
-    let mut failures = Vec::new();
+    let (mut failures, mut spills) = (Vec::new(), Vec::new());
     let mut compiled = 0;
     // A definition compiles once: its scope's variables are taken as it compiles, so each
     // architecture gets its own.
@@ -69,8 +70,15 @@ fn every_kernel_compiles_for_cuda() {
                     write_source(dir, &name, arch, &source);
                 }
                 if let Some(nvrtc) = &nvrtc {
-                    match nvrtc.compile(&source, arch) {
-                        Ok(()) => compiled += 1,
+                    match nvrtc.compile(&source, arch).map(|log| Resources::from_log(&log)) {
+                        Ok(Some(used)) => {
+                            println!("{name}, sm_{arch}: {} registers, {} bytes spilled", used.registers, used.spilled);
+                            if used.spilled > 0 {
+                                spills.push(format!("{name} for sm_{arch}: {} bytes of registers spilled to local memory", used.spilled));
+                            }
+                            compiled += 1;
+                        }
+                        Ok(None) => failures.push(format!("{name} for sm_{arch}: no resource report from ptxas")),
                         Err(log) => failures.push(format!("{name} for sm_{arch}:\n{log}")),
                     }
                 }
@@ -81,6 +89,28 @@ fn every_kernel_compiles_for_cuda() {
         println!("NVRTC {}: {compiled} kernel sources compiled for {ARCHITECTURES:?}", nvrtc.version);
     }
     assert!(failures.is_empty(), "NVRTC refused {} kernel sources:\n{}", failures.len(), failures.join("\n"));
+    // A spilling kernel keeps part of its state in local memory (device memory behind the
+    // caches): none does today, and one that starts to should be a decision, not a surprise.
+    assert!(spills.is_empty(), "{}", spills.join("\n"));
+}
+
+/// What ptxas reports a kernel uses: registers a thread, and bytes spilled to local memory.
+struct Resources {
+    registers: u32,
+    spilled: u32,
+}
+
+impl Resources {
+    /// From ptxas's `-v` report in NVRTC's log (one kernel a program).
+    fn from_log(log: &str) -> Option<Self> {
+        let number_before = |line: &str, unit: &str| -> Option<u32> { line.split(unit).next()?.split_whitespace().last()?.parse().ok() };
+        let registers = log.lines().find(|l| l.contains(" registers"))?;
+        let spills = log.lines().find(|l| l.contains("spill stores"))?;
+        Some(Self {
+            registers: number_before(registers, " registers")?,
+            spilled: number_before(spills, " bytes spill stores")?,
+        })
+    }
 }
 
 fn write_source(dir: &Path, name: &str, arch: u32, source: &str) {
@@ -129,10 +159,11 @@ impl Nvrtc {
         }
     }
 
-    /// Compiles `source` for `sm_{arch}` as `cubecl-cuda` does: the program's log on failure.
-    fn compile(&self, source: &str, arch: u32) -> Result<(), String> {
+    /// Compiles `source` for `sm_{arch}` as `cubecl-cuda` does, with ptxas's report of each
+    /// kernel's resources: the program's log, as `Err` on failure.
+    fn compile(&self, source: &str, arch: u32) -> Result<String, String> {
         let suffix = if arch >= 90 { "a" } else { "" };
-        let options = [format!("--gpu-architecture=sm_{arch}{suffix}"), format!("--include-path={}", self.include), "-lineinfo".into()];
+        let options = [format!("--gpu-architecture=sm_{arch}{suffix}"), format!("--include-path={}", self.include), "-lineinfo".into(), "--ptxas-options=-v".into()];
         let options: Vec<CString> = options.into_iter().map(|o| CString::new(o).expect("no NUL")).collect();
         let pointers: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
         let source = CString::new(source).expect("a source without NUL");
@@ -148,17 +179,29 @@ impl Nvrtc {
             let create = self.symbol::<Create>(b"nvrtcCreateProgram\0");
             self.check("nvrtcCreateProgram", create(&mut program, source.as_ptr(), c"kernel.cu".as_ptr(), 0, std::ptr::null(), std::ptr::null()))?;
             let status = self.symbol::<CompileProgram>(b"nvrtcCompileProgram\0")(program, pointers.len() as c_int, pointers.as_ptr());
-            let result = if status == 0 {
-                Ok(())
-            } else {
-                let mut size = 0;
-                self.check("nvrtcGetProgramLogSize", self.symbol::<LogSize>(b"nvrtcGetProgramLogSize\0")(program, &mut size))?;
-                let mut log = vec![0 as c_char; size.max(1)];
-                self.check("nvrtcGetProgramLog", self.symbol::<Log>(b"nvrtcGetProgramLog\0")(program, log.as_mut_ptr()))?;
-                Err(CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned())
+            let mut size = 0;
+            self.check("nvrtcGetProgramLogSize", self.symbol::<LogSize>(b"nvrtcGetProgramLogSize\0")(program, &mut size))?;
+            let mut log = vec![0 as c_char; size.max(1)];
+            self.check("nvrtcGetProgramLog", self.symbol::<Log>(b"nvrtcGetProgramLog\0")(program, log.as_mut_ptr()))?;
+            let log = CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+            let result = match status {
+                0 => Ok(log),
+                _ => Err(log),
             };
             self.symbol::<Destroy>(b"nvrtcDestroyProgram\0")(&mut program);
             result
         }
     }
+}
+
+/// The report's numbers are read from ptxas's wording (CUDA 12.9's), spills included.
+#[test]
+fn ptxas_reports_are_read() {
+    let log = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n\
+               ptxas info    : Function properties for k\n\
+               ptxas         .     24 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads\n\
+               ptxas info    : Used 255 registers, used 1 barriers\n";
+    let used = Resources::from_log(log).expect("a report");
+    assert_eq!((used.registers, used.spilled), (255, 16));
+    assert!(Resources::from_log("ptxas info    : 0 bytes gmem\n").is_none());
 }
