@@ -9,7 +9,9 @@
 //! `prompt-r1-device-kernels` (registered for `Vulkan` as the binary registers it for its GPU
 //! backends), prefill chunks through burn's ops over the gathered cache, or through the kernel
 //! too with `PROMPT_R1_DEVICE_KERNELS=all` (as `--device-kernels all`; CI runs the parity cases
-//! again so); `paged_attention.rs` checks the kernel alone.
+//! again so); `paged_attention.rs` checks the kernel alone. `cuda_source.rs` compiles every
+//! kernel of ours as the CUDA backend would (CubeCL's CUDA C++, then NVRTC where
+//! `scripts/nvrtc_check.sh` provides it).
 //!
 //! One binary, so that burn's wgpu backend and the model's generic code over it are built once:
 //! as three binaries (parity, gradients, training) each took 175–212 s of one core to build.
