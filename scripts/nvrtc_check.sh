@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compiles every CubeCL kernel of prompt-r1-device-kernels as the CUDA backend would, without a
 # GPU: CubeCL's CUDA C++ of each kernel (f32, f16, bf16; the Qwen3 shapes) through NVIDIA's
-# runtime compiler, NVRTC, for sm_80, sm_90a and sm_100a (tests/gpu_path/cuda_source.rs).
+# runtime compiler, NVRTC, for sm_70, sm_75, sm_80, sm_90a and sm_100a
+# (tests/gpu_path/cuda_source.rs).
 #
 # NVRTC and the CUDA headers come from PyPI's NVIDIA wheels (nvidia-cuda-nvrtc-cu12 and
 # nvidia-cuda-runtime-cu12, about 95 MB), installed once into a virtual environment under the

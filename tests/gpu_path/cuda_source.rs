@@ -2,7 +2,7 @@
 //! CubeCL's CUDA C++ code generator (what `burn-cuda` runs before NVRTC) on each kernel in f32,
 //! f16 and bf16 at the shapes of the Qwen3 presets, then, where `PROMPT_R1_NVRTC` names
 //! NVIDIA's runtime compiler (`libnvrtc.so`) and `PROMPT_R1_CUDA_INCLUDE` the CUDA headers,
-//! NVRTC itself on each source for the architectures of an A100, an H100 and a B200, with the
+//! NVRTC itself on each source for the architectures of a V100, a T4, an A100, an H100 and a B200, with the
 //! options `cubecl-cuda` passes, printing ptxas's registers a thread for each; no kernel may
 //! spill registers to local memory. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
 //! and runs this (CI does); without them NVRTC's part prints `skipped`. Lavapipe's client
@@ -20,9 +20,9 @@ use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 
 type CudaCompiler = cubecl_cpp::shared::CppCompiler<CudaDialect<CudaWmmaCompiler>>;
 
-/// The options `cubecl-cuda` 0.10 compiles with on a GPU of compute capability 8.0 or more
-/// (its `runtime.rs`): warps of 32, fast math, grid constants, and from 9.0 clusters and
-/// `elect.sync`.
+/// The options `cubecl-cuda` 0.10 compiles with for compute capability `arch` (its
+/// `runtime.rs`, CUDA 12.8 or later): warps of 32, fast math, grid constants (7.0 on), a fast
+/// `tanh` (7.5 on), clusters and `elect.sync` (9.0 on).
 fn compilation_options(arch: u32) -> CompilationOptions {
     CompilationOptions {
         warp_size: 32,
@@ -30,14 +30,15 @@ fn compilation_options(arch: u32) -> CompilationOptions {
             grid_constants: true,
             clusters: arch >= 90,
             fast_math: true,
-            fast_tanh: true,
+            fast_tanh: arch >= 75,
             elect_sync: arch >= 90,
         },
     }
 }
 
-/// The architectures NVRTC compiles for, with `cubecl-cuda`'s suffix (`sm_90a` from 9.0).
-const ARCHITECTURES: [u32; 3] = [80, 90, 100];
+/// The architectures NVRTC compiles for (V100, T4, A100, H100, B200), with `cubecl-cuda`'s
+/// suffix (`sm_90a` from 9.0).
+const ARCHITECTURES: [u32; 5] = [70, 75, 80, 90, 100];
 
 #[test]
 fn every_kernel_compiles_for_cuda() {
