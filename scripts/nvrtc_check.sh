@@ -11,13 +11,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target="${CARGO_TARGET_DIR:-$PWD/target}"
-venv="$target/python-venvs/nvrtc-12.9"
-if [ ! -f "$venv/.installed" ]; then
+wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79)
+venv="$target/python-venvs/nvrtc"
+if [ "$(cat "$venv/.installed" 2>/dev/null)" != "${wheels[*]}" ]; then
     rm -rf "$venv"
     python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check \
-        nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79
-    touch "$venv/.installed"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}"
+    echo "${wheels[*]}" > "$venv/.installed"
 fi
 nvrtc="$(find "$venv" -path '*/nvidia/cuda_nvrtc/lib/libnvrtc.so.12' | head -n 1)"
 include="$(find "$venv" -path '*/nvidia/cuda_runtime/include' -type d | head -n 1)"
@@ -26,6 +26,7 @@ if [ -z "$nvrtc" ] || [ -z "$include" ]; then
     exit 1
 fi
 # The whole workspace, so that features unify as in `cargo test --release --workspace` and its
-# build is reused.
+# build is reused. An instruction-set cap would make the GPU-path tests skip.
+unset PROMPT_R1_CPU_ISA
 PROMPT_R1_NVRTC="$nvrtc" PROMPT_R1_CUDA_INCLUDE="$include" \
     cargo test --release --workspace --test gpu_path -- cuda_source --nocapture

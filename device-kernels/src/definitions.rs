@@ -15,8 +15,8 @@ pub(crate) fn settings(units: u32) -> KernelSettings {
     KernelSettings::default().cube_dim(CubeDim::new_1d(units)).address_type(ADDRESS)
 }
 
-/// The hidden sizes of Qwen3-0.6B, 4B and 8B.
-const HIDDEN: [u32; 3] = [1024, 2560, 4096];
+/// The hidden sizes of Qwen3-0.6B, 1.7B, 4B and 8B.
+const HIDDEN: [u32; 4] = [1024, 2048, 2560, 4096];
 
 /// Every Qwen3's `head_dim`.
 const HEAD_DIM: u32 = 128;
@@ -24,8 +24,14 @@ const HEAD_DIM: u32 = 128;
 /// Query heads a key-value head: Qwen3-0.6B's and 1.7B's 2, 4B's and 8B's 4.
 const GROUPS: [usize; 2] = [2, 4];
 
-/// A prefill chunk's queries a row (the most a cube takes at once).
-const PREFILL_QUERIES: usize = 512;
+/// Queries a row of a pass: past [`crate::paged_attention::blocks_for`]'s largest block of
+/// queries, so that every block it picks is among them.
+const QUERIES: [usize; 5] = [1, 2, 4, 8, 16];
+
+/// A compile-time tensor argument as a launch registers it (not aliased to an input).
+pub(crate) fn arg() -> TensorCompilationArg {
+    TensorCompilationArg { inplace: None }
+}
 
 /// Every kernel of this crate, each with a name that says which and at what shape, over floats
 /// of `dtype` and indices of the CUDA backend's `i32` (the attention's mask of valid columns in
@@ -45,10 +51,21 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
             out.push((format!("qk_norm_rope_write {dtype} head_dim {HEAD_DIM}"), qk_norm_rope_write));
         }
     }
+    // The attention as each pass takes it (a decoding step, prefill chunks, ragged passes), once
+    // for each block of queries it may pick.
     for groups in GROUPS {
-        for (pass, queries, ragged) in [("decode", 1, false), ("prefill", PREFILL_QUERIES, false), ("ragged", PREFILL_QUERIES, true)] {
-            let definition = crate::paged_attention::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, queries, ragged);
-            out.push((format!("paged_attention {dtype} {pass} groups {groups}"), definition));
+        let mut seen = Vec::new();
+        for queries in QUERIES {
+            let blocks = crate::paged_attention::blocks_for(HEAD_DIM as usize, groups, queries);
+            if seen.contains(&blocks) {
+                continue;
+            }
+            seen.push(blocks);
+            for ragged in [false, true] {
+                let definition = crate::paged_attention::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, queries, ragged);
+                let pass = if ragged { "ragged" } else { "uniform" };
+                out.push((format!("paged_attention {dtype} {pass} groups {groups} queries {}", blocks.queries), definition));
+            }
         }
     }
     out

@@ -427,7 +427,7 @@ pub(crate) fn definition<R: Runtime>(
     queries: usize,
     ragged: bool,
 ) -> KernelDefinition {
-    let arg = || TensorCompilationArg { inplace: None };
+    let arg = crate::definitions::arg;
     let blocks = blocks_for(head_dim, groups, queries);
     paged_attention_kernel::PagedAttentionKernel::<R>::new(
         crate::definitions::settings(UNITS),

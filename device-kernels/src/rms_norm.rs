@@ -416,7 +416,7 @@ fn check_operands<R: CubeRuntime>(kernel: &str, input: &CubeTensor<R>, weight: &
 /// (slots of `index`) as CubeCL defines them for compilation: the norms of rows of `hidden`,
 /// `q_norm` and `k_norm` of heads of `head_dim`.
 pub(crate) fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType, index: StorageType, hidden: u32, head_dim: u32) -> [KernelDefinition; 3] {
-    let arg = || TensorCompilationArg { inplace: None };
+    let arg = crate::definitions::arg;
     let settings = || crate::definitions::settings(UNITS);
     [
         rms_norm_kernel::RmsNormKernel::<R>::new(settings(), client.clone(), arg(), arg(), arg(), (), hidden, REVISION, dtype).define(),

@@ -185,6 +185,6 @@ pub fn choose_tokens<R: CubeRuntime>(logits: CubeTensor<R>, temperatures: CubeTe
 
 /// [`choose_tokens_kernel`] over logits of `dtype` as CubeCL defines it for compilation.
 pub(crate) fn definition<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> KernelDefinition {
-    let arg = || TensorCompilationArg { inplace: None };
+    let arg = crate::definitions::arg;
     choose_tokens_kernel::ChooseTokensKernel::<R>::new(crate::definitions::settings(UNITS), client.clone(), arg(), arg(), arg(), arg(), REVISION, dtype).define()
 }

@@ -51,6 +51,6 @@ pub fn silu_mul<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeT
 
 /// [`silu_mul_kernel`] in `dtype` as CubeCL defines it for compilation.
 pub(crate) fn definition<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> KernelDefinition {
-    let arg = || TensorCompilationArg { inplace: None };
+    let arg = crate::definitions::arg;
     silu_mul_kernel::SiluMulKernel::<R>::new(crate::definitions::settings(UNITS), client.clone(), arg(), arg(), arg(), REVISION, dtype).define()
 }

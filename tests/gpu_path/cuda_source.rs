@@ -1,13 +1,15 @@
 //! Every kernel of `prompt-r1-device-kernels` as the CUDA backend compiles it, without a GPU:
 //! CubeCL's CUDA C++ code generator (what `burn-cuda` runs before NVRTC) on each kernel in f32,
-//! f16 and bf16 at the shapes of the Qwen3 presets, then, where `PROMPT_R1_NVRTC` names
-//! NVIDIA's runtime compiler (`libnvrtc.so`) and `PROMPT_R1_CUDA_INCLUDE` the CUDA headers,
-//! NVRTC itself on each source for the architectures of a V100, a T4, an A100, an H100 and a B200, with the
-//! options `cubecl-cuda` passes, printing ptxas's registers a thread for each; no kernel may
-//! spill registers to local memory. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
+//! f16 and bf16 at the shapes of the Qwen3 models (each block of queries the attention may take),
+//! then, where `PROMPT_R1_NVRTC` names NVIDIA's runtime compiler (`libnvrtc.so`) and
+//! `PROMPT_R1_CUDA_INCLUDE` the CUDA headers, NVRTC itself on each source for the architectures
+//! of a V100, a T4, an A100, an H100 and a B200, with the options `cubecl-cuda` passes, printing
+//! the registers a thread NVRTC's ptxas gives each (the driver compiles the PTX again at load and
+//! may differ); no kernel may spill registers to local memory. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
 //! and runs this (CI does); without them NVRTC's part prints `skipped`. Lavapipe's client
-//! defines the kernels: a definition reads the device's properties, which none of these
-//! kernels' code depends on. Without a Vulkan adapter the test prints `skipped`.
+//! defines the kernels: a definition reads the device's and runtime's properties, which none of
+//! these kernels' code depends on. Without a Vulkan adapter the test prints `skipped` (and fails
+//! where NVRTC was asked for).
 
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::path::{Path, PathBuf};
@@ -42,18 +44,21 @@ const ARCHITECTURES: [u32; 5] = [70, 75, 80, 90, 100];
 
 #[test]
 fn every_kernel_compiles_for_cuda() {
+    let asked_for_nvrtc = std::env::var_os("PROMPT_R1_NVRTC").is_some();
     if !crate::common::backend_ready::<burn_wgpu::Vulkan>() {
+        assert!(!asked_for_nvrtc, "PROMPT_R1_NVRTC is set, but the kernels cannot be defined here (see `skipped` above)");
         return;
     }
     let client = burn_wgpu::WgpuRuntime::client(&burn_wgpu::WgpuDevice::DefaultDevice);
-    let nvrtc = match std::env::var_os("PROMPT_R1_NVRTC") {
-        None => {
+    let nvrtc = match asked_for_nvrtc {
+        false => {
             println!("skipped: NVRTC (PROMPT_R1_NVRTC names no libnvrtc.so; scripts/nvrtc_check.sh); the CUDA C++ is generated, not compiled");
             None
         }
-        Some(_) => Some(Nvrtc::from_env().unwrap_or_else(|e| panic!("NVRTC: {e}"))),
+        true => Some(Nvrtc::from_env().unwrap_or_else(|e| panic!("NVRTC: {e}"))),
     };
     let out = std::env::var_os("PROMPT_R1_CUDA_SOURCES").map(PathBuf::from);
+    let mut kernels = Vec::new();
     let (mut failures, mut spills) = (Vec::new(), Vec::new());
     let mut compiled = 0;
     // A definition compiles once: its scope's variables are taken as it compiles, so each
@@ -62,6 +67,10 @@ fn every_kernel_compiles_for_cuda() {
         for dtype in [FloatKind::F32, FloatKind::F16, FloatKind::BF16] {
             let dtype = StorageType::Scalar(ElemType::Float(dtype));
             for (name, definition) in device_kernels::definitions::definitions(&client, dtype) {
+                let kernel = name.split(' ').next().expect("a name").to_string();
+                if !kernels.contains(&kernel) {
+                    kernels.push(kernel);
+                }
                 let source = CudaCompiler::default()
                     .compile(definition, &compilation_options(arch), ExecutionMode::Checked, device_kernels::definitions::ADDRESS.unsigned_type())
                     .unwrap_or_else(|e| panic!("{name}: CubeCL's CUDA code generator refused it: {e}"))
@@ -86,6 +95,7 @@ fn every_kernel_compiles_for_cuda() {
             }
         }
     }
+    assert_eq!(kernels.len(), launched_kernels(), "a kernel of device-kernels/src has no definition in device_kernels::definitions ({kernels:?})");
     if let Some(nvrtc) = &nvrtc {
         println!("NVRTC {}: {compiled} kernel sources compiled for {ARCHITECTURES:?}", nvrtc.version);
     }
@@ -93,6 +103,16 @@ fn every_kernel_compiles_for_cuda() {
     // A spilling kernel keeps part of its state in local memory (device memory behind the
     // caches): none does today, and one that starts to should be a decision, not a surprise.
     assert!(spills.is_empty(), "{}", spills.join("\n"));
+}
+
+/// The kernels `device-kernels/src` declares (`#[cube(launch...)]`).
+fn launched_kernels() -> usize {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../device-kernels/src");
+    std::fs::read_dir(&dir)
+        .expect("device-kernels/src")
+        .map(|entry| std::fs::read_to_string(entry.expect("a file").path()).expect("a source file"))
+        .map(|source| source.matches("#[cube(launch").count())
+        .sum()
 }
 
 /// What ptxas reports a kernel uses: registers a thread, and bytes spilled to local memory.
@@ -181,16 +201,18 @@ impl Nvrtc {
             self.check("nvrtcCreateProgram", create(&mut program, source.as_ptr(), c"kernel.cu".as_ptr(), 0, std::ptr::null(), std::ptr::null()))?;
             let status = self.symbol::<CompileProgram>(b"nvrtcCompileProgram\0")(program, pointers.len() as c_int, pointers.as_ptr());
             let mut size = 0;
-            self.check("nvrtcGetProgramLogSize", self.symbol::<LogSize>(b"nvrtcGetProgramLogSize\0")(program, &mut size))?;
-            let mut log = vec![0 as c_char; size.max(1)];
-            self.check("nvrtcGetProgramLog", self.symbol::<Log>(b"nvrtcGetProgramLog\0")(program, log.as_mut_ptr()))?;
+            let mut log = Vec::new();
+            let read = self.check("nvrtcGetProgramLogSize", self.symbol::<LogSize>(b"nvrtcGetProgramLogSize\0")(program, &mut size)).and_then(|()| {
+                log = vec![0 as c_char; size.max(1)];
+                self.check("nvrtcGetProgramLog", self.symbol::<Log>(b"nvrtcGetProgramLog\0")(program, log.as_mut_ptr()))
+            });
+            self.symbol::<Destroy>(b"nvrtcDestroyProgram\0")(&mut program);
+            read?;
             let log = CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
-            let result = match status {
+            match status {
                 0 => Ok(log),
                 _ => Err(log),
-            };
-            self.symbol::<Destroy>(b"nvrtcDestroyProgram\0")(&mut program);
-            result
+            }
         }
     }
 }

@@ -13,7 +13,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use burn::tensor::{backend::Backend, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::mask::AttentionMask;
 use crate::device_kernels::{self, PagedAttention, RaggedRows};
@@ -319,7 +319,7 @@ impl<B: Backend> KvCache<B> {
         let valid: Vec<f32> = read.iter().map(|&slot| f32::from(u8::from(slot != SCRATCH_SLOT))).collect();
         let ragged = RaggedPass {
             rows: RaggedRows { starts: Tensor::from_data(TensorData::new(starts, [rows + 1]), device), longest },
-            valid: Tensor::from_data(TensorData::new(valid, [rows, width]), device),
+            valid: Tensor::from_data(TensorData::new(valid, [rows, width]), (device, DType::F32)),
         };
         self.set_pass(write, read, rows, Some(ragged), device);
     }
