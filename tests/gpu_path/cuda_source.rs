@@ -59,10 +59,9 @@ fn every_kernel_compiles_for_cuda() {
     };
     let out = std::env::var_os("PROMPT_R1_CUDA_SOURCES").map(PathBuf::from);
     let mut kernels = Vec::new();
-    let (mut failures, mut spills) = (Vec::new(), Vec::new());
-    let mut compiled = 0;
-    // A definition compiles once: its scope's variables are taken as it compiles, so each
-    // architecture gets its own.
+    // (name, architecture, CUDA C++) of each kernel. A definition compiles once: its scope's
+    // variables are taken as it compiles, so each architecture gets its own.
+    let mut sources = Vec::new();
     for arch in ARCHITECTURES {
         for dtype in [FloatKind::F32, FloatKind::F16, FloatKind::BF16] {
             let dtype = StorageType::Scalar(ElemType::Float(dtype));
@@ -79,26 +78,37 @@ fn every_kernel_compiles_for_cuda() {
                 if let Some(dir) = &out {
                     write_source(dir, &name, arch, &source);
                 }
-                if let Some(nvrtc) = &nvrtc {
-                    match nvrtc.compile(&source, arch).map(|log| Resources::from_log(&log)) {
-                        Ok(Some(used)) => {
-                            println!("{name}, sm_{arch}: {} registers, {} bytes spilled", used.registers, used.spilled);
-                            if used.spilled > 0 {
-                                spills.push(format!("{name} for sm_{arch}: {} bytes of registers spilled to local memory", used.spilled));
-                            }
-                            compiled += 1;
-                        }
-                        Ok(None) => failures.push(format!("{name} for sm_{arch}: no resource report from ptxas")),
-                        Err(log) => failures.push(format!("{name} for sm_{arch}:\n{log}")),
-                    }
-                }
+                sources.push((name, arch, source));
             }
         }
     }
     assert_eq!(kernels.len(), launched_kernels(), "a kernel of device-kernels/src has no definition in device_kernels::definitions ({kernels:?})");
-    if let Some(nvrtc) = &nvrtc {
-        println!("NVRTC {}: {compiled} kernel sources compiled for {ARCHITECTURES:?}", nvrtc.version);
+    let Some(nvrtc) = &nvrtc else {
+        return;
+    };
+    // NVRTC compiles separate programs on separate threads.
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let reports: Vec<Result<String, String>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = sources
+            .chunks(sources.len().div_ceil(threads))
+            .map(|chunk| scope.spawn(move || chunk.iter().map(|(_, arch, source)| nvrtc.compile(source, *arch)).collect::<Vec<_>>()))
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().expect("an NVRTC worker")).collect()
+    });
+    let (mut failures, mut spills) = (Vec::new(), Vec::new());
+    for ((name, arch, _), report) in sources.iter().zip(reports) {
+        match report.map(|log| Resources::from_log(&log)) {
+            Ok(Some(used)) => {
+                println!("{name}, sm_{arch}: {} registers, {} bytes spilled", used.registers, used.spilled);
+                if used.spilled > 0 {
+                    spills.push(format!("{name} for sm_{arch}: {} bytes of registers spilled to local memory", used.spilled));
+                }
+            }
+            Ok(None) => failures.push(format!("{name} for sm_{arch}: no resource report from ptxas")),
+            Err(log) => failures.push(format!("{name} for sm_{arch}:\n{log}")),
+        }
     }
+    println!("NVRTC {}: {} kernel sources compiled for {ARCHITECTURES:?}", nvrtc.version, sources.len() - failures.len());
     assert!(failures.is_empty(), "NVRTC refused {} kernel sources:\n{}", failures.len(), failures.join("\n"));
     // A spilling kernel keeps part of its state in local memory (device memory behind the
     // caches): none does today, and one that starts to should be a decision, not a surprise.
