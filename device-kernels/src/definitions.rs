@@ -44,13 +44,12 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
         (format!("choose_tokens {dtype}"), crate::sampling::definition(client, dtype)),
     ];
     for hidden in HIDDEN {
-        let [rms_norm, add_rms_norm, qk_norm_rope_write] = crate::rms_norm::definitions(client, dtype, index, hidden, HEAD_DIM);
+        let [rms_norm, add_rms_norm] = crate::rms_norm::definitions(client, dtype, hidden);
         out.push((format!("rms_norm {dtype} hidden {hidden}"), rms_norm));
         out.push((format!("add_rms_norm {dtype} hidden {hidden}"), add_rms_norm));
-        if hidden == HIDDEN[0] {
-            out.push((format!("qk_norm_rope_write {dtype} head_dim {HEAD_DIM}"), qk_norm_rope_write));
-        }
     }
+    let qk_norm_rope_write = crate::rms_norm::qk_norm_rope_write_definition(client, [dtype, index], HEAD_DIM);
+    out.push((format!("qk_norm_rope_write {dtype} head_dim {HEAD_DIM}"), qk_norm_rope_write));
     // The attention as each pass takes it (a decoding step, prefill chunks, ragged passes), once
     // for each block of queries it may pick.
     for groups in GROUPS {

@@ -386,36 +386,6 @@ pub fn paged_attention<R: CubeRuntime>(
     output
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every choice fits the shared memory and takes whole groups' worth of heads where they
-    /// fit; Qwen3's heads of 128 keep tiles of 32 in a decoding step, and a prefill takes 16
-    /// (head, query) pairs a cube.
-    #[test]
-    fn blocks_fit_the_shared_memory() {
-        let blocks = |heads, queries, tile| Blocks { heads, queries, tile };
-        assert_eq!(blocks_for(128, 1, 1), blocks(1, 1, 32));
-        assert_eq!(blocks_for(128, 4, 1), blocks(4, 1, 32));
-        assert_eq!(blocks_for(128, 2, 300), blocks(2, 8, 16));
-        assert_eq!(blocks_for(128, 4, 300), blocks(4, 4, 16));
-        assert_eq!(blocks_for(128, 1, 3), blocks(1, 4, 32));
-        assert_eq!(blocks_for(72, 3, 40), blocks(3, 4, 32));
-        for d in [8, 24, 64, 72, 128, 256, 512] {
-            for groups in [1, 2, 3, 4, 5, 8, 20, 64] {
-                for queries in [1, 2, 5, 16, 17, 1000] {
-                    let b = blocks_for(d, groups, queries);
-                    let entries = (b.heads * b.queries) as usize;
-                    assert!(4 * shared_words(d, entries, b.tile as usize) <= SHARED_BYTES, "head_dim {d}, {groups} groups, {queries} queries");
-                    assert!(groups % b.heads as usize == 0 && entries <= MOST_QUERIES && b.tile >= 1, "{b:?}");
-                    assert!(b.queries as usize <= queries.next_power_of_two(), "{b:?}");
-                }
-            }
-        }
-    }
-}
-
 /// [`paged_attention_kernel`] over `dtypes` (the query's and pools', the read table's, the mask's)
 /// as CubeCL defines it for compilation, for heads of `head_dim` in groups of `groups` and passes
 /// of `queries` a row (`ragged`: a ragged pass's).
@@ -449,4 +419,34 @@ pub(crate) fn definition<R: Runtime>(
         dtypes,
     )
     .define()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every choice fits the shared memory and takes whole groups' worth of heads where they
+    /// fit; Qwen3's heads of 128 keep tiles of 32 in a decoding step, and a prefill takes 16
+    /// (head, query) pairs a cube.
+    #[test]
+    fn blocks_fit_the_shared_memory() {
+        let blocks = |heads, queries, tile| Blocks { heads, queries, tile };
+        assert_eq!(blocks_for(128, 1, 1), blocks(1, 1, 32));
+        assert_eq!(blocks_for(128, 4, 1), blocks(4, 1, 32));
+        assert_eq!(blocks_for(128, 2, 300), blocks(2, 8, 16));
+        assert_eq!(blocks_for(128, 4, 300), blocks(4, 4, 16));
+        assert_eq!(blocks_for(128, 1, 3), blocks(1, 4, 32));
+        assert_eq!(blocks_for(72, 3, 40), blocks(3, 4, 32));
+        for d in [8, 24, 64, 72, 128, 256, 512] {
+            for groups in [1, 2, 3, 4, 5, 8, 20, 64] {
+                for queries in [1, 2, 5, 16, 17, 1000] {
+                    let b = blocks_for(d, groups, queries);
+                    let entries = (b.heads * b.queries) as usize;
+                    assert!(4 * shared_words(d, entries, b.tile as usize) <= SHARED_BYTES, "head_dim {d}, {groups} groups, {queries} queries");
+                    assert!(groups % b.heads as usize == 0 && entries <= MOST_QUERIES && b.tile >= 1, "{b:?}");
+                    assert!(b.queries as usize <= queries.next_power_of_two(), "{b:?}");
+                }
+            }
+        }
+    }
 }

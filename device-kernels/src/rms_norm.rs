@@ -412,36 +412,41 @@ fn check_operands<R: CubeRuntime>(kernel: &str, input: &CubeTensor<R>, weight: &
     assert!(matches!(input.dtype, DType::F32 | DType::F16 | DType::BF16), "{kernel}: no kernel for {:?}", input.dtype);
 }
 
-/// [`rms_norm_kernel`], [`add_rms_norm_kernel`] and [`qk_norm_rope_write_kernel`] in `dtype`
-/// (slots of `index`) as CubeCL defines them for compilation: the norms of rows of `hidden`,
-/// `q_norm` and `k_norm` of heads of `head_dim`.
-pub(crate) fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType, index: StorageType, hidden: u32, head_dim: u32) -> [KernelDefinition; 3] {
+/// [`rms_norm_kernel`] and [`add_rms_norm_kernel`] in `dtype` as CubeCL defines them for
+/// compilation, for rows of `hidden`.
+pub(crate) fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType, hidden: u32) -> [KernelDefinition; 2] {
     let arg = crate::definitions::arg;
     let settings = || crate::definitions::settings(UNITS);
     [
         rms_norm_kernel::RmsNormKernel::<R>::new(settings(), client.clone(), arg(), arg(), arg(), (), hidden, REVISION, dtype).define(),
         add_rms_norm_kernel::AddRmsNormKernel::<R>::new(settings(), client.clone(), arg(), arg(), arg(), arg(), arg(), (), hidden, REVISION, dtype).define(),
-        qk_norm_rope_write_kernel::QkNormRopeWriteKernel::<R>::new(
-            settings(),
-            client.clone(),
-            arg(),
-            arg(),
-            arg(),
-            arg(),
-            arg(),
-            arg(),
-            arg(),
-            arg(),
-            arg(),
-            arg(),
-            arg(),
-            (),
-            (),
-            (),
-            head_dim,
-            REVISION,
-            [dtype, index],
-        )
-        .define(),
     ]
+}
+
+/// [`qk_norm_rope_write_kernel`] over `dtypes` (the heads', the slots') as CubeCL defines it for
+/// compilation, for heads of `head_dim`.
+pub(crate) fn qk_norm_rope_write_definition<R: Runtime>(client: &ComputeClient<R>, dtypes: [StorageType; 2], head_dim: u32) -> KernelDefinition {
+    let arg = crate::definitions::arg;
+    qk_norm_rope_write_kernel::QkNormRopeWriteKernel::<R>::new(
+        crate::definitions::settings(UNITS),
+        client.clone(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        arg(),
+        (),
+        (),
+        (),
+        head_dim,
+        REVISION,
+        dtypes,
+    )
+    .define()
 }
