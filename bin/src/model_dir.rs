@@ -20,7 +20,8 @@ impl<B: Backend> LoadedModel<B> {
     /// Loads `dir` (config.json + safetensors; tokenizer.json if present) onto `device`.
     pub fn open(dir: &Path, device: &B::Device, options: LoadOptions) -> Result<Self> {
         let model = load_pretrained::<B>(dir, device, options)
-            .with_context(|| format!("loading the model in {}", dir.display()))?;
+            .with_context(|| format!("loading the model in {}", dir.display()))?
+            .for_inference();
         let tokenizer = if dir.join("tokenizer.json").is_file() {
             Some(Qwen3Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?)
         } else {

@@ -6,7 +6,9 @@
 //! and `k_norm` with RoPE and the keys and values written to the cache's pools as one kernel a
 //! layer ([`rms_norm::qk_norm_rope_write`]); SwiGLU's `silu(gate) · up` ([`swiglu`]); and the
 //! choice of each row's token from its logits
-//! ([`sampling`]) where burn's ops take about 17. They run on any CubeCL runtime (CUDA; wgpu,
+//! ([`sampling`]) where burn's ops take about 17. The norm-with-RoPE and SwiGLU kernels read
+//! their operands as columns of one stacked product where the model stacks its projections
+//! (`qkv_proj`, `gate_up_proj`), so that they need no copy. They run on any CubeCL runtime (CUDA; wgpu,
 //! where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a custom
 //! operation in the fusion stream) or not.
 //!

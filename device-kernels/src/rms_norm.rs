@@ -194,7 +194,9 @@ fn norm_rope_head<F: Float>(
 /// `q_norm` and `k_norm` with RoPE ([`norm_rope_head`]) of one pass's query and key heads, the
 /// rotated keys and the values written to their token's slot of a layer's pools
 /// (`[kv_heads, slots, head_dim]`): one cube a head of a token, its `heads` query heads and then
-/// its `kv_heads` key heads. The query heads go to `rotated_query`, in the query's layout.
+/// its `kv_heads` key heads. The projections are `[tokens, heads · head_dim]` rows, each row
+/// `stride(0)` from the last (columns of a stacked `qkv_proj` output, or packed); the query
+/// heads go to `rotated_query`, packed.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
@@ -228,17 +230,19 @@ fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
     if token < slots.shape(0) {
         let table = token * n;
         if j < h {
-            let base = (token * h + j) * n;
-            norm_rope_head::<F>(query, base, q_weight, cos, signed_sin, table, rotated_query, base, &mut partial, &mut head, eps, head_dim);
+            let base = token * query.stride(0) + j * n;
+            let out = (token * h + j) * n;
+            norm_rope_head::<F>(query, base, q_weight, cos, signed_sin, table, rotated_query, out, &mut partial, &mut head, eps, head_dim);
         } else {
             let kv_head = j - h;
-            let base = (token * kv + kv_head) * n;
             let slot = u32::cast_from(slots[token]) as usize;
             let at = (kv_head * keys.shape(1) + slot) * n;
-            norm_rope_head::<F>(key, base, k_weight, cos, signed_sin, table, keys, at, &mut partial, &mut head, eps, head_dim);
+            let key_base = token * key.stride(0) + kv_head * n;
+            norm_rope_head::<F>(key, key_base, k_weight, cos, signed_sin, table, keys, at, &mut partial, &mut head, eps, head_dim);
+            let value_base = token * value.stride(0) + kv_head * n;
             let mut i = UNIT_POS_X as usize;
             while i < n {
-                values[at + i] = value[base + i];
+                values[at + i] = value[value_base + i];
                 i += CUBE_DIM_X as usize;
             }
         }
@@ -310,11 +314,12 @@ pub fn add_rms_norm<R: CubeRuntime>(
     (sum, output)
 }
 
-/// The operands of [`qk_norm_rope_write`]: one pass's projections, `[tokens · heads, head_dim]`
-/// (`query`) and `[tokens · kv_heads, head_dim]` (`key`, `value`), a token's heads side by
-/// side; the norms' weights `[head_dim]`; RoPE's `cos` and `signed_sin` `[tokens, head_dim]`;
-/// the slot of each token `[tokens]` (ints); a layer's pools `[kv_heads, slots, head_dim]`. All
-/// floats of one dtype. `F` and `I` are a backend's float and int primitives.
+/// The operands of [`qk_norm_rope_write`]: one pass's projections, `[tokens, heads · head_dim]`
+/// (`query`) and `[tokens, kv_heads · head_dim]` (`key`, `value`), a token's heads side by
+/// side, whose rows may lie further apart than their width (columns of one stacked product);
+/// the norms' weights `[head_dim]`; RoPE's `cos` and `signed_sin` `[tokens, head_dim]`; the slot
+/// of each token `[tokens]` (ints); a layer's pools `[kv_heads, slots, head_dim]`. All floats of
+/// one dtype. `F` and `I` are a backend's float and int primitives.
 #[derive(Debug)]
 pub struct QkNormRopeWrite<F, I> {
     pub query: F,
@@ -338,27 +343,27 @@ pub struct QkNormRopeWrite<F, I> {
 /// Panics on operands whose shapes or dtypes disagree, or an odd `head_dim`.
 pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, CubeTensor<R>>) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
-    let [query_rows, head_dim] = query.shape().dims::<2>();
-    let [key_rows, key_dim] = key.shape().dims::<2>();
-    let [tokens, table_dim] = cos.shape().dims::<2>();
+    let [head_dim] = q_weight.shape().dims::<1>();
+    let [tokens, query_width] = query.shape().dims::<2>();
     let [kv_heads, pool_slots, pool_dim] = keys.shape().dims::<3>();
-    assert_eq!(signed_sin.shape().dims::<2>(), [tokens, table_dim], "qk norm rope write: cos and sin of one shape");
-    assert_eq!((key_dim, table_dim, pool_dim), (head_dim, head_dim, head_dim), "qk norm rope write: keys, tables and pools of the queries' head_dim");
-    assert!(head_dim % 2 == 0, "qk norm rope write: an even head_dim");
-    assert!((tokens == 0 && query_rows == 0) || (tokens > 0 && query_rows % tokens == 0), "qk norm rope write: {query_rows} query rows for {tokens} tokens");
+    assert!(head_dim > 0 && head_dim % 2 == 0, "qk norm rope write: an even head_dim");
+    assert_eq!(query_width % head_dim, 0, "qk norm rope write: query rows of {query_width}, not whole heads of {head_dim}");
+    assert_eq!(cos.shape().dims::<2>(), [tokens, head_dim], "qk norm rope write: a cos row of head_dim a token");
+    assert_eq!(signed_sin.shape().dims::<2>(), [tokens, head_dim], "qk norm rope write: cos and sin of one shape");
+    assert_eq!(pool_dim, head_dim, "qk norm rope write: pools of the queries' head_dim");
     assert_eq!(k_weight.shape().dims::<1>(), [head_dim], "qk norm rope write: a k_norm weight of the heads' width");
-    assert_eq!(key_rows, tokens * kv_heads, "qk norm rope write: {key_rows} key rows for {tokens} tokens of {kv_heads} heads");
-    assert_eq!(value.shape().dims::<2>(), [key_rows, head_dim], "qk norm rope write: values of the keys' shape");
+    assert_eq!(key.shape().dims::<2>(), [tokens, kv_heads * head_dim], "qk norm rope write: a key row of {kv_heads} heads a token");
+    assert_eq!(value.shape().dims::<2>(), [tokens, kv_heads * head_dim], "qk norm rope write: values of the keys' shape");
     assert_eq!(values.shape().dims::<3>(), [kv_heads, pool_slots, head_dim], "qk norm rope write: values pool of another shape than the keys'");
     assert_eq!(slots.shape().num_elements(), tokens, "qk norm rope write: a slot a token");
     check_operands("qk norm rope write", &query, &q_weight, &[&k_weight, &key, &value, &cos, &signed_sin, &keys, &values], head_dim);
-    let [query, key, value, q_weight, k_weight, cos, signed_sin, slots] =
-        [query, key, value, q_weight, k_weight, cos, signed_sin, slots].map(into_contiguous);
+    let [query, key, value] = [query, key, value].map(packed_rows);
+    let [q_weight, k_weight, cos, signed_sin, slots] = [q_weight, k_weight, cos, signed_sin, slots].map(into_contiguous);
     let [keys, values] = [keys, values].map(writable);
     let client = query.client.clone();
     let dtypes = [query.dtype.into(), slots.dtype.into()];
-    let rotated = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([query_rows, head_dim]), query.dtype);
-    let heads = query_rows.checked_div(tokens).unwrap_or(0);
+    let rotated = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([tokens, query_width]), query.dtype);
+    let heads = query_width / head_dim;
     if tokens == 0 {
         return (rotated, keys, values);
     }
@@ -385,6 +390,19 @@ pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, C
         dtypes,
     );
     (rotated, keys, values)
+}
+
+/// A `[rows, width]` operand whose rows a kernel reads `stride(0)` apart: itself where its
+/// columns are adjacent (packed, or a range of columns of a wider tensor, such as one of a
+/// stacked projection's outputs), else a packed copy.
+pub(crate) fn packed_rows<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+    let strides = tensor.meta.strides();
+    let [rows, width] = tensor.shape().dims::<2>();
+    if strides[1] == 1 && (rows <= 1 || strides[0] >= width) {
+        tensor
+    } else {
+        into_contiguous(tensor)
+    }
 }
 
 /// `pool` packed row-major and held by nothing else, for a kernel to write in place: itself

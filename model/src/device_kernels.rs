@@ -98,11 +98,13 @@ pub type AddRmsNormFn<B> = fn(residual: Tensor<B, 2>, delta: Tensor<B, 2>, weigh
 /// (see [`QkNormRopeWriteFn`]). Floats of one dtype.
 #[derive(Debug, Clone)]
 pub struct QkNormRopeWrite<B: Backend> {
-    /// `[tokens · heads, head_dim]`, a token's heads side by side (`q_proj`'s output).
+    /// `[tokens, heads · head_dim]`, a token's heads side by side (`q_proj`'s output). The
+    /// rows of the three projections may lie further apart than their width: columns of one
+    /// stacked product (`qkv_proj`'s), read where they lie.
     pub query: Tensor<B, 2>,
-    /// `[tokens · kv_heads, head_dim]` (`k_proj`'s output).
+    /// `[tokens, kv_heads · head_dim]` (`k_proj`'s output).
     pub key: Tensor<B, 2>,
-    /// `[tokens · kv_heads, head_dim]` (`v_proj`'s output).
+    /// `[tokens, kv_heads · head_dim]` (`v_proj`'s output).
     pub value: Tensor<B, 2>,
     /// `q_norm`'s and `k_norm`'s weights, `[head_dim]`.
     pub q_weight: Tensor<B, 1>,
@@ -122,8 +124,8 @@ pub struct QkNormRopeWrite<B: Backend> {
 /// A kernel computing [`QkNormRopeWrite`]: each head normalised as [`RmsNormFn`] does, then
 /// RoPE at its token, `y · cos + swap_halves(y) · signed_sin` (HF's
 /// `apply_rotary_pos_emb(q_norm(q), k_norm(k))`), the rotated keys and the values written to
-/// their tokens' slots. Returns `(rotated query, keys, values)`: the query in its layout, the
-/// pools written (in place where nothing else holds them).
+/// their tokens' slots. Returns `(rotated query, keys, values)`: the query `[tokens, heads ·
+/// head_dim]`, the pools written (in place where nothing else holds them).
 pub type QkNormRopeWriteFn<B> = fn(QkNormRopeWrite<B>) -> (Tensor<B, 2>, Tensor<B, 3>, Tensor<B, 3>);
 
 /// A kernel choosing each row's token from `logits` (`[rows, vocab]`, any float dtype), as
@@ -147,6 +149,8 @@ pub fn token_choice<B: Backend>() -> Option<ChooseTokensFn<B>> {
 
 /// A kernel computing SwiGLU's `silu(gate) · up` for `gate` and `up` `[rows, width]` of one
 /// dtype, as HF does in a dtype of 16 bits: `silu` in f32 rounded to the dtype, then the product.
+/// Their rows may lie further apart than their width: the two halves of one stacked product
+/// (`gate_up_proj`'s), read where they lie.
 pub type SiluMulFn<B> = fn(gate: Tensor<B, 2>, up: Tensor<B, 2>) -> Tensor<B, 2>;
 
 /// Lets `kernel` compute SwiGLU's element-wise step on backend `B` from now on, for the whole

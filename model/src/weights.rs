@@ -131,7 +131,7 @@ pub fn with_dtype<B: Backend>(model: Qwen3ForCausalLM<B>, dtype: DType) -> Qwen3
             Param::from_mapped_value(id, crate::kernels::cast(tensor, self.0), mapper)
         }
     }
-    model.map(&mut Cast(dtype))
+    model.restacked_after(|model| model.map(&mut Cast(dtype)))
 }
 
 /// Builds the model from host tensors supplied in HF layout by `fetch`.
@@ -200,6 +200,7 @@ fn assemble<B: Backend>(
             gate_proj: linear(next(ParamKind::Linear)?),
             up_proj: linear(next(ParamKind::Linear)?),
             down_proj: linear(next(ParamKind::Linear)?),
+            gate_up_proj: None,
         };
         layers.push(Qwen3DecoderLayer {
             self_attn: Qwen3Attention {
@@ -212,6 +213,7 @@ fn assemble<B: Backend>(
                 num_heads: config.num_attention_heads,
                 num_key_value_heads: config.num_key_value_heads,
                 head_dim: config.head_dim,
+                qkv_proj: None,
             },
             mlp,
             input_layernorm,

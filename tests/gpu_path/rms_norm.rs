@@ -98,12 +98,16 @@ fn check<B: DeviceKernels>(dtype: DType, tolerance: f32, rope_tolerance: f32) {
 /// in place: a copy of them queued before the kernel must still read them as they were), then
 /// padding (every other token at the scratch slot 0, whose contents are not compared) written
 /// into pools still held elsewhere, which must be left as they were (the kernel writes a copy).
+/// Each pass twice: the projections packed, and as columns of one stacked product (`qkv_proj`'s),
+/// which must give the same bits.
 fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, heads, kv_heads, head_dim]: [usize; 4], dtype: DType, tolerance: f32) {
     let device = Default::default();
     let shape = format!("{tokens} tokens of {heads} and {kv_heads} heads of {head_dim}");
-    let query = scaled_rows::<B>(tokens * heads, head_dim, dtype, &device);
-    let key = scaled_rows::<B>(tokens * kv_heads, head_dim, dtype, &device);
-    let value = uniform::<B, 2>([tokens * kv_heads, head_dim], -2.0, 2.0, dtype, &device);
+    let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
+    let query = scaled_rows::<B>(tokens * heads, head_dim, dtype, &device).reshape([tokens, q_width]);
+    let key = scaled_rows::<B>(tokens * kv_heads, head_dim, dtype, &device).reshape([tokens, kv_width]);
+    let value = uniform::<B, 2>([tokens, kv_width], -2.0, 2.0, dtype, &device);
+    let stacked = Tensor::cat(vec![query.clone(), key.clone(), value.clone()], 1);
     let q_weight = uniform::<B, 1>([head_dim], 0.5, 1.5, dtype, &device);
     let k_weight = uniform::<B, 1>([head_dim], 0.5, 1.5, dtype, &device);
     let cos = uniform::<B, 2>([tokens, head_dim], -1.0, 1.0, dtype, &device);
@@ -119,40 +123,57 @@ fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, 
         let pairs: Vec<i64> = slots.iter().flat_map(|&s| (0..kv_heads).flat_map(move |h| [h as i64, s as i64])).collect();
         let pairs = Tensor::<B, 2, Int>::from_data(TensorData::new(pairs, [tokens * kv_heads, 2]), &device);
         let rope = |x: Tensor<B, 2>, weight: Tensor<B, 1>, n: usize| {
-            let normed = reference(x, weight).reshape([tokens, n, head_dim]);
-            rotated(normed, cos.clone(), signed_sin.clone()).reshape([tokens * n, head_dim])
+            let normed = reference(x.reshape([tokens * n, head_dim]), weight).reshape([tokens, n, head_dim]);
+            rotated(normed, cos.clone(), signed_sin.clone()).reshape([tokens, n * head_dim])
         };
         let expected_query = rope(query.clone(), q_weight.clone(), heads);
-        let expected_keys = keys.clone().scatter_nd(pairs.clone(), rope(key.clone(), k_weight.clone(), kv_heads), IndexingUpdateOp::Assign);
-        let expected_values = values.clone().scatter_nd(pairs, value.clone(), IndexingUpdateOp::Assign);
-        // Pools still held elsewhere keep their contents (host copies to compare with after).
-        // Unheld, the pools are written in place, after what reads them before the kernel (a
-        // copy queued here) has read them.
-        let before = [keys.to_data(), values.to_data()];
-        let readers = if held { [keys.clone(), values.clone()] } else { [keys.clone() * 1.0, values.clone() * 1.0] };
-        let pass = QkNormRopeWrite {
-            query: query.clone(),
-            key: key.clone(),
-            value: value.clone(),
-            q_weight: q_weight.clone(),
-            k_weight: k_weight.clone(),
-            cos: cos.clone(),
-            signed_sin: signed_sin.clone(),
-            slots: Tensor::from_data(TensorData::new(index, [tokens]), &device),
-            keys,
-            values,
-            eps: EPS,
-        };
-        let (rotated_query, written_keys, written_values) = (kernels.qk_norm_rope_write)(pass);
-        let but_scratch = |pool: Tensor<B, 3>| pool.slice([0..kv_heads, 1..pool_slots, 0..head_dim]);
-        let case = format!("{shape}{}", if held { ", padded, pools held" } else { "" });
-        report::<B>("qk_norm_rope_write's query", dtype, &case, worst(rotated_query, expected_query, dtype), tolerance);
-        report::<B>("qk_norm_rope_write's keys", dtype, &case, worst(but_scratch(written_keys), but_scratch(expected_keys), dtype), tolerance);
-        report::<B>("qk_norm_rope_write's values", dtype, &case, worst(but_scratch(written_values), but_scratch(expected_values), dtype), 0.0);
-        let reader = if held { "held" } else { "read before the kernel" };
-        for ((name, pool), before) in ["keys", "values"].into_iter().zip(readers).zip(before) {
-            let before = Tensor::<B, 3>::from_data(before, &device);
-            report::<B>(&format!("qk_norm_rope_write's {name} {reader}"), dtype, &case, worst(pool, before, dtype), 0.0);
+        let pool_rows = |x: Tensor<B, 2>| x.reshape([tokens * kv_heads, head_dim]);
+        let expected_keys = keys.clone().scatter_nd(pairs.clone(), pool_rows(rope(key.clone(), k_weight.clone(), kv_heads)), IndexingUpdateOp::Assign);
+        let expected_values = values.clone().scatter_nd(pairs, pool_rows(value.clone()), IndexingUpdateOp::Assign);
+        let mut packed_results = None;
+        for layout in ["packed", "stacked"] {
+            let (query, key, value) = match layout {
+                "packed" => (query.clone(), key.clone(), value.clone()),
+                _ => (stacked.clone().narrow(1, 0, q_width), stacked.clone().narrow(1, q_width, kv_width), stacked.clone().narrow(1, q_width + kv_width, kv_width)),
+            };
+            // Pools still held elsewhere keep their contents (host copies to compare with
+            // after). Unheld, the pools are written in place, after what reads them before the
+            // kernel (a copy queued here) has read them.
+            let (keys, values) = (keys.clone() * 1.0, values.clone() * 1.0);
+            let before = [keys.to_data(), values.to_data()];
+            let readers = if held { [keys.clone(), values.clone()] } else { [keys.clone() * 1.0, values.clone() * 1.0] };
+            let pass = QkNormRopeWrite {
+                query,
+                key,
+                value,
+                q_weight: q_weight.clone(),
+                k_weight: k_weight.clone(),
+                cos: cos.clone(),
+                signed_sin: signed_sin.clone(),
+                slots: Tensor::from_data(TensorData::new(index.clone(), [tokens]), &device),
+                keys,
+                values,
+                eps: EPS,
+            };
+            let (rotated_query, written_keys, written_values) = (kernels.qk_norm_rope_write)(pass);
+            let but_scratch = |pool: Tensor<B, 3>| pool.slice([0..kv_heads, 1..pool_slots, 0..head_dim]);
+            let case = format!("{shape}, {layout}{}", if held { ", padded, pools held" } else { "" });
+            report::<B>("qk_norm_rope_write's query", dtype, &case, worst(rotated_query.clone(), expected_query.clone(), dtype), tolerance);
+            report::<B>("qk_norm_rope_write's keys", dtype, &case, worst(but_scratch(written_keys.clone()), but_scratch(expected_keys.clone()), dtype), tolerance);
+            report::<B>("qk_norm_rope_write's values", dtype, &case, worst(but_scratch(written_values.clone()), but_scratch(expected_values.clone()), dtype), 0.0);
+            let reader = if held { "held" } else { "read before the kernel" };
+            for ((name, pool), before) in ["keys", "values"].into_iter().zip(readers).zip(before) {
+                let before = Tensor::<B, 3>::from_data(before, &device);
+                report::<B>(&format!("qk_norm_rope_write's {name} {reader}"), dtype, &case, worst(pool, before, dtype), 0.0);
+            }
+            match &packed_results {
+                None => packed_results = Some((rotated_query, written_keys, written_values)),
+                Some((query, keys, values)) => {
+                    report::<B>("qk_norm_rope_write's query, stacked against packed", dtype, &case, worst(rotated_query, query.clone(), dtype), 0.0);
+                    report::<B>("qk_norm_rope_write's keys, stacked against packed", dtype, &case, worst(but_scratch(written_keys), but_scratch(keys.clone()), dtype), 0.0);
+                    report::<B>("qk_norm_rope_write's values, stacked against packed", dtype, &case, worst(but_scratch(written_values), but_scratch(values.clone()), dtype), 0.0);
+                }
+            }
         }
     }
 }

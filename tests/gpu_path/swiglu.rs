@@ -1,7 +1,8 @@
 //! SwiGLU's `silu(gate) · up` kernel of `prompt-r1-device-kernels` against burn's ops on wgpu
 //! (fused and unfused), as the model finds it through the registry: one row and many (more
 //! elements than the grid's first axis takes at 256 a cube), widths that are not a multiple of
-//! the cube, gates from −12 to 12 (where `silu` saturates either way); f32 and f16.
+//! the cube, gates from −12 to 12 (where `silu` saturates either way); f32 and f16; packed
+//! operands and the two halves of one stacked product (`gate_up_proj`'s), read where they lie.
 
 use burn::tensor::activation::silu;
 use burn::tensor::{DType, Distribution, Tensor};
@@ -21,8 +22,15 @@ fn check<B: DeviceKernels>(dtype: DType, atol: f32, rtol: f32) {
         let gate = Tensor::<B, 2>::random([rows, width], Distribution::Uniform(-12.0, 12.0), &device).cast(dtype);
         let up = Tensor::<B, 2>::random([rows, width], Distribution::Normal(0.0, 2.0), &device).cast(dtype);
         let expected = silu(gate.clone()) * up.clone();
-        let output = kernel(gate, up);
+        let output = kernel(gate.clone(), up.clone());
         assert_eq!((output.dims(), output.dtype()), ([rows, width], dtype));
+        // The same operands as the halves of one stacked `[rows, 2 · width]` product: the same
+        // arithmetic, so the same bits.
+        let stacked = Tensor::cat(vec![gate, up], 1);
+        let from_halves = kernel(stacked.clone().narrow(1, 0, width), stacked.narrow(1, width, width));
+        let differ = (from_halves.cast(DType::F32) - output.clone().cast(DType::F32)).abs().max();
+        let differ: f32 = differ.into_scalar().to_string().parse().expect("a float");
+        assert_eq!(differ, 0.0, "silu_mul, {rows} × {width}, {dtype:?}: the stacked halves give other values than packed operands");
         let expected = expected.cast(DType::F32);
         let error = (output.cast(DType::F32) - expected.clone()).abs();
         let scalar = |t: Tensor<B, 1>| -> f32 { t.into_scalar().to_string().parse().expect("a float") };

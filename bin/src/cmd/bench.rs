@@ -342,7 +342,8 @@ impl Args {
     /// `--rollout`: at each batch, pure decode and the rollout (see [`rollout`]).
     fn rollout_figures<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, figures: &mut Vec<Figure>) -> Result<()> {
         let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype, compute: self.compute.attention.compute(MatmulPrecision::F32) })?
-            .with_matmul_precision(self.matmul);
+            .with_matmul_precision(self.matmul)
+            .for_inference();
         let tokenizer = rollout::tokenizer(dir)?;
         let settings = rollout::RolloutSettings {
             turns: self.rollout_turns,
@@ -400,7 +401,8 @@ impl Args {
         reset_peak_rss();
         let start = Instant::now();
         let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype, compute: self.compute.attention.compute(MatmulPrecision::F32) })?
-            .with_matmul_precision(self.matmul);
+            .with_matmul_precision(self.matmul)
+            .for_inference();
         B::sync(device)?;
         figures.push(Figure::tokens("load".into(), start.elapsed().as_secs_f64(), None, peak_rss_mb()));
         let adapters = self.lora.then(|| LoraAdapters::<B>::init(&LoraConfig::default(), &model.config, 0, device));

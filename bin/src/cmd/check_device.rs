@@ -123,7 +123,7 @@ impl<'a> OnBackend for &'a Probe {
     type Output = Results;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Results> {
-        let model = load_pretrained::<B>(&self.dir, &device, LoadOptions { dtype: self.dtype, ..Default::default() })?;
+        let model = load_pretrained::<B>(&self.dir, &device, LoadOptions { dtype: self.dtype, ..Default::default() })?.for_inference();
         let mut logits = Vec::new();
         for padding in [Padding::Right, Padding::Left] {
             logits.push(padded_logits(&model, &self.prompts, padding, &device)?);

@@ -67,6 +67,8 @@ pub struct Policy<B: Backend> {
 impl<B: Backend> Policy<B> {
     /// `base`, loaded from `root` with `options` onto `device`, without adapters; at most
     /// `max_adapters` may be loaded at once, each merged into a copy of the base if `merge`.
+    /// The base is served as prepared for inference on `B` (its projections stacked where a
+    /// GPU backend's kernels read them in place, see `Qwen3ForCausalLM::for_inference`).
     pub fn new(
         name: String,
         base: Qwen3ForCausalLM<B>,
@@ -78,7 +80,7 @@ impl<B: Backend> Policy<B> {
     ) -> Self {
         Self {
             name,
-            base,
+            base: base.for_inference(),
             base_root: root,
             adapters: BTreeMap::new(),
             max_adapters,
@@ -217,7 +219,7 @@ impl<B: Backend> Policy<B> {
         }
         let model = load_pretrained::<B>(dir, &self.device, self.options)
             .map_err(|err| bad(format!("cannot load the weights in model_path {path}: {err}")))?;
-        self.base = model;
+        self.base = model.for_inference();
         self.base_root = path;
         let (merge, base) = (self.merge, &self.base);
         for loaded in self.adapters.values_mut() {

@@ -11,17 +11,20 @@ use crate::qwen3::{Qwen3DecoderLayer, Qwen3ForCausalLM};
 
 /// `base` with every adapter merged into its projection: the returned model alone computes
 /// what `base` with `adapters` computes (up to rounding).
-pub fn merge_adapters<B: Backend>(mut base: Qwen3ForCausalLM<B>, adapters: &LoraAdapters<B>) -> Qwen3ForCausalLM<B> {
+/// A base with stacked projections comes back stacked, of the merged weights.
+pub fn merge_adapters<B: Backend>(base: Qwen3ForCausalLM<B>, adapters: &LoraAdapters<B>) -> Qwen3ForCausalLM<B> {
     assert_eq!(
         adapters.layers.len(),
         base.model.layers.len(),
         "adapters for a model of another depth"
     );
-    for (l, target, adapter) in adapters.iter() {
-        let linear = projection(&mut base.model.layers[l], target);
-        linear.weight = linear.weight.clone().map(|w| merged(w, adapter));
-    }
-    base
+    base.restacked_after(|mut base| {
+        for (l, target, adapter) in adapters.iter() {
+            let linear = projection(&mut base.model.layers[l], target);
+            linear.weight = linear.weight.clone().map(|w| merged(w, adapter));
+        }
+        base
+    })
 }
 
 fn merged<B: Backend>(w: burn::tensor::Tensor<B, 2>, adapter: &LoraLinear<B>) -> burn::tensor::Tensor<B, 2> {

@@ -2,7 +2,9 @@
 //! `Qwen3RotaryEmbedding` (with `rotate_half` folded into its tables), `Qwen3Attention`, `Qwen3MLP`, `Qwen3DecoderLayer`,
 //! `Qwen3Model` and `Qwen3ForCausalLM`. The model is immutable in use (`&self`): the KV cache,
 //! the attention mask and the positions are values passed in; how it computes ([`Compute`]:
-//! the attention implementation, the precision of products) is one value chosen at load.
+//! the attention implementation, the precision of products) is one value chosen at load. An
+//! inference copy may stack its projections as vLLM does (`qkv_proj`, `gate_up_proj`:
+//! [`Qwen3ForCausalLM::for_inference`]).
 
 pub mod attention;
 mod cache;
@@ -14,6 +16,7 @@ mod mask;
 mod mlp;
 mod rms_norm;
 mod rotary;
+mod stacked;
 
 pub use attention::autodiff::register_autodiff_attention;
 pub use attention::{AttentionInputs, Qwen3Attention};

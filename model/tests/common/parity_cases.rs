@@ -342,6 +342,33 @@ fn decode_against_recomputation(model: &Qwen3ForCausalLM<B>, limits: DecoderLimi
     decoder.stats()
 }
 
+/// With the projections stacked (`qkv_proj`, `gate_up_proj`: one product where there were
+/// five), the model still gives transformers' logits and greedy tokens, and its kept-cache
+/// decoding still equals recomputation, across rows leaving, parking and joining.
+#[test]
+fn stacked_projections_give_the_same_results() {
+    for name in ["tiny", "tiny-untied"] {
+        let Some(fx) = fixture(name) else { return };
+        let model = load(&fx.dir).with_stacked_projections();
+        assert!(model.model.layers.iter().all(|l| l.self_attn.qkv_proj.is_some() && l.mlp.gate_up_proj.is_some()));
+        let mut worst = 0.0f32;
+        for seq in fx.json["sequences"].as_array().unwrap() {
+            worst = worst.max(max_abs_diff(&logits_of(&model, &ids(&seq["input_ids"])), &flat(&seq["logits"])));
+        }
+        println!("{name}, stacked projections: max |logit diff| {worst:.2e}");
+        assert!(worst < ATOL, "{name}, stacked: {worst}");
+        let greedy = &fx.json["greedy"];
+        let config = SamplingConfig {
+            max_new_tokens: greedy["max_new_tokens"].as_u64().unwrap() as usize,
+            sampling: Sampling::greedy(),
+            ..Default::default()
+        };
+        let out = generate(&model, &[ids(&greedy["prompt"])], &config).unwrap();
+        assert_eq!(out[0].tokens, ids(&greedy["tokens"]), "{name}, stacked: greedy tokens");
+        decode_against_recomputation(&model, DecoderLimits::default(), "stacked projections");
+    }
+}
+
 #[test]
 fn kept_cache_decoding_equals_recomputation() {
     let Some(fx) = fixture("tiny") else { return };

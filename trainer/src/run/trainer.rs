@@ -473,16 +473,26 @@ fn load_examples(files: &[PathBuf], config: &TrainConfig) -> Result<Vec<Example>
 
 /// The model a local engine's episodes sample from, and whether `adapters` are merged into it:
 /// the policy (or LoRA base) itself, or a copy with the adapters merged
-/// (`rollout.merge_lora`) and in `rollout.dtype` (unmerged adapters stay f32).
+/// (`rollout.merge_lora`) and in `rollout.dtype` (unmerged adapters stay f32). A copy whose
+/// stacked projections' weights are all new (cast, or merged with adapters on every one of
+/// them, as the default `target_modules` has) is prepared for inference on `B` (stacked where a
+/// GPU backend's kernels read them in place, `Qwen3ForCausalLM::for_inference`): the separate
+/// weights become views of the stacked ones, so no weight is held twice. Elsewhere stacking
+/// would copy weights the policy still holds, and the model is left as it is.
 fn for_rollouts<B: Backend>(policy: Policy<B>, adapters: Option<&LoraAdapters<B>>, rollout: &RolloutSection) -> (Policy<B>, bool) {
     let (policy, merged) = match adapters {
         Some(adapters) if rollout.merge_lora => (merge_adapters(policy, adapters), true),
         _ => (policy, false),
     };
-    let policy = match rollout.dtype {
-        InferenceDtype::F32 => policy,
-        other => with_dtype(policy, other.dtype()),
+    let (policy, cast) = match rollout.dtype {
+        InferenceDtype::F32 => (policy, false),
+        other => (with_dtype(policy, other.dtype()), true),
     };
+    let all_adapted = |a: &LoraAdapters<B>| {
+        a.layers.iter().all(|l| l.q_proj.is_some() && l.k_proj.is_some() && l.v_proj.is_some() && l.gate_proj.is_some() && l.up_proj.is_some())
+    };
+    let fresh = cast || (merged && adapters.is_some_and(all_adapted));
+    let policy = if fresh { policy.for_inference() } else { policy };
     (policy, merged)
 }
 

@@ -16,7 +16,8 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use super::cache::{CachedKv, KvWrite, LayerKvCache};
 use super::compute::{AttnImplementation, Compute};
-use super::linear::lora_linear;
+use super::linear::{lora_linear, product};
+use super::stacked::split_columns;
 use super::mask::AttentionMask;
 use super::rms_norm::{self, Qwen3RMSNorm};
 use super::rotary::{Qwen3RotaryEmbedding, RotaryTables};
@@ -37,6 +38,12 @@ pub struct Qwen3Attention<B: Backend> {
     pub num_heads: usize,
     pub num_key_value_heads: usize,
     pub head_dim: usize,
+    /// vLLM's `qkv_proj`: `q_proj`'s, `k_proj`'s and `v_proj`'s weights side by side,
+    /// `[hidden, (heads + 2 · kv_heads) · head_dim]`, those three being views of its columns;
+    /// set by [`crate::Qwen3ForCausalLM::with_stacked_projections`] for inference, `None`
+    /// otherwise. Not a parameter.
+    #[module(skip)]
+    pub qkv_proj: Option<Tensor<B, 2>>,
 }
 
 /// What every layer's attention takes from one forward pass, built once and shared by all
@@ -102,36 +109,44 @@ impl<B: Backend> Qwen3Attention<B> {
         compute: &Compute,
         adapters: Option<&LoraLayer<B>>,
     ) -> Tensor<B, 3> {
-        let [b, q_len, _] = hidden_states.dims();
+        let [b, q_len, hidden] = hidden_states.dims();
         let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
         let matmul = compute.matmul;
 
-        // The three projections first, then the norms and RoPE (q's, then k's): CubeCL's fusion builds
+        // The projections `[tokens, heads · d]`: one product of the stacked `qkv_proj` where
+        // none of the three has an adapter, its columns taken where they lie. The three
+        // products come first, then the norms and RoPE (q's, then k's): CubeCL's fusion builds
         // its kernels from runs of operations of one shape, and k's operations (kv_heads) or a
         // projection between q's (heads) and k's left many of them single kernels on a GPU (169
         // kernels per decoding step of the small shape instead of 205, scripts/kernel_census.sh).
-        let project = |layer, adapter: Option<&LoraLinear<B>>, heads| {
-            lora_linear(layer, adapter, hidden_states.clone(), matmul).reshape([b, q_len, heads, d])
+        let x = hidden_states.reshape([b * q_len, hidden]);
+        let adapter = |pick: fn(&LoraLayer<B>) -> Option<&LoraLinear<B>>| adapters.and_then(pick);
+        let unadapted = adapter(|a| a.q_proj.as_ref()).is_none() && adapter(|a| a.k_proj.as_ref()).is_none() && adapter(|a| a.v_proj.as_ref()).is_none();
+        let projections = match self.qkv_proj.as_ref().filter(|_| unadapted) {
+            Some(qkv_proj) => split_columns(product(x, qkv_proj.clone(), matmul), [h * d, kv * d, kv * d]),
+            None => [
+                lora_linear(&self.q_proj, adapter(|a| a.q_proj.as_ref()), x.clone(), matmul),
+                lora_linear(&self.k_proj, adapter(|a| a.k_proj.as_ref()), x.clone(), matmul),
+                lora_linear(&self.v_proj, adapter(|a| a.v_proj.as_ref()), x, matmul),
+            ],
         };
-        let query_states = project(&self.q_proj, adapters.and_then(|a| a.q_proj.as_ref()), h);
-        let key_states = project(&self.k_proj, adapters.and_then(|a| a.k_proj.as_ref()), kv);
-        let value_states = project(&self.v_proj, adapters.and_then(|a| a.v_proj.as_ref()), kv);
         let over_cache = cache.is_some();
         // apply_rotary_pos_emb(q_norm(q), k_norm(k)), and the keys and values to the cache:
         // one kernel where a GPU backend lends it.
         let written = match cache {
-            Some(cache) => match self.norm_rope_and_write(query_states, key_states, value_states, &inputs.rotary_q, cache) {
+            Some(cache) => match self.norm_rope_and_write(projections, &inputs.rotary_q, cache) {
                 Ok(written) => Ok(written),
                 Err(projections) => Err((projections, Some(cache))),
             },
-            None => Err(([query_states, key_states, value_states], None)),
+            None => Err((projections, None)),
         };
         let (query_states, attended) = match written {
-            Ok((query_states, cached)) => (query_states, Attended::Cached(cached)),
+            Ok((query_states, cached)) => (query_states.reshape([b, q_len, h, d]), Attended::Cached(cached)),
             Err(([query_states, key_states, value_states], cache)) => {
-                let query_states = self.q_norm.forward_rotated(query_states, &inputs.rotary_q, over_cache);
-                let key_states = heads_first(self.k_norm.forward_rotated(key_states, &inputs.rotary_k, over_cache));
-                let value_states = heads_first(value_states);
+                let heads = |x: Tensor<B, 2>, heads| x.reshape([b, q_len, heads, d]);
+                let query_states = self.q_norm.forward_rotated(heads(query_states, h), &inputs.rotary_q, over_cache);
+                let key_states = heads_first(self.k_norm.forward_rotated(heads(key_states, kv), &inputs.rotary_k, over_cache));
+                let value_states = heads_first(heads(value_states, kv));
                 let attended = match cache {
                     Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
                     None => Attended::Fresh(key_states, value_states),
@@ -181,42 +196,41 @@ impl<B: Backend> Qwen3Attention<B> {
 }
 
 impl<B: Backend> Qwen3Attention<B> {
-    /// `q_norm` and `k_norm` with RoPE by `tables` of a pass's projections (`[b, q, heads or
-    /// kv_heads, d]`), the keys and values written to `cache`, as one kernel where a GPU backend
-    /// lends it ([`crate::device_kernels::NormKernels::qk_norm_rope_write`]): the rotated queries and
-    /// what the rows attend to. The projections come back where none is lent or the operands
-    /// do not suit it (dtypes other than the norms', tables of more than one head a token).
+    /// `q_norm` and `k_norm` with RoPE by `tables` of a pass's projections (`[tokens, heads or
+    /// kv_heads · d]`), the keys and values written to `cache`, as one kernel where a GPU backend
+    /// lends it ([`crate::device_kernels::NormKernels::qk_norm_rope_write`]): the rotated queries
+    /// (`[tokens, heads · d]`) and what the rows attend to. The projections come back where none
+    /// is lent or the operands do not suit it (dtypes other than the norms', tables of more than
+    /// one head a token).
     fn norm_rope_and_write(
         &self,
-        query: Tensor<B, 4>,
-        key: Tensor<B, 4>,
-        value: Tensor<B, 4>,
+        [query, key, value]: Projections<B>,
         tables: &RotaryTables<B>,
         cache: &mut LayerKvCache<B>,
-    ) -> Result<(Tensor<B, 4>, CachedKv<B>), Projections<B>> {
-        let [b, q_len, heads, d] = query.dims();
+    ) -> Result<(Tensor<B, 2>, CachedKv<B>), Projections<B>> {
+        let [b, q_len, _, d] = tables.cos.dims();
         let (q_weight, k_weight) = (self.q_norm.weight.val(), self.k_norm.weight.val());
-        let one_head = tables.cos.dims() == [b, q_len, 1, d] && k_weight.dtype() == q_weight.dtype();
+        let one_head = tables.cos.dims() == [b, q_len, 1, self.head_dim] && query.dims()[0] == b * q_len;
+        let dtype = q_weight.dtype();
+        let same_dtypes = [k_weight.dtype(), tables.cos.dtype(), tables.signed_sin.dtype()].iter().all(|&t| t == dtype);
         let same_eps = self.q_norm.variance_epsilon == self.k_norm.variance_epsilon;
-        let operands = [&query, &key, &value, &tables.cos, &tables.signed_sin];
-        let Some(kernels) = (one_head && same_eps).then(|| rms_norm::lent(true, &operands, &q_weight)).flatten() else {
+        let operands = [&query, &key, &value];
+        let Some(kernels) = (one_head && same_dtypes && same_eps).then(|| rms_norm::lent(true, &operands, &q_weight)).flatten() else {
             return Err([query, key, value]);
         };
-        let (tokens, kv) = (b * q_len, key.dims()[2]);
+        let tokens = b * q_len;
         let table = |t: &Tensor<B, 4>| t.clone().reshape([tokens, d]);
         let (cos, signed_sin) = (table(&tables.cos), table(&tables.signed_sin));
         let eps = self.q_norm.variance_epsilon;
-        let (rotated, cached) = cache.append_with(key.reshape([tokens * kv, d]), value.reshape([tokens * kv, d]), |write| {
+        Ok(cache.append_with(key, value, |write| {
             let KvWrite { key, value, keys, values, slots } = write;
-            let query = query.reshape([tokens * heads, d]);
             (kernels.qk_norm_rope_write)(QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps })
-        });
-        Ok((rotated.reshape([b, q_len, heads, d]), cached))
+        }))
     }
 }
 
-/// A pass's query, key and value projections, `[b, q, heads or kv_heads, d]`.
-type Projections<B> = [Tensor<B, 4>; 3];
+/// A pass's query, key and value projections, `[tokens, heads or kv_heads · d]`.
+type Projections<B> = [Tensor<B, 2>; 3];
 
 /// The keys and values a pass attends to: its own (`[b, kv_heads, q, d]`), or a KV cache's.
 enum Attended<B: Backend> {
