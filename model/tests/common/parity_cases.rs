@@ -133,17 +133,22 @@ fn right_and_left_padded_batches_match_unpadded_runs() {
     }
 }
 
+/// Greedy decoding of as many tokens as the fixture's greedy reference has.
+fn greedy_config(fx: &Fixture) -> SamplingConfig {
+    SamplingConfig {
+        max_new_tokens: fx.json["greedy"]["max_new_tokens"].as_u64().unwrap() as usize,
+        sampling: Sampling::greedy(),
+        ..Default::default()
+    }
+}
+
 #[test]
 fn greedy_generation_matches_transformers() {
     for name in ["tiny", "tiny-untied"] {
         let Some(fx) = fixture(name) else { return };
         let model = load(&fx.dir);
         let greedy = &fx.json["greedy"];
-        let config = SamplingConfig {
-            max_new_tokens: greedy["max_new_tokens"].as_u64().unwrap() as usize,
-            sampling: Sampling::greedy(),
-            ..Default::default()
-        };
+        let config = greedy_config(&fx);
         let out = generate(&model, &[ids(&greedy["prompt"])], &config).unwrap();
         assert_eq!(out[0].tokens, ids(&greedy["tokens"]), "{name}: greedy tokens");
         // The log-prob of each chosen token equals log_softmax of the reference step logits.
@@ -358,12 +363,7 @@ fn stacked_projections_give_the_same_results() {
         println!("{name}, stacked projections: max |logit diff| {worst:.2e}");
         assert!(worst < ATOL, "{name}, stacked: {worst}");
         let greedy = &fx.json["greedy"];
-        let config = SamplingConfig {
-            max_new_tokens: greedy["max_new_tokens"].as_u64().unwrap() as usize,
-            sampling: Sampling::greedy(),
-            ..Default::default()
-        };
-        let out = generate(&model, &[ids(&greedy["prompt"])], &config).unwrap();
+        let out = generate(&model, &[ids(&greedy["prompt"])], &greedy_config(&fx)).unwrap();
         assert_eq!(out[0].tokens, ids(&greedy["tokens"]), "{name}, stacked: greedy tokens");
         decode_against_recomputation(&model, DecoderLimits::default(), "stacked projections");
     }
