@@ -68,14 +68,15 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
-    fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        let client = gate.client.clone();
-        let streams = OperationStreams::with_inputs([&gate, &up]);
-        let output = TensorIr::uninit(client.create_empty_handle(), gate.shape.clone(), gate.dtype);
-        let desc = CustomOpIr::new("silu_mul", &[gate.into_ir(), up.into_ir()], &[output]);
+    fn silu_mul(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let client = gate_up.client.clone();
+        let streams = OperationStreams::with_inputs([&gate_up]);
+        let [rows, both] = gate_up.shape.dims::<2>();
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new([rows, both / 2]), gate_up.dtype);
+        let desc = CustomOpIr::new("silu_mul", &[gate_up.into_ir()], &[output]);
         let op = KernelOp::<B>::new(&desc, |desc, handles| {
-            let ([gate, up], [output]) = desc.as_fixed();
-            let result = B::silu_mul(handles.get_float_tensor::<B>(gate), handles.get_float_tensor::<B>(up));
+            let ([gate_up], [output]) = desc.as_fixed();
+            let result = B::silu_mul(handles.get_float_tensor::<B>(gate_up));
             handles.register_float_tensor::<B>(&output.id, result);
         });
         client.register(streams, OperationIr::Custom(desc), op).output()
@@ -121,21 +122,23 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
     }
 
     fn qk_norm_rope_write(pass: QkNormRopeWrite<FloatTensor<Self>, IntTensor<Self>>) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
-        let client = query.client.clone();
-        let streams = OperationStreams::with_inputs([&query, &key, &value, &q_weight, &k_weight, &cos, &signed_sin, &slots, &keys, &values]);
+        let QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
+        let client = qkv.client.clone();
+        let streams = OperationStreams::with_inputs([&qkv, &q_weight, &k_weight, &cos, &signed_sin, &slots, &keys, &values]);
+        let tokens = qkv.shape.dims::<2>()[0];
+        let head_dim = q_weight.shape.dims::<1>()[0];
+        let rotated = TensorIr::uninit(client.create_empty_handle(), Shape::new([tokens, heads * head_dim]), qkv.dtype);
         let output = |tensor: &FloatTensor<Self>| TensorIr::uninit(client.create_empty_handle(), tensor.shape.clone(), tensor.dtype);
-        let outputs = [output(&query), output(&keys), output(&values)];
-        let inputs = [query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values].map(|t| t.into_ir());
+        let outputs = [rotated, output(&keys), output(&values)];
+        let inputs = [qkv, q_weight, k_weight, cos, signed_sin, slots, keys, values].map(|t| t.into_ir());
         let desc = CustomOpIr::new("qk_norm_rope_write", &inputs, &outputs);
         // The pools' handles come out of the stream's container where nothing else reads them
         // (the KV cache passes them on), so the kernel writes them in place.
         let op = KernelOp::<B>::new(&desc, move |desc, handles| {
-            let ([query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values], [rotated, keys_out, values_out]) = desc.as_fixed();
+            let ([qkv, q_weight, k_weight, cos, signed_sin, slots, keys, values], [rotated, keys_out, values_out]) = desc.as_fixed();
             let (rotated_result, keys_result, values_result) = B::qk_norm_rope_write(QkNormRopeWrite {
-                query: handles.get_float_tensor::<B>(query),
-                key: handles.get_float_tensor::<B>(key),
-                value: handles.get_float_tensor::<B>(value),
+                qkv: handles.get_float_tensor::<B>(qkv),
+                heads,
                 q_weight: handles.get_float_tensor::<B>(q_weight),
                 k_weight: handles.get_float_tensor::<B>(k_weight),
                 cos: handles.get_float_tensor::<B>(cos),

@@ -6,9 +6,9 @@
 //! and `k_norm` with RoPE and the keys and values written to the cache's pools as one kernel a
 //! layer ([`rms_norm::qk_norm_rope_write`]); SwiGLU's `silu(gate) · up` ([`swiglu`]); and the
 //! choice of each row's token from its logits
-//! ([`sampling`]) where burn's ops take about 17. The norm-with-RoPE and SwiGLU kernels read
-//! their operands as columns of one stacked product where the model stacks its projections
-//! (`qkv_proj`, `gate_up_proj`), so that they need no copy. They run on any CubeCL runtime (CUDA; wgpu,
+//! ([`sampling`]) where burn's ops take about 17. The norm-with-RoPE and SwiGLU kernels take
+//! one stacked product each (`qkv_proj`'s and `gate_up_proj`'s output, as vLLM's do), read
+//! where its columns lie. They run on any CubeCL runtime (CUDA; wgpu,
 //! where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a custom
 //! operation in the fusion stream) or not.
 //!
@@ -64,8 +64,8 @@ pub trait DeviceKernels: Backend {
     /// `temperatures` and `uniforms` `[rows]` f32; `[rows, 2]` f32.
     fn choose_tokens(logits: FloatTensor<Self>, temperatures: FloatTensor<Self>, uniforms: FloatTensor<Self>) -> FloatTensor<Self>;
 
-    /// [`model::device_kernels::SiluMulFn`] on primitives: `gate` and `up` `[rows, width]`.
-    fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// [`model::device_kernels::SiluMulFn`] on primitives: `gate_up` `[rows, 2 · width]`.
+    fn silu_mul(gate_up: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// [`model::device_kernels::QkNormRopeWriteFn`] on primitives (see
     /// [`rms_norm::qk_norm_rope_write`]): `(rotated query, keys, values)`.
@@ -107,8 +107,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         rms_norm::qk_norm_rope_write(pass)
     }
 
-    fn silu_mul(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
-        swiglu::silu_mul(gate, up)
+    fn silu_mul(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
+        swiglu::silu_mul(gate_up)
     }
 }
 
@@ -143,11 +143,10 @@ fn run_add_rms_norm<B: DeviceKernels>(residual: Tensor<B, 2>, delta: Tensor<B, 2
 }
 
 fn run_qk_norm_rope_write<B: DeviceKernels>(pass: model::device_kernels::QkNormRopeWrite<B>) -> (Tensor<B, 2>, Tensor<B, 3>, Tensor<B, 3>) {
-    let model::device_kernels::QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
+    let model::device_kernels::QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
     let (query, keys, values) = B::qk_norm_rope_write(QkNormRopeWrite {
-        query: float(query),
-        key: float(key),
-        value: float(value),
+        qkv: float(qkv),
+        heads,
         q_weight: float(q_weight),
         k_weight: float(k_weight),
         cos: float(cos),
@@ -160,8 +159,8 @@ fn run_qk_norm_rope_write<B: DeviceKernels>(pass: model::device_kernels::QkNormR
     (tensor(query), tensor(keys), tensor(values))
 }
 
-fn run_silu_mul<B: DeviceKernels>(gate: Tensor<B, 2>, up: Tensor<B, 2>) -> Tensor<B, 2> {
-    tensor(B::silu_mul(float(gate), float(up)))
+fn run_silu_mul<B: DeviceKernels>(gate_up: Tensor<B, 2>) -> Tensor<B, 2> {
+    tensor(B::silu_mul(float(gate_up)))
 }
 
 fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tensor<B, 1>, uniforms: Tensor<B, 1>) -> Tensor<B, 2> {

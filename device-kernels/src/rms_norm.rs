@@ -194,15 +194,13 @@ fn norm_rope_head<F: Float>(
 /// `q_norm` and `k_norm` with RoPE ([`norm_rope_head`]) of one pass's query and key heads, the
 /// rotated keys and the values written to their token's slot of a layer's pools
 /// (`[kv_heads, slots, head_dim]`): one cube a head of a token, its `heads` query heads and then
-/// its `kv_heads` key heads. The projections are `[tokens, heads · head_dim]` rows, each row
-/// `stride(0)` from the last (columns of a stacked `qkv_proj` output, or packed); the query
-/// heads go to `rotated_query`, packed.
+/// its `kv_heads` key heads. A token's row of `qkv` holds its query heads, then its key heads,
+/// then its value heads (`qkv_proj`'s output), rows `stride(0)` apart; the query heads go to
+/// `rotated_query`, packed.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
-    query: &Tensor<F>,
-    key: &Tensor<F>,
-    value: &Tensor<F>,
+    qkv: &Tensor<F>,
     q_weight: &Tensor<F>,
     k_weight: &Tensor<F>,
     cos: &Tensor<F>,
@@ -229,20 +227,20 @@ fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
     // Every unit of a cube takes the same branches, so the syncs inside are reached by all.
     if token < slots.shape(0) {
         let table = token * n;
+        // The token's query heads, key heads and value heads, one after another.
+        let row = token * qkv.stride(0);
         if j < h {
-            let base = token * query.stride(0) + j * n;
             let out = (token * h + j) * n;
-            norm_rope_head::<F>(query, base, q_weight, cos, signed_sin, table, rotated_query, out, &mut partial, &mut head, eps, head_dim);
+            norm_rope_head::<F>(qkv, row + j * n, q_weight, cos, signed_sin, table, rotated_query, out, &mut partial, &mut head, eps, head_dim);
         } else {
             let kv_head = j - h;
             let slot = u32::cast_from(slots[token]) as usize;
             let at = (kv_head * keys.shape(1) + slot) * n;
-            let key_base = token * key.stride(0) + kv_head * n;
-            norm_rope_head::<F>(key, key_base, k_weight, cos, signed_sin, table, keys, at, &mut partial, &mut head, eps, head_dim);
-            let value_base = token * value.stride(0) + kv_head * n;
+            norm_rope_head::<F>(qkv, row + j * n, k_weight, cos, signed_sin, table, keys, at, &mut partial, &mut head, eps, head_dim);
+            let value = row + (h + kv + kv_head) * n;
             let mut i = UNIT_POS_X as usize;
             while i < n {
-                values[at + i] = value[value_base + i];
+                values[at + i] = qkv[value + i];
                 i += CUBE_DIM_X as usize;
             }
         }
@@ -314,17 +312,16 @@ pub fn add_rms_norm<R: CubeRuntime>(
     (sum, output)
 }
 
-/// The operands of [`qk_norm_rope_write`]: one pass's projections, `[tokens, heads · head_dim]`
-/// (`query`) and `[tokens, kv_heads · head_dim]` (`key`, `value`), a token's heads side by
-/// side, whose rows may lie further apart than their width (columns of one stacked product);
-/// the norms' weights `[head_dim]`; RoPE's `cos` and `signed_sin` `[tokens, head_dim]`; the slot
+/// The operands of [`qk_norm_rope_write`]: one pass's projections side by side, `[tokens,
+/// (heads + 2 · kv_heads) · head_dim]` (`qkv`: a token's query heads, key heads, value heads),
+/// whose rows may lie further apart than their width; the number of query heads; the norms'
+/// weights `[head_dim]`; RoPE's `cos` and `signed_sin` `[tokens, head_dim]`; the slot
 /// of each token `[tokens]` (ints); a layer's pools `[kv_heads, slots, head_dim]`. All floats of
 /// one dtype. `F` and `I` are a backend's float and int primitives.
 #[derive(Debug)]
 pub struct QkNormRopeWrite<F, I> {
-    pub query: F,
-    pub key: F,
-    pub value: F,
+    pub qkv: F,
+    pub heads: usize,
     pub q_weight: F,
     pub k_weight: F,
     pub cos: F,
@@ -342,28 +339,25 @@ pub struct QkNormRopeWrite<F, I> {
 ///
 /// Panics on operands whose shapes or dtypes disagree, or an odd `head_dim`.
 pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, CubeTensor<R>>) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-    let QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
+    let QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
     let [head_dim] = q_weight.shape().dims::<1>();
-    let [tokens, query_width] = query.shape().dims::<2>();
+    let [tokens, width] = qkv.shape().dims::<2>();
     let [kv_heads, pool_slots, pool_dim] = keys.shape().dims::<3>();
     assert!(head_dim > 0 && head_dim % 2 == 0, "qk norm rope write: an even head_dim");
-    assert_eq!(query_width % head_dim, 0, "qk norm rope write: query rows of {query_width}, not whole heads of {head_dim}");
+    assert_eq!(width, (heads + 2 * kv_heads) * head_dim, "qk norm rope write: rows of {width} for {heads} query and twice {kv_heads} key-value heads of {head_dim}");
     assert_eq!(cos.shape().dims::<2>(), [tokens, head_dim], "qk norm rope write: a cos row of head_dim a token");
     assert_eq!(signed_sin.shape().dims::<2>(), [tokens, head_dim], "qk norm rope write: cos and sin of one shape");
     assert_eq!(pool_dim, head_dim, "qk norm rope write: pools of the queries' head_dim");
     assert_eq!(k_weight.shape().dims::<1>(), [head_dim], "qk norm rope write: a k_norm weight of the heads' width");
-    assert_eq!(key.shape().dims::<2>(), [tokens, kv_heads * head_dim], "qk norm rope write: a key row of {kv_heads} heads a token");
-    assert_eq!(value.shape().dims::<2>(), [tokens, kv_heads * head_dim], "qk norm rope write: values of the keys' shape");
     assert_eq!(values.shape().dims::<3>(), [kv_heads, pool_slots, head_dim], "qk norm rope write: values pool of another shape than the keys'");
     assert_eq!(slots.shape().num_elements(), tokens, "qk norm rope write: a slot a token");
-    check_operands("qk norm rope write", &query, &q_weight, &[&k_weight, &key, &value, &cos, &signed_sin, &keys, &values], head_dim);
-    let [query, key, value] = [query, key, value].map(packed_rows);
+    check_operands("qk norm rope write", &qkv, &q_weight, &[&k_weight, &cos, &signed_sin, &keys, &values], head_dim);
+    let qkv = packed_rows(qkv);
     let [q_weight, k_weight, cos, signed_sin, slots] = [q_weight, k_weight, cos, signed_sin, slots].map(into_contiguous);
     let [keys, values] = [keys, values].map(writable);
-    let client = query.client.clone();
-    let dtypes = [query.dtype.into(), slots.dtype.into()];
-    let rotated = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([tokens, query_width]), query.dtype);
-    let heads = query_width / head_dim;
+    let client = qkv.client.clone();
+    let dtypes = [qkv.dtype.into(), slots.dtype.into()];
+    let rotated = empty_device_contiguous_dtype(client.clone(), qkv.device.clone(), Shape::new([tokens, heads * head_dim]), qkv.dtype);
     if tokens == 0 {
         return (rotated, keys, values);
     }
@@ -371,9 +365,7 @@ pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, C
         &client,
         grid(tokens * (heads + kv_heads)),
         CubeDim::new_1d(UNITS),
-        query.into_tensor_arg(),
-        key.into_tensor_arg(),
-        value.into_tensor_arg(),
+        qkv.into_tensor_arg(),
         q_weight.into_tensor_arg(),
         k_weight.into_tensor_arg(),
         cos.into_tensor_arg(),
@@ -448,8 +440,6 @@ pub(crate) fn qk_norm_rope_write_definition<R: Runtime>(client: &ComputeClient<R
     qk_norm_rope_write_kernel::QkNormRopeWriteKernel::<R>::new(
         crate::definitions::settings(UNITS),
         client.clone(),
-        arg(),
-        arg(),
         arg(),
         arg(),
         arg(),

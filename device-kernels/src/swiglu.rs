@@ -18,38 +18,36 @@ const UNITS: u32 = 256;
 const REVISION: u32 = crate::source_revision(include_bytes!("swiglu.rs"));
 
 /// `silu(gate) · up` for each element of `output` (`[rows, width]`, packed), as HF computes it
-/// in a dtype of 16 bits: `silu` in f32, rounded to `F`, then the product rounded to `F`. The
-/// operands' rows lie `stride(0)` apart (columns of one stacked `gate_up_proj` output, or
-/// packed).
+/// in a dtype of 16 bits: `silu` in f32, rounded to `F`, then the product rounded to `F`. A row
+/// of `gate_up` holds the row's gate, then its up (`gate_up_proj`'s output); its rows lie
+/// `stride(0)` apart.
 #[cube(launch)]
-fn silu_mul_kernel<F: Float>(gate: &Tensor<F>, up: &Tensor<F>, output: &mut Tensor<F>, #[comptime] _revision: u32, #[define(F)] _dtype: StorageType) {
+fn silu_mul_kernel<F: Float>(gate_up: &Tensor<F>, output: &mut Tensor<F>, #[comptime] _revision: u32, #[define(F)] _dtype: StorageType) {
     let i = cube_row() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
     if i < output.len() {
         let width = output.shape(1);
-        let (row, column) = (i / width, i % width);
-        let g = f32::cast_from(gate[row * gate.stride(0) + column]);
+        let gate = (i / width) * gate_up.stride(0) + i % width;
+        let g = f32::cast_from(gate_up[gate]);
         let silu = F::cast_from(g / (1.0f32 + (-g).exp()));
-        output[i] = silu * up[row * up.stride(0) + column];
+        output[i] = silu * gate_up[gate + width];
     }
 }
 
-/// Launches [`silu_mul_kernel`] for `gate` and `up` of one shape and dtype, `[rows, width]`
-/// each: packed, or ranges of columns of wider tensors (a stacked product's halves, read where
-/// they lie).
+/// Launches [`silu_mul_kernel`] for `gate_up` `[rows, 2 · width]`: each row's gate, then its up
+/// (packed, or a range of columns of a wider tensor, read where it lies). `[rows, width]`.
 ///
-/// Panics on operands whose shapes or dtypes disagree.
-pub fn silu_mul<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
-    let dims = gate.shape().dims::<2>();
-    assert_eq!(up.shape().dims::<2>(), dims, "silu mul: gate and up of one shape");
-    assert_eq!(gate.dtype, up.dtype, "silu mul: gate and up of one dtype");
-    assert!(matches!(gate.dtype, DType::F32 | DType::F16 | DType::BF16), "silu mul: no kernel for {:?}", gate.dtype);
-    let [gate, up] = [gate, up].map(packed_rows);
-    let client = gate.client.clone();
-    let dtype = gate.dtype.into();
-    let output = empty_device_contiguous_dtype(client.clone(), gate.device.clone(), Shape::new(dims), gate.dtype);
-    let cubes = (dims[0] * dims[1]).div_ceil(UNITS as usize);
+/// Panics on an odd width or a dtype without a kernel.
+pub fn silu_mul<R: CubeRuntime>(gate_up: CubeTensor<R>) -> CubeTensor<R> {
+    let [rows, both] = gate_up.shape().dims::<2>();
+    assert!(both % 2 == 0, "silu mul: a gate and an up of one width, not {both} columns");
+    assert!(matches!(gate_up.dtype, DType::F32 | DType::F16 | DType::BF16), "silu mul: no kernel for {:?}", gate_up.dtype);
+    let gate_up = packed_rows(gate_up);
+    let client = gate_up.client.clone();
+    let dtype = gate_up.dtype.into();
+    let output = empty_device_contiguous_dtype(client.clone(), gate_up.device.clone(), Shape::new([rows, both / 2]), gate_up.dtype);
+    let cubes = (rows * both / 2).div_ceil(UNITS as usize);
     if cubes > 0 {
-        silu_mul_kernel::launch::<R>(&client, grid(cubes), CubeDim::new_1d(UNITS), gate.into_tensor_arg(), up.into_tensor_arg(), output.clone().into_tensor_arg(), REVISION, dtype);
+        silu_mul_kernel::launch::<R>(&client, grid(cubes), CubeDim::new_1d(UNITS), gate_up.into_tensor_arg(), output.clone().into_tensor_arg(), REVISION, dtype);
     }
     output
 }
@@ -57,5 +55,5 @@ pub fn silu_mul<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeT
 /// [`silu_mul_kernel`] in `dtype` as CubeCL defines it for compilation.
 pub(crate) fn definition<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> KernelDefinition {
     let arg = crate::definitions::arg;
-    silu_mul_kernel::SiluMulKernel::<R>::new(crate::definitions::settings(UNITS), client.clone(), arg(), arg(), arg(), REVISION, dtype).define()
+    silu_mul_kernel::SiluMulKernel::<R>::new(crate::definitions::settings(UNITS), client.clone(), arg(), arg(), REVISION, dtype).define()
 }

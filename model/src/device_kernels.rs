@@ -98,14 +98,13 @@ pub type AddRmsNormFn<B> = fn(residual: Tensor<B, 2>, delta: Tensor<B, 2>, weigh
 /// (see [`QkNormRopeWriteFn`]). Floats of one dtype.
 #[derive(Debug, Clone)]
 pub struct QkNormRopeWrite<B: Backend> {
-    /// `[tokens, heads · head_dim]`, a token's heads side by side (`q_proj`'s output). The
-    /// rows of the three projections may lie further apart than their width: columns of one
-    /// stacked product (`qkv_proj`'s), read where they lie.
-    pub query: Tensor<B, 2>,
-    /// `[tokens, kv_heads · head_dim]` (`k_proj`'s output).
-    pub key: Tensor<B, 2>,
-    /// `[tokens, kv_heads · head_dim]` (`v_proj`'s output).
-    pub value: Tensor<B, 2>,
+    /// The pass's projections side by side, `[tokens, (heads + 2 · kv_heads) · head_dim]`: a
+    /// token's query heads, key heads and value heads (`q_proj`'s, `k_proj`'s and `v_proj`'s
+    /// outputs, as vLLM's `qkv_proj` gives them). Its rows may lie further apart than their
+    /// width.
+    pub qkv: Tensor<B, 2>,
+    /// Query heads a token (the pools say how many key-value heads).
+    pub heads: usize,
     /// `q_norm`'s and `k_norm`'s weights, `[head_dim]`.
     pub q_weight: Tensor<B, 1>,
     pub k_weight: Tensor<B, 1>,
@@ -147,11 +146,11 @@ pub fn token_choice<B: Backend>() -> Option<ChooseTokensFn<B>> {
     registered::<B, ChooseTokensFn<B>>("choose_tokens")
 }
 
-/// A kernel computing SwiGLU's `silu(gate) · up` for `gate` and `up` `[rows, width]` of one
-/// dtype, as HF does in a dtype of 16 bits: `silu` in f32 rounded to the dtype, then the product.
-/// Their rows may lie further apart than their width: the two halves of one stacked product
-/// (`gate_up_proj`'s), read where they lie.
-pub type SiluMulFn<B> = fn(gate: Tensor<B, 2>, up: Tensor<B, 2>) -> Tensor<B, 2>;
+/// A kernel computing SwiGLU's `silu(gate) · up` from `gate_up` `[rows, 2 · width]` (each row's
+/// gate, then its up: `gate_proj`'s and `up_proj`'s outputs side by side, as vLLM's
+/// `gate_up_proj` gives them), as HF does in a dtype of 16 bits: `silu` in f32 rounded to the
+/// dtype, then the product. `[rows, width]`.
+pub type SiluMulFn<B> = fn(gate_up: Tensor<B, 2>) -> Tensor<B, 2>;
 
 /// Lets `kernel` compute SwiGLU's element-wise step on backend `B` from now on, for the whole
 /// process (taken by the passes over a KV cache, as the norm kernels are).
@@ -261,7 +260,7 @@ mod tests {
         assert!(paged_attention::<Other>(7).is_some());
         assert!(paged_attention::<Flex>(1).is_none());
         assert!(norms::<Other>().is_none(), "kernels are found by their name too");
-        register_norms::<Other>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), qk_norm_rope_write: |p| (p.query, p.keys, p.values) });
+        register_norms::<Other>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), qk_norm_rope_write: |p| (p.qkv, p.keys, p.values) });
         assert!(norms::<Other>().is_some() && paged_attention::<Other>(7).is_some());
     }
 }

@@ -102,20 +102,19 @@ impl<B: Backend> LayerKvCache<B> {
     }
 
     /// [`Self::append`] by a kernel that writes the pools itself (a GPU backend's, see
-    /// `device_kernels::NormKernels::qk_norm_rope_write`): `write` is given the pass's keys and
-    /// values, `[tokens, kv_heads · d]` in the order of the pass's slots (row, position), the
-    /// layer's pools grown to the pass's size, and each token's slot; it returns what else it
-    /// computed and the pools written.
+    /// `device_kernels::NormKernels::qk_norm_rope_write`) from the pass's projections `like`
+    /// (`[tokens, ..]`, one row a token in the order of the pass's slots: row, position): `write`
+    /// is given the layer's pools of `head_dim`, grown to the pass's size, and each token's slot;
+    /// it returns what else it computed and the pools written.
     ///
-    /// Panics if no pass was set or its slots do not match `key`.
-    pub fn append_with<T>(&mut self, key: Tensor<B, 2>, value: Tensor<B, 2>, write: impl FnOnce(KvWrite<B>) -> (T, Tensor<B, 3>, Tensor<B, 3>)) -> (T, CachedKv<B>) {
+    /// Panics if no pass was set or its slots do not match `like`'s tokens.
+    pub fn append_with<T>(&mut self, like: &Tensor<B, 2>, head_dim: usize, write: impl FnOnce(KvWrite<B>) -> (T, Tensor<B, 3>, Tensor<B, 3>)) -> (T, CachedKv<B>) {
         let pass = self.pass.clone().expect("KvCache::set_slots names a pass's slots before it runs");
-        let [tokens, width] = key.dims();
-        let d = width / pass.kv_heads;
-        assert_eq!((tokens, d * pass.kv_heads, value.dims()), (pass.write.len(), width, [tokens, width]), "keys and values of {tokens} tokens × {width}, slots set for {} positions of {} heads", pass.write.len(), pass.kv_heads);
-        let keys = grown(self.keys.take(), d, &key, &pass);
-        let values = grown(self.values.take(), d, &value, &pass);
-        let (computed, keys, values) = write(KvWrite { key, value, keys, values, slots: pass.write_slots() });
+        let tokens = like.dims()[0];
+        assert_eq!(tokens, pass.write.len(), "a pass of {tokens} tokens, slots set for {} positions", pass.write.len());
+        let keys = grown(self.keys.take(), head_dim, like, &pass);
+        let values = grown(self.values.take(), head_dim, like, &pass);
+        let (computed, keys, values) = write(KvWrite { keys, values, slots: pass.write_slots() });
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         (computed, CachedKv { keys, values, pass })
@@ -126,9 +125,6 @@ impl<B: Backend> LayerKvCache<B> {
 /// ([`LayerKvCache::append_with`]).
 #[derive(Debug)]
 pub struct KvWrite<B: Backend> {
-    /// The pass's new keys and values, `[tokens, kv_heads · head_dim]`.
-    pub key: Tensor<B, 2>,
-    pub value: Tensor<B, 2>,
     /// The layer's pools, `[kv_heads, slots, head_dim]`.
     pub keys: Tensor<B, 3>,
     pub values: Tensor<B, 3>,

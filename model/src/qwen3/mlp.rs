@@ -33,9 +33,9 @@ impl<B: Backend> Qwen3MLP<B> {
     /// [`Self::forward`] with the layer's LoRA adapters on the projections that have one. One
     /// product of the stacked `gate_up_proj` stands for `gate_proj`'s and `up_proj`'s where
     /// neither has an adapter. In a pass `over_cache` (generation's, over a KV cache) a GPU
-    /// backend's kernel may compute `silu(gate) · up` ([`device_kernels::SiluMulFn`]), reading
-    /// a stacked product's halves where they lie; passes without a cache keep burn's ops, as
-    /// the norms do.
+    /// backend's kernel may compute `silu(gate) · up` ([`device_kernels::SiluMulFn`], from the
+    /// two side by side: separate ones are concatenated first); passes without a cache keep
+    /// burn's ops, as the norms do.
     pub fn forward_with_adapters<const D: usize>(
         &self,
         x: Tensor<B, D>,
@@ -44,36 +44,34 @@ impl<B: Backend> Qwen3MLP<B> {
         over_cache: bool,
     ) -> Tensor<B, D> {
         let (gate_adapter, up_adapter) = (adapters.and_then(|a| a.gate_proj.as_ref()), adapters.and_then(|a| a.up_proj.as_ref()));
+        let (rows, dims) = rows(&x);
+        let x = x.reshape(rows);
         let stacked = self.gate_up_proj.as_ref().filter(|_| gate_adapter.is_none() && up_adapter.is_none());
-        let hidden = match stacked {
-            Some(gate_up_proj) => {
-                // Two dimensions, so that the halves are columns a kernel reads in place.
-                let (rows, dims) = rows(&x);
+        let kernel = over_cache.then(device_kernels::silu_mul::<B>).flatten();
+        let hidden = match (stacked, kernel) {
+            (Some(gate_up_proj), Some(kernel)) => kernel(product(x, gate_up_proj.clone(), matmul)),
+            (Some(gate_up_proj), None) => {
                 let width = gate_up_proj.dims()[1] / 2;
-                let [gate, up] = split_columns(product(x.reshape(rows), gate_up_proj.clone(), matmul), [width, width]);
-                let mut dims = dims;
-                dims[D - 1] = width;
-                swiglu(gate, up, over_cache).reshape(dims)
+                let [gate, up] = split_columns(product(x, gate_up_proj.clone(), matmul), [width, width]);
+                silu_mul(gate, up)
             }
-            None => {
+            (None, kernel) => {
                 let gate = lora_linear(&self.gate_proj, gate_adapter, x.clone(), matmul);
                 let up = lora_linear(&self.up_proj, up_adapter, x, matmul);
-                swiglu(gate, up, over_cache)
+                match kernel.filter(|_| gate.dtype() == up.dtype()) {
+                    Some(kernel) => kernel(Tensor::cat(vec![gate, up], 1)),
+                    None => silu_mul(gate, up),
+                }
             }
         };
-        lora_linear(&self.down_proj, adapters.and_then(|a| a.down_proj.as_ref()), hidden, matmul)
+        let output = lora_linear(&self.down_proj, adapters.and_then(|a| a.down_proj.as_ref()), hidden, matmul);
+        let mut dims = dims;
+        dims[D - 1] = output.dims()[1];
+        output.reshape(dims)
     }
 }
 
-/// `silu(gate) · up`: by the CPU kernel, a GPU backend's kernel in a pass `over_cache`, or
-/// burn's ops.
-fn swiglu<B: Backend, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>, over_cache: bool) -> Tensor<B, D> {
-    let lent = over_cache && gate.dtype() == up.dtype();
-    kernels::silu_mul(&gate, &up)
-        .or_else(|| {
-            let kernel = lent.then(device_kernels::silu_mul::<B>).flatten()?;
-            let (rows, dims) = rows(&gate);
-            Some(kernel(gate.clone().reshape(rows), up.clone().reshape(rows)).reshape(dims))
-        })
-        .unwrap_or_else(|| silu(gate) * up)
+/// `silu(gate) · up` by the CPU kernel, or burn's ops.
+fn silu_mul<B: Backend>(gate: Tensor<B, 2>, up: Tensor<B, 2>) -> Tensor<B, 2> {
+    kernels::silu_mul(&gate, &up).unwrap_or_else(|| silu(gate) * up)
 }

@@ -19,9 +19,9 @@ use super::compute::{AttnImplementation, Compute};
 use super::linear::{lora_linear, product};
 use super::stacked::split_columns;
 use super::mask::AttentionMask;
-use super::rms_norm::{self, Qwen3RMSNorm};
+use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{Qwen3RotaryEmbedding, RotaryTables};
-use crate::device_kernels::QkNormRopeWrite;
+use crate::device_kernels::{self, QkNormRopeWrite};
 use crate::kernels;
 use crate::lora::{LoraLayer, LoraLinear};
 use memory_efficient::{Blocks, Operands};
@@ -123,12 +123,12 @@ impl<B: Backend> Qwen3Attention<B> {
         let adapter = |pick: fn(&LoraLayer<B>) -> Option<&LoraLinear<B>>| adapters.and_then(pick);
         let unadapted = adapter(|a| a.q_proj.as_ref()).is_none() && adapter(|a| a.k_proj.as_ref()).is_none() && adapter(|a| a.v_proj.as_ref()).is_none();
         let projections = match self.qkv_proj.as_ref().filter(|_| unadapted) {
-            Some(qkv_proj) => split_columns(product(x, qkv_proj.clone(), matmul), [h * d, kv * d, kv * d]),
-            None => [
+            Some(qkv_proj) => Projections::Stacked(product(x, qkv_proj.clone(), matmul)),
+            None => Projections::Separate([
                 lora_linear(&self.q_proj, adapter(|a| a.q_proj.as_ref()), x.clone(), matmul),
                 lora_linear(&self.k_proj, adapter(|a| a.k_proj.as_ref()), x.clone(), matmul),
                 lora_linear(&self.v_proj, adapter(|a| a.v_proj.as_ref()), x, matmul),
-            ],
+            ]),
         };
         let over_cache = cache.is_some();
         // apply_rotary_pos_emb(q_norm(q), k_norm(k)), and the keys and values to the cache:
@@ -142,7 +142,8 @@ impl<B: Backend> Qwen3Attention<B> {
         };
         let (query_states, attended) = match written {
             Ok((query_states, cached)) => (query_states.reshape([b, q_len, h, d]), Attended::Cached(cached)),
-            Err(([query_states, key_states, value_states], cache)) => {
+            Err((projections, cache)) => {
+                let [query_states, key_states, value_states] = projections.separate([h * d, kv * d, kv * d]);
                 let heads = |x: Tensor<B, 2>, heads| x.reshape([b, q_len, heads, d]);
                 let query_states = self.q_norm.forward_rotated(heads(query_states, h), &inputs.rotary_q, over_cache);
                 let key_states = heads_first(self.k_norm.forward_rotated(heads(key_states, kv), &inputs.rotary_k, over_cache));
@@ -196,41 +197,81 @@ impl<B: Backend> Qwen3Attention<B> {
 }
 
 impl<B: Backend> Qwen3Attention<B> {
-    /// `q_norm` and `k_norm` with RoPE by `tables` of a pass's projections (`[tokens, heads or
-    /// kv_heads · d]`), the keys and values written to `cache`, as one kernel where a GPU backend
-    /// lends it ([`crate::device_kernels::NormKernels::qk_norm_rope_write`]): the rotated queries
-    /// (`[tokens, heads · d]`) and what the rows attend to. The projections come back where none
-    /// is lent or the operands do not suit it (dtypes other than the norms', tables of more than
-    /// one head a token).
+    /// `q_norm` and `k_norm` with RoPE by `tables` of a pass's projections, the keys and values
+    /// written to `cache`, as one kernel where a GPU backend lends it
+    /// ([`crate::device_kernels::NormKernels::qk_norm_rope_write`], which takes them side by
+    /// side: separate ones are concatenated first): the rotated queries (`[tokens, heads · d]`)
+    /// and what the rows attend to. The projections come back where none is lent or the
+    /// operands do not suit it (dtypes other than the norms', tables of more than one head a
+    /// token).
     fn norm_rope_and_write(
         &self,
-        [query, key, value]: Projections<B>,
+        projections: Projections<B>,
         tables: &RotaryTables<B>,
         cache: &mut LayerKvCache<B>,
     ) -> Result<(Tensor<B, 2>, CachedKv<B>), Projections<B>> {
         let [b, q_len, _, d] = tables.cos.dims();
         let (q_weight, k_weight) = (self.q_norm.weight.val(), self.k_norm.weight.val());
-        let one_head = tables.cos.dims() == [b, q_len, 1, self.head_dim] && query.dims()[0] == b * q_len;
+        let one_head = tables.cos.dims() == [b, q_len, 1, self.head_dim] && projections.tokens() == b * q_len;
         let dtype = q_weight.dtype();
-        let same_dtypes = [k_weight.dtype(), tables.cos.dtype(), tables.signed_sin.dtype()].iter().all(|&t| t == dtype);
+        let same_dtypes = projections.dtypes().chain([k_weight.dtype(), tables.cos.dtype(), tables.signed_sin.dtype()]).all(|t| t == dtype);
         let same_eps = self.q_norm.variance_epsilon == self.k_norm.variance_epsilon;
-        let operands = [&query, &key, &value];
-        let Some(kernels) = (one_head && same_dtypes && same_eps).then(|| rms_norm::lent(true, &operands, &q_weight)).flatten() else {
-            return Err([query, key, value]);
+        let Some(kernels) = (one_head && same_dtypes && same_eps).then(device_kernels::norms::<B>).flatten() else {
+            return Err(projections);
         };
         let tokens = b * q_len;
         let table = |t: &Tensor<B, 4>| t.clone().reshape([tokens, d]);
         let (cos, signed_sin) = (table(&tables.cos), table(&tables.signed_sin));
-        let eps = self.q_norm.variance_epsilon;
-        Ok(cache.append_with(key, value, |write| {
-            let KvWrite { key, value, keys, values, slots } = write;
-            (kernels.qk_norm_rope_write)(QkNormRopeWrite { query, key, value, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps })
+        let (eps, heads) = (self.q_norm.variance_epsilon, self.num_heads);
+        let qkv = projections.stacked();
+        Ok(cache.append_with(&qkv.clone(), d, |write| {
+            let KvWrite { keys, values, slots } = write;
+            (kernels.qk_norm_rope_write)(QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps })
         }))
     }
 }
 
-/// A pass's query, key and value projections, `[tokens, heads or kv_heads · d]`.
-type Projections<B> = [Tensor<B, 2>; 3];
+/// A pass's query, key and value projections (`q_proj`'s, `k_proj`'s and `v_proj`'s outputs,
+/// `[tokens, heads or kv_heads · d]` each): side by side, one product of the stacked
+/// `qkv_proj`, or one by one.
+enum Projections<B: Backend> {
+    Stacked(Tensor<B, 2>),
+    Separate([Tensor<B, 2>; 3]),
+}
+
+impl<B: Backend> Projections<B> {
+    fn tokens(&self) -> usize {
+        match self {
+            Projections::Stacked(qkv) => qkv.dims()[0],
+            Projections::Separate([query, ..]) => query.dims()[0],
+        }
+    }
+
+    fn dtypes(&self) -> impl Iterator<Item = DType> {
+        let tensors: Vec<&Tensor<B, 2>> = match self {
+            Projections::Stacked(qkv) => vec![qkv],
+            Projections::Separate(each) => each.iter().collect(),
+        };
+        tensors.into_iter().map(Tensor::dtype).collect::<Vec<_>>().into_iter()
+    }
+
+    /// Side by side, `[tokens, (heads + 2 · kv_heads) · d]` (one concatenation where they were
+    /// separate).
+    fn stacked(self) -> Tensor<B, 2> {
+        match self {
+            Projections::Stacked(qkv) => qkv,
+            Projections::Separate(each) => Tensor::cat(each.to_vec(), 1),
+        }
+    }
+
+    /// One by one, of `widths` (columns of the stacked product, taken where they lie).
+    fn separate(self, widths: [usize; 3]) -> [Tensor<B, 2>; 3] {
+        match self {
+            Projections::Stacked(qkv) => split_columns(qkv, widths),
+            Projections::Separate(each) => each,
+        }
+    }
+}
 
 /// The keys and values a pass attends to: its own (`[b, kv_heads, q, d]`), or a KV cache's.
 enum Attended<B: Backend> {
