@@ -9,7 +9,7 @@ use burn_fusion::stream::{Operation, OperationStreams};
 use burn_fusion::{Fusion, FusionBackend, FusionRuntime};
 use burn_ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
 
-use crate::{DeviceKernels, QkNormRopeWrite};
+use crate::{DeviceKernels, GateUp, QkNormRopeWrite, Qkv};
 
 impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
     fn paged_attention(
@@ -68,16 +68,34 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
-    fn silu_mul(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
-        let client = gate_up.client.clone();
-        let streams = OperationStreams::with_inputs([&gate_up]);
-        let [rows, both] = gate_up.shape.dims::<2>();
-        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new([rows, both / 2]), gate_up.dtype);
-        let desc = CustomOpIr::new("silu_mul", &[gate_up.into_ir()], &[output]);
+    fn silu_mul(operands: GateUp<FloatTensor<Self>>) -> FloatTensor<Self> {
+        let (inputs, dims) = match operands {
+            GateUp::Stacked(gate_up) => {
+                let [rows, both] = gate_up.shape.dims::<2>();
+                assert!(both % 2 == 0, "silu mul: a gate and an up of one width, not {both} columns");
+                (vec![gate_up], [rows, both / 2])
+            }
+            GateUp::Separate(gate, up) => {
+                let dims = gate.shape.dims::<2>();
+                (vec![gate, up], dims)
+            }
+        };
+        let client = inputs[0].client.clone();
+        let streams = OperationStreams::with_inputs(inputs.iter());
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(dims), inputs[0].dtype);
+        let inputs: Vec<TensorIr> = inputs.into_iter().map(|t| t.into_ir()).collect();
+        let desc = CustomOpIr::new("silu_mul", &inputs, &[output]);
         let op = KernelOp::<B>::new(&desc, |desc, handles| {
-            let ([gate_up], [output]) = desc.as_fixed();
-            let result = B::silu_mul(handles.get_float_tensor::<B>(gate_up));
-            handles.register_float_tensor::<B>(&output.id, result);
+            let get = |handles: &mut Handles<B>, i: usize| handles.get_float_tensor::<B>(&desc.inputs[i]);
+            let operands = match desc.inputs.len() {
+                1 => GateUp::Stacked(get(handles, 0)),
+                _ => {
+                    let gate = get(handles, 0);
+                    GateUp::Separate(gate, get(handles, 1))
+                }
+            };
+            let result = B::silu_mul(operands);
+            handles.register_float_tensor::<B>(&desc.outputs[0].id, result);
         });
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
@@ -123,31 +141,39 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
 
     fn qk_norm_rope_write(pass: QkNormRopeWrite<FloatTensor<Self>, IntTensor<Self>>) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
-        let client = qkv.client.clone();
-        let streams = OperationStreams::with_inputs([&qkv, &q_weight, &k_weight, &cos, &signed_sin, &slots, &keys, &values]);
-        let tokens = qkv.shape.dims::<2>()[0];
+        let projections = match qkv {
+            Qkv::Stacked(qkv) => vec![qkv],
+            Qkv::Separate(each) => each.to_vec(),
+        };
+        let client = q_weight.client.clone();
+        let tokens = projections[0].shape.dims::<2>()[0];
         let head_dim = q_weight.shape.dims::<1>()[0];
-        let rotated = TensorIr::uninit(client.create_empty_handle(), Shape::new([tokens, heads * head_dim]), qkv.dtype);
+        let rotated = TensorIr::uninit(client.create_empty_handle(), Shape::new([tokens, heads * head_dim]), q_weight.dtype);
         let output = |tensor: &FloatTensor<Self>| TensorIr::uninit(client.create_empty_handle(), tensor.shape.clone(), tensor.dtype);
         let outputs = [rotated, output(&keys), output(&values)];
-        let inputs = [qkv, q_weight, k_weight, cos, signed_sin, slots, keys, values].map(|t| t.into_ir());
+        let stacked = projections.len() == 1;
+        // The projections first (one stacked product, or three), then the other operands.
+        let operands: Vec<FloatTensor<Self>> = projections.into_iter().chain([q_weight, k_weight, cos, signed_sin]).collect();
+        let streams = OperationStreams::with_inputs(operands.iter().chain([&slots, &keys, &values]));
+        let mut inputs: Vec<TensorIr> = operands.into_iter().map(|t| t.into_ir()).collect();
+        inputs.extend([slots, keys, values].map(|t| t.into_ir()));
         let desc = CustomOpIr::new("qk_norm_rope_write", &inputs, &outputs);
         // The pools' handles come out of the stream's container where nothing else reads them
         // (the KV cache passes them on), so the kernel writes them in place.
         let op = KernelOp::<B>::new(&desc, move |desc, handles| {
-            let ([qkv, q_weight, k_weight, cos, signed_sin, slots, keys, values], [rotated, keys_out, values_out]) = desc.as_fixed();
-            let (rotated_result, keys_result, values_result) = B::qk_norm_rope_write(QkNormRopeWrite {
-                qkv: handles.get_float_tensor::<B>(qkv),
-                heads,
-                q_weight: handles.get_float_tensor::<B>(q_weight),
-                k_weight: handles.get_float_tensor::<B>(k_weight),
-                cos: handles.get_float_tensor::<B>(cos),
-                signed_sin: handles.get_float_tensor::<B>(signed_sin),
-                slots: handles.get_int_tensor::<B>(slots),
-                keys: handles.get_float_tensor::<B>(keys),
-                values: handles.get_float_tensor::<B>(values),
-                eps,
-            });
+            let inputs = &desc.inputs;
+            let first = if stacked { 1 } else { 3 };
+            let qkv = match stacked {
+                true => Qkv::Stacked(handles.get_float_tensor::<B>(&inputs[0])),
+                false => Qkv::Separate([0, 1, 2].map(|i| handles.get_float_tensor::<B>(&inputs[i]))),
+            };
+            let float = |handles: &mut Handles<B>, i: usize| handles.get_float_tensor::<B>(&inputs[first + i]);
+            let (q_weight, k_weight, cos, signed_sin) = (float(handles, 0), float(handles, 1), float(handles, 2), float(handles, 3));
+            let slots = handles.get_int_tensor::<B>(&inputs[first + 4]);
+            let (keys, values) = (float(handles, 5), float(handles, 6));
+            let (rotated_result, keys_result, values_result) =
+                B::qk_norm_rope_write(QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps });
+            let [rotated, keys_out, values_out] = [0, 1, 2].map(|i| &desc.outputs[i]);
             handles.register_float_tensor::<B>(&rotated.id, rotated_result);
             handles.register_float_tensor::<B>(&keys_out.id, keys_result);
             handles.register_float_tensor::<B>(&values_out.id, values_result);

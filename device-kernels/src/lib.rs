@@ -7,8 +7,8 @@
 //! layer ([`rms_norm::qk_norm_rope_write`]); SwiGLU's `silu(gate) · up` ([`swiglu`]); and the
 //! choice of each row's token from its logits
 //! ([`sampling`]) where burn's ops take about 17. The norm-with-RoPE and SwiGLU kernels take
-//! one stacked product each (`qkv_proj`'s and `gate_up_proj`'s output, as vLLM's do), read
-//! where its columns lie. They run on any CubeCL runtime (CUDA; wgpu,
+//! their projections one by one or as one stacked product (`qkv_proj`'s and `gate_up_proj`'s
+//! output, as vLLM's do), read where it lies. They run on any CubeCL runtime (CUDA; wgpu,
 //! where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a custom
 //! operation in the fusion stream) or not.
 //!
@@ -29,7 +29,8 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
 use model::device_kernels::{register_norms, register_paged_attention, register_silu_mul, register_token_choice, NormKernels, PagedAttention};
-pub use rms_norm::QkNormRopeWrite;
+pub use rms_norm::{QkNormRopeWrite, Qkv};
+pub use swiglu::GateUp;
 
 /// A backend that computes [`PagedAttention`], the RMS norms, SwiGLU's `silu(gate) · up` and the
 /// token choice with kernels of this crate.
@@ -64,8 +65,8 @@ pub trait DeviceKernels: Backend {
     /// `temperatures` and `uniforms` `[rows]` f32; `[rows, 2]` f32.
     fn choose_tokens(logits: FloatTensor<Self>, temperatures: FloatTensor<Self>, uniforms: FloatTensor<Self>) -> FloatTensor<Self>;
 
-    /// [`model::device_kernels::SiluMulFn`] on primitives: `gate_up` `[rows, 2 · width]`.
-    fn silu_mul(gate_up: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// [`model::device_kernels::SiluMulFn`] on primitives.
+    fn silu_mul(operands: GateUp<FloatTensor<Self>>) -> FloatTensor<Self>;
 
     /// [`model::device_kernels::QkNormRopeWriteFn`] on primitives (see
     /// [`rms_norm::qk_norm_rope_write`]): `(rotated query, keys, values)`.
@@ -107,8 +108,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         rms_norm::qk_norm_rope_write(pass)
     }
 
-    fn silu_mul(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
-        swiglu::silu_mul(gate_up)
+    fn silu_mul(operands: GateUp<FloatTensor<Self>>) -> FloatTensor<Self> {
+        swiglu::silu_mul(operands)
     }
 }
 
@@ -144,8 +145,12 @@ fn run_add_rms_norm<B: DeviceKernels>(residual: Tensor<B, 2>, delta: Tensor<B, 2
 
 fn run_qk_norm_rope_write<B: DeviceKernels>(pass: model::device_kernels::QkNormRopeWrite<B>) -> (Tensor<B, 2>, Tensor<B, 3>, Tensor<B, 3>) {
     let model::device_kernels::QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
+    let qkv = match qkv {
+        model::device_kernels::Qkv::Stacked(qkv) => Qkv::Stacked(float(qkv)),
+        model::device_kernels::Qkv::Separate(each) => Qkv::Separate(each.map(float)),
+    };
     let (query, keys, values) = B::qk_norm_rope_write(QkNormRopeWrite {
-        qkv: float(qkv),
+        qkv,
         heads,
         q_weight: float(q_weight),
         k_weight: float(k_weight),
@@ -159,8 +164,11 @@ fn run_qk_norm_rope_write<B: DeviceKernels>(pass: model::device_kernels::QkNormR
     (tensor(query), tensor(keys), tensor(values))
 }
 
-fn run_silu_mul<B: DeviceKernels>(gate_up: Tensor<B, 2>) -> Tensor<B, 2> {
-    tensor(B::silu_mul(float(gate_up)))
+fn run_silu_mul<B: DeviceKernels>(operands: model::device_kernels::GateUp<B>) -> Tensor<B, 2> {
+    tensor(B::silu_mul(match operands {
+        model::device_kernels::GateUp::Stacked(gate_up) => GateUp::Stacked(float(gate_up)),
+        model::device_kernels::GateUp::Separate(gate, up) => GateUp::Separate(float(gate), float(up)),
+    }))
 }
 
 fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tensor<B, 1>, uniforms: Tensor<B, 1>) -> Tensor<B, 2> {

@@ -194,13 +194,16 @@ fn norm_rope_head<F: Float>(
 /// `q_norm` and `k_norm` with RoPE ([`norm_rope_head`]) of one pass's query and key heads, the
 /// rotated keys and the values written to their token's slot of a layer's pools
 /// (`[kv_heads, slots, head_dim]`): one cube a head of a token, its `heads` query heads and then
-/// its `kv_heads` key heads. A token's row of `qkv` holds its query heads, then its key heads,
-/// then its value heads (`qkv_proj`'s output), rows `stride(0)` apart; the query heads go to
-/// `rotated_query`, packed.
+/// its `kv_heads` key heads. A token's query heads start its row of `query`, its key heads
+/// `key_column` into its row of `key`, its value heads `value_column` into its row of `value`,
+/// rows `stride(0)` apart: three projections, or one stacked product (`qkv_proj`'s) passed as
+/// all three. The query heads go to `rotated_query`, packed.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
-    qkv: &Tensor<F>,
+    query: &Tensor<F>,
+    key: &Tensor<F>,
+    value: &Tensor<F>,
     q_weight: &Tensor<F>,
     k_weight: &Tensor<F>,
     cos: &Tensor<F>,
@@ -212,6 +215,8 @@ fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
     eps: f32,
     heads: u32,
     kv_heads: u32,
+    key_column: u32,
+    value_column: u32,
     #[comptime] head_dim: u32,
     #[comptime] _revision: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
@@ -227,20 +232,19 @@ fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
     // Every unit of a cube takes the same branches, so the syncs inside are reached by all.
     if token < slots.shape(0) {
         let table = token * n;
-        // The token's query heads, key heads and value heads, one after another.
-        let row = token * qkv.stride(0);
         if j < h {
             let out = (token * h + j) * n;
-            norm_rope_head::<F>(qkv, row + j * n, q_weight, cos, signed_sin, table, rotated_query, out, &mut partial, &mut head, eps, head_dim);
+            norm_rope_head::<F>(query, token * query.stride(0) + j * n, q_weight, cos, signed_sin, table, rotated_query, out, &mut partial, &mut head, eps, head_dim);
         } else {
             let kv_head = j - h;
             let slot = u32::cast_from(slots[token]) as usize;
             let at = (kv_head * keys.shape(1) + slot) * n;
-            norm_rope_head::<F>(qkv, row + j * n, k_weight, cos, signed_sin, table, keys, at, &mut partial, &mut head, eps, head_dim);
-            let value = row + (h + kv + kv_head) * n;
+            let key_at = token * key.stride(0) + key_column as usize + kv_head * n;
+            norm_rope_head::<F>(key, key_at, k_weight, cos, signed_sin, table, keys, at, &mut partial, &mut head, eps, head_dim);
+            let value_at = token * value.stride(0) + value_column as usize + kv_head * n;
             let mut i = UNIT_POS_X as usize;
             while i < n {
-                values[at + i] = qkv[value + i];
+                values[at + i] = value[value_at + i];
                 i += CUBE_DIM_X as usize;
             }
         }
@@ -312,15 +316,22 @@ pub fn add_rms_norm<R: CubeRuntime>(
     (sum, output)
 }
 
-/// The operands of [`qk_norm_rope_write`]: one pass's projections side by side, `[tokens,
-/// (heads + 2 · kv_heads) · head_dim]` (`qkv`: a token's query heads, key heads, value heads),
-/// whose rows may lie further apart than their width; the number of query heads; the norms'
-/// weights `[head_dim]`; RoPE's `cos` and `signed_sin` `[tokens, head_dim]`; the slot
-/// of each token `[tokens]` (ints); a layer's pools `[kv_heads, slots, head_dim]`. All floats of
-/// one dtype. `F` and `I` are a backend's float and int primitives.
+/// A pass's query, key and value projections, a token a row (rows may lie further apart than
+/// their width): side by side in one stacked product `[tokens, (heads + 2 · kv_heads) · head_dim]`
+/// (`qkv_proj`'s), or one each, `[tokens, heads or kv_heads · head_dim]`.
+#[derive(Debug)]
+pub enum Qkv<F> {
+    Stacked(F),
+    Separate([F; 3]),
+}
+
+/// The operands of [`qk_norm_rope_write`]: one pass's projections ([`Qkv`]) and its number of
+/// query heads; the norms' weights `[head_dim]`; RoPE's `cos` and `signed_sin` `[tokens,
+/// head_dim]`; the slot of each token `[tokens]` (ints); a layer's pools `[kv_heads, slots,
+/// head_dim]`. All floats of one dtype. `F` and `I` are a backend's float and int primitives.
 #[derive(Debug)]
 pub struct QkNormRopeWrite<F, I> {
-    pub qkv: F,
+    pub qkv: Qkv<F>,
     pub heads: usize,
     pub q_weight: F,
     pub k_weight: F,
@@ -332,32 +343,47 @@ pub struct QkNormRopeWrite<F, I> {
     pub eps: f64,
 }
 
-/// Launches [`qk_norm_rope_write_kernel`]: `(rotated query, keys, values)`, the pools written
-/// in place where nothing else holds them (a KV cache's pools, passed on from pass to pass),
-/// else in a copy. The slots are the caller's to keep below the pools' size (the KV cache
-/// checks them when a pass is set); the kernel does not.
+/// Launches [`qk_norm_rope_write_kernel`]: `(rotated query, keys, values)`, the query `[tokens,
+/// heads · head_dim]`, the pools written in place where nothing else holds them (a KV cache's
+/// pools, passed on from pass to pass), else in a copy. A stacked product is read where it
+/// lies, as all three projections. The slots are the caller's to keep below the pools' size
+/// (the KV cache checks them when a pass is set); the kernel does not.
 ///
 /// Panics on operands whose shapes or dtypes disagree, or an odd `head_dim`.
 pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, CubeTensor<R>>) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps } = pass;
     let [head_dim] = q_weight.shape().dims::<1>();
-    let [tokens, width] = qkv.shape().dims::<2>();
     let [kv_heads, pool_slots, pool_dim] = keys.shape().dims::<3>();
     assert!(head_dim > 0 && head_dim % 2 == 0, "qk norm rope write: an even head_dim");
-    assert_eq!(width, (heads + 2 * kv_heads) * head_dim, "qk norm rope write: rows of {width} for {heads} query and twice {kv_heads} key-value heads of {head_dim}");
+    let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
+    let ([query, key, value], [key_column, value_column]) = match qkv {
+        Qkv::Stacked(qkv) => {
+            let [_, width] = qkv.shape().dims::<2>();
+            assert_eq!(width, q_width + 2 * kv_width, "qk norm rope write: stacked rows of {width} for {heads} query and twice {kv_heads} key-value heads of {head_dim}");
+            let qkv = packed_rows(qkv);
+            ([qkv.clone(), qkv.clone(), qkv], [q_width, q_width + kv_width])
+        }
+        Qkv::Separate([query, key, value]) => {
+            for (name, tensor, width) in [("query", &query, q_width), ("key", &key, kv_width), ("value", &value, kv_width)] {
+                assert_eq!(tensor.shape().dims::<2>()[1], width, "qk norm rope write: {name} rows of {width} expected");
+            }
+            ([query, key, value].map(packed_rows), [0, 0])
+        }
+    };
+    let tokens = query.shape().dims::<2>()[0];
+    assert!(key.shape().dims::<2>()[0] == tokens && value.shape().dims::<2>()[0] == tokens, "qk norm rope write: projections of one number of tokens");
     assert_eq!(cos.shape().dims::<2>(), [tokens, head_dim], "qk norm rope write: a cos row of head_dim a token");
     assert_eq!(signed_sin.shape().dims::<2>(), [tokens, head_dim], "qk norm rope write: cos and sin of one shape");
     assert_eq!(pool_dim, head_dim, "qk norm rope write: pools of the queries' head_dim");
     assert_eq!(k_weight.shape().dims::<1>(), [head_dim], "qk norm rope write: a k_norm weight of the heads' width");
     assert_eq!(values.shape().dims::<3>(), [kv_heads, pool_slots, head_dim], "qk norm rope write: values pool of another shape than the keys'");
     assert_eq!(slots.shape().num_elements(), tokens, "qk norm rope write: a slot a token");
-    check_operands("qk norm rope write", &qkv, &q_weight, &[&k_weight, &cos, &signed_sin, &keys, &values], head_dim);
-    let qkv = packed_rows(qkv);
+    check_operands("qk norm rope write", &query, &q_weight, &[&key, &value, &k_weight, &cos, &signed_sin, &keys, &values], head_dim);
     let [q_weight, k_weight, cos, signed_sin, slots] = [q_weight, k_weight, cos, signed_sin, slots].map(into_contiguous);
     let [keys, values] = [keys, values].map(writable);
-    let client = qkv.client.clone();
-    let dtypes = [qkv.dtype.into(), slots.dtype.into()];
-    let rotated = empty_device_contiguous_dtype(client.clone(), qkv.device.clone(), Shape::new([tokens, heads * head_dim]), qkv.dtype);
+    let client = query.client.clone();
+    let dtypes = [query.dtype.into(), slots.dtype.into()];
+    let rotated = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([tokens, q_width]), query.dtype);
     if tokens == 0 {
         return (rotated, keys, values);
     }
@@ -365,7 +391,9 @@ pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, C
         &client,
         grid(tokens * (heads + kv_heads)),
         CubeDim::new_1d(UNITS),
-        qkv.into_tensor_arg(),
+        query.into_tensor_arg(),
+        key.into_tensor_arg(),
+        value.into_tensor_arg(),
         q_weight.into_tensor_arg(),
         k_weight.into_tensor_arg(),
         cos.into_tensor_arg(),
@@ -377,6 +405,8 @@ pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, C
         eps as f32,
         heads as u32,
         kv_heads as u32,
+        key_column as u32,
+        value_column as u32,
         head_dim as u32,
         REVISION,
         dtypes,
@@ -385,8 +415,7 @@ pub fn qk_norm_rope_write<R: CubeRuntime>(pass: QkNormRopeWrite<CubeTensor<R>, C
 }
 
 /// A `[rows, width]` operand whose rows a kernel reads `stride(0)` apart: itself where its
-/// columns are adjacent (packed, or a range of columns of a wider tensor, such as one of a
-/// stacked projection's outputs), else a packed copy.
+/// columns are adjacent (packed, or a range of columns of a wider tensor), else a packed copy.
 pub(crate) fn packed_rows<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
     let strides = tensor.meta.strides();
     let [rows, width] = tensor.shape().dims::<2>();
@@ -449,6 +478,10 @@ pub(crate) fn qk_norm_rope_write_definition<R: Runtime>(client: &ComputeClient<R
         arg(),
         arg(),
         arg(),
+        arg(),
+        arg(),
+        (),
+        (),
         (),
         (),
         (),

@@ -98,11 +98,8 @@ pub type AddRmsNormFn<B> = fn(residual: Tensor<B, 2>, delta: Tensor<B, 2>, weigh
 /// (see [`QkNormRopeWriteFn`]). Floats of one dtype.
 #[derive(Debug, Clone)]
 pub struct QkNormRopeWrite<B: Backend> {
-    /// The pass's projections side by side, `[tokens, (heads + 2 · kv_heads) · head_dim]`: a
-    /// token's query heads, key heads and value heads (`q_proj`'s, `k_proj`'s and `v_proj`'s
-    /// outputs, as vLLM's `qkv_proj` gives them). Its rows may lie further apart than their
-    /// width.
-    pub qkv: Tensor<B, 2>,
+    /// The pass's query, key and value projections.
+    pub qkv: Qkv<B>,
     /// Query heads a token (the pools say how many key-value heads).
     pub heads: usize,
     /// `q_norm`'s and `k_norm`'s weights, `[head_dim]`.
@@ -118,6 +115,27 @@ pub struct QkNormRopeWrite<B: Backend> {
     pub values: Tensor<B, 3>,
     /// The norms' epsilon.
     pub eps: f64,
+}
+
+/// A pass's query, key and value projections (`q_proj`'s, `k_proj`'s and `v_proj`'s outputs), a
+/// token a row; rows may lie further apart than their width.
+#[derive(Debug, Clone)]
+pub enum Qkv<B: Backend> {
+    /// Side by side, `[tokens, (heads + 2 · kv_heads) · head_dim]`: one product of a stacked
+    /// `qkv_proj`, as vLLM's, a token's query heads, then its key heads, then its value heads.
+    Stacked(Tensor<B, 2>),
+    /// One each, `[tokens, heads or kv_heads · head_dim]`.
+    Separate([Tensor<B, 2>; 3]),
+}
+
+/// SwiGLU's operands (`gate_proj`'s and `up_proj`'s outputs), a row each; rows may lie further
+/// apart than their width.
+#[derive(Debug, Clone)]
+pub enum GateUp<B: Backend> {
+    /// Side by side, `[rows, 2 · width]`: one product of a stacked `gate_up_proj`, as vLLM's.
+    Stacked(Tensor<B, 2>),
+    /// One each, `[rows, width]`.
+    Separate(Tensor<B, 2>, Tensor<B, 2>),
 }
 
 /// A kernel computing [`QkNormRopeWrite`]: each head normalised as [`RmsNormFn`] does, then
@@ -146,11 +164,9 @@ pub fn token_choice<B: Backend>() -> Option<ChooseTokensFn<B>> {
     registered::<B, ChooseTokensFn<B>>("choose_tokens")
 }
 
-/// A kernel computing SwiGLU's `silu(gate) · up` from `gate_up` `[rows, 2 · width]` (each row's
-/// gate, then its up: `gate_proj`'s and `up_proj`'s outputs side by side, as vLLM's
-/// `gate_up_proj` gives them), as HF does in a dtype of 16 bits: `silu` in f32 rounded to the
-/// dtype, then the product. `[rows, width]`.
-pub type SiluMulFn<B> = fn(gate_up: Tensor<B, 2>) -> Tensor<B, 2>;
+/// A kernel computing SwiGLU's `silu(gate) · up` (`[rows, width]`) from operands of one dtype, as
+/// HF does in a dtype of 16 bits: `silu` in f32 rounded to the dtype, then the product.
+pub type SiluMulFn<B> = fn(GateUp<B>) -> Tensor<B, 2>;
 
 /// Lets `kernel` compute SwiGLU's element-wise step on backend `B` from now on, for the whole
 /// process (taken by the passes over a KV cache, as the norm kernels are).
@@ -260,7 +276,7 @@ mod tests {
         assert!(paged_attention::<Other>(7).is_some());
         assert!(paged_attention::<Flex>(1).is_none());
         assert!(norms::<Other>().is_none(), "kernels are found by their name too");
-        register_norms::<Other>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), qk_norm_rope_write: |p| (p.qkv, p.keys, p.values) });
+        register_norms::<Other>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), qk_norm_rope_write: |p| (p.q_weight.unsqueeze(), p.keys, p.values) });
         assert!(norms::<Other>().is_some() && paged_attention::<Other>(7).is_some());
     }
 }

@@ -11,7 +11,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, IndexingUpdateOp, Int, Tensor, TensorData};
 use device_kernels::DeviceKernels;
-use prompt_r1_model::device_kernels::{NormKernels, QkNormRopeWrite};
+use prompt_r1_model::device_kernels::{NormKernels, QkNormRopeWrite, Qkv};
 
 use crate::common;
 
@@ -98,9 +98,9 @@ fn check<B: DeviceKernels>(dtype: DType, tolerance: f32, rope_tolerance: f32) {
 /// in place: a copy of them queued before the kernel must still read them as they were), then
 /// padding (every other token at the scratch slot 0, whose contents are not compared) written
 /// into pools still held elsewhere, which must be left as they were (the kernel writes a copy).
-/// The projections side by side (`qkv_proj`'s output), each pass twice: packed, and as the first
-/// columns of a wider tensor (rows further apart than their width), which must give the same
-/// bits.
+/// Each pass three times, the projections one each, side by side (`qkv_proj`'s output), and side
+/// by side as columns inside a wider tensor (rows further apart than their width, starting
+/// into its buffer), which must give the same bits.
 fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, heads, kv_heads, head_dim]: [usize; 4], dtype: DType, tolerance: f32) {
     let device = Default::default();
     let shape = format!("{tokens} tokens of {heads} and {kv_heads} heads of {head_dim}");
@@ -109,8 +109,8 @@ fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, 
     let key = scaled_rows::<B>(tokens * kv_heads, head_dim, dtype, &device).reshape([tokens, kv_width]);
     let value = uniform::<B, 2>([tokens, kv_width], -2.0, 2.0, dtype, &device);
     let qkv = Tensor::cat(vec![query.clone(), key.clone(), value.clone()], 1);
-    let extra = Tensor::<B, 2>::zeros([tokens, 128], &device).cast(dtype);
-    let wide = Tensor::cat(vec![qkv.clone(), extra], 1);
+    let extra = || Tensor::<B, 2>::zeros([tokens, 128], &device).cast(dtype);
+    let wide = Tensor::cat(vec![extra(), qkv.clone(), extra()], 1);
     let q_weight = uniform::<B, 1>([head_dim], 0.5, 1.5, dtype, &device);
     let k_weight = uniform::<B, 1>([head_dim], 0.5, 1.5, dtype, &device);
     let cos = uniform::<B, 2>([tokens, head_dim], -1.0, 1.0, dtype, &device);
@@ -133,11 +133,12 @@ fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, 
         let pool_rows = |x: Tensor<B, 2>| x.reshape([tokens * kv_heads, head_dim]);
         let expected_keys = keys.clone().scatter_nd(pairs.clone(), pool_rows(rope(key.clone(), k_weight.clone(), kv_heads)), IndexingUpdateOp::Assign);
         let expected_values = values.clone().scatter_nd(pairs, pool_rows(value.clone()), IndexingUpdateOp::Assign);
-        let mut packed_results = None;
-        for layout in ["packed", "a view"] {
+        let mut separate_results = None;
+        for layout in ["separate", "stacked", "a view"] {
             let qkv = match layout {
-                "packed" => qkv.clone(),
-                _ => wide.clone().narrow(1, 0, q_width + 2 * kv_width),
+                "separate" => Qkv::Separate([query.clone(), key.clone(), value.clone()]),
+                "stacked" => Qkv::Stacked(qkv.clone()),
+                _ => Qkv::Stacked(wide.clone().narrow(1, 128, q_width + 2 * kv_width)),
             };
             // Pools still held elsewhere keep their contents (host copies to compare with
             // after). Unheld, the pools are written in place, after what reads them before the
@@ -168,12 +169,12 @@ fn check_qk_norm_rope_write<B: DeviceKernels>(kernels: NormKernels<B>, [tokens, 
                 let before = Tensor::<B, 3>::from_data(before, &device);
                 report::<B>(&format!("qk_norm_rope_write's {name} {reader}"), dtype, &case, worst(pool, before, dtype), 0.0);
             }
-            match &packed_results {
-                None => packed_results = Some((rotated_query, written_keys, written_values)),
+            match &separate_results {
+                None => separate_results = Some((rotated_query, written_keys, written_values)),
                 Some((query, keys, values)) => {
-                    report::<B>("qk_norm_rope_write's query, a view against packed", dtype, &case, worst(rotated_query, query.clone(), dtype), 0.0);
-                    report::<B>("qk_norm_rope_write's keys, a view against packed", dtype, &case, worst(but_scratch(written_keys), but_scratch(keys.clone()), dtype), 0.0);
-                    report::<B>("qk_norm_rope_write's values, a view against packed", dtype, &case, worst(but_scratch(written_values), but_scratch(values.clone()), dtype), 0.0);
+                    report::<B>("qk_norm_rope_write's query, against separate", dtype, &case, worst(rotated_query, query.clone(), dtype), 0.0);
+                    report::<B>("qk_norm_rope_write's keys, against separate", dtype, &case, worst(but_scratch(written_keys), but_scratch(keys.clone()), dtype), 0.0);
+                    report::<B>("qk_norm_rope_write's values, against separate", dtype, &case, worst(but_scratch(written_values), but_scratch(values.clone()), dtype), 0.0);
                 }
             }
         }

@@ -2,12 +2,13 @@
 //! (fused and unfused), as the model finds it through the registry: one row and many (more
 //! elements than the grid's first axis takes at 256 a cube), widths that are not a multiple of
 //! the cube, gates from −12 to 12 (where `silu` saturates either way); f32 and f16; the gate
-//! and the up side by side (`gate_up_proj`'s output), packed and as the first columns of a wider
-//! tensor, read where they lie.
+//! and the up one each, and side by side (`gate_up_proj`'s output), packed and as columns inside
+//! a wider tensor, read where they lie.
 
 use burn::tensor::activation::silu;
 use burn::tensor::{DType, Distribution, Tensor};
 use device_kernels::DeviceKernels;
+use prompt_r1_model::device_kernels::GateUp;
 
 use crate::common;
 
@@ -23,17 +24,18 @@ fn check<B: DeviceKernels>(dtype: DType, atol: f32, rtol: f32) {
         let gate = Tensor::<B, 2>::random([rows, width], Distribution::Uniform(-12.0, 12.0), &device).cast(dtype);
         let up = Tensor::<B, 2>::random([rows, width], Distribution::Normal(0.0, 2.0), &device).cast(dtype);
         let expected = silu(gate.clone()) * up.clone();
-        let output = kernel(Tensor::cat(vec![gate.clone(), up.clone()], 1));
+        let output = kernel(GateUp::Separate(gate.clone(), up.clone()));
         assert_eq!((output.dims(), output.dtype()), ([rows, width], dtype));
-        // The same operands as the first columns of a wider tensor (rows further apart than
-        // their width, 512 bytes more in f32: a view, not a copy): the same arithmetic, so the
-        // same bits.
-        let extra = Tensor::<B, 2>::zeros([rows, 128], &device).cast(dtype);
-        let wide = Tensor::cat(vec![gate, up, extra], 1);
-        let from_view = kernel(wide.narrow(1, 0, 2 * width));
-        let differ = (from_view.cast(DType::F32) - output.clone().cast(DType::F32)).abs().max();
-        let differ: f32 = differ.into_scalar().to_string().parse().expect("a float");
-        assert_eq!(differ, 0.0, "silu_mul, {rows} × {width}, {dtype:?}: a view gives other values than packed operands");
+        // The same operands side by side, packed and as columns 128 to 128 + 2 · width of a
+        // wider tensor (rows further apart than their width, starting 512 bytes into the buffer
+        // in f32: a view, not a copy): the same arithmetic, so the same bits.
+        let extra = || Tensor::<B, 2>::zeros([rows, 128], &device).cast(dtype);
+        let wide = Tensor::cat(vec![extra(), gate.clone(), up.clone(), extra()], 1);
+        for (layout, stacked) in [("stacked", Tensor::cat(vec![gate, up], 1)), ("a view", wide.narrow(1, 128, 2 * width))] {
+            let differ = (kernel(GateUp::Stacked(stacked)).cast(DType::F32) - output.clone().cast(DType::F32)).abs().max();
+            let differ: f32 = differ.into_scalar().to_string().parse().expect("a float");
+            assert_eq!(differ, 0.0, "silu_mul, {rows} × {width}, {dtype:?}: {layout} gives other values than separate operands");
+        }
         let expected = expected.cast(DType::F32);
         let error = (output.cast(DType::F32) - expected.clone()).abs();
         let scalar = |t: Tensor<B, 1>| -> f32 { t.into_scalar().to_string().parse().expect("a float") };

@@ -157,6 +157,14 @@ impl<B: Backend> LoraAdapters<B> {
         &self.config
     }
 
+    /// Whether every layer has an adapter on each projection an inference copy stacks (`q_proj`,
+    /// `k_proj`, `v_proj`, `gate_proj`, `up_proj`): merged, they replace every weight stacking
+    /// takes, so a merged copy can stack without holding a weight of the base twice.
+    pub fn adapt_every_stacked_projection(&self) -> bool {
+        const STACKED: [LoraTarget; 5] = [LoraTarget::QProj, LoraTarget::KProj, LoraTarget::VProj, LoraTarget::GateProj, LoraTarget::UpProj];
+        self.layers.iter().all(|layer| STACKED.iter().all(|&t| layer.get(t).is_some()))
+    }
+
     /// Every adapter with its layer and target, in layer order.
     pub fn iter(&self) -> impl Iterator<Item = (usize, LoraTarget, &LoraLinear<B>)> {
         self.layers.iter().enumerate().flat_map(|(l, layer)| {

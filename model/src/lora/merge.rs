@@ -11,20 +11,27 @@ use crate::qwen3::{Qwen3DecoderLayer, Qwen3ForCausalLM};
 
 /// `base` with every adapter merged into its projection: the returned model alone computes
 /// what `base` with `adapters` computes (up to rounding).
-/// A base with stacked projections comes back stacked, of the merged weights.
+/// A base with stacked projections comes back stacked, of the merged weights, where the
+/// adapters replace every weight stacking takes
+/// ([`LoraAdapters::adapt_every_stacked_projection`]); otherwise unstacked, its unadapted
+/// weights still the base's (stacking them again would hold them twice).
 pub fn merge_adapters<B: Backend>(base: Qwen3ForCausalLM<B>, adapters: &LoraAdapters<B>) -> Qwen3ForCausalLM<B> {
     assert_eq!(
         adapters.layers.len(),
         base.model.layers.len(),
         "adapters for a model of another depth"
     );
-    base.restacked_after(|mut base| {
-        for (l, target, adapter) in adapters.iter() {
-            let linear = projection(&mut base.model.layers[l], target);
-            linear.weight = linear.weight.clone().map(|w| merged(w, adapter));
-        }
-        base
-    })
+    let restack = base.is_stacked() && adapters.adapt_every_stacked_projection();
+    let mut merged_model = base.unstacked();
+    for (l, target, adapter) in adapters.iter() {
+        let linear = projection(&mut merged_model.model.layers[l], target);
+        linear.weight = linear.weight.clone().map(|w| merged(w, adapter));
+    }
+    if restack {
+        merged_model.with_stacked_projections()
+    } else {
+        merged_model
+    }
 }
 
 fn merged<B: Backend>(w: burn::tensor::Tensor<B, 2>, adapter: &LoraLinear<B>) -> burn::tensor::Tensor<B, 2> {

@@ -8,7 +8,8 @@ use super::linear::{lora_linear, product, MatmulPrecision};
 use super::stacked::split_columns;
 use super::rms_norm::rows;
 use crate::lora::LoraLayer;
-use crate::{device_kernels, kernels};
+use crate::device_kernels::{self, GateUp};
+use crate::kernels;
 
 /// The gated feed-forward block of a decoder layer.
 #[derive(Module, Debug)]
@@ -33,9 +34,9 @@ impl<B: Backend> Qwen3MLP<B> {
     /// [`Self::forward`] with the layer's LoRA adapters on the projections that have one. One
     /// product of the stacked `gate_up_proj` stands for `gate_proj`'s and `up_proj`'s where
     /// neither has an adapter. In a pass `over_cache` (generation's, over a KV cache) a GPU
-    /// backend's kernel may compute `silu(gate) · up` ([`device_kernels::SiluMulFn`], from the
-    /// two side by side: separate ones are concatenated first); passes without a cache keep
-    /// burn's ops, as the norms do.
+    /// backend's kernel may compute `silu(gate) · up` ([`device_kernels::SiluMulFn`], reading a
+    /// stacked product or two where they lie); passes without a cache keep burn's ops, as the
+    /// norms do.
     pub fn forward_with_adapters<const D: usize>(
         &self,
         x: Tensor<B, D>,
@@ -49,7 +50,7 @@ impl<B: Backend> Qwen3MLP<B> {
         let stacked = self.gate_up_proj.as_ref().filter(|_| gate_adapter.is_none() && up_adapter.is_none());
         let kernel = over_cache.then(device_kernels::silu_mul::<B>).flatten();
         let hidden = match (stacked, kernel) {
-            (Some(gate_up_proj), Some(kernel)) => kernel(product(x, gate_up_proj.clone(), matmul)),
+            (Some(gate_up_proj), Some(kernel)) => kernel(GateUp::Stacked(product(x, gate_up_proj.clone(), matmul))),
             (Some(gate_up_proj), None) => {
                 let width = gate_up_proj.dims()[1] / 2;
                 let [gate, up] = split_columns(product(x, gate_up_proj.clone(), matmul), [width, width]);
@@ -59,7 +60,7 @@ impl<B: Backend> Qwen3MLP<B> {
                 let gate = lora_linear(&self.gate_proj, gate_adapter, x.clone(), matmul);
                 let up = lora_linear(&self.up_proj, up_adapter, x, matmul);
                 match kernel.filter(|_| gate.dtype() == up.dtype()) {
-                    Some(kernel) => kernel(Tensor::cat(vec![gate, up], 1)),
+                    Some(kernel) => kernel(GateUp::Separate(gate, up)),
                     None => silu_mul(gate, up),
                 }
             }

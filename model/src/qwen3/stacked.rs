@@ -18,9 +18,12 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
     /// products' rounding.
     ///
     /// For inference copies only: the stacked weights are not parameters (neither trained nor
-    /// saved). Code that replaces weights goes through [`Self::restacked_after`] (merging
-    /// adapters and casting do), so that none is left stale. A model already stacked is
-    /// returned as it is.
+    /// saved). Code that replaces weights goes through [`Self::restacked_after`] (casting does;
+    /// merging adapters unstacks and stacks again itself), so that none is left stale. Module
+    /// methods that do not know of them mishandle them: `map` and `load_record` leave them
+    /// stale, `to_device` and `fork` move them and their views apart (the weights twice on the
+    /// new device), and an autodiff wrapper would not track them. Stack after such steps, never
+    /// before. A model already stacked is returned as it is.
     pub fn with_stacked_projections(mut self) -> Self {
         for layer in &mut self.model.layers {
             let attention = &mut layer.self_attn;
@@ -173,6 +176,9 @@ mod tests {
         let cast = with_dtype(model.with_stacked_projections(), DType::BF16);
         let layer = &cast.model.layers[0];
         assert_eq!(layer.self_attn.qkv_proj.as_ref().map(|w| w.dtype()), Some(DType::BF16));
-        assert_eq!(layer.mlp.gate_up_proj.as_ref().map(|w| w.dtype()), Some(DType::BF16));
+        let gate_up = layer.mlp.gate_up_proj.clone().unwrap();
+        let [_, width] = layer.mlp.up_proj.weight.dims();
+        let values = |t: Tensor<Flex, 2>| t.cast(DType::F32).into_data().to_vec::<f32>().unwrap();
+        assert_eq!(values(gate_up.narrow(1, width, width)), values(layer.mlp.up_proj.weight.val()), "the stacked weight holds the cast values");
     }
 }

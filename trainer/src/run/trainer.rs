@@ -484,14 +484,16 @@ fn for_rollouts<B: Backend>(policy: Policy<B>, adapters: Option<&LoraAdapters<B>
         Some(adapters) if rollout.merge_lora => (merge_adapters(policy, adapters), true),
         _ => (policy, false),
     };
-    let (policy, cast) = match rollout.dtype {
-        InferenceDtype::F32 => (policy, false),
-        other => (with_dtype(policy, other.dtype()), true),
+    // f32 leaves the policy's dtype as it is; a cast to the dtype it has copies nothing.
+    let cast_to = match rollout.dtype {
+        InferenceDtype::F32 => None,
+        other => Some(other.dtype()).filter(|&dtype| policy.model.layers.first().is_some_and(|l| l.self_attn.q_proj.weight.dtype() != dtype)),
     };
-    let all_adapted = |a: &LoraAdapters<B>| {
-        a.layers.iter().all(|l| l.q_proj.is_some() && l.k_proj.is_some() && l.v_proj.is_some() && l.gate_proj.is_some() && l.up_proj.is_some())
+    let (policy, cast) = match cast_to {
+        Some(dtype) => (with_dtype(policy, dtype), true),
+        None => (policy, false),
     };
-    let fresh = cast || (merged && adapters.is_some_and(all_adapted));
+    let fresh = cast || (merged && adapters.is_some_and(LoraAdapters::adapt_every_stacked_projection));
     let policy = if fresh { policy.for_inference() } else { policy };
     (policy, merged)
 }
@@ -563,5 +565,36 @@ mod tests {
         let (moved, apart) = (diff(&adapted, &plain), diff(&logits(LoraModel::new(&merged, None)), &adapted));
         println!("bf16 base: the adapters move the logits by {moved}, merged and apart differ by {apart}");
         assert!(apart < 0.1 * moved, "merged against apart {apart}, the adapters' change {moved}");
+    }
+    /// Where a backend lends the GPU kernels, the rollout copy is stacked exactly when its
+    /// stacked projections' weights are all new: merged with adapters on every one of them, or
+    /// cast. Elsewhere (adapters on some projections, no merge, full fine-tuning in f32, a cast
+    /// to the dtype the policy has) it is left as it is, sharing the policy's weights. (Fake
+    /// kernels on a backend no other test computes on: the registry is the process's.)
+    #[test]
+    fn the_rollout_copy_is_stacked_only_where_its_weights_are_new() {
+        use burn::backend::Autodiff;
+        use model::device_kernels::{register_norms, register_silu_mul, NormKernels};
+        type Lent = Autodiff<Autodiff<Flex>>;
+        register_norms::<Lent>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), qk_norm_rope_write: |p| (p.q_weight.unsqueeze(), p.keys, p.values) });
+        register_silu_mul::<Lent>(|_| unreachable!("not run"));
+        let config = Preset::Tiny.config(300, vec![299]);
+        let dir = tempfile::tempdir().unwrap();
+        write_random_checkpoint(&config, dir.path(), 3, StorageDtype::F32).unwrap();
+        let device = Default::default();
+        let base = load_pretrained::<Lent>(dir.path(), &device, LoadOptions::default()).unwrap();
+        let every = LoraAdapters::<Lent>::init(&LoraConfig::default(), &config, 1, &device);
+        let some = LoraAdapters::<Lent>::init(&LoraConfig { target_modules: vec![model::lora::LoraTarget::QProj, model::lora::LoraTarget::VProj], ..LoraConfig::default() }, &config, 1, &device);
+        let merge = RolloutSection::default();
+        let apart = RolloutSection { merge_lora: false, ..RolloutSection::default() };
+        let bf16 = RolloutSection { dtype: InferenceDtype::Bf16, ..RolloutSection::default() };
+        let stacked = |adapters: Option<&LoraAdapters<Lent>>, rollout: &RolloutSection| for_rollouts(base.clone(), adapters, rollout).0.is_stacked();
+        assert!(stacked(Some(&every), &merge), "merged with adapters on every stacked projection");
+        assert!(!stacked(Some(&some), &merge), "merged with adapters on q and v only: k, gate and up are the policy's");
+        assert!(!stacked(Some(&every), &apart), "adapters beside the policy");
+        assert!(!stacked(None, &merge), "full fine-tuning in f32: the policy itself");
+        assert!(stacked(None, &bf16) && stacked(Some(&some), &bf16), "cast to bf16");
+        let bf16_policy = with_dtype(base.clone(), DType::BF16);
+        assert!(!for_rollouts(bf16_policy, None, &bf16).0.is_stacked(), "a bf16 policy needs no cast to bf16");
     }
 }

@@ -21,7 +21,7 @@ use super::stacked::split_columns;
 use super::mask::AttentionMask;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{Qwen3RotaryEmbedding, RotaryTables};
-use crate::device_kernels::{self, QkNormRopeWrite};
+use crate::device_kernels::{self, QkNormRopeWrite, Qkv};
 use crate::kernels;
 use crate::lora::{LoraLayer, LoraLinear};
 use memory_efficient::{Blocks, Operands};
@@ -113,18 +113,18 @@ impl<B: Backend> Qwen3Attention<B> {
         let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
         let matmul = compute.matmul;
 
-        // The projections `[tokens, heads · d]`: one product of the stacked `qkv_proj` where
-        // none of the three has an adapter, its columns taken where they lie. The three
-        // products come first, then the norms and RoPE (q's, then k's): CubeCL's fusion builds
-        // its kernels from runs of operations of one shape, and k's operations (kv_heads) or a
-        // projection between q's (heads) and k's left many of them single kernels on a GPU (169
-        // kernels per decoding step of the small shape instead of 205, scripts/kernel_census.sh).
+        // The projections, `[tokens, heads · d]` each: one product of the stacked `qkv_proj`
+        // where none of the three has an adapter. All of them come before the norms and RoPE
+        // (q's, then k's): CubeCL's fusion builds its kernels from runs of operations of one
+        // shape, and k's operations (kv_heads) or a projection between q's (heads) and k's left
+        // many of them single kernels on a GPU where burn's ops normalise (169 kernels per
+        // decoding step of the small shape instead of 205, scripts/kernel_census.sh).
         let x = hidden_states.reshape([b * q_len, hidden]);
         let adapter = |pick: fn(&LoraLayer<B>) -> Option<&LoraLinear<B>>| adapters.and_then(pick);
         let unadapted = adapter(|a| a.q_proj.as_ref()).is_none() && adapter(|a| a.k_proj.as_ref()).is_none() && adapter(|a| a.v_proj.as_ref()).is_none();
         let projections = match self.qkv_proj.as_ref().filter(|_| unadapted) {
-            Some(qkv_proj) => Projections::Stacked(product(x, qkv_proj.clone(), matmul)),
-            None => Projections::Separate([
+            Some(qkv_proj) => Qkv::Stacked(product(x, qkv_proj.clone(), matmul)),
+            None => Qkv::Separate([
                 lora_linear(&self.q_proj, adapter(|a| a.q_proj.as_ref()), x.clone(), matmul),
                 lora_linear(&self.k_proj, adapter(|a| a.k_proj.as_ref()), x.clone(), matmul),
                 lora_linear(&self.v_proj, adapter(|a| a.v_proj.as_ref()), x, matmul),
@@ -199,22 +199,22 @@ impl<B: Backend> Qwen3Attention<B> {
 impl<B: Backend> Qwen3Attention<B> {
     /// `q_norm` and `k_norm` with RoPE by `tables` of a pass's projections, the keys and values
     /// written to `cache`, as one kernel where a GPU backend lends it
-    /// ([`crate::device_kernels::NormKernels::qk_norm_rope_write`], which takes them side by
-    /// side: separate ones are concatenated first): the rotated queries (`[tokens, heads · d]`)
+    /// ([`crate::device_kernels::NormKernels::qk_norm_rope_write`], which reads a stacked product
+    /// or three where they lie): the rotated queries (`[tokens, heads · d]`)
     /// and what the rows attend to. The projections come back where none is lent or the
     /// operands do not suit it (dtypes other than the norms', tables of more than one head a
     /// token).
     fn norm_rope_and_write(
         &self,
-        projections: Projections<B>,
+        projections: Qkv<B>,
         tables: &RotaryTables<B>,
         cache: &mut LayerKvCache<B>,
-    ) -> Result<(Tensor<B, 2>, CachedKv<B>), Projections<B>> {
+    ) -> Result<(Tensor<B, 2>, CachedKv<B>), Qkv<B>> {
         let [b, q_len, _, d] = tables.cos.dims();
         let (q_weight, k_weight) = (self.q_norm.weight.val(), self.k_norm.weight.val());
         let one_head = tables.cos.dims() == [b, q_len, 1, self.head_dim] && projections.tokens() == b * q_len;
         let dtype = q_weight.dtype();
-        let same_dtypes = projections.dtypes().chain([k_weight.dtype(), tables.cos.dtype(), tables.signed_sin.dtype()]).all(|t| t == dtype);
+        let same_dtypes = projections.dtypes().into_iter().chain([k_weight.dtype(), tables.cos.dtype(), tables.signed_sin.dtype()]).all(|t| t == dtype);
         let same_eps = self.q_norm.variance_epsilon == self.k_norm.variance_epsilon;
         let Some(kernels) = (one_head && same_dtypes && same_eps).then(device_kernels::norms::<B>).flatten() else {
             return Err(projections);
@@ -223,52 +223,37 @@ impl<B: Backend> Qwen3Attention<B> {
         let table = |t: &Tensor<B, 4>| t.clone().reshape([tokens, d]);
         let (cos, signed_sin) = (table(&tables.cos), table(&tables.signed_sin));
         let (eps, heads) = (self.q_norm.variance_epsilon, self.num_heads);
-        let qkv = projections.stacked();
-        Ok(cache.append_with(&qkv.clone(), d, |write| {
+        let like = match &projections {
+            Qkv::Stacked(qkv) => qkv.clone(),
+            Qkv::Separate([query, ..]) => query.clone(),
+        };
+        Ok(cache.append_with(&like, d, |write| {
             let KvWrite { keys, values, slots } = write;
-            (kernels.qk_norm_rope_write)(QkNormRopeWrite { qkv, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps })
+            (kernels.qk_norm_rope_write)(QkNormRopeWrite { qkv: projections, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps })
         }))
     }
 }
 
-/// A pass's query, key and value projections (`q_proj`'s, `k_proj`'s and `v_proj`'s outputs,
-/// `[tokens, heads or kv_heads · d]` each): side by side, one product of the stacked
-/// `qkv_proj`, or one by one.
-enum Projections<B: Backend> {
-    Stacked(Tensor<B, 2>),
-    Separate([Tensor<B, 2>; 3]),
-}
-
-impl<B: Backend> Projections<B> {
+impl<B: Backend> Qkv<B> {
     fn tokens(&self) -> usize {
         match self {
-            Projections::Stacked(qkv) => qkv.dims()[0],
-            Projections::Separate([query, ..]) => query.dims()[0],
+            Qkv::Stacked(qkv) => qkv.dims()[0],
+            Qkv::Separate([query, ..]) => query.dims()[0],
         }
     }
 
-    fn dtypes(&self) -> impl Iterator<Item = DType> {
-        let tensors: Vec<&Tensor<B, 2>> = match self {
-            Projections::Stacked(qkv) => vec![qkv],
-            Projections::Separate(each) => each.iter().collect(),
-        };
-        tensors.into_iter().map(Tensor::dtype).collect::<Vec<_>>().into_iter()
-    }
-
-    /// Side by side, `[tokens, (heads + 2 · kv_heads) · d]` (one concatenation where they were
-    /// separate).
-    fn stacked(self) -> Tensor<B, 2> {
+    fn dtypes(&self) -> Vec<DType> {
         match self {
-            Projections::Stacked(qkv) => qkv,
-            Projections::Separate(each) => Tensor::cat(each.to_vec(), 1),
+            Qkv::Stacked(qkv) => vec![qkv.dtype()],
+            Qkv::Separate(each) => each.iter().map(Tensor::dtype).collect(),
         }
     }
 
-    /// One by one, of `widths` (columns of the stacked product, taken where they lie).
+    /// One by one, of `widths` (columns of a stacked product, taken where they lie).
     fn separate(self, widths: [usize; 3]) -> [Tensor<B, 2>; 3] {
         match self {
-            Projections::Stacked(qkv) => split_columns(qkv, widths),
-            Projections::Separate(each) => each,
+            Qkv::Stacked(qkv) => split_columns(qkv, widths),
+            Qkv::Separate(each) => each,
         }
     }
 }
