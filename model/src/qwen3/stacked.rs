@@ -88,13 +88,10 @@ fn stack<B: Backend, const N: usize>(linears: [&mut Linear<B>; N]) -> Option<Ten
     if weights.iter().any(|w| w.dtype() != dtype || w.dims()[0] != inputs) || linears.iter().any(|l| l.bias.is_some()) {
         return None;
     }
-    let widths: Vec<usize> = weights.iter().map(|w| w.dims()[1]).collect();
+    let widths = linears.each_ref().map(|linear| linear.weight.dims()[1]);
     let stacked = Tensor::cat(weights, 1);
-    let mut start = 0;
-    for (linear, width) in linears.into_iter().zip(widths) {
-        let columns = stacked.clone().narrow(1, start, width);
+    for (linear, columns) in linears.into_iter().zip(split_columns(stacked.clone(), widths)) {
         linear.weight = Param::initialized(linear.weight.id, columns);
-        start += width;
     }
     Some(stacked)
 }

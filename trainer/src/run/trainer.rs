@@ -566,6 +566,7 @@ mod tests {
         println!("bf16 base: the adapters move the logits by {moved}, merged and apart differ by {apart}");
         assert!(apart < 0.1 * moved, "merged against apart {apart}, the adapters' change {moved}");
     }
+
     /// Where a backend lends the GPU kernels, the rollout copy is stacked exactly when its
     /// stacked projections' weights are all new: merged with adapters on every one of them, or
     /// cast. Elsewhere (adapters on some projections, no merge, full fine-tuning in f32, a cast
