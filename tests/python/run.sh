@@ -18,7 +18,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-make_venv openai
+make_venv "${VENV_OPENAI[@]}"
 
 if ! "$bin" init-model --preset tiny --out "$work/tiny" >"$work/init.log" 2>&1; then
     cat "$work/init.log" >&2

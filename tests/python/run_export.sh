@@ -12,7 +12,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 trap 'rm -rf "$work"' EXIT
 
-make_venv torch transformers safetensors peft
+make_venv "${VENV_TRANSFORMERS[@]}"
 
 mkdir "$work/models"
 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error \

@@ -13,7 +13,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 trap 'rm -rf "$work"' EXIT
 
-make_venv torch transformers safetensors peft
+make_venv "${VENV_TRANSFORMERS[@]}"
 
 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error \
     "$venv/bin/python" "$here/test_export_peft.py" "$bin" "$work"

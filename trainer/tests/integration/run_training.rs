@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use burn::backend::Flex;
 use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor};
-use common::{every_question_each_step, first_last_gap, named_weights, setup, train, with_lora, B};
+use common::{every_question_each_step, first_last_gap, for_each_seed, named_weights, setup, train, with_lora, B};
 use model::{load_pretrained, LoadOptions, MatmulPrecision};
 use prompt_r1_trainer::run::{latest_checkpoint, InferenceDtype, ModelDtype, Trainer};
 
@@ -170,8 +170,7 @@ fn a_checkpoint_reloads_to_the_same_logits() {
 #[test]
 fn lora_adapters_learn_the_rewarded_behaviour() {
     let dir = tempfile::tempdir().unwrap();
-    let mut rises = Vec::new();
-    for seed in [3, 4, 5, 6, 7] {
+    let mut rises = for_each_seed(&[3, 4, 5, 6, 7], |seed| {
         let run_dir = dir.path().join(format!("seed-{seed}"));
         std::fs::create_dir_all(&run_dir).unwrap();
         let mut config = every_question_each_step(with_lora(setup(&run_dir)));
@@ -185,8 +184,8 @@ fn lora_adapters_learn_the_rewarded_behaviour() {
         assert_eq!(records[0].kl, Some(0.0), "the adapters start at zero: the policy is the reference");
         assert!(records[39].kl.unwrap() > 0.0);
         assert_eq!(named_weights(&trainer.policy().valid()), initial, "the base is frozen");
-        rises.push(last - first);
-    }
+        last - first
+    });
     rises.sort_by(f32::total_cmp);
     assert!(rises[2] > 0.15, "median rise {} over seeds 3-7 ({rises:?})", rises[2]);
 }
@@ -216,8 +215,7 @@ fn lora_adapters_learn_the_rewarded_behaviour() {
 #[test]
 fn lora_adapters_learn_on_a_bf16_base() {
     let dir = tempfile::tempdir().unwrap();
-    let mut rises = Vec::new();
-    for seed in [4, 5, 6, 7, 8] {
+    let mut rises = for_each_seed(&[4, 5, 6, 7, 8], |seed| {
         let run_dir = dir.path().join(format!("seed-{seed}"));
         std::fs::create_dir_all(&run_dir).unwrap();
         let mut config = every_question_each_step(with_lora(setup(&run_dir)));
@@ -236,8 +234,8 @@ fn lora_adapters_learn_on_a_bf16_base() {
         assert_eq!(embed.dtype(), burn::tensor::DType::BF16);
         let adapter = trainer.adapters().unwrap().layers[0].q_proj.as_ref().unwrap();
         assert_eq!(adapter.lora_B.val().dtype(), burn::tensor::DType::F32);
-        rises.push(last - first);
-    }
+        last - first
+    });
     rises.sort_by(f32::total_cmp);
     assert!(rises[2] > 0.15, "median rise {} over seeds 4-8 ({rises:?})", rises[2]);
 }
