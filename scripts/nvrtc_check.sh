@@ -7,20 +7,12 @@
 # NVRTC and the CUDA headers come from PyPI's NVIDIA wheels (nvidia-cuda-nvrtc-cu12 and
 # nvidia-cuda-runtime-cu12, about 95 MB), installed once into a virtual environment under the
 # target directory. Needs a Vulkan adapter (lavapipe will do) for the kernels' definitions.
-# PROMPT_R1_CUDA_SOURCES=DIR also writes each source to DIR. `--prepare` installs the wheels and
-# stops (CI does it beside the build). Exits non-zero on any failure.
+# PROMPT_R1_CUDA_SOURCES=DIR also writes each source to DIR. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-target="${CARGO_TARGET_DIR:-$PWD/target}"
-wheels=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79)
-venv="$target/python-venvs/nvrtc"
-if [ "$(cat "$venv/.installed" 2>/dev/null)" != "${wheels[*]}" ]; then
-    rm -rf "$venv"
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install --quiet --disable-pip-version-check "${wheels[@]}"
-    echo "${wheels[*]}" > "$venv/.installed"
-fi
-[ "${1:-}" = --prepare ] && exit 0
+# The wheels' environment, made as the Python client tests make theirs (tests/python/venvs.sh).
+source tests/python/venvs.sh
+make_venv "${VENV_NVRTC[@]}"
 nvrtc="$(find "$venv" -path '*/nvidia/cuda_nvrtc/lib/libnvrtc.so.12' | head -n 1)"
 include="$(find "$venv" -path '*/nvidia/cuda_runtime/include' -type d | head -n 1)"
 if [ -z "$nvrtc" ] || [ -z "$include" ]; then

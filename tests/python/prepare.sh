@@ -8,4 +8,4 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/venvs.sh"
 make_venv "${VENV_OPENAI[@]}"
 make_venv "${VENV_TRANSFORMERS[@]}"
-"$root/scripts/nvrtc_check.sh" --prepare
+make_venv "${VENV_NVRTC[@]}"
