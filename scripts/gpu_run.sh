@@ -40,18 +40,18 @@
 #              the memory plan's prediction that `bench` prints
 #   autotune   for a variant build (BIN=...): check-device's kernels compiled, decode on the
 #              0.6B shape (bf16, batch 1 and 64) and the small rollout at batch 8
-#   rollout    a 2,048-token prefill and decode at 64 rows over 2,048 positions with our
-#              paged-attention kernel in decoding steps, in every pass (--device-kernels all)
-#              and nowhere (off: burn's ops over gathered keys and values), then
-#              issue 32's rollout workload on the device (`bench --rollout`: 5 turns of 128
+#   rollout    issue 32's rollout workload on the device (`bench --rollout`: 5 turns of 128
 #              tokens, 300-token replies after 200 ms): re-prefilling against the kept-KV decoder
-#              and the rollout's speed as a fraction of pure decode, at batch 8 and 64, on the
-#              small shape (f32, batch 8 and 64) and the 0.6B shape (bf16 weights, batch
-#              8 and 64, 3 turns of 32 tokens and 100-token replies); each with its peak GPU
-#              memory beside the decoder's peak KV, CubeCL's pool (in use / reserved) per mode,
-#              and the time of its decode-only and prefill steps against pure decode's step;
-#              last, the small rollout at 64 with --device-kernels all, with ragged passes and
-#              without
+#              and the rollout's speed as a fraction of pure decode, on the small shape (f32,
+#              batch 8 and 64) and the 0.6B shape (bf16 weights, batch 8 and 64, 3 turns of 32
+#              tokens and 100-token replies); each with its peak GPU memory beside the
+#              decoder's peak KV, CubeCL's pool (in use / reserved) per mode, and the time of its
+#              decode-only and prefill steps against pure decode's step; then the small rollout
+#              at 64 with --device-kernels all, with ragged passes and without; then a 2,048-token
+#              prefill and decode at 64 rows over 2,048 positions with our paged-attention
+#              kernel in decoding steps, in every pass (--device-kernels all) and nowhere (off:
+#              burn's ops over gathered keys and values); LoRA adapters apart and merged; last,
+#              continuous admission of 64 episodes of 1 to 5 turns
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -388,7 +388,26 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   rollout)
-    # First, the paged-attention kernel (prompt-r1-device-kernels: a pass's attention read in
+    # First issue 32's figures, the rollout against pure decode (a lease rarely has time for
+    # every step: the most telling come first). One run each: on the H100 three runs of the
+    # small shape at 8 and 64 took 296 s.
+    bench rollout-small --preset small --rollout --rollout-batch 8,64
+    # The 0.6B shape with shorter episodes (3 turns of 32 tokens, 100-token replies), so that the
+    # passes (pure decode twice, re-prefilled, kept) finish within the stage; groups of 5
+    # episodes per question, as GRPO's rollout.n, whose first prompts are shared.
+    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
+      --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+    # Then the small rollout with the kernel in the replies' prefill passes
+    # too. On lavapipe a prefill pass launched 31.6 kernels a layer more with burn's ops than
+    # with `all`, and ran 2.5x slower with `all` (the kernel's scalar products on the CPU);
+    # against rollout-small's batch 64, this says which a host-bound GPU prefers. With `all`
+    # the episodes joining also run beside the decoding rows in one ragged pass a step (vLLM's
+    # mixed batches); then the same with their prefill in passes of its own, for what that gains
+    # (on lavapipe one decoding pass's kernels a step with a prefill).
+    bench rollout-small-all --preset small --rollout --rollout-batch 64 --device-kernels all
+    bench rollout-small-all-separate --preset small --rollout --rollout-batch 64 --device-kernels all --ragged-passes off
+    grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+    # Then the paged-attention kernel (prompt-r1-device-kernels: a pass's attention read in
     # place from the paged KV cache) against burn's ops over the gathered keys and values: a
     # 2,048-token prefill and decode at 64 rows over 2,048-token prompts of the 0.6B shape, where
     # the gather writes and reads again 0.5 GiB per layer and step; with the kernel in decoding
@@ -405,29 +424,11 @@ case "$stage" in
     bench decode-lora-apart --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora
     bench decode-lora-merged --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora --merge-lora
     grep -h -A2 '"decode batch\|"prefill' "$work"/decode-lora-*.txt 2> /dev/null | tee -a "$log"
-    # Then what continuous admission gains where a decode step costs about the same at any
+    # Last, what continuous admission gains where a decode step costs about the same at any
     # number of rows: 64 episodes of 1 to 5 turns, 32 in flight, in batches and continuously
     # (on 2 CPU cores with the paged KV cache: 0.65x the decoder steps, 0.80x the speed, 1.44x
     # the peak KV; the padded buffer before it took 1.7x).
     bench rollout-admission --preset small --rollout --rollout-batch 32 --rollout-episodes 64 --rollout-varied-turns
-    # One run each: on the H100 three runs of the small shape at 8 and 64 took 296 s, and the
-    # 0.6B shape at both batches did not finish in the 223 s left.
-    bench rollout-small --preset small --rollout --rollout-batch 8,64
-    # The 0.6B shape with shorter episodes (3 turns of 32 tokens, 100-token replies), so that the
-    # passes (pure decode twice, re-prefilled, kept) finish within the stage; groups of 5
-    # episodes per question, as GRPO's rollout.n, whose first prompts are shared.
-    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
-      --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
-    # Last, if time is left: the small rollout with the kernel in the replies' prefill passes
-    # too. On lavapipe a prefill pass launched 31.6 kernels a layer more with burn's ops than
-    # with `all`, and ran 2.5x slower with `all` (the kernel's scalar products on the CPU);
-    # against rollout-small's batch 64, this says which a host-bound GPU prefers. With `all`
-    # the episodes joining also run beside the decoding rows in one ragged pass a step (vLLM's
-    # mixed batches); then the same with their prefill in passes of its own, for what that gains
-    # (on lavapipe one decoding pass's kernels a step with a prefill).
-    bench rollout-small-all --preset small --rollout --rollout-batch 64 --device-kernels all
-    bench rollout-small-all-separate --preset small --rollout --rollout-batch 64 --device-kernels all --ragged-passes off
-    grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
