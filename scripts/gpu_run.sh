@@ -47,11 +47,11 @@
 #              tokens and 100-token replies); each with its peak GPU memory beside the
 #              decoder's peak KV, CubeCL's pool (in use / reserved) per mode, and the time of its
 #              decode-only and prefill steps against pure decode's step; then the small rollout
-#              at 64 with --device-kernels all, with ragged passes and without; then a 2,048-token
-#              prefill and decode at 64 rows over 2,048 positions with our paged-attention
-#              kernel in decoding steps, in every pass (--device-kernels all) and nowhere (off:
-#              burn's ops over gathered keys and values); LoRA adapters apart and merged; last,
-#              continuous admission of 64 episodes of 1 to 5 turns
+#              at 64 with --device-kernels decode, and with all (CUDA's default) but no ragged
+#              passes; then a 2,048-token prefill and decode at 64 rows over 2,048 positions
+#              with our paged-attention kernel in every pass (all), in decoding steps (decode)
+#              and nowhere (off: burn's ops over gathered keys and values); LoRA adapters apart
+#              and merged; last, continuous admission of 64 episodes of 1 to 5 turns
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -397,25 +397,23 @@ case "$stage" in
     # episodes per question, as GRPO's rollout.n, whose first prompts are shared.
     bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
       --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
-    # Then the small rollout with the kernel in the replies' prefill passes
-    # too. On lavapipe a prefill pass launched 31.6 kernels a layer more with burn's ops than
-    # with `all`, and ran 2.5x slower with `all` (the kernel's scalar products on the CPU);
-    # against rollout-small's batch 64, this says which a host-bound GPU prefers. With `all`
-    # the episodes joining also run beside the decoding rows in one ragged pass a step (vLLM's
-    # mixed batches); then the same with their prefill in passes of its own, for what that gains
-    # (on lavapipe one decoding pass's kernels a step with a prefill).
-    bench rollout-small-all --preset small --rollout --rollout-batch 64 --device-kernels all
-    bench rollout-small-all-separate --preset small --rollout --rollout-batch 64 --device-kernels all --ragged-passes off
+    # Then the small rollout with the kernel in decoding steps only (`all`, CUDA's default, puts
+    # the replies' prefill passes through it too: on the fifth lease's H200 the rollout ran 21%
+    # faster so), and with `all` but the episodes joining in prefill passes of their own rather
+    # than beside the decoding rows in one ragged pass a step (vLLM's mixed batches; the H200
+    # ran them 2% faster apart).
+    bench rollout-small-decode --preset small --rollout --rollout-batch 64 --device-kernels decode
+    bench rollout-small-separate --preset small --rollout --rollout-batch 64 --ragged-passes off
     grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
     # Then the paged-attention kernel (prompt-r1-device-kernels: a pass's attention read in
     # place from the paged KV cache) against burn's ops over the gathered keys and values: a
     # 2,048-token prefill and decode at 64 rows over 2,048-token prompts of the 0.6B shape, where
-    # the gather writes and reads again 0.5 GiB per layer and step; with the kernel in decoding
-    # steps (the default), in prefill chunks too (all: is the scalar kernel faster than the
-    # gather and the memory-efficient attention's blocks on a GPU? lavapipe says no), and
-    # nowhere (off). check-device (`first`) has checked the kernel's tokens against the CPU.
-    bench decode-kernel-on --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32
-    bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels all
+    # the gather writes and reads again 0.5 GiB per layer and step; with the kernel in every
+    # pass (all, CUDA's default: the H200 ran the prefill 1.8x faster so), in decoding steps
+    # only (decode), and nowhere (off). check-device (`first`) has checked the kernel's tokens
+    # against the CPU.
+    bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32
+    bench decode-kernel-decode --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels decode
     bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
     grep -h -A2 '"decode batch\|"prefill' "$work"/decode-kernel-*.txt 2> /dev/null | tee -a "$log"
     # LoRA rollouts (the paper's run: rank 8 on every projection of a bf16 base) with the

@@ -14,7 +14,7 @@ mod serve;
 use clap::{Parser, Subcommand};
 #[cfg(target_os = "linux")]
 use model::cpu_kernels::large_alloc;
-use model::device_kernels::KernelPasses;
+use device::KernelChoice;
 
 /// Prompt-R1 in Rust: a small Qwen3 agent trained with GRPO to prompt a large LLM.
 #[derive(Parser)]
@@ -38,10 +38,10 @@ struct Cli {
     /// silu(gate)·up, and the choice of each sampled or greedy token as one kernel. `decode` (or
     /// `on`): the attention of decoding steps; `all`: of prefill chunks too, and a step's
     /// joining sequences run beside its decoding rows in one ragged pass (less memory, fewer
-    /// passes; on lavapipe slower than burn's ops, not yet measured on a GPU); `off`: burn's ops
-    /// everywhere, the keys and values of each layer gathered first (for comparisons, or to rule
-    /// the kernels out).
-    #[arg(long, global = true, value_name = "decode|all|off", env = "PROMPT_R1_DEVICE_KERNELS", default_value = "decode",
+    /// passes; faster on an H200, slower on lavapipe); `auto`: `all` on CUDA, `decode` on wgpu;
+    /// `off`: burn's ops everywhere, the keys and values of each layer gathered first (for
+    /// comparisons, or to rule the kernels out).
+    #[arg(long, global = true, value_name = "auto|decode|all|off", env = "PROMPT_R1_DEVICE_KERNELS", default_value = "auto",
           value_parser = kernel_passes)]
     device_kernels: KernelChoice,
     /// Folder of the GPU backends' persistent kernel and autotune caches (default:
@@ -50,14 +50,9 @@ struct Cli {
     kernel_cache: Option<std::path::PathBuf>,
 }
 
-/// `--device-kernels`: the passes prompt-r1's kernels take, `None` for off.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct KernelChoice(Option<KernelPasses>);
-
 fn kernel_passes(value: &str) -> Result<KernelChoice, String> {
-    KernelPasses::parse_setting(value)
-        .map(KernelChoice)
-        .ok_or_else(|| "decode, all or off is expected (--device-kernels or PROMPT_R1_DEVICE_KERNELS)".to_string())
+    KernelChoice::parse(value)
+        .ok_or_else(|| "auto, decode, all or off is expected (--device-kernels or PROMPT_R1_DEVICE_KERNELS)".to_string())
 }
 
 /// A whole number of megabytes; the message names both ways of giving it.
@@ -115,7 +110,7 @@ fn main() {
         std::process::exit(2);
     }
     let cli = Cli::parse();
-    device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, device_kernels: cli.device_kernels.0, kernel_cache: cli.kernel_cache });
+    device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, device_kernels: cli.device_kernels, kernel_cache: cli.kernel_cache });
     #[cfg(target_os = "linux")]
     large_alloc::configure(cli.alloc_cache_mb);
     let result = match cli.command {
@@ -176,18 +171,30 @@ mod tests {
         assert_eq!(error_text(&err), "reading data/train.csv: no such file");
     }
 
-    /// `--device-kernels` takes the passes by name, and the old on/off spellings (scripts and
-    /// `PROMPT_R1_DEVICE_KERNELS=0` keep working); anything else names the flag.
+    /// `--device-kernels` takes the passes by name, `auto`, and the old on/off spellings
+    /// (scripts and `PROMPT_R1_DEVICE_KERNELS=0` keep working); anything else names the flag.
+    /// `auto`, the default, is every pass on CUDA and decoding steps on wgpu; the CPU never
+    /// takes them.
     #[test]
     fn device_kernels_are_named_by_their_passes() {
+        use device::DeviceChoice;
+        use model::device_kernels::KernelPasses;
         for (value, passes) in [("decode", Some(KernelPasses::Decode)), ("on", Some(KernelPasses::Decode)), ("1", Some(KernelPasses::Decode)), ("All", Some(KernelPasses::All)), ("off", None), ("0", None)] {
-            assert_eq!(kernel_passes(value), Ok(KernelChoice(passes)), "{value}");
+            let choice = KernelChoice::Passes(passes);
+            assert_eq!(kernel_passes(value), Ok(choice), "{value}");
             let cli = Cli::try_parse_from(["prompt-r1", "--device-kernels", value, "demo"]).expect("parses");
-            assert_eq!(cli.device_kernels, KernelChoice(passes), "{value}");
+            assert_eq!(cli.device_kernels, choice, "{value}");
+            assert_eq!(choice.passes_on(DeviceChoice::Cuda(0)), passes, "{value}");
+            assert_eq!(choice.passes_on(DeviceChoice::Wgpu), passes, "{value}");
+            assert_eq!(choice.passes_on(DeviceChoice::Cpu), None, "{value}");
         }
+        assert_eq!(kernel_passes(" Auto "), Ok(KernelChoice::Auto));
+        assert_eq!(KernelChoice::Auto.passes_on(DeviceChoice::Cuda(1)), Some(KernelPasses::All));
+        assert_eq!(KernelChoice::Auto.passes_on(DeviceChoice::Wgpu), Some(KernelPasses::Decode));
+        assert_eq!(KernelChoice::Auto.passes_on(DeviceChoice::Cpu), None);
         if std::env::var_os("PROMPT_R1_DEVICE_KERNELS").is_none() {
             let default = Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses");
-            assert_eq!(default.device_kernels, KernelChoice(Some(KernelPasses::Decode)));
+            assert_eq!(default.device_kernels, KernelChoice::Auto);
         }
         let err = kernel_passes("prefill").unwrap_err();
         assert!(err.contains("--device-kernels") && err.contains("PROMPT_R1_DEVICE_KERNELS"), "{err}");

@@ -88,7 +88,7 @@ pub fn plan_device(device: DeviceChoice) -> PlanDevice {
     match device {
         DeviceChoice::Cpu if model::cpu_kernels::portable_ops() => PlanDevice::CpuPortable,
         DeviceChoice::Cpu => PlanDevice::CpuKernels,
-        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::gpu_options().device_kernels == Some(KernelPasses::All) => {
+        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::gpu_options().device_kernels.passes_on(device) == Some(KernelPasses::All) => {
             PlanDevice::GpuPagedPrefill
         }
         DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::Gpu,

@@ -16,6 +16,7 @@ use anyhow::{anyhow, bail, Result};
 use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
 use burn::tensor::backend::Backend;
 use device_kernels::DeviceKernels;
+use model::device_kernels::KernelPasses;
 use model::probe::probe_device;
 
 use super::OnBackend;
@@ -100,14 +101,14 @@ fn device_thread_failed(text: &str) {
 }
 
 /// Runs `task` on backend `B` (fused) or `U` (the same runtime unfused), as `--fusion` says,
-/// with prompt-r1's CubeCL kernels lent to the model unless `--device-kernels off`.
-fn run_fused_or_not<B, U, T>(device: B::Device, unfused: U::Device, what: &str, help: &str, task: T) -> Result<T::Output>
+/// with prompt-r1's CubeCL kernels lent to the model for `passes` (`None`: not lent).
+fn run_fused_or_not<B, U, T>(device: B::Device, unfused: U::Device, passes: Option<KernelPasses>, what: &str, help: &str, task: T) -> Result<T::Output>
 where
     B: DeviceKernels,
     U: DeviceKernels,
     T: OnBackend,
 {
-    if let Some(passes) = super::gpu_options().device_kernels {
+    if let Some(passes) = passes {
         device_kernels::register::<B>(passes);
         device_kernels::register::<U>(passes);
     }
@@ -136,7 +137,8 @@ type CudaUnfused = burn_cubecl::CubeBackend<burn::cubecl::cuda::CudaRuntime, f32
 #[cfg(feature = "cuda")]
 pub(super) fn run_on_cuda<T: OnBackend>(index: usize, task: T) -> Result<T::Output> {
     let device = burn_cuda::CudaDevice::new(index);
-    run_fused_or_not::<burn_cuda::Cuda, CudaUnfused, T>(device.clone(), device, "CUDA", CUDA_HELP, task)
+    let passes = super::gpu_options().device_kernels.passes_on(super::DeviceChoice::Cuda(index));
+    run_fused_or_not::<burn_cuda::Cuda, CudaUnfused, T>(device.clone(), device, passes, "CUDA", CUDA_HELP, task)
 }
 
 #[cfg(feature = "cuda")]
@@ -177,6 +179,7 @@ pub(super) fn run_on_wgpu<T: OnBackend>(task: T) -> Result<T::Output> {
     run_fused_or_not::<burn_wgpu::Vulkan, WgpuUnfused, T>(
         WgpuDevice::DefaultDevice,
         WgpuDevice::DefaultDevice,
+        super::gpu_options().device_kernels.passes_on(super::DeviceChoice::Wgpu),
         "wgpu (Vulkan)",
         WGPU_HELP,
         task,

@@ -102,8 +102,8 @@ pub struct GpuOptions {
     /// burn's kernel fusion (`--fusion`, `PROMPT_R1_FUSION`).
     pub fusion: bool,
     /// The passes prompt-r1's CubeCL kernels take (`--device-kernels`,
-    /// `PROMPT_R1_DEVICE_KERNELS`); `None`: off.
-    pub device_kernels: Option<model::device_kernels::KernelPasses>,
+    /// `PROMPT_R1_DEVICE_KERNELS`).
+    pub device_kernels: KernelChoice,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
 }
@@ -117,7 +117,40 @@ pub fn set_gpu_options(options: GpuOptions) {
 
 /// The GPU backends' options: as set, else fusion and our kernels on and the default cache folder.
 pub(crate) fn gpu_options() -> GpuOptions {
-    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: Some(model::device_kernels::KernelPasses::Decode), kernel_cache: None })
+    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: KernelChoice::Auto, kernel_cache: None })
+}
+
+/// `--device-kernels`: the passes prompt-r1's CubeCL kernels take on the GPU backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelChoice {
+    /// Each backend's measured best: every pass on CUDA (an H200 ran prefill 1.8x and the
+    /// rollout bench 1.2x faster so, BENCHMARKS.md), decoding steps only on wgpu (lavapipe ran
+    /// prefill through the kernel slower; no real GPU measured through wgpu).
+    Auto,
+    /// These passes on every GPU backend; `None`: burn's ops everywhere.
+    Passes(Option<model::device_kernels::KernelPasses>),
+}
+
+impl KernelChoice {
+    /// A setting: `auto`, or what [`model::device_kernels::KernelPasses::parse_setting`]
+    /// takes (`decode`, `all`, `off` and the on/off spellings); `None` for anything else.
+    pub fn parse(value: &str) -> Option<Self> {
+        if value.trim().eq_ignore_ascii_case("auto") {
+            return Some(Self::Auto);
+        }
+        model::device_kernels::KernelPasses::parse_setting(value).map(Self::Passes)
+    }
+
+    /// The passes the kernels take on `device` (`None`: off, and always on the CPU).
+    pub fn passes_on(self, device: DeviceChoice) -> Option<model::device_kernels::KernelPasses> {
+        use model::device_kernels::KernelPasses;
+        match (self, device) {
+            (_, DeviceChoice::Cpu) => None,
+            (Self::Passes(passes), _) => passes,
+            (Self::Auto, DeviceChoice::Cuda(_)) => Some(KernelPasses::All),
+            (Self::Auto, DeviceChoice::Wgpu) => Some(KernelPasses::Decode),
+        }
+    }
 }
 
 /// Runs `task` on the chosen device.

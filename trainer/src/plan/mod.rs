@@ -60,12 +60,12 @@ pub enum PlanDevice {
     /// burn-flex through burn's portable tensor ops (`PROMPT_R1_PORTABLE_OPS=1`).
     CpuPortable,
     /// A GPU backend (CUDA, wgpu): burn's portable tensor ops on CubeCL, prompt-r1's
-    /// paged-attention kernel in decoding steps (`--device-kernels decode`, the default) or
+    /// paged-attention kernel in decoding steps (`--device-kernels decode`, wgpu's default) or
     /// nowhere (`off`): a pass with a prefill gathers its rows' keys and values out of the KV
     /// cache a layer at a time.
     Gpu,
-    /// A GPU backend with `--device-kernels all`: every pass over the KV cache reads it in
-    /// place through prompt-r1's kernel, prefill chunks too.
+    /// A GPU backend with `--device-kernels all` (CUDA's default): every pass over the KV cache
+    /// reads it in place through prompt-r1's kernel, prefill chunks too.
     GpuPagedPrefill,
 }
 
