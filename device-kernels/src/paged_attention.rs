@@ -112,6 +112,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     // Keys and values sit in shared memory in rows of d + 1: units reading element e of
     // different keys touch distinct banks.
     let kv_stride = d + 1;
+    let in_flight = comptime!(if block == 1 { LOADS_IN_FLIGHT } else { 1 });
 
     let heads = query.shape(2);
     let kv_heads = keys.shape(0);
@@ -188,7 +189,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         sync_cube();
 
         // 2. The tile's keys.
-        stage_tile::<F>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile);
+        stage_tile::<F>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight);
         sync_cube();
 
         // 3. Scores: a column is seen by the queries at or after its position.
@@ -241,7 +242,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
 
         // 5. The tile's values, into the keys' place, and the outputs.
-        stage_tile::<F>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile);
+        stage_tile::<F>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight);
         sync_cube();
 
         let mut i = unit;
@@ -275,10 +276,19 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     }
 }
 
+/// Elements of a tile a unit of a decoding step's cube loads before it stores any of them into
+/// shared memory: the loads are independent, so all of them are in flight at once. One after
+/// the other, each waiting for the last, a tile of 32 keys of 128 elements took 64 round trips to
+/// memory a unit: about 50 µs a tile on an H200, most of a long context's decoding step
+/// (BENCHMARKS.md, fifth GPU lease). More would not fit the registers that ptxas gives a unit
+/// of a cube of [`UNITS`] (32 on sm_80 and later: 8 spilled to local memory); a prefill
+/// block's cube, whose (head, query) pairs take more registers, loads one at a time.
+const LOADS_IN_FLIGHT: u32 = 4;
+
 /// Copies a tile's keys or values (`pool`'s rows of `head_dim` from `pool_base`, at the slots
 /// `slot_of` names) into `staged` in rows of `head_dim + 1`, consecutive units reading
-/// consecutive elements of one row (coalesced); a column that is not a key is not read and
-/// gets zeros.
+/// consecutive elements of one row (coalesced), `in_flight` loads a unit at a time; a column that
+/// is not a key is not read and gets zeros. The cube has [`UNITS`] units.
 #[cube]
 fn stage_tile<F: Float>(
     pool: &Tensor<F>,
@@ -288,17 +298,51 @@ fn stage_tile<F: Float>(
     staged: &mut SharedMemory<f32>,
     #[comptime] head_dim: u32,
     #[comptime] tile: u32,
+    #[comptime] in_flight: u32,
 ) {
     let d = head_dim as usize;
-    let mut i = UNIT_POS_X as usize;
-    while i < tile as usize * d {
-        let j = i / d;
-        let mut x = 0.0f32;
-        if is_key[j] == 1 {
-            x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
+    let unit = UNIT_POS_X as usize;
+    if comptime!(in_flight == 1) {
+        let mut i = unit;
+        while i < tile as usize * d {
+            let j = i / d;
+            let mut x = 0.0f32;
+            if is_key[j] == 1 {
+                x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
+            }
+            staged[j * (d + 1) + i % d] = x;
+            i += CUBE_DIM_X as usize;
         }
-        staged[j * (d + 1) + i % d] = x;
-        i += CUBE_DIM_X as usize;
+    } else {
+        let elements = comptime!((tile * head_dim) as usize);
+        let stride = comptime!((UNITS * in_flight) as usize);
+        let rounds = comptime!(((tile * head_dim).div_ceil(UNITS * in_flight)) as usize);
+        // Whether every round's elements lie in the tile (no test needed).
+        let whole = comptime!((tile * head_dim) % (UNITS * in_flight) == 0);
+        let in_flight = comptime!(in_flight as usize);
+        let mut loaded = Array::<f32>::new(in_flight);
+        for round in 0..rounds {
+            let first = round * stride + unit;
+            #[unroll]
+            for k in 0..in_flight {
+                let i = first + k * comptime!(UNITS as usize);
+                let j = i / d;
+                let mut x = 0.0f32;
+                if whole || i < elements {
+                    if is_key[j] == 1 {
+                        x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
+                    }
+                }
+                loaded[k] = x;
+            }
+            #[unroll]
+            for k in 0..in_flight {
+                let i = first + k * comptime!(UNITS as usize);
+                if whole || i < elements {
+                    staged[(i / d) * (d + 1) + i % d] = loaded[k];
+                }
+            }
+        }
     }
 }
 
