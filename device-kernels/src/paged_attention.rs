@@ -7,7 +7,8 @@
 //! (causal):
 //! 1. the first units look up their column's slot and whether it is a key;
 //! 2. all units copy the tile's keys into shared memory, consecutive units reading consecutive
-//!    elements of one key (coalesced; a masked column's key is not read);
+//!    elements of one key (coalesced; a masked column's key is not read; in a decoding step
+//!    each unit has [`LOADS_IN_FLIGHT`] loads in flight at once);
 //! 3. the units score the cube's ((head, query), column) pairs from shared memory (key rows
 //!    padded by one element, so that units reading one element of different keys touch
 //!    distinct banks); a column after the query's own position, or padding, is masked;
