@@ -412,7 +412,9 @@ case "$stage" in
     # pass (all, CUDA's default: the H200 ran the prefill 1.8x faster so), in decoding steps
     # only (decode), and nowhere (off). check-device (`first`) has checked the kernel's tokens
     # against the CPU.
-    bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32
+    # With `all` at 8 rows too: 64 cubes a layer, half the H200's 132 SMs idle (whether the
+    # columns should be split across cubes, as flash-decoding does).
+    bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
     bench decode-kernel-decode --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels decode
     bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
     grep -h -A2 '"decode batch\|"prefill' "$work"/decode-kernel-*.txt 2> /dev/null | tee -a "$log"
