@@ -1,3 +1,4 @@
-//! Cross-crate tests live in `cross/` (declared as test targets in this package's Cargo.toml).
+//! The GPU backends' code path, checked on the CPU, lives in `gpu_path/` (a test target of this
+//! package: see its doc). Built without optimisation (the workspace's `Cargo.toml`).
 
 #![forbid(unsafe_code)]

@@ -10,6 +10,7 @@ mod common;
 mod checkpointing;
 mod grpo_logprobs;
 mod grpo_step;
+mod local_agent;
 mod rollout_servers;
 mod run_training;
 mod sft;

@@ -9,7 +9,7 @@ use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::tiny_tokenizer::{train_tiny_tokenizer, TINY_VOCAB_SIZE};
 use model::{completion_logprobs, load_pretrained, LoadOptions, Preset, Sampling};
-use trainer::rollout::LocalAgent;
+use prompt_r1_trainer::rollout::LocalAgent;
 
 /// A random checkpoint of the tiny preset (weights from `seed`) loaded on the CPU, and the tiny
 /// tokenizer; the checkpoint's directory lives as long as the first value.
