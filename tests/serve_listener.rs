@@ -472,6 +472,38 @@ fn thousands_of_slow_sockets_keep_threads_bounded() {
     drop(sockets);
 }
 
+/// Connections made before any is accepted complete their handshakes up to the listener's
+/// backlog (half of it is tried, within the kernel's cap); std's 128 would leave the 129th
+/// hanging (its SYN dropped and retried a second later, until this test's 10 s connect timeout
+/// fails it).
+#[test]
+fn a_burst_of_connections_waits_in_the_backlog() {
+    let _serial = serial();
+    // The kernel caps every backlog at `net.core.somaxconn` (4096 by default since Linux 5.4).
+    let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
+        .unwrap_or(listener::BACKLOG as usize);
+    let count = (listener::BACKLOG as usize).min(somaxconn) / 2;
+    let count = count.min(fd_limit().saturating_sub(64) as usize);
+    println!("backlog {} (net.core.somaxconn {somaxconn})", listener::BACKLOG);
+    let listener = Listener::bind("127.0.0.1", 0).expect("bind");
+    let addr = listener.local_addr().unwrap();
+    let waiting: Vec<TcpStream> = (0..count)
+        .map(|i| {
+            TcpStream::connect_timeout(&addr, Duration::from_secs(10))
+                .unwrap_or_else(|error| panic!("connection {i} of {count} before any accept: {error}"))
+        })
+        .collect();
+    println!("{count} connections completed with none accepted");
+    std::thread::spawn(move || listener.serve(test_limits(), &echo).expect("serve"));
+    let mut first = waiting.into_iter().next().expect("one connection");
+    first.write_all(get("/").as_bytes()).unwrap();
+    let mut reply = String::new();
+    BufReader::new(first).read_line(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+}
+
 #[test]
 fn connections_over_the_limit_wait_for_a_free_one() {
     let _serial = serial();

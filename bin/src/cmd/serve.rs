@@ -31,7 +31,7 @@ use crate::serve::{serve, Limits, Served, Settings};
 /// once; the others join as rows end. Each request's tokens depend only on its own prompt,
 /// settings, seed and model. Limits keep memory and threads bounded whatever clients do: a head
 /// over 16 KiB is answered 431, a body over 32 MiB 413, a body slower than --request-timeout
-/// 408; at most --max-connections are open (the rest wait to be accepted), requests run on
+/// 408; at most --max-connections are open (1,024 more wait to be accepted), requests run on
 /// max(64, 4 x --max-batch) handler threads, and 256 more may wait for one (then 503).
 ///
 /// Prefix cache (as vLLM's automatic prefix caching, per sequence): an ended request's KV cache

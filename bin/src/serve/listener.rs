@@ -4,7 +4,7 @@
 //! - Threads: `limits.workers` handler threads plus two runtime threads (and the caller, blocked
 //!   in [`Listener::serve`]), whatever the number of sockets.
 //! - Connections: at most `limits.max_connections` open at once; beyond that the listener stops
-//!   accepting until one ends (new clients wait in the kernel's backlog).
+//!   accepting until one ends (new clients wait in the kernel's backlog, [`BACKLOG`] long).
 //! - Head: more than `limits.max_header_bytes` (request line and headers) is answered 431 by hyper
 //!   and the connection closed, after reading at most that much; a head not complete within
 //!   `limits.header_read_timeout` of its first byte (or of the accept, for a new connection)
@@ -20,7 +20,7 @@
 //! Errors are answered in the OpenAI shape, `{"error": {"message", "type", "param", "code"}}`
 //! (hyper's own 431 and 400 for unparsable heads have an empty body).
 //!
-//! This file only uses std, tokio, hyper, hyper-util and serde_json (no `crate::` paths), so that
+//! This file only uses std, socket2, tokio, hyper, hyper-util and serde_json (no `crate::` paths), so that
 //! tests/serve_listener.rs can include it on its own.
 
 use std::convert::Infallible;
@@ -233,6 +233,23 @@ impl Stream {
     }
 }
 
+/// The connections the kernel completes and holds for the accept loop. std's listeners take
+/// 128, too few for a burst: connections past a full queue lose their handshake and retry it a
+/// second later (4,000 connections opened one after another took 21 s against this listener
+/// with 128 on a 2-core host, and the kernel's own limit, `net.core.somaxconn`, caps this).
+pub const BACKLOG: i32 = 1024;
+
+/// A socket bound to `addr` and listening, as std binds one (address reuse on Unix) but with
+/// [`BACKLOG`].
+fn listen_on(addr: SocketAddr) -> io::Result<StdListener> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+    #[cfg(unix)]
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    Ok(socket.into())
+}
+
 /// A request on its way to a worker.
 struct Job {
     request: Request,
@@ -245,10 +262,17 @@ pub struct Listener {
 }
 
 impl Listener {
-    /// Binds `host:port` now (port 0: any free port), so that errors show at start.
+    /// Binds `host:port` now (port 0: any free port), so that errors show at start: the first
+    /// of its addresses that binds, listening with a backlog of [`BACKLOG`].
     pub fn bind(host: &str, port: u16) -> io::Result<Listener> {
-        let addrs: Vec<SocketAddr> = (host, port).to_socket_addrs()?.collect();
-        Self::from_std(StdListener::bind(&addrs[..])?)
+        let mut last_error = None;
+        for addr in (host, port).to_socket_addrs()? {
+            match listen_on(addr) {
+                Ok(socket) => return Self::from_std(socket),
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(last_error.unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{host} resolves to no address"))))
     }
 
     /// Wraps a listening socket bound elsewhere.
