@@ -306,12 +306,7 @@ fn stage_tile<F: Float>(
     if comptime!(in_flight == 1) {
         let mut i = unit;
         while i < tile as usize * d {
-            let j = i / d;
-            let mut x = 0.0f32;
-            if is_key[j] == 1 {
-                x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
-            }
-            staged[j * (d + 1) + i % d] = x;
+            staged[(i / d) * (d + 1) + i % d] = tile_element(pool, pool_base, slot_of, is_key, i, head_dim);
             i += CUBE_DIM_X as usize;
         }
     } else {
@@ -327,12 +322,9 @@ fn stage_tile<F: Float>(
             #[unroll]
             for k in 0..in_flight {
                 let i = first + k * comptime!(UNITS as usize);
-                let j = i / d;
                 let mut x = 0.0f32;
                 if whole || i < elements {
-                    if is_key[j] == 1 {
-                        x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
-                    }
+                    x = tile_element(pool, pool_base, slot_of, is_key, i, head_dim);
                 }
                 loaded[k] = x;
             }
@@ -345,6 +337,26 @@ fn stage_tile<F: Float>(
             }
         }
     }
+}
+
+/// Element `i` of a tile (its row `i / head_dim`, column `i % head_dim`) for [`stage_tile`]:
+/// read from `pool` where that row is a key, else zero.
+#[cube]
+fn tile_element<F: Float>(
+    pool: &Tensor<F>,
+    pool_base: usize,
+    slot_of: &SharedMemory<u32>,
+    is_key: &SharedMemory<u32>,
+    i: usize,
+    #[comptime] head_dim: u32,
+) -> f32 {
+    let d = head_dim as usize;
+    let j = i / d;
+    let mut x = 0.0f32;
+    if is_key[j] == 1 {
+        x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
+    }
+    x
 }
 
 /// The rows of a ragged pass (see [`model::device_kernels::RaggedRows`]): row `r`'s queries are
