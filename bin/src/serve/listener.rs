@@ -20,8 +20,8 @@
 //! Errors are answered in the OpenAI shape, `{"error": {"message", "type", "param", "code"}}`
 //! (hyper's own 431 and 400 for unparsable heads have an empty body).
 //!
-//! This file only uses std, socket2, tokio, hyper, hyper-util and serde_json (no `crate::` paths), so that
-//! tests/serve_listener.rs can include it on its own.
+//! This file only uses std, socket2, tokio, hyper, hyper-util and serde_json (no `crate::`
+//! paths), so that tests/serve_listener.rs can include it on its own.
 
 use std::convert::Infallible;
 use std::future::Future;
