@@ -46,12 +46,13 @@
 #              batch 8 and 64) and the 0.6B shape (bf16 weights, batch 8 and 64, 3 turns of 32
 #              tokens and 100-token replies); each with its peak GPU memory beside the
 #              decoder's peak KV, CubeCL's pool (in use / reserved) per mode, and the time of its
-#              decode-only and prefill steps against pure decode's step; then the small rollout
-#              at 64 with --device-kernels decode, and with all (CUDA's default) but no ragged
-#              passes; then a 2,048-token prefill and decode at 64 rows over 2,048 positions
-#              with our paged-attention kernel in every pass (all), in decoding steps (decode)
-#              and nowhere (off: burn's ops over gathered keys and values); LoRA adapters apart
-#              and merged; last, continuous admission of 64 episodes of 1 to 5 turns
+#              decode-only and prefill steps against pure decode's step; then a 2,048-token
+#              prefill and decode at 8 and 64 rows over 2,048 positions with our paged-attention
+#              kernel in every pass (all, CUDA's default); LoRA adapters apart and merged;
+#              continuous admission of 64 episodes of 1 to 5 turns; last the fifth lease's
+#              comparisons: the small rollout at 64 with --device-kernels decode, and with all
+#              but no ragged passes, and the long-context decode with the kernel in decoding
+#              steps only (decode) and nowhere (off: burn's ops over gathered keys and values)
 #
 # Each stage leaves at most 2 files in OUT ($OUT, else gpu-results/STAGE): STAGE.tar.gz with
 # every output and STAGE-log.txt, within the device tool's 8-file limit. Every step runs even when
@@ -320,6 +321,15 @@ compile_probe() {
     | head -15 | tee -a "$log"
 }
 
+# The rollout benches' figures (issue 32's) and the decode benches' (prefill and decode lines)
+# of the steps named $1-*, from their JSON reports into the log.
+rollout_figures() {
+  grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+}
+decode_figures() {
+  grep -h -A2 '"decode batch\|"prefill' "$work/$1"-*.txt 2> /dev/null | tee -a "$log"
+}
+
 case "$stage" in
   compile)
     compile_probe 1
@@ -397,38 +407,41 @@ case "$stage" in
     # episodes per question, as GRPO's rollout.n, whose first prompts are shared.
     bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
       --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
-    # Then the small rollout with the kernel in decoding steps only (`all`, CUDA's default, puts
-    # the replies' prefill passes through it too: on the fifth lease's H200 the rollout ran 21%
-    # faster so), and with `all` but the episodes joining in prefill passes of their own rather
-    # than beside the decoding rows in one ragged pass a step (vLLM's mixed batches; the H200
-    # ran them 2% faster apart).
-    bench rollout-small-decode --preset small --rollout --rollout-batch 64 --device-kernels decode
-    bench rollout-small-separate --preset small --rollout --rollout-batch 64 --ragged-passes off
-    grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+    rollout_figures
     # Then the paged-attention kernel (prompt-r1-device-kernels: a pass's attention read in
     # place from the paged KV cache) against burn's ops over the gathered keys and values: a
     # 2,048-token prefill and decode at 64 rows over 2,048-token prompts of the 0.6B shape, where
     # the gather writes and reads again 0.5 GiB per layer and step; with the kernel in every
-    # pass (all, CUDA's default: the H200 ran the prefill 1.8x faster so), in decoding steps
-    # only (decode), and nowhere (off). check-device (`first`) has checked the kernel's tokens
-    # against the CPU.
+    # pass (all, CUDA's default: the H200 ran the prefill 1.8x faster so; decode and off, the
+    # fifth lease's comparison, come last). check-device (`first`) has checked the kernel's
+    # tokens against the CPU.
     # With `all` at 8 rows too: 64 cubes a layer, half the H200's 132 SMs idle (whether the
     # columns should be split across cubes, as flash-decoding does).
     bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
-    bench decode-kernel-decode --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels decode
-    bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
-    grep -h -A2 '"decode batch\|"prefill' "$work"/decode-kernel-*.txt 2> /dev/null | tee -a "$log"
+    decode_figures decode-kernel
     # LoRA rollouts (the paper's run: rank 8 on every projection of a bf16 base) with the
     # adapters beside the base and merged into it (rollout.merge_lora, the default): on lavapipe
     # a decoding step launched 244 kernels a token apart and 155 merged (the base's count).
     bench decode-lora-apart --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora
     bench decode-lora-merged --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora --merge-lora
-    grep -h -A2 '"decode batch\|"prefill' "$work"/decode-lora-*.txt 2> /dev/null | tee -a "$log"
-    # Last, what continuous admission gains where a decode step costs about the same at any
+    decode_figures decode-lora
+    # Then what continuous admission gains where a decode step costs about the same at any
     # number of rows: 64 episodes of 1 to 5 turns, 32 in flight, in batches and continuously
     # (on 2 CPU cores with the paged KV cache: 0.65x the decoder steps, 0.80x the speed, 1.44x
     # the peak KV; the padded buffer before it took 1.7x).
     bench rollout-admission --preset small --rollout --rollout-batch 32 --rollout-episodes 64 --rollout-varied-turns
+    # Last the comparisons the fifth lease measured, for what changed since: the small rollout
+    # with the kernel in decoding steps only (`all`, CUDA's default, puts the replies' prefill
+    # passes through it too: on the fifth lease's H200 the rollout ran 21% faster so), and with
+    # `all` but the episodes joining in prefill passes of their own rather than beside the
+    # decoding rows in one ragged pass a step (vLLM's mixed batches; the H200 ran them 2% faster
+    # apart); then the long-context decode with the kernel in decoding steps only and nowhere.
+    bench rollout-small-decode --preset small --rollout --rollout-batch 64 --device-kernels decode
+    bench rollout-small-separate --preset small --rollout --rollout-batch 64 --ragged-passes off
+    bench decode-kernel-decode --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels decode
+    bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
+    rollout_figures
+    decode_figures decode-kernel
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
