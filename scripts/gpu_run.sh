@@ -322,12 +322,12 @@ compile_probe() {
 }
 
 # The rollout benches' figures (issue 32's) and the decode benches' (prefill and decode lines)
-# of the steps named $1-*, from their JSON reports into the log.
+# of the steps named in the arguments, from their JSON reports into the log.
 rollout_figures() {
-  grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "$work"/rollout-*.txt 2> /dev/null | tee -a "$log"
+  grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "${@/#/$work/}" 2> /dev/null | tee -a "$log"
 }
 decode_figures() {
-  grep -h -A2 '"decode batch\|"prefill' "$work/$1"-*.txt 2> /dev/null | tee -a "$log"
+  grep -h -A2 '"decode batch\|"prefill' "${@/#/$work/}" 2> /dev/null | tee -a "$log"
 }
 
 case "$stage" in
@@ -407,7 +407,7 @@ case "$stage" in
     # episodes per question, as GRPO's rollout.n, whose first prompts are shared.
     bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
       --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
-    rollout_figures
+    rollout_figures rollout-small.txt rollout-0.6b-bf16.txt
     # Then the paged-attention kernel (prompt-r1-device-kernels: a pass's attention read in
     # place from the paged KV cache) against burn's ops over the gathered keys and values: a
     # 2,048-token prefill and decode at 64 rows over 2,048-token prompts of the 0.6B shape, where
@@ -418,13 +418,13 @@ case "$stage" in
     # With `all` at 8 rows too: 64 cubes a layer, half the H200's 132 SMs idle (whether the
     # columns should be split across cubes, as flash-decoding does).
     bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
-    decode_figures decode-kernel
+    decode_figures decode-kernel-all.txt
     # LoRA rollouts (the paper's run: rank 8 on every projection of a bf16 base) with the
     # adapters beside the base and merged into it (rollout.merge_lora, the default): on lavapipe
     # a decoding step launched 244 kernels a token apart and 155 merged (the base's count).
     bench decode-lora-apart --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora
     bench decode-lora-merged --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora --merge-lora
-    decode_figures decode-lora
+    decode_figures decode-lora-apart.txt decode-lora-merged.txt
     # Then what continuous admission gains where a decode step costs about the same at any
     # number of rows: 64 episodes of 1 to 5 turns, 32 in flight, in batches and continuously
     # (on 2 CPU cores with the paged KV cache: 0.65x the decoder steps, 0.80x the speed, 1.44x
@@ -440,8 +440,8 @@ case "$stage" in
     bench rollout-small-separate --preset small --rollout --rollout-batch 64 --ragged-passes off
     bench decode-kernel-decode --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels decode
     bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
-    rollout_figures
-    decode_figures decode-kernel
+    rollout_figures rollout-admission.txt rollout-small-decode.txt rollout-small-separate.txt
+    decode_figures decode-kernel-decode.txt decode-kernel-off.txt
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
