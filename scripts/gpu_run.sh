@@ -48,7 +48,8 @@
 #              decoder's peak KV, CubeCL's pool (in use / reserved) per mode, and the time of its
 #              decode-only and prefill steps against pure decode's step; then a 2,048-token
 #              prefill and decode at 8 and 64 rows over 2,048 positions with our paged-attention
-#              kernel in every pass (all, CUDA's default); LoRA adapters apart and merged;
+#              kernel in every pass (all, CUDA's default), its decoding steps split into
+#              spans (--split-decoding, the default) and whole; LoRA adapters apart and merged;
 #              continuous admission of 64 episodes of 1 to 5 turns; last the fifth lease's
 #              comparisons: the small rollout at 64 with --device-kernels decode, and with all
 #              but no ragged passes, and the long-context decode with the kernel in decoding
@@ -415,10 +416,12 @@ case "$stage" in
     # pass (all, CUDA's default: the H200 ran the prefill 1.8x faster so; decode and off, the
     # fifth lease's comparison, come last). check-device (`first`) has checked the kernel's
     # tokens against the CPU.
-    # With `all` at 8 rows too: 64 cubes a layer, half the H200's 132 SMs idle (whether the
-    # columns should be split across cubes, as flash-decoding does).
+    # At 8 rows too: 64 cubes a layer unsplit, half the H200's 132 SMs idle. Then the same with
+    # every decoding step whole (--split-decoding off): one cube walks a row's 2,048 columns,
+    # where by default they are cut into spans of cubes of their own (16 at 8 rows, 3 at 64).
     bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
-    decode_figures decode-kernel-all.txt
+    bench decode-kernel-whole --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --split-decoding off
+    decode_figures decode-kernel-all.txt decode-kernel-whole.txt
     # LoRA rollouts (the paper's run: rank 8 on every projection of a bf16 base) with the
     # adapters beside the base and merged into it (rollout.merge_lora, the default): on lavapipe
     # a decoding step launched 244 kernels a token apart and 155 merged (the base's count).

@@ -390,15 +390,16 @@ fn plan_says_whether_a_run_fits_and_train_refuses_one_that_does_not() {
     assert!(!tmp.path().join("run").join("checkpoints").exists(), "nothing was trained");
 }
 
-/// `check-device` compares the portable ops with the fused kernels on the CPU: eight checks
-/// (greedy and sampled tokens, and the first ratio at f32 and bf16 products, among them), all
+/// `check-device` compares the portable ops with the fused kernels on the CPU: nine checks
+/// (greedy and sampled tokens, greedy tokens after a 600-token prompt, and the first ratio at
+/// f32 and bf16 products, among them), all
 /// within their tolerances; CUDA in a CPU-only build is a clear error.
 #[test]
 fn check_device_passes_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model(tmp.path());
     let stdout = ok_stdout(&["check-device", "--model", &model]);
-    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 8, "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 9, "{stdout}");
     let out = prompt_r1(&["check-device", "--device", "cuda", "--model", &model]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if cfg!(not(feature = "cuda")) {

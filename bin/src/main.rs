@@ -44,6 +44,14 @@ struct Cli {
     #[arg(long, global = true, value_name = "auto|decode|all|off", env = "PROMPT_R1_DEVICE_KERNELS", default_value = "auto",
           value_parser = kernel_passes)]
     device_kernels: KernelChoice,
+    /// Split a decoding step's attention over a long context across more of the GPU (on or off):
+    /// each row's columns are cut into spans, a block of threads each, joined by a second small
+    /// kernel (FlashDecoding), where the step's blocks alone would leave most of the GPU's
+    /// multiprocessors idle (few rows, long contexts). CUDA only (wgpu reports no
+    /// multiprocessors); off: one block walks all of a row's columns (for comparisons).
+    #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_SPLIT_DECODING", default_value = "on",
+          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    split_decoding: bool,
     /// Folder of the GPU backends' persistent kernel and autotune caches (default:
     /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
     #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
@@ -110,7 +118,12 @@ fn main() {
         std::process::exit(2);
     }
     let cli = Cli::parse();
-    device::set_gpu_options(device::GpuOptions { fusion: cli.fusion, device_kernels: cli.device_kernels, kernel_cache: cli.kernel_cache });
+    device::set_gpu_options(device::GpuOptions {
+        fusion: cli.fusion,
+        device_kernels: cli.device_kernels,
+        split_decoding: cli.split_decoding,
+        kernel_cache: cli.kernel_cache,
+    });
     #[cfg(target_os = "linux")]
     large_alloc::configure(cli.alloc_cache_mb);
     let result = match cli.command {
@@ -198,5 +211,18 @@ mod tests {
         }
         let err = kernel_passes("prefill").unwrap_err();
         assert!(err.contains("--device-kernels") && err.contains("PROMPT_R1_DEVICE_KERNELS"), "{err}");
+    }
+
+    /// `--split-decoding` is on unless turned off (on/off, as `--fusion`).
+    #[test]
+    fn decoding_steps_split_unless_turned_off() {
+        for (value, split) in [("off", false), ("0", false), ("on", true), ("true", true)] {
+            let cli = Cli::try_parse_from(["prompt-r1", "--split-decoding", value, "demo"]).expect("parses");
+            assert_eq!(cli.split_decoding, split, "{value}");
+        }
+        if std::env::var_os("PROMPT_R1_SPLIT_DECODING").is_none() {
+            assert!(Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").split_decoding);
+        }
+        assert!(Cli::try_parse_from(["prompt-r1", "--split-decoding", "sometimes", "demo"]).is_err());
     }
 }

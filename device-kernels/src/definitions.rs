@@ -50,8 +50,8 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
     }
     let qk_norm_rope_write = crate::rms_norm::qk_norm_rope_write_definition(client, [dtype, index], HEAD_DIM);
     out.push((format!("qk_norm_rope_write {dtype} head_dim {HEAD_DIM}"), qk_norm_rope_write));
-    // The attention as each pass takes it (a decoding step, prefill chunks, ragged passes), once
-    // for each block of queries it may pick.
+    // The attention as each pass takes it (a decoding step, prefill chunks, ragged passes; whole
+    // or split into spans of columns), once for each block of queries it may pick.
     for groups in GROUPS {
         let mut seen = Vec::new();
         for queries in QUERIES {
@@ -61,11 +61,17 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
             }
             seen.push(blocks);
             for ragged in [false, true] {
-                let definition = crate::paged_attention::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, queries, ragged);
-                let pass = if ragged { "ragged" } else { "uniform" };
-                out.push((format!("paged_attention {dtype} {pass} groups {groups} queries {}", blocks.queries), definition));
+                // Only a decoding step is split (`paged_attention::Spans::Auto`).
+                let splits: &[bool] = if queries == 1 && !ragged { &[false, true] } else { &[false] };
+                for &split in splits {
+                    let definition = crate::paged_attention::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, queries, ragged, split);
+                    let pass = if ragged { "ragged" } else { "uniform" };
+                    let spans = if split { " split" } else { "" };
+                    out.push((format!("paged_attention {dtype} {pass}{spans} groups {groups} queries {}", blocks.queries), definition));
+                }
             }
         }
     }
+    out.push((format!("combine_splits {dtype} head_dim {HEAD_DIM}"), crate::paged_attention::combine_definition(client, dtype, HEAD_DIM as usize)));
     out
 }

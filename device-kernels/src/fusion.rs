@@ -20,6 +20,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         valid: FloatTensor<Self>,
         ragged: Option<(IntTensor<Self>, usize)>,
         scale: f32,
+        spans: crate::Spans,
     ) -> FloatTensor<Self> {
         let client = query.client.clone();
         let (starts, longest) = ragged.map_or((None, 0), |(starts, longest)| (Some(starts), longest));
@@ -44,6 +45,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
                 handles.get_float_tensor::<B>(&inputs[4]),
                 ragged,
                 scale,
+                spans,
             );
             handles.register_float_tensor::<B>(&desc.outputs[0].id, result);
         });

@@ -28,6 +28,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
+pub use paged_attention::Spans;
 use model::device_kernels::{register_norms, register_paged_attention, register_silu_mul, register_token_choice, NormKernels, PagedAttention};
 pub use rms_norm::{QkNormRopeWrite, Qkv};
 pub use swiglu::GateUp;
@@ -38,7 +39,9 @@ pub trait DeviceKernels: Backend {
     /// [`PagedAttention`] on primitives: `query` `[rows, queries, heads, d]`, pools
     /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;
     /// `[rows, queries, heads, d]`. A ragged pass's `query` is `[1, tokens, heads, d]`, with its
-    /// rows' starts `[rows + 1]` and the longest row's length.
+    /// rows' starts `[rows + 1]` and the longest row's length. Each row's columns are cut into
+    /// `spans`.
+    #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         query: FloatTensor<Self>,
         keys: FloatTensor<Self>,
@@ -47,6 +50,7 @@ pub trait DeviceKernels: Backend {
         valid: FloatTensor<Self>,
         ragged: Option<(IntTensor<Self>, usize)>,
         scale: f32,
+        spans: Spans,
     ) -> FloatTensor<Self>;
 
     /// [`model::device_kernels::RmsNormFn`] on primitives: `input` `[rows, hidden]`, `weight`
@@ -82,9 +86,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         valid: FloatTensor<Self>,
         ragged: Option<(IntTensor<Self>, usize)>,
         scale: f32,
+        spans: Spans,
     ) -> FloatTensor<Self> {
         let ragged = ragged.map(|(starts, longest)| paged_attention::Ragged { starts, longest });
-        paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale)
+        paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans)
     }
 
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
@@ -113,10 +118,26 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
     }
 }
 
-/// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, the
-/// RMS norms, SwiGLU's `silu(gate) · up` and the token choice (idempotent).
-pub fn register<B: DeviceKernels>(passes: KernelPasses) {
-    register_paged_attention::<B>(run_paged_attention::<B>, passes);
+/// Whether a decoding step's columns are split into spans where its cubes would leave the GPU's
+/// multiprocessors idle ([`paged_attention::splits_for`]; FlashDecoding).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodingSplit {
+    /// As [`paged_attention::splits_for`] says for the device (CUDA reports its multiprocessors;
+    /// wgpu does not, and is never split).
+    Auto,
+    /// Never: one cube walks all of a row's columns (for comparisons, or to rule it out).
+    Off,
+}
+
+/// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, its
+/// decoding steps split as `split` says, the RMS norms, SwiGLU's `silu(gate) · up` and the token
+/// choice (idempotent: the first registration holds).
+pub fn register<B: DeviceKernels>(passes: KernelPasses, split: DecodingSplit) {
+    let attention: model::device_kernels::PagedAttentionFn<B> = match split {
+        DecodingSplit::Auto => run_paged_attention::<B>,
+        DecodingSplit::Off => run_paged_attention_whole::<B>,
+    };
+    register_paged_attention::<B>(attention, passes);
     register_token_choice::<B>(run_choose_tokens::<B>);
     register_silu_mul::<B>(run_silu_mul::<B>);
     register_norms::<B>(NormKernels {
@@ -176,9 +197,17 @@ fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tenso
 }
 
 fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+    attend(pass, Spans::Auto)
+}
+
+fn run_paged_attention_whole<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+    attend(pass, Spans::WHOLE)
+}
+
+fn attend<B: DeviceKernels>(pass: PagedAttention<B>, spans: Spans) -> Tensor<B, 4> {
     let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
     let ragged = ragged.map(|rows| (rows.starts.into_primitive(), rows.longest));
-    tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale))
+    tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans))
 }
 
 /// FNV-1a of `source`, folded to 32 bits: a kernel's revision (see `paged_attention::REVISION`).

@@ -19,6 +19,11 @@
 //!
 //! Each key and value is read from the pools once per (cube's heads, block of queries), where it
 //! lies; scores, probabilities and sums are f32 whatever the pools' dtype.
+//!
+//! A decoding step on a GPU whose multiprocessors its cubes would leave idle is split
+//! (FlashDecoding): each row's columns are cut into spans ([`splits_for`]), a cube each, which
+//! write their unnormalised sums, maximum and total, and a second kernel
+//! ([`combine_splits_kernel`]) joins them as the online softmax joins tiles.
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
@@ -26,6 +31,8 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
+
+use crate::rms_norm::{cube_row, grid};
 
 /// Units per cube.
 pub const UNITS: u32 = 64;
@@ -92,8 +99,12 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     valid: &Tensor<V>,
     row_starts: &Tensor<I>,
     output: &mut Tensor<F>,
+    partial: &mut Tensor<f32>,
     scale: f32,
+    splits: u32,
+    span: u32,
     #[comptime] ragged: bool,
+    #[comptime] split: bool,
     #[comptime] head_dim: u32,
     #[comptime] cube_heads: u32,
     #[comptime] block: u32,
@@ -127,7 +138,14 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         token0 = usize::cast_from(row_starts[row]);
         queries = usize::cast_from(row_starts[row + 1]) - token0;
     }
-    let first = CUBE_POS_Z as usize * block_len;
+    // z: the block of queries, and in a split pass which of the row's spans of columns.
+    let mut z = CUBE_POS_Z as usize;
+    let mut part = 0usize;
+    if split {
+        part = z % splits as usize;
+        z /= splits as usize;
+    }
+    let first = z * block_len;
     if first >= queries {
         // A ragged pass's grid covers its longest row; shorter rows leave cubes with nothing
         // to do (every unit of the cube returns here, before any barrier).
@@ -140,6 +158,15 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         count = block_len;
     }
     let end = past + first + count;
+    // The columns this cube walks: all it may see, or its span of them.
+    let mut start = 0usize;
+    let mut stop = end;
+    if split {
+        start = part * span as usize;
+        if start + (span as usize) < stop {
+            stop = start + span as usize;
+        }
+    }
     let pool_base = (first_head / (heads / kv_heads)) * slots * d;
 
     // A masked column's score: below any real score, finite (as the model's mask value).
@@ -171,14 +198,13 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         total[unit] = 0.0;
     }
 
-    let mut start = 0usize;
-    while start < end {
+    while start < stop {
         // 1. The tile's slots.
         if unit < tile_len {
             let column = start + unit;
             let mut slot = 0u32;
             let mut key = 0u32;
-            if column < end {
+            if column < stop {
                 if f32::cast_from(valid[row * valid.stride(0) + column * valid.stride(1)]) > 0.5 {
                     slot = u32::cast_from(read[row * width + column]);
                     key = 1;
@@ -262,6 +288,29 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         start += tile_len;
     }
 
+    if split {
+        // The span's unnormalised sums, maximum and total, for `combine_splits_kernel`:
+        // `partial` is `[splits, tokens, heads, d + 2]`. A barrier first: a span past the
+        // cube's last column ran no tile, so none since the statistics were first set.
+        sync_cube();
+        let tokens = query.shape(0) * query.shape(1);
+        let mut i = unit;
+        while i < entries * d {
+            let b = i / d;
+            let qi = b % block_len;
+            if qi < count {
+                let base = ((part * tokens + token0 + first + qi) * heads + first_head + b / block_len) * (d + 2);
+                partial[base + i % d] = acc[i];
+            }
+            i += units;
+        }
+        if unit < entries && unit % block_len < count {
+            let base = ((part * tokens + token0 + first + unit % block_len) * heads + first_head + unit / block_len) * (d + 2);
+            partial[base + d] = running_max[unit];
+            partial[base + d + 1] = total[unit];
+        }
+        terminate!();
+    }
     let mut i = unit;
     while i < entries * d {
         let b = i / d;
@@ -359,6 +408,69 @@ fn tile_element<F: Float>(
     x
 }
 
+/// Joins a split pass's spans (see [`splits_for`]): each output element of `output`
+/// (`[rows, queries, heads, head_dim]`, packed) from its (token, head)'s spans in `partial`
+/// (`[splits, tokens, heads, head_dim + 2]`: a span's sums of values weighed by
+/// `exp(score − its maximum)`, then that maximum and the weights' total), rescaled to the largest
+/// maximum as FlashAttention's online softmax rescales a tile. A (token, head) that saw no key
+/// gets zeros, as in an unsplit pass.
+#[cube(launch)]
+fn combine_splits_kernel<F: Float>(partial: &Tensor<f32>, output: &mut Tensor<F>, #[comptime] head_dim: u32, #[comptime] _revision: u32, #[define(F)] _dtype: StorageType) {
+    let i = cube_row() * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    if i < output.len() {
+        let d = head_dim as usize;
+        let pairs = output.len() / d;
+        let (pair, e) = (i / d, i % d);
+        let splits = partial.shape(0);
+        let mut most = f32::new(-1.0e30);
+        for s in 0..splits {
+            let m = partial[(s * pairs + pair) * (d + 2) + d];
+            if m > most {
+                most = m;
+            }
+        }
+        let mut sum = 0.0f32;
+        let mut total = 0.0f32;
+        for s in 0..splits {
+            let base = (s * pairs + pair) * (d + 2);
+            let weight = (partial[base + d] - most).exp();
+            sum += partial[base + e] * weight;
+            total += partial[base + d + 1] * weight;
+        }
+        let mut out = 0.0f32;
+        if total > 0.0 {
+            out = sum / total;
+        }
+        output[i] = F::cast_from(out);
+    }
+}
+
+/// Units a cube of [`combine_splits_kernel`] (one output element a unit).
+const COMBINE_UNITS: u32 = 256;
+
+/// Cubes a streaming multiprocessor holds at once, about: a decoding step's cube takes 19-21 KiB
+/// of shared memory at Qwen3's heads of 128 (an H100's or H200's SM has 228 KiB) and 64 units.
+const RESIDENT_CUBES_PER_SM: usize = 8;
+
+/// The fewest tiles a span of a split pass takes: each span costs a partial result written and
+/// read again, and its cube's setup.
+const FEWEST_TILES_A_SPAN: usize = 4;
+
+/// Spans a pass's columns are cut into, one cube each ([`combine_splits_kernel`] joins them;
+/// FlashDecoding's split of the keys): a decoding step launches a cube per (group of heads,
+/// row), 64 at batch 8 on Qwen3-0.6B, which leaves most of a GPU's multiprocessors idle while
+/// each cube walks a long context's tiles one after another (BENCHMARKS.md, fifth GPU lease: at
+/// batch 64, a step over 2,048 positions took 157 ms, one at a short context 44). Enough spans
+/// that `cubes` (the unsplit pass's) fill `multiprocessors` (about [`RESIDENT_CUBES_PER_SM`]
+/// each), each of at least [`FEWEST_TILES_A_SPAN`] of the row's `tiles`; 1 (no split, no second
+/// kernel) where the runtime does not say how many multiprocessors it has (wgpu), where the
+/// unsplit cubes fill them already, or at short contexts.
+pub fn splits_for(cubes: usize, tiles: usize, multiprocessors: Option<u32>) -> usize {
+    let Some(multiprocessors) = multiprocessors else { return 1 };
+    let wanted = (multiprocessors as usize * RESIDENT_CUBES_PER_SM).div_ceil(cubes.max(1));
+    wanted.min(tiles / FEWEST_TILES_A_SPAN).max(1)
+}
+
 /// The rows of a ragged pass (see [`model::device_kernels::RaggedRows`]): row `r`'s queries are
 /// the pass's tokens `starts[r]..starts[r + 1]` (`starts` `[rows + 1]`), at most `longest`.
 #[derive(Debug, Clone)]
@@ -367,11 +479,28 @@ pub struct Ragged<R: CubeRuntime> {
     pub longest: usize,
 }
 
+/// How a pass's columns are cut among cubes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spans {
+    /// A decoding step (a uniform pass of one query a row) as [`splits_for`] says for the
+    /// device; other passes, whose blocks of queries give a cube each, whole.
+    Auto,
+    /// Each row's columns in this many spans, fewer where the row has fewer tiles (1: whole).
+    Exactly(std::num::NonZeroUsize),
+}
+
+impl Spans {
+    /// Every pass whole: one cube walks all of a row's columns, no second kernel.
+    pub const WHOLE: Spans = Spans::Exactly(std::num::NonZeroUsize::MIN);
+}
+
 /// Launches the kernel on CubeCL runtime `R`; see [`model::device_kernels::PagedAttention`].
 /// `query` is `[rows, queries, heads, head_dim]`, or `[1, tokens, heads, head_dim]` in a
-/// `ragged` pass.
+/// `ragged` pass. Each row's columns are cut into `spans`, joined by [`combine_splits_kernel`]
+/// where there are several.
 ///
 /// Panics on operands whose shapes or dtypes disagree.
+#[allow(clippy::too_many_arguments)]
 pub fn paged_attention<R: CubeRuntime>(
     query: CubeTensor<R>,
     keys: CubeTensor<R>,
@@ -380,6 +509,7 @@ pub fn paged_attention<R: CubeRuntime>(
     valid: CubeTensor<R>,
     ragged: Option<Ragged<R>>,
     scale: f32,
+    spans: Spans,
 ) -> CubeTensor<R> {
     let [batch, tokens, heads, head_dim] = query.shape().dims::<4>();
     let [kv_heads, slots, pool_dim] = keys.shape().dims::<3>();
@@ -420,9 +550,26 @@ pub fn paged_attention<R: CubeRuntime>(
     let dtypes = [query.dtype.into(), read.dtype.into(), valid.dtype.into()];
     let output = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([batch, tokens, heads, head_dim]), query.dtype);
     let blocks = blocks_for(head_dim, heads / kv_heads, queries);
+    let cubes = [heads / blocks.heads as usize, rows, queries.div_ceil(blocks.queries as usize)];
+    let tiles = width.div_ceil(blocks.tile as usize);
+    let splits = match spans {
+        Spans::Exactly(splits) => splits.get().min(tiles),
+        Spans::Auto if queries == 1 && ragged.is_none() => splits_for(cubes.iter().product(), tiles, client.properties().hardware.num_streaming_multiprocessors),
+        Spans::Auto => 1,
+    };
+    // Whole tiles a span, and as few spans as those take.
+    let span_tiles = tiles.div_ceil(splits);
+    let splits = tiles.div_ceil(span_tiles);
+    let split = splits > 1;
+    // The spans' partial results, or (unsplit) one unused word.
+    let partial_shape = match split {
+        true => Shape::new([splits, batch * tokens, heads, head_dim + 2]),
+        false => Shape::new([1]),
+    };
+    let partial = empty_device_contiguous_dtype(client.clone(), query.device.clone(), partial_shape, DType::F32);
     paged_attention_kernel::launch::<R>(
         &client,
-        CubeCount::Static(heads as u32 / blocks.heads, rows as u32, queries.div_ceil(blocks.queries as usize) as u32),
+        CubeCount::Static(cubes[0] as u32, cubes[1] as u32, (cubes[2] * splits) as u32),
         CubeDim::new_1d(UNITS),
         query.into_tensor_arg(),
         keys.into_tensor_arg(),
@@ -431,8 +578,12 @@ pub fn paged_attention<R: CubeRuntime>(
         valid.into_tensor_arg(),
         starts.into_tensor_arg(),
         output.clone().into_tensor_arg(),
+        partial.clone().into_tensor_arg(),
         scale,
+        splits as u32,
+        (span_tiles * blocks.tile as usize) as u32,
         ragged.is_some(),
+        split,
         head_dim as u32,
         blocks.heads,
         blocks.queries,
@@ -440,12 +591,25 @@ pub fn paged_attention<R: CubeRuntime>(
         REVISION,
         dtypes,
     );
+    if split {
+        let cubes = (batch * tokens * heads * head_dim).div_ceil(COMBINE_UNITS as usize);
+        combine_splits_kernel::launch::<R>(
+            &client,
+            grid(cubes),
+            CubeDim::new_1d(COMBINE_UNITS),
+            partial.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            head_dim as u32,
+            REVISION,
+            dtypes[0],
+        );
+    }
     output
 }
 
 /// [`paged_attention_kernel`] over `dtypes` (the query's and pools', the read table's, the mask's)
 /// as CubeCL defines it for compilation, for heads of `head_dim` in groups of `groups` and passes
-/// of `queries` a row (`ragged`: a ragged pass's).
+/// of `queries` a row (`ragged`: a ragged pass's; `split`: cut into spans of columns).
 pub(crate) fn definition<R: Runtime>(
     client: &ComputeClient<R>,
     dtypes: [StorageType; 3],
@@ -453,6 +617,7 @@ pub(crate) fn definition<R: Runtime>(
     groups: usize,
     queries: usize,
     ragged: bool,
+    split: bool,
 ) -> KernelDefinition {
     let arg = crate::definitions::arg;
     let blocks = blocks_for(head_dim, groups, queries);
@@ -466,8 +631,12 @@ pub(crate) fn definition<R: Runtime>(
         arg(),
         arg(),
         arg(),
+        arg(),
+        (),
+        (),
         (),
         ragged,
+        split,
         head_dim as u32,
         blocks.heads,
         blocks.queries,
@@ -478,9 +647,37 @@ pub(crate) fn definition<R: Runtime>(
     .define()
 }
 
+/// [`combine_splits_kernel`] in `dtype` for heads of `head_dim` as CubeCL defines it for
+/// compilation.
+pub(crate) fn combine_definition<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType, head_dim: usize) -> KernelDefinition {
+    let arg = crate::definitions::arg;
+    combine_splits_kernel::CombineSplitsKernel::<R>::new(crate::definitions::settings(COMBINE_UNITS), client.clone(), arg(), arg(), head_dim as u32, REVISION, dtype).define()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Qwen3-0.6B's decoding step on an H200 (132 multiprocessors; 8 cubes a row) at 2,048
+    /// positions (64 tiles): batch 8 is cut into 16 spans of 4 tiles, batch 64 into 3; short
+    /// contexts, prefill passes that fill the GPU, and runtimes that give no count are not split.
+    #[test]
+    fn splits_fill_the_multiprocessors() {
+        let h200 = Some(132);
+        assert_eq!(splits_for(8 * 8, 64, h200), 16);
+        assert_eq!(splits_for(8 * 64, 64, h200), 3);
+        assert_eq!(splits_for(8, 64, h200), 16);
+        assert_eq!(splits_for(8 * 8, 7, h200), 1);
+        assert_eq!(splits_for(8 * 8, 8, h200), 2);
+        assert_eq!(splits_for(8 * 64 * 512, 64, h200), 1);
+        assert_eq!(splits_for(8 * 8, 64, None), 1);
+        for cubes in [1, 7, 64, 1000, 100_000] {
+            for tiles in [1, 3, 4, 63, 64, 65, 1000] {
+                let splits = splits_for(cubes, tiles, h200);
+                assert!(splits >= 1 && (splits == 1 || tiles / splits >= FEWEST_TILES_A_SPAN), "{cubes} cubes, {tiles} tiles: {splits}");
+            }
+        }
+    }
 
     /// Every choice fits the shared memory and takes whole groups' worth of heads where they
     /// fit; Qwen3's heads of 128 keep tiles of 32 in a decoding step, and a prefill takes 16

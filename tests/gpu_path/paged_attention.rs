@@ -8,7 +8,7 @@
 //! takes the same code for); the kernel sums in f32 either way.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{activation::softmax, Bool, DType, Distribution, Int, Tensor, TensorData};
+use burn::tensor::{activation::softmax, Bool, DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use device_kernels::DeviceKernels;
 use prompt_r1_model::device_kernels::{PagedAttention, RaggedRows};
 
@@ -84,14 +84,53 @@ fn reference<B: Backend>(query: Tensor<B, 4>, keys: Tensor<B, 3>, values: Tensor
 /// The kernel's output against [`reference`] on backend `B` for `queries` queries a row: the
 /// largest difference, divided by the output's magnitude where that exceeds 1.
 fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, queries: usize, dtype: DType) -> f32 {
-    worst_ragged_difference::<B>(heads, kv_heads, d, &[queries; ROWS], false, dtype)
+    worst_ragged_difference::<B>(heads, kv_heads, d, &[queries; ROWS], false, dtype, &registered::<B>)
+}
+
+/// The kernel as the model finds it: registered as the other tests of this binary register it
+/// (the registry is the process's).
+fn registered<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto);
+    let (kernel, _) = prompt_r1_model::device_kernels::registered_paged_attention::<B>().expect("registered just now");
+    kernel(pass)
+}
+
+/// The kernel on the unfused backend with each row's columns cut into `splits` spans (as
+/// `splits_for` cuts them on a GPU with few cubes a pass; lavapipe gives no count of
+/// multiprocessors, so it never splits on its own).
+fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 4> {
+    move |pass| {
+        let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
+        let float = |t: Tensor<Unfused, 4>| t.into_primitive().tensor();
+        let pool = |t: Tensor<Unfused, 3>| t.into_primitive().tensor();
+        let ragged = ragged.map(|rows| device_kernels::paged_attention::Ragged { starts: rows.starts.into_primitive(), longest: rows.longest });
+        let output = device_kernels::paged_attention::paged_attention(
+            float(query),
+            pool(keys),
+            pool(values),
+            read.into_primitive(),
+            valid.into_primitive().tensor(),
+            ragged,
+            scale,
+            device_kernels::paged_attention::Spans::Exactly(splits.try_into().expect("spans")),
+        );
+        Tensor::from_primitive(TensorPrimitive::Float(output))
+    }
 }
 
 /// [`worst_difference`] with row `r` running `lens[r]` queries; `ragged`: as one ragged pass
 /// (`[1, tokens, heads, d]`, the rows' queries one after another), else (equal lengths only)
 /// as `[rows, queries, heads, d]`. The reference runs every row with the longest row's queries
 /// and keeps each row's last `lens[r]`: those see the same columns.
-fn worst_ragged_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, lens: &[usize; ROWS], ragged: bool, dtype: DType) -> f32 {
+fn worst_ragged_difference<B: DeviceKernels>(
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    lens: &[usize; ROWS],
+    ragged: bool,
+    dtype: DType,
+    attend: &dyn Fn(PagedAttention<B>) -> Tensor<B, 4>,
+) -> f32 {
     let queries = lens.iter().copied().max().expect("rows");
     let device = Default::default();
     let pool = |seed| {
@@ -118,11 +157,7 @@ fn worst_ragged_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: u
         }
         false => (query, expected, None),
     };
-    // Through the registry, as the model finds it.
-    // Registered as the other tests of this binary register it (the registry is the process's).
-    device_kernels::register::<B>(common::kernel_passes());
-    let (kernel, _) = prompt_r1_model::device_kernels::registered_paged_attention::<B>().expect("registered just now");
-    let output = kernel(PagedAttention { query, keys, values, read, valid, scale, ragged: rows });
+    let output = attend(PagedAttention { query, keys, values, read, valid, scale, ragged: rows });
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     // Relative to the output where it exceeds 1: f16 rounds each output to its own step.
     let difference = ((output.cast(DType::F32) - expected.clone()).abs() / expected.abs().clamp_min(1.0)).max().into_scalar();
@@ -146,7 +181,7 @@ fn check_shapes<B: DeviceKernels>(dtype: DType, tolerance: f32) {
 fn check_ragged<B: DeviceKernels>(dtype: DType, tolerance: f32) {
     for (heads, kv_heads, d) in [(4, 2, 24), (6, 2, 72)] {
         for lens in [[1, 37, 1, 5], [37, 1, 5, 1], [1, 1, 1, 37], [5, 5, 5, 5], [1, 1, 1, 1]] {
-            let worst = worst_ragged_difference::<B>(heads, kv_heads, d, &lens, true, dtype);
+            let worst = worst_ragged_difference::<B>(heads, kv_heads, d, &lens, true, dtype, &registered::<B>);
             println!("{} {dtype:?}, {heads} heads over {kv_heads}, head_dim {d}, ragged rows of {lens:?} queries: worst |Δ| {worst:.2e}", std::any::type_name::<B>());
             assert!(worst <= tolerance, "{heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}, {dtype:?}: |Δ| {worst} > {tolerance}");
         }
@@ -186,4 +221,31 @@ fn the_kernel_matches_burns_ops_in_f16() {
         return;
     }
     check_shapes::<Fused>(DType::F16, 2e-3);
+}
+
+/// A pass split into spans of columns (FlashDecoding's split, which `splits_for` picks on a GPU
+/// whose multiprocessors a pass's cubes would leave idle) gives what the whole pass gives: each
+/// shape and pass above in 2, 3 and 5 spans (as many as the row has tiles at most: 3 or 5 here),
+/// spans that see no key (row 0's padding, row 3's one key, a prefill's early queries) among
+/// them; f32 within the unsplit pass's tolerance, f16 (the output rounded once, after the spans
+/// are joined in f32) within its.
+#[test]
+fn a_pass_split_into_spans_matches_burns_ops() {
+    if !common::backend_ready::<Fused>() {
+        return;
+    }
+    for splits in [2, 3, 5] {
+        for (heads, kv_heads, d) in [(4, 2, 24), (4, 4, 128), (6, 2, 72)] {
+            for lens in QUERIES.map(|queries| [queries; ROWS]) {
+                let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, false, DType::F32, &split_into(splits));
+                println!("{splits} spans, {heads} heads over {kv_heads}, head_dim {d}, {} queries a row: worst |Δ| {worst:.2e}", lens[0]);
+                assert!(worst <= 1e-5, "{splits} spans, {heads} heads over {kv_heads}, head_dim {d}, {} queries: |Δ| {worst} > 1e-5", lens[0]);
+            }
+            let lens = [1, 37, 1, 5];
+            let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, true, DType::F32, &split_into(splits));
+            assert!(worst <= 1e-5, "{splits} spans, {heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}: |Δ| {worst} > 1e-5");
+        }
+        let worst = worst_ragged_difference::<Unfused>(4, 4, 128, &[1; ROWS], false, DType::F16, &split_into(splits));
+        assert!(worst <= 2e-3, "{splits} spans, f16: |Δ| {worst} > 2e-3");
+    }
 }

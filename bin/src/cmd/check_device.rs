@@ -26,7 +26,8 @@ use crate::device::{run_on, DeviceChoice, OnBackend};
 ///
 /// Runs the same model on the CPU (burn-flex with the fused kernels, f32) and on --device, and
 /// checks: the logits of a right- and a left-padded batch, 16 greedy and 16 sampled tokens per
-/// prompt (same seeds; off the CPU kernels tokens are chosen on the device),
+/// prompt (same seeds; off the CPU kernels tokens are chosen on the device), 16 greedy tokens
+/// after a 600-token prompt (a GPU splits those decoding steps' columns into spans),
 /// completion log-probs, one GRPO learn step (loss and gradient norm), that the device scores
 /// old log-probs exactly as its update computes them (the first ratio is 1, with f32 and bf16
 /// products) and, off the CPU, that the device's f32 → bf16 cast rounds to nearest even (bf16
@@ -74,6 +75,9 @@ struct Results {
     sampled: Vec<Vec<u32>>,
     /// The logits before each sampled token, `[tokens, vocab]` per prompt.
     sampled_logits: Vec<Vec<f32>>,
+    /// 16 greedy tokens after the long prompt, and the logits before each.
+    long_greedy: Vec<Vec<u32>>,
+    long_greedy_logits: Vec<Vec<f32>>,
     logprobs: Vec<Vec<f32>>,
     loss: f32,
     grad_norm: f32,
@@ -100,7 +104,14 @@ struct Probe {
     dtype: DType,
     vocab: usize,
     prompts: Vec<Vec<u32>>,
+    /// A prompt of [`LONG_PROMPT`] tokens, decoded from alone.
+    long_prompt: Vec<u32>,
 }
+
+/// Tokens of the long prompt: its decoding steps walk 10 tiles of the tiny model's columns,
+/// which a GPU's paged-attention kernel splits into spans (FlashDecoding), a row alone giving
+/// it few cubes.
+const LONG_PROMPT: usize = 600;
 
 /// Every low half-word under a few sign/exponent/high-mantissa patterns (ties, values just
 /// above and below them, both signs), cast to bf16 with the backend's own `cast` (what the model
@@ -130,6 +141,9 @@ impl<'a> OnBackend for &'a Probe {
         }
         let config = SamplingConfig { max_new_tokens: 16, sampling: Sampling::greedy(), ..Default::default() };
         let greedy: Vec<Vec<u32>> = generate(&model, &self.prompts, &config)?.into_iter().map(|s| s.tokens).collect();
+        let long = [self.long_prompt.clone()];
+        let long_greedy: Vec<Vec<u32>> = generate(&model, &long, &config)?.into_iter().map(|s| s.tokens).collect();
+        let long_greedy_logits = step_logits(&model, &long, &long_greedy, &device)?;
         let sampling = Sampling { temperature: 1.0, seed: SAMPLING_SEED, ..Sampling::default() };
         let config = SamplingConfig { sampling, ..config };
         let sampled: Vec<Vec<u32>> = generate(&model, &self.prompts, &config)?.into_iter().map(|s| s.tokens).collect();
@@ -160,6 +174,8 @@ impl<'a> OnBackend for &'a Probe {
             greedy_logits,
             sampled,
             sampled_logits,
+            long_greedy,
+            long_greedy_logits,
             logprobs,
             loss: stats.loss,
             grad_norm,
@@ -274,7 +290,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     let vocab = model::Qwen3Config::from_file(&dir.join("config.json"))?.vocab_size;
     let prompt = |len: usize, salt: usize| -> Vec<u32> { (0..len).map(|i| ((i * 7919 + salt) % vocab) as u32).collect() };
-    let probe = Probe { dir, dtype: args.dtype, vocab, prompts: vec![prompt(24, 13), prompt(17, 101)] };
+    let probe = Probe { dir, dtype: args.dtype, vocab, prompts: vec![prompt(24, 13), prompt(17, 101)], long_prompt: prompt(LONG_PROMPT, 7) };
 
     eprintln!("reference: CPU, fused kernels");
     model::cpu_kernels::set_portable_ops(false);
@@ -310,6 +326,10 @@ pub fn run(args: Args) -> Result<()> {
         let logits = &reference.greedy_logits[row][step * probe.vocab..(step + 1) * probe.vocab];
         top_two_gap(logits) <= 2.0 * logit_tol
     });
+    let long_greedy = compare_tokens(&reference.long_greedy, &target.long_greedy, |row, step| {
+        let logits = &reference.long_greedy_logits[row][step * probe.vocab..(step + 1) * probe.vocab];
+        top_two_gap(logits) <= 2.0 * logit_tol
+    });
     let draws = sampling_draws(probe.prompts.len(), 16);
     let sampled = compare_tokens(&reference.sampled, &target.sampled, |row, step| {
         let logits = &reference.sampled_logits[row][step * probe.vocab..(step + 1) * probe.vocab];
@@ -317,14 +337,15 @@ pub fn run(args: Args) -> Result<()> {
         boundary_distance(logits, token, draws[row][step]) <= 2.0 * logit_tol + CDF_TOL
     });
     println!(
-        "tokens forgiven as ties within the tolerance (later tokens of their row not compared): greedy {}, sampled {}",
-        greedy.forgiven, sampled.forgiven
+        "tokens forgiven as ties within the tolerance (later tokens of their row not compared): greedy {}, sampled {}, greedy after the long prompt {}",
+        greedy.forgiven, sampled.forgiven, long_greedy.forgiven
     );
     let mut checks = vec![
         ("logits, right- and left-padded batch", Some(relative_max_diff(&reference.logits, &target.logits)), args.rtol),
         ("completion log-probs", Some(relative_max_diff(&reference.logprobs, &target.logprobs)), args.rtol),
         ("greedy tokens differing (2 x 16)", Some(greedy.differing as f32), 0.0),
         ("sampled tokens differing (2 x 16, T = 1)", Some(sampled.differing as f32), 0.0),
+        ("greedy tokens differing, 600-token prompt", Some(long_greedy.differing as f32), 0.0),
         ("learn step loss (relative)", Some(relative(reference.loss, target.loss)), 1e-3),
         ("learn step gradient norm (relative)", Some(relative(reference.grad_norm, target.grad_norm)), 1e-3),
         ("first ratio off 1, f32 products", target.ratio_drift[0], 0.0),

@@ -109,8 +109,12 @@ where
     T: OnBackend,
 {
     if let Some(passes) = passes {
-        device_kernels::register::<B>(passes);
-        device_kernels::register::<U>(passes);
+        let split = match super::gpu_options().split_decoding {
+            true => device_kernels::DecodingSplit::Auto,
+            false => device_kernels::DecodingSplit::Off,
+        };
+        device_kernels::register::<B>(passes, split);
+        device_kernels::register::<U>(passes, split);
     }
     // Training records the memory-efficient attention as one autodiff node on these backends.
     if fusion_enabled() {

@@ -104,6 +104,9 @@ pub struct GpuOptions {
     /// The passes prompt-r1's CubeCL kernels take (`--device-kernels`,
     /// `PROMPT_R1_DEVICE_KERNELS`).
     pub device_kernels: KernelChoice,
+    /// Whether the paged-attention kernel splits a decoding step's columns into spans where the
+    /// GPU would otherwise sit idle (`--split-decoding`, `PROMPT_R1_SPLIT_DECODING`).
+    pub split_decoding: bool,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
 }
@@ -117,7 +120,7 @@ pub fn set_gpu_options(options: GpuOptions) {
 
 /// The GPU backends' options: as set, else fusion and our kernels on and the default cache folder.
 pub(crate) fn gpu_options() -> GpuOptions {
-    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: KernelChoice::Auto, kernel_cache: None })
+    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: KernelChoice::Auto, split_decoding: true, kernel_cache: None })
 }
 
 /// `--device-kernels`: the passes prompt-r1's CubeCL kernels take on the GPU backends.
