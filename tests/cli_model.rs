@@ -391,7 +391,7 @@ fn plan_says_whether_a_run_fits_and_train_refuses_one_that_does_not() {
 }
 
 /// `check-device` compares the portable ops with the fused kernels on the CPU: nine checks
-/// (greedy and sampled tokens, greedy tokens after a 600-token prompt, and the first ratio at
+/// (greedy and sampled tokens, greedy tokens after a 1,100-token prompt, and the first ratio at
 /// f32 and bf16 products, among them), all
 /// within their tolerances; CUDA in a CPU-only build is a clear error.
 #[test]

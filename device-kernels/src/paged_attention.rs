@@ -456,6 +456,12 @@ const RESIDENT_CUBES_PER_SM: usize = 8;
 /// read again, and its cube's setup.
 const FEWEST_TILES_A_SPAN: usize = 4;
 
+/// The fewest tiles a row has before its step is split (512 columns at Qwen3's tiles of 32):
+/// the join is one more kernel a layer, and below about 500 positions the fifth lease's
+/// decoding step was bound by the host's cost per kernel (the GPU 38% busy at a short context),
+/// not by the attention's tiles (about 50 µs each, one after another).
+const FEWEST_TILES_SPLIT: usize = 16;
+
 /// Spans a pass's columns are cut into, one cube each ([`combine_splits_kernel`] joins them;
 /// FlashDecoding's split of the keys): a decoding step launches a cube per (group of heads,
 /// row), 64 at batch 8 on Qwen3-0.6B, which leaves most of a GPU's multiprocessors idle while
@@ -464,9 +470,12 @@ const FEWEST_TILES_A_SPAN: usize = 4;
 /// that `cubes` (the unsplit pass's) fill `multiprocessors` (about [`RESIDENT_CUBES_PER_SM`]
 /// each), each of at least [`FEWEST_TILES_A_SPAN`] of the row's `tiles`; 1 (no split, no second
 /// kernel) where the runtime does not say how many multiprocessors it has (wgpu), where the
-/// unsplit cubes fill them already, or at short contexts.
+/// unsplit cubes fill them already, or below [`FEWEST_TILES_SPLIT`] tiles.
 pub fn splits_for(cubes: usize, tiles: usize, multiprocessors: Option<u32>) -> usize {
     let Some(multiprocessors) = multiprocessors else { return 1 };
+    if tiles < FEWEST_TILES_SPLIT {
+        return 1;
+    }
     let wanted = (multiprocessors as usize * RESIDENT_CUBES_PER_SM).div_ceil(cubes.max(1));
     wanted.min(tiles / FEWEST_TILES_A_SPAN).max(1)
 }
@@ -659,22 +668,24 @@ mod tests {
     use super::*;
 
     /// Qwen3-0.6B's decoding step on an H200 (132 multiprocessors; 8 cubes a row) at 2,048
-    /// positions (64 tiles): batch 8 is cut into 16 spans of 4 tiles, batch 64 into 3; short
-    /// contexts, prefill passes that fill the GPU, and runtimes that give no count are not split.
+    /// positions (64 tiles): batch 8 is cut into 16 spans of 4 tiles, batch 64 into 3; contexts
+    /// under 16 tiles, passes whose cubes fill the GPU, and runtimes that give no count are not
+    /// split.
     #[test]
     fn splits_fill_the_multiprocessors() {
         let h200 = Some(132);
         assert_eq!(splits_for(8 * 8, 64, h200), 16);
         assert_eq!(splits_for(8 * 64, 64, h200), 3);
         assert_eq!(splits_for(8, 64, h200), 16);
-        assert_eq!(splits_for(8 * 8, 7, h200), 1);
-        assert_eq!(splits_for(8 * 8, 8, h200), 2);
+        assert_eq!(splits_for(8 * 8, 15, h200), 1);
+        assert_eq!(splits_for(8 * 8, 16, h200), 4);
+        assert_eq!(splits_for(8 * 64, 19, h200), 3);
         assert_eq!(splits_for(8 * 64 * 512, 64, h200), 1);
         assert_eq!(splits_for(8 * 8, 64, None), 1);
         for cubes in [1, 7, 64, 1000, 100_000] {
             for tiles in [1, 3, 4, 63, 64, 65, 1000] {
                 let splits = splits_for(cubes, tiles, h200);
-                assert!(splits >= 1 && (splits == 1 || tiles / splits >= FEWEST_TILES_A_SPAN), "{cubes} cubes, {tiles} tiles: {splits}");
+                assert!(splits >= 1 && (splits == 1 || (tiles >= FEWEST_TILES_SPLIT && tiles / splits >= FEWEST_TILES_A_SPAN)), "{cubes} cubes, {tiles} tiles: {splits}");
             }
         }
     }
