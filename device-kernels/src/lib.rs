@@ -131,7 +131,7 @@ pub enum DecodingSplit {
 
 /// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, its
 /// decoding steps split as `split` says, the RMS norms, SwiGLU's `silu(gate) · up` and the token
-/// choice (idempotent: the first registration holds).
+/// choice, for the whole process (a later call replaces them).
 pub fn register<B: DeviceKernels>(passes: KernelPasses, split: DecodingSplit) {
     let attention: model::device_kernels::PagedAttentionFn<B> = match split {
         DecodingSplit::Auto => run_paged_attention::<B>,
