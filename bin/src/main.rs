@@ -47,8 +47,8 @@ struct Cli {
     /// Split a decoding step's attention over a long context across more of the GPU (on or off):
     /// each row's columns are cut into spans, a block of threads each, joined by a second small
     /// kernel (FlashDecoding), where the step's blocks alone would leave most of the GPU's
-    /// multiprocessors idle (few rows, long contexts). CUDA only (wgpu reports no
-    /// multiprocessors); off: one block walks all of a row's columns (for comparisons).
+    /// multiprocessors idle (few rows, contexts of 512 positions or more). CUDA only (wgpu
+    /// reports no multiprocessors); off: one block walks all of a row's columns (for comparisons).
     #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_SPLIT_DECODING", default_value = "on",
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     split_decoding: bool,
