@@ -322,14 +322,8 @@ pub fn run(args: Args) -> Result<()> {
     let relative = |a: f32, b: f32| (a - b).abs() / a.abs().max(b.abs()).max(1e-6);
     // Logits may differ by this much: the tolerance of ties between tokens.
     let logit_tol = f64::from(args.rtol) * reference.logits.iter().flatten().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
-    let greedy = compare_tokens(&reference.greedy, &target.greedy, |row, step| {
-        let logits = &reference.greedy_logits[row][step * probe.vocab..(step + 1) * probe.vocab];
-        top_two_gap(logits) <= 2.0 * logit_tol
-    });
-    let long_greedy = compare_tokens(&reference.long_greedy, &target.long_greedy, |row, step| {
-        let logits = &reference.long_greedy_logits[row][step * probe.vocab..(step + 1) * probe.vocab];
-        top_two_gap(logits) <= 2.0 * logit_tol
-    });
+    let greedy = compare_tokens(&reference.greedy, &target.greedy, greedy_tie(&reference.greedy_logits, probe.vocab, logit_tol));
+    let long_greedy = compare_tokens(&reference.long_greedy, &target.long_greedy, greedy_tie(&reference.long_greedy_logits, probe.vocab, logit_tol));
     let draws = sampling_draws(probe.prompts.len(), 16);
     let sampled = compare_tokens(&reference.sampled, &target.sampled, |row, step| {
         let logits = &reference.sampled_logits[row][step * probe.vocab..(step + 1) * probe.vocab];
@@ -415,6 +409,12 @@ fn sampling_draws(rows: usize, steps: usize) -> Vec<Vec<f64>> {
             (0..steps).map(|_| rng.random::<f64>()).collect()
         })
         .collect()
+}
+
+/// Whether the greedy choice at `(row, step)` lay within `logit_tol` of a tie: its top two logits
+/// (`logits[row]`, `[steps, vocab]`) closer than twice that.
+fn greedy_tie(logits: &[Vec<f32>], vocab: usize, logit_tol: f64) -> impl Fn(usize, usize) -> bool + '_ {
+    move |row, step| top_two_gap(&logits[row][step * vocab..(step + 1) * vocab]) <= 2.0 * logit_tol
 }
 
 /// The gap between the two largest logits.
