@@ -187,7 +187,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         let qi = b % block_len;
         let mut x = 0.0f32;
         if qi < count {
-            x = f32::cast_from(query[((token0 + first + qi) * heads + first_head + b / block_len) * d + i % d]) * scale;
+            x = f32::cast_from(query[pair_index(b, token0 + first, first_head, heads, block) * d + i % d]) * scale;
         }
         q[i] = x;
         acc[i] = 0.0;
@@ -299,13 +299,13 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             let b = i / d;
             let qi = b % block_len;
             if qi < count {
-                let base = ((part * tokens + token0 + first + qi) * heads + first_head + b / block_len) * (d + 2);
+                let base = (part * tokens * heads + pair_index(b, token0 + first, first_head, heads, block)) * (d + 2);
                 partial[base + i % d] = acc[i];
             }
             i += units;
         }
         if unit < entries && unit % block_len < count {
-            let base = ((part * tokens + token0 + first + unit % block_len) * heads + first_head + unit / block_len) * (d + 2);
+            let base = (part * tokens * heads + pair_index(unit, token0 + first, first_head, heads, block)) * (d + 2);
             partial[base + d] = running_max[unit];
             partial[base + d + 1] = total[unit];
         }
@@ -320,10 +320,18 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             if total[b] > 0.0 {
                 out = acc[i] / total[b];
             }
-            output[((token0 + first + qi) * heads + first_head + b / block_len) * d + i % d] = F::cast_from(out);
+            output[pair_index(b, token0 + first, first_head, heads, block) * d + i % d] = F::cast_from(out);
         }
         i += units;
     }
+}
+
+/// The pass's (token, head) pair, as `token · heads + head`, that entry `b` of a cube stands for:
+/// query `b % block` of the cube's block, which begins at token `first_token`, of head
+/// `first_head + b / block`.
+#[cube]
+fn pair_index(b: usize, first_token: usize, first_head: usize, heads: usize, #[comptime] block: u32) -> usize {
+    (first_token + b % block as usize) * heads + first_head + b / block as usize
 }
 
 /// Elements of a tile a unit of a decoding step's cube loads before it stores any of them into
