@@ -397,13 +397,16 @@ impl Row {
     fn push(&mut self, token: u32, logprob: f32, stop_ids: &[u32], tokenizer: &Qwen3Tokenizer) -> bool {
         self.sampled.push(token);
         self.logprobs.push(logprob);
-        if stop_ids.contains(&token) {
-            return self.finish(Finish::Stop, None);
-        }
-        if self.stop_token_ids.contains(&token) {
-            return self.finish(Finish::Stop, Some(StopReason::Token(token)));
-        }
-        self.tokens.push(token);
+        // An ending token (the model's EOS, or one of the request's stop_token_ids) is not
+        // part of the text, and the text held back so far goes out whole.
+        let ending = if stop_ids.contains(&token) {
+            Some(None)
+        } else if self.stop_token_ids.contains(&token) {
+            Some(Some(StopReason::Token(token)))
+        } else {
+            self.tokens.push(token);
+            None
+        };
         let text = match tokenizer.decode(&self.tokens, self.skip_special_tokens) {
             Ok(text) => text,
             Err(err) => {
@@ -411,6 +414,9 @@ impl Row {
                 return false;
             }
         };
+        if let Some(reason) = ending {
+            return self.send_text(&text, text.len()) && self.finish(Finish::Stop, reason);
+        }
         if let Some((at, stop)) = self.stop.earliest(&text) {
             let reason = StopReason::Text(stop.to_string());
             return self.send_text(&text, at) && self.finish(Finish::Stop, Some(reason));
@@ -615,6 +621,48 @@ mod tests {
         plain.stop_ids = vec![stop];
         let eos = greedy(&mut plain, vec![stop]);
         assert_eq!((eos.token_ids, eos.finish, eos.stop_reason), (cut.token_ids, Finish::Stop, None));
+    }
+
+    /// A row that ends at a stop token sends the text it held back for a stop string that
+    /// never completed: the same text as without that stop string.
+    #[test]
+    fn an_ending_token_sends_the_held_back_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, tokenizer) = tiny(dir.path(), 0);
+        let models = Mutex::default();
+        let mut plain = engine(dir.path(), &tokenizer, &models);
+        let text = |engine: &mut Engine<'_, B>, stop_token_ids: Vec<u32>, stop: Vec<String>| {
+            let (work, queue) = mpsc::channel();
+            let (mut job, events) = job(vec![5, 9, 12, 30], 12);
+            // Sampled (seeded): the random tiny model's greedy tokens repeat at once.
+            job.params.sampling = Sampling { temperature: 1.0, seed: 11, ..Sampling::default() };
+            job.params.stop_token_ids = stop_token_ids;
+            job.params.stop = StopStrings::new(stop);
+            work.send(Work::Job(job)).unwrap();
+            drop(work);
+            engine.run(&queue);
+            let mut text = String::new();
+            for event in events.iter() {
+                match event {
+                    Event::Text(part) => text.push_str(&part),
+                    Event::Done(done) => return (text, done),
+                    other => panic!("{other:?}"),
+                }
+            }
+            panic!("no end")
+        };
+        let (_, full) = text(&mut plain, Vec::new(), Vec::new());
+        // A token whose first place is past the third, so that some text comes before it.
+        let first_at = |t: &u32| full.token_ids.iter().position(|x| x == t).unwrap();
+        let stop = *full.token_ids.iter().find(|t| first_at(t) >= 3).expect("a token first seen past the third");
+        let (whole, ended) = text(&mut plain, vec![stop], Vec::new());
+        assert_eq!(ended.stop_reason, Some(StopReason::Token(stop)));
+        let last = whole.chars().last().expect("the row's text before its stop token is not empty");
+        let (held, held_ended) = text(&mut plain, vec![stop], vec![format!("{last}\u{1}never")]);
+        assert_eq!((held, held_ended.token_ids), (whole.clone(), ended.token_ids.clone()));
+        plain.stop_ids = vec![stop];
+        let (at_eos, _) = text(&mut plain, Vec::new(), vec![format!("{last}\u{1}never")]);
+        assert_eq!(at_eos, whole);
     }
 
     /// New base weights are applied once the rows before them have ended: a request queued

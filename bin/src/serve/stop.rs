@@ -21,18 +21,19 @@ impl StopStrings {
             .min_by_key(|&(at, _)| at)
     }
 
-    /// Length of the prefix of `text` that is safe to send: it leaves out a trailing part that
-    /// could still become a stop string, and trailing U+FFFD (a character whose bytes have not
-    /// all been generated yet).
+    /// Length of the prefix of `text` that is safe to send: it leaves out trailing U+FFFD (a
+    /// character whose bytes have not all been generated yet), then a trailing part that could
+    /// still become a stop string with the characters to come (so a stop string that ends in a
+    /// character still being generated holds back its start too).
     pub fn safe_len(&self, text: &str) -> usize {
+        let complete = text.trim_end_matches('\u{FFFD}');
         let held = self
             .0
             .iter()
-            .map(|stop| partial_stop_len(text, stop))
+            .map(|stop| partial_stop_len(complete, stop))
             .max()
             .unwrap_or(0);
-        let safe = &text[..text.len() - held];
-        safe.trim_end_matches('\u{FFFD}').len()
+        complete.len() - held
     }
 }
 
@@ -92,6 +93,15 @@ mod tests {
         assert_eq!(s.safe_len("é\u{FFFD}"), "é".len());
         assert_eq!(stops(&[]).safe_len("abc"), 3);
         assert_eq!(stops(&["é!"]).safe_len("aé"), 1);
+    }
+
+    #[test]
+    fn holds_back_a_stop_string_whose_last_character_is_still_partial() {
+        // "rķ" with ķ's bytes not all generated: the text ends "r\u{FFFD}".
+        let s = stops(&["rķ"]);
+        assert_eq!(s.safe_len("answer\u{FFFD}"), "answe".len());
+        assert_eq!(s.safe_len("answer\u{FFFD}\u{FFFD}"), "answe".len());
+        assert_eq!(stops(&["x"]).safe_len("ab\u{FFFD}"), 2);
     }
 
     #[test]
