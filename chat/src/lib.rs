@@ -11,4 +11,4 @@ mod message;
 mod sampling;
 
 pub use message::{ChatMessage, Role};
-pub use sampling::{Sampling, SamplingError};
+pub use sampling::{Sampling, SamplingError, GREEDY_BELOW};

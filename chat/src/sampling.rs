@@ -2,6 +2,11 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Temperatures below this choose by argmax, as vLLM's do: dividing logits by a much smaller
+/// one overflows f32 (every weight NaN), and the distribution is the argmax's to f32 precision
+/// long before.
+pub const GREEDY_BELOW: f32 = 1e-5;
+
 /// Sampling settings: the agent's in rollouts and inference (`[rollout.sampling]`, `infer
 /// --temperature`), `generate`'s, and those `serve` falls back on for requests that leave a
 /// parameter out. The default is the plain distribution (temperature 1, no truncation, seed 0),
@@ -9,7 +14,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Sampling {
-    /// 0 = greedy (argmax); otherwise logits are divided by it before sampling.
+    /// 0 (or below [`GREEDY_BELOW`]) = greedy (argmax); otherwise logits are divided by it
+    /// before sampling.
     pub temperature: f32,
     /// Keep only the `k` most likely tokens (`None` or 0: all).
     pub top_k: Option<usize>,
@@ -51,9 +57,9 @@ impl Sampling {
         }
     }
 
-    /// Whether tokens are chosen by argmax.
+    /// Whether tokens are chosen by argmax: at temperature 0, or below [`GREEDY_BELOW`].
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
+        self.temperature < GREEDY_BELOW
     }
 
     /// Temperature finite and at least 0, top-p in (0, 1].

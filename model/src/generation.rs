@@ -149,12 +149,12 @@ pub fn choose_row_tokens<B: Backend>(logits: Tensor<B, 2>, rows: &mut [RowSampli
         return Err(ModelError::Input(format!("{} samplers for {n} rows of logits", rows.len())));
     }
     if !cpu_kernels::active::<B>() && rows.iter().all(|r| device_sampling::supported(r.sampling)) {
-        let temperatures: Vec<f32> = rows.iter().map(|r| r.sampling.temperature).collect();
+        let temperatures: Vec<f32> = rows.iter().map(|r| if r.sampling.is_greedy() { 0.0 } else { r.sampling.temperature }).collect();
         let uniforms: Vec<f64> = if temperatures.iter().all(|&t| t == 0.0) {
             Vec::new()
         } else {
             rows.iter_mut()
-                .map(|r| if r.sampling.temperature > 0.0 { r.rng.random::<f64>() } else { 0.0 })
+                .map(|r| if r.sampling.is_greedy() { 0.0 } else { r.rng.random::<f64>() })
                 .collect()
         };
         return device_sampling::choose_tokens(logits, &temperatures, &uniforms);
@@ -182,7 +182,7 @@ pub fn row_seed(seed: u64, stream: u64) -> u64 {
 
 /// Picks the next token from one row of logits; returns it with its log-probability.
 pub fn choose_token(logits: &[f32], config: &Sampling, rng: &mut impl Rng) -> (u32, f32) {
-    if config.temperature == 0.0 {
+    if config.is_greedy() {
         let (best, _) = logits
             .iter()
             .enumerate()
@@ -280,6 +280,22 @@ mod tests {
         assert_eq!(tok, 1);
         let expected = 2.0 - (1.0f64 + 2f64.exp() + 1f64.exp()).ln();
         assert!((f64::from(lp) - expected).abs() < 1e-6);
+    }
+
+    /// A temperature so small that dividing by it overflows f32 is greedy, with and without
+    /// top-k / top-p (a NaN weight everywhere used to pick the last token).
+    #[test]
+    fn a_vanishing_temperature_is_greedy() {
+        let logits = [0.5, 3.0, 2.9, -1.0];
+        for t in [1e-39, 1e-45, 1e-6] {
+            for (k, p) in [(None, None), (Some(2), None), (None, Some(0.9))] {
+                let mut rng = StdRng::seed_from_u64(row_seed(3, 0));
+                let (tok, lp) = choose_token(&logits, &cfg(t, k, p), &mut rng);
+                assert_eq!(tok, 1, "temperature {t}, top-k {k:?}, top-p {p:?}");
+                assert!(lp.is_finite() && lp < 0.0);
+            }
+        }
+        assert!(!cfg(1e-4, None, None).is_greedy());
     }
 
     #[test]
