@@ -148,6 +148,10 @@ fn chat_completion_has_the_openai_shape_and_limits() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("{message}"));
     assert!(requested > u128::from(u64::MAX), "{message}");
+    // A count past u64 (it arrives as a float) is reported as sent.
+    let past = server.chat(&json!({"messages": user("hi"), "max_tokens": 1e20}));
+    let message = past.json()["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains(" 100000000000000000000 in the completion"), "{message}");
 }
 
 /// `/v1/completions` takes the raw ChatML text: the same context as the chat messages gives the

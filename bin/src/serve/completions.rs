@@ -180,6 +180,11 @@ fn prompt_and_fields(body: &[u8]) -> Result<(Prompt, Extras, Map<String, Value>)
         ));
     };
     let prompt = match fields.remove("prompt") {
+        // A batch of one prompt (LangChain's client always sends a list).
+        Some(Value::Array(mut items)) if items.len() == 1 && items[0].is_string() => items.pop(),
+        other => other,
+    };
+    let prompt = match prompt {
         Some(Value::String(prompt)) if !prompt.is_empty() => Prompt::Text(prompt),
         Some(Value::String(_)) => {
             return Err(ApiError::invalid_value("The prompt is empty.", "prompt"))
@@ -197,7 +202,7 @@ fn prompt_and_fields(body: &[u8]) -> Result<(Prompt, Extras, Map<String, Value>)
         }
         Some(_) => {
             return Err(ApiError::invalid_value(
-                "Only one prompt is supported: a string, or an array of token ids.",
+                "Only one prompt is supported: a string (or a list of one), or an array of token ids.",
                 "prompt",
             ))
         }
@@ -291,6 +296,10 @@ mod tests {
         );
         assert_eq!(param(br#"{"max_tokens": 3}"#).as_deref(), Some("prompt"));
         assert_eq!(param(br#"{"prompt": ""}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(br#"{"prompt": [""]}"#).as_deref(), Some("prompt"));
+        // A batch of one text prompt is that prompt.
+        let (one, _, fields) = prompt_and_fields(br#"{"prompt": ["hello"]}"#).unwrap();
+        assert_eq!((one, &fields["messages"][0]["content"]), (Prompt::Text("hello".into()), &json!("hello")));
     }
 
     #[test]

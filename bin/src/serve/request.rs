@@ -22,8 +22,9 @@ pub struct CompletionRequest {
     /// Extension (vLLM, Ollama): sample among the k most likely tokens; 0 (or vLLM's -1, read
     /// as 0): among all, whatever the server's default.
     pub top_k: Option<usize>,
-    /// `max_completion_tokens`, else `max_tokens`.
-    pub max_tokens: Option<usize>,
+    /// `max_completion_tokens`, else `max_tokens`: as sent (up to `u128::MAX`), so that a
+    /// context overflow reports the true sum.
+    pub max_tokens: Option<u128>,
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -141,7 +142,7 @@ pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
             Some(k) if k.as_i64() == Some(-1) => Some(0),
             k => integer(k, "top_k", 0)?.map(|k| usize::try_from(k).unwrap_or(usize::MAX)),
         },
-        max_tokens: max_tokens.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+        max_tokens,
         seed: body.seed.map(|n| seed(&n)).transpose()?,
         stop: stop(body.stop)?,
         stream: body.stream.unwrap_or(false),
@@ -176,6 +177,14 @@ fn stop_token_ids(ids: Option<Vec<Number>>) -> Result<Vec<u32>, ApiError> {
 fn deserialize_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
     let param = e.path().to_string();
     let inner = e.into_inner();
+    let message = inner.to_string();
+    if let Some(name) = message.strip_prefix("duplicate field `").and_then(|rest| rest.split('`').next()) {
+        let field = match param.as_str() {
+            "." => name.to_string(),
+            object => format!("{object}.{name}"),
+        };
+        return ApiError::invalid(format!("The request body gives '{field}' more than once."), Some(&field));
+    }
     if inner.is_syntax() || inner.is_eof() {
         ApiError::invalid(
             format!("We could not parse the JSON body of your request ({inner})."),
@@ -206,15 +215,16 @@ fn missing(param: &str) -> ApiError {
 }
 
 /// A whole number `>= min` (`7.0` counts as 7).
-fn integer(value: Option<&Number>, key: &str, min: u64) -> Result<Option<u64>, ApiError> {
+fn integer(value: Option<&Number>, key: &str, min: u128) -> Result<Option<u128>, ApiError> {
     let Some(value) = value else {
         return Ok(None);
     };
-    let n = value.as_u64().or_else(|| {
+    // A whole number past u64 arrives as f64; past u128::MAX it saturates.
+    let n = value.as_u64().map(u128::from).or_else(|| {
         value
             .as_f64()
             .filter(|f| f.fract() == 0.0 && *f >= 0.0)
-            .map(|f| f as u64)
+            .map(|f| f as u128)
     });
     match n {
         Some(n) if n >= min => Ok(Some(n)),
@@ -396,6 +406,16 @@ mod tests {
             param_of(body).as_deref(),
             Some("stream_options.include_usage")
         );
+    }
+
+    /// A field given twice is named, at the top level and inside a message.
+    #[test]
+    fn a_duplicated_field_is_named() {
+        let err = parse_str(r#"{"messages": [{"role": "user", "content": "q"}], "max_tokens": 2, "max_tokens": 3}"#).unwrap_err();
+        assert_eq!((err.status, err.param.as_deref()), (400, Some("max_tokens")));
+        assert!(err.message.contains("'max_tokens' more than once"), "{}", err.message);
+        let err = parse_str(r#"{"messages": [{"role": "user", "role": "user", "content": "q"}]}"#).unwrap_err();
+        assert_eq!(err.param.as_deref(), Some("messages[0].role"));
     }
 
     #[test]
