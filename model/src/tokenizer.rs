@@ -51,6 +51,43 @@ pub enum TokenizerError {
     Decode(BoxError),
 }
 
+/// Bytes of text a token, at most, that [`Qwen3Tokenizer::encode_at_most`] encodes before it
+/// can tell a text too long (prose runs about 4).
+pub const PREFIX_BYTES_PER_TOKEN: usize = 16;
+
+/// What [`Qwen3Tokenizer::encode_at_most`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Encoded {
+    /// The whole text's ids.
+    Ids(Vec<u32>),
+    /// The text was not encoded whole: a prefix of it alone encodes to this many tokens, more
+    /// than were allowed.
+    Longer(usize),
+}
+
+/// The longest prefix of `text` within `limit` bytes that ends before a whitespace character
+/// (not a line break) following a non-whitespace one; `None` when `text` is within `limit` or
+/// no such place is.
+fn bounded_prefix(text: &str, limit: usize) -> Option<&str> {
+    if text.len() <= limit {
+        return None;
+    }
+    let mut end = limit;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let head = &text[..end];
+    let mut chars = head.char_indices().rev().peekable();
+    while let Some((at, c)) = chars.next() {
+        // Not before a line break: a run of punctuation takes the breaks after it.
+        let space = c.is_whitespace() && c != '\n' && c != '\r';
+        if space && chars.peek().is_some_and(|&(_, before)| !before.is_whitespace()) {
+            return Some(&text[..at]);
+        }
+    }
+    None
+}
+
 /// Ids of the Qwen3 special tokens, resolved when the tokenizer is loaded.
 ///
 /// The three ChatML tokens are required (loading fails without them); the reasoning tokens
@@ -151,6 +188,24 @@ impl Qwen3Tokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// Encodes `text` as [`encode`](Self::encode) does, unless a prefix of it already encodes
+    /// to more than `most` tokens (a prompt far too long for a model's context): the prefix is
+    /// the first `most` × [`PREFIX_BYTES_PER_TOKEN`] bytes, cut before a whitespace character
+    /// other than a line break that follows another kind, so tens of megabytes are refused after a fraction of a
+    /// second instead of tokenized whole (a minute and gigabytes). Byte-level BPE's
+    /// pre-tokenizer ends a word, number or run of punctuation there and begins the next piece
+    /// with the whitespace, and NFC composes nothing across it, so the prefix's ids are the
+    /// first ids of the whole text.
+    pub fn encode_at_most(&self, text: &str, most: usize) -> Result<Encoded, TokenizerError> {
+        if let Some(prefix) = bounded_prefix(text, most.saturating_mul(PREFIX_BYTES_PER_TOKEN)) {
+            let ids = self.encode(prefix)?;
+            if ids.len() > most {
+                return Ok(Encoded::Longer(ids.len()));
+            }
+        }
+        self.encode(text).map(Encoded::Ids)
+    }
+
     /// Decodes ids to text. With `skip_special_tokens`, tokens flagged special (the ChatML
     /// and `<|endoftext|>` tokens, but not `<think>`/`</think>`, as in Qwen3) are dropped.
     /// Ids outside the vocabulary decode to nothing, like Hugging Face's decoder.
@@ -195,6 +250,38 @@ impl Qwen3Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The prefix `encode_at_most` encodes gives the first ids of the whole text, so a text
+    /// within `most` tokens is never refused and a refused one is longer than `most`.
+    #[test]
+    fn encode_at_most_refuses_by_a_prefix_that_starts_the_whole() {
+        let tokenizer = crate::tiny_tokenizer::train_tiny_tokenizer(crate::tiny_tokenizer::TINY_VOCAB_SIZE).unwrap();
+        let pieces = [
+            "Hello, world! It's 12 345 fine.\n\nNext  line\tand\ttabs: ",
+            "über straße — naïve café e\u{301} 한국어 ",
+            "a.\n b;\r\n c  d\u{a0}e <|im_start|>user\n ",
+        ];
+        for piece in pieces {
+            let text = piece.repeat(40);
+            let whole = tokenizer.encode(&text).unwrap();
+            for most in [1, 5, 20, 60, 200, whole.len()] {
+                if let Some(prefix) = bounded_prefix(&text, most * PREFIX_BYTES_PER_TOKEN) {
+                    let ids = tokenizer.encode(prefix).unwrap();
+                    assert_eq!(ids[..], whole[..ids.len()], "{prefix:?}");
+                }
+                match tokenizer.encode_at_most(&text, most).unwrap() {
+                    Encoded::Ids(ids) => assert_eq!(ids, whole),
+                    Encoded::Longer(n) => assert!(n > most && whole.len() >= n, "{n} of {} for {most}", whole.len()),
+                }
+            }
+            assert_eq!(tokenizer.encode_at_most(&text, whole.len()).unwrap(), Encoded::Ids(whole.clone()));
+            assert!(matches!(tokenizer.encode_at_most(&text, 2).unwrap(), Encoded::Longer(_)));
+        }
+        assert_eq!(bounded_prefix("abc def", 100), None);
+        assert_eq!(bounded_prefix("abcdef ghi", 5), None, "no place to cut within the limit");
+        assert_eq!(bounded_prefix("ab  cd ef", 8), Some("ab  cd"));
+        assert_eq!(bounded_prefix("ab.\ncd ef", 5), None, "not before a line break");
+    }
 
     /// A minimal tokenizer.json: byte-level pieces "a", "b", "ab" and the given added tokens.
     fn minimal_json(added: &[(&str, u32, bool)]) -> String {

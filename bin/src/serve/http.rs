@@ -7,6 +7,7 @@ use std::sync::mpsc::{self, Receiver};
 use std::time::Instant;
 
 use model::chat_template::RenderOptions;
+use model::tokenizer::Encoded;
 use model::Sampling;
 use serde_json::{json, Value};
 
@@ -174,10 +175,20 @@ pub(super) fn job(
     id_prefix: &str,
     keep_ids: bool,
 ) -> Result<(Job, Receiver<Event>, Accepted), ApiError> {
-    let prompt = shared
-        .tokenizer
-        .encode(text)
-        .map_err(|err| ApiError::internal(format!("cannot tokenize the {param}: {err}")))?;
+    let cannot = |err: model::tokenizer::TokenizerError| ApiError::internal(format!("cannot tokenize the {param}: {err}"));
+    let prompt = match shared.tokenizer.encode_at_most(text, shared.context_len).map_err(cannot)? {
+        Encoded::Ids(ids) => ids,
+        Encoded::Longer(count) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "This model's maximum context length is {} tokens. However, your {param} encode to more than {count} tokens.",
+                    shared.context_len
+                ),
+                Some(param),
+            )
+            .with_code("context_length_exceeded"))
+        }
+    };
     if let Some(bad) = prompt.iter().find(|&&id| id as usize >= shared.vocab_size) {
         return Err(ApiError::invalid(
             format!(
@@ -202,12 +213,12 @@ pub(super) fn job_for_ids(
 ) -> Result<(Job, Receiver<Event>, Accepted), ApiError> {
     let adapter = adapter_for(req.model.as_deref(), shared)?;
     let room = shared.context_len.saturating_sub(prompt.len());
-    let context_error = |wanted: usize| {
+    let context_error = |wanted: u128| {
         ApiError::invalid(
             format!(
                 "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the {param}, {wanted} in the completion).",
                 shared.context_len,
-                prompt.len() as u128 + wanted as u128,
+                (prompt.len() as u128).saturating_add(wanted),
                 prompt.len()
             ),
             Some(param),
@@ -215,8 +226,8 @@ pub(super) fn job_for_ids(
         .with_code("context_length_exceeded")
     };
     let max_tokens = match req.max_tokens {
-        Some(n) if n > room => return Err(context_error(n)),
-        Some(n) => n,
+        Some(n) if n > room as u128 => return Err(context_error(n)),
+        Some(n) => n as usize,
         None if room == 0 => return Err(context_error(1)),
         None => shared.default_max_tokens.min(room),
     };

@@ -12,7 +12,7 @@ use prompt_r1_model::tiny_tokenizer::{
     train_tiny_tokenizer, write_tokenizer_files, TinyTokenizerError, QWEN3_ADDED_TOKENS,
     TINY_VOCAB_SIZE,
 };
-use prompt_r1_model::tokenizer::Qwen3Tokenizer;
+use prompt_r1_model::tokenizer::{Encoded, Qwen3Tokenizer, PREFIX_BYTES_PER_TOKEN};
 use serde_json::Value;
 
 /// `shared/tokenizer/qwen3`: from `PROMPT_R1_SHARED`, else `<workspace root>/../shared`.
@@ -540,4 +540,28 @@ fn tiny_tokenizer_rejects_impossible_sizes() {
         matches!(err, TinyTokenizerError::CorpusExhausted { .. }),
         "{err}"
     );
+}
+
+/// The real Qwen3 tokenizer on the reference texts, repeated past the bound: a prefix that
+/// `encode_at_most` refuses by is never longer than the whole text, and a text within the
+/// bound is encoded whole.
+#[test]
+fn encode_at_most_refuses_only_texts_longer_than_allowed() {
+    let Some((tokenizer, reference)) = qwen3() else { return };
+    let mut refused = 0;
+    for encoding in reference["encodings"].as_array().expect("encodings") {
+        let text = encoding["text"].as_str().expect("text").repeat(60);
+        let whole = tokenizer.encode(&text).unwrap();
+        for most in [1, 4, 16, 64, whole.len() / 2, whole.len()] {
+            match tokenizer.encode_at_most(&text, most).unwrap() {
+                Encoded::Ids(ids) => assert_eq!(ids, whole),
+                Encoded::Longer(n) => {
+                    assert!(n > most && n <= whole.len(), "{n} for {most} of {}: {text:?}", whole.len());
+                    refused += 1;
+                }
+            }
+        }
+        assert_eq!(tokenizer.encode_at_most(&text, whole.len()).unwrap(), Encoded::Ids(whole.clone()));
+    }
+    assert!(refused > 10, "only {refused} texts were refused by a prefix (of {PREFIX_BYTES_PER_TOKEN} bytes a token)");
 }
