@@ -44,10 +44,11 @@ const COPIED: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generatio
 
 pub fn run(args: Args) -> Result<()> {
     let source = resolve(&args.checkpoint)?;
-    for existing in ["model.safetensors", model::lora::ADAPTER_WEIGHTS] {
-        if args.out.join(existing).exists() && !args.force {
-            bail!("{} already holds a model ({existing}); pass --force to overwrite it", args.out.display());
-        }
+    if super::same_dir(&source, &args.out) {
+        bail!("--out {} is the checkpoint being exported: choose another directory", args.out.display());
+    }
+    if let Some(existing) = super::existing_model(&args.out).filter(|_| !args.force) {
+        bail!("{} already holds a model ({existing}); pass --force to overwrite it", args.out.display());
     }
     let device = Default::default();
     if is_adapter_dir(&source) {
@@ -62,6 +63,9 @@ pub fn run(args: Args) -> Result<()> {
                 )
             })?,
         };
+        if super::same_dir(&base, &args.out) {
+            bail!("--out {} is the base model of {}: choose another directory", args.out.display(), source.display());
+        }
         let base_model = load_pretrained::<Flex>(&base, &device, LoadOptions::default())
             .with_context(|| format!("loading the base model {}", base.display()))?;
         let (adapters, _) = load_adapter::<Flex>(&source, &base_model.config, &device)

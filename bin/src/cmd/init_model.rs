@@ -37,8 +37,14 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if args.out.join("model.safetensors").exists() && !args.force {
-        bail!("{} already holds a checkpoint; pass --force to overwrite it", args.out.display());
+    if let Some(existing) = super::existing_model(&args.out).filter(|_| !args.force) {
+        bail!("{} already holds a checkpoint ({existing}); pass --force to overwrite it", args.out.display());
+    }
+    if args.preset.uses_tiny_tokenizer() && args.tokenizer.is_some() {
+        bail!("--tokenizer is for the real Qwen3 shapes; the small presets bring their own");
+    }
+    if let Some(path) = &args.tokenizer {
+        model::tokenizer::Qwen3Tokenizer::from_file(path).with_context(|| format!("--tokenizer {}", path.display()))?;
     }
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let config = if args.preset.uses_tiny_tokenizer() {
@@ -54,9 +60,6 @@ pub fn run(args: Args) -> Result<()> {
         }
         args.preset.config(0, vec![])
     };
-    if args.preset.uses_tiny_tokenizer() && args.tokenizer.is_some() {
-        bail!("--tokenizer is for the real Qwen3 shapes; the small presets bring their own");
-    }
     let dtype = args.dtype.map(StorageDtype::from).unwrap_or(if args.preset.uses_tiny_tokenizer() {
         StorageDtype::F32
     } else {
