@@ -468,6 +468,13 @@ impl TrainConfig {
         if !matches!(self.data.on_bad_row.as_str(), "fail" | "skip") {
             return Err(format!("data.on_bad_row must be \"fail\" or \"skip\", not \"{}\"", self.data.on_bad_row));
         }
+        let episode = &self.episode;
+        for (key, value) in [("max_turns", episode.max_turns), ("max_turn_tokens", episode.max_turn_tokens), ("max_response_tokens", episode.max_response_tokens)] {
+            if value == 0 {
+                return Err(format!("episode.{key} must be at least 1"));
+            }
+        }
+        self.reward.validate().map_err(|e| format!("[reward] {e}"))?;
         self.rollout.sampling.validate().map_err(|e| format!("rollout.sampling: {e}"))?;
         self.grpo.validate().map_err(|e| format!("grpo: {e}"))?;
         match &self.lora {
@@ -548,6 +555,21 @@ mod tests {
         std::fs::write(&path, "model = \"m\"\n[data]\ntrain = [\"t.csv\"]\n[rollout.sampling]\ntop_p = 1.5\n").unwrap();
         let err = TrainConfig::from_toml_file(&path).unwrap_err().to_string();
         assert!(err.contains("rollout.sampling") && err.contains("top_p"), "{err}");
+    }
+
+    /// Episode limits of 0 and reward settings `reward --config` refuses are refused here too.
+    #[test]
+    fn episode_limits_and_reward_settings_are_checked() {
+        let parse = |section: &str| {
+            toml::from_str::<TrainConfig>(&format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n{section}\n")).unwrap().validate()
+        };
+        for key in ["max_turns", "max_turn_tokens", "max_response_tokens"] {
+            let err = parse(&format!("[episode]\n{key} = 0")).unwrap_err();
+            assert!(err.contains(&format!("episode.{key}")), "{err}");
+        }
+        let err = parse("[reward]\ngate = 5.0").unwrap_err();
+        assert!(err.starts_with("[reward] reward config") && err.contains("gate"), "{err}");
+        assert!(parse("[episode]\nmax_turns = 1").is_ok());
     }
 
     #[test]

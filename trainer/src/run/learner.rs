@@ -224,7 +224,9 @@ impl<B: AutodiffBackend> Learner<B> {
                     .adapters()
                     .expect("a LoRA learner has adapters")
                     .valid();
-                save_adapter(&adapters, dir, &initial.to_string_lossy())?;
+                // Absolute: the adapter directory is read from elsewhere than the run's cwd.
+                let base = std::path::absolute(initial).unwrap_or_else(|_| initial.to_path_buf());
+                save_adapter(&adapters, dir, &base.to_string_lossy())?;
                 save_optimizer_record(optimizer.to_record(), dir)
             }
         }

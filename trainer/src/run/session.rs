@@ -205,13 +205,24 @@ impl RunSession {
     }
 
     /// The training data sampler over `len` examples: where the checkpoint left it, or new (the
-    /// run's seed, shuffled, `batch_size` a batch).
+    /// run's seed, shuffled, `batch_size` a batch). A resumed run keeps its batch size: a
+    /// different `batch_size` (the config's `key`) is refused, not silently overridden.
     pub(crate) fn sampler(
         &self,
         len: usize,
         batch_size: usize,
+        key: &str,
     ) -> Result<BatchSampler, TrainError> {
         Ok(match &self.resumed {
+            Some((path, state)) if state.cursor.config.batch_size != batch_size => {
+                return Err(TrainError::Mismatch {
+                    path: path.clone(),
+                    reason: format!(
+                        "{key} is {batch_size}, but the run drew {} examples a step: resume with {key} = {}, or start a new run",
+                        state.cursor.config.batch_size, state.cursor.config.batch_size
+                    ),
+                })
+            }
             Some((_, state)) => BatchSampler::resume(state.cursor.clone(), len)?,
             None => BatchSampler::new(
                 len,

@@ -89,13 +89,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             seed: config.run.seed,
         };
         let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
+        check_episodes_fit_the_context(&config, &tokenizer, learner.model().config.max_position_embeddings, train.iter().chain(&validation))?;
         let reference = if config.lora.is_none() && config.grpo.loss.uses_kl() {
             let options = LoadOptions { dtype: config.rollout.dtype.dtype(), compute: config.compute() };
             Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?)
         } else {
             None
         };
-        let sampler = session.sampler(train.len(), config.rollout.batch_size)?;
+        let sampler = session.sampler(train.len(), config.rollout.batch_size, "rollout.batch_size")?;
         let step = session.start_step();
         let engine = engine_for::<Inner<B>>(&config)?;
         session.begin("run_config.json", &config)?;
@@ -461,6 +462,39 @@ impl<B: AutodiffBackend> Update<B> for GrpoUpdate<'_> {
     ) -> Result<(M, StepStats), TrainError> {
         Ok(learn(module, frozen, optimizer, self.batch, self.config)?)
     }
+}
+
+/// Refuses, before any episode, a run whose longest episode could outgrow the model's context:
+/// the longest first prompt among `examples` plus `episode.max_response_tokens` must fit
+/// `max_position_embeddings` (`context`), as vLLM refuses requests past `max_model_len`.
+/// Otherwise the rollouts would run past the positions the model was trained for (the local
+/// engine) or have every turn refused (rollout servers).
+fn check_episodes_fit_the_context<'e>(
+    config: &TrainConfig,
+    tokenizer: &Qwen3Tokenizer,
+    context: usize,
+    examples: impl Iterator<Item = &'e Example>,
+) -> Result<(), TrainError> {
+    let episode = config.episode.episode_config()?;
+    let distinct: std::collections::BTreeSet<&str> = examples.map(Example::question).collect();
+    let mut longest = (0, "");
+    for question in distinct {
+        let tokens = tokenizer.encode(&episode.prompts.first_prompt(question).chatml())?.len();
+        if tokens > longest.0 {
+            longest = (tokens, question);
+        }
+    }
+    let (prompt, question) = longest;
+    let responses = config.episode.max_response_tokens;
+    if prompt + responses > context {
+        let shown: String = question.chars().take(60).collect();
+        return Err(TrainError::Invalid(format!(
+            "an episode may not fit the model's context of {context} tokens (max_position_embeddings in {}):              the longest first prompt has {prompt} tokens (question \"{shown}\"), plus episode.max_response_tokens = {responses};              lower episode.max_response_tokens to at most {}",
+            config.model.join("config.json").display(),
+            context.saturating_sub(prompt)
+        )));
+    }
+    Ok(())
 }
 
 fn load_examples(files: &[PathBuf], config: &TrainConfig) -> Result<Vec<Example>, TrainError> {

@@ -76,6 +76,34 @@ fn the_policy_learns_with_bf16_products() {
     assert!(records.iter().all(|r| r.shared_prefix_tokens > 0), "a group's episodes share their prompt");
 }
 
+/// A run whose longest episode (first prompt plus `episode.max_response_tokens`) could outgrow
+/// the model's context is refused at start, naming the key and the most it may be.
+#[test]
+fn episodes_longer_than_the_context_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    let context = model::Qwen3Config::from_file(&config.model.join("config.json")).unwrap().max_position_embeddings;
+    config.episode.max_response_tokens = context;
+    let err = Trainer::<B>::start(config, Default::default(), false).err().expect("a refusal").to_string();
+    assert!(err.contains("max_position_embeddings") && err.contains("lower episode.max_response_tokens to at most"), "{err}");
+}
+
+/// Resuming with another `rollout.batch_size` is refused, naming the key and the run's size
+/// (it used to carry on silently at the checkpoint's size).
+#[test]
+fn resuming_with_another_batch_size_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = setup(dir.path());
+    let (first, _) = train(config.clone(), 1, false);
+    first.save_checkpoint().unwrap();
+    drop(first);
+    let mut changed = config.clone();
+    changed.rollout.batch_size += 1;
+    let err = Trainer::<B>::start(changed, Default::default(), true).err().expect("a refusal").to_string();
+    let expected = format!("resume with rollout.batch_size = {}", config.rollout.batch_size);
+    assert!(err.contains(&expected), "{err}");
+}
+
 /// Training 4 steps equals training 2, saving, starting a new trainer from the checkpoint and
 /// training 2 more: the same losses, rewards and weights.
 #[test]
@@ -268,6 +296,9 @@ fn resuming_with_lora_equals_never_stopping() {
         assert!(saved.join(file).is_file(), "{file}");
     }
     assert!(!saved.join("model.safetensors").exists(), "the base is not copied");
+    let adapter: serde_json::Value = serde_json::from_slice(&std::fs::read(saved.join("adapter_config.json")).unwrap()).unwrap();
+    let base = PathBuf::from(adapter["base_model_name_or_path"].as_str().unwrap());
+    assert!(base.is_absolute() && base.join("config.json").is_file(), "{base:?}");
     drop(first);
     let (resumed, tail) = train(split.clone(), 2, true);
     assert_eq!(resumed.step_count(), 4);

@@ -81,7 +81,10 @@ impl ServerEngine {
         }
         std::fs::create_dir_all(&tmp).map_err(TrainError::io(&tmp))?;
         match policy.adapters {
-            Some(adapters) => save_adapter(adapters, &tmp, &self.initial.to_string_lossy())?,
+            Some(adapters) => {
+                let base = std::path::absolute(&self.initial).unwrap_or_else(|_| self.initial.clone());
+                save_adapter(adapters, &tmp, &base.to_string_lossy())?
+            }
             None => {
                 save_pretrained(policy.base, &tmp, self.storage)?;
                 crate::run::checkpoint::copy_tokenizer_files(&self.initial, &tmp)?;
