@@ -66,6 +66,31 @@ fn refusing_to_overwrite_and_bad_presets() {
     let bad = prompt_r1(&["init-model", "--preset", "huge", "--out", &model]);
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("'huge'") && err.contains("possible values: tiny, small"), "{err}");
+
+    // `export` onto its own checkpoint is refused, even with --force (it emptied the
+    // tokenizer files), and the model still loads.
+    let onto = prompt_r1(&["export", &model, "--out", &model, "--force"]);
+    let err = String::from_utf8_lossy(&onto.stderr);
+    assert!(!onto.status.success() && err.contains("is the checkpoint being exported"), "{err}");
+    ok_stdout(&["generate", "--model", &model, "--prompt", "hi", "--max-new-tokens", "2"]);
+    // A sharded checkpoint (no model.safetensors) is a model too: refused without --force.
+    let sharded = tmp.path().join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    std::fs::write(sharded.join("model-00001-of-00002.safetensors"), b"").unwrap();
+    for args in [vec!["export", &model, "--out"], vec!["init-model", "--preset", "tiny", "--out"]] {
+        let mut args = args;
+        args.push(sharded.to_str().unwrap());
+        let out = prompt_r1(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("model-00001-of-00002.safetensors") && err.contains("--force"), "{args:?}: {err}");
+    }
+    // A --tokenizer that is not one is refused before anything is written.
+    let not_tokenizer = tmp.path().join("not-a-tokenizer.json");
+    std::fs::write(&not_tokenizer, "{}").unwrap();
+    let fresh = tmp.path().join("fresh");
+    let out = prompt_r1(&["init-model", "--preset", "qwen3-0.6b", "--out", fresh.to_str().unwrap(), "--tokenizer", not_tokenizer.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--tokenizer") && !fresh.exists(), "{err}");
 }
 
 /// A model directory without tokenizer.json works with ids and prints `"text": null`.
@@ -136,6 +161,9 @@ fn clear_errors_for_bad_input() {
     assert!(!out.status.success() && stderr.contains("99999") && stderr.contains("vocabulary"), "{stderr}");
     let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1,x"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("\"x\" is not a token id"));
+    let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1,2", "--max-new-tokens", "1000000"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("max_position_embeddings"), "{stderr}");
     let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1", "--device", "cuda"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && !stderr.contains("panicked"), "{stderr}");

@@ -200,13 +200,13 @@ pub struct EnvFlags {
     #[arg(long, value_name = "VAR", default_value = DEFAULT_API_KEY_ENV, help_heading = "Environment (the large LLM)")]
     pub api_key_env: String,
     /// Sampling temperature sent to the large LLM (default: the server's).
-    #[arg(long, value_name = "T", help_heading = "Environment (the large LLM)")]
+    #[arg(long, value_name = "T", value_parser = parse_temperature, help_heading = "Environment (the large LLM)")]
     pub env_temperature: Option<f64>,
     /// top_p sent to the large LLM (default: the server's).
-    #[arg(long, value_name = "P", help_heading = "Environment (the large LLM)")]
+    #[arg(long, value_name = "P", value_parser = parse_top_p, help_heading = "Environment (the large LLM)")]
     pub env_top_p: Option<f64>,
     /// max_tokens sent to the large LLM (default: the server's).
-    #[arg(long, value_name = "N", help_heading = "Environment (the large LLM)")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..), help_heading = "Environment (the large LLM)")]
     pub env_max_tokens: Option<u32>,
     /// Seed sent to the large LLM, for servers that support it.
     #[arg(long, value_name = "S", help_heading = "Environment (the large LLM)")]
@@ -345,14 +345,14 @@ pub struct EpisodeFlags {
     /// Most agent turns (generation rounds) per episode, as the reference's `max_turns`: 5 fit
     /// 4 calls and an answer; a call in the last round is sent, then the episode ends without
     /// an answer [default: 5, or the --preset's].
-    #[arg(long, value_name = "N", help_heading = "Episode")]
+    #[arg(long, value_name = "N", value_parser = parse_at_least_one, help_heading = "Episode")]
     pub max_turns: Option<usize>,
     /// Most tokens the agent generates in one turn [default: 1024, or the --preset's].
-    #[arg(long, value_name = "N", help_heading = "Episode")]
+    #[arg(long, value_name = "N", value_parser = parse_at_least_one, help_heading = "Episode")]
     pub max_turn_tokens: Option<usize>,
     /// Most tokens after the first prompt, agent and environment together [default: 8192, or
     /// the --preset's].
-    #[arg(long, value_name = "N", help_heading = "Episode")]
+    #[arg(long, value_name = "N", value_parser = parse_at_least_one, help_heading = "Episode")]
     pub max_response_tokens: Option<usize>,
     /// Most characters of each reply shown to the agent, as {"results": [...]} JSON text
     /// [default: 8192].
@@ -398,6 +398,30 @@ impl EpisodeFlags {
             },
         };
         Ok(config)
+    }
+}
+
+/// A temperature for the large LLM: finite and at least 0 (NaN would be sent as `null`).
+fn parse_temperature(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(t) if t.is_finite() && t >= 0.0 => Ok(t),
+        _ => Err(format!("\"{text}\" is not a temperature: a finite number >= 0")),
+    }
+}
+
+/// A top-p for the large LLM, in (0, 1].
+fn parse_top_p(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        _ => Err(format!("\"{text}\" is not a top-p: a number in (0, 1]")),
+    }
+}
+
+/// A count that must be at least 1 (turns, tokens).
+fn parse_at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("\"{text}\" is not a whole number >= 1")),
     }
 }
 
@@ -457,5 +481,28 @@ mod tests {
         ]);
         assert_eq!((agent.temperature(), agent.top_p), (0.0, Some(0.8)));
         assert_eq!((config.max_turns, config.max_turn_tokens), (3, 8192));
+    }
+
+    /// The large LLM's sampling flags and the episode limits are refused out of range (NaN
+    /// was sent as `null`, and 0 turns ran episodes of nothing), each naming its flag.
+    #[test]
+    fn out_of_range_flags_are_refused() {
+        for (flag, value) in [
+            ("--env-temperature", "nan"),
+            ("--env-temperature", "-1"),
+            ("--env-top-p", "5"),
+            ("--env-top-p", "0"),
+            ("--env-max-tokens", "0"),
+            ("--max-turns", "0"),
+            ("--max-turn-tokens", "0"),
+            ("--max-response-tokens", "0"),
+        ] {
+            let arg = format!("{flag}={value}");
+            let argv = ["x", "--agent-url", "http://a/v1", "--agent-model", "m", &arg];
+            let err = Cli::try_parse_from(argv).err().unwrap_or_else(|| panic!("{flag} {value} was accepted")).to_string();
+            assert!(err.contains(flag), "{err}");
+        }
+        let (_, config) = parse(&["--env-temperature", "0.5", "--env-top-p", "1", "--env-max-tokens", "7", "--max-turns", "1"]);
+        assert_eq!(config.max_turns, 1);
     }
 }

@@ -4,6 +4,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use burn::tensor::{backend::Backend, DType};
+use model::chat_template::{ChatTemplate, ChatTemplateError};
 use model::checkpoint::StorageDtype;
 use model::tokenizer::Qwen3Tokenizer;
 use model::lora::load_adapter;
@@ -178,3 +179,16 @@ mod tests {
     }
 }
 
+
+/// The chat template of model directory `dir`, for `command`: Qwen3's (with a note) when the
+/// directory has none, an error when it has one that is not Qwen3's ChatML.
+pub fn chat_template(dir: &Path, command: &str) -> Result<ChatTemplate> {
+    match ChatTemplate::from_dir(dir) {
+        Ok(template) => Ok(template),
+        Err(ChatTemplateError::MissingTemplate { .. } | ChatTemplateError::Read { .. }) => {
+            eprintln!("note: {} has no chat template; using Qwen3's", dir.display());
+            Ok(ChatTemplate::Qwen3)
+        }
+        Err(err) => Err(err).with_context(|| format!("{command} renders prompts with the Qwen3 chat template")),
+    }
+}

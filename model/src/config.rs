@@ -75,6 +75,9 @@ impl Qwen3Config {
                 return Err(format!("rope_scaling of type \"{kind}\" is not supported"));
             }
         }
+        if let Some(act) = raw.hidden_act.as_deref().filter(|&act| act != "silu") {
+            return Err(format!("hidden_act \"{act}\" is not supported: Qwen3's MLP is SwiGLU (\"silu\")"));
+        }
         let rope_theta = nested_theta
             .or(raw.rope_theta)
             .ok_or("missing key \"rope_theta\" (or \"rope_parameters.rope_theta\")")?;
@@ -130,6 +133,18 @@ impl Qwen3Config {
         }
         if !(self.rope_theta > 0.0) {
             return Err(format!("rope_theta must be positive, got {}", self.rope_theta));
+        }
+        if !(self.rms_norm_eps > 0.0 && self.rms_norm_eps.is_finite()) {
+            return Err(format!("rms_norm_eps must be positive, got {}", self.rms_norm_eps));
+        }
+        if self.max_position_embeddings == 0 {
+            return Err("\"max_position_embeddings\" must be positive".into());
+        }
+        let ids = self.eos_token_ids.iter().map(|&id| ("eos_token_id", id)).chain(self.bos_token_id.map(|id| ("bos_token_id", id))).chain(self.pad_token_id.map(|id| ("pad_token_id", id)));
+        for (key, id) in ids {
+            if id as usize >= self.vocab_size {
+                return Err(format!("{key} {id} is outside the vocabulary of {} tokens", self.vocab_size));
+            }
         }
         Ok(())
     }
@@ -210,6 +225,7 @@ struct HfConfig {
     rope_parameters: Option<RopeParameters>,
     rope_scaling: Option<RopeScaling>,
     rms_norm_eps: Option<f64>,
+    hidden_act: Option<String>,
     tie_word_embeddings: Option<bool>,
     max_position_embeddings: Option<usize>,
     eos_token_id: Option<TokenIds>,
@@ -408,6 +424,23 @@ mod tests {
         assert!(Qwen3Config::from_json_str(&text)
             .unwrap_err()
             .contains("llama"));
+    }
+
+    /// Values a Qwen3 cannot run with are refused with their key, not loaded and ignored.
+    #[test]
+    fn rejects_values_the_model_cannot_run_with() {
+        for (from, to, key) in [
+            ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":-1e-6", "rms_norm_eps"),
+            ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"hidden_act\":\"gelu\"", "hidden_act"),
+            ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"max_position_embeddings\":0", "max_position_embeddings"),
+            ("[3,4]", "[3,10]", "eos_token_id"),
+            ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"pad_token_id\":99", "pad_token_id"),
+        ] {
+            let err = Qwen3Config::from_json_str(&V4_STYLE.replace(from, to)).unwrap_err();
+            assert!(err.contains(key), "{to}: {err}");
+        }
+        let silu = V4_STYLE.replace("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"hidden_act\":\"silu\"");
+        assert!(Qwen3Config::from_json_str(&silu).is_ok());
     }
 
     #[test]

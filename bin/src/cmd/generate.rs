@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
-use model::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
+use model::chat_template::{ChatMessage, RenderOptions};
 use model::{generate, Sampling, SamplingConfig};
 
 use crate::device::{run_on, ComputeArgs, OnBackend};
@@ -70,7 +70,7 @@ impl OnBackend for Args {
             (Some(text), None) => {
                 let tokenizer = loaded.require_tokenizer(&self.model, "--prompt")?;
                 let text = if self.chat {
-                    let template = ChatTemplate::from_dir(&self.model).unwrap_or(ChatTemplate::Qwen3);
+                    let template = crate::model_dir::chat_template(&self.model, "generate --chat")?;
                     template.render(&[ChatMessage::user(text.as_str())], RenderOptions::generation(true))
                 } else {
                     text.clone()
@@ -81,6 +81,15 @@ impl OnBackend for Args {
         };
         if prompt_ids.is_empty() {
             bail!("the prompt encodes to no tokens");
+        }
+        let context = loaded.model.config.max_position_embeddings;
+        if prompt_ids.len().saturating_add(self.max_new_tokens) > context {
+            bail!(
+                "the prompt's {} tokens and --max-new-tokens {} exceed the model's context of {context} tokens (max_position_embeddings): ask for at most {} new tokens",
+                prompt_ids.len(),
+                self.max_new_tokens,
+                context.saturating_sub(prompt_ids.len())
+            );
         }
         let mut stop_token_ids = loaded.stop_ids();
         stop_token_ids.extend(self.stop_ids.iter().flat_map(|ids| ids.0.iter()));

@@ -6,7 +6,6 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
-use model::chat_template::{ChatTemplate, ChatTemplateError};
 use model::Sampling;
 
 use crate::device::{run_on, ComputeArgs, OnBackend};
@@ -143,7 +142,7 @@ impl OnBackend for Args {
         let load_options = self.compute.load_options();
         let loaded = LoadedModel::<B>::open(&self.model, &device, load_options)?;
         loaded.require_tokenizer(&self.model, "serve")?;
-        let template = chat_template(&self.model)?;
+        let template = crate::model_dir::chat_template(&self.model, "serve")?;
         let mut stop_ids = loaded.stop_ids();
         let LoadedModel { model, tokenizer, .. } = loaded;
         let tokenizer = tokenizer.as_ref().expect("checked above");
@@ -178,21 +177,6 @@ impl OnBackend for Args {
             stop_ids,
         };
         serve(served, settings)
-    }
-}
-
-/// The directory's chat template; Qwen3's when the directory has none.
-fn chat_template(dir: &Path) -> Result<ChatTemplate> {
-    match ChatTemplate::from_dir(dir) {
-        Ok(template) => Ok(template),
-        Err(ChatTemplateError::MissingTemplate { .. } | ChatTemplateError::Read { .. }) => {
-            eprintln!(
-                "note: {} has no chat template; using Qwen3's",
-                dir.display()
-            );
-            Ok(ChatTemplate::Qwen3)
-        }
-        Err(err) => Err(err).context("serve renders prompts with the Qwen3 chat template"),
     }
 }
 
