@@ -46,7 +46,10 @@
 //! (the GPU path; burn has no paged attention op) get them gathered one layer at a time as
 //! `[rows, kv_heads, width, head_dim]`. Rows line up their newest positions, a shorter row's
 //! columns in front point at a scratch slot and are masked out, and positions are per sequence (`0..len`), so which blocks a sequence holds and beside
-//! which rows it runs never change what it computes.
+//! which rows it runs never change what it computes, to float rounding: a pass's products and
+//! sums may split differently with its rows, chunks and shared blocks (a sequence's logits
+//! moved by 2–5e-6 on the CPU), which once in tens of thousands of sampled tokens turns a draw
+//! that falls within that rounding of a boundary into the neighbouring token.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 

@@ -71,7 +71,8 @@ pub fn generate<B: Backend>(
 }
 
 /// [`generate`] with an explicit seed per row (`config.sampling.seed` is ignored), so that a sequence's
-/// samples do not depend on which other sequences share its batch.
+/// samples do not depend on which other sequences share its batch (to float rounding: see
+/// [`crate::decode`]).
 pub fn generate_seeded<B: Backend>(
     model: &impl CausalLm<B>,
     prompts: &[Vec<u32>],

@@ -85,7 +85,8 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
     /// Runs one episode per question, at most `generation_batch` in flight (beginning as
     /// `rollout.admission` says), and counts the tokens run through prefill, the peak KV positions and the
     /// preemptions. Every episode samples from its own stream of `sampling.seed`, `stream` and
-    /// its place among the questions, so `generation_batch` changes how fast, not what.
+    /// its place among the questions, so `generation_batch` changes how fast, not what (to the
+    /// float rounding of a batch's products: see `model::decode`).
     fn rollouts(&mut self, batch: RolloutBatch<'_, B>) -> Result<(Vec<Trajectory>, RolloutStats), TrainError> {
         let model = batch.policy;
         // The cache holds keys and values in the dtype of the weights the rollouts run on.
