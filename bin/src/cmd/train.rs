@@ -214,6 +214,9 @@ impl OnBackend for Training {
             if record.env_failures > 0 {
                 lines.push(format!("step {}: {} episodes dropped (environment failures)", record.step, record.env_failures));
             }
+            if record.agent_failures > 0 {
+                lines.push(format!("step {}: {} episodes dropped (the agent's generation failed)", record.step, record.agent_failures));
+            }
             (message, lines)
         })
     }

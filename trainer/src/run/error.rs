@@ -36,7 +36,7 @@ pub enum TrainError {
     /// The checkpoint a run resumes from did not load; `hint` says how to resume from another.
     #[error("{error}; {hint}")]
     Resume { error: Box<TrainError>, hint: String },
-    #[error("every episode of step {step} failed in the environment (first error: {first})")]
+    #[error("every episode of step {step} failed, in the environment or in the agent's generation (first error: {first})")]
     AllEpisodesFailed { step: u64, first: String },
     /// The rollout workers of `engine = "servers"` failed: none is left for a rollout, or none
     /// took the new policy.

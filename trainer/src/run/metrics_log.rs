@@ -58,6 +58,10 @@ pub struct StepRecord {
     /// Episodes dropped because the environment failed (this step).
     #[serde(rename = "rollout/env_failures")]
     pub env_failures: usize,
+    /// Episodes dropped because the agent's own generation failed (a rollout worker refused or
+    /// was lost, the decoder could not hold it): not scored, not learnt from (this step).
+    #[serde(rename = "rollout/agent_failures")]
+    pub agent_failures: usize,
     #[serde(rename = "rollout/episodes")]
     pub episodes: usize,
     #[serde(rename = "rollout/agent_tokens")]
@@ -359,7 +363,7 @@ mod tests {
             r#""reward/format/mean":0.75,"reward/f1/mean":0.375,"actor/loss":-1.5,"actor/pg_loss":-1.25,"#,
             r#""actor/kl_loss":0.0625,"actor/entropy":1.75,"actor/pg_clipfrac":0.125,"#,
             r#""actor/pg_clipfrac_lower":0.03125,"actor/ppo_kl":-0.015625,"actor/grad_norm":2.5,"#,
-            r#""actor/optimizer_steps":3,"actor/skipped_steps":1,"rollout/env_failures":4,"#,
+            r#""actor/optimizer_steps":3,"actor/skipped_steps":1,"rollout/env_failures":4,"rollout/agent_failures":7,"#,
             r#""rollout/episodes":64,"rollout/agent_tokens":4096,"response_length/mean":64.5,"#,
             r#""num_turns/mean":2.5,"timing_s/gen":12.5,"timing_s/update_actor":30.25,"#,
             r#""perf/gen_tokens_per_s":327.5,"perf/prefill_tokens":20480,"perf/shared_prefix_tokens":1024,"perf/context_tokens":9216,"#,

@@ -167,17 +167,21 @@ impl<B: AutodiffBackend> Trainer<B> {
         let rollout_secs = rollout_start.elapsed().as_secs_f32();
         let examples: Vec<&Example> = picked.iter().map(|&i| &self.train[i]).collect();
 
-        // Score, drop failed episodes, group by question.
+        // Score, drop failed episodes (the environment's or the agent's generation: neither is
+        // the policy's doing, so neither is learnt from), group by question.
         let mut kept: Vec<(usize, &Trajectory, EpisodeScore)> = Vec::new();
-        let mut env_failures = 0;
+        let (mut env_failures, mut agent_failures) = (0, 0);
         let mut first_error = None;
         for (k, (t, ex)) in trajectories.iter().zip(&examples).enumerate() {
-            if t.stop_reason == StopReason::EnvFailure {
-                env_failures += 1;
-                first_error.get_or_insert_with(|| t.error.clone().unwrap_or_default());
-                continue;
+            match t.stop_reason {
+                StopReason::EnvFailure => env_failures += 1,
+                StopReason::AgentFailure => agent_failures += 1,
+                _ => {
+                    kept.push((k / n, t, scorer.score(t, ex.answers())));
+                    continue;
+                }
             }
-            kept.push((k / n, t, scorer.score(t, ex.answers())));
+            first_error.get_or_insert_with(|| t.error.clone().unwrap_or_default());
         }
         if kept.is_empty() {
             return Err(TrainError::AllEpisodesFailed {
@@ -234,6 +238,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             optimizer_steps: stats.optimizer_steps,
             skipped_steps: stats.skipped_steps,
             env_failures,
+            agent_failures,
             episodes: trajectories.len(),
             agent_tokens,
             mean_response_tokens: mean(&trajectories.iter().map(|t| t.response_tokens as f32).collect::<Vec<_>>()),

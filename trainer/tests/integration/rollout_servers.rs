@@ -122,6 +122,12 @@ const CITIES: [(&str, &str); 6] =
 /// context holds the environment's reply answers. Even seeds answer with the city, odd ones
 /// with "Atlantis", so each group's rewards differ. Policy pushes are taken and listed.
 fn scripted_agent_worker() -> FakeWorker {
+    scripted_agent_worker_refusing(None)
+}
+
+/// [`scripted_agent_worker`], refusing with a 400 (not retried elsewhere) the turn after the
+/// environment's reply of episodes about `refused`.
+fn scripted_agent_worker_refusing(refused: Option<&'static str>) -> FakeWorker {
     let tokenizer = model::tiny_tokenizer::train_tiny_tokenizer(model::tiny_tokenizer::TINY_VOCAB_SIZE).unwrap();
     let served = Mutex::new(String::new());
     FakeWorker::start(move |r: &Received| {
@@ -143,6 +149,9 @@ fn scripted_agent_worker() -> FakeWorker {
                 let context = tokenizer.decode(&prompt, false).unwrap();
                 let (question, city) = CITIES.iter().find(|(q, _)| context.contains(q)).expect("a question in the prompt");
                 let seed = body["seed"].as_u64().unwrap();
+                if refused == Some(*question) && context.contains("<interaction_response>") {
+                    return Answer::Json(400, r#"{"error": {"message": "refused", "type": "BadRequestError", "param": null, "code": 400}}"#.into());
+                }
                 let text = if context.contains("<interaction_response>") {
                     let said = if seed % 2 == 0 { city } else { "Atlantis" };
                     format!("<think>the reply says</think>\n<answer>{said}</answer>")
@@ -255,4 +264,42 @@ fn an_environment_failure_drops_only_its_episode_during_training() {
     assert!(lines.iter().all(|l| l["rollout/env_failures"] == n), "{text}");
     let read = prompt_r1_trainer::run::read_metrics(&config.run.out_dir).unwrap();
     assert_eq!(read.iter().map(|r| r.env_failures).collect::<Vec<_>>(), vec![n; steps]);
+}
+
+/// Names the city of every question.
+#[derive(Default)]
+struct EveryCity;
+
+impl env::Environment for EveryCity {
+    fn complete(&self, messages: &[env::ChatMessage]) -> Result<String, env::EnvError> {
+        let prompt = &messages.last().unwrap().content;
+        let (_, city) = CITIES.iter().find(|(q, _)| prompt.contains(q)).expect("the call names its question");
+        Ok(format!("It names {city}."))
+    }
+}
+
+/// An episode whose agent turn fails (a worker refuses it) is dropped and counted
+/// (`rollout/agent_failures`), not scored and learnt from as if the policy had earned it.
+#[test]
+fn an_agent_failure_drops_only_its_episode_during_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = every_question_each_step(setup(dir.path()));
+    config.episode.max_turns = 3;
+    config.episode.max_turn_tokens = 160;
+    config.episode.max_response_tokens = 512;
+    let worker = scripted_agent_worker_refusing(Some("Rome?"));
+    config.rollout.engine = RolloutEngineKind::Servers;
+    config.rollout.servers = Some(ServerSettings { urls: vec![worker.url.clone()], ..Default::default() });
+    let (questions, n) = (config.rollout.batch_size, config.rollout.n);
+    let scorer = CityAnswer::default();
+    let mut trainer = prompt_r1_trainer::run::Trainer::<B>::start(config.clone(), Default::default(), false).unwrap();
+    let record = trainer.train_step(&EveryCity, &scorer).expect("the step goes on");
+    assert_eq!((record.episodes, record.agent_failures, record.env_failures), (questions * n, n, 0));
+    assert_eq!(record.optimizer_steps, 1, "the kept episodes were learnt from");
+    let seen = scorer.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), (questions - 1) * n);
+    assert!(seen.iter().all(|(q, _, _)| q != "Rome?"), "{seen:?}");
+    let text = std::fs::read_to_string(config.run.out_dir.join("metrics.jsonl")).unwrap();
+    let line: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(line["rollout/agent_failures"], n, "{text}");
 }
