@@ -127,6 +127,13 @@ fn check_budget_holds_an_episode(
         let prompt = episode.prompts.first_prompt(question).chatml();
         longest = longest.max(tokenizer.encode(&prompt)?.len());
     }
+    check_budget_holds_a_prompt(budget, longest, episode)
+}
+
+/// [`check_budget_holds_an_episode`] for a first prompt of `longest` tokens (the trainer's
+/// longest over all its questions, so that a run is refused before its first episode, not at
+/// the step that first draws a long question).
+pub(crate) fn check_budget_holds_a_prompt(budget: usize, longest: usize, episode: &EpisodeConfig) -> Result<(), TrainError> {
     let needed = model::decode::positions_to_hold(longest + episode.max_response_tokens + 1);
     if budget < needed {
         return Err(TrainError::Invalid(format!(

@@ -48,6 +48,8 @@ pub struct Trainer<B: AutodiffBackend> {
     sampler: BatchSampler,
     step: u64,
     last_validation: Option<ValidationReport>,
+    /// Tokens of the longest first prompt among the training and validation questions.
+    longest_prompt: usize,
     /// What generates the episodes (`rollout.engine`).
     engine: Box<dyn RolloutEngine<Inner<B>>>,
     /// Whether the engine has been told of the current policy (see [`Self::sync_policy`]).
@@ -89,7 +91,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             seed: config.run.seed,
         };
         let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
-        check_episodes_fit_the_context(&config, &tokenizer, learner.model().config.max_position_embeddings, train.iter().chain(&validation))?;
+        let longest_prompt = check_episodes_fit_the_context(&config, &tokenizer, learner.model().config.max_position_embeddings, train.iter().chain(&validation))?;
         let reference = if config.lora.is_none() && config.grpo.loss.uses_kl() {
             let options = LoadOptions { dtype: config.rollout.dtype.dtype(), compute: config.compute() };
             Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?)
@@ -112,6 +114,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             sampler,
             step,
             last_validation: None,
+            longest_prompt,
             engine,
             policy_synced: false,
         })
@@ -401,6 +404,14 @@ impl<B: AutodiffBackend> Trainer<B> {
             None => (policy_model, adapters),
         };
         let episode = self.config.episode.episode_config()?;
+        if copy.is_some() {
+            // The local decoder's budget must hold the run's longest episode, whichever
+            // questions this batch drew (checked here before the first episode of the run).
+            let cache_dtype = model.model.embed_tokens.weight.val().dtype();
+            if let Some(budget) = self.config.rollout.decoder_limits(&model.config, cache_dtype)?.kv_budget {
+                crate::rollout::check_budget_holds_a_prompt(budget, self.longest_prompt, &episode)?;
+            }
+        }
         let questions: Vec<&str> = questions.iter().map(AsRef::as_ref).collect();
         self.engine.rollouts(RolloutBatch {
             policy: LoraModel::new(model, adapters),
@@ -474,12 +485,13 @@ impl<B: AutodiffBackend> Update<B> for GrpoUpdate<'_> {
 /// `max_position_embeddings` (`context`), as vLLM refuses requests past `max_model_len`.
 /// Otherwise the rollouts would run past the positions the model was trained for (the local
 /// engine) or have every turn refused (rollout servers).
+/// Returns the longest first prompt's tokens.
 fn check_episodes_fit_the_context<'e>(
     config: &TrainConfig,
     tokenizer: &Qwen3Tokenizer,
     context: usize,
     examples: impl Iterator<Item = &'e Example>,
-) -> Result<(), TrainError> {
+) -> Result<usize, TrainError> {
     let episode = config.episode.episode_config()?;
     let distinct: std::collections::BTreeSet<&str> = examples.map(Example::question).collect();
     let mut longest = (0, "");
@@ -499,7 +511,7 @@ fn check_episodes_fit_the_context<'e>(
             context.saturating_sub(prompt)
         )));
     }
-    Ok(())
+    Ok(prompt)
 }
 
 fn load_examples(files: &[PathBuf], config: &TrainConfig) -> Result<Vec<Example>, TrainError> {

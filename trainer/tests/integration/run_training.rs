@@ -315,6 +315,25 @@ fn resuming_with_lora_equals_never_stopping() {
     assert!(err.contains("LoRA") && err.contains("[lora]"), "{err}");
 }
 
+/// A budget that holds the training questions' episodes but not the run's longest question's
+/// (here a validation question, which step 1 does not run) is refused at the first step,
+/// before any episode: it used to be checked per batch, and fail only at the batch with it.
+#[test]
+fn a_kv_budget_short_of_the_longest_question_is_refused_before_any_episode() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    let long = "Which of these cities lies furthest north, and by how many kilometres, given every one? ".repeat(3);
+    let validation = dir.path().join("validation.jsonl");
+    std::fs::write(&validation, format!("{{\"id\":\"long\",\"data_source\":\"toy\",\"question\":\"{long}\",\"answers\":[\"x\"]}}\n")).unwrap();
+    config.data.validation = vec![validation];
+    // 160 positions: enough for the training questions' episodes (see the test below).
+    config.rollout.kv_budget = Some("80KiB".into());
+    let mut trainer = Trainer::<B>::start(config, Default::default(), false).unwrap();
+    let err = trainer.train_step(&common::Scripted, &common::ByteTokens).err().expect("a refusal").to_string();
+    assert!(err.contains("rollout.kv_budget") && err.contains("raise rollout.kv_budget"), "{err}");
+    assert_eq!(trainer.step_count(), 0);
+}
+
 /// `rollout.kv_budget` bounds what the rollouts hold (episodes wait for room) without changing
 /// what they sample: the same rewards and response lengths
 /// as without a budget, over steps that update the policy in between.
