@@ -711,11 +711,21 @@ fn eval_counts_failed_episodes_and_reruns_them() {
         "--env-model",
         "tiny",
     ];
+    // A large LLM nothing listens for is refused at once, before any question runs (no
+    // retrying every question).
+    let output = run(&with(&base, &["--env-url".into(), dead]));
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = text(&output.stderr);
+    assert!(stderr.contains("cannot be used, so nothing was run") && stderr.contains("connection"), "{stderr}");
+    assert!(rows(&out).is_empty());
+    // One that answers 503 to everything passes that probe (a busy server may recover), and
+    // every question fails after its attempt.
+    let busy = ScriptedServer::start_with(|_| Action::json(503, r#"{"error": {"message": "overloaded"}}"#));
     let output = run(&with(
         &base,
         &[
             "--env-url".into(),
-            dead,
+            busy.base_url.clone(),
             "--env-attempts".into(),
             "1".into(),
         ],
@@ -723,7 +733,7 @@ fn eval_counts_failed_episodes_and_reruns_them() {
     assert_eq!(output.status.code(), Some(1), "every question failed");
     let stderr = text(&output.stderr);
     assert!(
-        stderr.contains("every question of this run failed") && stderr.contains("connection"),
+        stderr.contains("every question of this run failed") && stderr.contains("503"),
         "{stderr}"
     );
     let failed = rows(&out);

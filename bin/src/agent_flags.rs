@@ -8,7 +8,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use burn::tensor::{backend::Backend, DType};
 use clap::{Args as ClapArgs, ValueEnum};
 use env::{
-    Agent, AgentApi, ClientConfig, EpisodeConfig, OpenAiClient, PromptTexts, RemoteAgent, RetryPolicy,
+    Agent, AgentApi, ClientConfig, EpisodeConfig, FailureKind, OpenAiClient, PromptTexts, RemoteAgent, RetryPolicy,
     SamplingParams, DEFAULT_API_KEY_ENV,
 };
 use model::{LoadOptions, MatmulPrecision, Sampling};
@@ -252,6 +252,26 @@ pub struct EnvFlags {
 impl EnvFlags {
     /// The client; `what` names the command or mode for the error when the flags are missing.
     pub fn client(&self, what: &str) -> Result<OpenAiClient> {
+        OpenAiClient::new(self.client_config(what)?).map_err(|err| anyhow!("environment client: {err}"))
+    }
+
+    /// Sends the large LLM one short request, without retries, and refuses what no retry
+    /// would mend (no connection, a refused key, an unknown model or route), so that a long
+    /// run fails in seconds instead of retrying every question; a slow, busy or erring server
+    /// is left to the run's retries.
+    pub fn probe(&self, what: &str) -> Result<()> {
+        let config = ClientConfig { retry: RetryPolicy::none(), max_concurrency: 1, ..self.client_config(what)? };
+        let client = OpenAiClient::new(config).map_err(|err| anyhow!("environment client: {err}"))?;
+        let probe = [env::ChatMessage::user("Reply with the single word: OK")];
+        match client.chat(&probe, &SamplingParams { max_tokens: Some(8), ..SamplingParams::default() }) {
+            Err(err) if matches!(err.kind(), FailureKind::Connection | FailureKind::Unauthorized | FailureKind::NotFound | FailureKind::Config) => {
+                bail!("the large LLM ({}) cannot be used, so nothing was run: {err} (`prompt-r1 env-check` tells more)", client.endpoint())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn client_config(&self, what: &str) -> Result<ClientConfig> {
         let (Some(url), Some(model)) = (&self.env_url, &self.env_model) else {
             bail!("{what} needs the large LLM: --env-url URL --env-model NAME");
         };
@@ -275,7 +295,7 @@ impl EnvFlags {
             },
             ..ClientConfig::new(url, model)
         };
-        OpenAiClient::new(config).map_err(|err| anyhow!("environment client: {err}"))
+        Ok(config)
     }
 
     /// Whether an environment was named.

@@ -116,6 +116,9 @@ pub fn run(mut args: Args) -> Result<()> {
         .iter()
         .filter(|e| done.get(&key_of(e)).is_none_or(|row| !row.is_final()))
         .collect();
+    if mode.uses_env() && !todo.is_empty() {
+        args.env.probe(&format!("--mode {}", mode.name()))?;
+    }
     let progress = progress_bar(selected.len(), selected.len() - todo.len(), mode);
     let batch_size = args.batch_size as usize;
     let outcome = if todo.is_empty() {
