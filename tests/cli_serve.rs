@@ -586,6 +586,9 @@ fn an_api_key_is_required_when_set() {
     assert_eq!(missing.json()["error"]["code"], "invalid_api_key");
     assert_eq!(send(&[("Authorization", "Bearer sk-local-2")]).status, 401);
     assert_eq!(send(&[("Authorization", "sk-local-1")]).status, 401);
+    // The scheme is case-insensitive; a key with another scheme is not one.
+    assert_eq!(send(&[("Authorization", "bearer sk-local-1")]).status, 200);
+    assert_eq!(send(&[("Authorization", "Basic sk-local-1")]).status, 401);
     let allowed = send(&[("Authorization", "Bearer sk-local-1")]);
     assert_eq!(allowed.status, 200, "{}", allowed.body);
     assert_eq!(server.get("/v1/models").status, 401);

@@ -1024,6 +1024,8 @@ fn unknown(id: SequenceId) -> ModelError {
 
 fn too_small(budget: usize, id: SequenceId, len: usize) -> ModelError {
     ModelError::Input(format!(
-        "a KV budget of {budget} positions cannot hold sequence {id} ({len} tokens) even alone: raise the budget or shorten the sequences"
+        "a KV budget of {budget} positions cannot hold sequence {id} even alone: its {len} tokens take {} \
+         (blocks of {BLOCK_SIZE}, with the cache's scratch block); raise the budget or shorten the sequences",
+        positions_to_hold(len)
     ))
 }

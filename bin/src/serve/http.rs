@@ -67,7 +67,8 @@ fn authorized(request: &Request, key: Option<&str>) -> bool {
         .headers
         .iter()
         .filter(|(name, _)| name.eq_ignore_ascii_case("authorization"))
-        .filter_map(|(_, value)| value.strip_prefix("Bearer "))
+        // The scheme is case-insensitive (RFC 9110): "bearer KEY" is sent by some clients.
+        .filter_map(|(_, value)| value.split_once(' ').filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer")).map(|(_, given)| given))
         .any(|given| same_bytes(given.trim().as_bytes(), key.as_bytes()))
 }
 
