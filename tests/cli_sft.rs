@@ -69,10 +69,11 @@ fn metrics(run: &Path) -> Vec<serde_json::Value> {
 fn sft_trains_resumes_plots_and_exports() {
     let tmp = tempfile::tempdir().unwrap();
     let config = setup(tmp.path());
-    let out = ok(&["sft", "--config", &config]);
+    // --resume with nothing to resume says that a new run starts.
+    let out = ok(&["sft", "--config", &config, "--resume"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("training rows: 6 sequences (6 chats, 0 episodes)"),
+        stderr.contains("training rows: 6 sequences (6 chats, 0 episodes)") && stderr.contains("holds no checkpoint yet, so a new run starts"),
         "{stderr}"
     );
     let run = tmp.path().join("run");
@@ -103,7 +104,8 @@ fn sft_trains_resumes_plots_and_exports() {
     );
 
     let out = ok(&["sft", "--config", &config, "--resume", "--steps", "6"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("step-0000006"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("step-0000006") && !stderr.contains("no checkpoint yet"), "{stderr}");
     let steps: Vec<u64> = metrics(&run)
         .iter()
         .map(|l| l["training/global_step"].as_u64().unwrap())

@@ -78,6 +78,14 @@ impl<B: AutodiffBackend> Trainer<B> {
 
         let tokenizer = Qwen3Tokenizer::from_dir(&config.model)?;
         let train = load_examples(&config.data.train, &config)?;
+        if train.is_empty() {
+            let files: Vec<String> = config.data.train.iter().map(|f| f.display().to_string()).collect();
+            return Err(TrainError::Invalid(format!(
+                "data.train holds no question to train on: {} (every row empty{})",
+                files.join(", "),
+                if config.on_bad_row() == data::OnBadRow::Skip { ", or skipped as malformed" } else { "" }
+            )));
+        }
         let mut validation = load_examples(&config.data.validation, &config)?;
         if let Some(limit) = config.data.validation_limit {
             validation.truncate(limit);

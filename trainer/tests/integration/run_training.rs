@@ -88,6 +88,17 @@ fn episodes_longer_than_the_context_are_refused_at_start() {
     assert!(err.contains("max_position_embeddings") && err.contains("lower episode.max_response_tokens to at most"), "{err}");
 }
 
+/// An empty training file is refused naming it (it said only "cannot draw batches from an
+/// empty dataset").
+#[test]
+fn an_empty_training_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = setup(dir.path());
+    std::fs::write(&config.data.train[0], "").unwrap();
+    let err = Trainer::<B>::start(config, Default::default(), false).err().expect("a refusal").to_string();
+    assert!(err.contains("train.jsonl") && err.contains("no question"), "{err}");
+}
+
 /// Resuming with another `rollout.batch_size` is refused, naming the key and the run's size
 /// (it used to carry on silently at the checkpoint's size).
 #[test]
