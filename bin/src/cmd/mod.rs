@@ -29,7 +29,6 @@ pub fn say(bar: &indicatif::ProgressBar, line: impl Into<String>) {
     }
 }
 
-/// What to try when an optimiser step was skipped for a non-finite gradient norm.
 /// What in `dir` shows that it already holds a model or adapter (a safetensors file, its shard
 /// index, or a `config.json`), so that writing there without `--force` is refused.
 pub fn existing_model(dir: &std::path::Path) -> Option<String> {
@@ -47,6 +46,7 @@ pub fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
     matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
 }
 
+/// What to try when an optimiser step was skipped for a non-finite gradient norm.
 pub const NAN_HINT: &str = "on a GPU, burn 0.21's kernel fusion can give NaNs: try --fusion off";
 
 /// The progress bar of a run of `total` steps, `done` of them already made.

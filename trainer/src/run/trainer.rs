@@ -98,8 +98,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             optimizer: &config.grpo.optimizer,
             seed: config.run.seed,
         };
+        // Before the weights load: config.json alone gives the context.
+        let context = model::Qwen3Config::from_file(&config.model.join("config.json"))?.max_position_embeddings;
+        let longest_prompt = check_episodes_fit_the_context(&config, &tokenizer, context, train.iter().chain(&validation))?;
         let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
-        let longest_prompt = check_episodes_fit_the_context(&config, &tokenizer, learner.model().config.max_position_embeddings, train.iter().chain(&validation))?;
         let reference = if config.lora.is_none() && config.grpo.loss.uses_kl() {
             let options = LoadOptions { dtype: config.rollout.dtype.dtype(), compute: config.compute() };
             Some(load_pretrained::<Inner<B>>(&config.model, &device, options)?)
@@ -492,8 +494,8 @@ impl<B: AutodiffBackend> Update<B> for GrpoUpdate<'_> {
 /// the longest first prompt among `examples` plus `episode.max_response_tokens` must fit
 /// `max_position_embeddings` (`context`), as vLLM refuses requests past `max_model_len`.
 /// Otherwise the rollouts would run past the positions the model was trained for (the local
-/// engine) or have every turn refused (rollout servers).
-/// Returns the longest first prompt's tokens.
+/// engine) or have every turn refused (rollout servers). Returns the longest first prompt's
+/// tokens.
 fn check_episodes_fit_the_context<'e>(
     config: &TrainConfig,
     tokenizer: &Qwen3Tokenizer,
