@@ -177,7 +177,7 @@ impl<B: Backend> Engine<'_, B> {
             rows: BTreeMap::new(),
             next_id: 0,
             variant: None,
-            cache: PrefixCache::new(self.prefix_cache),
+            cache: PrefixCache::new(self.prefix_cache, model::qwen3::BLOCK_SIZE),
         };
         let mut pending: VecDeque<Work> = VecDeque::new();
         self.publish();

@@ -26,18 +26,27 @@ struct Entry {
 #[derive(Debug, Default)]
 pub struct PrefixCache {
     capacity: usize,
+    /// Positions of a KV block: a sequence holds its tokens rounded up to whole blocks.
+    block: usize,
     held: usize,
     clock: u64,
     entries: Vec<Entry>,
 }
 
 impl PrefixCache {
-    /// A cache of at most `capacity` positions (0: off).
-    pub fn new(capacity: usize) -> Self {
+    /// A cache of at most `capacity` positions (0: off), in blocks of `block` positions (the
+    /// decoder's [`model::qwen3::BLOCK_SIZE`]; a short prompt still holds a whole block).
+    pub fn new(capacity: usize, block: usize) -> Self {
         Self {
             capacity,
+            block: block.max(1),
             ..Self::default()
         }
+    }
+
+    /// Positions `tokens` hold in the decoder's pool: whole blocks.
+    fn positions(&self, tokens: &[u32]) -> usize {
+        tokens.len().div_ceil(self.block) * self.block
     }
 
     pub fn enabled(&self) -> bool {
@@ -71,7 +80,7 @@ impl PrefixCache {
             .max_by_key(|(_, e)| (e.tokens.len(), e.cached_at))
             .map(|(at, _)| at)?;
         let entry = self.entries.swap_remove(best);
-        self.held -= entry.tokens.len();
+        self.held -= self.positions(&entry.tokens);
         Some((entry.id, entry.tokens.len()))
     }
 
@@ -84,11 +93,11 @@ impl PrefixCache {
         variant: Option<String>,
         tokens: Vec<u32>,
     ) -> Vec<SequenceId> {
-        if tokens.is_empty() || tokens.len() > self.capacity {
+        if tokens.is_empty() || self.positions(&tokens) > self.capacity {
             return vec![id];
         }
         self.clock += 1;
-        self.held += tokens.len();
+        self.held += self.positions(&tokens);
         self.entries.push(Entry {
             id,
             variant,
@@ -105,7 +114,7 @@ impl PrefixCache {
                 .map(|(at, _)| at)
                 .expect("positions are held by entries");
             let entry = self.entries.remove(oldest);
-            self.held -= entry.tokens.len();
+            self.held -= self.positions(&entry.tokens);
             evicted.push(entry.id);
         }
         evicted
@@ -124,7 +133,7 @@ mod tests {
 
     #[test]
     fn the_longest_prefix_of_the_same_variant_is_taken_once() {
-        let mut cache = PrefixCache::new(100);
+        let mut cache = PrefixCache::new(100, 1);
         assert!(cache.insert(1, None, vec![1, 2]).is_empty());
         assert!(cache.insert(2, None, vec![1, 2, 3, 4]).is_empty());
         assert!(cache
@@ -151,7 +160,7 @@ mod tests {
 
     #[test]
     fn the_least_recently_cached_go_first() {
-        let mut cache = PrefixCache::new(10);
+        let mut cache = PrefixCache::new(10, 1);
         assert!(cache.insert(1, None, vec![1; 4]).is_empty());
         assert!(cache.insert(2, None, vec![2; 4]).is_empty());
         assert_eq!(cache.take(None, &[1; 5]), Some((1, 4)));
@@ -163,8 +172,22 @@ mod tests {
         assert_eq!(cache.held(), 8);
         // Over the bound alone, or caching off: finished at once.
         assert_eq!(cache.insert(5, None, vec![5; 11]), vec![5]);
-        assert_eq!(PrefixCache::new(0).insert(6, None, vec![6]), vec![6]);
-        assert!(!PrefixCache::new(0).enabled());
+        assert_eq!(PrefixCache::new(0, 1).insert(6, None, vec![6]), vec![6]);
+        assert!(!PrefixCache::new(0, 1).enabled());
         assert_eq!(cache.len(), 2);
+    }
+
+    /// The bound counts whole blocks, as the decoder holds them: short prompts took a block
+    /// each while being counted by their tokens, up to 16 times the bound.
+    #[test]
+    fn the_bound_counts_whole_blocks() {
+        let mut cache = PrefixCache::new(64, 16);
+        for id in 0..4 {
+            assert!(cache.insert(id, None, vec![id as u32; 3]).is_empty());
+        }
+        assert_eq!(cache.held(), 64);
+        assert_eq!(cache.insert(4, None, vec![9; 17]), vec![0, 1]);
+        assert_eq!(cache.held(), 64);
+        assert_eq!(cache.insert(5, None, vec![7; 65]), vec![5], "over the bound alone");
     }
 }
