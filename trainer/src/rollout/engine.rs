@@ -25,6 +25,10 @@ pub struct RolloutBatch<'a, B: Backend> {
     /// episode's place in `questions` and the turn, it seeds every turn ([`super::turn_seed`]).
     pub stream: u64,
     pub sampling: &'a Sampling,
+    /// Tokens of the longest first prompt the run may send, beyond this batch's questions (the
+    /// trainer's over all its questions; 0: only this batch counts): what a KV budget must hold
+    /// from the run's first episode on.
+    pub longest_prompt: usize,
 }
 
 /// What an engine reports about a rollout besides its trajectories.
@@ -93,7 +97,7 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
         let cache_dtype = model.base.model.embed_tokens.weight.val().dtype();
         let limits = self.rollout.decoder_limits(&model.base.config, cache_dtype)?;
         if let Some(budget) = limits.kv_budget {
-            check_budget_holds_an_episode(budget, batch.tokenizer, batch.questions, batch.episode)?;
+            check_budget_holds_an_episode(budget, batch.tokenizer, batch.questions, batch.episode, batch.longest_prompt)?;
         }
         let mut agent = LocalAgent::new(model.base, batch.tokenizer, batch.sampling.clone())
             .with_adapters(model.adapters)
@@ -111,29 +115,19 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
 }
 
 /// Refuses, before any episode starts, a `kv_budget` of `budget` positions that could not hold
-/// the longest episode of `questions` alone (its first prompt plus `max_response_tokens`, at the
-/// capacity the cache grows to), as vLLM refuses a KV cache smaller than one `max_model_len`
-/// sequence: otherwise such an episode would fail once it grew past the budget.
+/// the longest episode of `questions` alone (its first prompt, or one of `longest_elsewhere`
+/// tokens if longer, plus `max_response_tokens`, at the capacity the cache grows to), as vLLM
+/// refuses a KV cache smaller than one `max_model_len` sequence: otherwise such an episode
+/// would fail once it grew past the budget.
 fn check_budget_holds_an_episode(
     budget: usize,
     tokenizer: &Qwen3Tokenizer,
     questions: &[&str],
     episode: &EpisodeConfig,
+    longest_elsewhere: usize,
 ) -> Result<(), TrainError> {
-    let mut longest = 0;
-    // A GRPO group repeats its question `n` times: each distinct one is tokenised once.
-    let distinct: std::collections::BTreeSet<&str> = questions.iter().copied().collect();
-    for question in distinct {
-        let prompt = episode.prompts.first_prompt(question).chatml();
-        longest = longest.max(tokenizer.encode(&prompt)?.len());
-    }
-    check_budget_holds_a_prompt(budget, longest, episode)
-}
-
-/// [`check_budget_holds_an_episode`] for a first prompt of `longest` tokens (the trainer's
-/// longest over all its questions, so that a run is refused before its first episode, not at
-/// the step that first draws a long question).
-pub(crate) fn check_budget_holds_a_prompt(budget: usize, longest: usize, episode: &EpisodeConfig) -> Result<(), TrainError> {
+    let (longest, _) = longest_first_prompt(tokenizer, questions.iter().copied(), episode)?;
+    let longest = longest.max(longest_elsewhere);
     let needed = model::decode::positions_to_hold(longest + episode.max_response_tokens + 1);
     if budget < needed {
         return Err(TrainError::Invalid(format!(
@@ -145,6 +139,24 @@ pub(crate) fn check_budget_holds_a_prompt(budget: usize, longest: usize, episode
         )));
     }
     Ok(())
+}
+
+/// The most tokens a first prompt of `questions` takes (each distinct question tokenised once: a
+/// GRPO group repeats its question `n` times), with that question; `(0, "")` for none.
+pub(crate) fn longest_first_prompt<'q>(
+    tokenizer: &Qwen3Tokenizer,
+    questions: impl IntoIterator<Item = &'q str>,
+    episode: &EpisodeConfig,
+) -> Result<(usize, &'q str), TrainError> {
+    let distinct: std::collections::BTreeSet<&str> = questions.into_iter().collect();
+    let mut longest = (0, "");
+    for question in distinct {
+        let tokens = tokenizer.encode(&episode.prompts.first_prompt(question).chatml())?.len();
+        if tokens > longest.0 {
+            longest = (tokens, question);
+        }
+    }
+    Ok(longest)
 }
 
 #[cfg(test)]
@@ -165,8 +177,8 @@ mod tests {
             .max()
             .unwrap();
         let needed = model::decode::positions_to_hold(longest + 64 + 1);
-        let err = check_budget_holds_an_episode(needed - 1, &tokenizer, &questions, &episode).unwrap_err().to_string();
+        let err = check_budget_holds_an_episode(needed - 1, &tokenizer, &questions, &episode, 0).unwrap_err().to_string();
         assert!(err.contains("rollout.kv_budget") && err.contains(&needed.to_string()) && err.contains(&format!("{longest}-token")), "{err}");
-        assert!(check_budget_holds_an_episode(needed, &tokenizer, &questions, &episode).is_ok());
+        assert!(check_budget_holds_an_episode(needed, &tokenizer, &questions, &episode, 0).is_ok());
     }
 }

@@ -9,7 +9,7 @@ mod local_agent;
 pub mod servers;
 
 pub use engine::{engine_for, LocalEngine, RolloutBatch, RolloutEngine, RolloutStats};
-pub(crate) use engine::check_budget_holds_a_prompt;
+pub(crate) use engine::longest_first_prompt;
 pub use local_agent::{LocalAgent, StepTimes};
 pub use servers::{ServerAgent, ServerEngine, ServerPool, ServerSettings};
 

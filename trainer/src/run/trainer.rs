@@ -414,14 +414,6 @@ impl<B: AutodiffBackend> Trainer<B> {
             None => (policy_model, adapters),
         };
         let episode = self.config.episode.episode_config()?;
-        if copy.is_some() {
-            // The local decoder's budget must hold the run's longest episode, whichever
-            // questions this batch drew (checked here before the first episode of the run).
-            let cache_dtype = model.model.embed_tokens.weight.val().dtype();
-            if let Some(budget) = self.config.rollout.decoder_limits(&model.config, cache_dtype)?.kv_budget {
-                crate::rollout::check_budget_holds_a_prompt(budget, self.longest_prompt, &episode)?;
-            }
-        }
         let questions: Vec<&str> = questions.iter().map(AsRef::as_ref).collect();
         self.engine.rollouts(RolloutBatch {
             policy: LoraModel::new(model, adapters),
@@ -431,6 +423,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             episode: &episode,
             stream,
             sampling,
+            // A KV budget must hold the run's longest episode, whichever questions this batch
+            // drew, so that a run too long for it stops before its first episode.
+            longest_prompt: self.longest_prompt,
         })
     }
 
@@ -503,20 +498,14 @@ fn check_episodes_fit_the_context<'e>(
     examples: impl Iterator<Item = &'e Example>,
 ) -> Result<usize, TrainError> {
     let episode = config.episode.episode_config()?;
-    let distinct: std::collections::BTreeSet<&str> = examples.map(Example::question).collect();
-    let mut longest = (0, "");
-    for question in distinct {
-        let tokens = tokenizer.encode(&episode.prompts.first_prompt(question).chatml())?.len();
-        if tokens > longest.0 {
-            longest = (tokens, question);
-        }
-    }
-    let (prompt, question) = longest;
+    let (prompt, question) = crate::rollout::longest_first_prompt(tokenizer, examples.map(Example::question), &episode)?;
     let responses = config.episode.max_response_tokens;
     if prompt + responses > context {
         let shown: String = question.chars().take(60).collect();
         return Err(TrainError::Invalid(format!(
-            "an episode may not fit the model's context of {context} tokens (max_position_embeddings in {}):              the longest first prompt has {prompt} tokens (question \"{shown}\"), plus episode.max_response_tokens = {responses};              lower episode.max_response_tokens to at most {}",
+            "an episode may not fit the model's context of {context} tokens (max_position_embeddings in {}): \
+             the longest first prompt has {prompt} tokens (question \"{shown}\"), plus episode.max_response_tokens = {responses}; \
+             lower episode.max_response_tokens to at most {}",
             config.model.join("config.json").display(),
             context.saturating_sub(prompt)
         )));

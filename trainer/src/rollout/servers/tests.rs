@@ -381,6 +381,7 @@ fn lora_policies_are_loaded_on_every_worker_and_checked() {
         episode: &episode_config(64),
         stream: 1,
         sampling: &Sampling::default(),
+        longest_prompt: 0,
     };
     let (ts, stats) = engine.rollouts(batch).unwrap();
     assert_eq!((ts[0].stop_reason, stats.server_retries), (StopReason::Answer, 0));
@@ -408,6 +409,7 @@ fn a_worker_that_does_not_serve_the_pushed_policy_is_left_out() {
         episode: &episode_config(64),
         stream: 1,
         sampling: &Sampling::default(),
+        longest_prompt: 0,
     };
     let (ts, _) = engine.rollouts(batch).unwrap();
     assert!(ts.iter().all(|t| t.stop_reason == StopReason::Answer));
@@ -453,6 +455,7 @@ fn full_weights_are_written_and_reloaded_from_disk() {
         episode: &episode_config(64),
         stream: 1,
         sampling: &Sampling::default(),
+        longest_prompt: 0,
     };
     engine.rollouts(batch).unwrap();
     assert_eq!(worker.bodies("/v1/completions")[0]["model"], "served-tiny");
@@ -474,6 +477,7 @@ fn a_rollout_with_every_worker_gone_is_an_error() {
         episode: &episode_config(64),
         stream: 1,
         sampling: &Sampling::default(),
+        longest_prompt: 0,
     };
     let err = engine.rollouts(batch).unwrap_err().to_string();
     assert!(err.contains("every rollout worker failed") && err.contains(&a.url) && err.contains(&b.url), "{err}");
