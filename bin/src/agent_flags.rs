@@ -262,7 +262,7 @@ impl EnvFlags {
     pub fn probe(&self, what: &str) -> Result<()> {
         let config = ClientConfig { retry: RetryPolicy::none(), max_concurrency: 1, ..self.client_config(what)? };
         let client = OpenAiClient::new(config).map_err(|err| anyhow!("environment client: {err}"))?;
-        let probe = [env::ChatMessage::user("Reply with the single word: OK")];
+        let probe = [env::ChatMessage::user(crate::cmd::env_check::PROBE)];
         match client.chat(&probe, &SamplingParams { max_tokens: Some(8), ..SamplingParams::default() }) {
             Err(err) if matches!(err.kind(), FailureKind::Connection | FailureKind::Unauthorized | FailureKind::NotFound | FailureKind::Config) => {
                 bail!("the large LLM ({}) cannot be used, so nothing was run: {err} (`prompt-r1 env-check` tells more)", client.endpoint())

@@ -9,8 +9,8 @@ use env::{
 };
 use serde_json::json;
 
-/// The question sent; short so that the check costs next to nothing.
-const PROBE: &str = "Reply with the single word: OK";
+/// The question sent (also `eval`'s probe); short so that the check costs next to nothing.
+pub(crate) const PROBE: &str = "Reply with the single word: OK";
 
 /// Send one short request to an OpenAI-compatible server and report the latency and reply, or
 /// what is wrong (unreachable, bad key, unknown model, timeout, malformed reply).

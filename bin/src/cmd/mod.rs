@@ -46,6 +46,14 @@ pub fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
     matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
 }
 
+/// Says so when `--resume` (`resume`) found no checkpoint in `dir`, so that the run starts at
+/// step `step` = 0 (a mistyped out_dir would otherwise go unnoticed).
+pub fn note_nothing_to_resume(resume: trainer::run::Resume, step: u64, dir: &std::path::Path) {
+    if resume == trainer::run::Resume::Latest && step == 0 {
+        eprintln!("note: --resume: {} holds no checkpoint yet, so a new run starts", dir.display());
+    }
+}
+
 /// What to try when an optimiser step was skipped for a non-finite gradient norm.
 pub const NAN_HINT: &str = "on a GPU, burn 0.21's kernel fusion can give NaNs: try --fusion off";
 

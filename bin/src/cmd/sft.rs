@@ -124,11 +124,8 @@ impl OnBackend for FineTuning {
     type Output = Vec<SftRecord>;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Vec<SftRecord>> {
-        let resuming = self.resume == Resume::Latest;
         let mut run = SftRun::<Autodiff<B>>::start(self.config, device, self.resume)?;
-        if resuming && run.step_count() == 0 {
-            eprintln!("note: --resume: {} holds no checkpoint yet, so a new run starts", run.session().dir().display());
-        }
+        super::note_nothing_to_resume(self.resume, run.step_count(), run.session().dir());
         let (train, validation) = run.data_summaries();
         eprintln!("training rows: {train}");
         if validation.chats + validation.episodes > 0 {

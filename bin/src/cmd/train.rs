@@ -163,11 +163,8 @@ impl OnBackend for Training {
         let scorer = PromptR1Scorer {
             config: self.config.reward.clone(),
         };
-        let resuming = self.resume == Resume::Latest;
         let mut trainer = Trainer::<Autodiff<B>>::start(self.config, device, self.resume)?;
-        if resuming && trainer.step_count() == 0 {
-            eprintln!("note: --resume: {} holds no checkpoint yet, so a new run starts", trainer.config().run.out_dir.display());
-        }
+        super::note_nothing_to_resume(self.resume, trainer.step_count(), &trainer.config().run.out_dir);
         if let Some(adapters) = trainer.adapters() {
             print_lora_share(adapters.num_params(), trainer.policy().num_params(), trainer.config().model_dtype);
         }
