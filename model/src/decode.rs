@@ -79,9 +79,12 @@ pub type SequenceId = u64;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecoderLimits {
     /// Most sequences decoding at once (vLLM's `max_num_seqs`); the others wait, in order.
+    /// A decoding pass runs a token a row, so no more than `max_batched_tokens` rows run
+    /// ([`DecoderLimits::rows`]).
     pub max_rows: usize,
-    /// Most positions one prefill pass runs, rows × new positions with padding (vLLM's
-    /// `max_num_batched_tokens`); longer prefills run in chunks, bounding activation memory.
+    /// Most positions one pass runs: a prefill pass's rows × new positions with padding, a
+    /// decoding pass's rows, a ragged pass's tokens (vLLM's `max_num_batched_tokens`); longer
+    /// prefills run in chunks, bounding activation memory.
     pub max_batched_tokens: usize,
     /// Most KV positions the pool holds per layer, in blocks of [`BLOCK_SIZE`]: every running and
     /// parked sequence's blocks and one block of scratch; `None`: no limit. A position of Qwen3
@@ -96,6 +99,14 @@ pub struct DecoderLimits {
     /// ([`crate::Qwen3ForCausalLM::takes_ragged_passes`]: a GPU backend's paged-attention kernel
     /// that takes prefills); otherwise, or when `false`, in passes of their own.
     pub ragged_passes: bool,
+}
+
+impl DecoderLimits {
+    /// Most sequences running at once: `max_rows`, and no more than `max_batched_tokens` (a
+    /// pass runs at least a token a row), at least one.
+    pub fn rows(&self) -> usize {
+        self.max_rows.min(self.max_batched_tokens).max(1)
+    }
 }
 
 impl Default for DecoderLimits {
@@ -138,6 +149,9 @@ pub struct DecoderStats {
     pub attention_columns: u64,
     /// Forward passes run: a step's decoding pass, its prefill chunks, or its ragged passes.
     pub passes: u64,
+    /// Most positions one pass ran (rows × new positions with padding, or a ragged pass's
+    /// tokens): at most [`DecoderLimits::max_batched_tokens`].
+    pub largest_pass: usize,
 }
 
 /// The next-token logits of the sequences one step ran: row `i` of `logits` (`[rows, vocab]`)
@@ -681,7 +695,7 @@ impl<B: Backend> Decoder<B> {
         let mut admitted = Vec::new();
         let running = self.running.len();
         if running > 0 && !ragged {
-            let room = self.limits.max_rows.saturating_sub(running).max(1);
+            let room = self.limits.rows().saturating_sub(running).max(1);
             let enough = self.queue.len() >= (running / JOIN_FRACTION).clamp(1, room);
             let waited = self.queue.front().map_or(0, |id| self.steps - self.sequences[id].queued_at);
             if !enough && waited < MAX_JOIN_WAIT {
@@ -691,7 +705,7 @@ impl<B: Backend> Decoder<B> {
         // Blocks this step takes already: the running rows' next positions.
         let mut taken = self.blocks_to_decode();
         while let Some(&id) = self.queue.front() {
-            if running + admitted.len() >= self.limits.max_rows {
+            if running + admitted.len() >= self.limits.rows() {
                 break;
             }
             let s = &self.sequences[&id];
@@ -776,6 +790,7 @@ impl<B: Backend> Decoder<B> {
         let device = model.base().device();
         self.stats.attention_columns += read.len() as u64;
         self.stats.passes += 1;
+        self.stats.largest_pass = self.stats.largest_pass.max(ids.dims().iter().product());
         let total = self.pool.total * BLOCK_SIZE;
         let cache = self.cache.get_or_insert_with(|| model.base().new_cache());
         cache.reserve(total);

@@ -186,7 +186,7 @@ impl<B: Backend> Engine<'_, B> {
                 let Ok(first) = work.recv() else { return };
                 pending.push_back(first);
                 let deadline = Instant::now() + BATCH_WINDOW;
-                while pending.len() < limits.max_rows {
+                while pending.len() < limits.rows() {
                     let wait = deadline.saturating_duration_since(Instant::now());
                     match work.recv_timeout(wait) {
                         Ok(next) => pending.push_back(next),

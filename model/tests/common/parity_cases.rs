@@ -392,6 +392,25 @@ fn kept_cache_decoding_equals_recomputation() {
     }
 }
 
+/// `max_batched_tokens` bounds every pass, even below the rows that would run: at most that
+/// many sequences run at once (a decoding pass runs a token a row), prefills run in chunks that
+/// fit, and every row still equals recomputation.
+#[test]
+fn the_token_bound_holds_for_every_pass() {
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    for ragged_passes in [true, false] {
+        let limits = DecoderLimits { max_rows: 8, max_batched_tokens: 2, ragged_passes, ..DecoderLimits::default() };
+        assert_eq!(limits.rows(), 2);
+        let stats = decode_against_recomputation(&model, limits, "two tokens a pass");
+        assert!(stats.largest_pass <= 2, "ragged passes {ragged_passes}: a pass ran {} positions", stats.largest_pass);
+        assert_eq!(stats.prefill_tokens, 5 + 11 + 3 + 6 + 1, "ragged passes {ragged_passes}");
+    }
+    let unbounded = decode_against_recomputation(&model, DecoderLimits::default(), "unbounded");
+    // Unbounded, the first prompts (5 and 11 tokens) join in one pass.
+    assert!(unbounded.largest_pass >= 16, "{}", unbounded.largest_pass);
+}
+
 /// Nine sequences of different lengths that leave (finished or parked) one at a time and one
 /// that joins: a parked sequence keeps its blocks (nothing copied, nothing held twice) until it
 /// rejoins with a reply, and every returned row still equals recomputation.

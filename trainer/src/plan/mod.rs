@@ -259,11 +259,13 @@ impl PlanSettings {
         }
     }
 
-    /// Episodes decoding at once: `rollout.max_num_seqs` within `generation_batch`.
+    /// Episodes decoding at once: `rollout.max_num_seqs` within `generation_batch`, and no
+    /// more than `rollout.max_num_batched_tokens` (a decoding pass runs a token a row).
     pub fn rollout_rows(&self) -> usize {
         self.rollout
             .max_num_seqs
             .map_or(self.generation_batch, |m| m.min(self.generation_batch))
+            .min(self.rollout.max_batched_tokens)
             .max(1)
     }
 
@@ -1658,11 +1660,13 @@ mod tests {
         // (query, key) pair, 8,192 × 9,216 pairs.
         let pairs = 8192.0 * 9216.0;
         assert!(full > pairs * (3.0 * 32.0 * 4.0 + 33.0 * 2.0), "{full}");
-        // A pass never runs fewer than one position a row.
+        // Below the rows, a pass runs a position each of at most that many rows (the decoder
+        // runs no more).
         let plan = MemoryPlan::new(PlanSettings {
             rollout: RolloutLimits { max_batched_tokens: 10, ..s.rollout },
             ..s.clone()
         });
-        assert!(prefill_term(&plan).name.starts_with("prefill pass of 64 × 1 new tokens"));
+        assert_eq!(plan.settings.rollout_rows(), 10);
+        assert!(prefill_term(&plan).name.starts_with("prefill pass of 10 × 1 new tokens"), "{}", prefill_term(&plan).name);
     }
 }

@@ -328,6 +328,14 @@ impl RolloutSection {
         if self.max_num_batched_tokens == 0 {
             return Err("rollout.max_num_batched_tokens must be at least 1".into());
         }
+        if let Some(rows) = self.max_num_seqs.filter(|&rows| rows > self.max_num_batched_tokens) {
+            // As vLLM: a decoding step runs a token a row, all within the step's tokens.
+            return Err(format!(
+                "rollout.max_num_batched_tokens ({}) must be at least rollout.max_num_seqs ({rows}): each decoding \
+                 episode runs a token a step",
+                self.max_num_batched_tokens
+            ));
+        }
         if let Some(size) = &self.kv_budget {
             crate::plan::parse_size(size).map_err(|e| format!("rollout.kv_budget: {e}"))?;
         }
@@ -654,6 +662,7 @@ mod tests {
         for (keys, key) in [
             ("max_num_seqs = 0", "rollout.max_num_seqs"),
             ("max_num_batched_tokens = 0", "rollout.max_num_batched_tokens"),
+            ("max_num_seqs = 64\nmax_num_batched_tokens = 32", "rollout.max_num_seqs (64)"),
             ("kv_budget = \"lots\"", "rollout.kv_budget"),
             ("kv_budget = \"0GiB\"", "rollout.kv_budget"),
         ] {
