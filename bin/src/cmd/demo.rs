@@ -109,7 +109,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let started = Instant::now();
     let exe = std::env::current_exe().context("locating the prompt-r1 binary")?;
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    super::create_dir(&args.out)?;
     let layout = Layout {
         out: args.out.canonicalize()?,
     };

@@ -100,8 +100,7 @@ pub fn run(mut args: Args) -> Result<()> {
         eprintln!("note: --mode {} does not call the large LLM", mode.name());
     }
     let selected = load_examples(&args.data, args.limit, args.on_bad_row)?;
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    super::create_dir(&args.out)?;
     let predictions_path = args.out.join("predictions.jsonl");
     let (mut file, done) = PredictionsFile::open(&predictions_path)?;
     if let Some(other) = done.values().find(|row| row.mode != mode) {

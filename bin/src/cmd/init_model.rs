@@ -46,7 +46,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(path) = &args.tokenizer {
         model::tokenizer::Qwen3Tokenizer::from_file(path).with_context(|| format!("--tokenizer {}", path.display()))?;
     }
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    super::create_dir(&args.out)?;
     let config = if args.preset.uses_tiny_tokenizer() {
         let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE)?;
         write_tokenizer_files(&tokenizer, &args.out)?;

@@ -52,6 +52,10 @@ struct PredictionRow {
 
 pub fn run(args: Args) -> Result<()> {
     let rows = read_predictions(&args.predictions)?;
+    if let Some(out) = &args.out {
+        // Before the metrics are computed (with --ssim-model, minutes): not after.
+        super::create_parent(out)?;
+    }
     let examples = match &args.ssim_model {
         None => rows
             .iter()
@@ -105,6 +109,9 @@ fn read_predictions(path: &Path) -> Result<Vec<PredictionRow>> {
                 index + 1
             )
         })?;
+        if row.answers.is_empty() {
+            bail!("{}: line {}: `answers` is an empty list", path.display(), index + 1);
+        }
         rows.push(row);
     }
     if rows.is_empty() {
@@ -171,5 +178,14 @@ mod tests {
         std::fs::write(&path, "{\"data_source\": \"a\", \"prediction\": \"x\", \"answers\": [\"x\"]}\n{\"prediction\": \"x\"}\n").unwrap();
         let err = format!("{:#}", read_predictions(&path).unwrap_err());
         assert!(err.contains("p.jsonl: line 2"), "{err}");
+    }
+
+    #[test]
+    fn a_row_without_answers_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.jsonl");
+        std::fs::write(&path, "{\"data_source\": \"a\", \"prediction\": \"x\", \"answers\": [\"x\"]}\n\n{\"data_source\": \"a\", \"prediction\": \"x\", \"answers\": []}\n").unwrap();
+        let err = format!("{:#}", read_predictions(&path).unwrap_err());
+        assert!(err.contains("p.jsonl: line 3: `answers` is an empty list"), "{err}");
     }
 }

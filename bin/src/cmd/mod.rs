@@ -46,6 +46,23 @@ pub fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
     matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
 }
 
+/// Creates directory `dir` and its parents; a file in the way is named as such (the system's
+/// own error, "File exists", names no file).
+pub fn create_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    if let Some(file) = dir.ancestors().find(|p| !p.as_os_str().is_empty() && p.is_file()) {
+        anyhow::bail!("cannot create {}: {} is a file, not a directory", dir.display(), file.display());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))
+}
+
+/// Creates the directory `file` is to be written in, when it names one.
+pub fn create_parent(file: &std::path::Path) -> anyhow::Result<()> {
+    match file.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(parent) => create_dir(parent),
+        None => Ok(()),
+    }
+}
+
 /// Says so when `--resume` (`resume`) found no checkpoint in `dir`, so that the run starts at
 /// step `step` = 0 (a mistyped out_dir would otherwise go unnoticed).
 pub fn note_nothing_to_resume(resume: trainer::run::Resume, step: u64, dir: &std::path::Path) {
@@ -73,4 +90,26 @@ pub fn print_lora_share(trained: usize, base: usize, dtype: trainer::run::ModelD
         "LoRA: {trained} trainable parameters ({:.2}% of the base's {base}), base weights in {dtype:?}",
         100.0 * trained as f64 / base as f64
     );
+}
+
+#[cfg(test)]
+mod dir_tests {
+    use super::*;
+
+    #[test]
+    fn a_file_in_the_way_of_a_directory_is_named() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("results");
+        std::fs::write(&file, "x").unwrap();
+        for dir in [file.clone(), file.join("sub")] {
+            let err = create_dir(&dir).unwrap_err().to_string();
+            assert!(err.contains(&format!("{} is a file, not a directory", file.display())), "{err}");
+        }
+        let err = create_parent(&file.join("m.json")).unwrap_err().to_string();
+        assert!(err.contains("is a file, not a directory"), "{err}");
+        let nested = tmp.path().join("a/b/m.json");
+        create_parent(&nested).unwrap();
+        assert!(tmp.path().join("a/b").is_dir());
+        create_parent(std::path::Path::new("m.json")).unwrap();
+    }
 }

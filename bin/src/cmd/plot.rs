@@ -78,10 +78,7 @@ pub fn run(args: Args) -> Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| args.run_dir.join("curves.png"));
-    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("cannot create {}", parent.display()))?;
-    }
+    super::create_parent(&out)?;
     model::checkpoint::write_atomic(&out, &png)
         .with_context(|| format!("cannot write {}", out.display()))?;
     println!(
