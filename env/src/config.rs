@@ -92,6 +92,16 @@ impl ClientConfig {
                 "base URL {url:?} must start with http:// or https://"
             ));
         }
+        match url.parse::<ureq::http::Uri>() {
+            Err(e) => return bad(format!("base URL {url:?} is not a URL: {e}")),
+            Ok(uri) if uri.host().is_none_or(str::is_empty) => return bad(format!("base URL {url:?} names no host")),
+            Ok(uri) => {
+                let written = uri.authority().and_then(|a| written_port(a.as_str()));
+                if let Some(port) = written.filter(|p| !matches!(p.parse::<u16>(), Ok(1..))) {
+                    return bad(format!("base URL {url:?}: {port:?} is not a port (1 to 65535)"));
+                }
+            }
+        }
         if self.model.trim().is_empty() {
             return bad("model name is empty".to_string());
         }
@@ -113,6 +123,15 @@ impl ClientConfig {
         }
         Ok(())
     }
+}
+
+/// The port as written in a URL's `authority` (`user@host:port`, `[v6]:port`), if any.
+fn written_port(authority: &str) -> Option<&str> {
+    let host_port = authority.rsplit('@').next()?;
+    if host_port.ends_with(']') {
+        return None;
+    }
+    host_port.rsplit_once(':').map(|(_, port)| port)
 }
 
 /// Retries with jittered exponential backoff.
@@ -185,6 +204,19 @@ mod tests {
         ClientConfig::new("http://127.0.0.1:8000/v1", "m")
             .validate()
             .unwrap();
+    }
+
+    #[test]
+    fn the_base_url_needs_a_host_and_a_port_in_range() {
+        for url in ["http://127.0.0.1:99999/v1", "http://h:0/v1", "https://h:/v1", "http://h:80x/v1", "http://[::1]:70000"] {
+            let err = ClientConfig::new(url, "m").validate().unwrap_err().to_string();
+            assert!(err.contains("is not a port (1 to 65535)"), "{url}: {err}");
+        }
+        let err = ClientConfig::new("http:///v1", "m").validate().unwrap_err().to_string();
+        assert!(err.contains("http:///v1"), "{err}");
+        for url in ["http://127.0.0.1:65535/v1", "https://api.openai.com/v1", "http://[::1]:8000/v1", "http://[::1]/v1", "http://user:pw@h:8080/v1"] {
+            ClientConfig::new(url, "m").validate().unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
     }
 
     #[test]
