@@ -82,7 +82,17 @@ fn health_models_and_unknown_routes() {
             "{error}"
         );
         assert_eq!(error["type"], "invalid_request_error");
+        if status == 405 {
+            let allow = if path == "/v1/models" { "GET, OPTIONS" } else { "POST, OPTIONS" };
+            assert_eq!(reply.header("allow"), Some(allow), "{method} {path}");
+        }
     }
+    // OPTIONS asks what a route takes (RFC 9110), of known routes only.
+    for (path, allow) in [("/v1/chat/completions", "POST, OPTIONS"), ("/v1/models/tiny", "GET, OPTIONS")] {
+        let reply = harness::request(&server.addr, "OPTIONS", path, None);
+        assert_eq!((reply.status, reply.header("allow"), reply.body.as_str()), (200, Some(allow), ""), "OPTIONS {path}");
+    }
+    assert_eq!(harness::request(&server.addr, "OPTIONS", "/nope", None).status, 404);
 }
 
 #[test]

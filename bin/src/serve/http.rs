@@ -27,6 +27,16 @@ const CHAT_ROUTE: &str = "/v1/chat/completions";
 pub fn handle(request: Request, responder: Responder, shared: &Shared) {
     let method = request.method.as_str();
     let path = request.path.as_str();
+    if let Some(allow) = allowed_methods(path) {
+        if method == "OPTIONS" {
+            // What the route takes, before the key: a client asks without one.
+            return responder.send_with_headers(200, "text/plain; charset=utf-8", &[("allow", allow), SERVER_HEADER], Vec::new());
+        }
+        if !allow.split(", ").any(|m| m == method) {
+            let err = ApiError::method_not_allowed(method, path);
+            return responder.send_with_headers(err.status, "application/json", &[("allow", allow), SERVER_HEADER], err.body().to_string().into_bytes());
+        }
+    }
     let guarded = path.starts_with("/v1") || path == control::UPDATE_WEIGHTS_ROUTE;
     if guarded && !authorized(&request, shared.api_key.as_deref()) {
         return respond_error(responder, &ApiError::unauthorized());
@@ -49,13 +59,19 @@ pub fn handle(request: Request, responder: Responder, shared: &Shared) {
         ("POST", p) if control::ROUTES.contains(&p) => {
             control::handle(&request.body, responder, p, shared)
         }
-        (_, p)
-            if matches!(p, "/health" | "/v1/models" | CHAT_ROUTE | completions::ROUTE)
-                || control::ROUTES.contains(&p) =>
-        {
-            respond_error(responder, &ApiError::method_not_allowed(method, path))
-        }
         _ => respond_error(responder, &ApiError::not_found(method, path)),
+    }
+}
+
+/// The methods route `path` answers (the value of a 405's `Allow` header, and of an `OPTIONS`
+/// reply's); `None` for no route of the server.
+fn allowed_methods(path: &str) -> Option<&'static str> {
+    match path {
+        "/health" | "/v1/models" => Some("GET, OPTIONS"),
+        p if p.starts_with("/v1/models/") => Some("GET, OPTIONS"),
+        CHAT_ROUTE | completions::ROUTE => Some("POST, OPTIONS"),
+        p if control::ROUTES.contains(&p) => Some("POST, OPTIONS"),
+        _ => None,
     }
 }
 
