@@ -473,17 +473,27 @@ fn bench_times_rollouts_with_fewer_rows_and_shared_prefixes() {
     ]);
     let figures = figures.as_array().unwrap();
     let names: Vec<&str> = figures.iter().map(|f| f["workload"].as_str().unwrap()).collect();
-    assert_eq!(names.len(), 3, "{names:?}");
     assert_eq!(names[0], "decode batch 2 (8 tokens)");
-    assert!(names[1].starts_with("decode batch 2 from "), "{names:?}");
-    assert_eq!(names[2], "rollout batch 4 x 2 turns");
-    let r = &figures[2]["rollout"];
+    assert_eq!(names.last(), Some(&"rollout batch 4 x 2 turns"));
+    let r = &figures.last().unwrap()["rollout"];
+    // The pure decode at the rollout's contexts is a figure of its own where its decoding steps
+    // stood out of the prefill's noise (not a question of this test: 7 steps of a tiny model).
+    match r["context_decode_tokens_per_second"].as_f64() {
+        Some(rate) => {
+            assert!(rate > 0.0 && r["rollout_over_context_decode"].as_f64().unwrap() > 0.0, "{r}");
+            assert_eq!(names.len(), 3, "{names:?}");
+            assert!(names[1].starts_with("decode batch 2 from "), "{names:?}");
+        }
+        None => {
+            assert!(r["rollout_over_context_decode"].is_null(), "{r}");
+            assert_eq!(names.len(), 2, "{names:?}");
+        }
+    }
     assert_eq!((r["decode_rows"].as_u64(), r["max_num_seqs"].as_u64(), r["group_size"].as_u64()), (Some(2), Some(2), Some(2)), "{r}");
     assert!(r["rows_per_step"].as_f64().unwrap() <= 2.0, "{r}");
     let context = r["mean_agent_token_context"].as_f64().unwrap();
     let prompt = r["context_decode_prompt_tokens"].as_u64().unwrap();
     assert!(prompt >= 16 && (prompt as f64) < context, "{r}");
-    assert!(r["context_decode_tokens_per_second"].as_f64().unwrap() > 0.0 && r["rollout_over_context_decode"].as_f64().unwrap() > 0.0, "{r}");
     let shares = &r["time_shares"];
     let total: f64 = ["decode_steps", "prefill_steps", "agent_outside_steps", "waiting"].iter().map(|k| shares[k].as_f64().unwrap()).sum();
     assert!((total - 1.0).abs() < 1e-6, "{shares}");

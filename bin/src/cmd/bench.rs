@@ -382,12 +382,14 @@ impl Args {
                 Some(decoded),
                 None,
             ));
-            figures.push(Figure::tokens(
-                format!("decode batch {} from {}", stats.decode_rows, stats.context_decode_prompt_tokens),
-                decoded / stats.context_decode_tokens_per_second,
-                Some(decoded),
-                None,
-            ));
+            if let Some(rate) = stats.context_decode_tokens_per_second {
+                figures.push(Figure::tokens(
+                    format!("decode batch {} from {}", stats.decode_rows, stats.context_decode_prompt_tokens),
+                    decoded / rate,
+                    Some(decoded),
+                    None,
+                ));
+            }
             let workload = format!("rollout batch {batch} x {} turns", settings.turns);
             let mut figure = Figure::tokens(workload, stats.seconds, Some(stats.agent_tokens as f64), peak);
             figure.rollout = Some(stats);
