@@ -416,6 +416,19 @@ fn plan_says_whether_a_run_fits_and_train_refuses_one_that_does_not() {
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("needs about") && stderr.contains("run.device_memory"), "{stderr}");
     assert!(!tmp.path().join("run").join("checkpoints").exists(), "nothing was trained");
+    // The step's episodes are held on the host: with rollout.n = 100,000,000 they take
+    // petabytes, whatever the device.
+    let absurd = tmp.path().join("absurd.toml");
+    std::fs::write(&absurd, std::fs::read_to_string(config).unwrap().replace("generation_batch = 4\n", "generation_batch = 4\nbatch_size = 1\nn = 100000000\n")).unwrap();
+    let absurd = absurd.to_str().unwrap();
+    let cpu = ok_stdout(&["plan", "--config", absurd, "--device-memory", "80GiB"]);
+    assert!(cpu.contains("does NOT fit") && cpu.contains("lower rollout.batch_size or rollout.n"), "{cpu}");
+    let gpu = ok_stdout(&["plan", "--config", absurd, "--device-memory", "80GiB", "--device", "cuda"]);
+    let host = gpu.lines().find(|l| l.starts_with("host memory: ")).unwrap_or_else(|| panic!("{gpu}"));
+    assert!(host.contains("100,000,000 episodes") && host.contains("does NOT fit"), "{host}");
+    let out = prompt_r1(&["train", "--config", absurd, "--device-memory", "80GiB"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("100,000,000 episodes"), "{stderr}");
 }
 
 /// `check-device` compares the portable ops with the fused kernels on the CPU: nine checks

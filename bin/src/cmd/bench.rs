@@ -593,6 +593,7 @@ impl TrainStep {
             micro_batch: config.micro_batch_size,
             mini_batch: config.mini_batch_size,
             generation_batch: 1,
+            step_episodes: config.mini_batch_size,
             rollout: Default::default(),
             context: self.seq_len,
             checkpointing: self.checkpointing,

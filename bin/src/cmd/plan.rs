@@ -73,8 +73,34 @@ pub fn run(args: Args) -> Result<()> {
             args.device
         ),
     }
+    if let Some((line, _)) = host_fit(&plan) {
+        println!("{line}");
+    }
     Ok(())
 }
+
+/// On a GPU, the step's episodes against this machine's RAM (on the CPU they are in the
+/// plan's phases): the line to print, and whether they fit. `None` on the CPU, or when the
+/// RAM cannot be read.
+fn host_fit(plan: &MemoryPlan) -> Option<(String, bool)> {
+    if plan.settings.device.is_host() {
+        return None;
+    }
+    let ram = trainer::run::total_ram_bytes()?;
+    let usable = (ram as f64 * (1.0 - PlanDevice::CpuKernels.margin())) as u64;
+    let episodes = plan.host_episodes();
+    let fits = episodes.bytes <= usable;
+    let verdict = if fits { "fits" } else { "does NOT fit: lower rollout.batch_size or rollout.n" };
+    let line = format!(
+        "host memory: {} {}, of this machine's {} RAM ({} usable): {verdict}",
+        episodes.name,
+        format_size(episodes.bytes),
+        format_size(ram),
+        format_size(usable)
+    );
+    Some((line, fits))
+}
+
 
 /// The model's shape, from the model directory's config.json.
 fn model_shape(config: &TrainConfig) -> Result<Qwen3Config> {
@@ -207,6 +233,9 @@ pub fn describe_verdict(
         .map(|t| format!("{} {}", t.name, format_size(t.bytes)))
         .collect();
     out.push_str(&format!("  largest terms: {}\n", largest.join("; ")));
+    if plan.largest_terms(1).first().is_some_and(|t| t.name == plan.host_episodes().name) {
+        out.push_str("  lower rollout.batch_size or rollout.n: the step's episodes are the largest term\n");
+    }
     for advice in &verdict.advice {
         out.push_str(&format!("  try {advice}\n"));
     }
@@ -222,6 +251,9 @@ pub fn check_before_training(config: &TrainConfig, device: DeviceChoice) -> Resu
         plan_device(device),
         None,
     ));
+    if let Some((line, false)) = host_fit(&plan) {
+        bail!("this run's episodes do not fit in this machine's memory.\n{line}");
+    }
     let Some((bytes, source)) = device_memory(config, device)? else {
         eprintln!("note: the memory of {device:?} is unknown, so the run's fit is not checked (set run.device_memory)");
         return Ok(());

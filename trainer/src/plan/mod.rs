@@ -31,6 +31,10 @@
 //! k]` bias. The head forms its logits a chunk of positions at a time in every phase, the
 //! update's backward pass included (`crate::grpo::head`).
 //!
+//! The step's episodes ([`MemoryPlan::host_episodes`]) are held on the host from the rollouts
+//! to the update: a term of the scoring and update phases where the device is the host (the
+//! CPU), checked against the machine's RAM beside the plan on a GPU.
+//!
 //! All arithmetic; `prompt-r1 plan` prints it and `prompt-r1 train` refuses to start a run whose
 //! peak does not fit.
 
@@ -89,6 +93,11 @@ impl PlanDevice {
             PlanDevice::CpuKernels => ComputePath::CpuKernels,
             PlanDevice::CpuPortable | PlanDevice::Gpu | PlanDevice::GpuPagedPrefill => ComputePath::Portable,
         }
+    }
+
+    /// Whether the device's memory is the host's (the CPU backends).
+    pub fn is_host(self) -> bool {
+        matches!(self, PlanDevice::CpuKernels | PlanDevice::CpuPortable)
     }
 
     /// The share of the device's memory kept free: on the CPU the caching allocator may hold
@@ -163,6 +172,9 @@ pub struct PlanSettings {
     pub mini_batch: usize,
     /// Episodes in flight at once (`rollout.generation_batch`, at most the step's episodes).
     pub generation_batch: usize,
+    /// Episodes of one step (`rollout.batch_size × rollout.n`): the host holds them all, with
+    /// their tokens and texts, from the rollouts to the update ([`MemoryPlan::host_episodes`]).
+    pub step_episodes: usize,
     /// How the rollouts' decoder is limited (`rollout.max_num_seqs`,
     /// `rollout.max_num_batched_tokens`, `rollout.kv_budget`).
     pub rollout: RolloutLimits,
@@ -205,6 +217,12 @@ impl Default for RolloutLimits {
     }
 }
 
+/// Host bytes a step holds per token of each of its episodes, at the full context: the
+/// trajectory's token ids, loss mask and sampled log-probs (9), the learner's sequence with its
+/// old and reference log-probs (13), and the texts (the context's and the turn records', about 4
+/// bytes a token each), with room for the vectors' growth.
+pub const HOST_BYTES_PER_EPISODE_TOKEN: f64 = 48.0;
+
 /// The default `rollout.max_num_batched_tokens` (vLLM's default with chunked prefill).
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 8192;
 
@@ -240,6 +258,7 @@ impl PlanSettings {
                 .min(config.grpo.mini_batch_size),
             mini_batch: config.grpo.mini_batch_size,
             generation_batch: config.rollout.generation_batch.min(episodes),
+            step_episodes: episodes,
             rollout: RolloutLimits {
                 max_num_seqs: config.rollout.max_num_seqs,
                 max_batched_tokens: config.rollout.max_num_batched_tokens,
@@ -549,13 +568,26 @@ impl MemoryPlan {
             without_checkpointing: update_activations(&settings, false),
             with_checkpointing: update_activations(&settings, true),
         };
-        let phases = vec![rollout_phase(&settings), scoring_phase(&settings), update];
+        let mut phases = vec![rollout_phase(&settings), scoring_phase(&settings), update];
+        if settings.device.is_host() {
+            // The step's episodes, made by the rollouts, are held until the update ends.
+            let episodes = host_episodes_term(&settings);
+            for phase in &mut phases[1..] {
+                phase.terms.push(episodes.clone());
+            }
+        }
         Self {
             settings,
             persistent,
             phases,
             activations,
         }
+    }
+
+    /// The host memory the step's episodes take (held from the rollouts to the update): part of
+    /// the phases on the CPU, beside the device's memory on a GPU.
+    pub fn host_episodes(&self) -> Term {
+        host_episodes_term(&self.settings)
     }
 
     /// The bytes held throughout.
@@ -955,6 +987,14 @@ fn grouped(n: usize) -> String {
     out
 }
 
+/// The step's episodes on the host, at the full context ([`HOST_BYTES_PER_EPISODE_TOKEN`]).
+fn host_episodes_term(s: &PlanSettings) -> Term {
+    Term::new(
+        format!("the step's {} episodes on the host (tokens, log-probs, texts)", grouped(s.step_episodes)),
+        s.step_episodes as f64 * s.context as f64 * HOST_BYTES_PER_EPISODE_TOKEN,
+    )
+}
+
 /// The old and reference log-probs: a micro-batch at a time, without autodiff, on the
 /// policy's weights.
 fn scoring_phase(s: &PlanSettings) -> Phase {
@@ -1257,6 +1297,7 @@ mod tests {
             micro_batch: 2,
             mini_batch: 2,
             generation_batch: 2,
+            step_episodes: 2,
             rollout: RolloutLimits::default(),
             context: 256,
             checkpointing: false,
@@ -1401,6 +1442,27 @@ mod tests {
         let eager = MemoryPlan::new(PlanSettings { attention: AttnImplementation::Eager, ..s });
         println!("eager: peak {} ({})", format_size(eager.peak()), eager.peak_phase().name);
         assert!(eager.peak() > 400 << 30, "eager peak {}", format_size(eager.peak()));
+    }
+
+    /// The step's episodes are held on the host from the rollouts to the update: on the CPU
+    /// they count in the scoring and update phases, on a GPU beside them; an absurd
+    /// `rollout.n` does not fit.
+    #[test]
+    fn the_step_episodes_take_host_memory() {
+        let s = PlanSettings { step_episodes: 640, context: 9216, ..settings(Preset::Qwen3_0_6B) };
+        let plan = MemoryPlan::new(s.clone());
+        let host = plan.host_episodes();
+        assert_eq!(host.bytes, (640.0 * 9216.0 * HOST_BYTES_PER_EPISODE_TOKEN) as u64);
+        assert!(host.name.contains("640 episodes"), "{}", host.name);
+        let holds = |p: &MemoryPlan, phase: usize| p.phases[phase].terms.iter().any(|t| t.name == host.name);
+        assert!(!holds(&plan, 0) && holds(&plan, 1) && holds(&plan, 2));
+        let gpu = MemoryPlan::new(PlanSettings { device: PlanDevice::Gpu, ..s.clone() });
+        assert!((0..3).all(|phase| !holds(&gpu, phase)));
+        assert_eq!(gpu.host_episodes(), host);
+        // rollout.n = 100,000,000 on two questions: petabytes, which no machine holds.
+        let absurd = MemoryPlan::new(PlanSettings { step_episodes: 200_000_000, ..s });
+        assert!(!absurd.check(1 << 40).fits);
+        assert!(absurd.largest_terms(1)[0].name.contains("200,000,000 episodes"));
     }
 
     #[test]
