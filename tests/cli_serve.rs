@@ -93,6 +93,48 @@ fn health_models_and_unknown_routes() {
         assert_eq!((reply.status, reply.header("allow"), reply.body.as_str()), (200, Some(allow), ""), "OPTIONS {path}");
     }
     assert_eq!(harness::request(&server.addr, "OPTIONS", "/nope", None).status, 404);
+    // No origin is allowed by default: a page of another site cannot read the replies.
+    let from_page = [("Origin", "http://app.example"), ("Access-Control-Request-Method", "POST")];
+    let reply = harness::request_with_headers(&server.addr, "OPTIONS", "/v1/chat/completions", None, &from_page);
+    assert_eq!((reply.status, reply.header("access-control-allow-origin")), (200, None));
+}
+
+/// `--allowed-origins` lets the named sites' pages call the server (CORS, as vLLM's flag): a
+/// browser's preflight learns what a route takes, even with an API key, and every reply to such
+/// a page says it may read it; other origins get no such header.
+#[test]
+fn allowed_origins_answer_browsers() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start_with_env(
+        &harness::tiny_model(dir.path()),
+        &["--allowed-origins", "http://app.example,http://localhost:3000"],
+        &[("PROMPT_R1_API_KEY", "k")],
+    );
+    let preflight = [
+        ("Origin", "http://app.example"),
+        ("Access-Control-Request-Method", "POST"),
+        ("Access-Control-Request-Headers", "authorization, content-type"),
+    ];
+    let reply = harness::request_with_headers(&server.addr, "OPTIONS", "/v1/chat/completions", None, &preflight);
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("access-control-allow-origin"), Some("http://app.example"));
+    assert_eq!(reply.header("access-control-allow-methods"), Some("POST, OPTIONS"));
+    assert_eq!(reply.header("access-control-allow-headers"), Some("authorization, content-type"));
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+    let answered = harness::request_with_headers(
+        &server.addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body),
+        &[("Origin", "http://localhost:3000"), ("Authorization", "Bearer k")],
+    );
+    assert_eq!(answered.status, 200, "{}", answered.body);
+    assert_eq!(answered.header("access-control-allow-origin"), Some("http://localhost:3000"));
+    // A refusal says so to the page too, so that it can read why.
+    let refused = harness::request_with_headers(&server.addr, "POST", "/v1/chat/completions", Some(&body), &[("Origin", "http://app.example")]);
+    assert_eq!((refused.status, refused.header("access-control-allow-origin")), (401, Some("http://app.example")));
+    let other = harness::request_with_headers(&server.addr, "GET", "/health", None, &[("Origin", "https://elsewhere.example")]);
+    assert_eq!((other.status, other.header("access-control-allow-origin")), (200, None));
 }
 
 #[test]

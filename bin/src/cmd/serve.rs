@@ -97,6 +97,11 @@ pub struct Args {
     /// weights' dtype; 0 turns the prefix cache off. Running requests are not bounded by it.
     #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = memory_size)]
     pub prefix_cache_memory: u64,
+    /// Origins whose browser pages may call the server (CORS; vLLM's --allowed-origins), e.g.
+    /// http://localhost:3000, comma-separated; `*` allows any site's pages. Default: none, so a
+    /// page of another site cannot read the replies (other clients are not concerned).
+    #[arg(long, value_name = "ORIGIN,...", value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
 }
 
 /// A memory size in bytes (`trainer::plan::parse_size`), or 0.
@@ -166,6 +171,7 @@ impl OnBackend for Args {
             merge_lora: self.merge_lora,
             limits: limits(&self),
             prefix_cache_memory: self.prefix_cache_memory,
+            allowed_origins: self.allowed_origins.clone(),
         };
         let served = Served {
             model,

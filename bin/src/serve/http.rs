@@ -29,9 +29,14 @@ pub fn handle(request: Request, responder: Responder, shared: &Shared) {
     let path = request.path.as_str();
     if let Some(allow) = allowed_methods(path) {
         if method == "OPTIONS" {
-            // What the route takes, before the key: a client asks without one.
+            // What the route takes, before the key: a client (a browser's preflight) asks
+            // without one.
+            let responder = responder.with_headers(shared.allowed_origins.preflight_headers(&request, allow));
             return responder.send_with_headers(200, "text/plain; charset=utf-8", &[("allow", allow), SERVER_HEADER], Vec::new());
         }
+    }
+    let responder = responder.with_headers(shared.allowed_origins.reply_headers(&request));
+    if let Some(allow) = allowed_methods(path) {
         if !allow.split(", ").any(|m| m == method) {
             let err = ApiError::method_not_allowed(method, path);
             return responder.send_with_headers(err.status, "application/json", &[("allow", allow), SERVER_HEADER], err.body().to_string().into_bytes());

@@ -105,8 +105,6 @@ pub struct Request {
 
 impl Request {
     /// The first header of this name (any case).
-    // serve does not use this; tests/serve_listener.rs does.
-    #[allow(dead_code)]
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
@@ -133,9 +131,17 @@ enum Reply {
 /// A responder dropped without either is answered 500.
 pub struct Responder {
     reply: oneshot::Sender<Reply>,
+    /// Headers every answer carries besides its own (e.g. CORS's).
+    extra: Vec<(String, String)>,
 }
 
 impl Responder {
+    /// This responder, every answer of which also carries `headers`.
+    pub fn with_headers(mut self, headers: Vec<(String, String)>) -> Self {
+        self.extra.extend(headers);
+        self
+    }
+
     /// Answers with a whole body.
     // serve does not use this; tests/serve_listener.rs does.
     #[allow(dead_code)]
@@ -151,7 +157,8 @@ impl Responder {
         headers: &[(&str, &str)],
         body: Vec<u8>,
     ) {
-        let headers = with_content_type(content_type, headers);
+        let mut headers = with_content_type(content_type, headers);
+        headers.extend(self.extra);
         // An Err means the client is gone: nothing to answer.
         let _ = self.reply.send(Reply::Full {
             status,
@@ -176,7 +183,8 @@ impl Responder {
         headers: &[(&str, &str)],
     ) -> Stream {
         let (sender, receiver) = chunks::channel(STREAM_CHANNEL_CHUNKS);
-        let headers = with_content_type(content_type, headers);
+        let mut headers = with_content_type(content_type, headers);
+        headers.extend(self.extra);
         // When the client is gone the receiver is dropped here, and every write fails.
         let _ = self.reply.send(Reply::Stream {
             status,
@@ -793,7 +801,7 @@ async fn answer(
     let (reply, replied) = oneshot::channel();
     let job = Job {
         request,
-        responder: Responder { reply },
+        responder: Responder { reply, extra: Vec::new() },
     };
     if shared.queue.try_send(job).is_err() {
         let message = "The server is busy: too many requests are waiting. Retry later.";

@@ -14,6 +14,7 @@
 
 mod completions;
 mod control;
+mod cors;
 mod engine;
 mod error;
 mod http;
@@ -62,6 +63,8 @@ pub struct Settings {
     pub limits: Limits,
     /// Bytes of KV cache the prefix cache may hold (0: no prefix cache).
     pub prefix_cache_memory: u64,
+    /// Origins whose browser pages may read the replies (`--allowed-origins`; `*` for any).
+    pub allowed_origins: Vec<String>,
 }
 
 /// The model being served: the worker owns it, and may replace its weights at run time.
@@ -90,6 +93,7 @@ pub(crate) struct Shared<'m> {
     defaults: Sampling,
     quiet: bool,
     api_key: Option<String>,
+    allowed_origins: cors::AllowedOrigins,
     /// The policy's parts as the worker last published them.
     models: Mutex<Models>,
     work: Sender<Work>,
@@ -130,6 +134,7 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         defaults: settings.defaults.clone(),
         quiet: settings.quiet,
         api_key: settings.api_key.clone(),
+        allowed_origins: cors::AllowedOrigins::new(settings.allowed_origins.clone()),
         models: Mutex::new(Models {
             base_root: served.root.clone(),
             ..Models::default()
