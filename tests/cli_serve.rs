@@ -358,7 +358,7 @@ fn answer(server: &Server, request: &Value) -> (String, String, u64) {
 /// different lengths, different token limits, some streamed), get the answers each request gets
 /// alone, whether all of them decode together or at most 8 at a time (the others joining the
 /// running batch as rows end), on the CPU kernels and on burn's portable ops (tokens chosen on
-/// the device). The model's weights are scaled so that its greedy text depends on the whole
+/// the device), and with steps of 16 tokens (prompts prefilled in chunks over several steps). The model's weights are scaled so that its greedy text depends on the whole
 /// prompt and on every token before it.
 #[test]
 fn concurrent_requests_answer_as_alone() {
@@ -388,7 +388,10 @@ fn concurrent_requests_answer_as_alone() {
     );
     let eight = Server::start(&model, &["--max-batch", "8"]);
     let portable = Server::start_with_env(&model, &["--max-batch", "8"], &[("PROMPT_R1_PORTABLE_OPS", "1")]);
-    for server in [&everyone, &eight, &portable] {
+    // Steps of at most 16 tokens: every prompt is prefilled in chunks over several steps
+    // while the other rows decode.
+    let chunked = Server::start(&model, &["--max-batch", "8", "--max-num-batched-tokens", "16"]);
+    for server in [&everyone, &eight, &portable, &chunked] {
         let barrier = std::sync::Barrier::new(requests.len());
         let together: Vec<(String, String, u64)> = std::thread::scope(|scope| {
             let handles: Vec<_> = requests
@@ -594,6 +597,18 @@ fn a_client_that_goes_away_does_not_disturb_the_others() {
         assert_eq!(content(&server.chat(&reference).json()), expected);
     }
     assert!(server.is_running());
+}
+
+#[test]
+fn serve_refuses_fewer_step_tokens_than_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--max-batch", "8", "--max-num-batched-tokens", "4"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--max-num-batched-tokens (4) must be at least --max-batch (8)"), "{stderr}");
 }
 
 #[test]

@@ -38,9 +38,14 @@
 //! their uncached tokens beside the running rows' one token each in one pass, the rows' tokens
 //! one after another with no padding (vLLM's mixed batches): a step costs one pass where it
 //! cost a decoding pass and a prefill pass, which on a GPU whose steps are bound by launching
-//! kernels is most of a prefill's cost. Joining tokens beyond `max_batched_tokens` run in
-//! further ragged passes of the same step. Elsewhere (the CPU, burn's ops) the prefill runs
-//! in passes of its own, its rows left-padded to the longest.
+//! kernels is most of a prefill's cost. Elsewhere (the CPU, burn's ops) the prefill runs in a
+//! pass of its own, its rows left-padded to the longest.
+//!
+//! A step runs at most [`DecoderLimits::max_batched_tokens`] tokens (vLLM's chunked prefill):
+//! the running rows' one each first, then the joining sequences' in order while there is room.
+//! A prefill that does not fit goes on at the next steps, ahead of the sequences waiting, while
+//! the running rows go on decoding, so a long prompt or reply never holds them up for more than
+//! a step of that size. With no row running a step goes on until a prefill is done.
 //!
 //! Each pass's rows attend to their own slots: the CPU kernels read them in place, burn's ops
 //! (the GPU path; burn has no paged attention op) get them gathered one layer at a time as
@@ -82,9 +87,10 @@ pub struct DecoderLimits {
     /// A decoding pass runs a token a row, so no more than `max_batched_tokens` rows run
     /// ([`DecoderLimits::rows`]).
     pub max_rows: usize,
-    /// Most positions one pass runs: a prefill pass's rows × new positions with padding, a
-    /// decoding pass's rows, a ragged pass's tokens (vLLM's `max_num_batched_tokens`); longer
-    /// prefills run in chunks, bounding activation memory.
+    /// Most tokens one step runs (vLLM's `max_num_batched_tokens`): the running rows' one each,
+    /// then the joining sequences' (a prefill pass's rows × new positions with padding, where
+    /// it is a pass of its own). Longer prefills run in chunks over the next steps, beside the
+    /// decoding rows, bounding activation memory and each step's time.
     pub max_batched_tokens: usize,
     /// Most KV positions the pool holds per layer, in blocks of [`BLOCK_SIZE`]: every running and
     /// parked sequence's blocks and one block of scratch; `None`: no limit. A position of Qwen3
@@ -169,6 +175,10 @@ enum Place {
     Running,
     /// Waiting to join.
     Queued,
+    /// Joined with more tokens to prefill than its steps had room for (see
+    /// [`DecoderLimits::max_batched_tokens`]): the next steps go on with the rest, ahead of the
+    /// sequences waiting to join.
+    Prefilling,
     /// Out of the batch (its caller is busy with it).
     Parked,
 }
@@ -331,6 +341,8 @@ pub struct Decoder<B: Backend> {
     queue: VecDeque<SequenceId>,
     /// The running sequences, in the order they joined.
     running: Vec<SequenceId>,
+    /// The sequences whose prefill goes on at the next step, in the order they joined.
+    prefilling: Vec<SequenceId>,
     /// The pools of keys and values (`None` while no sequence has been run).
     cache: Option<KvCache<B>>,
     pool: BlockPool,
@@ -350,6 +362,7 @@ impl<B: Backend> Decoder<B> {
             sequences: BTreeMap::new(),
             queue: VecDeque::new(),
             running: Vec::new(),
+            prefilling: Vec::new(),
             cache: None,
             pool: BlockPool::default(),
             prefixes: PrefixIndex::default(),
@@ -384,14 +397,14 @@ impl<B: Backend> Decoder<B> {
         self.sequences.get(&id).map(|s| s.cached)
     }
 
-    /// Whether a step would have nothing to run (no sequence running or waiting).
+    /// Whether a step would have nothing to run (no sequence running, prefilling or waiting).
     pub fn is_idle(&self) -> bool {
-        self.queue.is_empty() && self.running.is_empty()
+        self.queue.is_empty() && self.running.is_empty() && self.prefilling.is_empty()
     }
 
-    /// Sequences waiting to join.
+    /// Sequences waiting to join, and those joined whose prefill is not done.
     pub fn waiting(&self) -> usize {
-        self.queue.len()
+        self.queue.len() + self.prefilling.len()
     }
 
     /// KV positions the pool holds now (per layer): the blocks of every sequence, free blocks
@@ -473,6 +486,7 @@ impl<B: Backend> Decoder<B> {
         match std::mem::replace(&mut sequence.place, Place::Parked) {
             Place::Queued => self.queue.retain(|&q| q != id),
             Place::Running => self.running.retain(|&r| r != id),
+            Place::Prefilling => self.prefilling.retain(|&r| r != id),
             Place::Parked => {}
         }
         self.shrink_pool();
@@ -485,6 +499,7 @@ impl<B: Backend> Decoder<B> {
         let sequence = self.sequences.remove(&id)?;
         match sequence.place {
             Place::Running => self.running.retain(|&r| r != id),
+            Place::Prefilling => self.prefilling.retain(|&r| r != id),
             Place::Queued => self.queue.retain(|&q| q != id),
             Place::Parked => {}
         }
@@ -569,8 +584,11 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// One step: makes room within the budget, decodes every running sequence one position,
-    /// prefills the sequences that join (in chunks of at most `max_batched_tokens`), and
-    /// returns the next-token logits of all of them. `None` when nothing is running or waiting.
+    /// prefills the sequences that join, at most `max_batched_tokens` tokens in all (the
+    /// running rows' first), and returns the next-token logits of the running sequences and of
+    /// those whose prefill is done. A prefill that does not fit goes on at the next steps, while
+    /// the running rows decode (vLLM's chunked prefill); when no row is running the step goes on
+    /// until one sequence's prefill is done. `None` when nothing is running or waiting.
     ///
     /// After a step, every sequence it returned must be accepted, parked or finished before
     /// the next. A sequence preempted for room is not returned until it has rejoined.
@@ -584,24 +602,31 @@ impl<B: Backend> Decoder<B> {
                 )));
             }
         }
-        self.make_room_to_decode()?;
         let ragged = self.limits.ragged_passes && model.base().takes_ragged_passes();
-        let admitted = self.admit(ragged)?;
-        let out = if !admitted.is_empty() && ragged {
-            Some(self.ragged_step(model, admitted))
-        } else {
-            let decoded = self.decode_running(model);
-            let prefilled = (!admitted.is_empty()).then(|| self.prefill(model, admitted));
-            match (decoded, prefilled) {
-                (None, None) => None,
-                (Some(a), None) | (None, Some(a)) => Some(a),
-                (Some(mut a), Some(b)) => {
-                    a.ids.extend(b.ids);
-                    Some(StepLogits {
-                        ids: a.ids,
-                        logits: Tensor::cat(vec![a.logits, b.logits], 0),
-                    })
+        let out = loop {
+            self.make_room_to_decode()?;
+            let admitted = self.admit(ragged)?;
+            let out = if !admitted.is_empty() && ragged {
+                self.ragged_step(model, admitted)
+            } else {
+                let decoded = self.decode_running(model);
+                let prefilled = if admitted.is_empty() { None } else { self.prefill(model, admitted) };
+                match (decoded, prefilled) {
+                    (None, None) => None,
+                    (Some(a), None) | (None, Some(a)) => Some(a),
+                    (Some(mut a), Some(b)) => {
+                        a.ids.extend(b.ids);
+                        Some(StepLogits {
+                            ids: a.ids,
+                            logits: Tensor::cat(vec![a.logits, b.logits], 0),
+                        })
+                    }
                 }
+            };
+            // Nothing returned while prefills go on: no row was running, so no caller waits on
+            // a token; the step goes on with them.
+            if out.is_some() || self.prefilling.is_empty() {
+                break out;
             }
         };
         self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
@@ -637,7 +662,7 @@ impl<B: Backend> Decoder<B> {
 
     /// The sequences out of the batch (parked or waiting) not among `except`.
     fn out_of_batch<'a>(&'a self, except: &'a [SequenceId]) -> impl Iterator<Item = (&'a SequenceId, &'a Sequence)> {
-        self.sequences.iter().filter(move |(id, s)| !except.contains(id) && s.place != Place::Running)
+        self.sequences.iter().filter(move |(id, s)| !except.contains(id) && matches!(s.place, Place::Queued | Place::Parked))
     }
 
     /// Blocks that dropping the caches of the sequences out of the batch (not among `except`)
@@ -663,18 +688,22 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Keeps the next decode within the budget: drops parked caches, then preempts the newest
-    /// running rows (their tokens kept; they wait to join again, first in line).
+    /// sequences of the batch, those still prefilling first (their tokens kept; they wait to
+    /// join again, first in line).
     fn make_room_to_decode(&mut self) -> Result<(), ModelError> {
         let Some(budget) = self.limits.kv_budget else { return Ok(()) };
         while self.blocks_to_decode() > self.blocks_left() {
             if self.evict_parked(&[]) {
                 continue;
             }
-            if self.running.len() == 1 {
+            if self.running.len() == 1 && self.prefilling.is_empty() {
                 let id = self.running[0];
                 return Err(too_small(budget, id, self.sequences[&id].tokens.len()));
             }
-            let id = self.running.pop().expect("rows are running");
+            let id = match self.prefilling.pop() {
+                Some(id) => id,
+                None => self.running.pop().expect("rows are running"),
+            };
             self.drop_cache(id);
             let steps = self.steps;
             let sequence = self.sequences.get_mut(&id).expect("a row's sequence");
@@ -692,7 +721,8 @@ impl<B: Backend> Decoder<B> {
     /// fill the room left), or the first has waited [`MAX_JOIN_WAIT`] steps. In a ragged step
     /// (`ragged`) they join the decoding rows' pass, so they join at once.
     fn admit(&mut self, ragged: bool) -> Result<Vec<SequenceId>, ModelError> {
-        let mut admitted = Vec::new();
+        // Those prefilling go on first: they hold their blocks already.
+        let mut admitted = std::mem::take(&mut self.prefilling);
         let running = self.running.len();
         if running > 0 && !ragged {
             let room = self.limits.rows().saturating_sub(running).max(1);
@@ -856,8 +886,11 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Runs the uncached tokens of `group` through the model, their newest positions lined up,
-    /// and adds them to the running rows; returns their next-token logits.
-    fn prefill(&mut self, model: &impl CausalLm<B>, group: Vec<SequenceId>) -> StepLogits<B> {
+    /// in one pass of at most the step's room (`max_batched_tokens` less the rows decoded before
+    /// it, rows × new positions with padding): when that holds every row's tokens, adds them to
+    /// the running rows and returns their next-token logits; otherwise the rows go on prefilling
+    /// at the next step (lined up so, they all end together).
+    fn prefill(&mut self, model: &impl CausalLm<B>, group: Vec<SequenceId>) -> Option<StepLogits<B>> {
         let device = model.base().device();
         let n = group.len();
         for &id in &group {
@@ -873,63 +906,67 @@ impl<B: Backend> Decoder<B> {
             .collect();
         let past = lens.iter().map(|l| l.0).max().unwrap_or(0);
         let new = lens.iter().map(|l| l.1).max().unwrap_or(0);
+        // The rows running hold at most `max_rows` ≤ `max_batched_tokens` with the group
+        // (`admit`), so the room holds a position a row.
+        let room = self.limits.max_batched_tokens.saturating_sub(self.running.len());
+        let chunk = (room / n).clamp(1, new);
         // Row `r`'s columns: `past - cached` padding, its cached positions, `new - fresh`
-        // padding, its new positions. `columns[r][c]` is the slot of column `c`.
-        let mut columns: Vec<Vec<usize>> = Vec::with_capacity(n);
-        let mut ids = Vec::with_capacity(n * new);
-        let mut positions = Vec::with_capacity(n * new);
+        // padding, its new positions; this pass runs the first `chunk` of the new ones.
+        let (mut write, mut read) = (Vec::with_capacity(n * chunk), Vec::with_capacity(n * (past + chunk)));
+        let (mut ids, mut positions) = (Vec::with_capacity(n * chunk), Vec::with_capacity(n * chunk));
+        let mut ran = Vec::with_capacity(n);
         for (id, &(cached, fresh)) in group.iter().zip(&lens) {
             let s = &self.sequences[id];
-            let mut row = vec![SCRATCH; past - cached];
-            row.extend((0..cached).map(|p| s.slot(p)));
-            row.extend(std::iter::repeat_n(SCRATCH, new - fresh));
-            row.extend((cached..cached + fresh).map(|p| s.slot(p)));
-            columns.push(row);
-            ids.extend(std::iter::repeat_n(0, new - fresh));
-            ids.extend(s.tokens[cached..].iter().map(|&t| i64::from(t)));
-            positions.extend(std::iter::repeat_n(0, new - fresh));
-            positions.extend((cached..cached + fresh).map(|p| p as i64));
+            let pad = (new - fresh).min(chunk);
+            let real = chunk - pad;
+            read.extend(std::iter::repeat_n(SCRATCH, past - cached));
+            read.extend((0..cached).map(|p| s.slot(p)));
+            read.extend(std::iter::repeat_n(SCRATCH, pad));
+            read.extend((cached..cached + real).map(|p| s.slot(p)));
+            write.extend(std::iter::repeat_n(SCRATCH, pad));
+            write.extend((cached..cached + real).map(|p| s.slot(p)));
+            ids.extend(std::iter::repeat_n(0, pad));
+            ids.extend(s.tokens[cached..cached + real].iter().map(|&t| i64::from(t)));
+            positions.extend(std::iter::repeat_n(0, pad));
+            positions.extend((cached..cached + real).map(|p| p as i64));
+            ran.push(real);
         }
-        let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, new]), &device);
-        let positions = Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [n, new]), &device);
-        let chunk = (self.limits.max_batched_tokens / n).clamp(1, new);
-        let mut last = None;
-        let mut start = 0;
-        while start < new {
-            let end = (start + chunk).min(new);
-            let write = columns.iter().flat_map(|row| row[past + start..past + end].iter().copied()).collect();
-            let read = columns.iter().flat_map(|row| row[..past + end].iter().copied()).collect();
-            let hidden = self.pass(model, ids.clone().narrow(1, start, end - start), positions.clone().narrow(1, start, end - start), (write, read), None);
-            if end == new {
-                // Only the last position's logits are needed: the others would cost a
-                // vocabulary-sized product each.
-                last = Some(model.base().logits(hidden.narrow(1, end - start - 1, 1)));
-            }
-            start = end;
-        }
-        for (&id, &(_, fresh)) in group.iter().zip(&lens) {
+        let hidden = self.pass(
+            model,
+            Tensor::from_data(TensorData::new(ids, [n, chunk]), &device),
+            Tensor::from_data(TensorData::new(positions, [n, chunk]), &device),
+            (write, read),
+            None,
+        );
+        let done = chunk == new;
+        for (&id, &real) in group.iter().zip(&ran) {
             let s = self.sequences.get_mut(&id).expect("a joining sequence");
-            s.cached += fresh;
-            s.place = Place::Running;
-            self.stats.prefill_tokens += fresh as u64;
+            s.cached += real;
+            s.place = if done { Place::Running } else { Place::Prefilling };
+            self.stats.prefill_tokens += real as u64;
             self.index_blocks(id);
         }
+        if !done {
+            self.prefilling = group;
+            return None;
+        }
         self.running.extend(&group);
-        let last = last.expect("a prefill has at least one position");
+        // Only the last position's logits are needed: the others would cost a vocabulary-sized
+        // product each.
+        let last = model.base().logits(hidden.narrow(1, chunk - 1, 1));
         let vocab = last.dims()[2];
-        StepLogits {
+        Some(StepLogits {
             ids: group,
             logits: last.reshape([n, vocab]),
-        }
+        })
     }
 
-    /// One step as ragged passes (vLLM's mixed batches): the running rows' one token each and
-    /// the joining sequences' uncached tokens, one row after another with no padding, at most
-    /// `max_batched_tokens` a pass. Each pass takes the rows' tokens in order (the running rows
-    /// first) while it has room, a row that does not fit whole running the rest in the next
-    /// pass; so rows end in order, and the running rows' logits come first, then the joining
-    /// sequences'.
-    fn ragged_step(&mut self, model: &impl CausalLm<B>, group: Vec<SequenceId>) -> StepLogits<B> {
+    /// One step as one ragged pass (vLLM's mixed batches): the running rows' one token each,
+    /// then the joining sequences' uncached tokens in order while the pass has room
+    /// (`max_batched_tokens`), one row after another with no padding. A sequence whose tokens
+    /// did not all fit goes on prefilling at the next step. Returns the next-token logits of the
+    /// running rows, then of the sequences whose prefill is done; `None` when none is.
+    fn ragged_step(&mut self, model: &impl CausalLm<B>, group: Vec<SequenceId>) -> Option<StepLogits<B>> {
         let device = model.base().device();
         let running = self.running.clone();
         for &id in &running {
@@ -940,86 +977,72 @@ impl<B: Backend> Decoder<B> {
             let len = self.sequences[&id].tokens.len();
             self.grow_sequence(id, len);
         }
-        // (sequence, its next position to run, the end of its positions this step).
-        let mut rows: Vec<(SequenceId, usize, usize)> = running
-            .iter()
-            .map(|id| (*id, self.sequences[id].cached, self.sequences[id].cached + 1))
-            .chain(group.iter().map(|id| (*id, self.sequences[id].cached, self.sequences[id].tokens.len())))
-            .collect();
-        let mut ids = Vec::with_capacity(rows.len());
-        let mut logits = Vec::new();
-        while rows.iter().any(|&(_, next, end)| next < end) {
-            // The rows' positions in order while the pass has room: a row that does not fit
-            // whole runs the rest in the next pass, so rows end in order.
-            let mut room = self.limits.max_batched_tokens.max(1);
-            let mut pass = Vec::new();
-            for (r, &(_, next, end)) in rows.iter().enumerate() {
-                let n = (end - next).min(room);
-                if n > 0 {
-                    room -= n;
-                    pass.push((r, n));
-                }
-            }
-            let width = pass.iter().map(|&(r, n)| rows[r].1 + n).max().expect("a pass runs a row");
-            let (mut tokens, mut positions, mut write, mut read, mut lens) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for &(r, n) in &pass {
-                let (id, next, _) = rows[r];
-                let s = &self.sequences[&id];
-                tokens.extend(s.tokens[next..next + n].iter().map(|&t| i64::from(t)));
-                positions.extend((next..next + n).map(|p| p as i64));
-                write.extend((next..next + n).map(|p| s.slot(p)));
-                read.extend(std::iter::repeat_n(SCRATCH, width - next - n));
-                read.extend((0..next + n).map(|p| s.slot(p)));
-                lens.push(n);
-            }
-            let count = tokens.len();
-            let hidden = self.pass(
-                model,
-                Tensor::from_data(TensorData::new(tokens, [1, count]), &device),
-                Tensor::from_data(TensorData::new(positions, [1, count]), &device),
-                (write, read),
-                Some(&lens),
-            );
-            // The rows whose last position ran: the next-token logits of that position only.
-            let mut ends = Vec::new();
-            let mut at = 0;
-            for &(r, n) in &pass {
-                at += n;
-                rows[r].1 += n;
-                if rows[r].1 == rows[r].2 {
-                    ends.push(at as i64 - 1);
-                    ids.push(rows[r].0);
-                }
-            }
-            if !ends.is_empty() {
-                let k = ends.len();
-                let hidden = match k == count {
-                    true => hidden,
-                    false => hidden.select(1, Tensor::from_data(TensorData::new(ends, [k]), &device)),
-                };
-                let last = model.base().logits(hidden);
-                let vocab = last.dims()[2];
-                logits.push(last.reshape([k, vocab]));
-            }
+        // (sequence, its first position to run, the end of its positions, positions run): the
+        // running rows hold at most `max_rows` ≤ `max_batched_tokens` (`admit`), so all fit.
+        let mut room = self.limits.max_batched_tokens.max(1);
+        let mut rows: Vec<(SequenceId, usize, usize, usize)> = Vec::with_capacity(running.len() + group.len());
+        for (&id, decoding) in running.iter().map(|id| (id, true)).chain(group.iter().map(|id| (id, false))) {
+            let s = &self.sequences[&id];
+            let end = if decoding { s.cached + 1 } else { s.tokens.len() };
+            let n = (end - s.cached).min(room);
+            room -= n;
+            rows.push((id, s.cached, end, n));
         }
-        for &id in &running {
-            self.sequences.get_mut(&id).expect("a row's sequence").cached += 1;
+        let width = rows.iter().map(|&(_, next, _, n)| next + n).max().expect("a pass runs a row");
+        let (mut tokens, mut positions, mut write, mut read, mut lens) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for &(id, next, _, n) in rows.iter().filter(|row| row.3 > 0) {
+            let s = &self.sequences[&id];
+            tokens.extend(s.tokens[next..next + n].iter().map(|&t| i64::from(t)));
+            positions.extend((next..next + n).map(|p| p as i64));
+            write.extend((next..next + n).map(|p| s.slot(p)));
+            read.extend(std::iter::repeat_n(SCRATCH, width - next - n));
+            read.extend((0..next + n).map(|p| s.slot(p)));
+            lens.push(n);
+        }
+        let count = tokens.len();
+        let hidden = self.pass(
+            model,
+            Tensor::from_data(TensorData::new(tokens, [1, count]), &device),
+            Tensor::from_data(TensorData::new(positions, [1, count]), &device),
+            (write, read),
+            Some(&lens),
+        );
+        // The rows whose last position ran: the next-token logits of that position only.
+        let (mut ids, mut ends) = (Vec::new(), Vec::new());
+        let mut at = 0;
+        for (r, &(id, next, end, n)) in rows.iter().enumerate() {
+            at += n;
+            let s = self.sequences.get_mut(&id).expect("a sequence of the step");
+            s.cached += n;
+            if r < running.len() {
+                self.stats.decode_tokens += 1;
+            } else {
+                self.stats.prefill_tokens += n as u64;
+            }
+            if next + n == end {
+                ends.push(at as i64 - 1);
+                ids.push(id);
+                if s.place == Place::Prefilling || s.place == Place::Queued {
+                    s.place = Place::Running;
+                    self.running.push(id);
+                }
+            } else {
+                s.place = Place::Prefilling;
+                self.prefilling.push(id);
+            }
             self.index_blocks(id);
         }
-        self.stats.decode_tokens += running.len() as u64;
-        for &id in &group {
-            let s = self.sequences.get_mut(&id).expect("a joining sequence");
-            self.stats.prefill_tokens += (s.tokens.len() - s.cached) as u64;
-            s.cached = s.tokens.len();
-            s.place = Place::Running;
-            self.index_blocks(id);
+        if ends.is_empty() {
+            return None;
         }
-        self.running.extend(&group);
-        let logits = match logits.len() {
-            1 => logits.pop().expect("one"),
-            _ => Tensor::cat(logits, 0),
+        let k = ends.len();
+        let hidden = match k == count {
+            true => hidden,
+            false => hidden.select(1, Tensor::from_data(TensorData::new(ends, [k]), &device)),
         };
-        StepLogits { ids, logits }
+        let last = model.base().logits(hidden);
+        let vocab = last.dims()[2];
+        Some(StepLogits { ids, logits: last.reshape([k, vocab]) })
     }
 }
 

@@ -186,8 +186,8 @@ pub struct Args {
     /// new shapes: take 3 there for figures without it.
     #[arg(long, default_value_t = 1)]
     pub rollout_runs: usize,
-    /// Most positions of one prefill pass in --rollout (`[rollout] max_num_batched_tokens`, the
-    /// trainer's default): longer prefills run in chunks, as in training.
+    /// Most tokens a decoder step runs in --rollout (`[rollout] max_num_batched_tokens`, the
+    /// trainer's default): longer prefills run in chunks over the next steps, as in training.
     #[arg(long, default_value_t = trainer::plan::DEFAULT_MAX_NUM_BATCHED_TOKENS, requires = "rollout")]
     pub max_num_batched_tokens: usize,
     /// Also time each --rollout batch turn by turn (`[rollout] continuous_batching = false`:

@@ -59,6 +59,13 @@ pub struct Args {
     /// Most requests decoding at once (the others wait and join as rows end).
     #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_batch: u64,
+    /// Most tokens one decoder step runs, the decoding requests' one each first (vLLM's
+    /// --max-num-batched-tokens): a longer prompt is prefilled in chunks over the next steps
+    /// while the other requests go on decoding, so none waits long for its next token. At least
+    /// --max-batch.
+    #[arg(long, value_name = "N", default_value_t = trainer::plan::DEFAULT_MAX_NUM_BATCHED_TOKENS as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_num_batched_tokens: u64,
     /// Completion tokens when a request gives no max_tokens (capped by the context length).
     #[arg(long, value_name = "N", default_value_t = 2048)]
     pub default_max_tokens: usize,
@@ -144,6 +151,13 @@ impl OnBackend for Args {
     type Output = ();
 
     fn run<B: Backend>(self, device: B::Device) -> Result<()> {
+        if self.max_num_batched_tokens < self.max_batch {
+            anyhow::bail!(
+                "--max-num-batched-tokens ({}) must be at least --max-batch ({}): each decoding request runs a token a step",
+                self.max_num_batched_tokens,
+                self.max_batch
+            );
+        }
         let load_options = self.compute.load_options();
         let loaded = LoadedModel::<B>::open(&self.model, &device, load_options)?;
         loaded.require_tokenizer(&self.model, "serve")?;
@@ -162,6 +176,7 @@ impl OnBackend for Args {
                 .clone()
                 .unwrap_or_else(|| dir_name(&self.model)),
             max_batch: self.max_batch as usize,
+            max_batched_tokens: usize::try_from(self.max_num_batched_tokens).unwrap_or(usize::MAX),
             default_max_tokens: self.default_max_tokens.max(1),
             enable_thinking: !self.no_thinking,
             defaults: sampling_defaults(&self.model)?,

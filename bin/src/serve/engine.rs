@@ -148,6 +148,9 @@ pub struct Engine<'m, B: Backend> {
     pub stop_ids: Vec<u32>,
     /// Most rows decoding at once; later requests wait for a row to end.
     pub max_batch: usize,
+    /// Most tokens a decoder step runs (a long prompt is prefilled over several steps while
+    /// the other rows decode).
+    pub max_batched_tokens: usize,
     /// Where the handlers see the policy's parts; updated after every change.
     pub models: &'m Mutex<Models>,
     /// Most KV positions the prefix cache holds (0: no prefix cache).
@@ -170,6 +173,7 @@ impl<B: Backend> Engine<'_, B> {
     pub fn run(&mut self, work: &Receiver<Work>) {
         let limits = DecoderLimits {
             max_rows: self.max_batch.max(1),
+            max_batched_tokens: self.max_batched_tokens.max(1),
             ..DecoderLimits::default()
         };
         let mut running = Running {
@@ -495,6 +499,7 @@ mod tests {
             tokenizer,
             stop_ids: Vec::new(),
             max_batch: 2,
+            max_batched_tokens: usize::MAX,
             models,
             prefix_cache: 0,
         }

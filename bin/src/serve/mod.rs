@@ -46,6 +46,8 @@ pub struct Settings {
     pub port: u16,
     pub model_name: String,
     pub max_batch: usize,
+    /// Most tokens a decoder step runs (`--max-num-batched-tokens`).
+    pub max_batched_tokens: usize,
     pub default_max_tokens: usize,
     pub enable_thinking: bool,
     /// Sampling used when a request leaves a parameter out (by default OpenAI's: temperature
@@ -158,6 +160,7 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         tokenizer: served.tokenizer,
         stop_ids: served.stop_ids,
         max_batch: settings.max_batch,
+        max_batched_tokens: settings.max_batched_tokens,
         models: &shared.models,
         prefix_cache,
     };

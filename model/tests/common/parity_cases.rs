@@ -411,6 +411,50 @@ fn the_token_bound_holds_for_every_pass() {
     assert!(unbounded.largest_pass >= 16, "{}", unbounded.largest_pass);
 }
 
+/// A prefill longer than a step's `max_batched_tokens` goes on over several steps (vLLM's
+/// chunked prefill) while the running rows decode a token at every one of them, and each step
+/// runs at most that many tokens; every returned row still equals recomputation. With no row
+/// running, a step goes on until a prefill is done (a step returns something while any
+/// sequence is in the decoder).
+#[test]
+fn a_long_prefill_goes_on_over_steps_while_rows_decode() {
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    let vocab = model.config.vocab_size as u32;
+    let prompt = |seed: u32, len: u32| -> Vec<u32> { (0..len).map(|i| (seed * 31 + i * 7) % vocab).collect() };
+    for ragged_passes in [true, false] {
+        let name = format!("ragged passes {ragged_passes}");
+        let mut decoder = Decoder::<B>::new(DecoderLimits { max_batched_tokens: 8, ragged_passes, ..DecoderLimits::default() });
+        let mut worst = 0.0f32;
+        // Alone, a 20-token prompt takes three passes of at most 8 tokens, in one step.
+        decoder.add(&model, 0, prompt(1, 20)).unwrap();
+        let first = checked_step(&model, &mut decoder, &mut worst);
+        assert_eq!(first.iter().map(|c| c.0).collect::<Vec<_>>(), [0], "{name}");
+        assert_eq!(decoder.stats().passes, 3, "{name}");
+        decoder.accept(0, first[0].1).unwrap();
+        // A 40-token prompt joins beside it: 7 of its tokens a step beside row 0's one.
+        decoder.add(&model, 1, prompt(2, 40)).unwrap();
+        let mut steps_before_joining = 0;
+        loop {
+            let chosen = checked_step(&model, &mut decoder, &mut worst);
+            assert_eq!(chosen.first().map(|c| c.0), Some(0), "{name}: row 0 decodes at every step");
+            for &(id, token) in &chosen {
+                decoder.accept(id, token).unwrap();
+            }
+            if chosen.iter().any(|c| c.0 == 1) {
+                break;
+            }
+            steps_before_joining += 1;
+            assert!(decoder.waiting() == 1 && steps_before_joining < 10, "{name}");
+        }
+        assert_eq!(steps_before_joining, 40usize.div_ceil(7) - 1, "{name}");
+        let stats = decoder.stats();
+        assert!(stats.largest_pass <= 8, "{name}: a pass ran {} positions", stats.largest_pass);
+        assert_eq!(stats.prefill_tokens, 60, "{name}");
+        assert!(worst < ATOL, "{name}: kept-cache logits differ from recomputation by {worst}");
+    }
+}
+
 /// Nine sequences of different lengths that leave (finished or parked) one at a time and one
 /// that joins: a parked sequence keeps its blocks (nothing copied, nothing held twice) until it
 /// rejoins with a reply, and every returned row still equals recomputation.

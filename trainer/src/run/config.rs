@@ -181,9 +181,9 @@ pub struct RolloutSection {
     /// join as rows come free. The KV memory still follows `generation_batch`: episodes
     /// waiting on the environment keep their caches. Unset: `generation_batch`.
     pub max_num_seqs: Option<usize>,
-    /// Most positions one prefill pass runs, rows × new tokens (vLLM's
-    /// `max_num_batched_tokens`): longer prefills run in chunks, which bounds the rollouts'
-    /// activation memory.
+    /// Most tokens one decoder step runs, the decoding episodes' one each first (vLLM's
+    /// `max_num_batched_tokens`): longer prefills run in chunks over the next steps while the
+    /// others decode, which bounds the rollouts' activation memory. At least `max_num_seqs`.
     pub max_num_batched_tokens: usize,
     /// Most memory the rollouts' KV cache holds (e.g. "24GiB"): its paged pool, the blocks of
     /// episodes waiting on the environment and free blocks included; episodes wait to join, and the newest are
