@@ -588,11 +588,25 @@ impl<B: Backend> Decoder<B> {
     /// running rows' first), and returns the next-token logits of the running sequences and of
     /// those whose prefill is done. A prefill that does not fit goes on at the next steps, while
     /// the running rows decode (vLLM's chunked prefill); when no row is running the step goes on
-    /// until one sequence's prefill is done. `None` when nothing is running or waiting.
+    /// until one sequence's prefill is done ([`Decoder::step_once`] returns after each). `None`
+    /// when nothing is running or waiting.
     ///
     /// After a step, every sequence it returned must be accepted, parked or finished before
     /// the next. A sequence preempted for room is not returned until it has rejoined.
     pub fn step(&mut self, model: &impl CausalLm<B>) -> Result<Option<StepLogits<B>>, ModelError> {
+        loop {
+            let out = self.step_once(model)?;
+            if out.is_some() || self.prefilling.is_empty() {
+                return Ok(out);
+            }
+        }
+    }
+
+    /// [`Decoder::step`], but one step only: `None` also when no row was running and the
+    /// prefills it ran are not done yet ([`Decoder::is_idle`] tells the two apart). For a caller
+    /// that adds sequences between steps as they come (a server), so that a long prefill does
+    /// not keep them waiting.
+    pub fn step_once(&mut self, model: &impl CausalLm<B>) -> Result<Option<StepLogits<B>>, ModelError> {
         self.steps += 1;
         for id in &self.running {
             let s = &self.sequences[id];
@@ -602,31 +616,24 @@ impl<B: Backend> Decoder<B> {
                 )));
             }
         }
+        self.make_room_to_decode()?;
         let ragged = self.limits.ragged_passes && model.base().takes_ragged_passes();
-        let out = loop {
-            self.make_room_to_decode()?;
-            let admitted = self.admit(ragged)?;
-            let out = if !admitted.is_empty() && ragged {
-                self.ragged_step(model, admitted)
-            } else {
-                let decoded = self.decode_running(model);
-                let prefilled = if admitted.is_empty() { None } else { self.prefill(model, admitted) };
-                match (decoded, prefilled) {
-                    (None, None) => None,
-                    (Some(a), None) | (None, Some(a)) => Some(a),
-                    (Some(mut a), Some(b)) => {
-                        a.ids.extend(b.ids);
-                        Some(StepLogits {
-                            ids: a.ids,
-                            logits: Tensor::cat(vec![a.logits, b.logits], 0),
-                        })
-                    }
+        let admitted = self.admit(ragged)?;
+        let out = if !admitted.is_empty() && ragged {
+            self.ragged_step(model, admitted)
+        } else {
+            let decoded = self.decode_running(model);
+            let prefilled = if admitted.is_empty() { None } else { self.prefill(model, admitted) };
+            match (decoded, prefilled) {
+                (None, None) => None,
+                (Some(a), None) | (None, Some(a)) => Some(a),
+                (Some(mut a), Some(b)) => {
+                    a.ids.extend(b.ids);
+                    Some(StepLogits {
+                        ids: a.ids,
+                        logits: Tensor::cat(vec![a.logits, b.logits], 0),
+                    })
                 }
-            };
-            // Nothing returned while prefills go on: no row was running, so no caller waits on
-            // a token; the step goes on with them.
-            if out.is_some() || self.prefilling.is_empty() {
-                break out;
             }
         };
         self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
@@ -721,8 +728,13 @@ impl<B: Backend> Decoder<B> {
     /// fill the room left), or the first has waited [`MAX_JOIN_WAIT`] steps. In a ragged step
     /// (`ragged`) they join the decoding rows' pass, so they join at once.
     fn admit(&mut self, ragged: bool) -> Result<Vec<SequenceId>, ModelError> {
-        // Those prefilling go on first: they hold their blocks already.
+        // Those prefilling go on first: they hold their blocks already. Outside ragged passes
+        // no other joins them: a padded prefill's rows end together, so a short prompt would
+        // wait for the long one's last chunk, and its padding would cost every chunk a row.
         let mut admitted = std::mem::take(&mut self.prefilling);
+        if !ragged && !admitted.is_empty() {
+            return Ok(admitted);
+        }
         let running = self.running.len();
         if running > 0 && !ragged {
             let room = self.limits.rows().saturating_sub(running).max(1);

@@ -331,7 +331,8 @@ impl<B: Backend> Engine<'_, B> {
             .policy
             .model(variant.as_deref())
             .ok_or_else(|| format!("the LoRA adapter {variant:?} is no longer loaded"))?;
-        let Some(step) = decoder.step(&model).map_err(|err| err.to_string())? else {
+        // One step at a time, so that requests arriving during a long prefill join at the next.
+        let Some(step) = decoder.step_once(&model).map_err(|err| err.to_string())? else {
             return Ok(());
         };
         let tokens = {
