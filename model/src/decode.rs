@@ -1000,7 +1000,7 @@ impl<B: Backend> Decoder<B> {
             room -= n;
             rows.push((id, s.cached, end, n));
         }
-        let width = rows.iter().map(|&(_, next, _, n)| next + n).max().expect("a pass runs a row");
+        let width = rows.iter().filter(|row| row.3 > 0).map(|&(_, next, _, n)| next + n).max().expect("a pass runs a row");
         let (mut tokens, mut positions, mut write, mut read, mut lens) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for &(id, next, _, n) in rows.iter().filter(|row| row.3 > 0) {
             let s = &self.sequences[&id];
