@@ -140,7 +140,8 @@ pub struct DecoderStats {
     /// Positions sequences took from other sequences' blocks instead of prefilling them
     /// ([`DecoderLimits::share_prefixes`]).
     pub shared_prefix_tokens: u64,
-    /// Running sequences whose cache was dropped to stay within the KV budget.
+    /// Sequences of the batch (running, or part-way through their prefill) whose cache was
+    /// dropped to stay within the KV budget.
     pub preemptions: u64,
     /// Parked caches dropped to make room.
     pub evictions: u64,
@@ -153,7 +154,8 @@ pub struct DecoderStats {
     /// pass no paged-attention kernel is registered for (the CPU kernels and a GPU's kernel read
     /// only each row's own positions where they lie).
     pub attention_columns: u64,
-    /// Forward passes run: a step's decoding pass, its prefill chunks, or its ragged passes.
+    /// Forward passes run: a step's decoding pass and prefill pass, or its ragged pass (more
+    /// where a step with no row running goes on until a prefill is done).
     pub passes: u64,
     /// Most positions one pass ran (rows × new positions with padding, or a ragged pass's
     /// tokens): at most [`DecoderLimits::max_batched_tokens`].
@@ -725,8 +727,9 @@ impl<B: Backend> Decoder<B> {
     /// Takes waiting sequences into this step while rows and the budget allow. Outside ragged
     /// passes each group that joins costs a prefill pass of its own, so while rows are running
     /// the waiting ones join in groups: once they are [`JOIN_FRACTION`] of the running rows (or
-    /// fill the room left), or the first has waited [`MAX_JOIN_WAIT`] steps. In a ragged step
-    /// (`ragged`) they join the decoding rows' pass, so they join at once.
+    /// fill the room left), or the first has waited [`MAX_JOIN_WAIT`] steps; and not while a
+    /// padded prefill is still going on. In a ragged step (`ragged`) they join the decoding
+    /// rows' pass at once, while it has room for some of their tokens.
     fn admit(&mut self, ragged: bool) -> Result<Vec<SequenceId>, ModelError> {
         // Those prefilling go on first: they hold their blocks already. Outside ragged passes
         // no other joins them: a padded prefill's rows end together, so a short prompt would
@@ -746,8 +749,13 @@ impl<B: Backend> Decoder<B> {
         }
         // Blocks this step takes already: the running rows' next positions.
         let mut taken = self.blocks_to_decode();
+        // Tokens this step runs already (a ragged pass's): the running rows' one each, then the
+        // prefills going on. A sequence joins only where some of its tokens run now: it takes
+        // its blocks on joining.
+        let uncached = |s: &Sequence| s.tokens.len() - s.cached;
+        let mut tokens = running + admitted.iter().map(|id| uncached(&self.sequences[id])).sum::<usize>();
         while let Some(&id) = self.queue.front() {
-            if running + admitted.len() >= self.limits.rows() {
+            if running + admitted.len() >= self.limits.rows() || (ragged && tokens >= self.limits.max_batched_tokens) {
                 break;
             }
             let s = &self.sequences[&id];
@@ -785,6 +793,7 @@ impl<B: Backend> Decoder<B> {
                 s.blocks = shared;
                 self.stats.shared_prefix_tokens += s.cached as u64;
             }
+            tokens += uncached(&self.sequences[&id]);
             admitted.push(id);
         }
         Ok(admitted)
@@ -918,7 +927,7 @@ impl<B: Backend> Decoder<B> {
             .collect();
         let past = lens.iter().map(|l| l.0).max().unwrap_or(0);
         let new = lens.iter().map(|l| l.1).max().unwrap_or(0);
-        // The rows running hold at most `max_rows` ≤ `max_batched_tokens` with the group
+        // The rows running hold at most `rows()` ≤ `max_batched_tokens` with the group
         // (`admit`), so the room holds a position a row.
         let room = self.limits.max_batched_tokens.saturating_sub(self.running.len());
         let chunk = (room / n).clamp(1, new);
@@ -990,7 +999,7 @@ impl<B: Backend> Decoder<B> {
             self.grow_sequence(id, len);
         }
         // (sequence, its first position to run, the end of its positions, positions run): the
-        // running rows hold at most `max_rows` ≤ `max_batched_tokens` (`admit`), so all fit.
+        // running rows hold at most `rows()` ≤ `max_batched_tokens` (`admit`), so all fit.
         let mut room = self.limits.max_batched_tokens.max(1);
         let mut rows: Vec<(SequenceId, usize, usize, usize)> = Vec::with_capacity(running.len() + group.len());
         for (&id, decoding) in running.iter().map(|id| (id, true)).chain(group.iter().map(|id| (id, false))) {
