@@ -101,7 +101,6 @@ fn host_fit(plan: &MemoryPlan) -> Option<(String, bool)> {
     Some((line, fits))
 }
 
-
 /// The model's shape, from the model directory's config.json.
 fn model_shape(config: &TrainConfig) -> Result<Qwen3Config> {
     let path = config.model.join("config.json");

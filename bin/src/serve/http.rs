@@ -27,20 +27,17 @@ const CHAT_ROUTE: &str = "/v1/chat/completions";
 pub fn handle(request: Request, responder: Responder, shared: &Shared) {
     let method = request.method.as_str();
     let path = request.path.as_str();
-    if let Some(allow) = allowed_methods(path) {
-        if method == "OPTIONS" {
-            // What the route takes, before the key: a client (a browser's preflight) asks
-            // without one.
-            let responder = responder.with_headers(shared.allowed_origins.preflight_headers(&request, allow));
-            return responder.send_with_headers(200, "text/plain; charset=utf-8", &[("allow", allow), SERVER_HEADER], Vec::new());
-        }
+    let allow = allowed_methods(path);
+    if let (Some(allow), "OPTIONS") = (allow, method) {
+        // What the route takes, before the key: a client (a browser's preflight) asks
+        // without one.
+        let responder = responder.with_headers(shared.allowed_origins.preflight_headers(&request, allow));
+        return responder.send_with_headers(200, "text/plain; charset=utf-8", &[("allow", allow), SERVER_HEADER], Vec::new());
     }
     let responder = responder.with_headers(shared.allowed_origins.reply_headers(&request));
-    if let Some(allow) = allowed_methods(path) {
-        if !allow.split(", ").any(|m| m == method) {
-            let err = ApiError::method_not_allowed(method, path);
-            return responder.send_with_headers(err.status, "application/json", &[("allow", allow), SERVER_HEADER], err.body().to_string().into_bytes());
-        }
+    if let Some(allow) = allow.filter(|allow| !allow.split(", ").any(|m| m == method)) {
+        let err = ApiError::method_not_allowed(method, path);
+        return responder.send_with_headers(err.status, "application/json", &[("allow", allow), SERVER_HEADER], err.body().to_string().into_bytes());
     }
     let guarded = path.starts_with("/v1") || path == control::UPDATE_WEIGHTS_ROUTE;
     if guarded && !authorized(&request, shared.api_key.as_deref()) {
