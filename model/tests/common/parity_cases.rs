@@ -455,6 +455,62 @@ fn a_long_prefill_goes_on_over_steps_while_rows_decode() {
     }
 }
 
+/// Sequences waiting while a long prefill fills every step's tokens take no KV blocks: a
+/// sequence takes its blocks when it joins, so it joins only where some of its tokens run in
+/// that step. Checked against a decoder without the waiting ones, step for step: the positions
+/// held are the same until the prefill is done. (Outside ragged passes nothing joins during a
+/// prefill; in a ragged pass the waiting ones used to join, holding their whole prompts' blocks
+/// while none of their tokens ran.)
+#[test]
+fn waiting_sequences_take_no_blocks_while_a_prefill_fills_the_steps() {
+    let Some(fx) = fixture("tiny") else { return };
+    let model = load(&fx.dir);
+    let vocab = model.config.vocab_size as u32;
+    let prompt = |seed: u32, len: u32| -> Vec<u32> { (0..len).map(|i| (seed * 31 + i * 7) % vocab).collect() };
+    for ragged_passes in [true, false] {
+        let name = format!("ragged passes {ragged_passes} (taken: {})", model.takes_ragged_passes());
+        let limits = DecoderLimits { max_batched_tokens: 8, ragged_passes, ..DecoderLimits::default() };
+        let (mut with_waiting, mut alone) = (Decoder::<B>::new(limits.clone()), Decoder::<B>::new(limits));
+        let mut worst = 0.0f32;
+        for decoder in [&mut with_waiting, &mut alone] {
+            decoder.add(&model, 0, prompt(1, 5)).unwrap();
+            let first = checked_step(&model, decoder, &mut worst);
+            decoder.accept(0, first[0].1).unwrap();
+            decoder.add(&model, 1, prompt(2, 40)).unwrap();
+            // Sequence 1 takes its first 7 tokens beside row 0's one.
+            let chosen = checked_step(&model, decoder, &mut worst);
+            assert_eq!(chosen.iter().map(|c| c.0).collect::<Vec<_>>(), [0], "{name}");
+            decoder.accept(0, chosen[0].1).unwrap();
+        }
+        for id in 2..6 {
+            with_waiting.add(&model, id, prompt(id as u32 + 2, 30)).unwrap();
+        }
+        let mut prefill_steps = 1;
+        loop {
+            let chosen = checked_step(&model, &mut with_waiting, &mut worst);
+            let reference = checked_step(&model, &mut alone, &mut worst);
+            if chosen.iter().any(|c| c.0 == 1) {
+                break;
+            }
+            prefill_steps += 1;
+            assert!(prefill_steps < 10, "{name}: the 40-token prefill did not end");
+            assert_eq!(chosen, reference, "{name}: only row 0 decodes while sequence 1 prefills");
+            assert_eq!(with_waiting.waiting(), 5, "{name}: sequence 1 prefilling and four waiting");
+            assert_eq!(
+                with_waiting.kv_positions_in_use(),
+                alone.kv_positions_in_use(),
+                "{name}, step {prefill_steps}: the waiting sequences hold KV blocks while none of their tokens run"
+            );
+            for decoder in [&mut with_waiting, &mut alone] {
+                decoder.accept(0, chosen[0].1).unwrap();
+            }
+        }
+        assert_eq!(prefill_steps, 40usize.div_ceil(7) - 1, "{name}");
+        assert!(with_waiting.stats().largest_pass <= 8, "{name}: a pass ran {} positions", with_waiting.stats().largest_pass);
+        assert!(worst < ATOL, "{name}: kept-cache logits differ from recomputation by {worst}");
+    }
+}
+
 /// Nine sequences of different lengths that leave (finished or parked) one at a time and one
 /// that joins: a parked sequence keeps its blocks (nothing copied, nothing held twice) until it
 /// rejoins with a reply, and every returned row still equals recomputation.
