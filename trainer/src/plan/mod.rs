@@ -102,8 +102,12 @@ impl PlanDevice {
 
     /// The share of the device's memory kept free: on the CPU the caching allocator may hold
     /// freed buffers up to a quarter above the peak in use (`cpu_kernels::large_alloc`), so
-    /// the peak may use 1/1.25 = 80% of RAM; on a GPU, CubeCL's memory pools round
-    /// allocations up to their pages and fragment, 10% (not yet measured on a GPU).
+    /// the peak may use 1/1.25 = 80% of RAM; on a GPU, CubeCL's memory pools reserve whole pages
+    /// per size class (on CUDA pages of 1/4096 to 1/16 of the GPU's memory for tensors up to
+    /// 1/32 of it, a quarter of it for larger ones: under a page a class, about 8% when each of
+    /// the smaller classes is in use) and fragment,
+    /// 10% (not yet measured on a GPU). The trainer gives unused pages back between a step's
+    /// phases, so one phase's pages do not stay reserved beside the next's.
     pub fn margin(self) -> f64 {
         match self {
             PlanDevice::CpuKernels | PlanDevice::CpuPortable => 0.2,

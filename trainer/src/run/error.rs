@@ -42,6 +42,9 @@ pub enum TrainError {
     /// took the new policy.
     #[error("rollout servers: {0}")]
     Servers(String),
+    /// The device reported a failure of work already queued (a GPU backend's execution error).
+    #[error("the device failed: {0}")]
+    Device(String),
 }
 
 impl TrainError {

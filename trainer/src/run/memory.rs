@@ -1,5 +1,23 @@
 //! Peak resident memory of this process (Linux `/proc`; `None` elsewhere), for the metrics of a
-//! run and for benchmarks.
+//! run and for benchmarks; and the device's unused memory given back between a step's phases.
+
+use burn::tensor::backend::Backend;
+
+use super::TrainError;
+
+/// Gives the device back the memory pages no tensor uses any more, as verl empties PyTorch's
+/// cache after its rollouts. CubeCL's pools (the GPU backends) keep a freed page for later
+/// allocations of its size class, and their classes are wide (on CUDA one tensor of a few GB
+/// holds a page of a quarter of the GPU's memory), so without this the rollouts' KV pages and
+/// the update's activations, of other sizes, would stay reserved together. Queued work runs
+/// first: burn's kernel fusion frees a dropped tensor's buffer only when it runs the operations
+/// before the drop. CubeCL keeps a pool per thread that issues tensor operations; this releases
+/// the calling thread's. Nothing to do on the CPU backend.
+pub fn release_unused_device_memory<B: Backend>(device: &B::Device) -> Result<(), TrainError> {
+    B::sync(device).map_err(|e| TrainError::Device(e.to_string()))?;
+    B::memory_cleanup(device);
+    Ok(())
+}
 
 /// Peak resident set size since start or since the last [`reset_peak_rss`], in MB.
 pub fn peak_rss_mb() -> Option<f64> {

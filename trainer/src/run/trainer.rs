@@ -19,7 +19,7 @@ use super::config::{InferenceDtype, RolloutSection, TrainConfig};
 use super::dynamic_sampling::groups_without_signal;
 use super::error::TrainError;
 use super::learner::{Learner, LearnerSettings, Update};
-use super::memory::{peak_rss_mb, reset_peak_rss};
+use super::memory::{peak_rss_mb, release_unused_device_memory, reset_peak_rss};
 use super::metrics_log::StepRecord;
 use super::reward::{EpisodeScore, EpisodeScorer};
 use super::session::{Resume, RunSession, SessionSettings, SteppedRun};
@@ -363,7 +363,11 @@ impl<B: AutodiffBackend> Trainer<B> {
             .collect();
         let batch = PolicyBatch::new(policy_sequences)?;
         let update = GrpoUpdate { batch: &batch, config: &self.config.grpo };
-        self.learner.update(update, self.config.run.seed, step, &self.device)
+        let stats = self.learner.update(update, self.config.run.seed, step, &self.device)?;
+        // The update's activations and gradients are gone: their pages go back before the
+        // next rollouts.
+        release_unused_device_memory::<B>(&self.device)?;
+        Ok(stats)
     }
 
     /// Greedy episodes on the held-out set with the current policy.
@@ -415,7 +419,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         };
         let episode = self.config.episode.episode_config()?;
         let questions: Vec<&str> = questions.iter().map(AsRef::as_ref).collect();
-        self.engine.rollouts(RolloutBatch {
+        let rolled = self.engine.rollouts(RolloutBatch {
             policy: LoraModel::new(model, adapters),
             tokenizer: &self.tokenizer,
             env,
@@ -426,7 +430,12 @@ impl<B: AutodiffBackend> Trainer<B> {
             // A KV budget must hold the run's longest episode, whichever questions this batch
             // drew, so that a run too long for it stops before its first episode.
             longest_prompt: self.longest_prompt,
-        })
+        });
+        // The episodes' KV caches and the rollouts' copy of the policy are gone: their pages
+        // go back before scoring and the update allocate theirs.
+        drop(copy);
+        release_unused_device_memory::<B>(&self.device)?;
+        rolled
     }
 
     /// Writes a checkpoint of the current state (see the module docs of `checkpoint`).

@@ -282,7 +282,8 @@ pub struct ContinuousAdmission {
 }
 
 /// A GPU's memory during the three measurements of a rollout batch, in MiB: the most held by
-/// live tensors, and the most CubeCL's pool had reserved from the device.
+/// live tensors, and the most CubeCL's pool had reserved from the device. The pool gives its
+/// unused pages back before each measurement, so each counts its own.
 #[derive(Clone, Debug, Serialize)]
 pub struct RolloutMemory {
     pub decode_in_use_mib: f64,
@@ -675,8 +676,17 @@ pub fn measure<B: Backend>(
         .collect();
     let new_tokens = settings.turns * settings.turn_tokens;
     let mib = |m: crate::device::DeviceMemory| (m.in_use as f64 / 1048576.0, m.reserved as f64 / 1048576.0);
-    let memory = || probe.as_ref().map(|p| mib(p.take()));
-    memory();
+    // Each measurement's memory its own: the pages the one before it freed go back to the
+    // device (as `train` gives them back between a step's phases), and the peak starts anew.
+    let device = model.device();
+    let memory = || -> Result<Option<(f64, f64)>> {
+        let Some(probe) = &probe else { return Ok(None) };
+        let peak = mib(probe.take());
+        trainer::run::release_unused_device_memory::<B>(&device)?;
+        probe.take();
+        Ok(Some(peak))
+    };
+    memory()?;
     let (decode_seconds, _) = pure_decode_seconds(model, &prompts, new_tokens, &sampling, settings.runs)?;
     let decode_rate = (decode_rows * (new_tokens - 1)) as f64 / decode_seconds;
 
@@ -721,12 +731,12 @@ pub fn measure<B: Backend>(
     };
     // Re-prefilling every turn is the loop before kept caches: no prefix shared either.
     let timed = |forget: bool, continuous: bool, admission: Admission| timed_sharing(forget, continuous, admission, settings.share_prefixes && !forget);
-    let decode_memory = memory();
+    let decode_memory = memory()?;
     let batches = Admission::Batches(batch);
     let before = timed(true, true, batches);
-    let reprefill_memory = memory();
+    let reprefill_memory = memory()?;
     let TimedRollout { seconds, agent_seconds, counts, prefill_tokens, decoder, steps, trajectories } = timed(false, true, batches);
-    let device_memory = decode_memory.zip(reprefill_memory).zip(memory()).map(|((d, r), k)| RolloutMemory {
+    let device_memory = decode_memory.zip(reprefill_memory).zip(memory()?).map(|((d, r), k)| RolloutMemory {
         decode_in_use_mib: d.0,
         decode_reserved_mib: d.1,
         reprefill_in_use_mib: r.0,
