@@ -105,9 +105,9 @@ impl PlanDevice {
     /// the peak may use 1/1.25 = 80% of RAM; on a GPU, CubeCL's memory pools reserve whole pages
     /// per size class (on CUDA pages of 1/4096 to 1/16 of the GPU's memory for tensors up to
     /// 1/32 of it, a quarter of it for larger ones: under a page a class, about 8% when each of
-    /// the smaller classes is in use) and fragment,
-    /// 10% (not yet measured on a GPU). The trainer gives unused pages back between a step's
-    /// phases, so one phase's pages do not stay reserved beside the next's.
+    /// the smaller classes is in use) and fragment, 10% (not yet measured on a GPU). The
+    /// trainer gives unused pages back between a step's phases, so one phase's pages do not
+    /// stay reserved beside the next's.
     pub fn margin(self) -> f64 {
         match self {
             PlanDevice::CpuKernels | PlanDevice::CpuPortable => 0.2,

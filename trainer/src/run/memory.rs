@@ -7,8 +7,8 @@ use super::TrainError;
 
 /// Gives the device back the memory pages no tensor uses any more, as verl empties PyTorch's
 /// cache after its rollouts. CubeCL's pools (the GPU backends) keep a freed page for later
-/// allocations of its size class, and their classes are wide (on CUDA one tensor of a few GB
-/// holds a page of a quarter of the GPU's memory), so without this the rollouts' KV pages and
+/// allocations of its size class, and their classes are wide (on CUDA a tensor above 1/32 of
+/// the GPU's memory holds a page of a quarter of it), so without this the rollouts' KV pages and
 /// the update's activations, of other sizes, would stay reserved together. Queued work runs
 /// first: burn's kernel fusion frees a dropped tensor's buffer only when it runs the operations
 /// before the drop. CubeCL keeps a pool per thread that issues tensor operations; this releases
