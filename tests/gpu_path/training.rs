@@ -4,9 +4,10 @@
 //! run_training.rs` gives the threshold), over 40 steps with the KL term on.
 
 use burn::backend::{Autodiff, Flex};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use burn_wgpu::{Vulkan, WgpuDevice, WgpuRuntime};
 use cubecl::Runtime;
+use trainer::run::release_unused_device_memory;
 
 use crate::common::backend_ready;
 use crate::training_common::{first_last_gap, setup, train_on};
@@ -68,8 +69,7 @@ fn a_training_step_leaves_no_free_device_page_reserved() {
     let (trainer, records) = train_on::<Autodiff<Vulkan>>(config, 2, false);
     assert!(records.iter().all(|r| r.validation_reward.is_some()), "validation ran after each step");
     let (in_use, reserved) = wgpu_pool();
-    <Vulkan as Backend>::sync(&WgpuDevice::DefaultDevice).unwrap();
-    <Vulkan as Backend>::memory_cleanup(&WgpuDevice::DefaultDevice);
+    release_unused_device_memory::<Vulkan>(&WgpuDevice::DefaultDevice).unwrap();
     let (_, after_cleanup) = wgpu_pool();
     println!("after 2 steps: {in_use} bytes in use, {reserved} reserved; {after_cleanup} reserved after a cleanup");
     assert!(in_use > 0 && in_use <= reserved, "the model's weights are in the pool");

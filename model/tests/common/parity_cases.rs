@@ -302,6 +302,11 @@ fn checked_step(model: &Qwen3ForCausalLM<B>, decoder: &mut Decoder<B>, worst: &m
         .collect()
 }
 
+/// A prompt of `len` token ids below `vocab`, different for each `seed`.
+fn synthetic_prompt(vocab: u32, seed: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| (seed * 31 + i * 7) % vocab).collect()
+}
+
 /// Drives a [`Decoder`] through joins, leaves, a parked sequence extended and rejoining, and
 /// chunked prefills, checking at every step that each returned row's logits equal a forward
 /// over that sequence's whole history from scratch (no cache, no padding). Tokens are the
@@ -311,7 +316,7 @@ fn decode_against_recomputation(model: &Qwen3ForCausalLM<B>, limits: DecoderLimi
     let mut decoder = Decoder::<B>::new(limits);
     let mut worst = 0.0f32;
     let step = |decoder: &mut Decoder<B>, worst: &mut f32| checked_step(model, decoder, worst);
-    let prompt = |seed: u32, len: u32| -> Vec<u32> { (0..len).map(|i| (seed * 31 + i * 7) % vocab as u32).collect() };
+    let prompt = |seed: u32, len: u32| synthetic_prompt(vocab as u32, seed, len);
     decoder.add(model, 0, prompt(1, 5)).unwrap();
     decoder.add(model, 1, prompt(2, 11)).unwrap();
     // Tokens each sequence has generated, and the step sequence 0 was parked at.
@@ -420,8 +425,7 @@ fn the_token_bound_holds_for_every_pass() {
 fn a_long_prefill_goes_on_over_steps_while_rows_decode() {
     let Some(fx) = fixture("tiny") else { return };
     let model = load(&fx.dir);
-    let vocab = model.config.vocab_size as u32;
-    let prompt = |seed: u32, len: u32| -> Vec<u32> { (0..len).map(|i| (seed * 31 + i * 7) % vocab).collect() };
+    let prompt = |seed: u32, len: u32| synthetic_prompt(model.config.vocab_size as u32, seed, len);
     for ragged_passes in [true, false] {
         let name = format!("ragged passes {ragged_passes}");
         let mut decoder = Decoder::<B>::new(DecoderLimits { max_batched_tokens: 8, ragged_passes, ..DecoderLimits::default() });
@@ -465,8 +469,7 @@ fn a_long_prefill_goes_on_over_steps_while_rows_decode() {
 fn waiting_sequences_take_no_blocks_while_a_prefill_fills_the_steps() {
     let Some(fx) = fixture("tiny") else { return };
     let model = load(&fx.dir);
-    let vocab = model.config.vocab_size as u32;
-    let prompt = |seed: u32, len: u32| -> Vec<u32> { (0..len).map(|i| (seed * 31 + i * 7) % vocab).collect() };
+    let prompt = |seed: u32, len: u32| synthetic_prompt(model.config.vocab_size as u32, seed, len);
     for ragged_passes in [true, false] {
         let name = format!("ragged passes {ragged_passes} (taken: {})", model.takes_ragged_passes());
         let limits = DecoderLimits { max_batched_tokens: 8, ragged_passes, ..DecoderLimits::default() };
