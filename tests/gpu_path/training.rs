@@ -7,10 +7,12 @@ use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::AutodiffBackend;
 use burn_wgpu::{Vulkan, WgpuDevice, WgpuRuntime};
 use cubecl::Runtime;
-use trainer::run::release_unused_device_memory;
+use std::sync::Arc;
+
+use trainer::run::{release_unused_device_memory, DeviceMemory, StepRecord, Trainer};
 
 use crate::common::backend_ready;
-use crate::training_common::{first_last_gap, setup, train_on};
+use crate::training_common::{first_last_gap, setup, train_on, ByteTokens, Scripted};
 
 const STEPS: u64 = 40;
 
@@ -52,7 +54,9 @@ fn wgpu_pool() -> (u64, u64) {
 /// (as verl empties PyTorch's cache after its rollouts): after a step and after validation no
 /// page of CubeCL's pool is left wholly free, so a cleanup then frees nothing. Without the
 /// trainer's own cleanups the rollouts' and the update's pages stay reserved (measured on
-/// lavapipe: 56 MiB reserved after the two steps, 8 MiB after a cleanup).
+/// lavapipe: 56 MiB reserved after the two steps, 8 MiB after a cleanup). Each step's record
+/// gives what the pool reserved in its phases, read before their pages went back: for the
+/// update, more than the pool keeps after a cleanup.
 #[test]
 fn a_training_step_leaves_no_free_device_page_reserved() {
     if !backend_ready::<Vulkan>() {
@@ -66,7 +70,12 @@ fn a_training_step_leaves_no_free_device_page_reserved() {
     // the pool's smallest pages (on lavapipe, 2 MiB a tensor in pages of 8 MiB).
     config.episode.max_turn_tokens = 64;
     config.grpo.micro_batch_size = 12;
-    let (trainer, records) = train_on::<Autodiff<Vulkan>>(config, 2, false);
+    let mut trainer = Trainer::<Autodiff<Vulkan>>::start(config, WgpuDevice::DefaultDevice, false).unwrap();
+    trainer.watch_device_memory(Arc::new(|| {
+        let (in_use, reserved) = wgpu_pool();
+        Some(DeviceMemory { in_use, reserved })
+    }));
+    let records: Vec<StepRecord> = (0..2).map(|_| trainer.train_step(&Scripted, &ByteTokens).unwrap()).collect();
     assert!(records.iter().all(|r| r.validation_reward.is_some()), "validation ran after each step");
     let (in_use, reserved) = wgpu_pool();
     release_unused_device_memory::<Vulkan>(&WgpuDevice::DefaultDevice).unwrap();
@@ -74,5 +83,14 @@ fn a_training_step_leaves_no_free_device_page_reserved() {
     println!("after 2 steps: {in_use} bytes in use, {reserved} reserved; {after_cleanup} reserved after a cleanup");
     assert!(in_use > 0 && in_use <= reserved, "the model's weights are in the pool");
     assert_eq!(after_cleanup, reserved, "a cleanup after the step freed {} bytes of pages", reserved - after_cleanup);
+    let bytes = |gib: Option<f32>| (f64::from(gib.expect("the pool was read")) * f64::from(1u32 << 30)).round() as u64;
+    for r in &records {
+        let (rollouts, update) = (bytes(r.gen_max_memory_reserved_gb), bytes(r.update_max_memory_reserved_gb));
+        println!("step {}: {rollouts} bytes reserved at most in the rollouts, {update} in scoring and the update", r.step);
+        // The tiny model's rollouts fit the pool's first page; the update takes more.
+        assert!(rollouts >= after_cleanup, "the weights' page at least");
+        assert!(update > after_cleanup, "read before the update's pages went back");
+        assert_eq!(bytes(r.max_memory_reserved_gb), rollouts.max(update));
+    }
     drop(trainer);
 }

@@ -177,7 +177,13 @@ pub fn run(args: Args) -> Result<()> {
     stage("5/7 GRPO: the agent against the served LLM, the Prompt-R1 reward");
     let mut config = train_config;
     config.model = cold_start;
-    let records = run_on(args.device, super::train::Training { config, resume: Resume::Fresh })?;
+    let training = super::train::Training {
+        config,
+        resume: Resume::Fresh,
+        memory: crate::device::memory_probe(args.device),
+        planned: None,
+    };
+    let records = run_on(args.device, training)?;
     let (first, last) = first_and_last(&records);
     for r in &records {
         eprintln!(

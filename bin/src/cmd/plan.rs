@@ -242,8 +242,8 @@ pub fn describe_verdict(
 }
 
 /// Fails, before anything big is loaded, when the run's plan does not fit the device; prints
-/// nothing when it fits and a note when the device's memory is unknown.
-pub fn check_before_training(config: &TrainConfig, device: DeviceChoice) -> Result<()> {
+/// nothing when it fits and a note when the device's memory is unknown. Returns the plan.
+pub fn check_before_training(config: &TrainConfig, device: DeviceChoice) -> Result<MemoryPlan> {
     let plan = MemoryPlan::new(PlanSettings::from_config(
         config,
         model_shape(config)?,
@@ -255,11 +255,11 @@ pub fn check_before_training(config: &TrainConfig, device: DeviceChoice) -> Resu
     }
     let Some((bytes, source)) = device_memory(config, device)? else {
         eprintln!("note: the memory of {device:?} is unknown, so the run's fit is not checked (set run.device_memory)");
-        return Ok(());
+        return Ok(plan);
     };
     let verdict = plan.check(bytes);
     if verdict.fits {
-        return Ok(());
+        return Ok(plan);
     }
     bail!(
         "this run needs about {} at its peak ({}), more than the {} usable of {} ({source}).\n{}\

@@ -10,8 +10,8 @@ use clap::Args as ClapArgs;
 use env::OpenAiClient;
 use model::cpu_kernels::{Bf16Products, BF16_PRODUCTS_ENV};
 use model::MatmulPrecision;
-use trainer::plan::parse_size;
-use trainer::run::{run_to_end, PromptR1Scorer, Resume, StepRecord, SteppedRun, TrainConfig, Trainer};
+use trainer::plan::{format_size, parse_size, MemoryPlan};
+use trainer::run::{run_to_end, DeviceMemoryProbe, PromptR1Scorer, Resume, StepRecord, SteppedRun, TrainConfig, Trainer};
 
 use super::{print_lora_share, say, step_bar, NAN_HINT};
 use crate::device::{run_on, DeviceChoice, OnBackend};
@@ -137,7 +137,7 @@ fn bf16_products_note(kernels: bool, products: Bf16Products) -> Option<String> {
 
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
-    super::plan::check_before_training(&config, args.device).context("memory plan")?;
+    let plan = super::plan::check_before_training(&config, args.device).context("memory plan")?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
         let kernels = model::cpu_kernels::has_bf16_kernels();
         if let Some(note) = bf16_products_note(kernels, model::cpu_kernels::bf16_products()) {
@@ -145,7 +145,13 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     let resume = Resume::from_flags(args.resume, args.resume_from);
-    run_on(args.device, Training { config, resume }).map(drop)
+    let training = Training {
+        config,
+        resume,
+        memory: crate::device::memory_probe(args.device),
+        planned: Some(PlannedPeaks::of(&plan)),
+    };
+    run_on(args.device, training).map(drop)
 }
 
 /// A configured run, ready to start on a backend.
@@ -153,6 +159,48 @@ pub struct Training {
     pub config: TrainConfig,
     /// Whether and from where it continues a checkpoint.
     pub resume: Resume,
+    /// Reads the GPU's memory pool as each step's phases end (`None` on the CPU).
+    pub memory: Option<DeviceMemoryProbe>,
+    /// The plan's peaks, printed beside what the pool reserved at the end of the run.
+    pub planned: Option<PlannedPeaks>,
+}
+
+/// What `prompt-r1 plan` predicts for the two phases a GPU's pool is read after (without its
+/// margin), in bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct PlannedPeaks {
+    pub rollouts: u64,
+    pub learn: u64,
+}
+
+impl PlannedPeaks {
+    pub fn of(plan: &MemoryPlan) -> Self {
+        Self { rollouts: plan.rollout_peak(), learn: plan.learn_peak() }
+    }
+}
+
+/// The most a GPU's memory pool reserved in the rollouts and in scoring and the update over
+/// `records`, beside the plan's prediction; `None` when no record read the pool (the CPU).
+fn reserved_summary(records: &[StepRecord], planned: Option<PlannedPeaks>) -> Option<String> {
+    let most = |f: fn(&StepRecord) -> Option<f32>| records.iter().filter_map(f).reduce(f32::max);
+    let (rollouts, learn) = (most(|r| r.gen_max_memory_reserved_gb), most(|r| r.update_max_memory_reserved_gb));
+    if rollouts.is_none() && learn.is_none() {
+        return None;
+    }
+    let gib = |g: Option<f32>| g.map_or("-".to_owned(), |g| format_size((f64::from(g) * f64::from(1u32 << 30)) as u64));
+    let mut line = format!(
+        "GPU memory: the pool reserved at most {} in the rollouts and {} in scoring and the update",
+        gib(rollouts),
+        gib(learn)
+    );
+    if let Some(p) = planned {
+        line.push_str(&format!(
+            " (`prompt-r1 plan`: {} and {}, before its margin)",
+            format_size(p.rollouts),
+            format_size(p.learn)
+        ));
+    }
+    Some(line)
 }
 
 impl OnBackend for Training {
@@ -164,6 +212,9 @@ impl OnBackend for Training {
             config: self.config.reward.clone(),
         };
         let mut trainer = Trainer::<Autodiff<B>>::start(self.config, device, self.resume)?;
+        if let Some(probe) = self.memory {
+            trainer.watch_device_memory(probe);
+        }
         super::note_nothing_to_resume(self.resume, trainer.step_count(), &trainer.config().run.out_dir);
         if let Some(adapters) = trainer.adapters() {
             print_lora_share(adapters.num_params(), trainer.policy().num_params(), trainer.config().model_dtype);
@@ -185,14 +236,18 @@ impl OnBackend for Training {
                 .train_step(&env, &scorer)
                 .with_context(|| format!("step {}", trainer.step_count() + 1))
         };
-        drive(&mut trainer, step, |trainer, record| {
-            let message = format!(
+        let planned = self.planned;
+        let records = drive(&mut trainer, step, |trainer, record| {
+            let mut message = format!(
                 "reward {:.3} kl {} clip {:.3} {:.0} tok/s",
                 record.reward_mean,
                 record.kl.map_or("-".into(), |k| format!("{k:.4}")),
                 record.policy.clip_frac,
                 record.rollout_tokens_per_sec
             );
+            if let Some(gib) = record.max_memory_reserved_gb {
+                message.push_str(&format!(" GPU {gib:.1} GiB"));
+            }
             let mut lines = Vec::new();
             if let Some(v) = record.validation_reward {
                 lines.push(format!("step {}: validation reward {v:.3}", record.step));
@@ -219,7 +274,11 @@ impl OnBackend for Training {
                 lines.push(format!("step {}: {} episodes dropped (the agent's generation failed)", record.step, record.agent_failures));
             }
             (message, lines)
-        })
+        })?;
+        if let Some(line) = reserved_summary(&records, planned) {
+            eprintln!("{line}");
+        }
+        Ok(records)
     }
 }
 
@@ -266,6 +325,27 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         args: Args,
+    }
+
+    /// The end-of-run line: the most each phase reserved over the steps, beside the plan; none
+    /// where no step read a pool.
+    #[test]
+    fn the_reserved_summary_takes_each_phase_at_its_most() {
+        let step = |gen: f32, update: f32| StepRecord {
+            gen_max_memory_reserved_gb: Some(gen),
+            update_max_memory_reserved_gb: Some(update),
+            ..StepRecord::default()
+        };
+        let records = [step(30.0, 41.5), step(32.5, 40.0)];
+        let planned = PlannedPeaks { rollouts: 31 << 30, learn: 39 << 30 };
+        let line = reserved_summary(&records, Some(planned)).unwrap();
+        assert_eq!(
+            line,
+            "GPU memory: the pool reserved at most 32.5 GiB in the rollouts and 41.5 GiB in scoring and the update \
+             (`prompt-r1 plan`: 31.0 GiB and 39.0 GiB, before its margin)"
+        );
+        assert!(reserved_summary(&records, None).unwrap().ends_with("the update"));
+        assert_eq!(reserved_summary(&[StepRecord::default()], Some(planned)), None);
     }
 
     /// The note on bf16 products: always without the kernels, with them only where the packed

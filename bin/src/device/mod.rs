@@ -194,14 +194,7 @@ pub fn total_memory(choice: DeviceChoice) -> Option<(u64, String)> {
     }
 }
 
-/// A GPU's memory as CubeCL's pool sees it: bytes held by live tensors, and bytes the pool has
-/// reserved from the device (pages kept for reuse included; what `nvidia-smi` shows, less the
-/// CUDA context).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct DeviceMemory {
-    pub in_use: u64,
-    pub reserved: u64,
-}
+pub use trainer::run::DeviceMemory;
 
 /// The chosen GPU's memory now; `None` for the CPU (or a GPU whose runtime has not started).
 pub fn device_memory(choice: DeviceChoice) -> Option<DeviceMemory> {
@@ -212,6 +205,12 @@ pub fn device_memory(choice: DeviceChoice) -> Option<DeviceMemory> {
         DeviceChoice::Wgpu => gpu::wgpu_memory(),
         _ => None,
     }
+}
+
+/// [`device_memory`] as the trainer reads it ([`trainer::run::Trainer::watch_device_memory`]);
+/// `None` for the CPU, which has no pool to read.
+pub fn memory_probe(choice: DeviceChoice) -> Option<trainer::run::DeviceMemoryProbe> {
+    (choice != DeviceChoice::Cpu).then(|| std::sync::Arc::new(move || device_memory(choice)) as trainer::run::DeviceMemoryProbe)
 }
 
 /// The largest GPU memory ([`device_memory`]) seen at the moments it is sampled. CubeCL keeps

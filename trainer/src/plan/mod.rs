@@ -612,6 +612,17 @@ impl MemoryPlan {
         self.persistent_total() + self.peak_phase().total()
     }
 
+    /// The predicted peak of the rollouts: the persistent terms and the rollout phase.
+    pub fn rollout_peak(&self) -> u64 {
+        self.persistent_total() + self.phases[0].total()
+    }
+
+    /// The predicted peak of scoring and the update (one phase to a GPU's memory pool, which
+    /// the trainer cleans after the update only): the persistent terms and the larger of the two.
+    pub fn learn_peak(&self) -> u64 {
+        self.persistent_total() + self.phases[1..].iter().map(Phase::total).max().unwrap_or(0)
+    }
+
     /// The update phase alone on top of the persistent terms without the KL reference and the
     /// runtime: what one learning step of an already loaded policy holds (what `prompt-r1
     /// bench --train-step` measures).

@@ -1,9 +1,26 @@
 //! Peak resident memory of this process (Linux `/proc`; `None` elsewhere), for the metrics of a
-//! run and for benchmarks; and the device's unused memory given back between a step's phases.
+//! run and for benchmarks; the device's unused memory given back between a step's phases, and
+//! what the device's memory pool held at each phase's end.
+
+use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 
 use super::TrainError;
+
+/// A GPU's memory as its backend's memory pool (CubeCL's) counts it: bytes in use by tensors,
+/// and bytes reserved from the device (pages kept for reuse included; what `nvidia-smi` shows,
+/// less the CUDA context).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceMemory {
+    pub in_use: u64,
+    pub reserved: u64,
+}
+
+/// Reads the memory pool of the device a run computes on, from the thread that calls it (CubeCL
+/// keeps a pool per thread that issues tensor operations); `None` where there is no pool to read
+/// (the CPU). burn's `Backend` has no such query, so the caller that knows the runtime gives it.
+pub type DeviceMemoryProbe = Arc<dyn Fn() -> Option<DeviceMemory> + Send + Sync>;
 
 /// Gives the device back the memory pages no tensor uses any more, as verl empties PyTorch's
 /// cache after its rollouts. CubeCL's pools (the GPU backends) keep a freed page for later
@@ -14,9 +31,18 @@ use super::TrainError;
 /// before the drop. CubeCL keeps a pool per thread that issues tensor operations; this releases
 /// the calling thread's. Nothing to do on the CPU backend.
 pub fn release_unused_device_memory<B: Backend>(device: &B::Device) -> Result<(), TrainError> {
+    end_device_phase::<B>(device, None).map(drop)
+}
+
+/// [`release_unused_device_memory`], reading `probe` between the queued work and the release:
+/// what the pool held as the phase ended. Its reservation then is the most the pool reserved
+/// since the last release (CubeCL gives pages back only when asked to), so the phase's peak; the
+/// bytes in use are the moment's, not a peak.
+pub fn end_device_phase<B: Backend>(device: &B::Device, probe: Option<&DeviceMemoryProbe>) -> Result<Option<DeviceMemory>, TrainError> {
     B::sync(device).map_err(|e| TrainError::Device(e.to_string()))?;
+    let held = probe.and_then(|read| read());
     B::memory_cleanup(device);
-    Ok(())
+    Ok(held)
 }
 
 /// Peak resident set size since start or since the last [`reset_peak_rss`], in MB.

@@ -124,6 +124,19 @@ pub struct StepRecord {
     /// each step starts), so a step that keeps more than the one before shows.
     #[serde(rename = "perf/peak_rss_mb")]
     pub peak_rss_mb: Option<f32>,
+    /// The most the GPU's memory pool (CubeCL's) reserved during this step, in GiB (bytes /
+    /// 1024³), as verl's `perf/max_memory_reserved_gb` reads PyTorch's caching allocator; `None`
+    /// on the CPU. It is read as each phase ends, before the phase's unused pages go back to the
+    /// device: a pool gives pages back only then, so that reading is the phase's peak. Compare
+    /// with `prompt-r1 plan` (its peak less the CUDA context's few hundred MiB).
+    #[serde(rename = "perf/max_memory_reserved_gb", default)]
+    pub max_memory_reserved_gb: Option<f32>,
+    /// `perf/max_memory_reserved_gb` of the rollouts alone (the step's validation included).
+    #[serde(rename = "perf/gen_max_memory_reserved_gb", default)]
+    pub gen_max_memory_reserved_gb: Option<f32>,
+    /// `perf/max_memory_reserved_gb` of scoring (old and reference log-probs) and the update.
+    #[serde(rename = "perf/update_max_memory_reserved_gb", default)]
+    pub update_max_memory_reserved_gb: Option<f32>,
     /// Groups whose episodes all got the same reward, so zero advantages (this step), counted
     /// whether dynamic sampling is on or off.
     #[serde(rename = "batch/groups_no_signal", default)]
@@ -370,7 +383,8 @@ mod tests {
             r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"rollout/server_retries":3,"#,
             r#""timing_s/gen_decode_steps":8.5,"timing_s/gen_prefill_steps":3.75,"perf/gen_rows_per_step":6.25,"#,
             r#""val/reward/mean":0.625,"val/f1/mean":0.6875,"#,
-            r#""perf/peak_rss_mb":2048.0,"batch/groups_no_signal":5,"batch/groups_dropped":6,"#,
+            r#""perf/peak_rss_mb":2048.0,"perf/max_memory_reserved_gb":41.5,"perf/gen_max_memory_reserved_gb":30.25,"#,
+            r#""perf/update_max_memory_reserved_gb":41.5,"batch/groups_no_signal":5,"batch/groups_dropped":6,"#,
             r#""val/hotpot/reward":0.875}"#
         );
         let record: StepRecord = serde_json::from_str(line).unwrap();

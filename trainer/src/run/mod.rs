@@ -19,7 +19,10 @@ pub use config::{
     DataSection, EpisodeSection, InferenceDtype, ModelDtype, RolloutEngineKind, RolloutSection, RunSection, TrainConfig,
 };
 pub use error::TrainError;
-pub use memory::{peak_rss_mb, release_unused_device_memory, reset_peak_rss, total_ram_bytes};
+pub use memory::{
+    end_device_phase, peak_rss_mb, release_unused_device_memory, reset_peak_rss, total_ram_bytes, DeviceMemory,
+    DeviceMemoryProbe,
+};
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};
 pub use reward::{EpisodeScore, EpisodeScorer, PromptR1Scorer};
 pub use session::{run_to_end, Resume, RunSession, SteppedRun};

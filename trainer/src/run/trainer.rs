@@ -19,7 +19,7 @@ use super::config::{InferenceDtype, RolloutSection, TrainConfig};
 use super::dynamic_sampling::groups_without_signal;
 use super::error::TrainError;
 use super::learner::{Learner, LearnerSettings, Update};
-use super::memory::{peak_rss_mb, release_unused_device_memory, reset_peak_rss};
+use super::memory::{end_device_phase, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe};
 use super::metrics_log::StepRecord;
 use super::reward::{EpisodeScore, EpisodeScorer};
 use super::session::{Resume, RunSession, SessionSettings, SteppedRun};
@@ -54,6 +54,23 @@ pub struct Trainer<B: AutodiffBackend> {
     engine: Box<dyn RolloutEngine<Inner<B>>>,
     /// Whether the engine has been told of the current policy (see [`Self::sync_policy`]).
     policy_synced: bool,
+    /// Reads the device's memory pool as each phase ends ([`Self::watch_device_memory`]).
+    device_memory: Option<DeviceMemoryProbe>,
+    /// What the pool reserved at most in this step's phases, by that probe.
+    reserved: PhaseReserved,
+}
+
+/// Bytes the device's memory pool reserved at most in a step's rollouts (validation's
+/// included) and in its scoring and update; `None` where nothing was read.
+#[derive(Debug, Clone, Copy, Default)]
+struct PhaseReserved {
+    rollouts: Option<u64>,
+    update: Option<u64>,
+}
+
+/// Bytes as GiB, as verl's memory metrics.
+fn gib(bytes: Option<u64>) -> Option<f32> {
+    bytes.map(|b| (b as f64 / f64::from(1u32 << 30)) as f32)
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -127,7 +144,22 @@ impl<B: AutodiffBackend> Trainer<B> {
             longest_prompt,
             engine,
             policy_synced: false,
+            device_memory: None,
+            reserved: PhaseReserved::default(),
         })
+    }
+
+    /// Has each step read the device's memory pool with `probe` as its rollouts and its update
+    /// end (on the trainer's thread), into `perf/max_memory_reserved_gb` and the per-phase keys
+    /// of `metrics.jsonl`. Without a probe (the CPU) those keys are null.
+    pub fn watch_device_memory(&mut self, probe: DeviceMemoryProbe) {
+        self.device_memory = Some(probe);
+    }
+
+    /// Ends a phase on the device: its queued work run, the pool read (see
+    /// [`end_device_phase`]), its unused pages given back. Returns the bytes the pool reserved.
+    fn end_phase(&self) -> Result<Option<u64>, TrainError> {
+        Ok(end_device_phase::<B>(&self.device, self.device_memory.as_ref())?.map(|m| m.reserved))
     }
 
     /// Steps completed so far.
@@ -165,6 +197,7 @@ impl<B: AutodiffBackend> Trainer<B> {
     /// The record is also appended to `metrics.jsonl`.
     pub fn train_step(&mut self, env: &dyn Environment, scorer: &dyn EpisodeScorer) -> Result<StepRecord, TrainError> {
         reset_peak_rss();
+        self.reserved = PhaseReserved::default();
         let step = self.step + 1;
         let batch = self.sampler.next_batch();
         let n = self.config.rollout.n;
@@ -271,6 +304,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             validation_reward: None,
             validation_f1: None,
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
+            // Set below, once the validation's rollouts have run too.
+            max_memory_reserved_gb: None,
+            gen_max_memory_reserved_gb: None,
+            update_max_memory_reserved_gb: None,
             groups_no_signal: no_signal.len(),
             groups_dropped,
             validation_by_source: BTreeMap::new(),
@@ -280,6 +317,10 @@ impl<B: AutodiffBackend> Trainer<B> {
         if every > 0 && step % every == 0 && !self.validation.is_empty() {
             self.validate_into(&mut record, env, scorer)?;
         }
+        let PhaseReserved { rollouts, update } = self.reserved;
+        record.max_memory_reserved_gb = gib(rollouts.max(update));
+        record.gen_max_memory_reserved_gb = gib(rollouts);
+        record.update_max_memory_reserved_gb = gib(update);
         self.session.record(&record)?;
         Ok(record)
     }
@@ -366,7 +407,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let stats = self.learner.update(update, self.config.run.seed, step, &self.device)?;
         // The update's activations and gradients are gone: their pages go back before the
         // next rollouts.
-        release_unused_device_memory::<B>(&self.device)?;
+        self.reserved.update = self.end_phase()?;
         Ok(stats)
     }
 
@@ -434,7 +475,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         // The episodes' KV caches and the rollouts' copy of the policy are gone: their pages
         // go back before scoring and the update allocate theirs.
         drop(copy);
-        release_unused_device_memory::<B>(&self.device)?;
+        let reserved = self.end_phase()?;
+        self.reserved.rollouts = self.reserved.rollouts.max(reserved);
         rolled
     }
 

@@ -5,13 +5,47 @@
 use crate::common;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use burn::backend::Flex;
 use burn::module::AutodiffModule;
 use burn::tensor::{Int, Tensor};
-use common::{every_question_each_step, first_last_gap, for_each_seed, named_weights, setup, train, with_lora, B};
+use common::{every_question_each_step, first_last_gap, for_each_seed, named_weights, setup, train, with_lora, ByteTokens, Scripted, B};
 use model::{load_pretrained, LoadOptions, MatmulPrecision};
-use prompt_r1_trainer::run::{latest_checkpoint, InferenceDtype, ModelDtype, Trainer};
+use prompt_r1_trainer::run::{latest_checkpoint, DeviceMemory, InferenceDtype, ModelDtype, StepRecord, Trainer, METRICS_FILE};
+
+/// A step reads the device's memory pool as its rollouts, its update and its validation's
+/// rollouts end, in that order, and its record gives the most each phase reserved; without a
+/// probe (the CPU) the keys are null.
+#[test]
+fn each_phase_reads_the_device_memory_pool_as_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    config.data.validation = vec![dir.path().join("train.jsonl")];
+    config.run.validate_every = 1;
+    config.run.out_dir = dir.path().join("probed");
+    let mut trainer = Trainer::<B>::start(config.clone(), Default::default(), false).unwrap();
+    // The n-th reading reserves n GiB.
+    let readings = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&readings);
+    trainer.watch_device_memory(Arc::new(move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        Some(DeviceMemory { in_use: 0, reserved: n << 30 })
+    }));
+    let first = trainer.train_step(&Scripted, &ByteTokens).unwrap();
+    let second = trainer.train_step(&Scripted, &ByteTokens).unwrap();
+    assert_eq!(readings.load(Ordering::SeqCst), 6, "three phase ends a step");
+    let phases = |r: &StepRecord| (r.gen_max_memory_reserved_gb, r.update_max_memory_reserved_gb, r.max_memory_reserved_gb);
+    assert_eq!(phases(&first), (Some(3.0), Some(2.0), Some(3.0)));
+    assert_eq!(phases(&second), (Some(6.0), Some(5.0), Some(6.0)));
+    let line = std::fs::read_to_string(config.run.out_dir.join(METRICS_FILE)).unwrap();
+    assert!(line.contains(r#""perf/max_memory_reserved_gb":3.0"#), "{line}");
+
+    config.run.out_dir = dir.path().join("unprobed");
+    let (_, records) = train(config, 1, false);
+    assert_eq!(phases(&records[0]), (None, None, None));
+}
 
 /// The mean reward of the last 5 of 40 steps exceeds the first 5 by more than 0.15: a random
 /// policy sits near 0.5 with a per-step standard error of about 0.04 (12 episodes × 8 tokens),
