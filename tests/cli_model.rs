@@ -431,6 +431,32 @@ fn plan_says_whether_a_run_fits_and_train_refuses_one_that_does_not() {
     assert!(!out.status.success() && stderr.contains("100,000,000 episodes"), "{stderr}");
 }
 
+/// `plan --device cuda` counts the whole pages of CubeCL's pool on CUDA around each phase's
+/// largest tensors, where the GPU's memory is known; on wgpu it does not. Qwen3-4B with
+/// micro-batches of 64 sequences of 9,216 tokens: the update's f32 `[589,824 × 9,728]` tensors
+/// (21.4 GiB) outgrow a quarter of an 80 GiB GPU, and the plan says so.
+#[test]
+fn plan_on_cuda_counts_cubecls_pages() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("run.toml");
+    let toml = "model = \"absent\"\n[data]\ntrain = [\"train.csv\"]\n[environment]\nbase_url = \"http://127.0.0.1:9/v1\"\n\
+                model = \"m\"\n[episode]\nmax_response_tokens = 8192\n[rollout]\ngeneration_batch = 64\nkv_budget = \"45GiB\"\n\
+                [grpo]\nactivation_checkpointing = true\n";
+    std::fs::write(&config, toml).unwrap();
+    let config = config.to_str().unwrap();
+    let plan = |device: &str, extra: &[&str]| {
+        let args = [&["plan", "--config", config, "--preset", "qwen3-4b", "--device-memory", "80GiB", "--device", device], extra].concat();
+        ok_stdout(&args)
+    };
+    let cuda = plan("cuda", &[]);
+    assert!(cuda.contains("CubeCL's pages on CUDA around"), "{cuda}");
+    let wgpu = plan("wgpu", &[]);
+    assert!(!wgpu.contains("CubeCL"), "{wgpu}");
+    std::fs::write(config, format!("{toml}micro_batch_size = 64\nmini_batch_size = 64\n")).unwrap();
+    let large = plan("cuda", &[]);
+    assert!(large.contains("a tensor of 21.4 GiB that CubeCL cannot allocate") && large.contains("does NOT fit"), "{large}");
+}
+
 /// `check-device` compares the portable ops with the fused kernels on the CPU: nine checks
 /// (greedy and sampled tokens, greedy tokens after a 1,100-token prompt, and the first ratio at
 /// f32 and bf16 products, among them), all

@@ -601,6 +601,8 @@ impl TrainStep {
             attention: self.attention.attn_implementation,
             attention_block: self.attention.attention_block_size,
             device: crate::cmd::plan::plan_device(device),
+            // The measured step's own peak, without CubeCL's pages around it.
+            cuda_memory: None,
         };
         Ok(Some(MemoryPlan::new(settings)))
     }

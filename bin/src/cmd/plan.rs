@@ -29,7 +29,9 @@ pub struct Args {
     pub device_memory: Option<u64>,
     /// The device the run trains on: cpu, cuda, cuda:N or wgpu (the GPU backends run burn's
     /// tensor ops: with attn_implementation = "eager" their attention keeps [batch, heads, q, k]
-    /// tensors, with "memory_efficient" blocks). A plan for a GPU needs no GPU here.
+    /// tensors, with "memory_efficient" blocks). A plan for a GPU needs no GPU here. On CUDA,
+    /// with the GPU's memory known, each phase also counts the whole pages CubeCL's memory pool
+    /// reserves around its largest tensors (their size classes follow the GPU's memory).
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
     /// Tokens of the longest episode (default: 1024 for the prompt plus
@@ -56,14 +58,10 @@ pub fn run(args: Args) -> Result<()> {
         Some(preset) => preset.config(TINY_VOCAB_SIZE, Vec::new()),
         None => model_shape(&config)?,
     };
-    let plan = MemoryPlan::new(PlanSettings::from_config(
-        &config,
-        shape,
-        plan_device(args.device),
-        args.context,
-    ));
+    let memory = device_memory(&config, args.device)?;
+    let plan = MemoryPlan::new(settings_for(&config, shape, args.device, args.context, memory.as_ref()));
     print!("{}", describe(&plan));
-    match device_memory(&config, args.device)? {
+    match memory {
         Some((bytes, source)) => {
             let verdict = plan.check(bytes);
             print!("{}", describe_verdict(&plan, &verdict, bytes, &source));
@@ -118,6 +116,16 @@ pub fn plan_device(device: DeviceChoice) -> PlanDevice {
         }
         DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::Gpu,
     }
+}
+
+/// The plan's settings of `config` on `device`: on CUDA with its memory known, the phases count
+/// the whole pages of CubeCL's pool there.
+fn settings_for(config: &TrainConfig, shape: Qwen3Config, device: DeviceChoice, context: Option<usize>, memory: Option<&(u64, String)>) -> PlanSettings {
+    let mut settings = PlanSettings::from_config(config, shape, plan_device(device), context);
+    if matches!(device, DeviceChoice::Cuda(_)) {
+        settings.cuda_memory = memory.map(|(bytes, _)| *bytes);
+    }
+    settings
 }
 
 /// The device's memory and where the figure comes from: `run.device_memory`, else what the
@@ -244,16 +252,12 @@ pub fn describe_verdict(
 /// Fails, before anything big is loaded, when the run's plan does not fit the device; prints
 /// nothing when it fits and a note when the device's memory is unknown. Returns the plan.
 pub fn check_before_training(config: &TrainConfig, device: DeviceChoice) -> Result<MemoryPlan> {
-    let plan = MemoryPlan::new(PlanSettings::from_config(
-        config,
-        model_shape(config)?,
-        plan_device(device),
-        None,
-    ));
+    let memory = device_memory(config, device)?;
+    let plan = MemoryPlan::new(settings_for(config, model_shape(config)?, device, None, memory.as_ref()));
     if let Some((line, false)) = host_fit(&plan) {
         bail!("this run's episodes do not fit in this machine's memory.\n{line}");
     }
-    let Some((bytes, source)) = device_memory(config, device)? else {
+    let Some((bytes, source)) = memory else {
         eprintln!("note: the memory of {device:?} is unknown, so the run's fit is not checked (set run.device_memory)");
         return Ok(plan);
     };

@@ -39,6 +39,7 @@
 //! peak does not fit.
 
 mod activations;
+mod pages;
 mod size;
 
 use burn::tensor::DType;
@@ -50,6 +51,7 @@ use model::{AttnImplementation, MatmulPrecision, Qwen3Config};
 
 use crate::run::{RolloutEngineKind, TrainConfig};
 use activations::{Dims, LoraActivations};
+pub use pages::{CudaPages, TensorGroup, TooLarge};
 pub use size::{format_size, parse_size};
 
 /// Tokens assumed for the system prompt and the question when the context is derived from the
@@ -104,10 +106,10 @@ impl PlanDevice {
     /// freed buffers up to a quarter above the peak in use (`cpu_kernels::large_alloc`), so
     /// the peak may use 1/1.25 = 80% of RAM; on a GPU, CubeCL's memory pools reserve whole pages
     /// per size class (on CUDA pages of 1/4096 to 1/16 of the GPU's memory for tensors up to
-    /// 1/32 of it, a quarter of it for larger ones: under a page a class, about 8% when each of
-    /// the smaller classes is in use) and fragment, 10% (not yet measured on a GPU). The
-    /// trainer gives unused pages back between a step's phases, so one phase's pages do not
-    /// stay reserved beside the next's.
+    /// 1/32 of it, a quarter of it for larger ones; the phases count those around their largest
+    /// tensors where [`PlanSettings::cuda_memory`] is known, packed at best) and fragment, 10%
+    /// (not yet measured on a GPU). The trainer gives unused pages back between a step's phases,
+    /// so one phase's pages do not stay reserved beside the next's.
     pub fn margin(self) -> f64 {
         match self {
             PlanDevice::CpuKernels | PlanDevice::CpuPortable => 0.2,
@@ -190,6 +192,11 @@ pub struct PlanSettings {
     pub attention: AttnImplementation,
     pub attention_block: usize,
     pub device: PlanDevice,
+    /// The GPU's memory where the run trains on CUDA: CubeCL's pool there reserves whole pages
+    /// of size classes that follow it ([`CudaPages`]), which the phases then count
+    /// ([`MemoryPlan::new`]). `None` elsewhere: the CPU has no such pool, and wgpu's pages follow
+    /// its adapter's limits.
+    pub cuda_memory: Option<u64>,
 }
 
 /// Where the rollouts run, and the limits of their decoder (`model::DecoderLimits`, from the
@@ -279,6 +286,7 @@ impl PlanSettings {
             attention: config.attn_implementation,
             attention_block: config.attention_block_size,
             device,
+            cuda_memory: None,
         }
     }
 
@@ -573,6 +581,13 @@ impl MemoryPlan {
             with_checkpointing: update_activations(&settings, true),
         };
         let mut phases = vec![rollout_phase(&settings), scoring_phase(&settings), update];
+        if let Some(memory) = settings.cuda_memory {
+            let pages = CudaPages::new(memory);
+            let groups = [rollout_tensors(&settings), scoring_tensors(&settings), update_tensors(&settings)];
+            for (phase, groups) in phases.iter_mut().zip(groups) {
+                phase.terms.extend(page_term(&pages, memory, &groups));
+            }
+        }
         if settings.device.is_host() {
             // The step's episodes, made by the rollouts, are held until the update ends.
             let episodes = host_episodes_term(&settings);
@@ -989,6 +1004,90 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
     }
 }
 
+/// The rollouts' largest tensors alive at once, for [`CudaPages`]: each layer's pools of keys
+/// and of values at the plan's KV positions, and a prefill pass's three intermediate-wide
+/// temporaries ([`activations::layer_transient`]). None with rollouts on workers.
+fn rollout_tensors(s: &PlanSettings) -> Vec<TensorGroup> {
+    if s.rollout.workers.is_some() {
+        return Vec::new();
+    }
+    let m = &s.model;
+    let dtype = s.rollout_cache_dtype();
+    let (positions, _) = s.rollout_kv_positions();
+    let pool = positions * m.num_key_value_heads * m.head_dim * dtype.size();
+    let rows = s.rollout_rows();
+    let pass = rows * (s.rollout.max_batched_tokens / rows).clamp(1, s.context.max(1));
+    vec![
+        TensorGroup { bytes: pool as u64, count: 2 * m.num_hidden_layers as u64 },
+        TensorGroup { bytes: (pass * m.intermediate_size * dtype.size()) as u64, count: 3 },
+    ]
+}
+
+/// Scoring's largest tensors: a micro-batch's three intermediate-wide temporaries in a layer,
+/// in the weights' dtype.
+fn scoring_tensors(s: &PlanSettings) -> Vec<TensorGroup> {
+    let tokens = s.micro_batch * s.context;
+    let bytes = tokens * s.model.intermediate_size * s.weights_dtype().size();
+    vec![TensorGroup { bytes: bytes as u64, count: 3 }]
+}
+
+/// The update's largest tensors, as [`activations`] reads them: the layer inputs checkpointing
+/// keeps, the MLP's four intermediate-wide activations each kept layer holds (f32, or bf16 on a
+/// bf16 base with an f32 copy of `down_proj`'s input for its adapter), and the three f32
+/// intermediate-wide tensors of a layer's pass in flight.
+fn update_tensors(s: &PlanSettings) -> Vec<TensorGroup> {
+    let m = &s.model;
+    let tokens = (s.micro_batch * s.context) as u64;
+    let wide = tokens * m.intermediate_size as u64;
+    let layers = m.num_hidden_layers as u64;
+    let kept_layers = if s.checkpointing { 1 } else { layers };
+    let mut groups = vec![TensorGroup { bytes: wide * 4, count: 3 }];
+    if s.checkpointing {
+        let act = if s.path() == ComputePath::PortableBf16 { 2 } else { 4 };
+        groups.push(TensorGroup { bytes: tokens * m.hidden_size as u64 * act, count: layers });
+    }
+    match (s.path(), &s.lora) {
+        (ComputePath::PortableBf16, Some(lora)) => {
+            groups.push(TensorGroup { bytes: wide * 2, count: 4 * kept_layers });
+            let down = lora.targets.contains(&LoraTarget::DownProj);
+            groups.push(TensorGroup { bytes: wide * 4, count: u64::from(down) * kept_layers });
+        }
+        _ => groups.push(TensorGroup { bytes: wide * 4, count: 4 * kept_layers }),
+    }
+    groups
+}
+
+/// What CubeCL's whole pages add on CUDA to a phase's largest tensors `groups`, as a term; a
+/// tensor no page takes makes a term of the whole `memory`, so that the run cannot fit.
+fn page_term(pages: &CudaPages, memory: u64, groups: &[TensorGroup]) -> Option<Term> {
+    // Tensors of one size counted together, largest first.
+    let mut counts: Vec<(u64, u64)> = Vec::new();
+    for g in groups.iter().filter(|g| g.count > 0) {
+        match counts.iter_mut().find(|(bytes, _)| *bytes == g.bytes) {
+            Some((_, count)) => *count += g.count,
+            None => counts.push((g.bytes, g.count)),
+        }
+    }
+    counts.sort_unstable_by(|a, b| b.cmp(a));
+    let sizes = counts.iter().map(|(bytes, count)| format!("{count} × {}", format_size(*bytes))).collect::<Vec<_>>().join(", ");
+    match pages.reserved(groups) {
+        Ok(reserved) => {
+            let tensors: u64 = groups.iter().map(|g| g.bytes * g.count).sum();
+            (reserved > tensors).then(|| {
+                Term::new(format!("CubeCL's pages on CUDA around {sizes}"), (reserved - tensors) as f64)
+            })
+        }
+        Err(TooLarge { bytes, largest_page }) => Some(Term::new(
+            format!(
+                "a tensor of {} that CubeCL cannot allocate on CUDA (its largest page, a quarter of the GPU's memory, is {})",
+                format_size(bytes),
+                format_size(largest_page)
+            ),
+            memory as f64,
+        )),
+    }
+}
+
 /// `n` with its thousands grouped: `9,216`.
 fn grouped(n: usize) -> String {
     let digits = n.to_string();
@@ -1320,6 +1419,7 @@ mod tests {
             attention: AttnImplementation::MemoryEfficient,
             attention_block: model::qwen3::compute::DEFAULT_ATTENTION_BLOCK_SIZE,
             device: PlanDevice::CpuKernels,
+            cuda_memory: None,
         }
     }
 
@@ -1745,5 +1845,40 @@ mod tests {
         });
         assert_eq!(plan.settings.rollout_rows(), 10);
         assert!(prefill_term(&plan).name.starts_with("prefill pass of 10 × 1 new tokens"), "{}", prefill_term(&plan).name);
+    }
+
+    /// On an 80 GiB CUDA GPU the paper's run counts CubeCL's pages: in the update, four f32
+    /// `[73,728 × 9,728]` tensors (2.7 GiB, above 1/32 of the memory) share a page of 20 GiB,
+    /// and four bf16 ones with the 36 checkpointed layer inputs fill four pages of 5 GiB. With a
+    /// KV budget of 45 GiB it still fits; a micro-batch whose widest tensor outgrows a quarter of
+    /// the memory cannot.
+    #[test]
+    fn on_cuda_the_phases_count_cubecls_whole_pages() {
+        let memory = 80u64 << 30;
+        let papers = papers_run_at_64();
+        let s = PlanSettings {
+            cuda_memory: Some(memory),
+            device: PlanDevice::GpuPagedPrefill,
+            rollout: RolloutLimits { kv_budget: Some(45 << 30), ..papers.rollout },
+            ..papers
+        };
+        let plain = MemoryPlan::new(PlanSettings { cuda_memory: None, ..s.clone() });
+        let plan = MemoryPlan::new(s.clone());
+        let pages = |phase: &Phase| phase.terms.iter().find(|t| t.name.starts_with("CubeCL's pages")).map(|t| t.bytes);
+        assert!(plain.phases.iter().all(|p| pages(p).is_none()));
+        let wide = 8 * 9216 * 9728u64;
+        let inputs = 8 * 9216 * 2560 * 2u64;
+        let expected = (20u64 << 30) - 4 * wide * 4 + (4 * (5u64 << 30) - 4 * wide * 2 - 36 * inputs);
+        assert_eq!(pages(&plan.phases[2]), Some(expected));
+        assert_eq!(plan.phases[2].total(), plain.phases[2].total() + expected);
+        assert!(plan.check(memory).fits, "peak {}", format_size(plan.peak()));
+        // 64 sequences a micro-batch: a 21.4 GiB f32 tensor no page takes.
+        let large = MemoryPlan::new(PlanSettings { micro_batch: 64, ..s });
+        let update = &large.phases[2];
+        let blocker = update.terms.iter().find(|t| t.name.contains("cannot allocate")).expect("a term for it");
+        assert!(blocker.name.starts_with("a tensor of 21.4 GiB"), "{}", blocker.name);
+        let verdict = large.check(memory);
+        assert!(!verdict.fits);
+        assert!(verdict.advice.iter().any(|a| a.contains("micro_batch_size")), "{:?}", verdict.advice);
     }
 }
