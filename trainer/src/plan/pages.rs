@@ -6,6 +6,9 @@
 //! as many of a class's tensors as fit one after the other. On an 80 GiB GPU: pages of 20 MiB
 //! (tensors up to 640 KiB), 80 MiB (5 MiB), 320 MiB (40 MiB), 1.25 GiB (320 MiB), 5 GiB
 //! (2.5 GiB) and 20 GiB (anything larger, up to 20 GiB: a larger tensor cannot be allocated).
+//! The weights take slices of these pages too (the loader does not ask burn for persistent
+//! memory); the rest of a class's last page holds that class's later tensors, so they are left
+//! to the plan's margin with the holes frees leave.
 
 /// Bytes every slice of a page is aligned to (cubecl-cuda's `mem_alignment`).
 const ALIGNMENT: u64 = 512;
