@@ -23,7 +23,7 @@ use serde::Serialize;
 use crate::device::{run_on, AttentionArgs, ComputeArgs, DeviceChoice, OnBackend};
 use crate::model_dir::{parse_matmul, preset_parser};
 use trainer::plan::{LoraPlan, MemoryPlan, PlanSettings};
-use trainer::run::{peak_rss_mb, reset_peak_rss};
+use trainer::run::{end_device_phase, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe};
 
 mod rollout;
 
@@ -301,7 +301,8 @@ impl OnBackend for Args {
                 matmul: self.matmul,
                 attention: self.compute.attention.clone(),
             };
-            let (seconds, peak) = step.measure::<B>(&dir, &device)?;
+            let pool = crate::device::memory_probe(self.compute.device);
+            let (seconds, peak, reserved) = step.measure::<B>(&dir, &device, pool.as_ref())?;
             let mode = match (&step.lora, step.checkpointing) {
                 (Some(_), false) => " LoRA",
                 (Some(_), true) => " LoRA ckpt",
@@ -311,8 +312,16 @@ impl OnBackend for Args {
             let workload = format!("train step {} x {}{mode}", self.batch, seq_len);
             figures.push(Figure::tokens(workload, seconds, Some((self.batch * seq_len) as f64), peak));
             if let Some(plan) = step.plan(&dir, self.compute.device)? {
-                let predicted = plan.update_peak() as f64 / (1024.0 * 1024.0);
-                let off = peak.map_or(String::new(), |mb| format!(", {:+.1}% off the measured peak", 100.0 * (predicted - mb) / mb));
+                // On a GPU the device's pool is what the plan predicts (the CUDA context aside),
+                // not the host's RSS.
+                let (predicted, measured, what) = match reserved {
+                    Some(mb) => (plan.update_pool_peak(), Some(mb), "reservation of the GPU's pool"),
+                    None => (plan.update_peak(), peak, "peak"),
+                };
+                let predicted = predicted as f64 / (1024.0 * 1024.0);
+                let off = measured.map_or(String::new(), |mb| {
+                    format!(", {:+.1}% off the measured {what} ({mb:.0} MiB)", 100.0 * (predicted - mb) / mb)
+                });
                 eprintln!("memory plan for this training step: {predicted:.0} MiB{off}");
             }
         }
@@ -517,8 +526,9 @@ impl TrainStep {
     /// One learn step of the GRPO trainer on `batch` sequences of `seq_len` tokens (every token
     /// but the first an agent token, advantages alternating +1/−1): the median of
     /// [`TIMED_STEPS`] steps after a warm-up step (the second step still pays one-time costs,
-    /// BENCHMARKS.md), and the peak RSS of the timed steps.
-    fn measure<B: Backend>(&self, dir: &std::path::Path, device: &B::Device) -> Result<(f64, Option<f64>)> {
+    /// BENCHMARKS.md), the peak RSS of the timed steps, and on a GPU (`pool`) the most its
+    /// memory pool reserved during them, in MiB (its unused pages given back before them).
+    fn measure<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, pool: Option<&DeviceMemoryProbe>) -> Result<(f64, Option<f64>, Option<f64>)> {
         use burn::backend::Autodiff;
         use burn::module::Module;
         use trainer::grpo::{learn_step, learn_step_lora, PolicyBatch, PolicySequence};
@@ -539,8 +549,9 @@ impl TrainStep {
         };
         let batch = PolicyBatch::new((0..self.batch).map(sequence).collect())?;
         // A warm-up step, then the timed ones; the peak covers the timed steps only.
-        let timed = |mut step: Box<dyn FnMut() -> Result<()> + '_>| -> Result<(f64, Option<f64>)> {
+        let timed = |mut step: Box<dyn FnMut() -> Result<()> + '_>| -> Result<(f64, Option<f64>, Option<f64>)> {
             step()?;
+            end_device_phase::<B>(device, None)?;
             reset_peak_rss();
             let seconds = median_seconds(TIMED_STEPS, || {
                 let start = Instant::now();
@@ -548,7 +559,8 @@ impl TrainStep {
                 B::sync(device)?;
                 Ok(start.elapsed().as_secs_f64())
             })?;
-            Ok((seconds, peak_rss_mb()))
+            let reserved = end_device_phase::<B>(device, pool)?.map(|m| m.reserved as f64 / (1024.0 * 1024.0));
+            Ok((seconds, peak_rss_mb(), reserved))
         };
         match &self.lora {
             None => {
@@ -601,8 +613,10 @@ impl TrainStep {
             attention: self.attention.attn_implementation,
             attention_block: self.attention.attention_block_size,
             device: crate::cmd::plan::plan_device(device),
-            // The measured step's own peak, without CubeCL's pages around it.
-            cuda_memory: None,
+            cuda_memory: match device {
+                DeviceChoice::Cuda(_) => crate::device::total_memory(device).map(|(bytes, _)| bytes),
+                _ => None,
+            },
         };
         Ok(Some(MemoryPlan::new(settings)))
     }

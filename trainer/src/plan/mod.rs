@@ -638,9 +638,9 @@ impl MemoryPlan {
         self.persistent_total() + self.phases[1..].iter().map(Phase::total).max().unwrap_or(0)
     }
 
-    /// The update phase alone on top of the persistent terms without the KL reference and the
-    /// runtime: what one learning step of an already loaded policy holds (what `prompt-r1
-    /// bench --train-step` measures).
+    /// The update phase alone on top of the persistent terms but the KL reference: what one
+    /// learning step of an already loaded policy holds (what `prompt-r1 bench --train-step`
+    /// measures: on the CPU the process's RSS, the runtime term included).
     pub fn update_peak(&self) -> u64 {
         let update = self
             .phases
@@ -654,6 +654,13 @@ impl MemoryPlan {
             .map(|t| t.bytes)
             .sum();
         persistent + update.total()
+    }
+
+    /// [`Self::update_peak`] less the runtime term: what a GPU's memory pool holds for it (the
+    /// CUDA context lies outside the pool).
+    pub fn update_pool_peak(&self) -> u64 {
+        let runtime: u64 = self.persistent.iter().filter(|t| t.name == "runtime").map(|t| t.bytes).sum();
+        self.update_peak() - runtime
     }
 
     /// Whether the peak fits `device_memory` bytes less the device's margin, and if not, what
@@ -1880,5 +1887,7 @@ mod tests {
         let verdict = large.check(memory);
         assert!(!verdict.fits);
         assert!(verdict.advice.iter().any(|a| a.contains("micro_batch_size")), "{:?}", verdict.advice);
+        // What the pool holds in a learning step leaves the CUDA context out.
+        assert_eq!(plan.update_pool_peak(), plan.update_peak() - (512 << 20));
     }
 }
