@@ -37,7 +37,8 @@
 #   bench-f32  the same with f32 weights (PyTorch's f32 products may use TF32, as CubeCL's do)
 #   memory     a Qwen3-4B-shaped LoRA training step (random weights, bf16 base, 1 x 1024 tokens),
 #              with and without activation checkpointing: peak GPU memory (nvidia-smi) beside
-#              the memory plan's prediction that `bench` prints
+#              the memory plan's prediction that `bench` prints against what CubeCL's pool
+#              reserved over the timed steps (the plan with CubeCL's CUDA pages)
 #   autotune   for a variant build (BIN=...): check-device's kernels compiled, decode on the
 #              0.6B shape (bf16, batch 1 and 64) and the small rollout at batch 8
 #   rollout    issue 32's rollout workload on the device (`bench --rollout`: 5 turns of 128
