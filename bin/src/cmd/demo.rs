@@ -310,7 +310,8 @@ keep_checkpoints = 1
 /// Runs an SFT configuration; returns its final checkpoint.
 fn fine_tune(config: SftConfig, device: DeviceChoice) -> Result<PathBuf> {
     let out = config.run.out_dir.clone();
-    let records = run_on(device, super::sft::FineTuning { config, resume: Resume::Fresh })?;
+    let fine_tuning = super::sft::FineTuning { config, resume: Resume::Fresh, memory: crate::device::memory_probe(device) };
+    let records = run_on(device, fine_tuning)?;
     if let (Some(first), Some(last)) = (records.first(), records.last()) {
         eprintln!("loss per trained token: {:.3} at step 1, {:.3} at step {}", first.loss, last.loss, last.step);
     }

@@ -9,7 +9,7 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::MatmulPrecision;
-use trainer::run::Resume;
+use trainer::run::{DeviceMemoryProbe, Resume};
 use trainer::sft::{SftConfig, SftRecord, SftRun};
 
 use super::train::{already_done, drive};
@@ -110,7 +110,8 @@ impl Args {
 pub fn run(args: Args) -> Result<()> {
     let config = args.config()?;
     let resume = Resume::from_flags(args.resume, args.resume_from);
-    run_on(args.device, FineTuning { config, resume }).map(drop)
+    let memory = crate::device::memory_probe(args.device);
+    run_on(args.device, FineTuning { config, resume, memory }).map(drop)
 }
 
 /// A configured SFT run, ready to start on a backend.
@@ -118,6 +119,8 @@ pub struct FineTuning {
     pub config: SftConfig,
     /// Whether and from where it continues a checkpoint.
     pub resume: Resume,
+    /// Reads the GPU's memory pool as each step ends (`None` on the CPU).
+    pub memory: Option<DeviceMemoryProbe>,
 }
 
 impl OnBackend for FineTuning {
@@ -125,6 +128,9 @@ impl OnBackend for FineTuning {
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Vec<SftRecord>> {
         let mut run = SftRun::<Autodiff<B>>::start(self.config, device, self.resume)?;
+        if let Some(probe) = self.memory {
+            run.watch_device_memory(probe);
+        }
         super::note_nothing_to_resume(self.resume, run.step_count(), run.session().dir());
         let (train, validation) = run.data_summaries();
         eprintln!("training rows: {train}");
@@ -142,13 +148,16 @@ impl OnBackend for FineTuning {
                 .with_context(|| format!("step {}", run.step_count() + 1))
         };
         drive(&mut run, step, |_, record| {
-            let message = format!(
+            let mut message = format!(
                 "loss {:.4} lr {:.2e} grad norm {} {:.0} tok/s",
                 record.loss,
                 record.lr,
                 record.grad_norm.map_or("-".into(), |g| format!("{g:.3}")),
                 record.tokens_per_sec
             );
+            if let Some(gib) = record.max_memory_reserved_gb {
+                message.push_str(&format!(" GPU {gib:.1} GiB"));
+            }
             let mut lines = Vec::new();
             if let Some(v) = record.validation_loss {
                 lines.push(format!("step {}: validation loss {v:.4}", record.step));

@@ -24,7 +24,9 @@ use crate::optim::{AdamWOptimizer, StepOutcome};
 use crate::run::learner::{Learner, LearnerSettings, Update};
 use crate::run::metrics_log::read_lines;
 use crate::run::session::SessionSettings;
-use crate::run::{peak_rss_mb, reset_peak_rss, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE};
+use crate::run::{
+    end_device_phase, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE,
+};
 
 /// File in the run directory holding the run's configuration (with its paths resolved).
 pub const SFT_CONFIG_FILE: &str = "sft_config.json";
@@ -73,6 +75,11 @@ pub struct SftRecord {
     /// Peak resident memory of the process during this step (Linux).
     #[serde(rename = "perf/peak_rss_mb")]
     pub peak_rss_mb: Option<f32>,
+    /// The most the GPU's memory pool reserved during this step (validation included), in GiB
+    /// as verl's key; `None` on the CPU. Read as the step ends, just before its unused pages go
+    /// back to the device (see `run::end_device_phase`).
+    #[serde(rename = "perf/max_memory_reserved_gb", default)]
+    pub max_memory_reserved_gb: Option<f32>,
 }
 
 fn null_as_nan<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f32, D::Error> {
@@ -108,6 +115,8 @@ pub struct SftRun<B: AutodiffBackend> {
     sampler: BatchSampler,
     step: u64,
     total_steps: u64,
+    /// Reads the device's memory pool as each step ends ([`Self::watch_device_memory`]).
+    device_memory: Option<DeviceMemoryProbe>,
 }
 
 impl<B: AutodiffBackend> SftRun<B> {
@@ -167,7 +176,15 @@ impl<B: AutodiffBackend> SftRun<B> {
             sampler,
             step,
             total_steps,
+            device_memory: None,
         })
+    }
+
+    /// Has each step read the device's memory pool with `probe` as it ends (on the run's
+    /// thread), into `perf/max_memory_reserved_gb`, and give the step's unused pages back. Without
+    /// a probe (the CPU) the key is null and the pool is left as it is.
+    pub fn watch_device_memory(&mut self, probe: DeviceMemoryProbe) {
+        self.device_memory = Some(probe);
     }
 
     /// Steps completed so far.
@@ -220,6 +237,11 @@ impl<B: AutodiffBackend> SftRun<B> {
         let grad_norm = stats.outcome.grad_norm();
         let every = self.config.run.validate_every;
         let validates = (every > 0 && step % every == 0) || step == self.total_steps;
+        let validation_loss = if validates { self.validate()? } else { None };
+        let reserved = match &self.device_memory {
+            Some(probe) => end_device_phase::<B>(&self.device, Some(probe))?.map(|m| m.reserved),
+            None => None,
+        };
         let record = SftRecord {
             step,
             epoch: batch.epoch,
@@ -230,10 +252,11 @@ impl<B: AutodiffBackend> SftRun<B> {
             skipped_steps: usize::from(stats.outcome.is_skipped()),
             tokens: stats.tokens,
             sequences: stats.sequences,
-            validation_loss: if validates { self.validate()? } else { None },
+            validation_loss,
             step_secs,
             tokens_per_sec: stats.tokens as f32 / step_secs.max(1e-6),
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
+            max_memory_reserved_gb: reserved.map(|b| (b as f64 / f64::from(1u32 << 30)) as f32),
         };
         self.session.record(&record)?;
         Ok(record)

@@ -165,6 +165,32 @@ fn the_loss_falls_on_a_tiny_fixture() {
     assert!(read_sft_metrics(&config.run.out_dir).unwrap().is_empty());
 }
 
+/// Each step reads the device's memory pool once as it ends, its validation included, into
+/// `perf/max_memory_reserved_gb`; without a probe (the CPU) the key is null.
+#[test]
+fn each_step_reads_the_device_memory_pool_as_it_ends() {
+    use prompt_r1_trainer::run::DeviceMemory;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().unwrap();
+    let config = setup(dir.path());
+    let mut run = SftRun::<B>::start(config.clone(), Default::default(), false).unwrap();
+    let plain = run.train_step().unwrap();
+    assert_eq!(plain.max_memory_reserved_gb, None);
+    // The n-th reading reserves n GiB.
+    let readings = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&readings);
+    run.watch_device_memory(Arc::new(move || {
+        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+        Some(DeviceMemory { in_use: 0, reserved: n << 30 })
+    }));
+    let probed: Vec<Option<f32>> = (0..2).map(|_| run.train_step().unwrap().max_memory_reserved_gb).collect();
+    assert_eq!(probed, [Some(1.0), Some(2.0)]);
+    assert_eq!(readings.load(Ordering::SeqCst), 2);
+    let written = read_sft_metrics(&config.run.out_dir).unwrap();
+    assert_eq!(written.iter().map(|r| r.max_memory_reserved_gb).collect::<Vec<_>>(), [None, Some(1.0), Some(2.0)]);
+}
+
 /// Tokens outside the assistant messages contribute nothing: changing the last token of every
 /// chat (the `\n` after the final `<|im_end|>`, mask 0, whose own prediction is its only use)
 /// leaves the loss and every gradient as they were. The two updates run the same operations on
