@@ -31,6 +31,10 @@
 //! k]` bias. The head forms its logits a chunk of positions at a time in every phase, the
 //! update's backward pass included (`crate::grpo::head`).
 //!
+//! On CUDA ([`PlanSettings::cuda_memory`]) each phase also counts the whole pages CubeCL's pool
+//! reserves around its largest tensors ([`CudaPages`]): the KV pools, a micro-batch's
+//! intermediate-wide temporaries, the checkpointed layer inputs.
+//!
 //! The step's episodes ([`MemoryPlan::host_episodes`]) are held on the host from the rollouts
 //! to the update: a term of the scoring and update phases where the device is the host (the
 //! CPU), checked against the machine's RAM beside the plan on a GPU.

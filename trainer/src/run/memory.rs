@@ -45,6 +45,11 @@ pub fn end_device_phase<B: Backend>(device: &B::Device, probe: Option<&DeviceMem
     Ok(held)
 }
 
+/// Bytes in GiB (bytes / 1024³), as verl's memory metrics give them.
+pub(crate) fn gib(bytes: u64) -> f32 {
+    (bytes as f64 / f64::from(1u32 << 30)) as f32
+}
+
 /// Peak resident set size since start or since the last [`reset_peak_rss`], in MB.
 pub fn peak_rss_mb() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;

@@ -19,6 +19,7 @@ pub use config::{
     DataSection, EpisodeSection, InferenceDtype, ModelDtype, RolloutEngineKind, RolloutSection, RunSection, TrainConfig,
 };
 pub use error::TrainError;
+pub(crate) use memory::gib;
 pub use memory::{
     end_device_phase, peak_rss_mb, release_unused_device_memory, reset_peak_rss, total_ram_bytes, DeviceMemory,
     DeviceMemoryProbe,

@@ -19,7 +19,7 @@ use super::config::{InferenceDtype, RolloutSection, TrainConfig};
 use super::dynamic_sampling::groups_without_signal;
 use super::error::TrainError;
 use super::learner::{Learner, LearnerSettings, Update};
-use super::memory::{end_device_phase, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe};
+use super::memory::{end_device_phase, gib, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe};
 use super::metrics_log::StepRecord;
 use super::reward::{EpisodeScore, EpisodeScorer};
 use super::session::{Resume, RunSession, SessionSettings, SteppedRun};
@@ -66,11 +66,6 @@ pub struct Trainer<B: AutodiffBackend> {
 struct PhaseReserved {
     rollouts: Option<u64>,
     update: Option<u64>,
-}
-
-/// Bytes as GiB, as verl's memory metrics.
-fn gib(bytes: Option<u64>) -> Option<f32> {
-    bytes.map(|b| (b as f64 / f64::from(1u32 << 30)) as f32)
 }
 
 impl<B: AutodiffBackend> Trainer<B> {
@@ -318,9 +313,9 @@ impl<B: AutodiffBackend> Trainer<B> {
             self.validate_into(&mut record, env, scorer)?;
         }
         let PhaseReserved { rollouts, update } = self.reserved;
-        record.max_memory_reserved_gb = gib(rollouts.max(update));
-        record.gen_max_memory_reserved_gb = gib(rollouts);
-        record.update_max_memory_reserved_gb = gib(update);
+        record.max_memory_reserved_gb = rollouts.max(update).map(gib);
+        record.gen_max_memory_reserved_gb = rollouts.map(gib);
+        record.update_max_memory_reserved_gb = update.map(gib);
         self.session.record(&record)?;
         Ok(record)
     }

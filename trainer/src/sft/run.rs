@@ -25,7 +25,7 @@ use crate::run::learner::{Learner, LearnerSettings, Update};
 use crate::run::metrics_log::read_lines;
 use crate::run::session::SessionSettings;
 use crate::run::{
-    end_device_phase, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE,
+    end_device_phase, gib, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE,
 };
 
 /// File in the run directory holding the run's configuration (with its paths resolved).
@@ -256,7 +256,7 @@ impl<B: AutodiffBackend> SftRun<B> {
             step_secs,
             tokens_per_sec: stats.tokens as f32 / step_secs.max(1e-6),
             peak_rss_mb: peak_rss_mb().map(|mb| mb as f32),
-            max_memory_reserved_gb: reserved.map(|b| (b as f64 / f64::from(1u32 << 30)) as f32),
+            max_memory_reserved_gb: reserved.map(gib),
         };
         self.session.record(&record)?;
         Ok(record)
