@@ -47,4 +47,6 @@ pub enum ModelError {
     },
     #[error("invalid input: {0}")]
     Input(String),
+    #[error("the device failed: {0}")]
+    Device(String),
 }

@@ -32,6 +32,7 @@ mod training_common;
 
 mod attention;
 mod cuda_source;
+mod decoder_memory;
 mod device_threads;
 mod gradients;
 mod paged_attention;
