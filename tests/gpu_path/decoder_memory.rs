@@ -9,7 +9,7 @@ use model::init::write_random_checkpoint;
 use model::{load_pretrained, Decoder, DecoderLimits, LoadOptions, Preset};
 use trainer::run::release_unused_device_memory;
 
-use crate::common::backend_ready;
+use crate::common::{backend_ready, synthetic_prompt};
 
 /// Bytes CubeCL's wgpu pool of this thread has reserved.
 fn reserved() -> u64 {
@@ -36,10 +36,9 @@ fn a_step_that_grows_the_kv_pools_gives_their_old_pages_back() {
     let device = WgpuDevice::DefaultDevice;
     let model = load_pretrained::<Vulkan>(dir.path(), &device, LoadOptions::default()).unwrap();
     let mut decoder = Decoder::<Vulkan>::new(DecoderLimits::default());
-    let prompt = |seed: u32| (0..300).map(|i| (seed * 31 + i * 7) % 512).collect::<Vec<u32>>();
     let (mut positions, mut growths) = (Vec::new(), 0);
     for id in 0..2u64 {
-        decoder.add(&model, id, prompt(id as u32 + 1)).unwrap();
+        decoder.add(&model, id, synthetic_prompt(512, id as u32 + 1, 300)).unwrap();
         for _ in 0..3 {
             let out = decoder.step(&model).unwrap().expect("a running row");
             let logits: Vec<f32> = out.logits.into_data().convert::<f32>().to_vec().unwrap();

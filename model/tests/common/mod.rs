@@ -80,6 +80,11 @@ pub fn flat(v: &Value) -> Vec<f32> {
     }
 }
 
+/// A prompt of `len` token ids below `vocab`, different for each `seed`.
+pub fn synthetic_prompt(vocab: u32, seed: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| (seed * 31 + i * 7) % vocab).collect()
+}
+
 /// Largest absolute difference; panics if lengths differ.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "lengths differ");

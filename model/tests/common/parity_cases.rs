@@ -302,11 +302,6 @@ fn checked_step(model: &Qwen3ForCausalLM<B>, decoder: &mut Decoder<B>, worst: &m
         .collect()
 }
 
-/// A prompt of `len` token ids below `vocab`, different for each `seed`.
-fn synthetic_prompt(vocab: u32, seed: u32, len: u32) -> Vec<u32> {
-    (0..len).map(|i| (seed * 31 + i * 7) % vocab).collect()
-}
-
 /// Drives a [`Decoder`] through joins, leaves, a parked sequence extended and rejoining, and
 /// chunked prefills, checking at every step that each returned row's logits equal a forward
 /// over that sequence's whole history from scratch (no cache, no padding). Tokens are the
