@@ -196,6 +196,7 @@ impl OnBackend for Args {
             tokenizer,
             template,
             stop_ids,
+            memory_probe: crate::device::memory_probe(self.compute.device),
         };
         serve(served, settings)
     }

@@ -9,7 +9,8 @@
 //! is sent out as it grows; its token ids and their log-probs come with its end. A row ends at
 //! an EOS or stop token, a stop string, its token limit, or when its client has gone (its event
 //! channel is closed). A failed step (an error or a panic) fails the rows in the decoder, and
-//! the worker goes on with the requests that come after.
+//! the worker goes on with the requests that come after. Each time the work runs out the worker
+//! calls [`Engine::on_idle`] before it waits for more.
 //!
 //! Work is taken in arrival order. Rows of different adapters cannot share a forward, so the
 //! decoder runs one variant (an adapter, or the base alone) at a time: a request for another
@@ -155,6 +156,10 @@ pub struct Engine<'m, B: Backend> {
     pub models: &'m Mutex<Models>,
     /// Most KV positions the prefix cache holds (0: no prefix cache).
     pub prefix_cache: usize,
+    /// Called each time the worker has run work and has none left, before it waits for more:
+    /// `serve` gives the device back the memory pages the burst left unused there, so that a
+    /// process beside it on the same GPU (a trainer, another worker) can take them.
+    pub on_idle: Box<dyn FnMut() + Send + 'm>,
 }
 
 /// The worker's requests: the decoder's sequences and each one's row, and the adapter they run
@@ -185,8 +190,12 @@ impl<B: Backend> Engine<'_, B> {
         };
         let mut pending: VecDeque<Work> = VecDeque::new();
         self.publish();
+        let mut worked = false;
         loop {
             if running.decoder.is_idle() && pending.is_empty() {
+                if std::mem::take(&mut worked) {
+                    (self.on_idle)();
+                }
                 let Ok(first) = work.recv() else { return };
                 pending.push_back(first);
                 let deadline = Instant::now() + BATCH_WINDOW;
@@ -202,6 +211,7 @@ impl<B: Backend> Engine<'_, B> {
                     pending.push_back(next);
                 }
             }
+            worked = true;
             self.admit(&mut running, &mut pending);
             if running.decoder.is_idle() {
                 continue;
@@ -503,6 +513,7 @@ mod tests {
             max_batched_tokens: usize::MAX,
             models,
             prefix_cache: 0,
+            on_idle: Box::new(|| {}),
         }
     }
 
@@ -727,5 +738,45 @@ mod tests {
         let err = outcome.unwrap().unwrap_err();
         assert!(err.status == 400 && err.message.contains(&bad), "{err:?}");
         assert!(same(&after, &old), "{after:?} {old:?}");
+    }
+
+    /// The worker calls `on_idle` once each time its work runs out, after the burst's last row
+    /// has ended and before it waits: not before any work, not while requests wait for a row
+    /// (three requests for two rows are one burst), and once more after a later burst.
+    #[test]
+    fn the_worker_goes_idle_once_after_each_burst() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+
+        let dir = tempfile::tempdir().unwrap();
+        let (_, tokenizer) = tiny(dir.path(), 0);
+        let models = Mutex::default();
+        let mut engine = engine(dir.path(), &tokenizer, &models);
+        let idle = Arc::new(AtomicUsize::new(0));
+        let calls = Arc::clone(&idle);
+        engine.on_idle = Box::new(move || {
+            calls.fetch_add(1, Ordering::SeqCst);
+        });
+        let (work, queue) = mpsc::channel();
+        // The first burst is queued before the worker starts, so that it finds all three.
+        let first: Vec<Receiver<Event>> = (0..3u32)
+            .map(|i| {
+                let (job, events) = job(vec![5, 9 + i, 12], 6);
+                work.send(Work::Job(job)).unwrap();
+                events
+            })
+            .collect();
+        std::thread::scope(|scope| {
+            let worker = scope.spawn(move || engine.run(&queue));
+            for events in &first {
+                assert!(matches!(last(events), Event::Done(_)));
+            }
+            let (job, events) = job(vec![7, 3], 4);
+            work.send(Work::Job(job)).unwrap();
+            assert!(matches!(last(&events), Event::Done(_)));
+            drop(work);
+            worker.join().unwrap();
+        });
+        assert_eq!(idle.load(Ordering::SeqCst), 2);
     }
 }

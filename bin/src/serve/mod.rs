@@ -33,6 +33,9 @@ use burn::tensor::backend::Backend;
 use model::chat_template::ChatTemplate;
 use model::tokenizer::Qwen3Tokenizer;
 use model::{LoadOptions, Qwen3ForCausalLM, Sampling};
+use trainer::plan::format_size;
+use trainer::run::{end_device_phase, DeviceMemoryProbe};
+use trainer::run::TrainError;
 
 use engine::{Engine, Work};
 use listener::Listener;
@@ -80,6 +83,9 @@ pub struct Served<'m, B: Backend> {
     pub tokenizer: &'m Qwen3Tokenizer,
     pub template: ChatTemplate,
     pub stop_ids: Vec<u32>,
+    /// Reads the device's memory pool (`None` on the CPU): after each burst of requests the
+    /// server logs what the pool reserved and what it kept.
+    pub memory_probe: Option<DeviceMemoryProbe>,
 }
 
 /// What every handler thread reads.
@@ -109,6 +115,19 @@ impl Shared<'_> {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .clone()
     }
+}
+
+/// Gives the device back the memory pages the worker's last requests left unused; with a
+/// `probe`, the log line of what the pool reserved at most (before) and kept (after).
+fn give_back_unused_memory<B: Backend>(device: &B::Device, probe: Option<&DeviceMemoryProbe>) -> Result<Option<String>, TrainError> {
+    let Some(burst) = end_device_phase::<B>(device, probe)? else { return Ok(None) };
+    let kept = probe.and_then(|read| read()).unwrap_or_default();
+    Ok(Some(format!(
+        "GPU memory after the requests: {} reserved at most, {} once the unused pages went back ({} in use)",
+        format_size(burst.reserved),
+        format_size(kept.reserved),
+        format_size(kept.in_use)
+    )))
 }
 
 /// Listens, prints the base URL when ready, and serves until the process is stopped.
@@ -146,6 +165,18 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
     // The cache holds keys and values in the dtype of the weights.
     let per_position = trainer::plan::kv_position_bytes(&served.model.config, served.load_options.dtype).max(1);
     let prefix_cache = usize::try_from(settings.prefix_cache_memory / per_position).unwrap_or(usize::MAX);
+    // CubeCL's pool keeps a freed page for later tensors of its size class, never giving it
+    // back unless asked: after a burst of requests (a step's rollouts on a worker, say) the KV
+    // pools and activations it grew through would stay reserved while the GPU's other users
+    // (a trainer's update beside the server) run short. The worker thread's own pool.
+    let device = served.device.clone();
+    let probe = served.memory_probe.clone();
+    let quiet = settings.quiet;
+    let on_idle = Box::new(move || match give_back_unused_memory::<B>(&device, probe.as_ref()) {
+        Ok(Some(line)) if !quiet => eprintln!("{line}"),
+        Ok(_) => {}
+        Err(err) => eprintln!("warning: the device's unused memory could not be given back: {err}"),
+    });
     let policy = Policy::new(
         settings.model_name.clone(),
         served.model,
@@ -163,6 +194,7 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         max_batched_tokens: settings.max_batched_tokens,
         models: &shared.models,
         prefix_cache,
+        on_idle,
     };
     if settings.api_key.is_none() && !addr.ip().is_loopback() {
         eprintln!(
@@ -190,4 +222,35 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         engine.run(&queue);
     });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+
+    use trainer::run::DeviceMemory;
+
+    use super::*;
+
+    /// The log line reads the pool before its unused pages go back (the burst's most) and after
+    /// (what it kept); without a probe (the CPU) there is none.
+    #[test]
+    fn the_idle_line_gives_the_pool_before_and_after_the_release() {
+        const MIB: u64 = 1 << 20;
+        let readings = Arc::new(AtomicU64::new(0));
+        let count = Arc::clone(&readings);
+        let probe: DeviceMemoryProbe = Arc::new(move || {
+            let reserved = if count.fetch_add(1, Ordering::SeqCst) == 0 { 40 * MIB } else { 8 * MIB };
+            Some(DeviceMemory { in_use: 3 * MIB, reserved })
+        });
+        let device = Default::default();
+        let line = give_back_unused_memory::<burn::backend::Flex>(&device, Some(&probe)).unwrap();
+        assert_eq!(
+            line.as_deref(),
+            Some("GPU memory after the requests: 40 MiB reserved at most, 8 MiB once the unused pages went back (3 MiB in use)")
+        );
+        assert_eq!(readings.load(Ordering::SeqCst), 2);
+        assert_eq!(give_back_unused_memory::<burn::backend::Flex>(&device, None).unwrap(), None);
+    }
 }
