@@ -34,8 +34,7 @@ use model::chat_template::ChatTemplate;
 use model::tokenizer::Qwen3Tokenizer;
 use model::{LoadOptions, Qwen3ForCausalLM, Sampling};
 use trainer::plan::format_size;
-use trainer::run::{end_device_phase, DeviceMemoryProbe};
-use trainer::run::TrainError;
+use trainer::run::{end_device_phase, DeviceMemoryProbe, TrainError};
 
 use engine::{Engine, Work};
 use listener::Listener;
