@@ -40,7 +40,8 @@ impl Bf16Products {
         }
     }
 
-    /// The rule: pairs on AMD CPUs, widened on every other.
+    /// The rule: pairs on AMD CPUs, widened on every other (`.ci/run` forces the other kernel
+    /// by the same rule).
     pub fn for_host() -> Bf16Products {
         if cpu_vendor() == "AuthenticAMD" {
             Bf16Products::Pairs
