@@ -354,11 +354,32 @@ fn answer(server: &Server, request: &Value) -> (String, String, u64) {
     }
 }
 
+/// The value of metric `name` (with its labels) in a Prometheus text exposition.
+fn metric(exposition: &str, name: &str) -> f64 {
+    exposition
+        .lines()
+        .find_map(|line| line.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no {name} in\n{exposition}"))
+        .parse()
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+/// Bytes of one KV position of the f32 checkpoint in `model` (keys and values of every layer).
+fn kv_position_bytes(model: &std::path::Path) -> u64 {
+    let config: Value = serde_json::from_slice(&std::fs::read(model.join("config.json")).unwrap()).unwrap();
+    let number = |key: &str| config[key].as_u64().unwrap_or_else(|| panic!("{key} in {config}"));
+    let head_dim = config["head_dim"].as_u64().unwrap_or_else(|| number("hidden_size") / number("num_attention_heads"));
+    2 * number("num_hidden_layers") * number("num_key_value_heads") * head_dim * 4
+}
+
 /// Continuous batching: 32 clients at once, each with its own greedy request (prompts of
 /// different lengths, different token limits, some streamed), get the answers each request gets
 /// alone, whether all of them decode together or at most 8 at a time (the others joining the
 /// running batch as rows end), on the CPU kernels and on burn's portable ops (tokens chosen on
-/// the device), and with steps of 16 tokens (prompts prefilled in chunks over several steps). The model's weights are scaled so that its greedy text depends on the whole
+/// the device), with steps of 16 tokens (prompts prefilled in chunks over several steps), and
+/// within a KV budget of 256 positions (`--kv-cache-memory`: a few requests' worth; the others
+/// wait, or are preempted and prefilled again), whose pool never goes past it where the unbounded
+/// server's held several times as much. The model's weights are scaled so that its greedy text depends on the whole
 /// prompt and on every token before it.
 #[test]
 fn concurrent_requests_answer_as_alone() {
@@ -391,7 +412,10 @@ fn concurrent_requests_answer_as_alone() {
     // Steps of at most 16 tokens: every prompt is prefilled in chunks over several steps
     // while the other rows decode.
     let chunked = Server::start(&model, &["--max-batch", "8", "--max-num-batched-tokens", "16"]);
-    for server in [&everyone, &eight, &portable, &chunked] {
+    const BUDGET: u64 = 256;
+    let budget_bytes = (BUDGET * kv_position_bytes(&model)).to_string();
+    let bounded = Server::start(&model, &["--max-batch", "32", "--kv-cache-memory", &budget_bytes]);
+    for server in [&everyone, &eight, &portable, &chunked, &bounded] {
         let barrier = std::sync::Barrier::new(requests.len());
         let together: Vec<(String, String, u64)> = std::thread::scope(|scope| {
             let handles: Vec<_> = requests
@@ -410,6 +434,78 @@ fn concurrent_requests_answer_as_alone() {
             assert_eq!(got, want, "request {i}: {}", requests[i]);
         }
     }
+    let unbounded = settled_metrics(&everyone);
+    let within = settled_metrics(&bounded);
+    assert_eq!(metric(&within, "prompt_r1:kv_cache_budget_tokens"), BUDGET as f64, "{within}");
+    let peak = metric(&within, "prompt_r1:kv_cache_pool_peak_tokens");
+    assert!(peak <= BUDGET as f64, "the pool held {peak} positions, over the budget of {BUDGET}");
+    let unbounded_peak = metric(&unbounded, "prompt_r1:kv_cache_pool_peak_tokens");
+    assert!(unbounded_peak > 2.0 * BUDGET as f64, "without a budget the pool held only {unbounded_peak}: the test's budget binds nothing");
+}
+
+/// `GET /metrics` once the worker has recorded the end of the last request (it writes its state
+/// just after it sends a request's end).
+fn settled_metrics(server: &Server) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = server.get("/metrics");
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let busy = metric(&reply.body, "prompt_r1:num_requests_running") + metric(&reply.body, "prompt_r1:num_requests_waiting");
+        if busy == 0.0 || std::time::Instant::now() > deadline {
+            return reply.body;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `GET /metrics` (Prometheus's text format, vLLM's names under `prompt_r1:`, open as `/health`)
+/// counts what the server did: the prompts' and the completions' tokens as the replies' usage
+/// gives them, each request by its finish reason, the prefix cache's hits. With
+/// `--kv-cache-memory` the budget shows, and bounds one request's tokens: a longer one is refused
+/// as over the context, which `/v1/models` gives as `max_model_len`.
+#[test]
+fn metrics_count_what_the_server_did() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let server = Server::start(&model, &["--kv-cache-memory", &(64 * kv_position_bytes(&model)).to_string()]);
+    let before = server.get("/metrics");
+    assert_eq!(before.status, 200);
+    assert_eq!(before.header("content-type"), Some("text/plain; version=0.0.4; charset=utf-8"));
+    assert_eq!(metric(&before.body, "prompt_r1:generation_tokens_total"), 0.0);
+    assert_eq!(metric(&before.body, "prompt_r1:kv_cache_budget_tokens"), 64.0);
+    // 64 positions hold three blocks of 16 and the scratch block: 47 tokens of prompt and
+    // completion, the last sampled token never being fed back.
+    assert_eq!(server.get("/v1/models").json()["data"][0]["max_model_len"], 47);
+    let question = json!({"messages": user("hello"), "max_tokens": 6, "temperature": 0});
+    let mut prompt_tokens = 0;
+    let mut completion_tokens = 0;
+    let mut cached_tokens = 0;
+    let mut reasons = Vec::new();
+    for _ in 0..2 {
+        let reply = server.chat(&question);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        let body = reply.json();
+        prompt_tokens += body["usage"]["prompt_tokens"].as_u64().unwrap();
+        completion_tokens += body["usage"]["completion_tokens"].as_u64().unwrap();
+        cached_tokens += body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        reasons.push(body["choices"][0]["finish_reason"].as_str().unwrap().to_string());
+    }
+    let too_long = server.chat(&json!({"messages": user("hello"), "max_tokens": 100}));
+    assert_eq!(too_long.status, 400, "{}", too_long.body);
+    assert_eq!(too_long.json()["error"]["code"], "context_length_exceeded", "{}", too_long.body);
+    let after = settled_metrics(&server);
+    assert_eq!(metric(&after, "prompt_r1:prompt_tokens_total"), prompt_tokens as f64, "{after}");
+    assert_eq!(metric(&after, "prompt_r1:generation_tokens_total"), completion_tokens as f64, "{after}");
+    assert_eq!(metric(&after, "prompt_r1:prefix_cache_hits_total"), cached_tokens as f64, "{after}");
+    assert_eq!(metric(&after, "prompt_r1:prefix_cache_queries_total"), prompt_tokens as f64, "{after}");
+    for reason in ["stop", "length"] {
+        let count = reasons.iter().filter(|r| *r == reason).count();
+        assert_eq!(metric(&after, &format!("prompt_r1:request_success_total{{finished_reason=\"{reason}\"}}")), count as f64, "{after}");
+    }
+    assert_eq!(metric(&after, "prompt_r1:request_failure_total"), 0.0, "{after}");
+    assert!(metric(&after, "prompt_r1:kv_cache_pool_peak_tokens") <= 64.0, "{after}");
+    // Served on the CPU: no device pool to report.
+    assert!(!after.contains("device_memory"), "{after}");
 }
 
 /// Off the CPU kernels (burn's portable ops, the GPU path) the worker chooses tokens on the device

@@ -21,7 +21,7 @@ use crate::serve::{serve, Limits, Served, Settings};
 /// stream_options.include_usage, chat_template_kwargs.enable_thinking), POST /v1/completions (a
 /// text prompt or, as vLLM, a prompt of token ids; with logprobs and return_token_ids the reply
 /// carries the sampled ids, the ending stop token included, with their log-probs), GET /v1/models,
-/// GET /health. The policy changes at run time: POST /v1/load_lora_adapter {lora_name, lora_path,
+/// GET /health, GET /metrics (Prometheus; vLLM's metric names with the prefix prompt_r1:). The policy changes at run time: POST /v1/load_lora_adapter {lora_name, lora_path,
 /// load_inplace} and /v1/unload_lora_adapter {lora_name} (vLLM's; a request names the adapter as
 /// its model) and POST /update_weights_from_disk {model_path} (SGLang's: new base weights of the
 /// same config); a change applies once the requests before it have ended. Parameters a request
@@ -104,6 +104,15 @@ pub struct Args {
     /// weights' dtype; 0 turns the prefix cache off. Running requests are not bounded by it.
     #[arg(long, value_name = "SIZE", default_value = "2GiB", value_parser = memory_size)]
     pub prefix_cache_memory: u64,
+    /// Most memory the KV cache holds (e.g. 24GiB; vLLM's KV budget, from its
+    /// --gpu-memory-utilization), counted in the weights' dtype: running requests' blocks, the
+    /// prefix cache's and free ones. Requests wait to join, the newest running ones are preempted
+    /// (and prefilled again when they rejoin), and the prefix cache's oldest entries are dropped,
+    /// rather than go past it. It also bounds one request's prompt and completion tokens: longer
+    /// requests are refused (400, context_length_exceeded). Default: no limit (the cache grows
+    /// with the requests running, up to --max-batch of them at the full context).
+    #[arg(long, value_name = "SIZE", value_parser = trainer::plan::parse_size)]
+    pub kv_cache_memory: Option<u64>,
     /// Origins whose browser pages may call the server (CORS; vLLM's --allowed-origins), e.g.
     /// http://localhost:3000, comma-separated; `*` allows any site's pages. Default: none, so a
     /// page of another site cannot read the replies (other clients are not concerned).
@@ -186,6 +195,7 @@ impl OnBackend for Args {
             merge_lora: self.merge_lora,
             limits: limits(&self),
             prefix_cache_memory: self.prefix_cache_memory,
+            kv_cache_memory: self.kv_cache_memory,
             allowed_origins: self.allowed_origins.clone(),
         };
         let served = Served {

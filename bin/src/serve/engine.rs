@@ -10,7 +10,9 @@
 //! an EOS or stop token, a stop string, its token limit, or when its client has gone (its event
 //! channel is closed). A failed step (an error or a panic) fails the rows in the decoder, and
 //! the worker goes on with the requests that come after. Each time the work runs out the worker
-//! calls [`Engine::on_idle`] before it waits for more.
+//! calls [`Engine::on_idle`] before it waits for more. After each step it writes what it holds
+//! and has done into [`Engine::metrics`] (`GET /metrics`), reading the device's memory pool at
+//! most once a second.
 //!
 //! Work is taken in arrival order. Rows of different adapters cannot share a forward, so the
 //! decoder runs one variant (an adapter, or the base alone) at a time: a request for another
@@ -27,8 +29,10 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use trainer::run::DeviceMemoryProbe;
 
 use burn::tensor::backend::Backend;
 use model::generation::row_seed;
@@ -37,6 +41,7 @@ use model::{choose_row_tokens, Decoder, DecoderLimits, LoraModel, RowSampling, S
 use rand::{rngs::StdRng, SeedableRng};
 
 use super::error::ApiError;
+use super::metrics::ServerMetrics;
 use super::policy::{Change, Models, Policy};
 use super::prefix_cache::PrefixCache;
 use super::stop::{SentText, StopStrings};
@@ -44,6 +49,9 @@ use super::stop::{SentText, StopStrings};
 /// How long an idle worker waits for more requests once one has come, so that requests sent
 /// together start together.
 const BATCH_WINDOW: Duration = Duration::from_millis(5);
+
+/// How often a working worker reads the device's memory pool for `GET /metrics`.
+const MEMORY_READING_EVERY: Duration = Duration::from_secs(1);
 
 /// How one request is sampled.
 #[derive(Debug, Clone, PartialEq)]
@@ -156,10 +164,18 @@ pub struct Engine<'m, B: Backend> {
     pub models: &'m Mutex<Models>,
     /// Most KV positions the prefix cache holds (0: no prefix cache).
     pub prefix_cache: usize,
+    /// Most KV positions the decoder's pool holds (`--kv-cache-memory`): requests wait to join,
+    /// and the newest are preempted, rather than go past it; `None`: no limit. Every request must
+    /// fit in it alone (the handlers refuse longer ones).
+    pub kv_budget: Option<usize>,
     /// Called each time the worker has run work and has none left, before it waits for more:
     /// `serve` gives the device back the memory pages the burst left unused there, so that a
     /// process beside it on the same GPU (a trainer, another worker) can take them.
     pub on_idle: Box<dyn FnMut() + Send + 'm>,
+    /// Where the handlers see what the worker holds and has done (`GET /metrics`).
+    pub metrics: Arc<ServerMetrics>,
+    /// Reads the device's memory pool from the worker's thread (`None` on the CPU).
+    pub memory_probe: Option<DeviceMemoryProbe>,
 }
 
 /// The worker's requests: the decoder's sequences and each one's row, and the adapter they run
@@ -171,6 +187,8 @@ struct Running<B: Backend> {
     variant: Option<String>,
     /// Ended rows' sequences, parked in `decoder`.
     cache: PrefixCache,
+    /// Preemptions of the decoders that failed steps replaced.
+    earlier_preemptions: u64,
 }
 
 impl<B: Backend> Engine<'_, B> {
@@ -179,6 +197,7 @@ impl<B: Backend> Engine<'_, B> {
         let limits = DecoderLimits {
             max_rows: self.max_batch.max(1),
             max_batched_tokens: self.max_batched_tokens.max(1),
+            kv_budget: self.kv_budget,
             ..DecoderLimits::default()
         };
         let mut running = Running {
@@ -187,11 +206,14 @@ impl<B: Backend> Engine<'_, B> {
             next_id: 0,
             variant: None,
             cache: PrefixCache::new(self.prefix_cache, model::qwen3::BLOCK_SIZE),
+            earlier_preemptions: 0,
         };
         let mut pending: VecDeque<Work> = VecDeque::new();
         self.publish();
         let mut worked = false;
+        let mut memory_read = Instant::now();
         loop {
+            self.record_state(&running, &pending, &mut memory_read);
             if running.decoder.is_idle() && pending.is_empty() {
                 if std::mem::take(&mut worked) {
                     (self.on_idle)();
@@ -223,9 +245,12 @@ impl<B: Backend> Engine<'_, B> {
             };
             // The decoder's state is unknown after a failed step: its rows fail, and the next
             // requests start on a fresh one.
-            for row in std::mem::take(&mut running.rows).into_values() {
+            let failed = std::mem::take(&mut running.rows);
+            self.metrics.update(|m| m.failed += failed.len() as u64);
+            for row in failed.into_values() {
                 let _ = row.events.send(Event::Failed(failure.clone()));
             }
+            running.earlier_preemptions += running.decoder.stats().preemptions;
             running.decoder = Decoder::new(limits);
             running.cache.clear();
         }
@@ -263,6 +288,33 @@ impl<B: Backend> Engine<'_, B> {
         }
     }
 
+    /// Writes the requests running and waiting, the KV cache and the preemptions into the
+    /// metrics, with a reading of the device's pool where the last is older than
+    /// [`MEMORY_READING_EVERY`].
+    fn record_state(&self, running: &Running<B>, pending: &VecDeque<Work>, memory_read: &mut Instant) {
+        let decoder = &running.decoder;
+        let waiting = decoder.waiting();
+        let queued = pending.iter().filter(|work| matches!(work, Work::Job(_))).count();
+        let reading = match &self.memory_probe {
+            Some(probe) if memory_read.elapsed() >= MEMORY_READING_EVERY => {
+                *memory_read = Instant::now();
+                probe()
+            }
+            _ => None,
+        };
+        self.metrics.update(|m| {
+            m.running = running.rows.len().saturating_sub(waiting);
+            m.waiting = waiting + queued;
+            m.kv_used_tokens = decoder.kv_positions_in_use();
+            m.kv_pool_tokens = decoder.kv_positions();
+            m.kv_pool_peak_tokens = m.kv_pool_peak_tokens.max(decoder.stats().peak_kv_positions);
+            m.preemptions = running.earlier_preemptions + decoder.stats().preemptions;
+            if let Some(reading) = reading {
+                m.read_device_memory(reading);
+            }
+        });
+    }
+
     /// Shows the handlers the policy as it is now.
     fn publish(&self) {
         let view = self.policy.view();
@@ -291,10 +343,12 @@ impl<B: Backend> Engine<'_, B> {
             if held < prompt.len() && prompt.starts_with(running.decoder.tokens(cached_id).unwrap_or_default()) {
                 match running.decoder.extend(self.policy.base(), cached_id, &prompt[held..]) {
                     Ok(()) => {
+                        self.count_prompt(prompt.len(), cached, true);
                         running.rows.insert(cached_id, Row::new(params, events, cached));
                     }
                     Err(err) => {
                         running.decoder.finish(cached_id);
+                        self.metrics.update(|m| m.failed += 1);
                         let _ = events.send(Event::Failed(err.to_string()));
                     }
                 }
@@ -303,14 +357,29 @@ impl<B: Backend> Engine<'_, B> {
             // Not what the cache said it held (cannot happen): not used.
             running.decoder.finish(cached_id);
         }
+        let prompt_len = prompt.len();
         match running.decoder.add(self.policy.base(), id, prompt) {
             Ok(()) => {
+                self.count_prompt(prompt_len, 0, running.cache.enabled());
                 running.rows.insert(id, Row::new(params, events, 0));
             }
             Err(err) => {
+                self.metrics.update(|m| m.failed += 1);
                 let _ = events.send(Event::Failed(err.to_string()));
             }
         }
+    }
+
+    /// Counts a joining request's `prompt` tokens, `cached` of them from the prefix cache
+    /// (`looked_up`: the cache is on).
+    fn count_prompt(&self, prompt: usize, cached: usize, looked_up: bool) {
+        self.metrics.update(|m| {
+            m.prompt_tokens += prompt as u64;
+            if looked_up {
+                m.prefix_cache_queries += prompt as u64;
+                m.prefix_cache_hits += cached as u64;
+            }
+        });
     }
 
     /// Ends sequence `id`'s row: parks it in the prefix cache (finishing what the cache's bound
@@ -358,17 +427,36 @@ impl<B: Backend> Engine<'_, B> {
                 .collect::<Result<Vec<_>, String>>()?;
             choose_row_tokens(step.logits, &mut samplers).map_err(|err| err.to_string())?
         };
+        self.metrics.update(|m| m.generation_tokens += step.ids.len() as u64);
         for (&id, (token, logprob)) in step.ids.iter().zip(tokens) {
             let row = rows.get_mut(&id).expect("every stepped sequence has a row");
-            if row.push(token, logprob, &self.stop_ids, self.tokenizer) {
-                decoder.accept(id, token).map_err(|err| err.to_string())?;
-            } else {
-                rows.remove(&id);
-                Self::retire(decoder, cache, variant, id)?;
+            match row.push(token, logprob, &self.stop_ids, self.tokenizer) {
+                None => decoder.accept(id, token).map_err(|err| err.to_string())?,
+                Some(ending) => {
+                    self.metrics.update(|m| match ending {
+                        Ending::Finished(Finish::Stop) => m.finished_stop += 1,
+                        Ending::Finished(Finish::Length) => m.finished_length += 1,
+                        Ending::ClientGone => m.aborted += 1,
+                        Ending::Failed => m.failed += 1,
+                    });
+                    rows.remove(&id);
+                    Self::retire(decoder, cache, variant, id)?;
+                }
             }
         }
         Ok(())
     }
+}
+
+/// How a row left the batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    /// It ended, its reply sent.
+    Finished(Finish),
+    /// Its client went away.
+    ClientGone,
+    /// Its text could not be decoded.
+    Failed,
 }
 
 /// One request being decoded.
@@ -408,8 +496,8 @@ impl Row {
         }
     }
 
-    /// Takes the next token and its log-prob; returns whether the row goes on.
-    fn push(&mut self, token: u32, logprob: f32, stop_ids: &[u32], tokenizer: &Qwen3Tokenizer) -> bool {
+    /// Takes the next token and its log-prob; returns how the row ended, `None` while it goes on.
+    fn push(&mut self, token: u32, logprob: f32, stop_ids: &[u32], tokenizer: &Qwen3Tokenizer) -> Option<Ending> {
         self.sampled.push(token);
         self.logprobs.push(logprob);
         // An ending token (the model's EOS, or one of the request's stop_token_ids) is not
@@ -426,21 +514,30 @@ impl Row {
             Ok(text) => text,
             Err(err) => {
                 let _ = self.events.send(Event::Failed(format!("decoding: {err}")));
-                return false;
+                return Some(Ending::Failed);
             }
         };
         if let Some(reason) = ending {
-            return self.send_text(&text, text.len()) && self.finish(Finish::Stop, reason);
+            return Some(self.end(&text, text.len(), Finish::Stop, reason));
         }
         if let Some((at, stop)) = self.stop.earliest(&text) {
             let reason = StopReason::Text(stop.to_string());
-            return self.send_text(&text, at) && self.finish(Finish::Stop, Some(reason));
+            return Some(self.end(&text, at, Finish::Stop, Some(reason)));
         }
         if self.sampled.len() >= self.max_tokens {
-            return self.send_text(&text, text.len()) && self.finish(Finish::Length, None);
+            return Some(self.end(&text, text.len(), Finish::Length, None));
         }
         let safe = self.stop.safe_len(&text);
-        self.send_text(&text, safe)
+        (!self.send_text(&text, safe)).then_some(Ending::ClientGone)
+    }
+
+    /// Sends the rest of `text[..upto]`, then the row's end.
+    fn end(&mut self, text: &str, upto: usize, finish: Finish, stop_reason: Option<StopReason>) -> Ending {
+        if !self.send_text(text, upto) {
+            return Ending::ClientGone;
+        }
+        self.finish(finish, stop_reason);
+        Ending::Finished(finish)
     }
 
     /// Sends the unsent part of `text[..upto]`; false when the client is gone.
@@ -449,8 +546,8 @@ impl Row {
         new.is_empty() || self.events.send(Event::Text(new.to_string())).is_ok()
     }
 
-    /// Reports the end of the row; always false (the row does not go on).
-    fn finish(&mut self, finish: Finish, stop_reason: Option<StopReason>) -> bool {
+    /// Reports the end of the row.
+    fn finish(&mut self, finish: Finish, stop_reason: Option<StopReason>) {
         let _ = self.events.send(Event::Done(Finished {
             finish,
             stop_reason,
@@ -458,7 +555,6 @@ impl Row {
             logprobs: std::mem::take(&mut self.logprobs),
             cached_tokens: self.cached_tokens,
         }));
-        false
     }
 }
 
@@ -513,7 +609,10 @@ mod tests {
             max_batched_tokens: usize::MAX,
             models,
             prefix_cache: 0,
+            kv_budget: None,
             on_idle: Box::new(|| {}),
+            metrics: Arc::default(),
+            memory_probe: None,
         }
     }
 
@@ -550,6 +649,14 @@ mod tests {
             assert!(matches!(&ends[i], Event::Failed(message) if !message.is_empty()), "request {i}: {:?}", ends[i]);
         }
         assert_eq!(models.lock().unwrap().base_root, dir.path().display().to_string());
+        // `GET /metrics` counts the three answered and the two refused, and shows nothing left.
+        let counted = engine.metrics.snapshot();
+        assert_eq!(
+            (counted.prompt_tokens, counted.generation_tokens, counted.finished_length, counted.finished_stop, counted.failed),
+            (3 + 1 + 4, 4 + 6 + 3, 3, 0, 2)
+        );
+        assert_eq!((counted.running, counted.waiting, counted.kv_used_tokens, counted.kv_pool_tokens), (0, 0, 0, 0));
+        assert_eq!((counted.prefix_cache_queries, counted.prefix_cache_hits), (0, 0), "no prefix cache, no lookups");
     }
 
     /// The prefix cache: a request whose prompt extends an ended request's prompt and ids
@@ -596,6 +703,12 @@ mod tests {
         cached.prefix_cache = 1000;
         let (hit_one, hit_two) = turns(&mut cached, false);
         assert_eq!((hit_one.cached_tokens, hit_two.cached_tokens), (0, first.len() + one.token_ids.len() - 1));
+        let counted = cached.metrics.snapshot();
+        let prompts = (first.len() + first.len() + one.token_ids.len() + 3) as u64;
+        assert_eq!(
+            (counted.prompt_tokens, counted.prefix_cache_queries, counted.prefix_cache_hits),
+            (prompts, prompts, hit_two.cached_tokens as u64)
+        );
         assert_eq!((&hit_one.token_ids, &hit_two.token_ids), (&one.token_ids, &two.token_ids));
         for (a, b) in hit_two.logprobs.iter().zip(&two.logprobs) {
             assert!((a - b).abs() < 1e-4, "{:?} vs {:?}", hit_two.logprobs, two.logprobs);

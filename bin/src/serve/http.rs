@@ -1,4 +1,4 @@
-//! Routes and replies: `/health`, `/v1/models`, `/v1/chat/completions` (JSON or server-sent
+//! Routes and replies: `/health`, `/metrics` (in Prometheus's format, see `metrics`), `/v1/models`, `/v1/chat/completions` (JSON or server-sent
 //! events), `/v1/completions` (in `completions`), the policy's control routes (in `control`),
 //! OpenAI-style errors for everything else.
 
@@ -23,6 +23,8 @@ use super::Shared;
 
 /// The chat-completions endpoint.
 const CHAT_ROUTE: &str = "/v1/chat/completions";
+/// The worker's state and counts for Prometheus (open without the API key, as `/health`).
+const METRICS_ROUTE: &str = "/metrics";
 /// Answers one request (its body already read, within the listener's limits).
 pub fn handle(request: Request, responder: Responder, shared: &Shared) {
     let method = request.method.as_str();
@@ -45,6 +47,10 @@ pub fn handle(request: Request, responder: Responder, shared: &Shared) {
     }
     match (method, path) {
         ("GET", "/health") => respond_json(responder, 200, &json!({"status": "ok"})),
+        ("GET", METRICS_ROUTE) => {
+            let text = shared.metrics.snapshot().render();
+            responder.send_with_headers(200, "text/plain; version=0.0.4; charset=utf-8", &[SERVER_HEADER], text.into_bytes())
+        }
         ("GET", "/v1/models") => {
             let body = json!({"object": "list", "data": model_cards(shared)});
             respond_json(responder, 200, &body)
@@ -69,7 +75,7 @@ pub fn handle(request: Request, responder: Responder, shared: &Shared) {
 /// reply's); `None` for no route of the server.
 fn allowed_methods(path: &str) -> Option<&'static str> {
     match path {
-        "/health" | "/v1/models" => Some("GET, OPTIONS"),
+        "/health" | METRICS_ROUTE | "/v1/models" => Some("GET, OPTIONS"),
         p if p.starts_with("/v1/models/") => Some("GET, OPTIONS"),
         CHAT_ROUTE | completions::ROUTE => Some("POST, OPTIONS"),
         p if control::ROUTES.contains(&p) => Some("POST, OPTIONS"),

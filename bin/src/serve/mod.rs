@@ -19,6 +19,7 @@ mod engine;
 mod error;
 mod http;
 mod listener;
+mod metrics;
 mod policy;
 mod prefix_cache;
 mod request;
@@ -26,7 +27,7 @@ mod stop;
 
 use std::io::Write;
 use std::sync::mpsc::{self, Sender};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, Result};
 use burn::tensor::backend::Backend;
@@ -34,11 +35,12 @@ use model::chat_template::ChatTemplate;
 use model::tokenizer::Qwen3Tokenizer;
 use model::{LoadOptions, Qwen3ForCausalLM, Sampling};
 use trainer::plan::format_size;
-use trainer::run::{end_device_phase, DeviceMemoryProbe, TrainError};
+use trainer::run::{end_device_phase, DeviceMemory, DeviceMemoryProbe, TrainError};
 
 use engine::{Engine, Work};
 use listener::Listener;
 pub use listener::Limits;
+use metrics::{ServerMetrics, Snapshot};
 use policy::{Models, Policy};
 
 /// Server settings.
@@ -67,6 +69,9 @@ pub struct Settings {
     pub limits: Limits,
     /// Bytes of KV cache the prefix cache may hold (0: no prefix cache).
     pub prefix_cache_memory: u64,
+    /// Bytes of KV cache the decoder's pool may hold, running requests and the prefix cache's
+    /// together (`--kv-cache-memory`); `None`: no limit.
+    pub kv_cache_memory: Option<u64>,
     /// Origins whose browser pages may read the replies (`--allowed-origins`; `*` for any).
     pub allowed_origins: Vec<String>,
 }
@@ -103,6 +108,8 @@ pub(crate) struct Shared<'m> {
     allowed_origins: cors::AllowedOrigins,
     /// The policy's parts as the worker last published them.
     models: Mutex<Models>,
+    /// What the worker holds and has done (`GET /metrics`).
+    metrics: Arc<ServerMetrics>,
     work: Sender<Work>,
 }
 
@@ -118,15 +125,56 @@ impl Shared<'_> {
 
 /// Gives the device back the memory pages the worker's last requests left unused; with a
 /// `probe`, the log line of what the pool reserved at most (before) and kept (after).
-fn give_back_unused_memory<B: Backend>(device: &B::Device, probe: Option<&DeviceMemoryProbe>) -> Result<Option<String>, TrainError> {
+/// `probe`, the pool's readings before and after (for `GET /metrics`) and the log line of what it
+/// reserved at most (before) and kept (after).
+fn give_back_unused_memory<B: Backend>(device: &B::Device, probe: Option<&DeviceMemoryProbe>) -> Result<Option<IdleMemory>, TrainError> {
     let Some(burst) = end_device_phase::<B>(device, probe)? else { return Ok(None) };
     let kept = probe.and_then(|read| read()).unwrap_or_default();
-    Ok(Some(format!(
+    let line = format!(
         "GPU memory after the requests: {} reserved at most, {} once the unused pages went back ({} in use)",
         format_size(burst.reserved),
         format_size(kept.reserved),
         format_size(kept.in_use)
-    )))
+    );
+    Ok(Some(IdleMemory { burst, kept, line }))
+}
+
+/// The device's pool as a burst of requests left it, and after its unused pages went back.
+struct IdleMemory {
+    burst: DeviceMemory,
+    kept: DeviceMemory,
+    line: String,
+}
+
+/// The decoder's KV budget in positions for `bytes` of cache at `per_position` bytes each; an
+/// error names `--kv-cache-memory` where it cannot hold the shortest request (a prompt token and
+/// a completion token).
+fn kv_budget_positions(bytes: u64, per_position: u64) -> Result<usize> {
+    let positions = usize::try_from(bytes / per_position.max(1)).unwrap_or(usize::MAX);
+    if longest_request(positions) < 2 {
+        return Err(anyhow!(
+            "--kv-cache-memory {} holds {positions} KV positions of this model ({per_position} bytes each), \
+             too few for any request: a request needs at least {} (its block and the cache's scratch block)",
+            format_size(bytes),
+            model::decode::positions_to_hold(3)
+        ));
+    }
+    Ok(positions)
+}
+
+/// The longest request (prompt and completion tokens) a KV budget of `positions` holds alone,
+/// as the decoder counts a sequence's blocks (the last sampled token is never fed back).
+fn longest_request(positions: usize) -> usize {
+    let (mut low, mut high) = (0, positions);
+    while low < high {
+        let mid = (low + high).div_ceil(2);
+        if model::decode::positions_to_hold(mid + 1) <= positions {
+            low = mid;
+        } else {
+            high = mid - 1;
+        }
+    }
+    low
 }
 
 /// Listens, prints the base URL when ready, and serves until the process is stopped.
@@ -142,12 +190,30 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         .local_addr()
         .map_err(|err| anyhow!("cannot read the address listened on: {err}"))?;
     let (work, queue) = mpsc::channel();
+    // The cache holds keys and values in the dtype of the weights.
+    let per_position = trainer::plan::kv_position_bytes(&served.model.config, served.load_options.dtype).max(1);
+    let prefix_cache = usize::try_from(settings.prefix_cache_memory / per_position).unwrap_or(usize::MAX);
+    let kv_budget = settings.kv_cache_memory.map(|bytes| kv_budget_positions(bytes, per_position)).transpose()?;
+    let model_context = served.model.config.max_position_embeddings;
+    // A request longer than the budget holds could never run: the budget shortens the context
+    // requests may ask for, as vLLM's max_model_len.
+    let context_len = kv_budget.map_or(model_context, |positions| longest_request(positions).min(model_context));
+    if context_len < model_context {
+        eprintln!(
+            "note: --kv-cache-memory holds {context_len} tokens of one request (prompt and completion), below the model's context of {model_context}: longer requests are refused"
+        );
+    }
+    let metrics = Arc::new(ServerMetrics::new(Snapshot {
+        kv_budget_tokens: kv_budget,
+        kv_token_bytes: per_position,
+        ..Snapshot::default()
+    }));
     let shared = Shared {
         model_name: settings.model_name.clone(),
         created: http::unix_time(),
         tokenizer: served.tokenizer,
         template: served.template,
-        context_len: served.model.config.max_position_embeddings,
+        context_len,
         vocab_size: served.model.config.vocab_size,
         default_max_tokens: settings.default_max_tokens,
         enable_thinking: settings.enable_thinking,
@@ -159,11 +225,9 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
             base_root: served.root.clone(),
             ..Models::default()
         }),
+        metrics: Arc::clone(&metrics),
         work,
     };
-    // The cache holds keys and values in the dtype of the weights.
-    let per_position = trainer::plan::kv_position_bytes(&served.model.config, served.load_options.dtype).max(1);
-    let prefix_cache = usize::try_from(settings.prefix_cache_memory / per_position).unwrap_or(usize::MAX);
     // CubeCL's pool keeps a freed page for later tensors of its size class, never giving it
     // back unless asked: after a burst of requests (a step's rollouts on a worker, say) the KV
     // pools and activations it grew through would stay reserved while the GPU's other users
@@ -171,9 +235,18 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
     let device = served.device.clone();
     let probe = served.memory_probe.clone();
     let quiet = settings.quiet;
+    let idle_metrics = Arc::clone(&metrics);
     let on_idle = Box::new(move || match give_back_unused_memory::<B>(&device, probe.as_ref()) {
-        Ok(Some(line)) if !quiet => eprintln!("{line}"),
-        Ok(_) => {}
+        Ok(Some(IdleMemory { burst, kept, line })) => {
+            idle_metrics.update(|m| {
+                m.read_device_memory(burst);
+                m.read_device_memory(kept);
+            });
+            if !quiet {
+                eprintln!("{line}");
+            }
+        }
+        Ok(None) => {}
         Err(err) => eprintln!("warning: the device's unused memory could not be given back: {err}"),
     });
     let policy = Policy::new(
@@ -193,7 +266,10 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         max_batched_tokens: settings.max_batched_tokens,
         models: &shared.models,
         prefix_cache,
+        kv_budget,
         on_idle,
+        metrics,
+        memory_probe: served.memory_probe,
     };
     if settings.api_key.is_none() && !addr.ip().is_loopback() {
         eprintln!(
@@ -202,7 +278,7 @@ pub fn serve<B: Backend>(served: Served<'_, B>, settings: Settings) -> Result<()
         );
     }
     println!(
-        "serving {} at http://{addr}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health; \
+        "serving {} at http://{addr}/v1 (POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics; \
          POST /v1/load_lora_adapter, /v1/unload_lora_adapter, /update_weights_from_disk)",
         settings.model_name
     );
@@ -244,12 +320,29 @@ mod tests {
             Some(DeviceMemory { in_use: 3 * MIB, reserved })
         });
         let device = Default::default();
-        let line = give_back_unused_memory::<burn::backend::Flex>(&device, Some(&probe)).unwrap();
+        let idle = give_back_unused_memory::<burn::backend::Flex>(&device, Some(&probe)).unwrap().unwrap();
         assert_eq!(
-            line.as_deref(),
-            Some("GPU memory after the requests: 40 MiB reserved at most, 8 MiB once the unused pages went back (3 MiB in use)")
+            idle.line,
+            "GPU memory after the requests: 40 MiB reserved at most, 8 MiB once the unused pages went back (3 MiB in use)"
         );
+        assert_eq!((idle.burst.reserved, idle.kept.reserved), (40 * MIB, 8 * MIB));
         assert_eq!(readings.load(Ordering::SeqCst), 2);
-        assert_eq!(give_back_unused_memory::<burn::backend::Flex>(&device, None).unwrap(), None);
+        assert!(give_back_unused_memory::<burn::backend::Flex>(&device, None).unwrap().is_none());
+    }
+
+    /// The longest request a KV budget holds is the longest whose blocks and the scratch block
+    /// fit in it, as the decoder counts them; a budget that holds no request is refused by name.
+    #[test]
+    fn a_kv_budget_bounds_one_request_and_must_hold_one() {
+        use model::decode::positions_to_hold;
+        for positions in [32, 33, 47, 48, 100, 256, 4096] {
+            let longest = longest_request(positions);
+            assert!(positions_to_hold(longest + 1) <= positions, "{positions}: {longest}");
+            assert!(positions_to_hold(longest + 2) > positions, "{positions}: {longest} is not the longest");
+        }
+        assert_eq!(longest_request(256), 239);
+        assert_eq!(kv_budget_positions(256 * 1000, 1000).unwrap(), 256);
+        let err = kv_budget_positions(20 * 1000, 1000).unwrap_err().to_string();
+        assert!(err.contains("--kv-cache-memory") && err.contains("holds 20 KV positions") && err.contains("at least 32"), "{err}");
     }
 }
