@@ -116,6 +116,9 @@ fn assert_same_run(local: &[StepRecord], remote: &[StepRecord]) {
         assert_eq!((l.episodes, l.agent_tokens, l.env_failures), (r.episodes, r.agent_tokens, r.env_failures), "step {step}");
         assert!((l.reward_mean - r.reward_mean).abs() < 1e-6, "step {step}: reward {} vs {}", l.reward_mean, r.reward_mean);
         assert!((l.pg_loss - r.pg_loss).abs() < 1e-4, "step {step}: pg_loss {} vs {}", l.pg_loss, r.pg_loss);
+        // One turn an episode: the workers prefill each prompt whole (their prefix cache serves
+        // an episode's later turns), where the local decoder shares a group's common prompt.
+        assert_eq!(r.prefill_tokens, l.prefill_tokens + l.shared_prefix_tokens, "step {step}: prefill tokens");
     }
     let rewards: Vec<f32> = local.iter().map(|r| r.reward_mean).collect();
     println!("rewards, local and on the workers: {rewards:.3?}");

@@ -34,8 +34,9 @@ pub struct RolloutBatch<'a, B: Backend> {
 /// What an engine reports about a rollout besides its trajectories.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RolloutStats {
-    /// The local decoder's counters (prefill tokens, peak KV positions, preemptions); zero for
-    /// engines that decode elsewhere.
+    /// The local decoder's counters (prefill tokens, peak KV positions, preemptions); for
+    /// engines that decode elsewhere, the prefill tokens their workers report and zero for the
+    /// rest.
     pub decoder: DecoderStats,
     /// Turns sent again to another worker after one failed (`rollout/server_retries`).
     pub server_retries: u64,

@@ -79,7 +79,9 @@ pub struct StepRecord {
     pub rollout_tokens_per_sec: f32,
     /// Tokens run through prefill during the rollouts (each episode's prompt and environment
     /// replies, once: its KV cache is kept across turns; again only after a preemption), to
-    /// compare with `perf/context_tokens`.
+    /// compare with `perf/context_tokens`. With `rollout.engine = "servers"`, what the workers
+    /// report: each reply's `usage.prompt_tokens` less its `prompt_tokens_details.cached_tokens`
+    /// (a worker's prefix cache spares an episode's earlier turns).
     #[serde(rename = "perf/prefill_tokens")]
     pub prefill_tokens: u64,
     /// Context positions the rollouts took from KV blocks other episodes had computed instead of

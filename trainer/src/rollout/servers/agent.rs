@@ -47,6 +47,8 @@ pub struct ServerAgent<'a> {
     next_attempt: u64,
     replies: Receiver<Reply>,
     reply_to: Sender<Reply>,
+    /// Prompt tokens the workers prefilled for the turns taken, as their replies' usage says.
+    prefill_tokens: u64,
 }
 
 /// A turn's request while it is out.
@@ -85,7 +87,14 @@ impl<'a> ServerAgent<'a> {
             next_attempt: 0,
             replies,
             reply_to,
+            prefill_tokens: 0,
         }
+    }
+
+    /// Prompt tokens the workers ran through prefill for the turns taken so far (each reply's
+    /// `usage.prompt_tokens` less its `cached_tokens`; see `perf/prefill_tokens`).
+    pub fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens
     }
 
     /// Sets the stream of the next batch of episodes (see [`crate::rollout::LocalAgent::set_batch_stream`]).
@@ -176,6 +185,7 @@ impl<'a> ServerAgent<'a> {
         });
         match outcome {
             Ok(completion) => {
+                self.prefill_tokens += completion.prefilled;
                 let result = match episodes.iter_mut().find(|c| c.index() == episode) {
                     Some(ctx) => self.record(ctx, completion),
                     None => Err(AgentError::Model(format!("episode {episode} was not handed to the step"))),

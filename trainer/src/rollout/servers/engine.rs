@@ -137,6 +137,7 @@ impl<B: Backend> RolloutEngine<B> for ServerEngine {
         let mut agent = ServerAgent::new(&mut self.pool, batch.tokenizer, batch.sampling.clone(), vocab_size);
         agent.set_batch_stream(batch.stream);
         let out = env::run_episodes_admitted(&mut agent, batch.env, batch.questions, batch.episode, self.admission, &mut env::NoObserver);
+        let decoder = model::DecoderStats { prefill_tokens: agent.prefill_tokens(), ..Default::default() };
         drop(agent);
         if self.pool.live() == 0 {
             return Err(TrainError::Servers(format!(
@@ -144,7 +145,7 @@ impl<B: Backend> RolloutEngine<B> for ServerEngine {
                 self.pool.describe_failures()
             )));
         }
-        Ok((out, RolloutStats { decoder: Default::default(), server_retries: self.pool.retries() - retries, steps: Default::default() }))
+        Ok((out, RolloutStats { decoder, server_retries: self.pool.retries() - retries, steps: Default::default() }))
     }
 
     /// Writes the policy (see [`ServerEngine::write_policy`]), has every worker load it and

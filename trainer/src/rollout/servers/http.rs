@@ -181,16 +181,44 @@ fn is_loopback(url: &str) -> bool {
     host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
-/// A completion's sampled ids with the log-prob of each.
+/// A completion's sampled ids with the log-prob of each, and the prompt tokens the worker ran
+/// through prefill for it.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Completion {
     pub ids: Vec<u32>,
     pub logprobs: Vec<f32>,
+    /// `usage.prompt_tokens` less `usage.prompt_tokens_details.cached_tokens` (the prompt
+    /// tokens the worker's prefix cache held): all of the prompt where the worker reports no
+    /// cached tokens (vLLM without `--enable-prompt-tokens-details`), 0 where it reports no usage.
+    pub prefilled: u64,
 }
 
 #[derive(Deserialize)]
 struct CompletionReply {
     choices: Vec<CompletionChoice>,
+    #[serde(default)]
+    usage: Option<Usage>,
+}
+
+#[derive(Deserialize)]
+struct Usage {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptTokensDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+impl Usage {
+    fn prefilled(&self) -> u64 {
+        let cached = self.prompt_tokens_details.as_ref().and_then(|d| d.cached_tokens).unwrap_or(0);
+        self.prompt_tokens.saturating_sub(cached)
+    }
 }
 
 #[derive(Deserialize)]
@@ -211,6 +239,7 @@ struct ChoiceLogprobs {
 /// id (of `stop_ids`) only last. The message says what is wrong.
 pub(crate) fn parse_completion(body: &str, max_tokens: usize, vocab_size: usize, stop_ids: &[u32]) -> Result<Completion, String> {
     let reply: CompletionReply = serde_json::from_str(body).map_err(|e| format!("not a completion reply ({e})"))?;
+    let prefilled = reply.usage.as_ref().map_or(0, Usage::prefilled);
     let choice = reply.choices.into_iter().next().ok_or("the reply has no choice")?;
     let ids = choice
         .token_ids
@@ -245,7 +274,7 @@ pub(crate) fn parse_completion(body: &str, max_tokens: usize, vocab_size: usize,
             None => Err(format!("the log-prob of token {k} is null")),
         })
         .collect::<Result<_, _>>()?;
-    Ok(Completion { ids, logprobs })
+    Ok(Completion { ids, logprobs, prefilled })
 }
 
 /// One entry of `GET /v1/models`.

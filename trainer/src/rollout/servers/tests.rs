@@ -197,6 +197,20 @@ fn the_reply_vllm_documents_parses() {
     let completion = parse_completion(&body, 16, 151_936, &stops).unwrap();
     assert_eq!(completion.ids, [27, 26865, 29, 151645]);
     assert_eq!(completion.logprobs, [-0.0123, -1.5, -0.25, -0.03125]);
+    // No `prompt_tokens_details` (vLLM without --enable-prompt-tokens-details): the whole prompt
+    // counts as prefilled.
+    assert_eq!(completion.prefilled, 9);
+
+    // The prefill a reply's usage reports: its prompt less the prefix cache's tokens; none without usage.
+    let choice = json!([{"index": 0, "text": "", "token_ids": [1], "logprobs": {"token_logprobs": [-0.5]}}]);
+    for (usage, prefilled) in [
+        (json!({"prompt_tokens": 20, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 15}}), 5),
+        (json!({"prompt_tokens": 20, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": null}}), 20),
+        (json!(null), 0),
+    ] {
+        let body = json!({"choices": choice, "usage": usage}).to_string();
+        assert_eq!(parse_completion(&body, 4, 512, &[7]).unwrap().prefilled, prefilled, "{body}");
+    }
 
     // What is checked, each with a message saying what is wrong.
     let reply = |ids: Value, lps: Value| {
