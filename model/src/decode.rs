@@ -17,7 +17,7 @@
 //! the batch's longest row. Sequences leave and join by their block tables alone: nothing is
 //! copied, and a parked sequence's blocks wait in the pool. The pool grows by an eighth when
 //! full (each layer's pools copied into larger ones; on a GPU the step then gives the old pools'
-//! pages back to the device, [`release_replaced_pools`]), shrinks to the parked sequences' blocks once nothing runs or waits and at most half of
+//! pages back to the device, [`crate::device_memory::release_unused_pages`]), shrinks to the parked sequences' blocks once nothing runs or waits and at most half of
 //! it is in use, and is freed when the decoder holds no sequence. Within [`DecoderLimits::kv_budget`]
 //! (the pool's positions) a sequence waits to join until its blocks fit; parked caches are
 //! dropped first (oldest first) and running sequences preempted (newest first) when growth
@@ -643,7 +643,13 @@ impl<B: Backend> Decoder<B> {
         self.stats.peak_kv_positions = self.stats.peak_kv_positions.max(self.kv_positions());
         self.stats.peak_kv_positions_in_use = self.stats.peak_kv_positions_in_use.max(self.kv_positions_in_use());
         if blocks_before > 0 && self.pool.total > blocks_before {
-            release_replaced_pools::<B>(&model.base().device())?;
+            // A GPU backend's pool (CubeCL's) keeps a freed slice for later tensors of its page's
+            // size class, and a grown pool is larger than any slice its predecessors freed, often
+            // of another class: without giving the old pools' pages back, every size the pools
+            // passed through would stay reserved until the decoder's caller cleans up (modelled
+            // on CUDA's classes: 99 GiB reserved for a 45 GiB budget on an 80 GiB GPU, 50 GiB
+            // with this).
+            crate::device_memory::release_unused_pages::<B, _>(&model.base().device(), || ())?;
         }
         Ok(out)
     }
@@ -1086,18 +1092,6 @@ fn unknown(id: SequenceId) -> ModelError {
     ModelError::Input(format!("no sequence {id} in the decoder"))
 }
 
-/// Gives the device back the pages of the layers' KV pools a step has just copied into larger
-/// ones. A GPU backend's pool (CubeCL's) keeps a freed slice for later tensors of its page's size
-/// class, and a grown pool is larger than any slice its predecessors freed, often of another
-/// class: without this every size the pools passed through would stay reserved until the
-/// decoder's caller cleans up (modelled on CUDA's classes: 99 GiB reserved for a 45 GiB budget
-/// on an 80 GiB GPU, 50 GiB with this). The step's work runs first, so that the old pools are
-/// freed. Nothing to do on the CPU.
-fn release_replaced_pools<B: Backend>(device: &B::Device) -> Result<(), ModelError> {
-    B::sync(device).map_err(|e| ModelError::Device(e.to_string()))?;
-    B::memory_cleanup(device);
-    Ok(())
-}
 
 fn too_small(budget: usize, id: SequenceId, len: usize) -> ModelError {
     ModelError::Input(format!(

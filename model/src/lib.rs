@@ -20,6 +20,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod decode;
 pub mod device_kernels;
+pub mod device_memory;
 pub mod device_sampling;
 pub mod error;
 pub mod generation;

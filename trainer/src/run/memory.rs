@@ -26,10 +26,8 @@ pub type DeviceMemoryProbe = Arc<dyn Fn() -> Option<DeviceMemory> + Send + Sync>
 /// cache after its rollouts. CubeCL's pools (the GPU backends) keep a freed page for later
 /// allocations of its size class, and their classes are wide (on CUDA a tensor above 1/32 of
 /// the GPU's memory holds a page of a quarter of it), so without this the rollouts' KV pages and
-/// the update's activations, of other sizes, would stay reserved together. Queued work runs
-/// first: burn's kernel fusion frees a dropped tensor's buffer only when it runs the operations
-/// before the drop. CubeCL keeps a pool per thread that issues tensor operations; this releases
-/// the calling thread's. Nothing to do on the CPU backend.
+/// the update's activations, of other sizes, would stay reserved together. The calling thread's
+/// pool, once its queued work has run ([`model::device_memory::release_unused_pages`]).
 pub fn release_unused_device_memory<B: Backend>(device: &B::Device) -> Result<(), TrainError> {
     end_device_phase::<B>(device, None).map(drop)
 }
@@ -39,10 +37,7 @@ pub fn release_unused_device_memory<B: Backend>(device: &B::Device) -> Result<()
 /// since the last release (CubeCL gives pages back only when asked to), so the phase's peak; the
 /// bytes in use are the moment's, not a peak.
 pub fn end_device_phase<B: Backend>(device: &B::Device, probe: Option<&DeviceMemoryProbe>) -> Result<Option<DeviceMemory>, TrainError> {
-    B::sync(device).map_err(|e| TrainError::Device(e.to_string()))?;
-    let held = probe.and_then(|read| read());
-    B::memory_cleanup(device);
-    Ok(held)
+    model::device_memory::release_unused_pages::<B, _>(device, || probe.and_then(|read| read())).map_err(|e| TrainError::Device(e.to_string()))
 }
 
 /// Bytes in GiB (bytes / 1024³), as verl's memory metrics give them.
