@@ -38,7 +38,11 @@
 #   memory     a Qwen3-4B-shaped LoRA training step (random weights, bf16 base, 1 x 1024 tokens),
 #              with and without activation checkpointing: peak GPU memory (nvidia-smi) beside
 #              the memory plan's prediction that `bench` prints against what CubeCL's pool
-#              reserved over the timed steps (the plan with CubeCL's CUDA pages)
+#              reserved over the timed steps (the plan with CubeCL's CUDA pages); then `serve` on
+#              the 0.6B shape (bf16): two bursts of 32 concurrent requests without a KV budget
+#              and within `--kv-cache-memory 1GiB` (scripts/serve_burst.py), with its GET /metrics
+#              (the KV pool's peak, preemptions, CubeCL's pool) and its log of the pool before and
+#              after the idle worker gave pages back
 #   autotune   for a variant build (BIN=...): check-device's kernels compiled, decode on the
 #              0.6B shape (bf16, batch 1 and 64) and the small rollout at batch 8
 #   rollout    issue 32's rollout workload on the device (`bench --rollout`: 5 turns of 128
@@ -323,6 +327,23 @@ compile_probe() {
     | head -15 | tee -a "$log"
 }
 
+# `serve` on the device with bursts of concurrent requests (scripts/serve_burst.py), without a
+# KV budget and within one: its /metrics after each burst, and its lines on CubeCL's pool.
+serve_bursts() {
+  local model="$work/qwen3-0.6b-serve"
+  step init-model-serve "$bin" init-model --preset qwen3-0.6b --out "$model"
+  for budget in "" 1GiB; do
+    step "serve-${budget:-unbounded}" python3 scripts/serve_burst.py "$bin" "$model" --requests 32 --prompt-tokens 512 \
+      --new-tokens 256 -- --device cuda --dtype bf16 ${budget:+--kv-cache-memory $budget}
+  done
+  for run in serve-unbounded serve-1GiB; do
+    say "$run:"
+    grep -h "^burst\|metrics:" "$work/$run.txt" 2> /dev/null | tee -a "$log"
+  done
+  grep -h "GPU memory after" "$work/stderr.txt" 2> /dev/null | tee -a "$log"
+  rm -rf "$model"
+}
+
 # The rollout benches' figures (issue 32's) and the decode benches' (prefill and decode lines)
 # of the steps named in the arguments, from their JSON reports into the log.
 rollout_figures() {
@@ -398,6 +419,7 @@ case "$stage" in
     done
     grep -h "memory plan" "$work"/*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
+    serve_bursts
     ;;
   rollout)
     # First issue 32's figures, the rollout against pure decode (a lease rarely has time for

@@ -421,6 +421,12 @@ impl<B: Backend> Decoder<B> {
         self.pool.used() * BLOCK_SIZE
     }
 
+    /// KV positions in blocks that only sequences out of the batch hold (parked, or waiting to
+    /// join with a cache): what dropping their caches, as the KV budget does first, would free.
+    pub fn kv_positions_evictable(&self) -> usize {
+        self.evictable_blocks(&[], &[]) * BLOCK_SIZE
+    }
+
     /// The longest running sequence's cached positions (0 when none runs): the next decode
     /// step's rows span one more than that.
     fn longest_running(&self) -> usize {

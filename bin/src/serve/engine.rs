@@ -305,7 +305,9 @@ impl<B: Backend> Engine<'_, B> {
         self.metrics.update(|m| {
             m.running = running.rows.len().saturating_sub(waiting);
             m.waiting = waiting + queued;
-            m.kv_used_tokens = decoder.kv_positions_in_use();
+            let evictable = decoder.kv_positions_evictable();
+            m.kv_used_tokens = decoder.kv_positions_in_use().saturating_sub(evictable);
+            m.kv_cached_tokens = evictable;
             m.kv_pool_tokens = decoder.kv_positions();
             m.kv_pool_peak_tokens = m.kv_pool_peak_tokens.max(decoder.stats().peak_kv_positions);
             m.preemptions = running.earlier_preemptions + decoder.stats().preemptions;

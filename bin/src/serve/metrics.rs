@@ -24,8 +24,13 @@ pub struct Snapshot {
     /// adapter's requests, a change of the policy, or the KV budget; preempted ones among them)
     /// or part-way through a prefill chunked over steps.
     pub waiting: usize,
-    /// KV positions (per layer) in blocks sequences hold, the cache's scratch block included.
+    /// KV positions (per layer) in blocks the requests in the batch hold, the cache's scratch
+    /// block included.
     pub kv_used_tokens: usize,
+    /// KV positions (per layer) in blocks only sequences out of the batch hold (the prefix
+    /// cache's, or a request's waiting to join): dropped first to make room, so counted as free
+    /// by `kv_cache_usage_perc`, as vLLM counts its cached blocks.
+    pub kv_cached_tokens: usize,
     /// KV positions (per layer) the pool holds now: used and free blocks (it grows on demand).
     pub kv_pool_tokens: usize,
     /// The most KV positions (per layer) the pool held at once.
@@ -71,7 +76,12 @@ impl Snapshot {
         let mut out = Exposition::default();
         out.gauge("num_requests_running", "Requests decoding.", self.running as f64);
         out.gauge("num_requests_waiting", "Requests waiting to join the batch or part-way through a chunked prefill.", self.waiting as f64);
-        out.gauge("kv_cache_used_tokens", "KV positions in blocks that sequences hold (each layer's; the scratch block included).", self.kv_used_tokens as f64);
+        out.gauge("kv_cache_used_tokens", "KV positions in blocks the requests in the batch hold (each layer's; the scratch block included).", self.kv_used_tokens as f64);
+        out.gauge(
+            "kv_cache_cached_tokens",
+            "KV positions in blocks only the prefix cache's (or waiting requests') sequences hold, dropped first to make room.",
+            self.kv_cached_tokens as f64,
+        );
         out.gauge("kv_cache_pool_tokens", "KV positions the paged pool holds now, used and free (it grows and shrinks on demand).", self.kv_pool_tokens as f64);
         out.gauge("kv_cache_pool_peak_tokens", "The most KV positions the paged pool held at once.", self.kv_pool_peak_tokens as f64);
         out.gauge(
@@ -83,7 +93,7 @@ impl Snapshot {
             out.gauge("kv_cache_budget_tokens", "KV positions the pool may hold (--kv-cache-memory).", budget as f64);
             out.gauge(
                 "kv_cache_usage_perc",
-                "Fraction of the KV budget in blocks that sequences hold (1 = 100%).",
+                "Fraction of the KV budget in blocks the requests in the batch hold (1 = 100%).",
                 self.kv_used_tokens as f64 / budget.max(1) as f64,
             );
         }

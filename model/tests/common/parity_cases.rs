@@ -607,10 +607,12 @@ fn memory_follows_the_positions_in_use() {
     let held = decoder.kv_positions();
     let in_use = decoder.kv_positions_in_use();
     assert!(in_use * 2 <= held, "{in_use} of {held} in use");
+    assert_eq!(decoder.kv_positions_evictable(), 0, "every sequence runs");
     for id in [1, 2, 4, 5, 6, 7, 8] {
         decoder.park(id).unwrap();
     }
     assert_eq!(decoder.kv_positions(), in_use, "the pool of {held} positions shrinks to the {in_use} in use");
+    assert_eq!(decoder.kv_positions_evictable(), in_use - BLOCK_SIZE, "all parked: every block but the scratch block could go");
     decoder.extend(&model, 6, &[4, 5]).unwrap();
     decoder.extend(&model, 1, &[7]).unwrap();
     for _ in 0..4 {
