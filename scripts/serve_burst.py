@@ -93,7 +93,11 @@ def main():
                 thread.join()
             wall = time.time() - start
             generated = sum(r["usage"]["completion_tokens"] for r in replies if r)
-            figures = idle_metrics(base)
+            idle_metrics(base)
+            # Once idle the worker gives the device its unused pages back, then records the
+            # pool: read after that.
+            time.sleep(1.0)
+            figures = metrics(base)
             print(
                 f"burst {burst}: {args.requests} x ({args.prompt_tokens} prompt + {args.new_tokens} new tokens) "
                 f"in {wall:.1f} s, {generated / wall:.0f} generated tok/s, {len(errors)} failed",
@@ -102,8 +106,6 @@ def main():
             print("  metrics: " + json.dumps(figures, sort_keys=True), flush=True)
             for error in errors[:5]:
                 print("  " + error, flush=True)
-            # The idle worker's log line (the pool before and after it gave pages back).
-            time.sleep(0.5)
     finally:
         server.terminate()
         server.wait(timeout=30)
