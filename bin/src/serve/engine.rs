@@ -32,13 +32,12 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use trainer::run::DeviceMemoryProbe;
-
 use burn::tensor::backend::Backend;
 use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
 use model::{choose_row_tokens, Decoder, DecoderLimits, LoraModel, RowSampling, Sampling, SequenceId};
 use rand::{rngs::StdRng, SeedableRng};
+use trainer::run::DeviceMemoryProbe;
 
 use super::error::ApiError;
 use super::metrics::ServerMetrics;
@@ -302,15 +301,16 @@ impl<B: Backend> Engine<'_, B> {
             }
             _ => None,
         };
+        let evictable = decoder.kv_positions_evictable();
+        let (in_use, pool, stats) = (decoder.kv_positions_in_use(), decoder.kv_positions(), decoder.stats());
         self.metrics.update(|m| {
             m.running = running.rows.len().saturating_sub(waiting);
             m.waiting = waiting + queued;
-            let evictable = decoder.kv_positions_evictable();
-            m.kv_used_tokens = decoder.kv_positions_in_use().saturating_sub(evictable);
+            m.kv_used_tokens = in_use.saturating_sub(evictable);
             m.kv_cached_tokens = evictable;
-            m.kv_pool_tokens = decoder.kv_positions();
-            m.kv_pool_peak_tokens = m.kv_pool_peak_tokens.max(decoder.stats().peak_kv_positions);
-            m.preemptions = running.earlier_preemptions + decoder.stats().preemptions;
+            m.kv_pool_tokens = pool;
+            m.kv_pool_peak_tokens = m.kv_pool_peak_tokens.max(stats.peak_kv_positions);
+            m.preemptions = running.earlier_preemptions + stats.preemptions;
             if let Some(reading) = reading {
                 m.read_device_memory(reading);
             }
