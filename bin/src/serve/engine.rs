@@ -10,9 +10,9 @@
 //! an EOS or stop token, a stop string, its token limit, or when its client has gone (its event
 //! channel is closed). A failed step (an error or a panic) fails the rows in the decoder, and
 //! the worker goes on with the requests that come after. Each time the work runs out the worker
-//! calls [`Engine::on_idle`] before it waits for more. After each step it writes what it holds
-//! and has done into [`Engine::metrics`] (`GET /metrics`), reading the device's memory pool at
-//! most once a second.
+//! calls [`Engine::on_idle`] before it waits for more. After each step it writes what it has
+//! done into [`Engine::metrics`] (`GET /metrics`), and what it holds (the KV pool's blocks, the
+//! device's memory pool) at most once a second and as it goes idle.
 //!
 //! Work is taken in arrival order. Rows of different adapters cannot share a forward, so the
 //! decoder runs one variant (an adapter, or the base alone) at a time: a request for another
@@ -49,8 +49,9 @@ use super::stop::{SentText, StopStrings};
 /// together start together.
 const BATCH_WINDOW: Duration = Duration::from_millis(5);
 
-/// How often a working worker reads the device's memory pool for `GET /metrics`.
-const MEMORY_READING_EVERY: Duration = Duration::from_secs(1);
+/// How often a working worker reads what it holds for `GET /metrics`: its KV pool's blocks (which
+/// walks every parked sequence's block table) and the device's memory pool.
+const READING_EVERY: Duration = Duration::from_secs(1);
 
 /// How one request is sampled.
 #[derive(Debug, Clone, PartialEq)]
@@ -210,9 +211,9 @@ impl<B: Backend> Engine<'_, B> {
         let mut pending: VecDeque<Work> = VecDeque::new();
         self.publish();
         let mut worked = false;
-        let mut memory_read = Instant::now();
+        let mut last_reading = Instant::now();
         loop {
-            self.record_state(&running, &pending, &mut memory_read);
+            self.record_state(&running, &pending, &mut last_reading);
             if running.decoder.is_idle() && pending.is_empty() {
                 if std::mem::take(&mut worked) {
                     (self.on_idle)();
@@ -287,28 +288,30 @@ impl<B: Backend> Engine<'_, B> {
         }
     }
 
-    /// Writes the requests running and waiting, the KV cache and the preemptions into the
-    /// metrics, with a reading of the device's pool where the last is older than
-    /// [`MEMORY_READING_EVERY`].
-    fn record_state(&self, running: &Running<B>, pending: &VecDeque<Work>, memory_read: &mut Instant) {
+    /// Writes the requests running and waiting, the peak KV pool and the preemptions into the
+    /// metrics; and the KV pool's blocks, with a reading of the device's pool, where the last are
+    /// older than [`READING_EVERY`] (the blocks also when the decoder is idle, so that the state a
+    /// burst leaves is there at once).
+    fn record_state(&self, running: &Running<B>, pending: &VecDeque<Work>, last_reading: &mut Instant) {
         let decoder = &running.decoder;
         let waiting = decoder.waiting();
         let queued = pending.iter().filter(|work| matches!(work, Work::Job(_))).count();
-        let reading = match &self.memory_probe {
-            Some(probe) if memory_read.elapsed() >= MEMORY_READING_EVERY => {
-                *memory_read = Instant::now();
-                probe()
-            }
-            _ => None,
-        };
-        let evictable = decoder.kv_positions_evictable();
-        let (in_use, pool, stats) = (decoder.kv_positions_in_use(), decoder.kv_positions(), decoder.stats());
+        let due = last_reading.elapsed() >= READING_EVERY;
+        if due {
+            *last_reading = Instant::now();
+        }
+        let blocks = (due || decoder.is_idle()).then(|| {
+            let evictable = decoder.kv_positions_evictable();
+            (decoder.kv_positions_in_use().saturating_sub(evictable), evictable, decoder.kv_positions())
+        });
+        let reading = self.memory_probe.as_ref().filter(|_| due).and_then(|probe| probe());
+        let stats = decoder.stats();
         self.metrics.update(|m| {
             m.running = running.rows.len().saturating_sub(waiting);
             m.waiting = waiting + queued;
-            m.kv_used_tokens = in_use.saturating_sub(evictable);
-            m.kv_cached_tokens = evictable;
-            m.kv_pool_tokens = pool;
+            if let Some((used, cached, pool)) = blocks {
+                (m.kv_used_tokens, m.kv_cached_tokens, m.kv_pool_tokens) = (used, cached, pool);
+            }
             m.kv_pool_peak_tokens = m.kv_pool_peak_tokens.max(stats.peak_kv_positions);
             m.preemptions = running.earlier_preemptions + stats.preemptions;
             if let Some(reading) = reading {

@@ -124,7 +124,6 @@ impl Shared<'_> {
 }
 
 /// Gives the device back the memory pages the worker's last requests left unused; with a
-/// `probe`, the log line of what the pool reserved at most (before) and kept (after).
 /// `probe`, the pool's readings before and after (for `GET /metrics`) and the log line of what it
 /// reserved at most (before) and kept (after).
 fn give_back_unused_memory<B: Backend>(device: &B::Device, probe: Option<&DeviceMemoryProbe>) -> Result<Option<IdleMemory>, TrainError> {
