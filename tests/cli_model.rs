@@ -457,6 +457,36 @@ fn plan_on_cuda_counts_cubecls_pages() {
     assert!(large.contains("a tensor of 21.4 GiB that CubeCL cannot allocate") && large.contains("does NOT fit"), "{large}");
 }
 
+/// `rollout.kv_budget = "auto"`: `plan` prints what it comes to on the device and plans with it
+/// (the paper's run at generation batch 64 fits an 80 GiB GPU; on 400 GiB no budget is needed;
+/// on 10 GiB not one episode fits, which it says before the plan without a budget); `train`
+/// refuses it where the device's memory is unknown, naming the keys to set.
+#[test]
+fn an_auto_kv_budget_is_settled_against_the_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("run.toml");
+    std::fs::write(
+        &config,
+        "model = \"absent\"\nmodel_dtype = \"bf16\"\n[data]\ntrain = [\"train.csv\"]\n[environment]\nbase_url = \"http://127.0.0.1:9/v1\"\n\
+         model = \"m\"\n[episode]\nmax_response_tokens = 8192\n[rollout]\ngeneration_batch = 64\nkv_budget = \"auto\"\n\
+         [grpo]\nactivation_checkpointing = true\n[lora]\nrank = 8\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let plan = |memory: &str| ok_stdout(&["plan", "--config", config, "--preset", "qwen3-4b", "--device-memory", memory, "--device", "cuda"]);
+    let gpu = plan("80GiB");
+    let line = gpu.lines().find(|l| l.starts_with("rollout.kv_budget = \"auto\": ")).unwrap_or_else(|| panic!("{gpu}"));
+    assert!(line.contains(" GiB (") && line.contains("KV positions") && line.contains("80.0 GiB (as given)"), "{line}");
+    assert!(gpu.contains("KV cache (budget ") && gpu.contains("fits ("), "{gpu}");
+    let roomy = plan("400GiB");
+    assert!(roomy.contains("rollout.kv_budget = \"auto\": no budget needed") && roomy.contains("KV cache (64 episodes"), "{roomy}");
+    let short = plan("10GiB");
+    assert!(short.contains("one episode at the full context") && short.contains("does NOT fit"), "{short}");
+    let out = prompt_r1(&["train", "--config", config, "--device", "wgpu"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("rollout.kv_budget = \"auto\"") && stderr.contains("run.device_memory"), "{stderr}");
+}
+
 /// `check-device` compares the portable ops with the fused kernels on the CPU: nine checks
 /// (greedy and sampled tokens, greedy tokens after a 1,100-token prompt, and the first ratio at
 /// f32 and bf16 products, among them), all

@@ -9,7 +9,7 @@ use clap::Args as ClapArgs;
 use model::tiny_tokenizer::TINY_VOCAB_SIZE;
 use model::device_kernels::KernelPasses;
 use model::{Preset, Qwen3Config};
-use trainer::plan::{format_size, parse_size, MemoryPlan, PlanDevice, PlanSettings, Verdict};
+use trainer::plan::{auto_kv_budget, format_size, kv_position_bytes, parse_size, MemoryPlan, PlanDevice, PlanSettings, Verdict, AUTO_KV_BUDGET};
 use trainer::run::TrainConfig;
 
 use crate::device::{total_memory, DeviceChoice};
@@ -59,6 +59,18 @@ pub fn run(args: Args) -> Result<()> {
         None => model_shape(&config)?,
     };
     let memory = device_memory(&config, args.device)?;
+    if is_auto_kv_budget(&config) {
+        match &memory {
+            Some(memory) => match settle_auto_kv_budget(&mut config, &shape, args.device, args.context, memory) {
+                Ok(line) => println!("{line}"),
+                Err(short) => println!("{short}; the plan below has no budget"),
+            },
+            None => println!(
+                "rollout.kv_budget = \"{AUTO_KV_BUDGET}\": the memory of {:?} is unknown, so the plan has no budget; pass --device-memory",
+                args.device
+            ),
+        }
+    }
     let plan = MemoryPlan::new(settings_for(&config, shape, args.device, args.context, memory.as_ref()));
     print!("{}", describe(&plan));
     match memory {
@@ -97,6 +109,49 @@ fn host_fit(plan: &MemoryPlan) -> Option<(String, bool)> {
         format_size(usable)
     );
     Some((line, fits))
+}
+
+/// Whether the run asks for `rollout.kv_budget = "auto"`.
+fn is_auto_kv_budget(config: &TrainConfig) -> bool {
+    config.rollout.kv_budget.as_deref().is_some_and(|size| size.trim() == AUTO_KV_BUDGET)
+}
+
+/// Settles `rollout.kv_budget = "auto"` against the device's `memory`
+/// ([`trainer::plan::auto_kv_budget`]): the configuration gets the size it comes to, or no
+/// budget where every episode in flight fits at the full context. Returns the line that says
+/// which; the error says what is short where not even one episode fits.
+fn settle_auto_kv_budget(
+    config: &mut TrainConfig,
+    shape: &Qwen3Config,
+    device: DeviceChoice,
+    context: Option<usize>,
+    memory: &(u64, String),
+) -> Result<String> {
+    let (bytes, source) = memory;
+    let mut settings = settings_for(config, shape.clone(), device, context, Some(memory));
+    let budget = auto_kv_budget(&settings, *bytes).map_err(anyhow::Error::msg)?;
+    config.rollout.kv_budget = budget.map(|b| b.to_string());
+    settings.rollout.kv_budget = budget;
+    let auto = format!("rollout.kv_budget = \"{AUTO_KV_BUDGET}\"");
+    let of_device = format!("{} ({source})", format_size(*bytes));
+    Ok(match budget {
+        _ if settings.rollout.workers.is_some() => format!("{auto}: the rollouts run on the workers, which hold their own caches"),
+        None => format!(
+            "{auto}: no budget needed: {} episodes in flight at the full context fit the {of_device}",
+            settings.generation_batch
+        ),
+        Some(budget) => {
+            let positions = budget / kv_position_bytes(&settings.model, settings.rollout_cache_dtype()).max(1);
+            format!(
+                "{auto}: {} ({} KV positions, {:.1} episodes at the full context of {}), what the {of_device} leaves \
+                 the rollouts' cache after the plan's margin and the rollout phase's other terms",
+                format_size(budget),
+                positions,
+                positions as f64 / settings.episode_kv_positions() as f64,
+                settings.context
+            )
+        }
+    })
 }
 
 /// The model's shape, from the model directory's config.json.
@@ -251,9 +306,21 @@ pub fn describe_verdict(
 
 /// Fails, before anything big is loaded, when the run's plan does not fit the device; prints
 /// nothing when it fits and a note when the device's memory is unknown. Returns the plan.
-pub fn check_before_training(config: &TrainConfig, device: DeviceChoice) -> Result<MemoryPlan> {
+pub fn check_before_training(config: &mut TrainConfig, device: DeviceChoice) -> Result<MemoryPlan> {
     let memory = device_memory(config, device)?;
-    let plan = MemoryPlan::new(settings_for(config, model_shape(config)?, device, None, memory.as_ref()));
+    let auto = is_auto_kv_budget(config);
+    if auto && memory.is_none() {
+        bail!(
+            "rollout.kv_budget = \"{AUTO_KV_BUDGET}\" sizes the KV cache from the device's memory, which is unknown for \
+             {device:?}: set run.device_memory (or --device-memory), or a size such as \"24GiB\""
+        );
+    }
+    let shape = model_shape(config)?;
+    if let Some(memory) = memory.as_ref().filter(|_| auto) {
+        let line = settle_auto_kv_budget(config, &shape, device, None, memory)?;
+        eprintln!("note: {line}");
+    }
+    let plan = MemoryPlan::new(settings_for(config, shape, device, None, memory.as_ref()));
     if let Some((line, false)) = host_fit(&plan) {
         bail!("this run's episodes do not fit in this machine's memory.\n{line}");
     }
@@ -279,4 +346,42 @@ pub fn check_before_training(config: &TrainConfig, device: DeviceChoice) -> Resu
             .map(|l| format!("{}\n", l.trim_start()))
             .collect::<String>()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::tensor::DType;
+
+    /// What `train` hands the trainer: `rollout.kv_budget = "auto"` settled into a size (within
+    /// `run.device_memory`, less than every episode would hold) that the rollouts' decoder takes
+    /// as positions; with room for every episode, no budget at all.
+    #[test]
+    fn train_settles_an_auto_kv_budget_into_a_size_the_decoder_takes() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = Preset::Qwen3_0_6B.config(151_936, Vec::new());
+        std::fs::write(dir.path().join("config.json"), shape.to_hf_json().to_string()).unwrap();
+        let run = dir.path().join("run.toml");
+        let toml = |memory: &str| {
+            format!(
+                "model = \".\"\n[data]\ntrain = [\"train.csv\"]\n[environment]\nbase_url = \"http://127.0.0.1:9/v1\"\n\
+                 model = \"m\"\n[episode]\nmax_response_tokens = 8192\n[rollout]\ngeneration_batch = 64\nkv_budget = \"auto\"\n\
+                 [grpo]\nactivation_checkpointing = true\n[run]\ndevice_memory = \"{memory}\"\n"
+            )
+        };
+        std::fs::write(&run, toml("64GiB")).unwrap();
+        let mut config = TrainConfig::from_toml_file(&run).unwrap();
+        let plan = check_before_training(&mut config, DeviceChoice::Cpu).unwrap();
+        let bytes: u64 = config.rollout.kv_budget.as_deref().expect("a budget").parse().unwrap();
+        assert_eq!(plan.settings.rollout.kv_budget, Some(bytes));
+        let per_position = kv_position_bytes(&shape, DType::F32);
+        let limits = config.rollout.decoder_limits(&shape, DType::F32).unwrap();
+        assert_eq!(limits.kv_budget, Some((bytes / per_position) as usize));
+        assert!(plan.rollout_peak() <= (64u64 << 30) * 8 / 10, "within the CPU's 20% margin");
+
+        std::fs::write(&run, toml("4TiB")).unwrap();
+        let mut roomy = TrainConfig::from_toml_file(&run).unwrap();
+        check_before_training(&mut roomy, DeviceChoice::Cpu).unwrap();
+        assert_eq!(roomy.rollout.kv_budget, None);
+    }
 }

@@ -136,8 +136,8 @@ fn bf16_products_note(kernels: bool, products: Bf16Products) -> Option<String> {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let config = args.config()?;
-    let plan = super::plan::check_before_training(&config, args.device).context("memory plan")?;
+    let mut config = args.config()?;
+    let plan = super::plan::check_before_training(&mut config, args.device).context("memory plan")?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
         let kernels = model::cpu_kernels::has_bf16_kernels();
         if let Some(note) = bf16_products_note(kernels, model::cpu_kernels::bf16_products()) {

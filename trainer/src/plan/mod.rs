@@ -277,7 +277,8 @@ impl PlanSettings {
             rollout: RolloutLimits {
                 max_num_seqs: config.rollout.max_num_seqs,
                 max_batched_tokens: config.rollout.max_num_batched_tokens,
-                // Validated with the configuration (`TrainConfig::validate`).
+                // Validated with the configuration (`TrainConfig::validate`); "auto" is none until
+                // settled against the device ([`auto_kv_budget`]).
                 kv_budget: config.rollout.kv_budget.as_deref().and_then(|size| parse_size(size).ok()),
                 workers: match config.rollout.engine {
                     RolloutEngineKind::Local => None,
@@ -808,6 +809,61 @@ fn candidate_changes(s: &PlanSettings) -> Vec<PlanSettings> {
         });
     }
     out
+}
+
+/// The value of `rollout.kv_budget` that sizes the budget from the device's memory
+/// ([`auto_kv_budget`]), as vLLM sizes its KV cache from `gpu_memory_utilization`.
+pub const AUTO_KV_BUDGET: &str = "auto";
+
+/// What `rollout.kv_budget = "auto"` comes to on a device of `device_memory` bytes: the largest
+/// budget, in whole MiB, with which the rollouts' peak (what lives throughout and the rollout
+/// phase, [`MemoryPlan::rollout_peak`]) fits the device less its margin; `None` where every
+/// episode in flight keeps its full context within that room (no budget needed), or where the
+/// rollouts run on workers. The error says what is short where not even one episode at the
+/// full context fits. The other phases are [`MemoryPlan::check`]'s business.
+pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Option<u64>, String> {
+    if settings.rollout.workers.is_some() {
+        return Ok(None);
+    }
+    let usable = (device_memory as f64 * (1.0 - settings.device.margin())) as u64;
+    let unbounded = PlanSettings { rollout: RolloutLimits { kv_budget: None, ..settings.rollout }, ..settings.clone() };
+    let rollout_peak = |budget: Option<u64>| {
+        MemoryPlan::new(PlanSettings { rollout: RolloutLimits { kv_budget: budget, ..settings.rollout }, ..settings.clone() })
+            .rollout_peak()
+    };
+    if rollout_peak(None) <= usable {
+        return Ok(None);
+    }
+    let per_position = kv_position_bytes(&settings.model, settings.rollout_cache_dtype()).max(1);
+    // One episode at the full context and the pool's scratch block: the least a budget must
+    // hold (the decoder refuses less before any episode starts).
+    let least = (settings.episode_kv_positions() + BLOCK_SIZE) as u64 * per_position;
+    let least_peak = rollout_peak(Some(least));
+    if least_peak > usable {
+        return Err(format!(
+            "rollout.kv_budget = \"{AUTO_KV_BUDGET}\": the rollouts need {} with the KV cache of one episode at the \
+             full context ({}), more than the {} usable of {}: the rest of the rollout phase leaves no room for the \
+             cache (`prompt-r1 plan` shows its terms)",
+            format_size(least_peak),
+            format_size(least),
+            format_size(usable),
+            format_size(device_memory)
+        ));
+    }
+    const MIB: u64 = 1 << 20;
+    let every = unbounded.rollout_kv_positions().0 as u64 * per_position;
+    let (mut fits, mut over) = (least, every);
+    loop {
+        let middle = (fits + over) / 2 / MIB * MIB;
+        if middle <= fits {
+            return Ok(Some(fits));
+        }
+        if rollout_peak(Some(middle)) <= usable {
+            fits = middle;
+        } else {
+            over = middle;
+        }
+    }
 }
 
 /// `bytes` rounded down to whole GiB, or to whole MiB below 1 GiB (a size to write in a
@@ -1770,6 +1826,38 @@ mod tests {
             format_size(prefill_term(&plan).bytes)
         );
         assert!(plan.check(80 << 30).fits, "peak {}", format_size(plan.peak()));
+    }
+
+    /// `rollout.kv_budget = "auto"` on the paper's run at generation batch 64 (an 80 GiB GPU):
+    /// the largest budget, in whole MiB, whose rollouts fit the device less its margin, so a MiB
+    /// more does not; the run's plan then fits. More memory than every episode needs: no budget.
+    /// Too little for one episode at the full context: an error naming the key. On workers:
+    /// nothing local to size.
+    #[test]
+    fn an_auto_kv_budget_is_the_most_the_device_leaves_the_rollouts() {
+        let s = papers_run_at_64();
+        let device: u64 = 80 << 30;
+        let usable = (device as f64 * 0.9) as u64;
+        let budget = auto_kv_budget(&s, device).unwrap().expect("a budget: every episode does not fit");
+        assert_eq!(budget % (1 << 20), 0, "whole MiB");
+        let with = |bytes: u64| MemoryPlan::new(PlanSettings { rollout: RolloutLimits { kv_budget: Some(bytes), ..s.rollout }, ..s.clone() });
+        let plan = with(budget);
+        assert!(plan.rollout_peak() <= usable);
+        assert!(with(budget + (1 << 20)).rollout_peak() > usable, "a MiB more would fit too");
+        assert!(plan.check(device).fits, "peak {} ({})", format_size(plan.peak()), plan.peak_phase().name);
+        // Above the 24 GiB the test above fits with, below the 91 GiB every episode would hold.
+        assert!(budget > 24 << 30 && budget < kv_term(&MemoryPlan::new(s.clone())).bytes, "{}", format_size(budget));
+        println!("paper's run at generation batch 64 on 80 GiB: kv_budget = \"auto\" is {}", format_size(budget));
+        // On a GPU with room for every episode at the full context: no budget.
+        assert_eq!(auto_kv_budget(&s, 400 << 30), Ok(None));
+        // Too little room for one episode: the error names the key and what is short.
+        let err = auto_kv_budget(&s, 20 << 30).unwrap_err();
+        assert!(err.contains("rollout.kv_budget = \"auto\"") && err.contains("one episode"), "{err}");
+        // A budget already set is not the starting point: auto sizes from the device alone.
+        let set = PlanSettings { rollout: RolloutLimits { kv_budget: Some(1 << 30), ..s.rollout }, ..s.clone() };
+        assert_eq!(auto_kv_budget(&set, device), Ok(Some(budget)));
+        let on_workers = PlanSettings { rollout: RolloutLimits { workers: Some(2), ..s.rollout }, ..s };
+        assert_eq!(auto_kv_budget(&on_workers, 20 << 30), Ok(None));
     }
 
     /// With `rollout.engine = "servers"` the rollouts are the workers': the paper's run at

@@ -188,7 +188,9 @@ pub struct RolloutSection {
     /// Most memory the rollouts' KV cache holds (e.g. "24GiB"): its paged pool, the blocks of
     /// episodes waiting on the environment and free blocks included; episodes wait to join, and the newest are
     /// preempted (and prefilled again later), rather than go past it. It must hold one episode
-    /// at the full context. Unset: no limit.
+    /// at the full context. `"auto"`: the most the device leaves the cache, worked out from its
+    /// memory and the run's plan when `prompt-r1 train` starts (`trainer::plan::auto_kv_budget`,
+    /// as vLLM's `gpu_memory_utilization`); no limit where every episode fits. Unset: no limit.
     pub kv_budget: Option<String>,
     /// Episodes whose contexts begin alike share the KV blocks of their common prefix, computed
     /// and held once (vLLM's automatic prefix caching; the default): the system prompt and, for
@@ -288,6 +290,13 @@ impl RolloutSection {
         self.validate_limits().map_err(TrainError::Invalid)?;
         let kv_budget = match &self.kv_budget {
             None => None,
+            Some(size) if size.trim() == crate::plan::AUTO_KV_BUDGET => {
+                return Err(TrainError::Invalid(format!(
+                    "rollout.kv_budget = \"{}\" is worked out from the device's memory when `prompt-r1 train` starts \
+                     (`trainer::plan::auto_kv_budget`); set a size such as \"24GiB\" here",
+                    crate::plan::AUTO_KV_BUDGET
+                )));
+            }
             Some(size) => {
                 let bytes = crate::plan::parse_size(size).map_err(|e| TrainError::Invalid(format!("rollout.kv_budget: {e}")))?;
                 let per_position = crate::plan::kv_position_bytes(model, cache_dtype).max(1);
@@ -336,8 +345,8 @@ impl RolloutSection {
                 self.max_num_batched_tokens
             ));
         }
-        if let Some(size) = &self.kv_budget {
-            crate::plan::parse_size(size).map_err(|e| format!("rollout.kv_budget: {e}"))?;
+        if let Some(size) = self.kv_budget.as_deref().filter(|size| size.trim() != crate::plan::AUTO_KV_BUDGET) {
+            crate::plan::parse_size(size).map_err(|e| format!("rollout.kv_budget: {e} or \"{}\"", crate::plan::AUTO_KV_BUDGET))?;
         }
         Ok(())
     }
@@ -655,6 +664,12 @@ mod tests {
         let tiny = parse_rollout("kv_budget = \"1KiB\"");
         let err = tiny.rollout.decoder_limits(&qwen3_4b, DType::BF16).unwrap_err().to_string();
         assert!(err.contains("rollout.kv_budget") && err.contains("147456"), "{err}");
+        // "auto" is a valid value, worked out at start against the device: the decoder's limits
+        // cannot be made from it before that, and say so.
+        let auto = parse_rollout("kv_budget = \"auto\"");
+        assert_eq!(auto.validate(), Ok(()));
+        let err = auto.rollout.decoder_limits(&qwen3_4b, DType::BF16).unwrap_err().to_string();
+        assert!(err.contains("rollout.kv_budget = \"auto\"") && err.contains("prompt-r1 train"), "{err}");
     }
 
     #[test]
