@@ -305,7 +305,9 @@ pub fn describe_verdict(
 }
 
 /// Fails, before anything big is loaded, when the run's plan does not fit the device; prints
-/// nothing when it fits and a note when the device's memory is unknown. Returns the plan.
+/// nothing when it fits and a note when the device's memory is unknown. `rollout.kv_budget =
+/// "auto"` is settled first (a note says what it came to), and refused where the device's memory
+/// is unknown. Returns the plan.
 pub fn check_before_training(config: &mut TrainConfig, device: DeviceChoice) -> Result<MemoryPlan> {
     let memory = device_memory(config, device)?;
     let auto = is_auto_kv_budget(config);
