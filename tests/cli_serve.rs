@@ -508,6 +508,29 @@ fn metrics_count_what_the_server_did() {
     assert!(!after.contains("device_memory"), "{after}");
 }
 
+/// `--kv-cache-memory auto` on the CPU: the budget is what this machine's RAM leaves after the
+/// CPU's 20% margin, the tiny model's weights and a decoder step (about 300 MiB: the CPU
+/// kernel's `[rows, 1, queries, keys]` mask of 8 rows' 1,024-token chunks over 8,192 positions),
+/// and `/metrics` gives it; one request may then take the model's whole context.
+#[test]
+fn an_auto_kv_budget_is_what_the_machine_leaves() {
+    let Some(ram) = trainer::run::total_ram_bytes() else {
+        println!("skipped: this machine's RAM cannot be read (/proc/meminfo)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let server = Server::start(&model, &["--kv-cache-memory", "auto"]);
+    let metrics = server.get("/metrics").body;
+    let budget = metric(&metrics, "prompt_r1:kv_cache_budget_tokens") * kv_position_bytes(&model) as f64;
+    let usable = ram as f64 * 0.8;
+    assert!(budget <= usable && budget > usable - (1u64 << 30) as f64, "budget {budget} of {usable} usable\n{metrics}");
+    let config: Value = serde_json::from_slice(&std::fs::read(model.join("config.json")).unwrap()).unwrap();
+    assert_eq!(server.get("/v1/models").json()["data"][0]["max_model_len"], config["max_position_embeddings"]);
+    let reply = server.chat(&json!({"messages": user("hello"), "max_tokens": 4, "temperature": 0}));
+    assert_eq!(reply.status, 200, "{}", reply.body);
+}
+
 /// Off the CPU kernels (burn's portable ops, the GPU path) the worker chooses tokens on the device
 /// from the rows' own draws: a batch of greedy and sampled rows at different temperatures gives
 /// the texts the host's choice gives; a top-p row keeps the host path for its whole batch.

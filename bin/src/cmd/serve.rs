@@ -6,9 +6,10 @@ use std::time::Duration;
 use anyhow::{anyhow, Context, Result};
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
-use model::Sampling;
+use model::{Qwen3Config, Sampling};
+use trainer::plan::{auto_serving_kv_budget, format_size, kv_position_bytes, ServingSettings};
 
-use crate::device::{run_on, ComputeArgs, OnBackend};
+use crate::device::{run_on, ComputeArgs, DeviceChoice, OnBackend};
 use crate::model_dir::LoadedModel;
 use crate::serve::{serve, Limits, Served, Settings};
 
@@ -109,15 +110,33 @@ pub struct Args {
     /// prefix cache's and free ones. Requests wait to join, the newest running ones are preempted
     /// (and prefilled again when they rejoin), and the prefix cache's oldest entries are dropped,
     /// rather than go past it. It also bounds one request's prompt and completion tokens: longer
-    /// requests are refused (400, context_length_exceeded). Default: no limit (the cache grows
+    /// requests are refused (400, context_length_exceeded). `auto`: what the device's memory (a
+    /// CUDA GPU's total, the CPU's RAM) leaves after a margin (10% on a GPU, 20% on the CPU), the
+    /// weights, --merge-lora's copies and a decoder step of --max-num-batched-tokens, by the
+    /// same arithmetic as `prompt-r1 plan`; printed at start. Default: no limit (the cache grows
     /// with the requests running, up to --max-batch of them at the full context).
-    #[arg(long, value_name = "SIZE", value_parser = trainer::plan::parse_size)]
-    pub kv_cache_memory: Option<u64>,
+    #[arg(long, value_name = "SIZE|auto", value_parser = kv_cache_memory)]
+    pub kv_cache_memory: Option<KvCacheMemory>,
     /// Origins whose browser pages may call the server (CORS; vLLM's --allowed-origins), e.g.
     /// http://localhost:3000, comma-separated; `*` allows any site's pages. Default: none, so a
     /// page of another site cannot read the replies (other clients are not concerned).
     #[arg(long, value_name = "ORIGIN,...", value_delimiter = ',')]
     pub allowed_origins: Vec<String>,
+}
+
+/// `--kv-cache-memory`: a size, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvCacheMemory {
+    Size(u64),
+    /// What the device leaves the cache ([`trainer::plan::auto_serving_kv_budget`]).
+    Auto,
+}
+
+fn kv_cache_memory(text: &str) -> Result<KvCacheMemory, String> {
+    if text.trim().eq_ignore_ascii_case("auto") {
+        return Ok(KvCacheMemory::Auto);
+    }
+    trainer::plan::parse_size(text).map(KvCacheMemory::Size).map_err(|e| format!("{e}, or auto"))
 }
 
 /// A memory size in bytes (`trainer::plan::parse_size`), or 0.
@@ -173,6 +192,11 @@ impl OnBackend for Args {
         let template = crate::model_dir::chat_template(&self.model, "serve")?;
         let mut stop_ids = loaded.stop_ids();
         let LoadedModel { model, tokenizer, .. } = loaded;
+        let kv_cache_memory = match self.kv_cache_memory {
+            None => None,
+            Some(KvCacheMemory::Size(bytes)) => Some(bytes),
+            Some(KvCacheMemory::Auto) => Some(self.auto_kv_cache_memory(&model.config, load_options)?),
+        };
         let tokenizer = tokenizer.as_ref().expect("checked above");
         stop_ids.push(tokenizer.special().endoftext);
         stop_ids.sort_unstable();
@@ -195,7 +219,7 @@ impl OnBackend for Args {
             merge_lora: self.merge_lora,
             limits: limits(&self),
             prefix_cache_memory: self.prefix_cache_memory,
-            kv_cache_memory: self.kv_cache_memory,
+            kv_cache_memory,
             allowed_origins: self.allowed_origins.clone(),
         };
         let served = Served {
@@ -209,6 +233,41 @@ impl OnBackend for Args {
             memory_probe: crate::device::memory_probe(self.compute.device),
         };
         serve(served, settings)
+    }
+}
+
+impl Args {
+    /// `--kv-cache-memory auto` on this device ([`trainer::plan::auto_serving_kv_budget`]), with a
+    /// note of what it came to; an error where the device's memory is unknown (wgpu) or leaves
+    /// no room.
+    fn auto_kv_cache_memory(&self, model: &Qwen3Config, options: model::LoadOptions) -> Result<u64> {
+        let device = self.compute.device;
+        let Some((memory, source)) = crate::device::total_memory(device) else {
+            anyhow::bail!(
+                "--kv-cache-memory auto sizes the cache from the device's memory, which is unknown for {device:?}: give a size (e.g. 8GiB)"
+            );
+        };
+        let settings = ServingSettings {
+            model: model.clone(),
+            dtype: options.dtype,
+            max_rows: self.max_batch as usize,
+            max_batched_tokens: usize::try_from(self.max_num_batched_tokens).unwrap_or(usize::MAX),
+            merged_adapters: if self.merge_lora { self.max_loras as usize } else { 0 },
+            attention: options.compute.attn_implementation,
+            attention_block: options.compute.attention_block_size,
+            device: crate::cmd::plan::plan_device(device),
+            cuda_memory: matches!(device, DeviceChoice::Cuda(_)).then_some(memory),
+        };
+        let budget = auto_serving_kv_budget(&settings, memory).map_err(anyhow::Error::msg)?;
+        eprintln!(
+            "note: --kv-cache-memory auto: {} ({} KV positions), what the {} ({source}) leaves the cache after a {:.0}% \
+             margin, the weights and a decoder step",
+            format_size(budget),
+            budget / kv_position_bytes(model, options.dtype).max(1),
+            format_size(memory),
+            settings.device.margin() * 100.0
+        );
+        Ok(budget)
     }
 }
 

@@ -44,6 +44,7 @@
 
 mod activations;
 mod pages;
+mod serving;
 mod size;
 
 use burn::tensor::DType;
@@ -56,6 +57,7 @@ use model::{AttnImplementation, MatmulPrecision, Qwen3Config};
 use crate::run::{RolloutEngineKind, TrainConfig};
 use activations::{Dims, LoraActivations};
 pub use pages::{CudaPages, TensorGroup, TooLarge};
+pub use serving::{auto_serving_kv_budget, ServingSettings};
 pub use size::{format_size, parse_size};
 
 /// Tokens assumed for the system prompt and the question when the context is derived from the
@@ -1001,8 +1003,18 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
             terms: Vec::new(),
         };
     }
-    let m = &s.model;
-    let params = m.num_parameters() as f64;
+    let mut terms = rollout_weight_terms(s);
+    terms.extend(decoder_terms(s));
+    Phase {
+        name: "rollouts".into(),
+        terms,
+    }
+}
+
+/// The weights the rollouts sample from beside the policy's: a bf16 copy, or the adapted
+/// weights with the LoRA merged.
+fn rollout_weight_terms(s: &PlanSettings) -> Vec<Term> {
+    let params = s.model.num_parameters() as f64;
     let mut terms = Vec::new();
     // `rollout.dtype = "bf16"` samples from a bf16 copy of the weights made for the rollouts
     // (none when they are bf16 already); "f32" from the policy's weights as they are.
@@ -1023,10 +1035,14 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
             adapted as f64 * dtype_bytes(dtype),
         ));
     }
-    let cache_dtype = s.rollout_cache_dtype();
-    let act = dtype_bytes(cache_dtype);
-    let per_position = kv_position_bytes(m, cache_dtype) as f64;
-    let rows = s.rollout_rows();
+    terms
+}
+
+/// What the rollouts' decoder holds beside the weights: the KV cache (every episode in flight
+/// at the full context, or the budget), one layer's keys and values gathered where burn's ops
+/// attend, and one chunked prefill pass.
+fn decoder_terms(s: &PlanSettings) -> Vec<Term> {
+    let per_position = kv_position_bytes(&s.model, s.rollout_cache_dtype()) as f64;
     let (positions, budgeted) = s.rollout_kv_positions();
     let name = match s.rollout.kv_budget {
         Some(budget) if budgeted => format!("KV cache (budget {})", format_size(budget)),
@@ -1036,7 +1052,20 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
             grouped(s.episode_kv_positions())
         ),
     };
-    terms.push(Term::new(name, positions as f64 * per_position));
+    let mut terms = vec![Term::new(name, positions as f64 * per_position)];
+    terms.extend(decoder_step_terms(s));
+    terms
+}
+
+/// What a step of the rollouts' decoder holds beside its KV cache: one layer's keys and values
+/// gathered where burn's ops attend, and one chunked prefill pass.
+fn decoder_step_terms(s: &PlanSettings) -> Vec<Term> {
+    let m = &s.model;
+    let mut terms = Vec::new();
+    let cache_dtype = s.rollout_cache_dtype();
+    let act = dtype_bytes(cache_dtype);
+    let per_position = kv_position_bytes(m, cache_dtype) as f64;
+    let rows = s.rollout_rows();
     // Burn's ops gather a pass's rows' keys and values one layer at a time (it has no paged
     // attention), and a GPU's prefill passes take them unless `--device-kernels all`; the CPU
     // kernels and the GPU's paged-attention kernel read them where they lie.
@@ -1065,10 +1094,7 @@ fn rollout_phase(s: &PlanSettings) -> Phase {
         ),
         prefill,
     ));
-    Phase {
-        name: "rollouts".into(),
-        terms,
-    }
+    terms
 }
 
 /// The rollouts' largest tensors alive at once, for [`CudaPages`]: each layer's pools of keys
@@ -1078,9 +1104,13 @@ fn rollout_tensors(s: &PlanSettings) -> Vec<TensorGroup> {
     if s.rollout.workers.is_some() {
         return Vec::new();
     }
+    decoder_tensors(s, s.rollout_kv_positions().0)
+}
+
+/// [`rollout_tensors`] with a KV pool of `positions`.
+fn decoder_tensors(s: &PlanSettings, positions: usize) -> Vec<TensorGroup> {
     let m = &s.model;
     let dtype = s.rollout_cache_dtype();
-    let (positions, _) = s.rollout_kv_positions();
     let pool = positions * m.num_key_value_heads * m.head_dim * dtype.size();
     let rows = s.rollout_rows();
     let pass = rows * (s.rollout.max_batched_tokens / rows).clamp(1, s.context.max(1));
