@@ -39,8 +39,8 @@
 #              with and without activation checkpointing: peak GPU memory (nvidia-smi) beside
 #              the memory plan's prediction that `bench` prints against what CubeCL's pool
 #              reserved over the timed steps (the plan with CubeCL's CUDA pages); then `serve` on
-#              the 0.6B shape (bf16): two bursts of 32 concurrent requests without a KV budget
-#              and within `--kv-cache-memory 1GiB` (scripts/serve_burst.py), with its GET /metrics
+#              the 0.6B shape (bf16): two bursts of 32 concurrent requests without a KV budget,
+#              within `--kv-cache-memory 1GiB` and within `auto` (scripts/serve_burst.py), with its GET /metrics
 #              (the KV pool's peak, preemptions, CubeCL's pool) and its log of the pool before and
 #              after the idle worker gave pages back
 #   autotune   for a variant build (BIN=...): check-device's kernels compiled, decode on the
@@ -332,15 +332,17 @@ compile_probe() {
 serve_bursts() {
   local model="$work/qwen3-0.6b-serve"
   step init-model-serve "$bin" init-model --preset qwen3-0.6b --out "$model"
-  for budget in "" 1GiB; do
+  # Last the budget `auto` gives on this GPU (the plan's arithmetic against its total), under
+  # the same bursts: the note it prints beside what the pool then reserved.
+  for budget in "" 1GiB auto; do
     step "serve-${budget:-unbounded}" python3 scripts/serve_burst.py "$bin" "$model" --requests 32 --prompt-tokens 512 \
       --new-tokens 256 -- --device cuda --dtype bf16 ${budget:+--kv-cache-memory $budget}
   done
-  for run in serve-unbounded serve-1GiB; do
+  for run in serve-unbounded serve-1GiB serve-auto; do
     say "$run:"
     grep -h "^burst\|metrics:" "$work/$run.txt" 2> /dev/null | tee -a "$log"
   done
-  grep -h "GPU memory after" "$work/stderr.txt" 2> /dev/null | tee -a "$log"
+  grep -h "GPU memory after\|kv-cache-memory auto" "$work/stderr.txt" "$work"/serve-*.txt 2> /dev/null | tee -a "$log"
   rm -rf "$model"
 }
 
