@@ -40,7 +40,9 @@
 //! CPU), checked against the machine's RAM beside the plan on a GPU.
 //!
 //! All arithmetic; `prompt-r1 plan` prints it and `prompt-r1 train` refuses to start a run whose
-//! peak does not fit.
+//! peak does not fit. `rollout.kv_budget = "auto"` is the largest budget whose rollouts fit
+//! ([`auto_kv_budget`]); [`ServingSettings`] counts a server's memory the same way, for `prompt-r1
+//! serve --kv-cache-memory auto` ([`auto_serving_kv_budget`]).
 
 mod activations;
 mod pages;
