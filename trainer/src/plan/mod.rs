@@ -854,15 +854,20 @@ pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Opt
             format_size(device_memory)
         ));
     }
-    const MIB: u64 = 1 << 20;
     let every = unbounded.rollout_kv_positions().0 as u64 * per_position;
-    let (mut fits, mut over) = (least, every);
+    Ok(Some(largest_fitting(least, every, |budget| rollout_peak(Some(budget)) <= usable)))
+}
+
+/// The largest budget between `fits` (which fits) and `over` (which does not), in whole MiB
+/// above `fits`, for which `fit` holds; `fit` grows false with the budget.
+fn largest_fitting(mut fits: u64, mut over: u64, fit: impl Fn(u64) -> bool) -> u64 {
+    const MIB: u64 = 1 << 20;
     loop {
         let middle = (fits + over) / 2 / MIB * MIB;
         if middle <= fits {
-            return Ok(Some(fits));
+            return fits;
         }
-        if rollout_peak(Some(middle)) <= usable {
+        if fit(middle) {
             fits = middle;
         } else {
             over = middle;

@@ -7,8 +7,8 @@ use burn::tensor::DType;
 use model::{AttnImplementation, MatmulPrecision, Qwen3Config};
 
 use super::{
-    decoder_step_terms, decoder_tensors, dtype_bytes, dtype_name, format_size, kv_position_bytes, page_term, CudaPages,
-    LoraPlan, PlanDevice, PlanSettings, RolloutLimits, Term,
+    decoder_step_terms, decoder_tensors, dtype_bytes, dtype_name, format_size, kv_position_bytes, largest_fitting,
+    page_term, CudaPages, LoraPlan, PlanDevice, PlanSettings, RolloutLimits, Term,
 };
 
 /// What a server's memory depends on.
@@ -101,7 +101,6 @@ impl ServingSettings {
 /// budget costs nothing until used. The error says what is short where the weights and a decoder
 /// step leave no room for a cache of one block a request.
 pub fn auto_serving_kv_budget(s: &ServingSettings, device_memory: u64) -> Result<u64, String> {
-    const MIB: u64 = 1 << 20;
     let usable = (device_memory as f64 * (1.0 - s.device.margin())) as u64;
     let per_position = kv_position_bytes(&s.model, s.dtype).max(1);
     // A block a request and the pool's scratch block.
@@ -118,18 +117,8 @@ pub fn auto_serving_kv_budget(s: &ServingSettings, device_memory: u64) -> Result
             s.device.margin() * 100.0
         ));
     }
-    let (mut fits, mut over) = (least, usable.max(least + MIB));
-    loop {
-        let middle = (fits + over) / 2 / MIB * MIB;
-        if middle <= fits {
-            return Ok(fits);
-        }
-        if s.peak(middle) <= usable {
-            fits = middle;
-        } else {
-            over = middle;
-        }
-    }
+    // The whole usable memory as a budget cannot fit beside the weights: the search's top.
+    Ok(largest_fitting(least, usable.max(least + 1), |budget| s.peak(budget) <= usable))
 }
 
 #[cfg(test)]
