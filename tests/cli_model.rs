@@ -480,6 +480,11 @@ fn an_auto_kv_budget_is_settled_against_the_device() {
     assert!(gpu.contains("KV cache (budget ") && gpu.contains("fits ("), "{gpu}");
     let roomy = plan("400GiB");
     assert!(roomy.contains("rollout.kv_budget = \"auto\": no budget needed") && roomy.contains("KV cache (64 episodes"), "{roomy}");
+    // A run with no budget that does not fit hears of "auto" among the advice.
+    std::fs::write(config, std::fs::read_to_string(config).unwrap().replace("kv_budget = \"auto\"\n", "")).unwrap();
+    let advised = plan("80GiB");
+    assert!(advised.contains("does NOT fit") && advised.contains("try rollout.kv_budget = \"auto\" ("), "{advised}");
+    std::fs::write(config, std::fs::read_to_string(config).unwrap().replace("generation_batch = 64\n", "generation_batch = 64\nkv_budget = \"auto\"\n")).unwrap();
     let short = plan("10GiB");
     assert!(short.contains("one episode at the full context") && short.contains("does NOT fit"), "{short}");
     let out = prompt_r1(&["train", "--config", config, "--device", "wgpu"]);

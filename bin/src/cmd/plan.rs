@@ -301,7 +301,29 @@ pub fn describe_verdict(
     for advice in &verdict.advice {
         out.push_str(&format!("  try {advice}\n"));
     }
+    if let Some(line) = auto_budget_advice(plan, device_memory) {
+        out.push_str(&format!("  try {line}\n"));
+    }
     out
+}
+
+/// `rollout.kv_budget = "auto"` as advice, where the budget it comes to on this device makes
+/// the run fit and differs from the run's own.
+fn auto_budget_advice(plan: &MemoryPlan, device_memory: u64) -> Option<String> {
+    let budget = auto_kv_budget(&plan.settings, device_memory).ok()??;
+    if plan.settings.rollout.kv_budget == Some(budget) {
+        return None;
+    }
+    let mut settings = plan.settings.clone();
+    settings.rollout.kv_budget = Some(budget);
+    let with = MemoryPlan::new(settings);
+    with.check(device_memory).fits.then(|| {
+        format!(
+            "rollout.kv_budget = \"{AUTO_KV_BUDGET}\" ({} on this device): peak {}",
+            format_size(budget),
+            format_size(with.peak())
+        )
+    })
 }
 
 /// Fails, before anything big is loaded, when the run's plan does not fit the device; prints
