@@ -859,7 +859,7 @@ pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Opt
 }
 
 /// The largest budget between `fits` (which fits) and `over` (which does not), in whole MiB
-/// above `fits`, for which `fit` holds; `fit` grows false with the budget.
+/// above `fits`, for which `fit` holds (`fit` turns false, and stays so, as the budget grows).
 fn largest_fitting(mut fits: u64, mut over: u64, fit: impl Fn(u64) -> bool) -> u64 {
     const MIB: u64 = 1 << 20;
     loop {
