@@ -59,7 +59,7 @@ pub fn run(args: Args) -> Result<()> {
         None => model_shape(&config)?,
     };
     let memory = device_memory(&config, args.device)?;
-    if is_auto_kv_budget(&config) {
+    if config.rollout.kv_budget_is_auto() {
         match &memory {
             Some(memory) => match settle_auto_kv_budget(&mut config, &shape, args.device, args.context, memory) {
                 Ok(line) => println!("{line}"),
@@ -97,7 +97,7 @@ fn host_fit(plan: &MemoryPlan) -> Option<(String, bool)> {
         return None;
     }
     let ram = trainer::run::total_ram_bytes()?;
-    let usable = (ram as f64 * (1.0 - PlanDevice::CpuKernels.margin())) as u64;
+    let usable = PlanDevice::CpuKernels.usable(ram);
     let episodes = plan.host_episodes();
     let fits = episodes.bytes <= usable;
     let verdict = if fits { "fits" } else { "does NOT fit: lower rollout.batch_size or rollout.n" };
@@ -109,11 +109,6 @@ fn host_fit(plan: &MemoryPlan) -> Option<(String, bool)> {
         format_size(usable)
     );
     Some((line, fits))
-}
-
-/// Whether the run asks for `rollout.kv_budget = "auto"`.
-fn is_auto_kv_budget(config: &TrainConfig) -> bool {
-    config.rollout.kv_budget.as_deref().is_some_and(|size| size.trim() == AUTO_KV_BUDGET)
 }
 
 /// Settles `rollout.kv_budget = "auto"` against the device's `memory`
@@ -177,10 +172,14 @@ pub fn plan_device(device: DeviceChoice) -> PlanDevice {
 /// the whole pages of CubeCL's pool there.
 fn settings_for(config: &TrainConfig, shape: Qwen3Config, device: DeviceChoice, context: Option<usize>, memory: Option<&(u64, String)>) -> PlanSettings {
     let mut settings = PlanSettings::from_config(config, shape, plan_device(device), context);
-    if matches!(device, DeviceChoice::Cuda(_)) {
-        settings.cuda_memory = memory.map(|(bytes, _)| *bytes);
-    }
+    settings.cuda_memory = memory.and_then(|(bytes, _)| cuda_pages_memory(device, *bytes));
     settings
+}
+
+/// The memory whose CubeCL pages the plan counts: the GPU's on CUDA, none elsewhere (the CPU has
+/// no such pool, and wgpu's pages follow its adapter's limits).
+pub fn cuda_pages_memory(device: DeviceChoice, memory: u64) -> Option<u64> {
+    matches!(device, DeviceChoice::Cuda(_)).then_some(memory)
 }
 
 /// The device's memory and where the figure comes from: `run.device_memory`, else what the
@@ -332,7 +331,7 @@ fn auto_budget_advice(plan: &MemoryPlan, device_memory: u64) -> Option<String> {
 /// is unknown. Returns the plan.
 pub fn check_before_training(config: &mut TrainConfig, device: DeviceChoice) -> Result<MemoryPlan> {
     let memory = device_memory(config, device)?;
-    let auto = is_auto_kv_budget(config);
+    let auto = config.rollout.kv_budget_is_auto();
     if auto && memory.is_none() {
         bail!(
             "rollout.kv_budget = \"{AUTO_KV_BUDGET}\" sizes the KV cache from the device's memory, which is unknown for \

@@ -9,7 +9,7 @@ use clap::Args as ClapArgs;
 use model::{Qwen3Config, Sampling};
 use trainer::plan::{auto_serving_kv_budget, format_size, kv_position_bytes, ServingSettings};
 
-use crate::device::{run_on, ComputeArgs, DeviceChoice, OnBackend};
+use crate::device::{run_on, ComputeArgs, OnBackend};
 use crate::model_dir::LoadedModel;
 use crate::serve::{serve, Limits, Served, Settings};
 
@@ -256,7 +256,7 @@ impl Args {
             attention: options.compute.attn_implementation,
             attention_block: options.compute.attention_block_size,
             device: crate::cmd::plan::plan_device(device),
-            cuda_memory: matches!(device, DeviceChoice::Cuda(_)).then_some(memory),
+            cuda_memory: crate::cmd::plan::cuda_pages_memory(device, memory),
         };
         let budget = auto_serving_kv_budget(&settings, memory).map_err(anyhow::Error::msg)?;
         eprintln!(

@@ -125,6 +125,11 @@ impl PlanDevice {
         }
     }
 
+    /// Bytes of `memory` the plan may fill: less [`Self::margin`].
+    pub fn usable(self, memory: u64) -> u64 {
+        (memory as f64 * (1.0 - self.margin())) as u64
+    }
+
     /// What the process holds besides tensors: its code, stacks and small allocations on the
     /// CPU (measured: a training step of 16 tokens of the `small` preset peaks at 32 MB, 10 MiB
     /// of it weights and AdamW moments), the CUDA context on a GPU (typically 300–500 MiB).
@@ -334,6 +339,12 @@ impl PlanSettings {
             Some(budget) if budget < every => (budget, true),
             _ => (every, false),
         }
+    }
+
+    /// The least `rollout.kv_budget` in bytes: one episode at the full context and the pool's
+    /// scratch block (the decoder refuses less before any episode starts).
+    pub fn least_kv_budget(&self) -> u64 {
+        (self.episode_kv_positions() + BLOCK_SIZE) as u64 * kv_position_bytes(&self.model, self.rollout_cache_dtype())
     }
 
     /// `rollout.kv_budget` in positions of the rollouts' cache (as `model::DecoderLimits` takes it).
@@ -675,7 +686,7 @@ impl MemoryPlan {
     /// Whether the peak fits `device_memory` bytes less the device's margin, and if not, what
     /// to change.
     pub fn check(&self, device_memory: u64) -> Verdict {
-        let usable = (device_memory as f64 * (1.0 - self.settings.device.margin())) as u64;
+        let usable = self.settings.device.usable(device_memory);
         let fits = self.peak() <= usable;
         Verdict {
             usable,
@@ -794,9 +805,8 @@ fn candidate_changes(s: &PlanSettings) -> Vec<PlanSettings> {
     // still holds one episode at the full context.
     let per_position = kv_position_bytes(&s.model, s.rollout_cache_dtype());
     let (positions, _) = s.rollout_kv_positions();
-    let one_episode = (s.episode_kv_positions() + BLOCK_SIZE) as u64 * per_position;
     let budget = round_size_down(positions as u64 * per_position / 2);
-    if budget >= one_episode && budget / per_position < positions as u64 {
+    if budget >= s.least_kv_budget() && budget / per_position < positions as u64 {
         out.push(PlanSettings {
             rollout: RolloutLimits {
                 kv_budget: Some(budget),
@@ -829,7 +839,7 @@ pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Opt
     if settings.rollout.workers.is_some() {
         return Ok(None);
     }
-    let usable = (device_memory as f64 * (1.0 - settings.device.margin())) as u64;
+    let usable = settings.device.usable(device_memory);
     let unbounded = PlanSettings { rollout: RolloutLimits { kv_budget: None, ..settings.rollout }, ..settings.clone() };
     let rollout_peak = |budget: Option<u64>| {
         MemoryPlan::new(PlanSettings { rollout: RolloutLimits { kv_budget: budget, ..settings.rollout }, ..settings.clone() })
@@ -838,10 +848,7 @@ pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Opt
     if rollout_peak(None) <= usable {
         return Ok(None);
     }
-    let per_position = kv_position_bytes(&settings.model, settings.rollout_cache_dtype()).max(1);
-    // One episode at the full context and the pool's scratch block: the least a budget must
-    // hold (the decoder refuses less before any episode starts).
-    let least = (settings.episode_kv_positions() + BLOCK_SIZE) as u64 * per_position;
+    let least = settings.least_kv_budget();
     let least_peak = rollout_peak(Some(least));
     if least_peak > usable {
         return Err(format!(
@@ -854,6 +861,7 @@ pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Opt
             format_size(device_memory)
         ));
     }
+    let per_position = kv_position_bytes(&settings.model, settings.rollout_cache_dtype());
     let every = unbounded.rollout_kv_positions().0 as u64 * per_position;
     Ok(Some(largest_fitting(least, every, |budget| rollout_peak(Some(budget)) <= usable)))
 }

@@ -101,7 +101,7 @@ impl ServingSettings {
 /// budget costs nothing until used. The error says what is short where the weights and a decoder
 /// step leave no room for a cache of one block a request.
 pub fn auto_serving_kv_budget(s: &ServingSettings, device_memory: u64) -> Result<u64, String> {
-    let usable = (device_memory as f64 * (1.0 - s.device.margin())) as u64;
+    let usable = s.device.usable(device_memory);
     let per_position = kv_position_bytes(&s.model, s.dtype).max(1);
     // A block a request and the pool's scratch block.
     let least = ((s.max_rows + 1) * model::qwen3::BLOCK_SIZE) as u64 * per_position;

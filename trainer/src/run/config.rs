@@ -290,7 +290,7 @@ impl RolloutSection {
         self.validate_limits().map_err(TrainError::Invalid)?;
         let kv_budget = match &self.kv_budget {
             None => None,
-            Some(size) if size.trim() == crate::plan::AUTO_KV_BUDGET => {
+            Some(_) if self.kv_budget_is_auto() => {
                 return Err(TrainError::Invalid(format!(
                     "rollout.kv_budget = \"{}\" is worked out from the device's memory when `prompt-r1 train` starts \
                      (`trainer::plan::auto_kv_budget`); set a size such as \"24GiB\" here",
@@ -316,6 +316,12 @@ impl RolloutSection {
             share_prefixes: self.share_prefixes,
             ..DecoderLimits::default()
         })
+    }
+
+    /// Whether `kv_budget` is `"auto"`, to be settled against the device
+    /// ([`crate::plan::auto_kv_budget`]).
+    pub fn kv_budget_is_auto(&self) -> bool {
+        self.kv_budget.as_deref().is_some_and(|size| size.trim() == crate::plan::AUTO_KV_BUDGET)
     }
 
     /// Checks `engine` against `[rollout.servers]`; the message names the key.
@@ -345,7 +351,7 @@ impl RolloutSection {
                 self.max_num_batched_tokens
             ));
         }
-        if let Some(size) = self.kv_budget.as_deref().filter(|size| size.trim() != crate::plan::AUTO_KV_BUDGET) {
+        if let Some(size) = self.kv_budget.as_deref().filter(|_| !self.kv_budget_is_auto()) {
             crate::plan::parse_size(size).map_err(|e| format!("rollout.kv_budget: {e} or \"{}\"", crate::plan::AUTO_KV_BUDGET))?;
         }
         Ok(())
