@@ -1098,7 +1098,6 @@ fn unknown(id: SequenceId) -> ModelError {
     ModelError::Input(format!("no sequence {id} in the decoder"))
 }
 
-
 fn too_small(budget: usize, id: SequenceId, len: usize) -> ModelError {
     ModelError::Input(format!(
         "a KV budget of {budget} positions cannot hold sequence {id} even alone: its {len} tokens take {} \
