@@ -72,6 +72,17 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
             }
         }
     }
+    // A decoding step's own kernel, whole and split, with vectors of CUDA's widest load (16
+    // bytes; the client defining them may load less).
+    let most_vector = 16 / dtype.size();
+    for groups in GROUPS {
+        for split in [false, true] {
+            if let Some(definition) = crate::paged_decode::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, most_vector, split) {
+                let spans = if split { " split" } else { "" };
+                out.push((format!("paged_decode {dtype}{spans} groups {groups}"), definition));
+            }
+        }
+    }
     out.push((format!("combine_splits {dtype} head_dim {HEAD_DIM}"), crate::paged_attention::combine_definition(client, dtype, HEAD_DIM as usize)));
     out
 }

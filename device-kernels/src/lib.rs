@@ -1,6 +1,7 @@
 //! CubeCL kernels for the model's GPU path, lent through [`model::device_kernels`]: the
-//! attention of a pass over the paged KV cache (a decoding step or a prefill chunk) read in
-//! place from its pools ([`paged_attention`]), so that burn's ops need not gather each layer's
+//! attention of a pass over the paged KV cache (a prefill chunk, a ragged pass, or a decoding
+//! step, which has a kernel of its own: [`paged_decode`]) read in place from its pools
+//! ([`paged_attention`]), so that burn's ops need not gather each layer's
 //! `[rows, kv_heads, width, head_dim]` keys and values first; the RMS norm as one kernel
 //! ([`rms_norm`]) where burn's ops take three, alone or after the residual addition; `q_norm`
 //! and `k_norm` with RoPE and the keys and values written to the cache's pools as one kernel a
@@ -19,6 +20,7 @@
 pub mod definitions;
 mod fusion;
 pub mod paged_attention;
+pub mod paged_decode;
 pub mod rms_norm;
 pub mod sampling;
 pub mod swiglu;

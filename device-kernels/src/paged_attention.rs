@@ -1,13 +1,14 @@
 //! One pass's attention over the paged KV cache (see [`model::device_kernels::PagedAttention`]),
-//! a decoding step's single query a row, a prefill chunk's many, or a ragged pass's rows of
-//! different lengths (a decoding step's rows beside prefill chunks), as one CubeCL kernel: one cube
+//! a prefill chunk's many queries a row, or a ragged pass's rows of different lengths (a decoding
+//! step's rows beside prefill chunks), as one CubeCL kernel (a decoding step's single query a row
+//! goes to [`crate::paged_decode`]'s, where its cut fits, and here otherwise): one cube
 //! of [`UNITS`] units per (query heads sharing a key-value head, row, block of queries), so that
 //! each key and value it stages serves all of them (grouped-query attention). The cube takes the
 //! row's columns a tile at a time ([`blocks_for`]), up to the last one its queries may see
 //! (causal):
 //! 1. the first units look up their column's slot and whether it is a key;
 //! 2. all units copy the tile's keys into shared memory, consecutive units reading consecutive
-//!    elements of one key (coalesced; a masked column's key is not read; in a decoding step
+//!    elements of one key (coalesced; a masked column's key is not read; in a pass of one query a row
 //!    each unit has [`LOADS_IN_FLIGHT`] loads in flight at once);
 //! 3. the units score the cube's ((head, query), column) pairs from shared memory (key rows
 //!    padded by one element, so that units reading one element of different keys touch
@@ -456,8 +457,10 @@ fn combine_splits_kernel<F: Float>(partial: &Tensor<f32>, output: &mut Tensor<F>
 /// Units a cube of [`combine_splits_kernel`] (one output element a unit).
 const COMBINE_UNITS: u32 = 256;
 
-/// Cubes a streaming multiprocessor holds at once, about: a decoding step's cube takes 19-21 KiB
-/// of shared memory at Qwen3's heads of 128 (an H100's or H200's SM has 228 KiB) and 64 units.
+/// Cubes a streaming multiprocessor holds at once, about: the general kernel's cube of a decoding
+/// step takes 19-21 KiB of shared memory at Qwen3's heads of 128 (an H100's or H200's SM has
+/// 228 KiB) and 64 units; [`crate::paged_decode`]'s takes 5-8 KiB and 128 units (16 of them fill
+/// an SM's 2,048 threads), so 8 leaves it spans to spare.
 const RESIDENT_CUBES_PER_SM: usize = 8;
 
 /// The fewest tiles a span of a split pass takes: each span costs a partial result written and
@@ -566,6 +569,29 @@ pub fn paged_attention<R: CubeRuntime>(
     let client = query.client.clone();
     let dtypes = [query.dtype.into(), read.dtype.into(), valid.dtype.into()];
     let output = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([batch, tokens, heads, head_dim]), query.dtype);
+    // A decoding step: the kernel made for it, where its cut fits.
+    let most_vector = client.io_optimized_vector_sizes(query.dtype.size()).max().unwrap_or(1);
+    let decode_cut = match (queries, &ragged) {
+        (1, None) => crate::paged_decode::cut_for(head_dim, heads / kv_heads, most_vector),
+        _ => None,
+    };
+    if let Some(cut) = decode_cut {
+        let chunk = crate::paged_decode::UNITS as usize;
+        let chunks = width.div_ceil(chunk);
+        let cubes = heads / cut.heads as usize * rows;
+        let splits = match spans {
+            Spans::Exactly(splits) => splits.get().min(chunks),
+            Spans::Auto => splits_for(cubes, chunks * chunk / DECODE_TILE, client.properties().hardware.num_streaming_multiprocessors),
+        };
+        let span_chunks = chunks.div_ceil(splits);
+        let splits = chunks.div_ceil(span_chunks);
+        let partial = partial_for(&query, splits, batch * tokens, heads, head_dim);
+        crate::paged_decode::launch(query, keys, values, read, valid, output.clone(), partial.clone(), scale, cut, splits, span_chunks * chunk);
+        if splits > 1 {
+            combine_splits(partial, output.clone(), head_dim);
+        }
+        return output;
+    }
     let blocks = blocks_for(head_dim, heads / kv_heads, queries);
     let cubes = [heads / blocks.heads as usize, rows, queries.div_ceil(blocks.queries as usize)];
     let tiles = width.div_ceil(blocks.tile as usize);
@@ -578,12 +604,7 @@ pub fn paged_attention<R: CubeRuntime>(
     let span_tiles = tiles.div_ceil(splits);
     let splits = tiles.div_ceil(span_tiles);
     let split = splits > 1;
-    // The spans' partial results, or (unsplit) one unused word.
-    let partial_shape = match split {
-        true => Shape::new([splits, batch * tokens, heads, head_dim + 2]),
-        false => Shape::new([1]),
-    };
-    let partial = empty_device_contiguous_dtype(client.clone(), query.device.clone(), partial_shape, DType::F32);
+    let partial = partial_for(&query, splits, batch * tokens, heads, head_dim);
     paged_attention_kernel::launch::<R>(
         &client,
         CubeCount::Static(cubes[0] as u32, cubes[1] as u32, (cubes[2] * splits) as u32),
@@ -609,19 +630,31 @@ pub fn paged_attention<R: CubeRuntime>(
         dtypes,
     );
     if split {
-        let cubes = (batch * tokens * heads * head_dim).div_ceil(COMBINE_UNITS as usize);
-        combine_splits_kernel::launch::<R>(
-            &client,
-            grid(cubes),
-            CubeDim::new_1d(COMBINE_UNITS),
-            partial.into_tensor_arg(),
-            output.clone().into_tensor_arg(),
-            head_dim as u32,
-            REVISION,
-            dtypes[0],
-        );
+        combine_splits(partial, output.clone(), head_dim);
     }
     output
+}
+
+/// Columns a tile of a decoding step's cube in [`splits_for`]'s reckoning (Qwen3's heads of 128
+/// take tiles of 32 in the general kernel): the decoding kernel's chunks count as so many.
+const DECODE_TILE: usize = 32;
+
+/// The spans' partial results of a pass of `tokens` queries cut into `splits` spans
+/// (`[splits, tokens, heads, head_dim + 2]`, f32), or (unsplit) one unused word.
+fn partial_for<R: CubeRuntime>(query: &CubeTensor<R>, splits: usize, tokens: usize, heads: usize, head_dim: usize) -> CubeTensor<R> {
+    let shape = match splits > 1 {
+        true => Shape::new([splits, tokens, heads, head_dim + 2]),
+        false => Shape::new([1]),
+    };
+    empty_device_contiguous_dtype(query.client.clone(), query.device.clone(), shape, DType::F32)
+}
+
+/// Joins the spans in `partial` into `output` ([`combine_splits_kernel`]).
+fn combine_splits<R: CubeRuntime>(partial: CubeTensor<R>, output: CubeTensor<R>, head_dim: usize) {
+    let client = output.client.clone();
+    let dtype = output.dtype.into();
+    let cubes = output.meta.num_elements().div_ceil(COMBINE_UNITS as usize);
+    combine_splits_kernel::launch::<R>(&client, grid(cubes), CubeDim::new_1d(COMBINE_UNITS), partial.into_tensor_arg(), output.into_tensor_arg(), head_dim as u32, REVISION, dtype);
 }
 
 /// [`paged_attention_kernel`] over `dtypes` (the query's and pools', the read table's, the mask's)

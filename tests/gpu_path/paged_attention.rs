@@ -20,31 +20,35 @@ type Unfused = burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, f32, i32, u8>;
 /// Slots in each pool; slot 0 is scratch.
 const SLOTS: usize = 200;
 const ROWS: usize = 4;
+/// Columns of each row.
 const WIDTH: usize = 150;
+/// Columns of each row in a decoding step over a long context: several of the decoding
+/// kernel's chunks of 128, row 0's padding over more than two of them.
+const LONG_WIDTH: usize = 700;
 
 /// Queries a row in each pass checked: a decoding step, a chunk shorter than a block of
 /// queries, and one of several blocks, the last cut short (blocks of 4, 8 and 16 here).
 const QUERIES: [usize; 3] = [1, 5, 37];
 
-/// Which columns of each row are keys: row 0 is padded over its first 70 columns (more than
-/// a tile), row 1 not at all, row 2 has five keys, row 3 one.
-fn valid_columns(row: usize, column: usize) -> bool {
+/// Which columns of each row of `width` are keys: row 0 is padded over its first 7/15 (70 of
+/// 150: more than a tile), row 1 not at all, row 2 has five keys, row 3 one.
+fn valid_columns(row: usize, column: usize, width: usize) -> bool {
     match row {
-        0 => column >= 70,
+        0 => column >= width * 7 / 15,
         1 => true,
-        2 => column >= WIDTH - 5,
-        _ => column == WIDTH - 1,
+        2 => column >= width - 5,
+        _ => column == width - 1,
     }
 }
 
 /// The read table: masked columns read the scratch slot, keys a slot spread over the pool
 /// (rows share some, as sequences sharing a prefix do).
-fn read_table() -> (Vec<i64>, Vec<f32>) {
+fn read_table(width: usize) -> (Vec<i64>, Vec<f32>) {
     let mut read = Vec::new();
     let mut valid = Vec::new();
     for row in 0..ROWS {
-        for column in 0..WIDTH {
-            let key = valid_columns(row, column);
+        for column in 0..width {
+            let key = valid_columns(row, column, width);
             read.push(if key { (1 + (row * 37 + column * 13) % (SLOTS - 1)) as i64 } else { 0 });
             valid.push(if key { 1.0 } else { 0.0 });
         }
@@ -52,10 +56,10 @@ fn read_table() -> (Vec<i64>, Vec<f32>) {
     (read, valid)
 }
 
-/// Whether query `i` of `queries` in `row` sees any key (causal: columns up to
-/// `WIDTH − queries + i`).
-fn sees_a_key(row: usize, queries: usize, i: usize) -> bool {
-    (0..=WIDTH - queries + i).any(|column| valid_columns(row, column))
+/// Whether query `i` of `queries` in `row` of `width` sees any key (causal: columns up to
+/// `width − queries + i`).
+fn sees_a_key(row: usize, queries: usize, i: usize, width: usize) -> bool {
+    (0..=width - queries + i).any(|column| valid_columns(row, column, width))
 }
 
 /// `softmax(q Kᵀ scale + mask) V` with burn's ops over the gathered keys, in f32, `query`
@@ -64,19 +68,20 @@ fn sees_a_key(row: usize, queries: usize, i: usize) -> bool {
 fn reference<B: Backend>(query: Tensor<B, 4>, keys: Tensor<B, 3>, values: Tensor<B, 3>, read: Tensor<B, 1, Int>, valid: Tensor<B, 2>, scale: f32) -> Tensor<B, 4> {
     let [rows, queries, heads, d] = query.dims();
     let kv_heads = keys.dims()[0];
+    let width = valid.dims()[1];
     let device = query.device();
     let gathered = |pool: Tensor<B, 3>| {
-        let per_row = pool.cast(DType::F32).select(1, read.clone()).reshape([kv_heads, rows, WIDTH, d]).swap_dims(0, 1);
-        per_row.reshape([rows, kv_heads, 1, WIDTH, d]).repeat_dim(2, heads / kv_heads).reshape([rows, heads, WIDTH, d])
+        let per_row = pool.cast(DType::F32).select(1, read.clone()).reshape([kv_heads, rows, width, d]).swap_dims(0, 1);
+        per_row.reshape([rows, kv_heads, 1, width, d]).repeat_dim(2, heads / kv_heads).reshape([rows, heads, width, d])
     };
     let query = query.cast(DType::F32).swap_dims(1, 2);
-    let padding = valid.equal_elem(0.0).reshape([rows, 1, 1, WIDTH]).expand([rows, heads, queries, WIDTH]);
-    let future = Tensor::<B, 2, Bool>::tril_mask([queries, WIDTH], (WIDTH - queries) as i64, &device)
-        .reshape([1, 1, queries, WIDTH])
-        .expand([rows, heads, queries, WIDTH]);
+    let padding = valid.equal_elem(0.0).reshape([rows, 1, 1, width]).expand([rows, heads, queries, width]);
+    let future = Tensor::<B, 2, Bool>::tril_mask([queries, width], (width - queries) as i64, &device)
+        .reshape([1, 1, queries, width])
+        .expand([rows, heads, queries, width]);
     let scores = query.matmul(gathered(keys).swap_dims(2, 3)).mul_scalar(scale).mask_fill(padding.bool_or(future), -1.0e9);
     let output = softmax(scores, 3).matmul(gathered(values)).swap_dims(1, 2);
-    let blind: Vec<bool> = (0..rows).flat_map(|r| (0..queries).map(move |i| !sees_a_key(r, queries, i))).collect();
+    let blind: Vec<bool> = (0..rows).flat_map(|r| (0..queries).map(move |i| !sees_a_key(r, queries, i, width))).collect();
     let blind = Tensor::<B, 2, Bool>::from_data(TensorData::new(blind, [rows, queries]), &device);
     output.mask_fill(blind.reshape([rows, queries, 1, 1]).expand([rows, queries, heads, d]), 0.0)
 }
@@ -84,7 +89,7 @@ fn reference<B: Backend>(query: Tensor<B, 4>, keys: Tensor<B, 3>, values: Tensor
 /// The kernel's output against [`reference`] on backend `B` for `queries` queries a row: the
 /// largest difference, divided by the output's magnitude where that exceeds 1.
 fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, queries: usize, dtype: DType) -> f32 {
-    worst_ragged_difference::<B>(heads, kv_heads, d, &[queries; ROWS], false, dtype, &registered::<B>)
+    worst_ragged_difference::<B>(heads, kv_heads, d, &[queries; ROWS], WIDTH, false, dtype, &registered::<B>)
 }
 
 /// The kernel as the model finds it: registered as the other tests of this binary register it
@@ -118,15 +123,17 @@ fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfus
     }
 }
 
-/// [`worst_difference`] with row `r` running `lens[r]` queries; `ragged`: as one ragged pass
+/// [`worst_difference`] with row `r` running `lens[r]` queries over `width` columns; `ragged`: as one ragged pass
 /// (`[1, tokens, heads, d]`, the rows' queries one after another), else (equal lengths only)
 /// as `[rows, queries, heads, d]`. The reference runs every row with the longest row's queries
 /// and keeps each row's last `lens[r]`: those see the same columns.
+#[allow(clippy::too_many_arguments)]
 fn worst_ragged_difference<B: DeviceKernels>(
     heads: usize,
     kv_heads: usize,
     d: usize,
     lens: &[usize; ROWS],
+    width: usize,
     ragged: bool,
     dtype: DType,
     attend: &dyn Fn(PagedAttention<B>) -> Tensor<B, 4>,
@@ -140,11 +147,11 @@ fn worst_ragged_difference<B: DeviceKernels>(
     };
     let (keys, values) = (pool(1.0), pool(2.0));
     let query = Tensor::<B, 4>::random([ROWS, queries, heads, d], Distribution::Normal(0.0, 1.0), &device).cast(dtype);
-    let (read, valid) = read_table();
-    let read = Tensor::<B, 1, Int>::from_data(TensorData::new(read, [ROWS * WIDTH]), &device);
+    let (read, valid) = read_table(width);
+    let read = Tensor::<B, 1, Int>::from_data(TensorData::new(read, [ROWS * width]), &device);
     // The mask as a transposed view: the kernel reads it through its strides.
-    let valid_by_column: Vec<f32> = (0..WIDTH).flat_map(|c| (0..ROWS).map(move |r| (r, c))).map(|(r, c)| valid[r * WIDTH + c]).collect();
-    let valid = Tensor::<B, 2>::from_data(TensorData::new(valid_by_column, [WIDTH, ROWS]), &device).transpose();
+    let valid_by_column: Vec<f32> = (0..width).flat_map(|c| (0..ROWS).map(move |r| (r, c))).map(|(r, c)| valid[r * width + c]).collect();
+    let valid = Tensor::<B, 2>::from_data(TensorData::new(valid_by_column, [width, ROWS]), &device).transpose();
     let scale = (d as f32).powf(-0.5);
     let expected = reference(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), scale);
     // Each row's last lens[r] queries, one row after another.
@@ -181,7 +188,7 @@ fn check_shapes<B: DeviceKernels>(dtype: DType, tolerance: f32) {
 fn check_ragged<B: DeviceKernels>(dtype: DType, tolerance: f32) {
     for (heads, kv_heads, d) in [(4, 2, 24), (6, 2, 72)] {
         for lens in [[1, 37, 1, 5], [37, 1, 5, 1], [1, 1, 1, 37], [5, 5, 5, 5], [1, 1, 1, 1]] {
-            let worst = worst_ragged_difference::<B>(heads, kv_heads, d, &lens, true, dtype, &registered::<B>);
+            let worst = worst_ragged_difference::<B>(heads, kv_heads, d, &lens, WIDTH, true, dtype, &registered::<B>);
             println!("{} {dtype:?}, {heads} heads over {kv_heads}, head_dim {d}, ragged rows of {lens:?} queries: worst |Δ| {worst:.2e}", std::any::type_name::<B>());
             assert!(worst <= tolerance, "{heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}, {dtype:?}: |Δ| {worst} > {tolerance}");
         }
@@ -237,15 +244,39 @@ fn a_pass_split_into_spans_matches_burns_ops() {
     for splits in [2, 3, 5] {
         for (heads, kv_heads, d) in [(4, 2, 24), (4, 4, 128), (6, 2, 72)] {
             for lens in QUERIES.map(|queries| [queries; ROWS]) {
-                let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, false, DType::F32, &split_into(splits));
+                let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, WIDTH, false, DType::F32, &split_into(splits));
                 println!("{splits} spans, {heads} heads over {kv_heads}, head_dim {d}, {} queries a row: worst |Δ| {worst:.2e}", lens[0]);
                 assert!(worst <= 1e-5, "{splits} spans, {heads} heads over {kv_heads}, head_dim {d}, {} queries: |Δ| {worst} > 1e-5", lens[0]);
             }
             let lens = [1, 37, 1, 5];
-            let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, true, DType::F32, &split_into(splits));
+            let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, WIDTH, true, DType::F32, &split_into(splits));
             assert!(worst <= 1e-5, "{splits} spans, {heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}: |Δ| {worst} > 1e-5");
         }
-        let worst = worst_ragged_difference::<Unfused>(4, 4, 128, &[1; ROWS], false, DType::F16, &split_into(splits));
+        let worst = worst_ragged_difference::<Unfused>(4, 4, 128, &[1; ROWS], WIDTH, false, DType::F16, &split_into(splits));
         assert!(worst <= 2e-3, "{splits} spans, f16: |Δ| {worst} > 2e-3");
+    }
+}
+
+/// A decoding step over a long context (`paged_decode`'s kernel, which takes a row's columns 128
+/// at a time): several chunks, row 0's padding over more than two of them, row 3's one key in the
+/// last; whole (as the model runs it) and in 3 and 6 spans of whole chunks, spans that see no
+/// key among them. f32 within 1e-5 (sums of up to 700 terms of order 1), f16 within its
+/// tolerance above.
+#[test]
+fn a_decoding_step_over_a_long_context_matches_burns_ops() {
+    if !common::backend_ready::<Fused>() {
+        return;
+    }
+    for (heads, kv_heads, d) in [(4, 2, 24), (4, 4, 128), (6, 2, 72)] {
+        let whole = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &[1; ROWS], LONG_WIDTH, false, DType::F32, &registered::<Unfused>);
+        let half = worst_ragged_difference::<Fused>(heads, kv_heads, d, &[1; ROWS], LONG_WIDTH, false, DType::F16, &registered::<Fused>);
+        println!("{heads} heads over {kv_heads}, head_dim {d}, {LONG_WIDTH} columns: worst |Δ| {whole:.2e} (f32), {half:.2e} (f16)");
+        assert!(whole <= 1e-5, "{heads} heads over {kv_heads}, head_dim {d}: |Δ| {whole} > 1e-5");
+        assert!(half <= 2e-3, "{heads} heads over {kv_heads}, head_dim {d}, f16: |Δ| {half} > 2e-3");
+        for splits in [3, 6] {
+            let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &[1; ROWS], LONG_WIDTH, false, DType::F32, &split_into(splits));
+            println!("{splits} spans: worst |Δ| {worst:.2e}");
+            assert!(worst <= 1e-5, "{splits} spans, {heads} heads over {kv_heads}, head_dim {d}: |Δ| {worst} > 1e-5");
+        }
     }
 }
