@@ -53,7 +53,9 @@
 #              decoder's peak KV, CubeCL's pool (in use / reserved) per mode, and the time of its
 #              decode-only and prefill steps against pure decode's step; then a 2,048-token
 #              prefill and decode at 8 and 64 rows over 2,048 positions with our paged-attention
-#              kernel in every pass (all, CUDA's default), its decoding steps split into
+#              kernel in every pass (all, CUDA's default; decoding steps through its own
+#              kernel, paged_decode, since the thirtieth session: the fifth lease's
+#              figures are the general kernel's), its decoding steps split into
 #              spans (--split-decoding, the default) and whole; LoRA adapters apart and merged;
 #              continuous admission of 64 episodes of 1 to 5 turns; last the fifth lease's
 #              comparisons: the small rollout at 64 with --device-kernels decode, and with all
