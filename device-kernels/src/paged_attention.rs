@@ -89,7 +89,7 @@ pub fn blocks_for(head_dim: usize, groups: usize, queries: usize) -> Blocks {
 /// A hash of this file, one of the kernel's compile-time arguments: CubeCL's persistent cache
 /// of compiled kernels (`--kernel-cache`) keys a kernel by its name and those arguments only,
 /// so an edited kernel would otherwise run as cached by an earlier build.
-const REVISION: u32 = crate::source_revision(include_bytes!("paged_attention.rs"));
+pub(crate) const REVISION: u32 = crate::source_revision(include_bytes!("paged_attention.rs"));
 
 #[cube(launch)]
 fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
@@ -202,17 +202,9 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     while start < stop {
         // 1. The tile's slots.
         if unit < tile_len {
-            let column = start + unit;
-            let mut slot = 0u32;
-            let mut key = 0u32;
-            if column < stop {
-                if f32::cast_from(valid[row * valid.stride(0) + column * valid.stride(1)]) > 0.5 {
-                    slot = u32::cast_from(read[row * width + column]);
-                    key = 1;
-                }
-            }
-            slot_of[unit] = slot;
-            is_key[unit] = key;
+            let found = key_slot(read, valid, row, start + unit, stop);
+            slot_of[unit] = found.saturating_sub(1);
+            is_key[unit] = u32::min(found, 1);
         }
         sync_cube();
 
@@ -325,6 +317,19 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
         i += units;
     }
+}
+
+/// Column `column` of `row` in the read table `read` (`[rows, width]`) and the mask `valid`: 1 +
+/// the slot of the key it names, or 0 where it is padding or not before `stop`.
+#[cube]
+pub(crate) fn key_slot<I: Numeric, V: Float>(read: &Tensor<I>, valid: &Tensor<V>, row: usize, column: usize, stop: usize) -> u32 {
+    let mut found = 0u32;
+    if column < stop {
+        if f32::cast_from(valid[row * valid.stride(0) + column * valid.stride(1)]) > 0.5 {
+            found = u32::cast_from(read[row * valid.shape(1) + column]) + 1;
+        }
+    }
+    found
 }
 
 /// The pass's (token, head) pair, as `token · heads + head`, that entry `b` of a cube stands for:

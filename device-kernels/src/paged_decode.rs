@@ -67,9 +67,9 @@ pub fn cut_for(head_dim: usize, groups: usize, most_vector: usize) -> Option<Cut
     Some(Cut { heads: heads as u32, vector: vector as u32 })
 }
 
-/// A hash of this file, one of the kernel's compile-time arguments (see
-/// `paged_attention::REVISION`).
-const REVISION: u32 = crate::source_revision(include_bytes!("paged_decode.rs"));
+/// A hash of this file and of `paged_attention.rs` (whose `key_slot` it calls), one of the
+/// kernel's compile-time arguments (see `paged_attention::REVISION`).
+const REVISION: u32 = crate::source_revision(include_bytes!("paged_decode.rs")).rotate_left(1) ^ crate::paged_attention::REVISION;
 
 #[cube(launch)]
 fn paged_decode_kernel<F: Float, N: Size, I: Numeric, V: Float>(
@@ -151,15 +151,9 @@ fn paged_decode_kernel<F: Float, N: Size, I: Numeric, V: Float>(
 
     while start < stop {
         // 1. This unit's column: its slot and scores.
-        let column = start + unit;
-        let mut key = 0u32;
-        let mut slot = 0u32;
-        if column < stop {
-            if f32::cast_from(valid[row * valid.stride(0) + column * valid.stride(1)]) > 0.5 {
-                slot = u32::cast_from(read[row * width + column]);
-                key = 1;
-            }
-        }
+        let found = crate::paged_attention::key_slot(read, valid, row, start + unit, stop);
+        let slot = found.saturating_sub(1);
+        let key = u32::min(found, 1);
         slot_of[unit] = slot;
         is_key[unit] = key;
         let mut dots = Array::<f32>::new(hc);

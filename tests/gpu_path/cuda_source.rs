@@ -5,7 +5,8 @@
 //! `PROMPT_R1_CUDA_INCLUDE` the CUDA headers, NVRTC itself on each source for the architectures
 //! of a V100, a T4, an A100, an H100 and a B200, with the options `cubecl-cuda` passes, printing
 //! the registers a thread NVRTC's ptxas gives each (the driver compiles the PTX again at load and
-//! may differ); no kernel may spill registers to local memory. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
+//! may differ); no kernel may spill registers to local memory but `paged_decode`, within
+//! [`DECODE_SPILL_BYTES`]. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
 //! and runs this (CI does); without them NVRTC's part prints `skipped`. Lavapipe's client
 //! defines the kernels: a definition reads the device's and runtime's properties, which none of
 //! these kernels' code depends on. Without a Vulkan adapter the test prints `skipped` (and fails
@@ -100,7 +101,8 @@ fn every_kernel_compiles_for_cuda() {
         match report.map(|log| Resources::from_log(&log)) {
             Ok(Some(used)) => {
                 println!("{name}, sm_{arch}: {} registers, {} bytes spilled", used.registers, used.spilled);
-                if used.spilled > 0 {
+                let allowed = if name.starts_with("paged_decode") { DECODE_SPILL_BYTES } else { 0 };
+                if used.spilled > allowed {
                     spills.push(format!("{name} for sm_{arch}: {} bytes of registers spilled to local memory", used.spilled));
                 }
             }
@@ -111,9 +113,17 @@ fn every_kernel_compiles_for_cuda() {
     println!("NVRTC {}: {} kernel sources compiled for {ARCHITECTURES:?}", nvrtc.version, sources.len() - failures.len());
     assert!(failures.is_empty(), "NVRTC refused {} kernel sources:\n{}", failures.len(), failures.join("\n"));
     // A spilling kernel keeps part of its state in local memory (device memory behind the
-    // caches): none does today, and one that starts to should be a decision, not a surprise.
+    // caches): none does today but within the allowance below, and one that starts to should be
+    // a decision, not a surprise.
     assert!(spills.is_empty(), "{}", spills.join("\n"));
 }
+
+/// Bytes `paged_decode`'s variants may spill: ptxas keeps some at 40 to 56 registers a unit and
+/// spills 4 to 20 bytes of values that stay the same over the row (stored before the loop over
+/// its chunks, loaded once a chunk: one `LDL` a chunk against the chunk's 128 keys and values,
+/// `scripts/sass.sh paged_decode_bf16_split_groups_2 100`), where more registers a unit would
+/// leave an SM fewer cubes.
+const DECODE_SPILL_BYTES: u32 = 32;
 
 /// The kernels `device-kernels/src` declares (`#[cube(launch...)]`).
 fn launched_kernels() -> usize {

@@ -461,7 +461,7 @@ impl Args {
                 let prefill = start.elapsed().as_secs_f64();
                 let start = Instant::now();
                 generate(&policy, &prompts, &config)?;
-                Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
+                decoding_seconds(start.elapsed().as_secs_f64(), prefill, batch, self.decode_tokens)
             })?;
             let tokens = (batch * (self.decode_tokens - 1)) as f64;
             let workload = match self.decode_context {
@@ -721,6 +721,20 @@ fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens:
         }
     }
     Ok(figures)
+}
+
+/// The seconds a decode of `new_tokens` tokens a row at `batch` rows spent after its first token:
+/// `total` less `prefill` (a run of the prefill and first token alone). An error where that is
+/// not positive: the run-to-run variation of a long prefill exceeded the decoding steps' time.
+fn decoding_seconds(total: f64, prefill: f64, batch: usize, new_tokens: usize) -> Result<f64> {
+    let decode = total - prefill;
+    if decode <= 0.0 {
+        anyhow::bail!(
+            "decode batch {batch}: {} decoding steps took no longer than the prefill varies from run to run ({prefill:.3} s), so their time cannot be told apart from it: raise --decode-tokens or shorten the prompts",
+            new_tokens.saturating_sub(1)
+        );
+    }
+    Ok(decode)
 }
 
 /// The median of `runs` calls of `time`, each returning the seconds it measured.

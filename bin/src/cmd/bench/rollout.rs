@@ -1151,7 +1151,7 @@ fn pure_decode_seconds<B: Backend>(
         prefills.push(prefill);
         let start = Instant::now();
         generate(model, prompts, &decode)?;
-        Ok((start.elapsed().as_secs_f64() - prefill).max(1e-9))
+        super::decoding_seconds(start.elapsed().as_secs_f64(), prefill, prompts.len(), new_tokens)
     })?;
     prefills.sort_by(f64::total_cmp);
     Ok((decode, prefills[runs / 2]))
