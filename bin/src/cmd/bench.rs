@@ -724,17 +724,18 @@ fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens:
 }
 
 /// The seconds a decode of `new_tokens` tokens a row at `batch` rows spent after its first token:
-/// `total` less `prefill` (a run of the prefill and first token alone). An error where that is
-/// not positive: the run-to-run variation of a long prefill exceeded the decoding steps' time.
+/// `total` less `prefill` (a run of the prefill and first token alone). Where that is not
+/// positive (the run-to-run variation of the prefill exceeded the decoding steps' time) a
+/// warning says the run's figure means nothing, and the difference counts as 1 ns.
 fn decoding_seconds(total: f64, prefill: f64, batch: usize, new_tokens: usize) -> Result<f64> {
     let decode = total - prefill;
     if decode <= 0.0 {
-        anyhow::bail!(
-            "decode batch {batch}: {} decoding steps took no longer than the prefill varies from run to run ({prefill:.3} s), so their time cannot be told apart from it: raise --decode-tokens or shorten the prompts",
+        eprintln!(
+            "warning: decode batch {batch}: {} decoding steps took no longer than the prefill varies from run to run ({prefill:.3} s), so this run's decode time is not measured (the median of the runs may be): raise --decode-tokens or shorten the prompts",
             new_tokens.saturating_sub(1)
         );
     }
-    Ok(decode)
+    Ok(decode.max(1e-9))
 }
 
 /// The median of `runs` calls of `time`, each returning the seconds it measured.
