@@ -3,9 +3,9 @@
 //! of [`UNITS`] units per (query heads sharing a key-value head, row, span of columns) takes the
 //! row's columns [`UNITS`] at a time (a chunk), with four barriers a chunk:
 //! 1. each unit takes one column: where it is a key, the unit reads the key's whole row from the
-//!    pool in vectors (16 bytes each on a GPU, all of them independent loads, in flight at
-//!    once) and scores it against each of the cube's query heads (in shared memory, read by all
-//!    units at once); a padded column, or one past the span, gets the masked score;
+//!    pool in vectors (16 bytes each on CUDA), four independent loads at a time, and scores it
+//!    against each of the cube's query heads (in shared memory, read by all units at once); a
+//!    padded column, or one past the span, gets the masked score;
 //! 2. one unit a head takes the chunk's largest score into its running maximum (FlashAttention's
 //!    online softmax);
 //! 3. each unit turns its column's scores into weights against those maxima;
