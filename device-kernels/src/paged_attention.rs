@@ -517,6 +517,18 @@ pub enum Spans {
 impl Spans {
     /// Every pass whole: one cube walks all of a row's columns, no second kernel.
     pub const WHOLE: Spans = Spans::Exactly(std::num::NonZeroUsize::MIN);
+
+    /// A row of `pieces` (tiles or chunks) cut into spans of whole pieces, `auto` of them where
+    /// [`Spans::Auto`] (the caller's reckoning): the spans and the pieces a span, as few spans as
+    /// those pieces take.
+    fn cut(self, pieces: usize, auto: usize) -> (usize, usize) {
+        let splits = match self {
+            Spans::Exactly(splits) => splits.get().min(pieces),
+            Spans::Auto => auto.max(1),
+        };
+        let span = pieces.div_ceil(splits);
+        (pieces.div_ceil(span), span)
+    }
 }
 
 /// Launches the kernel on CubeCL runtime `R`; see [`model::device_kernels::PagedAttention`].
@@ -584,12 +596,8 @@ pub fn paged_attention<R: CubeRuntime>(
         let chunk = crate::paged_decode::UNITS as usize;
         let chunks = width.div_ceil(chunk);
         let cubes = heads / cut.heads as usize * rows;
-        let splits = match spans {
-            Spans::Exactly(splits) => splits.get().min(chunks),
-            Spans::Auto => splits_for(cubes, chunks * chunk / DECODE_TILE, client.properties().hardware.num_streaming_multiprocessors),
-        };
-        let span_chunks = chunks.div_ceil(splits);
-        let splits = chunks.div_ceil(span_chunks);
+        let auto = splits_for(cubes, chunks * chunk / DECODE_TILE, client.properties().hardware.num_streaming_multiprocessors);
+        let (splits, span_chunks) = spans.cut(chunks, auto);
         let partial = partial_for(&query, splits, batch * tokens, heads, head_dim);
         crate::paged_decode::launch(query, keys, values, read, valid, output.clone(), partial.clone(), scale, cut, splits, span_chunks * chunk);
         if splits > 1 {
@@ -600,14 +608,11 @@ pub fn paged_attention<R: CubeRuntime>(
     let blocks = blocks_for(head_dim, heads / kv_heads, queries);
     let cubes = [heads / blocks.heads as usize, rows, queries.div_ceil(blocks.queries as usize)];
     let tiles = width.div_ceil(blocks.tile as usize);
-    let splits = match spans {
-        Spans::Exactly(splits) => splits.get().min(tiles),
-        Spans::Auto if queries == 1 && ragged.is_none() => splits_for(cubes.iter().product(), tiles, client.properties().hardware.num_streaming_multiprocessors),
-        Spans::Auto => 1,
+    let auto = match queries == 1 && ragged.is_none() {
+        true => splits_for(cubes.iter().product(), tiles, client.properties().hardware.num_streaming_multiprocessors),
+        false => 1,
     };
-    // Whole tiles a span, and as few spans as those take.
-    let span_tiles = tiles.div_ceil(splits);
-    let splits = tiles.div_ceil(span_tiles);
+    let (splits, span_tiles) = spans.cut(tiles, auto);
     let split = splits > 1;
     let partial = partial_for(&query, splits, batch * tokens, heads, head_dim);
     paged_attention_kernel::launch::<R>(
