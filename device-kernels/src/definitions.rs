@@ -72,14 +72,16 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
             }
         }
     }
-    // A decoding step's own kernel, whole and split, with vectors of CUDA's widest load (16
+    // A decoding step's own kernel, whole and split, and over a ragged pass's rows of one query
+    // (whole: `Spans::Auto` splits no ragged pass), with vectors of CUDA's widest load (16
     // bytes; the client defining them may load less).
     let most_vector = 16 / dtype.size();
     for groups in GROUPS {
-        for split in [false, true] {
-            if let Some(definition) = crate::paged_decode::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, most_vector, split) {
+        for (ragged, split) in [(false, false), (false, true), (true, false)] {
+            if let Some(definition) = crate::paged_decode::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, most_vector, ragged, split) {
+                let pass = if ragged { " ragged" } else { "" };
                 let spans = if split { " split" } else { "" };
-                out.push((format!("paged_decode {dtype}{spans} groups {groups}"), definition));
+                out.push((format!("paged_decode {dtype}{pass}{spans} groups {groups}"), definition));
             }
         }
     }

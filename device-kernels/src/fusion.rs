@@ -18,25 +18,23 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
         valid: FloatTensor<Self>,
-        ragged: Option<(IntTensor<Self>, usize)>,
+        ragged: Option<(IntTensor<Self>, crate::RowLens)>,
         scale: f32,
         spans: crate::Spans,
     ) -> FloatTensor<Self> {
         let client = query.client.clone();
-        let (starts, longest) = ragged.map_or((None, 0), |(starts, longest)| (Some(starts), longest));
+        let (starts, lens) = ragged.map_or((None, None), |(starts, lens)| (Some(starts), Some(lens)));
         let mut operands = vec![&query, &keys, &values, &read, &valid];
         operands.extend(starts.as_ref());
         let streams = OperationStreams::with_inputs(operands);
         let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(query.shape.dims::<4>()), query.dtype);
         let mut inputs = vec![query.into_ir(), keys.into_ir(), values.into_ir(), read.into_ir(), valid.into_ir()];
-        let ragged = starts.is_some();
         inputs.extend(starts.map(|s| s.into_ir()));
         let desc = CustomOpIr::new("paged_attention", &inputs, &[output]);
-        let longest = ragged.then_some(longest);
         let op = KernelOp::<B>::new(&desc, move |desc, handles| {
             let inputs = &desc.inputs;
             // A ragged pass's row starts are the sixth input.
-            let ragged = longest.map(|longest| (handles.get_int_tensor::<B>(&inputs[5]), longest));
+            let ragged = lens.map(|lens| (handles.get_int_tensor::<B>(&inputs[5]), lens));
             let result = B::paged_attention(
                 handles.get_float_tensor::<B>(&inputs[0]),
                 handles.get_float_tensor::<B>(&inputs[1]),

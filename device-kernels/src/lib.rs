@@ -30,7 +30,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
-pub use paged_attention::Spans;
+pub use paged_attention::{RowLens, Spans};
 use model::device_kernels::{register_norms, register_paged_attention, register_silu_mul, register_token_choice, NormKernels, PagedAttention};
 pub use rms_norm::{QkNormRopeWrite, Qkv};
 pub use swiglu::GateUp;
@@ -41,8 +41,8 @@ pub trait DeviceKernels: Backend {
     /// [`PagedAttention`] on primitives: `query` `[rows, queries, heads, d]`, pools
     /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;
     /// `[rows, queries, heads, d]`. A ragged pass's `query` is `[1, tokens, heads, d]`, with its
-    /// rows' starts `[rows + 1]` and the longest row's length. Each row's columns are cut into
-    /// `spans`.
+    /// rows' starts `[rows + 1]` and their lengths as the host counts them. Each row's columns
+    /// are cut into `spans`.
     #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         query: FloatTensor<Self>,
@@ -50,7 +50,7 @@ pub trait DeviceKernels: Backend {
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
         valid: FloatTensor<Self>,
-        ragged: Option<(IntTensor<Self>, usize)>,
+        ragged: Option<(IntTensor<Self>, RowLens)>,
         scale: f32,
         spans: Spans,
     ) -> FloatTensor<Self>;
@@ -86,11 +86,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
         valid: FloatTensor<Self>,
-        ragged: Option<(IntTensor<Self>, usize)>,
+        ragged: Option<(IntTensor<Self>, RowLens)>,
         scale: f32,
         spans: Spans,
     ) -> FloatTensor<Self> {
-        let ragged = ragged.map(|(starts, longest)| paged_attention::Ragged { starts, longest });
+        let ragged = ragged.map(|(starts, lens)| paged_attention::Ragged { starts, lens });
         paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans)
     }
 
@@ -208,7 +208,7 @@ fn run_paged_attention_whole<B: DeviceKernels>(pass: PagedAttention<B>) -> Tenso
 
 fn attend<B: DeviceKernels>(pass: PagedAttention<B>, spans: Spans) -> Tensor<B, 4> {
     let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
-    let ragged = ragged.map(|rows| (rows.starts.into_primitive(), rows.longest));
+    let ragged = ragged.map(|rows| (rows.starts.into_primitive(), RowLens { longest: rows.longest, single: rows.single }));
     tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans))
 }
 

@@ -1,7 +1,8 @@
 //! One pass's attention over the paged KV cache (see [`model::device_kernels::PagedAttention`]),
 //! a prefill chunk's many queries a row, or a ragged pass's rows of different lengths (a decoding
-//! step's rows beside prefill chunks), as one CubeCL kernel (a decoding step's single query a row
-//! goes to [`crate::paged_decode`]'s, where its cut fits, and here otherwise): one cube
+//! step's rows beside prefill chunks), as one CubeCL kernel (rows of a single query, a decoding
+//! step's or a ragged pass's, go to [`crate::paged_decode`]'s where its cut fits, and come here
+//! otherwise): one cube
 //! of [`UNITS`] units per (query heads sharing a key-value head, row, block of queries), so that
 //! each key and value it stages serves all of them (grouped-query attention). The cube takes the
 //! row's columns a tile at a time ([`blocks_for`]), up to the last one its queries may see
@@ -104,6 +105,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     scale: f32,
     splits: u32,
     span: u32,
+    fewest: u32,
     #[comptime] ragged: bool,
     #[comptime] split: bool,
     #[comptime] head_dim: u32,
@@ -138,6 +140,10 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     if ragged {
         token0 = usize::cast_from(row_starts[row]);
         queries = usize::cast_from(row_starts[row + 1]) - token0;
+        if queries < fewest as usize {
+            // A row that the decoding kernel takes (every unit of the cube returns here).
+            terminate!();
+        }
     }
     // z: the block of queries, and in a split pass which of the row's spans of columns.
     let mut z = CUBE_POS_Z as usize;
@@ -497,11 +503,21 @@ pub fn splits_for(cubes: usize, tiles: usize, multiprocessors: Option<u32>) -> u
 }
 
 /// The rows of a ragged pass (see [`model::device_kernels::RaggedRows`]): row `r`'s queries are
-/// the pass's tokens `starts[r]..starts[r + 1]` (`starts` `[rows + 1]`), at most `longest`.
+/// the pass's tokens `starts[r]..starts[r + 1]` (`starts` `[rows + 1]`), as long as `lens` says.
 #[derive(Debug, Clone)]
 pub struct Ragged<R: CubeRuntime> {
     pub starts: CubeTensor<R>,
+    pub lens: RowLens,
+}
+
+/// A ragged pass's rows as the host counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowLens {
+    /// The most queries a row has.
     pub longest: usize,
+    /// Rows of one query (a decoding step's), which [`crate::paged_decode`]'s kernel takes
+    /// where its cut fits.
+    pub single: usize,
 }
 
 /// How a pass's columns are cut among cubes.
@@ -518,16 +534,16 @@ impl Spans {
     /// Every pass whole: one cube walks all of a row's columns, no second kernel.
     pub const WHOLE: Spans = Spans::Exactly(std::num::NonZeroUsize::MIN);
 
-    /// A row of `pieces` (tiles or chunks) cut into spans of whole pieces, `auto` of them where
-    /// [`Spans::Auto`] (the caller's reckoning): the spans and the pieces a span, as few spans as
-    /// those pieces take.
-    fn cut(self, pieces: usize, auto: usize) -> (usize, usize) {
+    /// The spans of whole pieces (tiles or chunks) a row of `pieces` is cut into, `auto` where
+    /// [`Spans::Auto`] (the caller's reckoning): as few as spans of `pieces.div_ceil(spans)`
+    /// pieces take, so that none is empty. A kernel with longer or shorter pieces cuts the
+    /// same columns into as many spans of its own pieces (some of them empty).
+    fn count(self, pieces: usize, auto: usize) -> usize {
         let splits = match self {
             Spans::Exactly(splits) => splits.get().min(pieces),
             Spans::Auto => auto.max(1),
         };
-        let span = pieces.div_ceil(splits);
-        (pieces.div_ceil(span), span)
+        pieces.div_ceil(pieces.div_ceil(splits))
     }
 }
 
@@ -562,7 +578,9 @@ pub fn paged_attention<R: CubeRuntime>(
         Some(ragged) => {
             assert_eq!(batch, 1, "paged attention: a ragged pass's queries are [1, tokens, heads, d]");
             assert_eq!(ragged.starts.shape().num_elements(), rows + 1, "paged attention: row starts for {rows} rows");
-            ragged.longest
+            let RowLens { longest, single } = ragged.lens;
+            assert!(single <= rows && (single == rows) == (longest == 1), "paged attention: a ragged pass of {rows} rows, {single} of one query, the longest of {longest}");
+            longest
         }
     };
     assert!(queries >= 1 && width >= queries, "paged attention: {queries} queries a row over {width} columns");
@@ -586,60 +604,80 @@ pub fn paged_attention<R: CubeRuntime>(
     let client = query.client.clone();
     let dtypes = [query.dtype.into(), read.dtype.into(), valid.dtype.into()];
     let output = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([batch, tokens, heads, head_dim]), query.dtype);
-    // A decoding step: the kernel made for it, where its cut fits.
-    let most_vector = client.io_optimized_vector_sizes(query.dtype.size()).max().unwrap_or(1);
-    let decode_cut = match (queries, &ragged) {
-        (1, None) => crate::paged_decode::cut_for(head_dim, heads / kv_heads, most_vector),
-        _ => None,
+    let multiprocessors = client.properties().hardware.num_streaming_multiprocessors;
+    // The rows of one query (a decoding step's, or those a ragged pass has beside its prefill
+    // chunks) go to the kernel made for them, where its cut fits; the general kernel takes the
+    // others.
+    let single = match &ragged {
+        Some(ragged) => ragged.lens.single,
+        None if queries == 1 => rows,
+        None => 0,
     };
-    if let Some(cut) = decode_cut {
-        let chunk = crate::paged_decode::UNITS as usize;
-        let chunks = width.div_ceil(chunk);
-        let cubes = heads / cut.heads as usize * rows;
-        let auto = splits_for(cubes, chunks * chunk / DECODE_TILE, client.properties().hardware.num_streaming_multiprocessors);
-        let (splits, span_chunks) = spans.cut(chunks, auto);
-        let partial = partial_for(&query, splits, batch * tokens, heads, head_dim);
-        crate::paged_decode::launch(query, keys, values, read, valid, output.clone(), partial.clone(), scale, cut, splits, span_chunks * chunk);
-        if splits > 1 {
-            combine_splits(partial, output.clone(), head_dim);
-        }
-        return output;
-    }
+    let most_vector = client.io_optimized_vector_sizes(query.dtype.size()).max().unwrap_or(1);
+    let decode_cut = (single > 0).then(|| crate::paged_decode::cut_for(head_dim, heads / kv_heads, most_vector)).flatten();
+    let general_rows = rows - decode_cut.map_or(0, |_| single);
+    let chunk = crate::paged_decode::UNITS as usize;
+    let chunks = width.div_ceil(chunk);
     let blocks = blocks_for(head_dim, heads / kv_heads, queries);
     let cubes = [heads / blocks.heads as usize, rows, queries.div_ceil(blocks.queries as usize)];
     let tiles = width.div_ceil(blocks.tile as usize);
-    let auto = match queries == 1 && ragged.is_none() {
-        true => splits_for(cubes.iter().product(), tiles, client.properties().hardware.num_streaming_multiprocessors),
-        false => 1,
+    // Spans: a decoding step's as `splits_for` says for the device; a ragged pass's and a
+    // prefill's whole, unless `spans` says how many. Both kernels of a ragged pass cut its
+    // columns into as many spans (of their own pieces) and share one join.
+    let splits = match decode_cut {
+        Some(cut) => {
+            let auto = match ragged {
+                None => splits_for(heads / cut.heads as usize * rows, chunks * chunk / DECODE_TILE, multiprocessors),
+                Some(_) => 1,
+            };
+            spans.count(chunks, auto)
+        }
+        None => {
+            let auto = match queries == 1 && ragged.is_none() {
+                true => splits_for(cubes.iter().product(), tiles, multiprocessors),
+                false => 1,
+            };
+            spans.count(tiles, auto)
+        }
     };
-    let (splits, span_tiles) = spans.cut(tiles, auto);
-    let split = splits > 1;
     let partial = partial_for(&query, splits, batch * tokens, heads, head_dim);
-    paged_attention_kernel::launch::<R>(
-        &client,
-        CubeCount::Static(cubes[0] as u32, cubes[1] as u32, (cubes[2] * splits) as u32),
-        CubeDim::new_1d(UNITS),
-        query.into_tensor_arg(),
-        keys.into_tensor_arg(),
-        values.into_tensor_arg(),
-        read.into_tensor_arg(),
-        valid.into_tensor_arg(),
-        starts.into_tensor_arg(),
-        output.clone().into_tensor_arg(),
-        partial.clone().into_tensor_arg(),
-        scale,
-        splits as u32,
-        (span_tiles * blocks.tile as usize) as u32,
-        ragged.is_some(),
-        split,
-        head_dim as u32,
-        blocks.heads,
-        blocks.queries,
-        blocks.tile,
-        REVISION,
-        dtypes,
-    );
-    if split {
+    if let Some(cut) = decode_cut {
+        let columns = chunks.div_ceil(splits) * chunk;
+        let pass = crate::paged_decode::Pass { cut, splits, span: columns, ragged: ragged.is_some() };
+        crate::paged_decode::launch(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), starts.clone(), output.clone(), partial.clone(), scale, pass);
+    }
+    if general_rows > 0 {
+        let span = tiles.div_ceil(splits) * blocks.tile as usize;
+        // In a ragged pass whose rows of one query the decoding kernel took, the general
+        // kernel's cubes of such rows return at once.
+        let fewest = if decode_cut.is_some() { 2 } else { 1 };
+        paged_attention_kernel::launch::<R>(
+            &client,
+            CubeCount::Static(cubes[0] as u32, cubes[1] as u32, (cubes[2] * splits) as u32),
+            CubeDim::new_1d(UNITS),
+            query.into_tensor_arg(),
+            keys.into_tensor_arg(),
+            values.into_tensor_arg(),
+            read.into_tensor_arg(),
+            valid.into_tensor_arg(),
+            starts.into_tensor_arg(),
+            output.clone().into_tensor_arg(),
+            partial.clone().into_tensor_arg(),
+            scale,
+            splits as u32,
+            span as u32,
+            fewest,
+            ragged.is_some(),
+            splits > 1,
+            head_dim as u32,
+            blocks.heads,
+            blocks.queries,
+            blocks.tile,
+            REVISION,
+            dtypes,
+        );
+    }
+    if splits > 1 {
         combine_splits(partial, output.clone(), head_dim);
     }
     output
@@ -692,6 +730,7 @@ pub(crate) fn definition<R: Runtime>(
         arg(),
         arg(),
         arg(),
+        (),
         (),
         (),
         (),

@@ -1,5 +1,8 @@
 //! A decoding step's attention over the paged KV cache (one query a row, see
-//! [`crate::paged_attention`]) as a kernel of its own, made for a long context's reads: one cube
+//! [`crate::paged_attention`]) as a kernel of its own, made for a long context's reads, which
+//! also takes a ragged pass's rows of one query (a decoding step's rows beside the prefill
+//! chunks of rows joining; the general kernel takes those chunks, its cubes of the other rows
+//! returning at once): one cube
 //! of [`UNITS`] units per (query heads sharing a key-value head, row, span of columns) takes the
 //! row's columns [`UNITS`] at a time (a chunk), with four barriers a chunk:
 //! 1. each unit takes one column: where it is a key, the unit reads the key's whole row from the
@@ -78,10 +81,12 @@ fn paged_decode_kernel<F: Float, N: Size, I: Numeric, V: Float>(
     values: &Tensor<Vector<F, N>>,
     read: &Tensor<I>,
     valid: &Tensor<V>,
+    row_starts: &Tensor<I>,
     output: &mut Tensor<F>,
     partial: &mut Tensor<f32>,
     scale: f32,
     span: u32,
+    #[comptime] ragged: bool,
     #[comptime] split: bool,
     #[comptime] head_dim: u32,
     #[comptime] cube_heads: u32,
@@ -103,6 +108,15 @@ fn paged_decode_kernel<F: Float, N: Size, I: Numeric, V: Float>(
     let kv_heads = keys.shape(0);
     let slots = keys.shape(1);
     let width = valid.shape(1);
+    // The row's query: token `row` of the pass, or in a ragged pass token `row_starts[row]`,
+    // where the row has that one (the general kernel takes the others).
+    let mut token = row;
+    if ragged {
+        token = usize::cast_from(row_starts[row]);
+        if usize::cast_from(row_starts[row + 1]) - token != 1 {
+            terminate!();
+        }
+    }
     let pool_base = (first_head / (heads / kv_heads)) * slots * row_vectors;
     // The columns this cube walks: all of the row's (its one query is its last column), or its
     // span of them.
@@ -130,7 +144,7 @@ fn paged_decode_kernel<F: Float, N: Size, I: Numeric, V: Float>(
         let mut query_vector = Vector::<f32, N>::empty();
         #[unroll]
         for e in 0..n {
-            query_vector[e] = f32::cast_from(query[(row * heads + first_head) * d + i * n + e]) * scale;
+            query_vector[e] = f32::cast_from(query[(token * heads + first_head) * d + i * n + e]) * scale;
         }
         q[i] = query_vector;
         i += units;
@@ -269,7 +283,7 @@ fn paged_decode_kernel<F: Float, N: Size, I: Numeric, V: Float>(
     }
 
     // The groups' sums of each head added up, then normalised (or, split, written as they are).
-    let tokens = query.shape(0);
+    let tokens = query.shape(0) * query.shape(1);
     #[unroll]
     for h in 0..hc {
         if group < groups {
@@ -280,7 +294,7 @@ fn paged_decode_kernel<F: Float, N: Size, I: Numeric, V: Float>(
             }
         }
         sync_cube();
-        let pair = row * heads + first_head + h;
+        let pair = token * heads + first_head + h;
         let mut i = unit;
         while i < d {
             let mut sum = 0.0f32;
@@ -301,17 +315,31 @@ fn paged_decode_kernel<F: Float, N: Size, I: Numeric, V: Float>(
         sync_cube();
     }
     if split && unit < hc {
-        let base = (part * tokens * heads + row * heads + first_head + unit) * (d + 2);
+        let base = (part * tokens * heads + token * heads + first_head + unit) * (d + 2);
         partial[base + d] = running_max[unit];
         partial[base + d + 1] = total[unit];
     }
 }
 
-/// Launches [`paged_decode_kernel`] for a decoding step (`query` `[rows, 1, heads, head_dim]`,
-/// packed; pools, read table and mask as [`crate::paged_attention::paged_attention`] takes them),
-/// cut as `cut` says, each row's columns in `splits` spans of `span` columns (a multiple of
-/// [`UNITS`]; `partial` `[splits, rows, heads, head_dim + 2]` where `splits > 1`, for the join,
-/// else `output` gets the result).
+/// How a pass goes to [`paged_decode_kernel`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Pass {
+    /// Query heads a cube, elements a vector.
+    pub cut: Cut,
+    /// Spans a row's columns are cut into (1: whole).
+    pub splits: usize,
+    /// Columns a span: a multiple of [`UNITS`].
+    pub span: usize,
+    /// A ragged pass's (`query` `[1, tokens, heads, head_dim]`, rows as `row_starts` says; the
+    /// kernel takes the rows of one query).
+    pub ragged: bool,
+}
+
+/// Launches [`paged_decode_kernel`] over a decoding step's rows (`query` `[rows, 1, heads,
+/// head_dim]`, packed) or a ragged pass's rows of one query; pools, read table, mask and row
+/// starts as [`crate::paged_attention::paged_attention`] takes them (`row_starts` unread unless
+/// ragged). Split, the spans' results go to `partial` (`[splits, tokens, heads, head_dim + 2]`)
+/// for the join, else to `output`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch<R: CubeRuntime>(
     query: CubeTensor<R>,
@@ -319,19 +347,20 @@ pub(crate) fn launch<R: CubeRuntime>(
     values: CubeTensor<R>,
     read: CubeTensor<R>,
     valid: CubeTensor<R>,
+    row_starts: CubeTensor<R>,
     output: CubeTensor<R>,
     partial: CubeTensor<R>,
     scale: f32,
-    cut: Cut,
-    splits: usize,
-    span: usize,
+    pass: Pass,
 ) {
-    let [rows, _, heads, head_dim] = query.meta.shape().dims::<4>();
+    let [_, _, heads, head_dim] = query.meta.shape().dims::<4>();
+    let rows = valid.meta.shape().dims::<2>()[0];
     let client = query.client.clone();
     let dtypes = [query.dtype.into(), read.dtype.into(), valid.dtype.into()];
+    let cut = pass.cut;
     paged_decode_kernel::launch::<R>(
         &client,
-        CubeCount::Static((heads / cut.heads as usize) as u32, rows as u32, splits as u32),
+        CubeCount::Static((heads / cut.heads as usize) as u32, rows as u32, pass.splits as u32),
         CubeDim::new_1d(UNITS),
         cut.vector as usize,
         query.into_tensor_arg(),
@@ -339,11 +368,13 @@ pub(crate) fn launch<R: CubeRuntime>(
         values.into_tensor_arg(),
         read.into_tensor_arg(),
         valid.into_tensor_arg(),
+        row_starts.into_tensor_arg(),
         output.into_tensor_arg(),
         partial.into_tensor_arg(),
         scale,
-        span as u32,
-        splits > 1,
+        pass.span as u32,
+        pass.ragged,
+        pass.splits > 1,
         head_dim as u32,
         cut.heads,
         REVISION,
@@ -353,13 +384,14 @@ pub(crate) fn launch<R: CubeRuntime>(
 
 /// [`paged_decode_kernel`] over `dtypes` (the query's and pools', the read table's, the mask's)
 /// as CubeCL defines it for compilation, for heads of `head_dim` in groups of `groups`, vectors
-/// of up to `most_vector` elements, whole or `split`.
+/// of up to `most_vector` elements, a decoding step's or a `ragged` pass's, whole or `split`.
 pub(crate) fn definition<R: Runtime>(
     client: &ComputeClient<R>,
     dtypes: [StorageType; 3],
     head_dim: usize,
     groups: usize,
     most_vector: usize,
+    ragged: bool,
     split: bool,
 ) -> Option<KernelDefinition> {
     let arg = crate::definitions::arg;
@@ -375,9 +407,11 @@ pub(crate) fn definition<R: Runtime>(
             arg(),
             arg(),
             arg(),
+            arg(),
             (),
             (),
             cut.vector as usize,
+            ragged,
             split,
             head_dim as u32,
             cut.heads,

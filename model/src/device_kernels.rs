@@ -47,6 +47,9 @@ pub struct RaggedRows<B: Backend> {
     pub starts: Tensor<B, 1, Int>,
     /// The most queries a row has.
     pub longest: usize,
+    /// Rows of one query (a decoding step's rows), which a kernel made for decoding may take
+    /// apart from the others.
+    pub single: usize,
 }
 
 /// A kernel computing [`PagedAttention`]: `softmax(q · Kᵀ · scale) V` over each query's

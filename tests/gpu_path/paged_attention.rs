@@ -108,7 +108,8 @@ fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfus
         let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
         let float = |t: Tensor<Unfused, 4>| t.into_primitive().tensor();
         let pool = |t: Tensor<Unfused, 3>| t.into_primitive().tensor();
-        let ragged = ragged.map(|rows| device_kernels::paged_attention::Ragged { starts: rows.starts.into_primitive(), longest: rows.longest });
+        let lens = |rows: &RaggedRows<Unfused>| device_kernels::RowLens { longest: rows.longest, single: rows.single };
+        let ragged = ragged.map(|rows| device_kernels::paged_attention::Ragged { lens: lens(&rows), starts: rows.starts.into_primitive() });
         let output = device_kernels::paged_attention::paged_attention(
             float(query),
             pool(keys),
@@ -160,7 +161,8 @@ fn worst_ragged_difference<B: DeviceKernels>(
         true => {
             let starts: Vec<i64> = (0..=ROWS).map(|r| lens[..r].iter().sum::<usize>() as i64).collect();
             let starts = Tensor::<B, 1, Int>::from_data(TensorData::new(starts, [ROWS + 1]), &device);
-            (last(query), last(expected), Some(RaggedRows { starts, longest: queries }))
+            let single = lens.iter().filter(|&&n| n == 1).count();
+            (last(query), last(expected), Some(RaggedRows { starts, longest: queries, single }))
         }
         false => (query, expected, None),
     };
@@ -260,8 +262,10 @@ fn a_pass_split_into_spans_matches_burns_ops() {
 /// A decoding step over a long context (`paged_decode`'s kernel, which takes a row's columns 128
 /// at a time): several chunks, row 0's padding over more than two of them, row 3's one key in the
 /// last; whole (as the model runs it) and in 3 and 6 spans of whole chunks, spans that see no
-/// key among them. f32 within 1e-5 (sums of up to 700 terms of order 1), f16 within its
-/// tolerance above.
+/// key among them. Then ragged passes over as many columns, whose rows of one query that kernel
+/// takes and whose prefill chunks the general one (each cutting the columns into as many spans
+/// of its own pieces where split). f32 within 1e-5 (sums of up to 700 terms of order 1), f16
+/// within its tolerance above.
 #[test]
 fn a_decoding_step_over_a_long_context_matches_burns_ops() {
     if !common::backend_ready::<Fused>() {
@@ -277,6 +281,14 @@ fn a_decoding_step_over_a_long_context_matches_burns_ops() {
             let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &[1; ROWS], LONG_WIDTH, false, DType::F32, &split_into(splits));
             println!("{splits} spans: worst |Δ| {worst:.2e}");
             assert!(worst <= 1e-5, "{splits} spans, {heads} heads over {kv_heads}, head_dim {d}: |Δ| {worst} > 1e-5");
+        }
+        for lens in [[1, 37, 1, 5], [5, 1, 1, 1], [1, 1, 1, 1]] {
+            let whole = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, LONG_WIDTH, true, DType::F32, &registered::<Unfused>);
+            let half = worst_ragged_difference::<Fused>(heads, kv_heads, d, &lens, LONG_WIDTH, true, DType::F16, &registered::<Fused>);
+            let split = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, LONG_WIDTH, true, DType::F32, &split_into(4));
+            println!("ragged rows of {lens:?} queries: worst |Δ| {whole:.2e} (f32), {half:.2e} (f16), {split:.2e} (f32, 4 spans)");
+            assert!(whole <= 1e-5 && split <= 1e-5, "{heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}: |Δ| {whole}, split {split} > 1e-5");
+            assert!(half <= 2e-3, "{heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}, f16: |Δ| {half} > 2e-3");
         }
     }
 }

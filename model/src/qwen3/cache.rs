@@ -315,7 +315,7 @@ impl<B: Backend> KvCache<B> {
         })).collect();
         let valid: Vec<f32> = read.iter().map(|&slot| f32::from(u8::from(slot != SCRATCH_SLOT))).collect();
         let ragged = RaggedPass {
-            rows: RaggedRows { starts: Tensor::from_data(TensorData::new(starts, [rows + 1]), device), longest },
+            rows: RaggedRows { starts: Tensor::from_data(TensorData::new(starts, [rows + 1]), device), longest, single: lens.iter().filter(|&&n| n == 1).count() },
             valid: Tensor::from_data(TensorData::new(valid, [rows, width]), (device, DType::F32)),
         };
         self.set_pass(write, read, rows, Some(ragged), device);
