@@ -66,8 +66,20 @@ pub fn generate<B: Backend>(
     prompts: &[Vec<u32>],
     config: &SamplingConfig,
 ) -> Result<Vec<GeneratedSequence>, ModelError> {
+    generate_observed(model, prompts, config, |_| {})
+}
+
+/// [`generate`], calling `after_step(n)` once the `n`-th step's tokens are on the host (from 1;
+/// the first step is the prompts' prefill, each later one a decoding step): a benchmark times
+/// the decoding steps from there, apart from the prefill, in one run.
+pub fn generate_observed<B: Backend>(
+    model: &impl CausalLm<B>,
+    prompts: &[Vec<u32>],
+    config: &SamplingConfig,
+    after_step: impl FnMut(usize),
+) -> Result<Vec<GeneratedSequence>, ModelError> {
     let seeds: Vec<u64> = (0..prompts.len()).map(|i| row_seed(config.sampling.seed, i as u64)).collect();
-    generate_seeded(model, prompts, config, &seeds)
+    run(model, prompts, config, &seeds, after_step)
 }
 
 /// [`generate`] with an explicit seed per row (`config.sampling.seed` is ignored), so that a sequence's
@@ -78,6 +90,17 @@ pub fn generate_seeded<B: Backend>(
     prompts: &[Vec<u32>],
     config: &SamplingConfig,
     seeds: &[u64],
+) -> Result<Vec<GeneratedSequence>, ModelError> {
+    run(model, prompts, config, seeds, |_| {})
+}
+
+/// [`generate_seeded`], calling `after_step` as [`generate_observed`] says.
+fn run<B: Backend>(
+    model: &impl CausalLm<B>,
+    prompts: &[Vec<u32>],
+    config: &SamplingConfig,
+    seeds: &[u64],
+    mut after_step: impl FnMut(usize),
 ) -> Result<Vec<GeneratedSequence>, ModelError> {
     config.sampling.validate().map_err(|e| ModelError::Input(e.to_string()))?;
     if seeds.len() != prompts.len() {
@@ -105,6 +128,7 @@ pub fn generate_seeded<B: Backend>(
         return Ok(outputs);
     }
     let mut rngs: Vec<StdRng> = seeds.iter().map(|&s| StdRng::seed_from_u64(s)).collect();
+    let mut steps = 0;
     while let Some(step) = decoder.step(model)? {
         // The rows come back in ascending order (all join at once, in order), so the generators
         // of the running rows come out in theirs.
@@ -128,6 +152,8 @@ pub fn generate_seeded<B: Backend>(
                 decoder.accept(id, token)?;
             }
         }
+        steps += 1;
+        after_step(steps);
     }
     Ok(outputs)
 }
@@ -345,6 +371,25 @@ mod tests {
                 assert!((logprob - want).abs() < 1e-5, "{config:?}: {logprob} vs {want}");
             }
         }
+    }
+
+    /// `generate_observed` reports each step once its tokens are chosen, 1 to the longest row's
+    /// tokens (the first step the prefill), and generates what `generate` does.
+    #[test]
+    fn observed_generation_reports_each_step() {
+        use crate::checkpoint::StorageDtype;
+        use crate::{load_pretrained, LoadOptions, Preset, Qwen3ForCausalLM};
+        use burn::backend::Flex;
+        let config = Preset::Tiny.config(300, vec![299]);
+        let dir = tempfile::tempdir().unwrap();
+        crate::init::write_random_checkpoint(&config, dir.path(), 5, StorageDtype::F32).unwrap();
+        let model: Qwen3ForCausalLM<Flex> = load_pretrained(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+        let prompts = vec![vec![1, 5, 9], vec![3, 3, 8, 1, 0]];
+        let config = SamplingConfig { sampling: cfg(1.0, None, None), max_new_tokens: 6, stop_token_ids: Vec::new() };
+        let mut steps = Vec::new();
+        let observed = generate_observed(&model, &prompts, &config, |step| steps.push(step)).unwrap();
+        assert_eq!(steps, (1..=6).collect::<Vec<_>>());
+        assert_eq!(observed, generate(&model, &prompts, &config).unwrap());
     }
 
     /// The lazily sorted nucleus equals the one from sorting everything, across sizes that need

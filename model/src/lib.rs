@@ -41,7 +41,7 @@ pub use batch::{Padding, TokenBatch};
 pub use cpu_kernels;
 pub use chat::Sampling;
 pub use decode::{Decoder, DecoderLimits, DecoderStats, SequenceId, StepLogits};
-pub use generation::{choose_row_tokens, generate, generate_seeded, FinishReason, GeneratedSequence, RowSampling, SamplingConfig};
+pub use generation::{choose_row_tokens, generate, generate_observed, generate_seeded, FinishReason, GeneratedSequence, RowSampling, SamplingConfig};
 pub use logprobs::{completion_logprobs, last_hidden_state, map_hidden_chunks, map_logits_chunks, token_logprobs, token_logprobs_from_hidden};
 pub use lora::{CausalLm, LoraAdapters, LoraConfig, LoraModel};
 pub use weights::{load_pretrained, save_pretrained, with_dtype, LoadOptions};

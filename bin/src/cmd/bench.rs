@@ -9,13 +9,13 @@ use model::cpu_kernels::Isa;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use burn::tensor::{backend::Backend, DType};
 use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::{
-    completion_logprobs, generate, load_pretrained, LoadOptions, LoraAdapters, LoraConfig, LoraModel, MatmulPrecision,
+    completion_logprobs, generate, load_pretrained, CausalLm, LoadOptions, LoraAdapters, LoraConfig, LoraModel, MatmulPrecision,
     Preset, Qwen3Config, Sampling, SamplingConfig,
 };
 use serde::Serialize;
@@ -45,7 +45,8 @@ pub struct Args {
     /// Prompt length for prefill and scoring (at least 8).
     #[arg(long, default_value_t = 256)]
     pub prompt_len: usize,
-    /// Tokens generated per decode measurement.
+    /// Tokens generated per decode measurement (at least 2): the steps after the first token
+    /// are timed, apart from the prefill.
     #[arg(long, default_value_t = 32)]
     pub decode_tokens: usize,
     /// Batch sizes for the decode measurement.
@@ -266,6 +267,9 @@ impl OnBackend for Args {
         if self.decode_context == 0 {
             anyhow::bail!("--decode-context must be at least 1");
         }
+        if self.decode_tokens < 2 {
+            anyhow::bail!("--decode-tokens must be at least 2: the decoding steps timed are those after the first token (got {})", self.decode_tokens);
+        }
         let temp;
         let dir = match &self.model {
             Some(dir) => dir.clone(),
@@ -391,14 +395,12 @@ impl Args {
                 Some(decoded),
                 None,
             ));
-            if let Some(rate) = stats.context_decode_tokens_per_second {
-                figures.push(Figure::tokens(
-                    format!("decode batch {} from {}", stats.decode_rows, stats.context_decode_prompt_tokens),
-                    decoded / rate,
-                    Some(decoded),
-                    None,
-                ));
-            }
+            figures.push(Figure::tokens(
+                format!("decode batch {} from {}", stats.decode_rows, stats.context_decode_prompt_tokens),
+                decoded / stats.context_decode_tokens_per_second,
+                Some(decoded),
+                None,
+            ));
             let workload = format!("rollout batch {batch} x {} turns", settings.turns);
             let mut figure = Figure::tokens(workload, stats.seconds, Some(stats.agent_tokens as f64), peak);
             figure.rollout = Some(stats);
@@ -452,17 +454,8 @@ impl Args {
                 sampling: Sampling { temperature: 1.0, seed: 1, ..Sampling::default() },
                 ..Default::default()
             };
-            // Time the decode steps only: subtract a prefill-plus-one-token run.
-            let one = SamplingConfig { max_new_tokens: 1, ..config.clone() };
             reset_peak_rss();
-            let seconds = median_seconds(TIMED_RUNS, || {
-                let start = Instant::now();
-                generate(&policy, &prompts, &one)?;
-                let prefill = start.elapsed().as_secs_f64();
-                let start = Instant::now();
-                generate(&policy, &prompts, &config)?;
-                decoding_seconds(start.elapsed().as_secs_f64(), prefill, batch, self.decode_tokens)
-            })?;
+            let seconds = median_seconds(TIMED_RUNS, || decoding_seconds(&policy, &prompts, &config))?;
             let tokens = (batch * (self.decode_tokens - 1)) as f64;
             let workload = match self.decode_context {
                 DEFAULT_DECODE_CONTEXT => format!("decode batch {batch}{lora}"),
@@ -723,19 +716,17 @@ fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens:
     Ok(figures)
 }
 
-/// The seconds a decode of `new_tokens` tokens a row at `batch` rows spent after its first token:
-/// `total` less `prefill` (a run of the prefill and first token alone). Where that is not
-/// positive (the run-to-run variation of the prefill exceeded the decoding steps' time) a
-/// warning says the run's figure means nothing, and the difference counts as 1 ns.
-fn decoding_seconds(total: f64, prefill: f64, batch: usize, new_tokens: usize) -> Result<f64> {
-    let decode = total - prefill;
-    if decode <= 0.0 {
-        eprintln!(
-            "warning: decode batch {batch}: {} decoding steps took no longer than the prefill varies from run to run ({prefill:.3} s), so this run's decode time is not measured (the median of the runs may be): raise --decode-tokens or shorten the prompts",
-            new_tokens.saturating_sub(1)
-        );
-    }
-    Ok(decode.max(1e-9))
+/// The seconds one `generate` of `config` from `prompts` spent on its decoding steps: from when
+/// its first step's tokens (the prompts' prefill and first token) reached the host to its end.
+fn decoding_seconds<B: Backend>(model: &impl CausalLm<B>, prompts: &[Vec<u32>], config: &SamplingConfig) -> Result<f64> {
+    let mut first_step = None;
+    model::generate_observed(model, prompts, config, |step| {
+        if step == 1 {
+            first_step = Some(Instant::now());
+        }
+    })?;
+    let first_step = first_step.context("a decode that ran no step")?;
+    Ok(first_step.elapsed().as_secs_f64())
 }
 
 /// The median of `runs` calls of `time`, each returning the seconds it measured.

@@ -164,8 +164,8 @@ pub struct RolloutStats {
     /// Episodes that did not end with their forced answer (should be 0).
     pub unexpected_endings: usize,
     /// Pure decode at the same batch (`decode_rows`): as many tokens per row as an episode's
-    /// turns from 16-token prompts in one `generate` call, the prefill subtracted (contexts
-    /// shorter than the rollout's: an upper bound on what a rollout can reach).
+    /// turns from 16-token prompts in one `generate` call, timed after the prefill's step
+    /// (contexts shorter than the rollout's: an upper bound on what a rollout can reach).
     pub decode_tokens_per_second: f64,
     /// `agent_tokens_per_second / decode_tokens_per_second`.
     pub rollout_over_decode: f64,
@@ -176,12 +176,10 @@ pub struct RolloutStats {
     pub context_decode_prompt_tokens: usize,
     /// Pure decode of as many tokens, at the same rows, from `context_decode_prompt_tokens`-token
     /// prompts (windows of the episodes' own tokens): what decoding the rollout's tokens costs
-    /// where they were decoded, with nothing else to do. `None` when its decoding steps took
-    /// under a quarter of the prefill subtracted from them (within the prefill's noise: too few
-    /// tokens a turn for a model this fast).
-    pub context_decode_tokens_per_second: Option<f64>,
+    /// where they were decoded, with nothing else to do.
+    pub context_decode_tokens_per_second: f64,
     /// `agent_tokens_per_second / context_decode_tokens_per_second`.
-    pub rollout_over_context_decode: Option<f64>,
+    pub rollout_over_context_decode: f64,
     /// Shares of the rollout's wall time: decoder steps that only decoded, steps with a prefill,
     /// the agent outside steps, and the rest (no step running: every episode in flight waiting
     /// on the environment, and the episode loop). They add up to 1.
@@ -662,10 +660,9 @@ pub fn measure<B: Backend>(
     };
 
     // Pure decode, as the `decode batch` workload: 16-token prompts (windows of the first
-    // episode's prompt), as many new tokens per row as an episode's turns, the prefill (with
-    // the first token) subtracted. With prompts as long as the episodes' the subtracted prefill
-    // would dwarf the decode of a small model and its noise the difference; the pure decode at
-    // the rollout's contexts (below, after the rollout) takes that noise.
+    // episode's prompt), as many new tokens per row as an episode's turns, timed after the
+    // prefill's step (with the first token); the pure decode at the rollout's contexts is
+    // below, after the rollout.
     let ids = tokenizer.encode(&config.prompts.first_prompt(&questions[0]).chatml())?;
     if ids.len() < DECODE_PROMPT + 8 {
         bail!("the episode prompt is too short ({} tokens)", ids.len());
@@ -687,7 +684,7 @@ pub fn measure<B: Backend>(
         Ok(Some(peak))
     };
     memory()?;
-    let (decode_seconds, _) = pure_decode_seconds(model, &prompts, new_tokens, &sampling, settings.runs)?;
+    let decode_seconds = pure_decode_seconds(model, &prompts, new_tokens, &sampling, settings.runs)?;
     let decode_rate = (decode_rows * (new_tokens - 1)) as f64 / decode_seconds;
 
     // The rollout, through LocalAgent and the episode loop: first with each turn re-prefilling
@@ -826,9 +823,8 @@ pub fn measure<B: Backend>(
             (0..context_prompt).map(|i| source[(i + r % 8) % source.len()]).collect()
         })
         .collect();
-    let (context_decode_seconds, context_prefill_seconds) = pure_decode_seconds(model, &context_prompts, new_tokens, &sampling, settings.runs)?;
-    let context_decode_rate = (context_decode_seconds >= context_prefill_seconds / 4.0)
-        .then(|| (decode_rows * (new_tokens - 1)) as f64 / context_decode_seconds);
+    let context_decode_seconds = pure_decode_seconds(model, &context_prompts, new_tokens, &sampling, settings.runs)?;
+    let context_decode_rate = (decode_rows * (new_tokens - 1)) as f64 / context_decode_seconds;
     let context: usize = trajectories.iter().map(|t| t.token_ids.len()).sum();
     let per_episode = |n: usize| n as f64 / episodes as f64;
     Ok(RolloutStats {
@@ -873,7 +869,7 @@ pub fn measure<B: Backend>(
         mean_agent_token_context: mean_context,
         context_decode_prompt_tokens: context_prompt,
         context_decode_tokens_per_second: context_decode_rate,
-        rollout_over_context_decode: context_decode_rate.map(|decode| rate / decode),
+        rollout_over_context_decode: rate / context_decode_rate,
         time_shares: TimeShares::of(seconds, agent_seconds, &steps),
         pure_decode_step_ms: 1e3 * decode_seconds / (new_tokens - 1) as f64,
         decode_steps: steps.decode_steps,
@@ -1018,24 +1014,17 @@ pub fn print(stats: &RolloutStats) {
         "  {:.2} s wall ({:.2} s in the agent, {:.2} s waiting on the environment, {} calls); {} agent tokens ({} turns stopped early)",
         s.seconds, s.agent_seconds, s.env_wait_seconds, s.env_calls, s.agent_tokens, s.turns_stopped_early
     );
-    let at_context = match (s.context_decode_tokens_per_second, s.rollout_over_context_decode) {
-        (Some(rate), Some(ratio)) => (format!("{rate:.1} tok/s"), format!("{ratio:.3}")),
-        _ => (
-            "not measured (its decoding steps took under a quarter of the prefill timed beside them; raise --rollout-turn-tokens)".to_string(),
-            "not measured".to_string(),
-        ),
-    };
     println!(
-        "  agent tokens/s {:.1} (in the agent: {:.1}); pure decode at batch {}: {:.1} tok/s from {DECODE_PROMPT}-token prompts, {} from {}-token prompts (the rollout decoded its tokens at {:.0} positions on average); rollout / decode = {:.3}, {} at the rollout's contexts",
+        "  agent tokens/s {:.1} (in the agent: {:.1}); pure decode at batch {}: {:.1} tok/s from {DECODE_PROMPT}-token prompts, {:.1} tok/s from {}-token prompts (the rollout decoded its tokens at {:.0} positions on average); rollout / decode = {:.3}, {:.3} at the rollout's contexts",
         s.agent_tokens_per_second,
         s.agent_tokens_per_agent_second,
         s.decode_rows,
         s.decode_tokens_per_second,
-        at_context.0,
+        s.context_decode_tokens_per_second,
         s.context_decode_prompt_tokens,
         s.mean_agent_token_context,
         s.rollout_over_decode,
-        at_context.1
+        s.rollout_over_context_decode
     );
     let t = &s.time_shares;
     println!(
@@ -1126,35 +1115,23 @@ pub fn print(stats: &RolloutStats) {
 const DECODE_PROMPT: usize = 16;
 
 /// Seconds `generate` takes to decode `new_tokens - 1` tokens for each row of `prompts` after
-/// its first (the prefill and first token, timed on their own, subtracted), and the seconds
-/// subtracted: the medians of `runs`, after a few untimed steps (on a GPU they compile the
-/// kernels of these shapes).
+/// its first, timed from when the first step's tokens (the prefill's) reached the host: the
+/// median of `runs`, after a few untimed steps (on a GPU they compile the kernels of these
+/// shapes).
 fn pure_decode_seconds<B: Backend>(
     model: &Qwen3ForCausalLM<B>,
     prompts: &[Vec<u32>],
     new_tokens: usize,
     sampling: &Sampling,
     runs: usize,
-) -> Result<(f64, f64)> {
+) -> Result<f64> {
     let decode = SamplingConfig {
         max_new_tokens: new_tokens,
         sampling: sampling.clone(),
         stop_token_ids: Vec::new(),
     };
-    let one = SamplingConfig { max_new_tokens: 1, ..decode.clone() };
     generate(model, prompts, &SamplingConfig { max_new_tokens: 4, ..decode.clone() })?;
-    let mut prefills = Vec::with_capacity(runs);
-    let decode = median(runs, || {
-        let start = Instant::now();
-        generate(model, prompts, &one)?;
-        let prefill = start.elapsed().as_secs_f64();
-        prefills.push(prefill);
-        let start = Instant::now();
-        generate(model, prompts, &decode)?;
-        super::decoding_seconds(start.elapsed().as_secs_f64(), prefill, prompts.len(), new_tokens)
-    })?;
-    prefills.sort_by(f64::total_cmp);
-    Ok((decode, prefills[runs / 2]))
+    median(runs, || super::decoding_seconds(model, prompts, &decode))
 }
 
 /// Whether two runs of the same episodes sampled the same tokens, episode by episode.
