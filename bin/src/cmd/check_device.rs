@@ -1,6 +1,7 @@
 //! `prompt-r1 check-device`: runs one model on a device and on the CPU reference (burn-flex with
 //! the fused kernels) and compares what they compute: logits of a padded batch, greedy and
-//! sampled tokens (chosen on the device off the CPU kernels), completion log-probs, one GRPO
+//! sampled tokens (chosen on the device off the CPU kernels), the logits of decoding steps into
+//! which sequences join (ragged passes on a GPU), completion log-probs, one GRPO
 //! learn step (loss and gradient norm), that the device's scoring and update agree (the first
 //! PPO ratio is exactly 1) and the device's f32 → bf16 rounding. A self-test for a
 //! new GPU host; with `--device cpu` it checks burn's portable tensor ops (the path every other
@@ -27,8 +28,9 @@ use crate::device::{run_on, DeviceChoice, OnBackend};
 /// Runs the same model on the CPU (burn-flex with the fused kernels, f32) and on --device, and
 /// checks: the logits of a right- and a left-padded batch, 16 greedy and 16 sampled tokens per
 /// prompt (same seeds; off the CPU kernels tokens are chosen on the device), 16 greedy tokens
-/// after a 1,100-token prompt (a GPU splits those decoding steps' columns into spans),
-/// completion log-probs, one GRPO learn step (loss and gradient norm), that the device scores
+/// after a 1,100-token prompt (a GPU splits those decoding steps' columns into spans), the
+/// logits of decoding steps into which two sequences join (ragged passes on a GPU whose kernel
+/// takes prefills), completion log-probs, one GRPO learn step (loss and gradient norm), that the device scores
 /// old log-probs exactly as its update computes them (the first ratio is 1, with f32 and bf16
 /// products) and, off the CPU, that the device's f32 → bf16 cast rounds to nearest even (bf16
 /// rollout copies use it). Exits non-zero when a check fails. `--device cpu` compares burn's
@@ -78,6 +80,11 @@ struct Results {
     /// 16 greedy tokens after the long prompt, and the logits before each.
     long_greedy: Vec<Vec<u32>>,
     long_greedy_logits: Vec<Vec<f32>>,
+    /// The logits of each step of [`joining_steps`] (rows in the order of their sequences).
+    joining_logits: Vec<Vec<f32>>,
+    /// Whether those joins ran beside the decoding row in ragged passes (a GPU's kernel that
+    /// takes prefills), rather than in passes of their own.
+    ragged_passes: bool,
     logprobs: Vec<Vec<f32>>,
     loss: f32,
     grad_norm: f32,
@@ -144,6 +151,7 @@ impl<'a> OnBackend for &'a Probe {
         let long = [self.long_prompt.clone()];
         let long_greedy: Vec<Vec<u32>> = generate(&model, &long, &config)?.into_iter().map(|s| s.tokens).collect();
         let long_greedy_logits = step_logits(&model, &long, &long_greedy, &device)?;
+        let joining_logits = joining_steps(&model, self)?;
         let sampling = Sampling { temperature: 1.0, seed: SAMPLING_SEED, ..Sampling::default() };
         let config = SamplingConfig { sampling, ..config };
         let sampled: Vec<Vec<u32>> = generate(&model, &self.prompts, &config)?.into_iter().map(|s| s.tokens).collect();
@@ -176,6 +184,8 @@ impl<'a> OnBackend for &'a Probe {
             sampled_logits,
             long_greedy,
             long_greedy_logits,
+            joining_logits,
+            ragged_passes: model::device_kernels::registered_paged_attention::<B>().is_some_and(|(_, passes)| passes == model::device_kernels::KernelPasses::All),
             logprobs,
             loss: stats.loss,
             grad_norm,
@@ -269,8 +279,43 @@ fn step_logits<B: Backend>(
         .collect()
 }
 
-/// Largest |a - b| over both, relative to the largest |a|.
+/// Decoding steps into which sequences join, through the decoder the rollouts and `serve` use:
+/// the long prompt decodes [`JOINING_STEPS`] steps alone, then the two short prompts join (on a
+/// GPU whose kernel takes prefills, one ragged pass: their prefill beside the long row's
+/// decoding step, which walks its 1,100 columns), and all three decode [`JOINING_STEPS`] more.
+/// Fixed tokens are fed, so that both sides run the same positions: the logits of each step,
+/// rows in the order of their sequences.
+fn joining_steps<B: Backend>(model: &model::Qwen3ForCausalLM<B>, probe: &Probe) -> Result<Vec<Vec<f32>>> {
+    let mut decoder = model::Decoder::<B>::new(model::DecoderLimits::default());
+    decoder.add(model, 0, probe.long_prompt.clone())?;
+    let mut steps = Vec::new();
+    for step in 0..2 * JOINING_STEPS + 1 {
+        if step == JOINING_STEPS + 1 {
+            for (id, prompt) in (1..).zip(&probe.prompts) {
+                decoder.add(model, id, prompt.clone())?;
+            }
+        }
+        let out = decoder.step(model)?.context("the decoder ran out of sequences")?;
+        let [rows, vocab] = out.logits.dims();
+        let logits: Vec<f32> = out.logits.into_data().convert::<f32>().to_vec().map_err(|e| anyhow::anyhow!("reading logits: {e:?}"))?;
+        let mut order: Vec<usize> = (0..rows).collect();
+        order.sort_by_key(|&row| out.ids[row]);
+        steps.push(order.iter().flat_map(|&row| logits[row * vocab..(row + 1) * vocab].iter().copied()).collect());
+        for &id in &out.ids {
+            decoder.accept(id, ((step * 31 + id as usize * 7 + 5) % probe.vocab) as u32)?;
+        }
+    }
+    Ok(steps)
+}
+
+/// Steps of [`joining_steps`] before and after the joins.
+const JOINING_STEPS: usize = 3;
+
+/// Largest |a - b| over both, relative to the largest |a|; infinite where their shapes differ.
 fn relative_max_diff(reference: &[Vec<f32>], got: &[Vec<f32>]) -> f32 {
+    if reference.len() != got.len() || reference.iter().zip(got).any(|(a, b)| a.len() != b.len()) {
+        return f32::INFINITY;
+    }
     let diff = reference.iter().flatten().zip(got.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
     diff / reference.iter().flatten().fold(0.0f32, |m, x| m.max(x.abs())).max(f32::MIN_POSITIVE)
 }
@@ -315,6 +360,9 @@ pub fn run(args: Args) -> Result<()> {
         }
         None => {}
     }
+    if target.ragged_passes {
+        eprintln!("sequences joining a decode ran their prefill beside the decoding row in ragged passes");
+    }
     if target.rms_norm_kernel {
         eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernels (with the residual addition before input_layernorm, post_attention_layernorm and the final norm, and RoPE and the KV cache's write after q_norm and k_norm) and compute SwiGLU through its kernel, scoring and the update through burn's ops, and tokens are chosen by prompt-r1's token-choice kernel (--device-kernels off: burn's ops for all)");
     }
@@ -340,6 +388,7 @@ pub fn run(args: Args) -> Result<()> {
         ("greedy tokens differing (2 x 16)", Some(greedy.differing as f32), 0.0),
         ("sampled tokens differing (2 x 16, T = 1)", Some(sampled.differing as f32), 0.0),
         ("greedy after a long prompt (1 x 16)", Some(long_greedy.differing as f32), 0.0),
+        ("logits, sequences joining a decode", Some(relative_max_diff(&reference.joining_logits, &target.joining_logits)), args.rtol),
         ("learn step loss (relative)", Some(relative(reference.loss, target.loss)), 1e-3),
         ("learn step gradient norm (relative)", Some(relative(reference.grad_norm, target.grad_norm)), 1e-3),
         ("first ratio off 1, f32 products", target.ratio_drift[0], 0.0),
