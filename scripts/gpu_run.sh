@@ -446,9 +446,12 @@ case "$stage" in
     # At 8 rows too: 64 cubes a layer unsplit, half the H200's 132 SMs idle. Then the same with
     # every decoding step whole (--split-decoding off): one cube walks a row's 2,048 columns,
     # where by default they are cut into spans of cubes of their own (16 at 8 rows, 3 at 64).
+    # Each with the decoding steps' own kernel (paged_decode, the default) and then with the
+    # general kernel it replaced for them (--decoding-kernel general): the same run's baseline.
     bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
+    bench decode-kernel-general --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --decoding-kernel general
     bench decode-kernel-whole --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --split-decoding off
-    decode_figures decode-kernel-all.txt decode-kernel-whole.txt
+    decode_figures decode-kernel-all.txt decode-kernel-general.txt decode-kernel-whole.txt
     # LoRA rollouts (the paper's run: rank 8 on every projection of a bf16 base) with the
     # adapters beside the base and merged into it (rollout.merge_lora, the default): on lavapipe
     # a decoding step launched 244 kernels a token apart and 155 merged (the base's count).
@@ -465,7 +468,8 @@ case "$stage" in
     # passes through it too: on the fifth lease's H200 the rollout ran 21% faster so), and with
     # `all` but the episodes joining in prefill passes of their own rather than beside the
     # decoding rows in one ragged pass a step (vLLM's mixed batches; the H200 ran them 2% faster
-    # apart); then the long-context decode with the kernel in decoding steps only and nowhere.
+    # apart, when a ragged pass's decoding rows still went through the general kernel: since the
+    # thirty-first session they go through paged_decode); then the long-context decode with the kernel in decoding steps only and nowhere.
     bench rollout-small-decode --preset small --rollout --rollout-batch 64 --device-kernels decode
     bench rollout-small-separate --preset small --rollout --rollout-batch 64 --ragged-passes off
     bench decode-kernel-decode --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels decode

@@ -14,7 +14,7 @@ mod serve;
 use clap::{Parser, Subcommand};
 #[cfg(target_os = "linux")]
 use model::cpu_kernels::large_alloc;
-use device::KernelChoice;
+use device::{DecodingKernelChoice, KernelChoice};
 
 /// Prompt-R1 in Rust: a small Qwen3 agent trained with GRPO to prompt a large LLM.
 #[derive(Parser)]
@@ -52,10 +52,25 @@ struct Cli {
     #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_SPLIT_DECODING", default_value = "on",
           action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     split_decoding: bool,
+    /// The kernel that computes the attention of rows of one query on the GPU backends (decoding
+    /// steps, and the decoding rows of ragged passes): `own` (a kernel made for them: a unit a
+    /// column, 16-byte loads, four barriers a chunk of 128 columns) or `general` (the kernel that
+    /// also takes prefill chunks, as before the thirtieth session; for comparisons).
+    #[arg(long, global = true, value_name = "own|general", env = "PROMPT_R1_DECODING_KERNEL", default_value = "own",
+          value_parser = decoding_kernel)]
+    decoding_kernel: DecodingKernelChoice,
     /// Folder of the GPU backends' persistent kernel and autotune caches (default:
     /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
     #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
     kernel_cache: Option<std::path::PathBuf>,
+}
+
+fn decoding_kernel(value: &str) -> Result<DecodingKernelChoice, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "own" => Ok(DecodingKernelChoice::Own),
+        "general" => Ok(DecodingKernelChoice::General),
+        _ => Err("own or general is expected (--decoding-kernel or PROMPT_R1_DECODING_KERNEL)".to_string()),
+    }
 }
 
 fn kernel_passes(value: &str) -> Result<KernelChoice, String> {
@@ -122,6 +137,7 @@ fn main() {
         fusion: cli.fusion,
         device_kernels: cli.device_kernels,
         split_decoding: cli.split_decoding,
+        decoding_kernel: cli.decoding_kernel,
         kernel_cache: cli.kernel_cache,
     });
     #[cfg(target_os = "linux")]
@@ -224,5 +240,20 @@ mod tests {
             assert!(Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").split_decoding);
         }
         assert!(Cli::try_parse_from(["prompt-r1", "--split-decoding", "sometimes", "demo"]).is_err());
+    }
+
+    /// `--decoding-kernel` is `own` unless `general` is asked for; anything else names both ways
+    /// of giving it.
+    #[test]
+    fn decoding_kernel_is_its_own_unless_asked() {
+        for (value, kernel) in [("own", DecodingKernelChoice::Own), (" General ", DecodingKernelChoice::General)] {
+            let cli = Cli::try_parse_from(["prompt-r1", "--decoding-kernel", value, "demo"]).expect("parses");
+            assert_eq!(cli.decoding_kernel, kernel, "{value}");
+        }
+        if std::env::var_os("PROMPT_R1_DECODING_KERNEL").is_none() {
+            assert_eq!(Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").decoding_kernel, DecodingKernelChoice::Own);
+        }
+        let err = decoding_kernel("flash").unwrap_err();
+        assert!(err.contains("--decoding-kernel") && err.contains("PROMPT_R1_DECODING_KERNEL"), "{err}");
     }
 }

@@ -21,6 +21,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         ragged: Option<(IntTensor<Self>, crate::RowLens)>,
         scale: f32,
         spans: crate::Spans,
+        decoding: crate::DecodingKernel,
     ) -> FloatTensor<Self> {
         let client = query.client.clone();
         let (starts, lens) = ragged.map_or((None, None), |(starts, lens)| (Some(starts), Some(lens)));
@@ -44,6 +45,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
                 ragged,
                 scale,
                 spans,
+                decoding,
             );
             handles.register_float_tensor::<B>(&desc.outputs[0].id, result);
         });

@@ -30,7 +30,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
-pub use paged_attention::{RowLens, Spans};
+pub use paged_attention::{DecodingKernel, RowLens, Spans};
 use model::device_kernels::{register_norms, register_paged_attention, register_silu_mul, register_token_choice, NormKernels, PagedAttention};
 pub use rms_norm::{QkNormRopeWrite, Qkv};
 pub use swiglu::GateUp;
@@ -42,7 +42,7 @@ pub trait DeviceKernels: Backend {
     /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;
     /// `[rows, queries, heads, d]`. A ragged pass's `query` is `[1, tokens, heads, d]`, with its
     /// rows' starts `[rows + 1]` and their lengths as the host counts them. Each row's columns
-    /// are cut into `spans`.
+    /// are cut into `spans`; rows of one query go to the kernel `decoding` says.
     #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         query: FloatTensor<Self>,
@@ -53,6 +53,7 @@ pub trait DeviceKernels: Backend {
         ragged: Option<(IntTensor<Self>, RowLens)>,
         scale: f32,
         spans: Spans,
+        decoding: DecodingKernel,
     ) -> FloatTensor<Self>;
 
     /// [`model::device_kernels::RmsNormFn`] on primitives: `input` `[rows, hidden]`, `weight`
@@ -89,9 +90,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         ragged: Option<(IntTensor<Self>, RowLens)>,
         scale: f32,
         spans: Spans,
+        decoding: DecodingKernel,
     ) -> FloatTensor<Self> {
         let ragged = ragged.map(|(starts, lens)| paged_attention::Ragged { starts, lens });
-        paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans)
+        paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans, decoding)
     }
 
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
@@ -132,12 +134,15 @@ pub enum DecodingSplit {
 }
 
 /// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, its
-/// decoding steps split as `split` says, the RMS norms, SwiGLU's `silu(gate) · up` and the token
-/// choice, for the whole process (a later call replaces them).
-pub fn register<B: DeviceKernels>(passes: KernelPasses, split: DecodingSplit) {
-    let attention: model::device_kernels::PagedAttentionFn<B> = match split {
-        DecodingSplit::Auto => run_paged_attention::<B>,
-        DecodingSplit::Off => run_paged_attention_whole::<B>,
+/// decoding steps split as `split` says and computed by the `decoding` kernel, the RMS norms,
+/// SwiGLU's `silu(gate) · up` and the token choice, for the whole process (a later call
+/// replaces them).
+pub fn register<B: DeviceKernels>(passes: KernelPasses, split: DecodingSplit, decoding: DecodingKernel) {
+    let attention: model::device_kernels::PagedAttentionFn<B> = match (split, decoding) {
+        (DecodingSplit::Auto, DecodingKernel::Own) => run_paged_attention::<B, true, true>,
+        (DecodingSplit::Off, DecodingKernel::Own) => run_paged_attention::<B, false, true>,
+        (DecodingSplit::Auto, DecodingKernel::General) => run_paged_attention::<B, true, false>,
+        (DecodingSplit::Off, DecodingKernel::General) => run_paged_attention::<B, false, false>,
     };
     register_paged_attention::<B>(attention, passes);
     register_token_choice::<B>(run_choose_tokens::<B>);
@@ -198,18 +203,14 @@ fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tenso
     tensor(B::choose_tokens(float(logits), float(temperatures), float(uniforms)))
 }
 
-fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
-    attend(pass, Spans::Auto)
-}
-
-fn run_paged_attention_whole<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
-    attend(pass, Spans::WHOLE)
-}
-
-fn attend<B: DeviceKernels>(pass: PagedAttention<B>, spans: Spans) -> Tensor<B, 4> {
+/// [`PagedAttention`] with decoding steps split where the device would sit idle (`SPLIT`, else
+/// whole) and rows of one query through [`paged_decode`]'s kernel (`OWN`, else the general one).
+fn run_paged_attention<B: DeviceKernels, const SPLIT: bool, const OWN: bool>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+    let spans = if SPLIT { Spans::Auto } else { Spans::WHOLE };
+    let decoding = if OWN { DecodingKernel::Own } else { DecodingKernel::General };
     let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
     let ragged = ragged.map(|rows| (rows.starts.into_primitive(), RowLens { longest: rows.longest, single: rows.single }));
-    tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans))
+    tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding))
 }
 
 /// FNV-1a of `source`, folded to 32 bits: a kernel's revision (see `paged_attention::REVISION`).

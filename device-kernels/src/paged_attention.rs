@@ -520,6 +520,16 @@ pub struct RowLens {
     pub single: usize,
 }
 
+/// Which kernel takes a pass's rows of one query (a decoding step's, or a ragged pass's
+/// decoding rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodingKernel {
+    /// [`crate::paged_decode`]'s, made for them, where its cut fits (else the general kernel).
+    Own,
+    /// The general kernel, as before that one: for comparisons.
+    General,
+}
+
 /// How a pass's columns are cut among cubes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Spans {
@@ -550,7 +560,7 @@ impl Spans {
 /// Launches the kernel on CubeCL runtime `R`; see [`model::device_kernels::PagedAttention`].
 /// `query` is `[rows, queries, heads, head_dim]`, or `[1, tokens, heads, head_dim]` in a
 /// `ragged` pass. Each row's columns are cut into `spans`, joined by [`combine_splits_kernel`]
-/// where there are several.
+/// where there are several; rows of one query go to the kernel `decoding` says.
 ///
 /// Panics on operands whose shapes or dtypes disagree.
 #[allow(clippy::too_many_arguments)]
@@ -563,6 +573,7 @@ pub fn paged_attention<R: CubeRuntime>(
     ragged: Option<Ragged<R>>,
     scale: f32,
     spans: Spans,
+    decoding: DecodingKernel,
 ) -> CubeTensor<R> {
     let [batch, tokens, heads, head_dim] = query.shape().dims::<4>();
     let [kv_heads, slots, pool_dim] = keys.shape().dims::<3>();
@@ -614,7 +625,7 @@ pub fn paged_attention<R: CubeRuntime>(
         None => 0,
     };
     let most_vector = client.io_optimized_vector_sizes(query.dtype.size()).max().unwrap_or(1);
-    let decode_cut = (single > 0).then(|| crate::paged_decode::cut_for(head_dim, heads / kv_heads, most_vector)).flatten();
+    let decode_cut = (single > 0 && decoding == DecodingKernel::Own).then(|| crate::paged_decode::cut_for(head_dim, heads / kv_heads, most_vector)).flatten();
     let general_rows = rows - decode_cut.map_or(0, |_| single);
     let chunk = crate::paged_decode::UNITS as usize;
     let chunks = width.div_ceil(chunk);

@@ -63,7 +63,7 @@ mod common {
         // As the binary does on a GPU: decoding steps on wgpu read the paged KV cache in place,
         // and prefill chunks too under `PROMPT_R1_DEVICE_KERNELS=all` (CI runs the parity cases
         // both ways).
-        device_kernels::register::<burn_wgpu::Vulkan>(kernel_passes(), device_kernels::DecodingSplit::Auto);
+        device_kernels::register::<burn_wgpu::Vulkan>(kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
         crate::model_common::backend_ready::<B>()
     }
 

@@ -95,7 +95,7 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, q
 /// The kernel as the model finds it: registered as the other tests of this binary register it
 /// (the registry is the process's).
 fn registered<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
-    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto);
+    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
     let (kernel, _) = prompt_r1_model::device_kernels::registered_paged_attention::<B>().expect("registered just now");
     kernel(pass)
 }
@@ -104,6 +104,11 @@ fn registered<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
 /// `splits_for` cuts them on a GPU with few cubes a pass; lavapipe gives no count of
 /// multiprocessors, so it never splits on its own).
 fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 4> {
+    through(splits, device_kernels::DecodingKernel::Own)
+}
+
+/// [`split_into`], rows of one query through the `decoding` kernel.
+fn through(splits: usize, decoding: device_kernels::DecodingKernel) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 4> {
     move |pass| {
         let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
         let float = |t: Tensor<Unfused, 4>| t.into_primitive().tensor();
@@ -119,6 +124,7 @@ fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfus
             ragged,
             scale,
             device_kernels::paged_attention::Spans::Exactly(splits.try_into().expect("spans")),
+            decoding,
         );
         Tensor::from_primitive(TensorPrimitive::Float(output))
     }
@@ -264,8 +270,9 @@ fn a_pass_split_into_spans_matches_burns_ops() {
 /// last; whole (as the model runs it) and in 3 and 6 spans of whole chunks, spans that see no
 /// key among them. Then ragged passes over as many columns, whose rows of one query that kernel
 /// takes and whose prefill chunks the general one (each cutting the columns into as many spans
-/// of its own pieces where split). f32 within 1e-5 (sums of up to 700 terms of order 1), f16
-/// within its tolerance above.
+/// of its own pieces where split). And all of it through the general kernel alone
+/// (`DecodingKernel::General`, kept for comparisons). f32 within 1e-5 (sums of up to 700 terms
+/// of order 1), f16 within its tolerance above.
 #[test]
 fn a_decoding_step_over_a_long_context_matches_burns_ops() {
     if !common::backend_ready::<Fused>() {
@@ -289,6 +296,14 @@ fn a_decoding_step_over_a_long_context_matches_burns_ops() {
             println!("ragged rows of {lens:?} queries: worst |Δ| {whole:.2e} (f32), {half:.2e} (f16), {split:.2e} (f32, 4 spans)");
             assert!(whole <= 1e-5 && split <= 1e-5, "{heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}: |Δ| {whole}, split {split} > 1e-5");
             assert!(half <= 2e-3, "{heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}, f16: |Δ| {half} > 2e-3");
+        }
+        let general = device_kernels::DecodingKernel::General;
+        for (lens, ragged) in [([1; ROWS], false), ([1, 37, 1, 5], true)] {
+            for splits in [1, 3] {
+                let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, LONG_WIDTH, ragged, DType::F32, &through(splits, general));
+                println!("the general kernel alone, rows of {lens:?} queries, {splits} spans: worst |Δ| {worst:.2e}");
+                assert!(worst <= 1e-5, "the general kernel, {heads} heads over {kv_heads}, head_dim {d}, {lens:?}, {splits} spans: |Δ| {worst} > 1e-5");
+            }
         }
     }
 }

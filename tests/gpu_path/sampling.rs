@@ -39,7 +39,7 @@ fn boundary_tolerance(vocab: usize) -> f64 {
 /// how many sampled tokens of each path differ at a boundary (panicking on any other
 /// difference).
 fn boundary_differences<B: DeviceKernels>(vocab: usize, dtype: DType) -> [usize; 2] {
-    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto);
+    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
     assert!(prompt_r1_model::device_kernels::token_choice::<B>().is_some(), "registered just now");
     let rows = 32;
     let temperatures: Vec<f32> = (0..rows).map(|r| [0.0, 0.7, 1.0, 1.6][r % 4]).collect();

@@ -113,8 +113,12 @@ where
             true => device_kernels::DecodingSplit::Auto,
             false => device_kernels::DecodingSplit::Off,
         };
-        device_kernels::register::<B>(passes, split);
-        device_kernels::register::<U>(passes, split);
+        let decoding = match super::gpu_options().decoding_kernel {
+            super::DecodingKernelChoice::Own => device_kernels::DecodingKernel::Own,
+            super::DecodingKernelChoice::General => device_kernels::DecodingKernel::General,
+        };
+        device_kernels::register::<B>(passes, split, decoding);
+        device_kernels::register::<U>(passes, split, decoding);
     }
     // Training records the memory-efficient attention as one autodiff node on these backends.
     if fusion_enabled() {

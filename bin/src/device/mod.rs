@@ -107,6 +107,8 @@ pub struct GpuOptions {
     /// Whether the paged-attention kernel splits a decoding step's columns into spans where the
     /// GPU would otherwise sit idle (`--split-decoding`, `PROMPT_R1_SPLIT_DECODING`).
     pub split_decoding: bool,
+    /// The kernel of rows of one query (`--decoding-kernel`, `PROMPT_R1_DECODING_KERNEL`).
+    pub decoding_kernel: DecodingKernelChoice,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
 }
@@ -120,7 +122,23 @@ pub fn set_gpu_options(options: GpuOptions) {
 
 /// The GPU backends' options: as set, else fusion and our kernels on and the default cache folder.
 pub(crate) fn gpu_options() -> GpuOptions {
-    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions { fusion: true, device_kernels: KernelChoice::Auto, split_decoding: true, kernel_cache: None })
+    GPU_OPTIONS.get().cloned().unwrap_or(GpuOptions {
+        fusion: true,
+        device_kernels: KernelChoice::Auto,
+        split_decoding: true,
+        decoding_kernel: DecodingKernelChoice::Own,
+        kernel_cache: None,
+    })
+}
+
+/// `--decoding-kernel`: the kernel that computes the attention of rows of one query on the GPU
+/// backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodingKernelChoice {
+    /// The kernel made for them (`device-kernels/src/paged_decode.rs`).
+    Own,
+    /// The general paged-attention kernel, which takes prefill chunks too (for comparisons).
+    General,
 }
 
 /// `--device-kernels`: the passes prompt-r1's CubeCL kernels take on the GPU backends.
