@@ -209,7 +209,7 @@ fn run_paged_attention<B: DeviceKernels, const SPLIT: bool, const OWN: bool>(pas
     let spans = if SPLIT { Spans::Auto } else { Spans::WHOLE };
     let decoding = if OWN { DecodingKernel::Own } else { DecodingKernel::General };
     let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
-    let ragged = ragged.map(|rows| (rows.starts.into_primitive(), RowLens { longest: rows.longest, single: rows.single }));
+    let ragged = ragged.map(|rows| (rows.starts.into_primitive(), rows.lens));
     tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding))
 }
 

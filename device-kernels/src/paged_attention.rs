@@ -34,6 +34,8 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeRuntime;
 use cubecl::prelude::*;
 
+pub use model::device_kernels::RowLens;
+
 use crate::rms_norm::{cube_row, grid};
 
 /// Units per cube.
@@ -508,16 +510,6 @@ pub fn splits_for(cubes: usize, tiles: usize, multiprocessors: Option<u32>) -> u
 pub struct Ragged<R: CubeRuntime> {
     pub starts: CubeTensor<R>,
     pub lens: RowLens,
-}
-
-/// A ragged pass's rows as the host counts them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RowLens {
-    /// The most queries a row has.
-    pub longest: usize,
-    /// Rows of one query (a decoding step's), which [`crate::paged_decode`]'s kernel takes
-    /// where its cut fits.
-    pub single: usize,
 }
 
 /// Which kernel takes a pass's rows of one query (a decoding step's, or a ragged pass's

@@ -45,6 +45,13 @@ pub struct PagedAttention<B: Backend> {
 pub struct RaggedRows<B: Backend> {
     /// `[rows + 1]`: row `r`'s queries are tokens `starts[r]..starts[r + 1]`.
     pub starts: Tensor<B, 1, Int>,
+    /// Their lengths as the host counts them.
+    pub lens: RowLens,
+}
+
+/// A ragged pass's rows as the host counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowLens {
     /// The most queries a row has.
     pub longest: usize,
     /// Rows of one query (a decoding step's rows), which a kernel made for decoding may take

@@ -10,7 +10,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{activation::softmax, Bool, DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use device_kernels::DeviceKernels;
-use prompt_r1_model::device_kernels::{PagedAttention, RaggedRows};
+use prompt_r1_model::device_kernels::{PagedAttention, RaggedRows, RowLens};
 
 use crate::common;
 
@@ -113,8 +113,7 @@ fn through(splits: usize, decoding: device_kernels::DecodingKernel) -> impl Fn(P
         let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
         let float = |t: Tensor<Unfused, 4>| t.into_primitive().tensor();
         let pool = |t: Tensor<Unfused, 3>| t.into_primitive().tensor();
-        let lens = |rows: &RaggedRows<Unfused>| device_kernels::RowLens { longest: rows.longest, single: rows.single };
-        let ragged = ragged.map(|rows| device_kernels::paged_attention::Ragged { lens: lens(&rows), starts: rows.starts.into_primitive() });
+        let ragged = ragged.map(|rows| device_kernels::paged_attention::Ragged { lens: rows.lens, starts: rows.starts.into_primitive() });
         let output = device_kernels::paged_attention::paged_attention(
             float(query),
             pool(keys),
@@ -168,7 +167,7 @@ fn worst_ragged_difference<B: DeviceKernels>(
             let starts: Vec<i64> = (0..=ROWS).map(|r| lens[..r].iter().sum::<usize>() as i64).collect();
             let starts = Tensor::<B, 1, Int>::from_data(TensorData::new(starts, [ROWS + 1]), &device);
             let single = lens.iter().filter(|&&n| n == 1).count();
-            (last(query), last(expected), Some(RaggedRows { starts, longest: queries, single }))
+            (last(query), last(expected), Some(RaggedRows { starts, lens: RowLens { longest: queries, single } }))
         }
         false => (query, expected, None),
     };

@@ -82,9 +82,6 @@ struct Results {
     long_greedy_logits: Vec<Vec<f32>>,
     /// The logits of each step of [`joining_steps`] (rows in the order of their sequences).
     joining_logits: Vec<Vec<f32>>,
-    /// Whether those joins ran beside the decoding row in ragged passes (a GPU's kernel that
-    /// takes prefills), rather than in passes of their own.
-    ragged_passes: bool,
     logprobs: Vec<Vec<f32>>,
     loss: f32,
     grad_norm: f32,
@@ -185,7 +182,6 @@ impl<'a> OnBackend for &'a Probe {
             long_greedy,
             long_greedy_logits,
             joining_logits,
-            ragged_passes: model::device_kernels::registered_paged_attention::<B>().is_some_and(|(_, passes)| passes == model::device_kernels::KernelPasses::All),
             logprobs,
             loss: stats.loss,
             grad_norm,
@@ -353,15 +349,13 @@ pub fn run(args: Args) -> Result<()> {
     }?;
     match target.paged_attention_kernel {
         Some(model::device_kernels::KernelPasses::All) => {
-            eprintln!("the prompts' prefill and the decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-attention kernel (--device-kernels off: burn's ops)")
+            eprintln!("the prompts' prefill and the decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-attention kernel (--device-kernels off: burn's ops)");
+            eprintln!("sequences joining a decode ran their prefill beside the decoding row in ragged passes");
         }
         Some(model::device_kernels::KernelPasses::Decode) => {
             eprintln!("the decoding steps (greedy and sampled tokens) attend through prompt-r1's paged-attention kernel, the prefill through burn's ops (--device-kernels all: the kernel for both; off: burn's ops)")
         }
         None => {}
-    }
-    if target.ragged_passes {
-        eprintln!("sequences joining a decode ran their prefill beside the decoding row in ragged passes");
     }
     if target.rms_norm_kernel {
         eprintln!("the prefill and the decoding steps normalise through prompt-r1's RMS-norm kernels (with the residual addition before input_layernorm, post_attention_layernorm and the final norm, and RoPE and the KV cache's write after q_norm and k_norm) and compute SwiGLU through its kernel, scoring and the update through burn's ops, and tokens are chosen by prompt-r1's token-choice kernel (--device-kernels off: burn's ops for all)");

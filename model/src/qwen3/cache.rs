@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::mask::AttentionMask;
-use crate::device_kernels::{self, PagedAttention, RaggedRows};
+use crate::device_kernels::{self, PagedAttention, RaggedRows, RowLens};
 use crate::kernels;
 
 /// Positions per block of the pool.
@@ -315,7 +315,7 @@ impl<B: Backend> KvCache<B> {
         })).collect();
         let valid: Vec<f32> = read.iter().map(|&slot| f32::from(u8::from(slot != SCRATCH_SLOT))).collect();
         let ragged = RaggedPass {
-            rows: RaggedRows { starts: Tensor::from_data(TensorData::new(starts, [rows + 1]), device), longest, single: lens.iter().filter(|&&n| n == 1).count() },
+            rows: RaggedRows { starts: Tensor::from_data(TensorData::new(starts, [rows + 1]), device), lens: RowLens { longest, single: lens.iter().filter(|&&n| n == 1).count() } },
             valid: Tensor::from_data(TensorData::new(valid, [rows, width]), (device, DType::F32)),
         };
         self.set_pass(write, read, rows, Some(ragged), device);
