@@ -1,5 +1,5 @@
-//! The paged-attention kernel of `prompt-r1-device-kernels` against burn's ops on wgpu (fused and
-//! unfused): each row's queries (its last columns, causal) attend to the slots its read table
+//! The paged-attention kernels of `prompt-r1-device-kernels`, run on wgpu (fused and unfused),
+//! against burn's ops on the CPU (`reference`, in f32): each row's queries (its last columns, causal) attend to the slots its read table
 //! names, masked columns (padding, pointing at a scratch slot full of large values) left out.
 //! Shapes that exercise the kernel's edges: grouped query heads, a head size above and below its
 //! 64 units, a width that is not a whole number of tiles, a first tile wholly masked, rows with
@@ -86,6 +86,22 @@ fn reference<B: Backend>(query: Tensor<B, 4>, keys: Tensor<B, 3>, values: Tensor
     output.mask_fill(blind.reshape([rows, queries, 1, 1]).expand([rows, queries, heads, d]), 0.0)
 }
 
+/// Burn's CPU backend: [`reference`] and the comparison run there, so that only the kernel
+/// under test (and its inputs' making) compiles for the backend checked.
+type Cpu = burn::backend::Flex;
+
+/// `x` on the CPU in f32.
+fn to_cpu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<Cpu, D> {
+    let data = x.cast(DType::F32).into_data();
+    Tensor::from_data(TensorData::new(data.to_vec::<f32>().expect("f32"), data.shape.clone()), &Default::default())
+}
+
+/// Each row's last `lens[r]` queries of `x` (`[rows, queries, ..]`), one row after another.
+fn last_queries<C: Backend>(x: Tensor<C, 4>, lens: &[usize; ROWS]) -> Tensor<C, 4> {
+    let queries = x.dims()[1];
+    Tensor::cat((0..ROWS).map(|r| x.clone().narrow(0, r, 1).narrow(1, queries - lens[r], lens[r])).collect(), 1)
+}
+
 /// The kernel's output against [`reference`] on backend `B` for `queries` queries a row: the
 /// largest difference, divided by the output's magnitude where that exceeds 1.
 fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, queries: usize, dtype: DType) -> f32 {
@@ -159,23 +175,21 @@ fn worst_ragged_difference<B: DeviceKernels>(
     let valid_by_column: Vec<f32> = (0..width).flat_map(|c| (0..ROWS).map(move |r| (r, c))).map(|(r, c)| valid[r * width + c]).collect();
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid_by_column, [width, ROWS]), &device).transpose();
     let scale = (d as f32).powf(-0.5);
-    let expected = reference(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), scale);
-    // Each row's last lens[r] queries, one row after another.
-    let last = |x: Tensor<B, 4>| Tensor::cat((0..ROWS).map(|r| x.clone().narrow(0, r, 1).narrow(1, queries - lens[r], lens[r])).collect(), 1);
+    let cpu_read = Tensor::<Cpu, 1, Int>::from_data(read.clone().into_data().convert::<i64>(), &Default::default());
+    let expected = reference(to_cpu(query.clone()), to_cpu(keys.clone()), to_cpu(values.clone()), cpu_read, to_cpu(valid.clone()), scale);
     let (query, expected, rows) = match ragged {
         true => {
             let starts: Vec<i64> = (0..=ROWS).map(|r| lens[..r].iter().sum::<usize>() as i64).collect();
             let starts = Tensor::<B, 1, Int>::from_data(TensorData::new(starts, [ROWS + 1]), &device);
             let single = lens.iter().filter(|&&n| n == 1).count();
-            (last(query), last(expected), Some(RaggedRows { starts, lens: RowLens { longest: queries, single } }))
+            (last_queries(query, lens), last_queries(expected, lens), Some(RaggedRows { starts, lens: RowLens { longest: queries, single } }))
         }
         false => (query, expected, None),
     };
     let output = attend(PagedAttention { query, keys, values, read, valid, scale, ragged: rows });
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     // Relative to the output where it exceeds 1: f16 rounds each output to its own step.
-    let difference = ((output.cast(DType::F32) - expected.clone()).abs() / expected.abs().clamp_min(1.0)).max().into_scalar();
-    difference.to_string().parse().expect("a float")
+    ((to_cpu(output) - expected.clone()).abs() / expected.abs().clamp_min(1.0)).max().into_scalar()
 }
 
 /// Each shape on backend `B` within `tolerance`.
