@@ -1,6 +1,7 @@
 //! The paged-attention kernels of `prompt-r1-device-kernels`, run on wgpu (fused and unfused),
-//! against burn's ops on the CPU (`reference`, in f32): each row's queries (its last columns, causal) attend to the slots its read table
-//! names, masked columns (padding, pointing at a scratch slot full of large values) left out.
+//! against burn's ops on the CPU (`reference`, in f32): each row's queries (its last columns,
+//! causal) attend to the slots its read table names, masked columns (padding, pointing at a
+//! scratch slot full of large values) left out.
 //! Shapes that exercise the kernel's edges: grouped query heads, a head size above and below its
 //! 64 units, a width that is not a whole number of tiles, a first tile wholly masked, rows with
 //! one key, one query a row (a decoding step) and prefill chunks of 5 and 37 queries (blocks of
