@@ -59,6 +59,13 @@ pub struct RowLens {
     pub single: usize,
 }
 
+impl RowLens {
+    /// The counts of rows of `lens[r]` queries each.
+    pub fn of(lens: &[usize]) -> Self {
+        Self { longest: lens.iter().copied().max().unwrap_or(0), single: lens.iter().filter(|&&n| n == 1).count() }
+    }
+}
+
 /// A kernel computing [`PagedAttention`]: `softmax(q · Kᵀ · scale) V` over each query's
 /// columns, in the query's shape (`[rows, queries, heads, head_dim]`, or a ragged pass's
 /// `[1, tokens, heads, head_dim]`) and dtype.

@@ -93,8 +93,7 @@ type Cpu = burn::backend::Flex;
 
 /// `x` on the CPU in f32.
 fn to_cpu<B: Backend, const D: usize>(x: Tensor<B, D>) -> Tensor<Cpu, D> {
-    let data = x.cast(DType::F32).into_data();
-    Tensor::from_data(TensorData::new(data.to_vec::<f32>().expect("f32"), data.shape.clone()), &Default::default())
+    Tensor::from_data(x.cast(DType::F32).into_data(), &Default::default())
 }
 
 /// Each row's last `lens[r]` queries of `x` (`[rows, queries, ..]`), one row after another.
@@ -182,8 +181,7 @@ fn worst_ragged_difference<B: DeviceKernels>(
         true => {
             let starts: Vec<i64> = (0..=ROWS).map(|r| lens[..r].iter().sum::<usize>() as i64).collect();
             let starts = Tensor::<B, 1, Int>::from_data(TensorData::new(starts, [ROWS + 1]), &device);
-            let single = lens.iter().filter(|&&n| n == 1).count();
-            (last_queries(query, lens), last_queries(expected, lens), Some(RaggedRows { starts, lens: RowLens { longest: queries, single } }))
+            (last_queries(query, lens), last_queries(expected, lens), Some(RaggedRows { starts, lens: RowLens::of(lens) }))
         }
         false => (query, expected, None),
     };

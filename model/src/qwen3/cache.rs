@@ -307,15 +307,15 @@ impl<B: Backend> KvCache<B> {
         assert!(rows > 0 && read.len() % rows == 0, "slot tables for {rows} rows");
         assert_eq!(lens.iter().sum::<usize>(), write.len(), "a ragged pass writes each of its tokens once");
         let width = read.len() / rows;
-        let longest = lens.iter().copied().max().unwrap_or(0);
-        assert!(lens.iter().all(|&n| n >= 1) && longest <= width, "rows of 1 to {width} tokens");
+        let row_lens = RowLens::of(lens);
+        assert!(lens.iter().all(|&n| n >= 1) && row_lens.longest <= width, "rows of 1 to {width} tokens");
         let starts: Vec<i64> = std::iter::once(0).chain(lens.iter().scan(0i64, |end, &n| {
             *end += n as i64;
             Some(*end)
         })).collect();
         let valid: Vec<f32> = read.iter().map(|&slot| f32::from(u8::from(slot != SCRATCH_SLOT))).collect();
         let ragged = RaggedPass {
-            rows: RaggedRows { starts: Tensor::from_data(TensorData::new(starts, [rows + 1]), device), lens: RowLens { longest, single: lens.iter().filter(|&&n| n == 1).count() } },
+            rows: RaggedRows { starts: Tensor::from_data(TensorData::new(starts, [rows + 1]), device), lens: row_lens },
             valid: Tensor::from_data(TensorData::new(valid, [rows, width]), (device, DType::F32)),
         };
         self.set_pass(write, read, rows, Some(ragged), device);
