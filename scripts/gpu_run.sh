@@ -18,8 +18,10 @@
 #   first      the most telling steps of the others, most important first, within one command:
 #              check-device on the tiny model (f32, then bf16 weights), the trainer on the device
 #              (`demo --device cuda --steps 2`), then ours and PyTorch on the 0.6B shape, bf16
-#              weights (prefill, decode at batch 1 and 64), and ours again with fusion off;
-#              steps the time does not reach say NOT RUN
+#              weights (prefill, decode at batch 1 and 64), then each long pass of ours under
+#              CubeCL's profiler (a 2,048-token prefill, a decoding step of 64 rows over 2,048
+#              positions, scoring 2 x 2,048 tokens: kernels and GPU time by name, beside the
+#              wall time); steps the time does not reach say NOT RUN
 #   host       where a decode step's time goes (the H100 ran the 0.6B shape at 0.2x PyTorch,
 #              host-bound): first a decode at batch 1 with every thread's stack sampled by
 #              cuda-gdb about once a second (scripts/stack_profile.py sums them up: the functions
@@ -306,6 +308,24 @@ bench_0_6b() {
   cat "$work/peak-memory.txt" 2> /dev/null | tee -a "$log"
 }
 
+# Where the GPU's time goes in the 0.6B shape's long passes (bf16 weights), each workload under
+# CubeCL's profiler alone (`bench --workloads`): a 2,048-token prefill (the fifth lease's H200 ran
+# it at about 1% of its bf16 peak, and a rollout's prefill steps were half its time), a decoding
+# step of 64 rows over 2,048 positions (2.2x a step from short prompts there), and the scoring of
+# 2 x 2,048 tokens (a training step's forward; 0.28x PyTorch). Each gives the kernels' count and
+# GPU time by name beside the bench's wall time, so what is host-bound and which kernels hold the
+# GPU are told apart.
+profiles_0_6b() {
+  local model="$work/qwen3-0.6b-profile"
+  step init-model-profile "$bin" init-model --preset qwen3-0.6b --out "$model"
+  kernel_profile profile-prefill-2048 --model "$model" --dtype bf16 --prompt-len 2048 --workloads prefill
+  kernel_profile profile-decode-64x2048 --model "$model" --dtype bf16 --decode-batch 64 --decode-context 2048 \
+    --decode-tokens 8 --workloads decode
+  kernel_profile profile-score-2x2048 --model "$model" --dtype bf16 --prompt-len 2048 --workloads score
+  grep -h -A2 '"prefill\|"decode batch\|"score' "$work"/profile-*.txt 2> /dev/null | tee -a "$log"
+  rm -rf "$model"
+}
+
 # `check-device` on the tiny model with CubeCL's compilation log in $work/compile-$1.log and the
 # kernel cache in $work/kernel-cache; the number of kernels compiled so far, every 5 s, goes to
 # compile-rate.txt.
@@ -373,7 +393,7 @@ case "$stage" in
     check_tiny
     train_demo 2
     bench_0_6b bf16
-    bench ours-bf16-unfused --preset qwen3-0.6b --dtype bf16 --decode-batch 1,64 --fusion off
+    profiles_0_6b
     ;;
   host)
     # Where a decode step's time goes on the host: ours with fusion on and off (each with its

@@ -302,7 +302,7 @@ fn bench_runs_through_the_portable_ops() {
 }
 
 /// `--lora` runs prefill, decode and scoring through adapters and `--lora --merge-lora` through
-/// them merged, each named so; `--merge-lora` alone is refused.
+/// them merged, each named so; `--merge-lora` alone is refused. `--workloads` picks among them.
 #[test]
 fn bench_decodes_with_adapters_apart_or_merged() {
     let tmp = tempfile::tempdir().unwrap();
@@ -321,6 +321,13 @@ fn bench_decodes_with_adapters_apart_or_merged() {
     );
     let out = prompt_r1(&[&args[..], &["--merge-lora"]].concat());
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("--lora"));
+    // `--workloads` times only those named (after the load), so a profile holds one workload's
+    // kernels; an unknown one is refused, naming the choices.
+    assert_eq!(workloads(&["--workloads", "prefill"]), ["load", "prefill 8 tokens"]);
+    assert_eq!(workloads(&["--workloads", "score,decode"]), ["load", "decode batch 1", "score 2 x 8 tokens"]);
+    let out = prompt_r1(&[&args[..], &["--workloads", "train"]].concat());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("prefill, decode, score"), "{stderr}");
 }
 
 /// `--cpu-isa` caps the kernels' instruction set and bench says at which level they ran; a level

@@ -31,6 +31,17 @@ mod rollout;
 /// figures' long-standing workload, named without its context).
 const DEFAULT_DECODE_CONTEXT: usize = 16;
 
+/// An inference workload of `bench` (see [`Args::workloads`]).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    /// One prompt of `--prompt-len` tokens through the model, its first token chosen.
+    Prefill,
+    /// `--decode-tokens` decoding steps at each `--decode-batch`.
+    Decode,
+    /// Per-token log-probs of two `--prompt-len`-token sequences (no autodiff).
+    Score,
+}
+
 /// Measure load time, prefill, decode and scoring speed with peak memory.
 ///
 /// Prefill, each decode batch and scoring are the median of 3 runs after a warm-up.
@@ -75,6 +86,11 @@ pub struct Args {
     /// Time the training step only (no load, prefill, decode or scoring figures).
     #[arg(long, requires = "train_step")]
     pub train_step_only: bool,
+    /// The inference workloads to time, from prefill, decode and score: e.g. `--workloads
+    /// prefill` alone, so that a profile of the GPU's kernels (`CUBECL_DEBUG_OPTION=
+    /// profile-medium`) holds one workload's (the load figure is always given).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "prefill,decode,score")]
+    pub workloads: Vec<Workload>,
     /// Sequences in the training step (one micro-batch).
     #[arg(long, default_value_t = 2)]
     pub batch: usize,
@@ -438,16 +454,19 @@ impl Args {
         // Warm-up: one short forward so kernel compilation / allocation is not timed.
         generate(&policy, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() })?;
 
-        reset_peak_rss();
-        let seconds = median_seconds(TIMED_RUNS, || {
-            let start = Instant::now();
-            generate(&policy, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() })?;
-            Ok(start.elapsed().as_secs_f64())
-        })?;
-        let workload = format!("prefill {} tokens{lora}", self.prompt_len);
-        figures.push(Figure::tokens(workload, seconds, Some(self.prompt_len as f64), peak_rss_mb()));
+        if self.workloads.contains(&Workload::Prefill) {
+            reset_peak_rss();
+            let seconds = median_seconds(TIMED_RUNS, || {
+                let start = Instant::now();
+                generate(&policy, &[prompt.clone()], &SamplingConfig { max_new_tokens: 1, ..Default::default() })?;
+                Ok(start.elapsed().as_secs_f64())
+            })?;
+            let workload = format!("prefill {} tokens{lora}", self.prompt_len);
+            figures.push(Figure::tokens(workload, seconds, Some(self.prompt_len as f64), peak_rss_mb()));
+        }
 
-        for &batch in &self.decode_batch {
+        let decode_batches = if self.workloads.contains(&Workload::Decode) { &self.decode_batch[..] } else { &[] };
+        for &batch in decode_batches {
             let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + self.decode_context].to_vec()).collect();
             let config = SamplingConfig {
                 max_new_tokens: self.decode_tokens,
@@ -464,16 +483,18 @@ impl Args {
             figures.push(Figure::tokens(workload, seconds, Some(tokens), peak_rss_mb()));
         }
 
-        reset_peak_rss();
-        let half = self.prompt_len / 2;
-        let pairs = vec![(prompt[..half].to_vec(), prompt[half..].to_vec()); 2];
-        let seconds = median_seconds(TIMED_RUNS, || {
-            let start = Instant::now();
-            completion_logprobs(&policy, &pairs, 0)?;
-            Ok(start.elapsed().as_secs_f64())
-        })?;
-        let workload = format!("score 2 x {} tokens{lora}", self.prompt_len);
-        figures.push(Figure::tokens(workload, seconds, Some((2 * self.prompt_len) as f64), peak_rss_mb()));
+        if self.workloads.contains(&Workload::Score) {
+            reset_peak_rss();
+            let half = self.prompt_len / 2;
+            let pairs = vec![(prompt[..half].to_vec(), prompt[half..].to_vec()); 2];
+            let seconds = median_seconds(TIMED_RUNS, || {
+                let start = Instant::now();
+                completion_logprobs(&policy, &pairs, 0)?;
+                Ok(start.elapsed().as_secs_f64())
+            })?;
+            let workload = format!("score 2 x {} tokens{lora}", self.prompt_len);
+            figures.push(Figure::tokens(workload, seconds, Some((2 * self.prompt_len) as f64), peak_rss_mb()));
+        }
 
         let c = &model.config;
         let shapes = [
