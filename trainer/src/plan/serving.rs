@@ -1,14 +1,16 @@
 //! The memory of a served model (`prompt-r1 serve`), for `--kv-cache-memory auto`: the weights,
 //! the adapted weights each merged LoRA adapter holds again, the runtime, the KV cache at its
 //! budget (the pool may fill it: running requests, the prefix cache's and free blocks), and a
-//! decoder step, counted as the rollout phase of a run counts it ([`super::decoder_step_terms`]).
+//! decoder step, counted as the rollout phase of a run counts it ([`decoder_step_terms`]).
 
 use burn::tensor::DType;
 use model::{AttnImplementation, MatmulPrecision, Qwen3Config};
 
+use super::fit::largest_fitting;
+use super::phases::{decoder_step_terms, decoder_tensors, page_term};
 use super::{
-    decoder_step_terms, decoder_tensors, dtype_bytes, dtype_name, format_size, kv_position_bytes, largest_fitting,
-    page_term, CudaPages, LoraPlan, PlanDevice, PlanSettings, RolloutLimits, Term,
+    dtype_bytes, dtype_name, format_size, kv_position_bytes, CudaPages, LoraPlan, PlanDevice, PlanSettings,
+    RolloutLimits, Term,
 };
 
 /// What a server's memory depends on.
