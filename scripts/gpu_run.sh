@@ -19,7 +19,7 @@
 #              check-device on the tiny model (f32, then bf16 weights), the trainer on the device
 #              (`demo --device cuda --steps 2`), then ours and PyTorch on the 0.6B shape, bf16
 #              weights (prefill, decode at batch 1 and 64), then each long pass of ours under
-#              CubeCL's profiler (a 2,048-token prefill, a decoding step of 64 rows over 2,048
+#              CubeCL's profiler (a 2,048-token prefill, a decoding step of 8 rows over 2,048
 #              positions, scoring 2 x 2,048 tokens: kernels and GPU time by name, beside the
 #              wall time); steps the time does not reach say NOT RUN
 #   host       where a decode step's time goes (the H100 ran the 0.6B shape at 0.2x PyTorch,
@@ -210,8 +210,8 @@ stacks() {
   tar czf "$work/$name.stacks.tar.gz" -C "$work" "$name.stacks" && rm -rf "$work/$name.stacks"
 }
 
-# CubeCL's profiling log of one short decode (every kernel timed on the GPU, one at a time):
-# kernels per decode step and the GPU time they take, against the step's wall time, by name.
+# CubeCL's profiling log of one bench run (every kernel timed on the GPU, one at a time): the
+# kernels' count and the GPU time they take by name, beside the run's wall time (its JSON).
 kernel_profile() {
   local name=$1 plog="$work/$1.profile"
   shift
@@ -225,10 +225,33 @@ kernel_profile() {
     }
     END {
       printf "%d kernels, %.1f ms of GPU time in all\n", count, all / 1000 > "/dev/stderr"
-      for (k in n) printf "%8d %10.1f ms  %s\n", n[k], t[k] / 1000, k
-    }' "$plog" 2> "$work/$name.kernels" | sort -k2 -rn | head -40 >> "$work/$name.kernels"
+      for (k in n) printf "%8d %12.3f ms  %s\n", n[k], t[k] / 1000, k
+    }' "$plog" 2> "$work/$name.kernels" | sort -k2 -rn >> "$work/$name.kernels"
   head -25 "$work/$name.kernels" | tee -a "$log"
   rm -f "$plog"
+}
+
+# The GPU time a decoding step's kernels take, by name: CubeCL's profile of two runs of one
+# decode bench ($2 then $3 tokens, the rest of the arguments alike), the first's counts and
+# times taken from the second's, per step (bench times 3 runs of each): what the two runs share
+# (loading, the prompts' prefill, the first token) cancels out.
+kernel_profile_steps() {
+  local name=$1 few=$2 many=$3
+  shift 3
+  kernel_profile "$name-$few" --decode-tokens "$few" "$@"
+  kernel_profile "$name-$many" --decode-tokens "$many" "$@"
+  local a="$work/$name-$few.kernels" b="$work/$name-$many.kernels"
+  [ -s "$a" ] && [ -s "$b" ] || { say "   no profiles to subtract"; return; }
+  # The .kernels files hold "COUNT MS  NAME" lines (their first line is the total).
+  awk -v steps="$((3 * (many - few)))" '
+    FNR == 1 { next }
+    { k = $0; sub(/^ *[0-9]+ +[0-9.]+ ms  /, "", k); c[k] += (FILENAME == ARGV[1] ? -$1 : $1); t[k] += (FILENAME == ARGV[1] ? -$2 : $2) }
+    END {
+      for (k in c) if (c[k] != 0 || t[k] > 0.05) { printf "%8.1f %9.3f ms  %s\n", c[k] / steps, t[k] / steps, k; n += c[k]; all += t[k] }
+      printf "%8.1f %9.3f ms  every kernel, per decoding step\n", n / steps, all / steps
+    }' "$a" "$b" | sort -k2 -rn > "$work/$name.steps"
+  say "   per decoding step ($name, $((3 * (many - few))) steps' difference):"
+  head -20 "$work/$name.steps" | tee -a "$log"
 }
 
 finish() {
@@ -311,7 +334,8 @@ bench_0_6b() {
 # Where the GPU's time goes in the 0.6B shape's long passes (bf16 weights), each workload under
 # CubeCL's profiler alone (`bench --workloads`): a 2,048-token prefill (the fifth lease's H200 ran
 # it at about 1% of its bf16 peak, and a rollout's prefill steps were half its time), a decoding
-# step of 64 rows over 2,048 positions (2.2x a step from short prompts there), and the scoring of
+# step of 8 rows over 2,048 positions (2.3x a step from short prompts there; per step, from two
+# runs whose difference leaves out their prompts' prefill), and the scoring of
 # 2 x 2,048 tokens (a training step's forward; 0.28x PyTorch). Each gives the kernels' count and
 # GPU time by name beside the bench's wall time, so what is host-bound and which kernels hold the
 # GPU are told apart.
@@ -319,8 +343,8 @@ profiles_0_6b() {
   local model="$work/qwen3-0.6b-profile"
   step init-model-profile "$bin" init-model --preset qwen3-0.6b --out "$model"
   kernel_profile profile-prefill-2048 --model "$model" --dtype bf16 --prompt-len 2048 --workloads prefill
-  kernel_profile profile-decode-64x2048 --model "$model" --dtype bf16 --decode-batch 64 --decode-context 2048 \
-    --decode-tokens 8 --workloads decode
+  kernel_profile_steps profile-decode-8x2048 8 24 --model "$model" --dtype bf16 --decode-batch 8 --decode-context 2048 \
+    --workloads decode
   kernel_profile profile-score-2x2048 --model "$model" --dtype bf16 --prompt-len 2048 --workloads score
   grep -h -A2 '"prefill\|"decode batch\|"score' "$work"/profile-*.txt 2> /dev/null | tee -a "$log"
   rm -rf "$model"
