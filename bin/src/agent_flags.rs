@@ -52,8 +52,8 @@ pub struct AgentFlags {
     )]
     pub agent_model: Option<String>,
     /// How the served agent is asked: `completions` sends the raw context it was trained on to
-    /// /v1/completions (earlier turns whole, their <think> included); `chat` sends messages to
-    /// /v1/chat/completions, where Qwen3's chat template drops the <think> of earlier turns.
+    /// /v1/completions (earlier turns whole, their `<think>` included); `chat` sends messages to
+    /// /v1/chat/completions, where Qwen3's chat template drops the `<think>` of earlier turns.
     #[arg(
         long,
         value_enum,
@@ -186,7 +186,8 @@ where
 /// `$OPENAI_API_KEY` (or the variable `--api-key-env` names), never from a flag.
 #[derive(ClapArgs, Debug, Clone)]
 pub struct EnvFlags {
-    /// Base URL of the large LLM's API, e.g. https://api.openai.com/v1 or http://127.0.0.1:8000/v1.
+    /// Base URL of the large LLM's API, e.g. `https://api.openai.com/v1` or
+    /// `http://127.0.0.1:8000/v1`.
     #[arg(long, value_name = "URL", help_heading = "Environment (the large LLM)")]
     pub env_url: Option<String>,
     /// Model name of the large LLM.

@@ -10,7 +10,7 @@
 //! 1. the first units look up their column's slot and whether it is a key;
 //! 2. all units copy the tile's keys into shared memory, consecutive units reading consecutive
 //!    elements of one key (coalesced; a masked column's key is not read; in a pass of one query a row
-//!    each unit has [`LOADS_IN_FLIGHT`] loads in flight at once);
+//!    each unit has `LOADS_IN_FLIGHT` loads in flight at once);
 //! 3. the units score the cube's ((head, query), column) pairs from shared memory (key rows
 //!    padded by one element, so that units reading one element of different keys touch
 //!    distinct banks); a column after the query's own position, or padding, is masked;
@@ -25,7 +25,7 @@
 //! A decoding step on a GPU whose multiprocessors its cubes would leave idle is split
 //! (FlashDecoding): each row's columns are cut into spans ([`splits_for`]), a cube each, which
 //! write their unnormalised sums, maximum and total, and a second kernel
-//! ([`combine_splits_kernel`]) joins them as the online softmax joins tiles.
+//! (`combine_splits_kernel`) joins them as the online softmax joins tiles.
 
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
@@ -69,9 +69,9 @@ pub struct Blocks {
 
 /// The cubes and tiles of a pass of `queries` queries a row over heads of `head_dim`, `groups`
 /// query heads to a key-value head: a cube takes the most of a group's heads that divide it
-/// (up to [`MOST_QUERIES`]), then as many queries as the pass has, a power of two, up to
-/// [`MOST_QUERIES`] (head, query) pairs in all (fewer where tiles of 16 columns would not fit),
-/// and the most columns a tile, a power of two up to [`UNITS`], that fit [`SHARED_BYTES`].
+/// (up to `MOST_QUERIES`), then as many queries as the pass has, a power of two, up to
+/// `MOST_QUERIES` (head, query) pairs in all (fewer where tiles of 16 columns would not fit),
+/// and the most columns a tile, a power of two up to [`UNITS`], that fit `SHARED_BYTES`.
 /// Qwen3-4B's heads of 128, 4 to a group: a decoding step takes cubes of 4 heads and tiles of
 /// 32 columns, a prefill 4 heads × 4 queries and tiles of 16.
 pub fn blocks_for(head_dim: usize, groups: usize, queries: usize) -> Blocks {
@@ -486,15 +486,15 @@ const FEWEST_TILES_A_SPAN: usize = 4;
 /// not by the attention's tiles (about 50 µs each, one after another).
 const FEWEST_TILES_SPLIT: usize = 16;
 
-/// Spans a pass's columns are cut into, one cube each ([`combine_splits_kernel`] joins them;
+/// Spans a pass's columns are cut into, one cube each (`combine_splits_kernel` joins them;
 /// FlashDecoding's split of the keys): a decoding step launches a cube per (group of heads,
 /// row), 64 at batch 8 on Qwen3-0.6B, which leaves most of a GPU's multiprocessors idle while
 /// each cube walks a long context's tiles one after another (BENCHMARKS.md, fifth GPU lease: at
 /// batch 64, a step over 2,048 positions took 157 ms, one at a short context 44). Enough spans
-/// that `cubes` (the unsplit pass's) fill `multiprocessors` (about [`RESIDENT_CUBES_PER_SM`]
-/// each), each of at least [`FEWEST_TILES_A_SPAN`] of the row's `tiles`; 1 (no split, no second
+/// that `cubes` (the unsplit pass's) fill `multiprocessors` (about `RESIDENT_CUBES_PER_SM`
+/// each), each of at least `FEWEST_TILES_A_SPAN` of the row's `tiles`; 1 (no split, no second
 /// kernel) where the runtime does not say how many multiprocessors it has (wgpu), where the
-/// unsplit cubes fill them already, or below [`FEWEST_TILES_SPLIT`] tiles.
+/// unsplit cubes fill them already, or below `FEWEST_TILES_SPLIT` tiles.
 pub fn splits_for(cubes: usize, tiles: usize, multiprocessors: Option<u32>) -> usize {
     let Some(multiprocessors) = multiprocessors else { return 1 };
     if tiles < FEWEST_TILES_SPLIT {
@@ -551,7 +551,7 @@ impl Spans {
 
 /// Launches the kernel on CubeCL runtime `R`; see [`model::device_kernels::PagedAttention`].
 /// `query` is `[rows, queries, heads, head_dim]`, or `[1, tokens, heads, head_dim]` in a
-/// `ragged` pass. Each row's columns are cut into `spans`, joined by [`combine_splits_kernel`]
+/// `ragged` pass. Each row's columns are cut into `spans`, joined by `combine_splits_kernel`
 /// where there are several; rows of one query go to the kernel `decoding` says.
 ///
 /// Panics on operands whose shapes or dtypes disagree.

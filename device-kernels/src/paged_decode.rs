@@ -57,7 +57,7 @@ pub struct Cut {
 
 /// The cut of a decoding step over heads of `head_dim`, `groups` query heads to a key-value
 /// head, with vectors of up to `most_vector` elements: a cube takes the most of a group's heads
-/// that divide it, up to [`MOST_HEADS`], and the longest vector that divides `head_dim`.
+/// that divide it, up to `MOST_HEADS`, and the longest vector that divides `head_dim`.
 /// `None` where a row's vectors would outnumber the units or the cube would not fit the shared
 /// memory (the general kernel takes those).
 pub fn cut_for(head_dim: usize, groups: usize, most_vector: usize) -> Option<Cut> {

@@ -251,7 +251,7 @@ fn qk_norm_rope_write_kernel<F: Float, I: Numeric>(
     }
 }
 
-/// Launches [`rms_norm_kernel`] on CubeCL runtime `R` for `input` `[rows, hidden]` and `weight`
+/// Launches `rms_norm_kernel` on CubeCL runtime `R` for `input` `[rows, hidden]` and `weight`
 /// `[hidden]` of one dtype.
 ///
 /// Panics on operands whose shapes or dtypes disagree.
@@ -279,7 +279,7 @@ pub fn rms_norm<R: CubeRuntime>(input: CubeTensor<R>, weight: CubeTensor<R>, eps
     output
 }
 
-/// Launches [`add_rms_norm_kernel`] for `residual` and `delta` `[rows, hidden]` and `weight`
+/// Launches `add_rms_norm_kernel` for `residual` and `delta` `[rows, hidden]` and `weight`
 /// `[hidden]` of one dtype: `(residual + delta, norm(residual + delta))`.
 ///
 /// Panics on operands whose shapes or dtypes disagree.
@@ -343,7 +343,7 @@ pub struct QkNormRopeWrite<F, I> {
     pub eps: f64,
 }
 
-/// Launches [`qk_norm_rope_write_kernel`]: `(rotated query, keys, values)`, the query `[tokens,
+/// Launches `qk_norm_rope_write_kernel`: `(rotated query, keys, values)`, the query `[tokens,
 /// heads · head_dim]`, the pools written in place where nothing else holds them (a KV cache's
 /// pools, passed on from pass to pass), else in a copy. A stacked product is read where it
 /// lies, as all three projections. The slots are the caller's to keep below the pools' size

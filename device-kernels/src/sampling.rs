@@ -153,7 +153,7 @@ fn choose_tokens_kernel<F: Float>(
     }
 }
 
-/// Launches [`choose_tokens_kernel`] on CubeCL runtime `R`: `logits` `[rows, vocab]` (f32, f16
+/// Launches `choose_tokens_kernel` on CubeCL runtime `R`: `logits` `[rows, vocab]` (f32, f16
 /// or bf16), `temperatures` and `uniforms` `[rows]` f32; `[rows, 2]` f32, each row's token and
 /// its log-probability. See [`model::device_kernels::ChooseTokensFn`].
 ///

@@ -42,7 +42,7 @@ pub enum GateUp<F> {
     Separate(F, F),
 }
 
-/// Launches [`silu_mul_kernel`]: `[rows, width]`. A stacked product is read where it lies, as
+/// Launches `silu_mul_kernel`: `[rows, width]`. A stacked product is read where it lies, as
 /// both operands.
 ///
 /// Panics on operands whose shapes or dtypes disagree, or a dtype without a kernel.

@@ -16,7 +16,7 @@ pub(crate) const PROBE: &str = "Reply with the single word: OK";
 /// what is wrong (unreachable, bad key, unknown model, timeout, malformed reply).
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// Base URL of the API, e.g. https://api.openai.com/v1 or http://127.0.0.1:8000/v1.
+    /// Base URL of the API, e.g. `https://api.openai.com/v1` or `http://127.0.0.1:8000/v1`.
     #[arg(long, value_name = "URL")]
     pub env_url: String,
     /// Model name to ask.

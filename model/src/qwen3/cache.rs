@@ -287,7 +287,7 @@ impl<B: Backend> KvCache<B> {
         self.slots = self.slots.max(slots);
     }
 
-    /// Names the next pass's slots (see [`PassSlots`]): `write` holds `rows × new` slots and
+    /// Names the next pass's slots (see `PassSlots`): `write` holds `rows × new` slots and
     /// `read` `rows × width`, each below the positions reserved ([`Self::reserve`]).
     ///
     /// Panics when a slot is past the capacity or the tables do not split into `rows`.

@@ -1,7 +1,7 @@
 //! GRPO, one concern per module (formulas follow verl's `core_algos.py`):
 //!
 //! - [`advantage`]: group-relative advantages from episode rewards.
-//! - [`policy_loss`]: the PPO clipped surrogate with dual clipping.
+//! - [`mod@policy_loss`]: the PPO clipped surrogate with dual clipping.
 //! - [`kl`]: the k1/k2/k3 estimators of the KL to the reference policy.
 //! - [`entropy`]: the policy's per-token entropy, chunked over positions.
 //! - [`aggregate`]: token-mean and sequence-mean reductions under the loss mask.

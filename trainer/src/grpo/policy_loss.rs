@@ -42,7 +42,7 @@ pub struct PolicyLoss<B: Backend> {
 /// struct goes, unchanged, into [`super::LossStats`], [`super::StepStats`] (summed over
 /// micro-batches by [`TokenWeighted`]) and each line of `metrics.jsonl` (flattened into
 /// `StepRecord`), so a new per-token statistic is one field here, its entry in
-/// [`Self::fields_mut`] and its computation in [`policy_loss`]; a plot panel is optional.
+/// `Self::fields_mut` and its computation in [`policy_loss`]; a plot panel is optional.
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PolicyLossStats {

@@ -31,7 +31,7 @@ pub(crate) struct TrainerState {
 }
 
 /// The newest complete checkpoint of a run, if any: the folder `checkpoints/latest` names. That
-/// name must be a checkpoint of this run as [`publish`] writes it (`step-NNNNNNN`, a direct
+/// name must be a checkpoint of this run as `publish` writes it (`step-NNNNNNN`, a direct
 /// child of `checkpoints/`, a folder with its trainer state); anything else (a path such as
 /// `../..`, a missing or incomplete folder) is an error naming the file and what it holds.
 pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>, TrainError> {

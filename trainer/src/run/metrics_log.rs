@@ -197,7 +197,7 @@ pub(crate) fn append_line<R: Serialize>(run_dir: &Path, record: &R) -> Result<()
 }
 
 /// Reads `metrics.jsonl`; a malformed line is an error naming its number, and an incomplete
-/// last line is dropped (see [`read_lines`]).
+/// last line is dropped (see `read_lines`).
 pub fn read_metrics(run_dir: &Path) -> Result<Vec<StepRecord>, TrainError> {
     read_lines(run_dir)
 }

@@ -66,9 +66,9 @@ pub(crate) struct SessionSettings<'a> {
     pub keep_checkpoints: usize,
 }
 
-/// A run's directory and its life cycle: open it ([`Self::open`]), load what the run continues
-/// ([`Self::load`], [`Self::sampler`]), [`Self::begin`], then [`Self::record`] each step and
-/// [`Self::save`] when [`Self::checkpoint_due`].
+/// A run's directory and its life cycle: open it (`Self::open`), load what the run continues
+/// (`Self::load`, `Self::sampler`), `Self::begin`, then `Self::record` each step and
+/// `Self::save` when [`Self::checkpoint_due`].
 #[derive(Debug)]
 pub struct RunSession {
     dir: PathBuf,

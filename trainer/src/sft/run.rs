@@ -3,7 +3,7 @@
 //! runs (`checkpoints/step-NNNNNNN/` with the model in HF layout, or LoRA's adapters as a PEFT
 //! directory, the AdamW state and `trainer_state.json`, published atomically), so `export`,
 //! `plot` and `train` read them. What is trained (every weight, or adapters) is GRPO's
-//! [`Learner`].
+//! `Learner`.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

@@ -22,7 +22,7 @@
 //! it are skipped. Grouped-query attention runs without repeating keys and values: the
 //! `groups` query heads that share a key/value head are stacked along the query axis, as HF's
 //! `repeat_kv` pairs them (query head `h` reads key/value head `h / groups`). The key padding is
-//! added per block ([`AttentionMask::block_bias`]).
+//! added per block (`AttentionMask::block_bias`).
 //!
 //! The scores are formed in the operands' dtype (as the eager formula does) and the softmax runs
 //! in f32; the backward computes in f32 and returns the gradients in the operands' dtypes.

@@ -148,7 +148,7 @@ impl<B: Backend> RolloutEngine<B> for ServerEngine {
         Ok((out, RolloutStats { decoder, server_retries: self.pool.retries() - retries, steps: Default::default() }))
     }
 
-    /// Writes the policy (see [`ServerEngine::write_policy`]), has every worker load it and
+    /// Writes the policy (see `ServerEngine::write_policy`), has every worker load it and
     /// checks that each serves it; then removes the older policies but the newest two.
     fn policy_changed(&mut self, step: u64, policy: LoraModel<'_, B>) -> Result<(), TrainError> {
         let path = self.write_policy(step, &policy)?;
