@@ -240,17 +240,17 @@ kernel_profile_steps() {
   shift 3
   kernel_profile "$name-$few" --decode-tokens "$few" "$@"
   kernel_profile "$name-$many" --decode-tokens "$many" "$@"
-  local a="$work/$name-$few.kernels" b="$work/$name-$many.kernels"
+  local a="$work/$name-$few.kernels" b="$work/$name-$many.kernels" steps=$((3 * (many - few)))
   [ -s "$a" ] && [ -s "$b" ] || { say "   no profiles to subtract"; return; }
   # The .kernels files hold "COUNT MS  NAME" lines (their first line is the total).
-  awk -v steps="$((3 * (many - few)))" '
+  awk -v steps="$steps" '
     FNR == 1 { next }
-    { k = $0; sub(/^ *[0-9]+ +[0-9.]+ ms  /, "", k); c[k] += (FILENAME == ARGV[1] ? -$1 : $1); t[k] += (FILENAME == ARGV[1] ? -$2 : $2) }
+    { k = $0; sub(/^ *[0-9]+ +[0-9.]+ ms  /, "", k); sign = FILENAME == ARGV[1] ? -1 : 1; c[k] += sign * $1; t[k] += sign * $2 }
     END {
       for (k in c) if (c[k] != 0 || t[k] > 0.05) { printf "%8.1f %9.3f ms  %s\n", c[k] / steps, t[k] / steps, k; n += c[k]; all += t[k] }
       printf "%8.1f %9.3f ms  every kernel, per decoding step\n", n / steps, all / steps
     }' "$a" "$b" | sort -k2 -rn > "$work/$name.steps"
-  say "   per decoding step ($name, $((3 * (many - few))) steps' difference):"
+  say "   per decoding step ($name, $steps steps' difference):"
   head -20 "$work/$name.steps" | tee -a "$log"
 }
 
