@@ -64,12 +64,16 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
                 // Only a decoding step is split (`paged_attention::Spans::Auto`).
                 let splits: &[bool] = if queries == 1 && !ragged { &[false, true] } else { &[false] };
                 for &split in splits {
-                    let definition = crate::paged_attention::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, queries, ragged, split);
+                    let definition = crate::paged_attention::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, queries, ragged, split, false);
                     let pass = if ragged { "ragged" } else { "uniform" };
                     let spans = if split { " split" } else { "" };
                     out.push((format!("paged_attention {dtype} {pass}{spans} groups {groups} queries {}", blocks.queries), definition));
                 }
             }
+            // A pass without a cache (`paged_attention::fresh_attention`): its read table in the
+            // mask's dtype.
+            let definition = crate::paged_attention::definition(client, [dtype, mask, mask], HEAD_DIM as usize, groups, queries, false, false, true);
+            out.push((format!("paged_attention {dtype} fresh groups {groups} queries {}", blocks.queries), definition));
         }
     }
     // A decoding step's own kernel, whole and split, and over a ragged pass's rows of one query

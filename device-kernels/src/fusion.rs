@@ -52,6 +52,35 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
+    fn fresh_attention(
+        query: FloatTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let client = query.client.clone();
+        let streams = OperationStreams::with_inputs([&query, &keys, &values, &valid]);
+        let [rows, queries, heads, head_dim] = query.shape.dims::<4>();
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new([rows, queries, heads, head_dim]), query.dtype);
+        let lse = TensorIr::uninit(client.create_empty_handle(), Shape::new([rows * queries, heads]), burn::tensor::DType::F32);
+        let desc = CustomOpIr::new("fresh_attention", &[query.into_ir(), keys.into_ir(), values.into_ir(), valid.into_ir()], &[output, lse]);
+        let op = KernelOp::<B>::new(&desc, move |desc, handles| {
+            let ([query, keys, values, valid], [output, lse]) = desc.as_fixed();
+            let (output_result, lse_result) = B::fresh_attention(
+                handles.get_float_tensor::<B>(query),
+                handles.get_float_tensor::<B>(keys),
+                handles.get_float_tensor::<B>(values),
+                handles.get_float_tensor::<B>(valid),
+                scale,
+            );
+            handles.register_float_tensor::<B>(&output.id, output_result);
+            handles.register_float_tensor::<B>(&lse.id, lse_result);
+        });
+        let [output, lse] = client.register(streams, OperationIr::Custom(desc), op).outputs();
+        (output, lse)
+    }
+
     fn choose_tokens(logits: FloatTensor<Self>, temperatures: FloatTensor<Self>, uniforms: FloatTensor<Self>) -> FloatTensor<Self> {
         let client = logits.client.clone();
         let streams = OperationStreams::with_inputs([&logits, &temperatures, &uniforms]);

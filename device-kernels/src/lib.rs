@@ -2,7 +2,9 @@
 //! attention of a pass over the paged KV cache (a prefill chunk, a ragged pass, or a decoding
 //! step, which has a kernel of its own: [`paged_decode`]) read in place from its pools
 //! ([`paged_attention`]), so that burn's ops need not gather each layer's
-//! `[rows, kv_heads, width, head_dim]` keys and values first; the RMS norm as one kernel
+//! `[rows, kv_heads, width, head_dim]` keys and values first, and by the same kernel the
+//! attention of a pass without a cache, with its log-sum-exp for the backward
+//! ([`paged_attention::fresh_attention`]: scoring, a training step's forward); the RMS norm as one kernel
 //! ([`rms_norm`]) where burn's ops take three, alone or after the residual addition; `q_norm`
 //! and `k_norm` with RoPE and the keys and values written to the cache's pools as one kernel a
 //! layer ([`rms_norm::qk_norm_rope_write`]); SwiGLU's `silu(gate) · up` ([`swiglu`]); and the
@@ -31,7 +33,10 @@ use burn::tensor::{Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
 pub use paged_attention::{DecodingKernel, RowLens, Spans};
-use model::device_kernels::{register_norms, register_paged_attention, register_silu_mul, register_token_choice, NormKernels, PagedAttention};
+use model::device_kernels::{
+    register_fresh_attention, register_norms, register_paged_attention, register_silu_mul, register_token_choice, FreshAttention, FreshAttentionFn, NormKernels,
+    PagedAttention,
+};
 pub use rms_norm::{QkNormRopeWrite, Qkv};
 pub use swiglu::GateUp;
 
@@ -55,6 +60,18 @@ pub trait DeviceKernels: Backend {
         spans: Spans,
         decoding: DecodingKernel,
     ) -> FloatTensor<Self>;
+
+    /// [`model::device_kernels::FreshAttention`] on primitives (see
+    /// [`paged_attention::fresh_attention`]): `query` `[rows, queries, heads, d]`, `keys` and
+    /// `values` `[rows · width, kv_heads, d]`, `valid` `[rows, width]`; the output
+    /// `[rows, queries, heads, d]` and the log-sum-exp `[rows · queries, heads]` f32.
+    fn fresh_attention(
+        query: FloatTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// [`model::device_kernels::RmsNormFn`] on primitives: `input` `[rows, hidden]`, `weight`
     /// `[hidden]`.
@@ -96,6 +113,16 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans, decoding)
     }
 
+    fn fresh_attention(
+        query: FloatTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        valid: FloatTensor<Self>,
+        scale: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        paged_attention::fresh_attention(query, keys, values, valid, scale)
+    }
+
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         rms_norm::rms_norm(input, weight, eps)
     }
@@ -134,9 +161,10 @@ pub enum DecodingSplit {
 }
 
 /// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, its
-/// decoding steps split as `split` says and computed by the `decoding` kernel, the RMS norms,
-/// SwiGLU's `silu(gate) · up` and the token choice, for the whole process (a later call
-/// replaces them).
+/// decoding steps split as `split` says and computed by the `decoding` kernel (with
+/// [`KernelPasses::All`] also the attention of passes without a cache, scoring's and a training
+/// step's forward: [`paged_attention::fresh_attention`]), the RMS norms, SwiGLU's
+/// `silu(gate) · up` and the token choice, for the whole process (a later call replaces them).
 pub fn register<B: DeviceKernels>(passes: KernelPasses, split: DecodingSplit, decoding: DecodingKernel) {
     let attention: model::device_kernels::PagedAttentionFn<B> = match (split, decoding) {
         (DecodingSplit::Auto, DecodingKernel::Own) => run_paged_attention::<B, true, true>,
@@ -145,6 +173,7 @@ pub fn register<B: DeviceKernels>(passes: KernelPasses, split: DecodingSplit, de
         (DecodingSplit::Off, DecodingKernel::General) => run_paged_attention::<B, false, false>,
     };
     register_paged_attention::<B>(attention, passes);
+    register_fresh_attention::<B>((passes == KernelPasses::All).then_some(run_fresh_attention::<B> as FreshAttentionFn<B>));
     register_token_choice::<B>(run_choose_tokens::<B>);
     register_silu_mul::<B>(run_silu_mul::<B>);
     register_norms::<B>(NormKernels {
@@ -211,6 +240,17 @@ fn run_paged_attention<B: DeviceKernels, const SPLIT: bool, const OWN: bool>(pas
     let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
     let ragged = ragged.map(|rows| (rows.starts.into_primitive(), rows.lens));
     tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding))
+}
+
+/// [`FreshAttention`] through [`paged_attention::fresh_attention`]: the keys and values as their
+/// tokens' rows (a reshape, free where they are laid out as the projections left them).
+fn run_fresh_attention<B: DeviceKernels>(pass: FreshAttention<B>) -> (Tensor<B, 4>, Tensor<B, 3>) {
+    let FreshAttention { query, key, value, valid, scale } = pass;
+    let [rows, queries, heads, _] = query.dims();
+    let [_, width, kv_heads, head_dim] = key.dims();
+    let tokens = |t: Tensor<B, 4>| float(t.reshape([rows * width, kv_heads, head_dim]));
+    let (output, lse) = B::fresh_attention(float(query), tokens(key), tokens(value), float(valid), scale);
+    (tensor(output), tensor::<B, 2>(lse).reshape([rows, queries, heads]))
 }
 
 /// FNV-1a of `source`, folded to 32 bits: a kernel's revision (see `paged_attention::REVISION`).

@@ -22,6 +22,12 @@
 //! Each key and value is read from the pools once per (cube's heads, block of queries), where it
 //! lies; scores, probabilities and sums are f32 whatever the pools' dtype.
 //!
+//! A pass without a cache ([`fresh_attention`]: scoring, a training step's forward) takes the
+//! same kernel laid out for it (`fresh`): its keys and values are its tokens' rows as the
+//! projections leave them, a row's columns its own tokens; the scores are rounded to the
+//! operands' dtype as burn's product is, and each (token, head)'s log-sum-exp is written for the
+//! backward.
+//!
 //! A decoding step on a GPU whose multiprocessors its cubes would leave idle is split
 //! (FlashDecoding): each row's columns are cut into spans ([`splits_for`]), a cube each, which
 //! write their unnormalised sums, maximum and total, and a second kernel
@@ -110,6 +116,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     fewest: u32,
     #[comptime] ragged: bool,
     #[comptime] split: bool,
+    #[comptime] fresh: bool,
     #[comptime] head_dim: u32,
     #[comptime] cube_heads: u32,
     #[comptime] block: u32,
@@ -132,8 +139,16 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     let in_flight = comptime!(if block == 1 { LOADS_IN_FLIGHT } else { 1 });
 
     let heads = query.shape(2);
-    let kv_heads = keys.shape(0);
-    let slots = keys.shape(1);
+    // Pools `[kv_heads, slots, d]`, or a fresh pass's keys and values `[tokens, kv_heads, d]`
+    // (both packed, the values laid out as the keys).
+    let mut kv_heads = keys.shape(0);
+    let mut head_stride = keys.stride(0);
+    let mut slot_stride = keys.stride(1);
+    if fresh {
+        kv_heads = keys.shape(1);
+        head_stride = keys.stride(1);
+        slot_stride = keys.stride(0);
+    }
     let width = valid.shape(1);
     // The row's queries: `queries` from token `token0` of the pass (rows of equal length, or
     // a ragged pass's `row_starts[row]..row_starts[row + 1]`).
@@ -176,7 +191,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             stop = start + span as usize;
         }
     }
-    let pool_base = (first_head / (heads / kv_heads)) * slots * d;
+    let pool_base = (first_head / (heads / kv_heads)) * head_stride;
 
     // A masked column's score: below any real score, finite (as the model's mask value).
     let masked = f32::new(-1.0e30);
@@ -196,7 +211,10 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         let qi = b % block_len;
         let mut x = 0.0f32;
         if qi < count {
-            x = f32::cast_from(query[pair_index(b, token0 + first, first_head, heads, block) * d + i % d]) * scale;
+            x = f32::cast_from(query[pair_index(b, token0 + first, first_head, heads, block) * d + i % d]);
+            if comptime!(!fresh) {
+                x *= scale;
+            }
         }
         q[i] = x;
         acc[i] = 0.0;
@@ -210,14 +228,14 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     while start < stop {
         // 1. The tile's slots.
         if unit < tile_len {
-            let found = key_slot(read, valid, row, start + unit, stop);
+            let found = if fresh { fresh_key_slot(valid, row, start + unit, stop) } else { key_slot(read, valid, row, start + unit, stop) };
             slot_of[unit] = found.saturating_sub(1);
             is_key[unit] = u32::min(found, 1);
         }
         sync_cube();
 
         // 2. The tile's keys.
-        stage_tile::<F>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight);
+        stage_tile::<F>(keys, pool_base, slot_stride, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight);
         sync_cube();
 
         // 3. Scores: a column is seen by the queries at or after its position.
@@ -235,6 +253,12 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
                     dot += q[q_base + e] * kv_tile[k_base + e];
                 }
                 score = dot;
+                if fresh {
+                    // Rounded to the operands' dtype before the scale, as burn's product in
+                    // that dtype is (`memory_efficient`'s scores), so that the backward's
+                    // recomputed probabilities agree with this log-sum-exp.
+                    score = f32::cast_from(F::cast_from(dot)) * scale;
+                }
             }
             scores[p] = score;
             p += units;
@@ -270,7 +294,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
 
         // 5. The tile's values, into the keys' place, and the outputs.
-        stage_tile::<F>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight);
+        stage_tile::<F>(values, pool_base, slot_stride, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight);
         sync_cube();
 
         let mut i = unit;
@@ -312,6 +336,18 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
         terminate!();
     }
+    if fresh {
+        // Each (token, head)'s log-sum-exp of its scores, for the backward: `partial` is
+        // `[tokens, heads]`. A query that sees no key (its output zeros) gets 0: its masked
+        // scores' recomputed probabilities stay 0, not infinite.
+        if unit < entries && unit % block_len < count {
+            let mut lse = 0.0f32;
+            if total[unit] > 0.0 {
+                lse = running_max[unit] + total[unit].ln();
+            }
+            partial[pair_index(unit, token0 + first, first_head, heads, block)] = lse;
+        }
+    }
     let mut i = unit;
     while i < entries * d {
         let b = i / d;
@@ -340,6 +376,20 @@ pub(crate) fn key_slot<I: Numeric, V: Float>(read: &Tensor<I>, valid: &Tensor<V>
     found
 }
 
+/// Column `column` of `row` in a fresh pass (see [`fresh_attention`]), whose keys are its own
+/// tokens (`row · width + column`, `width` the mask's columns): 1 + that token, or 0 where it is
+/// padding or not before `stop`.
+#[cube]
+fn fresh_key_slot<V: Float>(valid: &Tensor<V>, row: usize, column: usize, stop: usize) -> u32 {
+    let mut found = 0u32;
+    if column < stop {
+        if f32::cast_from(valid[row * valid.stride(0) + column * valid.stride(1)]) > 0.5 {
+            found = u32::cast_from(row * valid.shape(1) + column) + 1;
+        }
+    }
+    found
+}
+
 /// The pass's (token, head) pair, as `token · heads + head`, that entry `b` of a cube stands for:
 /// query `b % block` of the cube's block, which begins at token `first_token`, of head
 /// `first_head + b / block`.
@@ -358,13 +408,14 @@ fn pair_index(b: usize, first_token: usize, first_head: usize, heads: usize, #[c
 const LOADS_IN_FLIGHT: u32 = 4;
 
 /// Copies a tile's keys or values (`pool`'s rows of `head_dim` from `pool_base`, at the slots
-/// `slot_of` names) into `staged` in rows of `head_dim + 1`, consecutive units reading
+/// `slot_of` names, `slot_stride` elements apart) into `staged` in rows of `head_dim + 1`, consecutive units reading
 /// consecutive elements of one row (coalesced), `in_flight` loads a unit at a time; a column that
 /// is not a key is not read and gets zeros. The cube has [`UNITS`] units.
 #[cube]
 fn stage_tile<F: Float>(
     pool: &Tensor<F>,
     pool_base: usize,
+    slot_stride: usize,
     slot_of: &SharedMemory<u32>,
     is_key: &SharedMemory<u32>,
     staged: &mut SharedMemory<f32>,
@@ -377,7 +428,7 @@ fn stage_tile<F: Float>(
     if comptime!(in_flight == 1) {
         let mut i = unit;
         while i < tile as usize * d {
-            staged[(i / d) * (d + 1) + i % d] = tile_element(pool, pool_base, slot_of, is_key, i, head_dim);
+            staged[(i / d) * (d + 1) + i % d] = tile_element(pool, pool_base, slot_stride, slot_of, is_key, i, head_dim);
             i += CUBE_DIM_X as usize;
         }
     } else {
@@ -395,7 +446,7 @@ fn stage_tile<F: Float>(
                 let i = first + k * comptime!(UNITS as usize);
                 let mut x = 0.0f32;
                 if whole || i < elements {
-                    x = tile_element(pool, pool_base, slot_of, is_key, i, head_dim);
+                    x = tile_element(pool, pool_base, slot_stride, slot_of, is_key, i, head_dim);
                 }
                 loaded[k] = x;
             }
@@ -416,6 +467,7 @@ fn stage_tile<F: Float>(
 fn tile_element<F: Float>(
     pool: &Tensor<F>,
     pool_base: usize,
+    slot_stride: usize,
     slot_of: &SharedMemory<u32>,
     is_key: &SharedMemory<u32>,
     i: usize,
@@ -425,7 +477,7 @@ fn tile_element<F: Float>(
     let j = i / d;
     let mut x = 0.0f32;
     if is_key[j] == 1 {
-        x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
+        x = f32::cast_from(pool[pool_base + slot_of[j] as usize * slot_stride + i % d]);
     }
     x
 }
@@ -672,6 +724,7 @@ pub fn paged_attention<R: CubeRuntime>(
             fewest,
             ragged.is_some(),
             splits > 1,
+            false,
             head_dim as u32,
             blocks.heads,
             blocks.queries,
@@ -684,6 +737,75 @@ pub fn paged_attention<R: CubeRuntime>(
         combine_splits(partial, output.clone(), head_dim);
     }
     output
+}
+
+/// The attention of a pass without a KV cache (scoring, a training step's forward; the model's
+/// `memory_efficient` forward hands it here where a GPU backend lends it): each row's queries
+/// over its own tokens' keys and values, causal, padded keys masked, by the general kernel laid
+/// out for them (`fresh`): `keys` and `values` are `[rows · width, kv_heads, head_dim]` (a row's
+/// `width` tokens one after another: `[rows, width, kv_heads, head_dim]`, as the projections
+/// leave them, reshaped), its read table the identity, no slot gathered or copied. The scores
+/// are rounded to the operands' dtype before the scale as burn's product of that dtype is.
+/// `query` is `[rows, queries, heads, head_dim]` (a row's queries its last columns) and `valid`
+/// `[rows, width]` (f32, 1 for a key). Returns the output `[rows, queries, heads, head_dim]` and
+/// each (token, head)'s log-sum-exp of its scores, `[rows · queries, heads]` f32, that the
+/// backward recomputes the probabilities from.
+///
+/// Panics on operands whose shapes or dtypes disagree.
+pub fn fresh_attention<R: CubeRuntime>(
+    query: CubeTensor<R>,
+    keys: CubeTensor<R>,
+    values: CubeTensor<R>,
+    valid: CubeTensor<R>,
+    scale: f32,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let [rows, queries, heads, head_dim] = query.shape().dims::<4>();
+    let [tokens, kv_heads, key_dim] = keys.shape().dims::<3>();
+    let [mask_rows, width] = valid.shape().dims::<2>();
+    assert_eq!(values.shape().dims::<3>(), [tokens, kv_heads, key_dim], "fresh attention: values of another shape than the keys'");
+    assert_eq!(key_dim, head_dim, "fresh attention: keys of head_dim {key_dim}, queries of {head_dim}");
+    assert_eq!((mask_rows, tokens), (rows, rows * width), "fresh attention: {rows} rows of queries, a mask of {mask_rows} × {width} over {tokens} keys");
+    assert!(queries >= 1 && width >= queries, "fresh attention: {queries} queries a row over {width} keys");
+    assert!(kv_heads > 0 && heads % kv_heads == 0, "{heads} query heads over {kv_heads} key-value heads");
+    assert!(query.dtype == keys.dtype && keys.dtype == values.dtype, "fresh attention: query, keys and values of one dtype");
+    assert!(matches!(query.dtype, DType::F32 | DType::F16 | DType::BF16), "fresh attention: no kernel for {:?}", query.dtype);
+    let [query, keys, values] = [query, keys, values].map(into_contiguous);
+    let client = query.client.clone();
+    let output = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([rows, queries, heads, head_dim]), query.dtype);
+    let lse = empty_device_contiguous_dtype(client.clone(), query.device.clone(), Shape::new([rows * queries, heads]), DType::F32);
+    let blocks = blocks_for(head_dim, heads / kv_heads, queries);
+    let cubes = [heads / blocks.heads as usize, rows, queries.div_ceil(blocks.queries as usize)];
+    let span = width.div_ceil(blocks.tile as usize) * blocks.tile as usize;
+    // The read table and the row starts are never read in a fresh pass: the mask takes their
+    // places (and the read table's dtype).
+    let dtypes = [query.dtype.into(), valid.dtype.into(), valid.dtype.into()];
+    paged_attention_kernel::launch::<R>(
+        &client,
+        CubeCount::Static(cubes[0] as u32, cubes[1] as u32, cubes[2] as u32),
+        CubeDim::new_1d(UNITS),
+        query.into_tensor_arg(),
+        keys.into_tensor_arg(),
+        values.into_tensor_arg(),
+        valid.clone().into_tensor_arg(),
+        valid.clone().into_tensor_arg(),
+        valid.into_tensor_arg(),
+        output.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        scale,
+        1,
+        span as u32,
+        1,
+        false,
+        false,
+        true,
+        head_dim as u32,
+        blocks.heads,
+        blocks.queries,
+        blocks.tile,
+        REVISION,
+        dtypes,
+    );
+    (output, lse)
 }
 
 /// Columns a tile of a decoding step's cube in [`splits_for`]'s reckoning (Qwen3's heads of 128
@@ -710,7 +832,9 @@ fn combine_splits<R: CubeRuntime>(partial: CubeTensor<R>, output: CubeTensor<R>,
 
 /// [`paged_attention_kernel`] over `dtypes` (the query's and pools', the read table's, the mask's)
 /// as CubeCL defines it for compilation, for heads of `head_dim` in groups of `groups` and passes
-/// of `queries` a row (`ragged`: a ragged pass's; `split`: cut into spans of columns).
+/// of `queries` a row (`ragged`: a ragged pass's; `split`: cut into spans of columns; `fresh`:
+/// [`fresh_attention`]'s, whose read table is the mask's dtype).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn definition<R: Runtime>(
     client: &ComputeClient<R>,
     dtypes: [StorageType; 3],
@@ -719,6 +843,7 @@ pub(crate) fn definition<R: Runtime>(
     queries: usize,
     ragged: bool,
     split: bool,
+    fresh: bool,
 ) -> KernelDefinition {
     let arg = crate::definitions::arg;
     let blocks = blocks_for(head_dim, groups, queries);
@@ -739,6 +864,7 @@ pub(crate) fn definition<R: Runtime>(
         (),
         ragged,
         split,
+        fresh,
         head_dim as u32,
         blocks.heads,
         blocks.queries,

@@ -71,6 +71,33 @@ impl RowLens {
 /// `[1, tokens, heads, head_dim]`) and dtype.
 pub type PagedAttentionFn<B> = fn(PagedAttention<B>) -> Tensor<B, 4>;
 
+/// The attention of a pass without a KV cache (scoring; a training step's forward, whose
+/// backward recomputes the probabilities from the log-sum-exp): each row's queries over its own
+/// tokens' keys and values, causal, padded keys masked (`qwen3::attention::memory_efficient`'s
+/// operands, handed to a kernel where a GPU backend lends one). A row's queries are its last
+/// columns: query `i` sees the valid keys up to `width − queries + i`.
+#[derive(Debug, Clone)]
+pub struct FreshAttention<B: Backend> {
+    /// `[rows, queries, heads, head_dim]`, after RoPE; query head `h` reads key-value head
+    /// `h / (heads / kv_heads)`.
+    pub query: Tensor<B, 4>,
+    /// `[rows, width, kv_heads, head_dim]`, after RoPE.
+    pub key: Tensor<B, 4>,
+    /// `[rows, width, kv_heads, head_dim]`.
+    pub value: Tensor<B, 4>,
+    /// `[rows, width]`, f32: 1 for a key, 0 for padding.
+    pub valid: Tensor<B, 2>,
+    /// The factor on `q · k` (`head_dim^-0.5`).
+    pub scale: f32,
+}
+
+/// A kernel computing [`FreshAttention`]: `softmax(q · kᵀ · scale) v` over each query's keys,
+/// the scores `q · k` rounded to the operands' dtype before the scale (as burn's product in that
+/// dtype, which the backward recomputes them with) and the softmax in f32. Returns the output
+/// (`[rows, queries, heads, head_dim]`, the query's dtype) and each query's log-sum-exp of its
+/// scores (`[rows, queries, heads]`, f32).
+pub type FreshAttentionFn<B> = fn(FreshAttention<B>) -> (Tensor<B, 4>, Tensor<B, 3>);
+
 /// The passes over the KV cache a registered [`PagedAttention`] kernel takes; burn's ops
 /// (over the gathered cache) take the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,6 +251,18 @@ pub fn registered_paged_attention<B: Backend>() -> Option<(PagedAttentionFn<B>, 
     registered::<B, (PagedAttentionFn<B>, KernelPasses)>("paged_attention")
 }
 
+/// Lets `kernel` compute [`FreshAttention`] on backend `B` from now on, for the whole process
+/// (`None`: burn's ops again). Scoring and a training step's forward both take it, so that
+/// their log-probs stay equal (the first PPO ratio of a step exactly 1).
+pub fn register_fresh_attention<B: Backend>(kernel: Option<FreshAttentionFn<B>>) {
+    register::<B, _>("fresh_attention", kernel);
+}
+
+/// The [`FreshAttention`] kernel registered for backend `B`.
+pub fn fresh_attention<B: Backend>() -> Option<FreshAttentionFn<B>> {
+    registered::<B, Option<FreshAttentionFn<B>>>("fresh_attention").flatten()
+}
+
 /// Lets `kernels` compute the RMS norms on backend `B` from now on, for the whole process.
 pub fn register_norms<B: Backend>(kernels: NormKernels<B>) {
     register::<B, _>("norms", kernels);
@@ -253,7 +292,8 @@ pub fn paged_attention<B: Backend>(queries: usize) -> Option<PagedAttentionFn<B>
 }
 
 /// Kernels by the backend's type and the kernel's name: a `PagedAttentionFn` of that backend
-/// with its [`KernelPasses`], [`NormKernels`], a [`SiluMulFn`] or a [`ChooseTokensFn`].
+/// with its [`KernelPasses`], a [`FreshAttentionFn`] or none, [`NormKernels`], a [`SiluMulFn`]
+/// or a [`ChooseTokensFn`].
 type Registry = HashMap<(TypeId, &'static str), Box<dyn Any + Send + Sync>>;
 
 fn registry() -> &'static RwLock<Registry> {

@@ -8,8 +8,10 @@
 //! On wgpu, decoding steps attend through the paged-attention kernel of
 //! `prompt-r1-device-kernels` (registered for `Vulkan` as the binary registers it for its GPU
 //! backends), prefill chunks through burn's ops over the gathered cache, or through the kernel
-//! too with `PROMPT_R1_DEVICE_KERNELS=all` (as `--device-kernels all`; CI runs the parity cases
-//! again so); `paged_attention.rs` checks the kernel alone. `cuda_source.rs` compiles every
+//! too with `PROMPT_R1_DEVICE_KERNELS=all` (as `--device-kernels all`, which also hands it the
+//! passes without a cache: scoring and the training forward; CI runs the parity, attention and
+//! gradient cases again so); `paged_attention.rs` and `fresh_attention.rs` check the kernel
+//! alone. `cuda_source.rs` compiles every
 //! kernel of ours as the CUDA backend would (CubeCL's CUDA C++, then NVRTC where
 //! `scripts/nvrtc_check.sh` provides it).
 //!
@@ -34,6 +36,7 @@ mod attention;
 mod cuda_source;
 mod decoder_memory;
 mod device_threads;
+mod fresh_attention;
 mod gradients;
 mod paged_attention;
 mod parity;
