@@ -486,7 +486,14 @@ mod tests {
         // where it lies.
         let paged = MemoryPlan::new(PlanSettings { device: PlanDevice::GpuPagedPrefill, ..s.clone() });
         assert_eq!(gathers(&paged), None);
-        assert_eq!(gathers(&MemoryPlan::new(PlanSettings { device: PlanDevice::CpuKernels, ..s })), None);
+        assert_eq!(gathers(&MemoryPlan::new(PlanSettings { device: PlanDevice::CpuKernels, ..s.clone() })), None);
+        // Scoring through the kernel holds neither the memory-efficient attention's block pairs
+        // nor its causal blocks: only the forward's activations.
+        let scoring = |plan: &MemoryPlan| plan.phases.iter().find(|p| p.name == "old and reference log-probs").expect("a scoring phase").terms[0].bytes;
+        let act = dtype_bytes(s.weights_dtype());
+        let activations = phases::forward_activations(&s, s.micro_batch as f64, s.context as f64, act).round() as u64;
+        assert_eq!(scoring(&paged), activations);
+        assert!(scoring(&plan) > activations, "burn's ops hold the attention's blocks beside the activations");
     }
 
     /// The paper's run at generation batch 64 (the reference's): Qwen3-4B, LoRA rank 8 on a

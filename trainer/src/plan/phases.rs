@@ -266,13 +266,20 @@ pub(super) fn scoring_phase(s: &PlanSettings) -> Phase {
     let dims = s.dims();
     let act = dtype_bytes(s.weights_dtype());
     let chunk = logits_chunk_rows(s) * dims.vocab * act;
+    // The GPU's kernel (`--device-kernels all`) attends without a cache as it does over one,
+    // holding no scores and no causal blocks.
+    let forward = if s.paged_attention_kernel() {
+        forward_activations(s, b, c, act)
+    } else {
+        inference_forward(s, b, c, c, act)
+    };
     let terms = vec![
         Term::new(
             format!(
                 "forward of {} × {} tokens without autodiff",
                 s.micro_batch, s.context
             ),
-            inference_forward(s, b, c, c, act),
+            forward,
         ),
         Term::new("a chunk of logits and its copy", 2.0 * chunk),
     ];
@@ -295,7 +302,7 @@ fn inference_forward(s: &PlanSettings, rows: f64, queries: f64, keys: f64, act: 
 
 /// What [`inference_forward`] holds besides attention's masks and transients: the RoPE tables
 /// and one layer's temporaries for `rows × queries` new tokens.
-fn forward_activations(s: &PlanSettings, rows: f64, queries: f64, act: f64) -> f64 {
+pub(super) fn forward_activations(s: &PlanSettings, rows: f64, queries: f64, act: f64) -> f64 {
     let dims = s.dims();
     let tokens = rows * queries;
     let tables = tokens * activations::rotary_tables(dims, s.device == PlanDevice::CpuKernels) * act;

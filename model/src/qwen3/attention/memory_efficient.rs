@@ -26,9 +26,16 @@
 //!
 //! The scores are formed in the operands' dtype (as the eager formula does) and the softmax runs
 //! in f32; the backward computes in f32 and returns the gradients in the operands' dtypes.
+//!
+//! Where a GPU backend lends a kernel for it ([`crate::device_kernels::FreshAttention`],
+//! `--device-kernels all`), the forward is that kernel, every block in one launch, the scores
+//! rounded to the operands' dtype as here; it gives the output and the log-sum-exp, and the
+//! backward above recomputes the probabilities from them. Scoring and a training step's forward
+//! both come through [`forward`] or [`forward_for_backward`], so they take it alike.
 
 use burn::tensor::{backend::Backend, DType, Tensor};
 
+use crate::device_kernels;
 use crate::qwen3::compute::SCORE_BLOCK_ELEMENTS;
 use crate::qwen3::mask::AttentionMask;
 
@@ -235,6 +242,9 @@ pub fn forward_for_backward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>
 }
 
 fn run_forward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blocks, keep_probs: bool) -> Forward<B> {
+    if let Some(kernel) = device_kernels::fresh_attention::<B>() {
+        return kernel_forward(kernel, x, mask, blocks);
+    }
     let s = Shape::of(x);
     let dtype = x.query.dtype();
     let mut outputs = Vec::new();
@@ -276,6 +286,36 @@ fn run_forward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blo
         lse.push(max + sum.log());
     }
     Forward { output: from_query_rows(outputs, s), lse, probs }
+}
+
+/// The forward pass by a GPU backend's kernel ([`device_kernels::FreshAttention`]): every block
+/// in one launch, the log-sum-exp cut into the query blocks the backward takes, and no
+/// probabilities kept (the backward recomputes them). Scoring and a training step's forward
+/// both come here, so they give the same values.
+fn kernel_forward<B: Backend>(kernel: device_kernels::FreshAttentionFn<B>, x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blocks) -> Forward<B> {
+    let s = Shape::of(x);
+    let (output, lse) = kernel(device_kernels::FreshAttention {
+        query: super::heads_last(x.query.clone()),
+        key: super::heads_last(x.key.clone()),
+        value: super::heads_last(x.value.clone()),
+        valid: mask.valid_keys(),
+        scale: blocks.scale,
+    });
+    // `[b, q, heads]` as `[b, kv_heads, groups, q]`: for one query a reshape alone (its swapped
+    // view, reshaped, came out wrong on wgpu: the gradients of `attention::wgpu`'s one-query case).
+    let lse = match s.queries {
+        1 => lse,
+        _ => lse.swap_dims(1, 2),
+    };
+    let lse = lse.reshape([s.batch, s.kv_heads, s.groups, s.queries]);
+    let lse = s
+        .query_blocks(blocks)
+        .map(|(q0, q1)| {
+            let rows = if q1 - q0 == s.queries { lse.clone() } else { lse.clone().narrow(3, q0, q1 - q0) };
+            rows.reshape([s.batch, s.kv_heads, s.groups * (q1 - q0), 1])
+        })
+        .collect();
+    Forward { output: super::heads_first(output), lse, probs: None }
 }
 
 /// The backward pass (see the module docs): the gradients of `x` given the output's gradient

@@ -4,7 +4,8 @@
 //! ([`eager`]) and FlashAttention-2's blocks ([`memory_efficient`], one autodiff node through
 //! [`autodiff`]). On burn-flex with the CPU kernels on, the fused CPU kernel stands in for both;
 //! a pass over the paged KV cache takes a GPU backend's kernel where one is registered
-//! ([`crate::device_kernels`]).
+//! ([`crate::device_kernels`]), and so does the memory-efficient forward of a pass without one
+//! (scoring, a training step's forward) where the backend lends a kernel for it.
 
 pub mod autodiff;
 pub mod eager;
