@@ -58,7 +58,9 @@
 #              kernel in every pass (all, CUDA's default; decoding steps through its own
 #              kernel, paged_decode, since the thirtieth session: the fifth lease's
 #              figures are the general kernel's), its decoding steps split into
-#              spans (--split-decoding, the default) and whole; LoRA adapters apart and merged;
+#              spans (--split-decoding, the default) and whole, and the prefill and scoring
+#              of 2 x 2,048 tokens through burn's ops (--device-kernels decode) beside the
+#              kernel's; LoRA adapters apart and merged;
 #              continuous admission of 64 episodes of 1 to 5 turns; last the fifth lease's
 #              comparisons: the small rollout at 64 with --device-kernels decode, and with all
 #              but no ragged passes, and the long-context decode with the kernel in decoding
@@ -398,7 +400,7 @@ rollout_figures() {
   grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"' "${@/#/$work/}" 2> /dev/null | tee -a "$log"
 }
 decode_figures() {
-  grep -h -A2 '"decode batch\|"prefill' "${@/#/$work/}" 2> /dev/null | tee -a "$log"
+  grep -h -A2 '"decode batch\|"prefill\|"score' "${@/#/$work/}" 2> /dev/null | tee -a "$log"
 }
 
 case "$stage" in
@@ -495,7 +497,11 @@ case "$stage" in
     bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
     bench decode-kernel-general --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --decoding-kernel general
     bench decode-kernel-whole --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --split-decoding off
-    decode_figures decode-kernel-all.txt decode-kernel-general.txt decode-kernel-whole.txt
+    # The same run's prefill and scoring (2 x 2,048 tokens) through burn's ops
+    # (--device-kernels decode), against decode-kernel-all's through the kernel: scoring has
+    # taken it since the thirty-fourth session (the fifth lease's scoring was burn's ops).
+    bench score-kernel-decode --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score --device-kernels decode
+    decode_figures decode-kernel-all.txt decode-kernel-general.txt decode-kernel-whole.txt score-kernel-decode.txt
     # LoRA rollouts (the paper's run: rank 8 on every projection of a bf16 base) with the
     # adapters beside the base and merged into it (rollout.merge_lora, the default): on lavapipe
     # a decoding step launched 244 kernels a token apart and 155 merged (the base's count).
