@@ -140,15 +140,11 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
 
     let heads = query.shape(2);
     // Pools `[kv_heads, slots, d]`, or a fresh pass's keys and values `[tokens, kv_heads, d]`
-    // (both packed, the values laid out as the keys).
-    let mut kv_heads = keys.shape(0);
-    let mut head_stride = keys.stride(0);
-    let mut slot_stride = keys.stride(1);
-    if fresh {
-        kv_heads = keys.shape(1);
-        head_stride = keys.stride(1);
-        slot_stride = keys.stride(0);
-    }
+    // (both packed, the values laid out as the keys). The pools' variants compile as they did
+    // before the fresh one existed: their strides stay compile-time `d` (at runtime ones, the
+    // split decoding step's f16 and bf16 variants spilled registers on sm_70).
+    let kv_heads = if fresh { keys.shape(1) } else { keys.shape(0) };
+    let slot_stride = if fresh { keys.stride(0) } else { keys.stride(1) };
     let width = valid.shape(1);
     // The row's queries: `queries` from token `token0` of the pass (rows of equal length, or
     // a ragged pass's `row_starts[row]..row_starts[row + 1]`).
@@ -191,7 +187,8 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             stop = start + span as usize;
         }
     }
-    let pool_base = (first_head / (heads / kv_heads)) * head_stride;
+    let kv_head = first_head / (heads / kv_heads);
+    let pool_base = if fresh { kv_head * d } else { kv_head * keys.shape(1) * d };
 
     // A masked column's score: below any real score, finite (as the model's mask value).
     let masked = f32::new(-1.0e30);
@@ -235,7 +232,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         sync_cube();
 
         // 2. The tile's keys.
-        stage_tile::<F>(keys, pool_base, slot_stride, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight);
+        stage_tile::<F>(keys, pool_base, slot_stride, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
         sync_cube();
 
         // 3. Scores: a column is seen by the queries at or after its position.
@@ -294,7 +291,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
 
         // 5. The tile's values, into the keys' place, and the outputs.
-        stage_tile::<F>(values, pool_base, slot_stride, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight);
+        stage_tile::<F>(values, pool_base, slot_stride, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
         sync_cube();
 
         let mut i = unit;
@@ -408,7 +405,8 @@ fn pair_index(b: usize, first_token: usize, first_head: usize, heads: usize, #[c
 const LOADS_IN_FLIGHT: u32 = 4;
 
 /// Copies a tile's keys or values (`pool`'s rows of `head_dim` from `pool_base`, at the slots
-/// `slot_of` names, `slot_stride` elements apart) into `staged` in rows of `head_dim + 1`, consecutive units reading
+/// `slot_of` names: `head_dim` elements apart in the pools, `slot_stride` in a `fresh` pass's
+/// keys and values) into `staged` in rows of `head_dim + 1`, consecutive units reading
 /// consecutive elements of one row (coalesced), `in_flight` loads a unit at a time; a column that
 /// is not a key is not read and gets zeros. The cube has [`UNITS`] units.
 #[cube]
@@ -422,13 +420,14 @@ fn stage_tile<F: Float>(
     #[comptime] head_dim: u32,
     #[comptime] tile: u32,
     #[comptime] in_flight: u32,
+    #[comptime] fresh: bool,
 ) {
     let d = head_dim as usize;
     let unit = UNIT_POS_X as usize;
     if comptime!(in_flight == 1) {
         let mut i = unit;
         while i < tile as usize * d {
-            staged[(i / d) * (d + 1) + i % d] = tile_element(pool, pool_base, slot_stride, slot_of, is_key, i, head_dim);
+            staged[(i / d) * (d + 1) + i % d] = tile_element(pool, pool_base, slot_stride, slot_of, is_key, i, head_dim, fresh);
             i += CUBE_DIM_X as usize;
         }
     } else {
@@ -446,7 +445,7 @@ fn stage_tile<F: Float>(
                 let i = first + k * comptime!(UNITS as usize);
                 let mut x = 0.0f32;
                 if whole || i < elements {
-                    x = tile_element(pool, pool_base, slot_stride, slot_of, is_key, i, head_dim);
+                    x = tile_element(pool, pool_base, slot_stride, slot_of, is_key, i, head_dim, fresh);
                 }
                 loaded[k] = x;
             }
@@ -472,12 +471,17 @@ fn tile_element<F: Float>(
     is_key: &SharedMemory<u32>,
     i: usize,
     #[comptime] head_dim: u32,
+    #[comptime] fresh: bool,
 ) -> f32 {
     let d = head_dim as usize;
     let j = i / d;
     let mut x = 0.0f32;
     if is_key[j] == 1 {
-        x = f32::cast_from(pool[pool_base + slot_of[j] as usize * slot_stride + i % d]);
+        if fresh {
+            x = f32::cast_from(pool[pool_base + slot_of[j] as usize * slot_stride + i % d]);
+        } else {
+            x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
+        }
     }
     x
 }
