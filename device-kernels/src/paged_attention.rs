@@ -144,7 +144,6 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     // before the fresh one existed: their strides stay compile-time `d` (at runtime ones, the
     // split decoding step's f16 and bf16 variants spilled registers on sm_70).
     let kv_heads = if fresh { keys.shape(1) } else { keys.shape(0) };
-    let slot_stride = if fresh { keys.stride(0) } else { keys.stride(1) };
     let width = valid.shape(1);
     // The row's queries: `queries` from token `token0` of the pass (rows of equal length, or
     // a ragged pass's `row_starts[row]..row_starts[row + 1]`).
@@ -232,7 +231,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         sync_cube();
 
         // 2. The tile's keys.
-        stage_tile::<F>(keys, pool_base, slot_stride, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
+        stage_tile::<F>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
         sync_cube();
 
         // 3. Scores: a column is seen by the queries at or after its position.
@@ -291,7 +290,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
 
         // 5. The tile's values, into the keys' place, and the outputs.
-        stage_tile::<F>(values, pool_base, slot_stride, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
+        stage_tile::<F>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
         sync_cube();
 
         let mut i = unit;
@@ -405,15 +404,14 @@ fn pair_index(b: usize, first_token: usize, first_head: usize, heads: usize, #[c
 const LOADS_IN_FLIGHT: u32 = 4;
 
 /// Copies a tile's keys or values (`pool`'s rows of `head_dim` from `pool_base`, at the slots
-/// `slot_of` names: `head_dim` elements apart in the pools, `slot_stride` in a `fresh` pass's
-/// keys and values) into `staged` in rows of `head_dim + 1`, consecutive units reading
+/// `slot_of` names: `head_dim` elements apart in the pools, a token's row apart in a `fresh`
+/// pass's keys and values) into `staged` in rows of `head_dim + 1`, consecutive units reading
 /// consecutive elements of one row (coalesced), `in_flight` loads a unit at a time; a column that
 /// is not a key is not read and gets zeros. The cube has [`UNITS`] units.
 #[cube]
 fn stage_tile<F: Float>(
     pool: &Tensor<F>,
     pool_base: usize,
-    slot_stride: usize,
     slot_of: &SharedMemory<u32>,
     is_key: &SharedMemory<u32>,
     staged: &mut SharedMemory<f32>,
@@ -427,7 +425,7 @@ fn stage_tile<F: Float>(
     if comptime!(in_flight == 1) {
         let mut i = unit;
         while i < tile as usize * d {
-            staged[(i / d) * (d + 1) + i % d] = tile_element(pool, pool_base, slot_stride, slot_of, is_key, i, head_dim, fresh);
+            staged[(i / d) * (d + 1) + i % d] = tile_element(pool, pool_base, slot_of, is_key, i, head_dim, fresh);
             i += CUBE_DIM_X as usize;
         }
     } else {
@@ -445,7 +443,7 @@ fn stage_tile<F: Float>(
                 let i = first + k * comptime!(UNITS as usize);
                 let mut x = 0.0f32;
                 if whole || i < elements {
-                    x = tile_element(pool, pool_base, slot_stride, slot_of, is_key, i, head_dim, fresh);
+                    x = tile_element(pool, pool_base, slot_of, is_key, i, head_dim, fresh);
                 }
                 loaded[k] = x;
             }
@@ -466,7 +464,6 @@ fn stage_tile<F: Float>(
 fn tile_element<F: Float>(
     pool: &Tensor<F>,
     pool_base: usize,
-    slot_stride: usize,
     slot_of: &SharedMemory<u32>,
     is_key: &SharedMemory<u32>,
     i: usize,
@@ -478,7 +475,7 @@ fn tile_element<F: Float>(
     let mut x = 0.0f32;
     if is_key[j] == 1 {
         if fresh {
-            x = f32::cast_from(pool[pool_base + slot_of[j] as usize * slot_stride + i % d]);
+            x = f32::cast_from(pool[pool_base + slot_of[j] as usize * pool.stride(0) + i % d]);
         } else {
             x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
         }
