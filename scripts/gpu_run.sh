@@ -318,11 +318,14 @@ train_demo() {
 }
 
 # Ours and PyTorch on one 0.6B-shaped random checkpoint with weights of dtype $1: prefill and
-# decode at batch 1 and 64; with `train`, also a training step with bf16 products each.
+# decode at batch 1 and 64; with `train`, also a training step with bf16 products each. Ours
+# also times greedy steps with their tokens read back at every step (as the decoder does) and
+# chained on the device (`--workloads chained`): whether the host's wait for each step is what
+# keeps a decoding step host-bound (the thirty-fifth session's question).
 bench_0_6b() {
   local dtype=$1 model="$work/qwen3-0.6b"
   step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
-  bench "ours-$dtype" --model "$model" --dtype "$dtype" --decode-batch 1,64
+  bench "ours-$dtype" --model "$model" --dtype "$dtype" --decode-batch 1,64 --workloads prefill,decode,score,chained
   step "pytorch-$dtype" python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype "$dtype" --decode-batch 1,64
   if [ "${2:-}" = train ]; then
     bench ours-train-bf16-products --model "$model" --dtype f32 --matmul bf16 --decode-batch 1 --decode-tokens 2 --train-step

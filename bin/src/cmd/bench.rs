@@ -22,9 +22,11 @@ use serde::Serialize;
 
 use crate::device::{run_on, AttentionArgs, ComputeArgs, DeviceChoice, OnBackend};
 use crate::model_dir::{parse_matmul, preset_parser};
+use chained::Feed;
 use trainer::plan::{LoraPlan, MemoryPlan, PlanSettings};
 use trainer::run::{end_device_phase, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe};
 
+mod chained;
 mod rollout;
 
 /// Prompt tokens of each decode row unless `--decode-context` says otherwise (the decode
@@ -40,6 +42,10 @@ pub enum Workload {
     Decode,
     /// Per-token log-probs of two `--prompt-len`-token sequences (no autodiff).
     Score,
+    /// `--decode-tokens` greedy steps at each `--decode-batch`, twice on one KV cache: with the
+    /// tokens read back to the host at every step (as the decoder does) and chained on the
+    /// device (read once at the end), to show what waiting for each step costs.
+    Chained,
 }
 
 /// Measure load time, prefill, decode and scoring speed with peak memory.
@@ -86,7 +92,7 @@ pub struct Args {
     /// Time the training step only (no load, prefill, decode or scoring figures).
     #[arg(long, requires = "train_step")]
     pub train_step_only: bool,
-    /// The inference workloads to time, from prefill, decode and score: e.g. `--workloads
+    /// The inference workloads to time, from prefill, decode, score and chained: e.g. `--workloads
     /// prefill` alone, so that a profile of the GPU's kernels (`CUBECL_DEBUG_OPTION=
     /// profile-medium`) holds one workload's (the load figure is always given).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "prefill,decode,score")]
@@ -481,6 +487,27 @@ impl Args {
                 context => format!("decode batch {batch}, context {context}{lora}"),
             };
             figures.push(Figure::tokens(workload, seconds, Some(tokens), peak_rss_mb()));
+        }
+
+        let chained_batches = if self.workloads.contains(&Workload::Chained) { &self.decode_batch[..] } else { &[] };
+        for &batch in chained_batches {
+            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + self.decode_context].to_vec()).collect();
+            let steps = self.decode_tokens - 1;
+            let mut chosen = Vec::new();
+            for (feed, name) in [(Feed::ReadBack, "tokens read back each step"), (Feed::Chained, "chained on the device")] {
+                chained::decode(&policy, &prompts, 2, feed)?;
+                reset_peak_rss();
+                let seconds = median_seconds(TIMED_RUNS, || {
+                    let (tokens, seconds) = chained::decode(&policy, &prompts, steps, feed)?;
+                    chosen.push(tokens);
+                    Ok(seconds)
+                })?;
+                let workload = format!("decode batch {batch}, greedy, {name}{lora}");
+                figures.push(Figure::tokens(workload, seconds, Some((batch * steps) as f64), peak_rss_mb()));
+            }
+            if chosen.windows(2).any(|pair| pair[0] != pair[1]) {
+                eprintln!("warning: greedy decoding at batch {batch} chose different tokens across the read-back and chained runs");
+            }
         }
 
         if self.workloads.contains(&Workload::Score) {
