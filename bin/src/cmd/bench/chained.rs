@@ -81,16 +81,20 @@ fn argmax<B: Backend>(logits: Tensor<B, 3>, rows: usize) -> Tensor<B, 2, Int> {
 mod tests {
     use burn::backend::Flex;
     use model::checkpoint::StorageDtype;
-    use model::{generate, load_pretrained, LoadOptions, LoraModel, Preset, SamplingConfig};
+    use model::{generate, load_pretrained, LoadOptions, LoraModel, Preset, Qwen3ForCausalLM, SamplingConfig};
 
     use super::{decode, Feed};
 
-    #[test]
-    fn both_feeds_choose_the_decoders_greedy_tokens() {
+    fn tiny() -> Qwen3ForCausalLM<Flex> {
         let config = Preset::Tiny.config(300, vec![299]);
         let dir = tempfile::tempdir().unwrap();
         model::init::write_random_checkpoint(&config, dir.path(), 11, StorageDtype::F32).unwrap();
-        let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+        load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap()
+    }
+
+    #[test]
+    fn both_feeds_choose_the_decoders_greedy_tokens() {
+        let model = tiny();
         let policy = LoraModel::new(&model, None);
         let prompts = vec![vec![3, 17, 250, 8, 41], vec![9, 9, 120, 7, 2], vec![1, 2, 3, 4, 5]];
         let steps = 6;
@@ -106,10 +110,7 @@ mod tests {
 
     #[test]
     fn prompts_of_different_lengths_are_refused() {
-        let config = Preset::Tiny.config(300, vec![299]);
-        let dir = tempfile::tempdir().unwrap();
-        model::init::write_random_checkpoint(&config, dir.path(), 11, StorageDtype::F32).unwrap();
-        let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+        let model = tiny();
         let policy = LoraModel::new(&model, None);
         let error = decode(&policy, &[vec![1, 2], vec![3]], 2, Feed::Chained).unwrap_err();
         assert!(error.to_string().contains("one length"), "{error}");
