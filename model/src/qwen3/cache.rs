@@ -182,11 +182,11 @@ impl<B: Backend> CachedKv<B> {
     /// The pass's attention (`query` `[b, q, heads, d]`: a decoding step's one query a row or
     /// a prefill chunk's `q`, its rows' last columns) under `mask`, read straight from the
     /// pools by the device kernel registered for `B` ([`device_kernels::paged_attention`]),
-    /// `[b, q, heads · d]`; `None` where none is registered for such passes.
+    /// a token a row, `[b · q, heads · d]`; `None` where none is registered for such passes.
     ///
     /// A ragged pass ([`KvCache::set_ragged_slots`]; `query` `[1, tokens, heads, d]`) takes
     /// its rows' lengths and padding from its slots, not from `mask`.
-    pub fn paged_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 3>> {
+    pub fn paged_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 2>> {
         let [b, q_len, heads, d] = query.dims();
         let width = self.pass.read.len() / self.pass.rows;
         // A ragged pass has prefill rows: only a kernel that takes prefills computes it.
@@ -209,7 +209,7 @@ impl<B: Backend> CachedKv<B> {
             scale,
             ragged,
         };
-        Some(kernel(pass).reshape([b, q_len, heads * d]))
+        Some(kernel(pass).reshape([b * q_len, heads * d]))
     }
 
     /// Whether this is a ragged pass's ([`KvCache::set_ragged_slots`]): only a paged-attention

@@ -81,6 +81,7 @@ impl<B: Backend> Qwen3Model<B> {
             .unwrap_or_else(|| self.embed_tokens.forward(input_ids));
         let mask = AttentionMask::new(attention_mask, b, past, q_len, &device);
         let inputs = self.attention_inputs(position_ids, mask, hidden_states.dtype());
+        let dims = hidden_states.dims();
         let mut all_hidden = output_hidden_states.then(|| vec![hidden_states.clone()]);
         let mut stream = ResidualStream::new(hidden_states);
         for (i, layer) in self.layers.iter().enumerate() {
@@ -89,13 +90,13 @@ impl<B: Backend> Qwen3Model<B> {
             stream = layer.forward_stream(stream, &inputs, layer_cache, &self.compute, layer_adapters);
             if let Some(all) = all_hidden.as_mut() {
                 let hidden_states = stream.summed();
-                all.push(hidden_states.clone());
-                stream = ResidualStream::new(hidden_states);
+                all.push(hidden_states.clone().reshape(dims));
+                stream = ResidualStream::from_rows(hidden_states);
             }
         }
         // Each layer's MLP output is added by the next norm, the last one by this one.
         let (_, last_hidden_state) = self.norm.add_and_forward(stream.residual, stream.pending, over_cache);
-        ModelOutput { last_hidden_state, hidden_states: all_hidden }
+        ModelOutput { last_hidden_state: last_hidden_state.reshape(dims), hidden_states: all_hidden }
     }
 
     /// What every layer's attention takes from a pass at `position_ids` under `mask` with

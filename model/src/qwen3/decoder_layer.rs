@@ -41,13 +41,17 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         compute: &Compute,
         adapters: Option<&LoraLayer<B>>,
     ) -> Tensor<B, 3> {
+        let dims = hidden_states.dims();
         self.forward_stream(ResidualStream::new(hidden_states), inputs, cache, compute, adapters)
             .summed()
+            .reshape(dims)
     }
 
     /// The layer on the residual stream, leaving its MLP's output unadded: the next layer's
     /// `input_layernorm` (or the final norm) adds it, in one kernel where a GPU backend lends
-    /// one for a pass over a KV cache ([`Qwen3RMSNorm::add_and_forward`]).
+    /// one for a pass over a KV cache ([`Qwen3RMSNorm::add_and_forward`]). The stream's tokens
+    /// are rows (`[b · q, hidden]`) from layer to layer, as the products and the GPU's kernels
+    /// take them, so no layer reshapes them to `[b, q, hidden]` and back.
     pub fn forward_stream(
         &self,
         stream: ResidualStream<B>,
@@ -61,29 +65,36 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         let (residual, hidden_states) = self.input_layernorm.add_and_forward(stream.residual, stream.pending, over_cache);
         let attn_output = self
             .self_attn
-            .forward_with_adapters(hidden_states, inputs, cache, compute, adapters);
+            .forward_rows(hidden_states, inputs, cache, compute, adapters);
         let (residual, hidden_states) = self.post_attention_layernorm.add_and_forward(residual, Some(attn_output), over_cache);
         let mlp_output = self.mlp.forward_with_adapters(hidden_states, compute.matmul, adapters, over_cache);
         ResidualStream { residual, pending: Some(mlp_output) }
     }
 }
 
-/// The hidden states between decoder layers: the residual stream, and the last block's output
-/// not yet added to it (`residual + pending` is HF's `hidden_states`).
+/// The hidden states between decoder layers, a token a row (`[b · q, hidden]`): the residual
+/// stream, and the last block's output not yet added to it (`residual + pending` is HF's
+/// `hidden_states`, reshaped).
 #[derive(Debug, Clone)]
 pub struct ResidualStream<B: Backend> {
-    pub residual: Tensor<B, 3>,
-    pub pending: Option<Tensor<B, 3>>,
+    pub residual: Tensor<B, 2>,
+    pub pending: Option<Tensor<B, 2>>,
 }
 
 impl<B: Backend> ResidualStream<B> {
-    /// Hidden states with nothing pending.
+    /// Hidden states `[b, q, hidden]` with nothing pending.
     pub fn new(hidden_states: Tensor<B, 3>) -> Self {
+        let [b, q, hidden] = hidden_states.dims();
+        Self::from_rows(hidden_states.reshape([b * q, hidden]))
+    }
+
+    /// Hidden states a token a row (`[b · q, hidden]`) with nothing pending.
+    pub fn from_rows(hidden_states: Tensor<B, 2>) -> Self {
         Self { residual: hidden_states, pending: None }
     }
 
-    /// HF's `hidden_states`: the pending output added.
-    pub fn summed(self) -> Tensor<B, 3> {
+    /// HF's `hidden_states` a token a row: the pending output added.
+    pub fn summed(self) -> Tensor<B, 2> {
         match self.pending {
             Some(pending) => self.residual + pending,
             None => self.residual,

@@ -47,18 +47,17 @@ impl<B: Backend> Qwen3RMSNorm<B> {
         })
     }
 
-    /// The residual addition before this norm, then the norm: `(residual + delta,
-    /// norm(residual + delta))`, or `(residual, norm(residual))` with no `delta`. In a pass
-    /// `over_cache` a GPU backend's kernel may take both in one (vLLM's `fused_add_rms_norm`).
-    pub fn add_and_forward(&self, residual: Tensor<B, 3>, delta: Option<Tensor<B, 3>>, over_cache: bool) -> (Tensor<B, 3>, Tensor<B, 3>) {
+    /// The residual addition before this norm, then the norm, a token a row (`[tokens,
+    /// hidden]`): `(residual + delta, norm(residual + delta))`, or `(residual, norm(residual))`
+    /// with no `delta`. In a pass `over_cache` a GPU backend's kernel may take both in one
+    /// (vLLM's `fused_add_rms_norm`).
+    pub fn add_and_forward(&self, residual: Tensor<B, 2>, delta: Option<Tensor<B, 2>>, over_cache: bool) -> (Tensor<B, 2>, Tensor<B, 2>) {
         let Some(delta) = delta else {
             return (residual.clone(), self.forward_over_cache(residual, over_cache));
         };
         let weight = self.weight.val();
         if let Some(kernels) = lent(over_cache, &[&residual, &delta], &weight) {
-            let (rows, dims) = rows(&residual);
-            let (sum, normed) = (kernels.add_rms_norm)(residual.reshape(rows), delta.reshape(rows), weight, self.variance_epsilon);
-            return (sum.reshape(dims), normed.reshape(dims));
+            return (kernels.add_rms_norm)(residual, delta, weight, self.variance_epsilon);
         }
         let sum = residual + delta;
         (sum.clone(), self.forward_over_cache(sum, over_cache))

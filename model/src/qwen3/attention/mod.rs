@@ -55,6 +55,10 @@ pub struct Qwen3Attention<B: Backend> {
 pub struct AttentionInputs<B: Backend> {
     pub rotary_q: RotaryTables<B>,
     pub rotary_k: RotaryTables<B>,
+    /// The one-head tables' cos and signed sin a token a row (`[b · q, head_dim]`), as a GPU
+    /// backend's norm kernel takes them, made once for the pass's layers; `None` where the
+    /// tables hold every head (the CPU kernels').
+    pub rotary_rows: Option<[Tensor<B, 2>; 2]>,
     pub mask: AttentionMask<B>,
     /// For the CPU kernel (burn-flex with the kernels on) and the eager formula.
     pub bias: Option<Tensor<B, 4>>,
@@ -63,6 +67,12 @@ pub struct AttentionInputs<B: Backend> {
 }
 
 impl<B: Backend> AttentionInputs<B> {
+    /// The pass's `[b, q]`: its rows and the new positions a row (a ragged pass's `[1, tokens]`).
+    pub fn pass_shape(&self) -> [usize; 2] {
+        let [b, q, ..] = self.rotary_q.cos.dims();
+        [b, q]
+    }
+
     /// The inputs of one pass at `position_ids` under `mask`, for a model computing as `compute`
     /// says; `dtype` is the activations'.
     pub fn new(
@@ -79,12 +89,15 @@ impl<B: Backend> AttentionInputs<B> {
         let grouped_bias = eager.then(|| eager::grouped_bias(bias.as_ref().expect("built for eager"), num_heads, num_key_value_heads));
         let tables = rotary.tables(position_ids, dtype);
         // The CPU kernels take tables of the projections' shape; burn's ops broadcast one head.
-        let (rotary_q, rotary_k) = if cpu_kernels {
-            (tables.repeat_heads(num_heads), tables.repeat_heads(num_key_value_heads))
+        let (rotary_q, rotary_k, rotary_rows) = if cpu_kernels {
+            (tables.repeat_heads(num_heads), tables.repeat_heads(num_key_value_heads), None)
         } else {
-            (tables.clone(), tables)
+            let [b, q, _, d] = tables.cos.dims();
+            let rows = |t: &Tensor<B, 4>| t.clone().reshape([b * q, d]);
+            let rotary_rows = [rows(&tables.cos), rows(&tables.signed_sin)];
+            (tables.clone(), tables, Some(rotary_rows))
         };
-        Self { rotary_q, rotary_k, mask, bias, grouped_bias }
+        Self { rotary_q, rotary_k, rotary_rows, mask, bias, grouped_bias }
     }
 }
 
@@ -111,6 +124,22 @@ impl<B: Backend> Qwen3Attention<B> {
         adapters: Option<&LoraLayer<B>>,
     ) -> Tensor<B, 3> {
         let [b, q_len, hidden] = hidden_states.dims();
+        self.forward_rows(hidden_states.reshape([b * q_len, hidden]), inputs, cache, compute, adapters)
+            .reshape([b, q_len, hidden])
+    }
+
+    /// [`Self::forward_with_adapters`] on the pass's tokens a row: `x` `[b · q, hidden]` (the
+    /// decoder layers' residual stream) to `[b · q, hidden]`.
+    pub fn forward_rows(
+        &self,
+        x: Tensor<B, 2>,
+        inputs: &AttentionInputs<B>,
+        cache: Option<&mut LayerKvCache<B>>,
+        compute: &Compute,
+        adapters: Option<&LoraLayer<B>>,
+    ) -> Tensor<B, 2> {
+        let [b, q_len] = inputs.pass_shape();
+        assert_eq!(x.dims()[0], b * q_len, "a row per token of the pass's [{b}, {q_len}] positions");
         let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
         let matmul = compute.matmul;
 
@@ -120,7 +149,6 @@ impl<B: Backend> Qwen3Attention<B> {
         // shape, and k's operations (kv_heads) or a projection between q's (heads) and k's left
         // many of them single kernels on a GPU where burn's ops normalise (169 kernels per
         // decoding step of the small shape instead of 205, scripts/kernel_census.sh).
-        let x = hidden_states.reshape([b * q_len, hidden]);
         let adapter = |pick: fn(&LoraLayer<B>) -> Option<&LoraLinear<B>>| adapters.and_then(pick);
         let unadapted = adapter(|a| a.q_proj.as_ref()).is_none() && adapter(|a| a.k_proj.as_ref()).is_none() && adapter(|a| a.v_proj.as_ref()).is_none();
         let projections = match self.qkv_proj.as_ref().filter(|_| unadapted) {
@@ -135,7 +163,7 @@ impl<B: Backend> Qwen3Attention<B> {
         // apply_rotary_pos_emb(q_norm(q), k_norm(k)), and the keys and values to the cache:
         // one kernel where a GPU backend lends it.
         let written = match cache {
-            Some(cache) => match self.norm_rope_and_write(projections, &inputs.rotary_q, cache) {
+            Some(cache) => match self.norm_rope_and_write(projections, inputs, cache) {
                 Ok(written) => Ok(written),
                 Err(projections) => Err((projections, Some(cache))),
             },
@@ -165,8 +193,8 @@ impl<B: Backend> Qwen3Attention<B> {
                 let attended = cached.paged_attention(&query_states, &inputs.mask, scaling as f32);
                 Some(attended.expect("a ragged pass runs only where a paged-attention kernel takes prefills (Qwen3ForCausalLM::takes_ragged_passes)"))
             }
-            (Attended::Cached(cached), Some(bias)) => cached.attention(&query_states, bias, scaling as f32),
-            (Attended::Fresh(k, v), Some(bias)) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32),
+            (Attended::Cached(cached), Some(bias)) => cached.attention(&query_states, bias, scaling as f32).map(|o| o.reshape([b * q_len, h * d])),
+            (Attended::Fresh(k, v), Some(bias)) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32).map(|o| o.reshape([b * q_len, h * d])),
             // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
             // too, in the passes it was lent for; the eager formula stays burn's ops, the
             // reference.
@@ -191,15 +219,15 @@ impl<B: Backend> Qwen3Attention<B> {
                     memory_efficient_attention(x, &inputs.mask, compute.attention_block_size, scaling as f32)
                 }
             };
-            heads_last(output).reshape([b, q_len, h * d])
+            heads_last(output).reshape([b * q_len, h * d])
         });
         lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, matmul)
     }
 }
 
 impl<B: Backend> Qwen3Attention<B> {
-    /// `q_norm` and `k_norm` with RoPE by `tables` of a pass's projections, the keys and values
-    /// written to `cache`, as one kernel where a GPU backend lends it
+    /// `q_norm` and `k_norm` with RoPE by the pass's tables (`inputs`) of its projections, the
+    /// keys and values written to `cache`, as one kernel where a GPU backend lends it
     /// ([`crate::device_kernels::NormKernels::qk_norm_rope_write`], which reads a stacked product
     /// or three where they lie): the rotated queries (`[tokens, heads · d]`)
     /// and what the rows attend to. The projections come back where none is lent or the
@@ -208,21 +236,21 @@ impl<B: Backend> Qwen3Attention<B> {
     fn norm_rope_and_write(
         &self,
         projections: Qkv<B>,
-        tables: &RotaryTables<B>,
+        inputs: &AttentionInputs<B>,
         cache: &mut LayerKvCache<B>,
     ) -> Result<(Tensor<B, 2>, CachedKv<B>), Qkv<B>> {
-        let [b, q_len, _, d] = tables.cos.dims();
+        let d = self.head_dim;
         let (q_weight, k_weight) = (self.q_norm.weight.val(), self.k_norm.weight.val());
-        let one_head = tables.cos.dims() == [b, q_len, 1, self.head_dim] && projections.tokens() == b * q_len;
         let dtype = q_weight.dtype();
-        let same_dtypes = projections.dtypes().into_iter().chain([k_weight.dtype(), tables.cos.dtype(), tables.signed_sin.dtype()]).all(|t| t == dtype);
+        // One head's tables a token a row, and every operand of the norms' dtype.
+        let tables = inputs.rotary_rows.as_ref().filter(|[cos, signed_sin]| {
+            let dtypes = projections.dtypes().into_iter().chain([k_weight.dtype(), cos.dtype(), signed_sin.dtype()]);
+            cos.dims() == [projections.tokens(), d] && dtypes.into_iter().all(|t| t == dtype)
+        });
         let same_eps = self.q_norm.variance_epsilon == self.k_norm.variance_epsilon;
-        let Some(kernels) = (one_head && same_dtypes && same_eps).then(device_kernels::norms::<B>).flatten() else {
+        let (Some([cos, signed_sin]), Some(kernels)) = (tables.filter(|_| same_eps).cloned(), device_kernels::norms::<B>()) else {
             return Err(projections);
         };
-        let tokens = b * q_len;
-        let table = |t: &Tensor<B, 4>| t.clone().reshape([tokens, d]);
-        let (cos, signed_sin) = (table(&tables.cos), table(&tables.signed_sin));
         let (eps, heads) = (self.q_norm.variance_epsilon, self.num_heads);
         let like = match &projections {
             Qkv::Stacked(qkv) => qkv.clone(),
