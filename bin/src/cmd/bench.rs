@@ -42,9 +42,10 @@ pub enum Workload {
     Decode,
     /// Per-token log-probs of two `--prompt-len`-token sequences (no autodiff).
     Score,
-    /// `--decode-tokens` greedy steps at each `--decode-batch`, twice on one KV cache: with the
-    /// tokens read back to the host at every step (as the decoder does) and chained on the
-    /// device (read once at the end), to show what waiting for each step costs.
+    /// The greedy steps after the first of `--decode-tokens` at each `--decode-batch`, twice on
+    /// one KV cache: with the tokens read back to the host at every step (as the decoder does)
+    /// and chained on the device (read once at the end), to show what waiting for each step
+    /// costs.
     Chained,
 }
 
@@ -502,7 +503,11 @@ impl Args {
                     chosen.push(tokens);
                     Ok(seconds)
                 })?;
-                let workload = format!("decode batch {batch}, greedy, {name}{lora}");
+                let context = match self.decode_context {
+                    DEFAULT_DECODE_CONTEXT => String::new(),
+                    context => format!(", context {context}"),
+                };
+                let workload = format!("decode batch {batch}{context}, greedy, {name}{lora}");
                 figures.push(Figure::tokens(workload, seconds, Some((batch * steps) as f64), peak_rss_mb()));
             }
             if chosen.windows(2).any(|pair| pair[0] != pair[1]) {
