@@ -65,7 +65,10 @@ pub fn checkpointed_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     let last = inputs.pop().expect("the embeddings are always there");
     let dtype = last.dtype();
     let leaf = last.require_grad();
-    let hidden = model.model.norm.forward(leaf.clone());
+    // The final norm over a token a row, as the model's forward (and so scoring) takes it: the
+    // same operations on the same shapes, so that the first ratios stay exactly 1 on every backend.
+    let [rows, len, width] = leaf.dims();
+    let hidden = model.model.norm.forward(leaf.clone().reshape([rows * len, width])).reshape([rows, len, width]);
     let head = head_gradients(model, module, &hidden, &batch, micro, weight, config)?;
     let stats = head.stats;
     let mut grads = (hidden * head.hidden_grad).sum().backward();
