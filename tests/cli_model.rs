@@ -509,17 +509,19 @@ fn an_auto_kv_budget_is_settled_against_the_device() {
     assert!(!out.status.success() && stderr.contains("rollout.kv_budget = \"auto\"") && stderr.contains("run.device_memory"), "{stderr}");
 }
 
-/// `check-device` compares the portable ops with the fused kernels on the CPU: ten checks
+/// `check-device` compares the portable ops with the fused kernels on the CPU: eleven checks
 /// (greedy and sampled tokens, greedy tokens after a 1,100-token prompt, the logits of steps
-/// into which sequences join, and the first ratio at f32 and bf16 products, among them), all
-/// within their tolerances; CUDA in a CPU-only build is a clear error.
+/// into which sequences join, and the first ratio at f32 and bf16 products and under activation
+/// checkpointing, among them), all within their tolerances; CUDA in a CPU-only build is a clear
+/// error.
 #[test]
 fn check_device_passes_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model(tmp.path());
     let stdout = ok_stdout(&["check-device", "--model", &model]);
-    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 10, "{stdout}");
+    assert_eq!(stdout.lines().filter(|l| l.ends_with("  ok")).count(), 11, "{stdout}");
     assert!(stdout.contains("logits, sequences joining a decode"), "{stdout}");
+    assert!(stdout.contains("first ratio off 1, f32, checkpointing"), "{stdout}");
     let out = prompt_r1(&["check-device", "--device", "cuda", "--model", &model]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     if cfg!(not(feature = "cuda")) {

@@ -32,7 +32,7 @@ use crate::device::{run_on, DeviceChoice, OnBackend};
 /// logits of decoding steps into which two sequences join (ragged passes on a GPU whose kernel
 /// takes prefills), completion log-probs, one GRPO learn step (loss and gradient norm), that the device scores
 /// old log-probs exactly as its update computes them (the first ratio is 1, with f32 and bf16
-/// products) and, off the CPU, that the device's f32 → bf16 cast rounds to nearest even (bf16
+/// products, and with activation checkpointing) and, off the CPU, that the device's f32 → bf16 cast rounds to nearest even (bf16
 /// rollout copies use it). Exits non-zero when a check fails. `--device cpu` compares burn's
 /// portable tensor ops (the path CUDA takes) with the fused kernels.
 ///
@@ -86,9 +86,10 @@ struct Results {
     loss: f32,
     grad_norm: f32,
     /// `approx_kl + clip_frac` of a learn step whose old log-probs this backend scored without
-    /// autodiff, with f32 and with bf16 products: 0 when scoring and update agree bit for bit.
-    /// `None` for bf16 on a backend without bf16 (wgpu).
-    ratio_drift: [Option<f32>; 2],
+    /// autodiff, with f32 and with bf16 products, and with f32 products under activation
+    /// checkpointing: 0 when scoring and update agree bit for bit. `None` for bf16 on a backend
+    /// without bf16 (wgpu).
+    ratio_drift: [Option<f32>; 3],
     /// Values whose f32 → bf16 cast on this backend is not the nearest bf16 (ties to even);
     /// `None` on a backend without bf16.
     cast_errors: Option<usize>,
@@ -170,8 +171,9 @@ impl<'a> OnBackend for &'a Probe {
         let grad_norm = *stats.grad_norms.first().context("the learn step computed no gradient")?;
         let bf16 = B::supports_dtype(&device, DType::BF16);
         let ratio_drift = [
-            Some(self.ratio_drift::<B>(&device, MatmulPrecision::F32)?),
-            if bf16 { Some(self.ratio_drift::<B>(&device, MatmulPrecision::Bf16)?) } else { None },
+            Some(self.ratio_drift::<B>(&device, MatmulPrecision::F32, false)?),
+            if bf16 { Some(self.ratio_drift::<B>(&device, MatmulPrecision::Bf16, false)?) } else { None },
+            Some(self.ratio_drift::<B>(&device, MatmulPrecision::F32, true)?),
         ];
         Ok(Results {
             logits,
@@ -195,13 +197,14 @@ impl<'a> OnBackend for &'a Probe {
 
 impl Probe {
     /// One learn step whose old log-probs are the policy's own, scored on the plain backend as
-    /// the trainer does, with products at `matmul`: its `approx_kl + clip_frac`, which is 0 when
-    /// scoring and the update compute the same log-probs (every ratio exactly 1).
-    fn ratio_drift<B: Backend>(&self, device: &B::Device, matmul: MatmulPrecision) -> Result<f32> {
+    /// the trainer does, with products at `matmul` (and with `activation_checkpointing`): its
+    /// `approx_kl + clip_frac`, which is 0 when scoring and the update compute the same
+    /// log-probs (every ratio exactly 1).
+    fn ratio_drift<B: Backend>(&self, device: &B::Device, matmul: MatmulPrecision, activation_checkpointing: bool) -> Result<f32> {
         let policy = load_pretrained::<Autodiff<B>>(&self.dir, device, LoadOptions { dtype: DType::F32, ..Default::default() })?
             .with_matmul_precision(matmul);
         let old = sequence_logprobs(&policy.valid(), &self.prompts, 0, 2)?;
-        let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, matmul, ..LearnConfig::default() };
+        let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, matmul, activation_checkpointing, ..LearnConfig::default() };
         let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
         let (_, stats) = learn_step(policy, &mut optimizer, &self.batch(old)?, &learn)?;
         Ok(stats.policy.approx_kl.abs() + stats.policy.clip_frac)
@@ -387,6 +390,7 @@ pub fn run(args: Args) -> Result<()> {
         ("learn step gradient norm (relative)", Some(relative(reference.grad_norm, target.grad_norm)), 1e-3),
         ("first ratio off 1, f32 products", target.ratio_drift[0], 0.0),
         ("first ratio off 1, bf16 products", target.ratio_drift[1], 0.0),
+        ("first ratio off 1, f32, checkpointing", target.ratio_drift[2], 0.0),
     ];
     // On the CPU the model rounds to bf16 through its own kernel, not burn-flex's cast (which
     // does not round every value to the nearest bf16; BENCHMARKS.md, "A burn-flex rounding
