@@ -457,6 +457,12 @@ impl Args {
         let prompt = tokens(self.prompt_len);
         // Decode prompts are --decode-context-token windows of one fixed sequence.
         let decode_source = tokens(self.decode_context + 7);
+        let decode_prompts = |batch: usize| -> Vec<Vec<u32>> { (0..batch).map(|b| decode_source[b % 8..b % 8 + self.decode_context].to_vec()).collect() };
+        // The decode figures' names give the context where it is not the default.
+        let context = match self.decode_context {
+            DEFAULT_DECODE_CONTEXT => String::new(),
+            context => format!(", context {context}"),
+        };
 
         // Warm-up: one short forward so kernel compilation / allocation is not timed.
         generate(&policy, &[prompt[..8].to_vec()], &SamplingConfig { max_new_tokens: 2, ..Default::default() })?;
@@ -474,7 +480,7 @@ impl Args {
 
         let decode_batches = if self.workloads.contains(&Workload::Decode) { &self.decode_batch[..] } else { &[] };
         for &batch in decode_batches {
-            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + self.decode_context].to_vec()).collect();
+            let prompts = decode_prompts(batch);
             let config = SamplingConfig {
                 max_new_tokens: self.decode_tokens,
                 sampling: Sampling { temperature: 1.0, seed: 1, ..Sampling::default() },
@@ -483,16 +489,13 @@ impl Args {
             reset_peak_rss();
             let seconds = median_seconds(TIMED_RUNS, || decoding_seconds(&policy, &prompts, &config))?;
             let tokens = (batch * (self.decode_tokens - 1)) as f64;
-            let workload = match self.decode_context {
-                DEFAULT_DECODE_CONTEXT => format!("decode batch {batch}{lora}"),
-                context => format!("decode batch {batch}, context {context}{lora}"),
-            };
+            let workload = format!("decode batch {batch}{context}{lora}");
             figures.push(Figure::tokens(workload, seconds, Some(tokens), peak_rss_mb()));
         }
 
         let chained_batches = if self.workloads.contains(&Workload::Chained) { &self.decode_batch[..] } else { &[] };
         for &batch in chained_batches {
-            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| decode_source[b % 8..b % 8 + self.decode_context].to_vec()).collect();
+            let prompts = decode_prompts(batch);
             let steps = self.decode_tokens - 1;
             let mut chosen = Vec::new();
             for (feed, name) in [(Feed::ReadBack, "tokens read back each step"), (Feed::Chained, "chained on the device")] {
@@ -503,10 +506,6 @@ impl Args {
                     chosen.push(tokens);
                     Ok(seconds)
                 })?;
-                let context = match self.decode_context {
-                    DEFAULT_DECODE_CONTEXT => String::new(),
-                    context => format!(", context {context}"),
-                };
                 let workload = format!("decode batch {batch}{context}, greedy, {name}{lora}");
                 figures.push(Figure::tokens(workload, seconds, Some((batch * steps) as f64), peak_rss_mb()));
             }
