@@ -14,6 +14,7 @@ use crate::{DeviceKernels, GateUp, QkNormRopeWrite, Qkv};
 impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
     fn paged_attention(
         query: FloatTensor<Self>,
+        shape: [usize; 4],
         keys: FloatTensor<Self>,
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
@@ -28,7 +29,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         let mut operands = vec![&query, &keys, &values, &read, &valid];
         operands.extend(starts.as_ref());
         let streams = OperationStreams::with_inputs(operands);
-        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(query.shape.dims::<4>()), query.dtype);
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new(query.shape.dims::<2>()), query.dtype);
         let mut inputs = vec![query.into_ir(), keys.into_ir(), values.into_ir(), read.into_ir(), valid.into_ir()];
         inputs.extend(starts.map(|s| s.into_ir()));
         let desc = CustomOpIr::new("paged_attention", &inputs, &[output]);
@@ -38,6 +39,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
             let ragged = lens.map(|lens| (handles.get_int_tensor::<B>(&inputs[5]), lens));
             let result = B::paged_attention(
                 handles.get_float_tensor::<B>(&inputs[0]),
+                shape,
                 handles.get_float_tensor::<B>(&inputs[1]),
                 handles.get_float_tensor::<B>(&inputs[2]),
                 handles.get_int_tensor::<B>(&inputs[3]),

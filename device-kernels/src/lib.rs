@@ -29,7 +29,7 @@ pub mod swiglu;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use model::device_kernels::KernelPasses;
 pub use paged_attention::{DecodingKernel, RowLens, Spans};
@@ -43,14 +43,16 @@ pub use swiglu::GateUp;
 /// A backend that computes [`PagedAttention`], the RMS norms, SwiGLU's `silu(gate) · up` and the
 /// token choice with kernels of this crate.
 pub trait DeviceKernels: Backend {
-    /// [`PagedAttention`] on primitives: `query` `[rows, queries, heads, d]`, pools
-    /// `[kv_heads, slots, d]`, `read` `[rows · width]`, `valid` `[rows, width]`;
-    /// `[rows, queries, heads, d]`. A ragged pass's `query` is `[1, tokens, heads, d]`, with its
-    /// rows' starts `[rows + 1]` and their lengths as the host counts them. Each row's columns
-    /// are cut into `spans`; rows of one query go to the kernel `decoding` says.
+    /// [`PagedAttention`] on primitives: `query` a token a row, `[rows · queries, heads · d]`,
+    /// of `shape` `[rows, queries, heads, d]`, pools `[kv_heads, slots, d]`, `read`
+    /// `[rows · width]`, `valid` `[rows, width]`; the output a token a row as the query. A
+    /// ragged pass's `shape` is `[1, tokens, heads, d]`, with its rows' starts `[rows + 1]` and
+    /// their lengths as the host counts them. Each row's columns are cut into `spans`; rows of
+    /// one query go to the kernel `decoding` says.
     #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         query: FloatTensor<Self>,
+        shape: [usize; 4],
         keys: FloatTensor<Self>,
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
@@ -100,6 +102,7 @@ pub trait DeviceKernels: Backend {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKernels for CubeBackend<R, F, I, BT> {
     fn paged_attention(
         query: FloatTensor<Self>,
+        shape: [usize; 4],
         keys: FloatTensor<Self>,
         values: FloatTensor<Self>,
         read: IntTensor<Self>,
@@ -110,7 +113,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         decoding: DecodingKernel,
     ) -> FloatTensor<Self> {
         let ragged = ragged.map(|(starts, lens)| paged_attention::Ragged { starts, lens });
-        paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans, decoding)
+        let [rows, queries, heads, d] = shape;
+        // A packed query (the norm kernel's) and the kernel's packed output reshape without a
+        // copy: only their metadata changes.
+        let query = burn_cubecl::ops::reshape(query, Shape::new(shape));
+        let output = paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans, decoding);
+        burn_cubecl::ops::reshape(output, Shape::new([rows * queries, heads * d]))
     }
 
     fn fresh_attention(
@@ -234,12 +242,12 @@ fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tenso
 
 /// [`PagedAttention`] with decoding steps split where the device would sit idle (`SPLIT`, else
 /// whole) and rows of one query through [`paged_decode`]'s kernel (`OWN`, else the general one).
-fn run_paged_attention<B: DeviceKernels, const SPLIT: bool, const OWN: bool>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+fn run_paged_attention<B: DeviceKernels, const SPLIT: bool, const OWN: bool>(pass: PagedAttention<B>) -> Tensor<B, 2> {
     let spans = if SPLIT { Spans::Auto } else { Spans::WHOLE };
     let decoding = if OWN { DecodingKernel::Own } else { DecodingKernel::General };
-    let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
+    let PagedAttention { query, shape, keys, values, read, valid, scale, ragged } = pass;
     let ragged = ragged.map(|rows| (rows.starts.into_primitive(), rows.lens));
-    tensor(B::paged_attention(float(query), float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding))
+    tensor(B::paged_attention(float(query), shape, float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding))
 }
 
 /// [`FreshAttention`] through [`paged_attention::fresh_attention`]: the keys and values as their

@@ -19,9 +19,13 @@ use burn::tensor::{Int, Tensor};
 /// `width − queries + i`.
 #[derive(Debug, Clone)]
 pub struct PagedAttention<B: Backend> {
-    /// `[rows, queries, heads, head_dim]` (`[1, tokens, heads, head_dim]` in a ragged pass),
-    /// after RoPE; query head `h` reads key-value head `h / (heads / kv_heads)`.
-    pub query: Tensor<B, 4>,
+    /// The queries a token a row, `[rows · queries, heads · head_dim]`, after RoPE (as the norm
+    /// kernel leaves them: no reshape in the fusion stream); query head `h` reads key-value head
+    /// `h / (heads / kv_heads)`.
+    pub query: Tensor<B, 2>,
+    /// The query's `[rows, queries, heads, head_dim]` (`[1, tokens, heads, head_dim]` in a
+    /// ragged pass).
+    pub shape: [usize; 4],
     /// A layer's pool of keys, `[kv_heads, slots, head_dim]`, in the query's dtype.
     pub keys: Tensor<B, 3>,
     /// A layer's pool of values, `[kv_heads, slots, head_dim]`.
@@ -67,9 +71,8 @@ impl RowLens {
 }
 
 /// A kernel computing [`PagedAttention`]: `softmax(q · Kᵀ · scale) V` over each query's
-/// columns, in the query's shape (`[rows, queries, heads, head_dim]`, or a ragged pass's
-/// `[1, tokens, heads, head_dim]`) and dtype.
-pub type PagedAttentionFn<B> = fn(PagedAttention<B>) -> Tensor<B, 4>;
+/// columns, a token a row as the query (`[rows · queries, heads · head_dim]`), in its dtype.
+pub type PagedAttentionFn<B> = fn(PagedAttention<B>) -> Tensor<B, 2>;
 
 /// The attention of a pass without a KV cache (scoring; a training step's forward, whose
 /// backward recomputes the probabilities from the log-sum-exp): each row's queries over its own
@@ -315,7 +318,7 @@ mod tests {
         assert_eq!(KernelPasses::parse_setting("prefill"), None);
     }
 
-    fn zeros<B: Backend>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+    fn zeros<B: Backend>(pass: PagedAttention<B>) -> Tensor<B, 2> {
         pass.query.zeros_like()
     }
 

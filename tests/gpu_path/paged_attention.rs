@@ -110,7 +110,7 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, q
 
 /// The kernel as the model finds it: registered as the other tests of this binary register it
 /// (the registry is the process's).
-fn registered<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
+fn registered<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 2> {
     device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
     let (kernel, _) = prompt_r1_model::device_kernels::registered_paged_attention::<B>().expect("registered just now");
     kernel(pass)
@@ -119,19 +119,20 @@ fn registered<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 4> {
 /// The kernel on the unfused backend with each row's columns cut into `splits` spans (as
 /// `splits_for` cuts them on a GPU with few cubes a pass; lavapipe gives no count of
 /// multiprocessors, so it never splits on its own).
-fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 4> {
+fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 2> {
     through(splits, device_kernels::DecodingKernel::Own)
 }
 
 /// [`split_into`], rows of one query through the `decoding` kernel.
-fn through(splits: usize, decoding: device_kernels::DecodingKernel) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 4> {
+fn through(splits: usize, decoding: device_kernels::DecodingKernel) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 2> {
     move |pass| {
-        let PagedAttention { query, keys, values, read, valid, scale, ragged } = pass;
+        let PagedAttention { query, shape, keys, values, read, valid, scale, ragged } = pass;
+        let [rows, queries, heads, d] = shape;
         let float = |t: Tensor<Unfused, 4>| t.into_primitive().tensor();
         let pool = |t: Tensor<Unfused, 3>| t.into_primitive().tensor();
         let ragged = ragged.map(|rows| device_kernels::paged_attention::Ragged { lens: rows.lens, starts: rows.starts.into_primitive() });
         let output = device_kernels::paged_attention::paged_attention(
-            float(query),
+            float(query.reshape(shape)),
             pool(keys),
             pool(values),
             read.into_primitive(),
@@ -141,7 +142,7 @@ fn through(splits: usize, decoding: device_kernels::DecodingKernel) -> impl Fn(P
             device_kernels::paged_attention::Spans::Exactly(splits.try_into().expect("spans")),
             decoding,
         );
-        Tensor::from_primitive(TensorPrimitive::Float(output))
+        Tensor::<Unfused, 4>::from_primitive(TensorPrimitive::Float(output)).reshape([rows * queries, heads * d])
     }
 }
 
@@ -158,7 +159,7 @@ fn worst_ragged_difference<B: DeviceKernels>(
     width: usize,
     ragged: bool,
     dtype: DType,
-    attend: &dyn Fn(PagedAttention<B>) -> Tensor<B, 4>,
+    attend: &dyn Fn(PagedAttention<B>) -> Tensor<B, 2>,
 ) -> f32 {
     let queries = lens.iter().copied().max().expect("rows");
     let device = Default::default();
@@ -185,7 +186,10 @@ fn worst_ragged_difference<B: DeviceKernels>(
         }
         false => (query, expected, None),
     };
-    let output = attend(PagedAttention { query, keys, values, read, valid, scale, ragged: rows });
+    let shape = query.dims();
+    let [batch, tokens, heads, d] = shape;
+    let query = query.reshape([batch * tokens, heads * d]);
+    let output = attend(PagedAttention { query, shape, keys, values, read, valid, scale, ragged: rows }).reshape(shape);
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     // Relative to the output where it exceeds 1: f16 rounds each output to its own step.
     ((to_cpu(output) - expected.clone()).abs() / expected.abs().clamp_min(1.0)).max().into_scalar()

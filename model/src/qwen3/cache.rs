@@ -102,22 +102,40 @@ impl<B: Backend> LayerKvCache<B> {
     }
 
     /// [`Self::append`] by a kernel that writes the pools itself (a GPU backend's, see
-    /// `device_kernels::NormKernels::qk_norm_rope_write`) from the pass's projections `like`
-    /// (`[tokens, ..]`, one row a token in the order of the pass's slots: row, position): `write`
-    /// is given the layer's pools of `head_dim`, grown to the pass's size, and each token's slot;
-    /// it returns what else it computed and the pools written.
+    /// `device_kernels::NormKernels::qk_norm_rope_write`) from the pass's projections, described
+    /// by `like` (their tokens, one row a token in the order of the pass's slots: row, position;
+    /// a new pool takes their dtype and device): `write` is given the layer's pools of
+    /// `head_dim`, grown to the pass's size, and each token's slot; it returns what else it
+    /// computed and the pools written.
     ///
     /// Panics if no pass was set or its slots do not match `like`'s tokens.
-    pub fn append_with<T>(&mut self, like: &Tensor<B, 2>, head_dim: usize, write: impl FnOnce(KvWrite<B>) -> (T, Tensor<B, 3>, Tensor<B, 3>)) -> (T, CachedKv<B>) {
+    pub fn append_with<T>(&mut self, like: PoolLike<B>, head_dim: usize, write: impl FnOnce(KvWrite<B>) -> (T, Tensor<B, 3>, Tensor<B, 3>)) -> (T, CachedKv<B>) {
         let pass = self.pass.clone().expect("KvCache::set_slots names a pass's slots before it runs");
-        let tokens = like.dims()[0];
+        let tokens = like.tokens;
         assert_eq!(tokens, pass.write.len(), "a pass of {tokens} tokens, slots set for {} positions", pass.write.len());
-        let keys = grown(self.keys.take(), head_dim, like, &pass);
-        let values = grown(self.values.take(), head_dim, like, &pass);
+        let keys = grown(self.keys.take(), head_dim, &like, &pass);
+        let values = grown(self.values.take(), head_dim, &like, &pass);
         let (computed, keys, values) = write(KvWrite { keys, values, slots: pass.write_slots() });
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
         (computed, CachedKv { keys, values, pass })
+    }
+}
+
+/// What [`LayerKvCache::append_with`] needs of a pass's projections, so that the kernel can
+/// take them without a clone (each clone of a fused tensor left alive costs the fusion stream a
+/// `Drop` operation): their tokens, dtype and device.
+#[derive(Debug, Clone)]
+pub struct PoolLike<B: Backend> {
+    pub tokens: usize,
+    pub dtype: DType,
+    pub device: B::Device,
+}
+
+impl<B: Backend> PoolLike<B> {
+    /// What `projection` (`[tokens, ..]`) gives a pool.
+    pub fn of(projection: &Tensor<B, 2>) -> Self {
+        Self { tokens: projection.dims()[0], dtype: projection.dtype(), device: projection.device() }
     }
 }
 
@@ -179,18 +197,22 @@ impl<B: Backend> CachedKv<B> {
         kernels::grouped_attention_paged(query, &self.keys, &self.values, &self.pass.read, Some(SCRATCH_SLOT), bias, scale)
     }
 
-    /// The pass's attention (`query` `[b, q, heads, d]`: a decoding step's one query a row or
-    /// a prefill chunk's `q`, its rows' last columns) under `mask`, read straight from the
-    /// pools by the device kernel registered for `B` ([`device_kernels::paged_attention`]),
-    /// a token a row, `[b · q, heads · d]`; `None` where none is registered for such passes.
+    /// The pass's attention (`query` a token a row, `[b · q, heads · d]`, of `shape`
+    /// `[b, q, heads, d]`: a decoding step's one query a row or a prefill chunk's `q`, its rows'
+    /// last columns) under `mask`, read straight from the pools by the device kernel registered
+    /// for `B` ([`device_kernels::paged_attention`]), a token a row, `[b · q, heads · d]`; the
+    /// query back where none is registered for such passes.
     ///
-    /// A ragged pass ([`KvCache::set_ragged_slots`]; `query` `[1, tokens, heads, d]`) takes
+    /// A ragged pass ([`KvCache::set_ragged_slots`]; `shape` `[1, tokens, heads, d]`) takes
     /// its rows' lengths and padding from its slots, not from `mask`.
-    pub fn paged_attention(&self, query: &Tensor<B, 4>, mask: &AttentionMask<B>, scale: f32) -> Option<Tensor<B, 2>> {
-        let [b, q_len, heads, d] = query.dims();
+    pub fn paged_attention(&self, query: Tensor<B, 2>, shape: [usize; 4], mask: &AttentionMask<B>, scale: f32) -> Result<Tensor<B, 2>, Tensor<B, 2>> {
+        let [b, q_len, heads, d] = shape;
+        assert_eq!(query.dims(), [b * q_len, heads * d], "a query of {shape:?} a token a row");
         let width = self.pass.read.len() / self.pass.rows;
         // A ragged pass has prefill rows: only a kernel that takes prefills computes it.
-        let kernel = device_kernels::paged_attention::<B>(if self.is_ragged() { usize::MAX } else { q_len })?;
+        let Some(kernel) = device_kernels::paged_attention::<B>(if self.is_ragged() { usize::MAX } else { q_len }) else {
+            return Err(query);
+        };
         let (valid, ragged) = match &self.pass.ragged {
             Some(ragged) => (ragged.valid.clone(), Some(ragged.rows.clone())),
             None => {
@@ -201,7 +223,8 @@ impl<B: Backend> CachedKv<B> {
             }
         };
         let pass = PagedAttention {
-            query: query.clone(),
+            query,
+            shape,
             keys: self.keys.clone(),
             values: self.values.clone(),
             read: self.pass.read_index.clone(),
@@ -209,7 +232,7 @@ impl<B: Backend> CachedKv<B> {
             scale,
             ragged,
         };
-        Some(kernel(pass).reshape([b * q_len, heads * d]))
+        Ok(kernel(pass))
     }
 
     /// Whether this is a ragged pass's ([`KvCache::set_ragged_slots`]): only a paged-attention
@@ -221,7 +244,7 @@ impl<B: Backend> CachedKv<B> {
 
 /// `pool` grown to the pass's size, or a new pool of `like`'s dtype and device, of positions
 /// of `head_dim` (for `pass.kv_heads` heads).
-fn grown<B: Backend, const D: usize>(pool: Option<Tensor<B, 3>>, head_dim: usize, like: &Tensor<B, D>, pass: &PassSlots<B>) -> Tensor<B, 3> {
+fn grown<B: Backend>(pool: Option<Tensor<B, 3>>, head_dim: usize, like: &PoolLike<B>, pass: &PassSlots<B>) -> Tensor<B, 3> {
     let (h, slots) = (pass.kv_heads, pass.pool);
     match pool {
         Some(pool) if pool.dims()[1] >= slots => pool,
@@ -230,7 +253,7 @@ fn grown<B: Backend, const D: usize>(pool: Option<Tensor<B, 3>>, head_dim: usize
             let zeros = Tensor::<B, 3>::zeros([h, extra, head_dim], (&pool.device(), pool.dtype()));
             Tensor::cat(vec![pool, zeros], 1)
         }
-        None => Tensor::<B, 3>::zeros([h, slots, head_dim], (&like.device(), like.dtype())),
+        None => Tensor::<B, 3>::zeros([h, slots, head_dim], (&like.device, like.dtype)),
     }
 }
 
@@ -240,7 +263,8 @@ fn grown<B: Backend, const D: usize>(pool: Option<Tensor<B, 3>>, head_dim: usize
 fn write<B: Backend>(pool: Option<Tensor<B, 3>>, value: Tensor<B, 4>, pass: &PassSlots<B>) -> Tensor<B, 3> {
     let [b, h, new, d] = value.dims();
     assert_eq!(h, pass.kv_heads, "a pass's keys and values of the cache's {} heads", pass.kv_heads);
-    let pool = grown(pool, d, &value, pass);
+    let like = PoolLike { tokens: b * new, dtype: value.dtype(), device: value.device() };
+    let pool = grown(pool, d, &like, pass);
     kernels::write_slots(pool, &pass.write, &value).unwrap_or_else(|pool| {
         // The rows go in (row, position, head) order. A decoding step's `[b, h, 1, d]` is
         // already in it: reshaped, not swapped, it stays a view (a swapped view is copied first,

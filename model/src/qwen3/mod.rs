@@ -20,7 +20,7 @@ mod stacked;
 
 pub use attention::autodiff::register_autodiff_attention;
 pub use attention::{AttentionInputs, Qwen3Attention};
-pub use cache::{grown_capacity, CachedKv, KvCache, LayerKvCache, BLOCK_SIZE, GROWTH_STEP, SCRATCH_SLOT};
+pub use cache::{grown_capacity, CachedKv, KvCache, LayerKvCache, PoolLike, BLOCK_SIZE, GROWTH_STEP, SCRATCH_SLOT};
 pub use causal_lm::{ModelOutput, Qwen3ForCausalLM, Qwen3Model};
 pub use compute::{AttnImplementation, Compute};
 pub use decoder_layer::{Qwen3DecoderLayer, ResidualStream};

@@ -15,7 +15,7 @@ use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
-use super::cache::{CachedKv, KvWrite, LayerKvCache};
+use super::cache::{CachedKv, KvWrite, LayerKvCache, PoolLike};
 use super::compute::{AttnImplementation, Compute};
 use super::linear::{lora_linear, product};
 use super::stacked::split_columns;
@@ -169,8 +169,8 @@ impl<B: Backend> Qwen3Attention<B> {
             },
             None => Err((projections, None)),
         };
-        let (query_states, attended) = match written {
-            Ok((query_states, cached)) => (query_states.reshape([b, q_len, h, d]), Attended::Cached(cached)),
+        let (query, attended) = match written {
+            Ok((query_states, cached)) => (Query::Rows(query_states), Attended::Cached(cached)),
             Err((projections, cache)) => {
                 let [query_states, key_states, value_states] = projections.separate([h * d, kv * d, kv * d]);
                 let heads = |x: Tensor<B, 2>, heads| x.reshape([b, q_len, heads, d]);
@@ -181,51 +181,67 @@ impl<B: Backend> Qwen3Attention<B> {
                     Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
                     None => Attended::Fresh(key_states, value_states),
                 };
-                (query_states, attended)
+                (Query::Heads(query_states), attended)
             }
         };
 
+        let shape = [b, q_len, h, d];
         let scaling = (d as f64).powf(-0.5);
-        // With a cache, the pass's rows attend to its pools: the CPU kernel and a GPU's
-        // paged-attention kernel read them where they lie; burn's ops take them gathered.
-        let fused = match (&attended, &inputs.bias) {
-            (Attended::Cached(cached), _) if cached.is_ragged() => {
-                let attended = cached.paged_attention(&query_states, &inputs.mask, scaling as f32);
-                Some(attended.expect("a ragged pass runs only where a paged-attention kernel takes prefills (Qwen3ForCausalLM::takes_ragged_passes)"))
+        let attn_output = match Self::attention_by_kernel(query, &attended, inputs, compute, shape, scaling) {
+            Ok(output) => output,
+            Err(query) => {
+                let (key_states, value_states) = match attended {
+                    Attended::Cached(cached) => cached.gather(),
+                    Attended::Fresh(k, v) => (k, v),
+                };
+                let query_states = heads_first(query.heads(shape));
+                let output = match compute.attn_implementation {
+                    AttnImplementation::Eager => {
+                        let bias = inputs.grouped_bias.as_ref().expect("AttentionInputs builds it for eager");
+                        eager::eager_attention_forward(query_states, key_states, value_states, bias, scaling)
+                    }
+                    AttnImplementation::MemoryEfficient => {
+                        let x = Operands { query: query_states, key: key_states, value: value_states };
+                        memory_efficient_attention(x, &inputs.mask, compute.attention_block_size, scaling as f32)
+                    }
+                };
+                heads_last(output).reshape([b * q_len, h * d])
             }
-            (Attended::Cached(cached), Some(bias)) => cached.attention(&query_states, bias, scaling as f32).map(|o| o.reshape([b * q_len, h * d])),
-            (Attended::Fresh(k, v), Some(bias)) => kernels::grouped_attention(&query_states, k, v, bias, scaling as f32).map(|o| o.reshape([b * q_len, h * d])),
-            // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
-            // too, in the passes it was lent for; the eager formula stays burn's ops, the
-            // reference.
-            (Attended::Cached(cached), None) if compute.attn_implementation == AttnImplementation::MemoryEfficient => {
-                cached.paged_attention(&query_states, &inputs.mask, scaling as f32)
-            }
-            _ => None,
         };
-        let attn_output = fused.unwrap_or_else(|| {
-            let (key_states, value_states) = match attended {
-                Attended::Cached(cached) => cached.gather(),
-                Attended::Fresh(k, v) => (k, v),
-            };
-            let query_states = heads_first(query_states);
-            let output = match compute.attn_implementation {
-                AttnImplementation::Eager => {
-                    let bias = inputs.grouped_bias.as_ref().expect("AttentionInputs builds it for eager");
-                    eager::eager_attention_forward(query_states, key_states, value_states, bias, scaling)
-                }
-                AttnImplementation::MemoryEfficient => {
-                    let x = Operands { query: query_states, key: key_states, value: value_states };
-                    memory_efficient_attention(x, &inputs.mask, compute.attention_block_size, scaling as f32)
-                }
-            };
-            heads_last(output).reshape([b * q_len, h * d])
-        });
         lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, matmul)
     }
 }
 
 impl<B: Backend> Qwen3Attention<B> {
+    /// The attention of a pass (`query` of `shape` `[b, q, heads, d]`) by a kernel where one
+    /// takes it, a token a row (`[b · q, heads · d]`): with a cache, the CPU kernel and a GPU's
+    /// paged-attention kernel read its pools where they lie (burn's ops take them gathered);
+    /// without one, the CPU kernel. The query back where none does.
+    fn attention_by_kernel(query: Query<B>, attended: &Attended<B>, inputs: &AttentionInputs<B>, compute: &Compute, shape: [usize; 4], scaling: f64) -> Result<Tensor<B, 2>, Query<B>> {
+        let [b, q_len, h, d] = shape;
+        let rows = |o: Tensor<B, 3>| o.reshape([b * q_len, h * d]);
+        match (attended, &inputs.bias) {
+            (Attended::Cached(cached), _) if cached.is_ragged() => Ok(cached
+                .paged_attention(query.rows(), shape, &inputs.mask, scaling as f32)
+                .unwrap_or_else(|_| panic!("a ragged pass runs only where a paged-attention kernel takes prefills (Qwen3ForCausalLM::takes_ragged_passes)"))),
+            (Attended::Cached(cached), Some(bias)) => {
+                let query = query.heads(shape);
+                cached.attention(&query, bias, scaling as f32).map(rows).ok_or(Query::Heads(query))
+            }
+            (Attended::Fresh(k, v), Some(bias)) => {
+                let query = query.heads(shape);
+                kernels::grouped_attention(&query, k, v, bias, scaling as f32).map(rows).ok_or(Query::Heads(query))
+            }
+            // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
+            // too, in the passes it was lent for; the eager formula stays burn's ops, the
+            // reference.
+            (Attended::Cached(cached), None) if compute.attn_implementation == AttnImplementation::MemoryEfficient => {
+                cached.paged_attention(query.rows(), shape, &inputs.mask, scaling as f32).map_err(Query::Rows)
+            }
+            _ => Err(query),
+        }
+    }
+
     /// `q_norm` and `k_norm` with RoPE by the pass's tables (`inputs`) of its projections, the
     /// keys and values written to `cache`, as one kernel where a GPU backend lends it
     /// ([`crate::device_kernels::NormKernels::qk_norm_rope_write`], which reads a stacked product
@@ -253,10 +269,10 @@ impl<B: Backend> Qwen3Attention<B> {
         };
         let (eps, heads) = (self.q_norm.variance_epsilon, self.num_heads);
         let like = match &projections {
-            Qkv::Stacked(qkv) => qkv.clone(),
-            Qkv::Separate([query, ..]) => query.clone(),
+            Qkv::Stacked(qkv) => PoolLike::of(qkv),
+            Qkv::Separate([query, ..]) => PoolLike::of(query),
         };
-        Ok(cache.append_with(&like, d, |write| {
+        Ok(cache.append_with(like, d, |write| {
             let KvWrite { keys, values, slots } = write;
             (kernels.qk_norm_rope_write)(QkNormRopeWrite { qkv: projections, heads, q_weight, k_weight, cos, signed_sin, slots, keys, values, eps })
         }))
@@ -283,6 +299,35 @@ impl<B: Backend> Qkv<B> {
         match self {
             Qkv::Stacked(qkv) => split_columns(qkv, widths),
             Qkv::Separate(each) => each,
+        }
+    }
+}
+
+/// A pass's queries after `q_norm` and RoPE: a token a row (`[b · q, heads · d]`), as the GPU's
+/// norm kernel leaves them and its paged-attention kernel takes them, or by head
+/// (`[b, q, heads, d]`), as burn's ops and the CPU kernels leave and take them. Each is
+/// reshaped to the other only where a path needs it: on a fused GPU backend a reshape is an
+/// operation of the fusion stream, on the host, whether or not it copies anything.
+enum Query<B: Backend> {
+    Rows(Tensor<B, 2>),
+    Heads(Tensor<B, 4>),
+}
+
+impl<B: Backend> Query<B> {
+    fn rows(self) -> Tensor<B, 2> {
+        match self {
+            Query::Rows(rows) => rows,
+            Query::Heads(heads) => {
+                let [b, q, h, d] = heads.dims();
+                heads.reshape([b * q, h * d])
+            }
+        }
+    }
+
+    fn heads(self, shape: [usize; 4]) -> Tensor<B, 4> {
+        match self {
+            Query::Rows(rows) => rows.reshape(shape),
+            Query::Heads(heads) => heads,
         }
     }
 }
