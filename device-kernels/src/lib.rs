@@ -114,6 +114,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
     ) -> FloatTensor<Self> {
         let ragged = ragged.map(|(starts, lens)| paged_attention::Ragged { starts, lens });
         let [rows, queries, heads, d] = shape;
+        assert_eq!(query.meta.shape().dims::<2>(), [rows * queries, heads * d], "paged attention: a query of {shape:?} a token a row");
         // A packed query (the norm kernel's) and the kernel's packed output reshape without a
         // copy: only their metadata changes.
         let query = burn_cubecl::ops::reshape(query, Shape::new(shape));

@@ -19,9 +19,9 @@ use burn::tensor::{Int, Tensor};
 /// `width − queries + i`.
 #[derive(Debug, Clone)]
 pub struct PagedAttention<B: Backend> {
-    /// The queries a token a row, `[rows · queries, heads · head_dim]`, after RoPE (as the norm
-    /// kernel leaves them: no reshape in the fusion stream); query head `h` reads key-value head
-    /// `h / (heads / kv_heads)`.
+    /// The queries a token a row, `[rows · queries, heads · head_dim]`, after RoPE, as the GPU's
+    /// norm kernel leaves them (so that a fused backend's stream needs no reshape on either
+    /// side of the kernel); query head `h` reads key-value head `h / (heads / kv_heads)`.
     pub query: Tensor<B, 2>,
     /// The query's `[rows, queries, heads, head_dim]` (`[1, tokens, heads, head_dim]` in a
     /// ragged pass).

@@ -235,6 +235,12 @@ impl<B: Backend> CachedKv<B> {
         Ok(kernel(pass))
     }
 
+    /// Whether a device kernel registered for `B` computes this pass's attention
+    /// ([`Self::paged_attention`]) with `queries` queries a row.
+    pub fn takes_paged_attention(&self, queries: usize) -> bool {
+        device_kernels::paged_attention::<B>(if self.is_ragged() { usize::MAX } else { queries }).is_some()
+    }
+
     /// Whether this is a ragged pass's ([`KvCache::set_ragged_slots`]): only a paged-attention
     /// kernel that takes prefills computes its attention.
     pub fn is_ragged(&self) -> bool {

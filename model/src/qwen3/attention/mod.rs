@@ -219,23 +219,23 @@ impl<B: Backend> Qwen3Attention<B> {
     /// without one, the CPU kernel. The query back where none does.
     fn attention_by_kernel(query: Query<B>, attended: &Attended<B>, inputs: &AttentionInputs<B>, compute: &Compute, shape: [usize; 4], scaling: f64) -> Result<Tensor<B, 2>, Query<B>> {
         let [b, q_len, h, d] = shape;
-        let rows = |o: Tensor<B, 3>| o.reshape([b * q_len, h * d]);
+        let by_token = |o: Tensor<B, 3>| o.reshape([b * q_len, h * d]);
         match (attended, &inputs.bias) {
             (Attended::Cached(cached), _) if cached.is_ragged() => Ok(cached
                 .paged_attention(query.rows(), shape, &inputs.mask, scaling as f32)
                 .unwrap_or_else(|_| panic!("a ragged pass runs only where a paged-attention kernel takes prefills (Qwen3ForCausalLM::takes_ragged_passes)"))),
             (Attended::Cached(cached), Some(bias)) => {
                 let query = query.heads(shape);
-                cached.attention(&query, bias, scaling as f32).map(rows).ok_or(Query::Heads(query))
+                cached.attention(&query, bias, scaling as f32).map(by_token).ok_or(Query::Heads(query))
             }
             (Attended::Fresh(k, v), Some(bias)) => {
                 let query = query.heads(shape);
-                kernels::grouped_attention(&query, k, v, bias, scaling as f32).map(rows).ok_or(Query::Heads(query))
+                kernels::grouped_attention(&query, k, v, bias, scaling as f32).map(by_token).ok_or(Query::Heads(query))
             }
             // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
             // too, in the passes it was lent for; the eager formula stays burn's ops, the
             // reference.
-            (Attended::Cached(cached), None) if compute.attn_implementation == AttnImplementation::MemoryEfficient => {
+            (Attended::Cached(cached), None) if compute.attn_implementation == AttnImplementation::MemoryEfficient && cached.takes_paged_attention(q_len) => {
                 cached.paged_attention(query.rows(), shape, &inputs.mask, scaling as f32).map_err(Query::Rows)
             }
             _ => Err(query),
