@@ -113,8 +113,8 @@ impl<B: Backend> LayerKvCache<B> {
         let pass = self.pass.clone().expect("KvCache::set_slots names a pass's slots before it runs");
         let tokens = like.tokens;
         assert_eq!(tokens, pass.write.len(), "a pass of {tokens} tokens, slots set for {} positions", pass.write.len());
-        let keys = grown(self.keys.take(), head_dim, &like, &pass);
-        let values = grown(self.values.take(), head_dim, &like, &pass);
+        let keys = grown(self.keys.take(), head_dim, (like.dtype, &like.device), &pass);
+        let values = grown(self.values.take(), head_dim, (like.dtype, &like.device), &pass);
         let (computed, keys, values) = write(KvWrite { keys, values, slots: pass.write_slots() });
         self.keys = Some(keys.clone());
         self.values = Some(values.clone());
@@ -248,9 +248,9 @@ impl<B: Backend> CachedKv<B> {
     }
 }
 
-/// `pool` grown to the pass's size, or a new pool of `like`'s dtype and device, of positions
-/// of `head_dim` (for `pass.kv_heads` heads).
-fn grown<B: Backend>(pool: Option<Tensor<B, 3>>, head_dim: usize, like: &PoolLike<B>, pass: &PassSlots<B>) -> Tensor<B, 3> {
+/// `pool` grown to the pass's size, or a new pool of `dtype` on `device`, of positions of
+/// `head_dim` (for `pass.kv_heads` heads).
+fn grown<B: Backend>(pool: Option<Tensor<B, 3>>, head_dim: usize, (dtype, device): (DType, &B::Device), pass: &PassSlots<B>) -> Tensor<B, 3> {
     let (h, slots) = (pass.kv_heads, pass.pool);
     match pool {
         Some(pool) if pool.dims()[1] >= slots => pool,
@@ -259,7 +259,7 @@ fn grown<B: Backend>(pool: Option<Tensor<B, 3>>, head_dim: usize, like: &PoolLik
             let zeros = Tensor::<B, 3>::zeros([h, extra, head_dim], (&pool.device(), pool.dtype()));
             Tensor::cat(vec![pool, zeros], 1)
         }
-        None => Tensor::<B, 3>::zeros([h, slots, head_dim], (&like.device, like.dtype)),
+        None => Tensor::<B, 3>::zeros([h, slots, head_dim], (device, dtype)),
     }
 }
 
@@ -269,8 +269,7 @@ fn grown<B: Backend>(pool: Option<Tensor<B, 3>>, head_dim: usize, like: &PoolLik
 fn write<B: Backend>(pool: Option<Tensor<B, 3>>, value: Tensor<B, 4>, pass: &PassSlots<B>) -> Tensor<B, 3> {
     let [b, h, new, d] = value.dims();
     assert_eq!(h, pass.kv_heads, "a pass's keys and values of the cache's {} heads", pass.kv_heads);
-    let like = PoolLike { tokens: b * new, dtype: value.dtype(), device: value.device() };
-    let pool = grown(pool, d, &like, pass);
+    let pool = grown(pool, d, (value.dtype(), &value.device()), pass);
     kernels::write_slots(pool, &pass.write, &value).unwrap_or_else(|pool| {
         // The rows go in (row, position, head) order. A decoding step's `[b, h, 1, d]` is
         // already in it: reshaped, not swapped, it stays a view (a swapped view is copied first,
