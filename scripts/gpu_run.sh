@@ -130,16 +130,19 @@ step() {
     failed=1
     return
   fi
-  # CubeCL's compilation log (unless the stage keeps its own): the kernels this step compiled.
-  local klog=${CUBECL_DEBUG_LOG:-$work/$name.klog} kernels
-  if ! CUBECL_DEBUG_LOG=$klog timeout "$((left < step_timeout ? left : step_timeout))" "$@" > "$work/$name.txt" 2>> "$work/stderr.txt"; then
+  # CubeCL's compilation log (unless the stage keeps its own, KERNEL_LOG): the kernels this step
+  # compiled. Through PROMPT_R1_KERNEL_LOG, not CUBECL_DEBUG_LOG: that one also turns CubeCL's
+  # profiler on, which made every kernel of the third to fifth leases' timed runs wait for the GPU
+  # before and after it ran (BENCHMARKS.md, thirty-seventh session).
+  local klog=${KERNEL_LOG:-$work/$name.klog} kernels
+  if ! PROMPT_R1_KERNEL_LOG=$klog timeout "$((left < step_timeout ? left : step_timeout))" "$@" > "$work/$name.txt" 2>> "$work/stderr.txt"; then
     say "   FAILED after $((SECONDS - start)) s (stderr.txt has its messages)"
     tail -5 "$work/$name.txt" | tee -a "$log"
     failed=1
   else
     say "   ok in $((SECONDS - start)) s"
   fi
-  if [ -z "${CUBECL_DEBUG_LOG:-}" ]; then
+  if [ -z "${KERNEL_LOG:-}" ]; then
     kernels=$(grep -c START_KERNEL_COMPILATION "$klog" 2> /dev/null)
     say "   kernels compiled: ${kernels:-0}"
     grep -A1 START_KERNEL_COMPILATION "$klog" 2> /dev/null | grep '^name:' | cut -c7-60 | sort | uniq -c | sort -rn \
@@ -368,7 +371,8 @@ compile_probe() {
     done
   ) &
   local sampler=$!
-  CUBECL_DEBUG_LOG="$klog" step "compile-$1" env PROMPT_R1_KERNEL_CACHE="$work/kernel-cache" \
+  # CubeCL's own variable too, for its autotune log (this stage counts compilations, not time).
+  KERNEL_LOG="$klog" CUBECL_DEBUG_LOG="$klog" step "compile-$1" env PROMPT_R1_KERNEL_CACHE="$work/kernel-cache" \
     "$bin" check-device --device cuda
   kill "$sampler" 2> /dev/null
   wait "$sampler" 2> /dev/null

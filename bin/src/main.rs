@@ -63,6 +63,12 @@ struct Cli {
     /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
     #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
     kernel_cache: Option<std::path::PathBuf>,
+    /// Append CubeCL's compilation log (each GPU kernel compiled, with its source) to FILE.
+    /// Unlike CubeCL's own CUBECL_DEBUG_LOG, this leaves CubeCL's profiler off: that one also
+    /// times every kernel, making each wait for the GPU before and after it runs, which slows a
+    /// decoding step by half or more.
+    #[arg(long, global = true, value_name = "FILE", env = "PROMPT_R1_KERNEL_LOG")]
+    kernel_log: Option<std::path::PathBuf>,
 }
 
 fn decoding_kernel(value: &str) -> Result<DecodingKernelChoice, String> {
@@ -139,6 +145,7 @@ fn main() {
         split_decoding: cli.split_decoding,
         decoding_kernel: cli.decoding_kernel,
         kernel_cache: cli.kernel_cache,
+        kernel_log: cli.kernel_log,
     });
     #[cfg(target_os = "linux")]
     large_alloc::configure(cli.alloc_cache_mb);

@@ -13,7 +13,10 @@ use std::path::PathBuf;
 use std::sync::Once;
 
 use anyhow::{anyhow, bail, Result};
-use burn::cubecl::config::{cache::CacheConfig, CubeClRuntimeConfig, RuntimeConfig};
+use burn::cubecl::config::cache::CacheConfig;
+use burn::cubecl::config::compilation::CompilationLogLevel;
+use burn::cubecl::config::profiling::ProfilingLogLevel;
+use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 use burn::tensor::backend::Backend;
 use device_kernels::DeviceKernels;
 use model::device_kernels::KernelPasses;
@@ -41,7 +44,8 @@ fn cache_dir() -> Option<PathBuf> {
 /// in the working directory or above it says, with `CUBECL_*` variables applied, and unless
 /// that file chose otherwise, compiled kernels (PTX, SPIR-V) and autotune results kept in
 /// [`cache_dir`]. CubeCL's defaults keep no compiled kernels and write autotune results into the
-/// `target/` of whatever Cargo project holds the working directory.
+/// `target/` of whatever Cargo project holds the working directory. `--kernel-log` adds the
+/// compilation log; a note on stderr says when CubeCL's profiler will time every kernel.
 fn configure_cubecl() {
     static CONFIGURED: Once = Once::new();
     CONFIGURED.call_once(|| {
@@ -54,8 +58,32 @@ fn configure_cubecl() {
                 config.autotune.cache = CacheConfig::File(dir);
             }
         }
+        if let Some(file) = super::gpu_options().kernel_log {
+            log_compilations(&mut config, file);
+        }
+        if profiles_every_kernel(&config) {
+            eprintln!(
+                "note: CubeCL's profiler times every GPU kernel in this run (CUBECL_DEBUG_LOG, CUBECL_DEBUG_OPTION or a \
+                 cubecl.toml asks for it): each kernel waits for the GPU before and after it runs, so the run is slower \
+                 than without it. For the compilation log alone use --kernel-log FILE (PROMPT_R1_KERNEL_LOG)"
+            );
+        }
         CubeClRuntimeConfig::set(config);
     });
+}
+
+/// Appends CubeCL's compilation log (each kernel compiled, with its source) to `file`, leaving
+/// its profiler as the configuration has it.
+fn log_compilations(config: &mut CubeClRuntimeConfig, file: PathBuf) {
+    config.compilation.logger.level = CompilationLogLevel::Full;
+    config.compilation.logger.file = Some(file);
+}
+
+/// Whether CubeCL's profiler times each kernel launch, which then waits for the GPU before and
+/// after it runs (cubecl-runtime 0.10's `ComputeClient::launch_inner`: every level but
+/// `minimal`, which only names the kernels run). `CUBECL_DEBUG_LOG` alone sets `medium`.
+fn profiles_every_kernel(config: &CubeClRuntimeConfig) -> bool {
+    !matches!(config.profiling.logger.level, ProfilingLogLevel::Disabled | ProfilingLogLevel::Minimal)
 }
 
 /// Configures CubeCL and probes `device` on backend `B`; `what` names the runtime in errors.
@@ -220,5 +248,38 @@ pub(super) fn check_wgpu() -> Result<()> {
         ready::<burn_wgpu::Vulkan>(&device, "wgpu (Vulkan)", WGPU_HELP)
     } else {
         ready::<WgpuUnfused>(&device, "wgpu (Vulkan)", WGPU_HELP)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--kernel-log` turns on the compilation log alone: the profiler, whose timing of every
+    /// kernel made the GPU leases' steps wait for the GPU twice a kernel, stays off.
+    #[test]
+    fn the_kernel_log_leaves_the_profiler_off() {
+        let mut config = CubeClRuntimeConfig::default();
+        assert!(!profiles_every_kernel(&config), "CubeCL's default profiles nothing");
+        log_compilations(&mut config, PathBuf::from("kernels.log"));
+        assert!(matches!(config.compilation.logger.level, CompilationLogLevel::Full));
+        assert_eq!(config.compilation.logger.file.as_deref(), Some(std::path::Path::new("kernels.log")));
+        assert!(!profiles_every_kernel(&config));
+    }
+
+    /// The levels at which CubeCL's profiler syncs around each launch (`CUBECL_DEBUG_LOG` sets
+    /// `medium`), and `minimal`, which only names the kernels.
+    #[test]
+    fn profiling_levels_that_time_each_kernel() {
+        let mut config = CubeClRuntimeConfig::default();
+        for (level, times) in [
+            (ProfilingLogLevel::Minimal, false),
+            (ProfilingLogLevel::Basic, true),
+            (ProfilingLogLevel::Medium, true),
+            (ProfilingLogLevel::Full, true),
+        ] {
+            config.profiling.logger.level = level;
+            assert_eq!(profiles_every_kernel(&config), times, "{level:?}");
+        }
     }
 }

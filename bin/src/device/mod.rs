@@ -111,6 +111,9 @@ pub struct GpuOptions {
     pub decoding_kernel: DecodingKernelChoice,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
+    /// Where CubeCL's compilation log goes, without its profiler (`--kernel-log`,
+    /// `PROMPT_R1_KERNEL_LOG`).
+    pub kernel_log: Option<std::path::PathBuf>,
 }
 
 static GPU_OPTIONS: std::sync::OnceLock<GpuOptions> = std::sync::OnceLock::new();
@@ -128,6 +131,7 @@ pub(crate) fn gpu_options() -> GpuOptions {
         split_decoding: true,
         decoding_kernel: DecodingKernelChoice::Own,
         kernel_cache: None,
+        kernel_log: None,
     })
 }
 
