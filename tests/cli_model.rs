@@ -509,6 +509,55 @@ fn an_auto_kv_budget_is_settled_against_the_device() {
     assert!(!out.status.success() && stderr.contains("rollout.kv_budget = \"auto\"") && stderr.contains("run.device_memory"), "{stderr}");
 }
 
+/// `plan` refuses what `train` would refuse whatever the data, naming the key, instead of
+/// planning it as fitting: a KV budget that cannot hold one episode, responses longer than the
+/// model's context, a `--context` past it, a device's memory written without its unit; a budget
+/// below one episode at the plan's assumed context is a note; a change of the advice that
+/// alone does not fit says so.
+#[test]
+fn plan_refuses_what_train_refuses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("run.toml");
+    let write = |extra: &str| {
+        std::fs::write(
+            &config,
+            format!(
+                "model = \"absent\"\nmodel_dtype = \"bf16\"\n[data]\ntrain = [\"train.csv\"]\n[environment]\nbase_url = \"http://127.0.0.1:9/v1\"\n\
+                 model = \"m\"\n[episode]\nmax_response_tokens = 8192\n[rollout]\ngeneration_batch = 64\n{extra}\n\
+                 [grpo]\nactivation_checkpointing = true\n[lora]\nrank = 8\n"
+            ),
+        )
+        .unwrap()
+    };
+    let config_arg = config.to_str().unwrap();
+    let plan = |more: &[&str]| {
+        let mut args = vec!["plan", "--config", config_arg, "--preset", "qwen3-4b", "--device", "cuda"];
+        args.extend_from_slice(more);
+        prompt_r1(&args)
+    };
+    let refused = |more: &[&str], says: &[&str]| {
+        let out = plan(more);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && says.iter().all(|s| stderr.contains(s)) && !stderr.contains("panicked"), "{more:?}: {stderr}");
+    };
+    write("kv_budget = \"1GiB\"");
+    refused(&["--device-memory", "80GiB"], &["error: rollout.kv_budget holds", "episode.max_response_tokens = 8192"]);
+    write("kv_budget = \"1200MiB\"");
+    let out = plan(&["--device-memory", "80GiB"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("note: rollout.kv_budget (1.2 GiB) holds less than one episode"), "{stdout}");
+    write("");
+    refused(&["--device-memory", "80"], &["\"80\" is 80 bytes", "80GiB"]);
+    refused(&["--device-memory", "80GiB", "--context", "50000"], &["--context 50000 passes the model's context of 40960"]);
+    refused(&["--device-memory", "80GiB", "--context", "0"], &["--context"]);
+    let advised = ok_stdout(&["plan", "--config", config_arg, "--preset", "qwen3-4b", "--device", "cuda", "--device-memory", "80GiB"]);
+    assert!(advised.contains("memory plan: 36 layers, hidden 2560, 4.02B parameters") && advised.contains("GPU, every pass over the paged KV cache"), "{advised}");
+    let merge = advised.lines().find(|l| l.contains("try rollout.merge_lora = false")).unwrap_or_else(|| panic!("{advised}"));
+    assert!(merge.ends_with("(still does not fit)"), "{merge}");
+    std::fs::write(&config, std::fs::read_to_string(&config).unwrap().replace("8192", "40960")).unwrap();
+    refused(&["--device-memory", "80GiB"], &["episode.max_response_tokens = 40960 leaves no room", "max_position_embeddings"]);
+}
+
 /// `check-device` compares the portable ops with the fused kernels on the CPU: eleven checks
 /// (greedy and sampled tokens, greedy tokens after a 1,100-token prompt, the logits of steps
 /// into which sequences join, and the first ratio at f32 and bf16 products and under activation

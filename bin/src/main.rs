@@ -29,7 +29,7 @@ struct Cli {
     /// burn's kernel fusion on the GPU backends (on or off). Off works around burn 0.21's
     /// fusion bugs ("Should have handle for tensor", NaN losses), at some speed.
     #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_FUSION", default_value = "on",
-          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+          action = clap::ArgAction::Set, value_parser = crate::on_off)]
     fusion: bool,
     /// prompt-r1's own CubeCL kernels on the GPU backends: the attention of the passes over the
     /// paged KV cache read where it lies, the RMS norms as one kernel each (the residual
@@ -50,7 +50,7 @@ struct Cli {
     /// multiprocessors idle (few rows, contexts of 512 positions or more). CUDA only (wgpu
     /// reports no multiprocessors); off: one block walks all of a row's columns (for comparisons).
     #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_SPLIT_DECODING", default_value = "on",
-          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+          action = clap::ArgAction::Set, value_parser = crate::on_off)]
     split_decoding: bool,
     /// The kernel that computes the attention of rows of one query on the GPU backends (decoding
     /// steps, and the decoding rows of ragged passes): `own` (a kernel made for them: a unit a
@@ -82,6 +82,16 @@ fn decoding_kernel(value: &str) -> Result<DecodingKernelChoice, String> {
 fn kernel_passes(value: &str) -> Result<KernelChoice, String> {
     KernelChoice::parse(value)
         .ok_or_else(|| "auto, decode, all or off is expected (--device-kernels or PROMPT_R1_DEVICE_KERNELS)".to_string())
+}
+
+/// A switch's value: on or off (also true/false, yes/no, 1/0, as its environment variable may
+/// give it).
+pub(crate) fn on_off(value: &str) -> Result<bool, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err("on or off is expected".to_string()),
+    }
 }
 
 /// A whole number of megabytes; the message names both ways of giving it.
@@ -205,6 +215,22 @@ mod tests {
         assert_eq!(error_text(&err), format!("loading the agent: {once}"));
         let err = anyhow::Error::new(io()).context("reading data/train.csv");
         assert_eq!(error_text(&err), "reading data/train.csv: no such file");
+    }
+
+    /// A switch takes on or off (and the spellings its environment variable may use); a bad
+    /// value's error says so, and `--help` shows no `true, false` beside `on|off`.
+    #[test]
+    fn switches_are_on_or_off() {
+        for (value, on) in [("on", true), ("OFF", false), ("true", true), ("0", false), (" yes ", true)] {
+            assert_eq!(on_off(value), Ok(on), "{value}");
+        }
+        let cli = Cli::try_parse_from(["prompt-r1", "--fusion", "off", "demo"]).expect("parses");
+        assert!(!cli.fusion);
+        let err = Cli::try_parse_from(["prompt-r1", "--fusion", "maybe", "demo"]).err().expect("refused").to_string();
+        assert!(err.contains("on or off is expected"), "{err}");
+        let mut command = <Cli as clap::CommandFactory>::command();
+        let help = command.render_long_help().to_string();
+        assert!(help.contains("--fusion <on|off>") && !help.contains("possible values: true, false"), "{help}");
     }
 
     /// `--device-kernels` takes the passes by name, `auto`, and the old on/off spellings

@@ -178,7 +178,7 @@ pub struct Args {
     /// Whether --rollout's episodes share the KV blocks of equal prefixes (`[rollout]
     /// share_prefixes`, the trainer's default: on).
     #[arg(long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set,
-          value_parser = clap::builder::BoolishValueParser::new(), requires = "rollout")]
+          value_parser = crate::on_off, requires = "rollout")]
     pub share_prefixes: bool,
     /// Episodes asking the same question in --rollout, one after another (a GRPO group:
     /// `rollout.n`; the trainer's default is 5): their first prompts are equal, so with shared
@@ -190,7 +190,7 @@ pub struct Args {
     /// GPU's paged-attention kernel that takes prefills (`--device-kernels all`). `off` runs
     /// each step's prefill in passes of its own, as the CPU path always does.
     #[arg(long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set,
-          value_parser = clap::builder::BoolishValueParser::new(), requires = "rollout")]
+          value_parser = crate::on_off, requires = "rollout")]
     pub ragged_passes: bool,
     /// Also time each --rollout batch without shared prefixes, for what sharing gains.
     #[arg(long, requires = "rollout")]

@@ -9,7 +9,7 @@ use clap::Args as ClapArgs;
 use model::tiny_tokenizer::TINY_VOCAB_SIZE;
 use model::device_kernels::KernelPasses;
 use model::{Preset, Qwen3Config};
-use trainer::plan::{auto_kv_budget, format_size, kv_position_bytes, parse_size, MemoryPlan, PlanDevice, PlanSettings, Verdict, AUTO_KV_BUDGET};
+use trainer::plan::{auto_kv_budget, format_size, kv_position_bytes, parse_device_memory, MemoryPlan, PlanDevice, PlanSettings, Verdict, AUTO_KV_BUDGET, PROMPT_ALLOWANCE};
 use trainer::run::TrainConfig;
 
 use crate::device::{total_memory, DeviceChoice};
@@ -25,7 +25,7 @@ pub struct Args {
     pub config: PathBuf,
     /// The device's memory (e.g. 80GiB, 80GB); default: run.device_memory, else the GPU's
     /// total where it can be read (CUDA), else this machine's RAM.
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = parse_device_memory)]
     pub device_memory: Option<u64>,
     /// The device the run trains on: cpu, cuda, cuda:N or wgpu (the GPU backends run burn's
     /// tensor ops: with attn_implementation = "eager" their attention keeps [batch, heads, q, k]
@@ -35,8 +35,8 @@ pub struct Args {
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
     /// Tokens of the longest episode (default: 1024 for the prompt plus
-    /// episode.max_response_tokens).
-    #[arg(long)]
+    /// episode.max_response_tokens, within the model's max_position_embeddings).
+    #[arg(long, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub context: Option<usize>,
     /// Override the model directory (its config.json gives the shape).
     #[arg(long)]
@@ -58,6 +58,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(preset) => preset.config(TINY_VOCAB_SIZE, Vec::new()),
         None => model_shape(&config)?,
     };
+    refuse_what_train_refuses(&config, &shape, args.device, args.context)?;
     let memory = device_memory(&config, args.device)?;
     if config.rollout.kv_budget_is_auto() {
         match &memory {
@@ -73,6 +74,9 @@ pub fn run(args: Args) -> Result<()> {
     }
     let plan = MemoryPlan::new(settings_for(&config, shape, args.device, args.context, memory.as_ref()));
     print!("{}", describe(&plan));
+    if let Some(note) = plan.settings.kv_budget_note() {
+        println!("{note}");
+    }
     match memory {
         Some((bytes, source)) => {
             let verdict = plan.check(bytes);
@@ -85,6 +89,28 @@ pub fn run(args: Args) -> Result<()> {
     }
     if let Some((line, _)) = host_fit(&plan) {
         println!("{line}");
+    }
+    Ok(())
+}
+
+/// Fails where `train` would refuse the run whatever its data (an episode past the model's
+/// context, a KV budget that holds none, a `--context` past the model's), rather than plan it;
+/// notes where the plan's context is the model's, shorter than the default allowance.
+fn refuse_what_train_refuses(config: &TrainConfig, shape: &Qwen3Config, device: DeviceChoice, context: Option<usize>) -> Result<()> {
+    let most = shape.max_position_embeddings;
+    if let Some(context) = context.filter(|&c| c > most) {
+        bail!("--context {context} passes the model's context of {most} tokens (max_position_embeddings): `train` refuses longer episodes");
+    }
+    let settings = settings_for(config, shape.clone(), device, context, None);
+    if let Some(why) = settings.refusal(config.episode.max_response_tokens) {
+        bail!("{why}");
+    }
+    let responses = config.episode.max_response_tokens;
+    if context.is_none() && PROMPT_ALLOWANCE + responses > most {
+        println!(
+            "note: the plan's context is the model's {most} tokens (max_position_embeddings), less than \
+             {PROMPT_ALLOWANCE} for the first prompt and episode.max_response_tokens = {responses}"
+        );
     }
     Ok(())
 }
@@ -186,7 +212,7 @@ pub fn cuda_pages_memory(device: DeviceChoice, memory: u64) -> Option<u64> {
 /// device reports; `None` when neither is known.
 pub fn device_memory(config: &TrainConfig, device: DeviceChoice) -> Result<Option<(u64, String)>> {
     if let Some(size) = &config.run.device_memory {
-        let bytes = parse_size(size)
+        let bytes = parse_device_memory(size)
             .map_err(anyhow::Error::msg)
             .context("run.device_memory")?;
         return Ok(Some((bytes, "as given".into())));
@@ -200,10 +226,10 @@ pub fn describe(plan: &MemoryPlan) -> String {
     let s = &plan.settings;
     let m = &s.model;
     let mut out = format!(
-        "memory plan: {} layers, hidden {}, {:.2}B parameters, {}; micro-batch {} × {} tokens, {} episodes per rollout batch, {:?}, {} attention\n",
+        "memory plan: {} layers, hidden {}, {} parameters, {}; micro-batch {} × {} tokens, {} episodes per rollout batch, {}, {} attention\n",
         m.num_hidden_layers,
         m.hidden_size,
-        m.num_parameters() as f64 / 1e9,
+        parameter_count(m.num_parameters() as u64),
         match &s.lora {
             Some(lora) => {
                 let targets: Vec<&str> = lora.targets.iter().map(|t| t.name()).collect();
@@ -262,6 +288,16 @@ pub fn describe(plan: &MemoryPlan) -> String {
         plan.peak_phase().name
     ));
     out
+}
+
+/// A parameter count as model cards write it: `4.02B`, `596M`, `107k`.
+fn parameter_count(n: u64) -> String {
+    let n = n as f64;
+    match n {
+        _ if n >= 1e9 => format!("{:.2}B", n / 1e9),
+        _ if n >= 1e6 => format!("{:.0}M", n / 1e6),
+        _ => format!("{:.0}k", n / 1e3),
+    }
 }
 
 /// Whether the plan fits, and if not, its largest terms and what to change.
@@ -375,6 +411,13 @@ pub fn check_before_training(config: &mut TrainConfig, device: DeviceChoice) -> 
 mod tests {
     use super::*;
     use burn::tensor::DType;
+
+    #[test]
+    fn parameter_counts_read_as_model_cards_write_them() {
+        assert_eq!(parameter_count(4_022_468_096), "4.02B");
+        assert_eq!(parameter_count(596_049_920), "596M");
+        assert_eq!(parameter_count(106_880), "107k");
+    }
 
     /// What `train` hands the trainer: `rollout.kv_budget = "auto"` settled into a size (within
     /// `run.device_memory`, less than every episode would hold) that the rollouts' decoder takes

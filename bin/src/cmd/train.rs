@@ -10,7 +10,7 @@ use clap::Args as ClapArgs;
 use env::OpenAiClient;
 use model::cpu_kernels::{Bf16Products, BF16_PRODUCTS_ENV};
 use model::MatmulPrecision;
-use trainer::plan::{format_size, parse_size, MemoryPlan};
+use trainer::plan::{format_size, parse_device_memory, MemoryPlan};
 use trainer::run::{run_to_end, DeviceMemoryProbe, PromptR1Scorer, Resume, StepRecord, SteppedRun, TrainConfig, Trainer};
 
 use super::{print_lora_share, say, step_bar, NAN_HINT};
@@ -65,7 +65,7 @@ pub struct Args {
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
     /// Override run.device_memory: the device's memory for the check at start (e.g. 80GiB).
-    #[arg(long, value_parser = parse_size)]
+    #[arg(long, value_parser = parse_device_memory)]
     pub device_memory: Option<u64>,
 }
 

@@ -22,10 +22,10 @@ impl MemoryPlan {
         }
     }
 
-    /// Changes that lower the peak: each one alone with the peak it gives, most effective
-    /// first; then, when none alone fits `usable`, the most effective changes applied one
-    /// after another (micro-batch, generation batch and KV budget halved as often as it helps) until the
-    /// peak fits or nothing lowers it further.
+    /// Changes that lower the peak: each one alone with the peak it gives (marked where that
+    /// still does not fit `usable`), most effective first; then, when none alone fits, the most
+    /// effective changes applied one after another (micro-batch, generation batch and KV budget
+    /// halved as often as it helps) until the peak fits or nothing lowers it further.
     pub fn advice(&self, usable: u64) -> Vec<String> {
         let mut singles: Vec<(u64, String)> = candidate_changes(&self.settings)
             .into_iter()
@@ -40,7 +40,10 @@ impl MemoryPlan {
         singles.sort_by_key(|(peak, _)| *peak);
         let mut advice: Vec<String> = singles
             .iter()
-            .map(|(peak, what)| format!("{what}: peak {}", format_size(*peak)))
+            .map(|(peak, what)| {
+                let short = if *peak > usable { " (still does not fit)" } else { "" };
+                format!("{what}: peak {}{short}", format_size(*peak))
+            })
             .collect();
         if singles.first().is_some_and(|(peak, _)| *peak <= usable) {
             return advice;

@@ -66,7 +66,7 @@ pub use settings::{
     kv_position_bytes, ComputePath, LoraPlan, PlanDevice, PlanSettings, RolloutLimits, DEFAULT_MAX_NUM_BATCHED_TOKENS,
     HOST_BYTES_PER_EPISODE_TOKEN, PROMPT_ALLOWANCE,
 };
-pub use size::{format_size, parse_size};
+pub use size::{format_size, parse_device_memory, parse_size};
 
 /// One named amount of memory.
 #[derive(Debug, Clone, PartialEq)]
@@ -700,6 +700,50 @@ mod tests {
         });
         let plan = MemoryPlan::new(PlanSettings::from_config(&config, shape, PlanDevice::Gpu, None));
         assert!(plan.phases[0].name.starts_with("rollouts: on 3 workers"), "{}", plan.phases[0].name);
+    }
+
+    /// What `train` refuses whatever the data, `plan` refuses too: responses that leave no room
+    /// for a first prompt in the model's context, a KV budget that cannot hold one episode of them
+    /// (unless the rollouts run on workers); a budget below one episode at the plan's context is
+    /// a note, since `train` measures the data's prompts.
+    #[test]
+    fn what_train_refuses_whatever_the_data() {
+        let s = papers_run_at_64();
+        assert_eq!(s.refusal(8192), None);
+        assert_eq!(s.kv_budget_note(), None);
+        let err = s.refusal(s.model.max_position_embeddings).unwrap();
+        assert!(err.contains("episode.max_response_tokens = 40960") && err.contains("context of 40960"), "{err}");
+        let per_position = kv_position_bytes(&s.model, s.rollout_cache_dtype());
+        let with_budget = |positions: u64| PlanSettings {
+            rollout: RolloutLimits { kv_budget: Some(positions * per_position), ..s.rollout },
+            ..s.clone()
+        };
+        let needed = model::decode::positions_to_hold(8192 + 2) as u64;
+        let err = with_budget(needed - 1).refusal(8192).unwrap();
+        assert!(err.contains(&format!("holds {} KV positions", needed - 1)) && err.contains(&needed.to_string()), "{err}");
+        assert_eq!(with_budget(0).refusal(8192).map(|e| e.contains("holds 0 KV positions")), Some(true));
+        let short = with_budget(needed);
+        assert_eq!(short.refusal(8192), None);
+        let note = short.kv_budget_note().expect("below one episode of the plan's 9,216 tokens");
+        assert!(note.contains("9216 tokens"), "{note}");
+        assert_eq!(with_budget(s.least_kv_budget() / per_position).kv_budget_note(), None);
+        let on_workers = PlanSettings { rollout: RolloutLimits { workers: Some(2), ..with_budget(0).rollout }, ..s.clone() };
+        assert_eq!((on_workers.refusal(8192), on_workers.kv_budget_note()), (None, None));
+    }
+
+    /// The default context (1,024 prompt tokens and the responses) stops at the model's context.
+    #[test]
+    fn the_default_context_is_within_the_models() {
+        let mut config: TrainConfig = toml::from_str("model = \"m\"\n[data]\ntrain = [\"t.csv\"]\n").unwrap();
+        let mut shape = Preset::Tiny.config(512, vec![2]);
+        shape.max_position_embeddings = 4096;
+        config.episode.max_response_tokens = 2048;
+        assert_eq!(PlanSettings::from_config(&config, shape.clone(), PlanDevice::Gpu, None).context, 3072);
+        config.episode.max_response_tokens = 3500;
+        assert_eq!(PlanSettings::from_config(&config, shape.clone(), PlanDevice::Gpu, None).context, 4096);
+        config.episode.max_response_tokens = usize::MAX;
+        assert_eq!(PlanSettings::from_config(&config, shape.clone(), PlanDevice::Gpu, Some(100)).context, 100);
+        assert_eq!(PlanSettings::from_config(&config, shape, PlanDevice::Gpu, None).context, 4096);
     }
 
     /// A prefill pass of `max_num_batched_tokens` positions costs what its chunk attends over,

@@ -4,6 +4,7 @@
 
 use burn::tensor::DType;
 use model::lora::{LoraConfig, LoraTarget};
+use model::decode::positions_to_hold;
 use model::qwen3::{grown_capacity, BLOCK_SIZE};
 use model::{AttnImplementation, MatmulPrecision, Qwen3Config};
 
@@ -30,6 +31,18 @@ pub enum PlanDevice {
     /// A GPU backend with `--device-kernels all` (CUDA's default): every pass over the KV cache
     /// reads it in place through prompt-r1's kernel, prefill chunks too.
     GpuPagedPrefill,
+}
+
+impl std::fmt::Display for PlanDevice {
+    /// How the plan's header names it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PlanDevice::CpuKernels => "CPU with prompt-r1's kernels",
+            PlanDevice::CpuPortable => "CPU through burn's portable ops",
+            PlanDevice::Gpu => "GPU, prefill over gathered keys and values",
+            PlanDevice::GpuPagedPrefill => "GPU, every pass over the paged KV cache in place",
+        })
+    }
 }
 
 /// How the forward pass computes its layers.
@@ -209,7 +222,8 @@ pub fn kv_position_bytes(model: &Qwen3Config, dtype: DType) -> u64 {
 impl PlanSettings {
     /// The settings of a run: `config` (its `[grpo]`, `[rollout]` and `[episode]` sections),
     /// the model's shape, the device, and the context (default: [`PROMPT_ALLOWANCE`] plus
-    /// `episode.max_response_tokens`).
+    /// `episode.max_response_tokens`, within the model's `max_position_embeddings`, past which
+    /// `train` refuses an episode).
     pub fn from_config(
         config: &TrainConfig,
         model: Qwen3Config,
@@ -217,6 +231,7 @@ impl PlanSettings {
         context: Option<usize>,
     ) -> Self {
         let episodes = config.rollout.batch_size * config.rollout.n;
+        let longest = PROMPT_ALLOWANCE.saturating_add(config.episode.max_response_tokens).min(model.max_position_embeddings);
         Self {
             model,
             lora: config.lora.as_ref().map(LoraPlan::from_config),
@@ -243,7 +258,7 @@ impl PlanSettings {
                     RolloutEngineKind::Servers => Some(config.rollout.servers.as_ref().map_or(0, |s| s.urls.len())),
                 },
             },
-            context: context.unwrap_or(PROMPT_ALLOWANCE + config.episode.max_response_tokens),
+            context: context.unwrap_or(longest),
             checkpointing: config.grpo.activation_checkpointing,
             matmul: config.grpo.matmul,
             attention: config.attn_implementation,
@@ -294,6 +309,47 @@ impl PlanSettings {
     /// scratch block (the decoder refuses less before any episode starts).
     pub fn least_kv_budget(&self) -> u64 {
         (self.episode_kv_positions() + BLOCK_SIZE) as u64 * kv_position_bytes(&self.model, self.rollout_cache_dtype())
+    }
+
+    /// Why `train` refuses this run before any episode, whatever its data: episodes of
+    /// `max_response_tokens` responses after the shortest first prompt (one token) would pass the
+    /// model's context, or `rollout.kv_budget` cannot hold one of them (the rollouts run here).
+    /// `None` when neither.
+    pub fn refusal(&self, max_response_tokens: usize) -> Option<String> {
+        let context = self.model.max_position_embeddings;
+        if max_response_tokens >= context {
+            return Some(format!(
+                "episode.max_response_tokens = {max_response_tokens} leaves no room for a first prompt in the model's \
+                 context of {context} tokens (max_position_embeddings): `train` refuses a run whose episodes may \
+                 outgrow it; lower episode.max_response_tokens"
+            ));
+        }
+        let budget = self.kv_budget_positions().filter(|_| self.rollout.workers.is_none())?;
+        let needed = positions_to_hold(max_response_tokens + 2);
+        (budget < needed).then(|| {
+            format!(
+                "rollout.kv_budget holds {budget} KV positions of this model, fewer than the {needed} that even an \
+                 episode with a one-token first prompt and episode.max_response_tokens = {max_response_tokens} may \
+                 need: `train` refuses it; raise rollout.kv_budget or lower episode.max_response_tokens"
+            )
+        })
+    }
+
+    /// A note where `rollout.kv_budget` holds less than one episode at the plan's context (its
+    /// longest first prompt and responses): `train` refuses the budget if the data's longest
+    /// first prompt is that long. `None` otherwise, or where the rollouts run on workers.
+    pub fn kv_budget_note(&self) -> Option<String> {
+        let budget = self.rollout.kv_budget.filter(|_| self.rollout.workers.is_none())?;
+        let least = self.least_kv_budget();
+        (budget < least).then(|| {
+            format!(
+                "note: rollout.kv_budget ({}) holds less than one episode at the plan's context of {} tokens ({}): \
+                 `train` refuses it if the data's longest first prompt and episode.max_response_tokens come to that",
+                super::format_size(budget),
+                self.context,
+                super::format_size(least)
+            )
+        })
     }
 
     /// `rollout.kv_budget` in positions of the rollouts' cache (as `model::DecoderLimits` takes it).

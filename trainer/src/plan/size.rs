@@ -27,7 +27,25 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     if !bytes.is_finite() || bytes < 1.0 {
         return Err(bad());
     }
+    if bytes >= u64::MAX as f64 {
+        return Err(format!("\"{text}\" is more bytes than any memory holds (at most 16 EiB)"));
+    }
     Ok(bytes.round() as u64)
+}
+
+/// The least memory a device may be given as ([`parse_device_memory`]).
+const LEAST_DEVICE_MEMORY: u64 = 64 << 20;
+
+/// Parses a device's memory as [`parse_size`] does, refusing less than 64 MiB: such a figure is
+/// a size written without its unit (`80` is 80 bytes), not a device.
+pub fn parse_device_memory(text: &str) -> Result<u64, String> {
+    let bytes = parse_size(text)?;
+    if bytes < LEAST_DEVICE_MEMORY {
+        return Err(format!(
+            "\"{text}\" is {bytes} bytes, too little for a device's memory: write its unit (e.g. 80GiB, 80GB or 24576MiB)"
+        ));
+    }
+    Ok(bytes)
 }
 
 /// `bytes` in GiB with one decimal (MiB below 1 GiB), e.g. `12.3 GiB`, `512 MiB`.
@@ -57,6 +75,18 @@ mod tests {
             let err = parse_size(bad).unwrap_err();
             assert!(err.contains("80GiB"), "{bad}: {err}");
         }
+        let err = parse_size("99999999999999999999GiB").unwrap_err();
+        assert!(err.contains("more bytes than any memory"), "{err}");
+    }
+
+    /// A device's memory written without its unit is refused, not planned as a few bytes.
+    #[test]
+    fn a_device_memory_without_its_unit_is_refused() {
+        assert_eq!(parse_device_memory("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_device_memory("85899345920"), Ok(80 << 30));
+        let err = parse_device_memory("80").unwrap_err();
+        assert!(err.contains("80 bytes") && err.contains("80GiB"), "{err}");
+        assert!(parse_device_memory("0").unwrap_err().contains("80GiB"));
     }
 
     #[test]

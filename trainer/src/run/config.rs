@@ -513,7 +513,7 @@ impl TrainConfig {
             None => {}
         }
         if let Some(size) = &self.run.device_memory {
-            crate::plan::parse_size(size).map_err(|e| format!("run.device_memory: {e}"))?;
+            crate::plan::parse_device_memory(size).map_err(|e| format!("run.device_memory: {e}"))?;
         }
         Ok(())
     }
@@ -627,6 +627,8 @@ mod tests {
         assert!(parse("80GiB").validate().is_ok());
         let err = parse("eighty").validate().unwrap_err();
         assert!(err.contains("run.device_memory") && err.contains("eighty"), "{err}");
+        let err = parse("80").validate().unwrap_err();
+        assert!(err.contains("run.device_memory") && err.contains("80 bytes"), "{err}");
     }
 
     fn parse_rollout(keys: &str) -> TrainConfig {
