@@ -18,7 +18,8 @@
 #   first      the most telling steps of the others, most important first, within one command:
 #              check-device on the tiny model (f32, then bf16 weights), the trainer on the device
 #              (`demo --device cuda --steps 2`), then ours and PyTorch on the 0.6B shape, bf16
-#              weights (prefill, decode at batch 1 and 64), then each long pass of ours under
+#              weights (prefill, decode at batch 1 and 64), our decode again under CubeCL's
+#              profiler (as the third to fifth leases timed everything), then each long pass of ours under
 #              CubeCL's profiler (a 2,048-token prefill, a decoding step of 8 rows over 2,048
 #              positions, scoring 2 x 2,048 tokens: kernels and GPU time by name, beside the
 #              wall time); steps the time does not reach say NOT RUN
@@ -330,6 +331,12 @@ bench_0_6b() {
   step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
   bench "ours-$dtype" --model "$model" --dtype "$dtype" --decode-batch 1,64 --workloads prefill,decode,score,chained
   step "pytorch-$dtype" python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype "$dtype" --decode-batch 1,64
+  # The same decode under CubeCL's profiler, as every timed step of the third to fifth leases ran
+  # (CUBECL_DEBUG_LOG, which also times each kernel with a wait for the GPU before and after it):
+  # what that cost their figures, beside "ours-$dtype".
+  CUBECL_DEBUG_LOG="$work/profiler-cost.log" bench "ours-$dtype-under-profiler" --model "$model" --dtype "$dtype" \
+    --decode-batch 1,64 --workloads decode
+  rm -f "$work/profiler-cost.log"
   if [ "${2:-}" = train ]; then
     bench ours-train-bf16-products --model "$model" --dtype f32 --matmul bf16 --decode-batch 1 --decode-tokens 2 --train-step
     step pytorch-train-bf16-autocast python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype f32 \
