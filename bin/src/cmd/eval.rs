@@ -233,8 +233,8 @@ fn load_examples(
     let mut seen = HashSet::new();
     let mut repeated = 0;
     for path in paths {
-        let dataset = data::load(path, on_bad_row)
-            .with_context(|| format!("cannot load {}", path.display()))?;
+        // Every `DataError` names the file already.
+        let dataset = data::load(path, on_bad_row)?;
         if !dataset.skipped().is_empty() {
             eprintln!(
                 "note: skipped {} malformed rows of {}",
