@@ -144,9 +144,10 @@ step() {
     say "   ok in $((SECONDS - start)) s"
   fi
   if [ -z "${KERNEL_LOG:-}" ]; then
-    kernels=$(grep -c START_KERNEL_COMPILATION "$klog" 2> /dev/null)
+    # `--kernel-log` logs "[Compiling kernel] NAME" a kernel (CubeCL's basic level).
+    kernels=$(grep -c '^\[Compiling kernel\]' "$klog" 2> /dev/null)
     say "   kernels compiled: ${kernels:-0}"
-    grep -A1 START_KERNEL_COMPILATION "$klog" 2> /dev/null | grep '^name:' | cut -c7-60 | sort | uniq -c | sort -rn \
+    grep '^\[Compiling kernel\]' "$klog" 2> /dev/null | sed -e 's/^\[Compiling kernel\] //' -e 's/.*:://' | sort | uniq -c | sort -rn \
       | head -6 | sed 's/^/     /' | tee -a "$log"
     rm -f "$klog"
   fi

@@ -549,7 +549,7 @@ fn plan_refuses_what_train_refuses() {
     write("");
     refused(&["--device-memory", "80"], &["\"80\" is 80 bytes", "80GiB"]);
     refused(&["--device-memory", "80GiB", "--context", "50000"], &["--context 50000 passes the model's context of 40960"]);
-    refused(&["--device-memory", "80GiB", "--context", "0"], &["--context"]);
+    refused(&["--device-memory", "80GiB", "--context", "0"], &["invalid value '0' for '--context"]);
     let advised = ok_stdout(&["plan", "--config", config_arg, "--preset", "qwen3-4b", "--device", "cuda", "--device-memory", "80GiB"]);
     assert!(advised.contains("memory plan: 36 layers, hidden 2560, 4.02B parameters") && advised.contains("GPU, every pass over the paged KV cache"), "{advised}");
     let merge = advised.lines().find(|l| l.contains("try rollout.merge_lora = false")).unwrap_or_else(|| panic!("{advised}"));

@@ -72,10 +72,14 @@ fn configure_cubecl() {
     });
 }
 
-/// Appends CubeCL's compilation log (each kernel compiled, with its source) to `file`, leaving
-/// its profiler as the configuration has it.
+/// Appends CubeCL's compilation log to `file`: each kernel's name as it compiles (`basic`; a
+/// configuration that asks for more, such as `CUBECL_DEBUG_LOG`'s `full` with the sources, keeps
+/// it). Its profiler stays as the configuration has it. `full` would also compile every kernel
+/// with debug scopes, so a timed run logs at `basic`.
 fn log_compilations(config: &mut CubeClRuntimeConfig, file: PathBuf) {
-    config.compilation.logger.level = CompilationLogLevel::Full;
+    if matches!(config.compilation.logger.level, CompilationLogLevel::Disabled) {
+        config.compilation.logger.level = CompilationLogLevel::Basic;
+    }
     config.compilation.logger.file = Some(file);
 }
 
@@ -262,9 +266,13 @@ mod tests {
         let mut config = CubeClRuntimeConfig::default();
         assert!(!profiles_every_kernel(&config), "CubeCL's default profiles nothing");
         log_compilations(&mut config, PathBuf::from("kernels.log"));
-        assert!(matches!(config.compilation.logger.level, CompilationLogLevel::Full));
+        assert!(matches!(config.compilation.logger.level, CompilationLogLevel::Basic));
         assert_eq!(config.compilation.logger.file.as_deref(), Some(std::path::Path::new("kernels.log")));
         assert!(!profiles_every_kernel(&config));
+        // A configuration that logs the sources keeps logging them.
+        config.compilation.logger.level = CompilationLogLevel::Full;
+        log_compilations(&mut config, PathBuf::from("kernels.log"));
+        assert!(matches!(config.compilation.logger.level, CompilationLogLevel::Full));
     }
 
     /// The levels at which CubeCL's profiler syncs around each launch (`CUBECL_DEBUG_LOG` sets

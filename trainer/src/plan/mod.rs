@@ -718,7 +718,9 @@ mod tests {
             rollout: RolloutLimits { kv_budget: Some(positions * per_position), ..s.rollout },
             ..s.clone()
         };
-        let needed = model::decode::positions_to_hold(8192 + 2) as u64;
+        // As the rollouts' engine counts an episode: its first prompt (one token at the least),
+        // its responses, and the position after them.
+        let needed = model::decode::positions_to_hold(1 + 8192 + 1) as u64;
         let err = with_budget(needed - 1).refusal(8192).unwrap();
         assert!(err.contains(&format!("holds {} KV positions", needed - 1)) && err.contains(&needed.to_string()), "{err}");
         assert_eq!(with_budget(0).refusal(8192).map(|e| e.contains("holds 0 KV positions")), Some(true));

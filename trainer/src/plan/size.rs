@@ -36,11 +36,12 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// The least memory a device may be given as ([`parse_device_memory`]).
 const LEAST_DEVICE_MEMORY: u64 = 64 << 20;
 
-/// Parses a device's memory as [`parse_size`] does, refusing less than 64 MiB: such a figure is
-/// a size written without its unit (`80` is 80 bytes), not a device.
+/// Parses a device's memory as [`parse_size`] does, refusing a number without its unit below
+/// 64 MiB: that is a size whose unit was left out (`80` is 80 bytes), not a device.
 pub fn parse_device_memory(text: &str) -> Result<u64, String> {
     let bytes = parse_size(text)?;
-    if bytes < LEAST_DEVICE_MEMORY {
+    let unitless = text.trim().chars().all(|c| c.is_ascii_digit() || c == '.');
+    if unitless && bytes < LEAST_DEVICE_MEMORY {
         return Err(format!(
             "\"{text}\" is {bytes} bytes, too little for a device's memory: write its unit (e.g. 80GiB, 80GB or 24576MiB)"
         ));
@@ -87,6 +88,7 @@ mod tests {
         let err = parse_device_memory("80").unwrap_err();
         assert!(err.contains("80 bytes") && err.contains("80GiB"), "{err}");
         assert!(parse_device_memory("0").unwrap_err().contains("80GiB"));
+        assert_eq!(parse_device_memory("1MiB"), Ok(1 << 20), "a small memory written with its unit is meant");
     }
 
     #[test]
