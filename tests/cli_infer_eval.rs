@@ -321,6 +321,16 @@ fn infer_reports_an_unreachable_environment() {
     assert!(json["answer"].is_null());
     let stderr = text(&output.stderr);
     assert!(stderr.starts_with("error: the episode failed"), "{stderr}");
+    // As text, the cause is told once: in the command's error, not also in the turn display.
+    let output = run(&[
+        "infer", "--agent-url", &agent.base_url, "--agent-model", "scripted", "--question", "q?", "--env-url", &dead,
+        "--env-model", "m", "--env-attempts", "1",
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    let (stdout, stderr) = (text(&output.stdout), text(&output.stderr));
+    assert!(stdout.contains("stop reason: env_failure") && !stdout.contains("error:"), "{stdout}");
+    assert_eq!(stderr.matches("error:").count(), 1, "{stderr}");
+    assert!(stderr.contains("the episode failed") && stderr.contains("connection"), "{stderr}");
 }
 
 #[test]

@@ -135,7 +135,8 @@ fn print_outcome(trajectory: &Trajectory) {
         "stop reason: {reason} ({calls} to the large LLM, {:.1} s)",
         trajectory.timings.total_ms as f64 / 1000.0
     );
-    if let Some(error) = &trajectory.error {
+    // A failed episode's cause ends the command as its error (stderr), once.
+    if let Some(error) = trajectory.error.as_ref().filter(|_| !trajectory.stop_reason.is_failure()) {
         println!("error: {error}");
     }
 }
