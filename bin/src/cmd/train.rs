@@ -137,6 +137,9 @@ fn bf16_products_note(kernels: bool, products: Bf16Products) -> Option<String> {
 
 pub fn run(args: Args) -> Result<()> {
     let mut config = args.config()?;
+    for note in config.unused_settings() {
+        eprintln!("note: {note}");
+    }
     let plan = super::plan::check_before_training(&mut config, args.device).context("memory plan")?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
         let kernels = model::cpu_kernels::has_bf16_kernels();
@@ -272,6 +275,9 @@ impl OnBackend for Training {
             }
             if record.agent_failures > 0 {
                 lines.push(format!("step {}: {} episodes dropped (the agent's generation failed)", record.step, record.agent_failures));
+            }
+            for worker in &record.workers_left_out_why {
+                lines.push(format!("step {}: rollout worker left out: {worker}", record.step));
             }
             (message, lines)
         })?;

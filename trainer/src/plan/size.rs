@@ -49,11 +49,16 @@ pub fn parse_device_memory(text: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
-/// `bytes` in GiB with one decimal (MiB below 1 GiB), e.g. `12.3 GiB`, `512 MiB`.
+/// `bytes` in GiB with one decimal (MiB below 1 GiB, KiB below 1 MiB, bytes below 1 KiB), e.g.
+/// `12.3 GiB`, `512 MiB`, `300 KiB`.
 pub fn format_size(bytes: u64) -> String {
     const MIB: f64 = 1024.0 * 1024.0;
     let mib = bytes as f64 / MIB;
-    if mib < 1024.0 {
+    if bytes < 1024 {
+        format!("{bytes} B")
+    } else if bytes < 1 << 20 {
+        format!("{:.0} KiB", bytes as f64 / 1024.0)
+    } else if mib < 1024.0 {
         format!("{mib:.0} MiB")
     } else {
         format!("{:.1} GiB", mib / 1024.0)
@@ -96,5 +101,7 @@ mod tests {
         assert_eq!(format_size(80 << 30), "80.0 GiB");
         assert_eq!(format_size(512 << 20), "512 MiB");
         assert_eq!(format_size((3 << 30) + (300 << 20)), "3.3 GiB");
+        assert_eq!(format_size(300 << 10), "300 KiB");
+        assert_eq!(format_size(1000), "1000 B");
     }
 }

@@ -32,7 +32,7 @@ pub struct RolloutBatch<'a, B: Backend> {
 }
 
 /// What an engine reports about a rollout besides its trajectories.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RolloutStats {
     /// The local decoder's counters (prefill tokens, peak KV positions, preemptions); for
     /// engines that decode elsewhere, the prefill tokens their workers report and zero for the
@@ -40,6 +40,9 @@ pub struct RolloutStats {
     pub decoder: DecoderStats,
     /// Turns sent again to another worker after one failed (`rollout/server_retries`).
     pub server_retries: u64,
+    /// The workers left out by the rollout's end, each as `url (why)`: unreachable, or did not
+    /// take the policy (`rollout/workers_left_out`); empty for the local engine.
+    pub workers_left_out: Vec<String>,
     /// The local decoder's steps and their time, by kind; zero for engines that decode
     /// elsewhere.
     pub steps: super::StepTimes,
@@ -106,7 +109,7 @@ impl<B: Backend> RolloutEngine<B> for LocalEngine {
             .with_continuous_batching(self.rollout.continuous_batching);
         agent.set_batch_stream(batch.stream);
         let out = env::run_episodes_admitted(&mut agent, batch.env, batch.questions, batch.episode, self.rollout.admission(), &mut env::NoObserver);
-        Ok((out, RolloutStats { decoder: agent.decoder_stats(), server_retries: 0, steps: agent.step_times() }))
+        Ok((out, RolloutStats { decoder: agent.decoder_stats(), server_retries: 0, workers_left_out: Vec::new(), steps: agent.step_times() }))
     }
 
     /// Nothing to do: every rollout samples from the policy it is handed.

@@ -76,6 +76,20 @@ impl ModelDtype {
 }
 
 impl TrainConfig {
+    /// Settings the run leaves unused, as notes for the user: `[rollout.servers]` beside the
+    /// local engine.
+    pub fn unused_settings(&self) -> Vec<String> {
+        let mut notes = Vec::new();
+        if self.rollout.servers.is_some() && self.rollout.engine == RolloutEngineKind::Local {
+            notes.push(
+                "[rollout.servers] is set but rollout.engine is \"local\": the rollouts run on this machine \
+                 (set rollout.engine = \"servers\" to use the workers)"
+                    .to_string(),
+            );
+        }
+        notes
+    }
+
     /// How the run's models compute: the attention settings and `grpo.matmul`.
     pub fn compute(&self) -> Compute {
         Compute {
@@ -321,7 +335,7 @@ impl RolloutSection {
     /// Whether `kv_budget` is `"auto"`, to be settled against the device
     /// ([`crate::plan::auto_kv_budget`]).
     pub fn kv_budget_is_auto(&self) -> bool {
-        self.kv_budget.as_deref().is_some_and(|size| size.trim() == crate::plan::AUTO_KV_BUDGET)
+        self.kv_budget.as_deref().is_some_and(|size| size.trim().eq_ignore_ascii_case(crate::plan::AUTO_KV_BUDGET))
     }
 
     /// Checks `engine` against `[rollout.servers]`; the message names the key.
@@ -618,6 +632,17 @@ mod tests {
     }
 
     #[test]
+    fn workers_beside_the_local_engine_are_noted() {
+        let servers = "[rollout.servers]\nurls = [\"http://127.0.0.1:8000\"]\n";
+        let local = parse_rollout(&format!("generation_batch = 8\n{servers}"));
+        let notes = local.unused_settings();
+        assert!(notes.len() == 1 && notes[0].contains("rollout.engine = \"servers\""), "{notes:?}");
+        let on_servers = parse_rollout(&format!("engine = \"servers\"\n{servers}"));
+        assert!(on_servers.unused_settings().is_empty());
+        assert!(parse_rollout("generation_batch = 8").unused_settings().is_empty());
+    }
+
+    #[test]
     fn device_memory_is_a_size() {
         let parse = |size: &str| {
             let text = format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n[run]\ndevice_memory = \"{size}\"\n");
@@ -678,6 +703,9 @@ mod tests {
         assert_eq!(auto.validate(), Ok(()));
         let err = auto.rollout.decoder_limits(&qwen3_4b, DType::BF16).unwrap_err().to_string();
         assert!(err.contains("rollout.kv_budget = \"auto\"") && err.contains("prompt-r1 train"), "{err}");
+        // In any case, as `serve --kv-cache-memory` takes it.
+        let upper = parse_rollout("kv_budget = \"AUTO\"");
+        assert_eq!((upper.validate(), upper.rollout.kv_budget_is_auto()), (Ok(()), true));
     }
 
     #[test]

@@ -106,6 +106,13 @@ pub struct StepRecord {
     /// "servers"`; 0 otherwise).
     #[serde(rename = "rollout/server_retries")]
     pub server_retries: u64,
+    /// Rollout workers not in use at the rollout's end: unreachable, or they did not take the
+    /// step's policy (`rollout.engine = "servers"`; 0 otherwise).
+    #[serde(rename = "rollout/workers_left_out")]
+    pub workers_left_out: u64,
+    /// Those workers, each as `url (why)`, for the console (not in `metrics.jsonl`).
+    #[serde(skip)]
+    pub workers_left_out_why: Vec<String>,
     /// Seconds of the local rollouts' decoder steps that only decoded (sampling included), and
     /// of those that also prefilled joining episodes: where `timing_s/gen` went (0 on workers).
     #[serde(rename = "timing_s/gen_decode_steps")]
@@ -382,7 +389,7 @@ mod tests {
             r#""rollout/episodes":64,"rollout/agent_tokens":4096,"response_length/mean":64.5,"#,
             r#""num_turns/mean":2.5,"timing_s/gen":12.5,"timing_s/update_actor":30.25,"#,
             r#""perf/gen_tokens_per_s":327.5,"perf/prefill_tokens":20480,"perf/shared_prefix_tokens":1024,"perf/context_tokens":9216,"#,
-            r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"rollout/server_retries":3,"#,
+            r#""perf/kv_peak_positions":12288,"rollout/preemptions":2,"rollout/server_retries":3,"rollout/workers_left_out":1,"#,
             r#""timing_s/gen_decode_steps":8.5,"timing_s/gen_prefill_steps":3.75,"perf/gen_rows_per_step":6.25,"#,
             r#""val/reward/mean":0.625,"val/f1/mean":0.6875,"#,
             r#""perf/peak_rss_mb":2048.0,"perf/max_memory_reserved_gb":41.5,"perf/gen_max_memory_reserved_gb":30.25,"#,

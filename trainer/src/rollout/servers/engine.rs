@@ -145,14 +145,22 @@ impl<B: Backend> RolloutEngine<B> for ServerEngine {
                 self.pool.describe_failures()
             )));
         }
-        Ok((out, RolloutStats { decoder, server_retries: self.pool.retries() - retries, steps: Default::default() }))
+        Ok((
+            out,
+            RolloutStats {
+                decoder,
+                server_retries: self.pool.retries() - retries,
+                workers_left_out: self.pool.left_out(),
+                steps: Default::default(),
+            },
+        ))
     }
 
     /// Writes the policy (see `ServerEngine::write_policy`), has every worker load it and
     /// checks that each serves it; then removes the older policies but the newest two.
     fn policy_changed(&mut self, step: u64, policy: LoraModel<'_, B>) -> Result<(), TrainError> {
         let path = self.write_policy(step, &policy)?;
-        self.pool.push_policy(&path).map_err(TrainError::Servers)?;
+        self.pool.push_policy(&path, &self.initial).map_err(TrainError::Servers)?;
         self.prune(&path)
     }
 }

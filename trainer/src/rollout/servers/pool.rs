@@ -92,6 +92,11 @@ impl ServerPool {
         self.slots[i].down.get_or_insert(reason);
     }
 
+    /// The workers not in use, each as `url (why)`.
+    pub fn left_out(&self) -> Vec<String> {
+        self.slots.iter().filter_map(|s| s.down.as_ref().map(|why| format!("{} ({why})", s.worker.base()))).collect()
+    }
+
     /// Every worker's state, for an error once none is left: `url: why; url: why`.
     pub(crate) fn describe_failures(&self) -> String {
         self.slots
@@ -102,15 +107,16 @@ impl ServerPool {
     }
 
     /// Has every worker load the policy in the directory `path` (absolute), and checks with
-    /// `GET /v1/models` that each now serves it from there. A worker that fails is left out
-    /// until it takes a later policy; one that had been left out and takes this one is used
-    /// again. An error when no worker took it (naming each worker's failure).
-    pub(crate) fn push_policy(&mut self, path: &Path) -> Result<(), String> {
+    /// `GET /v1/models` that each now serves it from there; LoRA adapters also on the run's
+    /// `base` model, where the worker's base is a directory on this machine. A worker that fails
+    /// is left out until it takes a later policy; one that had been left out and takes this one
+    /// is used again. An error when no worker took it (naming each worker's failure).
+    pub(crate) fn push_policy(&mut self, path: &Path, base: &Path) -> Result<(), String> {
         let kind = &self.kind;
         let timeout = self.sync_timeout;
         std::thread::scope(|scope| {
             for slot in self.slots.iter_mut() {
-                scope.spawn(move || match push_to(slot, kind, path, timeout) {
+                scope.spawn(move || match push_to(slot, kind, path, base, timeout) {
                     Ok(()) => slot.down = None,
                     Err(reason) => slot.down = Some(format!("did not take the policy {}: {reason}", path.display())),
                 });
@@ -123,8 +129,8 @@ impl ServerPool {
     }
 }
 
-/// Loads the policy at `path` on one worker and checks that it serves it.
-fn push_to(slot: &mut Slot, kind: &PolicyKind, path: &Path, timeout: Duration) -> Result<(), String> {
+/// Loads the policy at `path` on one worker and checks that it serves it (adapters on `base`).
+fn push_to(slot: &mut Slot, kind: &PolicyKind, path: &Path, base: &Path, timeout: Duration) -> Result<(), String> {
     let shown = path.to_string_lossy();
     let worker = &slot.worker;
     match kind {
@@ -161,6 +167,22 @@ fn push_to(slot: &mut Slot, kind: &PolicyKind, path: &Path, timeout: Duration) -
     let root = entry.root.as_deref().unwrap_or("");
     if !same_path(root, path) {
         return Err(format!("{url}: the {wanted} is served from {root:?}, not the policy just pushed"));
+    }
+    if let PolicyKind::Adapter(name) = kind {
+        // The adapter applies to whatever base the worker holds (a full fine-tuning run may have
+        // replaced it). A base served from a directory on this machine must be the run's own; one
+        // named otherwise (a hub id, a path on another host) cannot be checked from here.
+        let parent = entry.parent.as_deref().and_then(|id| models.iter().find(|m| m.id == id));
+        if let Some(root) = parent.and_then(|m| m.root.as_deref()).filter(|r| Path::new(r).is_dir()) {
+            if !same_path(root, base) {
+                return Err(format!(
+                    "{url}: the adapter {name:?} runs on the base model served from {root:?}, not the run's model {}: \
+                     start the worker with `--model {}`",
+                    base.display(),
+                    base.display()
+                ));
+            }
+        }
     }
     if *kind == PolicyKind::Full && slot.model.is_empty() {
         slot.model = entry.id.clone();

@@ -317,30 +317,36 @@ fn with_no_worker_left_the_turn_fails_naming_every_worker() {
 }
 
 /// A worker that loads what it is told and lists it under `/v1/models`; with `stale`, it
-/// accepts loads but keeps listing its first root.
+/// accepts loads but keeps listing its first roots.
 fn loading_worker(stale: bool) -> FakeWorker {
-    let root = Arc::new(Mutex::new("/models/initial".to_string()));
+    loading_worker_on(stale, "/models/initial")
+}
+
+/// [`loading_worker`], started on the base model at `base` (its base entry's root until full
+/// weights are loaded).
+fn loading_worker_on(stale: bool, base: &str) -> FakeWorker {
+    let roots = Arc::new(Mutex::new((base.to_string(), "/models/initial".to_string())));
     FakeWorker::start(move |r: &Received| {
         let body = r.json();
-        let mut root = root.lock().unwrap();
+        let mut roots = roots.lock().unwrap();
         match (r.method.as_str(), r.path.as_str()) {
             ("POST", "/v1/load_lora_adapter") => {
                 if !stale {
-                    *root = body["lora_path"].as_str().unwrap().to_string();
+                    roots.1 = body["lora_path"].as_str().unwrap().to_string();
                 }
                 Answer::Text(200, "Success: LoRA adapter 'policy' added successfully.".into())
             }
             ("POST", "/update_weights_from_disk") => {
                 if !stale {
-                    *root = body["model_path"].as_str().unwrap().to_string();
+                    roots.0 = body["model_path"].as_str().unwrap().to_string();
                 }
                 Answer::Json(200, r#"{"success": true, "message": "loaded"}"#.into())
             }
             ("GET", "/v1/models") => Answer::Json(
                 200,
                 json!({"object": "list", "data": [
-                    {"id": "served-tiny", "object": "model", "created": 0, "owned_by": "prompt-r1", "root": root.as_str(), "parent": null, "max_model_len": 256},
-                    {"id": "policy", "object": "model", "created": 0, "owned_by": "prompt-r1", "root": root.as_str(), "parent": "served-tiny"},
+                    {"id": "served-tiny", "object": "model", "created": 0, "owned_by": "prompt-r1", "root": roots.0.as_str(), "parent": null, "max_model_len": 256},
+                    {"id": "policy", "object": "model", "created": 0, "owned_by": "prompt-r1", "root": roots.1.as_str(), "parent": "served-tiny"},
                 ]})
                 .to_string(),
             ),
@@ -403,6 +409,30 @@ fn lora_policies_are_loaded_on_every_worker_and_checked() {
     assert_eq!(asked, ["policy", "policy"]);
 }
 
+/// A LoRA run's adapters apply to the worker's base: a worker whose base is another directory
+/// of this machine (a full fine-tuning run's policy, say) is left out, naming both; one on the
+/// run's model, or on a base named otherwise (not a directory here), takes the adapters.
+#[test]
+fn adapters_are_pushed_only_to_workers_on_the_runs_base_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("model");
+    let model = tiny_model(&base);
+    let elsewhere = dir.path().join("another-policy");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let adapters = LoraAdapters::<Flex>::init(&LoraConfig::default(), &model.config, 1, &Default::default());
+    let on_base = loading_worker_on(false, base.to_str().unwrap());
+    let on_hub_id = loading_worker_on(false, "Qwen/Qwen3-0.6B");
+    let on_other = loading_worker_on(false, elsewhere.to_str().unwrap());
+    let pool = ServerPool::new(&settings(&[&on_base.url, &on_hub_id.url, &on_other.url]), true).unwrap();
+    let mut engine = ServerEngine::new(pool, dir.path().join("policy"), base.clone(), StorageDtype::F32, 8);
+    RolloutEngine::<Flex>::policy_changed(&mut engine, 0, LoraModel::new(&model, Some(&adapters))).unwrap();
+    assert_eq!(engine.pool().live(), 2);
+    let only_other = ServerPool::new(&settings(&[&on_other.url]), true).unwrap();
+    let mut engine = ServerEngine::new(only_other, dir.path().join("policy2"), base.clone(), StorageDtype::F32, 8);
+    let err = RolloutEngine::<Flex>::policy_changed(&mut engine, 0, LoraModel::new(&model, Some(&adapters))).unwrap_err().to_string();
+    assert!(err.contains(&on_other.url) && err.contains("another-policy") && err.contains("not the run's model"), "{err}");
+}
+
 #[test]
 fn a_worker_that_does_not_serve_the_pushed_policy_is_left_out() {
     let dir = tempfile::tempdir().unwrap();
@@ -425,8 +455,11 @@ fn a_worker_that_does_not_serve_the_pushed_policy_is_left_out() {
         sampling: &Sampling::default(),
         longest_prompt: 0,
     };
-    let (ts, _) = engine.rollouts(batch).unwrap();
+    let (ts, stats) = engine.rollouts(batch).unwrap();
     assert!(ts.iter().all(|t| t.stop_reason == StopReason::Answer));
+    // The step reports it left out, and why.
+    assert_eq!(stats.workers_left_out.len(), 1, "{:?}", stats.workers_left_out);
+    assert!(stats.workers_left_out[0].starts_with(&stale.url) && stats.workers_left_out[0].contains("did not take the policy"));
     assert!(stale.bodies("/v1/completions").is_empty());
     assert_eq!(good.bodies("/v1/completions").len(), 4);
 
