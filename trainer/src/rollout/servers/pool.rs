@@ -169,15 +169,17 @@ fn push_to(slot: &mut Slot, kind: &PolicyKind, path: &Path, base: &Path, timeout
         return Err(format!("{url}: the {wanted} is served from {root:?}, not the policy just pushed"));
     }
     if let PolicyKind::Adapter(name) = kind {
-        // The adapter applies to whatever base the worker holds (a full fine-tuning run may have
-        // replaced it). A base served from a directory on this machine must be the run's own; one
-        // named otherwise (a hub id, a path on another host) cannot be checked from here.
+        // The adapter applies to whatever base the worker holds, and a full fine-tuning run's
+        // pushes replace that base with its policies: a worker whose base is such a policy, not
+        // the run's model, would sample from the wrong weights. Other bases (the model as the
+        // worker was started on it: a path of its own host, a hub id) cannot be told apart from
+        // the run's from here, and are taken.
         let parent = entry.parent.as_deref().and_then(|id| models.iter().find(|m| m.id == id));
-        if let Some(root) = parent.and_then(|m| m.root.as_deref()).filter(|r| Path::new(r).is_dir()) {
-            if !same_path(root, base) {
+        if let Some(root) = parent.and_then(|m| m.root.as_deref()) {
+            if is_pushed_policy(Path::new(root), path) && !same_path(root, base) {
                 return Err(format!(
-                    "{url}: the adapter {name:?} runs on the base model served from {root:?}, not the run's model {}: \
-                     start the worker with `--model {}`",
+                    "{url}: the adapter {name:?} would run on a policy pushed by an earlier run ({root:?}), not on \
+                     the run's model {}: restart the worker with `--model {}`",
                     base.display(),
                     base.display()
                 ));
@@ -188,6 +190,13 @@ fn push_to(slot: &mut Slot, kind: &PolicyKind, path: &Path, base: &Path, timeout
         slot.model = entry.id.clone();
     }
     Ok(())
+}
+
+/// Whether a worker's base `root` is a policy a trainer pushed: an absolute path named as a
+/// step's policy (`step-NNNNNNN`), or beside the policy `pushed` now.
+fn is_pushed_policy(root: &Path, pushed: &Path) -> bool {
+    let named = root.file_name().and_then(|n| n.to_str()).is_some_and(|n| crate::run::checkpoint::checkpoint_step(n).is_some());
+    root.is_absolute() && (named || root.parent() == pushed.parent())
 }
 
 /// Whether the `root` a worker reports is `path` (as written, or after resolving links).

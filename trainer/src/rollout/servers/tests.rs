@@ -409,28 +409,30 @@ fn lora_policies_are_loaded_on_every_worker_and_checked() {
     assert_eq!(asked, ["policy", "policy"]);
 }
 
-/// A LoRA run's adapters apply to the worker's base: a worker whose base is another directory
-/// of this machine (a full fine-tuning run's policy, say) is left out, naming both; one on the
-/// run's model, or on a base named otherwise (not a directory here), takes the adapters.
+/// A LoRA run's adapters apply to the worker's base: a worker whose base a full fine-tuning
+/// run's push replaced with its policy (a `step-N` directory, gone or not) is left out, naming
+/// both; one on the run's model, on a hub id, on a path of its own host or started with a
+/// relative `--model` takes the adapters.
 #[test]
 fn adapters_are_pushed_only_to_workers_on_the_runs_base_model() {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("model");
     let model = tiny_model(&base);
-    let elsewhere = dir.path().join("another-policy");
-    std::fs::create_dir_all(&elsewhere).unwrap();
+    let old_policy = dir.path().join("old-run").join("policy").join(crate::run::checkpoint::checkpoint_name(200));
     let adapters = LoraAdapters::<Flex>::init(&LoraConfig::default(), &model.config, 1, &Default::default());
-    let on_base = loading_worker_on(false, base.to_str().unwrap());
-    let on_hub_id = loading_worker_on(false, "Qwen/Qwen3-0.6B");
-    let on_other = loading_worker_on(false, elsewhere.to_str().unwrap());
-    let pool = ServerPool::new(&settings(&[&on_base.url, &on_hub_id.url, &on_other.url]), true).unwrap();
+    let taken = [base.to_str().unwrap(), "Qwen/Qwen3-0.6B", "/models/Qwen3-0.6B", "."].map(|root| loading_worker_on(false, root));
+    let on_old_policy = loading_worker_on(false, old_policy.to_str().unwrap());
+    let urls: Vec<&str> = taken.iter().chain([&on_old_policy]).map(|w| w.url.as_str()).collect();
+    let pool = ServerPool::new(&settings(&urls), true).unwrap();
     let mut engine = ServerEngine::new(pool, dir.path().join("policy"), base.clone(), StorageDtype::F32, 8);
     RolloutEngine::<Flex>::policy_changed(&mut engine, 0, LoraModel::new(&model, Some(&adapters))).unwrap();
-    assert_eq!(engine.pool().live(), 2);
-    let only_other = ServerPool::new(&settings(&[&on_other.url]), true).unwrap();
-    let mut engine = ServerEngine::new(only_other, dir.path().join("policy2"), base.clone(), StorageDtype::F32, 8);
+    assert_eq!(engine.pool().live(), 4);
+    let left_out = engine.pool().left_out();
+    assert!(left_out.len() == 1 && left_out[0].starts_with(&on_old_policy.url), "{left_out:?}");
+    let only_old = ServerPool::new(&settings(&[&on_old_policy.url]), true).unwrap();
+    let mut engine = ServerEngine::new(only_old, dir.path().join("policy2"), base.clone(), StorageDtype::F32, 8);
     let err = RolloutEngine::<Flex>::policy_changed(&mut engine, 0, LoraModel::new(&model, Some(&adapters))).unwrap_err().to_string();
-    assert!(err.contains(&on_other.url) && err.contains("another-policy") && err.contains("not the run's model"), "{err}");
+    assert!(err.contains(&on_old_policy.url) && err.contains("step-0000200") && err.contains("not on the run's model"), "{err}");
 }
 
 #[test]
