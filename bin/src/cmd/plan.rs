@@ -101,11 +101,10 @@ fn refuse_what_train_refuses(config: &TrainConfig, shape: &Qwen3Config, device: 
     if let Some(context) = context.filter(|&c| c > most) {
         bail!("--context {context} passes the model's context of {most} tokens (max_position_embeddings): `train` refuses longer episodes");
     }
-    let settings = settings_for(config, shape.clone(), device, context, None);
-    if let Some(why) = settings.refusal(config.episode.max_response_tokens) {
+    let responses = config.episode.max_response_tokens;
+    if let Some(why) = settings_for(config, shape.clone(), device, context, None).refusal(responses) {
         bail!("{why}");
     }
-    let responses = config.episode.max_response_tokens;
     if context.is_none() && PROMPT_ALLOWANCE + responses > most {
         println!(
             "note: the plan's context is the model's {most} tokens (max_position_embeddings), less than \

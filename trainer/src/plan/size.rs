@@ -4,6 +4,11 @@
 /// (powers of 1000) or `KiB`/`MiB`/`GiB`/`TiB` (powers of 1024), in any case; no unit means
 /// bytes. The error says what was expected.
 pub fn parse_size(text: &str) -> Result<u64, String> {
+    parse_with_unit(text).map(|(bytes, _)| bytes)
+}
+
+/// [`parse_size`], and whether the size was written with a unit.
+fn parse_with_unit(text: &str) -> Result<(u64, bool), String> {
     let trimmed = text.trim();
     let split = trimmed
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -30,7 +35,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     if bytes >= u64::MAX as f64 {
         return Err(format!("\"{text}\" is more bytes than any memory holds (at most 16 EiB)"));
     }
-    Ok(bytes.round() as u64)
+    Ok((bytes.round() as u64, !unit.trim().is_empty()))
 }
 
 /// The least memory a device may be given as ([`parse_device_memory`]).
@@ -39,9 +44,8 @@ const LEAST_DEVICE_MEMORY: u64 = 64 << 20;
 /// Parses a device's memory as [`parse_size`] does, refusing a number without its unit below
 /// 64 MiB: that is a size whose unit was left out (`80` is 80 bytes), not a device.
 pub fn parse_device_memory(text: &str) -> Result<u64, String> {
-    let bytes = parse_size(text)?;
-    let unitless = text.trim().chars().all(|c| c.is_ascii_digit() || c == '.');
-    if unitless && bytes < LEAST_DEVICE_MEMORY {
+    let (bytes, with_unit) = parse_with_unit(text)?;
+    if !with_unit && bytes < LEAST_DEVICE_MEMORY {
         return Err(format!(
             "\"{text}\" is {bytes} bytes, too little for a device's memory: write its unit (e.g. 80GiB, 80GB or 24576MiB)"
         ));

@@ -294,7 +294,7 @@ impl<B: AutodiffBackend> Trainer<B> {
             preemptions: decoded.preemptions + decoded.evictions,
             server_retries: rolled.server_retries,
             workers_left_out: rolled.workers_left_out.len() as u64,
-            workers_left_out_why: rolled.workers_left_out.clone(),
+            workers_left_out_why: rolled.workers_left_out,
             rollout_decode_secs: rolled.steps.decode_time.as_secs_f32(),
             rollout_prefill_secs: rolled.steps.prefill_time.as_secs_f32(),
             rollout_rows_per_step: rolled.steps.rows_per_step(decoded.decode_tokens) as f32,
