@@ -69,11 +69,12 @@ impl PromptTexts {
         Ok(texts)
     }
 
-    /// The first prompt for `question` (surrounding whitespace of the question is dropped).
+    /// The first prompt for `question`, taken verbatim as the reference does: the reference
+    /// datasets' prompts are exactly this text, whitespace around the question included.
     pub fn first_prompt(&self, question: &str) -> FirstPrompt {
         FirstPrompt {
             system: self.system.clone(),
-            user: format!("Question: {}\n{}", question.trim(), self.instruction),
+            user: format!("Question: {question}\n{}", self.instruction),
         }
     }
 }
@@ -125,7 +126,7 @@ mod tests {
             system: "SYS".into(),
             instruction: "INSTR".into(),
         };
-        let prompt = texts.first_prompt("  Who wrote Hamlet? \n");
+        let prompt = texts.first_prompt("Who wrote Hamlet?");
         assert_eq!(prompt.user, "Question: Who wrote Hamlet?\nINSTR");
         assert_eq!(
             prompt.chatml(),
@@ -135,6 +136,12 @@ mod tests {
             prompt.messages()[1],
             ChatMessage::user("Question: Who wrote Hamlet?\nINSTR")
         );
+    }
+
+    #[test]
+    fn the_question_is_taken_verbatim() {
+        let texts = PromptTexts { system: "SYS".into(), instruction: "INSTR".into() };
+        assert_eq!(texts.first_prompt("Who wrote Hamlet? ").user, "Question: Who wrote Hamlet? \nINSTR");
     }
 
     #[test]
