@@ -194,8 +194,9 @@ impl AgentContext {
 /// [`begin_episode`](Agent::begin_episode) once per episode as it begins (all at once, or as
 /// [`Admission`](crate::Admission) lets them in, between other episodes' turns), then turn by
 /// turn [`generate_turns`](Agent::generate_turns) with every episode still running, then
-/// [`append_environment`](Agent::append_environment) for each episode whose call was answered,
-/// and finally [`end_episode`](Agent::end_episode).
+/// [`environment_tokens`](Agent::environment_tokens) for each episode whose call was answered
+/// (the loop appends them where they fit the episode's response budget), and finally
+/// [`end_episode`](Agent::end_episode).
 ///
 /// A token-level agent (the local model) tokenises the first prompt's ChatML once in
 /// `begin_episode` (recording it with [`AgentContext::record_context_tokens`]), records each
@@ -213,14 +214,10 @@ pub trait Agent {
         episodes: &mut [&mut AgentContext],
     ) -> Vec<Result<TurnText, AgentError>>;
 
-    /// Appends the environment's `text` (see [`environment_text`](crate::environment_text)) to
-    /// the context with loss mask 0; returns the tokens it added (an estimate for agents
-    /// without a tokenizer).
-    fn append_environment(
-        &mut self,
-        ctx: &mut AgentContext,
-        text: &str,
-    ) -> Result<usize, AgentError>;
+    /// The environment's `text` (see [`environment_text`](crate::environment_text)) as this
+    /// agent's context would hold it. The episode loop appends it with loss mask 0 where it fits
+    /// the episode's response budget, and ends the episode otherwise.
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError>;
 
     /// Called once the episode is over, to free per-episode state.
     fn end_episode(&mut self, _ctx: &mut AgentContext) {}
@@ -275,6 +272,30 @@ pub fn turns_by_advancing<A: Agent + ?Sized>(
         .into_iter()
         .map(|r| r.unwrap_or_else(|| Err(AgentError::Model("the turn was not generated".into()))))
         .collect()
+}
+
+/// The environment's text in an agent's context ([`Agent::environment_tokens`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EnvironmentTokens {
+    /// A token-level agent's token ids, recorded in the episode's [`TokenTrace`].
+    Ids(Vec<u32>),
+    /// A text-level agent's estimate of their number (nothing is recorded).
+    Estimated(usize),
+}
+
+impl EnvironmentTokens {
+    /// How many tokens the text takes in the context.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Ids(ids) => ids.len(),
+            Self::Estimated(n) => *n,
+        }
+    }
+
+    /// Whether the text takes no token.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A rough token count for text whose tokens are unknown (about four characters per token).

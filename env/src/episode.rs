@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::agent::{Agent, AgentContext, Exchange, TurnEnd};
+use crate::agent::{Agent, AgentContext, EnvironmentTokens, Exchange, TurnEnd};
 use crate::environment::{environment_messages, Environment, ENV_SYSTEM_MESSAGE};
 use crate::parallel::ParallelRunner;
 use crate::prompts::PromptTexts;
@@ -443,7 +443,9 @@ impl<A: Agent + ?Sized> Run<'_, A> {
         }
     }
 
-    /// Appends the environment's reply to its episode (or ends it on a failed call).
+    /// Appends the environment's reply to its episode, or ends the episode: on a failed call, or
+    /// at the token limit when the reply would take its response past `max_response_tokens`
+    /// (the reply is then not appended: a response never exceeds the limit).
     fn take_reply(
         &mut self,
         episode: &mut Episode,
@@ -469,11 +471,20 @@ impl<A: Agent + ?Sized> Run<'_, A> {
         };
         let shown = config.reply.show(&reply);
         let text = environment_text(&shown.text, call.agent_emitted_im_end);
-        record.response = Some(reply.clone());
-        record.response_truncated = shown.truncated;
-        match self.agent.append_environment(&mut episode.ctx, &text) {
+        let room = config.max_response_tokens.saturating_sub(episode.response_tokens);
+        match self.agent.environment_tokens(&text) {
+            Ok(tokens) if tokens.len() > room => {
+                self.observer.turn_finished(call.episode, &record);
+                episode.turns.push(record);
+                self.finish(episode, StopReason::TokenLimit, None, None);
+            }
             Ok(tokens) => {
-                episode.response_tokens += tokens;
+                if let EnvironmentTokens::Ids(ids) = &tokens {
+                    episode.ctx.record_context_tokens(ids);
+                }
+                record.response = Some(reply.clone());
+                record.response_truncated = shown.truncated;
+                episode.response_tokens += tokens.len();
                 episode.response_text.push_str(&text);
                 let exchange = Exchange {
                     turn_text: record.text.clone(),

@@ -30,8 +30,8 @@ mod trajectory;
 mod turn;
 
 pub use agent::{
-    estimate_tokens, turns_by_advancing, Agent, AgentContext, AgentError, Exchange, TokenTrace, TurnEnd,
-    TurnText,
+    estimate_tokens, turns_by_advancing, Agent, AgentContext, AgentError, EnvironmentTokens, Exchange, TokenTrace,
+    TurnEnd, TurnText,
 };
 pub use crate::chat::{ChatMessage, ChatReply, Role, SamplingParams, Usage};
 pub use client::OpenAiClient;

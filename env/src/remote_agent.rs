@@ -1,7 +1,7 @@
 //! An agent served behind an OpenAI-compatible API (e.g. the trained agent on vLLM or
 //! `prompt-r1 serve`), driven with text only.
 
-use crate::agent::{estimate_tokens, Agent, AgentContext, AgentError, TurnEnd, TurnText};
+use crate::agent::{estimate_tokens, Agent, AgentContext, AgentError, EnvironmentTokens, TurnEnd, TurnText};
 use crate::chat::{ChatMessage, ChatReply, SamplingParams};
 use crate::client::OpenAiClient;
 use crate::parallel::ParallelRunner;
@@ -121,12 +121,8 @@ impl Agent for RemoteAgent {
         )
     }
 
-    fn append_environment(
-        &mut self,
-        _ctx: &mut AgentContext,
-        text: &str,
-    ) -> Result<usize, AgentError> {
-        Ok(estimate_tokens(text))
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
+        Ok(EnvironmentTokens::Estimated(estimate_tokens(text)))
     }
 }
 

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use prompt_r1_env::{
     run_episodes, run_episodes_admitted, run_episodes_observed, Admission, Agent, AgentContext, AgentError, ChatMessage, EnvError,
-    Environment, EpisodeConfig, EpisodeObserver, ReplyFormat, StopReason, Trajectory, TurnEnd,
+    Environment, EnvironmentTokens, EpisodeConfig, EpisodeObserver, ReplyFormat, StopReason, Trajectory, TurnEnd,
     TurnRecord, TurnText, ENV_SYSTEM_MESSAGE, REFERENCE_INSTRUCTION, REFERENCE_SYSTEM,
 };
 
@@ -134,14 +134,8 @@ impl Agent for ScriptedAgent {
             .collect()
     }
 
-    fn append_environment(
-        &mut self,
-        ctx: &mut AgentContext,
-        text: &str,
-    ) -> Result<usize, AgentError> {
-        let ids = tokenize(text);
-        ctx.record_context_tokens(&ids);
-        Ok(ids.len())
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
+        Ok(EnvironmentTokens::Ids(tokenize(text)))
     }
 
     fn end_episode(&mut self, ctx: &mut AgentContext) {
@@ -499,6 +493,34 @@ fn the_total_token_budget_ends_episodes() {
 }
 
 #[test]
+fn a_reply_past_the_response_budget_ends_the_episode_unappended() {
+    let call = turn("<think>t</think><interaction_prompt>p</interaction_prompt>");
+    let env = ScriptedEnv::new(|_: &[ChatMessage]| Ok("r".repeat(50)));
+    // 59 tokens per call turn, 142 per environment text.
+    let run = |max_response_tokens: usize| {
+        let mut agent = ScriptedAgent::new(&[("q", vec![call.clone()])]);
+        let config = EpisodeConfig { max_response_tokens, max_turn_tokens: 1000, ..EpisodeConfig::default() };
+        run_episodes(&mut agent, &env, &["q"], &config).remove(0)
+    };
+    let cut = run(59 + 141);
+    assert_eq!(cut.stop_reason, StopReason::TokenLimit);
+    assert_eq!(cut.env_calls, 1);
+    assert_eq!(cut.response_tokens, 59);
+    assert_eq!(cut.token_ids.len() - cut.prompt_len, 59);
+    assert_eq!(cut.turns.len(), 1);
+    assert_eq!(cut.turns[0].prompt.as_deref(), Some("p"));
+    assert_eq!(cut.turns[0].response, None);
+    assert!(cut.response_text.ends_with("</interaction_prompt><|im_end|>"), "{}", cut.response_text);
+    // A reply that just fits is appended, and leaves nothing for another turn.
+    let fits = run(59 + 142);
+    assert_eq!(fits.stop_reason, StopReason::TokenLimit);
+    assert_eq!(fits.response_tokens, 59 + 142);
+    assert_eq!(fits.token_ids.len() - fits.prompt_len, 59 + 142);
+    assert_eq!(fits.turns.len(), 1);
+    assert!(fits.turns[0].response.is_some());
+}
+
+#[test]
 fn long_replies_are_cut_for_the_agent_but_kept_whole_in_the_record() {
     let script = vec![
         turn("<think>t</think><interaction_prompt>long please</interaction_prompt>"),
@@ -748,8 +770,8 @@ impl Agent for OneAtATime {
         self.inner.generate_turns(episodes)
     }
 
-    fn append_environment(&mut self, ctx: &mut AgentContext, text: &str) -> Result<usize, AgentError> {
-        self.inner.append_environment(ctx, text)
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
+        self.inner.environment_tokens(text)
     }
 
     fn end_episode(&mut self, ctx: &mut AgentContext) {
@@ -931,8 +953,8 @@ impl Agent for DropsATurn {
         self.0.generate_turns(episodes)
     }
 
-    fn append_environment(&mut self, ctx: &mut AgentContext, text: &str) -> Result<usize, AgentError> {
-        self.0.append_environment(ctx, text)
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
+        self.0.environment_tokens(text)
     }
 
     fn end_episode(&mut self, ctx: &mut AgentContext) {

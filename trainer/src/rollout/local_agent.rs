@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
-use env::{Agent, AgentContext, AgentError, TurnEnd, TurnText};
+use env::{Agent, AgentContext, AgentError, EnvironmentTokens, TurnEnd, TurnText};
 use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
 use model::{choose_row_tokens, Decoder, DecoderLimits, DecoderStats, LoraAdapters, LoraModel, ModelError, Qwen3ForCausalLM, RowSampling, Sampling, SequenceId};
@@ -322,16 +322,8 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
         self.decoder.finish(ctx.index() as SequenceId);
     }
 
-    fn append_environment(
-        &mut self,
-        ctx: &mut AgentContext,
-        text: &str,
-    ) -> Result<usize, AgentError> {
-        let ids = self
-            .tokenizer
-            .encode(text)
-            .map_err(|e| AgentError::Model(e.to_string()))?;
-        ctx.record_context_tokens(&ids);
-        Ok(ids.len())
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
+        let ids = self.tokenizer.encode(text).map_err(|e| AgentError::Model(e.to_string()))?;
+        Ok(EnvironmentTokens::Ids(ids))
     }
 }

@@ -119,7 +119,8 @@ fn from_text(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequ
 mod tests {
     use super::*;
     use env::{
-        Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment, EpisodeConfig, PromptTexts, TurnText,
+        Agent, AgentContext, AgentError, ChatMessage, EnvError, Environment, EnvironmentTokens, EpisodeConfig, PromptTexts,
+        TurnText,
     };
     use model::tiny_tokenizer::{train_tiny_tokenizer, TINY_VOCAB_SIZE};
 
@@ -161,11 +162,11 @@ mod tests {
                 .collect()
         }
 
-        fn append_environment(&mut self, ctx: &mut AgentContext, text: &str) -> Result<usize, AgentError> {
-            if let Some(t) = self.tokenizer {
-                ctx.record_context_tokens(&t.encode(text).unwrap());
-            }
-            Ok(1)
+        fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
+            Ok(match self.tokenizer {
+                Some(t) => EnvironmentTokens::Ids(t.encode(text).unwrap()),
+                None => EnvironmentTokens::Estimated(1),
+            })
         }
     }
 

@@ -177,8 +177,8 @@ impl Agent for ForcedCalls<'_> {
             .collect()
     }
 
-    fn append_environment(&mut self, ctx: &mut AgentContext, text: &str) -> Result<usize, env::AgentError> {
-        self.0.append_environment(ctx, text)
+    fn environment_tokens(&mut self, text: &str) -> Result<env::EnvironmentTokens, env::AgentError> {
+        self.0.environment_tokens(text)
     }
 
     fn end_episode(&mut self, ctx: &mut AgentContext) {

@@ -580,14 +580,8 @@ mod tests {
                 .collect()
         }
 
-        fn append_environment(
-            &mut self,
-            ctx: &mut AgentContext,
-            text: &str,
-        ) -> Result<usize, AgentError> {
-            let n = env::estimate_tokens(text);
-            ctx.record_context_tokens(&vec![3; n]);
-            Ok(n)
+        fn environment_tokens(&mut self, text: &str) -> Result<env::EnvironmentTokens, AgentError> {
+            Ok(env::EnvironmentTokens::Ids(vec![3; env::estimate_tokens(text)]))
         }
     }
 

@@ -3,7 +3,7 @@
 //! loop, so its call reaches the served large LLM and its answer copies the real reply. Some
 //! demonstrations are deliberately imperfect, so that the cold-started agent has room to improve.
 
-use env::{estimate_tokens, Agent, AgentContext, AgentError, TurnEnd, TurnText};
+use env::{estimate_tokens, Agent, AgentContext, AgentError, EnvironmentTokens, TurnEnd, TurnText};
 
 /// How one demonstration goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,8 +85,8 @@ impl Agent for Teacher {
             .collect()
     }
 
-    fn append_environment(&mut self, _ctx: &mut AgentContext, text: &str) -> Result<usize, AgentError> {
-        Ok(estimate_tokens(text))
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
+        Ok(EnvironmentTokens::Estimated(estimate_tokens(text)))
     }
 }
 

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::time::Duration;
 
-use env::{Agent, AgentContext, AgentError, TurnEnd, TurnText};
+use env::{Agent, AgentContext, AgentError, EnvironmentTokens, TurnEnd, TurnText};
 use model::tokenizer::Qwen3Tokenizer;
 use model::Sampling;
 use serde_json::{json, Value};
@@ -293,9 +293,8 @@ impl Agent for ServerAgent<'_> {
         self.release(ctx.index());
     }
 
-    fn append_environment(&mut self, ctx: &mut AgentContext, text: &str) -> Result<usize, AgentError> {
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
         let ids = self.tokenizer.encode(text).map_err(|e| AgentError::Model(e.to_string()))?;
-        ctx.record_context_tokens(&ids);
-        Ok(ids.len())
+        Ok(EnvironmentTokens::Ids(ids))
     }
 }

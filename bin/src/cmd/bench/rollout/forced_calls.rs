@@ -4,7 +4,7 @@
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use env::{Agent, AgentContext, AgentError, TurnEnd, TurnText, ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN};
+use env::{Agent, AgentContext, AgentError, EnvironmentTokens, TurnEnd, TurnText, ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN};
 use crate::device::MemoryProbe;
 
 use super::episode_turns;
@@ -182,13 +182,9 @@ impl<A: Agent> Agent for ForcedCalls<A> {
             .collect()
     }
 
-    fn append_environment(
-        &mut self,
-        ctx: &mut AgentContext,
-        text: &str,
-    ) -> Result<usize, AgentError> {
-        let tokens = self.timed(|a| a.append_environment(ctx, text))?;
-        self.counts.appended_tokens += tokens;
+    fn environment_tokens(&mut self, text: &str) -> Result<EnvironmentTokens, AgentError> {
+        let tokens = self.timed(|a| a.environment_tokens(text))?;
+        self.counts.appended_tokens += tokens.len();
         Ok(tokens)
     }
 
