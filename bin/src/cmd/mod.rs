@@ -63,11 +63,20 @@ pub fn create_parent(file: &std::path::Path) -> anyhow::Result<()> {
     }
 }
 
-/// Says so when `--resume` (`resume`) found no checkpoint in `dir`, so that the run starts at
-/// step `step` = 0 (a mistyped out_dir would otherwise go unnoticed).
-pub fn note_nothing_to_resume(resume: trainer::run::Resume, step: u64, dir: &std::path::Path) {
+/// Notes how a run (`step` steps done, in `session`) resumed: that `--resume` found no
+/// checkpoint, so that a new run starts (a mistyped out_dir would otherwise go unnoticed), or
+/// which later checkpoints a resume from an earlier one set aside, and where.
+pub fn note_resume(resume: trainer::run::Resume, step: u64, session: &trainer::run::RunSession) {
     if resume == trainer::run::Resume::Latest && step == 0 {
-        eprintln!("note: --resume: {} holds no checkpoint yet, so a new run starts", dir.display());
+        eprintln!("note: --resume: {} holds no checkpoint yet, so a new run starts", session.dir().display());
+    }
+    if let Some(aside) = session.set_aside() {
+        let steps: Vec<String> = aside.steps.iter().map(u64::to_string).collect();
+        eprintln!(
+            "note: the run goes on from step {step}; its later checkpoints (steps {}) and their metrics lines are kept in {}",
+            steps.join(", "),
+            aside.folder.display()
+        );
     }
 }
 

@@ -131,7 +131,7 @@ impl OnBackend for FineTuning {
         if let Some(probe) = self.memory {
             run.watch_device_memory(probe);
         }
-        super::note_nothing_to_resume(self.resume, run.step_count(), run.session().dir());
+        super::note_resume(self.resume, run.step_count(), run.session());
         let (train, validation) = run.data_summaries();
         eprintln!("training rows: {train}");
         if validation.chats + validation.episodes > 0 {

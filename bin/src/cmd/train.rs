@@ -218,7 +218,7 @@ impl OnBackend for Training {
         if let Some(probe) = self.memory {
             trainer.watch_device_memory(probe);
         }
-        super::note_nothing_to_resume(self.resume, trainer.step_count(), &trainer.config().run.out_dir);
+        super::note_resume(self.resume, trainer.step_count(), trainer.session());
         if let Some(adapters) = trainer.adapters() {
             print_lora_share(adapters.num_params(), trainer.policy().num_params(), trainer.config().model_dtype);
         }

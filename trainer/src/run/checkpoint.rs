@@ -146,23 +146,94 @@ pub(crate) fn publish(run_dir: &Path, tmp: &Path, name: &str, keep: usize) -> Re
     }
     std::fs::rename(tmp, &target).map_err(TrainError::io(&target))?;
     sync_dir(&dir)?;
-    model::checkpoint::write_atomic(&dir.join(LATEST_FILE), name.as_bytes()).map_err(|e| TrainError::Checkpoint {
-        path: dir.join(LATEST_FILE),
-        reason: e.to_string(),
-    })?;
-    sync_dir(&dir)?;
+    point_latest(run_dir, name)?;
     if keep > 0 {
-        // The newest `keep` by step, always with the one just published (a run resumed from an
-        // earlier checkpoint publishes below the later ones it left behind).
+        // The newest `keep` by step, always with the one just published.
         let mut steps = step_folders(&dir)?;
         steps.retain(|&step| checkpoint_name(step) != name);
         let excess = (steps.len() + 1).saturating_sub(keep);
         for old in &steps[..excess.min(steps.len())] {
-            let old = dir.join(checkpoint_name(*old));
-            std::fs::remove_dir_all(&old).map_err(TrainError::io(&old))?;
+            remove_checkpoint(&dir, &checkpoint_name(*old))?;
         }
     }
     Ok(target)
+}
+
+/// Names the checkpoint folder `name` in `latest`, durably.
+fn point_latest(run_dir: &Path, name: &str) -> Result<(), TrainError> {
+    let dir = run_dir.join(CHECKPOINTS_DIR);
+    model::checkpoint::write_atomic(&dir.join(LATEST_FILE), name.as_bytes()).map_err(|e| TrainError::Checkpoint {
+        path: dir.join(LATEST_FILE),
+        reason: e.to_string(),
+    })?;
+    sync_dir(&dir)
+}
+
+/// Removes the checkpoint folder `name` of `checkpoints_dir`: renamed first out of the
+/// checkpoints' names, so that a kill while its files go leaves no part of it that looks
+/// like a checkpoint (the next removal clears what is left).
+fn remove_checkpoint(checkpoints_dir: &Path, name: &str) -> Result<(), TrainError> {
+    let doomed = checkpoints_dir.join(format!("{REMOVING_PREFIX}{name}"));
+    if doomed.exists() {
+        std::fs::remove_dir_all(&doomed).map_err(TrainError::io(&doomed))?;
+    }
+    let folder = checkpoints_dir.join(name);
+    std::fs::rename(&folder, &doomed).map_err(TrainError::io(&folder))?;
+    std::fs::remove_dir_all(&doomed).map_err(TrainError::io(&doomed))?;
+    remove_leftovers(checkpoints_dir)
+}
+
+/// What a checkpoint folder is renamed to while it is removed.
+const REMOVING_PREFIX: &str = ".removing-";
+
+/// Clears what killed removals left in `checkpoints_dir`.
+fn remove_leftovers(checkpoints_dir: &Path) -> Result<(), TrainError> {
+    for entry in std::fs::read_dir(checkpoints_dir).map_err(TrainError::io(checkpoints_dir))? {
+        let path = entry.map_err(TrainError::io(checkpoints_dir))?.path();
+        if path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(REMOVING_PREFIX)) {
+            std::fs::remove_dir_all(&path).map_err(TrainError::io(&path))?;
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoints a run resumed from an earlier one set aside ([`set_aside_after`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SetAside {
+    /// The folder they went to.
+    pub folder: PathBuf,
+    /// Their steps.
+    pub steps: Vec<u64>,
+}
+
+/// Sets aside the checkpoints of the steps after `step`, which a run resumed from the
+/// checkpoint of `step` leaves behind: into the next free `checkpoints/superseded-K/`, made,
+/// after `before_moving` has run on it (the caller writes those steps' metrics lines there).
+/// `latest` is pointed at the checkpoint of `step` first, so that a kill at any moment leaves
+/// the run continuing it. `None`, and nothing changed, when there are no such checkpoints.
+pub(crate) fn set_aside_after(
+    run_dir: &Path,
+    step: u64,
+    before_moving: impl FnOnce(&Path) -> Result<(), TrainError>,
+) -> Result<Option<SetAside>, TrainError> {
+    let dir = run_dir.join(CHECKPOINTS_DIR);
+    let later: Vec<u64> = step_folders(&dir)?.into_iter().filter(|&s| s > step).collect();
+    if later.is_empty() {
+        return Ok(None);
+    }
+    point_latest(run_dir, &checkpoint_name(step))?;
+    let folder = (1..)
+        .map(|k| dir.join(format!("superseded-{k}")))
+        .find(|f| !f.exists())
+        .expect("a free name");
+    std::fs::create_dir_all(&folder).map_err(TrainError::io(&folder))?;
+    before_moving(&folder)?;
+    for s in &later {
+        let name = checkpoint_name(*s);
+        std::fs::rename(dir.join(&name), folder.join(&name)).map_err(TrainError::io(dir.join(&name)))?;
+    }
+    sync_dir(&dir)?;
+    Ok(Some(SetAside { folder, steps: later }))
 }
 
 /// A fresh staging folder for a checkpoint (a leftover from a killed save is removed).
@@ -312,4 +383,27 @@ mod tests {
         assert_eq!(list_checkpoints(root.path()).unwrap(), [4, 8]);
         assert_eq!(std::fs::read_to_string(checkpoints.join(LATEST_FILE)).unwrap(), "step-0000004");
     }
+
+    /// Pruning keeps the newest by step with the one published, and a removal killed midway
+    /// leaves nothing under a checkpoint's name (its rest goes at the next removal).
+    #[test]
+    fn pruned_checkpoints_go_whole() {
+        let root = tempfile::tempdir().unwrap();
+        let run = root.path();
+        let checkpoints = run.join(CHECKPOINTS_DIR);
+        for step in [1, 2, 3] {
+            fake(&checkpoints.join(checkpoint_name(step)));
+        }
+        let half_removed = checkpoints.join(format!("{REMOVING_PREFIX}step-0000000"));
+        std::fs::create_dir_all(&half_removed).unwrap();
+        let tmp = staging_dir(run, "step-0000004").unwrap();
+        std::fs::write(tmp.join(STATE_FILE), "{}").unwrap();
+        publish(run, &tmp, "step-0000004", 2).unwrap();
+        assert_eq!(list_checkpoints(run).unwrap(), [3, 4]);
+        let mut left: Vec<String> =
+            std::fs::read_dir(&checkpoints).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(left, ["latest", "step-0000003", "step-0000004"]);
+    }
+
 }

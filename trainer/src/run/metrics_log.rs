@@ -261,25 +261,41 @@ pub fn truncate_after(run_dir: &Path, step: u64) -> Result<(), TrainError> {
     if !path.exists() {
         return Ok(());
     }
-    let mut kept = String::new();
-    for (number, line) in complete_lines(&path)? {
+    let (kept, _) = split_at_step(&path, step)?;
+    write_metrics_text(&path, &kept)
+}
+
+/// [`truncate_after`], the lines dropped written first to a `metrics.jsonl` in `folder`.
+pub(crate) fn move_lines_after(run_dir: &Path, step: u64, folder: &Path) -> Result<(), TrainError> {
+    let path = run_dir.join(METRICS_FILE);
+    if !path.exists() {
+        return Ok(());
+    }
+    let (kept, after) = split_at_step(&path, step)?;
+    write_metrics_text(&folder.join(METRICS_FILE), &after)?;
+    write_metrics_text(&path, &kept)
+}
+
+/// The complete lines of `metrics.jsonl` at `path` up to `step`, and those after it.
+fn split_at_step(path: &Path, step: u64) -> Result<(String, String), TrainError> {
+    let (mut kept, mut after) = (String::new(), String::new());
+    for (number, line) in complete_lines(path)? {
         let value: serde_json::Value = serde_json::from_str(&line).map_err(|e| TrainError::Config {
-            path: path.clone(),
+            path: path.to_path_buf(),
             reason: format!("line {number}: {e}"),
         })?;
         let line_step = [STEP_KEY, "step"]
             .iter()
             .find_map(|key| value.get(key).and_then(serde_json::Value::as_u64))
             .ok_or_else(|| TrainError::Config {
-                path: path.clone(),
+                path: path.to_path_buf(),
                 reason: format!("line {number}: no {STEP_KEY}"),
             })?;
-        if line_step <= step {
-            kept.push_str(&line);
-            kept.push('\n');
-        }
+        let side = if line_step <= step { &mut kept } else { &mut after };
+        side.push_str(&line);
+        side.push('\n');
     }
-    write_metrics_text(&path, &kept)
+    Ok((kept, after))
 }
 
 /// Empties `metrics.jsonl`, if there is one (a fresh start: the lines of an earlier start that

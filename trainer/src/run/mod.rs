@@ -14,7 +14,7 @@ pub(crate) mod session;
 mod trainer;
 mod validation;
 
-pub use checkpoint::{checkpoint_at, latest_checkpoint, list_checkpoints, CHECKPOINTS_DIR, LATEST_FILE};
+pub use checkpoint::{checkpoint_at, latest_checkpoint, list_checkpoints, SetAside, CHECKPOINTS_DIR, LATEST_FILE};
 pub use config::{
     DataSection, EpisodeSection, InferenceDtype, ModelDtype, RolloutEngineKind, RolloutSection, RunSection, TrainConfig,
 };
@@ -26,7 +26,7 @@ pub use memory::{
 };
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};
 pub use reward::{EpisodeScore, EpisodeScorer, PromptR1Scorer};
-pub use session::{run_to_end, Resume, RunSession, SteppedRun};
+pub use session::{run_to_end, Resume, RunSession, SteppedRun, LOCK_FILE};
 pub use dynamic_sampling::groups_without_signal;
 pub use trainer::Trainer;
 pub use validation::{SourceValidation, ValidationReport};

@@ -11,12 +11,16 @@ use data::{BatchSampler, SamplerConfig};
 use serde::Serialize;
 
 use super::checkpoint::{
-    checkpoint_at, checkpoint_step, latest_checkpoint, list_checkpoints, read_state, steps_list,
-    write_checkpoint, TrainerState, CHECKPOINTS_DIR, LATEST_FILE,
+    checkpoint_at, checkpoint_step, latest_checkpoint, list_checkpoints, read_state, set_aside_after, steps_list,
+    write_checkpoint, SetAside, TrainerState, CHECKPOINTS_DIR, LATEST_FILE,
 };
 use super::error::TrainError;
 use super::learner::Learner;
-use super::metrics_log::{append_line, clear, truncate_after};
+use super::metrics_log::{append_line, clear, move_lines_after, truncate_after};
+
+/// The file a run holds locked while it writes its directory, so that a second run into the
+/// same directory is refused instead of interleaving its checkpoints and metrics.
+pub const LOCK_FILE: &str = ".lock";
 
 /// How a run starts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -78,6 +82,10 @@ pub struct RunSession {
     keep_checkpoints: usize,
     /// The checkpoint the run continues, with its state.
     resumed: Option<(PathBuf, TrainerState)>,
+    /// The later checkpoints a resume from an earlier one set aside ([`Self::begin`]).
+    set_aside: Option<SetAside>,
+    /// [`LOCK_FILE`], locked while the session lives.
+    _lock: std::fs::File,
 }
 
 impl RunSession {
@@ -88,6 +96,7 @@ impl RunSession {
     pub(crate) fn open(settings: SessionSettings<'_>, resume: Resume) -> Result<Self, TrainError> {
         let dir = settings.out_dir.to_path_buf();
         std::fs::create_dir_all(&dir).map_err(TrainError::io(&dir))?;
+        let lock = lock_run_dir(&dir)?;
         let mut session = Self {
             dir,
             initial: settings.initial.to_path_buf(),
@@ -95,6 +104,8 @@ impl RunSession {
             save_every: settings.save_every,
             keep_checkpoints: settings.keep_checkpoints,
             resumed: None,
+            set_aside: None,
+            _lock: lock,
         };
         let checkpoint = match resume {
             Resume::Fresh => {
@@ -185,6 +196,11 @@ impl RunSession {
         self.resumed.as_ref().map(|(path, _)| path.as_path())
     }
 
+    /// The later checkpoints this run set aside when it resumed from an earlier one.
+    pub fn set_aside(&self) -> Option<&SetAside> {
+        self.set_aside.as_ref()
+    }
+
     /// The steps completed when the run starts (0 on a fresh start).
     pub fn start_step(&self) -> u64 {
         self.resumed.as_ref().map_or(0, |(_, state)| state.step)
@@ -236,17 +252,27 @@ impl RunSession {
         })
     }
 
-    /// Starts writing the run, once everything it needs has loaded (a start that fails leaves
-    /// the directory as it was): `metrics.jsonl` keeps the lines up to the resumed step (so no
-    /// step appears twice) without an incomplete last line, or is emptied on a fresh start;
-    /// `config` is written to `config_file` in the run directory.
+    /// Starts writing a run that will step up to `last_step`, once everything it needs has
+    /// loaded (a start that fails leaves the directory as it was; so does a resumed run that is
+    /// already at `last_step`, which has nothing to do): `metrics.jsonl` keeps the lines up to
+    /// the resumed step (so no step appears twice) without an incomplete last line, or is
+    /// emptied on a fresh start; `config` is written to `config_file` in the run directory. A
+    /// resume from an earlier checkpoint than the newest sets the later checkpoints aside, with
+    /// their steps' metrics lines ([`set_aside_after`], [`Self::set_aside`]): the run goes on
+    /// from there, and what it leaves behind is kept, not mixed in.
     pub(crate) fn begin(
-        &self,
+        &mut self,
         config_file: &str,
         config: &impl Serialize,
+        last_step: u64,
     ) -> Result<(), TrainError> {
         match &self.resumed {
-            Some((_, state)) => truncate_after(&self.dir, state.step)?,
+            Some((_, state)) if state.step >= last_step => return Ok(()),
+            Some((_, state)) => {
+                let (dir, step) = (&self.dir, state.step);
+                self.set_aside = set_aside_after(dir, step, |folder| move_lines_after(dir, step, folder))?;
+                truncate_after(&self.dir, step)?;
+            }
             None => clear(&self.dir)?,
         }
         let json = serde_json::to_string_pretty(config).expect("config serialises");
@@ -286,6 +312,26 @@ impl RunSession {
             &state,
             self.keep_checkpoints,
         )
+    }
+}
+
+/// Opens and locks `dir`'s [`LOCK_FILE`] (the lock goes with the process).
+fn lock_run_dir(dir: &Path) -> Result<std::fs::File, TrainError> {
+    let path = dir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(TrainError::io(&path))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(TrainError::Invalid(format!(
+            "another run is writing to {} (it holds {} locked): wait for it to end, or choose another run.out_dir",
+            dir.display(),
+            path.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(TrainError::io(&path)(e)),
     }
 }
 
@@ -456,8 +502,8 @@ mod tests {
                      {\"training/global_step\":1,\"x\":1}\n{\"training/global_step\":2}\n\
                      {\"training/global_step\":3}\n{\"training/glo";
         std::fs::write(run.join("metrics.jsonl"), lines).unwrap();
-        let session = RunSession::open(settings(run), Resume::Latest).unwrap();
-        session.begin("config.json", &1).unwrap();
+        let mut session = RunSession::open(settings(run), Resume::Latest).unwrap();
+        session.begin("config.json", &1, 10).unwrap();
         let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
         assert_eq!(
             text,
@@ -470,12 +516,68 @@ mod tests {
 
         let fresh = tempfile::tempdir().unwrap();
         std::fs::write(fresh.path().join("metrics.jsonl"), lines).unwrap();
-        let session = RunSession::open(settings(fresh.path()), Resume::Latest).unwrap();
+        let mut session = RunSession::open(settings(fresh.path()), Resume::Latest).unwrap();
         assert_eq!(session.start_step(), 0);
-        session.begin("config.json", &1).unwrap();
+        session.begin("config.json", &1, 10).unwrap();
         assert_eq!(
             std::fs::read_to_string(fresh.path().join("metrics.jsonl")).unwrap(),
             ""
         );
     }
+
+    /// A second session on a run directory is refused while the first lives.
+    #[test]
+    fn one_run_at_a_time_writes_a_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = RunSession::open(settings(dir.path()), Resume::Fresh).unwrap();
+        let err = RunSession::open(settings(dir.path()), Resume::Fresh).unwrap_err().to_string();
+        assert!(err.contains("another run is writing") && err.contains(LOCK_FILE), "{err}");
+        drop(first);
+        RunSession::open(settings(dir.path()), Resume::Fresh).unwrap();
+    }
+
+    fn metrics_of_steps(steps: std::ops::RangeInclusive<u64>) -> String {
+        steps.map(|s| format!("{{\"training/global_step\":{s}}}\n")).collect()
+    }
+
+    /// A resume from an earlier checkpoint moves `latest` to it and sets the later checkpoints
+    /// aside with their metrics lines; a run already at its last step changes nothing.
+    #[test]
+    fn a_resume_from_an_earlier_checkpoint_keeps_the_later_ones_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path();
+        for step in [2, 4, 6] {
+            fake_checkpoint(run, step);
+        }
+        std::fs::write(run.join("checkpoints/latest"), "step-0000006").unwrap();
+        std::fs::write(run.join("metrics.jsonl"), metrics_of_steps(0..=6)).unwrap();
+
+        let mut done = RunSession::open(settings(run), Resume::From(4)).unwrap();
+        done.begin("config.json", &1, 4).unwrap();
+        assert!(done.set_aside().is_none());
+        assert_eq!(list_checkpoints(run).unwrap(), [2, 4, 6]);
+        assert_eq!(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(), metrics_of_steps(0..=6));
+        drop(done);
+
+        let mut session = RunSession::open(settings(run), Resume::From(2)).unwrap();
+        session.begin("config.json", &1, 10).unwrap();
+        let aside = session.set_aside().unwrap();
+        assert_eq!(aside.folder, run.join("checkpoints/superseded-1"));
+        assert_eq!(aside.steps, [4, 6]);
+        assert_eq!(list_checkpoints(run).unwrap(), [2]);
+        assert_eq!(latest_checkpoint(run).unwrap(), Some(run.join("checkpoints/step-0000002")));
+        assert!(aside.folder.join("step-0000006/trainer_state.json").is_file());
+        assert_eq!(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(), metrics_of_steps(0..=2));
+        assert_eq!(std::fs::read_to_string(aside.folder.join("metrics.jsonl")).unwrap(), metrics_of_steps(3..=6));
+        drop(session);
+
+        // A second branch goes beside the first.
+        fake_checkpoint(run, 3);
+        std::fs::write(run.join("checkpoints/latest"), "step-0000003").unwrap();
+        let mut session = RunSession::open(settings(run), Resume::From(2)).unwrap();
+        session.begin("config.json", &1, 10).unwrap();
+        assert_eq!(session.set_aside().unwrap().folder, run.join("checkpoints/superseded-2"));
+        assert_eq!(list_checkpoints(run).unwrap(), [2]);
+    }
+
 }

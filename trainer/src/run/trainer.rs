@@ -77,7 +77,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         resume: impl Into<Resume>,
     ) -> Result<Self, TrainError> {
         config.validate().map_err(TrainError::Invalid)?;
-        let session = RunSession::open(
+        let mut session = RunSession::open(
             SessionSettings {
                 out_dir: &config.run.out_dir,
                 initial: &config.model,
@@ -123,7 +123,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         let sampler = session.sampler(train.len(), config.rollout.batch_size, "rollout.batch_size")?;
         let step = session.start_step();
         let engine = engine_for::<Inner<B>>(&config)?;
-        session.begin("run_config.json", &config)?;
+        session.begin("run_config.json", &config, config.run.steps)?;
         Ok(Self {
             config,
             session,

@@ -128,7 +128,7 @@ impl<B: AutodiffBackend> SftRun<B> {
         resume: impl Into<Resume>,
     ) -> Result<Self, TrainError> {
         config.validate().map_err(TrainError::Invalid)?;
-        let session = RunSession::open(
+        let mut session = RunSession::open(
             SessionSettings {
                 out_dir: &config.run.out_dir,
                 initial: &config.model,
@@ -163,7 +163,7 @@ impl<B: AutodiffBackend> SftRun<B> {
         let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
         let sampler = session.sampler(train.len(), config.train.batch_size, "train.batch_size")?;
         let step = session.start_step();
-        session.begin(SFT_CONFIG_FILE, &config)?;
+        session.begin(SFT_CONFIG_FILE, &config, total_steps)?;
         Ok(Self {
             config,
             session,
