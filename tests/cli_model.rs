@@ -84,6 +84,13 @@ fn refusing_to_overwrite_and_bad_presets() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains("model-00001-of-00002.safetensors") && err.contains("--force"), "{args:?}: {err}");
     }
+    // With --force the export replaces the earlier model whole: no shard or index is left to be
+    // loaded in place of the new weights.
+    std::fs::write(sharded.join("model.safetensors.index.json"), b"{}").unwrap();
+    ok_stdout(&["export", &model, "--out", sharded.to_str().unwrap(), "--force", "--dtype", "f32"]);
+    assert!(!sharded.join("model-00001-of-00002.safetensors").exists() && !sharded.join("model.safetensors.index.json").exists());
+    let score = |dir: &str| json(&["score", "--model", dir, "--prompt-ids", "1,2", "--completion-ids", "3,4", "--json"]);
+    assert_eq!(score(sharded.to_str().unwrap()), score(&model));
     // A --tokenizer that is not one is refused before anything is written.
     let not_tokenizer = tmp.path().join("not-a-tokenizer.json");
     std::fs::write(&not_tokenizer, "{}").unwrap();

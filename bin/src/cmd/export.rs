@@ -11,6 +11,7 @@ use clap::Args as ClapArgs;
 use model::lora::{base_model_dir, is_adapter_dir, load_adapter, merge_adapters, read_adapter_config, save_adapter};
 use model::{load_pretrained, save_pretrained, LoadOptions};
 
+use super::model_out::write_model_dir;
 use crate::model_dir::FileDtype;
 
 /// Export a training checkpoint as an HF model directory, or (LoRA runs) a PEFT adapter
@@ -35,7 +36,8 @@ pub struct Args {
     /// adapter_config.json names, i.e. the run's `model`).
     #[arg(long)]
     pub base: Option<PathBuf>,
-    /// Overwrite an existing model in --out.
+    /// Replace an existing model in --out: its weights (shards and index too), configs and
+    /// tokenizer files go once the new ones are written; other files stay.
     #[arg(long)]
     pub force: bool,
 }
@@ -71,13 +73,17 @@ pub fn run(args: Args) -> Result<()> {
         let (adapters, _) = load_adapter::<Flex>(&source, &base_model.config, &device)
             .with_context(|| format!("loading the adapters in {}", source.display()))?;
         if args.merge {
-            save_pretrained(&merge_adapters(base_model, &adapters), &args.out, args.dtype.into())?;
-            copy_tokenizer(&[&source, &base], &args.out)?;
+            write_model_dir(&args.out, |dir| {
+                save_pretrained(&merge_adapters(base_model, &adapters), dir, args.dtype.into())?;
+                copy_tokenizer(&[&source, &base], dir)
+            })?;
             eprintln!("merged {} into {} and exported it to {} ({:?})", source.display(), base.display(), args.out.display(), args.dtype);
         } else {
             let base = std::path::absolute(&base).unwrap_or(base);
-            save_adapter(&adapters, &args.out, &base.to_string_lossy())?;
-            copy_tokenizer(&[&source, &base], &args.out)?;
+            write_model_dir(&args.out, |dir| {
+                save_adapter(&adapters, dir, &base.to_string_lossy())?;
+                copy_tokenizer(&[&source, &base], dir)
+            })?;
             eprintln!("exported the LoRA adapter {} (base {}) to {}", source.display(), base.display(), args.out.display());
         }
         return Ok(());
@@ -87,17 +93,27 @@ pub fn run(args: Args) -> Result<()> {
     }
     let model = load_pretrained::<Flex>(&source, &device, LoadOptions::default())
         .with_context(|| format!("loading {}", source.display()))?;
-    save_pretrained(&model, &args.out, args.dtype.into())?;
-    copy_tokenizer(&[&source], &args.out)?;
+    write_model_dir(&args.out, |dir| {
+        save_pretrained(&model, dir, args.dtype.into())?;
+        copy_tokenizer(&[&source], dir)
+    })?;
     eprintln!("exported {} to {} ({:?})", source.display(), args.out.display(), args.dtype);
     Ok(())
 }
 
-/// Copies each tokenizer file from the first of `sources` that has it.
+/// Copies each tokenizer file from the first of `sources` that has it, with a note when none
+/// has `tokenizer.json` (the export then holds no tokenizer).
 fn copy_tokenizer(sources: &[&Path], out: &Path) -> Result<()> {
     for file in COPIED {
-        if let Some(from) = sources.iter().map(|s| s.join(file)).find(|p| p.is_file()) {
-            std::fs::copy(&from, out.join(file)).with_context(|| format!("copying {}", from.display()))?;
+        match sources.iter().map(|s| s.join(file)).find(|p| p.is_file()) {
+            Some(from) => {
+                std::fs::copy(&from, out.join(file)).with_context(|| format!("copying {}", from.display()))?;
+            }
+            None if file == "tokenizer.json" => {
+                let searched: Vec<String> = sources.iter().map(|s| s.display().to_string()).collect();
+                eprintln!("note: no tokenizer.json in {}: the export holds no tokenizer", searched.join(" or "));
+            }
+            None => {}
         }
     }
     Ok(())

@@ -31,7 +31,8 @@ pub struct Args {
     /// A Qwen3 tokenizer.json to copy into the directory (for the real shapes).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Overwrite an existing checkpoint in --out.
+    /// Replace an existing model in --out: its weights (shards and index too), configs and
+    /// tokenizer files go once the new ones are written; other files stay.
     #[arg(long)]
     pub force: bool,
 }
@@ -46,30 +47,33 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(path) = &args.tokenizer {
         model::tokenizer::Qwen3Tokenizer::from_file(path).with_context(|| format!("--tokenizer {}", path.display()))?;
     }
-    super::create_dir(&args.out)?;
-    let config = if args.preset.uses_tiny_tokenizer() {
-        let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE)?;
-        write_tokenizer_files(&tokenizer, &args.out)?;
-        let special = tokenizer.special();
-        args.preset
-            .config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext])
-    } else {
-        if let Some(path) = &args.tokenizer {
-            std::fs::copy(path, args.out.join("tokenizer.json"))
-                .with_context(|| format!("copying {}", path.display()))?;
-        }
-        args.preset.config(0, vec![])
-    };
-    let dtype = args.dtype.map(StorageDtype::from).unwrap_or(if args.preset.uses_tiny_tokenizer() {
-        StorageDtype::F32
-    } else {
-        StorageDtype::BF16
-    });
-    let progress = indicatif::ProgressBar::new_spinner()
-        .with_message(format!("writing {} parameters to {}", config.num_parameters(), args.out.display()));
-    progress.enable_steady_tick(std::time::Duration::from_millis(200));
-    write_random_checkpoint(&config, &args.out, args.seed, dtype)?;
-    progress.finish_and_clear();
+    let mut written = None;
+    super::model_out::write_model_dir(&args.out, |dir| {
+        let config = if args.preset.uses_tiny_tokenizer() {
+            let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE)?;
+            write_tokenizer_files(&tokenizer, dir)?;
+            let special = tokenizer.special();
+            args.preset.config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext])
+        } else {
+            if let Some(path) = &args.tokenizer {
+                std::fs::copy(path, dir.join("tokenizer.json")).with_context(|| format!("copying {}", path.display()))?;
+            }
+            args.preset.config(0, vec![])
+        };
+        let dtype = args.dtype.map(StorageDtype::from).unwrap_or(if args.preset.uses_tiny_tokenizer() {
+            StorageDtype::F32
+        } else {
+            StorageDtype::BF16
+        });
+        let progress = indicatif::ProgressBar::new_spinner()
+            .with_message(format!("writing {} parameters to {}", config.num_parameters(), args.out.display()));
+        progress.enable_steady_tick(std::time::Duration::from_millis(200));
+        write_random_checkpoint(&config, dir, args.seed, dtype)?;
+        progress.finish_and_clear();
+        written = Some(config);
+        Ok(())
+    })?;
+    let config = written.expect("written");
     eprintln!(
         "wrote {} ({} parameters, {} layers, hidden {}, vocab {}) to {}",
         args.preset.name(),

@@ -7,6 +7,7 @@ pub mod demo;
 pub mod export;
 pub mod generate;
 pub mod init_model;
+pub mod model_out;
 pub mod score;
 pub mod reward;
 pub mod metrics;

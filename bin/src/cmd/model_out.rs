@@ -1,0 +1,111 @@
+//! Writing a model directory as a whole (`export`, `init-model`): the new files are staged in a
+//! hidden folder inside it and replace the directory's model files only once all are written, so
+//! that a failed write leaves the directory as it was, and no file of an earlier model (a shard,
+//! its index, an adapter's config) stays behind to be loaded in place of the new one.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+
+/// What a staging folder's name starts with.
+const STAGING_PREFIX: &str = ".staging-";
+
+/// Whether `name` is a file of a model or adapter directory: what a loader reads (its config,
+/// weights, shards and their index, an adapter's config) and the tokenizer files.
+pub fn is_model_file(name: &str) -> bool {
+    matches!(
+        name,
+        "config.json" | "adapter_config.json" | "generation_config.json" | "tokenizer.json" | "tokenizer_config.json"
+    ) || name.ends_with(".safetensors")
+        || name.ends_with(".safetensors.index.json")
+}
+
+/// Makes `out` (and its parents) and has `write` fill a staging folder inside it; then removes
+/// `out`'s model files ([`is_model_file`]) and moves the staged files in. Other files of `out`
+/// stay. A failed `write` removes the staging folder and leaves `out`'s files as they were; a
+/// staging folder a killed write left is removed first.
+pub fn write_model_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
+    super::create_dir(out)?;
+    remove_staging_leftovers(out)?;
+    let staging = out.join(format!("{STAGING_PREFIX}{}", std::process::id()));
+    std::fs::create_dir(&staging).with_context(|| format!("cannot write in {}", out.display()))?;
+    if let Err(error) = write(&staging) {
+        let _ = std::fs::remove_dir_all(&staging);
+        return Err(error);
+    }
+    for name in file_names(out)?.into_iter().filter(|n| is_model_file(n)) {
+        let stale = out.join(&name);
+        std::fs::remove_file(&stale).with_context(|| format!("removing the earlier {}", stale.display()))?;
+    }
+    for name in file_names(&staging)? {
+        let (from, to) = (staging.join(&name), out.join(&name));
+        std::fs::rename(&from, &to).with_context(|| format!("moving {} into place", to.display()))?;
+    }
+    std::fs::remove_dir_all(&staging).with_context(|| format!("removing {}", staging.display()))
+}
+
+/// The names of the files (not folders) directly in `dir`.
+fn file_names(dir: &Path) -> Result<Vec<String>> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let entry = entry.with_context(|| format!("reading {}", dir.display()))?;
+        if entry.file_type().is_ok_and(|t| t.is_file()) {
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    Ok(names)
+}
+
+/// Removes the staging folders of killed writes in `out`.
+fn remove_staging_leftovers(out: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))? {
+        let path = entry.with_context(|| format!("reading {}", out.display()))?.path();
+        if path.is_dir() && path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(STAGING_PREFIX)) {
+            std::fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> =
+            std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.sort();
+        names
+    }
+
+    /// A new model replaces every file of the earlier one (its shards and index too) and leaves
+    /// the user's other files; a failed write changes nothing.
+    #[test]
+    fn a_model_directory_is_replaced_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out");
+        std::fs::create_dir_all(out.join(format!("{STAGING_PREFIX}1"))).unwrap();
+        for name in ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "adapter_config.json", "notes.txt"] {
+            std::fs::write(out.join(name), "old").unwrap();
+        }
+        let failed = write_model_dir(&out, |staging| {
+            std::fs::write(staging.join("config.json"), "new")?;
+            anyhow::bail!("no room")
+        });
+        assert!(failed.unwrap_err().to_string().contains("no room"));
+        assert_eq!(
+            names(&out),
+            ["adapter_config.json", "config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "notes.txt"]
+        );
+        write_model_dir(&out, |staging| {
+            for name in ["config.json", "model.safetensors"] {
+                std::fs::write(staging.join(name), "new")?;
+            }
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(names(&out), ["config.json", "model.safetensors", "notes.txt"]);
+        assert_eq!(std::fs::read_to_string(out.join("config.json")).unwrap(), "new");
+        assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "old");
+    }
+}
