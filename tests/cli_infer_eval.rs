@@ -485,6 +485,21 @@ fn eval_writes_predictions_and_metrics_then_resumes() {
         std::fs::read_to_string(out.join("metrics.json")).unwrap(),
         metrics_text
     );
+    // `metrics` on the resumed file counts each question once, as eval's metrics.json does.
+    let recount: Value = serde_json::from_str(&ok(&["metrics", "--predictions", out.join("predictions.jsonl").to_str().unwrap(), "--json"])).unwrap();
+    assert_eq!((&recount["overall"]["n"], &recount["overall"]["em"]), (&serde_json::json!(3), &serde_json::json!(75.0)));
+
+    // Another agent seed is another setup: its answers do not join these.
+    let mut reseeded = args.clone();
+    reseeded.extend(["--seed", "1"]);
+    let output = run(&reseeded);
+    let err = text(&output.stderr);
+    assert!(!output.status.success() && err.contains("--seed 0 (now 1)") && err.contains("another --out"), "{err}");
+    // An example whose answers changed in the data is answered again.
+    std::fs::write(&data, std::fs::read_to_string(&data).unwrap().replace(r#"["Paris"]"#, r#"["4"]"#)).unwrap();
+    let stdout = ok(&args);
+    assert!(stdout.contains("1 answered now, 2 from earlier runs"), "{stdout}");
+    assert_eq!(metrics(&out)["overall"]["em"], 100.0);
 
     // Another mode does not write into the same directory.
     let output = run(&with(

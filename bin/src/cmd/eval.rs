@@ -5,6 +5,7 @@ mod modes;
 mod paper;
 mod predictions;
 mod scoring;
+mod setup;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
@@ -29,7 +30,9 @@ use predictions::{key_of, PredictionsFile, Row};
 /// time (with the agent: the next question beginning as soon as one ends); each answer is
 /// appended to OUT/predictions.jsonl as one line {"id", "data_source", "question", "prediction",
 /// "answers", "mode", "stop_reason", "failed", "error", "trajectory"} as soon as it is done. Run the same command again to resume: rows
-/// already in the file are not redone (failed ones are). The end prints
+/// already in the file are not redone (failed ones are, and those of edited examples); a resume
+/// with another agent, sampling, episode limits or large LLM is refused (OUT/eval_setup.json
+/// records them). The end prints
 /// EM, SM, F1 (and SSim with --ssim-model) ×100 per data source and their mean, also written to
 /// OUT/metrics.json, and laid out like the paper's Tables 1 and 2 (each data set with the
 /// paper's two metrics, in its order, its Average lines, the published GPT-4o-mini and
@@ -100,6 +103,9 @@ pub fn run(mut args: Args) -> Result<()> {
         eprintln!("note: --mode {} does not call the large LLM", mode.name());
     }
     let selected = load_examples(&args.data, args.limit, args.on_bad_row)?;
+    if let Some(dir) = &args.ssim_model {
+        scoring::check_ssim_model(dir)?;
+    }
     super::create_dir(&args.out)?;
     let predictions_path = args.out.join("predictions.jsonl");
     let (mut file, done) = PredictionsFile::open(&predictions_path)?;
@@ -111,9 +117,10 @@ pub fn run(mut args: Args) -> Result<()> {
             mode.name()
         );
     }
+    setup::check_or_record(&args.out, &setup::setup_of(&args), done.values().any(Row::is_final))?;
     let todo: Vec<&Example> = selected
         .iter()
-        .filter(|e| done.get(&key_of(e)).is_none_or(|row| !row.is_final()))
+        .filter(|e| done.get(&key_of(e)).is_none_or(|row| !row.answers_for(e)))
         .collect();
     if mode.uses_env() && !todo.is_empty() {
         args.env.probe(&format!("--mode {}", mode.name()))?;
@@ -134,7 +141,7 @@ pub fn run(mut args: Args) -> Result<()> {
     let (_, rows) = PredictionsFile::open(&predictions_path)?;
     let finished: Vec<&Row> = selected
         .iter()
-        .filter_map(|e| rows.get(&key_of(e)))
+        .filter_map(|e| rows.get(&key_of(e)).filter(|row| row.is_of(e)))
         .collect();
     if finished.len() != selected.len() {
         bail!(

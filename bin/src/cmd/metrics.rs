@@ -44,6 +44,9 @@ pub struct Args {
 /// One line of the predictions file.
 #[derive(Debug, Deserialize)]
 struct PredictionRow {
+    /// An example id: of rows with the same data source and id, the last counts.
+    #[serde(default)]
+    id: Option<serde_json::Value>,
     data_source: String,
     #[serde(default)]
     prediction: Option<String>,
@@ -117,7 +120,38 @@ fn read_predictions(path: &Path) -> Result<Vec<PredictionRow>> {
     if rows.is_empty() {
         bail!("{}: no predictions", path.display());
     }
+    let (rows, superseded) = latest_per_example(rows);
+    if superseded > 0 {
+        eprintln!(
+            "note: {}: {superseded} rows are superseded by later rows of the same data_source and id (an eval that was resumed appends the questions it runs again); the last row of each counts",
+            path.display()
+        );
+    }
     Ok(rows)
+}
+
+/// `rows` with only the last of those sharing a data source and an id (rows without an id each
+/// count), in the order of their first appearance, and how many were dropped.
+fn latest_per_example(rows: Vec<PredictionRow>) -> (Vec<PredictionRow>, usize) {
+    let mut kept: Vec<PredictionRow> = Vec::with_capacity(rows.len());
+    let mut at: std::collections::HashMap<(String, String), usize> = std::collections::HashMap::new();
+    let mut superseded = 0;
+    for row in rows {
+        let key = row.id.as_ref().filter(|id| !id.is_null()).map(|id| (row.data_source.clone(), id.to_string()));
+        match key.as_ref().and_then(|k| at.get(k)) {
+            Some(&i) => {
+                kept[i] = row;
+                superseded += 1;
+            }
+            None => {
+                if let Some(key) = key {
+                    at.insert(key, kept.len());
+                }
+                kept.push(row);
+            }
+        }
+    }
+    (kept, superseded)
 }
 
 /// Scoring with the SSim model on the chosen backend.
@@ -169,6 +203,29 @@ mod tests {
         assert_eq!(prediction(&rows[0]), "x");
         assert_eq!(prediction(&rows[1]), "");
         assert_eq!(prediction(&rows[2]), "");
+    }
+
+    /// Rows an eval ran again (same data source and id) count once, the last; rows without an
+    /// id each count.
+    #[test]
+    fn the_last_row_of_an_example_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.jsonl");
+        let row = |source: &str, id: &str, prediction: &str| {
+            format!("{{\"data_source\": \"{source}\", {id}\"prediction\": \"{prediction}\", \"answers\": [\"x\"]}}\n")
+        };
+        let text = [
+            row("a", "\"id\": \"1\", ", "old"),
+            row("b", "\"id\": \"1\", ", "b1"),
+            row("a", "", "no id"),
+            row("a", "", "no id"),
+            row("a", "\"id\": \"1\", ", "new"),
+            row("a", "\"id\": 2, ", "two"),
+        ];
+        std::fs::write(&path, text.concat()).unwrap();
+        let rows = read_predictions(&path).unwrap();
+        let kept: Vec<&str> = rows.iter().map(prediction).collect();
+        assert_eq!(kept, ["new", "b1", "no id", "no id", "two"]);
     }
 
     #[test]

@@ -69,6 +69,17 @@ impl Row {
     pub fn is_final(&self) -> bool {
         !self.failed
     }
+
+    /// Whether this row is of `example` as the data now gives it (its question and answers: a
+    /// row of an edited example is stale).
+    pub fn is_of(&self, example: &Example) -> bool {
+        self.question == example.question() && self.answers == example.answers()
+    }
+
+    /// Whether this row answers `example` for good: final, and of the example as it now is.
+    pub fn answers_for(&self, example: &Example) -> bool {
+        self.is_final() && self.is_of(example)
+    }
 }
 
 /// The key of an example.

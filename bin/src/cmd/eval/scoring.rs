@@ -31,6 +31,14 @@ pub fn report(
     Ok(MetricsReport::from_examples(examples))
 }
 
+/// Loads the SSim model in `dir` once, so that a wrong `--ssim-model` fails before the questions
+/// are run, not after.
+pub fn check_ssim_model(dir: &Path) -> Result<()> {
+    SentenceEncoder::<burn::backend::Flex>::load(dir, &Default::default())
+        .map(drop)
+        .with_context(|| format!("cannot load the SSim model from {}", dir.display()))
+}
+
 struct WithSsim<'a> {
     dir: &'a Path,
     rows: &'a [&'a Row],
