@@ -21,6 +21,16 @@ pub enum ModelError {
     NoWeights { dir: PathBuf },
     #[error("checkpoint {dir}: tensor \"{name}\" is missing")]
     MissingTensor { dir: PathBuf, name: String },
+    #[error(
+        "checkpoint {dir}: {count} tensor(s) that its config.json ({layers} layers) does not use, e.g. {examples}: \
+         do the config and the weights belong together?"
+    )]
+    UnusedTensors {
+        dir: PathBuf,
+        count: usize,
+        layers: usize,
+        examples: String,
+    },
     #[error("{path}: tensor \"{name}\" has shape {found:?}, the config expects {expected:?}")]
     ShapeMismatch {
         path: PathBuf,

@@ -115,8 +115,31 @@ pub fn from_checkpoint<B: Backend>(
     if !B::supports_dtype(device, dtype) {
         return Err(ModelError::Input(format!("the {} backend cannot hold {dtype:?} weights: use f32", B::name(device))));
     }
+    check_every_tensor_is_used(&config, checkpoint)?;
     assemble(config, device, options, |spec| {
         checkpoint.with_raw(&spec.name, &spec.shape, |raw| device_data(raw, spec.kind, dtype))
+    })
+}
+
+/// Refuses a checkpoint that holds tensors `config` does not use (a `config.json` that does not
+/// match its weights, such as fewer layers than they have), which loading would otherwise leave
+/// out unseen. A tied config's `lm_head.weight` and the RoPE `inv_freq` buffers older
+/// checkpoints carry are no weights of the model.
+fn check_every_tensor_is_used(config: &Qwen3Config, checkpoint: &Checkpoint) -> Result<(), ModelError> {
+    let used: std::collections::HashSet<String> = parameter_specs(config).into_iter().map(|s| s.name).collect();
+    let unused: Vec<String> = checkpoint
+        .names()
+        .into_iter()
+        .filter(|n| !used.contains(n) && n != "lm_head.weight" && !n.ends_with("rotary_emb.inv_freq"))
+        .collect();
+    if unused.is_empty() {
+        return Ok(());
+    }
+    Err(ModelError::UnusedTensors {
+        dir: checkpoint.dir().to_path_buf(),
+        count: unused.len(),
+        layers: config.num_hidden_layers,
+        examples: unused.iter().take(3).map(|n| format!("\"{n}\"")).collect::<Vec<_>>().join(", "),
     })
 }
 

@@ -99,6 +99,33 @@ fn wrong_shape_names_tensor_and_both_shapes() {
     );
 }
 
+/// Weights the config does not use (here: a config of fewer layers than the weights) are
+/// refused, not left out unseen; a tied config's `lm_head.weight` and RoPE buffers are no
+/// weights and load.
+#[test]
+fn tensors_the_config_does_not_use_are_refused() {
+    let dir = valid_checkpoint();
+    let path = dir.path().join("config.json");
+    let config = std::fs::read_to_string(&path).unwrap();
+    let layers: serde_json::Value = serde_json::from_str(&config).unwrap();
+    let layers = layers["num_hidden_layers"].as_u64().unwrap();
+    assert!(layers >= 2);
+    let fewer = config.replace(&format!("\"num_hidden_layers\": {layers}"), &format!("\"num_hidden_layers\": {}", layers - 1));
+    assert_ne!(fewer, config);
+    std::fs::write(&path, fewer).unwrap();
+    let err = load_error(dir.path());
+    assert!(err.contains(&format!("\"model.layers.{}.", layers - 1)) && err.contains("belong together"), "{err}");
+
+    let dir = valid_checkpoint();
+    rewrite(dir.path(), |tensors| {
+        let embed = tensors.iter().find(|t| t.name == "model.embed_tokens.weight").unwrap();
+        let (shape, values) = (embed.shape.clone(), embed.values.clone());
+        tensors.push(TensorToWrite { name: "lm_head.weight".into(), shape, values });
+        tensors.push(TensorToWrite { name: "model.layers.0.self_attn.rotary_emb.inv_freq".into(), shape: vec![4], values: vec![1.0; 4] });
+    });
+    load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+}
+
 #[test]
 fn untied_config_requires_lm_head() {
     let dir = valid_checkpoint();
