@@ -497,8 +497,11 @@ fn eval_writes_predictions_and_metrics_then_resumes() {
     assert!(!output.status.success() && err.contains("--seed 0 (now 1)") && err.contains("another --out"), "{err}");
     // An example whose answers changed in the data is answered again.
     std::fs::write(&data, std::fs::read_to_string(&data).unwrap().replace(r#"["Paris"]"#, r#"["4"]"#)).unwrap();
-    let stdout = ok(&args);
-    assert!(stdout.contains("1 answered now, 2 from earlier runs"), "{stdout}");
+    let output = run(&args);
+    let stdout = text(&output.stdout);
+    assert!(output.status.success() && stdout.contains("1 answered now, 2 from earlier runs"), "{stdout}");
+    // Without a terminal, progress goes to stderr as lines.
+    assert!(text(&output.stderr).contains("eval agent: 3/3 questions, 0 failed this run"), "{}", text(&output.stderr));
     assert_eq!(metrics(&out)["overall"]["em"], 100.0);
 
     // Another mode does not write into the same directory.

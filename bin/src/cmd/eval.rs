@@ -305,6 +305,23 @@ impl RunCounts {
             String::new()
         });
         progress.inc(1);
+        if progress.is_hidden() {
+            log_progress(progress, self.failed);
+        }
+    }
+}
+
+/// Where the progress bar is not drawn (stderr is not a terminal: a log file), a line at each
+/// twentieth of the questions and at the last.
+fn log_progress(progress: &ProgressBar, failed: usize) {
+    let (done, total) = (progress.position(), progress.length().unwrap_or(0));
+    let every = total.div_ceil(20).max(1);
+    if done % every == 0 || done == total {
+        eprintln!(
+            "{}: {done}/{total} questions, {failed} failed this run, {:.0} s",
+            progress.prefix(),
+            progress.elapsed().as_secs_f64()
+        );
     }
 }
 

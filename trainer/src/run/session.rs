@@ -221,23 +221,44 @@ impl RunSession {
     }
 
     /// The training data sampler over `len` examples: where the checkpoint left it, or new (the
-    /// run's seed, shuffled, `batch_size` a batch). A resumed run keeps its batch size: a
-    /// different `batch_size` (the config's `key`) is refused, not silently overridden.
+    /// run's seed, shuffled, `batch_size` a batch). A resumed run keeps its batch size, its seed
+    /// and its data: a different `batch_size` (the config's `key`), seed (`seed_key`) or number
+    /// of training examples is refused, not silently overridden.
     pub(crate) fn sampler(
         &self,
         len: usize,
         batch_size: usize,
         key: &str,
+        seed_key: &str,
     ) -> Result<BatchSampler, TrainError> {
+        let mismatch = |path: &Path, reason: String| TrainError::Mismatch { path: path.to_path_buf(), reason };
         Ok(match &self.resumed {
             Some((path, state)) if state.cursor.config.batch_size != batch_size => {
-                return Err(TrainError::Mismatch {
-                    path: path.clone(),
-                    reason: format!(
+                return Err(mismatch(
+                    path,
+                    format!(
                         "{key} is {batch_size}, but the run drew {} examples a step: resume with {key} = {}, or start a new run",
                         state.cursor.config.batch_size, state.cursor.config.batch_size
                     ),
-                })
+                ))
+            }
+            Some((path, state)) if state.seed != self.seed => {
+                return Err(mismatch(
+                    path,
+                    format!(
+                        "{seed_key} is {}, but the run was seeded {}: resume with {seed_key} = {}, or start a new run",
+                        self.seed, state.seed, state.seed
+                    ),
+                ))
+            }
+            Some((path, state)) if state.cursor.dataset_len != len => {
+                return Err(mismatch(
+                    path,
+                    format!(
+                        "the run drew from {} training examples, but data.train now holds {len}: resume with the same data, or start a new run",
+                        state.cursor.dataset_len
+                    ),
+                ))
             }
             Some((_, state)) => BatchSampler::resume(state.cursor.clone(), len)?,
             None => BatchSampler::new(
@@ -578,6 +599,23 @@ mod tests {
         session.begin("config.json", &1, 10).unwrap();
         assert_eq!(session.set_aside().unwrap().folder, run.join("checkpoints/superseded-2"));
         assert_eq!(list_checkpoints(run).unwrap(), [2]);
+    }
+
+
+    /// A resume keeps the run's batch size, seed and data: any other is refused, named.
+    #[test]
+    fn a_resume_keeps_the_runs_batch_seed_and_data() {
+        let dir = tempfile::tempdir().unwrap();
+        fake_checkpoint(dir.path(), 2);
+        let session = RunSession::open(settings(dir.path()), Resume::From(2)).unwrap();
+        session.sampler(4, 2, "train.batch_size", "train.seed").unwrap();
+        let err = |len, batch| session.sampler(len, batch, "train.batch_size", "train.seed").unwrap_err().to_string();
+        assert!(err(4, 3).contains("train.batch_size is 3"), "{}", err(4, 3));
+        assert!(err(5, 2).contains("from 4 training examples, but data.train now holds 5"), "{}", err(5, 2));
+        drop(session);
+        let reseeded = RunSession::open(SessionSettings { seed: 7, ..settings(dir.path()) }, Resume::From(2)).unwrap();
+        let err = reseeded.sampler(4, 2, "train.batch_size", "train.seed").unwrap_err().to_string();
+        assert!(err.contains("train.seed is 7, but the run was seeded 0"), "{err}");
     }
 
 }

@@ -120,7 +120,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         } else {
             None
         };
-        let sampler = session.sampler(train.len(), config.rollout.batch_size, "rollout.batch_size")?;
+        let sampler = session.sampler(train.len(), config.rollout.batch_size, "rollout.batch_size", "run.seed")?;
         let step = session.start_step();
         let engine = engine_for::<Inner<B>>(&config)?;
         session.begin("run_config.json", &config, config.run.steps)?;

@@ -161,7 +161,7 @@ impl<B: AutodiffBackend> SftRun<B> {
             seed: config.train.seed,
         };
         let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
-        let sampler = session.sampler(train.len(), config.train.batch_size, "train.batch_size")?;
+        let sampler = session.sampler(train.len(), config.train.batch_size, "train.batch_size", "train.seed")?;
         let step = session.start_step();
         session.begin(SFT_CONFIG_FILE, &config, total_steps)?;
         Ok(Self {
