@@ -26,6 +26,9 @@ pub(crate) fn read(path: &Path, sink: &mut RowSink) -> Result<(), DataError> {
             return Ok(());
         }
         line_number += 1;
+        if line_number == 1 && bytes.starts_with(UTF8_BOM) {
+            bytes.drain(..UTF8_BOM.len());
+        }
         let example = match std::str::from_utf8(&bytes) {
             Ok(line) if line.trim().is_empty() => continue,
             Ok(line) => parse_line(line, index, sink),
@@ -42,7 +45,7 @@ fn parse_line(line: &str, index: usize, sink: &RowSink) -> Result<Example, RowPr
     let Value::Object(object) = value else {
         return Err(RowProblem::NotJsonObject("found another JSON value".into()));
     };
-    let id = optional_string(&object, "id")?.unwrap_or_else(|| sink.default_id(index));
+    let id = optional_id(&object)?.unwrap_or_else(|| sink.default_id(index));
     let data_source = optional_string(&object, "data_source")?
         .unwrap_or_else(|| sink.default_source().to_owned());
     let question =
@@ -52,6 +55,19 @@ fn parse_line(line: &str, index: usize, sink: &RowSink) -> Result<Example, RowPr
         Some(value) => answers_from_json(value.clone())?,
     };
     Example::new(id, data_source, question, answers)
+}
+
+/// The byte order mark some editors write at a UTF-8 file's start (CSV files are read past it too).
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// The `id` field: a string, or an integer (as many datasets number their rows) written out;
+/// absent or null is `None`, another type is an error.
+fn optional_id(object: &Map<String, Value>) -> Result<Option<String>, RowProblem> {
+    match object.get("id") {
+        Some(Value::Number(n)) if n.is_u64() || n.is_i64() => Ok(Some(n.to_string())),
+        Some(Value::Number(_)) => Err(RowProblem::WrongType { field: "id", expected: "a string or an integer" }),
+        _ => optional_string(object, "id"),
+    }
 }
 
 /// A string field; absent or null is `None`, another type is an error.

@@ -163,3 +163,21 @@ fn parquet_errors_name_the_file() {
     assert!(matches!(missing, DataError::Io { .. }), "{missing}");
     assert!(missing.to_string().contains("absent.csv"));
 }
+
+/// JSONL as other tools write it: a byte order mark before the first line, integer ids.
+#[test]
+fn jsonl_with_a_byte_order_mark_and_integer_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(
+        dir.path(),
+        "bom.jsonl",
+        "\u{feff}{\"id\": 7, \"question\": \"q1\", \"answers\": [\"a\"]}\n{\"id\": \"x\", \"question\": \"q2\", \"answers\": [\"b\"]}\n",
+    );
+    let dataset = load(&path, OnBadRow::Fail).unwrap();
+    let ids: Vec<&str> = dataset.examples().iter().map(|e| e.id()).collect();
+    assert_eq!(ids, ["7", "x"]);
+    assert_eq!(dataset.examples()[0].question(), "q1");
+    let bad = write(dir.path(), "float.jsonl", "{\"id\": 1.5, \"question\": \"q\", \"answers\": [\"a\"]}\n");
+    let err = load(&bad, OnBadRow::Fail).unwrap_err().to_string();
+    assert!(err.contains("float.jsonl") && err.contains("`id`"), "{err}");
+}
