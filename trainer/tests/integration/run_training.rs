@@ -352,6 +352,7 @@ fn resuming_with_lora_equals_never_stopping() {
         assert_eq!(a.loss, b.loss, "step {}", a.step);
     }
     assert_eq!(adapter_weights(&resumed), expected);
+    drop(resumed);
 
     // A full fine-tuning config does not resume a LoRA run, and the message says why.
     let mut full = split.clone();

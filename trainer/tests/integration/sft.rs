@@ -320,6 +320,12 @@ fn resuming_equals_never_stopping() {
         .map(|r| r.step)
         .collect();
     assert_eq!(steps, [1, 2, 3, 4, 5, 6]);
+    // While the run lives, another one cannot write its directory.
+    let mut again = config.clone();
+    again.run.out_dir = dir.path().join("split");
+    let err = SftRun::<B>::start(again, Default::default(), true).err().unwrap().to_string();
+    assert!(err.contains("another run is writing"), "{err}");
+    drop(resumed);
     // A fresh start refuses to overwrite a run with checkpoints.
     let mut again = config.clone();
     again.run.out_dir = dir.path().join("split");
