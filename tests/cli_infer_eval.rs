@@ -489,14 +489,16 @@ fn eval_writes_predictions_and_metrics_then_resumes() {
     let recount: Value = serde_json::from_str(&ok(&["metrics", "--predictions", out.join("predictions.jsonl").to_str().unwrap(), "--json"])).unwrap();
     assert_eq!((&recount["overall"]["n"], &recount["overall"]["em"]), (&serde_json::json!(3), &serde_json::json!(75.0)));
 
-    // Another agent seed is another setup: its answers do not join these.
+    // With nothing left to answer, a run with other settings only scores again.
     let mut reseeded = args.clone();
     reseeded.extend(["--seed", "1"]);
+    assert!(ok(&reseeded).contains("0 answered now, 3 from earlier runs"));
+    // An example whose answers changed in the data is answered again; but not with another agent
+    // seed, another setup, whose answers would join these.
+    std::fs::write(&data, std::fs::read_to_string(&data).unwrap().replace(r#"["Paris"]"#, r#"["4"]"#)).unwrap();
     let output = run(&reseeded);
     let err = text(&output.stderr);
     assert!(!output.status.success() && err.contains("--seed 0 (now 1)") && err.contains("another --out"), "{err}");
-    // An example whose answers changed in the data is answered again.
-    std::fs::write(&data, std::fs::read_to_string(&data).unwrap().replace(r#"["Paris"]"#, r#"["4"]"#)).unwrap();
     let output = run(&args);
     let stdout = text(&output.stdout);
     assert!(output.status.success() && stdout.contains("1 answered now, 2 from earlier runs"), "{stdout}");

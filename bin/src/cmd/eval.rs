@@ -117,11 +117,13 @@ pub fn run(mut args: Args) -> Result<()> {
             mode.name()
         );
     }
-    setup::check_or_record(&args.out, &setup::setup_of(&args), done.values().any(Row::is_final))?;
     let todo: Vec<&Example> = selected
         .iter()
         .filter(|e| done.get(&key_of(e)).is_none_or(|row| !row.answers_for(e)))
         .collect();
+    if !todo.is_empty() {
+        setup::check_or_record(&args.out, &setup::setup_of(&args), done.values().any(Row::is_final))?;
+    }
     if mode.uses_env() && !todo.is_empty() {
         args.env.probe(&format!("--mode {}", mode.name()))?;
     }

@@ -11,19 +11,33 @@ use anyhow::{Context, Result};
 const STAGING_PREFIX: &str = ".staging-";
 
 /// Whether `name` is a file of a model or adapter directory: what a loader reads (its config,
-/// weights, shards and their index, an adapter's config) and the tokenizer files.
+/// weights in safetensors or PyTorch's format, shards and their index, an adapter's config) and
+/// the tokenizer and chat template files.
 pub fn is_model_file(name: &str) -> bool {
     matches!(
         name,
-        "config.json" | "adapter_config.json" | "generation_config.json" | "tokenizer.json" | "tokenizer_config.json"
+        "config.json"
+            | "adapter_config.json"
+            | "generation_config.json"
+            | "tokenizer.json"
+            | "tokenizer_config.json"
+            | "special_tokens_map.json"
+            | "added_tokens.json"
+            | "vocab.json"
+            | "merges.txt"
+            | "chat_template.jinja"
+            | "chat_template.json"
     ) || name.ends_with(".safetensors")
         || name.ends_with(".safetensors.index.json")
+        || (name.starts_with("pytorch_model") && (name.ends_with(".bin") || name.ends_with(".bin.index.json")))
+        || name == "adapter_model.bin"
 }
 
-/// Makes `out` (and its parents) and has `write` fill a staging folder inside it; then removes
-/// `out`'s model files ([`is_model_file`]) and moves the staged files in. Other files of `out`
-/// stay. A failed `write` removes the staging folder and leaves `out`'s files as they were; a
-/// staging folder a killed write left is removed first.
+/// Makes `out` (and its parents) and has `write` fill a staging folder inside it; then moves the
+/// staged files in (each rename replaces its namesake at once) and removes `out`'s other model
+/// files ([`is_model_file`]). Other files of `out` stay. A failed `write` removes the staging
+/// folder and leaves `out`'s files as they were; a staging folder a killed write left is
+/// removed first.
 pub fn write_model_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     super::create_dir(out)?;
     remove_staging_leftovers(out)?;
@@ -33,13 +47,14 @@ pub fn write_model_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
         let _ = std::fs::remove_dir_all(&staging);
         return Err(error);
     }
-    for name in file_names(out)?.into_iter().filter(|n| is_model_file(n)) {
+    let staged = file_names(&staging)?;
+    for name in &staged {
+        let (from, to) = (staging.join(name), out.join(name));
+        std::fs::rename(&from, &to).with_context(|| format!("moving {} into place", to.display()))?;
+    }
+    for name in file_names(out)?.into_iter().filter(|n| is_model_file(n) && !staged.contains(n)) {
         let stale = out.join(&name);
         std::fs::remove_file(&stale).with_context(|| format!("removing the earlier {}", stale.display()))?;
-    }
-    for name in file_names(&staging)? {
-        let (from, to) = (staging.join(&name), out.join(&name));
-        std::fs::rename(&from, &to).with_context(|| format!("moving {} into place", to.display()))?;
     }
     std::fs::remove_dir_all(&staging).with_context(|| format!("removing {}", staging.display()))
 }
@@ -85,7 +100,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out");
         std::fs::create_dir_all(out.join(format!("{STAGING_PREFIX}1"))).unwrap();
-        for name in ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "adapter_config.json", "notes.txt"] {
+        for name in ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "adapter_config.json", "chat_template.jinja", "notes.txt"] {
             std::fs::write(out.join(name), "old").unwrap();
         }
         let failed = write_model_dir(&out, |staging| {
@@ -95,7 +110,7 @@ mod tests {
         assert!(failed.unwrap_err().to_string().contains("no room"));
         assert_eq!(
             names(&out),
-            ["adapter_config.json", "config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "notes.txt"]
+            ["adapter_config.json", "chat_template.jinja", "config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "notes.txt"]
         );
         write_model_dir(&out, |staging| {
             for name in ["config.json", "model.safetensors"] {

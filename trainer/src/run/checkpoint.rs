@@ -71,10 +71,18 @@ pub fn checkpoint_at(run_dir: &Path, step: u64) -> Result<PathBuf, TrainError> {
         return Ok(dir);
     }
     let steps = list_checkpoints(run_dir)?;
+    let aside = match superseded_holding(run_dir, step) {
+        Some(folder) => format!(
+            "; {} holds one, set aside by an earlier resume from an earlier checkpoint: move it back into {} to resume it",
+            folder.join(checkpoint_name(step)).display(),
+            run_dir.join(CHECKPOINTS_DIR).display()
+        ),
+        None => String::new(),
+    };
     Err(TrainError::Checkpoint {
         path: dir,
         reason: format!(
-            "no complete checkpoint of step {step} in this run (its checkpoints: {})",
+            "no complete checkpoint of step {step} in this run (its checkpoints: {}){aside}",
             steps_list(&steps)
         ),
     })
@@ -222,18 +230,34 @@ pub(crate) fn set_aside_after(
         return Ok(None);
     }
     point_latest(run_dir, &checkpoint_name(step))?;
-    let folder = (1..)
-        .map(|k| dir.join(format!("superseded-{k}")))
-        .find(|f| !f.exists())
-        .expect("a free name");
+    let folders: Vec<PathBuf> = (1..).map(|k| dir.join(format!("{SUPERSEDED_PREFIX}{k}"))).take_while(|f| f.exists()).collect();
+    // A folder a killed set-aside made but moved no checkpoint into is taken again.
+    let folder = match folders.last() {
+        Some(last) if step_folders(last)?.is_empty() => last.clone(),
+        _ => dir.join(format!("{SUPERSEDED_PREFIX}{}", folders.len() + 1)),
+    };
     std::fs::create_dir_all(&folder).map_err(TrainError::io(&folder))?;
     before_moving(&folder)?;
     for s in &later {
         let name = checkpoint_name(*s);
         std::fs::rename(dir.join(&name), folder.join(&name)).map_err(TrainError::io(dir.join(&name)))?;
     }
+    sync_dir(&folder)?;
     sync_dir(&dir)?;
     Ok(Some(SetAside { folder, steps: later }))
+}
+
+/// What the folders of set-aside checkpoints are named, followed by 1, 2, ...
+const SUPERSEDED_PREFIX: &str = "superseded-";
+
+/// The set-aside folder ([`set_aside_after`]) holding a checkpoint of `step`, if one does.
+fn superseded_holding(run_dir: &Path, step: u64) -> Option<PathBuf> {
+    let dir = run_dir.join(CHECKPOINTS_DIR);
+    (1..)
+        .map(|k| dir.join(format!("{SUPERSEDED_PREFIX}{k}")))
+        .take_while(|f| f.exists())
+        .filter(|f| is_complete(&f.join(checkpoint_name(step))))
+        .last()
 }
 
 /// A fresh staging folder for a checkpoint (a leftover from a killed save is removed).

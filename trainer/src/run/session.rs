@@ -255,7 +255,7 @@ impl RunSession {
                 return Err(mismatch(
                     path,
                     format!(
-                        "the run drew from {} training examples, but data.train now holds {len}: resume with the same data, or start a new run",
+                        "the run drew from {} training examples, but its training data now gives {len}: resume with the same data, or start a new run",
                         state.cursor.dataset_len
                     ),
                 ))
@@ -336,7 +336,8 @@ impl RunSession {
     }
 }
 
-/// Opens and locks `dir`'s [`LOCK_FILE`] (the lock goes with the process).
+/// Opens and locks `dir`'s [`LOCK_FILE`] (the lock goes with the process). On a file system
+/// that takes no locks (some network and cluster mounts) the run goes on unlocked, with a note.
 fn lock_run_dir(dir: &Path) -> Result<std::fs::File, TrainError> {
     let path = dir.join(LOCK_FILE);
     let file = std::fs::OpenOptions::new()
@@ -352,7 +353,14 @@ fn lock_run_dir(dir: &Path) -> Result<std::fs::File, TrainError> {
             dir.display(),
             path.display()
         ))),
-        Err(std::fs::TryLockError::Error(e)) => Err(TrainError::io(&path)(e)),
+        Err(std::fs::TryLockError::Error(e)) => {
+            eprintln!(
+                "note: cannot lock {} ({e}): nothing keeps a second run from writing to {} at the same time",
+                path.display(),
+                dir.display()
+            );
+            Ok(file)
+        }
     }
 }
 
@@ -599,6 +607,19 @@ mod tests {
         session.begin("config.json", &1, 10).unwrap();
         assert_eq!(session.set_aside().unwrap().folder, run.join("checkpoints/superseded-2"));
         assert_eq!(list_checkpoints(run).unwrap(), [2]);
+        drop(session);
+
+        // A set-aside checkpoint is named where a resume asks for it.
+        let err = RunSession::open(settings(run), Resume::From(6)).unwrap_err().to_string();
+        assert!(err.contains("superseded-1/step-0000006") && err.contains("move it back"), "{err}");
+        // A folder that a killed set-aside left without checkpoints is taken again.
+        std::fs::create_dir_all(run.join("checkpoints/superseded-3")).unwrap();
+        std::fs::write(run.join("checkpoints/superseded-3/metrics.jsonl"), "").unwrap();
+        fake_checkpoint(run, 5);
+        let mut session = RunSession::open(settings(run), Resume::From(2)).unwrap();
+        session.begin("config.json", &1, 10).unwrap();
+        assert_eq!(session.set_aside().unwrap().folder, run.join("checkpoints/superseded-3"));
+        assert!(run.join("checkpoints/superseded-3/step-0000005").is_dir());
     }
 
 
@@ -611,7 +632,7 @@ mod tests {
         session.sampler(4, 2, "train.batch_size", "train.seed").unwrap();
         let err = |len, batch| session.sampler(len, batch, "train.batch_size", "train.seed").unwrap_err().to_string();
         assert!(err(4, 3).contains("train.batch_size is 3"), "{}", err(4, 3));
-        assert!(err(5, 2).contains("from 4 training examples, but data.train now holds 5"), "{}", err(5, 2));
+        assert!(err(5, 2).contains("from 4 training examples, but its training data now gives 5"), "{}", err(5, 2));
         drop(session);
         let reseeded = RunSession::open(SessionSettings { seed: 7, ..settings(dir.path()) }, Resume::From(2)).unwrap();
         let err = reseeded.sampler(4, 2, "train.batch_size", "train.seed").unwrap_err().to_string();

@@ -46,6 +46,9 @@ pub struct DataSummary {
     pub episodes: usize,
     /// Failed episodes (environment or agent failure), left out.
     pub failed_episodes: usize,
+    /// Eval rows that a later row of the same data source and id replaces (a resumed `eval`
+    /// appends the questions it runs again), left out.
+    pub superseded: usize,
     /// Sequences cut to `data.max_length`.
     pub truncated: usize,
     /// Sequences left without a trained token by the cut, left out.
@@ -68,6 +71,9 @@ impl std::fmt::Display for DataSummary {
         )?;
         if self.failed_episodes > 0 {
             write!(f, "; {} failed episodes left out", self.failed_episodes)?;
+        }
+        if self.superseded > 0 {
+            write!(f, "; {} eval rows left out for later rows of the same question", self.superseded)?;
         }
         if self.truncated > 0 {
             write!(f, "; {} cut to data.max_length", self.truncated)?;
@@ -109,12 +115,17 @@ impl RowEncoder<'_> {
 
     fn load_file(&self, path: &Path, out: &mut Vec<SftSequence>, summary: &mut DataSummary) -> Result<(), TrainError> {
         let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
+        let superseded = superseded_eval_rows(&text);
         let mut rows = 0;
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;
             }
             rows += 1;
+            if superseded.contains(&i) {
+                summary.superseded += 1;
+                continue;
+            }
             let row_error = |reason: String| TrainError::Config {
                 path: path.to_path_buf(),
                 reason: format!("line {}: {reason}", i + 1),
@@ -211,6 +222,22 @@ impl RowEncoder<'_> {
     }
 }
 
+/// The (data source, id) of an eval row (one with a `trajectory`), if `line` is one.
+fn eval_row_key(line: &str) -> Option<(String, String)> {
+    let row: Value = serde_json::from_str(line).ok()?;
+    row.get("trajectory")?;
+    Some((row.get("data_source")?.as_str()?.to_owned(), row.get("id")?.to_string()))
+}
+
+/// The lines (from 0) of the eval rows in `text` that a later row of the same data source and
+/// id replaces.
+fn superseded_eval_rows(text: &str) -> std::collections::HashSet<usize> {
+    let keyed: Vec<(usize, (String, String))> =
+        text.lines().enumerate().filter_map(|(i, line)| Some((i, eval_row_key(line)?))).collect();
+    let last: std::collections::HashMap<&(String, String), usize> = keyed.iter().map(|(i, key)| (key, *i)).collect();
+    keyed.iter().filter(|(i, key)| last[key] != *i).map(|(i, _)| *i).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -272,6 +299,20 @@ mod tests {
             }
             runs
         }
+    }
+
+    /// Of eval rows with the same data source and id, the last is the one kept; other rows have
+    /// no such key.
+    #[test]
+    fn the_last_eval_row_of_a_question_is_kept() {
+        let text = [
+            r#"{"id": "1", "data_source": "a", "trajectory": {"old": true}}"#,
+            r#"{"id": "1", "data_source": "b", "trajectory": {}}"#,
+            r#"{"messages": [], "id": "1", "data_source": "a"}"#,
+            r#"{"id": "1", "data_source": "a", "trajectory": {"old": false}}"#,
+        ]
+        .join("\n");
+        assert_eq!(superseded_eval_rows(&text), [0].into());
     }
 
     #[test]

@@ -227,8 +227,13 @@ fn a_checkpoint_reloads_to_the_same_logits() {
     let b: Vec<f32> = reloaded.forward(ids, pos, None, None).into_data().to_vec().unwrap();
     let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
     assert!(diff < 1e-6, "{diff}");
-    // And a fresh start refuses to overwrite the run.
-    assert!(Trainer::<B>::start(config, Default::default(), false).is_err());
+    // While the run lives, another one cannot write its directory; once it has ended, a fresh
+    // start still refuses to overwrite it.
+    let err = Trainer::<B>::start(config.clone(), Default::default(), false).err().unwrap().to_string();
+    assert!(err.contains("another run is writing"), "{err}");
+    drop(trainer);
+    let err = Trainer::<B>::start(config, Default::default(), false).err().unwrap().to_string();
+    assert!(err.contains("already holds checkpoints"), "{err}");
 }
 
 /// LoRA on a frozen f32 base learns the behaviour too, with the KL term against the base with

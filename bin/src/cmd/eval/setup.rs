@@ -1,7 +1,8 @@
 //! `OUT/eval_setup.json`: what an eval's answers depend on (the mode, the agent, the large LLM,
 //! the episode settings), so that a resume with other settings is refused instead of mixing two
 //! setups' answers in one table. Only final answers bind: while every row so far failed (and is
-//! run again anyway), a run may change the settings, e.g. a mistyped --env-url.
+//! run again anyway), a run may change the settings, e.g. a mistyped --env-url; and a run with
+//! nothing left to answer (scoring again, with --ssim-model) is not checked.
 
 use std::path::Path;
 
@@ -14,10 +15,14 @@ use super::Args;
 pub const SETUP_FILE: &str = "eval_setup.json";
 
 /// The settings the answers of a run of `args` depend on, by flag name: the agent's only where
-/// the mode uses it, the large LLM's likewise.
+/// the mode uses it, the large LLM's likewise. Paths are written resolved, so that `ckpt`,
+/// `ckpt/` and `./ckpt` are one setup.
 pub fn setup_of(args: &Args) -> Map<String, Value> {
     let path = |p: &Option<std::path::PathBuf>| {
-        p.as_ref().map(|p| std::path::absolute(p).unwrap_or_else(|_| p.clone()).display().to_string())
+        p.as_ref().map(|p| {
+            let resolved = p.canonicalize().or_else(|_| std::path::absolute(p)).unwrap_or_else(|_| p.clone());
+            resolved.components().collect::<std::path::PathBuf>().display().to_string()
+        })
     };
     let mut setup = Map::new();
     setup.insert("--mode".into(), json!(args.mode.name()));
@@ -28,6 +33,8 @@ pub fn setup_of(args: &Args) -> Map<String, Value> {
             ("--agent", json!(path(&agent.agent))),
             ("--agent-url", json!(agent.agent_url)),
             ("--agent-model", json!(agent.agent_model)),
+            ("--agent-api", json!(agent.agent_url.as_ref().map(|_| format!("{:?}", agent.agent_api)))),
+            ("--dtype", json!(agent.agent.as_ref().map(|_| format!("{:?}", agent.dtype)))),
             ("--temperature", json!(agent.temperature)),
             ("--top-p", json!(agent.top_p)),
             ("--top-k", json!(agent.top_k)),
