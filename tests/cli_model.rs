@@ -168,6 +168,9 @@ fn clear_errors_for_bad_input() {
     assert!(!out.status.success() && stderr.contains("99999") && stderr.contains("vocabulary"), "{stderr}");
     let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1,x"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("\"x\" is not a token id"));
+    let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1", "--stop-ids", "99999"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--stop-ids") && stderr.contains("99999"), "{stderr}");
     let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1,2", "--max-new-tokens", "1000000"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("max_position_embeddings"), "{stderr}");

@@ -86,13 +86,19 @@ impl std::str::FromStr for TokenIds {
     }
 }
 
-/// Parses `1,2,3` (spaces allowed) into token ids.
+/// Parses `1,2,3` (spaces allowed) into token ids; an empty place between commas (`1,,2`) is
+/// an error, not skipped.
 pub fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
+    if text.trim().is_empty() {
+        return Err("no token ids given".into());
+    }
     let ids: Result<Vec<u32>, _> = text
         .split(',')
         .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<u32>().map_err(|_| format!("\"{s}\" is not a token id")))
+        .map(|s| match s {
+            "" => Err(format!("\"{text}\" has an empty place between commas")),
+            s => s.parse::<u32>().map_err(|_| format!("\"{s}\" is not a token id")),
+        })
         .collect();
     let ids = ids?;
     if ids.is_empty() {
@@ -164,6 +170,8 @@ mod tests {
         assert_eq!(parse_ids("1, 2,3"), Ok(vec![1, 2, 3]));
         assert!(parse_ids("1,x").unwrap_err().contains("\"x\""));
         assert!(parse_ids(" ").is_err());
+        assert!(parse_ids("1,,2").unwrap_err().contains("empty place"));
+        assert!(parse_ids("1,2,").unwrap_err().contains("empty place"));
     }
 
     #[test]

@@ -106,6 +106,12 @@ pub fn run(mut args: Args) -> Result<()> {
     if let Some(dir) = &args.ssim_model {
         scoring::check_ssim_model(dir)?;
     }
+    // A new --out is made only once the large LLM answers, so that a run that cannot start
+    // leaves none behind.
+    let fresh_out = !args.out.exists();
+    if fresh_out && mode.uses_env() && !selected.is_empty() {
+        args.env.probe(&format!("--mode {}", mode.name()))?;
+    }
     super::create_dir(&args.out)?;
     let predictions_path = args.out.join("predictions.jsonl");
     let (mut file, done) = PredictionsFile::open(&predictions_path)?;
@@ -124,7 +130,7 @@ pub fn run(mut args: Args) -> Result<()> {
     if !todo.is_empty() {
         setup::check_or_record(&args.out, &setup::setup_of(&args), done.values().any(Row::is_final))?;
     }
-    if mode.uses_env() && !todo.is_empty() {
+    if mode.uses_env() && !todo.is_empty() && !fresh_out {
         args.env.probe(&format!("--mode {}", mode.name()))?;
     }
     let progress = progress_bar(selected.len(), selected.len() - todo.len(), mode);

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use model::chat_template::{ChatMessage, RenderOptions};
@@ -92,7 +92,10 @@ impl OnBackend for Args {
             );
         }
         let mut stop_token_ids = loaded.stop_ids();
-        stop_token_ids.extend(self.stop_ids.iter().flat_map(|ids| ids.0.iter()));
+        if let Some(ids) = &self.stop_ids {
+            loaded.model.check_token_ids(&ids.0).context("--stop-ids")?;
+            stop_token_ids.extend(&ids.0);
+        }
         let config = SamplingConfig {
             sampling: Sampling {
                 temperature: self.temperature,
