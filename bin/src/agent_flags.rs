@@ -393,16 +393,26 @@ impl EpisodeFlags {
         self.config_with(env, PromptTexts::default())
     }
 
+    /// The `--preset`'s settings with the episode limits these flags override.
+    pub fn settings(&self) -> PresetSettings {
+        let preset = self.preset.settings();
+        PresetSettings {
+            max_turns: self.max_turns.unwrap_or(preset.max_turns),
+            max_turn_tokens: self.max_turn_tokens.unwrap_or(preset.max_turn_tokens),
+            max_response_tokens: self.max_response_tokens.unwrap_or(preset.max_response_tokens),
+            reply_chars: self.reply_chars.unwrap_or(preset.reply_chars),
+            ..preset
+        }
+    }
+
     /// The episode settings with `prompts` as the texts the files do not replace.
     pub fn config_with(&self, env: &EnvFlags, prompts: PromptTexts) -> Result<EpisodeConfig> {
-        let preset = self.preset.settings();
+        let settings = self.settings();
         let mut config = EpisodeConfig::inference();
-        config.max_turns = self.max_turns.unwrap_or(preset.max_turns);
-        config.max_turn_tokens = self.max_turn_tokens.unwrap_or(preset.max_turn_tokens);
-        config.max_response_tokens = self
-            .max_response_tokens
-            .unwrap_or(preset.max_response_tokens);
-        config.reply.max_chars = self.reply_chars.unwrap_or(preset.reply_chars);
+        config.max_turns = settings.max_turns;
+        config.max_turn_tokens = settings.max_turn_tokens;
+        config.max_response_tokens = settings.max_response_tokens;
+        config.reply.max_chars = settings.reply_chars;
         config.env_concurrency = env.env_concurrency.max(1);
         let files = PromptTexts::load(self.system_prompt.as_deref(), self.instruction.as_deref())
             .context("reading the prompt files")?;

@@ -230,7 +230,7 @@ pub(crate) fn set_aside_after(
         return Ok(None);
     }
     point_latest(run_dir, &checkpoint_name(step))?;
-    let folders: Vec<PathBuf> = (1..).map(|k| dir.join(format!("{SUPERSEDED_PREFIX}{k}"))).take_while(|f| f.exists()).collect();
+    let folders = superseded_folders(run_dir);
     // A folder a killed set-aside made but moved no checkpoint into is taken again.
     let folder = match folders.last() {
         Some(last) if step_folders(last)?.is_empty() => last.clone(),
@@ -250,14 +250,15 @@ pub(crate) fn set_aside_after(
 /// What the folders of set-aside checkpoints are named, followed by 1, 2, ...
 const SUPERSEDED_PREFIX: &str = "superseded-";
 
-/// The set-aside folder ([`set_aside_after`]) holding a checkpoint of `step`, if one does.
-fn superseded_holding(run_dir: &Path, step: u64) -> Option<PathBuf> {
+/// The folders of set-aside checkpoints ([`set_aside_after`]), `superseded-1` on, in order.
+fn superseded_folders(run_dir: &Path) -> Vec<PathBuf> {
     let dir = run_dir.join(CHECKPOINTS_DIR);
-    (1..)
-        .map(|k| dir.join(format!("{SUPERSEDED_PREFIX}{k}")))
-        .take_while(|f| f.exists())
-        .filter(|f| is_complete(&f.join(checkpoint_name(step))))
-        .last()
+    (1..).map(|k| dir.join(format!("{SUPERSEDED_PREFIX}{k}"))).take_while(|f| f.exists()).collect()
+}
+
+/// The set-aside folder holding a checkpoint of `step`, if one does.
+fn superseded_holding(run_dir: &Path, step: u64) -> Option<PathBuf> {
+    superseded_folders(run_dir).into_iter().filter(|f| is_complete(&f.join(checkpoint_name(step)))).last()
 }
 
 /// A fresh staging folder for a checkpoint (a leftover from a killed save is removed).

@@ -251,16 +251,15 @@ impl RunSession {
                     ),
                 ))
             }
-            Some((path, state)) if state.cursor.dataset_len != len => {
-                return Err(mismatch(
+            Some((path, state)) => BatchSampler::resume(state.cursor.clone(), len).map_err(|e| match e {
+                data::SamplerError::DatasetChanged { saved, actual } => mismatch(
                     path,
                     format!(
-                        "the run drew from {} training examples, but its training data now gives {len}: resume with the same data, or start a new run",
-                        state.cursor.dataset_len
+                        "the run drew from {saved} training examples, but its training data now gives {actual}: resume with the same data, or start a new run"
                     ),
-                ))
-            }
-            Some((_, state)) => BatchSampler::resume(state.cursor.clone(), len)?,
+                ),
+                e => e.into(),
+            })?,
             None => BatchSampler::new(
                 len,
                 SamplerConfig {
@@ -292,7 +291,9 @@ impl RunSession {
             Some((_, state)) => {
                 let (dir, step) = (&self.dir, state.step);
                 self.set_aside = set_aside_after(dir, step, |folder| move_lines_after(dir, step, folder))?;
-                truncate_after(&self.dir, step)?;
+                if self.set_aside.is_none() {
+                    truncate_after(dir, step)?;
+                }
             }
             None => clear(&self.dir)?,
         }

@@ -28,7 +28,7 @@ pub fn setup_of(args: &Args) -> Map<String, Value> {
     setup.insert("--mode".into(), json!(args.mode.name()));
     if args.mode.uses_agent() {
         let (agent, episode) = (&args.agent, &args.episode);
-        let preset = episode.preset.settings();
+        let limits = episode.settings();
         for (flag, value) in [
             ("--agent", json!(path(&agent.agent))),
             ("--agent-url", json!(agent.agent_url)),
@@ -39,10 +39,10 @@ pub fn setup_of(args: &Args) -> Map<String, Value> {
             ("--top-p", json!(agent.top_p)),
             ("--top-k", json!(agent.top_k)),
             ("--seed", json!(agent.seed)),
-            ("--max-turns", json!(episode.max_turns.unwrap_or(preset.max_turns))),
-            ("--max-turn-tokens", json!(episode.max_turn_tokens.unwrap_or(preset.max_turn_tokens))),
-            ("--max-response-tokens", json!(episode.max_response_tokens.unwrap_or(preset.max_response_tokens))),
-            ("--reply-chars", json!(episode.reply_chars.unwrap_or(preset.reply_chars))),
+            ("--max-turns", json!(limits.max_turns)),
+            ("--max-turn-tokens", json!(limits.max_turn_tokens)),
+            ("--max-response-tokens", json!(limits.max_response_tokens)),
+            ("--reply-chars", json!(limits.reply_chars)),
             ("--system-prompt", json!(path(&episode.system_prompt))),
             ("--instruction", json!(path(&episode.instruction))),
         ] {
