@@ -331,6 +331,16 @@ fn infer_reports_an_unreachable_environment() {
     assert!(stdout.contains("stop reason: env_failure") && !stdout.contains("error:"), "{stdout}");
     assert_eq!(stderr.matches("error:").count(), 1, "{stderr}");
     assert!(stderr.contains("the episode failed") && stderr.contains("connection"), "{stderr}");
+    // A retry is told as it begins, so that a user at a terminal knows why nothing happens.
+    let output = run(&[
+        "infer", "--agent-url", &agent.base_url, "--agent-model", "scripted", "--question", "q?", "--env-url", &dead,
+        "--env-model", "m", "--env-attempts", "2",
+    ]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = text(&output.stderr);
+    let notes: Vec<&str> = stderr.lines().filter(|l| l.starts_with("note: the large LLM: ")).collect();
+    assert_eq!(notes.len(), 1, "{stderr}");
+    assert!(notes[0].contains("connection") && notes[0].ends_with("(attempt 2 of 2)"), "{stderr}");
 }
 
 #[test]

@@ -28,6 +28,36 @@ pub struct OpenAiClient {
     in_flight: Semaphore,
     limiter: Option<RateLimiter>,
     stats: ClientStats,
+    on_retry: Option<Box<dyn Fn(&RetryNotice<'_>) + Send + Sync>>,
+}
+
+/// A failed attempt about to be retried: what failed, how long the client waits, and which
+/// attempt follows. Given to the hook of [`OpenAiClient::on_retry`].
+#[derive(Debug, Clone, Copy)]
+pub struct RetryNotice<'a> {
+    /// The URL the attempt went to.
+    pub url: &'a str,
+    /// Why the attempt failed.
+    pub error: &'a EnvError,
+    /// The wait before the next attempt.
+    pub wait: Duration,
+    /// The attempt that follows (2 for the first retry).
+    pub next_attempt: u32,
+    /// The most attempts a call makes.
+    pub max_attempts: u32,
+}
+
+impl fmt::Display for RetryNotice<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}; retrying in {:.1} s (attempt {} of {})",
+            self.error,
+            self.wait.as_secs_f64(),
+            self.next_attempt,
+            self.max_attempts
+        )
+    }
 }
 
 /// One failed request and whether another may follow.
@@ -71,12 +101,20 @@ impl OpenAiClient {
             in_flight: Semaphore::new(config.max_concurrency),
             limiter: config.requests_per_minute.map(RateLimiter::per_minute),
             stats: ClientStats::default(),
+            on_retry: None,
             config,
             endpoint,
             completions_endpoint,
             api_key,
             http,
         })
+    }
+
+    /// Calls `hook` before each retry's wait (for instance to tell a user at a terminal why
+    /// nothing happens yet); without it retries are silent, counted in [`Self::stats`].
+    pub fn on_retry(mut self, hook: impl Fn(&RetryNotice<'_>) + Send + Sync + 'static) -> Self {
+        self.on_retry = Some(Box::new(hook));
+        self
     }
 
     /// The configuration this client was built with.
@@ -184,6 +222,15 @@ impl OpenAiClient {
                 );
                 if Instant::now() + wait < deadline {
                     self.stats.retrying(wait);
+                    if let Some(hook) = &self.on_retry {
+                        hook(&RetryNotice {
+                            url,
+                            error: &failed.error,
+                            wait,
+                            next_attempt: attempt + 1,
+                            max_attempts: self.config.retry.max_attempts,
+                        });
+                    }
                     std::thread::sleep(wait);
                     attempt += 1;
                     last = Some(failed.error);

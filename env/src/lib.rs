@@ -34,7 +34,7 @@ pub use agent::{
     TurnEnd, TurnText,
 };
 pub use crate::chat::{ChatMessage, ChatReply, Role, SamplingParams, Usage};
-pub use client::OpenAiClient;
+pub use client::{OpenAiClient, RetryNotice};
 pub use config::{ClientConfig, RetryPolicy, DEFAULT_API_KEY_ENV};
 pub use environment::{environment_messages, Environment, ENV_SYSTEM_MESSAGE};
 pub use episode::{

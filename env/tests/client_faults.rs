@@ -163,6 +163,40 @@ fn server_errors_exhaust_the_attempts() {
 }
 
 #[test]
+fn the_retry_hook_hears_each_retry_and_not_the_last_failure() {
+    let server = ScriptedServer::start(vec![
+        Action::json(503, r#"{"error":{"message":"warming up"}}"#),
+        Action::Close,
+        Action::json(503, r#"{"error":{"message":"still warming"}}"#),
+    ]);
+    let heard = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = heard.clone();
+    let client = client(config(&server, 3)).on_retry(move |notice| {
+        log.lock().unwrap().push((
+            notice.next_attempt,
+            notice.max_attempts,
+            notice.error.kind(),
+            notice.to_string(),
+        ));
+    });
+    let err = ask(&client).unwrap_err();
+    assert_eq!(err.attempts(), 3);
+    let heard = heard.lock().unwrap();
+    let seen: Vec<_> = heard.iter().map(|(n, max, kind, _)| (*n, *max, *kind)).collect();
+    assert_eq!(
+        seen,
+        [
+            (2, 3, FailureKind::ServerError),
+            (3, 3, FailureKind::Connection)
+        ]
+    );
+    assert!(heard[0].3.contains("warming up"), "{}", heard[0].3);
+    assert!(heard[0].3.contains("retrying in 0.0"), "{}", heard[0].3);
+    assert!(heard[0].3.ends_with("(attempt 2 of 3)"), "{}", heard[0].3);
+    assert_eq!(client.stats().retries, 2);
+}
+
+#[test]
 fn request_timeout_and_conflict_statuses_are_retried() {
     let server = ScriptedServer::start(vec![
         Action::json(408, ""),

@@ -37,7 +37,11 @@ pub fn run(mut args: Args) -> Result<()> {
         bail!("--question is empty");
     }
     args.agent.apply_preset(args.episode.preset);
-    let env = args.env.client("infer")?;
+    // One question at a terminal: say why nothing happens while the large LLM is retried.
+    let env = args
+        .env
+        .client("infer")?
+        .on_retry(|notice| eprintln!("note: the large LLM: {notice}"));
     let config = args.episode.config(&args.env)?;
     let trajectory = args.agent.with_agent(|agent| {
         let mut printer = TurnPrinter {
