@@ -79,6 +79,9 @@ pub fn note_resume(resume: trainer::run::Resume, step: u64, session: &trainer::r
             aside.folder.display()
         );
     }
+    if let Some(earlier) = session.earlier_config() {
+        eprintln!("note: the settings differ from the run's until now; the earlier ones are kept in {}", earlier.display());
+    }
 }
 
 /// What to try when an optimiser step was skipped for a non-finite gradient norm.

@@ -84,6 +84,8 @@ pub struct RunSession {
     resumed: Option<(PathBuf, TrainerState)>,
     /// The later checkpoints a resume from an earlier one set aside ([`Self::begin`]).
     set_aside: Option<SetAside>,
+    /// Where a resume with other settings kept the earlier ones ([`Self::begin`]).
+    earlier_config: Option<PathBuf>,
     /// [`LOCK_FILE`], locked while the session lives.
     _lock: std::fs::File,
 }
@@ -105,6 +107,7 @@ impl RunSession {
             keep_checkpoints: settings.keep_checkpoints,
             resumed: None,
             set_aside: None,
+            earlier_config: None,
             _lock: lock,
         };
         let checkpoint = match resume {
@@ -201,6 +204,11 @@ impl RunSession {
         self.set_aside.as_ref()
     }
 
+    /// Where the settings the run had before it resumed with other ones were kept.
+    pub fn earlier_config(&self) -> Option<&Path> {
+        self.earlier_config.as_deref()
+    }
+
     /// The steps completed when the run starts (0 on a fresh start).
     pub fn start_step(&self) -> u64 {
         self.resumed.as_ref().map_or(0, |(_, state)| state.step)
@@ -279,7 +287,8 @@ impl RunSession {
     /// emptied on a fresh start; `config` is written to `config_file` in the run directory. A
     /// resume from an earlier checkpoint than the newest sets the later checkpoints aside, with
     /// their steps' metrics lines ([`set_aside_after`], [`Self::set_aside`]): the run goes on
-    /// from there, and what it leaves behind is kept, not mixed in.
+    /// from there, and what it leaves behind is kept, not mixed in. A resume whose `config`
+    /// differs from the file's keeps the earlier one beside it ([`keep_earlier_config`]).
     pub(crate) fn begin(
         &mut self,
         config_file: &str,
@@ -298,7 +307,11 @@ impl RunSession {
             None => clear(&self.dir)?,
         }
         let json = serde_json::to_string_pretty(config).expect("config serialises");
-        model::checkpoint::write_atomic(&self.dir.join(config_file), json.as_bytes())?;
+        let path = self.dir.join(config_file);
+        if let Some((_, state)) = &self.resumed {
+            self.earlier_config = keep_earlier_config(&path, json.as_bytes(), state.step)?;
+        }
+        model::checkpoint::write_atomic(&path, json.as_bytes())?;
         Ok(())
     }
 
@@ -335,6 +348,29 @@ impl RunSession {
             self.keep_checkpoints,
         )
     }
+}
+
+/// Renames the settings file `path` to `NAME.up-to-step-STEP.json` beside it (`-2`, `-3`, ... if
+/// taken) when it differs from `next`, the settings a run resumed at `step` goes on with, so that
+/// the settings of the steps already made are not lost; gives the new name.
+fn keep_earlier_config(path: &Path, next: &[u8], step: u64) -> Result<Option<PathBuf>, TrainError> {
+    match std::fs::read(path) {
+        Ok(earlier) if earlier == next => return Ok(None),
+        Ok(_) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(err) => return Err(TrainError::io(path)(err)),
+    }
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("config");
+    let kept = (1..)
+        .map(|n| match n {
+            1 => format!("{stem}.up-to-step-{step}.json"),
+            n => format!("{stem}.up-to-step-{step}-{n}.json"),
+        })
+        .map(|name| path.with_file_name(name))
+        .find(|candidate| !candidate.exists())
+        .expect("an unused name");
+    std::fs::rename(path, &kept).map_err(TrainError::io(path))?;
+    Ok(Some(kept))
 }
 
 /// Opens and locks `dir`'s [`LOCK_FILE`] (the lock goes with the process). On a file system
@@ -553,6 +589,25 @@ mod tests {
             std::fs::read_to_string(fresh.path().join("metrics.jsonl")).unwrap(),
             ""
         );
+    }
+
+    /// A resume with other settings keeps the earlier ones beside the new; the same settings
+    /// keep one file.
+    #[test]
+    fn a_resume_with_other_settings_keeps_the_earlier_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path();
+        fake_checkpoint(run, 2);
+        std::fs::write(run.join("checkpoints/latest"), "step-0000002").unwrap();
+        std::fs::write(run.join("config.json"), "1").unwrap();
+        for (config, earlier) in [(1, None), (5, Some("config.up-to-step-2.json")), (6, Some("config.up-to-step-2-2.json"))] {
+            let mut session = RunSession::open(settings(run), Resume::Latest).unwrap();
+            session.begin("config.json", &config, 10).unwrap();
+            assert_eq!(session.earlier_config(), earlier.map(|name| run.join(name)).as_deref());
+            assert_eq!(std::fs::read_to_string(run.join("config.json")).unwrap(), config.to_string());
+        }
+        assert_eq!(std::fs::read_to_string(run.join("config.up-to-step-2.json")).unwrap(), "1");
+        assert_eq!(std::fs::read_to_string(run.join("config.up-to-step-2-2.json")).unwrap(), "5");
     }
 
     /// A second session on a run directory is refused while the first lives.
