@@ -73,6 +73,39 @@ fn reward_json_of_a_call_then_answer() {
     assert_eq!(json.as_object().unwrap().len(), 5);
 }
 
+/// An episode as `infer --json` prints it, and an `eval` predictions row (answers included),
+/// score as their decoded text does.
+#[test]
+fn reward_reads_saved_episodes_and_predictions_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let (prompt, response) = CALL_THEN_ANSWER.split_at(CALL_THEN_ANSWER.find("<|im_start|>assistant").unwrap());
+    let trajectory = serde_json::json!({"question": "q", "prompt_text": prompt, "response_text": response, "turns": []});
+    let saved = write(dir.path(), "episode.json", &trajectory.to_string());
+    let row = serde_json::json!({"data_source": "nq", "id": "1", "answers": ["Paris"], "trajectory": trajectory});
+    let row = write(dir.path(), "row.json", &format!("{row}\n"));
+    let text = write(dir.path(), "episode.txt", CALL_THEN_ANSWER);
+    let score = |file: &Path, answers: Option<&str>| {
+        let mut args = vec!["reward", "--episode", file.to_str().unwrap(), "--json"];
+        if let Some(answers) = answers {
+            args.extend(["--answers", answers]);
+        }
+        stdout_json(&prompt_r1(&args))
+    };
+    let expected = score(&text, Some(r#"["Paris"]"#));
+    assert!((expected["reward"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-12, "{expected}");
+    assert_eq!(score(&saved, Some(r#"["Paris"]"#)), expected);
+    assert_eq!(score(&row, None), expected);
+    assert_eq!(score(&row, Some(r#"["Paris, France"]"#))["reward"], 1.0);
+
+    let needs_answers = prompt_r1(&["reward", "--episode", saved.to_str().unwrap()]);
+    assert!(!needs_answers.status.success());
+    assert!(String::from_utf8_lossy(&needs_answers.stderr).contains("--answers is needed"));
+    let not_an_episode = write(dir.path(), "other.json", r#"{"messages": []}"#);
+    let output = prompt_r1(&["reward", "--episode", not_an_episode.to_str().unwrap(), "--answers", r#"["x"]"#]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("other.json") && stderr.contains("`prompt_text`"), "{stderr}");
+}
+
 #[test]
 fn reward_text_shows_the_terms_of_each_turn() {
     let dir = tempfile::tempdir().unwrap();

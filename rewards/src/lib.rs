@@ -24,4 +24,4 @@ pub use episode::{agent_turns, extract_answer};
 pub use format::{FormatTerm, TurnFormat, TurnRole};
 pub use metrics::{ExampleMetrics, MetricsReport, MetricsRow, Similarity};
 pub use normalize::{answer_tokens, normalize_answer};
-pub use reward::RewardBreakdown;
+pub use reward::{RewardBreakdown, GATE_TOLERANCE};

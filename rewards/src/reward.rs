@@ -7,6 +7,11 @@ use crate::config::RewardConfig;
 use crate::episode::{agent_turns, extract_answer};
 use crate::format::{TurnFormat, TurnRole};
 
+/// How far the capped format score may sit from the gate and still pass it: rounding only, so
+/// that constants whose decimal sum is the gate (0.3 + 0.3 + 0.3 + 0.1) reach it. The reference's
+/// constants reach it exactly, and no sum of theirs lies this close to 1.0 without being it.
+pub const GATE_TOLERANCE: f64 = 1e-9;
+
 /// Everything the reward of one episode is made of.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RewardBreakdown {
@@ -16,7 +21,8 @@ pub struct RewardBreakdown {
     pub format_raw: f64,
     /// The format score after the cap.
     pub format: f64,
-    /// Whether the capped format score equals the gate, so that the answer counts.
+    /// Whether the capped format score equals the gate (up to [`GATE_TOLERANCE`]), so that the
+    /// answer counts.
     pub gate_passed: bool,
     /// The final answer read from the last turn, when it has a non-blank `<answer>`.
     pub answer: Option<String>,
@@ -69,7 +75,7 @@ impl RewardBreakdown {
             .as_deref()
             .map(|answer| AnswerScores::best(answer, references))
             .unwrap_or_default();
-        let gate_passed = format == config.gate;
+        let gate_passed = (format - config.gate).abs() <= GATE_TOLERANCE;
         let reward = if gate_passed {
             -1.0 + format + scores.f1
         } else {
@@ -122,6 +128,25 @@ mod tests {
         assert_eq!((b.f1, b.em, b.reward), (1.0, 1.0, 1.0));
         assert_eq!(b.turns[0].terms, vec![FormatTerm::WellFormedCall]);
         assert_eq!(b.answer.as_deref(), Some("Paris"));
+    }
+
+    /// Constants whose decimal sum is the gate reach it, though their float sum falls short by
+    /// rounding; a sum short by a real amount does not.
+    #[test]
+    fn the_gate_allows_for_rounding_only() {
+        let turns = [CALL, "<think>\nok</think>\n<answer>Paris</answer>"];
+        let thirds = RewardConfig {
+            call_turn: 0.3,
+            answer_tag: 0.3,
+            answer_non_empty: 0.3,
+            think_answer_layout: 0.1,
+            ..RewardConfig::default()
+        };
+        let b = RewardBreakdown::from_turns(&turns, &["Paris"], &thirds);
+        assert!(b.format_raw < 1.0 && b.gate_passed && (b.reward - 1.0).abs() < 1e-12, "{b:?}");
+        let short = RewardConfig { think_answer_layout: 0.099, ..thirds };
+        let b = RewardBreakdown::from_turns(&turns, &["Paris"], &short);
+        assert!(!b.gate_passed && b.reward < 0.0, "{b:?}");
     }
 
     #[test]

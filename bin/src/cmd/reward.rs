@@ -9,17 +9,21 @@ use serde_json::json;
 
 /// Score a saved episode: format terms per agent turn, cap, gate and answer F1.
 ///
-/// The episode is the decoded text with special tokens kept; its agent turns are the complete
-/// `<|im_start|>assistant\n … <|im_end|>` blocks (the environment's replies sit in user blocks
-/// and are skipped).
+/// The episode is a decoded episode text with special tokens kept, an episode as `infer --json`
+/// prints it, or a row of `eval`'s `predictions.jsonl` (whose `answers` serve when `--answers`
+/// is not given). Its agent turns are the `<|im_start|>assistant\n … <|im_end|>` blocks, a last
+/// one cut by the token limit included (the environment's replies sit in user blocks and are
+/// skipped).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct Args {
-    /// Text file holding the decoded episode.
+    /// The episode: a text file, or a JSON file holding one episode (`infer --json`) or one
+    /// `predictions.jsonl` row.
     #[arg(long)]
     pub episode: PathBuf,
-    /// Reference answers as a JSON array of strings, e.g. '["Paris", "Paris, France"]'.
+    /// Reference answers as a JSON array of strings, e.g. '["Paris", "Paris, France"]'
+    /// (default: a predictions row's `answers`).
     #[arg(long)]
-    pub answers: String,
+    pub answers: Option<String>,
     /// JSON file with reward constants (call_turn, answer_tag, answer_non_empty,
     /// think_answer_layout, cap, gate); missing keys keep the reference values.
     #[arg(long)]
@@ -30,14 +34,22 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let answers = parse_answers(&args.answers)?;
     let config = match &args.config {
         Some(path) => load_config(path)?,
         None => RewardConfig::default(),
     };
-    let text = std::fs::read_to_string(&args.episode)
+    let raw = std::fs::read_to_string(&args.episode)
         .with_context(|| format!("cannot read episode {}", args.episode.display()))?;
-    let breakdown = RewardBreakdown::from_text(&text, &answers, &config);
+    let episode = read_episode(&raw).with_context(|| format!("episode {}", args.episode.display()))?;
+    let answers = match (&args.answers, episode.answers) {
+        (Some(text), _) => parse_answers(text)?,
+        (None, Some(answers)) => answers,
+        (None, None) => bail!(
+            "--answers is needed: {} holds no reference answers (only a predictions.jsonl row does)",
+            args.episode.display()
+        ),
+    };
+    let breakdown = RewardBreakdown::from_text(&episode.text, &answers, &config);
     if args.json {
         let summary = json!({
             "reward": breakdown.reward,
@@ -51,6 +63,38 @@ pub fn run(args: Args) -> Result<()> {
         print!("{}", render(&breakdown));
     }
     Ok(())
+}
+
+/// An episode's decoded text, with the reference answers its file holds.
+struct Episode {
+    text: String,
+    answers: Option<Vec<String>>,
+}
+
+/// `raw` as a decoded episode text, or, when it is a JSON object, as an episode (`prompt_text`
+/// and `response_text`) or a predictions row (`trajectory` and `answers`).
+fn read_episode(raw: &str) -> Result<Episode> {
+    let raw = raw.strip_prefix('\u{feff}').unwrap_or(raw);
+    if !raw.trim_start().starts_with('{') {
+        return Ok(Episode { text: raw.to_owned(), answers: None });
+    }
+    let value: serde_json::Value = serde_json::from_str(raw.trim()).context("starts with `{` but is not one JSON object")?;
+    let answers = match value.get("answers") {
+        Some(answers) => Some(
+            serde_json::from_value::<Vec<String>>(answers.clone())
+                .ok()
+                .filter(|answers| !answers.is_empty())
+                .context("`answers` must be a non-empty array of strings")?,
+        ),
+        None => None,
+    };
+    let trajectory = value.get("trajectory").unwrap_or(&value);
+    let part = |key: &str| {
+        trajectory.get(key).and_then(|v| v.as_str()).with_context(|| {
+            format!("a JSON episode needs `{key}` (as `infer --json` prints it, or a predictions.jsonl row's `trajectory`)")
+        })
+    };
+    Ok(Episode { text: format!("{}{}", part("prompt_text")?, part("response_text")?), answers })
 }
 
 /// The `--answers` JSON array; at least one answer.
@@ -89,7 +133,7 @@ fn render(b: &RewardBreakdown) -> String {
         b.answer.as_deref().unwrap_or("(none)"),
     );
     if b.turns.is_empty() {
-        out.push_str("no complete assistant turn found\n");
+        out.push_str("no assistant turn found\n");
     }
     for (i, turn) in b.turns.iter().enumerate() {
         let role = turn.role.name();
