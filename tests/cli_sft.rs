@@ -192,6 +192,31 @@ fn resume_from_an_earlier_checkpoint_when_the_newest_is_damaged() {
 }
 
 /// A malformed row stops the run before any step, naming the file and the line.
+/// A row longer than the model's context is cut to it, and counted, when `data.max_length`
+/// is unset or larger.
+#[test]
+fn rows_are_cut_to_the_models_context() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = setup(tmp.path());
+    let model_config = tmp.path().join("tiny/config.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&model_config).unwrap()).unwrap();
+    json["max_position_embeddings"] = 96.into();
+    std::fs::write(&model_config, json.to_string()).unwrap();
+    let chats = tmp.path().join("chats.jsonl");
+    let mut text = std::fs::read_to_string(&chats).unwrap();
+    let long = "Oslo is a capital. ".repeat(40);
+    text.push_str(&format!(
+        "{{\"messages\": [{{\"role\": \"user\", \"content\": \"Tell me of Oslo.\"}}, {{\"role\": \"assistant\", \"content\": \"{long}\"}}]}}\n"
+    ));
+    std::fs::write(&chats, text).unwrap();
+    let out = ok(&["sft", "--config", &config, "--steps", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("training rows: 7 sequences (7 chats, 0 episodes)") && stderr.contains("1 cut to data.max_length or the model's context"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_bad_row_is_named_by_file_and_line() {
     let tmp = tempfile::tempdir().unwrap();

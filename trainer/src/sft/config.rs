@@ -51,7 +51,8 @@ pub struct SftData {
     /// Held-out files: their loss is measured every `run.validate_every` steps.
     #[serde(default)]
     pub validation: Vec<PathBuf>,
-    /// Sequences longer than this many tokens are cut to it (counted at start).
+    /// Sequences longer than this many tokens are cut to it (counted at start); at most, and by
+    /// default, the model's context (`max_position_embeddings`).
     #[serde(default)]
     pub max_length: Option<usize>,
 }

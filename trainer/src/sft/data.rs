@@ -49,7 +49,7 @@ pub struct DataSummary {
     /// Eval rows that a later row of the same data source and id replaces (a resumed `eval`
     /// appends the questions it runs again), left out.
     pub superseded: usize,
-    /// Sequences cut to `data.max_length`.
+    /// Sequences cut to `data.max_length` or the model's context, whichever is shorter.
     pub truncated: usize,
     /// Sequences left without a trained token by the cut, left out.
     pub empty_after_cut: usize,
@@ -76,7 +76,7 @@ impl std::fmt::Display for DataSummary {
             write!(f, "; {} eval rows left out for later rows of the same question", self.superseded)?;
         }
         if self.truncated > 0 {
-            write!(f, "; {} cut to data.max_length", self.truncated)?;
+            write!(f, "; {} cut to data.max_length or the model's context", self.truncated)?;
         }
         if self.empty_after_cut > 0 {
             write!(
@@ -115,7 +115,9 @@ impl RowEncoder<'_> {
 
     fn load_file(&self, path: &Path, out: &mut Vec<SftSequence>, summary: &mut DataSummary) -> Result<(), TrainError> {
         let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
-        let superseded = superseded_eval_rows(&text);
+        // A byte-order mark, as some Windows editors write, is no part of the first row.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+        let superseded = superseded_eval_rows(text);
         let mut rows = 0;
         for (i, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
@@ -349,6 +351,23 @@ mod tests {
         std::fs::write(&path, "\n\n").unwrap();
         let err = rows.load_files(&[path]).unwrap_err().to_string();
         assert!(err.contains("empty.jsonl: no rows"), "{err}");
+    }
+
+    /// A file that begins with a byte-order mark reads as the same file without it.
+    #[test]
+    fn a_byte_order_mark_is_skipped() {
+        let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+        let rows = encoder(&tokenizer);
+        let dir = tempfile::tempdir().unwrap();
+        let good = r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}"#;
+        let plain = dir.path().join("plain.jsonl");
+        let marked = dir.path().join("marked.jsonl");
+        std::fs::write(&plain, format!("{good}\r\n{good}\r\n")).unwrap();
+        std::fs::write(&marked, format!("\u{feff}{good}\r\n{good}\r\n")).unwrap();
+        let (expected, _) = rows.load_files(&[plain]).unwrap();
+        let (read, _) = rows.load_files(&[marked]).unwrap();
+        assert_eq!(read.len(), 2);
+        assert_eq!(read.iter().map(|s| &s.tokens).collect::<Vec<_>>(), expected.iter().map(|s| &s.tokens).collect::<Vec<_>>());
     }
 
     #[test]

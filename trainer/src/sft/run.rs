@@ -14,7 +14,7 @@ use data::BatchSampler;
 use model::chat_template::{ChatTemplate, ChatTemplateError};
 use model::tokenizer::Qwen3Tokenizer;
 use model::{LoraAdapters, LoraModel, Qwen3ForCausalLM};
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
 use super::config::SftConfig;
 use super::data::{DataSummary, RowEncoder, SftSequence};
@@ -22,7 +22,7 @@ use super::step::{sft_step, validation_loss, SftStepStats};
 use crate::grpo::Trainable;
 use crate::optim::{AdamWOptimizer, StepOutcome};
 use crate::run::learner::{Learner, LearnerSettings, Update};
-use crate::run::metrics_log::read_lines;
+use crate::run::metrics_log::{null_as_nan, read_lines};
 use crate::run::session::SessionSettings;
 use crate::run::{
     end_device_phase, gib, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE,
@@ -82,10 +82,6 @@ pub struct SftRecord {
     pub max_memory_reserved_gb: Option<f32>,
 }
 
-fn null_as_nan<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f32, D::Error> {
-    Ok(Option::<f32>::deserialize(deserializer)?.unwrap_or(f32::NAN))
-}
-
 /// Whether the run directory's `metrics.jsonl` is an SFT run's (its first line has `train/loss`).
 pub fn is_sft_run(run_dir: &Path) -> bool {
     std::fs::read_to_string(run_dir.join(METRICS_FILE))
@@ -139,10 +135,13 @@ impl<B: AutodiffBackend> SftRun<B> {
             resume.into(),
         )?;
         let tokenizer = Qwen3Tokenizer::from_dir(&config.model)?;
+        // No sequence may pass the model's context: longer ones are cut to it, as to a smaller
+        // data.max_length.
+        let context = model::Qwen3Config::from_file(&config.model.join("config.json"))?.max_position_embeddings;
         let rows = RowEncoder {
             tokenizer: &tokenizer,
             template: chat_template(&config.model)?,
-            max_length: config.data.max_length,
+            max_length: Some(config.data.max_length.map_or(context, |max| max.min(context))),
         };
         let (train, train_summary) = rows.load_files(&config.data.train)?;
         if train.is_empty() {
