@@ -189,7 +189,7 @@ impl Panel {
 }
 
 /// The range of `values` widened by `margin` of its span on each side (a single value gets a
-/// unit-wide range), or `None` without finite values.
+/// tenth of itself each side), or `None` without finite values.
 fn padded(values: impl Iterator<Item = f64>, margin: f64) -> Option<Range<f64>> {
     let (lo, hi) = values
         .filter(|v| v.is_finite())
@@ -201,7 +201,9 @@ fn padded(values: impl Iterator<Item = f64>, margin: f64) -> Option<Range<f64>> 
     if span > 0.0 {
         Some(lo - margin * span..hi + margin * span)
     } else {
-        let half = (lo.abs() * 0.1).max(0.5);
+        // A tenth of the value each side, whatever its size (a constant learning rate of 1e-5
+        // must not sit on a unit-wide axis as "0"); zero gets a unit-wide range.
+        let half = if lo == 0.0 { 0.5 } else { lo.abs() * 0.1 };
         Some(lo - half..hi + half)
     }
 }
@@ -630,6 +632,14 @@ mod tests {
     fn a_single_value_gets_a_range_around_it() {
         let r = padded([7.0].into_iter(), 0.05).unwrap();
         assert!(r.start < 7.0 && r.end > 7.0, "{r:?}");
+        for value in [3e-3, 1e-5, -2e-6, 0.0] {
+            let r = padded([value, value].into_iter(), 0.05).unwrap();
+            let span = r.end - r.start;
+            assert!(r.start < value && r.end > value, "{value}: {r:?}");
+            assert!(value == 0.0 || span <= value.abs(), "{value}: {r:?}");
+            let (low, high) = (tick_label(r.start, span), tick_label(r.end, span));
+            assert!(low != high && low != "0" && high != "0", "{value}: {low} {high}");
+        }
         assert!(padded([f64::NAN].into_iter(), 0.05).is_none());
     }
 }

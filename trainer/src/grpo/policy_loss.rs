@@ -47,13 +47,13 @@ pub struct PolicyLoss<B: Backend> {
 #[serde(default)]
 pub struct PolicyLossStats {
     /// Fraction of tokens where the clipped term won (`−A·clip(r) > −A·r`).
-    #[serde(rename = "actor/pg_clipfrac")]
+    #[serde(rename = "actor/pg_clipfrac", deserialize_with = "crate::run::metrics_log::null_as_nan")]
     pub clip_frac: f32,
     /// Fraction of tokens with `A < 0` whose loss was capped at `−A·c`.
-    #[serde(rename = "actor/pg_clipfrac_lower")]
+    #[serde(rename = "actor/pg_clipfrac_lower", deserialize_with = "crate::run::metrics_log::null_as_nan")]
     pub dual_clip_frac: f32,
     /// `mean(logπ_old − logπ)` with the clamped log-ratio: a k1 estimate of KL(π_old ‖ π).
-    #[serde(rename = "actor/ppo_kl")]
+    #[serde(rename = "actor/ppo_kl", deserialize_with = "crate::run::metrics_log::null_as_nan")]
     pub approx_kl: f32,
 }
 

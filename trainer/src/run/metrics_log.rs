@@ -27,17 +27,17 @@ pub struct StepRecord {
     pub step: u64,
     #[serde(rename = "training/epoch")]
     pub epoch: u64,
-    #[serde(rename = "critic/score/mean")]
+    #[serde(rename = "critic/score/mean", deserialize_with = "null_as_nan")]
     pub reward_mean: f32,
-    #[serde(rename = "critic/score/std")]
+    #[serde(rename = "critic/score/std", deserialize_with = "null_as_nan")]
     pub reward_std: f32,
     #[serde(rename = "reward/format/mean")]
     pub format_mean: Option<f32>,
     #[serde(rename = "reward/f1/mean")]
     pub f1_mean: Option<f32>,
-    #[serde(rename = "actor/loss")]
+    #[serde(rename = "actor/loss", deserialize_with = "null_as_nan")]
     pub loss: f32,
-    #[serde(rename = "actor/pg_loss")]
+    #[serde(rename = "actor/pg_loss", deserialize_with = "null_as_nan")]
     pub pg_loss: f32,
     #[serde(rename = "actor/kl_loss")]
     pub kl: Option<f32>,
@@ -66,16 +66,16 @@ pub struct StepRecord {
     pub episodes: usize,
     #[serde(rename = "rollout/agent_tokens")]
     pub agent_tokens: usize,
-    #[serde(rename = "response_length/mean")]
+    #[serde(rename = "response_length/mean", deserialize_with = "null_as_nan")]
     pub mean_response_tokens: f32,
-    #[serde(rename = "num_turns/mean")]
+    #[serde(rename = "num_turns/mean", deserialize_with = "null_as_nan")]
     pub mean_turns: f32,
-    #[serde(rename = "timing_s/gen")]
+    #[serde(rename = "timing_s/gen", deserialize_with = "null_as_nan")]
     pub rollout_secs: f32,
-    #[serde(rename = "timing_s/update_actor")]
+    #[serde(rename = "timing_s/update_actor", deserialize_with = "null_as_nan")]
     pub learn_secs: f32,
     /// Agent tokens generated per second during the rollout.
-    #[serde(rename = "perf/gen_tokens_per_s")]
+    #[serde(rename = "perf/gen_tokens_per_s", deserialize_with = "null_as_nan")]
     pub rollout_tokens_per_sec: f32,
     /// Tokens run through prefill during the rollouts (each episode's prompt and environment
     /// replies, once: its KV cache is kept across turns; again only after a preemption), to
@@ -115,14 +115,14 @@ pub struct StepRecord {
     pub workers_left_out_why: Vec<String>,
     /// Seconds of the local rollouts' decoder steps that only decoded (sampling included), and
     /// of those that also prefilled joining episodes: where `timing_s/gen` went (0 on workers).
-    #[serde(rename = "timing_s/gen_decode_steps")]
+    #[serde(rename = "timing_s/gen_decode_steps", deserialize_with = "null_as_nan")]
     pub rollout_decode_secs: f32,
-    #[serde(rename = "timing_s/gen_prefill_steps")]
+    #[serde(rename = "timing_s/gen_prefill_steps", deserialize_with = "null_as_nan")]
     pub rollout_prefill_secs: f32,
     /// Episodes decoding per step of the local rollouts' decoder, on average (at most
     /// `rollout.max_num_seqs`; 0 on workers): on a GPU whose step costs about the same at any
     /// number of rows, the rollouts' speed follows it.
-    #[serde(rename = "perf/gen_rows_per_step", default)]
+    #[serde(rename = "perf/gen_rows_per_step", deserialize_with = "null_as_nan")]
     pub rollout_rows_per_step: f32,
     /// Greedy validation reward, on the steps that validate.
     #[serde(rename = "val/reward/mean")]
@@ -158,6 +158,12 @@ pub struct StepRecord {
     /// only the validation run before training.
     #[serde(flatten, deserialize_with = "validation_keys")]
     pub validation_by_source: BTreeMap<String, f32>,
+}
+
+/// A number that may be `null`: serde_json writes a NaN (a loss of a step whose gradients were
+/// not finite, a mean over no episodes) as `null`, which reads back as NaN.
+pub(crate) fn null_as_nan<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f32, D::Error> {
+    Ok(Option::<f32>::deserialize(deserializer)?.unwrap_or(f32::NAN))
 }
 
 /// The key of the step, in every run's records (GRPO's and SFT's).
@@ -371,6 +377,30 @@ mod tests {
         assert_eq!((records[1].step, records[1].reward_mean), (1, 0.5));
         truncate_after(dir.path(), 0).unwrap();
         assert_eq!(std::fs::read_to_string(dir.path().join(METRICS_FILE)).unwrap(), format!("{line}\n"));
+    }
+
+    /// A step whose losses were NaN (a skipped non-finite step) writes them as `null`, which
+    /// reads back as NaN, so the run stays readable for `plot` and resumes.
+    #[test]
+    fn a_nan_loss_reads_back_as_nan() {
+        let dir = tempfile::tempdir().unwrap();
+        let nan = StepRecord {
+            step: 1,
+            loss: f32::NAN,
+            pg_loss: f32::NAN,
+            reward_mean: f32::NAN,
+            policy: PolicyLossStats { approx_kl: f32::NAN, ..PolicyLossStats::default() },
+            skipped_steps: 1,
+            ..StepRecord::default()
+        };
+        append_line(dir.path(), &nan).unwrap();
+        let text = std::fs::read_to_string(dir.path().join(METRICS_FILE)).unwrap();
+        assert!(text.contains(r#""actor/loss":null"#), "{text}");
+        let back = read_metrics(dir.path()).unwrap();
+        assert_eq!(back.len(), 1);
+        let back = &back[0];
+        assert!(back.loss.is_nan() && back.pg_loss.is_nan() && back.reward_mean.is_nan() && back.policy.approx_kl.is_nan());
+        assert_eq!((back.step, back.skipped_steps, back.reward_std), (1, 1, 0.0));
     }
 
     #[test]
