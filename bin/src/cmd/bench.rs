@@ -298,13 +298,20 @@ impl OnBackend for Args {
             Some(dir) => dir.clone(),
             None => {
                 let preset = self.preset;
-                temp = tempfile::tempdir()?;
+                temp = crate::scratch::ScratchDir::new()?;
                 let config = preset.config(512, vec![2]);
                 eprintln!("writing random {} weights ({} parameters)...", preset.name(), config.num_parameters());
                 write_random_checkpoint(&config, temp.path(), 0, StorageDtype::BF16)?;
                 temp.path().to_path_buf()
             }
         };
+        let context = Qwen3Config::from_file(&dir.join("config.json"))?.max_position_embeddings;
+        let longest = (self.prompt_len + self.decode_tokens).max(self.seq_len.unwrap_or(0));
+        if longest > context && !self.rollout && !self.attention {
+            eprintln!(
+                "note: {longest} positions pass the model's context of {context} tokens (max_position_embeddings): the timings hold, the outputs mean nothing there"
+            );
+        }
         let mut figures = Vec::new();
         if self.rollout {
             self.rollout_figures::<B>(&dir, &device, &mut figures)?;

@@ -83,6 +83,12 @@ impl OnBackend for Args {
             bail!("the prompt encodes to no tokens");
         }
         let context = loaded.model.config.max_position_embeddings;
+        if prompt_ids.len() >= context {
+            bail!(
+                "the prompt's {} tokens leave no room in the model's context of {context} tokens (max_position_embeddings): shorten the prompt",
+                prompt_ids.len()
+            );
+        }
         if prompt_ids.len().saturating_add(self.max_new_tokens) > context {
             bail!(
                 "the prompt's {} tokens and --max-new-tokens {} exceed the model's context of {context} tokens (max_position_embeddings): ask for at most {} new tokens",

@@ -58,6 +58,7 @@ impl OnBackend for Args {
         };
         let prompt = ids(&self.prompt_ids, &self.prompt, "--prompt")?;
         let completion = ids(&self.completion_ids, &self.completion, "--completion")?;
+        check_lengths(prompt.len(), completion.len(), loaded.model.config.max_position_embeddings)?;
         let logprobs = completion_logprobs(&loaded.policy(), &[(prompt, completion.clone())], loaded.pad_id())?
             .remove(0);
         let sum: f64 = logprobs.iter().map(|&x| f64::from(x)).sum();
@@ -75,5 +76,34 @@ impl OnBackend for Args {
             println!("sum log-prob: {sum:.4}");
         }
         Ok(())
+    }
+}
+
+/// Both parts must hold tokens, and together fit the model's context.
+fn check_lengths(prompt: usize, completion: usize, context: usize) -> Result<()> {
+    for (len, what) in [(prompt, "the prompt"), (completion, "the completion")] {
+        if len == 0 {
+            anyhow::bail!("{what} holds no tokens: give at least one");
+        }
+    }
+    if prompt + completion > context {
+        anyhow::bail!(
+            "the prompt's {prompt} and the completion's {completion} tokens exceed the model's context of {context} tokens (max_position_embeddings)"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_parts_must_hold_tokens_and_fit_the_context() {
+        assert!(check_lengths(3, 5, 8).is_ok());
+        let err = |p, c| check_lengths(p, c, 8).unwrap_err().to_string();
+        assert!(err(0, 2).starts_with("the prompt holds no tokens"));
+        assert!(err(2, 0).starts_with("the completion holds no tokens"));
+        assert!(err(4, 5).contains("context of 8 tokens"));
     }
 }
