@@ -285,6 +285,41 @@ fn bench_times_the_projection_products() {
     }
 }
 
+/// An interrupted bench (Ctrl-C, SIGTERM) removes the random checkpoint it wrote to the
+/// temporary folder, and exits with 130.
+#[cfg(unix)]
+#[test]
+fn an_interrupted_bench_leaves_no_checkpoint_behind() {
+    for signal in ["-INT", "-TERM"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+            .args(["bench", "--preset", "tiny", "--prompt-len", "8", "--decode-tokens", "20000", "--decode-batch", "1", "--workloads", "decode"])
+            .env("TMPDIR", tmp.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let written = || {
+            std::fs::read_dir(tmp.path())
+                .unwrap()
+                .flatten()
+                .any(|entry| entry.path().join("model.safetensors").is_file())
+        };
+        let started = std::time::Instant::now();
+        while !written() {
+            assert!(started.elapsed().as_secs() < 120, "no checkpoint written");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let sent = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
+        assert!(sent.success());
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(130), "{signal}: {}", String::from_utf8_lossy(&out.stderr));
+        let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.path()).collect();
+        assert!(left.is_empty(), "{signal}: {left:?}");
+    }
+}
+
 /// A decode of fewer than two tokens has no decoding step to time: refused, naming the flag.
 #[test]
 fn bench_refuses_a_decode_with_no_step_to_time() {

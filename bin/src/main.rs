@@ -9,6 +9,7 @@ mod device;
 mod model_dir;
 mod panic_text;
 mod plot;
+mod scratch;
 mod serve;
 
 use clap::{Parser, Subcommand};

@@ -327,7 +327,7 @@ pub fn run(args: Args) -> Result<()> {
         Some(dir) => dir.clone(),
         None => {
             let preset = Preset::from_name(&args.preset).with_context(|| format!("unknown preset \"{}\"", args.preset))?;
-            temp = tempfile::tempdir()?;
+            temp = crate::scratch::ScratchDir::new()?;
             write_random_checkpoint(&preset.config(512, vec![2]), temp.path(), 7, StorageDtype::F32)?;
             temp.path().to_path_buf()
         }
