@@ -174,6 +174,18 @@ fn clear_errors_for_bad_input() {
     let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1,2", "--max-new-tokens", "1000000"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("max_position_embeddings"), "{stderr}");
+    // A prompt that fills the context alone is told so (no "ask for at most 0 new tokens"), and
+    // score refuses a pair past the context.
+    let model_config = Path::new(&model).join("config.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&model_config).unwrap()).unwrap();
+    json["max_position_embeddings"] = 4.into();
+    std::fs::write(&model_config, json.to_string()).unwrap();
+    let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("leave no room") && !stderr.contains("at most 0"), "{stderr}");
+    let out = prompt_r1(&["score", "--model", &model, "--prompt-ids", "1,2,3", "--completion-ids", "4,5"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("context of 4 tokens"), "{stderr}");
     let out = prompt_r1(&["generate", "--model", &model, "--prompt-ids", "1", "--device", "cuda"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && !stderr.contains("panicked"), "{stderr}");
