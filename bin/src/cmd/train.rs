@@ -102,14 +102,33 @@ impl Args {
             config.environment.model = name.clone();
         }
         if let Some(bytes) = self.device_memory {
-            config.run.device_memory = Some(bytes.to_string());
+            config.run.device_memory = Some(format!("{bytes}B"));
         }
         config.validate().map_err(anyhow::Error::msg).context("invalid configuration")?;
         if config.environment.base_url.is_empty() || config.environment.model.is_empty() {
             bail!("set environment.base_url and environment.model in the config (or --env-url/--env-model)");
         }
+        if let Some(note) = no_signal_note(&config) {
+            eprintln!("note: {note}");
+        }
         Ok(config)
     }
+}
+
+/// A validation reward to three places, or `-` when every episode failed.
+fn shown(reward: Option<f32>) -> String {
+    reward.map_or_else(|| "-".into(), |v| format!("{v:.3}"))
+}
+
+/// What to tell a user whose groups cannot differ, so that GRPO's advantages are all zero and
+/// the policy cannot learn: one episode per question, or greedy rollouts.
+fn no_signal_note(config: &TrainConfig) -> Option<String> {
+    if config.rollout.n == 1 {
+        return Some("rollout.n = 1: each question's group is one episode, whose advantage is 0, so the policy will not learn (GRPO compares episodes of a question)".into());
+    }
+    (config.rollout.sampling.temperature == 0.0).then(|| {
+        "rollout.sampling.temperature = 0: a question's episodes are all the same greedy episode, whose advantages are 0, so the policy will not learn".into()
+    })
 }
 
 /// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will not be
@@ -226,10 +245,7 @@ impl OnBackend for Training {
             return Ok(Vec::new());
         }
         if let Some(record) = trainer.validate_before_training(&env, &scorer).context("validation before training")? {
-            eprintln!(
-                "validation before training: reward {:.3}",
-                record.validation_reward.unwrap_or_default()
-            );
+            eprintln!("validation before training: reward {}", shown(record.validation_reward));
             if let Some(report) = trainer.last_validation() {
                 eprint!("{report}");
             }
@@ -252,8 +268,8 @@ impl OnBackend for Training {
                 message.push_str(&format!(" GPU {gib:.1} GiB"));
             }
             let mut lines = Vec::new();
-            if let Some(v) = record.validation_reward {
-                lines.push(format!("step {}: validation reward {v:.3}", record.step));
+            if !record.validation_by_source.is_empty() {
+                lines.push(format!("step {}: validation reward {}", record.step, shown(record.validation_reward)));
                 if let Some(report) = trainer.last_validation() {
                     lines.push(report.to_string().trim_end().to_owned());
                 }
@@ -271,10 +287,20 @@ impl OnBackend for Training {
                 ));
             }
             if record.env_failures > 0 {
-                lines.push(format!("step {}: {} episodes dropped (environment failures)", record.step, record.env_failures));
+                lines.push(format!(
+                    "step {}: {} episodes dropped (environment failures; the first: {})",
+                    record.step,
+                    record.env_failures,
+                    record.env_failure_why.as_deref().unwrap_or("no reason given")
+                ));
             }
             if record.agent_failures > 0 {
-                lines.push(format!("step {}: {} episodes dropped (the agent's generation failed)", record.step, record.agent_failures));
+                lines.push(format!(
+                    "step {}: {} episodes dropped (the agent's generation failed; the first: {})",
+                    record.step,
+                    record.agent_failures,
+                    record.agent_failure_why.as_deref().unwrap_or("no reason given")
+                ));
             }
             for worker in &record.workers_left_out_why {
                 lines.push(format!("step {}: rollout worker left out: {worker}", record.step));
@@ -380,5 +406,18 @@ mod tests {
         assert_eq!(config(&["--matmul", "f32"]).grpo.matmul, MatmulPrecision::F32);
         let err = Cli::try_parse_from(["train", "--config", "x", "--matmul", "fp8"]).err().unwrap().to_string();
         assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
+    }
+
+    /// One episode per question, or greedy rollouts, give groups without signal: a note says so.
+    #[test]
+    fn groups_that_cannot_differ_are_noted() {
+        let config: TrainConfig = toml::from_str("model = \"m\"\n[data]\ntrain = [\"t.jsonl\"]\n").unwrap();
+        assert_eq!(no_signal_note(&config), None);
+        let mut one = config.clone();
+        one.rollout.n = 1;
+        assert!(no_signal_note(&one).unwrap().starts_with("rollout.n = 1"));
+        let mut greedy = config;
+        greedy.rollout.sampling.temperature = 0.0;
+        assert!(no_signal_note(&greedy).unwrap().starts_with("rollout.sampling.temperature = 0"));
     }
 }

@@ -113,6 +113,12 @@ pub struct StepRecord {
     /// Those workers, each as `url (why)`, for the console (not in `metrics.jsonl`).
     #[serde(skip)]
     pub workers_left_out_why: Vec<String>,
+    /// Why the first episode dropped for the environment failed, and the first dropped for the
+    /// agent, for the console (not in `metrics.jsonl`).
+    #[serde(skip)]
+    pub env_failure_why: Option<String>,
+    #[serde(skip)]
+    pub agent_failure_why: Option<String>,
     /// Seconds of the local rollouts' decoder steps that only decoded (sampling included), and
     /// of those that also prefilled joining episodes: where `timing_s/gen` went (0 on workers).
     #[serde(rename = "timing_s/gen_decode_steps", deserialize_with = "null_as_nan")]

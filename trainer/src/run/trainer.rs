@@ -212,22 +212,23 @@ impl<B: AutodiffBackend> Trainer<B> {
         // the policy's doing, so neither is learnt from), group by question.
         let mut kept: Vec<(usize, &Trajectory, EpisodeScore)> = Vec::new();
         let (mut env_failures, mut agent_failures) = (0, 0);
-        let mut first_error = None;
+        let (mut env_failure_why, mut agent_failure_why) = (None, None);
         for (k, (t, ex)) in trajectories.iter().zip(&examples).enumerate() {
-            match t.stop_reason {
-                StopReason::EnvFailure => env_failures += 1,
-                StopReason::AgentFailure => agent_failures += 1,
+            let (count, why) = match t.stop_reason {
+                StopReason::EnvFailure => (&mut env_failures, &mut env_failure_why),
+                StopReason::AgentFailure => (&mut agent_failures, &mut agent_failure_why),
                 _ => {
                     kept.push((k / n, t, scorer.score(t, ex.answers())));
                     continue;
                 }
-            }
-            first_error.get_or_insert_with(|| t.error.clone().unwrap_or_default());
+            };
+            *count += 1;
+            why.get_or_insert_with(|| t.error.clone().unwrap_or_else(|| "no reason given".into()));
         }
         if kept.is_empty() {
             return Err(TrainError::AllEpisodesFailed {
                 step,
-                first: first_error.unwrap_or_else(|| "no episodes".into()),
+                first: env_failure_why.or(agent_failure_why).unwrap_or_else(|| "no episodes".into()),
             });
         }
         let rewards: Vec<f32> = kept.iter().map(|(_, _, s)| s.reward).collect();
@@ -280,6 +281,8 @@ impl<B: AutodiffBackend> Trainer<B> {
             skipped_steps: stats.skipped_steps,
             env_failures,
             agent_failures,
+            env_failure_why,
+            agent_failure_why,
             episodes: trajectories.len(),
             agent_tokens,
             mean_response_tokens: mean(&trajectories.iter().map(|t| t.response_tokens as f32).collect::<Vec<_>>()),
@@ -354,7 +357,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         scorer: &dyn EpisodeScorer,
     ) -> Result<(), TrainError> {
         let report = self.validate(env, scorer)?;
-        record.validation_reward = Some(report.reward_mean);
+        record.validation_reward = report.reward_mean;
         record.validation_f1 = report.f1_mean;
         record.validation_by_source = report.metrics();
         self.last_validation = Some(report);
@@ -418,10 +421,15 @@ impl<B: AutodiffBackend> Trainer<B> {
             ..self.config.rollout.sampling.clone()
         };
         let (trajectories, _) = self.rollouts(&policy_model, adapters.as_ref(), env, &questions, 0, &greedy)?;
-        Ok(ValidationReport::from_scores(trajectories.iter().zip(&self.validation).map(|(t, ex)| {
+        let mut report = ValidationReport::from_scores(trajectories.iter().zip(&self.validation).map(|(t, ex)| {
             let score = (t.stop_reason != StopReason::EnvFailure).then(|| scorer.score(t, ex.answers()));
             (ex.data_source(), score)
-        })))
+        }));
+        report.first_failure = trajectories
+            .iter()
+            .find(|t| t.stop_reason == StopReason::EnvFailure)
+            .map(|t| t.error.clone().unwrap_or_else(|| "no reason given".into()));
+        Ok(report)
     }
 
     /// Tells the engine of the current policy, once after each update (and before the first

@@ -242,6 +242,9 @@ fn an_environment_failure_drops_only_its_episode_during_training() {
     for (k, r) in records.iter().enumerate() {
         assert_eq!(r.episodes, questions * n, "step {}", r.step);
         assert_eq!(r.env_failures, n, "step {}: exactly the Rome episodes failed", r.step);
+        let why = r.env_failure_why.as_deref().unwrap_or_default();
+        assert!(why.contains("503") && why.contains("overloaded"), "step {}: the cause is kept for the console: {why}", r.step);
+        assert_eq!(r.agent_failure_why, None);
         // Kept episodes: a call and an answer; failed ones: the call alone.
         let turns = ((questions - 1) * n * 2 + n) as f32 / (questions * n) as f32;
         assert!((r.mean_turns - turns).abs() < 1e-5, "step {}: {} turns on average, not {turns}", r.step, r.mean_turns);
@@ -295,6 +298,7 @@ fn an_agent_failure_drops_only_its_episode_during_training() {
     let mut trainer = prompt_r1_trainer::run::Trainer::<B>::start(config.clone(), Default::default(), false).unwrap();
     let record = trainer.train_step(&EveryCity, &scorer).expect("the step goes on");
     assert_eq!((record.episodes, record.agent_failures, record.env_failures), (questions * n, n, 0));
+    assert!(record.agent_failure_why.is_some() && record.env_failure_why.is_none(), "{record:?}");
     assert_eq!(record.optimizer_steps, 1, "the kept episodes were learnt from");
     let seen = scorer.seen.lock().unwrap().clone();
     assert_eq!(seen.len(), (questions - 1) * n);
