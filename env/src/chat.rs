@@ -27,6 +27,24 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
 }
 
+impl SamplingParams {
+    /// Checks the values against the ranges OpenAI's API accepts (temperature 0 to 2, top_p
+    /// above 0 up to 1, at least one token), so that a bad value is named before a run starts
+    /// rather than refused by the server on every call.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(t) = self.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
+            return Err(format!("temperature {t} is out of range (0 to 2)"));
+        }
+        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+            return Err(format!("top_p {p} is out of range (above 0, up to 1)"));
+        }
+        if self.max_tokens == Some(0) {
+            return Err("max_tokens must be at least 1 (or unset: the server's default)".into());
+        }
+        Ok(())
+    }
+}
+
 impl From<&::chat::Sampling> for SamplingParams {
     /// The request parameters that sample as `sampling` does: temperature, top_p (when set) and
     /// seed. OpenAI's API has no top-k, so `sampling.top_k` is not sent.

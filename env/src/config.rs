@@ -121,7 +121,7 @@ impl ClientConfig {
         if self.requests_per_minute == Some(0) {
             return bad("requests per minute must be at least 1 (or unset)".to_string());
         }
-        Ok(())
+        self.sampling.validate().or_else(|e| bad(format!("sampling: {e}")))
     }
 }
 
@@ -217,6 +217,24 @@ mod tests {
         for url in ["http://127.0.0.1:65535/v1", "https://api.openai.com/v1", "http://[::1]:8000/v1", "http://[::1]/v1", "http://user:pw@h:8080/v1"] {
             ClientConfig::new(url, "m").validate().unwrap_or_else(|e| panic!("{url}: {e}"));
         }
+    }
+
+    /// Sampling values outside OpenAI's ranges are refused before any call; the edges pass.
+    #[test]
+    fn sampling_out_of_range_is_named() {
+        let with = |sampling: SamplingParams| ClientConfig { sampling, ..ClientConfig::new("http://h/v1", "m") }.validate();
+        for (bad, named) in [
+            (SamplingParams { temperature: Some(-3.0), ..Default::default() }, "temperature -3"),
+            (SamplingParams { temperature: Some(f64::NAN), ..Default::default() }, "temperature NaN"),
+            (SamplingParams { top_p: Some(7.0), ..Default::default() }, "top_p 7"),
+            (SamplingParams { top_p: Some(0.0), ..Default::default() }, "top_p 0"),
+            (SamplingParams { max_tokens: Some(0), ..Default::default() }, "max_tokens"),
+        ] {
+            let err = with(bad).unwrap_err().to_string();
+            assert!(err.contains("sampling: ") && err.contains(named), "{named}: {err}");
+        }
+        with(SamplingParams { temperature: Some(0.0), top_p: Some(1.0), max_tokens: Some(1), ..Default::default() }).unwrap();
+        with(SamplingParams { temperature: Some(2.0), ..Default::default() }).unwrap();
     }
 
     #[test]

@@ -420,7 +420,7 @@ pub struct RunSection {
     /// Greedy validation before the first step too, as the reference (`val_before_train`);
     /// its results are the `step` 0 line of `metrics.jsonl`.
     pub validate_before_train: bool,
-    /// Seed of the data order and of the agent's sampling.
+    /// Seed of the data order (the agent samples from `rollout.sampling.seed`).
     pub seed: u64,
     /// Keep at most this many checkpoints (oldest removed first; 0 keeps all).
     pub keep_checkpoints: usize,
@@ -513,6 +513,7 @@ impl TrainConfig {
         }
         self.reward.validate().map_err(|e| format!("[reward] {e}"))?;
         self.rollout.sampling.validate().map_err(|e| format!("rollout.sampling: {e}"))?;
+        self.environment.sampling.validate().map_err(|e| format!("environment.sampling: {e}"))?;
         self.grpo.validate().map_err(|e| format!("grpo: {e}"))?;
         match &self.lora {
             Some(lora) if lora.dropout > 0.0 && self.grpo.activation_checkpointing => {
