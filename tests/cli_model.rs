@@ -605,6 +605,10 @@ fn plan_refuses_what_train_refuses() {
     assert!(out.status.success() && stdout.contains("note: rollout.kv_budget (1.2 GiB) holds less than one episode"), "{stdout}");
     write("");
     refused(&["--device-memory", "80"], &["\"80\" is 80 bytes", "80GiB"]);
+    // A small size written with its unit is taken as written (it was once read back unitless).
+    let out = plan(&["--device-memory", "32MiB"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("32 MiB") && stdout.contains("does NOT fit"), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     refused(&["--device-memory", "80GiB", "--context", "50000"], &["--context 50000 passes the model's context of 40960"]);
     refused(&["--device-memory", "80GiB", "--context", "0"], &["invalid value '0' for '--context"]);
     let advised = ok_stdout(&["plan", "--config", config_arg, "--preset", "qwen3-4b", "--device", "cuda", "--device-memory", "80GiB"]);

@@ -52,7 +52,7 @@ pub fn run(args: Args) -> Result<()> {
         config.model = model.clone();
     }
     if let Some(bytes) = args.device_memory {
-        config.run.device_memory = Some(bytes.to_string());
+        config.run.device_memory = Some(format!("{bytes}B"));
     }
     let shape = match args.preset {
         Some(preset) => preset.config(TINY_VOCAB_SIZE, Vec::new()),
