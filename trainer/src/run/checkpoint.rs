@@ -28,6 +28,9 @@ pub(crate) struct TrainerState {
     pub cursor: data::Cursor,
     /// The run's seed (sampling streams derive from it and the step).
     pub seed: u64,
+    /// The model the run trains from (absent in checkpoints written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_model: Option<super::base_model::BaseModel>,
 }
 
 /// The newest complete checkpoint of a run, if any: the folder `checkpoints/latest` names. That

@@ -2,6 +2,7 @@
 //! validation, metrics, and checkpoints that resume exactly. The run's directory, its start or
 //! resume, `metrics.jsonl` and the checkpoint cadence are a `session`, which SFT runs share.
 
+mod base_model;
 pub(crate) mod checkpoint;
 pub(crate) mod config;
 mod dynamic_sampling;

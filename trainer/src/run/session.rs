@@ -10,6 +10,7 @@ use burn::tensor::backend::AutodiffBackend;
 use data::{BatchSampler, SamplerConfig};
 use serde::Serialize;
 
+use super::base_model::BaseModel;
 use super::checkpoint::{
     checkpoint_at, checkpoint_step, latest_checkpoint, list_checkpoints, read_state, set_aside_after, steps_list,
     write_checkpoint, SetAside, TrainerState, CHECKPOINTS_DIR, LATEST_FILE,
@@ -146,9 +147,29 @@ impl RunSession {
                 };
                 return Err(session.with_hint(error, Some(step)));
             }
+            session.check_base_model(&path, &state)?;
             session.resumed = Some((path, state));
         }
         Ok(session)
+    }
+
+    /// Refuses a resume from another model than the one the checkpoint's run trained from
+    /// (other weights or config; the same model moved elsewhere is the same): LoRA adapters
+    /// would go on training on other base weights, and a KL reference would change.
+    fn check_base_model(&self, checkpoint: &Path, state: &TrainerState) -> Result<(), TrainError> {
+        let (Some(saved), Some(now)) = (&state.base_model, BaseModel::of(&self.initial)) else {
+            return Ok(());
+        };
+        if saved.fingerprint == now.fingerprint {
+            return Ok(());
+        }
+        Err(TrainError::Mismatch {
+            path: checkpoint.to_path_buf(),
+            reason: format!(
+                "model is {}, but the run trained from {} (their config.json or weight files differ): resume with model = \"{}\", or start a new run",
+                now.path, saved.path, saved.path
+            ),
+        })
     }
 
     /// Whether the run directory holds checkpoints (or a `latest` naming one).
@@ -339,6 +360,7 @@ impl RunSession {
             step,
             cursor,
             seed: self.seed,
+            base_model: BaseModel::of(&self.initial),
         };
         write_checkpoint(
             &self.dir,
@@ -477,6 +499,7 @@ mod tests {
             .unwrap()
             .cursor(),
             seed: 0,
+            base_model: None,
         };
         std::fs::write(
             dir.join("trainer_state.json"),
@@ -693,6 +716,34 @@ mod tests {
         let reseeded = RunSession::open(SessionSettings { seed: 7, ..settings(dir.path()) }, Resume::From(2)).unwrap();
         let err = reseeded.sampler(4, 2, "train.batch_size", "train.seed").unwrap_err().to_string();
         assert!(err.contains("train.seed is 7, but the run was seeded 0"), "{err}");
+    }
+
+    /// A resume from another model than the run's is refused, naming both; the same model
+    /// elsewhere, and a checkpoint that recorded none, resume.
+    #[test]
+    fn a_resume_keeps_the_runs_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = |name: &str, layers: u32| {
+            let path = dir.path().join(name);
+            std::fs::create_dir_all(&path).unwrap();
+            std::fs::write(path.join("config.json"), format!("{{\"num_hidden_layers\": {layers}}}")).unwrap();
+            std::fs::write(path.join("model.safetensors"), "weights").unwrap();
+            path
+        };
+        let (trained, copy, other) = (model("trained", 2), model("copy", 2), model("other", 3));
+        let run = dir.path().join("run");
+        fake_checkpoint(&run, 2);
+        let open = |initial: &Path| RunSession::open(SessionSettings { initial, ..settings(&run) }, Resume::Latest).map(drop);
+        std::fs::write(run.join("checkpoints/latest"), "step-0000002").unwrap();
+        open(&other).expect("a checkpoint without a recorded model resumes");
+        let state_file = run.join("checkpoints/step-0000002").join(super::super::checkpoint::STATE_FILE);
+        let mut state: TrainerState = serde_json::from_str(&std::fs::read_to_string(&state_file).unwrap()).unwrap();
+        state.base_model = BaseModel::of(&trained);
+        std::fs::write(&state_file, serde_json::to_string(&state).unwrap()).unwrap();
+        open(&trained).unwrap();
+        open(&copy).expect("the same model moved elsewhere");
+        let err = open(&other).unwrap_err().to_string();
+        assert!(err.contains(&format!("model is {}, but the run trained from {}", other.display(), trained.display())), "{err}");
     }
 
 }
