@@ -53,7 +53,21 @@ fn env_check_reports_latency_and_reply_as_json() {
         Some(format!("Bearer {SECRET}").as_str())
     );
     assert_eq!(requests[0].json()["model"], "test-model");
+    assert_eq!(requests[0].json()["max_tokens"], 16, "a short reply is asked for");
     assert_secret_not_shown(&output);
+}
+
+/// A server that refuses `max_tokens` (as some reasoning models do) is asked again without it.
+#[test]
+fn env_check_asks_again_without_max_tokens_when_refused() {
+    let refused = Action::json(400, r#"{"error":{"message":"Unsupported parameter: 'max_tokens'"}}"#);
+    let server = ScriptedServer::start(vec![refused, Action::ok("OK")]);
+    let output = env_check(&server.base_url, &["--json"], None);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let requests = server.requests();
+    assert_eq!(requests.len(), 2);
+    assert_eq!(requests[0].json()["max_tokens"], 16);
+    assert!(requests[1].json().get("max_tokens").is_none(), "{}", requests[1].json());
 }
 
 #[test]

@@ -5,12 +5,14 @@ use std::time::Instant;
 
 use anyhow::anyhow;
 use env::{
-    ChatMessage, ClientConfig, OpenAiClient, RetryPolicy, SamplingParams, DEFAULT_API_KEY_ENV,
+    ChatMessage, ClientConfig, FailureKind, OpenAiClient, RetryPolicy, SamplingParams, DEFAULT_API_KEY_ENV,
 };
 use serde_json::json;
 
 /// The question sent (also `eval`'s probe); short so that the check costs next to nothing.
 pub(crate) const PROBE: &str = "Reply with the single word: OK";
+/// The most tokens the check's reply may take.
+const PROBE_TOKENS: u32 = 16;
 
 /// Send one short request to an OpenAI-compatible server and report the latency and reply, or
 /// what is wrong (unreachable, bad key, unknown model, timeout, malformed reply).
@@ -46,7 +48,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let client = OpenAiClient::new(config)
         .map_err(|err| report_failure(&args, None, &err.to_string(), "config"))?;
     let started = Instant::now();
-    let result = client.chat(&[ChatMessage::user(PROBE)], &SamplingParams::default());
+    // A short reply, so that a slow server or a model that would think at length answers within
+    // the timeout; a server that refuses `max_tokens` (some reasoning models want
+    // `max_completion_tokens`) is asked again without it.
+    let probe = [ChatMessage::user(PROBE)];
+    let result = match client.chat(&probe, &SamplingParams { max_tokens: Some(PROBE_TOKENS), ..SamplingParams::default() }) {
+        Err(err) if err.kind() == FailureKind::Rejected => client.chat(&probe, &SamplingParams::default()),
+        result => result,
+    };
     let latency_ms = started.elapsed().as_millis();
     let reply = match result {
         Ok(reply) => reply,
