@@ -499,14 +499,23 @@ impl TrainConfig {
         self.rollout.validate_limits()?;
         self.rollout.validate_engine()?;
         self.compute().validate()?;
-        if self.run.save_every == 0 {
-            return Err("run.save_every must be at least 1".into());
+        if self.run.save_every == 0 || self.run.steps == 0 {
+            return Err("run.steps and run.save_every must be at least 1".into());
+        }
+        if self.data.validation_limit == Some(0) {
+            return Err("data.validation_limit = 0 would validate on nothing: leave data.validation empty to validate never".into());
         }
         if !matches!(self.data.on_bad_row.as_str(), "fail" | "skip") {
             return Err(format!("data.on_bad_row must be \"fail\" or \"skip\", not \"{}\"", self.data.on_bad_row));
         }
         let episode = &self.episode;
-        for (key, value) in [("max_turns", episode.max_turns), ("max_turn_tokens", episode.max_turn_tokens), ("max_response_tokens", episode.max_response_tokens)] {
+        for (key, value) in [
+            ("max_turns", episode.max_turns),
+            ("max_turn_tokens", episode.max_turn_tokens),
+            ("max_response_tokens", episode.max_response_tokens),
+            ("reply_chars", episode.reply_chars),
+            ("env_concurrency", episode.env_concurrency),
+        ] {
             if value == 0 {
                 return Err(format!("episode.{key} must be at least 1"));
             }
@@ -601,10 +610,17 @@ mod tests {
         let parse = |section: &str| {
             toml::from_str::<TrainConfig>(&format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n{section}\n")).unwrap().validate()
         };
-        for key in ["max_turns", "max_turn_tokens", "max_response_tokens"] {
+        for key in ["max_turns", "max_turn_tokens", "max_response_tokens", "reply_chars", "env_concurrency"] {
             let err = parse(&format!("[episode]\n{key} = 0")).unwrap_err();
             assert!(err.contains(&format!("episode.{key}")), "{err}");
         }
+        let err = parse("[run]\nsteps = 0").unwrap_err();
+        assert!(err.contains("run.steps"), "{err}");
+        let limit = toml::from_str::<TrainConfig>("model = \"m\"\n[data]\ntrain = [\"t\"]\nvalidation_limit = 0\n").unwrap();
+        let err = limit.validate().unwrap_err();
+        assert!(err.contains("data.validation_limit = 0"), "{err}");
+        let err = parse("[environment.sampling]\ntemperature = -3.0").unwrap_err();
+        assert!(err.starts_with("environment.sampling: temperature -3"), "{err}");
         let err = parse("[reward]\ngate = 5.0").unwrap_err();
         assert!(err.starts_with("[reward] reward config") && err.contains("gate"), "{err}");
         assert!(parse("[episode]\nmax_turns = 1").is_ok());

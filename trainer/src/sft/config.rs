@@ -180,6 +180,9 @@ impl SftConfig {
         if self.train.steps.is_none() && self.train.epochs == 0 {
             return Err("train.epochs must be at least 1 (or set train.steps)".into());
         }
+        if self.train.steps == Some(0) {
+            return Err("train.steps must be at least 1".into());
+        }
         if self.run.save_every == 0 {
             return Err("run.save_every must be at least 1".into());
         }
@@ -242,6 +245,8 @@ mod tests {
         assert!(err.contains("linear") && err.contains("cosine"), "{err}");
         let zero = parse("[train]\nbatch_size = 0\n").unwrap();
         assert!(zero.validate().unwrap_err().contains("train.batch_size"));
+        let no_steps = parse("[train]\nsteps = 0\n").unwrap();
+        assert_eq!(no_steps.validate().unwrap_err(), "train.steps must be at least 1");
     }
 
     #[test]
