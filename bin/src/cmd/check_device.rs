@@ -346,7 +346,7 @@ pub fn run(args: Args) -> Result<()> {
             run_on(DeviceChoice::Cpu, &probe)
         }
         device => {
-            eprintln!("checked: {device:?}");
+            eprintln!("checked: {device}");
             run_on(device, &probe)
         }
     }?;
@@ -411,7 +411,7 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     if failed > 0 {
-        bail!("{failed} of {} checks failed on {:?}", checks.len(), args.device);
+        bail!("{failed} of {} checks failed on {}", checks.len(), args.device);
     }
     Ok(())
 }

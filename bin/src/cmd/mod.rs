@@ -100,8 +100,12 @@ pub fn step_bar(total: u64, done: u64) -> indicatif::ProgressBar {
 /// Says how many parameters LoRA trains, against the frozen base's.
 pub fn print_lora_share(trained: usize, base: usize, dtype: trainer::run::ModelDtype) {
     eprintln!(
-        "LoRA: {trained} trainable parameters ({:.2}% of the base's {base}), base weights in {dtype:?}",
-        100.0 * trained as f64 / base as f64
+        "LoRA: {trained} trainable parameters ({:.2}% of the base's {base}), base weights in {}",
+        100.0 * trained as f64 / base as f64,
+        match dtype {
+            trainer::run::ModelDtype::F32 => "f32",
+            trainer::run::ModelDtype::Bf16 => "bf16",
+        }
     );
 }
 

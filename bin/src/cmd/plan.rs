@@ -83,7 +83,7 @@ pub fn run(args: Args) -> Result<()> {
             print!("{}", describe_verdict(&plan, &verdict, bytes, &source));
         }
         None => println!(
-            "device memory: unknown for {:?}; pass --device-memory to check the fit",
+            "device memory: unknown for {}; pass --device-memory to check the fit",
             args.device
         ),
     }
@@ -370,7 +370,7 @@ pub fn check_before_training(config: &mut TrainConfig, device: DeviceChoice) -> 
     if auto && memory.is_none() {
         bail!(
             "rollout.kv_budget = \"{AUTO_KV_BUDGET}\" sizes the KV cache from the device's memory, which is unknown for \
-             {device:?}: set run.device_memory (or --device-memory), or a size such as \"24GiB\""
+             {device}: set run.device_memory (or --device-memory), or a size such as \"24GiB\""
         );
     }
     let shape = model_shape(config)?;
@@ -383,7 +383,7 @@ pub fn check_before_training(config: &mut TrainConfig, device: DeviceChoice) -> 
         bail!("this run's episodes do not fit in this machine's memory.\n{line}");
     }
     let Some((bytes, source)) = memory else {
-        eprintln!("note: the memory of {device:?} is unknown, so the run's fit is not checked (set run.device_memory)");
+        eprintln!("note: the memory of {device} is unknown, so the run's fit is not checked (set run.device_memory)");
         return Ok(plan);
     };
     let verdict = plan.check(bytes);

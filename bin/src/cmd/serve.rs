@@ -244,7 +244,7 @@ impl Args {
         let device = self.compute.device;
         let Some((memory, source)) = crate::device::total_memory(device) else {
             anyhow::bail!(
-                "--kv-cache-memory auto sizes the cache from the device's memory, which is unknown for {device:?}: give a size (e.g. 8GiB)"
+                "--kv-cache-memory auto sizes the cache from the device's memory, which is unknown for {device}: give a size (e.g. 8GiB)"
             );
         };
         let settings = ServingSettings {

@@ -89,6 +89,17 @@ impl FromStr for DeviceChoice {
     }
 }
 
+impl std::fmt::Display for DeviceChoice {
+    /// As `--device` takes it: `cpu`, `cuda:N`, `wgpu`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+            Self::Wgpu => f.write_str("wgpu"),
+        }
+    }
+}
+
 /// Work that runs on whichever backend the user picked.
 pub trait OnBackend {
     type Output;
@@ -293,5 +304,8 @@ mod tests {
         assert_eq!("wgpu".parse::<DeviceChoice>(), Ok(DeviceChoice::Wgpu));
         assert!("gpu".parse::<DeviceChoice>().is_err());
         assert!("cuda:x".parse::<DeviceChoice>().is_err());
+        for device in [DeviceChoice::Cpu, DeviceChoice::Cuda(0), DeviceChoice::Cuda(3), DeviceChoice::Wgpu] {
+            assert_eq!(device.to_string().parse::<DeviceChoice>(), Ok(device), "shown as --device takes it");
+        }
     }
 }

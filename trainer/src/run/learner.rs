@@ -126,8 +126,8 @@ impl<B: AutodiffBackend> Learner<B> {
                     return Err(TrainError::Mismatch {
                         path: dir.to_path_buf(),
                         reason: format!(
-                            "its adapters (rank {}, alpha {}, {:?}) differ from the config's [lora] (rank {}, alpha {}, {:?})",
-                            saved.lora.rank, saved.lora.alpha, saved.lora.target_modules, lora.rank, lora.alpha, lora.target_modules
+                            "its adapters (rank {}, alpha {}, target_modules {}) differ from the config's [lora] (rank {}, alpha {}, target_modules {})",
+                            saved.lora.rank, saved.lora.alpha, target_names(&saved.lora), lora.rank, lora.alpha, target_names(lora)
                         ),
                     });
                 }
@@ -252,9 +252,14 @@ fn save_optimizer_record<B: Backend, R: Record<B>>(
 ) -> Result<(), TrainError> {
     BinFileRecorder::<FullPrecisionSettings>::new()
         .record(record, dir.join(OPTIMIZER_FILE))
-        .map_err(|e| TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            reason: format!("optimizer state: {e}"),
+        .map_err(|e| {
+            // burn's error holds the I/O error only as its debug text.
+            let detail = e.to_string();
+            let cause = if detail.contains("StorageFull") { "no space left on the device".to_owned() } else { detail };
+            TrainError::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!("cannot write the optimiser state ({OPTIMIZER_FILE}.bin): {cause}"),
+            }
         })
 }
 
@@ -281,6 +286,11 @@ fn load_optimizer_record<B: Backend, R: Record<B>>(
         })
 }
 
+/// A LoRA config's target modules as the config file writes them: `["q_proj", "v_proj"]`.
+fn target_names(lora: &LoraConfig) -> String {
+    let names: Vec<String> = lora.target_modules.iter().map(|t| format!("\"{}\"", t.name())).collect();
+    format!("[{}]", names.join(", "))
+}
 
 #[cfg(test)]
 mod tests {

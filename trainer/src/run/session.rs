@@ -98,7 +98,7 @@ impl RunSession {
     /// state. An error about the checkpoint says how to resume from another one.
     pub(crate) fn open(settings: SessionSettings<'_>, resume: Resume) -> Result<Self, TrainError> {
         let dir = settings.out_dir.to_path_buf();
-        std::fs::create_dir_all(&dir).map_err(TrainError::io(&dir))?;
+        std::fs::create_dir_all(&dir).map_err(|source| TrainError::Invalid(format!("cannot make the run directory {} (run.out_dir): {source}", dir.display())))?;
         let lock = lock_run_dir(&dir)?;
         let mut session = Self {
             dir,
