@@ -170,6 +170,13 @@ fn env_check_explains_a_malformed_reply() {
 }
 
 #[test]
+fn env_check_refuses_a_timeout_of_zero() {
+    let output = env_check("http://127.0.0.1:9/v1", &["--timeout", "0"], None);
+    let stderr = text(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("--timeout") && stderr.contains("above 0"), "{stderr}");
+}
+
+#[test]
 fn env_check_rejects_a_bad_url_before_sending() {
     let output = env_check("localhost:8000/v1", &[], None);
     assert_eq!(output.status.code(), Some(1));

@@ -105,6 +105,13 @@ impl ClientConfig {
         if self.model.trim().is_empty() {
             return bad("model name is empty".to_string());
         }
+        self.validate_limits()
+    }
+
+    /// Checks every field but the server and the model (which a run's settings may leave to
+    /// the command line): key variable, timeouts, retries, caps and sampling.
+    pub fn validate_limits(&self) -> Result<(), EnvError> {
+        let bad = |message: String| Err(EnvError::Config(message));
         if self.api_key_env.is_empty() || self.api_key_env.contains(['=', '\0']) {
             return bad(format!(
                 "{:?} is not a valid environment variable name",

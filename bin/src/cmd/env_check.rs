@@ -28,11 +28,19 @@ pub struct Args {
     #[arg(long, value_name = "VAR", default_value = DEFAULT_API_KEY_ENV)]
     pub api_key_env: String,
     /// Seconds to wait for the reply.
-    #[arg(long, value_name = "S", default_value_t = 30.0)]
+    #[arg(long, value_name = "S", default_value_t = 30.0, value_parser = positive_seconds)]
     pub timeout: f64,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A number of seconds above 0.
+fn positive_seconds(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(secs) if secs > 0.0 && secs.is_finite() => Ok(secs),
+        _ => Err(format!("{text:?} is not a number of seconds above 0")),
+    }
 }
 
 /// Runs the check; fails (exit status 1) when the server cannot answer.

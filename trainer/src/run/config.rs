@@ -522,7 +522,10 @@ impl TrainConfig {
         }
         self.reward.validate().map_err(|e| format!("[reward] {e}"))?;
         self.rollout.sampling.validate().map_err(|e| format!("rollout.sampling: {e}"))?;
-        self.environment.sampling.validate().map_err(|e| format!("environment.sampling: {e}"))?;
+        self.environment.validate_limits().map_err(|e| match e {
+            env::EnvError::Config(message) => format!("[environment] {message}"),
+            other => format!("[environment] {other}"),
+        })?;
         self.grpo.validate().map_err(|e| format!("grpo: {e}"))?;
         match &self.lora {
             Some(lora) if lora.dropout > 0.0 && self.grpo.activation_checkpointing => {
@@ -620,7 +623,9 @@ mod tests {
         let err = limit.validate().unwrap_err();
         assert!(err.contains("data.validation_limit = 0"), "{err}");
         let err = parse("[environment.sampling]\ntemperature = -3.0").unwrap_err();
-        assert!(err.starts_with("environment.sampling: temperature -3"), "{err}");
+        assert!(err.starts_with("[environment] sampling: temperature -3"), "{err}");
+        let err = parse("[environment]\nread_timeout_secs = 0.0").unwrap_err();
+        assert!(err.starts_with("[environment] read timeout of 0 s"), "{err}");
         let err = parse("[reward]\ngate = 5.0").unwrap_err();
         assert!(err.starts_with("[reward] reward config") && err.contains("gate"), "{err}");
         assert!(parse("[episode]\nmax_turns = 1").is_ok());
