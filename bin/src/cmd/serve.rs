@@ -55,7 +55,7 @@ pub struct Args {
     #[command(flatten)]
     pub compute: ComputeArgs,
     /// Model name clients ask for (default: the model directory's name).
-    #[arg(long, value_name = "NAME")]
+    #[arg(long, value_name = "NAME", value_parser = non_blank)]
     pub served_model_name: Option<String>,
     /// Most requests decoding at once (the others wait and join as rows end).
     #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
@@ -68,8 +68,8 @@ pub struct Args {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub max_num_batched_tokens: u64,
     /// Completion tokens when a request gives no max_tokens (capped by the context length).
-    #[arg(long, value_name = "N", default_value_t = 2048)]
-    pub default_max_tokens: usize,
+    #[arg(long, value_name = "N", default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..))]
+    pub default_max_tokens: u64,
     /// Render prompts with thinking off (an empty <think></think> block) unless a request asks
     /// for it with chat_template_kwargs.enable_thinking.
     #[arg(long)]
@@ -78,8 +78,9 @@ pub struct Args {
     #[arg(long)]
     pub quiet: bool,
     /// Require this key as `Authorization: Bearer KEY` on the /v1 routes (401 otherwise), as
-    /// vLLM's --api-key; /health stays open. Prefer the variable: a flag lands in shell history
-    /// and process lists. Without a key, serving on a non-loopback --host prints a warning.
+    /// vLLM's --api-key, and on POST /update_weights_from_disk; /health and /metrics stay open.
+    /// Prefer the variable: a flag lands in shell history and process lists. Without a key,
+    /// serving on a non-loopback --host prints a warning.
     #[arg(long, value_name = "KEY", env = "PROMPT_R1_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Most LoRA adapters loaded at once through POST /v1/load_lora_adapter (vLLM's
@@ -210,7 +211,7 @@ impl OnBackend for Args {
                 .unwrap_or_else(|| dir_name(&self.model)),
             max_batch: self.max_batch as usize,
             max_batched_tokens: usize::try_from(self.max_num_batched_tokens).unwrap_or(usize::MAX),
-            default_max_tokens: self.default_max_tokens.max(1),
+            default_max_tokens: usize::try_from(self.default_max_tokens).unwrap_or(usize::MAX),
             enable_thinking: !self.no_thinking,
             defaults: sampling_defaults(&self.model)?,
             quiet: self.quiet,
@@ -311,9 +312,35 @@ fn sampling_defaults(dir: &Path) -> Result<Sampling> {
     Ok(defaults)
 }
 
+/// A name with something in it.
+fn non_blank(text: &str) -> Result<String, String> {
+    if text.trim().is_empty() {
+        return Err("the name is empty".into());
+    }
+    Ok(text.to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A blank model name and a default of no tokens are refused by their flags.
+    #[test]
+    fn blank_names_and_zero_default_tokens_are_refused() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let parse = |extra: &[&str]| {
+            let argv = [&["serve", "--model", "m"][..], extra].concat();
+            <Cli as clap::Parser>::try_parse_from(argv).map(|cli| cli.args).map_err(|e| e.to_string())
+        };
+        let args = parse(&[]).unwrap();
+        assert_eq!((args.default_max_tokens, args.served_model_name), (2048, None));
+        assert!(parse(&["--served-model-name", " "]).unwrap_err().contains("the name is empty"));
+        assert!(parse(&["--default-max-tokens", "0"]).unwrap_err().contains("--default-max-tokens"));
+    }
 
     #[test]
     fn prefix_cache_memory_takes_sizes_and_zero() {
