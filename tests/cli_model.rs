@@ -98,6 +98,14 @@ fn refusing_to_overwrite_and_bad_presets() {
     let out = prompt_r1(&["init-model", "--preset", "qwen3-0.6b", "--out", fresh.to_str().unwrap(), "--tokenizer", not_tokenizer.to_str().unwrap()]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--tokenizer") && !fresh.exists(), "{err}");
+    // A read-only tokenizer (a shared or packaged model) makes no read-only copy.
+    let tokenizer = Path::new(&model).join("tokenizer.json");
+    let mut readonly = std::fs::metadata(&tokenizer).unwrap().permissions();
+    readonly.set_readonly(true);
+    std::fs::set_permissions(&tokenizer, readonly).unwrap();
+    let exported = tmp.path().join("exported");
+    ok_stdout(&["export", &model, "--out", exported.to_str().unwrap()]);
+    assert!(!std::fs::metadata(exported.join("tokenizer.json")).unwrap().permissions().readonly());
 }
 
 /// A model directory without tokenizer.json works with ids and prints `"text": null`.

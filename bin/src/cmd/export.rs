@@ -107,7 +107,9 @@ fn copy_tokenizer(sources: &[&Path], out: &Path) -> Result<()> {
     for file in COPIED {
         match sources.iter().map(|s| s.join(file)).find(|p| p.is_file()) {
             Some(from) => {
-                std::fs::copy(&from, out.join(file)).with_context(|| format!("copying {}", from.display()))?;
+                // Read and written, not `fs::copy`: a read-only source must not make a read-only copy.
+                let bytes = std::fs::read(&from).with_context(|| format!("reading {}", from.display()))?;
+                std::fs::write(out.join(file), bytes).with_context(|| format!("writing {}", out.join(file).display()))?;
             }
             None if file == "tokenizer.json" => {
                 let searched: Vec<String> = sources.iter().map(|s| s.display().to_string()).collect();

@@ -56,7 +56,9 @@ pub fn run(args: Args) -> Result<()> {
             args.preset.config(tokenizer.vocab_size(), vec![special.im_end, special.endoftext])
         } else {
             if let Some(path) = &args.tokenizer {
-                std::fs::copy(path, dir.join("tokenizer.json")).with_context(|| format!("copying {}", path.display()))?;
+                // Read and written, not `fs::copy`: a read-only source must not make a read-only copy.
+                let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+                std::fs::write(dir.join("tokenizer.json"), bytes).with_context(|| format!("writing {}", dir.join("tokenizer.json").display()))?;
             }
             args.preset.config(0, vec![])
         };

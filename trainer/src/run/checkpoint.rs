@@ -298,7 +298,9 @@ pub(crate) fn copy_tokenizer_files(initial: &Path, dir: &Path) -> Result<(), Tra
     for file in TOKENIZER_FILES {
         let from = initial.join(file);
         if from.is_file() {
-            std::fs::copy(&from, dir.join(file)).map_err(TrainError::io(&from))?;
+            // Read and written, not `fs::copy`: a read-only source must not make a read-only copy.
+            let bytes = std::fs::read(&from).map_err(TrainError::io(&from))?;
+            std::fs::write(dir.join(file), bytes).map_err(TrainError::io(dir.join(file)))?;
         }
     }
     Ok(())
