@@ -87,6 +87,8 @@ pub struct RunSession {
     set_aside: Option<SetAside>,
     /// Where a resume with other settings kept the earlier ones ([`Self::begin`]).
     earlier_config: Option<PathBuf>,
+    /// The model the run trains from, as its checkpoints record it (read once, at the start).
+    base: Option<BaseModel>,
     /// [`LOCK_FILE`], locked while the session lives.
     _lock: std::fs::File,
 }
@@ -109,6 +111,7 @@ impl RunSession {
             resumed: None,
             set_aside: None,
             earlier_config: None,
+            base: BaseModel::of(settings.initial),
             _lock: lock,
         };
         let checkpoint = match resume {
@@ -157,19 +160,24 @@ impl RunSession {
     /// (other weights or config; the same model moved elsewhere is the same): LoRA adapters
     /// would go on training on other base weights, and a KL reference would change.
     fn check_base_model(&self, checkpoint: &Path, state: &TrainerState) -> Result<(), TrainError> {
-        let (Some(saved), Some(now)) = (&state.base_model, BaseModel::of(&self.initial)) else {
+        let (Some(saved), Some(now)) = (&state.base_model, &self.base) else {
             return Ok(());
         };
         if saved.fingerprint == now.fingerprint {
             return Ok(());
         }
-        Err(TrainError::Mismatch {
-            path: checkpoint.to_path_buf(),
-            reason: format!(
-                "model is {}, but the run trained from {} (their config.json or weight files differ): resume with model = \"{}\", or start a new run",
+        let reason = if saved.path == now.path {
+            format!(
+                "the model at {} changed since the run trained from it (its config.json or weights differ): resume with the model the run began with, or start a new run",
+                now.path
+            )
+        } else {
+            format!(
+                "model is {}, but the run trained from {} (their config.json or weights differ): resume with model = \"{}\", or start a new run",
                 now.path, saved.path, saved.path
-            ),
-        })
+            )
+        };
+        Err(TrainError::Mismatch { path: checkpoint.to_path_buf(), reason })
     }
 
     /// Whether the run directory holds checkpoints (or a `latest` naming one).
@@ -330,7 +338,9 @@ impl RunSession {
         let json = serde_json::to_string_pretty(config).expect("config serialises");
         let path = self.dir.join(config_file);
         if let Some((_, state)) = &self.resumed {
-            self.earlier_config = keep_earlier_config(&path, json.as_bytes(), state.step)?;
+            // The earlier settings were in force up to the run's newest step, set aside or not.
+            let newest = self.set_aside.iter().flat_map(|aside| aside.steps.iter().copied()).chain([state.step]).max();
+            self.earlier_config = keep_earlier_config(&path, json.as_bytes(), newest.unwrap_or(state.step))?;
         }
         model::checkpoint::write_atomic(&path, json.as_bytes())?;
         Ok(())
@@ -360,7 +370,7 @@ impl RunSession {
             step,
             cursor,
             seed: self.seed,
-            base_model: BaseModel::of(&self.initial),
+            base_model: self.base.clone(),
         };
         write_checkpoint(
             &self.dir,
@@ -373,8 +383,9 @@ impl RunSession {
 }
 
 /// Renames the settings file `path` to `NAME.up-to-step-STEP.json` beside it (`-2`, `-3`, ... if
-/// taken) when it differs from `next`, the settings a run resumed at `step` goes on with, so that
-/// the settings of the steps already made are not lost; gives the new name.
+/// taken) when it differs from `next`, the settings a resumed run goes on with, so that the
+/// settings of the steps already made (up to `step`, the run's newest) are not lost; gives the
+/// new name.
 fn keep_earlier_config(path: &Path, next: &[u8], step: u64) -> Result<Option<PathBuf>, TrainError> {
     match std::fs::read(path) {
         Ok(earlier) if earlier == next => return Ok(None),
@@ -667,8 +678,11 @@ mod tests {
         assert_eq!(std::fs::read_to_string(run.join("metrics.jsonl")).unwrap(), metrics_of_steps(0..=6));
         drop(done);
 
+        std::fs::write(run.join("config.json"), "0").unwrap();
         let mut session = RunSession::open(settings(run), Resume::From(2)).unwrap();
         session.begin("config.json", &1, 10).unwrap();
+        // The settings the set-aside branch ran with are named by its newest step.
+        assert_eq!(session.earlier_config(), Some(run.join("config.up-to-step-6.json").as_path()));
         let aside = session.set_aside().unwrap();
         assert_eq!(aside.folder, run.join("checkpoints/superseded-1"));
         assert_eq!(aside.steps, [4, 6]);
@@ -743,7 +757,11 @@ mod tests {
         open(&trained).unwrap();
         open(&copy).expect("the same model moved elsewhere");
         let err = open(&other).unwrap_err().to_string();
-        assert!(err.contains(&format!("model is {}, but the run trained from {}", other.display(), trained.display())), "{err}");
+        let canonical = |path: &Path| std::fs::canonicalize(path).unwrap().display().to_string();
+        assert!(err.contains(&format!("model is {}, but the run trained from {}", canonical(&other), canonical(&trained))), "{err}");
+        std::fs::write(trained.join("model.safetensors"), "WEIGHTS").unwrap();
+        let err = open(&trained).unwrap_err().to_string();
+        assert!(err.contains(&format!("the model at {} changed since", canonical(&trained))), "{err}");
     }
 
 }
