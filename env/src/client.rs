@@ -225,7 +225,7 @@ impl OpenAiClient {
                     if let Some(hook) = &self.on_retry {
                         hook(&RetryNotice {
                             url,
-                            error: &failed.error,
+                            error: &failed.error.clone().with_attempts(attempt),
                             wait,
                             next_attempt: attempt + 1,
                             max_attempts: self.config.retry.max_attempts,

@@ -192,7 +192,9 @@ fn the_retry_hook_hears_each_retry_and_not_the_last_failure() {
     );
     assert!(heard[0].3.contains("warming up"), "{}", heard[0].3);
     assert!(heard[0].3.contains("retrying in 0.0"), "{}", heard[0].3);
+    assert!(heard[0].3.contains("(1 attempt); retrying in"), "{}", heard[0].3);
     assert!(heard[0].3.ends_with("(attempt 2 of 3)"), "{}", heard[0].3);
+    assert!(heard[1].3.contains("(2 attempts); retrying in"), "the attempts so far: {}", heard[1].3);
     assert_eq!(client.stats().retries, 2);
 }
 

@@ -55,13 +55,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let client = OpenAiClient::new(config)
         .map_err(|err| report_failure(&args, None, &err.to_string(), "config"))?;
-    let started = Instant::now();
+    let mut started = Instant::now();
     // A short reply, so that a slow server or a model that would think at length answers within
     // the timeout; a server that refuses `max_tokens` (some reasoning models want
     // `max_completion_tokens`) is asked again without it.
     let probe = [ChatMessage::user(PROBE)];
     let result = match client.chat(&probe, &SamplingParams { max_tokens: Some(PROBE_TOKENS), ..SamplingParams::default() }) {
-        Err(err) if err.kind() == FailureKind::Rejected => client.chat(&probe, &SamplingParams::default()),
+        Err(err) if err.kind() == FailureKind::Rejected => {
+            started = Instant::now();
+            client.chat(&probe, &SamplingParams::default())
+        }
         result => result,
     };
     let latency_ms = started.elapsed().as_millis();

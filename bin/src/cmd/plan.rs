@@ -25,8 +25,8 @@ pub struct Args {
     pub config: PathBuf,
     /// The device's memory (e.g. 80GiB, 80GB); default: run.device_memory, else the GPU's
     /// total where it can be read (CUDA), else this machine's RAM.
-    #[arg(long, value_parser = parse_device_memory)]
-    pub device_memory: Option<u64>,
+    #[arg(long, value_parser = device_memory_text)]
+    pub device_memory: Option<String>,
     /// The device the run trains on: cpu, cuda, cuda:N or wgpu (the GPU backends run burn's
     /// tensor ops: with attn_implementation = "eager" their attention keeps [batch, heads, q, k]
     /// tensors, with "memory_efficient" blocks). A plan for a GPU needs no GPU here. On CUDA,
@@ -51,8 +51,8 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(model) = &args.model {
         config.model = model.clone();
     }
-    if let Some(bytes) = args.device_memory {
-        config.run.device_memory = Some(format!("{bytes}B"));
+    if let Some(size) = &args.device_memory {
+        config.run.device_memory = Some(size.clone());
     }
     let shape = match args.preset {
         Some(preset) => preset.config(TINY_VOCAB_SIZE, Vec::new()),
@@ -205,6 +205,12 @@ fn settings_for(config: &TrainConfig, shape: Qwen3Config, device: DeviceChoice, 
 /// no such pool, and wgpu's pages follow its adapter's limits).
 pub fn cuda_pages_memory(device: DeviceChoice, memory: u64) -> Option<u64> {
     matches!(device, DeviceChoice::Cuda(_)).then_some(memory)
+}
+
+/// A device's memory as written (checked as [`parse_device_memory`] does), kept as text so that
+/// `run.device_memory` holds what the user wrote.
+pub fn device_memory_text(text: &str) -> Result<String, String> {
+    parse_device_memory(text).map(|_| text.trim().to_owned())
 }
 
 /// The device's memory and where the figure comes from: `run.device_memory`, else what the

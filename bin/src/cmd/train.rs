@@ -10,9 +10,10 @@ use clap::Args as ClapArgs;
 use env::OpenAiClient;
 use model::cpu_kernels::{Bf16Products, BF16_PRODUCTS_ENV};
 use model::MatmulPrecision;
-use trainer::plan::{format_size, parse_device_memory, MemoryPlan};
+use trainer::plan::{format_size, MemoryPlan};
 use trainer::run::{run_to_end, DeviceMemoryProbe, PromptR1Scorer, Resume, StepRecord, SteppedRun, TrainConfig, Trainer};
 
+use super::plan::device_memory_text;
 use super::{print_lora_share, say, step_bar, NAN_HINT};
 use crate::device::{run_on, DeviceChoice, OnBackend};
 use crate::model_dir::parse_matmul;
@@ -65,8 +66,8 @@ pub struct Args {
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
     /// Override run.device_memory: the device's memory for the check at start (e.g. 80GiB).
-    #[arg(long, value_parser = parse_device_memory)]
-    pub device_memory: Option<u64>,
+    #[arg(long, value_parser = device_memory_text)]
+    pub device_memory: Option<String>,
 }
 
 impl Args {
@@ -101,8 +102,8 @@ impl Args {
         if let Some(name) = &self.env_model {
             config.environment.model = name.clone();
         }
-        if let Some(bytes) = self.device_memory {
-            config.run.device_memory = Some(format!("{bytes}B"));
+        if let Some(size) = &self.device_memory {
+            config.run.device_memory = Some(size.clone());
         }
         config.validate().map_err(anyhow::Error::msg).context("invalid configuration")?;
         if config.environment.base_url.is_empty() || config.environment.model.is_empty() {

@@ -453,7 +453,11 @@ pub(crate) fn read_toml_config<T: serde::de::DeserializeOwned>(
     let config_error = |reason: String| TrainError::Config { path: path.to_path_buf(), reason };
     let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
     let mut config: T = toml::from_str(&text).map_err(|e| config_error(e.to_string()))?;
-    prepare(&mut config, path.parent().unwrap_or(Path::new("."))).map_err(config_error)?;
+    // Absolute, so that the same file named as `run.toml` or `./run.toml`, or from another
+    // folder, gives the same settings (a resume compares them).
+    let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let base = std::path::absolute(folder).unwrap_or_else(|_| folder.to_path_buf());
+    prepare(&mut config, &base).map_err(config_error)?;
     Ok(config)
 }
 
