@@ -892,6 +892,44 @@ fn token_id_prompts_return_ids_and_logprobs() {
     assert_eq!(error(json!({"prompt": [1, 2], "model": "other"})).0, 404);
 }
 
+/// A completion's `logprobs` describe its text: each token's text is what it added to the
+/// reply as it was decoded (empty for a skipped special token, for the first bytes of a
+/// character a later token completes, and for the stop token that ended the row), joined they
+/// are the text, and `text_offset` is where each starts in it, in characters.
+#[test]
+fn completion_logprobs_describe_the_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&harness::tiny_model(dir.path()), &[]);
+    let ask = |extra: Value| {
+        let mut body = json!({"prompt": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "max_tokens": 200,
+                              "temperature": 1.0, "seed": 7, "logprobs": 0, "return_token_ids": true});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        let reply = complete(&server, &body);
+        let choice = &reply["choices"][0];
+        let text = choice["text"].as_str().unwrap().to_string();
+        let tokens: Vec<String> = choice["logprobs"]["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect();
+        let offsets: Vec<u64> = choice["logprobs"]["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+        assert_eq!((tokens.len(), offsets.len()), (ids(&reply).len(), ids(&reply).len()), "{reply}");
+        assert_eq!(tokens.concat(), text, "{reply}");
+        for (i, &offset) in offsets.iter().enumerate() {
+            assert_eq!(offset, tokens[..i].concat().chars().count() as u64, "token {i}: {reply}");
+        }
+        (text, tokens, ids(&reply))
+    };
+    let (skipped, skipped_tokens, sampled) = ask(json!({}));
+    let (kept, kept_tokens, kept_ids) = ask(json!({"skip_special_tokens": false}));
+    assert_eq!(kept_ids, sampled);
+    assert!(kept.contains("<|im_start|>") && kept.len() > skipped.len(), "no special token sampled: {kept:?}");
+    let marks = |tokens: &[String]| tokens.iter().filter(|t| t.is_empty()).count();
+    assert!(marks(&skipped_tokens) > marks(&kept_tokens), "{skipped_tokens:?} {kept_tokens:?}");
+    let stop = sampled[sampled.len() / 2];
+    let (cut, tokens, stopped) = ask(json!({"stop_token_ids": [stop]}));
+    assert_eq!((stopped.last(), tokens.last().map(String::as_str)), (Some(&stop), Some("")));
+    assert!(skipped.starts_with(&cut), "{cut:?} {skipped:?}");
+}
+
 /// Seeded sampled token-id requests give the same ids and log-probs when repeated, and when
 /// sent together with others.
 #[test]

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use serde_json::{json, Map, Value};
 
+use super::detokenize;
 use super::engine::{Event, Finished, Job, StopReason, Work};
 use super::error::ApiError;
 use super::http::{self, Accepted};
@@ -54,15 +55,18 @@ pub fn handle(body: &[u8], responder: Responder, shared: &Shared) {
     if responder.client_gone() {
         return http::log(ROUTE, shared, 499, None, started);
     }
+    let skip_special_tokens = job.params.skip_special_tokens;
     if shared.work.send(Work::Job(job)).is_err() {
         let err = ApiError::internal("the generation worker has stopped");
         http::log(ROUTE, shared, err.status, None, started);
         return http::respond_error(responder, &err);
     }
-    match http::collect(&events) {
-        Ok((text, done)) => {
-            let completion_tokens = done.completion_tokens();
-            let body = reply(&text, &done, &accepted, extras, shared);
+    let replied = http::collect(&events).and_then(|(text, done)| {
+        let body = reply(&text, &done, &accepted, extras, skip_special_tokens, shared)?;
+        Ok((body, done.completion_tokens()))
+    });
+    match replied {
+        Ok((body, completion_tokens)) => {
             http::respond_json(responder, 200, &body);
             http::log(
                 ROUTE,
@@ -80,11 +84,22 @@ pub fn handle(body: &[u8], responder: Responder, shared: &Shared) {
 }
 
 /// The reply body of a finished completion.
-fn reply(text: &str, done: &Finished, accepted: &Accepted, extras: Extras, shared: &Shared) -> Value {
+fn reply(
+    text: &str,
+    done: &Finished,
+    accepted: &Accepted,
+    extras: Extras,
+    skip_special_tokens: bool,
+    shared: &Shared,
+) -> Result<Value, ApiError> {
+    let logprobs = match extras.logprobs {
+        Some(_) => logprobs(done, skip_special_tokens, shared)?,
+        None => Value::Null,
+    };
     let mut choice = json!({
         "index": 0,
         "text": text,
-        "logprobs": extras.logprobs.map(|_| logprobs(done, shared)),
+        "logprobs": logprobs,
         "finish_reason": done.finish.as_str(),
         "stop_reason": match &done.stop_reason {
             None => Value::Null,
@@ -96,24 +111,26 @@ fn reply(text: &str, done: &Finished, accepted: &Accepted, extras: Extras, share
         choice["prompt_token_ids"] = json!(accepted.prompt_ids.as_deref().unwrap_or_default());
         choice["token_ids"] = json!(done.token_ids);
     }
-    json!({
+    Ok(json!({
         "id": accepted.id,
         "object": "text_completion",
         "created": accepted.created,
         "model": accepted.model,
         "choices": [choice],
         "usage": http::usage(accepted.prompt_tokens, done.completion_tokens(), done.cached_tokens),
-    })
+    }))
 }
 
-/// The completion's `logprobs`: each sampled token's text (special tokens written out) and
-/// log-prob, and where each token's text starts among them (in characters).
-fn logprobs(done: &Finished, shared: &Shared) -> Value {
-    let tokens: Vec<String> = done
-        .token_ids
-        .iter()
-        .map(|&id| shared.tokenizer.decode(&[id], false).unwrap_or_default())
-        .collect();
+/// The completion's `logprobs`: each sampled token's log-prob and text, and where that text
+/// starts in the reply's (in characters, as vLLM counts). A token's text is what it added to
+/// the reply's as it was decoded a token at a time (as vLLM's detokenizer gives it): empty for
+/// a skipped special token, for the first bytes of a character a later token completes (which
+/// has the whole character), and for the EOS or stop token that ended the row. Joined, they are
+/// the reply's text (followed, where a stop string cut it, by the rest of the last tokens' text).
+fn logprobs(done: &Finished, skip_special_tokens: bool, shared: &Shared) -> Result<Value, ApiError> {
+    let mut tokens = detokenize::token_texts(shared.tokenizer, done.text_ids(), skip_special_tokens)
+        .map_err(|err| ApiError::internal(format!("cannot decode the sampled tokens for their logprobs: {err}")))?;
+    tokens.resize(done.token_ids.len(), String::new());
     let mut offset = 0;
     let text_offset: Vec<usize> = tokens
         .iter()
@@ -123,12 +140,12 @@ fn logprobs(done: &Finished, shared: &Shared) -> Value {
             at
         })
         .collect();
-    json!({
+    Ok(json!({
         "tokens": tokens,
         "token_logprobs": done.logprobs,
         "top_logprobs": null,
         "text_offset": text_offset,
-    })
+    }))
 }
 
 /// Checks the body and makes the job. The sampling fields are those of a chat request, so

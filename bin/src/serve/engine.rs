@@ -6,9 +6,9 @@
 //! step. Each row has its own sampling settings and seeded generator ([`choose_row_tokens`]: on
 //! the device off the CPU kernels, unless a row asks for top-k or top-p), so a request's tokens
 //! depend only on its prompt, settings and policy, not on the rows beside it. Every row's text
-//! is sent out as it grows; its token ids and their log-probs come with its end. A row ends at
-//! an EOS or stop token, a stop string, its token limit, or when its client has gone (its event
-//! channel is closed). A failed step (an error or a panic) fails the rows in the decoder, and
+//! is sent out as it grows, decoded a token at a time ([`Detokenizer`]); its token ids and
+//! their log-probs come with its end. A row ends at an EOS or stop token, a stop string, its
+//! token limit, or when its client has gone (its event channel is closed). A failed step (an error or a panic) fails the rows in the decoder, and
 //! the worker goes on with the requests that come after. Each time the work runs out the worker
 //! calls [`Engine::on_idle`] before it waits for more. After each step it writes what it has
 //! done into [`Engine::metrics`] (`GET /metrics`), and what it holds (the KV pool's blocks, the
@@ -34,16 +34,17 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::backend::Backend;
 use model::generation::row_seed;
-use model::tokenizer::Qwen3Tokenizer;
+use model::tokenizer::{Qwen3Tokenizer, TokenizerError};
 use model::{choose_row_tokens, Decoder, DecoderLimits, LoraModel, RowSampling, Sampling, SequenceId};
 use rand::{rngs::StdRng, SeedableRng};
 use trainer::run::DeviceMemoryProbe;
 
+use super::detokenize::Detokenizer;
 use super::error::ApiError;
 use super::metrics::ServerMetrics;
 use super::policy::{Change, Models, Policy};
 use super::prefix_cache::PrefixCache;
-use super::stop::{SentText, StopStrings};
+use super::stop::StopStrings;
 
 /// How long an idle worker waits for more requests once one has come, so that requests sent
 /// together start together.
@@ -120,6 +121,13 @@ pub struct Finished {
 impl Finished {
     pub fn completion_tokens(&self) -> usize {
         self.token_ids.len()
+    }
+
+    /// The ids whose text the reply's text is (before a stop string cuts it): all of
+    /// `token_ids` but an ending EOS or stop token.
+    pub fn text_ids(&self) -> &[u32] {
+        let on_token = self.finish == Finish::Stop && !matches!(self.stop_reason, Some(StopReason::Text(_)));
+        &self.token_ids[..self.token_ids.len() - usize::from(on_token && !self.token_ids.is_empty())]
     }
 }
 
@@ -472,13 +480,13 @@ struct Row {
     max_tokens: usize,
     stop: StopStrings,
     stop_token_ids: Vec<u32>,
-    skip_special_tokens: bool,
     /// Every sampled token, with its log-prob.
     sampled: Vec<u32>,
     logprobs: Vec<f32>,
-    /// The tokens of the text (the sampled ones but an ending stop token).
-    tokens: Vec<u32>,
-    sent: SentText,
+    /// The text of the tokens (the sampled ones but an ending stop token), a token at a time.
+    detokenizer: Detokenizer,
+    /// Text decoded and not sent yet: held back while it could still start a stop string.
+    unsent: String,
     /// Prompt tokens taken from the prefix cache.
     cached_tokens: usize,
 }
@@ -492,63 +500,83 @@ impl Row {
             max_tokens: p.max_tokens.max(1),
             stop: p.stop,
             stop_token_ids: p.stop_token_ids,
-            skip_special_tokens: p.skip_special_tokens,
             sampled: Vec::new(),
             logprobs: Vec::new(),
-            tokens: Vec::new(),
-            sent: SentText::default(),
+            detokenizer: Detokenizer::new(p.skip_special_tokens),
+            unsent: String::new(),
             cached_tokens,
         }
     }
 
     /// Takes the next token and its log-prob; returns how the row ended, `None` while it goes on.
+    /// Only the new text is decoded and searched for stop strings (with the held-back text
+    /// before it, where a stop string could start), so a token costs the same however long the
+    /// reply already is.
     fn push(&mut self, token: u32, logprob: f32, stop_ids: &[u32], tokenizer: &Qwen3Tokenizer) -> Option<Ending> {
         self.sampled.push(token);
         self.logprobs.push(logprob);
-        // An ending token (the model's EOS, or one of the request's stop_token_ids) is not
-        // part of the text, and the text held back so far goes out whole.
-        let ending = if stop_ids.contains(&token) {
-            Some(None)
-        } else if self.stop_token_ids.contains(&token) {
-            Some(Some(StopReason::Token(token)))
-        } else {
-            self.tokens.push(token);
-            None
-        };
-        let text = match tokenizer.decode(&self.tokens, self.skip_special_tokens) {
-            Ok(text) => text,
+        let ending = self.ending(token, stop_ids);
+        let last = ending.is_some() || self.sampled.len() >= self.max_tokens;
+        match self.decode_next(token, ending.is_none(), last, tokenizer) {
+            Ok(text) => self.unsent.push_str(&text),
             Err(err) => {
                 let _ = self.events.send(Event::Failed(format!("decoding: {err}")));
                 return Some(Ending::Failed);
             }
-        };
+        }
         if let Some(reason) = ending {
-            return Some(self.end(&text, text.len(), Finish::Stop, reason));
+            return Some(self.end(self.unsent.len(), Finish::Stop, reason));
         }
-        if let Some((at, stop)) = self.stop.earliest(&text) {
+        if let Some((at, stop)) = self.stop.earliest(&self.unsent) {
             let reason = StopReason::Text(stop.to_string());
-            return Some(self.end(&text, at, Finish::Stop, Some(reason)));
+            return Some(self.end(at, Finish::Stop, Some(reason)));
         }
-        if self.sampled.len() >= self.max_tokens {
-            return Some(self.end(&text, text.len(), Finish::Length, None));
+        if last {
+            return Some(self.end(self.unsent.len(), Finish::Length, None));
         }
-        let safe = self.stop.safe_len(&text);
-        (!self.send_text(&text, safe)).then_some(Ending::ClientGone)
+        let safe = self.stop.safe_len(&self.unsent);
+        (!self.send_text(safe)).then_some(Ending::ClientGone)
     }
 
-    /// Sends the rest of `text[..upto]`, then the row's end.
-    fn end(&mut self, text: &str, upto: usize, finish: Finish, stop_reason: Option<StopReason>) -> Ending {
-        if !self.send_text(text, upto) {
+    /// Whether `token` ends the row, and its stop reason: the model's EOS (none), or one of the
+    /// request's `stop_token_ids`. An ending token's text is not part of the reply, as in vLLM,
+    /// which leaves it out (EOS or stop token, special or not) unless `include_stop_str_in_output`.
+    fn ending(&self, token: u32, stop_ids: &[u32]) -> Option<Option<StopReason>> {
+        if stop_ids.contains(&token) {
+            Some(None)
+        } else if self.stop_token_ids.contains(&token) {
+            Some(Some(StopReason::Token(token)))
+        } else {
+            None
+        }
+    }
+
+    /// The text `token` adds (`in_text`: it is part of the text), with, when the row ends here,
+    /// what the detokenizer held back (an unfinished character).
+    fn decode_next(&mut self, token: u32, in_text: bool, last: bool, tokenizer: &Qwen3Tokenizer) -> Result<String, TokenizerError> {
+        let mut text = if in_text { self.detokenizer.push(tokenizer, token)? } else { String::new() };
+        if last {
+            text.push_str(&self.detokenizer.flush(tokenizer)?);
+        }
+        Ok(text)
+    }
+
+    /// Sends the rest of the text up to `upto` bytes of the unsent part, then the row's end.
+    fn end(&mut self, upto: usize, finish: Finish, stop_reason: Option<StopReason>) -> Ending {
+        if !self.send_text(upto) {
             return Ending::ClientGone;
         }
         self.finish(finish, stop_reason);
         Ending::Finished(finish)
     }
 
-    /// Sends the unsent part of `text[..upto]`; false when the client is gone.
-    fn send_text(&mut self, text: &str, upto: usize) -> bool {
-        let new = self.sent.take(text, upto);
-        new.is_empty() || self.events.send(Event::Text(new.to_string())).is_ok()
+    /// Sends the first `upto` bytes of the unsent text; false when the client is gone.
+    fn send_text(&mut self, upto: usize) -> bool {
+        if upto == 0 {
+            return true;
+        }
+        let new: String = self.unsent.drain(..upto).collect();
+        self.events.send(Event::Text(new)).is_ok()
     }
 
     /// Reports the end of the row.
@@ -798,6 +826,54 @@ mod tests {
         plain.stop_ids = vec![stop];
         let (at_eos, _) = text(&mut plain, Vec::new(), vec![format!("{last}\u{1}never")]);
         assert_eq!(at_eos, whole);
+    }
+
+    /// A row's text, sent a piece at a time as it is decoded a token at a time, is what
+    /// decoding its tokens all at once gives (the ending stop token left out), special tokens
+    /// skipped or kept, up to where a stop string cuts it.
+    #[test]
+    fn the_text_sent_is_the_decoding_of_the_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, tokenizer) = tiny(dir.path(), 0);
+        let models = Mutex::default();
+        let mut plain = engine(dir.path(), &tokenizer, &models);
+        let mut run = |skip: bool, stop_token_ids: Vec<u32>, stop: Vec<String>| {
+            let (work, queue) = mpsc::channel();
+            let (mut job, events) = job(vec![5, 9, 12, 30], 300);
+            // Sampled (seeded): the random tiny model's greedy tokens repeat at once.
+            job.params.sampling = Sampling { temperature: 1.0, seed: 5, ..Sampling::default() };
+            job.params.skip_special_tokens = skip;
+            job.params.stop_token_ids = stop_token_ids;
+            job.params.stop = StopStrings::new(stop);
+            work.send(Work::Job(job)).unwrap();
+            drop(work);
+            plain.run(&queue);
+            let mut text = String::new();
+            for event in events.iter() {
+                match event {
+                    Event::Text(part) => text.push_str(&part),
+                    Event::Done(done) => return (text, done),
+                    other => panic!("{other:?}"),
+                }
+            }
+            panic!("no end")
+        };
+        let special = *tokenizer.special();
+        for skip in [true, false] {
+            let (text, full) = run(skip, Vec::new(), Vec::new());
+            assert_eq!(text, tokenizer.decode(&full.token_ids, skip).unwrap(), "skip_special_tokens {skip}");
+            let marks = [special.im_start, special.im_end, special.endoftext];
+            assert!(full.token_ids.iter().any(|t| marks.contains(t)), "no special token sampled: {:?}", full.token_ids);
+            let stop = full.token_ids[200];
+            let (cut, ended) = run(skip, vec![stop], Vec::new());
+            assert_eq!(ended.stop_reason, Some(StopReason::Token(stop)));
+            assert_eq!((cut.clone(), ended.text_ids()), (tokenizer.decode(ended.text_ids(), skip).unwrap(), &ended.token_ids[..ended.token_ids.len() - 1]));
+            let chars: Vec<char> = text.chars().collect();
+            let stop_string: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+            let (before, ended) = run(skip, Vec::new(), vec![stop_string.clone()]);
+            assert_eq!(ended.stop_reason, Some(StopReason::Text(stop_string.clone())));
+            assert_eq!(Some(before.len()), text.find(&stop_string), "{stop_string:?}");
+        }
     }
 
     /// New base weights are applied once the rows before them have ended: a request queued

@@ -15,6 +15,7 @@
 mod completions;
 mod control;
 mod cors;
+mod detokenize;
 mod engine;
 mod error;
 mod http;

@@ -49,25 +49,6 @@ fn partial_stop_len(text: &str, stop: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// What of a growing text has been sent, so that only the new part goes out.
-#[derive(Debug, Default)]
-pub struct SentText {
-    sent: usize,
-}
-
-impl SentText {
-    /// The part of `text[..upto]` not sent yet (empty when the text changed under an earlier
-    /// part, which byte-level decoding does not do once characters are complete).
-    pub fn take<'t>(&mut self, text: &'t str, upto: usize) -> &'t str {
-        if upto <= self.sent || !text.is_char_boundary(self.sent) || !text.is_char_boundary(upto) {
-            return "";
-        }
-        let new = &text[self.sent..upto];
-        self.sent = upto;
-        new
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,14 +83,5 @@ mod tests {
         assert_eq!(s.safe_len("answer\u{FFFD}"), "answe".len());
         assert_eq!(s.safe_len("answer\u{FFFD}\u{FFFD}"), "answe".len());
         assert_eq!(stops(&["x"]).safe_len("ab\u{FFFD}"), 2);
-    }
-
-    #[test]
-    fn sends_each_part_once() {
-        let mut sent = SentText::default();
-        assert_eq!(sent.take("ab", 2), "ab");
-        assert_eq!(sent.take("abcd", 3), "c");
-        assert_eq!(sent.take("abcd", 3), "");
-        assert_eq!(sent.take("abcdé", 6), "dé");
     }
 }
