@@ -443,6 +443,64 @@ fn concurrent_requests_answer_as_alone() {
     assert!(unbounded_peak > 2.0 * BUDGET as f64, "without a budget the pool held only {unbounded_peak}: the test's budget binds nothing");
 }
 
+/// A client that leaves before its reply has its request dropped (`abort` in `/metrics`), as
+/// vLLM aborts it: with one row, a request abandoned while it waits behind another never
+/// decodes, and one abandoned while it decodes stops there, its row free for the next.
+#[test]
+fn an_abandoned_request_holds_no_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let server = Server::start(&model, &["--max-batch", "1"]);
+    // The random model's greedy reply runs to its length: long enough to leave during it.
+    let long = json!({"messages": user("hello"), "max_tokens": 6000, "temperature": 0});
+    let running = |count: f64| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while metric(&server.get("/metrics").body, "prompt_r1:num_requests_running") < count {
+            assert!(std::time::Instant::now() < deadline, "no request started");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+    // Sends `body` and leaves `after` later, without reading the reply.
+    let abandon = |after: Duration| {
+        let body = long.to_string();
+        let mut stream = connect(&server.addr);
+        write!(
+            stream,
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        std::thread::sleep(after);
+        drop(stream);
+    };
+    let kept = std::thread::scope(|scope| {
+        let first = scope.spawn(|| server.chat(&long));
+        running(1.0);
+        // Waits behind the first (one row), then its client leaves.
+        abandon(Duration::from_millis(200));
+        first.join().unwrap()
+    });
+    assert_eq!(kept.status, 200, "{}", kept.body);
+    let kept = kept.json();
+    assert_eq!(kept["choices"][0]["finish_reason"], "length", "the test needs a reply that runs to its length: {kept}");
+    let kept_tokens = kept["usage"]["completion_tokens"].as_f64().unwrap();
+    let after_waiting = settled_metrics(&server);
+    let aborted = |text: &str| metric(text, "prompt_r1:request_success_total{finished_reason=\"abort\"}");
+    assert_eq!(aborted(&after_waiting), 1.0, "{after_waiting}");
+    assert_eq!(metric(&after_waiting, "prompt_r1:generation_tokens_total"), kept_tokens, "the abandoned request decoded: {after_waiting}");
+    // Abandoned while it decodes: it stops well before its 6,000 tokens.
+    std::thread::scope(|scope| {
+        let leaver = scope.spawn(|| abandon(Duration::from_millis(300)));
+        running(1.0);
+        leaver.join().unwrap();
+    });
+    let after_decoding = settled_metrics(&server);
+    assert_eq!(aborted(&after_decoding), 2.0, "{after_decoding}");
+    let decoded = metric(&after_decoding, "prompt_r1:generation_tokens_total") - kept_tokens;
+    assert!(decoded < 6000.0, "the abandoned request decoded all its {decoded} tokens");
+    assert_eq!(server.chat(&json!({"messages": user("hi"), "max_tokens": 2})).status, 200, "the row is free");
+}
+
 /// `GET /metrics` once the worker has recorded the end of the last request (it writes its state
 /// just after it sends a request's end).
 fn settled_metrics(server: &Server) -> String {

@@ -56,12 +56,13 @@ pub fn handle(body: &[u8], responder: Responder, shared: &Shared) {
         return http::log(ROUTE, shared, 499, None, started);
     }
     let skip_special_tokens = job.params.skip_special_tokens;
+    let cancel = job.cancel.clone();
     if shared.work.send(Work::Job(job)).is_err() {
         let err = ApiError::internal("the generation worker has stopped");
         http::log(ROUTE, shared, err.status, None, started);
         return http::respond_error(responder, &err);
     }
-    let replied = http::collect(&events).and_then(|(text, done)| {
+    let replied = http::collect(&events, &responder, &cancel).and_then(|(text, done)| {
         let body = reply(&text, &done, &accepted, extras, skip_special_tokens, shared)?;
         Ok((body, done.completion_tokens()))
     });

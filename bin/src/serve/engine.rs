@@ -76,6 +76,26 @@ pub struct Job {
     pub adapter: Option<String>,
     pub params: GenParams,
     pub events: Sender<Event>,
+    /// Set by the request's handler when its client goes away.
+    pub cancel: Cancel,
+}
+
+/// A request's cancellation, shared by its handler and the worker: once its client has gone the
+/// worker drops it, whether it waits or decodes, at its next step (as vLLM aborts a request whose
+/// client disconnected), so that an abandoned request holds no row.
+#[derive(Debug, Clone, Default)]
+pub struct Cancel(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Cancel {
+    /// Marks the request as abandoned.
+    pub fn cancel(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the request was abandoned.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// A change of the policy and where its outcome goes.
@@ -243,6 +263,7 @@ impl<B: Backend> Engine<'_, B> {
             }
             worked = true;
             self.admit(&mut running, &mut pending);
+            self.drop_abandoned(&mut running);
             if running.decoder.is_idle() {
                 continue;
             }
@@ -268,6 +289,11 @@ impl<B: Backend> Engine<'_, B> {
     /// decoder runs (any variant once it is idle), and changes of the policy once it is idle.
     fn admit(&mut self, running: &mut Running<B>, pending: &mut VecDeque<Work>) {
         while let Some(next) = pending.front() {
+            if matches!(next, Work::Job(job) if job.cancel.is_cancelled()) {
+                pending.pop_front();
+                self.metrics.update(|m| m.aborted += 1);
+                continue;
+            }
             let idle = running.decoder.is_idle();
             match next {
                 Work::Job(job) if job.adapter != running.variant && !idle => break,
@@ -293,6 +319,16 @@ impl<B: Backend> Engine<'_, B> {
                     let _ = reply.send(outcome);
                 }
             }
+        }
+    }
+
+    /// Drops the requests whose clients have gone, waiting in the decoder or decoding.
+    fn drop_abandoned(&self, running: &mut Running<B>) {
+        let gone: Vec<SequenceId> = running.rows.iter().filter(|(_, row)| row.cancel.is_cancelled()).map(|(&id, _)| id).collect();
+        for id in gone {
+            running.rows.remove(&id);
+            running.decoder.finish(id);
+            self.metrics.update(|m| m.aborted += 1);
         }
     }
 
@@ -343,6 +379,7 @@ impl<B: Backend> Engine<'_, B> {
             adapter,
             params,
             events,
+            cancel,
         } = job;
         if self.policy.model(adapter.as_deref()).is_none() {
             let name = adapter.unwrap_or_default();
@@ -357,7 +394,7 @@ impl<B: Backend> Engine<'_, B> {
                 match running.decoder.extend(self.policy.base(), cached_id, &prompt[held..]) {
                     Ok(()) => {
                         self.count_prompt(prompt.len(), cached, true);
-                        running.rows.insert(cached_id, Row::new(params, events, cached));
+                        running.rows.insert(cached_id, Row::new(params, events, cached, cancel.clone()));
                     }
                     Err(err) => {
                         running.decoder.finish(cached_id);
@@ -374,7 +411,7 @@ impl<B: Backend> Engine<'_, B> {
         match running.decoder.add(self.policy.base(), id, prompt) {
             Ok(()) => {
                 self.count_prompt(prompt_len, 0, running.cache.enabled());
-                running.rows.insert(id, Row::new(params, events, 0));
+                running.rows.insert(id, Row::new(params, events, 0, cancel));
             }
             Err(err) => {
                 self.metrics.update(|m| m.failed += 1);
@@ -475,6 +512,7 @@ enum Ending {
 /// One request being decoded.
 struct Row {
     events: Sender<Event>,
+    cancel: Cancel,
     sampling: Sampling,
     rng: StdRng,
     max_tokens: usize,
@@ -492,9 +530,10 @@ struct Row {
 }
 
 impl Row {
-    fn new(p: GenParams, events: Sender<Event>, cached_tokens: usize) -> Self {
+    fn new(p: GenParams, events: Sender<Event>, cached_tokens: usize, cancel: Cancel) -> Self {
         Self {
             events,
+            cancel,
             rng: StdRng::seed_from_u64(row_seed(p.sampling.seed, 0)),
             sampling: p.sampling,
             max_tokens: p.max_tokens.max(1),
@@ -619,6 +658,7 @@ mod tests {
             adapter: None,
             params,
             events,
+            cancel: Cancel::default(),
         };
         (job, received)
     }

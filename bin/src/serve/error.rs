@@ -80,6 +80,18 @@ impl ApiError {
         }
     }
 
+    /// 499 (nginx's "client closed request", for the log only: nobody reads it) for a request
+    /// whose client went away before its reply.
+    pub fn client_gone() -> Self {
+        Self {
+            status: 499,
+            message: "the client closed the connection".into(),
+            kind: "client_closed_request",
+            param: None,
+            code: None,
+        }
+    }
+
     /// 500 for a failure on the server's side.
     pub fn internal(message: impl Into<String>) -> Self {
         Self {

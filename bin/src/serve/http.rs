@@ -3,7 +3,7 @@
 //! OpenAI-style errors for everything else.
 
 use std::io;
-use std::sync::mpsc::{self, Receiver};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::Instant;
 
 use model::chat_template::RenderOptions;
@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use super::completions;
 use super::control;
-use super::engine::{Event, Finish, Finished, GenParams, Job, Work};
+use super::engine::{Cancel, Event, Finish, Finished, GenParams, Job, Work};
 use super::error::ApiError;
 use super::listener::{Request, Responder, Stream};
 use super::policy::Models;
@@ -160,15 +160,16 @@ fn chat(body: &[u8], responder: Responder, shared: &Shared) {
     if responder.client_gone() {
         return log(CHAT_ROUTE, shared, 499, None, started);
     }
+    let cancel = job.cancel.clone();
     if shared.work.send(Work::Job(job)).is_err() {
         let err = ApiError::internal("the generation worker has stopped");
         log(CHAT_ROUTE, shared, err.status, None, started);
         return respond_error(responder, &err);
     }
     let (status, completion) = if accepted.stream {
-        stream(responder, &events, &accepted)
+        stream(responder, &events, &accepted, &cancel)
     } else {
-        complete(responder, &events, &accepted)
+        complete(responder, &events, &accepted, &cancel)
     };
     log(
         CHAT_ROUTE,
@@ -206,7 +207,7 @@ pub(super) fn job(
         Encoded::Longer(count) => {
             return Err(ApiError::invalid(
                 format!(
-                    "This model's maximum context length is {} tokens. However, your {param} encode to more than {count} tokens.",
+                    "This model's maximum context length is {} tokens. However, your {param} came to more than {count} tokens.",
                     shared.context_len
                 ),
                 Some(param),
@@ -217,7 +218,7 @@ pub(super) fn job(
     if let Some(bad) = prompt.iter().find(|&&id| id as usize >= shared.vocab_size) {
         return Err(ApiError::invalid(
             format!(
-                "The {param} encode to token id {bad}, outside the model's vocabulary of {}.",
+                "The {param} gave token id {bad}, outside the model's vocabulary of {}.",
                 shared.vocab_size
             ),
             Some(param),
@@ -288,6 +289,7 @@ pub(super) fn job_for_ids(
         adapter,
         params,
         events: sender,
+        cancel: Cancel::default(),
     };
     Ok((job, events, accepted))
 }
@@ -297,8 +299,9 @@ fn complete(
     responder: Responder,
     events: &Receiver<Event>,
     accepted: &Accepted,
+    cancel: &Cancel,
 ) -> (u16, Option<usize>) {
-    let (content, done) = match collect(events) {
+    let (content, done) = match collect(events, &responder, cancel) {
         Ok(ok) => ok,
         Err(err) => {
             respond_error(responder, &err);
@@ -323,19 +326,32 @@ fn complete(
     (200, Some(completion_tokens))
 }
 
-/// The whole text of a reply and how it ended.
-pub(super) fn collect(events: &Receiver<Event>) -> Result<(String, Finished), ApiError> {
+/// The whole text of a reply and how it ended; cancels the request (see [`Cancel`]) when its
+/// client goes away first, which is looked at every [`CLIENT_CHECK`], text arriving or not.
+pub(super) fn collect(events: &Receiver<Event>, responder: &Responder, cancel: &Cancel) -> Result<(String, Finished), ApiError> {
     let mut text = String::new();
+    let mut next_check = Instant::now() + CLIENT_CHECK;
     loop {
-        match events.recv() {
+        match events.recv_timeout(next_check.saturating_duration_since(Instant::now())) {
             Ok(Event::Text(piece)) => text.push_str(&piece),
             Ok(Event::Done(done)) => return Ok((text, done)),
             Ok(Event::Failed(message)) => return Err(ApiError::internal(message)),
             Ok(Event::Refused(err)) => return Err(err),
-            Err(_) => return Err(ApiError::internal("generation stopped without a result")),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return Err(ApiError::internal("generation stopped without a result")),
+        }
+        if Instant::now() >= next_check {
+            if responder.client_gone() {
+                cancel.cancel();
+                return Err(ApiError::client_gone());
+            }
+            next_check = Instant::now() + CLIENT_CHECK;
         }
     }
 }
+
+/// How often a handler waiting for its reply looks whether its client is still there.
+const CLIENT_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// A reply's `usage`; `cached_tokens`: prompt tokens not prefilled thanks to the prefix cache.
 pub(super) fn usage(prompt_tokens: usize, completion_tokens: usize, cached_tokens: usize) -> Value {
@@ -353,6 +369,7 @@ fn stream(
     responder: Responder,
     events: &Receiver<Event>,
     accepted: &Accepted,
+    cancel: &Cancel,
 ) -> (u16, Option<usize>) {
     let mut out = EventStream {
         stream: Some(responder.stream_with_headers(
@@ -365,8 +382,11 @@ fn stream(
     match write_events(&mut out, events, accepted, &mut completion) {
         Ok(()) if completion.is_some() => (200, completion),
         Ok(()) => (500, None),
-        // The client went away.
-        Err(_) => (499, completion),
+        // The client went away: its request, waiting or decoding, is dropped.
+        Err(_) => {
+            cancel.cancel();
+            (499, completion)
+        }
     }
 }
 
@@ -401,7 +421,14 @@ fn write_events(
     };
     out.data(&delta(json!({"role": "assistant", "content": ""}), None))?;
     loop {
-        match events.recv() {
+        let event = events.recv_timeout(CLIENT_CHECK);
+        if matches!(event, Err(RecvTimeoutError::Timeout)) {
+            // Nothing yet (the request waits for a row, or a long prefill runs): is the client
+            // still there?
+            out.raw(b"")?;
+            continue;
+        }
+        match event {
             Ok(Event::Text(text)) => out.data(&delta(json!({"content": text}), None))?,
             Ok(Event::Done(done)) => {
                 let completion_tokens = done.completion_tokens();
