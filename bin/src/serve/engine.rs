@@ -835,24 +835,12 @@ mod tests {
         let models = Mutex::default();
         let mut plain = engine(dir.path(), &tokenizer, &models);
         let text = |engine: &mut Engine<'_, B>, stop_token_ids: Vec<u32>, stop: Vec<String>| {
-            let (work, queue) = mpsc::channel();
             let (mut job, events) = job(vec![5, 9, 12, 30], 12);
             // Sampled (seeded): the random tiny model's greedy tokens repeat at once.
             job.params.sampling = Sampling { temperature: 1.0, seed: 11, ..Sampling::default() };
             job.params.stop_token_ids = stop_token_ids;
             job.params.stop = StopStrings::new(stop);
-            work.send(Work::Job(job)).unwrap();
-            drop(work);
-            engine.run(&queue);
-            let mut text = String::new();
-            for event in events.iter() {
-                match event {
-                    Event::Text(part) => text.push_str(&part),
-                    Event::Done(done) => return (text, done),
-                    other => panic!("{other:?}"),
-                }
-            }
-            panic!("no end")
+            reply_of(engine, job, &events)
         };
         let (_, full) = text(&mut plain, Vec::new(), Vec::new());
         // A token whose first place is past the third, so that some text comes before it.
@@ -868,6 +856,23 @@ mod tests {
         assert_eq!(at_eos, whole);
     }
 
+    /// Runs `job` alone on `engine`: the text it sent and how it ended.
+    fn reply_of(engine: &mut Engine<'_, B>, job: Job, events: &Receiver<Event>) -> (String, Finished) {
+        let (work, queue) = mpsc::channel();
+        work.send(Work::Job(job)).unwrap();
+        drop(work);
+        engine.run(&queue);
+        let mut text = String::new();
+        for event in events.iter() {
+            match event {
+                Event::Text(part) => text.push_str(&part),
+                Event::Done(done) => return (text, done),
+                other => panic!("{other:?}"),
+            }
+        }
+        panic!("no end")
+    }
+
     /// A row's text, sent a piece at a time as it is decoded a token at a time, is what
     /// decoding its tokens all at once gives (the ending stop token left out), special tokens
     /// skipped or kept, up to where a stop string cuts it.
@@ -878,25 +883,13 @@ mod tests {
         let models = Mutex::default();
         let mut plain = engine(dir.path(), &tokenizer, &models);
         let mut run = |skip: bool, stop_token_ids: Vec<u32>, stop: Vec<String>| {
-            let (work, queue) = mpsc::channel();
             let (mut job, events) = job(vec![5, 9, 12, 30], 300);
             // Sampled (seeded): the random tiny model's greedy tokens repeat at once.
             job.params.sampling = Sampling { temperature: 1.0, seed: 5, ..Sampling::default() };
             job.params.skip_special_tokens = skip;
             job.params.stop_token_ids = stop_token_ids;
             job.params.stop = StopStrings::new(stop);
-            work.send(Work::Job(job)).unwrap();
-            drop(work);
-            plain.run(&queue);
-            let mut text = String::new();
-            for event in events.iter() {
-                match event {
-                    Event::Text(part) => text.push_str(&part),
-                    Event::Done(done) => return (text, done),
-                    other => panic!("{other:?}"),
-                }
-            }
-            panic!("no end")
+            reply_of(&mut plain, job, &events)
         };
         let special = *tokenizer.special();
         for skip in [true, false] {
