@@ -312,7 +312,7 @@ fn bench_times_the_projection_products() {
 fn an_interrupted_bench_leaves_no_checkpoint_behind() {
     for signal in ["-INT", "-TERM"] {
         let tmp = tempfile::tempdir().unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        let child = Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
             .args(["bench", "--preset", "tiny", "--prompt-len", "8", "--decode-tokens", "20000", "--decode-batch", "1", "--workloads", "decode"])
             .env("TMPDIR", tmp.path())
             .stdout(std::process::Stdio::null())

@@ -49,7 +49,7 @@ pub fn run(args: Args) -> Result<()> {
     if super::same_dir(&source, &args.out) {
         bail!("--out {} is the checkpoint being exported: choose another directory", args.out.display());
     }
-    if let Some(existing) = super::existing_model(&args.out).filter(|_| !args.force) {
+    if let Some(existing) = super::model_out::existing_model(&args.out).filter(|_| !args.force) {
         bail!("{} already holds a model ({existing}); pass --force to overwrite it", args.out.display());
     }
     let device = Default::default();

@@ -38,7 +38,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if let Some(existing) = super::existing_model(&args.out).filter(|_| !args.force) {
+    if let Some(existing) = super::model_out::existing_model(&args.out).filter(|_| !args.force) {
         bail!("{} already holds a checkpoint ({existing}); pass --force to overwrite it", args.out.display());
     }
     if args.preset.uses_tiny_tokenizer() && args.tokenizer.is_some() {

@@ -30,18 +30,6 @@ pub fn say(bar: &indicatif::ProgressBar, line: impl Into<String>) {
     }
 }
 
-/// What in `dir` shows that it already holds a model or adapter (a safetensors file, its shard
-/// index, or a `config.json`), so that writing there without `--force` is refused.
-pub fn existing_model(dir: &std::path::Path) -> Option<String> {
-    let entries = std::fs::read_dir(dir).ok()?;
-    let mut names: Vec<String> = entries
-        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
-        .filter(|name| name == "config.json" || name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json"))
-        .collect();
-    names.sort();
-    names.into_iter().next()
-}
-
 /// Whether `a` and `b` name the same existing directory.
 pub fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
     matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)

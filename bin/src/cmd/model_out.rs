@@ -10,27 +10,41 @@ use anyhow::{Context, Result};
 /// What a staging folder's name starts with.
 const STAGING_PREFIX: &str = ".staging-";
 
-/// Whether `name` is a file of a model or adapter directory: what a loader reads (its config,
-/// weights in safetensors or PyTorch's format, shards and their index, an adapter's config) and
-/// the tokenizer and chat template files.
-pub fn is_model_file(name: &str) -> bool {
-    matches!(
-        name,
-        "config.json"
-            | "adapter_config.json"
-            | "generation_config.json"
-            | "tokenizer.json"
-            | "tokenizer_config.json"
-            | "special_tokens_map.json"
-            | "added_tokens.json"
-            | "vocab.json"
-            | "merges.txt"
-            | "chat_template.jinja"
-            | "chat_template.json"
-    ) || name.ends_with(".safetensors")
+/// Whether `name` is a model's or adapter's own file, what a loader reads as the model: its
+/// config, weights in safetensors or PyTorch's format, shards and their index, an adapter's
+/// config.
+fn is_weights_or_config(name: &str) -> bool {
+    matches!(name, "config.json" | "adapter_config.json" | "adapter_model.bin")
+        || name.ends_with(".safetensors")
         || name.ends_with(".safetensors.index.json")
         || (name.starts_with("pytorch_model") && (name.ends_with(".bin") || name.ends_with(".bin.index.json")))
-        || name == "adapter_model.bin"
+}
+
+/// Whether `name` is a file of a model or adapter directory: its weights and config
+/// ([`is_weights_or_config`]) and the tokenizer, chat template and generation files beside them.
+pub fn is_model_file(name: &str) -> bool {
+    is_weights_or_config(name)
+        || matches!(
+            name,
+            "generation_config.json"
+                | "tokenizer.json"
+                | "tokenizer_config.json"
+                | "special_tokens_map.json"
+                | "added_tokens.json"
+                | "vocab.json"
+                | "merges.txt"
+                | "chat_template.jinja"
+                | "chat_template.json"
+        )
+}
+
+/// The first file in `dir` (by name) showing that it already holds a model or adapter, one that
+/// [`write_model_dir`] would replace, so that writing there without `--force` is refused. A
+/// directory with tokenizer files alone holds none.
+pub fn existing_model(dir: &Path) -> Option<String> {
+    let mut names: Vec<String> = file_names(dir).ok()?.into_iter().filter(|n| is_weights_or_config(n)).collect();
+    names.sort();
+    names.into_iter().next()
 }
 
 /// Makes `out` (and its parents) and has `write` fill a staging folder inside it; then moves the
@@ -122,5 +136,22 @@ mod tests {
         assert_eq!(names(&out), ["config.json", "model.safetensors", "notes.txt"]);
         assert_eq!(std::fs::read_to_string(out.join("config.json")).unwrap(), "new");
         assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "old");
+    }
+
+    /// Every file a new model would replace, other than tokenizer files, makes the directory one
+    /// that holds a model (PyTorch weights and adapter configs too).
+    #[test]
+    fn a_directory_holds_a_model_when_a_write_would_replace_its_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(existing_model(&dir.path().join("absent")), None);
+        std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
+        std::fs::write(dir.path().join("notes.txt"), "").unwrap();
+        assert_eq!(existing_model(dir.path()), None);
+        for name in ["pytorch_model.bin", "adapter_config.json", "model.safetensors"] {
+            let one = tempfile::tempdir().unwrap();
+            std::fs::write(one.path().join(name), "").unwrap();
+            assert_eq!(existing_model(one.path()).as_deref(), Some(name));
+            assert!(is_model_file(name));
+        }
     }
 }
