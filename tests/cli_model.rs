@@ -313,7 +313,7 @@ fn an_interrupted_bench_leaves_no_checkpoint_behind() {
     for signal in ["-INT", "-TERM"] {
         let tmp = tempfile::tempdir().unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
-            .args(["bench", "--preset", "tiny", "--prompt-len", "8", "--decode-tokens", "20000", "--decode-batch", "1", "--workloads", "decode"])
+            .args(["bench", "--preset", "tiny", "--prompt-len", "8", "--decode-tokens", "8000", "--decode-batch", "1", "--workloads", "decode"])
             .env("TMPDIR", tmp.path())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
@@ -667,6 +667,17 @@ fn bench_reports_every_workload_and_rejects_short_prompts() {
     let out = prompt_r1(&["bench", "--model", &model, "--prompt-len", "4"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--prompt-len must be at least 8"));
+    // Decoding past the model's context is refused before any workload (the tiny model holds
+    // 8,192 positions), as is an attention of no positions.
+    for (args, expected) in [
+        (&["--decode-tokens", "8190"][..], "--decode-tokens 8190 take 8206 positions, past the model's context of 8192"),
+        (&["--decode-context", "100000000000"][..], "--decode-context 100000000000 and --decode-tokens"),
+        (&["--attention", "--attention-lens", "0"][..], "--attention-lens must be at least 1"),
+    ] {
+        let out = prompt_r1(&[&["bench", "--model", &model, "--prompt-len", "8"][..], args].concat());
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains(expected), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
 }
 
 /// `bench --rollout` on a tiny model: four episodes in flight, two decoding at once

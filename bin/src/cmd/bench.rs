@@ -306,11 +306,26 @@ impl OnBackend for Args {
             }
         };
         let context = Qwen3Config::from_file(&dir.join("config.json"))?.max_position_embeddings;
-        let longest = (self.prompt_len + self.decode_tokens).max(self.seq_len.unwrap_or(0));
-        if longest > context && !self.rollout && !self.attention {
-            eprintln!(
-                "note: {longest} positions pass the model's context of {context} tokens (max_position_embeddings): the timings hold, the outputs mean nothing there"
+        let (prompt_flag, prompt) = if self.prompt_len >= self.decode_context {
+            ("--prompt-len", self.prompt_len)
+        } else {
+            ("--decode-context", self.decode_context)
+        };
+        let decoded = prompt.saturating_add(self.decode_tokens);
+        if decoded > context && !self.rollout && !self.attention && !self.train_step_only {
+            anyhow::bail!(
+                "{prompt_flag} {prompt} and --decode-tokens {} take {decoded} positions, past the model's context of {context} tokens (max_position_embeddings): lower them",
+                self.decode_tokens
             );
+        }
+        let trained = self.seq_len.unwrap_or(self.prompt_len);
+        if self.train_step && trained > context {
+            eprintln!(
+                "note: the training step's {trained} positions pass the model's context of {context} tokens (max_position_embeddings): the timings hold, the outputs mean nothing there"
+            );
+        }
+        if self.attention && self.attention_lens.contains(&0) {
+            anyhow::bail!("--attention-lens must be at least 1 each");
         }
         let mut figures = Vec::new();
         if self.rollout {

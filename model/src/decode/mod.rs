@@ -237,6 +237,7 @@ impl<B: Backend> Decoder<B> {
             return Err(ModelError::Input(format!("sequence {id} is empty")));
         }
         model.base().check_token_ids(&tokens)?;
+        check_fits_the_context(model, id, tokens.len())?;
         let sequence = Sequence {
             tokens,
             cached: 0,
@@ -263,6 +264,7 @@ impl<B: Backend> Decoder<B> {
         if sequence.tokens.len() + tokens.len() == sequence.cached {
             return Err(ModelError::Input(format!("sequence {id} has no new token to decode from")));
         }
+        check_fits_the_context(model, id, sequence.tokens.len() + tokens.len())?;
         sequence.tokens.extend_from_slice(tokens);
         sequence.place = Place::Queued;
         sequence.queued_at = steps;
@@ -419,6 +421,7 @@ impl<B: Backend> Decoder<B> {
                     "sequence {id} has no next token: accept, park or finish each sequence after a step"
                 )));
             }
+            check_fits_the_context(model, *id, s.tokens.len())?;
         }
         self.make_room_to_decode()?;
         let blocks_before = self.pool.total;
@@ -454,6 +457,18 @@ impl<B: Backend> Decoder<B> {
         }
         Ok(out)
     }
+}
+
+/// Refuses a sequence of `len` tokens longer than `model`'s context (`max_position_embeddings`):
+/// its positions past the context would have no meaning to the model.
+fn check_fits_the_context<B: Backend>(model: &impl CausalLm<B>, id: SequenceId, len: usize) -> Result<(), ModelError> {
+    let context = model.base().config.max_position_embeddings;
+    if len > context {
+        return Err(ModelError::Input(format!(
+            "sequence {id} would hold {len} tokens, past the model's context of {context} tokens (max_position_embeddings)"
+        )));
+    }
+    Ok(())
 }
 
 fn unknown(id: SequenceId) -> ModelError {

@@ -15,7 +15,7 @@ use burn::tensor::backend::Backend;
 use env::{Agent, AgentContext, AgentError, EnvironmentTokens, TurnEnd, TurnText};
 use model::generation::row_seed;
 use model::tokenizer::Qwen3Tokenizer;
-use model::{choose_row_tokens, Decoder, DecoderLimits, DecoderStats, LoraAdapters, LoraModel, ModelError, Qwen3ForCausalLM, RowSampling, Sampling, SequenceId};
+use model::{choose_row_tokens, CausalLm, Decoder, DecoderLimits, DecoderStats, LoraAdapters, LoraModel, ModelError, Qwen3ForCausalLM, RowSampling, Sampling, SequenceId};
 use rand::{rngs::StdRng, SeedableRng};
 
 /// A local checkpoint acting as the Prompt-R1 agent (with LoRA adapters, if given).
@@ -165,6 +165,21 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
         super::turn_seed(self.sampling.seed, self.batch_stream, episode, turn)
     }
 
+    /// How many tokens episode `ctx` may still sample before its context fills the model's
+    /// (`max_position_embeddings`); an episode with no room left is refused, so that no position
+    /// past the context is ever decoded.
+    fn room_in_context(&self, ctx: &AgentContext) -> Result<usize, AgentError> {
+        let context = self.model.base().config.max_position_embeddings;
+        let held = ctx.trace().len();
+        if held >= context {
+            let what = if ctx.exchanges().is_empty() { "its first prompt" } else { "its context" };
+            return Err(AgentError::Model(format!(
+                "the episode leaves the agent no room to answer: {what} holds {held} tokens, the model's context is {context} (max_position_embeddings)"
+            )));
+        }
+        Ok(context - held)
+    }
+
     /// Puts episode `ctx`'s sequence in line for its next turn: a new sequence of its whole
     /// context, or its kept sequence extended by the tokens recorded since.
     fn queue_turn(&mut self, ctx: &AgentContext) -> Result<(), ModelError> {
@@ -283,12 +298,13 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
                     self.ended.push((ctx.index(), Ok(empty)));
                     return Ok(());
                 }
+                let room = self.room_in_context(ctx)?;
                 self.queue_turn(ctx).map_err(|e| AgentError::Model(e.to_string()))?;
                 let row = TurnRow {
                     // As `prompt-r1 serve` seeds a request's row from its `seed`, so that a
                     // server given the turn's seed samples what this agent samples.
                     rng: StdRng::seed_from_u64(row_seed(self.turn_seed(ctx.index(), turn), 0)),
-                    budget: ctx.turn_budget(),
+                    budget: ctx.turn_budget().min(room),
                     generated: 0,
                     start: ctx.trace().len(),
                 };

@@ -314,3 +314,38 @@ fn episodes_waiting_on_the_environment_keep_their_caches_beyond_the_rows() {
     let plan = model::qwen3::grown_capacity(in_flight * blocks(longest) + model::qwen3::BLOCK_SIZE);
     assert!(peak <= plan, "peak {peak} positions, past the plan's bound {plan}");
 }
+
+/// No episode decodes a position past the model's context (`max_position_embeddings`): a turn
+/// ends when the context is full, and a first prompt that fills it alone fails its episode with
+/// the reason, leaving the other episodes as they were.
+#[test]
+fn episodes_stay_within_the_models_context() {
+    let tokenizer = train_tiny_tokenizer(TINY_VOCAB_SIZE).unwrap();
+    let texts = PromptTexts::default();
+    let short = "What is 2 + 2?";
+    let long = "Which river runs through the capital of France, and how long is it, and who named it?";
+    let prompt_len = |q: &str| tokenizer.encode(&texts.first_prompt(q).chatml()).unwrap().len();
+    let context = prompt_len(short) + 10;
+    assert!(prompt_len(long) >= context, "the long question fills the context alone");
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = Preset::Tiny.config(tokenizer.vocab_size(), vec![tokenizer.special().im_end]);
+    config.max_position_embeddings = context;
+    write_random_checkpoint(&config, dir.path(), 5, StorageDtype::F32).unwrap();
+    let model = load_pretrained::<Flex>(dir.path(), &Default::default(), LoadOptions::default()).unwrap();
+
+    struct Echo;
+    impl env::Environment for Echo {
+        fn complete(&self, _: &[env::ChatMessage]) -> Result<String, env::EnvError> {
+            Ok("echo".into())
+        }
+    }
+    let episode = env::EpisodeConfig { max_turn_tokens: 24, max_response_tokens: 100, ..env::EpisodeConfig::training() };
+    let mut agent = LocalAgent::new(&model, &tokenizer, Sampling { temperature: 1.0, seed: 3, ..Default::default() });
+    let runs = env::run_episodes(&mut agent, &Echo, &[short, long], &episode);
+    assert!(runs[0].error.is_none(), "{:?}", runs[0].error);
+    assert!(runs[0].token_ids.len() <= context, "{} tokens past a context of {context}", runs[0].token_ids.len());
+    assert_eq!(runs[0].loss_mask.iter().filter(|&&m| m == 1).count(), 10, "the turn filled the context");
+    assert_eq!(runs[1].stop_reason, env::StopReason::AgentFailure);
+    let why = runs[1].error.as_deref().unwrap_or_default();
+    assert!(why.contains("no room") && why.contains(&format!("context is {context}")), "{why}");
+}
