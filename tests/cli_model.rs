@@ -289,6 +289,34 @@ fn demo_reward_rises_through_the_whole_loop() {
     assert!(stdout.contains("stop reason"), "infer printed its episode: {stdout}");
 }
 
+/// `demo` replaces only what a demo wrote: an `--out` holding a real run's `train/` is refused
+/// (with `--force` as the way out), and flag values its later stages would refuse are refused
+/// before any stage, by name.
+#[test]
+fn demo_refuses_what_it_did_not_write_and_bad_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let checkpoint = tmp.path().join("train/checkpoints/step-0000100/model.safetensors");
+    std::fs::create_dir_all(checkpoint.parent().unwrap()).unwrap();
+    std::fs::write(&checkpoint, "precious").unwrap();
+    let out = prompt_r1(&["demo", "--out", tmp.path().to_str().unwrap(), "--steps", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("already holds train that no demo wrote") && stderr.contains("--force"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&checkpoint).unwrap(), "precious");
+    for (flag, value, expected) in [
+        ("--temperature", "nan", "--temperature must be a finite number"),
+        ("--lr", "0", "--lr must be a finite number above 0"),
+        ("--batch-size", "0", "--batch-size and --n must be at least 1"),
+    ] {
+        let empty = tempfile::tempdir().unwrap();
+        let out = prompt_r1(&["demo", "--out", empty.path().to_str().unwrap(), flag, value]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flag}: {stderr}");
+        assert!(stderr.contains(expected), "{flag}: {stderr}");
+        assert_eq!(std::fs::read_dir(empty.path()).unwrap().count(), 0, "{flag}: nothing written");
+    }
+}
+
 /// `--products` adds each projection shape at both precisions, with a GFLOP/s rate.
 #[test]
 fn bench_times_the_projection_products() {

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use env::{OpenAiClient, ENV_SYSTEM_MESSAGE};
+use model::checkpoint::write_atomic;
 use trainer::run::{Resume, StepRecord, TrainConfig};
 use trainer::sft::SftConfig;
 
@@ -80,6 +81,62 @@ pub struct Args {
     /// Compute device: cpu, cuda, cuda:N or wgpu.
     #[arg(long, default_value = "cpu")]
     pub device: DeviceChoice,
+    /// Replace the demo's folders and files in --out (agent/, train/, ...) even where no demo
+    /// wrote them. A demo's own --out is replaced without it.
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// What the demo writes in `--out`: a new demo replaces each of them.
+const WRITTEN: [&str; 12] = [
+    "agent",
+    "environment-llm",
+    "environment-sft",
+    "agent-sft",
+    "train",
+    "train.jsonl",
+    "held-out.jsonl",
+    "facts.jsonl",
+    "system.txt",
+    "instruction.txt",
+    "demos.jsonl",
+    "serve.log",
+];
+/// The file marking a folder as a demo's `--out`, whose contents a new demo may replace.
+const MARKER: &str = ".prompt-r1-demo";
+
+/// Refuses an `--out` holding folders or files of the demo's names that no demo wrote (a real
+/// run's `train/`, a model in `agent/`), unless `force`.
+fn check_out_is_the_demos(out: &Path, force: bool) -> Result<()> {
+    if force || out.join(MARKER).is_file() {
+        return Ok(());
+    }
+    let taken: Vec<&str> = WRITTEN.iter().copied().filter(|name| out.join(name).exists()).collect();
+    if !taken.is_empty() {
+        bail!(
+            "{} already holds {} that no demo wrote, and the demo would replace: choose another --out, or pass --force to replace them",
+            out.display(),
+            taken.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Refuses flag values the demo's stages would refuse only later, naming the flag.
+fn check_flags(args: &Args) -> Result<()> {
+    if args.steps == 0 || args.env_sft_steps == 0 || args.agent_sft_steps == 0 {
+        bail!("--steps, --env-sft-steps and --agent-sft-steps must be at least 1");
+    }
+    if args.batch_size == 0 || args.n == 0 {
+        bail!("--batch-size and --n must be at least 1");
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bail!("--temperature must be a finite number of at least 0 (got {})", args.temperature);
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        bail!("--lr must be a finite number above 0 (got {})", args.lr);
+    }
+    Ok(())
 }
 
 /// Kills the environment server when the demo ends, however it ends.
@@ -104,19 +161,19 @@ impl Layout {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    if args.steps == 0 || args.env_sft_steps == 0 || args.agent_sft_steps == 0 {
-        bail!("--steps, --env-sft-steps and --agent-sft-steps must be at least 1");
-    }
+    check_flags(&args)?;
     let started = Instant::now();
     let exe = std::env::current_exe().context("locating the prompt-r1 binary")?;
+    check_out_is_the_demos(&args.out, args.force)?;
     super::create_dir(&args.out)?;
     let layout = Layout {
         out: args.out.canonicalize()?,
     };
+    model::checkpoint::write_atomic(&layout.path(MARKER), b"written by prompt-r1 demo: a new demo replaces what it wrote here\n")?;
     // Every stage starts afresh: a demo is a reproducible run of its seed.
-    for dir in ["agent", "environment-llm", "environment-sft", "agent-sft", "train"] {
-        let path = layout.path(dir);
-        if path.exists() {
+    for name in WRITTEN {
+        let path = layout.path(name);
+        if path.is_dir() {
             std::fs::remove_dir_all(&path).with_context(|| format!("clearing {}", path.display()))?;
         }
     }
@@ -263,8 +320,8 @@ fn write_data(layout: &Layout) -> Result<(Vec<serde_json::Value>, serde_json::Va
         QUESTIONS.lines().map(serde_json::from_str).collect::<Result<_, _>>().context("the bundled questions")?;
     let split = rows.len() - HELD_OUT;
     let lines = |rows: &[serde_json::Value]| rows.iter().map(|r| format!("{r}\n")).collect::<String>();
-    std::fs::write(layout.path("train.jsonl"), lines(&rows[..split]))?;
-    std::fs::write(layout.path("held-out.jsonl"), lines(&rows[split..]))?;
+    write_atomic(&layout.path("train.jsonl"), lines(&rows[..split]).as_bytes())?;
+    write_atomic(&layout.path("held-out.jsonl"), lines(&rows[split..]).as_bytes())?;
     let facts: String = rows
         .iter()
         .map(|r| {
@@ -276,9 +333,9 @@ fn write_data(layout: &Layout) -> Result<(Vec<serde_json::Value>, serde_json::Va
             format!("{chat}\n")
         })
         .collect();
-    std::fs::write(layout.path("facts.jsonl"), facts)?;
-    std::fs::write(layout.path("system.txt"), SYSTEM)?;
-    std::fs::write(layout.path("instruction.txt"), INSTRUCTION)?;
+    write_atomic(&layout.path("facts.jsonl"), facts.as_bytes())?;
+    write_atomic(&layout.path("system.txt"), SYSTEM.as_bytes())?;
+    write_atomic(&layout.path("instruction.txt"), INSTRUCTION.as_bytes())?;
     Ok((rows[..split].to_vec(), rows[split].clone()))
 }
 
@@ -334,14 +391,14 @@ fn demonstrate(layout: &Layout, config: &TrainConfig, rows: &[serde_json::Value]
     let episode = config.episode.episode_config()?;
     let episodes = env::run_episodes(&mut Teacher { script: script.clone() }, &client, &asked, &episode);
     let path = layout.path("demos.jsonl");
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&path)?);
+    let mut lines = Vec::new();
     for e in &episodes {
         if let Some(error) = e.error.as_deref() {
             bail!("a demonstration failed: {error}");
         }
-        writeln!(file, "{}", serde_json::to_string(e)?)?;
+        writeln!(lines, "{}", serde_json::to_string(e)?)?;
     }
-    file.flush()?;
+    write_atomic(&path, &lines)?;
     let imperfect = script.iter().filter(|k| **k != Demonstration::Good).count();
     eprintln!(
         "{} demonstrations ({} good, {imperfect} deliberately imperfect) in {}",
