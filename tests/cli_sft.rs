@@ -235,3 +235,31 @@ fn a_bad_row_is_named_by_file_and_line() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert!(!tmp.path().join("run/metrics.jsonl").exists());
 }
+
+/// `export` of LoRA adapters refuses a base model other than the one they were trained on, as
+/// the checkpoint records it: another model passed with `--base`, or the base replaced in place.
+#[test]
+fn export_refuses_adapters_onto_another_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = setup(tmp.path());
+    let text = std::fs::read_to_string(&config).unwrap().replace("steps = 4", "steps = 2");
+    std::fs::write(&config, format!("{text}[lora]\nrank = 2\nalpha = 4\n")).unwrap();
+    ok(&["sft", "--config", &config]);
+    let (run, path) = (tmp.path().join("run"), |name: &str| tmp.path().join(name).to_str().unwrap().to_owned());
+    ok(&["export", run.to_str().unwrap(), "--out", &path("merged"), "--merge"]);
+
+    ok(&["init-model", "--preset", "tiny", "--seed", "9", "--out", &path("other")]);
+    let out = prompt_r1(&["export", run.to_str().unwrap(), "--out", &path("onto-other"), "--merge", "--base", &path("other")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("is not the base model") && stderr.contains("pass that model with --base"), "{stderr}");
+
+    ok(&["init-model", "--preset", "tiny", "--seed", "9", "--out", &path("tiny"), "--force"]);
+    for extra in [&["--merge"][..], &[][..]] {
+        let out = prompt_r1(&[&["export", run.to_str().unwrap(), "--out", &path("onto-changed")][..], extra].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {stderr}");
+        assert!(stderr.contains("changed since"), "{extra:?}: {stderr}");
+    }
+    assert!(!tmp.path().join("onto-changed").exists() && !tmp.path().join("onto-other").exists());
+}

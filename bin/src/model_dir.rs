@@ -116,6 +116,16 @@ pub enum FileDtype {
     Bf16,
 }
 
+impl std::fmt::Display for FileDtype {
+    /// As the flag takes it: `f32`, `bf16`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            FileDtype::F32 => "f32",
+            FileDtype::Bf16 => "bf16",
+        })
+    }
+}
+
 impl From<FileDtype> for StorageDtype {
     fn from(dtype: FileDtype) -> Self {
         match dtype {

@@ -68,6 +68,7 @@ pub fn run(args: Args) -> Result<()> {
         if super::same_dir(&base, &args.out) {
             bail!("--out {} is the base model of {}: choose another directory", args.out.display(), source.display());
         }
+        check_trained_base(&source, &base)?;
         let base_model = load_pretrained::<Flex>(&base, &device, LoadOptions::default())
             .with_context(|| format!("loading the base model {}", base.display()))?;
         let (adapters, _) = load_adapter::<Flex>(&source, &base_model.config, &device)
@@ -77,7 +78,7 @@ pub fn run(args: Args) -> Result<()> {
                 save_pretrained(&merge_adapters(base_model, &adapters), dir, args.dtype.into())?;
                 copy_tokenizer(&[&source, &base], dir)
             })?;
-            eprintln!("merged {} into {} and exported it to {} ({:?})", source.display(), base.display(), args.out.display(), args.dtype);
+            eprintln!("merged {} into {} and exported it to {} ({})", source.display(), base.display(), args.out.display(), args.dtype);
         } else {
             let base = std::path::absolute(&base).unwrap_or(base);
             write_model_dir(&args.out, |dir| {
@@ -97,8 +98,36 @@ pub fn run(args: Args) -> Result<()> {
         save_pretrained(&model, dir, args.dtype.into())?;
         copy_tokenizer(&[&source], dir)
     })?;
-    eprintln!("exported {} to {} ({:?})", source.display(), args.out.display(), args.dtype);
+    eprintln!("exported {} to {} ({})", source.display(), args.out.display(), args.dtype);
     Ok(())
+}
+
+/// Refuses `base` for the adapters of checkpoint `source` when the checkpoint records another
+/// base model (config or weights that differ): the adapters would be merged into, or exported
+/// for, weights they were not trained on.
+fn check_trained_base(source: &Path, base: &Path) -> Result<()> {
+    let Some(recorded) = trainer::run::recorded_base_model(source)? else {
+        return Ok(());
+    };
+    let Some(now) = trainer::run::BaseModel::of(base) else {
+        return Ok(());
+    };
+    if now.fingerprint == recorded.fingerprint {
+        return Ok(());
+    }
+    if now.path == recorded.path {
+        bail!(
+            "{} changed since {} was trained on it (its config.json or weights differ from those recorded): the adapters would go onto other weights",
+            base.display(),
+            source.display()
+        );
+    }
+    bail!(
+        "{} is not the base model {} was trained on ({}; the config.json or weights differ): pass that model with --base",
+        base.display(),
+        source.display(),
+        recorded.path
+    );
 }
 
 /// Copies each tokenizer file from the first of `sources` that has it, with a note when none
@@ -124,6 +153,9 @@ fn copy_tokenizer(sources: &[&Path], out: &Path) -> Result<()> {
 /// A checkpoint directory as given (a model or a LoRA adapter), or the newest checkpoint of a
 /// run directory.
 fn resolve(path: &Path) -> Result<PathBuf> {
+    if !path.exists() {
+        bail!("{} does not exist: name a checkpoint or a run directory", path.display());
+    }
     if path.join("config.json").is_file() || is_adapter_dir(path) {
         return Ok(path.to_path_buf());
     }

@@ -16,7 +16,7 @@ const SLICE_BYTES: u64 = 1024;
 /// files' names, sizes and evenly spaced slices of their bytes. A copy of the same model
 /// elsewhere (links followed) has the same fingerprint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct BaseModel {
+pub struct BaseModel {
     /// The directory, absolute and with links resolved.
     pub path: String,
     /// FNV-1a (64-bit, hex) over `config.json` and the weight files.
@@ -46,6 +46,14 @@ impl BaseModel {
             fingerprint: format!("{:016x}", hash.0),
         })
     }
+}
+
+/// The FNV-1a fingerprint (hex) of `bytes`, as [`BaseModel`]'s: for a text an output depends on
+/// (a prompt file), recorded to tell whether it changed.
+pub fn fingerprint_of(bytes: &[u8]) -> String {
+    let mut hash = Fnv1a::default();
+    hash.write(bytes);
+    format!("{:016x}", hash.0)
 }
 
 /// Adds the size of the file at `path` (links followed) and [`SLICES`] evenly spaced slices of

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 
+use super::base_model::BaseModel;
 use super::error::TrainError;
 use super::learner::Learner;
 
@@ -30,7 +31,7 @@ pub(crate) struct TrainerState {
     pub seed: u64,
     /// The model the run trains from (absent in checkpoints written before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base_model: Option<super::base_model::BaseModel>,
+    pub base_model: Option<BaseModel>,
 }
 
 /// The newest complete checkpoint of a run, if any: the folder `checkpoints/latest` names. That
@@ -335,6 +336,15 @@ pub(crate) fn read_state(dir: &Path) -> Result<TrainerState, TrainError> {
         path: path.clone(),
         reason: e.to_string(),
     })
+}
+
+/// The base model checkpoint `dir` records it was trained from: `None` for a folder without a
+/// trainer state (an exported model) or a checkpoint written before the base was recorded.
+pub fn recorded_base_model(dir: &Path) -> Result<Option<BaseModel>, TrainError> {
+    if !dir.join(STATE_FILE).is_file() {
+        return Ok(None);
+    }
+    Ok(read_state(dir)?.base_model)
 }
 
 #[cfg(test)]
