@@ -502,7 +502,10 @@ fn eval_writes_predictions_and_metrics_then_resumes() {
     // With nothing left to answer, a run with other settings only scores again.
     let mut reseeded = args.clone();
     reseeded.extend(["--seed", "1"]);
-    assert!(ok(&reseeded).contains("0 answered now, 3 from earlier runs"));
+    let output = run(&reseeded);
+    assert!(output.status.success() && text(&output.stdout).contains("0 answered now, 3 from earlier runs"));
+    let note = text(&output.stderr);
+    assert!(note.contains("nothing is left to answer") && note.contains("--seed 0 (now 1)"), "{note}");
     // An example whose answers changed in the data is answered again; but not with another agent
     // seed, another setup, whose answers would join these.
     std::fs::write(&data, std::fs::read_to_string(&data).unwrap().replace(r#"["Paris"]"#, r#"["4"]"#)).unwrap();

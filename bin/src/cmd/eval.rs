@@ -31,8 +31,8 @@ use predictions::{key_of, PredictionsFile, Row};
 /// appended to OUT/predictions.jsonl as one line {"id", "data_source", "question", "prediction",
 /// "answers", "mode", "stop_reason", "failed", "error", "trajectory"} as soon as it is done. Run the same command again to resume: rows
 /// already in the file are not redone (failed ones are, and those of edited examples); a resume
-/// with another agent, sampling, episode limits or large LLM is refused (OUT/eval_setup.json
-/// records them). The end prints
+/// with another agent (its folder, or the weights in it), sampling, episode limits, prompt
+/// texts or large LLM is refused (OUT/eval_setup.json records them). The end prints
 /// EM, SM, F1 (and SSim with --ssim-model) ×100 per data source and their mean, also written to
 /// OUT/metrics.json, and laid out like the paper's Tables 1 and 2 (each data set with the
 /// paper's two metrics, in its order, its Average lines, the published GPT-4o-mini and
@@ -127,9 +127,25 @@ pub fn run(mut args: Args) -> Result<()> {
         .iter()
         .filter(|e| done.get(&key_of(e)).is_none_or(|row| !row.answers_for(e)))
         .collect();
-    if !todo.is_empty() {
-        setup::check_or_record(&args.out, &setup::setup_of(&args), done.values().any(Row::is_final))?;
-    }
+    let given = setup::setup_of(&args);
+    let setup = if todo.is_empty() {
+        match setup::recorded(&args.out)? {
+            Some(earlier) => {
+                let differences = setup::differences(&earlier, &given);
+                if !differences.is_empty() {
+                    eprintln!(
+                        "note: nothing is left to answer, so these flags change nothing; the answers were made with {}",
+                        differences.join(", ")
+                    );
+                }
+                earlier
+            }
+            None => given,
+        }
+    } else {
+        setup::check_or_record(&args.out, &given, done.values().any(Row::is_final))?;
+        given
+    };
     if mode.uses_env() && !todo.is_empty() && !fresh_out {
         args.env.probe(&format!("--mode {}", mode.name()))?;
     }
@@ -182,7 +198,7 @@ pub fn run(mut args: Args) -> Result<()> {
     model::checkpoint::write_atomic(&metrics_path, text.as_bytes())
         .with_context(|| format!("cannot write {}", metrics_path.display()))?;
 
-    let paper = paper::PaperSpec::reference()?.table(&report, &run_label(&args));
+    let paper = paper::PaperSpec::reference()?.table(&report, &setup::run_label(&setup));
     let paper_md = args.out.join("paper_table.md");
     let paper_json = args.out.join("paper_table.json");
     model::checkpoint::write_atomic(&paper_md, paper.markdown().as_bytes())
@@ -228,14 +244,6 @@ pub fn run(mut args: Args) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The name of this run's row in the paper table: the mode and the large LLM, if one is used.
-fn run_label(args: &Args) -> String {
-    match (&args.env.env_model, args.mode.uses_env()) {
-        (Some(model), true) => format!("this run ({}, {model})", args.mode.name()),
-        _ => format!("this run ({})", args.mode.name()),
-    }
 }
 
 /// Loads the files in order, at most `limit` examples from each, dropping repeated keys.
