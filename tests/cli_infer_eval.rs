@@ -482,6 +482,10 @@ fn eval_writes_predictions_and_metrics_then_resumes() {
         format!("{first_line}\n{{\"id\": \"b\", \"data_so"),
     )
     .unwrap();
+    // `metrics` leaves the unfinished line out too, with a note.
+    let output = run(&["metrics", "--predictions", out.join("predictions.jsonl").to_str().unwrap(), "--json"]);
+    assert!(output.status.success() && text(&output.stderr).contains("incomplete line"), "{}", text(&output.stderr));
+    assert_eq!(serde_json::from_str::<Value>(&text(&output.stdout)).unwrap()["overall"]["n"], 1);
     let stdout = ok(&args);
     assert!(
         stdout.contains("2 answered now, 1 from earlier runs"),
@@ -518,6 +522,13 @@ fn eval_writes_predictions_and_metrics_then_resumes() {
     // Without a terminal, progress goes to stderr as lines.
     assert!(text(&output.stderr).contains("eval agent: 3/3 questions, 0 failed this run"), "{}", text(&output.stderr));
     assert_eq!(metrics(&out)["overall"]["em"], 100.0);
+
+    // While another eval holds the directory (its lock), a second one is refused.
+    let held = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(out.join(".lock")).unwrap();
+    held.try_lock().unwrap();
+    let output = run(&args);
+    assert!(!output.status.success() && text(&output.stderr).contains("another run is writing"), "{}", text(&output.stderr));
+    drop(held);
 
     // Another mode does not write into the same directory.
     let output = run(&with(

@@ -113,6 +113,8 @@ pub fn run(mut args: Args) -> Result<()> {
         args.env.probe(&format!("--mode {}", mode.name()))?;
     }
     super::create_dir(&args.out)?;
+    // Two evals answering into one --out would both answer every question.
+    let _lock = trainer::run::lock_dir(&args.out, "--out")?;
     let predictions_path = args.out.join("predictions.jsonl");
     let (mut file, done) = PredictionsFile::open(&predictions_path)?;
     if let Some(other) = done.values().find(|row| row.mode != mode) {

@@ -1,7 +1,5 @@
 //! `prompt-r1 metrics`: EM, SM, F1 and optionally SSim of a predictions file, per data source.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
@@ -95,17 +93,22 @@ fn prediction(row: &PredictionRow) -> &str {
     row.prediction.as_deref().unwrap_or("")
 }
 
-/// Reads every non-blank line; a malformed line is an error naming the file and line.
+/// Reads every non-blank line; a malformed line is an error naming the file and line, except an
+/// unfinished last one (no newline after it: an interrupted eval's), dropped with a note as
+/// `eval` drops it.
 fn read_predictions(path: &Path) -> Result<Vec<PredictionRow>> {
-    let file = File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let unfinished = (!text.ends_with('\n')).then(|| text.lines().count());
     let mut rows = Vec::new();
-    for (index, line) in BufReader::new(file).lines().enumerate() {
-        let line =
-            line.with_context(|| format!("{}: line {}: cannot read", path.display(), index + 1))?;
+    for (index, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let row: PredictionRow = serde_json::from_str(&line).with_context(|| {
+        if unfinished == Some(index + 1) && serde_json::from_str::<PredictionRow>(line).is_err() {
+            eprintln!("note: {} ends with an incomplete line (an interrupted run); leaving it out", path.display());
+            continue;
+        }
+        let row: PredictionRow = serde_json::from_str(line).with_context(|| {
             format!(
                 "{}: line {}: expected {{\"data_source\": string, \"prediction\": string, \"answers\": [string]}}",
                 path.display(),

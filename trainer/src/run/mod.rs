@@ -28,7 +28,7 @@ pub use memory::{
 };
 pub use metrics_log::{read_metrics, StepRecord, METRICS_FILE};
 pub use reward::{EpisodeScore, EpisodeScorer, PromptR1Scorer};
-pub use session::{run_to_end, Resume, RunSession, SteppedRun, LOCK_FILE};
+pub use session::{lock_dir, run_to_end, Resume, RunSession, SteppedRun, LOCK_FILE};
 pub use dynamic_sampling::groups_without_signal;
 pub use trainer::Trainer;
 pub use validation::{SourceValidation, ValidationReport};

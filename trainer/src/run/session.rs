@@ -101,7 +101,7 @@ impl RunSession {
     pub(crate) fn open(settings: SessionSettings<'_>, resume: Resume) -> Result<Self, TrainError> {
         let dir = settings.out_dir.to_path_buf();
         std::fs::create_dir_all(&dir).map_err(|source| TrainError::Invalid(format!("cannot make the run directory {} (run.out_dir): {source}", dir.display())))?;
-        let lock = lock_run_dir(&dir)?;
+        let lock = lock_dir(&dir, "run.out_dir")?;
         let mut session = Self {
             dir,
             initial: settings.initial.to_path_buf(),
@@ -406,9 +406,11 @@ fn keep_earlier_config(path: &Path, next: &[u8], step: u64) -> Result<Option<Pat
     Ok(Some(kept))
 }
 
-/// Opens and locks `dir`'s [`LOCK_FILE`] (the lock goes with the process). On a file system
-/// that takes no locks (some network and cluster mounts) the run goes on unlocked, with a note.
-fn lock_run_dir(dir: &Path) -> Result<std::fs::File, TrainError> {
+/// Opens and locks `dir`'s [`LOCK_FILE`] for as long as the returned file lives (the lock goes
+/// with the process), so that two runs never write to `dir` at once; the refusal names `key`,
+/// the setting that chose `dir`. On a file system that takes no locks (some network and cluster
+/// mounts) the run goes on unlocked, with a note.
+pub fn lock_dir(dir: &Path, key: &str) -> Result<std::fs::File, TrainError> {
     let path = dir.join(LOCK_FILE);
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -419,7 +421,7 @@ fn lock_run_dir(dir: &Path) -> Result<std::fs::File, TrainError> {
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => Err(TrainError::Invalid(format!(
-            "another run is writing to {} (it holds {} locked): wait for it to end, or choose another run.out_dir",
+            "another run is writing to {} (it holds {} locked): wait for it to end, or choose another {key}",
             dir.display(),
             path.display()
         ))),
