@@ -218,23 +218,31 @@ pub(crate) fn append_line<R: Serialize>(run_dir: &Path, record: &R) -> Result<()
 /// Reads `metrics.jsonl`; a malformed line is an error naming its number, and an incomplete
 /// last line is dropped (see `read_lines`).
 pub fn read_metrics(run_dir: &Path) -> Result<Vec<StepRecord>, TrainError> {
-    read_lines(run_dir)
+    read_lines(run_dir, &["critic/score/mean"])
 }
 
-/// Reads `metrics.jsonl` as records of type `R`; a malformed line is an error naming its number.
-/// Every record is written as one line ending in a newline, so a last line without one was cut
-/// short by an interrupted write (a crash, a full disk): it is dropped with a note, as `eval`
-/// does with `predictions.jsonl`, and a resumed run's [`truncate_after`] rewrites the file
-/// without it.
-pub(crate) fn read_lines<R: DeserializeOwned>(run_dir: &Path) -> Result<Vec<R>, TrainError> {
+/// Reads `metrics.jsonl` as records of type `R`; a malformed line is an error naming its number,
+/// as is a line without the step key, or a training step's line (step 1 on; step 0 holds only
+/// the validation before training) without one of the `required` keys: a line of another kind
+/// would otherwise read as zeros. Every record is written as one line ending in a newline, so a
+/// last line without one was cut short by an interrupted write (a crash, a full disk): it is
+/// dropped with a note, as `eval` does with `predictions.jsonl`, and a resumed run's
+/// [`truncate_after`] rewrites the file without it.
+pub(crate) fn read_lines<R: DeserializeOwned>(run_dir: &Path, required: &[&str]) -> Result<Vec<R>, TrainError> {
     let path = run_dir.join(METRICS_FILE);
+    let malformed = |number: usize, reason: String| TrainError::Config { path: path.clone(), reason: format!("line {number}: {reason}") };
     complete_lines(&path)?
         .into_iter()
         .map(|(number, line)| {
-            serde_json::from_str(&line).map_err(|e| TrainError::Config {
-                path: path.clone(),
-                reason: format!("line {number}: {e}"),
-            })
+            let fields: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(&line).map_err(|e| malformed(number, e.to_string()))?;
+            let step = fields.get(STEP_KEY).ok_or_else(|| malformed(number, format!("no `{STEP_KEY}`: not a line of a run's metrics")))?;
+            if step.as_u64().is_some_and(|step| step > 0) {
+                if let Some(missing) = required.iter().find(|key| !fields.contains_key(**key)) {
+                    return Err(malformed(number, format!("step {step} has no `{missing}`: not a line of this kind of run's metrics")));
+                }
+            }
+            serde_json::from_value(serde_json::Value::Object(fields)).map_err(|e| malformed(number, e.to_string()))
         })
         .collect()
 }
@@ -356,6 +364,18 @@ mod tests {
         std::fs::write(&path, format!("{first}\nnot json\n")).unwrap();
         let err = read_metrics(dir.path()).unwrap_err().to_string();
         assert!(err.contains("line 2"), "{err}");
+        // Lines of another kind do not read as zeros: no step key, or a training step without
+        // its reward.
+        for (line, expected) in [
+            (r#"{"step":2,"reward":0.9}"#, "line 2: no `training/global_step`"),
+            (r#"{"training/global_step":2}"#, "line 2: step 2 has no `critic/score/mean`"),
+        ] {
+            std::fs::write(&path, format!("{first}\n{line}\n")).unwrap();
+            let err = read_metrics(dir.path()).unwrap_err().to_string();
+            assert!(err.contains(expected), "{err}");
+        }
+        std::fs::write(&path, format!("{}\n{first}\n", r#"{"training/global_step":0,"val/reward/mean":0.5}"#)).unwrap();
+        assert_eq!(read_metrics(dir.path()).unwrap().len(), 2, "the validation before training has no reward");
     }
 
     /// The line of the validation before training holds the step and the validation keys only

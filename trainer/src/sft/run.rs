@@ -95,7 +95,7 @@ pub fn is_sft_run(run_dir: &Path) -> bool {
 
 /// Reads an SFT run's `metrics.jsonl`; a malformed line is an error naming its number.
 pub fn read_sft_metrics(run_dir: &Path) -> Result<Vec<SftRecord>, TrainError> {
-    read_lines(run_dir)
+    read_lines(run_dir, &["train/loss"])
 }
 
 /// An SFT run in progress.
