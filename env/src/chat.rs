@@ -5,6 +5,8 @@ pub use ::chat::{ChatMessage, Role};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::http::{error_message, excerpt};
+
 /// Optional sampling parameters of a request; `None` (or an empty `stop`) leaves the server's
 /// default in place and is not sent.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -114,8 +116,8 @@ fn reply_object(body: &str) -> Result<Value, String> {
     let Some(object) = value.as_object() else {
         return Err(format!("body is not a JSON object: {}", excerpt(body)));
     };
-    if let Some(error) = object.get("error").filter(|e| !e.is_null()) {
-        return Err(format!("server reported an error: {}", error_text(error)));
+    if object.get("error").is_some_and(|e| !e.is_null()) {
+        return Err(format!("server reported an error: {}", error_message(body)));
     }
     match object.get("choices") {
         Some(Value::Array(choices)) if choices.is_empty() => {
@@ -206,41 +208,6 @@ pub(crate) fn parse_chat_reply(body: &str) -> Result<ChatReply, String> {
         usage,
         model,
     })
-}
-
-/// The human-readable part of an error body (`{"error": {"message": ...}}` and common variants),
-/// or an excerpt of the body itself.
-pub(crate) fn error_message(body: &str) -> String {
-    match serde_json::from_str::<Value>(body) {
-        Ok(value) => ["error", "message", "detail"]
-            .iter()
-            .find_map(|key| value.get(*key).filter(|v| !v.is_null()))
-            .map(error_text)
-            .unwrap_or_else(|| excerpt(body)),
-        Err(_) => excerpt(body),
-    }
-}
-
-fn error_text(error: &Value) -> String {
-    match error {
-        Value::String(text) => excerpt(text),
-        Value::Object(fields) => fields
-            .get("message")
-            .and_then(Value::as_str)
-            .map(excerpt)
-            .unwrap_or_else(|| excerpt(&error.to_string())),
-        other => excerpt(&other.to_string()),
-    }
-}
-
-/// At most 300 characters of `text`, trimmed, for error messages.
-pub(crate) fn excerpt(text: &str) -> String {
-    const LIMIT: usize = 300;
-    let text = text.trim();
-    match text.char_indices().nth(LIMIT) {
-        Some((cut, _)) => format!("{}…", &text[..cut]),
-        None => text.to_string(),
-    }
 }
 
 #[cfg(test)]
@@ -371,20 +338,5 @@ mod tests {
             .unwrap_err()
             .contains("text"));
         assert!(parse_completion_reply(r#"{"choices":[]}"#).is_err());
-    }
-
-    #[test]
-    fn error_message_finds_the_servers_words() {
-        assert_eq!(
-            error_message(r#"{"error":{"message":"bad key","type":"x"}}"#),
-            "bad key"
-        );
-        assert_eq!(
-            error_message(r#"{"error":"model not loaded"}"#),
-            "model not loaded"
-        );
-        assert_eq!(error_message(r#"{"detail":"Not Found"}"#), "Not Found");
-        assert_eq!(error_message("  plain text  "), "plain text");
-        assert!(error_message(&"x".repeat(1000)).chars().count() <= 301);
     }
 }

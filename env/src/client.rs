@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 
 use crate::backoff::{parse_retry_after, retry_wait};
 use crate::chat::{
-    error_message, excerpt, parse_chat_reply, parse_completion_reply, ChatMessage, ChatReply,
-    ChatRequest, CompletionRequest, SamplingParams,
+    parse_chat_reply, parse_completion_reply, ChatMessage, ChatReply, ChatRequest,
+    CompletionRequest, SamplingParams,
 };
 use crate::config::ClientConfig;
 use crate::error::EnvError;
+use crate::http::{error_message, excerpt, is_loopback};
 use crate::secret::ApiKey;
 use crate::stats::{ClientStats, StatsSnapshot};
 use crate::throttle::{RateLimiter, Semaphore};
@@ -509,36 +510,9 @@ fn http_reason(status: u16) -> &'static str {
     }
 }
 
-/// Whether the URL's host is this machine (proxies from the environment are then bypassed).
-fn is_loopback(url: &str) -> bool {
-    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let host_port = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, host)| host);
-    let host = if let Some(v6) = host_port.strip_prefix('[') {
-        v6.split(']').next().unwrap_or("")
-    } else {
-        host_port.split(':').next().unwrap_or("")
-    };
-    host.eq_ignore_ascii_case("localhost")
-        || host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn loopback_hosts() {
-        assert!(is_loopback("http://127.0.0.1:8000/v1/chat/completions"));
-        assert!(is_loopback("http://localhost/v1"));
-        assert!(is_loopback("http://[::1]:80/v1"));
-        assert!(!is_loopback("https://api.openai.com/v1"));
-        assert!(!is_loopback("http://10.0.0.2:8000/v1"));
-    }
 
     #[test]
     fn endpoint_is_derived_from_the_base_url() {

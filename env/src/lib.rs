@@ -8,6 +8,8 @@
 //!   [`environment_text`]).
 //! - The episode loop [`run_episodes`], shared by inference and training, over any [`Agent`]:
 //!   the local burn model (trainer crate) or a [`RemoteAgent`] behind a chat API.
+//! - [`http`]: the helpers that the trainer's client of its rollout workers shares with
+//!   [`OpenAiClient`] (error replies, excerpts, loopback hosts), and the [`ApiKey`] both send.
 
 #![forbid(unsafe_code)]
 
@@ -19,6 +21,7 @@ mod config;
 mod environment;
 mod episode;
 mod error;
+pub mod http;
 mod parallel;
 mod prompts;
 mod remote_agent;

@@ -26,8 +26,8 @@ impl ApiKey {
         }
     }
 
-    /// The `Authorization` header value.
-    pub(crate) fn bearer(&self) -> String {
+    /// The `Authorization` header value: `Bearer <key>`.
+    pub fn bearer(&self) -> String {
         format!("Bearer {}", self.0)
     }
 }

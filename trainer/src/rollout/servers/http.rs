@@ -4,36 +4,21 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use env::http::{error_message, is_loopback};
+use env::ApiKey;
 use serde::Deserialize;
 
 /// How long connecting to a worker may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The workers' API key. Its `Debug` output is redacted; it is only ever sent as a header.
-#[derive(Clone)]
-pub(crate) struct BearerKey(String);
-
-impl BearerKey {
-    /// The key in the environment variable `var`: an error when the variable is unset, empty
-    /// or not UTF-8 (a run that names a key variable means to send a key).
-    pub fn from_env(var: &str) -> Result<Self, String> {
-        match std::env::var(var) {
-            Ok(key) if !key.trim().is_empty() => Ok(Self(key.trim().to_string())),
-            Ok(_) | Err(std::env::VarError::NotPresent) => {
-                Err(format!("rollout.servers.api_key_env names ${var}, which is unset or empty"))
-            }
-            Err(std::env::VarError::NotUnicode(_)) => Err(format!("${var} (rollout.servers.api_key_env) is not valid UTF-8")),
-        }
-    }
-
-    fn header(&self) -> String {
-        format!("Bearer {}", self.0)
-    }
-}
-
-impl fmt::Debug for BearerKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("BearerKey(<redacted>)")
+/// The workers' API key, in the environment variable `var`: an error when the variable is
+/// unset, empty or not UTF-8 (a run that names a key variable means to send a key).
+pub(crate) fn api_key_from_env(var: &str) -> Result<ApiKey, String> {
+    let unset = || format!("rollout.servers.api_key_env names ${var}, which is unset or empty");
+    match std::env::var(var) {
+        Ok(key) => ApiKey::new(key).ok_or_else(unset),
+        Err(std::env::VarError::NotPresent) => Err(unset()),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("${var} (rollout.servers.api_key_env) is not valid UTF-8")),
     }
 }
 
@@ -60,7 +45,7 @@ impl Failure {
 pub(crate) struct Worker {
     base: String,
     http: ureq::Agent,
-    key: Option<Arc<BearerKey>>,
+    key: Option<Arc<ApiKey>>,
 }
 
 impl fmt::Debug for Worker {
@@ -70,7 +55,7 @@ impl fmt::Debug for Worker {
 }
 
 impl Worker {
-    pub fn new(base: String, key: Option<Arc<BearerKey>>) -> Self {
+    pub fn new(base: String, key: Option<Arc<ApiKey>>) -> Self {
         let mut builder = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .max_redirects(0)
@@ -100,7 +85,7 @@ impl Worker {
             .header("content-type", "application/json")
             .header("accept", "application/json");
         if let Some(key) = &self.key {
-            request = request.header("authorization", key.header());
+            request = request.header("authorization", key.bearer());
         }
         read_reply(&url, request.send(body))
     }
@@ -116,7 +101,7 @@ impl Worker {
             .build()
             .header("accept", "application/json");
         if let Some(key) = &self.key {
-            request = request.header("authorization", key.header());
+            request = request.header("authorization", key.bearer());
         }
         read_reply(&url, request.call())
     }
@@ -141,44 +126,6 @@ fn describe(err: &ureq::Error) -> String {
         ureq::Error::HostNotFound => "host not found".into(),
         other => other.to_string(),
     }
-}
-
-/// The message of an error reply: OpenAI's `{"error": {"message"}}`, vLLM's `{"message"}`,
-/// FastAPI's `{"detail"}`, else the start of the text.
-fn error_message(body: &str) -> String {
-    if let Ok(value) = serde_json::from_str::<serde_json::Value>(body) {
-        let found = value
-            .pointer("/error/message")
-            .or_else(|| value.get("message"))
-            .or_else(|| value.get("detail"))
-            .or_else(|| value.get("error"));
-        match found {
-            Some(serde_json::Value::String(s)) => return excerpt(s),
-            Some(other) if !other.is_null() => return excerpt(&other.to_string()),
-            _ => {}
-        }
-    }
-    excerpt(body.trim())
-}
-
-fn excerpt(text: &str) -> String {
-    const MAX: usize = 500;
-    match text.char_indices().nth(MAX) {
-        Some((cut, _)) => format!("{}…", &text[..cut]),
-        None => text.to_string(),
-    }
-}
-
-fn is_loopback(url: &str) -> bool {
-    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
-    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
-    let host_port = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
-    let host = if let Some(v6) = host_port.strip_prefix('[') {
-        v6.split(']').next().unwrap_or("")
-    } else {
-        host_port.split(':').next().unwrap_or("")
-    };
-    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// A completion's sampled ids with the log-prob of each, and the prompt tokens the worker ran

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde_json::json;
 
-use super::http::{parse_models, BearerKey, Failure, Worker};
+use super::http::{api_key_from_env, parse_models, Failure, Worker};
 use super::settings::ServerSettings;
 
 /// Which kind of policy the workers are given.
@@ -47,7 +47,7 @@ impl ServerPool {
     /// from `api_key_env`, if named. Contacts no worker.
     pub fn new(settings: &ServerSettings, lora: bool) -> Result<Self, String> {
         settings.validate()?;
-        let key = settings.api_key_env.as_deref().map(BearerKey::from_env).transpose()?.map(Arc::new);
+        let key = settings.api_key_env.as_deref().map(api_key_from_env).transpose()?.map(Arc::new);
         let kind = if lora { PolicyKind::Adapter(settings.adapter_name.clone()) } else { PolicyKind::Full };
         let model = match &kind {
             PolicyKind::Adapter(name) => name.clone(),
