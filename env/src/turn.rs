@@ -1,20 +1,10 @@
 //! Parsing one agent turn: `<think>`, then either an `<interaction_prompt>` call
 //! or an `<answer>`.
 
+use ::chat::tags::tagged;
 use serde_json::Value;
 
-/// Opening tag of a call.
-pub const CALL_OPEN: &str = "<interaction_prompt>";
-/// Closing tag of a call.
-pub const CALL_CLOSE: &str = "</interaction_prompt>";
-/// Opening tag of the final answer.
-pub const ANSWER_OPEN: &str = "<answer>";
-/// Closing tag of the final answer.
-pub const ANSWER_CLOSE: &str = "</answer>";
-/// Opening tag of the agent's reasoning.
-pub const THINK_OPEN: &str = "<think>";
-/// Closing tag of the agent's reasoning.
-pub const THINK_CLOSE: &str = "</think>";
+pub use ::chat::tags::{ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN};
 
 /// What a turn asks for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,13 +85,6 @@ fn call_prompt(content: &str) -> Option<Call> {
         prompt: prompt.to_string(),
         format,
     })
-}
-
-/// The text between the first `open` and the next `close` after it.
-pub(crate) fn tagged<'a>(text: &'a str, open: &str, close: &str) -> Option<&'a str> {
-    let start = text.find(open)? + open.len();
-    let length = text[start..].find(close)?;
-    Some(&text[start..start + length])
 }
 
 #[cfg(test)]

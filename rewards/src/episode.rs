@@ -1,11 +1,11 @@
 //! The agent's turns of an episode, from a raw decoded text, and the final answer.
 
+use chat::tags::{tagged, ANSWER_CLOSE, ANSWER_OPEN};
+
 use crate::normalize::py_strip;
 
 const ASSISTANT_OPEN: &str = "<|im_start|>assistant\n";
 const TURN_END: &str = "<|im_end|>";
-const ANSWER_OPEN: &str = "<answer>";
-const ANSWER_CLOSE: &str = "</answer>";
 
 /// The agent's turns of a decoded episode: the text of every
 /// `<|im_start|>assistant\n … <|im_end|>` block, in order, the last one possibly cut short.
@@ -33,17 +33,9 @@ pub fn agent_turns(episode_text: &str) -> Vec<&str> {
     turns
 }
 
-/// The content of the first `<answer>…</answer>` in `turn`, unstripped.
-pub(crate) fn first_answer_content(turn: &str) -> Option<&str> {
-    let open = turn.find(ANSWER_OPEN)?;
-    let body = &turn[open + ANSWER_OPEN.len()..];
-    let close = body.find(ANSWER_CLOSE)?;
-    Some(&body[..close])
-}
-
 /// The final answer of a turn: the first `<answer>` content, stripped, when it is not blank.
 pub fn extract_answer(turn: &str) -> Option<&str> {
-    first_answer_content(turn)
+    tagged(turn, ANSWER_OPEN, ANSWER_CLOSE)
         .map(py_strip)
         .filter(|answer| !answer.is_empty())
 }
@@ -92,6 +84,5 @@ mod tests {
         assert_eq!(extract_answer("<answer> \n </answer>"), None);
         assert_eq!(extract_answer("<answer>open only"), None);
         assert_eq!(extract_answer("no tag"), None);
-        assert_eq!(first_answer_content("<answer> </answer>"), Some(" "));
     }
 }

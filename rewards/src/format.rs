@@ -10,18 +10,12 @@
 //!   the turn starts with `<think>`, has `</think>` then `<answer>`, and ends with `</answer>`
 //!   (one trailing newline allowed); any text may sit between `</think>` and `<answer>`.
 
+use chat::tags::{ANSWER_CLOSE, ANSWER_OPEN, CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN};
 use serde::Serialize;
 
 use crate::config::RewardConfig;
 use crate::episode::extract_answer;
 use crate::normalize::is_py_space;
-
-const THINK_OPEN: &str = "<think>";
-const THINK_CLOSE: &str = "</think>";
-const PROMPT_OPEN: &str = "<interaction_prompt>";
-const PROMPT_CLOSE: &str = "</interaction_prompt>";
-const ANSWER_OPEN: &str = "<answer>";
-const ANSWER_CLOSE: &str = "</answer>";
 
 /// One term of the format score.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -114,14 +108,14 @@ fn before_final_newline(turn: &str) -> &str {
 /// `^<think>(.*?)</think>(\s*)<interaction_prompt>(.*?)</interaction_prompt>$`.
 fn is_well_formed_call(turn: &str) -> bool {
     let once = |tag: &str| turn.matches(tag).count() == 1;
-    if !(once(THINK_OPEN) && once(THINK_CLOSE) && once(PROMPT_OPEN) && once(PROMPT_CLOSE)) {
+    if !(once(THINK_OPEN) && once(THINK_CLOSE) && once(CALL_OPEN) && once(CALL_CLOSE)) {
         return false;
     }
     let body = before_final_newline(turn);
-    if !body.starts_with(THINK_OPEN) || !body.ends_with(PROMPT_CLOSE) {
+    if !body.starts_with(THINK_OPEN) || !body.ends_with(CALL_CLOSE) {
         return false;
     }
-    let (Some(think_close), Some(prompt_open)) = (body.find(THINK_CLOSE), body.find(PROMPT_OPEN))
+    let (Some(think_close), Some(prompt_open)) = (body.find(THINK_CLOSE), body.find(CALL_OPEN))
     else {
         return false;
     };
@@ -129,7 +123,7 @@ fn is_well_formed_call(turn: &str) -> bool {
     think_close >= THINK_OPEN.len()
         && prompt_open >= between_start
         && body[between_start..prompt_open].chars().all(is_py_space)
-        && prompt_open + PROMPT_OPEN.len() <= body.len() - PROMPT_CLOSE.len()
+        && prompt_open + CALL_OPEN.len() <= body.len() - CALL_CLOSE.len()
 }
 
 /// The reference's `^<think>(.*?)</think>(.*?)<answer>(.*?)</answer>$` with DOTALL.
