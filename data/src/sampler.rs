@@ -135,6 +135,7 @@ impl BatchSampler {
     }
 
     /// Number of batches in one epoch.
+    #[cfg(test)]
     pub fn batches_per_epoch(&self) -> usize {
         let Cursor {
             config,

@@ -149,11 +149,6 @@ impl Qwen3Config {
         Ok(())
     }
 
-    /// Number of query heads that share one key/value head.
-    pub fn num_key_value_groups(&self) -> usize {
-        self.num_attention_heads / self.num_key_value_heads
-    }
-
     /// Number of scalar parameters (tied embeddings counted once).
     pub fn num_parameters(&self) -> usize {
         let (h, i, hd) = (self.hidden_size, self.intermediate_size, self.head_dim);
@@ -383,7 +378,7 @@ mod tests {
         assert_eq!(c.dtype.as_deref(), Some("bfloat16"));
         assert_eq!(c.eos_token_ids, vec![3, 4]);
         assert!(c.tie_word_embeddings);
-        assert_eq!(c.num_key_value_groups(), 2);
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads), (2, 1));
     }
 
     #[test]

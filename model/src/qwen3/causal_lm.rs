@@ -164,12 +164,6 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
         self
     }
 
-    /// This model computing as `compute` says (see [`Compute`]).
-    pub fn with_compute(mut self, compute: Compute) -> Self {
-        self.model.compute = compute;
-        self
-    }
-
     /// Whether this model computes ragged passes over a KV cache
     /// ([`KvCache::set_ragged_slots`]): on a backend whose paged-attention kernel takes
     /// prefills, with the memory-efficient attention and no CPU kernels.
