@@ -59,12 +59,20 @@ pub struct Args {
     pub preset: String,
     /// Largest |difference| allowed for logits and log-probs, relative to the largest |value| of
     /// the reference (f32 weights on both sides; TF32 products on tensor cores need about 1e-3).
-    #[arg(long, default_value_t = 1e-2)]
+    #[arg(long, default_value_t = 1e-2, value_parser = parse_rtol)]
     pub rtol: f32,
     /// Weight dtype of the inference checks (logits, tokens, log-probs), the same on both sides:
     /// f32 or bf16 (then give a wider --rtol, e.g. 5e-2). The learn steps keep f32 weights.
     #[arg(long, default_value = "f32", value_parser = crate::model_dir::parse_dtype)]
     pub dtype: DType,
+}
+
+/// `--rtol`: a finite number above 0.
+fn parse_rtol(text: &str) -> Result<f32, String> {
+    match text.parse::<f32>() {
+        Ok(rtol) if rtol.is_finite() && rtol > 0.0 => Ok(rtol),
+        _ => Err(format!("{text} is not a finite number above 0")),
+    }
 }
 
 /// What one side computed.
@@ -495,6 +503,14 @@ fn boundary_distance(logits: &[f32], token: usize, draw: f64) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rtol_is_a_finite_number_above_zero() {
+        assert_eq!(parse_rtol("5e-2"), Ok(5e-2));
+        for bad in ["-1", "0", "nan", "inf", "x"] {
+            assert!(parse_rtol(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn a_first_difference_near_a_tie_is_forgiven_with_the_rest_of_its_row() {

@@ -75,7 +75,13 @@ struct Episode {
 /// and `response_text`) or a predictions row (`trajectory` and `answers`).
 fn read_episode(raw: &str) -> Result<Episode> {
     let raw = raw.strip_prefix('\u{feff}').unwrap_or(raw);
+    if raw.trim().is_empty() {
+        bail!("the file is empty: give an episode's decoded text, an episode as `infer --json` prints it, or a predictions.jsonl row");
+    }
     if !raw.trim_start().starts_with('{') {
+        if serde_json::from_str::<serde_json::Value>(raw.trim()).is_ok() {
+            bail!("holds JSON that is not an object: a JSON episode is an object (as `infer --json` prints it, or a predictions.jsonl row)");
+        }
         return Ok(Episode { text: raw.to_owned(), answers: None });
     }
     let value: serde_json::Value = serde_json::from_str(raw.trim()).context("starts with `{` but is not one JSON object")?;
@@ -151,6 +157,18 @@ fn render(b: &RewardBreakdown) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An empty file, or JSON that is not an object, is no episode: refused, not scored −1.
+    #[test]
+    fn an_empty_file_or_other_json_is_no_episode() {
+        for raw in ["", " \n", "\u{feff}"] {
+            assert!(read_episode(raw).err().unwrap().to_string().contains("empty"), "{raw:?}");
+        }
+        for raw in ["[1, 2]", "\"text\"", "3"] {
+            assert!(read_episode(raw).err().unwrap().to_string().contains("not an object"), "{raw:?}");
+        }
+        assert_eq!(read_episode("<|im_start|>assistant\nx").unwrap().text, "<|im_start|>assistant\nx");
+    }
 
     #[test]
     fn answers_must_be_a_non_empty_string_array() {
