@@ -236,17 +236,35 @@ fn a_bad_row_is_named_by_file_and_line() {
     assert!(!tmp.path().join("run/metrics.jsonl").exists());
 }
 
-/// `export` of LoRA adapters refuses a base model other than the one they were trained on, as
-/// the checkpoint records it: another model passed with `--base`, or the base replaced in place.
+/// LoRA adapters serve as an agent (`eval --agent` of the exported adapter, or of the run), as
+/// their merged export does; `export` refuses a base model other than the one they were trained
+/// on, as the checkpoint records it: another model passed with `--base`, or the base replaced in
+/// place.
 #[test]
-fn export_refuses_adapters_onto_another_base() {
+fn lora_adapters_act_as_agents_and_refuse_another_base() {
     let tmp = tempfile::tempdir().unwrap();
     let config = setup(tmp.path());
     let text = std::fs::read_to_string(&config).unwrap().replace("steps = 4", "steps = 2");
     std::fs::write(&config, format!("{text}[lora]\nrank = 2\nalpha = 4\n")).unwrap();
     ok(&["sft", "--config", &config]);
     let (run, path) = (tmp.path().join("run"), |name: &str| tmp.path().join(name).to_str().unwrap().to_owned());
-    ok(&["export", run.to_str().unwrap(), "--out", &path("merged"), "--merge"]);
+    // In f32, the merge `export` writes is the one an agent merges at load.
+    ok(&["export", run.to_str().unwrap(), "--out", &path("merged"), "--merge", "--dtype", "f32"]);
+    ok(&["export", run.to_str().unwrap(), "--out", &path("adapter")]);
+
+    // The adapters as an agent (merged at load), or the run itself, answer as the merged model.
+    std::fs::write(tmp.path().join("questions.jsonl"), "{\"id\": \"1\", \"data_source\": \"d\", \"question\": \"Where is Oslo?\", \"answers\": [\"Norway\"]}\n").unwrap();
+    let answers = |agent: &str| {
+        let out = path(&format!("eval-{agent}"));
+        let args = ["eval", "--data", &path("questions.jsonl"), "--out", &out, "--mode", "agent-only", "--agent", &path(agent), "--max-turns", "1", "--max-turn-tokens", "8"];
+        ok(&args);
+        let row: serde_json::Value = serde_json::from_str(std::fs::read_to_string(Path::new(&out).join("predictions.jsonl")).unwrap().lines().next().unwrap()).unwrap();
+        row["trajectory"]["token_ids"].clone()
+    };
+    let merged = answers("merged");
+    assert!(merged.as_array().is_some_and(|ids| !ids.is_empty()));
+    assert_eq!(answers("adapter"), merged);
+    assert_eq!(answers("run"), merged);
 
     ok(&["init-model", "--preset", "tiny", "--seed", "9", "--out", &path("other")]);
     let out = prompt_r1(&["export", run.to_str().unwrap(), "--out", &path("onto-other"), "--merge", "--base", &path("other")]);
@@ -262,4 +280,7 @@ fn export_refuses_adapters_onto_another_base() {
         assert!(stderr.contains("changed since"), "{extra:?}: {stderr}");
     }
     assert!(!tmp.path().join("onto-changed").exists() && !tmp.path().join("onto-other").exists());
+    let out = prompt_r1(&["eval", "--data", &path("questions.jsonl"), "--out", &path("eval-changed"), "--mode", "agent-only", "--agent", &path("adapter")]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("changed since"), "{stderr}");
 }

@@ -15,7 +15,7 @@ use model::{LoadOptions, MatmulPrecision, Sampling};
 use trainer::rollout::LocalAgent;
 
 use crate::device::{run_on, AttentionArgs, DeviceChoice, OnBackend};
-use crate::model_dir::{parse_dtype, LoadedModel};
+use crate::model_dir::parse_dtype;
 
 /// The variable the served agent's API key is read from unless `--agent-api-key-env` says
 /// otherwise (not `OPENAI_API_KEY`, so that the environment's key never goes to the agent's
@@ -26,7 +26,9 @@ pub const AGENT_API_KEY_ENV: &str = "PROMPT_R1_AGENT_API_KEY";
 /// (`--agent-url` + `--agent-model`).
 #[derive(ClapArgs, Debug, Clone)]
 pub struct AgentFlags {
-    /// Local agent checkpoint (Hugging Face layout with tokenizer.json), run by our burn Qwen3.
+    /// Local agent, run by our burn Qwen3: a model directory (Hugging Face layout with
+    /// tokenizer.json), LoRA adapters as `export` writes them (merged into the base model their
+    /// adapter_config.json names), or a training run's directory (its newest checkpoint).
     #[arg(
         long,
         value_name = "DIR",
@@ -173,7 +175,7 @@ where
     type Output = T;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<T> {
-        let loaded = LoadedModel::<B>::open(self.dir, &device, self.options)?;
+        let loaded = crate::model_dir::load_agent::<B>(self.dir, &device, self.options)?;
         let tokenizer = loaded.require_tokenizer(self.dir, "the agent")?;
         // One model for the whole run: episodes share their prompts' common KV blocks.
         let limits = model::DecoderLimits { share_prefixes: true, ..model::DecoderLimits::default() };

@@ -1,13 +1,13 @@
 //! Opening a model directory for the commands: weights, and the tokenizer when there is one.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use burn::tensor::{backend::Backend, DType};
 use model::chat_template::{ChatTemplate, ChatTemplateError};
 use model::checkpoint::StorageDtype;
 use model::tokenizer::Qwen3Tokenizer;
-use model::lora::load_adapter;
+use model::lora::{base_model_dir, is_adapter_dir, load_adapter, merge_adapters, read_adapter_config};
 use model::{load_pretrained, LoadOptions, LoraAdapters, LoraModel, MatmulPrecision, Preset, Qwen3ForCausalLM};
 
 /// A loaded checkpoint, its optional tokenizer and optional LoRA adapters.
@@ -72,6 +72,90 @@ impl<B: Backend> LoadedModel<B> {
             .or(config.eos_token_ids.first().copied())
             .unwrap_or(0)
     }
+}
+
+/// What an agent directory names: the model to load and the LoRA adapters to merge into it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentDir {
+    /// The model directory (an adapter's base model).
+    pub model: PathBuf,
+    /// The PEFT adapter directory, if the agent is LoRA adapters.
+    pub adapter: Option<PathBuf>,
+}
+
+/// Resolves `dir` as an agent: a model directory, a PEFT adapter directory (`export` of a LoRA
+/// run; its base from `adapter_config.json`, refused if it is not the base the adapters were
+/// trained on), or a training run's directory (its newest checkpoint, either of those).
+pub fn resolve_agent(dir: &Path) -> Result<AgentDir> {
+    if !dir.exists() {
+        bail!("{} does not exist", dir.display());
+    }
+    if dir.join("config.json").is_file() {
+        return Ok(AgentDir { model: dir.to_path_buf(), adapter: None });
+    }
+    if is_adapter_dir(dir) {
+        let config = read_adapter_config(dir)?;
+        let base = base_model_dir(dir, &config).with_context(|| {
+            format!(
+                "{} holds LoRA adapters whose base model ({}) is not a local model directory: merge them with `prompt-r1 export --merge --base DIR`",
+                dir.display(),
+                config.base_model_name_or_path.as_deref().unwrap_or("not recorded")
+            )
+        })?;
+        check_trained_base(dir, &base)?;
+        return Ok(AgentDir { model: base, adapter: Some(dir.to_path_buf()) });
+    }
+    match trainer::run::latest_checkpoint(dir)? {
+        Some(checkpoint) if checkpoint.join("config.json").is_file() || is_adapter_dir(&checkpoint) => resolve_agent(&checkpoint),
+        _ => bail!(
+            "{} holds no model: no config.json (a model), adapter_config.json (LoRA adapters) or checkpoints (a training run)",
+            dir.display()
+        ),
+    }
+}
+
+/// Loads the agent `dir` names ([`resolve_agent`]) onto `device`, LoRA adapters merged into
+/// their base: the model an agent samples from, with its tokenizer (the adapter's own, else the
+/// base's).
+pub fn load_agent<B: Backend>(dir: &Path, device: &B::Device, options: LoadOptions) -> Result<LoadedModel<B>> {
+    let agent = resolve_agent(dir)?;
+    let mut loaded = LoadedModel::open_with_adapter(&agent.model, agent.adapter.as_deref(), device, options)?;
+    if let Some(adapters) = loaded.adapters.take() {
+        loaded.model = merge_adapters(loaded.model, &adapters);
+    }
+    if let Some(adapter) = agent.adapter.as_deref().filter(|a| a.join("tokenizer.json").is_file()) {
+        loaded.tokenizer =
+            Some(Qwen3Tokenizer::from_dir(adapter).with_context(|| format!("loading the tokenizer in {}", adapter.display()))?);
+    }
+    Ok(loaded)
+}
+
+/// Refuses `base` for the adapters of checkpoint `source` when the checkpoint records another
+/// base model (config or weights that differ): the adapters would be merged into, or exported
+/// for, weights they were not trained on.
+pub fn check_trained_base(source: &Path, base: &Path) -> Result<()> {
+    let Some(recorded) = trainer::run::recorded_base_model(source)? else {
+        return Ok(());
+    };
+    let Some(now) = trainer::run::BaseModel::of(base) else {
+        return Ok(());
+    };
+    if now.fingerprint == recorded.fingerprint {
+        return Ok(());
+    }
+    if now.path == recorded.path {
+        bail!(
+            "{} changed since {} was trained on it (its config.json or weights differ from those recorded): the adapters would go onto other weights",
+            base.display(),
+            source.display()
+        );
+    }
+    bail!(
+        "{} is not the base model {} was trained on ({}; the config.json or weights differ): pass that model with --base",
+        base.display(),
+        source.display(),
+        recorded.path
+    );
 }
 
 /// Token ids given on the command line as `1,2,3` (one flag value, not repeated flags).

@@ -68,7 +68,7 @@ pub fn run(args: Args) -> Result<()> {
         if super::same_dir(&base, &args.out) {
             bail!("--out {} is the base model of {}: choose another directory", args.out.display(), source.display());
         }
-        check_trained_base(&source, &base)?;
+        crate::model_dir::check_trained_base(&source, &base)?;
         let base_model = load_pretrained::<Flex>(&base, &device, LoadOptions::default())
             .with_context(|| format!("loading the base model {}", base.display()))?;
         let (adapters, _) = load_adapter::<Flex>(&source, &base_model.config, &device)
@@ -83,6 +83,10 @@ pub fn run(args: Args) -> Result<()> {
             let base = std::path::absolute(&base).unwrap_or(base);
             write_model_dir(&args.out, |dir| {
                 save_adapter(&adapters, dir, &base.to_string_lossy())?;
+                if let Some(trained_on) = trainer::run::BaseModel::of(&base) {
+                    let record = format!("{}\n", serde_json::to_string_pretty(&trained_on)?);
+                    std::fs::write(dir.join(trainer::run::BASE_MODEL_FILE), record)?;
+                }
                 copy_tokenizer(&[&source, &base], dir)
             })?;
             eprintln!("exported the LoRA adapter {} (base {}) to {}", source.display(), base.display(), args.out.display());
@@ -100,34 +104,6 @@ pub fn run(args: Args) -> Result<()> {
     })?;
     eprintln!("exported {} to {} ({})", source.display(), args.out.display(), args.dtype);
     Ok(())
-}
-
-/// Refuses `base` for the adapters of checkpoint `source` when the checkpoint records another
-/// base model (config or weights that differ): the adapters would be merged into, or exported
-/// for, weights they were not trained on.
-fn check_trained_base(source: &Path, base: &Path) -> Result<()> {
-    let Some(recorded) = trainer::run::recorded_base_model(source)? else {
-        return Ok(());
-    };
-    let Some(now) = trainer::run::BaseModel::of(base) else {
-        return Ok(());
-    };
-    if now.fingerprint == recorded.fingerprint {
-        return Ok(());
-    }
-    if now.path == recorded.path {
-        bail!(
-            "{} changed since {} was trained on it (its config.json or weights differ from those recorded): the adapters would go onto other weights",
-            base.display(),
-            source.display()
-        );
-    }
-    bail!(
-        "{} is not the base model {} was trained on ({}; the config.json or weights differ): pass that model with --base",
-        base.display(),
-        source.display(),
-        recorded.path
-    );
 }
 
 /// Copies each tokenizer file from the first of `sources` that has it, with a note when none

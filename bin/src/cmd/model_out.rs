@@ -35,6 +35,7 @@ pub fn is_model_file(name: &str) -> bool {
                 | "merges.txt"
                 | "chat_template.jinja"
                 | "chat_template.json"
+                | trainer::run::BASE_MODEL_FILE
         )
 }
 

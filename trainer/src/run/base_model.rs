@@ -24,9 +24,10 @@ pub struct BaseModel {
 }
 
 impl BaseModel {
-    /// The model in `dir`, or `None` when its `config.json` or a weight file cannot be read.
+    /// The model in `dir` (or LoRA adapters: their `adapter_config.json` in place of
+    /// `config.json`), or `None` when its config or a weight file cannot be read.
     pub fn of(dir: &Path) -> Option<Self> {
-        let config = std::fs::read(dir.join("config.json")).ok()?;
+        let config = std::fs::read(dir.join("config.json")).or_else(|_| std::fs::read(dir.join("adapter_config.json"))).ok()?;
         let mut weights: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
             .ok()?
             .flatten()

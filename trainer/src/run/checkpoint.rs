@@ -338,13 +338,23 @@ pub(crate) fn read_state(dir: &Path) -> Result<TrainerState, TrainError> {
     })
 }
 
-/// The base model checkpoint `dir` records it was trained from: `None` for a folder without a
-/// trainer state (an exported model) or a checkpoint written before the base was recorded.
+/// The file beside exported LoRA adapters that records their base model as their checkpoint
+/// did ([`BaseModel`] as JSON), so that loading them onto another base can be refused.
+pub const BASE_MODEL_FILE: &str = "prompt_r1_base_model.json";
+
+/// The base model checkpoint `dir` records it was trained from (its trainer state, or the
+/// [`BASE_MODEL_FILE`] of exported adapters): `None` for a folder with neither, or a checkpoint
+/// written before the base was recorded.
 pub fn recorded_base_model(dir: &Path) -> Result<Option<BaseModel>, TrainError> {
-    if !dir.join(STATE_FILE).is_file() {
+    if dir.join(STATE_FILE).is_file() {
+        return Ok(read_state(dir)?.base_model);
+    }
+    let path = dir.join(BASE_MODEL_FILE);
+    if !path.is_file() {
         return Ok(None);
     }
-    Ok(read_state(dir)?.base_model)
+    let text = std::fs::read_to_string(&path).map_err(TrainError::io(&path))?;
+    serde_json::from_str(&text).map(Some).map_err(|e| TrainError::Checkpoint { path: path.clone(), reason: e.to_string() })
 }
 
 #[cfg(test)]

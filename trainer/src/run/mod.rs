@@ -16,7 +16,7 @@ mod trainer;
 mod validation;
 
 pub use base_model::{fingerprint_of, BaseModel};
-pub use checkpoint::{checkpoint_at, latest_checkpoint, list_checkpoints, recorded_base_model, SetAside, CHECKPOINTS_DIR, LATEST_FILE};
+pub use checkpoint::{checkpoint_at, latest_checkpoint, list_checkpoints, recorded_base_model, SetAside, BASE_MODEL_FILE, CHECKPOINTS_DIR, LATEST_FILE};
 pub use config::{
     DataSection, EpisodeSection, InferenceDtype, ModelDtype, RolloutEngineKind, RolloutSection, RunSection, TrainConfig,
 };

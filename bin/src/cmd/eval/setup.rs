@@ -51,7 +51,13 @@ pub fn setup_of(args: &Args) -> Map<String, Value> {
         }
         // What the files hold, so that a model exported again to the same folder, or an edited
         // prompt file, counts as another setup.
-        let weights = agent.agent.as_deref().and_then(trainer::run::BaseModel::of).map(|m| m.fingerprint);
+        let weights = agent.agent.as_deref().and_then(|dir| crate::model_dir::resolve_agent(dir).ok()).and_then(|resolved| {
+            let fingerprint = |dir: &Path| trainer::run::BaseModel::of(dir).map(|m| m.fingerprint);
+            match &resolved.adapter {
+                None => fingerprint(&resolved.model),
+                Some(adapter) => Some(format!("{}+{}", fingerprint(&resolved.model)?, fingerprint(adapter)?)),
+            }
+        });
         let text = |p: &Option<std::path::PathBuf>| {
             p.as_ref().and_then(|p| std::fs::read(p).ok()).map(|bytes| trainer::run::fingerprint_of(&bytes))
         };
