@@ -106,6 +106,9 @@ pub fn run(mut args: Args) -> Result<()> {
     if let Some(dir) = &args.ssim_model {
         scoring::check_ssim_model(dir)?;
     }
+    if let Some(dir) = args.agent.agent.as_deref().filter(|_| mode.uses_agent()) {
+        crate::model_dir::resolve_agent(dir).with_context(|| format!("--agent {}", dir.display()))?;
+    }
     // A new --out is made only once the large LLM answers, so that a run that cannot start
     // leaves none behind.
     let fresh_out = !args.out.exists();
