@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use clap::ValueEnum;
 use data::Example;
-use env::{ChatMessage, OpenAiClient, PromptTexts, StopReason, Trajectory};
+use env::{ChatMessage, OpenAiClient, PromptTexts, StopReason, Trajectory, ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE, THINK_OPEN};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -80,16 +80,22 @@ pub fn llm_messages(mode: Mode, question: &str) -> Vec<ChatMessage> {
     }
 }
 
-/// The prediction in a reply of the large LLM.
+/// The prediction in a reply of the large LLM: after its reasoning (`<think>…</think>`; none
+/// when the reasoning was cut before it ended), the content of the first `<answer>…</answer>`
+/// (empty if the tags hold nothing), or after an `<answer>` never closed (cut by the token
+/// limit), else the whole visible reply; trimmed.
 pub fn prediction_from_reply(reply: &str) -> String {
-    let visible = match reply.rfind("</think>") {
-        Some(at) => &reply[at + "</think>".len()..],
+    let visible = match reply.rfind(THINK_CLOSE) {
+        Some(at) => &reply[at + THINK_CLOSE.len()..],
+        None if reply.trim_start().starts_with(THINK_OPEN) => return String::new(),
         None => reply,
     };
-    match rewards::extract_answer(visible) {
-        Some(answer) => answer.to_string(),
-        None => visible.trim().to_string(),
-    }
+    let Some(open) = visible.find(ANSWER_OPEN) else {
+        return visible.trim().to_string();
+    };
+    let content = &visible[open + ANSWER_OPEN.len()..];
+    let content = content.find(ANSWER_CLOSE).map_or(content, |close| &content[..close]);
+    content.trim().to_string()
 }
 
 /// Asks the large LLM one question (`direct` or `cot`).
@@ -152,6 +158,11 @@ mod tests {
             "Paris"
         );
         assert_eq!(prediction_from_reply("<think>x</think>\n\nParis"), "Paris");
+        // Empty tags hold an empty answer; an unclosed answer is what follows its tag; reasoning
+        // cut before its end leaves no answer.
+        assert_eq!(prediction_from_reply("<answer></answer> J. Cole"), "");
+        assert_eq!(prediction_from_reply("So: <answer> Ainslee's Magazine"), "Ainslee's Magazine");
+        assert_eq!(prediction_from_reply(" <think>The film was directed by"), "");
     }
 
     #[test]
