@@ -24,7 +24,9 @@ impl<B: Backend> LoadedModel<B> {
             .with_context(|| format!("loading the model in {}", dir.display()))?
             .for_inference();
         let tokenizer = if dir.join("tokenizer.json").is_file() {
-            Some(Qwen3Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?)
+            let tokenizer = Qwen3Tokenizer::from_dir(dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
+            tokenizer.check_fits_vocabulary(dir, model.config.vocab_size)?;
+            Some(tokenizer)
         } else {
             None
         };
@@ -124,8 +126,9 @@ pub fn load_agent<B: Backend>(dir: &Path, device: &B::Device, options: LoadOptio
         loaded.model = merge_adapters(loaded.model, &adapters);
     }
     if let Some(adapter) = agent.adapter.as_deref().filter(|a| a.join("tokenizer.json").is_file()) {
-        loaded.tokenizer =
-            Some(Qwen3Tokenizer::from_dir(adapter).with_context(|| format!("loading the tokenizer in {}", adapter.display()))?);
+        let tokenizer = Qwen3Tokenizer::from_dir(adapter).with_context(|| format!("loading the tokenizer in {}", adapter.display()))?;
+        tokenizer.check_fits_vocabulary(adapter, loaded.model.config.vocab_size)?;
+        loaded.tokenizer = Some(tokenizer);
     }
     Ok(loaded)
 }

@@ -55,6 +55,11 @@ pub enum ModelError {
         index: usize,
         value: &'static str,
     },
+    #[error(
+        "{path} holds {tokens} tokens, more than the model's vocabulary of {vocab_size} (vocab_size in config.json): \
+         the tokenizer and the model do not belong together"
+    )]
+    TokenizerMismatch { path: PathBuf, tokens: usize, vocab_size: usize },
     #[error("invalid input: {0}")]
     Input(String),
     #[error("the device failed: {0}")]

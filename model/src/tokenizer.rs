@@ -236,6 +236,17 @@ impl Qwen3Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Refuses this tokenizer (read from `dir`) for a model of `vocab_size` embedding rows when
+    /// it holds more tokens: the tokenizer of another model, whose ids past the table would fail
+    /// at the first prompt.
+    pub fn check_fits_vocabulary(&self, dir: &std::path::Path, vocab_size: usize) -> Result<(), crate::ModelError> {
+        let tokens = self.vocab_size();
+        if tokens > vocab_size {
+            return Err(crate::ModelError::TokenizerMismatch { path: dir.join("tokenizer.json"), tokens, vocab_size });
+        }
+        Ok(())
+    }
+
     /// The wrapped `tokenizers` tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
@@ -250,6 +261,16 @@ impl Qwen3Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tokenizer with more tokens than the model's embedding rows is refused, naming its file.
+    #[test]
+    fn a_tokenizer_larger_than_the_vocabulary_is_refused() {
+        let tokenizer = crate::tiny_tokenizer::train_tiny_tokenizer(crate::tiny_tokenizer::TINY_VOCAB_SIZE).unwrap();
+        let dir = std::path::Path::new("agent");
+        assert!(tokenizer.check_fits_vocabulary(dir, tokenizer.vocab_size()).is_ok());
+        let err = tokenizer.check_fits_vocabulary(dir, 100).unwrap_err().to_string();
+        assert!(err.contains("agent/tokenizer.json") && err.contains("vocabulary of 100"), "{err}");
+    }
 
     /// The prefix `encode_at_most` encodes gives the first ids of the whole text, so a text
     /// within `most` tokens is never refused and a refused one is longer than `most`.

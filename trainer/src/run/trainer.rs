@@ -110,8 +110,10 @@ impl<B: AutodiffBackend> Trainer<B> {
             optimizer: &config.grpo.optimizer,
             seed: config.run.seed,
         };
-        // Before the weights load: config.json alone gives the context.
-        let context = model::Qwen3Config::from_file(&config.model.join("config.json"))?.max_position_embeddings;
+        // Before the weights load: config.json alone gives the context and the vocabulary.
+        let model_config = model::Qwen3Config::from_file(&config.model.join("config.json"))?;
+        tokenizer.check_fits_vocabulary(&config.model, model_config.vocab_size)?;
+        let context = model_config.max_position_embeddings;
         let longest_prompt = check_episodes_fit_the_context(&config, &tokenizer, context, train.iter().chain(&validation))?;
         let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
         let reference = if config.lora.is_none() && config.grpo.loss.uses_kl() {

@@ -137,7 +137,9 @@ impl<B: AutodiffBackend> SftRun<B> {
         let tokenizer = Qwen3Tokenizer::from_dir(&config.model)?;
         // No sequence may pass the model's context: longer ones are cut to it, as to a smaller
         // data.max_length.
-        let context = model::Qwen3Config::from_file(&config.model.join("config.json"))?.max_position_embeddings;
+        let model_config = model::Qwen3Config::from_file(&config.model.join("config.json"))?;
+        tokenizer.check_fits_vocabulary(&config.model, model_config.vocab_size)?;
+        let context = model_config.max_position_embeddings;
         let rows = RowEncoder {
             tokenizer: &tokenizer,
             template: chat_template(&config.model)?,
