@@ -558,6 +558,14 @@ fn check_episodes_fit_the_context<'e>(
     let episode = config.episode.episode_config()?;
     let (prompt, question) = crate::rollout::longest_first_prompt(tokenizer, examples.map(Example::question), &episode)?;
     let responses = config.episode.max_response_tokens;
+    if prompt >= context {
+        let shown: String = question.chars().take(60).collect();
+        return Err(TrainError::Invalid(format!(
+            "a question is too long for the model's context of {context} tokens (max_position_embeddings in {}): \
+             its first prompt alone has {prompt} tokens (question \"{shown}\"); shorten it or leave it out of the data",
+            config.model.join("config.json").display()
+        )));
+    }
     if prompt + responses > context {
         let shown: String = question.chars().take(60).collect();
         return Err(TrainError::Invalid(format!(

@@ -118,8 +118,17 @@ fn episodes_longer_than_the_context_are_refused_at_start() {
     let mut config = setup(dir.path());
     let context = model::Qwen3Config::from_file(&config.model.join("config.json")).unwrap().max_position_embeddings;
     config.episode.max_response_tokens = context;
-    let err = Trainer::<B>::start(config, Default::default(), false).err().expect("a refusal").to_string();
+    let err = Trainer::<B>::start(config.clone(), Default::default(), false).err().expect("a refusal").to_string();
     assert!(err.contains("max_position_embeddings") && err.contains("lower episode.max_response_tokens to at most"), "{err}");
+    // A question whose first prompt alone fills the context is named as too long: no response
+    // length could make it fit.
+    let long = dir.path().join("long.jsonl");
+    let question = "why ".repeat(context);
+    std::fs::write(&long, format!("{{\"id\": \"1\", \"data_source\": \"d\", \"question\": \"{question}\", \"answers\": [\"x\"]}}\n")).unwrap();
+    config.episode.max_response_tokens = 16;
+    config.data.train = vec![long];
+    let err = Trainer::<B>::start(config, Default::default(), false).err().expect("a refusal").to_string();
+    assert!(err.contains("a question is too long") && err.contains("shorten it"), "{err}");
 }
 
 /// An empty training file is refused naming it (it said only "cannot draw batches from an
