@@ -148,17 +148,26 @@ pub(crate) fn checkpoint_step(name: &str) -> Option<u64> {
 }
 
 /// Makes the staged folder `tmp` the checkpoint `name`: syncs it, renames it into place, then
-/// points `latest` at it. Older checkpoints beyond `keep` (0 = all) are removed afterwards.
+/// points `latest` at it. A checkpoint already of that name is renamed aside first and removed
+/// only once the new one is in place (a kill in between leaves at most two renames undone, not
+/// a half-deleted folder). Older checkpoints beyond `keep` (0 = all) are removed afterwards.
 pub(crate) fn publish(run_dir: &Path, tmp: &Path, name: &str, keep: usize) -> Result<PathBuf, TrainError> {
     let dir = run_dir.join(CHECKPOINTS_DIR);
     let target = dir.join(name);
     sync_dir(tmp)?;
+    let replaced = dir.join(format!("{REMOVING_PREFIX}{name}"));
     if target.exists() {
-        std::fs::remove_dir_all(&target).map_err(TrainError::io(&target))?;
+        if replaced.exists() {
+            std::fs::remove_dir_all(&replaced).map_err(TrainError::io(&replaced))?;
+        }
+        std::fs::rename(&target, &replaced).map_err(TrainError::io(&target))?;
     }
     std::fs::rename(tmp, &target).map_err(TrainError::io(&target))?;
     sync_dir(&dir)?;
     point_latest(run_dir, name)?;
+    if replaced.exists() {
+        std::fs::remove_dir_all(&replaced).map_err(TrainError::io(&replaced))?;
+    }
     if keep > 0 {
         // The newest `keep` by step, always with the one just published.
         let mut steps = step_folders(&dir)?;
@@ -456,4 +465,20 @@ mod tests {
         assert_eq!(left, ["latest", "step-0000003", "step-0000004"]);
     }
 
+    /// A checkpoint published again under its name replaces the earlier one whole, through a
+    /// folder out of the checkpoints' names.
+    #[test]
+    fn a_checkpoint_published_again_replaces_the_earlier() {
+        let root = tempfile::tempdir().unwrap();
+        let checkpoints = root.path().join(CHECKPOINTS_DIR);
+        fake(&checkpoints.join("step-0000004"));
+        std::fs::write(checkpoints.join("step-0000004/old.bin"), "old").unwrap();
+        let tmp = staging_dir(root.path(), "step-0000004").unwrap();
+        fake(&tmp);
+        publish(root.path(), &tmp, "step-0000004", 0).unwrap();
+        assert!(!checkpoints.join("step-0000004/old.bin").exists());
+        assert!(checkpoints.join("step-0000004").join(STATE_FILE).is_file());
+        let left: Vec<String> = std::fs::read_dir(&checkpoints).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert!(left.iter().all(|n| !n.starts_with(REMOVING_PREFIX)), "{left:?}");
+    }
 }
