@@ -70,6 +70,12 @@ pub fn note_resume(resume: trainer::run::Resume, step: u64, session: &trainer::r
     if let Some(earlier) = session.earlier_config() {
         eprintln!("note: the settings differ from the run's until now; the earlier ones are kept in {}", earlier.display());
     }
+    if let Some(earlier) = session.earlier_metrics() {
+        eprintln!(
+            "note: an earlier start of this run stopped before its first checkpoint; its metrics lines are kept in {}",
+            earlier.display()
+        );
+    }
 }
 
 /// What to try when an optimiser step was skipped for a non-finite gradient norm.

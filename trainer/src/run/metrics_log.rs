@@ -318,14 +318,10 @@ fn split_at_step(path: &Path, step: u64) -> Result<(String, String), TrainError>
     Ok((kept, after))
 }
 
-/// Empties `metrics.jsonl`, if there is one (a fresh start: the lines of an earlier start that
-/// stopped before its first checkpoint are not continued).
+/// Writes an empty `metrics.jsonl` (a fresh start: the lines of an earlier start that stopped
+/// before its first checkpoint are not continued).
 pub(crate) fn clear(run_dir: &Path) -> Result<(), TrainError> {
-    let path = run_dir.join(METRICS_FILE);
-    if !path.exists() {
-        return Ok(());
-    }
-    write_metrics_text(&path, "")
+    write_metrics_text(&run_dir.join(METRICS_FILE), "")
 }
 
 fn write_metrics_text(path: &Path, text: &str) -> Result<(), TrainError> {

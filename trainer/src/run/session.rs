@@ -17,7 +17,7 @@ use super::checkpoint::{
 };
 use super::error::TrainError;
 use super::learner::Learner;
-use super::metrics_log::{append_line, clear, move_lines_after, truncate_after};
+use super::metrics_log::{append_line, clear, move_lines_after, truncate_after, METRICS_FILE};
 
 /// The file a run holds locked while it writes its directory, so that a second run into the
 /// same directory is refused instead of interleaving its checkpoints and metrics.
@@ -87,6 +87,8 @@ pub struct RunSession {
     set_aside: Option<SetAside>,
     /// Where a resume with other settings kept the earlier ones ([`Self::begin`]).
     earlier_config: Option<PathBuf>,
+    /// See [`Self::earlier_metrics`].
+    earlier_metrics: Option<PathBuf>,
     /// The model the run trains from, as its checkpoints record it (read once, at the start).
     base: Option<BaseModel>,
     /// [`LOCK_FILE`], locked while the session lives.
@@ -111,6 +113,7 @@ impl RunSession {
             resumed: None,
             set_aside: None,
             earlier_config: None,
+            earlier_metrics: None,
             base: BaseModel::of(settings.initial),
             _lock: lock,
         };
@@ -233,9 +236,16 @@ impl RunSession {
         self.set_aside.as_ref()
     }
 
-    /// Where the settings the run had before it resumed with other ones were kept.
+    /// Where the settings the run had before it resumed (or started again) with other ones were
+    /// kept.
     pub fn earlier_config(&self) -> Option<&Path> {
         self.earlier_config.as_deref()
+    }
+
+    /// Where a fresh start kept the `metrics.jsonl` of an earlier start that stopped before its
+    /// first checkpoint.
+    pub fn earlier_metrics(&self) -> Option<&Path> {
+        self.earlier_metrics.as_deref()
     }
 
     /// The steps completed when the run starts (0 on a fresh start).
@@ -317,7 +327,8 @@ impl RunSession {
     /// resume from an earlier checkpoint than the newest sets the later checkpoints aside, with
     /// their steps' metrics lines ([`set_aside_after`], [`Self::set_aside`]): the run goes on
     /// from there, and what it leaves behind is kept, not mixed in. A resume whose `config`
-    /// differs from the file's keeps the earlier one beside it ([`keep_earlier_config`]).
+    /// differs from the file's keeps the earlier one beside it ([`keep_earlier_config`]); so does
+    /// a fresh start, which also keeps an earlier start's `metrics.jsonl` beside it.
     pub(crate) fn begin(
         &mut self,
         config_file: &str,
@@ -333,15 +344,27 @@ impl RunSession {
                     truncate_after(dir, step)?;
                 }
             }
-            None => clear(&self.dir)?,
+            None => {
+                // An earlier start that stopped before its first checkpoint: its lines are not
+                // continued, but kept.
+                let metrics = self.dir.join(METRICS_FILE);
+                if std::fs::metadata(&metrics).is_ok_and(|m| m.len() > 0) {
+                    self.earlier_metrics = Some(keep_aside(&metrics, "earlier-start")?);
+                }
+                clear(&self.dir)?;
+            }
         }
         let json = serde_json::to_string_pretty(config).expect("config serialises");
         let path = self.dir.join(config_file);
-        if let Some((_, state)) = &self.resumed {
+        let label = match &self.resumed {
             // The earlier settings were in force up to the run's newest step, set aside or not.
-            let newest = self.set_aside.iter().flat_map(|aside| aside.steps.iter().copied()).chain([state.step]).max();
-            self.earlier_config = keep_earlier_config(&path, json.as_bytes(), newest.unwrap_or(state.step))?;
-        }
+            Some((_, state)) => {
+                let newest = self.set_aside.iter().flat_map(|aside| aside.steps.iter().copied()).chain([state.step]).max();
+                format!("up-to-step-{}", newest.unwrap_or(state.step))
+            }
+            None => "earlier-start".to_string(),
+        };
+        self.earlier_config = keep_earlier_config(&path, json.as_bytes(), &label)?;
         model::checkpoint::write_atomic(&path, json.as_bytes())?;
         Ok(())
     }
@@ -382,28 +405,34 @@ impl RunSession {
     }
 }
 
-/// Renames the settings file `path` to `NAME.up-to-step-STEP.json` beside it (`-2`, `-3`, ... if
-/// taken) when it differs from `next`, the settings a resumed run goes on with, so that the
-/// settings of the steps already made (up to `step`, the run's newest) are not lost; gives the
-/// new name.
-fn keep_earlier_config(path: &Path, next: &[u8], step: u64) -> Result<Option<PathBuf>, TrainError> {
+/// Renames the settings file `path` aside ([`keep_aside`], as `NAME.LABEL.json`) when it differs
+/// from `next`, the settings the run goes on with, so that the settings of the steps already
+/// made (`up-to-step-N`, N the run's newest) or of an earlier start (`earlier-start`) are not
+/// lost; gives the new name.
+fn keep_earlier_config(path: &Path, next: &[u8], label: &str) -> Result<Option<PathBuf>, TrainError> {
     match std::fs::read(path) {
-        Ok(earlier) if earlier == next => return Ok(None),
-        Ok(_) => {}
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(err) => return Err(TrainError::io(path)(err)),
+        Ok(earlier) if earlier == next => Ok(None),
+        Ok(_) => keep_aside(path, label).map(Some),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(TrainError::io(path)(err)),
     }
-    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("config");
+}
+
+/// Renames `path` (`NAME.EXT`) to `NAME.LABEL.EXT` beside it (`-2`, `-3`, ... after the label if
+/// taken); gives the new name.
+fn keep_aside(path: &Path, label: &str) -> Result<PathBuf, TrainError> {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("file");
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("json");
     let kept = (1..)
         .map(|n| match n {
-            1 => format!("{stem}.up-to-step-{step}.json"),
-            n => format!("{stem}.up-to-step-{step}-{n}.json"),
+            1 => format!("{stem}.{label}.{ext}"),
+            n => format!("{stem}.{label}-{n}.{ext}"),
         })
         .map(|name| path.with_file_name(name))
         .find(|candidate| !candidate.exists())
         .expect("an unused name");
     std::fs::rename(path, &kept).map_err(TrainError::io(path))?;
-    Ok(Some(kept))
+    Ok(kept)
 }
 
 /// Opens and locks `dir`'s [`LOCK_FILE`] for as long as the returned file lives (the lock goes
@@ -593,7 +622,7 @@ mod tests {
     }
 
     /// A resume keeps the lines up to its step as they were written; a fresh start empties the
-    /// file.
+    /// file, keeping an earlier start's lines (and settings, where they differ) beside it.
     #[test]
     fn metrics_are_cut_to_the_resumed_step_or_emptied() {
         let dir = tempfile::tempdir().unwrap();
@@ -618,6 +647,7 @@ mod tests {
 
         let fresh = tempfile::tempdir().unwrap();
         std::fs::write(fresh.path().join("metrics.jsonl"), lines).unwrap();
+        std::fs::write(fresh.path().join("config.json"), "7").unwrap();
         let mut session = RunSession::open(settings(fresh.path()), Resume::Latest).unwrap();
         assert_eq!(session.start_step(), 0);
         session.begin("config.json", &1, 10).unwrap();
@@ -625,6 +655,15 @@ mod tests {
             std::fs::read_to_string(fresh.path().join("metrics.jsonl")).unwrap(),
             ""
         );
+        let kept = fresh.path().join("metrics.earlier-start.jsonl");
+        assert_eq!(session.earlier_metrics(), Some(kept.as_path()));
+        assert_eq!(std::fs::read_to_string(&kept).unwrap(), lines);
+        assert_eq!(session.earlier_config(), Some(fresh.path().join("config.earlier-start.json").as_path()));
+        drop(session);
+        // Starting afresh again keeps nothing more: the lines and settings are empty and equal.
+        let mut session = RunSession::open(settings(fresh.path()), Resume::Fresh).unwrap();
+        session.begin("config.json", &1, 10).unwrap();
+        assert_eq!((session.earlier_metrics(), session.earlier_config()), (None, None));
     }
 
     /// A resume with other settings keeps the earlier ones beside the new; the same settings
