@@ -35,6 +35,16 @@ fn load(dir: &std::path::Path) -> Qwen3ForCausalLM<B> {
     load_pretrained::<B>(dir, &Default::default(), LoadOptions::default()).expect("fixture loads")
 }
 
+/// The fixture with a context of 512 positions in place of its 128 (the decoder refuses
+/// sequences past a model's context): for the cases that measure memory over sequences longer
+/// than the fixture's context. RoPE's tables cover the positions in use, so recomputation still
+/// gives the reference for each step.
+fn load_with_a_longer_context(dir: &std::path::Path) -> Qwen3ForCausalLM<B> {
+    let mut model = load(dir);
+    model.config.max_position_embeddings = 512;
+    model
+}
+
 fn logits_of(model: &Qwen3ForCausalLM<B>, ids: &[u32]) -> Vec<f32> {
     let batch = TokenBatch::<B>::new(&[ids.to_vec()], Padding::Right, 0, &Default::default()).unwrap();
     model
@@ -564,7 +574,7 @@ fn sequences_leave_and_join_by_their_blocks() {
 fn memory_follows_the_positions_in_use() {
     use prompt_r1_model::qwen3::BLOCK_SIZE;
     let Some(fx) = fixture("tiny") else { return };
-    let model = load(&fx.dir);
+    let model = load_with_a_longer_context(&fx.dir);
     let mut decoder = Decoder::<B>::new(DecoderLimits::default());
     decoder.add(&model, 0, (0..200).map(|i| 1 + i % 50).collect()).unwrap();
     for id in 1..8u64 {
@@ -705,7 +715,7 @@ fn a_kv_budget_is_respected_by_waiting_and_preempting() {
 fn sequences_share_the_blocks_of_equal_prefixes() {
     use prompt_r1_model::qwen3::BLOCK_SIZE;
     let Some(fx) = fixture("tiny") else { return };
-    let model = load(&fx.dir);
+    let model = load_with_a_longer_context(&fx.dir);
     let vocab = model.config.vocab_size as u32;
     let common: Vec<u32> = (0..40).map(|i| (i * 13 + 5) % vocab).collect();
     let with_tail = |tail: &[u32]| -> Vec<u32> { common.iter().chain(tail).copied().collect() };
