@@ -912,3 +912,25 @@ fn eval_explains_what_a_mode_needs() {
         text(&output.stderr)
     );
 }
+
+/// Rows repeating an earlier row's data_source and id are left out with a note, which says when
+/// one of them asks another question.
+#[test]
+fn eval_notes_rows_that_repeat_an_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let data = dir.path().join("repeats.csv");
+    let row = |id: &str, question: &str| format!("{id},a,{question},\"[\"\"x\"\"]\"\n");
+    let csv = ["id,data_source,question,answers\n".to_string(), row("1", "q1"), row("1", "q1"), row("2", "q2"), row("2", "other")].concat();
+    std::fs::write(&data, csv).unwrap();
+    let out = dir.path().join("out");
+    let output = run(&[
+        "eval", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--mode", "agent-only",
+        "--agent", model.to_str().unwrap(), "--max-turns", "1", "--max-turn-tokens", "2",
+    ]);
+    let err = text(&output.stderr);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("left out 2 rows whose data_source and id appeared before"), "{err}");
+    assert!(err.contains("1 of them asks another question") && err.contains("id \"2\""), "{err}");
+    assert_eq!(rows(&out).len(), 2);
+}

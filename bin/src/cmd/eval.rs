@@ -7,7 +7,7 @@ mod predictions;
 mod scoring;
 mod setup;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
@@ -22,7 +22,7 @@ use serde_json::json;
 
 use crate::agent_flags::{AgentFlags, EnvFlags, EpisodeFlags};
 use modes::Mode;
-use predictions::{key_of, PredictionsFile, Row};
+use predictions::{key_of, Key, PredictionsFile, Row};
 
 /// Evaluate on datasets: predictions.jsonl, metrics.json and the metrics table.
 ///
@@ -120,6 +120,13 @@ pub fn run(mut args: Args) -> Result<()> {
     let _lock = trainer::run::lock_dir(&args.out, "--out")?;
     let predictions_path = args.out.join("predictions.jsonl");
     let (mut file, done) = PredictionsFile::open(&predictions_path)?;
+    let shown = predictions_path.display().to_string();
+    if let Err(err) = ctrlc::set_handler(move || {
+        eprintln!("\ninterrupted: every answer finished so far is in {shown}; run the same command again to go on from there");
+        std::process::exit(130);
+    }) {
+        eprintln!("note: an interruption will end the run without a word ({err})");
+    }
     if let Some(other) = done.values().find(|row| row.mode != mode) {
         bail!(
             "{} holds predictions of --mode {}; use another --out for --mode {}",
@@ -258,8 +265,9 @@ fn load_examples(
     on_bad_row: OnBadRow,
 ) -> Result<Vec<Example>> {
     let mut selected = Vec::new();
-    let mut seen = HashSet::new();
+    let mut seen = HashMap::new();
     let mut repeated = 0;
+    let mut differing: Vec<Key> = Vec::new();
     for path in paths {
         // Every `DataError` names the file already.
         let dataset = data::load(path, on_bad_row)?;
@@ -275,15 +283,33 @@ fn load_examples(
             .into_iter()
             .take(limit.unwrap_or(usize::MAX))
         {
-            if seen.insert(key_of(&example)) {
-                selected.push(example);
-            } else {
-                repeated += 1;
+            match seen.entry(key_of(&example)) {
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(example.question().to_string());
+                    selected.push(example);
+                }
+                std::collections::hash_map::Entry::Occupied(first) => {
+                    repeated += 1;
+                    if first.get() != example.question() {
+                        differing.push(first.key().clone());
+                    }
+                }
             }
         }
     }
     if repeated > 0 {
-        eprintln!("note: left out {repeated} rows whose data_source and id appeared before");
+        let rows = if repeated == 1 { "row" } else { "rows" };
+        eprintln!("note: left out {repeated} {rows} whose data_source and id appeared before");
+    }
+    if let Some((source, id)) = differing.first() {
+        let which = match (differing.len(), repeated) {
+            (1, 1) => "it asks".to_string(),
+            (1, _) => "1 of them asks".to_string(),
+            (n, _) => format!("{n} of them ask"),
+        };
+        eprintln!(
+            "note: {which} another question than the first row of its id (the first: data_source {source:?}, id {id:?}): give such rows ids of their own to evaluate them"
+        );
     }
     if selected.is_empty() {
         bail!("the data files hold no questions");
