@@ -166,18 +166,18 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
     }
 
     /// How many tokens episode `ctx` may still sample before its context fills the model's
-    /// (`max_position_embeddings`); an episode with no room left is refused, so that no position
-    /// past the context is ever decoded.
+    /// (`max_position_embeddings`), so that no position past the context is ever decoded: 0 once
+    /// an environment reply filled it; a first prompt that fills it alone is refused (the episode
+    /// fails, naming the lengths).
     fn room_in_context(&self, ctx: &AgentContext) -> Result<usize, AgentError> {
         let context = self.model.base().config.max_position_embeddings;
         let held = ctx.trace().len();
-        if held >= context {
-            let what = if ctx.exchanges().is_empty() { "its first prompt" } else { "its context" };
+        if held >= context && ctx.exchanges().is_empty() {
             return Err(AgentError::Model(format!(
-                "the episode leaves the agent no room to answer: {what} holds {held} tokens, the model's context is {context} (max_position_embeddings)"
+                "the episode leaves the agent no room to answer: its first prompt holds {held} tokens, the model's context is {context} (max_position_embeddings)"
             )));
         }
-        Ok(context - held)
+        Ok(context.saturating_sub(held))
     }
 
     /// Puts episode `ctx`'s sequence in line for its next turn: a new sequence of its whole
@@ -299,6 +299,13 @@ impl<B: Backend> Agent for LocalAgent<'_, B> {
                     return Ok(());
                 }
                 let room = self.room_in_context(ctx)?;
+                if room == 0 {
+                    // The context filled (an environment reply took its last room): the episode
+                    // ends at its token limit, as when its response budget runs out.
+                    let empty = TurnText { text: String::new(), tokens: 0, end: TurnEnd::Length };
+                    self.ended.push((ctx.index(), Ok(empty)));
+                    return Ok(());
+                }
                 self.queue_turn(ctx).map_err(|e| AgentError::Model(e.to_string()))?;
                 let row = TurnRow {
                     // As `prompt-r1 serve` seeds a request's row from its `seed`, so that a

@@ -348,4 +348,30 @@ fn episodes_stay_within_the_models_context() {
     assert_eq!(runs[1].stop_reason, env::StopReason::AgentFailure);
     let why = runs[1].error.as_deref().unwrap_or_default();
     assert!(why.contains("no room") && why.contains(&format!("context is {context}")), "{why}");
+
+    // A call whose reply fills the context ends the episode at its token limit, as a spent
+    // response budget does: no failure. (A random model writes no call: its turns that sampled
+    // a token are made calls here.)
+    struct Calls<A>(A);
+    impl<A: Agent> Agent for Calls<A> {
+        fn begin_episode(&mut self, ctx: &mut AgentContext) -> Result<(), env::AgentError> {
+            self.0.begin_episode(ctx)
+        }
+        fn generate_turns(&mut self, episodes: &mut [&mut AgentContext]) -> Vec<Result<env::TurnText, env::AgentError>> {
+            let turns = self.0.generate_turns(episodes);
+            let call = format!("<think>t</think>{}Paris?{}", env::CALL_OPEN, env::CALL_CLOSE);
+            let forced = |turn: env::TurnText| if turn.tokens > 0 { env::TurnText { text: call.clone(), ..turn } } else { turn };
+            turns.into_iter().map(|turn| turn.map(forced)).collect()
+        }
+        fn environment_tokens(&mut self, text: &str) -> Result<env::EnvironmentTokens, env::AgentError> {
+            self.0.environment_tokens(text)
+        }
+        fn end_episode(&mut self, ctx: &mut AgentContext) {
+            self.0.end_episode(ctx)
+        }
+    }
+    let mut agent = Calls(LocalAgent::new(&model, &tokenizer, Sampling { temperature: 1.0, seed: 3, ..Default::default() }));
+    let runs = env::run_episodes(&mut agent, &Echo, &[short], &episode);
+    assert_eq!((runs[0].stop_reason, runs[0].error.as_deref(), runs[0].env_calls), (env::StopReason::TokenLimit, None, 1));
+    assert_eq!(runs[0].loss_mask.iter().filter(|&&m| m == 1).count(), 10, "one turn, cut at the context");
 }
