@@ -695,14 +695,17 @@ fn bench_reports_every_workload_and_rejects_short_prompts() {
     let out = prompt_r1(&["bench", "--model", &model, "--prompt-len", "4"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--prompt-len must be at least 8"));
-    // Decoding past the model's context is refused before any workload (the tiny model holds
-    // 8,192 positions), as is an attention of no positions.
+    // A workload feeding positions past the model's context is refused before any runs (the
+    // tiny model holds 8,192 positions; a prefill of all of them is not past it), as is an
+    // attention of no positions.
     for (args, expected) in [
-        (&["--decode-tokens", "8190"][..], "--decode-tokens 8190 take 8206 positions, past the model's context of 8192"),
+        (&["--decode-tokens", "8190"][..], "--decode-context 16 and --decode-tokens 8190 feed 8205 positions, past the model's context of 8192"),
+        (&["--prompt-len", "9000", "--workloads", "prefill"][..], "--prompt-len 9000 feed 9000 positions"),
         (&["--decode-context", "100000000000"][..], "--decode-context 100000000000 and --decode-tokens"),
         (&["--attention", "--attention-lens", "0"][..], "--attention-lens must be at least 1"),
+        (&["--rollout", "--rollout-turns", "100", "--rollout-turn-tokens", "100"][..], "--rollout-turns 100 of --rollout-turn-tokens 100"),
     ] {
-        let out = prompt_r1(&[&["bench", "--model", &model, "--prompt-len", "8"][..], args].concat());
+        let out = prompt_r1(&[&["bench", "--model", &model][..], args].concat());
         assert_eq!(out.status.code(), Some(1), "{args:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains(expected), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }

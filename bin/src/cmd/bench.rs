@@ -280,6 +280,50 @@ pub fn run(args: Args) -> Result<()> {
     run_on(device, args)
 }
 
+impl Args {
+    /// Refuses workloads that would feed positions past the model's `context` (the decoder holds
+    /// no sequence longer): prefill feeds `--prompt-len` positions, decoding (plain or chained)
+    /// `--decode-context` and `--decode-tokens` less one, a rollout 16 and every turn's tokens
+    /// less one; notes a scoring pass or training step past it (a plain forward, timed as is).
+    fn check_positions(&self, context: usize) -> Result<()> {
+        let past = |what: String, positions: usize| {
+            anyhow::anyhow!("{what} feed {positions} positions, past the model's context of {context} tokens (max_position_embeddings): lower them")
+        };
+        if self.attention {
+            if self.attention_lens.contains(&0) {
+                anyhow::bail!("--attention-lens must be at least 1 each");
+            }
+            return Ok(());
+        }
+        if self.rollout {
+            let positions = rollout::DECODE_PROMPT + (self.rollout_turns * self.rollout_turn_tokens).saturating_sub(1);
+            if positions > context {
+                return Err(past(format!("--rollout-turns {} of --rollout-turn-tokens {} (after a {}-token prompt)", self.rollout_turns, self.rollout_turn_tokens, rollout::DECODE_PROMPT), positions));
+            }
+            return Ok(());
+        }
+        if !self.train_step_only {
+            if self.workloads.contains(&Workload::Prefill) && self.prompt_len > context {
+                return Err(past(format!("--prompt-len {}", self.prompt_len), self.prompt_len));
+            }
+            let decoded = self.decode_context.saturating_add(self.decode_tokens - 1);
+            if (self.workloads.contains(&Workload::Decode) || self.workloads.contains(&Workload::Chained)) && decoded > context {
+                return Err(past(format!("--decode-context {} and --decode-tokens {}", self.decode_context, self.decode_tokens), decoded));
+            }
+            if self.workloads.contains(&Workload::Score) && self.prompt_len > context {
+                eprintln!("note: scoring's {} positions pass the model's context of {context} tokens (max_position_embeddings): the timings hold, the outputs mean nothing there", self.prompt_len);
+            }
+        }
+        let trained = self.seq_len.unwrap_or(self.prompt_len);
+        if self.train_step && trained > context {
+            eprintln!(
+                "note: the training step's {trained} positions pass the model's context of {context} tokens (max_position_embeddings): the timings hold, the outputs mean nothing there"
+            );
+        }
+        Ok(())
+    }
+}
+
 impl OnBackend for Args {
     type Output = ();
 
@@ -293,6 +337,13 @@ impl OnBackend for Args {
         if self.decode_tokens < 2 {
             anyhow::bail!("--decode-tokens must be at least 2: the decoding steps timed are those after the first token (got {})", self.decode_tokens);
         }
+        // The model's context, before any random weights are written: workloads past it are
+        // refused, each by what it feeds.
+        let context = match &self.model {
+            Some(dir) => Qwen3Config::from_file(&dir.join("config.json"))?.max_position_embeddings,
+            None => self.preset.config(512, vec![2]).max_position_embeddings,
+        };
+        self.check_positions(context)?;
         let temp;
         let dir = match &self.model {
             Some(dir) => dir.clone(),
@@ -305,28 +356,6 @@ impl OnBackend for Args {
                 temp.path().to_path_buf()
             }
         };
-        let context = Qwen3Config::from_file(&dir.join("config.json"))?.max_position_embeddings;
-        let (prompt_flag, prompt) = if self.prompt_len >= self.decode_context {
-            ("--prompt-len", self.prompt_len)
-        } else {
-            ("--decode-context", self.decode_context)
-        };
-        let decoded = prompt.saturating_add(self.decode_tokens);
-        if decoded > context && !self.rollout && !self.attention && !self.train_step_only {
-            anyhow::bail!(
-                "{prompt_flag} {prompt} and --decode-tokens {} take {decoded} positions, past the model's context of {context} tokens (max_position_embeddings): lower them",
-                self.decode_tokens
-            );
-        }
-        let trained = self.seq_len.unwrap_or(self.prompt_len);
-        if self.train_step && trained > context {
-            eprintln!(
-                "note: the training step's {trained} positions pass the model's context of {context} tokens (max_position_embeddings): the timings hold, the outputs mean nothing there"
-            );
-        }
-        if self.attention && self.attention_lens.contains(&0) {
-            anyhow::bail!("--attention-lens must be at least 1 each");
-        }
         let mut figures = Vec::new();
         if self.rollout {
             self.rollout_figures::<B>(&dir, &device, &mut figures)?;

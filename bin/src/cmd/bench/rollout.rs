@@ -320,7 +320,9 @@ pub fn measure<B: Backend>(
         .flat_map(|t| t.loss_mask.iter().enumerate().filter(|&(_, &m)| m == 1).map(|(p, _)| p))
         .fold((0usize, 0usize), |(sum, n), p| (sum + p, n + 1));
     let mean_context = positions as f64 / agent_tokens_in_context.max(1) as f64;
-    let context_prompt = ((mean_context - (new_tokens / 2) as f64).round().max(0.0) as usize).max(DECODE_PROMPT);
+    // Within the model's context: the prompt and the new tokens but the last are fed.
+    let room = (model.config.max_position_embeddings + 1).saturating_sub(new_tokens);
+    let context_prompt = ((mean_context - (new_tokens / 2) as f64).round().max(0.0) as usize).min(room).max(DECODE_PROMPT);
     let sources: Vec<&[u32]> = trajectories.iter().map(|t| t.token_ids.as_slice()).filter(|ids| !ids.is_empty()).collect();
     if sources.is_empty() {
         bail!("no episode of the rollout recorded a token");
@@ -507,7 +509,7 @@ pub fn tokenizer(dir: &std::path::Path) -> Result<Qwen3Tokenizer> {
 }
 
 /// Prompt tokens per row of the pure decode measurement (as the `decode batch` workload).
-const DECODE_PROMPT: usize = 16;
+pub(super) const DECODE_PROMPT: usize = 16;
 
 /// Seconds `generate` takes to decode `new_tokens - 1` tokens for each row of `prompts` after
 /// its first, timed from when the first step's tokens (the prefill's) reached the host: the
