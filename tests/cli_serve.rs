@@ -947,6 +947,9 @@ fn token_id_prompts_return_ids_and_logprobs() {
     let context = server.get("/v1/models").json()["data"][0]["max_model_len"].as_u64().unwrap() as usize;
     let (status, err) = error(json!({"prompt": vec![5; context - 10], "max_tokens": 11}));
     assert_eq!((status, err["code"].as_str()), (400, Some("context_length_exceeded")));
+    // A prompt past the context alone is refused too, whatever the completion's length.
+    let (status, err) = error(json!({"prompt": vec![5; context + 1]}));
+    assert_eq!((status, err["code"].as_str()), (400, Some("context_length_exceeded")), "{err}");
     assert_eq!(error(json!({"prompt": [1, 2], "model": "other"})).0, 404);
 }
 

@@ -104,7 +104,7 @@ pub fn resolve_agent(dir: &Path) -> Result<AgentDir> {
                 config.base_model_name_or_path.as_deref().unwrap_or("not recorded")
             )
         })?;
-        check_trained_base(dir, &base)?;
+        check_trained_base(dir, &base, "point base_model_name_or_path in its adapter_config.json at that model")?;
         return Ok(AgentDir { model: base, adapter: Some(dir.to_path_buf()) });
     }
     match trainer::run::latest_checkpoint(dir)? {
@@ -135,8 +135,8 @@ pub fn load_agent<B: Backend>(dir: &Path, device: &B::Device, options: LoadOptio
 
 /// Refuses `base` for the adapters of checkpoint `source` when the checkpoint records another
 /// base model (config or weights that differ): the adapters would be merged into, or exported
-/// for, weights they were not trained on.
-pub fn check_trained_base(source: &Path, base: &Path) -> Result<()> {
+/// for, weights they were not trained on. `how` says how to name another base (a flag, a key).
+pub fn check_trained_base(source: &Path, base: &Path, how: &str) -> Result<()> {
     let Some(recorded) = trainer::run::recorded_base_model(source)? else {
         return Ok(());
     };
@@ -154,7 +154,7 @@ pub fn check_trained_base(source: &Path, base: &Path) -> Result<()> {
         );
     }
     bail!(
-        "{} is not the base model {} was trained on ({}; the config.json or weights differ): pass that model with --base",
+        "{} is not the base model {} was trained on ({}; the config.json or weights differ): {how}",
         base.display(),
         source.display(),
         recorded.path

@@ -108,7 +108,9 @@ const MARKER: &str = ".prompt-r1-demo";
 /// Refuses an `--out` holding folders or files of the demo's names that no demo wrote (a real
 /// run's `train/`, a model in `agent/`), unless `force`.
 fn check_out_is_the_demos(out: &Path, force: bool) -> Result<()> {
-    if force || out.join(MARKER).is_file() {
+    // A demo of an earlier version left no marker, but its own data files.
+    let earlier_demo = out.join("facts.jsonl").is_file() && out.join("demos.jsonl").is_file();
+    if force || out.join(MARKER).is_file() || earlier_demo {
         return Ok(());
     }
     let taken: Vec<&str> = WRITTEN.iter().copied().filter(|name| out.join(name).exists()).collect();

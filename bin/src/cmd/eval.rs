@@ -106,7 +106,9 @@ pub fn run(mut args: Args) -> Result<()> {
     if let Some(dir) = &args.ssim_model {
         scoring::check_ssim_model(dir)?;
     }
-    if let Some(dir) = args.agent.agent.as_deref().filter(|_| mode.uses_agent()) {
+    // A mistyped agent leaves no new --out behind (a run with nothing left to answer needs it
+    // not at all).
+    if let Some(dir) = args.agent.agent.as_deref().filter(|_| mode.uses_agent() && !args.out.exists()) {
         crate::model_dir::resolve_agent(dir).with_context(|| format!("--agent {}", dir.display()))?;
     }
     // A new --out is made only once the large LLM answers, so that a run that cannot start

@@ -68,7 +68,7 @@ pub fn run(args: Args) -> Result<()> {
         if super::same_dir(&base, &args.out) {
             bail!("--out {} is the base model of {}: choose another directory", args.out.display(), source.display());
         }
-        crate::model_dir::check_trained_base(&source, &base)?;
+        crate::model_dir::check_trained_base(&source, &base, "pass that model with --base")?;
         let base_model = load_pretrained::<Flex>(&base, &device, LoadOptions::default())
             .with_context(|| format!("loading the base model {}", base.display()))?;
         let (adapters, _) = load_adapter::<Flex>(&source, &base_model.config, &device)

@@ -68,7 +68,8 @@ pub fn note_resume(resume: trainer::run::Resume, step: u64, session: &trainer::r
         );
     }
     if let Some(earlier) = session.earlier_config() {
-        eprintln!("note: the settings differ from the run's until now; the earlier ones are kept in {}", earlier.display());
+        let whose = if step == 0 { "the earlier start's" } else { "the run's until now" };
+        eprintln!("note: the settings differ from {whose}; the earlier ones are kept in {}", earlier.display());
     }
     if let Some(earlier) = session.earlier_metrics() {
         eprintln!(

@@ -251,6 +251,9 @@ pub(super) fn job_for_ids(
         )
         .with_code("context_length_exceeded")
     };
+    if prompt.len() > shared.context_len {
+        return Err(context_error(0));
+    }
     let max_tokens = match req.max_tokens {
         Some(n) if n > room as u128 => return Err(context_error(n)),
         Some(n) => n as usize,

@@ -58,6 +58,12 @@ pub fn latest_checkpoint(run_dir: &Path) -> Result<Option<PathBuf>, TrainError> 
         });
     };
     let dir = run_dir.join(CHECKPOINTS_DIR).join(checkpoint_name(step));
+    let replaced = run_dir.join(CHECKPOINTS_DIR).join(format!("{REMOVING_PREFIX}{}", checkpoint_name(step)));
+    if !dir.exists() && is_complete(&replaced) {
+        // A kill between `publish`'s two renames: the checkpoint `latest` names is whole, aside.
+        std::fs::rename(&replaced, &dir).map_err(TrainError::io(&replaced))?;
+        eprintln!("note: {} was set aside by an interrupted save; it is back in place", dir.display());
+    }
     if !is_complete(&dir) {
         return Err(TrainError::Checkpoint {
             path: dir,
@@ -149,8 +155,8 @@ pub(crate) fn checkpoint_step(name: &str) -> Option<u64> {
 
 /// Makes the staged folder `tmp` the checkpoint `name`: syncs it, renames it into place, then
 /// points `latest` at it. A checkpoint already of that name is renamed aside first and removed
-/// only once the new one is in place (a kill in between leaves at most two renames undone, not
-/// a half-deleted folder). Older checkpoints beyond `keep` (0 = all) are removed afterwards.
+/// only once the new one is in place (after a kill between the two renames, [`latest_checkpoint`]
+/// puts it back). Older checkpoints beyond `keep` (0 = all) are removed afterwards.
 pub(crate) fn publish(run_dir: &Path, tmp: &Path, name: &str, keep: usize) -> Result<PathBuf, TrainError> {
     let dir = run_dir.join(CHECKPOINTS_DIR);
     let target = dir.join(name);
@@ -480,5 +486,9 @@ mod tests {
         assert!(checkpoints.join("step-0000004").join(STATE_FILE).is_file());
         let left: Vec<String> = std::fs::read_dir(&checkpoints).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         assert!(left.iter().all(|n| !n.starts_with(REMOVING_PREFIX)), "{left:?}");
+        // Killed between the two renames: the earlier checkpoint, aside, is put back.
+        std::fs::rename(checkpoints.join("step-0000004"), checkpoints.join(format!("{REMOVING_PREFIX}step-0000004"))).unwrap();
+        assert_eq!(latest_checkpoint(root.path()).unwrap(), Some(checkpoints.join("step-0000004")));
+        assert!(checkpoints.join("step-0000004").join(STATE_FILE).is_file());
     }
 }
