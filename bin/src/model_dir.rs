@@ -89,29 +89,36 @@ pub struct AgentDir {
 /// run; its base from `adapter_config.json`, refused if it is not the base the adapters were
 /// trained on), or a training run's directory (its newest checkpoint, either of those).
 pub fn resolve_agent(dir: &Path) -> Result<AgentDir> {
-    if !dir.exists() {
-        bail!("{} does not exist", dir.display());
+    let dir = checkpoint_dir(dir)?;
+    if !is_adapter_dir(&dir) {
+        return Ok(AgentDir { model: dir, adapter: None });
     }
-    if dir.join("config.json").is_file() {
-        return Ok(AgentDir { model: dir.to_path_buf(), adapter: None });
+    let config = read_adapter_config(&dir)?;
+    let base = base_model_dir(&dir, &config).with_context(|| {
+        format!(
+            "{} holds LoRA adapters whose base model ({}) is not a local model directory: merge them with `prompt-r1 export --merge --base DIR`",
+            dir.display(),
+            config.base_model_name_or_path.as_deref().unwrap_or("not recorded")
+        )
+    })?;
+    check_trained_base(&dir, &base, "point base_model_name_or_path in its adapter_config.json at that model")?;
+    Ok(AgentDir { model: base, adapter: Some(dir) })
+}
+
+/// A checkpoint directory as given (a model or a LoRA adapter), or the newest checkpoint of a
+/// run directory.
+pub fn checkpoint_dir(path: &Path) -> Result<PathBuf> {
+    if !path.exists() {
+        bail!("{} does not exist: name a checkpoint or a run directory", path.display());
     }
-    if is_adapter_dir(dir) {
-        let config = read_adapter_config(dir)?;
-        let base = base_model_dir(dir, &config).with_context(|| {
-            format!(
-                "{} holds LoRA adapters whose base model ({}) is not a local model directory: merge them with `prompt-r1 export --merge --base DIR`",
-                dir.display(),
-                config.base_model_name_or_path.as_deref().unwrap_or("not recorded")
-            )
-        })?;
-        check_trained_base(dir, &base, "point base_model_name_or_path in its adapter_config.json at that model")?;
-        return Ok(AgentDir { model: base, adapter: Some(dir.to_path_buf()) });
+    if path.join("config.json").is_file() || is_adapter_dir(path) {
+        return Ok(path.to_path_buf());
     }
-    match trainer::run::latest_checkpoint(dir)? {
-        Some(checkpoint) if checkpoint.join("config.json").is_file() || is_adapter_dir(&checkpoint) => resolve_agent(&checkpoint),
-        _ => bail!(
-            "{} holds no model: no config.json (a model), adapter_config.json (LoRA adapters) or checkpoints (a training run)",
-            dir.display()
+    match trainer::run::latest_checkpoint(path)? {
+        Some(dir) => Ok(dir),
+        None => bail!(
+            "{} is neither a checkpoint (no config.json or adapter_config.json) nor a run with checkpoints",
+            path.display()
         ),
     }
 }

@@ -45,7 +45,7 @@ pub struct Args {
 const COPIED: [&str; 3] = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"];
 
 pub fn run(args: Args) -> Result<()> {
-    let source = resolve(&args.checkpoint)?;
+    let source = crate::model_dir::checkpoint_dir(&args.checkpoint)?;
     if super::same_dir(&source, &args.out) {
         bail!("--out {} is the checkpoint being exported: choose another directory", args.out.display());
     }
@@ -126,20 +126,3 @@ fn copy_tokenizer(sources: &[&Path], out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A checkpoint directory as given (a model or a LoRA adapter), or the newest checkpoint of a
-/// run directory.
-fn resolve(path: &Path) -> Result<PathBuf> {
-    if !path.exists() {
-        bail!("{} does not exist: name a checkpoint or a run directory", path.display());
-    }
-    if path.join("config.json").is_file() || is_adapter_dir(path) {
-        return Ok(path.to_path_buf());
-    }
-    match trainer::run::latest_checkpoint(path)? {
-        Some(dir) => Ok(dir),
-        None => bail!(
-            "{} is neither a checkpoint (no config.json or adapter_config.json) nor a run with checkpoints",
-            path.display()
-        ),
-    }
-}
