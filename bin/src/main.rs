@@ -150,12 +150,8 @@ enum Command {
 static ALLOCATOR: large_alloc::CachingAllocator = large_alloc::CachingAllocator;
 
 fn main() {
-    if let Err(e) = model::cpu_kernels::isa::isa_cap_from_env() {
-        eprintln!("error: {}: {e}", model::cpu_kernels::isa::ISA_ENV);
-        std::process::exit(2);
-    }
-    if let Err(e) = model::cpu_kernels::bf16_products_from_env() {
-        eprintln!("error: {}: {e}", model::cpu_kernels::BF16_PRODUCTS_ENV);
+    if let Err(e) = model::cpu_kernels::Kernels::from_env() {
+        eprintln!("error: {e}");
         std::process::exit(2);
     }
     let cli = Cli::parse();

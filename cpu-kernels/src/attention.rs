@@ -22,6 +22,7 @@ use rayon::prelude::*;
 
 use super::bf16_bits;
 use super::fused::{lanes, row_max};
+use crate::Kernels;
 
 /// A bias at or below this marks a key a query does not attend to. The masks this crate builds
 /// use -1e9; any score that low gives a softmax weight of exactly zero next to an attended key.
@@ -229,6 +230,7 @@ pub struct AttentionShape {
 /// the layout the output projection reads. Query head `h` uses key/value head
 /// `h / (heads / kv_heads)`, as HF's `repeat_kv` does.
 pub fn grouped_attention<T: Element>(
+    kernels: Kernels,
     query: Heads<'_, T>,
     key: Heads<'_, T>,
     value: Heads<'_, T>,
@@ -236,7 +238,7 @@ pub fn grouped_attention<T: Element>(
     shape: AttentionShape,
     scale: f32,
 ) -> Vec<T> {
-    grouped_attention_with_stats(query, key, value, bias, shape, scale).0
+    grouped_attention_with_stats(kernels, query, key, value, bias, shape, scale).0
 }
 
 /// The softmax of one query row: the maximum of its biased, scaled scores and the sum of their
@@ -253,6 +255,7 @@ pub struct SoftmaxStats {
 /// [`grouped_attention`] and each query row's [`SoftmaxStats`] (`[batch, heads, queries]`),
 /// from which the backward pass recomputes the probabilities.
 pub fn grouped_attention_with_stats<T: Element>(
+    kernels: Kernels,
     query: Heads<'_, T>,
     key: Heads<'_, T>,
     value: Heads<'_, T>,
@@ -260,7 +263,7 @@ pub fn grouped_attention_with_stats<T: Element>(
     shape: AttentionShape,
     scale: f32,
 ) -> (Vec<T>, Vec<SoftmaxStats>) {
-    attention_via(query, key, value, bias, shape, scale, reads_in_place)
+    attention_via(kernels, query, key, value, bias, shape, scale, |m| reads_in_place(kernels, m))
 }
 
 /// Query rows per task (`groups × block`) up to which a task reads keys and values in place
@@ -274,20 +277,21 @@ const IN_PLACE_ROWS: [usize; 2] = [16, 4];
 /// products of each query row with each key row where it lies, and `P V` summed straight from
 /// the value rows. Packing `Kᵀ` and `V` costs two passes over `2 · d · columns` values whatever
 /// `m`, which the tiled products only repay with many rows; a decode step has `m = groups`.
-pub(super) fn reads_in_place(m: usize) -> bool {
-    m <= IN_PLACE_ROWS[usize::from(!crate::isa::avx512())]
+pub(super) fn reads_in_place(kernels: Kernels, m: usize) -> bool {
+    m <= IN_PLACE_ROWS[usize::from(!kernels.avx512())]
 }
 
 /// [`grouped_attention_with_stats`] with the path of each task chosen by `in_place` (given the
 /// task's query rows): the tests and benchmarks force either path through it.
 pub(super) fn attention_via<T: Element>(
+    kernels: Kernels,
     query: Heads<'_, T>,
     key: Heads<'_, T>,
     value: Heads<'_, T>,
     bias: Bias<'_, T>,
     shape: AttentionShape,
     scale: f32,
-    in_place: fn(usize) -> bool,
+    in_place: impl Fn(usize) -> bool + Sync,
 ) -> (Vec<T>, Vec<SoftmaxStats>) {
     let AttentionShape { queries, heads, kv_heads, head_dim: d, .. } = shape;
     let tasks = Task::all(shape);
@@ -295,9 +299,9 @@ pub(super) fn attention_via<T: Element>(
         .par_iter()
         .map(|t| {
             if in_place(heads / kv_heads * t.rows.len()) {
-                wide_simd!(task_in_place(&query, &key, &value, &bias, shape, scale, t))
+                wide_simd!(kernels, task_in_place(kernels, &query, &key, &value, &bias, shape, scale, t))
             } else {
-                wide_simd!(task(&query, &key, &value, &bias, shape, scale, t))
+                wide_simd!(kernels, task(kernels, &query, &key, &value, &bias, shape, scale, t))
             }
         })
         .collect();
@@ -432,6 +436,7 @@ pub(super) fn padded(columns: usize) -> usize {
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn task<T: Element>(
+    kernels: Kernels,
     query: &Heads<'_, T>,
     key: &Heads<'_, T>,
     value: &Heads<'_, T>,
@@ -449,7 +454,7 @@ fn task<T: Element>(
     let m = q.len() / d;
 
     let mut scores = vec![0.0f32; m * padded];
-    kernels::scores(&q, m, d, &kt, padded, &mut scores);
+    tiles::scores(kernels, &q, m, d, &kt, padded, &mut scores);
     let biases = t.biases(bias, columns);
     let block = t.rows.len();
     // A loop, not `map(..).collect()`: the closure would run in `Map::fold`, a function of its
@@ -460,7 +465,7 @@ fn task<T: Element>(
         stats.push(softmax_row::<T>(&mut row[..columns], biases, scale));
     }
     let mut out = vec![0.0f32; m * d];
-    kernels::weighted_values(&scores, padded, m, columns, &v, d, &mut out);
+    tiles::weighted_values(kernels, &scores, padded, m, columns, &v, d, &mut out);
     (out, stats)
 }
 
@@ -470,6 +475,7 @@ fn task<T: Element>(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn task_in_place<T: Element>(
+    kernels: Kernels,
     query: &Heads<'_, T>,
     key: &Heads<'_, T>,
     value: &Heads<'_, T>,
@@ -485,7 +491,7 @@ fn task_in_place<T: Element>(
     // A run of keys at a time (one unless paged; skipped columns keep 0 and are masked).
     let mut scores = vec![0.0f32; m * columns];
     for (start, keys) in key.runs(t.batch, t.group, columns, d) {
-        kernels::scores_in_place(&q, m, d, keys, &mut scores[start..], columns);
+        tiles::scores_in_place(kernels, &q, m, d, keys, &mut scores[start..], columns);
     }
     let biases = t.biases(bias, columns);
     let block = t.rows.len();
@@ -497,7 +503,7 @@ fn task_in_place<T: Element>(
     // Each run's products added to `out` (skipped columns have none: their probabilities are 0).
     let mut out = vec![0.0f32; m * d];
     for (start, values) in value.runs(t.batch, t.group, columns, d) {
-        kernels::weighted_values_in_place(&scores[start..], columns, m, values, d, &mut out);
+        tiles::weighted_values_in_place(kernels, &scores[start..], columns, m, values, d, &mut out);
     }
     (out, stats)
 }
@@ -522,16 +528,17 @@ fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) -> Softmax
 
 /// The two matrix products, on packed operands and on rows read in place, with an AVX-512 path
 /// and a portable one.
-pub(super) mod kernels {
+pub(super) mod tiles {
     use super::{Element, Rows};
+    use crate::Kernels;
 
     /// `s[r * stride + j] = q[r, :] · keys[j]` for `m` rows of `q` (`[m, d]`) and the
     /// `columns = keys.len` key rows where they lie (`columns <= stride`), widened on the fly.
-    pub fn scores_in_place<T: Element>(q: &[f32], m: usize, d: usize, keys: Rows<'_, T>, s: &mut [f32], stride: usize) {
+    pub fn scores_in_place<T: Element>(kernels: Kernels, q: &[f32], m: usize, d: usize, keys: Rows<'_, T>, s: &mut [f32], stride: usize) {
         let columns = keys.len;
         assert!(columns <= stride && q.len() >= m * d && (m == 0 || s.len() >= (m - 1) * stride + columns));
         #[cfg(target_arch = "x86_64")]
-        if d.is_multiple_of(16) && avx512::available() {
+        if d.is_multiple_of(16) && kernels.avx512() {
             // SAFETY: the CPU has AVX-512F; `d` is a multiple of 16 and the sizes are as above.
             unsafe { avx512::scores_in_place(q, m, d, keys, s, stride) };
             return;
@@ -575,6 +582,7 @@ pub(super) mod kernels {
     /// `columns = values.len` value rows where they lie (`columns <= stride`), widened on the
     /// fly: the sums of [`weighted_values`], in the same order.
     pub fn weighted_values_in_place<T: Element>(
+        kernels: Kernels,
         p: &[f32],
         stride: usize,
         m: usize,
@@ -585,7 +593,7 @@ pub(super) mod kernels {
         let columns = values.len;
         assert!(columns <= stride && (m == 0 || p.len() >= (m - 1) * stride + columns) && out.len() >= m * d);
         #[cfg(target_arch = "x86_64")]
-        if d.is_multiple_of(16) && avx512::available() {
+        if d.is_multiple_of(16) && kernels.avx512() {
             // SAFETY: the CPU has AVX-512F; `d` is a multiple of 16 and the sizes are as above.
             unsafe { avx512::weighted_values_in_place(p, stride, m, values, d, out) };
             return;
@@ -606,9 +614,9 @@ pub(super) mod kernels {
 
     /// `scores[r, j] = q[r, :] · kt[:, j]` for `m` rows of `q` (`[m, d]`) and the `padded`
     /// columns of `kt` (`[d, padded]`, `padded` a multiple of 64).
-    pub fn scores(q: &[f32], m: usize, d: usize, kt: &[f32], padded: usize, scores: &mut [f32]) {
+    pub fn scores(kernels: Kernels, q: &[f32], m: usize, d: usize, kt: &[f32], padded: usize, scores: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        if avx512::available() {
+        if kernels.avx512() {
             // SAFETY: the CPU has AVX-512F; the slices have the sizes documented above.
             unsafe { avx512::scores(q, m, d, kt, padded, scores) };
             return;
@@ -625,6 +633,7 @@ pub(super) mod kernels {
     /// `out[r, :] = Σ_{j < columns} p[r, j] · v[j, :]` for `m` rows of `p` (row stride
     /// `padded`) and `v` `[columns, d]`.
     pub fn weighted_values(
+        kernels: Kernels,
         p: &[f32],
         padded: usize,
         m: usize,
@@ -634,7 +643,7 @@ pub(super) mod kernels {
         out: &mut [f32],
     ) {
         #[cfg(target_arch = "x86_64")]
-        if d % 16 == 0 && avx512::available() {
+        if d % 16 == 0 && kernels.avx512() {
             // SAFETY: the CPU has AVX-512F; `d` is a multiple of 16 and the sizes are as above.
             unsafe { avx512::weighted_values(p, padded, m, columns, v, d, out) };
             return;
@@ -838,11 +847,6 @@ pub(super) mod kernels {
             R
         }
 
-        /// Whether the kernels run at the AVX-512 level (see [`mod@crate::isa`]).
-        pub fn available() -> bool {
-            crate::isa::avx512()
-        }
-
         #[target_feature(enable = "avx512f")]
         pub unsafe fn scores(q: &[f32], m: usize, d: usize, kt: &[f32], padded: usize, s: &mut [f32]) {
             assert!(q.len() >= m * d && kt.len() >= d * padded && s.len() >= m * padded);
@@ -1013,7 +1017,7 @@ pub(super) mod tests {
     }
 
     fn run<T: Element>(s: AttentionShape, past: usize, pad: usize) -> (Vec<f32>, Vec<f32>) {
-        let (got, _, want) = run_via::<T>(s, past, pad, reads_in_place);
+        let (got, _, want) = run_via::<T>(s, past, pad, |m| reads_in_place(Kernels::default(), m));
         (got, want)
     }
 
@@ -1055,6 +1059,7 @@ pub(super) mod tests {
             key_stride: 1,
         };
         let (got, stats) = attention_via(
+            Kernels::default(),
             query,
             heads(&k[..], s.kv_heads, 1, s.keys),
             heads(&v[..], s.kv_heads, 1, s.keys),
@@ -1133,13 +1138,14 @@ pub(super) mod tests {
     fn decode_steps_read_keys_in_place() {
         for (s, _, _) in decode_shapes() {
             for t in Task::all(s) {
-                assert!(reads_in_place(s.heads / s.kv_heads * t.rows.len()), "{s:?}");
+                assert!(reads_in_place(Kernels::default(), s.heads / s.kv_heads * t.rows.len()), "{s:?}");
             }
         }
         // Prefill blocks pack.
-        assert!(!reads_in_place(2 * QUERY_BLOCK));
-        let most = IN_PLACE_ROWS[usize::from(!crate::isa::avx512())];
-        assert!(reads_in_place(1) && reads_in_place(most) && !reads_in_place(most + 1));
+        let kernels = Kernels::default();
+        assert!(!reads_in_place(kernels, 2 * QUERY_BLOCK));
+        let most = IN_PLACE_ROWS[usize::from(!kernels.avx512())];
+        assert!(reads_in_place(kernels, 1) && reads_in_place(kernels, most) && !reads_in_place(kernels, most + 1));
     }
 
     /// The in-place path at the same tolerances as the packed one (see the tests above).
@@ -1234,7 +1240,7 @@ pub(super) mod tests {
                         query_stride: keys,
                         key_stride: 1,
                     };
-                    let (out, stats) = attention_via(query, kv(&ks[..]), kv(&vs[..]), bias, s, 0.125, in_place);
+                    let (out, stats) = attention_via(Kernels::default(), query, kv(&ks[..]), kv(&vs[..]), bias, s, 0.125, in_place);
                     let out = out[row * queries * heads * d..][..queries * heads * d].to_vec();
                     let stats: Vec<_> = stats[row * heads * queries..][..heads * queries]
                         .iter()
@@ -1291,7 +1297,7 @@ pub(super) mod tests {
                             let start = std::time::Instant::now();
                             for _ in 0..runs {
                                 let (k, v) = (kv(&k[..]), kv(&v[..]));
-                                std::hint::black_box(attention_via(query, k, v, bias, s, 0.125, in_place));
+                                std::hint::black_box(attention_via(Kernels::default(), query, k, v, bias, s, 0.125, in_place));
                             }
                             start.elapsed().as_secs_f64() * 1e6 / runs as f64
                         })
@@ -1326,14 +1332,14 @@ pub(super) mod tests {
             }
         };
         let mut scores = vec![0.0; m * padded];
-        kernels::scores(&q, m, d, &kt, padded, &mut scores);
+        tiles::scores(Kernels::default(), &q, m, d, &kt, padded, &mut scores);
         let score = |i: usize| {
             let (r, j) = (i / padded, i % padded);
             (0..d).map(|dd| f64::from(q[r * d + dd]) * f64::from(kt[dd * padded + j])).fold((0.0, 0.0), |(s, a), p| (s + p, a + p.abs()))
         };
         check(&scores, d, &score, "scores");
         let mut out = vec![0.0; m * d];
-        kernels::weighted_values(&scores, padded, m, columns, &v, d, &mut out);
+        tiles::weighted_values(Kernels::default(), &scores, padded, m, columns, &v, d, &mut out);
         let weighted = |i: usize| {
             let (r, c) = (i / d, i % d);
             (0..columns)

@@ -14,7 +14,9 @@
 
 use rayon::prelude::*;
 
-use super::attention::{self, kernels, AttentionShape, Bias, Heads, SoftmaxStats, Task};
+use crate::Kernels;
+
+use super::attention::{self, tiles, AttentionShape, Bias, Heads, SoftmaxStats, Task};
 
 /// Gradients for the three operands: `query` in `[batch, queries, heads, d]`, `key` and `value`
 /// in `[batch, kv_heads, keys, d]`, all contiguous.
@@ -31,6 +33,7 @@ pub struct AttentionGrads {
 /// `stats` is `[batch, heads, queries]`). The bias takes no gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_attention_backward(
+    kernels: Kernels,
     query: Heads<'_, f32>,
     key: Heads<'_, f32>,
     value: Heads<'_, f32>,
@@ -65,7 +68,7 @@ pub fn grouped_attention_backward(
         scale,
     };
     let tasks = Task::all(shape);
-    let parts: Vec<TaskGrads> = tasks.par_iter().map(|t| wide_simd!(task(&operands, t))).collect();
+    let parts: Vec<TaskGrads> = tasks.par_iter().map(|t| wide_simd!(kernels, task(kernels, &operands, t))).collect();
 
     let mut dq = vec![0.0f32; batch * queries * heads * d];
     for (t, part) in tasks.iter().zip(&parts) {
@@ -119,7 +122,7 @@ struct TaskGrads {
 }
 
 #[inline(always)]
-fn task(ops: &Operands<'_>, t: &Task) -> TaskGrads {
+fn task(kernels: Kernels, ops: &Operands<'_>, t: &Task) -> TaskGrads {
     let shape = ops.shape;
     let (d, keys) = (shape.head_dim, shape.keys);
     let columns = t.columns(&ops.bias, keys);
@@ -133,9 +136,9 @@ fn task(ops: &Operands<'_>, t: &Task) -> TaskGrads {
     let k = attention::pack_rows(&ops.key, t.batch, t.group, columns, d);
 
     let mut probs = vec![0.0f32; m * padded];
-    kernels::scores(&q, m, d, &kt, padded, &mut probs);
+    tiles::scores(kernels, &q, m, d, &kt, padded, &mut probs);
     let mut dscores = vec![0.0f32; m * padded];
-    kernels::scores(&grad, m, d, &vt, padded, &mut dscores);
+    tiles::scores(kernels, &grad, m, d, &vt, padded, &mut dscores);
     let biases = t.biases(&ops.bias, columns);
     let block = t.rows.len();
     for (r, (p, ds)) in probs.chunks_exact_mut(padded).zip(dscores.chunks_exact_mut(padded)).enumerate() {
@@ -153,12 +156,12 @@ fn task(ops: &Operands<'_>, t: &Task) -> TaskGrads {
     }
 
     let mut dq = vec![0.0f32; m * d];
-    kernels::weighted_values(&dscores, padded, m, columns, &k, d, &mut dq);
+    tiles::weighted_values(kernels, &dscores, padded, m, columns, &k, d, &mut dq);
     let (dscores_t, probs_t) = (transpose(&dscores, m, padded, columns), transpose(&probs, m, padded, columns));
     let mut dk = vec![0.0f32; columns * d];
-    kernels::weighted_values(&dscores_t, m, columns, m, &q, d, &mut dk);
+    tiles::weighted_values(kernels, &dscores_t, m, columns, m, &q, d, &mut dk);
     let mut dv = vec![0.0f32; columns * d];
-    kernels::weighted_values(&probs_t, m, columns, m, &grad, d, &mut dv);
+    tiles::weighted_values(kernels, &probs_t, m, columns, m, &grad, d, &mut dv);
     TaskGrads { query: dq, key: dk, value: dv }
 }
 
@@ -243,8 +246,8 @@ mod tests {
             let query = |data| Heads { data, offset: 0, batch_stride: queries * s.heads * d, head_stride: d, position_stride: s.heads * d, pages: None };
             let kv = |data| Heads { data, offset: 0, batch_stride: s.kv_heads * queries * d, head_stride: queries * d, position_stride: d, pages: None };
             let bias_view = Bias { data: &bias[..], offset: 0, batch_stride: queries * queries, query_stride: queries, key_stride: 1 };
-            let (out, stats) = grouped_attention_with_stats(query(&q[..]), kv(&k[..]), kv(&v[..]), bias_view, s, scale);
-            let grads = grouped_attention_backward(query(&q[..]), kv(&k[..]), kv(&v[..]), bias_view, &out, &stats, &cot, s, scale);
+            let (out, stats) = grouped_attention_with_stats(Kernels::default(), query(&q[..]), kv(&k[..]), kv(&v[..]), bias_view, s, scale);
+            let grads = grouped_attention_backward(Kernels::default(), query(&q[..]), kv(&k[..]), kv(&v[..]), bias_view, &out, &stats, &cot, s, scale);
 
             let h = 1e-2f32;
             for (name, which, grad) in [("query", 0, &grads.query), ("key", 1, &grads.key), ("value", 2, &grads.value)] {

@@ -5,15 +5,13 @@
 //! issues every other cycle while FMAs issue twice a cycle, so widening is twice as fast there.
 //!
 //! The choice is a rule on the CPU's vendor ([`Bf16Products::for_host`]: AMD pairs, every other
-//! vendor widens), overridden by `PROMPT_R1_BF16_PRODUCTS=pairs|widened` (or, between runs, by
-//! [`set_bf16_products`]), so that a host always runs the same kernel and tests can force
-//! either one. It is never timed: a timing taken on a
+//! vendor widens), overridden by `PROMPT_R1_BF16_PRODUCTS=pairs|widened` or chosen in a model's
+//! [`crate::Kernels`], so that a host always runs the same kernel and tests can force either
+//! one. It is never timed: a timing taken on a
 //! shared machine would let the numerics of a run depend on the load of the moment.
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::OnceLock;
 
 /// The environment variable that forces one of the packed bf16 kernels (see [`Bf16Products`]).
 pub const BF16_PRODUCTS_ENV: &str = "PROMPT_R1_BF16_PRODUCTS";
@@ -89,43 +87,6 @@ pub fn bf16_products_from_env() -> Result<Option<Bf16Products>, UnknownBf16Produ
     }
 }
 
-/// The kernel the packed bf16 products use: the one [`set_bf16_products`] forced, else
-/// `PROMPT_R1_BF16_PRODUCTS` where set, else [`Bf16Products::for_host`]. The environment is
-/// read once; a value there that names no kernel is reported once on stderr and the rule is used
-/// (the `prompt-r1` binary refuses it before this runs).
-pub fn bf16_products() -> Bf16Products {
-    match FORCED.load(Ordering::Relaxed) {
-        PAIRS => return Bf16Products::Pairs,
-        WIDENED => return Bf16Products::Widened,
-        _ => {}
-    }
-    static CHOSEN: OnceLock<Bf16Products> = OnceLock::new();
-    *CHOSEN.get_or_init(|| {
-        bf16_products_from_env()
-            .unwrap_or_else(|e| {
-                eprintln!("warning: {BF16_PRODUCTS_ENV}: {e}; using this CPU's default");
-                None
-            })
-            .unwrap_or_else(Bf16Products::for_host)
-    })
-}
-
-/// Forces one kernel for the whole process (`None`: back to the environment or the rule), so
-/// that one test can run both; meant to be set between runs, as [`crate::set_isa_cap`].
-pub fn set_bf16_products(products: Option<Bf16Products>) {
-    let value = match products {
-        None => UNFORCED,
-        Some(Bf16Products::Pairs) => PAIRS,
-        Some(Bf16Products::Widened) => WIDENED,
-    };
-    FORCED.store(value, Ordering::Relaxed);
-}
-
-static FORCED: AtomicU8 = AtomicU8::new(UNFORCED);
-const UNFORCED: u8 = 0;
-const PAIRS: u8 = 1;
-const WIDENED: u8 = 2;
-
 /// The CPU's vendor string from CPUID (`AuthenticAMD`, `GenuineIntel`, ...); empty off x86_64.
 pub fn cpu_vendor() -> String {
     #[cfg(target_arch = "x86_64")]
@@ -160,10 +121,9 @@ mod tests {
     fn the_environment_choice_parses_and_the_rule_is_stable() {
         match bf16_products_from_env() {
             Ok(forced) => println!(
-                "{BF16_PRODUCTS_ENV}: {forced:?}; vendor {:?}; rule {}; running {}",
+                "{BF16_PRODUCTS_ENV}: {forced:?}; vendor {:?}; rule {}",
                 cpu_vendor(),
-                Bf16Products::for_host(),
-                bf16_products()
+                Bf16Products::for_host()
             ),
             Err(e) => panic!("{BF16_PRODUCTS_ENV}: {e}"),
         }

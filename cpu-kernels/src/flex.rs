@@ -11,24 +11,24 @@ use burn_flex::{FlexTensor, Layout};
 use rayon::prelude::*;
 
 use crate::bf16_bits;
-use crate::isa::portable_ops;
+use crate::Kernels;
 
 /// Whether `B` is burn-flex or burn-flex under autodiff, the backends these kernels serve
 /// (decided by type, without touching a device). Other backends (the GPU ones) never reach the
-/// kernels, so their results do not depend on the instruction-set cap or the portable-ops switch.
+/// kernels, so their results do not depend on the [`Kernels`] chosen.
 pub fn is_flex_backend<B: Backend>() -> bool {
     use std::any::TypeId;
     let primitive = TypeId::of::<FloatTensor<B>>();
     primitive == TypeId::of::<FloatTensor<Flex>>() || primitive == TypeId::of::<FloatTensor<Autodiff<Flex>>>()
 }
 
-/// Whether `B` is plain burn-flex (not under autodiff), whether or not the portable ops are on.
+/// Whether `B` is plain burn-flex (not under autodiff), whether or not the kernels are on.
 pub(crate) fn is_plain_flex<B: Backend>() -> bool {
     std::any::TypeId::of::<FloatTensor<B>>() == std::any::TypeId::of::<FloatTensor<Flex>>()
 }
 
-/// The burn-flex tensor behind `t` whether or not the portable ops are on (for writes that
-/// compute nothing), or `t` back when `B` is not burn-flex.
+/// The burn-flex tensor behind `t` (for writes that compute nothing, whether or not the kernels
+/// are on), or `t` back when `B` is not burn-flex.
 pub(crate) fn flex_of<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<FlexTensor, Tensor<B, D>> {
     if std::any::TypeId::of::<FloatTensor<B>>() != std::any::TypeId::of::<FloatTensor<Flex>>() {
         return Err(t);
@@ -39,18 +39,12 @@ pub(crate) fn flex_of<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Fle
 
 /// The burn-flex tensor behind `t`, when `B` is burn-flex.
 pub(crate) fn to_flex<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<FlexTensor> {
-    if portable_ops() {
-        return None;
-    }
     let primitive: Box<dyn Any> = Box::new(t.into_primitive().tensor());
     primitive.downcast::<FlexTensor>().ok().map(|t| *t)
 }
 
 /// The burn-flex tensor behind the integer tensor `t`, when `B` is burn-flex.
 pub(crate) fn to_flex_int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Option<FlexTensor> {
-    if portable_ops() {
-        return None;
-    }
     let primitive: Box<dyn Any> = Box::new(t.into_primitive());
     primitive.downcast::<FlexTensor>().ok().map(|t| *t)
 }
@@ -129,16 +123,16 @@ pub(crate) fn flex_output<B: Backend, const D: usize>(
 }
 
 /// `values` rounded to bf16 (to nearest, ties to even), in parallel.
-pub(crate) fn narrow_all(values: &[f32]) -> Vec<bf16> {
-    map_all(values, bf16_bits::narrow)
+pub(crate) fn narrow_all(kernels: Kernels, values: &[f32]) -> Vec<bf16> {
+    map_all(kernels, values, bf16_bits::narrow)
 }
 
-/// `f` of every value, in parallel chunks, each loop vectorised as wide as the level allows.
-pub(crate) fn map_all<S: Copy + Sync, T: Copy + Default + Send>(values: &[S], f: impl Fn(S) -> T + Sync) -> Vec<T> {
+/// `f` of every value, in parallel chunks, each loop vectorised as wide as `kernels` allow.
+pub(crate) fn map_all<S: Copy + Sync, T: Copy + Default + Send>(kernels: Kernels, values: &[S], f: impl Fn(S) -> T + Sync) -> Vec<T> {
     let mut out = vec![T::default(); values.len()];
     out.par_chunks_mut(1 << 16)
         .zip(values.par_chunks(1 << 16))
-        .for_each(|(out, x)| wide_simd!(for (o, &x) in out.iter_mut().zip(x) {
+        .for_each(|(out, x)| wide_simd!(kernels, for (o, &x) in out.iter_mut().zip(x) {
             *o = f(x);
         }));
     out

@@ -6,6 +6,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::bf16_bits::{narrow, round, widen};
+use crate::Kernels;
 
 /// Rows per rayon task: enough work per task to amortise scheduling.
 fn rows_per_task(row_len: usize) -> usize {
@@ -14,13 +15,13 @@ fn rows_per_task(row_len: usize) -> usize {
 
 /// HF's `Qwen3RMSNorm` over rows of `weight.len()` elements, in f32:
 /// `weight * (x * rsqrt(mean(x²) + eps))`.
-pub fn rms_norm_f32(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+pub fn rms_norm_f32(kernels: Kernels, x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     let d = weight.len();
     let mut out = vec![0.0f32; x.len()];
     out.par_chunks_mut(d * rows_per_task(d))
         .zip(x.par_chunks(d * rows_per_task(d)))
         .for_each(|(out, x)| {
-            wide_simd!(for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+            wide_simd!(kernels, for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 let r = inverse_rms(x, |&v| v, eps);
                 for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
                     *o = w * (v * r);
@@ -32,14 +33,14 @@ pub fn rms_norm_f32(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
 
 /// The same for bf16 input and weight: statistics and scaling in f32, the normalised row rounded
 /// to bf16, then the bf16 product with the weight (an f32 product rounded once, as PyTorch does).
-pub fn rms_norm_bf16(x: &[bf16], weight: &[bf16], eps: f32) -> Vec<bf16> {
+pub fn rms_norm_bf16(kernels: Kernels, x: &[bf16], weight: &[bf16], eps: f32) -> Vec<bf16> {
     let d = weight.len();
     let weight: Vec<f32> = weight.iter().map(|&w| widen(w)).collect();
     let mut out = vec![bf16::ZERO; x.len()];
     out.par_chunks_mut(d * rows_per_task(d))
         .zip(x.par_chunks(d * rows_per_task(d)))
         .for_each(|(out, x)| {
-            wide_simd!(for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+            wide_simd!(kernels, for (out, x) in out.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
                 let r = inverse_rms(x, |&v| widen(v), eps);
                 for ((o, &v), &w) in out.iter_mut().zip(x).zip(&weight) {
                     let normed = widen(narrow(widen(v) * r));
@@ -54,7 +55,7 @@ pub fn rms_norm_bf16(x: &[bf16], weight: &[bf16], eps: f32) -> Vec<bf16> {
 /// `grad` of its output. Per row, with `r = 1 / sqrt(mean(x²) + eps)` and `gw = grad ⊙ weight`:
 /// `dx = r · gw − x · r³ · mean(gw ⊙ x)`, and `dweight` sums `grad ⊙ x · r` over the rows.
 /// Rows in parallel, each task summing its own `dweight` before the tasks' sums are added.
-pub fn rms_norm_backward_f32(x: &[f32], weight: &[f32], grad: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
+pub fn rms_norm_backward_f32(kernels: Kernels, x: &[f32], weight: &[f32], grad: &[f32], eps: f32) -> (Vec<f32>, Vec<f32>) {
     let d = weight.len();
     let chunk = d * rows_per_task(d);
     let mut dx = vec![0.0f32; x.len()];
@@ -63,7 +64,7 @@ pub fn rms_norm_backward_f32(x: &[f32], weight: &[f32], grad: &[f32], eps: f32) 
         .zip(x.par_chunks(chunk).zip(grad.par_chunks(chunk)))
         .map(|(dx, (x, grad))| {
             let mut dweight = vec![0.0f32; d];
-            wide_simd!(for ((dx, x), grad) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(grad.chunks_exact(d)) {
+            wide_simd!(kernels, for ((dx, x), grad) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d)).zip(grad.chunks_exact(d)) {
                 let r = inverse_rms(x, |&v| v, eps);
                 let c = triple_dot(grad, weight, x) * r * r * r / d as f32;
                 for ((((dx, dw), &g), &w), &v) in dx.iter_mut().zip(&mut dweight).zip(grad).zip(weight).zip(x) {
@@ -119,14 +120,14 @@ fn inverse_rms<T>(x: &[T], widen: impl Fn(&T) -> f32, eps: f32) -> f32 {
 /// HF's `apply_rotary_pos_emb` for rows of `d` values in f32, with the sign of `rotate_half` in
 /// the table (see `qwen3::rotary`): `y = x ⊙ cos + swap_halves(x) ⊙ signed_sin`, where
 /// `swap_halves` exchanges the two halves of a row. `cos` and `signed_sin` are `x`'s shape.
-pub fn rotary_f32(x: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f32> {
-    rotate(x, cos, signed_sin, d, |x, c, other, s| x * c + other * s)
+pub fn rotary_f32(kernels: Kernels, x: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f32> {
+    rotate(kernels, x, cos, signed_sin, d, |x, c, other, s| x * c + other * s)
 }
 
 /// The same in bf16, rounding as PyTorch does: each product rounded to bf16, then their sum
 /// (the negation `rotate_half` applies is exact, so the signed table gives the same bits).
-pub fn rotary_bf16(x: &[bf16], cos: &[bf16], signed_sin: &[bf16], d: usize) -> Vec<bf16> {
-    rotate(x, cos, signed_sin, d, |x, c, other, s| {
+pub fn rotary_bf16(kernels: Kernels, x: &[bf16], cos: &[bf16], signed_sin: &[bf16], d: usize) -> Vec<bf16> {
+    rotate(kernels, x, cos, signed_sin, d, |x, c, other, s| {
         narrow(round(widen(x) * widen(c)) + round(widen(other) * widen(s)))
     })
 }
@@ -135,13 +136,14 @@ pub fn rotary_bf16(x: &[bf16], cos: &[bf16], signed_sin: &[bf16], d: usize) -> V
 /// RoPE turns each pair `(x[j], x[j + d/2])` by an angle; the transpose of a rotation is the
 /// turn by the opposite angle, i.e. the same formula with `-signed_sin`. (This uses HF's
 /// tables, whose two halves hold the same angles.)
-pub fn rotary_backward_f32(grad: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f32> {
-    rotate(grad, cos, signed_sin, d, |x, c, other, s| x * c + other * -s)
+pub fn rotary_backward_f32(kernels: Kernels, grad: &[f32], cos: &[f32], signed_sin: &[f32], d: usize) -> Vec<f32> {
+    rotate(kernels, grad, cos, signed_sin, d, |x, c, other, s| x * c + other * -s)
 }
 
 /// `turn(x[j], cos[j], swap_halves(x)[j], signed_sin[j])` for every element, over rows of `d`,
 /// rows in parallel.
 fn rotate<T: Copy + Default + Send + Sync>(
+    kernels: Kernels,
     x: &[T],
     cos: &[T],
     signed_sin: &[T],
@@ -154,7 +156,7 @@ fn rotate<T: Copy + Default + Send + Sync>(
     out.par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk).zip(cos.par_chunks(chunk)).zip(signed_sin.par_chunks(chunk)))
         .for_each(|(out, ((x, cos), sin))| {
-            wide_simd!(for (((o, x), c), s) in out
+            wide_simd!(kernels, for (((o, x), c), s) in out
                 .chunks_exact_mut(d)
                 .zip(x.chunks_exact(d))
                 .zip(cos.chunks_exact(d))
@@ -172,12 +174,12 @@ fn rotate<T: Copy + Default + Send + Sync>(
 }
 
 /// `silu(gate) * up`, the SwiGLU product, in f32.
-pub fn silu_mul_f32(gate: &[f32], up: &[f32]) -> Vec<f32> {
+pub fn silu_mul_f32(kernels: Kernels, gate: &[f32], up: &[f32]) -> Vec<f32> {
     let mut out = vec![0.0f32; gate.len()];
     out.par_chunks_mut(16 * 1024)
         .zip(gate.par_chunks(16 * 1024).zip(up.par_chunks(16 * 1024)))
         .for_each(|(out, (gate, up))| {
-            wide_simd!(for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            wide_simd!(kernels, for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
                 *o = silu(g) * u;
             })
         });
@@ -187,7 +189,7 @@ pub fn silu_mul_f32(gate: &[f32], up: &[f32]) -> Vec<f32> {
 /// The gradients of [`silu_mul_f32`] with respect to `gate` and `up`, given the gradient
 /// `grad` of its output: `dgate = grad · up · σ(g) · (1 + g · (1 − σ(g)))`,
 /// `dup = grad · silu(g)`. One parallel pass.
-pub fn silu_mul_backward_f32(gate: &[f32], up: &[f32], grad: &[f32]) -> (Vec<f32>, Vec<f32>) {
+pub fn silu_mul_backward_f32(kernels: Kernels, gate: &[f32], up: &[f32], grad: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (mut dgate, mut dup) = (vec![0.0f32; gate.len()], vec![0.0f32; gate.len()]);
     const CHUNK: usize = 16 * 1024;
     dgate
@@ -195,7 +197,7 @@ pub fn silu_mul_backward_f32(gate: &[f32], up: &[f32], grad: &[f32]) -> (Vec<f32
         .zip(dup.par_chunks_mut(CHUNK))
         .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)).zip(grad.par_chunks(CHUNK)))
         .for_each(|((dgate, dup), ((gate, up), grad))| {
-            wide_simd!(for ((((dg, du), &g), &u), &y) in dgate.iter_mut().zip(dup.iter_mut()).zip(gate).zip(up).zip(grad) {
+            wide_simd!(kernels, for ((((dg, du), &g), &u), &y) in dgate.iter_mut().zip(dup.iter_mut()).zip(gate).zip(up).zip(grad) {
                 let sigmoid = 1.0 / (1.0 + exp(-g));
                 *dg = y * u * sigmoid * (1.0 + g * (1.0 - sigmoid));
                 *du = y * (g * sigmoid);
@@ -205,12 +207,12 @@ pub fn silu_mul_backward_f32(gate: &[f32], up: &[f32], grad: &[f32]) -> (Vec<f32
 }
 
 /// The same in bf16: `silu(gate)` rounded to bf16, then the bf16 product with `up`.
-pub fn silu_mul_bf16(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
+pub fn silu_mul_bf16(kernels: Kernels, gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
     let mut out = vec![bf16::ZERO; gate.len()];
     out.par_chunks_mut(16 * 1024)
         .zip(gate.par_chunks(16 * 1024).zip(up.par_chunks(16 * 1024)))
         .for_each(|(out, (gate, up))| {
-            wide_simd!(for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            wide_simd!(kernels, for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
                 let activated = widen(narrow(silu(widen(g))));
                 *o = narrow(activated * widen(u));
             })
@@ -223,6 +225,7 @@ pub fn silu_mul_bf16(gate: &[bf16], up: &[bf16]) -> Vec<bf16> {
 /// sum of exponentials, where the tensor formula takes six passes and five temporaries.
 /// Returns the log-probabilities and each row's `logsumexp`.
 pub fn chosen_logprobs<T: Copy + Sync>(
+    kernels: Kernels,
     logits: &[T],
     vocab: usize,
     targets: &[usize],
@@ -232,7 +235,7 @@ pub fn chosen_logprobs<T: Copy + Sync>(
         .par_chunks(vocab)
         .zip(targets.par_iter())
         .map(|(row, &target)| {
-            wide_simd!({
+            wide_simd!(kernels, {
                 let max = row_max(row, &widen);
                 let sum: f32 = lanes(row, 0.0, |lane, x| lane + exp(widen(x) - max)).iter().sum();
                 let lse = sum.ln() + max;
@@ -272,6 +275,7 @@ pub(super) fn lanes<T: Copy>(row: &[T], init: f32, step: impl Fn(f32, T) -> f32)
 /// each row's log-probability and the rows' `logsumexp`:
 /// `grad[r] · (onehot(target[r]) - softmax(row r))`, one parallel pass.
 pub fn chosen_logprobs_backward(
+    kernels: Kernels,
     logits: &[f32],
     vocab: usize,
     targets: &[usize],
@@ -283,7 +287,7 @@ pub fn chosen_logprobs_backward(
         .zip(logits.par_chunks(vocab))
         .zip(targets.par_iter().zip(lse).zip(grad))
         .for_each(|((out, row), ((&target, &lse), &g))| {
-            wide_simd!(for (o, &x) in out.iter_mut().zip(row) {
+            wide_simd!(kernels, for (o, &x) in out.iter_mut().zip(row) {
                 *o = -g * exp(x - lse);
             });
             out[target] += g;
@@ -294,11 +298,11 @@ pub fn chosen_logprobs_backward(
 /// The entropy `logsumexp(z) − Σ_v softmax(z)_v · z_v` of each row of `vocab` f32 logits (with
 /// `z` shifted by the row maximum, which leaves it unchanged), rows in parallel: one pass for
 /// the maximum and one for the exponentials and their weighted sum, over 16 lanes.
-pub fn row_entropy(logits: &[f32], vocab: usize) -> Vec<f32> {
+pub fn row_entropy(kernels: Kernels, logits: &[f32], vocab: usize) -> Vec<f32> {
     logits
         .par_chunks(vocab)
         .map(|row| {
-            wide_simd!({
+            wide_simd!(kernels, {
                 let max = row_max(row, |x| x);
                 let (mut sum, mut weighted) = ([0.0f32; 16], [0.0f32; 16]);
                 let chunks = row.chunks_exact(16);
@@ -366,13 +370,14 @@ pub fn exp(x: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
+    use crate::Kernels;
     use super::*;
 
     #[test]
     fn rms_norm_matches_the_formula() {
         let x: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
         let w: Vec<f32> = (0..8).map(|i| 0.5 + i as f32 * 0.1).collect();
-        let y = rms_norm_f32(&x, &w, 1e-6);
+        let y = rms_norm_f32(Kernels::default(), &x, &w, 1e-6);
         for (row, out) in x.chunks(8).zip(y.chunks(8)) {
             let rms = (row.iter().map(|v| v * v).sum::<f32>() / 8.0 + 1e-6).sqrt();
             for i in 0..8 {
@@ -381,7 +386,7 @@ mod tests {
         }
         let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-        let yb = rms_norm_bf16(&xb, &wb, 1e-6);
+        let yb = rms_norm_bf16(Kernels::default(), &xb, &wb, 1e-6);
         for (a, b) in yb.iter().zip(&y) {
             assert!((a.to_f32() - b).abs() <= b.abs() / 64.0 + 1e-3);
         }
@@ -414,7 +419,7 @@ mod tests {
         let vocab = 1000;
         let logits: Vec<f32> = (0..3 * vocab).map(|i| (i as f32 * 0.731).sin() * 8.0).collect();
         let targets = [0, 517, 999];
-        let (got, lse) = chosen_logprobs(&logits, vocab, &targets, |x| x);
+        let (got, lse) = chosen_logprobs(Kernels::default(), &logits, vocab, &targets, |x| x);
         for (((row, &t), got), lse_got) in logits.chunks(vocab).zip(&targets).zip(got).zip(lse) {
             let lse = row.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
             assert!((lse_got as f64 - lse).abs() < 1e-5);
@@ -423,8 +428,8 @@ mod tests {
         let halves: Vec<bf16> = logits.iter().map(|&x| bf16::from_f32(x)).collect();
         let widened: Vec<f32> = halves.iter().map(|x| x.to_f32()).collect();
         assert_eq!(
-            chosen_logprobs(&halves, vocab, &targets, |x| x.to_f32()),
-            chosen_logprobs(&widened, vocab, &targets, |x| x)
+            chosen_logprobs(Kernels::default(), &halves, vocab, &targets, |x| x.to_f32()),
+            chosen_logprobs(Kernels::default(), &widened, vocab, &targets, |x| x)
         );
     }
 
@@ -435,10 +440,10 @@ mod tests {
         let logits: Vec<f32> = (0..2 * vocab).map(|i| (i as f32 * 1.37).cos() * 3.0).collect();
         let targets = [5, 36];
         let grad = [0.7f32, -1.3];
-        let (_, lse) = chosen_logprobs(&logits, vocab, &targets, |x| x);
-        let got = chosen_logprobs_backward(&logits, vocab, &targets, &lse, &grad);
+        let (_, lse) = chosen_logprobs(Kernels::default(), &logits, vocab, &targets, |x| x);
+        let got = chosen_logprobs_backward(Kernels::default(), &logits, vocab, &targets, &lse, &grad);
         let loss = |l: &[f32]| -> f64 {
-            let (lp, _) = chosen_logprobs(l, vocab, &targets, |x| x);
+            let (lp, _) = chosen_logprobs(Kernels::default(), l, vocab, &targets, |x| x);
             lp.iter().zip(&grad).map(|(&p, &g)| p as f64 * g as f64).sum()
         };
         for i in 0..logits.len() {
@@ -454,13 +459,13 @@ mod tests {
     fn row_entropy_matches_the_formula() {
         let vocab = 1003;
         let logits: Vec<f32> = (0..3 * vocab).map(|i| (i as f32 * 0.0731).sin() * 6.0).collect();
-        for (row, got) in logits.chunks(vocab).zip(row_entropy(&logits, vocab)) {
+        for (row, got) in logits.chunks(vocab).zip(row_entropy(Kernels::default(), &logits, vocab)) {
             let lse = row.iter().map(|&x| (x as f64).exp()).sum::<f64>().ln();
             let want: f64 = -row.iter().map(|&x| { let lp = x as f64 - lse; lp.exp() * lp }).sum::<f64>();
             assert!((got as f64 - want).abs() < 1e-4, "{got} vs {want}");
         }
-        assert!(row_entropy(&[1000.0, 0.0], 2)[0].abs() < 1e-6);
-        assert!((row_entropy(&[7.0, 7.0], 2)[0] - std::f32::consts::LN_2).abs() < 1e-6);
+        assert!(row_entropy(Kernels::default(), &[1000.0, 0.0], 2)[0].abs() < 1e-6);
+        assert!((row_entropy(Kernels::default(), &[7.0, 7.0], 2)[0] - std::f32::consts::LN_2).abs() < 1e-6);
     }
 
     /// Central differences of `Σ c ⊙ f(inputs)` (in f64 from the f32 forward kernels) against
@@ -488,9 +493,9 @@ mod tests {
         let x: Vec<f32> = (0..3 * d).map(|i| (i as f32 * 0.37).sin() * 2.0).collect();
         let w: Vec<f32> = (0..d).map(|i| 0.5 + i as f32 * 0.05).collect();
         let grad: Vec<f32> = (0..3 * d).map(|i| (i as f32 * 0.91).cos()).collect();
-        let (dx, dw) = rms_norm_backward_f32(&x, &w, &grad, 1e-6);
-        assert_matches_finite_differences(&x, |x| rms_norm_f32(x, &w, 1e-6), &grad, &dx, 2e-3);
-        assert_matches_finite_differences(&w, |w| rms_norm_f32(&x, w, 1e-6), &grad, &dw, 2e-3);
+        let (dx, dw) = rms_norm_backward_f32(Kernels::default(), &x, &w, &grad, 1e-6);
+        assert_matches_finite_differences(&x, |x| rms_norm_f32(Kernels::default(), x, &w, 1e-6), &grad, &dx, 2e-3);
+        assert_matches_finite_differences(&w, |w| rms_norm_f32(Kernels::default(), &x, w, 1e-6), &grad, &dw, 2e-3);
     }
 
     #[test]
@@ -500,8 +505,8 @@ mod tests {
         let x: Vec<f32> = (0..rows * d).map(|i| (i as f32 * 0.013).sin()).collect();
         let w = vec![1.0f32; d];
         let grad = vec![1.0f32; rows * d];
-        let (_, dw) = rms_norm_backward_f32(&x, &w, &grad, 1e-6);
-        let normed = rms_norm_f32(&x, &w, 1e-6);
+        let (_, dw) = rms_norm_backward_f32(Kernels::default(), &x, &w, &grad, 1e-6);
+        let normed = rms_norm_f32(Kernels::default(), &x, &w, 1e-6);
         for (j, &got) in dw.iter().enumerate() {
             let want: f64 = normed.iter().skip(j).step_by(d).map(|&v| v as f64).sum();
             assert!((got as f64 - want).abs() < 1e-3, "column {j}: {got} vs {want}");
@@ -514,23 +519,23 @@ mod tests {
         let gate: Vec<f32> = (0..n).map(|i| (i as f32 - 20.0) * 0.4).collect();
         let up: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).cos() * 2.0).collect();
         let grad: Vec<f32> = (0..n).map(|i| (i as f32 * 0.3).sin()).collect();
-        let (dgate, dup) = silu_mul_backward_f32(&gate, &up, &grad);
-        assert_matches_finite_differences(&gate, |g| silu_mul_f32(g, &up), &grad, &dgate, 2e-3);
-        assert_matches_finite_differences(&up, |u| silu_mul_f32(&gate, u), &grad, &dup, 2e-3);
+        let (dgate, dup) = silu_mul_backward_f32(Kernels::default(), &gate, &up, &grad);
+        assert_matches_finite_differences(&gate, |g| silu_mul_f32(Kernels::default(), g, &up), &grad, &dgate, 2e-3);
+        assert_matches_finite_differences(&up, |u| silu_mul_f32(Kernels::default(), &gate, u), &grad, &dup, 2e-3);
     }
 
     #[test]
     fn silu_mul_matches_the_formula() {
         let g: Vec<f32> = (0..40_000).map(|i| (i as f32 * 0.001) - 20.0).collect();
         let u: Vec<f32> = (0..40_000).map(|i| (i as f32 * 0.01).cos()).collect();
-        let y = silu_mul_f32(&g, &u);
+        let y = silu_mul_f32(Kernels::default(), &g, &u);
         for i in (0..40_000).step_by(997) {
             let want = g[i] / (1.0 + (-g[i]).exp()) * u[i];
             assert!((y[i] - want).abs() < 1e-5 * want.abs().max(1.0));
         }
         let gb: Vec<bf16> = g.iter().map(|&v| bf16::from_f32(v)).collect();
         let ub: Vec<bf16> = u.iter().map(|&v| bf16::from_f32(v)).collect();
-        let yb = silu_mul_bf16(&gb, &ub);
+        let yb = silu_mul_bf16(Kernels::default(), &gb, &ub);
         for i in (0..40_000).step_by(997) {
             let activated = bf16::from_f32(silu(gb[i].to_f32())).to_f32();
             assert_eq!(yb[i], bf16::from_f32(activated * ub[i].to_f32()));

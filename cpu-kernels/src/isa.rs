@@ -1,6 +1,5 @@
-//! Which of the kernels' code paths run: the instruction-set level (the host's best, or lower
-//! when capped with `PROMPT_R1_CPU_ISA` or [`set_isa_cap`]) and the switch that turns every
-//! kernel off ([`set_portable_ops`]).
+//! The instruction-set levels of the kernels' code paths: the host's best, and the cap that
+//! `PROMPT_R1_CPU_ISA` names. Which level a model runs at is part of its [`crate::Kernels`].
 //!
 //! The kernels have code for three tiers: plain Rust loops compiled for the target's baseline
 //! (x86-64: SSE2) and auto-vectorised; the same loops compiled with AVX-512 F/BW/VL, plus
@@ -11,16 +10,12 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
-
-use burn::tensor::backend::Backend;
-use burn_flex::FlexTensor;
 
 /// The environment variable that caps the instruction-set level (see [`Isa`]).
 pub const ISA_ENV: &str = "PROMPT_R1_CPU_ISA";
 
-/// The environment variable that switches the kernels off (`1`), see [`set_portable_ops`].
+/// The environment variable that switches the kernels off (`1`), see [`crate::Kernels::off`].
 pub const PORTABLE_OPS_ENV: &str = "PROMPT_R1_PORTABLE_OPS";
 
 /// An instruction-set level of the kernels' code paths, lowest first.
@@ -124,82 +119,6 @@ pub fn isa_cap_from_env() -> Result<Option<Isa>, UnknownIsa> {
     }
 }
 
-/// The level the kernels run at: the host's, lowered by the cap. Until [`set_isa_cap`] is
-/// called the cap comes from `PROMPT_R1_CPU_ISA`; a value there that names no level is
-/// reported once on stderr and ignored (command-line tools should check it first with
-/// [`isa_cap_from_env`] and refuse it).
-pub fn isa() -> Isa {
-    let cap = match CAP.load(Ordering::Relaxed) {
-        CAP_UNSET => {
-            let cap = isa_cap_from_env().unwrap_or_else(|e| {
-                eprintln!("warning: {ISA_ENV}: {e}; the kernels use this CPU's best");
-                None
-            });
-            set_isa_cap(cap);
-            cap
-        }
-        stored => decode(stored),
-    };
-    cap.map_or(Isa::host(), |cap| cap.min(Isa::host()))
-}
-
-/// Caps the kernels' level for the whole process (`None`: the host's best). A cap above the
-/// host's level runs at the host's. Meant to be set between runs, not while one is under way:
-/// a backward pass uses the level of the moment, not that of its forward pass.
-pub fn set_isa_cap(cap: Option<Isa>) {
-    CAP.store(cap.map_or(CAP_NONE, |l| l as u8 + CAP_LEVELS), Ordering::Relaxed);
-}
-
-static CAP: AtomicU8 = AtomicU8::new(CAP_UNSET);
-const CAP_UNSET: u8 = 0;
-const CAP_NONE: u8 = 1;
-const CAP_LEVELS: u8 = 2;
-
-fn decode(stored: u8) -> Option<Isa> {
-    Isa::ALL.into_iter().find(|&l| l as u8 + CAP_LEVELS == stored)
-}
-
-/// Whether the kernels are switched off (see [`set_portable_ops`]).
-pub fn portable_ops() -> bool {
-    match PORTABLE_OPS.load(Ordering::Relaxed) {
-        PORTABLE_UNSET => {
-            let on = std::env::var_os(PORTABLE_OPS_ENV).is_some_and(|v| v == "1");
-            set_portable_ops(on);
-            on
-        }
-        state => state == PORTABLE_ON,
-    }
-}
-
-/// Switches every kernel off (`true`) or on, for the whole process. Off, every op runs through
-/// burn's portable tensor ops: the path the GPU backends take, so that CPU tests check that
-/// path and benchmarks measure what the kernels gain. Until this is called the setting comes
-/// from the environment: `PROMPT_R1_PORTABLE_OPS=1` switches the kernels off.
-pub fn set_portable_ops(on: bool) {
-    PORTABLE_OPS.store(if on { PORTABLE_ON } else { PORTABLE_OFF }, Ordering::Relaxed);
-}
-
-static PORTABLE_OPS: AtomicU8 = AtomicU8::new(PORTABLE_UNSET);
-const PORTABLE_UNSET: u8 = 0;
-const PORTABLE_OFF: u8 = 1;
-const PORTABLE_ON: u8 = 2;
-
-/// Whether `B`'s float tensors are burn-flex tensors (not under autodiff) and the kernels are
-/// on: then tensor data already lives in host memory and host loops over it are cheap.
-pub fn active<B: Backend>() -> bool {
-    std::any::TypeId::of::<B::FloatTensorPrimitive>() == std::any::TypeId::of::<FlexTensor>() && !portable_ops()
-}
-
-/// Whether the element-wise loops and attention run their AVX-512 variants.
-pub(crate) fn avx512() -> bool {
-    isa() >= Isa::Avx512
-}
-
-/// Whether the hand-written AVX-512 BF16 matrix products run.
-pub(crate) fn avx512_bf16() -> bool {
-    isa() >= Isa::Avx512Bf16
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,7 +138,7 @@ mod tests {
     #[test]
     fn the_environment_cap_parses() {
         match isa_cap_from_env() {
-            Ok(cap) => println!("{ISA_ENV}: {cap:?}; host {}; running at {}", Isa::host(), isa()),
+            Ok(cap) => println!("{ISA_ENV}: {cap:?}; host {}", Isa::host()),
             Err(e) => panic!("{ISA_ENV}: {e}"),
         }
     }
@@ -230,9 +149,5 @@ mod tests {
         let available: Vec<Isa> = Isa::available().collect();
         assert_eq!(available.first(), Some(&Isa::Portable));
         assert_eq!(available.last(), Some(&Isa::host()));
-        for stored in Isa::ALL {
-            assert_eq!(decode(stored as u8 + CAP_LEVELS), Some(stored));
-        }
-        assert_eq!(decode(CAP_NONE), None);
     }
 }

@@ -19,21 +19,23 @@
 //! attention and the bf16-precision matmul are each recorded as one node of burn's graph with
 //! a hand-written backward (see `tracked`).
 //!
-//! [`mod@isa`] says which code paths run: the host's best instruction-set level, or a lower one
-//! (`PROMPT_R1_CPU_ISA=portable|avx2|avx512|avx512bf16`), or none at all
-//! (`PROMPT_R1_PORTABLE_OPS=1`: burn's ops everywhere, the path GPU backends take).
+//! Which code paths run is a [`Kernels`] value that every entry point takes: the host's best
+//! instruction-set level, a lower one (see [`mod@isa`]), or none at all ([`Kernels::off`]:
+//! burn's ops everywhere, the path GPU backends take). A model chooses it at load;
+//! [`Kernels::from_env`] reads `PROMPT_R1_CPU_ISA`, `PROMPT_R1_BF16_PRODUCTS` and
+//! `PROMPT_R1_PORTABLE_OPS`.
 //!
 //! On Linux, [`large_alloc`] is a global allocator for the binary that keeps the large buffers
 //! the CPU backend's tensors live in for reuse instead of handing them back to the kernel.
 
-/// Evaluates `$body` in a copy compiled with AVX-512 enabled when the kernels run at that level
-/// (see [`isa`]), so that the loops inlined into it vectorise 16 lanes wide; otherwise as
+/// Evaluates `$body` in a copy compiled with AVX-512 enabled when `$kernels` (a [`Kernels`])
+/// run at that level, so that the loops inlined into it vectorise 16 lanes wide; otherwise as
 /// compiled for the baseline.
 macro_rules! wide_simd {
-    ($body:expr) => {{
+    ($kernels:expr, $body:expr) => {{
         #[cfg(target_arch = "x86_64")]
         {
-            if $crate::isa::avx512() {
+            if $crate::Kernels::avx512($kernels) {
                 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
                 unsafe fn run<R>(f: impl FnOnce() -> R) -> R {
                     f()
@@ -46,6 +48,7 @@ macro_rules! wide_simd {
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
+            let _ = $kernels;
             $body
         }
     }};
@@ -58,6 +61,7 @@ mod bf16_products;
 mod flex;
 mod fused;
 pub mod isa;
+mod kernels;
 #[cfg(target_os = "linux")]
 pub mod large_alloc;
 pub mod ops;
@@ -65,8 +69,9 @@ mod tracked;
 mod transpose;
 mod weight_matmul;
 
-pub use bf16_products::{bf16_products, bf16_products_from_env, set_bf16_products, Bf16Products, BF16_PRODUCTS_ENV};
+pub use bf16_products::{bf16_products_from_env, Bf16Products, BF16_PRODUCTS_ENV};
 pub use flex::is_flex_backend;
-pub use isa::{active, isa, portable_ops, set_isa_cap, set_portable_ops, Isa};
+pub use isa::Isa;
+pub use kernels::{Kernels, KernelsEnvError};
 pub use ops::{has_bf16_kernels, WeightLayout};
 pub use transpose::transpose_into;

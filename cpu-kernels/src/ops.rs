@@ -1,14 +1,15 @@
 //! The named points where the model hands work to the kernels. Each takes tensors of any
-//! backend and returns `None` unless the backend is burn-flex (plain, or under autodiff where
-//! the kernel has a backward), the kernels are on and the dtypes are ones the kernel handles;
-//! the caller then computes the same thing with burn's ops. The paged KV cache's writes and
-//! gathers (`write_slots`, `gather_slots`) compute nothing and also run with the portable ops.
+//! backend and the [`Kernels`] to run, and returns `None` unless the backend is burn-flex
+//! (plain, or under autodiff where the kernel has a backward), the kernels are on and the
+//! dtypes are ones the kernel handles; the caller then computes the same thing with burn's ops.
+//! The paged KV cache's writes and gathers (`write_slots`, `gather_slots`) compute nothing and
+//! run whatever the kernels.
 
 use burn::tensor::{backend::Backend, bf16, Bytes, DType, Int, Tensor, TensorPrimitive};
 use burn_flex::FlexTensor;
 
 use crate::flex::{flex_contiguous, flex_output, from_flex, narrow_all, rows_contiguous, to_flex, token_ids};
-use crate::{attention, bf16_bits, fused, tracked, weight_matmul};
+use crate::{attention, bf16_bits, fused, tracked, weight_matmul, Kernels};
 
 /// How a weight matrix is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,14 +36,18 @@ impl WeightLayout {
 /// AVX-512 BF16 level, whose streaming kernel reads the weights at full bandwidth; `None`
 /// otherwise, for the caller to use burn's matmul.
 pub fn linear<B: Backend, const D: usize>(
+    kernels: Kernels,
     x: &Tensor<B, D>,
     w: &Tensor<B, 2>,
     layout: WeightLayout,
 ) -> Option<Tensor<B, D>> {
+    if !kernels.is_on() {
+        return None;
+    }
     let (k, n) = layout.inner_outer(w.dims());
     let mut dims = x.dims();
     let m: usize = dims[..D - 1].iter().product();
-    let small_f32 = m <= weight_matmul::SMALL_M && weight_matmul::has_fast_path();
+    let small_f32 = m <= weight_matmul::SMALL_M && weight_matmul::has_fast_path(kernels);
     let handled = match (w.dtype(), x.dtype()) {
         (DType::BF16, DType::BF16 | DType::F32) => true,
         (DType::F32, DType::F32) => small_f32,
@@ -57,17 +62,17 @@ pub fn linear<B: Backend, const D: usize>(
     let (bytes, dtype) = match (weight.dtype(), input.dtype()) {
         (DType::BF16, DType::BF16) => {
             let (x, w) = (input.as_slice::<bf16>()?, weight.as_slice::<bf16>()?);
-            let y = weight_matmul::matmul_bf16(x, w, layout, m, k, n);
+            let y = weight_matmul::matmul_bf16(kernels, x, w, layout, m, k, n);
             (Bytes::from_elems(y), DType::BF16)
         }
         (DType::BF16, _) => {
             let (x, w) = (input.as_slice::<f32>()?, weight.as_slice::<bf16>()?);
-            let y = weight_matmul::matmul_f32_bf16(x, w, layout, m, k, n);
+            let y = weight_matmul::matmul_f32_bf16(kernels, x, w, layout, m, k, n);
             (Bytes::from_elems(y), DType::F32)
         }
         _ => {
             let (x, w) = (input.as_slice::<f32>()?, weight.as_slice::<f32>()?);
-            let y = weight_matmul::matmul_f32_small(x, w, layout, m, k, n)?;
+            let y = weight_matmul::matmul_f32_small(kernels, x, w, layout, m, k, n)?;
             (Bytes::from_elems(y), DType::F32)
         }
     };
@@ -82,57 +87,59 @@ pub fn linear<B: Backend, const D: usize>(
 /// (plain) and the update (autodiff) therefore compute the same sums, bit for bit. `None` for
 /// other backends and dtypes.
 pub fn linear_bf16<B: Backend, const D: usize>(
+    kernels: Kernels,
     x: &Tensor<B, D>,
     w: &Tensor<B, 2>,
     layout: WeightLayout,
 ) -> Option<Tensor<B, D>> {
     let (k, n) = layout.inner_outer(w.dims());
     let mut dims = x.dims();
-    if x.dtype() != DType::F32 || w.dtype() != DType::F32 || dims[D - 1] != k {
+    if !kernels.is_on() || x.dtype() != DType::F32 || w.dtype() != DType::F32 || dims[D - 1] != k {
         return None;
     }
-    if let Some(y) = tracked::bf16_matmul(x, w, layout, k, n) {
+    if let Some(y) = tracked::bf16_matmul(kernels, x, w, layout, k, n) {
         return Some(y);
     }
     let weight = to_flex(w.clone())?;
     let input = flex_contiguous(&to_flex(x.clone())?);
     let m = input.layout().num_elements() / k;
-    let xb = narrow_all(input.as_slice()?);
-    let y = weight_matmul::matmul_rounded(&xb, weight.as_slice()?, layout, m, k, n);
+    let xb = narrow_all(kernels, input.as_slice()?);
+    let y = weight_matmul::matmul_rounded(kernels, &xb, weight.as_slice()?, layout, m, k, n);
     dims[D - 1] = n;
     flex_output(Bytes::from_elems(y), dims, DType::F32)
 }
 
-/// Whether bf16 products run through the hand-written AVX-512 BF16 kernels at the current level
+/// Whether bf16 products run through the hand-written AVX-512 BF16 kernels at `kernels`' level
 /// (otherwise bf16 weights take portable loops, and bf16-precision products burn-flex's f32
 /// GEMM on rounded operands).
-pub fn has_bf16_kernels() -> bool {
-    weight_matmul::has_fast_path()
+pub fn has_bf16_kernels(kernels: Kernels) -> bool {
+    weight_matmul::has_fast_path(kernels)
 }
 
 /// HF's `Qwen3RMSNorm` (see `fused::rms_norm_f32`) when `B` is burn-flex and `x` and `weight`
 /// are both f32 or both bf16, or when it is burn-flex under autodiff and both are f32 (see
 /// `tracked`).
 pub fn rms_norm<B: Backend, const D: usize>(
+    kernels: Kernels,
     x: &Tensor<B, D>,
     weight: &Tensor<B, 1>,
     eps: f64,
 ) -> Option<Tensor<B, D>> {
-    if x.dims()[D - 1] != weight.dims()[0] {
+    if !kernels.is_on() || x.dims()[D - 1] != weight.dims()[0] {
         return None;
     }
     let eps = eps as f32;
     let Some(weight) = to_flex(weight.clone()) else {
-        return tracked::rms_norm(x, weight, eps);
+        return tracked::rms_norm(kernels, x, weight, eps);
     };
     let input = flex_contiguous(&to_flex(x.clone())?);
     let (bytes, dtype) = match (input.dtype(), weight.dtype()) {
         (DType::F32, DType::F32) => {
-            let y = fused::rms_norm_f32(input.as_slice()?, weight.as_slice()?, eps);
+            let y = fused::rms_norm_f32(kernels, input.as_slice()?, weight.as_slice()?, eps);
             (Bytes::from_elems(y), DType::F32)
         }
         (DType::BF16, DType::BF16) => {
-            let y = fused::rms_norm_bf16(input.as_slice()?, weight.as_slice()?, eps);
+            let y = fused::rms_norm_bf16(kernels, input.as_slice()?, weight.as_slice()?, eps);
             (Bytes::from_elems(y), DType::BF16)
         }
         _ => return None,
@@ -143,23 +150,24 @@ pub fn rms_norm<B: Backend, const D: usize>(
 /// `silu(gate) * up` when `B` is burn-flex and both are f32 or both bf16, of one shape, or when
 /// it is burn-flex under autodiff and both are f32 (see `tracked`).
 pub fn silu_mul<B: Backend, const D: usize>(
+    kernels: Kernels,
     gate: &Tensor<B, D>,
     up: &Tensor<B, D>,
 ) -> Option<Tensor<B, D>> {
-    if gate.dims() != up.dims() {
+    if !kernels.is_on() || gate.dims() != up.dims() {
         return None;
     }
     let Some(g) = to_flex(gate.clone()).map(|g| flex_contiguous(&g)) else {
-        return tracked::silu_mul(gate, up);
+        return tracked::silu_mul(kernels, gate, up);
     };
     let u = flex_contiguous(&to_flex(up.clone())?);
     let (bytes, dtype) = match (g.dtype(), u.dtype()) {
         (DType::F32, DType::F32) => (
-            Bytes::from_elems(fused::silu_mul_f32(g.as_slice()?, u.as_slice()?)),
+            Bytes::from_elems(fused::silu_mul_f32(kernels, g.as_slice()?, u.as_slice()?)),
             DType::F32,
         ),
         (DType::BF16, DType::BF16) => (
-            Bytes::from_elems(fused::silu_mul_bf16(g.as_slice()?, u.as_slice()?)),
+            Bytes::from_elems(fused::silu_mul_bf16(kernels, g.as_slice()?, u.as_slice()?)),
             DType::BF16,
         ),
         _ => return None,
@@ -171,35 +179,39 @@ pub fn silu_mul<B: Backend, const D: usize>(
 /// burn-flex 0.21's own `cast` rounds some values the other way (e.g. f32 bits `0xbc468001` to
 /// `0xbc46` where round-to-nearest gives `0xbc47`), so on burn-flex that conversion goes through
 /// `to_bf16`; everything else is burn's `cast`.
-pub fn cast<B: Backend, const D: usize>(t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
+pub fn cast<B: Backend, const D: usize>(kernels: Kernels, t: Tensor<B, D>, dtype: DType) -> Tensor<B, D> {
     match (t.dtype(), dtype) {
         (from, to) if from == to => t,
-        (DType::F32, DType::BF16) => to_bf16(&t).unwrap_or_else(|| t.cast(dtype)),
+        (DType::F32, DType::BF16) => to_bf16(kernels, &t).unwrap_or_else(|| t.cast(dtype)),
         _ => t.cast(dtype),
     }
 }
 
 /// `t` rounded to bf16 (to nearest, ties to even) when `B` is burn-flex and `t` is f32; `None`
 /// otherwise.
-fn to_bf16<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+fn to_bf16<B: Backend, const D: usize>(kernels: Kernels, t: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+    if !kernels.is_on() {
+        return None;
+    }
     let values = flex_contiguous(&to_flex(t.clone())?);
-    flex_output(Bytes::from_elems(narrow_all(values.as_slice()?)), t.dims(), DType::BF16)
+    flex_output(Bytes::from_elems(narrow_all(kernels, values.as_slice()?)), t.dims(), DType::BF16)
 }
 
 /// HF's `apply_rotary_pos_emb` (see `fused::rotary_f32`) when `B` is burn-flex and `x` and
 /// both tables are f32 or all bf16 of one shape, or burn-flex under autodiff (see `tracked`)
 /// and they are f32; `None` otherwise. The tables take no gradient.
 pub fn rotary<B: Backend>(
+    kernels: Kernels,
     x: &Tensor<B, 4>,
     cos: &Tensor<B, 4>,
     signed_sin: &Tensor<B, 4>,
 ) -> Option<Tensor<B, 4>> {
     let dims = x.dims();
-    if cos.dims() != dims || signed_sin.dims() != dims || !dims[3].is_multiple_of(2) {
+    if !kernels.is_on() || cos.dims() != dims || signed_sin.dims() != dims || !dims[3].is_multiple_of(2) {
         return None;
     }
     let Some(input) = to_flex(x.clone()) else {
-        return tracked::rotary(x, cos, signed_sin);
+        return tracked::rotary(kernels, x, cos, signed_sin);
     };
     let operands = [input, to_flex(cos.clone())?, to_flex(signed_sin.clone())?];
     let dtype = operands[0].dtype();
@@ -209,8 +221,8 @@ pub fn rotary<B: Backend>(
     let [x, c, s] = operands.map(|t| flex_contiguous(&t));
     let d = dims[3];
     let y = match dtype {
-        DType::F32 => Bytes::from_elems(fused::rotary_f32(x.as_slice()?, c.as_slice()?, s.as_slice()?, d)),
-        DType::BF16 => Bytes::from_elems(fused::rotary_bf16(x.as_slice()?, c.as_slice()?, s.as_slice()?, d)),
+        DType::F32 => Bytes::from_elems(fused::rotary_f32(kernels, x.as_slice()?, c.as_slice()?, s.as_slice()?, d)),
+        DType::BF16 => Bytes::from_elems(fused::rotary_bf16(kernels, x.as_slice()?, c.as_slice()?, s.as_slice()?, d)),
         _ => return None,
     };
     flex_output(y, dims, dtype)
@@ -221,6 +233,7 @@ pub fn rotary<B: Backend>(
 /// (see `tracked`): `query` `[b, q, heads, d]`, `key` and `value` `[b, kv_heads, k, d]` (views
 /// with any non-negative strides), `bias` `[b, 1, q, k]`. Returns `[b, q, heads * d]`.
 pub fn grouped_attention<B: Backend>(
+    kernels: Kernels,
     query: &Tensor<B, 4>,
     key: &Tensor<B, 4>,
     value: &Tensor<B, 4>,
@@ -235,7 +248,7 @@ pub fn grouped_attention<B: Backend>(
         && kv_heads > 0
         && heads % kv_heads == 0;
     let dtype = query.dtype();
-    if !shapes_agree || !kernel_dtypes(dtype, [key.dtype(), value.dtype(), bias.dtype()]) {
+    if !kernels.is_on() || !shapes_agree || !kernel_dtypes(dtype, [key.dtype(), value.dtype(), bias.dtype()]) {
         return None;
     }
     let shape = attention::AttentionShape {
@@ -247,23 +260,24 @@ pub fn grouped_attention<B: Backend>(
         head_dim,
     };
     let Some(q) = to_flex(query.clone()).map(rows_contiguous) else {
-        return tracked::grouped_attention(query, key, value, bias, shape, scale);
+        return tracked::grouped_attention(kernels, query, key, value, bias, shape, scale);
     };
     let [k, v, m] = [key, value, bias].map(|t| to_flex(t.clone()).map(rows_contiguous));
     let (k, v, m) = (k?, v?, m?);
     fn run<T: attention::Element + burn::tensor::Element + bytemuck::Pod>(
+        kernels: Kernels,
         [q, k, v, m]: [&FlexTensor; 4],
         shape: attention::AttentionShape,
         scale: f32,
     ) -> Bytes {
         let (q, k, v, m) = attention_views::<T>([q, k, v, m]);
-        let out = attention::grouped_attention(q, k, v, m, shape, scale);
+        let out = attention::grouped_attention(kernels, q, k, v, m, shape, scale);
         Bytes::from_elems(out)
     }
     let operands = [&q, &k, &v, &m];
     let bytes = match dtype {
-        DType::F32 => run::<f32>(operands, shape, scale),
-        _ => run::<bf16>(operands, shape, scale),
+        DType::F32 => run::<f32>(kernels, operands, shape, scale),
+        _ => run::<bf16>(kernels, operands, shape, scale),
     };
     flex_output(bytes, [batch, queries, heads * head_dim], dtype)
 }
@@ -276,6 +290,7 @@ pub fn grouped_attention<B: Backend>(
 /// `None` otherwise, for the caller to gather.
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_attention_paged<B: Backend>(
+    kernels: Kernels,
     query: &Tensor<B, 4>,
     key_pool: &Tensor<B, 3>,
     value_pool: &Tensor<B, 3>,
@@ -284,7 +299,10 @@ pub fn grouped_attention_paged<B: Backend>(
     bias: &Tensor<B, 4>,
     scale: f32,
 ) -> Option<Tensor<B, 3>> {
-    // Other backends (and the portable ops) return before the table is scanned.
+    // Other backends (and the kernels off) return before the table is scanned.
+    if !kernels.is_on() {
+        return None;
+    }
     let q = to_flex(query.clone()).map(rows_contiguous)?;
     let [batch, queries, heads, head_dim] = query.dims();
     let [kv_heads, slots, _] = key_pool.dims();
@@ -305,19 +323,20 @@ pub fn grouped_attention_paged<B: Backend>(
     let shape = attention::AttentionShape { batch, queries, keys, heads, kv_heads, head_dim };
     let pages = attention::Pages { slots: table, width: keys, skip };
     fn run<T: attention::Element + burn::tensor::Element + bytemuck::Pod>(
+        kernels: Kernels,
         [q, k, v, m]: [&FlexTensor; 4],
         pages: attention::Pages<'_>,
         shape: attention::AttentionShape,
         scale: f32,
     ) -> Bytes {
         let (q, _, _, m) = attention_views::<T>([q, q, q, m]);
-        let out = attention::grouped_attention(q, pool_view(k, pages, shape.head_dim), pool_view(v, pages, shape.head_dim), m, shape, scale);
+        let out = attention::grouped_attention(kernels, q, pool_view(k, pages, shape.head_dim), pool_view(v, pages, shape.head_dim), m, shape, scale);
         Bytes::from_elems(out)
     }
     let operands = [&q, &k, &v, &m];
     let bytes = match dtype {
-        DType::F32 => run::<f32>(operands, pages, shape, scale),
-        _ => run::<bf16>(operands, pages, shape, scale),
+        DType::F32 => run::<f32>(kernels, operands, pages, shape, scale),
+        _ => run::<bf16>(kernels, operands, pages, shape, scale),
     };
     flex_output(bytes, [batch, queries, heads * head_dim], dtype)
 }
@@ -381,18 +400,22 @@ fn bias_view<T: burn::tensor::Element + bytemuck::Pod>(m: &FlexTensor) -> attent
 /// it is burn-flex under autodiff and the logits are f32 (see `tracked`); `None` otherwise or
 /// for a target outside the vocabulary.
 pub fn chosen_logprobs<B: Backend>(
+    kernels: Kernels,
     logits: &Tensor<B, 3>,
     targets: &Tensor<B, 2, Int>,
 ) -> Option<Tensor<B, 2>> {
+    if !kernels.is_on() {
+        return None;
+    }
     let [b, n, vocab] = logits.dims();
     let ids = token_ids(targets, b * n, vocab)?;
     let Some(flex) = to_flex(logits.clone()) else {
-        return tracked::chosen_logprobs(logits, ids, [b, n, vocab]);
+        return tracked::chosen_logprobs(kernels, logits, ids, [b, n, vocab]);
     };
     let logits = flex_contiguous(&flex);
     let (values, _) = match logits.dtype() {
-        DType::F32 => fused::chosen_logprobs(logits.as_slice::<f32>()?, vocab, &ids, |x| x),
-        DType::BF16 => fused::chosen_logprobs(logits.as_slice::<bf16>()?, vocab, &ids, bf16_bits::widen),
+        DType::F32 => fused::chosen_logprobs(kernels, logits.as_slice::<f32>()?, vocab, &ids, |x| x),
+        DType::BF16 => fused::chosen_logprobs(kernels, logits.as_slice::<bf16>()?, vocab, &ids, bf16_bits::widen),
         _ => return None,
     };
     flex_output(Bytes::from_elems(values), [b, n], DType::F32)
@@ -401,19 +424,25 @@ pub fn chosen_logprobs<B: Backend>(
 /// The entropy of each row's softmax, `[b, n]` f32, from f32 `logits` `[b, n, vocab]`, as a value
 /// without gradient (see `fused::row_entropy`) when `B` is burn-flex, plain or under autodiff;
 /// `None` otherwise.
-pub fn entropy<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
+pub fn entropy<B: Backend>(kernels: Kernels, logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
+    if !kernels.is_on() {
+        return None;
+    }
     let [b, n, vocab] = logits.dims();
     let Some(flex) = to_flex(logits.clone()) else {
-        return tracked::untracked_entropy(logits, [b, n, vocab]);
+        return tracked::untracked_entropy(kernels, logits, [b, n, vocab]);
     };
     let logits = flex_contiguous(&flex);
-    let values = fused::row_entropy(logits.as_slice::<f32>()?, vocab);
+    let values = fused::row_entropy(kernels, logits.as_slice::<f32>()?, vocab);
     flex_output(Bytes::from_elems(values), [b, n], DType::F32)
 }
 
 /// `weight[ids]` `[b, s, hidden]` for a `[vocab, hidden]` table when `B` is burn-flex under
 /// autodiff and the table is f32 (see `tracked`); `None` otherwise.
-pub fn embedding<B: Backend>(weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> Option<Tensor<B, 3>> {
+pub fn embedding<B: Backend>(kernels: Kernels, weight: &Tensor<B, 2>, ids: &Tensor<B, 2, Int>) -> Option<Tensor<B, 3>> {
+    if !kernels.is_on() {
+        return None;
+    }
     let table = tracked::as_tracked(weight)?;
     let [b, s] = ids.dims();
     let token_ids = token_ids(ids, b * s, weight.dims()[0])?;
@@ -536,6 +565,7 @@ pub fn gather_slots<B: Backend>(pool: &Tensor<B, 3>, table: &[usize], rows: usiz
 
 #[cfg(test)]
 mod tests {
+    use crate::Kernels;
     use super::*;
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::Distribution;
@@ -607,8 +637,8 @@ mod tests {
                     .collect();
                 let bias = Tensor::<Flex, 4>::from_data(burn::tensor::TensorData::new(bias, [2, 1, queries, width]), &device).cast(dtype);
                 let gathered = |pool: &Tensor<Flex, 3>| gather_slots(pool, &table, 2, None).unwrap();
-                let want = grouped_attention(&query, &gathered(&k), &gathered(&v), &bias, 0.125).expect("burn-flex attends");
-                let got = grouped_attention_paged(&query, &k, &v, &table, Some(0), &bias, 0.125).expect("burn-flex attends to pages");
+                let want = grouped_attention(Kernels::default(), &query, &gathered(&k), &gathered(&v), &bias, 0.125).expect("burn-flex attends");
+                let got = grouped_attention_paged(Kernels::default(), &query, &k, &v, &table, Some(0), &bias, 0.125).expect("burn-flex attends to pages");
                 let diff = max_diff(want.cast(DType::F32), got.cast(DType::F32));
                 let tolerance = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
                 assert!(diff <= tolerance, "{dtype:?}, {queries} queries: {diff}");
@@ -664,7 +694,7 @@ mod tests {
                     .clone()
                     .cast(DType::F32)
                     .matmul(w.clone().cast(DType::F32).unsqueeze());
-                let got = linear(&x, &w, WeightLayout::InOut)
+                let got = linear(Kernels::default(), &x, &w, WeightLayout::InOut)
                     .expect("flex + bf16 takes the kernel");
                 assert_eq!(got.dtype(), dtype);
                 assert!(
@@ -672,7 +702,7 @@ mod tests {
                     "in-out, {rows} rows, {dtype:?}"
                 );
                 let wt = w.clone().transpose().cast(DType::F32).cast(DType::BF16);
-                let got = linear(&x, &wt, WeightLayout::OutIn)
+                let got = linear(Kernels::default(), &x, &wt, WeightLayout::OutIn)
                     .expect("flex + bf16 takes the kernel");
                 assert!(max_diff(got, want) < 0.2, "out-in, {rows} rows, {dtype:?}");
             }
@@ -688,20 +718,20 @@ mod tests {
         let want = x.clone().matmul(w.clone().unsqueeze());
         let wt = Tensor::<Flex, 2>::from_data(w.clone().transpose().into_data(), &device);
         for (got, layout) in [
-            (linear(&x, &w, WeightLayout::InOut), "in-out"),
-            (linear(&x, &wt, WeightLayout::OutIn), "out-in"),
+            (linear(Kernels::default(), &x, &w, WeightLayout::InOut), "in-out"),
+            (linear(Kernels::default(), &x, &wt, WeightLayout::OutIn), "out-in"),
         ] {
             match got {
                 Some(got) => assert!(max_diff(got, want.clone()) < 1e-4, "{layout}"),
                 None => assert!(
-                    !weight_matmul::has_fast_path(),
+                    !weight_matmul::has_fast_path(Kernels::default()),
                     "{layout}: kernel not taken"
                 ),
             }
         }
         let many = Tensor::<Flex, 3>::ones([2, 9, 96], &device);
         assert!(
-            linear(&many, &w, WeightLayout::InOut).is_none(),
+            linear(Kernels::default(), &many, &w, WeightLayout::InOut).is_none(),
             "18 rows go to burn's GEMM"
         );
     }
@@ -710,9 +740,9 @@ mod tests {
     fn other_dtypes_and_backends_keep_burns_matmul() {
         let device = Default::default();
         let x = Tensor::<Flex, 3>::ones([1, 2, 4], &device).cast(DType::BF16);
-        assert!(linear(&x, &Tensor::ones([4, 3], &device), WeightLayout::InOut).is_none());
+        assert!(linear(Kernels::default(), &x, &Tensor::ones([4, 3], &device), WeightLayout::InOut).is_none());
         let x = Tensor::<Autodiff<Flex>, 3>::ones([1, 2, 4], &device);
         let w = Tensor::<Autodiff<Flex>, 2>::ones([4, 3], &device).cast(DType::BF16);
-        assert!(linear(&x, &w, WeightLayout::InOut).is_none());
+        assert!(linear(Kernels::default(), &x, &w, WeightLayout::InOut).is_none());
     }
 }

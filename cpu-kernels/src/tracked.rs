@@ -39,13 +39,14 @@ use crate::attention::{self, AttentionShape, SoftmaxStats};
 use crate::flex::{flex_contiguous, narrow_all, rows_contiguous};
 use crate::ops::{attention_views, WeightLayout};
 use crate::transpose::transpose;
-use crate::{attention_backward, fused, weight_matmul};
+use crate::{attention_backward, fused, weight_matmul, Kernels};
 
 type TrackedFlex = Autodiff<Flex>;
 
 /// [`fused::chosen_logprobs`] as one autodiff node when `B` is `Autodiff<Flex>` and the logits
 /// are f32; `None` otherwise. `ids` are the targets (already checked against `vocab`).
 pub(super) fn chosen_logprobs<B: Backend>(
+    kernels: Kernels,
     logits: &Tensor<B, 3>,
     ids: Vec<usize>,
     [b, n, vocab]: [usize; 3],
@@ -55,10 +56,10 @@ pub(super) fn chosen_logprobs<B: Backend>(
     if values.dtype() != DType::F32 {
         return None;
     }
-    let (logprobs, lse) = fused::chosen_logprobs(values.as_slice::<f32>()?, vocab, &ids, |x| x);
+    let (logprobs, lse) = fused::chosen_logprobs(kernels, values.as_slice::<f32>()?, vocab, &ids, |x| x);
     let output = f32_tensor(logprobs, [b, n]);
     let state = || ChosenState { logits: values, targets: Arc::new(ids), lse: Arc::new(lse) };
-    from_tracked(record(ChosenLogprobs.prepare([tracked.node.clone()]), state, output))
+    from_tracked(record(ChosenLogprobs(kernels).prepare([tracked.node.clone()]), state, output))
 }
 
 /// `weight[ids]`, `[b, s, hidden]`, as one autodiff node, for the table of an `Autodiff<Flex>`
@@ -89,12 +90,13 @@ pub(super) fn embedding<B: Backend>(
 /// [`fused::row_entropy`] of f32 logits when `B` is `Autodiff<Flex>`, as a tensor outside the
 /// graph (no gradient flows back through it); `None` otherwise.
 pub(super) fn untracked_entropy<B: Backend>(
+    kernels: Kernels,
     logits: &Tensor<B, 3>,
     [b, n, vocab]: [usize; 3],
 ) -> Option<Tensor<B, 2>> {
     let tracked = as_tracked(logits)?;
     let values = flex_contiguous(&tracked.primitive);
-    let entropy = fused::row_entropy(values.as_slice::<f32>()?, vocab);
+    let entropy = fused::row_entropy(kernels, values.as_slice::<f32>()?, vocab);
     let inner = f32_tensor(entropy, [b, n]);
     let outside = Tensor::<TrackedFlex, 2>::from_inner(Tensor::from_primitive(TensorPrimitive::Float(inner)));
     from_tracked(outside.into_primitive().tensor())
@@ -103,32 +105,34 @@ pub(super) fn untracked_entropy<B: Backend>(
 /// HF's RMSNorm (see [`fused::rms_norm_f32`]) as one autodiff node when `x` and `weight` are
 /// f32 tensors of `Autodiff<Flex>`; `None` otherwise.
 pub(super) fn rms_norm<B: Backend, const D: usize>(
+    kernels: Kernels,
     x: &Tensor<B, D>,
     weight: &Tensor<B, 1>,
     eps: f32,
 ) -> Option<Tensor<B, D>> {
     let (x, weight) = (as_tracked(x)?, as_tracked(weight)?);
     let (xs, ws) = (flex_contiguous(&x.primitive), flex_contiguous(&weight.primitive));
-    let y = fused::rms_norm_f32(xs.as_slice::<f32>()?, ws.as_slice::<f32>()?, eps);
+    let y = fused::rms_norm_f32(kernels, xs.as_slice::<f32>()?, ws.as_slice::<f32>()?, eps);
     let output = f32_tensor(y, xs.layout().shape().clone());
     let parents = [x.node.clone(), weight.node.clone()];
-    from_tracked(record(RmsNorm.prepare(parents), || RmsNormState { x: xs, weight: ws, eps }, output))
+    from_tracked(record(RmsNorm(kernels).prepare(parents), || RmsNormState { x: xs, weight: ws, eps }, output))
 }
 
 /// `silu(gate) * up` (see [`fused::silu_mul_f32`]) as one autodiff node when both are f32
 /// tensors of `Autodiff<Flex>` of one shape; `None` otherwise.
-pub(super) fn silu_mul<B: Backend, const D: usize>(gate: &Tensor<B, D>, up: &Tensor<B, D>) -> Option<Tensor<B, D>> {
+pub(super) fn silu_mul<B: Backend, const D: usize>(kernels: Kernels, gate: &Tensor<B, D>, up: &Tensor<B, D>) -> Option<Tensor<B, D>> {
     let (gate, up) = (as_tracked(gate)?, as_tracked(up)?);
     let (gs, us) = (flex_contiguous(&gate.primitive), flex_contiguous(&up.primitive));
-    let y = fused::silu_mul_f32(gs.as_slice::<f32>()?, us.as_slice::<f32>()?);
+    let y = fused::silu_mul_f32(kernels, gs.as_slice::<f32>()?, us.as_slice::<f32>()?);
     let output = f32_tensor(y, gs.layout().shape().clone());
     let parents = [gate.node.clone(), up.node.clone()];
-    from_tracked(record(SiluMul.prepare(parents), || SiluMulState { gate: gs, up: us }, output))
+    from_tracked(record(SiluMul(kernels).prepare(parents), || SiluMulState { gate: gs, up: us }, output))
 }
 
 /// RoPE (see [`fused::rotary_f32`]) as one autodiff node when `x` and both tables are f32
 /// tensors of `Autodiff<Flex>` of one shape; `None` otherwise. The tables take no gradient.
 pub(super) fn rotary<B: Backend>(
+    kernels: Kernels,
     x: &Tensor<B, 4>,
     cos: &Tensor<B, 4>,
     signed_sin: &Tensor<B, 4>,
@@ -139,9 +143,9 @@ pub(super) fn rotary<B: Backend>(
     }
     let [xs, cos, sin] = [&x, &cos, &signed_sin].map(|t| flex_contiguous(&t.primitive));
     let dims: [usize; 4] = xs.layout().shape().dims();
-    let y = fused::rotary_f32(xs.as_slice::<f32>()?, cos.as_slice::<f32>()?, sin.as_slice::<f32>()?, dims[3]);
+    let y = fused::rotary_f32(kernels, xs.as_slice::<f32>()?, cos.as_slice::<f32>()?, sin.as_slice::<f32>()?, dims[3]);
     let output = f32_tensor(y, dims);
-    from_tracked(record(Rotary.prepare([x.node.clone()]), || RotaryState { cos, signed_sin: sin }, output))
+    from_tracked(record(Rotary(kernels).prepare([x.node.clone()]), || RotaryState { cos, signed_sin: sin }, output))
 }
 
 /// Grouped-query attention (see [`attention::grouped_attention`]) as one autodiff node when
@@ -150,6 +154,7 @@ pub(super) fn rotary<B: Backend>(
 /// operands (views, not copies), its output and each query row's softmax maximum and sum; the
 /// backward recomputes the probabilities from them (see [`attention_backward`]).
 pub(super) fn grouped_attention<B: Backend>(
+    kernels: Kernels,
     query: &Tensor<B, 4>,
     key: &Tensor<B, 4>,
     value: &Tensor<B, 4>,
@@ -164,13 +169,13 @@ pub(super) fn grouped_attention<B: Backend>(
     }
     let [q, k, v, m] = [&query, &key, &value, &bias].map(|t| rows_contiguous(t.primitive.clone()));
     let (qv, kv, vv, mv) = attention_views::<f32>([&q, &k, &v, &m]);
-    let (out, stats) = attention::grouped_attention_with_stats(qv, kv, vv, mv, shape, scale);
+    let (out, stats) = attention::grouped_attention_with_stats(kernels, qv, kv, vv, mv, shape, scale);
     let AttentionShape { batch, queries, heads, head_dim, .. } = shape;
     let output = f32_tensor(out, [batch, queries, heads * head_dim]);
     let parents = [query.node.clone(), key.node.clone(), value.node.clone()];
     let out = output.clone();
     let state = || AttentionState { operands: [q, k, v, m], out, stats: Arc::new(stats), shape, scale };
-    from_tracked(record(Attention.prepare(parents), state, output))
+    from_tracked(record(Attention(kernels).prepare(parents), state, output))
 }
 
 /// `x · w` (or `x · wᵀ`) with bf16 operands and f32 sums (see [`super::bf16_matmul`]) as one
@@ -180,6 +185,7 @@ pub(super) fn grouped_attention<B: Backend>(
 /// weight is rounded as the kernel packs it, never copied; the node keeps `x` rounded to bf16
 /// and `w` as it is.
 pub(super) fn bf16_matmul<B: Backend, const D: usize>(
+    kernels: Kernels,
     x: &Tensor<B, D>,
     w: &Tensor<B, 2>,
     layout: WeightLayout,
@@ -188,15 +194,15 @@ pub(super) fn bf16_matmul<B: Backend, const D: usize>(
 ) -> Option<Tensor<B, D>> {
     let (x, w) = (as_tracked(x)?, as_tracked(w)?);
     let (xs, ws) = (flex_contiguous(&x.primitive), w.primitive.clone());
-    let xb = narrow_all(xs.as_slice::<f32>()?);
+    let xb = narrow_all(kernels, xs.as_slice::<f32>()?);
     let m = xb.len() / k;
-    let y = weight_matmul::matmul_rounded(&xb, ws.as_slice::<f32>()?, layout, m, k, n);
+    let y = weight_matmul::matmul_rounded(kernels, &xb, ws.as_slice::<f32>()?, layout, m, k, n);
     let mut dims: [usize; D] = xs.layout().shape().dims();
     dims[D - 1] = n;
     let output = f32_tensor(y, dims);
     let parents = [x.node.clone(), w.node.clone()];
     let state = || Bf16MatmulState { x: Arc::new(xb), weight: ws, x_shape: xs.layout().shape().clone(), layout, m, k, n };
-    from_tracked(record(Bf16Matmul.prepare(parents), state, output))
+    from_tracked(record(Bf16Matmul(kernels).prepare(parents), state, output))
 }
 
 /// Records a compute-bound node with output `output`; its backward's `state` is built (and kept)
@@ -218,9 +224,6 @@ where
 
 /// The `Autodiff<Flex>` tensor behind `t`, when `B` is `Autodiff<Flex>`.
 pub(super) fn as_tracked<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Option<FloatTensor<TrackedFlex>> {
-    if crate::isa::portable_ops() {
-        return None;
-    }
     let primitive: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
     primitive.downcast::<FloatTensor<TrackedFlex>>().ok().map(|t| *t)
 }
@@ -248,7 +251,7 @@ fn register_each<const N: usize>(parents: [Option<NodeId>; N], grads: &mut Gradi
 
 /// The node: `logprobs = logits[target] - logsumexp(logits)` per row.
 #[derive(Debug)]
-struct ChosenLogprobs;
+struct ChosenLogprobs(Kernels);
 
 /// What the backward needs: the contiguous f32 logits, the targets and each row's `logsumexp`.
 #[derive(Debug, Clone)]
@@ -262,12 +265,13 @@ impl Backward<Flex, 1> for ChosenLogprobs {
     type State = ChosenState;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let kernels = self.0;
         let ChosenState { logits, targets, lse } = ops.state;
         unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
             let grad = flex_contiguous(&grad);
             let dims: [usize; 3] = logits.layout().shape().dims();
             let values = match (logits.as_slice::<f32>(), grad.as_slice::<f32>()) {
-                (Some(logits), Some(grad)) => fused::chosen_logprobs_backward(logits, dims[2], &targets, &lse, grad),
+                (Some(logits), Some(grad)) => fused::chosen_logprobs_backward(kernels, logits, dims[2], &targets, &lse, grad),
                 _ => unreachable!("the forward pass only records f32 logits, and its gradient is f32"),
             };
             f32_tensor(values, dims)
@@ -310,7 +314,7 @@ impl Backward<Flex, 1> for EmbeddingRows {
 
 /// The node: `weight ⊙ x / sqrt(mean(x²) + eps)` over the last axis.
 #[derive(Debug)]
-struct RmsNorm;
+struct RmsNorm(Kernels);
 
 /// What the backward needs: the contiguous f32 input and weight, and `eps`.
 #[derive(Debug, Clone)]
@@ -330,7 +334,7 @@ impl Backward<Flex, 2> for RmsNorm {
         else {
             unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
         };
-        let (dx, dweight) = fused::rms_norm_backward_f32(xv, wv, gv, eps);
+        let (dx, dweight) = fused::rms_norm_backward_f32(self.0, xv, wv, gv, eps);
         let pair = [f32_tensor(dx, x.layout().shape().clone()), f32_tensor(dweight, weight.layout().shape().clone())];
         register_each(ops.parents.map(|p| p.map(|p| p.id)), grads, pair);
     }
@@ -338,7 +342,7 @@ impl Backward<Flex, 2> for RmsNorm {
 
 /// The node: `silu(gate) ⊙ up`.
 #[derive(Debug)]
-struct SiluMul;
+struct SiluMul(Kernels);
 
 /// What the backward needs: both contiguous f32 inputs.
 #[derive(Debug, Clone)]
@@ -357,7 +361,7 @@ impl Backward<Flex, 2> for SiluMul {
         else {
             unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
         };
-        let (dgate, dup) = fused::silu_mul_backward_f32(gv, uv, yv);
+        let (dgate, dup) = fused::silu_mul_backward_f32(self.0, gv, uv, yv);
         let shape = gate.layout().shape();
         register_each(ops.parents.map(|p| p.map(|p| p.id)), grads, [f32_tensor(dgate, shape.clone()), f32_tensor(dup, shape.clone())]);
     }
@@ -365,7 +369,7 @@ impl Backward<Flex, 2> for SiluMul {
 
 /// The node: `y = x · w` with bf16 operands and f32 sums.
 #[derive(Debug)]
-struct Bf16Matmul;
+struct Bf16Matmul(Kernels);
 
 /// What the backward needs: `x` rounded to bf16 (`[m, k]`), the f32 weight and the shapes.
 #[derive(Debug, Clone)]
@@ -383,20 +387,21 @@ impl Backward<Flex, 2> for Bf16Matmul {
     type State = Bf16MatmulState;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let kernels = self.0;
         let Bf16MatmulState { x, weight, x_shape, layout, m, k, n } = ops.state;
         let grad = flex_contiguous(&grads.consume::<Flex>(&ops.node));
         let (Some(gv), Some(wv)) = (grad.as_slice::<f32>(), weight.as_slice::<f32>()) else {
             unreachable!("the forward pass only records f32 inputs, and its gradient is f32")
         };
         let [x_parent, w_parent] = ops.parents.map(|p| p.map(|p| p.id));
-        let gb = narrow_all(gv);
+        let gb = narrow_all(kernels, gv);
         if let Some(parent) = x_parent {
             // dx[m, k] = dy[m, n] · wᵀ: the weight read the other way round.
             let flipped = match layout {
                 WeightLayout::InOut => WeightLayout::OutIn,
                 WeightLayout::OutIn => WeightLayout::InOut,
             };
-            let dx = weight_matmul::matmul_rounded(&gb, wv, flipped, m, n, k);
+            let dx = weight_matmul::matmul_rounded(kernels, &gb, wv, flipped, m, n, k);
             grads.register::<Flex>(parent, f32_tensor(dx, x_shape));
         }
         if let Some(parent) = w_parent {
@@ -404,7 +409,7 @@ impl Backward<Flex, 2> for Bf16Matmul {
                 // dw[k, n] = xᵀ · dy
                 WeightLayout::InOut => {
                     drop(gb);
-                    weight_matmul::matmul_rounded(&transpose(&x, m, k), gv, WeightLayout::InOut, k, m, n)
+                    weight_matmul::matmul_rounded(kernels, &transpose(&x, m, k), gv, WeightLayout::InOut, k, m, n)
                 }
                 // dw[n, k] = dyᵀ · x (for the head, dy is the largest tensor of the step: free
                 // it before its transpose is allocated)
@@ -412,7 +417,7 @@ impl Backward<Flex, 2> for Bf16Matmul {
                     drop(grad);
                     let gt = transpose(&gb, m, n);
                     drop(gb);
-                    weight_matmul::matmul_bf16_f32(&gt, &x, WeightLayout::InOut, n, m, k)
+                    weight_matmul::matmul_bf16_f32(kernels, &gt, &x, WeightLayout::InOut, n, m, k)
                 }
             };
             grads.register::<Flex>(parent, f32_tensor(dw, weight.layout().shape().clone()));
@@ -422,7 +427,7 @@ impl Backward<Flex, 2> for Bf16Matmul {
 
 /// The node: RoPE's rotation of each pair of a row's halves.
 #[derive(Debug)]
-struct Rotary;
+struct Rotary(Kernels);
 
 /// What the backward needs: the contiguous f32 tables.
 #[derive(Debug, Clone)]
@@ -435,6 +440,7 @@ impl Backward<Flex, 1> for Rotary {
     type State = RotaryState;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let kernels = self.0;
         let RotaryState { cos, signed_sin } = ops.state;
         unary::<Flex, _>(ops.parents, ops.node, grads, |grad| {
             let grad = flex_contiguous(&grad);
@@ -443,14 +449,14 @@ impl Backward<Flex, 1> for Rotary {
             else {
                 unreachable!("the forward pass only records f32 tables, and its gradient is f32")
             };
-            f32_tensor(fused::rotary_backward_f32(g, c, s, dims[3]), dims)
+            f32_tensor(fused::rotary_backward_f32(kernels, g, c, s, dims[3]), dims)
         });
     }
 }
 
 /// The node: `softmax(Q Kᵀ · scale + bias) V` over grouped key/value heads.
 #[derive(Debug)]
-struct Attention;
+struct Attention(Kernels);
 
 /// What the backward needs: the f32 query, key, value and bias views, the output and each query
 /// row's softmax statistics.
@@ -474,6 +480,7 @@ impl Backward<Flex, 3> for Attention {
         };
         let (qv, kv, vv, mv) = attention_views::<f32>([&q, &k, &v, &m]);
         let g = attention_backward::grouped_attention_backward(
+            self.0,
             qv,
             kv,
             vv,
@@ -496,6 +503,7 @@ impl Backward<Flex, 3> for Attention {
 
 #[cfg(test)]
 mod tests {
+    use crate::Kernels;
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::{Int, Tensor, TensorData};
 
@@ -513,7 +521,7 @@ mod tests {
         let weights = Tensor::<B, 2>::from_data(TensorData::new(vec![1.0f32, -0.5, 2.0, 0.25, -1.5, 0.75], [b, n]), &device);
 
         let fused_in = logits();
-        let fused = crate::ops::chosen_logprobs(&fused_in, &targets).expect("Autodiff<Flex> f32 is handled");
+        let fused = crate::ops::chosen_logprobs(Kernels::default(), &fused_in, &targets).expect("Autodiff<Flex> f32 is handled");
         let plain_in = logits();
         let max = plain_in.clone().max_dim(2).detach();
         let lse = (plain_in.clone() - max.clone()).exp().sum_dim(2).log() + max;
@@ -541,7 +549,7 @@ mod tests {
         let weights = Tensor::<B, 3>::from_data(TensorData::new(weights, [2, 3, hidden]), &device);
 
         let fused_in = table();
-        let fused = crate::ops::embedding(&fused_in, &ids).expect("Autodiff<Flex> f32 is handled");
+        let fused = crate::ops::embedding(Kernels::default(), &fused_in, &ids).expect("Autodiff<Flex> f32 is handled");
         let plain_in = table();
         let plain = burn::tensor::module::embedding(plain_in.clone(), ids.clone());
         let values = |t: Tensor<Flex, 3>| t.into_data().to_vec::<f32>().unwrap();
@@ -569,7 +577,7 @@ mod tests {
         let (x, w) = (series(rows * d, 0.31), series(d, 0.53));
         let weight = || Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [d]), &device).require_grad();
         let (fx, fw) = (tensor(&x, [rows, d]), weight());
-        let fused = crate::ops::rms_norm(&fx, &fw, 1e-6).expect("Autodiff<Flex> f32 is handled");
+        let fused = crate::ops::rms_norm(Kernels::default(), &fx, &fw, 1e-6).expect("Autodiff<Flex> f32 is handled");
         let (px, pw) = (tensor(&x, [rows, d]), weight());
         let variance = px.clone().square().mean_dim(1);
         let plain = px.clone() * (variance + 1e-6).sqrt().recip() * pw.clone().unsqueeze();
@@ -581,7 +589,7 @@ mod tests {
 
         let (gate, up) = (series(rows * d, 0.9), series(rows * d, 0.2));
         let (fgate, fup) = (tensor(&gate, [rows, d]), tensor(&up, [rows, d]));
-        let fused = crate::ops::silu_mul(&fgate, &fup).expect("Autodiff<Flex> f32 is handled");
+        let fused = crate::ops::silu_mul(Kernels::default(), &fgate, &fup).expect("Autodiff<Flex> f32 is handled");
         let (pgate, pup) = (tensor(&gate, [rows, d]), tensor(&up, [rows, d]));
         let plain = burn::tensor::activation::silu(pgate.clone()) * pup.clone();
         assert!(close(values(fused.clone()), values(plain.clone())));
@@ -618,7 +626,7 @@ mod tests {
 
         let (fq, fk, fv) = inputs();
         let shape = AttentionShape { batch: b, queries: n, keys: n, heads: h, kv_heads: kv, head_dim: d };
-        let fused = super::grouped_attention(&fq.clone().swap_dims(1, 2), &fk.clone().swap_dims(1, 2), &fv, &bias, shape, scale)
+        let fused = super::grouped_attention(Kernels::default(), &fq.clone().swap_dims(1, 2), &fk.clone().swap_dims(1, 2), &fv, &bias, shape, scale)
             .expect("Autodiff<Flex> f32 is handled");
         let (pq, pk, pv) = inputs();
         let repeat = |t: Tensor<B, 4>| t.reshape([b, kv, 1, n, d]).repeat_dim(2, h / kv).reshape([b, h, n, d]);
@@ -667,7 +675,7 @@ mod tests {
         let cotangent = Tensor::<B, 4>::from_data(TensorData::new(cotangent, [b, n, h, d]), &device);
 
         let fx = input();
-        let fused = crate::ops::rotary(&fx, &cos, &sin).expect("Autodiff<Flex> f32 is handled");
+        let fused = crate::ops::rotary(Kernels::default(), &fx, &cos, &sin).expect("Autodiff<Flex> f32 is handled");
         let px = input();
         let swapped = Tensor::cat(vec![px.clone().narrow(3, d / 2, d / 2), px.clone().narrow(3, 0, d / 2)], 3);
         let plain = px.clone() * cos.clone() + swapped * sin.clone();
@@ -711,7 +719,7 @@ mod tests {
                 };
                 let w = series(k * n, 0.53);
                 let (fx, fw) = (tensor(&x, [m, k]), tensor(&w, w_dims));
-                let fused = bf16_matmul(&fx, &fw, layout).expect("Autodiff<Flex> f32 is handled");
+                let fused = bf16_matmul(Kernels::default(), &fx, &fw, layout).expect("Autodiff<Flex> f32 is handled");
                 let (px, pw) = (tensor(&rounded(&x), [m, k]), tensor(&rounded(&w), w_dims));
                 let plain = match layout {
                     WeightLayout::InOut => px.clone().matmul(pw.clone()),
@@ -719,7 +727,7 @@ mod tests {
                 };
                 let what = format!("{m}x{k}x{n} {layout:?}");
                 close(to_vec(fused.clone()), to_vec(plain.clone()), &format!("{what} y"));
-                let inner = bf16_matmul(&fx.clone().inner(), &fw.clone().inner(), layout).expect("Flex f32 is handled");
+                let inner = bf16_matmul(Kernels::default(), &fx.clone().inner(), &fw.clone().inner(), layout).expect("Flex f32 is handled");
                 assert_eq!(inner.into_data().to_vec::<f32>().unwrap(), to_vec(fused.clone()), "{what}: plain Flex");
                 let cotangent = |v: Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v, [m, n]), &device);
                 let fg = (fused * cotangent(g.clone())).sum().backward();

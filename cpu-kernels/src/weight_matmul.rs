@@ -42,6 +42,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use crate::ops::WeightLayout;
+use crate::Kernels;
 
 /// Up to this many rows of `x` the memory-bound streaming kernels are used.
 pub const SMALL_M: usize = 16;
@@ -51,12 +52,12 @@ pub const SMALL_M: usize = 16;
 ///
 /// `x` and `w` bf16: products are accumulated in f32 and the result is rounded to bf16
 /// (nearest-even) once at the end.
-pub fn matmul_bf16(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<bf16> {
+pub fn matmul_bf16(kernels: Kernels, x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<bf16> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_bf16(x, w, layout, m, k, n, avx512::pairs_pay()) };
+    if kernels.avx512_bf16() {
+        // SAFETY: a `Kernels` level never exceeds the host's, so the CPU has these features.
+        return unsafe { avx512::matmul_bf16(x, w, layout, m, k, n, kernels.pairs()) };
     }
     matmul_bf16_portable(x, w, layout, m, k, n)
 }
@@ -66,42 +67,42 @@ pub fn matmul_bf16(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: us
 /// compute for f32 activations and gradients). Below the AVX-512 BF16 level both operands are
 /// widened to f32 (exactly) and multiplied by burn-flex's f32 GEMM: the products of bf16
 /// values are exact in f32, so only the order of the f32 sums differs between levels.
-pub fn matmul_bf16_f32(x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
+pub fn matmul_bf16_f32(kernels: Kernels, x: &[bf16], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        // SAFETY: the required CPU features were detected at runtime.
-        return unsafe { avx512::matmul_bf16_f32(x, w, layout, m, k, n, avx512::pairs_pay()) };
+    if kernels.avx512_bf16() {
+        // SAFETY: a `Kernels` level never exceeds the host's, so the CPU has these features.
+        return unsafe { avx512::matmul_bf16_f32(x, w, layout, m, k, n, kernels.pairs()) };
     }
-    gemm_f32(widen_all(x), widen_all(w), layout, m, k, n)
+    gemm_f32(widen_all(kernels, x), widen_all(kernels, w), layout, m, k, n)
 }
 
 /// [`matmul_bf16_f32`] with `w` given in f32 and rounded to bf16 (to nearest, ties to even) as
 /// it is read, so no rounded copy of the weights is made (below the AVX-512 BF16 level, a
 /// rounded f32 copy lives for the duration of the call, as burn-flex's own bf16 matmul makes).
 /// Bit for bit what [`matmul_bf16_f32`] gives for the rounded weights, at every level.
-pub fn matmul_rounded(x: &[bf16], w: &[f32], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
+pub fn matmul_rounded(kernels: Kernels, x: &[bf16], w: &[f32], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
+    if kernels.avx512_bf16() {
         if m > SMALL_M {
-            // SAFETY: the required CPU features were detected at runtime.
-            return unsafe { avx512::matmul_rounded(x, w, layout, m, k, n, avx512::pairs_pay()) };
+            // SAFETY: a `Kernels` level never exceeds the host's, so the CPU has these features.
+            return unsafe { avx512::matmul_rounded(x, w, layout, m, k, n, kernels.pairs()) };
         }
         // Few rows stream the weights once anyway: round them first.
-        return matmul_bf16_f32(x, &crate::flex::narrow_all(w), layout, m, k, n);
+        return matmul_bf16_f32(kernels, x, &crate::flex::narrow_all(kernels, w), layout, m, k, n);
     }
-    gemm_f32(widen_all(x), round_all(w), layout, m, k, n)
+    gemm_f32(widen_all(kernels, x), round_all(kernels, w), layout, m, k, n)
 }
 
 /// `values` widened to f32 (exact), in parallel.
-fn widen_all(values: &[bf16]) -> Vec<f32> {
-    crate::flex::map_all(values, crate::bf16_bits::widen)
+fn widen_all(kernels: Kernels, values: &[bf16]) -> Vec<f32> {
+    crate::flex::map_all(kernels, values, crate::bf16_bits::widen)
 }
 
 /// `values` rounded to bf16 precision (to nearest, ties to even), kept in f32, in parallel.
-fn round_all(values: &[f32]) -> Vec<f32> {
-    crate::flex::map_all(values, crate::bf16_bits::round)
+fn round_all(kernels: Kernels, values: &[f32]) -> Vec<f32> {
+    crate::flex::map_all(kernels, values, crate::bf16_bits::round)
 }
 
 /// `x[m, k] · w` (`w` stored as `layout` says) by burn-flex's f32 matmul.
@@ -121,11 +122,11 @@ fn gemm_f32(x: Vec<f32>, w: Vec<f32>, layout: WeightLayout, m: usize, k: usize, 
 ///
 /// `x` is used exactly: each bf16 weight is widened to f32 (exact) and the product is a plain f32
 /// FMA, so the only rounding is that of f32 accumulation.
-pub fn matmul_f32_bf16(x: &[f32], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
+pub fn matmul_f32_bf16(kernels: Kernels, x: &[f32], w: &[bf16], layout: WeightLayout, m: usize, k: usize, n: usize) -> Vec<f32> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        // SAFETY: the required CPU features were detected at runtime.
+    if kernels.avx512_bf16() {
+        // SAFETY: a `Kernels` level never exceeds the host's, so the CPU has these features.
         return unsafe { avx512::matmul_f32_bf16(x, w, layout, m, k, n) };
     }
     matmul_f32_bf16_portable(x, w, layout, m, k, n)
@@ -134,6 +135,7 @@ pub fn matmul_f32_bf16(x: &[f32], w: &[bf16], layout: WeightLayout, m: usize, k:
 /// The same for f32 `x` and f32 `w` when `m <= SMALL_M`; `None` for larger `m` (use a general
 /// GEMM then).
 pub fn matmul_f32_small(
+    kernels: Kernels,
     x: &[f32],
     w: &[f32],
     layout: WeightLayout,
@@ -143,20 +145,17 @@ pub fn matmul_f32_small(
 ) -> Option<Vec<f32>> {
     check_shapes(x.len(), w.len(), m, k, n);
     #[cfg(target_arch = "x86_64")]
-    if m <= SMALL_M && avx512::available() {
-        // SAFETY: the required CPU features were detected at runtime.
+    if m <= SMALL_M && kernels.avx512_bf16() {
+        // SAFETY: a `Kernels` level never exceeds the host's, so the CPU has these features.
         return Some(unsafe { avx512::matmul_f32_small(x, w, layout, m, k, n) });
     }
     matmul_f32_small_portable(x, w, layout, m, k, n)
 }
 
-/// Whether the hand-written SIMD kernels run at the current level (otherwise the portable
+/// Whether the hand-written SIMD kernels run at `kernels`' level (otherwise the portable
 /// fallback does).
-pub fn has_fast_path() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return avx512::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+pub fn has_fast_path(kernels: Kernels) -> bool {
+    cfg!(target_arch = "x86_64") && kernels.avx512_bf16()
 }
 
 fn check_shapes(x_len: usize, w_len: usize, m: usize, k: usize, n: usize) {
@@ -368,19 +367,6 @@ mod avx512 {
     const TER: usize = 4;
     /// Rows of `x` per pass of the transposed streaming kernel (sharing each `e` load).
     const TXR: usize = 4;
-
-    /// Whether the kernels run at the AVX-512 BF16 level (see [`mod@crate::isa`]).
-    pub(super) fn available() -> bool {
-        crate::isa::avx512_bf16()
-    }
-
-    /// Whether the packed bf16 products multiply k-pairs with `vdpbf16ps` ([`Bf16Pairs`])
-    /// rather than widen both operands to f32 and FMA ([`WideFma`]): see
-    /// [`bf16_products`](crate::bf16_products), a rule on the CPU's vendor or an environment
-    /// variable, never a timing.
-    pub(super) fn pairs_pay() -> bool {
-        crate::bf16_products() == crate::Bf16Products::Pairs
-    }
 
     /// One 64-byte aligned cache line of scratch data.
     #[derive(Clone, Copy)]
@@ -1534,7 +1520,7 @@ mod avx512 {
     /// rounded to bf16 as they are packed; the result is stored as `Y`. With bf16 operands the
     /// products are exact in f32 as with `vdpbf16ps`, so this computes what [`Bf16Pairs`] does
     /// up to f32 rounding of the sums: it is the kernel for CPUs that issue f32 FMAs faster than
-    /// `vdpbf16ps` (see [`pairs_pay`]).
+    /// `vdpbf16ps` (see [`crate::Bf16Products`]).
     struct WideFma<X, S, Y>(PhantomData<(X, S, Y)>);
 
     /// An activation element of [`WideFma`] as the f32 bits it packs to.
@@ -1818,7 +1804,7 @@ mod tests {
             let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
             let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
             let refv = reference(&xr, &w, m, k, n);
-            check_bf16(&matmul_bf16(&xb, &w, WeightLayout::InOut, m, k, n), &refv, "fast", (m, k, n));
+            check_bf16(&matmul_bf16(Kernels::default(), &xb, &w, WeightLayout::InOut, m, k, n), &refv, "fast", (m, k, n));
             check_bf16(
                 &matmul_bf16_portable(&xb, &w, WeightLayout::InOut, m, k, n),
                 &refv,
@@ -1836,8 +1822,8 @@ mod tests {
             let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
             let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
             let refv = reference(&xr, &w, m, k, n);
-            check_f32(&matmul_bf16_f32(&xb, &w, WeightLayout::InOut, m, k, n), &refv, "in-out", (m, k, n));
-            check_f32(&matmul_bf16_f32(&xb, &e, WeightLayout::OutIn, m, k, n), &refv, "out-in", (m, k, n));
+            check_f32(&matmul_bf16_f32(Kernels::default(), &xb, &w, WeightLayout::InOut, m, k, n), &refv, "in-out", (m, k, n));
+            check_f32(&matmul_bf16_f32(Kernels::default(), &xb, &e, WeightLayout::OutIn, m, k, n), &refv, "out-in", (m, k, n));
         }
     }
 
@@ -1848,7 +1834,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn both_packed_kernels_match_reference() {
-        if !has_fast_path() {
+        if !has_fast_path(Kernels::default()) {
             eprintln!("skipped: this CPU has no AVX-512 BF16, only the portable path runs");
             return;
         }
@@ -1887,7 +1873,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_two_packed_kernels_agree_to_one_rounding() {
-        if !has_fast_path() {
+        if !has_fast_path(Kernels::default()) {
             eprintln!("skipped: this CPU has no AVX-512 BF16, only the portable path runs");
             return;
         }
@@ -1922,8 +1908,8 @@ mod tests {
                 (WeightLayout::InOut, w.clone(), wb.clone()),
                 (WeightLayout::OutIn, transpose(&w, k, n), transpose(&wb, k, n)),
             ] {
-                let want = matmul_bf16_f32(&x, &wb, layout, m, k, n);
-                assert_eq!(matmul_rounded(&x, &w, layout, m, k, n), want, "{layout:?} {:?}", (m, k, n));
+                let want = matmul_bf16_f32(Kernels::default(), &x, &wb, layout, m, k, n);
+                assert_eq!(matmul_rounded(Kernels::default(), &x, &w, layout, m, k, n), want, "{layout:?} {:?}", (m, k, n));
             }
         }
     }
@@ -1933,7 +1919,7 @@ mod tests {
         for (m, k, n) in shapes() {
             let (x, w) = inputs(m, k, n);
             let refv = reference(&x, &w, m, k, n);
-            check_f32(&matmul_f32_bf16(&x, &w, WeightLayout::InOut, m, k, n), &refv, "fast", (m, k, n));
+            check_f32(&matmul_f32_bf16(Kernels::default(), &x, &w, WeightLayout::InOut, m, k, n), &refv, "fast", (m, k, n));
             check_f32(
                 &matmul_f32_bf16_portable(&x, &w, WeightLayout::InOut, m, k, n),
                 &refv,
@@ -1952,7 +1938,7 @@ mod tests {
             let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
             let refv = reference(&xr, &w, m, k, n);
             check_bf16(
-                &matmul_bf16(&xb, &e, WeightLayout::OutIn, m, k, n),
+                &matmul_bf16(Kernels::default(), &xb, &e, WeightLayout::OutIn, m, k, n),
                 &refv,
                 "fast nt",
                 (m, k, n),
@@ -1973,7 +1959,7 @@ mod tests {
             let e = transpose(&w, k, n);
             let refv = reference(&x, &w, m, k, n);
             check_f32(
-                &matmul_f32_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
+                &matmul_f32_bf16(Kernels::default(), &x, &e, WeightLayout::OutIn, m, k, n),
                 &refv,
                 "fast nt",
                 (m, k, n),
@@ -1995,9 +1981,9 @@ mod tests {
             let e = transpose(&w, k, n);
             let refv = reference(&x, &w, m, k, n);
             for (what, got) in [
-                ("fast", matmul_f32_small(&x, &w, WeightLayout::InOut, m, k, n)),
+                ("fast", matmul_f32_small(Kernels::default(), &x, &w, WeightLayout::InOut, m, k, n)),
                 ("portable", matmul_f32_small_portable(&x, &w, WeightLayout::InOut, m, k, n)),
-                ("fast nt", matmul_f32_small(&x, &e, WeightLayout::OutIn, m, k, n)),
+                ("fast nt", matmul_f32_small(Kernels::default(), &x, &e, WeightLayout::OutIn, m, k, n)),
                 ("portable nt", matmul_f32_small_portable(&x, &e, WeightLayout::OutIn, m, k, n)),
             ] {
                 check_f32(&got.expect("m <= SMALL_M"), &refv, what, (m, k, n));
@@ -2009,9 +1995,9 @@ mod tests {
     fn f32_small_rejects_large_m() {
         let (m, k, n) = (SMALL_M + 1, 8, 8);
         let (x, w) = (vec![0f32; m * k], vec![0f32; k * n]);
-        assert!(matmul_f32_small(&x, &w, WeightLayout::InOut, m, k, n).is_none());
+        assert!(matmul_f32_small(Kernels::default(), &x, &w, WeightLayout::InOut, m, k, n).is_none());
         assert!(matmul_f32_small_portable(&x, &w, WeightLayout::InOut, m, k, n).is_none());
-        assert!(matmul_f32_small(&x, &w, WeightLayout::OutIn, m, k, n).is_none());
+        assert!(matmul_f32_small(Kernels::default(), &x, &w, WeightLayout::OutIn, m, k, n).is_none());
         assert!(matmul_f32_small_portable(&x, &w, WeightLayout::OutIn, m, k, n).is_none());
     }
 
@@ -2029,12 +2015,12 @@ mod tests {
                 let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                 let w = transpose(&e, n, k);
                 assert_eq!(
-                    matmul_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
-                    matmul_bf16(&x, &w, WeightLayout::InOut, m, k, n)
+                    matmul_bf16(Kernels::default(), &x, &e, WeightLayout::OutIn, m, k, n),
+                    matmul_bf16(Kernels::default(), &x, &w, WeightLayout::InOut, m, k, n)
                 );
                 assert_eq!(
-                    matmul_f32_bf16(&xf, &e, WeightLayout::OutIn, m, k, n),
-                    matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n)
+                    matmul_f32_bf16(Kernels::default(), &xf, &e, WeightLayout::OutIn, m, k, n),
+                    matmul_f32_bf16(Kernels::default(), &xf, &w, WeightLayout::InOut, m, k, n)
                 );
                 // Arbitrary values: both layouts within the f32 bound of the exact product. The
                 // portable loops sum the two layouts in different orders; the AVX-512 packed
@@ -2047,18 +2033,18 @@ mod tests {
                     let xr: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
                     let (refb, reff) = (reference(&xr, &w, m, k, n), reference(&xf, &w, m, k, n));
                     let (nt, nn) = (
-                        matmul_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
-                        matmul_bf16(&x, &w, WeightLayout::InOut, m, k, n),
+                        matmul_bf16(Kernels::default(), &x, &e, WeightLayout::OutIn, m, k, n),
+                        matmul_bf16(Kernels::default(), &x, &w, WeightLayout::InOut, m, k, n),
                     );
                     let (nt_f, nn_f) = (
-                        matmul_f32_bf16(&xf, &e, WeightLayout::OutIn, m, k, n),
-                        matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n),
+                        matmul_f32_bf16(Kernels::default(), &xf, &e, WeightLayout::OutIn, m, k, n),
+                        matmul_f32_bf16(Kernels::default(), &xf, &w, WeightLayout::InOut, m, k, n),
                     );
                     check_bf16(&nt, &refb, "bf16 out-in", (m, k, n));
                     check_bf16(&nn, &refb, "bf16 in-out", (m, k, n));
                     check_f32(&nt_f, &reff, "f32 out-in", (m, k, n));
                     check_f32(&nn_f, &reff, "f32 in-out", (m, k, n));
-                    if has_fast_path() {
+                    if has_fast_path(Kernels::default()) {
                         assert_eq!(nt, nn, "packed bf16 {:?}", (m, k, n));
                         assert_eq!(nt_f, nn_f, "packed f32 {:?}", (m, k, n));
                     }
@@ -2076,24 +2062,24 @@ mod tests {
                 let xr: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
                 let (refb, reff) = (reference(&xr, &w, m, k, n), reference(&x, &w, m, k, n));
                 let e = transpose(&w, k, n);
-                check_bf16(&matmul_bf16(&xb, &w, WeightLayout::InOut, m, k, n), &refb, "fast", (m, k, n));
+                check_bf16(&matmul_bf16(Kernels::default(), &xb, &w, WeightLayout::InOut, m, k, n), &refb, "fast", (m, k, n));
                 check_bf16(
-                    &matmul_bf16(&xb, &e, WeightLayout::OutIn, m, k, n),
+                    &matmul_bf16(Kernels::default(), &xb, &e, WeightLayout::OutIn, m, k, n),
                     &refb,
                     "fast nt",
                     (m, k, n),
                 );
-                check_f32(&matmul_f32_bf16(&x, &w, WeightLayout::InOut, m, k, n), &reff, "fast", (m, k, n));
+                check_f32(&matmul_f32_bf16(Kernels::default(), &x, &w, WeightLayout::InOut, m, k, n), &reff, "fast", (m, k, n));
                 check_f32(
-                    &matmul_f32_bf16(&x, &e, WeightLayout::OutIn, m, k, n),
+                    &matmul_f32_bf16(Kernels::default(), &x, &e, WeightLayout::OutIn, m, k, n),
                     &reff,
                     "fast nt",
                     (m, k, n),
                 );
                 let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
                 let ef = transpose(&wf, k, n);
-                let small = matmul_f32_small(&x, &wf, WeightLayout::InOut, m, k, n);
-                let small_nt = matmul_f32_small(&x, &ef, WeightLayout::OutIn, m, k, n);
+                let small = matmul_f32_small(Kernels::default(), &x, &wf, WeightLayout::InOut, m, k, n);
+                let small_nt = matmul_f32_small(Kernels::default(), &x, &ef, WeightLayout::OutIn, m, k, n);
                 if m <= SMALL_M {
                     check_f32(&small.unwrap(), &reff, "small", (m, k, n));
                     check_f32(&small_nt.unwrap(), &reff, "small nt", (m, k, n));
@@ -2116,8 +2102,8 @@ mod tests {
                 let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
                 pool.install(|| {
                     (
-                        matmul_f32_bf16(&x, &w, WeightLayout::InOut, 1, k, n),
-                        matmul_f32_small(&x, &wf, WeightLayout::InOut, 1, k, n).unwrap(),
+                        matmul_f32_bf16(Kernels::default(), &x, &w, WeightLayout::InOut, 1, k, n),
+                        matmul_f32_small(Kernels::default(), &x, &wf, WeightLayout::InOut, 1, k, n).unwrap(),
                     )
                 })
             };
@@ -2146,9 +2132,9 @@ mod tests {
             .map(|r| r.0 as f32)
             .collect();
         let want_b: Vec<bf16> = want.iter().map(|&v| bf16::from_f32(v)).collect();
-        assert_eq!(matmul_bf16(&x, &w, WeightLayout::InOut, m, k, n), want_b);
+        assert_eq!(matmul_bf16(Kernels::default(), &x, &w, WeightLayout::InOut, m, k, n), want_b);
         assert_eq!(matmul_bf16_portable(&x, &w, WeightLayout::InOut, m, k, n), want_b);
-        assert_eq!(matmul_f32_bf16(&xf, &w, WeightLayout::InOut, m, k, n), want);
-        assert_eq!(matmul_f32_bf16(&xf[..3 * k], &w, WeightLayout::InOut, 3, k, n), want[..3 * n]);
+        assert_eq!(matmul_f32_bf16(Kernels::default(), &xf, &w, WeightLayout::InOut, m, k, n), want);
+        assert_eq!(matmul_f32_bf16(Kernels::default(), &xf[..3 * k], &w, WeightLayout::InOut, 3, k, n), want[..3 * n]);
     }
 }

@@ -4,8 +4,9 @@
 //! chosen-token log-probability (plus helpers: f32 → bf16 rounding to nearest even, and the
 //! paged KV cache's writes in place and gathers, which compute nothing and also run with the
 //! portable ops).
-//! Each returns `None` where no kernel applies (any backend but burn-flex, the kernels switched
-//! off, a dtype they do not handle), and the caller computes the reference with burn's ops. The
+//! Each takes the [`cpu_kernels::Kernels`] of the model's [`crate::Compute`] and returns `None`
+//! where no kernel applies (any backend but burn-flex, the kernels off, a dtype they do not
+//! handle), and the caller computes the reference with burn's ops. The
 //! kernels live in the `prompt-r1-cpu-kernels` crate; see its README for what each gains.
 
 pub(crate) use cpu_kernels::ops::{
@@ -13,13 +14,6 @@ pub(crate) use cpu_kernels::ops::{
     gather_slots, silu_mul, write_slots,
 };
 pub(crate) use cpu_kernels::{transpose_into, WeightLayout};
-
-/// Whether a CPU kernel may stand in on backend `B`: burn-flex (plain or under autodiff) with the
-/// kernels on. Inputs that only a kernel takes (the attention bias, per-head RoPE tables) are
-/// built only then.
-pub(crate) fn may_run<B: burn::tensor::backend::Backend>() -> bool {
-    cpu_kernels::is_flex_backend::<B>() && !cpu_kernels::portable_ops()
-}
 
 /// Whether backend `B` adds a broadcast operand much more slowly than one of equal shape
 /// (burn-flex, plain or under autodiff), so that the model materialises a mask's bias at the

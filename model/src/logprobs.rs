@@ -3,6 +3,7 @@
 //! `logit[chosen] - logsumexp(logits)`, so a full `[b, len, vocab]` log-softmax never exists.
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
+use cpu_kernels::Kernels;
 
 use crate::batch::{Padding, TokenBatch};
 use crate::error::ModelError;
@@ -20,7 +21,8 @@ pub fn token_logprobs<B: Backend>(
     batch: &TokenBatch<B>,
     start: usize,
 ) -> Result<Tensor<B, 2>, ModelError> {
-    let pieces = map_logits_chunks(model, batch, start, chosen_logprobs)?;
+    let kernels = model.base().compute().cpu_kernels;
+    let pieces = map_logits_chunks(model, batch, start, |logits, targets| chosen_logprobs(kernels, logits, targets))?;
     Ok(Tensor::cat(pieces, 1))
 }
 
@@ -32,7 +34,8 @@ pub fn token_logprobs_from_hidden<B: Backend>(
     batch: &TokenBatch<B>,
     start: usize,
 ) -> Result<Tensor<B, 2>, ModelError> {
-    let pieces = map_hidden_chunks(model, hidden, batch, start, chosen_logprobs)?;
+    let kernels = model.compute().cpu_kernels;
+    let pieces = map_hidden_chunks(model, hidden, batch, start, |logits, targets| chosen_logprobs(kernels, logits, targets))?;
     Ok(Tensor::cat(pieces, 1))
 }
 
@@ -120,9 +123,9 @@ fn check_scored_positions<B: Backend>(batch: &TokenBatch<B>, start: usize) -> Re
 }
 
 /// `logits[.., target] - logsumexp(logits)` over the vocabulary, in f32: `[b, n, vocab]`,
-/// `[b, n]` → `[b, n]`.
-pub fn chosen_logprobs<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
-    if let Some(fused) = crate::kernels::chosen_logprobs(&logits, &targets) {
+/// `[b, n]` → `[b, n]`, by a CPU kernel where `cpu_kernels` run one.
+pub fn chosen_logprobs<B: Backend>(cpu_kernels: Kernels, logits: Tensor<B, 3>, targets: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+    if let Some(fused) = crate::kernels::chosen_logprobs(cpu_kernels, &logits, &targets) {
         return fused;
     }
     let logits = if logits.dtype() == DType::F32 {
@@ -139,12 +142,13 @@ pub fn chosen_logprobs<B: Backend>(logits: Tensor<B, 3>, targets: Tensor<B, 2, I
 
 /// The entropy of each position's next-token distribution, `[b, n]` f32, from f32 logits
 /// `[b, n, vocab]`, as a value without gradient, in one parallel pass when the backend is
-/// burn-flex (plain or under autodiff); `None` otherwise, for the caller's tensor formula.
-pub fn entropy_without_grad<B: Backend>(logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
+/// burn-flex (plain or under autodiff) and `cpu_kernels` run; `None` otherwise, for the caller's
+/// tensor formula.
+pub fn entropy_without_grad<B: Backend>(cpu_kernels: Kernels, logits: &Tensor<B, 3>) -> Option<Tensor<B, 2>> {
     if logits.dtype() != DType::F32 {
         return None;
     }
-    crate::kernels::entropy(logits)
+    crate::kernels::entropy(cpu_kernels, logits)
 }
 
 /// The log-probs of each completion given its prompt, for pairs of different lengths: one

@@ -147,14 +147,15 @@ fn check_every_tensor_is_used(config: &Qwen3Config, checkpoint: &Checkpoint) -> 
 /// [`load_pretrained`] with that dtype would have placed them (f32 to bf16 rounds to nearest,
 /// ties to even): e.g. a bf16 copy of an f32 policy for rollouts. Parameter ids are kept.
 pub fn with_dtype<B: Backend>(model: Qwen3ForCausalLM<B>, dtype: DType) -> Qwen3ForCausalLM<B> {
-    struct Cast(DType);
+    struct Cast(DType, cpu_kernels::Kernels);
     impl<B: Backend> ModuleMapper<B> for Cast {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
             let (id, tensor, mapper) = param.consume();
-            Param::from_mapped_value(id, crate::kernels::cast(tensor, self.0), mapper)
+            Param::from_mapped_value(id, crate::kernels::cast(self.1, tensor, self.0), mapper)
         }
     }
-    model.restacked_after(|model| model.map(&mut Cast(dtype)))
+    let cpu_kernels = model.model.compute.cpu_kernels;
+    model.restacked_after(|model| model.map(&mut Cast(dtype, cpu_kernels)))
 }
 
 /// Builds the model from host tensors supplied in HF layout by `fetch`.

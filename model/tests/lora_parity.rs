@@ -22,10 +22,10 @@ use burn::module::{AutodiffModule, Module};
 use burn::tensor::{DType, Tensor, TensorData};
 use common::*;
 use prompt_r1_model::checkpoint::Checkpoint;
-use prompt_r1_model::cpu_kernels;
+use prompt_r1_model::cpu_kernels::Kernels;
 use prompt_r1_model::lora::{load_adapter, peft_key, LoraTarget};
 use prompt_r1_model::weights::{to_hf_layout, ParamKind};
-use prompt_r1_model::{load_pretrained, token_logprobs, LoadOptions, LoraModel, Padding, TokenBatch};
+use prompt_r1_model::{load_pretrained, token_logprobs, Compute, LoadOptions, LoraModel, Padding, TokenBatch};
 use serde_json::Value;
 
 type B = Autodiff<Flex>;
@@ -41,11 +41,9 @@ fn close(got: f32, expected: f32) -> bool {
 #[test]
 fn lora_logits_and_gradients_match_peft() {
     for portable in [false, true] {
-        cpu_kernels::set_portable_ops(portable);
         let Some(fx) = fixture("tiny") else { return };
         check_against_peft(&fx, portable);
     }
-    cpu_kernels::set_portable_ops(false);
 }
 
 fn check_against_peft(fx: &Fixture, portable: bool) {
@@ -53,7 +51,9 @@ fn check_against_peft(fx: &Fixture, portable: bool) {
     let spec: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let reference = Checkpoint::open_file(&dir.join("reference.safetensors")).unwrap();
     let device = Default::default();
-    let base = load_pretrained::<B>(&fx.dir, &device, LoadOptions::default()).unwrap().no_grad();
+    let cpu_kernels = if portable { Kernels::off() } else { Kernels::default() };
+    let options = LoadOptions { compute: Compute::default().with_cpu_kernels(cpu_kernels), ..LoadOptions::default() };
+    let base = load_pretrained::<B>(&fx.dir, &device, options).unwrap().no_grad();
     let (adapters, config) = load_adapter::<B>(&dir.join("adapter"), &base.config, &device).unwrap();
     assert_eq!((config.lora.rank, config.lora.scaling()), (4, 2.0));
     assert_eq!(config.lora.target_modules, LoraTarget::ALL.to_vec(), "all-linear");

@@ -19,7 +19,7 @@
 //! as three binaries (parity, gradients, training) each took 175–212 s of one core to build.
 //! Built unoptimised (`opt-level = 0` for this package, the workspace's `Cargo.toml`): 39 s
 //! instead of 247 s on 2 cores, for 174 s of tests instead of 145 s.
-//! Every test here runs with the CPU kernels off, a process-wide setting they share. When
+//! Every test here runs with the CPU kernels off (models loaded with `Kernels::off()`). When
 //! `PROMPT_R1_CPU_ISA` caps the CPU kernels (CI's reruns at lower levels) every test prints
 //! `skipped`: no CPU kernel runs on this path, so the rerun would repeat it unchanged. Without a
 //! Vulkan adapter the wgpu tests print `skipped` (they fail with `CI=true`).
@@ -53,15 +53,14 @@ mod common {
 
     /// Whether a test of this binary runs on backend `B` here (see the binary's doc): false,
     /// with `skipped: <reason>`, under a CPU instruction-set cap, or where `B` cannot run. Also
-    /// switches the CPU kernels off and points CubeCL's caches at the workspace's
-    /// `target/cubecl` before the first kernel compiles.
+    /// points CubeCL's caches at the workspace's `target/cubecl` before the first kernel
+    /// compiles.
     pub fn backend_ready<B: Backend>() -> bool {
         let capped = prompt_r1_model::cpu_kernels::isa::isa_cap_from_env().is_ok_and(|cap| cap.is_some());
         if capped {
             eprintln!("skipped: PROMPT_R1_CPU_ISA caps the CPU kernels, which the GPU path never runs");
             return false;
         }
-        prompt_r1_model::cpu_kernels::set_portable_ops(true);
         configure_cubecl();
         // As the binary does on a GPU: decoding steps on wgpu read the paged KV cache in place,
         // and prefill chunks too under `PROMPT_R1_DEVICE_KERNELS=all` (CI runs the parity cases

@@ -6,12 +6,12 @@
 //! with bf16 products, training every weight and training LoRA adapters
 //! (dropout 0) beside the frozen base.
 //!
-//! One test in a binary of its own: it switches process-wide settings between runs.
+//! One test in a binary of its own: it runs many short trainings.
 
 mod common;
 
 use common::{setup, train, with_lora};
-use model::cpu_kernels::{self, Bf16Products, Isa};
+use model::cpu_kernels::{Bf16Products, Isa, Kernels};
 use model::MatmulPrecision;
 
 #[derive(Debug, Clone, Copy)]
@@ -23,14 +23,11 @@ enum Path {
 }
 
 impl Path {
-    fn select(self) {
+    /// The run's CPU kernels on this path.
+    fn kernels(self) -> Kernels {
         match self {
-            Path::PortableOps => cpu_kernels::set_portable_ops(true),
-            Path::Kernels(level, products) => {
-                cpu_kernels::set_portable_ops(false);
-                cpu_kernels::set_isa_cap(Some(level));
-                cpu_kernels::set_bf16_products(Some(products));
-            }
+            Path::PortableOps => Kernels::off(),
+            Path::Kernels(level, products) => Kernels::at(level).with_bf16_products(products),
         }
     }
 }
@@ -50,12 +47,12 @@ fn every_first_ratio_is_exactly_one_on_every_path() {
         );
     }
     for path in paths {
-        path.select();
         for matmul in [MatmulPrecision::F32, MatmulPrecision::Bf16] {
             for lora in [false, true] {
                 let dir = tempfile::tempdir().unwrap();
                 let mut config = setup(dir.path());
                 config.grpo.matmul = matmul;
+                config.cpu_kernels = path.kernels();
                 if lora {
                     config = with_lora(config);
                 }
@@ -84,7 +81,4 @@ fn every_first_ratio_is_exactly_one_on_every_path() {
             }
         }
     }
-    cpu_kernels::set_portable_ops(false);
-    cpu_kernels::set_isa_cap(None);
-    cpu_kernels::set_bf16_products(None);
 }

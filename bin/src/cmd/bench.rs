@@ -5,7 +5,7 @@
 //! Figures are wall-clock on this machine, each the median of several runs after a warm-up;
 //! compare runs only on the same machine.
 
-use model::cpu_kernels::Isa;
+use model::cpu_kernels::{Isa, Kernels};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -264,17 +264,16 @@ impl Figure {
     }
 }
 
-pub fn run(args: Args) -> Result<()> {
+pub fn run(mut args: Args) -> Result<()> {
+    let kernels = &mut args.compute.attention.cpu_kernels;
     if args.portable_ops {
-        model::cpu_kernels::set_portable_ops(true);
+        *kernels = Kernels::off();
+    } else if let Some(level) = args.cpu_isa {
+        *kernels = Kernels::at(level).with_bf16_products(kernels.bf16_products());
     }
-    if let Some(level) = args.cpu_isa {
-        model::cpu_kernels::set_isa_cap(Some(level));
-    }
-    if model::cpu_kernels::portable_ops() {
-        eprintln!("fused CPU kernels off: every op runs through burn's portable tensor ops");
-    } else {
-        eprintln!("CPU kernels at the {} level (this CPU's best: {})", model::cpu_kernels::isa(), Isa::host());
+    match kernels.level() {
+        None => eprintln!("fused CPU kernels off: every op runs through burn's portable tensor ops"),
+        Some(level) => eprintln!("CPU kernels at the {level} level (this CPU's best: {})", Isa::host()),
     }
     let device = args.compute.device;
     run_on(device, args)
@@ -587,7 +586,7 @@ impl Args {
         drop(adapters);
         drop(model);
         if self.products {
-            figures.extend(product_figures::<B>(device, 2 * self.prompt_len, &shapes)?);
+            figures.extend(product_figures::<B>(device, 2 * self.prompt_len, &shapes, &self.compute.attention)?);
         }
         Ok(())
     }
@@ -721,16 +720,17 @@ impl TrainStep {
 /// `--products`: `x[rows, k] · w[k, n]` for each `(k, n)`, f32 operands at both precisions,
 /// through the projections' own path ([`model::qwen3::product`]); the median of
 /// [`TIMED_PRODUCTS`] after a warm-up.
-fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize, usize)]) -> Result<Vec<Figure>> {
+fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize, usize)], attention: &AttentionArgs) -> Result<Vec<Figure>> {
     use burn::tensor::{Distribution, Tensor};
     let mut figures = Vec::new();
     for &(k, n) in shapes {
         let x = Tensor::<B, 2>::random([rows, k], Distribution::Uniform(-1.0, 1.0), device);
         let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.05, 0.05), device);
         for (matmul, name) in [(MatmulPrecision::F32, "f32"), (MatmulPrecision::Bf16, "bf16")] {
+            let compute = attention.compute(matmul);
             let run = || -> Result<f64> {
                 let start = Instant::now();
-                let y = model::qwen3::product(x.clone(), w.clone(), matmul);
+                let y = model::qwen3::product(x.clone(), w.clone(), &compute);
                 B::sync(device)?;
                 drop(y);
                 Ok(start.elapsed().as_secs_f64())

@@ -16,6 +16,7 @@ use burn::tensor::{backend::Backend, bf16, DType, Tensor, TensorData};
 use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
+use model::cpu_kernels::Kernels;
 use model::{
     completion_logprobs, generate, load_pretrained, LoadOptions, MatmulPrecision, Padding, Preset, Sampling, SamplingConfig, TokenBatch,
 };
@@ -111,6 +112,7 @@ struct Results {
 }
 
 /// The same fixed inputs for both sides.
+#[derive(Clone)]
 struct Probe {
     dir: PathBuf,
     /// Weight dtype of the inference checks.
@@ -119,6 +121,8 @@ struct Probe {
     prompts: Vec<Vec<u32>>,
     /// A prompt of [`LONG_PROMPT`] tokens, decoded from alone.
     long_prompt: Vec<u32>,
+    /// The CPU kernels of every model the probe loads (burn-flex only).
+    cpu_kernels: Kernels,
 }
 
 /// Tokens of the long prompt: its decoding steps walk 18 tiles of the tiny model's
@@ -147,7 +151,7 @@ impl<'a> OnBackend for &'a Probe {
     type Output = Results;
 
     fn run<B: Backend>(self, device: B::Device) -> Result<Results> {
-        let model = load_pretrained::<B>(&self.dir, &device, LoadOptions { dtype: self.dtype, ..Default::default() })?.for_inference();
+        let model = load_pretrained::<B>(&self.dir, &device, self.options(self.dtype))?.for_inference();
         let mut logits = Vec::new();
         for padding in [Padding::Right, Padding::Left] {
             logits.push(padded_logits(&model, &self.prompts, padding, &device)?);
@@ -168,7 +172,7 @@ impl<'a> OnBackend for &'a Probe {
         let logprobs = completion_logprobs(&model, &pairs, 0)?;
         drop(model);
 
-        let policy = load_pretrained::<Autodiff<B>>(&self.dir, &device, LoadOptions { dtype: DType::F32, ..Default::default() })?;
+        let policy = load_pretrained::<Autodiff<B>>(&self.dir, &device, self.options(DType::F32))?;
         let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, ..LearnConfig::default() };
         let mut optimizer = learn.optimizer.init::<Autodiff<B>, _>()?;
         // Old log-probs of a uniform policy, which a random model is close to: ratios near 1,
@@ -204,12 +208,17 @@ impl<'a> OnBackend for &'a Probe {
 }
 
 impl Probe {
+    /// How the probe's models load: weights of `dtype`, the probe's CPU kernels.
+    fn options(&self, dtype: DType) -> LoadOptions {
+        LoadOptions { dtype, compute: model::Compute::default().with_cpu_kernels(self.cpu_kernels) }
+    }
+
     /// One learn step whose old log-probs are the policy's own, scored on the plain backend as
     /// the trainer does, with products at `matmul` (and with `activation_checkpointing`): its
     /// `approx_kl + clip_frac`, which is 0 when scoring and the update compute the same
     /// log-probs (every ratio exactly 1).
     fn ratio_drift<B: Backend>(&self, device: &B::Device, matmul: MatmulPrecision, activation_checkpointing: bool) -> Result<f32> {
-        let policy = load_pretrained::<Autodiff<B>>(&self.dir, device, LoadOptions { dtype: DType::F32, ..Default::default() })?
+        let policy = load_pretrained::<Autodiff<B>>(&self.dir, device, self.options(DType::F32))?
             .with_matmul_precision(matmul);
         let old = sequence_logprobs(&policy.valid(), &self.prompts, 0, 2)?;
         let learn = LearnConfig { mini_batch_size: 2, micro_batch_size: 2, matmul, activation_checkpointing, ..LearnConfig::default() };
@@ -342,16 +351,17 @@ pub fn run(args: Args) -> Result<()> {
     };
     let vocab = model::Qwen3Config::from_file(&dir.join("config.json"))?.vocab_size;
     let prompt = |len: usize, salt: usize| -> Vec<u32> { (0..len).map(|i| ((i * 7919 + salt) % vocab) as u32).collect() };
-    let probe = Probe { dir, dtype: args.dtype, vocab, prompts: vec![prompt(24, 13), prompt(17, 101)], long_prompt: prompt(LONG_PROMPT, 7) };
+    // The reference runs the CPU kernels (at the environment's cap, if any) even where the
+    // environment switches them off.
+    let kernels = Some(Kernels::default()).filter(|k| k.is_on()).unwrap_or_else(Kernels::host);
+    let probe = Probe { dir, dtype: args.dtype, vocab, prompts: vec![prompt(24, 13), prompt(17, 101)], long_prompt: prompt(LONG_PROMPT, 7), cpu_kernels: kernels };
 
     eprintln!("reference: CPU, fused kernels");
-    model::cpu_kernels::set_portable_ops(false);
     let reference = run_on(DeviceChoice::Cpu, &probe)?;
     let target = match args.device {
         DeviceChoice::Cpu => {
             eprintln!("checked: CPU, burn's portable tensor ops");
-            model::cpu_kernels::set_portable_ops(true);
-            run_on(DeviceChoice::Cpu, &probe)
+            run_on(DeviceChoice::Cpu, &Probe { cpu_kernels: Kernels::off(), ..probe.clone() })
         }
         device => {
             eprintln!("checked: {device}");

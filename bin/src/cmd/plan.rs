@@ -184,7 +184,7 @@ fn model_shape(config: &TrainConfig) -> Result<Qwen3Config> {
 /// prefill passes gather the KV cache or not (`--device-kernels all`).
 pub fn plan_device(device: DeviceChoice) -> PlanDevice {
     match device {
-        DeviceChoice::Cpu if model::cpu_kernels::portable_ops() => PlanDevice::CpuPortable,
+        DeviceChoice::Cpu if !model::cpu_kernels::Kernels::default().is_on() => PlanDevice::CpuPortable,
         DeviceChoice::Cpu => PlanDevice::CpuKernels,
         DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::gpu_options().device_kernels.passes_on(device) == Some(KernelPasses::All) => {
             PlanDevice::GpuPagedPrefill

@@ -162,8 +162,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     let plan = super::plan::check_before_training(&mut config, args.device).context("memory plan")?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
-        let kernels = model::cpu_kernels::has_bf16_kernels();
-        if let Some(note) = bf16_products_note(kernels, model::cpu_kernels::bf16_products()) {
+        let kernels = model::cpu_kernels::has_bf16_kernels(config.cpu_kernels);
+        if let Some(note) = bf16_products_note(kernels, config.cpu_kernels.bf16_products()) {
             eprintln!("note: {note}");
         }
     }

@@ -47,6 +47,10 @@ pub struct AttentionArgs {
     /// Queries per block of the memory-efficient attention (and the fewest keys per block).
     #[arg(long, default_value_t = model::qwen3::compute::DEFAULT_ATTENTION_BLOCK_SIZE, value_parser = parse_block_size)]
     pub attention_block_size: usize,
+    /// The CPU kernels (burn-flex only): what the environment says (`PROMPT_R1_CPU_ISA`,
+    /// `PROMPT_R1_BF16_PRODUCTS`, `PROMPT_R1_PORTABLE_OPS`), read once; `bench` sets its flags'.
+    #[arg(skip)]
+    pub cpu_kernels: model::cpu_kernels::Kernels,
 }
 
 /// A block size of at least 1.
@@ -60,7 +64,12 @@ fn parse_block_size(s: &str) -> Result<usize, String> {
 impl AttentionArgs {
     /// The model's [`model::Compute`] with products at `matmul`.
     pub fn compute(&self, matmul: model::MatmulPrecision) -> model::Compute {
-        model::Compute { attn_implementation: self.attn_implementation, attention_block_size: self.attention_block_size, matmul }
+        model::Compute {
+            attn_implementation: self.attn_implementation,
+            attention_block_size: self.attention_block_size,
+            matmul,
+            cpu_kernels: self.cpu_kernels,
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 
 use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType};
+use cpu_kernels::Kernels;
 
 use super::adapters::{LoraAdapters, LoraLinear};
 use super::config::LoraTarget;
@@ -24,8 +25,9 @@ pub fn merge_adapters<B: Backend>(base: Qwen3ForCausalLM<B>, adapters: &LoraAdap
     let restack = base.is_stacked() && adapters.adapt_every_stacked_projection();
     let mut merged_model = base.unstacked();
     for (l, target, adapter) in adapters.iter() {
+        let cpu_kernels = merged_model.model.compute.cpu_kernels;
         let linear = projection(&mut merged_model.model.layers[l], target);
-        linear.weight = linear.weight.clone().map(|w| merged(w, adapter));
+        linear.weight = linear.weight.clone().map(|w| merged(cpu_kernels, w, adapter));
     }
     if restack {
         merged_model.with_stacked_projections()
@@ -34,14 +36,14 @@ pub fn merge_adapters<B: Backend>(base: Qwen3ForCausalLM<B>, adapters: &LoraAdap
     }
 }
 
-fn merged<B: Backend>(w: burn::tensor::Tensor<B, 2>, adapter: &LoraLinear<B>) -> burn::tensor::Tensor<B, 2> {
+fn merged<B: Backend>(cpu_kernels: Kernels, w: burn::tensor::Tensor<B, 2>, adapter: &LoraLinear<B>) -> burn::tensor::Tensor<B, 2> {
     let dtype = w.dtype();
     let delta = adapter
         .lora_A
         .val()
         .matmul(adapter.lora_B.val())
         .mul_scalar(adapter.scaling);
-    crate::kernels::cast(w.cast(DType::F32) + delta, dtype)
+    crate::kernels::cast(cpu_kernels, w.cast(DType::F32) + delta, dtype)
 }
 
 fn projection<B: Backend>(layer: &mut Qwen3DecoderLayer<B>, target: LoraTarget) -> &mut Linear<B> {

@@ -18,6 +18,7 @@ use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, Tenso
 use super::mask::AttentionMask;
 use crate::device_kernels::{self, PagedAttention, RaggedRows, RowLens};
 use crate::kernels;
+use cpu_kernels::Kernels;
 
 /// Positions per block of the pool.
 pub const BLOCK_SIZE: usize = 16;
@@ -191,10 +192,10 @@ impl<B: Backend> CachedKv<B> {
     }
 
     /// `softmax(Q Kᵀ · scale + bias) V` for `query` (`[b, q, heads, d]`) and `bias`
-    /// (`[b, 1, q, width]`) read straight from the pools by a CPU kernel
+    /// (`[b, 1, q, width]`) read straight from the pools by a CPU kernel of `cpu_kernels`
     /// ([`kernels::grouped_attention_paged`]), `[b, q, heads · d]`; `None` where none applies.
-    pub fn attention(&self, query: &Tensor<B, 4>, bias: &Tensor<B, 4>, scale: f32) -> Option<Tensor<B, 3>> {
-        kernels::grouped_attention_paged(query, &self.keys, &self.values, &self.pass.read, Some(SCRATCH_SLOT), bias, scale)
+    pub fn attention(&self, cpu_kernels: Kernels, query: &Tensor<B, 4>, bias: &Tensor<B, 4>, scale: f32) -> Option<Tensor<B, 3>> {
+        kernels::grouped_attention_paged(cpu_kernels, query, &self.keys, &self.values, &self.pass.read, Some(SCRATCH_SLOT), bias, scale)
     }
 
     /// The pass's attention (`query` a token a row, `[b · q, heads · d]`, of `shape`

@@ -75,9 +75,9 @@ impl<B: Backend> Qwen3Model<B> {
         }
         let [b, q_len] = input_ids.dims();
         let past = cache.as_ref().map_or(0, |c| c.past());
-        let over_cache = cache.is_some();
+        let pass = self.compute.pass(cache.is_some());
         let device = input_ids.device();
-        let hidden_states = kernels::embedding(&self.embed_tokens.weight.val(), &input_ids)
+        let hidden_states = kernels::embedding(self.compute.cpu_kernels, &self.embed_tokens.weight.val(), &input_ids)
             .unwrap_or_else(|| self.embed_tokens.forward(input_ids));
         let mask = AttentionMask::new(attention_mask, b, past, q_len, &device);
         let inputs = self.attention_inputs(position_ids, mask, hidden_states.dtype());
@@ -95,7 +95,7 @@ impl<B: Backend> Qwen3Model<B> {
             }
         }
         // Each layer's MLP output is added by the next norm, the last one by this one.
-        let (_, last_hidden_state) = self.norm.add_and_forward(stream.residual, stream.pending, over_cache);
+        let (_, last_hidden_state) = self.norm.add_and_forward(stream.residual, stream.pending, pass);
         ModelOutput { last_hidden_state: last_hidden_state.reshape(dims), hidden_states: all_hidden }
     }
 
@@ -154,7 +154,7 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
             Some(weight) => (weight.val(), WeightLayout::InOut),
             None => (self.model.embed_tokens.weight.val(), WeightLayout::OutIn),
         };
-        project(hidden_states, weight, layout, self.model.compute.matmul)
+        project(hidden_states, weight, layout, &self.model.compute)
     }
 
     /// This model with its f32 products at precision `matmul` (see [`MatmulPrecision`]), the
@@ -164,13 +164,18 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
         self
     }
 
+    /// How this model computes (chosen at load).
+    pub fn compute(&self) -> &Compute {
+        &self.model.compute
+    }
+
     /// Whether this model computes ragged passes over a KV cache
     /// ([`KvCache::set_ragged_slots`]): on a backend whose paged-attention kernel takes
     /// prefills, with the memory-efficient attention and no CPU kernels.
     pub fn takes_ragged_passes(&self) -> bool {
         crate::device_kernels::paged_attention::<B>(2).is_some()
             && self.model.compute.attn_implementation == super::compute::AttnImplementation::MemoryEfficient
-            && !crate::kernels::may_run::<B>()
+            && !self.model.compute.cpu_kernels.run_on::<B>()
     }
 
     /// An empty KV cache sized for this model.

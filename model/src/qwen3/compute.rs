@@ -1,6 +1,7 @@
 //! How the model computes, one value chosen at load (as transformers' `attn_implementation`):
-//! the attention implementation, its block size, and the precision of products with f32
-//! weights. The model keeps it ([`super::Qwen3Model::compute`]) and every layer reads it from
+//! the attention implementation, its block size, the precision of products with f32 weights,
+//! and the CPU kernels that stand in for burn's ops on burn-flex ([`cpu_kernels::Kernels`]).
+//! The model keeps it ([`super::Qwen3Model::compute`]) and every layer reads it from
 //! there; the trainer's activation checkpointing recomputes with it, and the memory plan counts
 //! what it holds.
 //!
@@ -9,7 +10,7 @@
 //! | backend | `eager` | `memory_efficient` (default) |
 //! |---|---|---|
 //! | burn-flex, CPU kernels on (plain or under autodiff, f32/bf16) | the fused CPU kernel | the fused CPU kernel |
-//! | burn-flex with the kernels off (`PROMPT_R1_PORTABLE_OPS=1`), CUDA, wgpu | HF's formula in burn's ops, `[b, heads, q, k]` scores, probabilities and mask | blocks of queries and keys with an online softmax ([`super::attention`]); under autodiff one node that keeps `O` and the log-sum-exp |
+//! | burn-flex with the kernels off ([`Compute::cpu_kernels`] `off`), CUDA, wgpu | HF's formula in burn's ops, `[b, heads, q, k]` scores, probabilities and mask | blocks of queries and keys with an online softmax ([`super::attention`]); under autodiff one node that keeps `O` and the log-sum-exp |
 //!
 //! The CPU kernel (`cpu_kernels::ops::grouped_attention`) is one parallel pass that keeps two
 //! floats per query row and is faster on the CPU than either formula in burn's ops; it takes the
@@ -21,6 +22,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use cpu_kernels::Kernels;
 use serde::{Deserialize, Serialize};
 
 use super::linear::MatmulPrecision;
@@ -81,6 +83,20 @@ pub struct Compute {
     pub attention_block_size: usize,
     /// The precision of products with f32 weights.
     pub matmul: MatmulPrecision,
+    /// The CPU kernels that stand in for burn's ops on burn-flex (off: the GPU backends' path
+    /// on the CPU). Not part of a config file: the default is what the environment says
+    /// ([`Kernels::from_env`]), and the binary's commands choose it from their flags.
+    #[serde(skip)]
+    pub cpu_kernels: Kernels,
+}
+
+/// The kernels that may stand in for burn's ops in one forward pass (see [`Compute::pass`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PassKernels {
+    /// The CPU kernels (burn-flex only).
+    pub cpu: Kernels,
+    /// Whether the kernels a GPU backend registered ([`crate::device_kernels`]) may run.
+    pub device: bool,
 }
 
 /// The default [`Compute::attention_block_size`]: a 256-token pass is one block (no more work
@@ -99,11 +115,25 @@ impl Default for Compute {
             attn_implementation: AttnImplementation::default(),
             attention_block_size: DEFAULT_ATTENTION_BLOCK_SIZE,
             matmul: MatmulPrecision::default(),
+            cpu_kernels: Kernels::default(),
         }
     }
 }
 
 impl Compute {
+    /// The same with `cpu_kernels`.
+    pub fn with_cpu_kernels(self, cpu_kernels: Kernels) -> Compute {
+        Compute { cpu_kernels, ..self }
+    }
+
+    /// The kernels one pass may use: the CPU kernels, and a GPU backend's only in a pass
+    /// `over_cache` (generation's prefill and decoding steps over a KV cache). Passes without a
+    /// cache (scoring, the update) keep burn's ops there, so that old log-probs and the update's
+    /// forward agree to the last bit.
+    pub fn pass(&self, over_cache: bool) -> PassKernels {
+        PassKernels { cpu: self.cpu_kernels, device: over_cache }
+    }
+
     /// Checks the settings: a block holds at least one query.
     pub fn validate(&self) -> Result<(), String> {
         if self.attention_block_size == 0 {

@@ -61,13 +61,13 @@ impl<B: Backend> Qwen3DecoderLayer<B> {
         adapters: Option<&LoraLayer<B>>,
     ) -> ResidualStream<B> {
         // A pass over a KV cache may normalise through a GPU backend's kernels.
-        let over_cache = cache.is_some();
-        let (residual, hidden_states) = self.input_layernorm.add_and_forward(stream.residual, stream.pending, over_cache);
+        let pass = compute.pass(cache.is_some());
+        let (residual, hidden_states) = self.input_layernorm.add_and_forward(stream.residual, stream.pending, pass);
         let attn_output = self
             .self_attn
             .forward_rows(hidden_states, inputs, cache, compute, adapters);
-        let (residual, hidden_states) = self.post_attention_layernorm.add_and_forward(residual, Some(attn_output), over_cache);
-        let mlp_output = self.mlp.forward_with_adapters(hidden_states, compute.matmul, adapters, over_cache);
+        let (residual, hidden_states) = self.post_attention_layernorm.add_and_forward(residual, Some(attn_output), pass);
+        let mlp_output = self.mlp.forward_with_adapters(hidden_states, compute, adapters, pass);
         ResidualStream { residual, pending: Some(mlp_output) }
     }
 }

@@ -4,6 +4,7 @@ use burn::nn::Linear;
 use burn::tensor::{backend::Backend, module, DType, Tensor};
 use serde::{Deserialize, Serialize};
 
+use super::compute::Compute;
 use crate::kernels::{self, WeightLayout};
 use crate::lora::LoraLinear;
 
@@ -32,16 +33,16 @@ pub enum MatmulPrecision {
 /// Row counts up to which [`MatmulPrecision::Bf16`] leaves a product in f32.
 const F32_ROWS: usize = 16;
 
-/// `layer.forward(x)` at precision `matmul`.
-pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>, matmul: MatmulPrecision) -> Tensor<B, D> {
+/// `layer.forward(x)` as `compute` says (its precision and CPU kernels).
+pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>, compute: &Compute) -> Tensor<B, D> {
     let weight = layer.weight.val();
     match layer.bias {
-        None => project(x, weight, WeightLayout::InOut, matmul),
+        None => project(x, weight, WeightLayout::InOut, compute),
         Some(ref bias) => linear_rows(x, weight, Some(bias.val())),
     }
 }
 
-/// `layer.forward(x)` at precision `matmul` plus, when the projection has an adapter, PEFT's
+/// `layer.forward(x)` as `compute` says plus, when the projection has an adapter, PEFT's
 /// LoRA term: `result + lora_B(lora_A(lora_dropout(x))) · scaling`. As in PEFT's
 /// `lora.Linear.forward`, the adapter path runs in the adapter's dtype (f32; `x` is cast to it)
 /// and the sum is cast back to the base result's dtype, so a bf16 base keeps bf16 activations.
@@ -51,46 +52,48 @@ pub fn lora_linear<B: Backend, const D: usize>(
     layer: &Linear<B>,
     lora: Option<&LoraLinear<B>>,
     x: Tensor<B, D>,
-    matmul: MatmulPrecision,
+    compute: &Compute,
 ) -> Tensor<B, D> {
     let Some(lora) = lora else {
-        return linear(layer, x, matmul);
+        return linear(layer, x, compute);
     };
-    let result = linear(layer, x.clone(), matmul);
+    let result = linear(layer, x.clone(), compute);
     let torch_result_dtype = result.dtype();
     let lora_A = lora.lora_A.val();
-    let x = kernels::cast(x, lora_A.dtype());
+    let cpu = compute.cpu_kernels;
+    let x = kernels::cast(cpu, x, lora_A.dtype());
     let lora_out = linear_rows(linear_rows(lora.lora_dropout.forward(x), lora_A, None), lora.lora_B.val(), None)
         .mul_scalar(lora.scaling);
     if torch_result_dtype == lora_out.dtype() {
         result + lora_out
     } else {
-        kernels::cast(kernels::cast(result, lora_out.dtype()) + lora_out, torch_result_dtype)
+        kernels::cast(cpu, kernels::cast(cpu, result, lora_out.dtype()) + lora_out, torch_result_dtype)
     }
 }
 
-/// `x · w` for a `[in, out]` weight at precision `matmul`, by the path every projection takes
+/// `x · w` for a `[in, out]` weight as `compute` says, by the path every projection takes
 /// (for benchmarks and callers outside the model).
-pub fn product<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, matmul: MatmulPrecision) -> Tensor<B, D> {
-    project(x, w, WeightLayout::InOut, matmul)
+pub fn product<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, compute: &Compute) -> Tensor<B, D> {
+    project(x, w, WeightLayout::InOut, compute)
 }
 
-/// `x · w` for a bias-free projection whose weight is stored as `layout` says, at precision
-/// `matmul`.
+/// `x · w` for a bias-free projection whose weight is stored as `layout` says, at `compute`'s
+/// precision, by its CPU kernels where they run.
 pub(crate) fn project<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     w: Tensor<B, 2>,
     layout: WeightLayout,
-    matmul: MatmulPrecision,
+    compute: &Compute,
 ) -> Tensor<B, D> {
     let rows: usize = x.dims()[..D - 1].iter().product();
     let f32_operands = x.dtype() == DType::F32 && w.dtype() == DType::F32;
-    if matmul == MatmulPrecision::Bf16 && rows > F32_ROWS && f32_operands {
-        return kernels::linear_bf16(&x, &w, layout).unwrap_or_else(|| {
+    let cpu = compute.cpu_kernels;
+    if compute.matmul == MatmulPrecision::Bf16 && rows > F32_ROWS && f32_operands {
+        return kernels::linear_bf16(cpu, &x, &w, layout).unwrap_or_else(|| {
             plain_product(x.cast(DType::BF16), w.cast(DType::BF16), layout).cast(DType::F32)
         });
     }
-    kernels::linear(&x, &w, layout).unwrap_or_else(|| plain_product(x, w, layout))
+    kernels::linear(cpu, &x, &w, layout).unwrap_or_else(|| plain_product(x, w, layout))
 }
 
 /// `x · w` through burn's ops.

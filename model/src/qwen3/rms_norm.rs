@@ -3,6 +3,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::{backend::Backend, DType, Tensor};
 
+use super::compute::PassKernels;
 use super::rotary::{apply_rotary_pos_emb, RotaryTables};
 use crate::{device_kernels, kernels};
 
@@ -22,19 +23,13 @@ impl<B: Backend> Qwen3RMSNorm<B> {
         }
     }
 
-    /// Normalises `hidden_states` over its last dimension; the statistics are taken in f32.
-    pub fn forward<const D: usize>(&self, hidden_states: Tensor<B, D>) -> Tensor<B, D> {
-        self.forward_over_cache(hidden_states, false)
-    }
-
-    /// [`Self::forward`] in a pass that is `over_cache` (generation's prefill and decoding
-    /// steps over a KV cache), where a GPU backend's kernel may stand in
-    /// ([`device_kernels::NormKernels`]). Passes without a cache (scoring, the update) keep
-    /// burn's ops, so that old log-probs and the update's forward agree to the last bit.
-    pub fn forward_over_cache<const D: usize>(&self, hidden_states: Tensor<B, D>, over_cache: bool) -> Tensor<B, D> {
+    /// Normalises `hidden_states` over its last dimension; the statistics are taken in f32. A
+    /// CPU kernel or a GPU backend's ([`device_kernels::NormKernels`]) stands in where the `pass`
+    /// allows one.
+    pub fn forward<const D: usize>(&self, hidden_states: Tensor<B, D>, pass: PassKernels) -> Tensor<B, D> {
         let weight = self.weight.val();
-        let fused = kernels::rms_norm(&hidden_states, &weight, self.variance_epsilon).or_else(|| {
-            let kernels = lent(over_cache, &[&hidden_states], &weight)?;
+        let fused = kernels::rms_norm(pass.cpu, &hidden_states, &weight, self.variance_epsilon).or_else(|| {
+            let kernels = lent(pass, &[&hidden_states], &weight)?;
             let (rows, dims) = rows(&hidden_states);
             Some((kernels.rms_norm)(hidden_states.clone().reshape(rows), weight.clone(), self.variance_epsilon).reshape(dims))
         });
@@ -49,34 +44,34 @@ impl<B: Backend> Qwen3RMSNorm<B> {
 
     /// The residual addition before this norm, then the norm, a token a row (`[tokens,
     /// hidden]`): `(residual + delta, norm(residual + delta))`, or `(residual, norm(residual))`
-    /// with no `delta`. In a pass `over_cache` a GPU backend's kernel may take both in one
-    /// (vLLM's `fused_add_rms_norm`).
-    pub fn add_and_forward(&self, residual: Tensor<B, 2>, delta: Option<Tensor<B, 2>>, over_cache: bool) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    /// with no `delta`. Where the `pass` allows a GPU backend's, it may take both in one (vLLM's
+    /// `fused_add_rms_norm`).
+    pub fn add_and_forward(&self, residual: Tensor<B, 2>, delta: Option<Tensor<B, 2>>, pass: PassKernels) -> (Tensor<B, 2>, Tensor<B, 2>) {
         let Some(delta) = delta else {
-            return (residual.clone(), self.forward_over_cache(residual, over_cache));
+            return (residual.clone(), self.forward(residual, pass));
         };
         let weight = self.weight.val();
-        if let Some(kernels) = lent(over_cache, &[&residual, &delta], &weight) {
+        if let Some(kernels) = lent(pass, &[&residual, &delta], &weight) {
             return (kernels.add_rms_norm)(residual, delta, weight, self.variance_epsilon);
         }
         let sum = residual + delta;
-        (sum.clone(), self.forward_over_cache(sum, over_cache))
+        (sum.clone(), self.forward(sum, pass))
     }
 
     /// This norm over each head of `x` (`[b, q, heads, head_dim]`), then RoPE by `tables`
     /// (HF's `apply_rotary_pos_emb(q_norm(q), ..)`). In a pass over a KV cache a GPU backend's
     /// kernel may take both, for the queries and the keys, with the cache's write
     /// (`Qwen3Attention`).
-    pub fn forward_rotated(&self, x: Tensor<B, 4>, tables: &RotaryTables<B>, over_cache: bool) -> Tensor<B, 4> {
-        apply_rotary_pos_emb(self.forward_over_cache(x, over_cache), tables)
+    pub fn forward_rotated(&self, x: Tensor<B, 4>, tables: &RotaryTables<B>, pass: PassKernels) -> Tensor<B, 4> {
+        apply_rotary_pos_emb(self.forward(x, pass), tables, pass.cpu)
     }
 }
 
-/// The norm kernels a GPU backend lent, for a pass `over_cache` whose operands share the
-/// weight's dtype. `None` where none are registered (autodiff backends included), off the
-/// cache, or with dtypes that differ.
-pub(crate) fn lent<B: Backend, const D: usize>(over_cache: bool, operands: &[&Tensor<B, D>], weight: &Tensor<B, 1>) -> Option<device_kernels::NormKernels<B>> {
-    if !over_cache || operands.iter().any(|x| x.dtype() != weight.dtype()) {
+/// The norm kernels a GPU backend lent, for a `pass` that allows them and whose operands share
+/// the weight's dtype. `None` where none are registered (autodiff backends included), in a pass
+/// that allows none, or with dtypes that differ.
+pub(crate) fn lent<B: Backend, const D: usize>(pass: PassKernels, operands: &[&Tensor<B, D>], weight: &Tensor<B, 1>) -> Option<device_kernels::NormKernels<B>> {
+    if !pass.device || operands.iter().any(|x| x.dtype() != weight.dtype()) {
         return None;
     }
     device_kernels::norms::<B>()

@@ -15,6 +15,8 @@
 
 use burn::tensor::{backend::Backend, DType, Int, Tensor, TensorData};
 
+use cpu_kernels::Kernels;
+
 use crate::kernels;
 
 /// The inverse frequencies `1 / theta^(2i/d)` of the default RoPE.
@@ -43,7 +45,7 @@ impl Qwen3RotaryEmbedding {
 
     /// The tables for `position_ids` `[b, q]` for one head, `[b, q, 1, head_dim]`, in `dtype`
     /// (computed in f32 as HF does, then cast); [`RotaryTables::repeat_heads`] widens them.
-    pub fn tables<B: Backend>(&self, position_ids: Tensor<B, 2, Int>, dtype: DType) -> RotaryTables<B> {
+    pub fn tables<B: Backend>(&self, position_ids: Tensor<B, 2, Int>, dtype: DType, cpu_kernels: Kernels) -> RotaryTables<B> {
         let device = position_ids.device();
         let half = self.inv_freq.len();
         // HF's `emb = cat(freqs, freqs)` from the frequencies laid out twice, and the sign of
@@ -56,7 +58,7 @@ impl Qwen3RotaryEmbedding {
         let freqs = positions * inv_freq;
         let cos = freqs.clone().cos();
         let signed_sin = freqs.sin() * sign;
-        let one_head = |t: Tensor<B, 3>| kernels::cast(t.unsqueeze_dim::<4>(2), dtype);
+        let one_head = |t: Tensor<B, 3>| kernels::cast(cpu_kernels, t.unsqueeze_dim::<4>(2), dtype);
         let halves_swapped: Vec<i64> = (half..2 * half).chain(0..half).map(|i| i as i64).collect();
         RotaryTables {
             cos: one_head(cos),
@@ -83,9 +85,10 @@ pub fn swap_halves<B: Backend>(x: Tensor<B, 4>, tables: &RotaryTables<B>) -> Ten
     x.select(3, tables.halves_swapped.clone())
 }
 
-/// HF's `apply_rotary_pos_emb` for one of q or k, `[b, q, heads, head_dim]`.
-pub fn apply_rotary_pos_emb<B: Backend>(x: Tensor<B, 4>, tables: &RotaryTables<B>) -> Tensor<B, 4> {
-    kernels::rotary(&x, &tables.cos, &tables.signed_sin)
+/// HF's `apply_rotary_pos_emb` for one of q or k, `[b, q, heads, head_dim]`, by a CPU kernel
+/// where `cpu_kernels` run one.
+pub fn apply_rotary_pos_emb<B: Backend>(x: Tensor<B, 4>, tables: &RotaryTables<B>, cpu_kernels: Kernels) -> Tensor<B, 4> {
+    kernels::rotary(cpu_kernels, &x, &tables.cos, &tables.signed_sin)
         .unwrap_or_else(|| x.clone() * tables.cos.clone() + swap_halves(x, tables) * tables.signed_sin.clone())
 }
 
@@ -99,7 +102,7 @@ mod tests {
     fn swap_halves_swaps() {
         let device = Default::default();
         let x = Tensor::<Flex, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &device).reshape([1, 1, 1, 4]);
-        let tables = Qwen3RotaryEmbedding::new(4, 10_000.0).tables(Tensor::<Flex, 2, Int>::from_ints([[0]], &device), DType::F32);
+        let tables = Qwen3RotaryEmbedding::new(4, 10_000.0).tables(Tensor::<Flex, 2, Int>::from_ints([[0]], &device), DType::F32, Kernels::default());
         let r: Vec<f32> = swap_halves(x, &tables).into_data().to_vec().unwrap();
         assert_eq!(r, vec![3.0, 4.0, 1.0, 2.0]);
     }
@@ -108,7 +111,7 @@ mod tests {
     fn position_zero_is_identity() {
         let rope = Qwen3RotaryEmbedding::new(4, 10_000.0);
         let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 1]], &Default::default());
-        let tables = rope.tables(pos, DType::F32).repeat_heads(2);
+        let tables = rope.tables(pos, DType::F32, Kernels::default()).repeat_heads(2);
         assert_eq!(tables.cos.dims(), [1, 2, 2, 4]);
         let cos: Vec<f32> = tables.cos.into_data().to_vec().unwrap();
         let sin: Vec<f32> = tables.signed_sin.into_data().to_vec().unwrap();
@@ -128,7 +131,7 @@ mod tests {
         let rope = Qwen3RotaryEmbedding::new(d, 10_000.0);
         let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 5, 9], [3, 4, 100]], &device);
         let x = Tensor::<Flex, 4>::random([b, q, h, d], Distribution::Normal(0.0, 1.0), &device);
-        let ours: Vec<f32> = apply_rotary_pos_emb(x.clone(), &rope.tables(pos, DType::F32).repeat_heads(h))
+        let ours: Vec<f32> = apply_rotary_pos_emb(x.clone(), &rope.tables(pos, DType::F32, Kernels::default()).repeat_heads(h), Kernels::default())
             .into_data()
             .to_vec()
             .unwrap();
@@ -151,9 +154,9 @@ mod tests {
         let (q, h, d) = (5, 3, 16);
         let rope = Qwen3RotaryEmbedding::new(d, 1_000_000.0);
         let pos = Tensor::<Flex, 2, Int>::from_ints([[0, 1, 7, 300, 4095]], &device);
-        let tables = rope.tables(pos, DType::BF16).repeat_heads(h);
+        let tables = rope.tables(pos, DType::BF16, Kernels::default()).repeat_heads(h);
         let x = Tensor::<Flex, 4>::random([1, q, h, d], Distribution::Normal(0.0, 3.0), &device).cast(DType::BF16);
-        let fused = kernels::rotary(&x, &tables.cos, &tables.signed_sin).expect("bf16 on burn-flex is fused");
+        let fused = kernels::rotary(Kernels::default(), &x, &tables.cos, &tables.signed_sin).expect("bf16 on burn-flex is fused");
         let formula = x.clone() * tables.cos.clone() + swap_halves(x, &tables) * tables.signed_sin.clone();
         assert_eq!(fused.dtype(), DType::BF16);
         let bits = |t: Tensor<Flex, 4>| -> Vec<u16> {

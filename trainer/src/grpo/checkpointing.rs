@@ -68,7 +68,8 @@ pub fn checkpointed_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     // The final norm over a token a row, as the model's forward (and so scoring) takes it: the
     // same operations on the same shapes, so that the first ratios stay exactly 1 on every backend.
     let [rows, len, width] = leaf.dims();
-    let hidden = model.model.norm.forward(leaf.clone().reshape([rows * len, width])).reshape([rows, len, width]);
+    let pass = model.compute().pass(false);
+    let hidden = model.model.norm.forward(leaf.clone().reshape([rows * len, width]), pass).reshape([rows, len, width]);
     let head = head_gradients(model, module, &hidden, &batch, micro, weight, config)?;
     let stats = head.stats;
     let mut grads = (hidden * head.hidden_grad).sum().backward();
@@ -99,7 +100,7 @@ pub fn checkpointed_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
     if table.is_require_grad() {
         let ids = batch.input_ids.clone();
         let rows =
-            model::cpu_kernels::ops::embedding(&table, &ids).unwrap_or_else(|| embed.forward(ids));
+            model::cpu_kernels::ops::embedding(pass.cpu, &table, &ids).unwrap_or_else(|| embed.forward(ids));
         let mut grads = (rows * Tensor::from_inner(upstream)).sum().backward();
         accumulator.accumulate(module, GradientsParams::from_module(&mut grads, module));
     }

@@ -5,6 +5,7 @@
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 use model::logprobs::{chosen_logprobs, entropy_without_grad, map_hidden_chunks, map_logits_chunks};
 use model::lora::CausalLm;
+use model::cpu_kernels::Kernels;
 use model::{ModelError, Qwen3ForCausalLM, TokenBatch};
 
 /// Whether gradients flow through the entropy (only needed when it is part of the loss).
@@ -39,8 +40,9 @@ pub fn token_logprobs_and_entropy<B: Backend>(
     start: usize,
     entropy_grad: EntropyGrad,
 ) -> Result<(Tensor<B, 2>, Tensor<B, 2>), ModelError> {
+    let kernels = model.base().compute().cpu_kernels;
     let pieces = map_logits_chunks(model, batch, start, |logits, targets| {
-        chunk_logprobs_and_entropy(logits, targets, entropy_grad)
+        chunk_logprobs_and_entropy(kernels, logits, targets, entropy_grad)
     })?;
     Ok(join(pieces))
 }
@@ -54,24 +56,27 @@ pub fn token_logprobs_and_entropy_from_hidden<B: Backend>(
     start: usize,
     entropy_grad: EntropyGrad,
 ) -> Result<(Tensor<B, 2>, Tensor<B, 2>), ModelError> {
+    let kernels = model.compute().cpu_kernels;
     let pieces = map_hidden_chunks(model, hidden, batch, start, |logits, targets| {
-        chunk_logprobs_and_entropy(logits, targets, entropy_grad)
+        chunk_logprobs_and_entropy(kernels, logits, targets, entropy_grad)
     })?;
     Ok(join(pieces))
 }
 
-/// The chosen tokens' log-probs and the entropy of one chunk of logits.
+/// The chosen tokens' log-probs and the entropy of one chunk of logits, by the CPU kernels
+/// where `cpu_kernels` run them.
 pub(super) fn chunk_logprobs_and_entropy<B: Backend>(
+    cpu_kernels: Kernels,
     logits: Tensor<B, 3>,
     targets: Tensor<B, 2, Int>,
     entropy_grad: EntropyGrad,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let entropy = match entropy_grad {
         EntropyGrad::Tracked => entropy_from_logits(logits.clone()),
-        EntropyGrad::Detached => entropy_without_grad(&logits)
+        EntropyGrad::Detached => entropy_without_grad(cpu_kernels, &logits)
             .unwrap_or_else(|| entropy_from_logits(logits.clone().detach())),
     };
-    (chosen_logprobs(logits, targets), entropy)
+    (chosen_logprobs(cpu_kernels, logits, targets), entropy)
 }
 
 /// The chunks' results joined along the positions.
@@ -98,9 +103,9 @@ mod tests {
         let logits = Tensor::<Flex, 3>::from_data(data.clone(), &Default::default());
         let want = plain(entropy_from_logits(logits.clone()));
         let close = |got: Vec<f32>| got.iter().zip(&want).all(|(g, w)| (g - w).abs() < 1e-4);
-        assert!(close(plain(entropy_without_grad(&logits).unwrap())));
+        assert!(close(plain(entropy_without_grad(Kernels::default(), &logits).unwrap())));
         let tracked = Tensor::<Autodiff<Flex>, 3>::from_data(data, &Default::default()).require_grad();
-        let entropy = entropy_without_grad(&tracked).unwrap();
+        let entropy = entropy_without_grad(Kernels::default(), &tracked).unwrap();
         assert!(!entropy.is_require_grad());
         assert!(close(plain(entropy.inner())));
     }

@@ -89,10 +89,10 @@ pub fn head_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
         let targets = batch.input_ids.clone().narrow(1, from + 1, to - from);
         let logits = model.logits(leaf.clone());
         let (chunk_logp, chunk_entropy) = if entropy_in_loss {
-            let (lp, h) = chunk_logprobs_and_entropy(logits, targets, EntropyGrad::Tracked);
+            let (lp, h) = chunk_logprobs_and_entropy(model.compute().cpu_kernels, logits, targets, EntropyGrad::Tracked);
             (lp, Some(h))
         } else {
-            (chosen_logprobs(logits, targets), None)
+            (chosen_logprobs(model.compute().cpu_kernels, logits, targets), None)
         };
         let slice = |g: &Tensor<B, 2>| g.clone().narrow(1, from, to - from);
         let terms = [

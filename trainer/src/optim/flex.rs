@@ -10,10 +10,12 @@ use burn_flex::{FlexTensor, Layout};
 /// Elements per rayon task in the optimiser's loops.
 pub(crate) const CHUNK: usize = 64 * 1024;
 
-/// Whether `B`'s float tensors are burn-flex tensors and the CPU loops are on (they are off,
-/// with the model's fused kernels, under [`model::cpu_kernels::portable_ops`]).
+/// Whether `B`'s float tensors are burn-flex tensors (not under autodiff): then the optimiser
+/// updates them in place on the host, whatever CPU kernels the model runs (the loops belong to
+/// the optimiser, not to the model's computation; the memory plan counts no temporaries for
+/// the update on either CPU path).
 pub(crate) fn is_flex<B: Backend>() -> bool {
-    model::cpu_kernels::active::<B>()
+    std::any::TypeId::of::<B::FloatTensorPrimitive>() == std::any::TypeId::of::<FlexTensor>()
 }
 
 /// The burn-flex tensor behind `t`, or `t` back when `B` is another backend or `t` is quantized.

@@ -35,6 +35,10 @@ pub struct TrainConfig {
     /// Queries per block of the memory-efficient attention (and the fewest keys per block).
     #[serde(default = "default_attention_block_size")]
     pub attention_block_size: usize,
+    /// The CPU kernels the run's models use on burn-flex: not a config key (the default is what
+    /// the environment says; commands and tests choose another in code).
+    #[serde(skip)]
+    pub cpu_kernels: model::cpu_kernels::Kernels,
     /// LoRA: train low-rank adapters beside the frozen model instead of every weight (absent:
     /// full fine-tuning). The KL reference is then the model with the adapters off.
     #[serde(default)]
@@ -90,12 +94,13 @@ impl TrainConfig {
         notes
     }
 
-    /// How the run's models compute: the attention settings and `grpo.matmul`.
+    /// How the run's models compute: the attention settings, `grpo.matmul` and the CPU kernels.
     pub fn compute(&self) -> Compute {
         Compute {
             attn_implementation: self.attn_implementation,
             attention_block_size: self.attention_block_size,
             matmul: self.grpo.matmul,
+            cpu_kernels: self.cpu_kernels,
         }
     }
 }

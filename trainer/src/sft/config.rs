@@ -27,6 +27,10 @@ pub struct SftConfig {
     /// Queries per block of the memory-efficient attention, as in `train`'s config.
     #[serde(default = "crate::run::config::default_attention_block_size")]
     pub attention_block_size: usize,
+    /// The CPU kernels the run's models use on burn-flex: not a config key (the default is what
+    /// the environment says; commands and tests choose another in code).
+    #[serde(skip)]
+    pub cpu_kernels: model::cpu_kernels::Kernels,
     /// LoRA: train adapters beside the frozen model instead of every weight (absent: full
     /// fine-tuning); the keys of `train`'s `[lora]`.
     #[serde(default)]
@@ -135,12 +139,13 @@ impl Default for SftRunSection {
 }
 
 impl SftConfig {
-    /// How the run's model computes: the attention settings and `train.matmul`.
+    /// How the run's model computes: the attention settings, `train.matmul` and the CPU kernels.
     pub fn compute(&self) -> Compute {
         Compute {
             attn_implementation: self.attn_implementation,
             attention_block_size: self.attention_block_size,
             matmul: self.train.matmul,
+            cpu_kernels: self.cpu_kernels,
         }
     }
 

@@ -83,11 +83,11 @@ impl<B: Backend> AttentionInputs<B> {
         (num_heads, num_key_value_heads): (usize, usize),
         compute: &Compute,
     ) -> Self {
-        let cpu_kernels = kernels::may_run::<B>();
+        let cpu_kernels = compute.cpu_kernels.run_on::<B>();
         let eager = compute.attn_implementation == AttnImplementation::Eager;
         let bias = (cpu_kernels || eager).then(|| mask.bias(dtype));
         let grouped_bias = eager.then(|| eager::grouped_bias(bias.as_ref().expect("built for eager"), num_heads, num_key_value_heads));
-        let tables = rotary.tables(position_ids, dtype);
+        let tables = rotary.tables(position_ids, dtype, compute.cpu_kernels);
         // The CPU kernels take tables of the projections' shape; burn's ops broadcast one head.
         let (rotary_q, rotary_k, rotary_rows) = if cpu_kernels {
             (tables.repeat_heads(num_heads), tables.repeat_heads(num_key_value_heads), None)
@@ -141,7 +141,6 @@ impl<B: Backend> Qwen3Attention<B> {
         let [b, q_len] = inputs.pass_shape();
         assert_eq!(x.dims()[0], b * q_len, "a row per token of the pass's [{b}, {q_len}] positions");
         let (h, kv, d) = (self.num_heads, self.num_key_value_heads, self.head_dim);
-        let matmul = compute.matmul;
 
         // The projections, `[tokens, heads · d]` each: one product of the stacked `qkv_proj`
         // where none of the three has an adapter. All of them come before the norms and RoPE
@@ -152,14 +151,14 @@ impl<B: Backend> Qwen3Attention<B> {
         let adapter = |pick: fn(&LoraLayer<B>) -> Option<&LoraLinear<B>>| adapters.and_then(pick);
         let unadapted = adapter(|a| a.q_proj.as_ref()).is_none() && adapter(|a| a.k_proj.as_ref()).is_none() && adapter(|a| a.v_proj.as_ref()).is_none();
         let projections = match self.qkv_proj.as_ref().filter(|_| unadapted) {
-            Some(qkv_proj) => Qkv::Stacked(product(x, qkv_proj.clone(), matmul)),
+            Some(qkv_proj) => Qkv::Stacked(product(x, qkv_proj.clone(), compute)),
             None => Qkv::Separate([
-                lora_linear(&self.q_proj, adapter(|a| a.q_proj.as_ref()), x.clone(), matmul),
-                lora_linear(&self.k_proj, adapter(|a| a.k_proj.as_ref()), x.clone(), matmul),
-                lora_linear(&self.v_proj, adapter(|a| a.v_proj.as_ref()), x, matmul),
+                lora_linear(&self.q_proj, adapter(|a| a.q_proj.as_ref()), x.clone(), compute),
+                lora_linear(&self.k_proj, adapter(|a| a.k_proj.as_ref()), x.clone(), compute),
+                lora_linear(&self.v_proj, adapter(|a| a.v_proj.as_ref()), x, compute),
             ]),
         };
-        let over_cache = cache.is_some();
+        let pass = compute.pass(cache.is_some());
         // apply_rotary_pos_emb(q_norm(q), k_norm(k)), and the keys and values to the cache:
         // one kernel where a GPU backend lends it.
         let written = match cache {
@@ -174,8 +173,8 @@ impl<B: Backend> Qwen3Attention<B> {
             Err((projections, cache)) => {
                 let [query_states, key_states, value_states] = projections.separate([h * d, kv * d, kv * d]);
                 let heads = |x: Tensor<B, 2>, heads| x.reshape([b, q_len, heads, d]);
-                let query_states = self.q_norm.forward_rotated(heads(query_states, h), &inputs.rotary_q, over_cache);
-                let key_states = heads_first(self.k_norm.forward_rotated(heads(key_states, kv), &inputs.rotary_k, over_cache));
+                let query_states = self.q_norm.forward_rotated(heads(query_states, h), &inputs.rotary_q, pass);
+                let key_states = heads_first(self.k_norm.forward_rotated(heads(key_states, kv), &inputs.rotary_k, pass));
                 let value_states = heads_first(heads(value_states, kv));
                 let attended = match cache {
                     Some(cache) => Attended::Cached(cache.append(key_states, value_states)),
@@ -208,7 +207,7 @@ impl<B: Backend> Qwen3Attention<B> {
                 heads_last(output).reshape([b * q_len, h * d])
             }
         };
-        lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, matmul)
+        lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, compute)
     }
 }
 
@@ -226,11 +225,11 @@ impl<B: Backend> Qwen3Attention<B> {
                 .unwrap_or_else(|_| panic!("a ragged pass runs only where a paged-attention kernel takes prefills (Qwen3ForCausalLM::takes_ragged_passes)"))),
             (Attended::Cached(cached), Some(bias)) => {
                 let query = query.heads(shape);
-                cached.attention(&query, bias, scaling as f32).map(by_token).ok_or(Query::Heads(query))
+                cached.attention(compute.cpu_kernels, &query, bias, scaling as f32).map(by_token).ok_or(Query::Heads(query))
             }
             (Attended::Fresh(k, v), Some(bias)) => {
                 let query = query.heads(shape);
-                kernels::grouped_attention(&query, k, v, bias, scaling as f32).map(by_token).ok_or(Query::Heads(query))
+                kernels::grouped_attention(compute.cpu_kernels, &query, k, v, bias, scaling as f32).map(by_token).ok_or(Query::Heads(query))
             }
             // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
             // too, in the passes it was lent for; the eager formula stays burn's ops, the

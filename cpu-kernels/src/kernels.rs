@@ -1,0 +1,179 @@
+//! Which CPU kernels run: one value, chosen when a model is loaded and handed to every kernel
+//! entry point (and kept by the autodiff nodes for their backward), never a process-wide switch.
+
+use std::fmt;
+use std::sync::OnceLock;
+
+use burn::tensor::backend::Backend;
+
+use crate::bf16_products::{bf16_products_from_env, Bf16Products, UnknownBf16Products, BF16_PRODUCTS_ENV};
+use crate::isa::{isa_cap_from_env, Isa, UnknownIsa, ISA_ENV, PORTABLE_OPS_ENV};
+
+/// The CPU kernels a computation uses on burn-flex: none (every op through burn's portable tensor
+/// ops, the path the GPU backends take), or the kernels at an instruction-set level no higher
+/// than the host's, with a packed bf16 product kernel. Other backends never run a CPU kernel,
+/// whatever this says.
+///
+/// The level is capped at the host's by every constructor, so a value never asks for
+/// instructions this CPU lacks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Kernels {
+    level: Option<Isa>,
+    bf16_products: Bf16Products,
+}
+
+impl Kernels {
+    /// The kernels at this CPU's best level, with the bf16 product kernel its vendor's rule picks.
+    pub fn host() -> Kernels {
+        Kernels { level: Some(Isa::host()), bf16_products: Bf16Products::for_host() }
+    }
+
+    /// No kernel: burn's portable tensor ops everywhere, so that the CPU runs (and tests, and
+    /// benchmarks) the code path of the GPU backends.
+    pub fn off() -> Kernels {
+        Kernels { level: None, ..Kernels::host() }
+    }
+
+    /// The kernels at `level`, or at the host's where `level` is higher.
+    pub fn at(level: Isa) -> Kernels {
+        Kernels { level: Some(level.min(Isa::host())), ..Kernels::host() }
+    }
+
+    /// The same with the packed bf16 products multiplying as `products` says.
+    pub fn with_bf16_products(self, products: Bf16Products) -> Kernels {
+        Kernels { bf16_products: products, ..self }
+    }
+
+    /// The choice the environment makes: `PROMPT_R1_PORTABLE_OPS=1` switches the kernels off,
+    /// `PROMPT_R1_CPU_ISA` caps their level, `PROMPT_R1_BF16_PRODUCTS` picks the product kernel;
+    /// [`Kernels::host`] where none is set.
+    pub fn from_env() -> Result<Kernels, KernelsEnvError> {
+        let products = bf16_products_from_env()?.unwrap_or_else(Bf16Products::for_host);
+        let level = isa_cap_from_env()?.map_or(Isa::host(), |cap| cap.min(Isa::host()));
+        let off = std::env::var_os(PORTABLE_OPS_ENV).is_some_and(|v| v == "1");
+        Ok(Kernels { level: (!off).then_some(level), bf16_products: products })
+    }
+
+    /// The instruction-set level the kernels run at; `None` when they are off.
+    pub fn level(self) -> Option<Isa> {
+        self.level
+    }
+
+    /// Whether any kernel runs.
+    pub fn is_on(self) -> bool {
+        self.level.is_some()
+    }
+
+    /// How the packed bf16 products multiply where the AVX-512 BF16 kernels run.
+    pub fn bf16_products(self) -> Bf16Products {
+        self.bf16_products
+    }
+
+    /// Whether a kernel stands in on backend `B`: burn-flex (plain or under autodiff) with the
+    /// kernels on.
+    pub fn run_on<B: Backend>(self) -> bool {
+        self.is_on() && crate::is_flex_backend::<B>()
+    }
+
+    /// Whether the element-wise loops and attention run their AVX-512 variants.
+    pub(crate) fn avx512(self) -> bool {
+        self.level >= Some(Isa::Avx512)
+    }
+
+    /// Whether the hand-written AVX-512 BF16 matrix products run.
+    pub(crate) fn avx512_bf16(self) -> bool {
+        self.level >= Some(Isa::Avx512Bf16)
+    }
+
+    /// Whether those products multiply k-pairs with `vdpbf16ps` rather than widen both operands.
+    pub(crate) fn pairs(self) -> bool {
+        self.bf16_products == Bf16Products::Pairs
+    }
+}
+
+/// [`Kernels::from_env`], read once per process; a value there that names nothing is reported
+/// once on stderr and [`Kernels::host`] is used (the `prompt-r1` binary refuses it before any
+/// model is loaded).
+impl Default for Kernels {
+    fn default() -> Kernels {
+        static FROM_ENV: OnceLock<Kernels> = OnceLock::new();
+        *FROM_ENV.get_or_init(|| {
+            Kernels::from_env().unwrap_or_else(|e| {
+                eprintln!("warning: {e}; the CPU kernels use this CPU's best");
+                Kernels::host()
+            })
+        })
+    }
+}
+
+impl fmt::Display for Kernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.level {
+            None => f.write_str("off (burn's portable ops)"),
+            Some(level) => write!(f, "{level}"),
+        }
+    }
+}
+
+/// An environment variable that names no kernel choice.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KernelsEnvError {
+    #[error("{ISA_ENV}: {0}")]
+    Isa(#[from] UnknownIsa),
+    #[error("{BF16_PRODUCTS_ENV}: {0}")]
+    Bf16Products(#[from] UnknownBf16Products),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_capped_at_the_host_and_off_runs_nothing() {
+        for level in Isa::ALL {
+            let kernels = Kernels::at(level);
+            assert_eq!(kernels.level(), Some(level.min(Isa::host())));
+            assert_eq!(kernels.avx512(), level.min(Isa::host()) >= Isa::Avx512);
+            assert_eq!(kernels.avx512_bf16(), level.min(Isa::host()) >= Isa::Avx512Bf16);
+        }
+        let off = Kernels::off();
+        assert!(!off.is_on() && !off.avx512() && !off.avx512_bf16());
+        assert!(!off.run_on::<burn::backend::Flex>());
+        assert!(Kernels::host().run_on::<burn::backend::Flex>());
+        assert_eq!(Kernels::off().to_string(), "off (burn's portable ops)");
+        let forced = Kernels::host().with_bf16_products(Bf16Products::Widened);
+        assert_eq!((forced.bf16_products(), forced.level()), (Bf16Products::Widened, Some(Isa::host())));
+    }
+
+    /// Each call runs what its own value names, whatever other threads ask for at the same
+    /// time (a process-wide switch could not give this): the kernel, or `None` for burn's ops.
+    #[test]
+    fn each_call_runs_the_kernels_it_is_handed() {
+        use burn::backend::Flex;
+        use burn::tensor::{Distribution, Tensor};
+        let device = Default::default();
+        let x = Tensor::<Flex, 2>::random([4, 64], Distribution::Normal(0.0, 1.0), &device);
+        let w = Tensor::<Flex, 1>::random([64], Distribution::Normal(0.0, 1.0), &device);
+        std::thread::scope(|scope| {
+            for kernels in [Kernels::off(), Kernels::host(), Kernels::at(Isa::Portable)] {
+                let (x, w) = (x.clone(), w.clone());
+                scope.spawn(move || {
+                    for _ in 0..50 {
+                        let fused = crate::ops::rms_norm(kernels, &x, &w, 1e-6);
+                        assert_eq!(fused.is_some(), kernels.is_on(), "{kernels}");
+                    }
+                });
+            }
+        });
+    }
+
+    /// A typo in the variables CI sets must fail a test rather than let the kernels silently run
+    /// the host's choice.
+    #[test]
+    fn the_environment_choice_parses() {
+        match Kernels::from_env() {
+            Ok(kernels) => println!("from the environment: {kernels}, bf16 products {}", kernels.bf16_products()),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
