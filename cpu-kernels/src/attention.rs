@@ -529,6 +529,9 @@ fn softmax_row<T: Element>(row: &mut [f32], bias: &[f32], scale: f32) -> Softmax
 /// The two matrix products, on packed operands and on rows read in place, with an AVX-512 path
 /// and a portable one.
 pub(super) mod tiles {
+    // Off x86-64 only the portable paths exist, so the kernels' level is not read.
+    #![cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+
     use super::{Element, Rows};
     use crate::Kernels;
 

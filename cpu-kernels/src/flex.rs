@@ -23,7 +23,7 @@ pub fn is_flex_backend<B: Backend>() -> bool {
 }
 
 /// Whether `B` is plain burn-flex (not under autodiff), whether or not the kernels are on.
-pub(crate) fn is_plain_flex<B: Backend>() -> bool {
+pub fn is_plain_flex<B: Backend>() -> bool {
     std::any::TypeId::of::<FloatTensor<B>>() == std::any::TypeId::of::<FloatTensor<Flex>>()
 }
 

@@ -36,7 +36,13 @@ impl Kernels {
 
     /// The kernels at `level`, or at the host's where `level` is higher.
     pub fn at(level: Isa) -> Kernels {
-        Kernels { level: Some(level.min(Isa::host())), ..Kernels::host() }
+        Kernels::host().capped(level)
+    }
+
+    /// The same kernels, on, at `level` or at the host's where `level` is higher; the product
+    /// kernel stays.
+    pub fn capped(self, level: Isa) -> Kernels {
+        Kernels { level: Some(level.min(Isa::host())), ..self }
     }
 
     /// The same with the packed bf16 products multiplying as `products` says.
@@ -46,12 +52,43 @@ impl Kernels {
 
     /// The choice the environment makes: `PROMPT_R1_PORTABLE_OPS=1` switches the kernels off,
     /// `PROMPT_R1_CPU_ISA` caps their level, `PROMPT_R1_BF16_PRODUCTS` picks the product kernel;
-    /// [`Kernels::host`] where none is set.
+    /// [`Kernels::host`] where none is set. The first variable that names nothing is the error.
     pub fn from_env() -> Result<Kernels, KernelsEnvError> {
-        let products = bf16_products_from_env()?.unwrap_or_else(Bf16Products::for_host);
-        let level = isa_cap_from_env()?.map_or(Isa::host(), |cap| cap.min(Isa::host()));
-        let off = std::env::var_os(PORTABLE_OPS_ENV).is_some_and(|v| v == "1");
-        Ok(Kernels { level: (!off).then_some(level), bf16_products: products })
+        Kernels::first_error(true)
+    }
+
+    /// The kernels at the environment's cap with its product kernel, on whatever
+    /// `PROMPT_R1_PORTABLE_OPS` says: for a reference that must run them.
+    pub fn from_env_on() -> Result<Kernels, KernelsEnvError> {
+        Kernels::first_error(false)
+    }
+
+    fn first_error(honour_portable_ops: bool) -> Result<Kernels, KernelsEnvError> {
+        let mut error = None;
+        let kernels = Kernels::read_env(honour_portable_ops, |e| {
+            error.get_or_insert(e);
+        });
+        error.map_or(Ok(kernels), Err)
+    }
+
+    /// The environment's choice, each variable that names nothing handed to `bad` and left at
+    /// the host's choice.
+    fn read_env(honour_portable_ops: bool, mut bad: impl FnMut(KernelsEnvError)) -> Kernels {
+        let products = bf16_products_from_env().unwrap_or_else(|e| {
+            bad(e.into());
+            None
+        });
+        let cap = isa_cap_from_env().unwrap_or_else(|e| {
+            bad(e.into());
+            None
+        });
+        let off = honour_portable_ops && std::env::var_os(PORTABLE_OPS_ENV).is_some_and(|v| v == "1");
+        let kernels = Kernels::host().with_bf16_products(products.unwrap_or_else(Bf16Products::for_host));
+        match (off, cap) {
+            (true, _) => Kernels { level: None, ..kernels },
+            (false, Some(cap)) => kernels.capped(cap),
+            (false, None) => kernels,
+        }
     }
 
     /// The instruction-set level the kernels run at; `None` when they are off.
@@ -91,18 +128,13 @@ impl Kernels {
     }
 }
 
-/// [`Kernels::from_env`], read once per process; a value there that names nothing is reported
-/// once on stderr and [`Kernels::host`] is used (the `prompt-r1` binary refuses it before any
-/// model is loaded).
+/// [`Kernels::from_env`], read once per process; a variable there that names nothing is reported
+/// once on stderr and left at the host's choice, the others kept (the `prompt-r1` binary refuses
+/// it before any model is loaded).
 impl Default for Kernels {
     fn default() -> Kernels {
         static FROM_ENV: OnceLock<Kernels> = OnceLock::new();
-        *FROM_ENV.get_or_init(|| {
-            Kernels::from_env().unwrap_or_else(|e| {
-                eprintln!("warning: {e}; the CPU kernels use this CPU's best");
-                Kernels::host()
-            })
-        })
+        *FROM_ENV.get_or_init(|| Kernels::read_env(true, |e| eprintln!("warning: {e}; the host's choice stands for it")))
     }
 }
 

@@ -70,7 +70,7 @@ mod transpose;
 mod weight_matmul;
 
 pub use bf16_products::{bf16_products_from_env, Bf16Products, BF16_PRODUCTS_ENV};
-pub use flex::is_flex_backend;
+pub use flex::{is_flex_backend, is_plain_flex};
 pub use isa::Isa;
 pub use kernels::{Kernels, KernelsEnvError};
 pub use ops::{has_bf16_kernels, WeightLayout};

@@ -227,8 +227,8 @@ pub fn silu_mul<B: Backend>() -> Option<SiluMulFn<B>> {
 }
 
 /// The norm kernels a backend lends, taken by the passes over a KV cache (see
-/// `Qwen3RMSNorm::forward_over_cache` and `add_and_forward`, and the attention's write to the
-/// cache).
+/// `Qwen3RMSNorm::forward` and `add_and_forward` with a `PassKernels` over the cache, and the
+/// attention's write to the cache).
 pub struct NormKernels<B: Backend> {
     pub rms_norm: RmsNormFn<B>,
     pub add_rms_norm: AddRmsNormFn<B>,

@@ -269,7 +269,7 @@ pub fn run(mut args: Args) -> Result<()> {
     if args.portable_ops {
         *kernels = Kernels::off();
     } else if let Some(level) = args.cpu_isa {
-        *kernels = Kernels::at(level).with_bf16_products(kernels.bf16_products());
+        *kernels = kernels.capped(level);
     }
     match kernels.level() {
         None => eprintln!("fused CPU kernels off: every op runs through burn's portable tensor ops"),
@@ -707,7 +707,7 @@ impl TrainStep {
             matmul: self.matmul,
             attention: self.attention.attn_implementation,
             attention_block: self.attention.attention_block_size,
-            device: crate::cmd::plan::plan_device(device),
+            device: crate::cmd::plan::plan_device(device, self.attention.cpu_kernels),
             cuda_memory: match device {
                 DeviceChoice::Cuda(_) => crate::device::total_memory(device).map(|(bytes, _)| bytes),
                 _ => None,

@@ -351,9 +351,9 @@ pub fn run(args: Args) -> Result<()> {
     };
     let vocab = model::Qwen3Config::from_file(&dir.join("config.json"))?.vocab_size;
     let prompt = |len: usize, salt: usize| -> Vec<u32> { (0..len).map(|i| ((i * 7919 + salt) % vocab) as u32).collect() };
-    // The reference runs the CPU kernels (at the environment's cap, if any) even where the
-    // environment switches them off.
-    let kernels = Some(Kernels::default()).filter(|k| k.is_on()).unwrap_or_else(Kernels::host);
+    // The reference runs the CPU kernels (at the environment's cap and with its product kernel)
+    // even where the environment switches them off; `main` has refused a variable naming nothing.
+    let kernels = Kernels::from_env_on().unwrap_or_else(|_| Kernels::host());
     let probe = Probe { dir, dtype: args.dtype, vocab, prompts: vec![prompt(24, 13), prompt(17, 101)], long_prompt: prompt(LONG_PROMPT, 7), cpu_kernels: kernels };
 
     eprintln!("reference: CPU, fused kernels");

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use model::tiny_tokenizer::TINY_VOCAB_SIZE;
+use model::cpu_kernels::Kernels;
 use model::device_kernels::KernelPasses;
 use model::{Preset, Qwen3Config};
 use trainer::plan::{auto_kv_budget, format_size, kv_position_bytes, parse_device_memory, MemoryPlan, PlanDevice, PlanSettings, Verdict, AUTO_KV_BUDGET, PROMPT_ALLOWANCE};
@@ -180,11 +181,11 @@ fn model_shape(config: &TrainConfig) -> Result<Qwen3Config> {
     Qwen3Config::from_file(&path).with_context(|| format!("the model's shape ({})", path.display()))
 }
 
-/// What the plan assumes of a device: the CPU with or without its kernels, or a GPU whose
-/// prefill passes gather the KV cache or not (`--device-kernels all`).
-pub fn plan_device(device: DeviceChoice) -> PlanDevice {
+/// What the plan assumes of a device: the CPU with or without the kernels the run computes
+/// with, or a GPU whose prefill passes gather the KV cache or not (`--device-kernels all`).
+pub fn plan_device(device: DeviceChoice, cpu_kernels: Kernels) -> PlanDevice {
     match device {
-        DeviceChoice::Cpu if !model::cpu_kernels::Kernels::default().is_on() => PlanDevice::CpuPortable,
+        DeviceChoice::Cpu if !cpu_kernels.is_on() => PlanDevice::CpuPortable,
         DeviceChoice::Cpu => PlanDevice::CpuKernels,
         DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::gpu_options().device_kernels.passes_on(device) == Some(KernelPasses::All) => {
             PlanDevice::GpuPagedPrefill
@@ -196,7 +197,7 @@ pub fn plan_device(device: DeviceChoice) -> PlanDevice {
 /// The plan's settings of `config` on `device`: on CUDA with its memory known, the phases count
 /// the whole pages of CubeCL's pool there.
 fn settings_for(config: &TrainConfig, shape: Qwen3Config, device: DeviceChoice, context: Option<usize>, memory: Option<&(u64, String)>) -> PlanSettings {
-    let mut settings = PlanSettings::from_config(config, shape, plan_device(device), context);
+    let mut settings = PlanSettings::from_config(config, shape, plan_device(device, config.cpu_kernels), context);
     settings.cuda_memory = memory.and_then(|(bytes, _)| cuda_pages_memory(device, *bytes));
     settings
 }
@@ -416,6 +417,13 @@ pub fn check_before_training(config: &mut TrainConfig, device: DeviceChoice) -> 
 mod tests {
     use super::*;
     use burn::tensor::DType;
+
+    /// The CPU plan follows the kernels the command computes with, not the environment's.
+    #[test]
+    fn the_cpu_plan_follows_the_commands_kernels() {
+        assert_eq!(plan_device(DeviceChoice::Cpu, Kernels::off()), PlanDevice::CpuPortable);
+        assert_eq!(plan_device(DeviceChoice::Cpu, Kernels::at(model::cpu_kernels::Isa::Portable)), PlanDevice::CpuKernels);
+    }
 
     #[test]
     fn parameter_counts_read_as_model_cards_write_them() {

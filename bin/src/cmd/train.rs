@@ -8,7 +8,8 @@ use burn::module::Module;
 use burn::tensor::backend::Backend;
 use clap::Args as ClapArgs;
 use env::OpenAiClient;
-use model::cpu_kernels::{Bf16Products, BF16_PRODUCTS_ENV};
+use model::cpu_kernels::isa::PORTABLE_OPS_ENV;
+use model::cpu_kernels::{Bf16Products, Kernels, BF16_PRODUCTS_ENV};
 use model::MatmulPrecision;
 use trainer::plan::{format_size, MemoryPlan};
 use trainer::run::{run_to_end, DeviceMemoryProbe, PromptR1Scorer, Resume, StepRecord, SteppedRun, TrainConfig, Trainer};
@@ -133,12 +134,18 @@ fn no_signal_note(config: &TrainConfig) -> Option<String> {
 }
 
 /// What to tell a user who asked for `grpo.matmul = "bf16"` on this CPU, if it will not be
-/// faster than f32: `kernels` says whether the AVX-512 BF16 kernels run, `products` which of them
-/// the packed products use ([`model::cpu_kernels::bf16_products`]). Where they widen to f32 FMAs
-/// a step takes about as long as an f32 one; with `vdpbf16ps` pairs it is faster
-/// (BENCHMARKS.md, "the bf16-base LoRA test on Intel Xeons").
-fn bf16_products_note(kernels: bool, products: Bf16Products) -> Option<String> {
-    if !kernels {
+/// faster than f32 with the run's `kernels`: off, or without the AVX-512 BF16 products, or with
+/// those products widened to f32 FMAs ([`Kernels::bf16_products`]), a step takes about as long
+/// as an f32 one or longer; with `vdpbf16ps` pairs it is faster (BENCHMARKS.md, "the bf16-base
+/// LoRA test on Intel Xeons").
+fn bf16_products_note(kernels: Kernels) -> Option<String> {
+    if !kernels.is_on() {
+        return Some(format!(
+            "grpo.matmul = \"bf16\" but the CPU kernels are off ({PORTABLE_OPS_ENV}=1): the products run \
+             through burn's portable tensor ops, the GPU backends' path, not the AVX-512 BF16 kernels"
+        ));
+    }
+    if !model::cpu_kernels::has_bf16_kernels(kernels) {
         return Some(
             "grpo.matmul = \"bf16\" but the CPU kernels run without AVX-512 BF16 (this CPU lacks it, \
              or PROMPT_R1_CPU_ISA caps it): the products round their operands and go through the f32 \
@@ -146,7 +153,7 @@ fn bf16_products_note(kernels: bool, products: Bf16Products) -> Option<String> {
                 .to_owned(),
         );
     }
-    (products == Bf16Products::Widened).then(|| {
+    (kernels.bf16_products() == Bf16Products::Widened).then(|| {
         format!(
             "grpo.matmul = \"bf16\" is unlikely to be faster than \"f32\" on this CPU: its bf16 products \
              widen to f32 FMAs ({BF16_PRODUCTS_ENV}=widened, the default on CPUs that are not AMD's); \
@@ -162,8 +169,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let plan = super::plan::check_before_training(&mut config, args.device).context("memory plan")?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
-        let kernels = model::cpu_kernels::has_bf16_kernels(config.cpu_kernels);
-        if let Some(note) = bf16_products_note(kernels, config.cpu_kernels.bf16_products()) {
+        if let Some(note) = bf16_products_note(config.cpu_kernels) {
             eprintln!("note: {note}");
         }
     }
@@ -353,6 +359,7 @@ pub(super) fn drive<R: SteppedRun>(
 mod tests {
     use super::*;
     use clap::Parser;
+    use model::cpu_kernels::Isa;
 
     #[derive(Parser)]
     struct Cli {
@@ -381,14 +388,19 @@ mod tests {
         assert_eq!(reserved_summary(&[StepRecord::default()], Some(planned)), None);
     }
 
-    /// The note on bf16 products: always without the kernels, with them only where the packed
-    /// products widen to f32 FMAs.
+    /// The note on bf16 products: always with the kernels off or below AVX-512 BF16, with them
+    /// only where the packed products widen to f32 FMAs.
     #[test]
     fn bf16_note_depends_on_the_product_kernel() {
-        assert!(bf16_products_note(false, Bf16Products::Pairs).unwrap().contains("without AVX-512 BF16"));
-        let slow = bf16_products_note(true, Bf16Products::Widened).unwrap();
+        assert!(bf16_products_note(Kernels::off()).unwrap().contains("kernels are off"));
+        assert!(bf16_products_note(Kernels::at(Isa::Avx2)).unwrap().contains("without AVX-512 BF16"));
+        if Isa::host() < Isa::Avx512Bf16 {
+            println!("skipped: the AVX-512 BF16 product kernels (this CPU's best is {})", Isa::host());
+            return;
+        }
+        let slow = bf16_products_note(Kernels::host().with_bf16_products(Bf16Products::Widened)).unwrap();
         assert!(slow.contains("widened") && slow.contains("bench --products"), "{slow}");
-        assert_eq!(bf16_products_note(true, Bf16Products::Pairs), None);
+        assert_eq!(bf16_products_note(Kernels::host().with_bf16_products(Bf16Products::Pairs)), None);
     }
 
     /// `--matmul` overrides the file's `grpo.matmul`; without it the file's value stands.

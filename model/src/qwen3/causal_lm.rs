@@ -26,8 +26,8 @@ pub struct Qwen3Model<B: Backend> {
     pub norm: Qwen3RMSNorm<B>,
     #[module(skip)]
     pub rotary_emb: Qwen3RotaryEmbedding,
-    /// How the model computes: the attention implementation and the precision of every
-    /// projection's f32 products, the head's included.
+    /// How the model computes: the attention implementation, the precision of every
+    /// projection's f32 products (the head's included) and the CPU kernels.
     #[module(skip)]
     pub compute: Compute,
 }

@@ -26,7 +26,7 @@ pub enum MatmulPrecision {
     /// `prompt-r1-cpu-kernels`, at every instruction-set level); through burn's ops (GPU
     /// backends, or the kernels switched off) the operands are cast to bf16, multiplied by the
     /// backend's bf16 matmul and its bf16 result cast back to f32, as PyTorch's autocast returns
-    /// a bf16 tensor. Whether bf16 pays on a CPU: see `cpu_kernels::bf16_products`.
+    /// a bf16 tensor. Whether bf16 pays on a CPU: see `cpu_kernels::Bf16Products`.
     Bf16,
 }
 

@@ -9,18 +9,10 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorData};
 use common::*;
 use prompt_r1_model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
-use prompt_r1_model::{load_pretrained, token_logprobs, LoadOptions, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
+use prompt_r1_model::{load_pretrained, token_logprobs, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
 
-use prompt_r1_model::{cpu_kernels::Kernels, Compute};
 
 type B = Autodiff<Inner>;
-
-/// How the including test file's models compute: the CPU kernels off on the portable path, else
-/// as the environment says (CI's capped reruns).
-fn load_options() -> LoadOptions {
-    let cpu_kernels = if PORTABLE { Kernels::off() } else { Kernels::default() };
-    LoadOptions { compute: Compute::default().with_cpu_kernels(cpu_kernels), ..LoadOptions::default() }
-}
 
 /// The fixture; `None` (the test skipped) when the fixtures or the backend are missing here.
 fn fixture(name: &str) -> Option<Fixture> {
@@ -85,7 +77,7 @@ fn hf_gradients(model: &Qwen3ForCausalLM<B>, grads: &<B as AutodiffBackend>::Gra
 fn grpo_loss_and_gradients_match_pytorch() {
     for name in ["tiny", "tiny-untied"] {
         let Some(fx) = fixture(name) else { return };
-        let model = load_pretrained::<B>(&fx.dir, &Default::default(), load_options()).unwrap();
+        let model = load_pretrained::<B>(&fx.dir, &Default::default(), common::load_options(PORTABLE)).unwrap();
         let grad_spec = &fx.json["grpo_grad"];
         let loss = grpo_loss(&model, &fx);
         let loss_value: f32 = loss.clone().into_scalar();
@@ -137,7 +129,7 @@ fn bf16_products_keep_the_loss_and_gradients_close() {
             eprintln!("skipped: the {} backend has no bf16", Inner::name(&device));
             return;
         }
-        let f32_model = load_pretrained::<B>(&fx.dir, &Default::default(), load_options()).unwrap();
+        let f32_model = load_pretrained::<B>(&fx.dir, &Default::default(), common::load_options(PORTABLE)).unwrap();
         let bf16_model = f32_model.clone().with_matmul_precision(MatmulPrecision::Bf16);
         let (f32_loss, bf16_loss) = (grpo_loss(&f32_model, &fx), grpo_loss(&bf16_model, &fx));
         let (a, b): (f32, f32) = (f32_loss.clone().into_scalar(), bf16_loss.clone().into_scalar());

@@ -9,6 +9,14 @@ use std::sync::OnceLock;
 use burn::tensor::backend::Backend;
 use serde_json::Value;
 
+/// How a test's models compute: through burn's portable ops (the CPU kernels off) where
+/// `portable`, else with the kernels the environment picks (CI's capped reruns).
+pub fn load_options(portable: bool) -> prompt_r1_model::LoadOptions {
+    use prompt_r1_model::{cpu_kernels::Kernels, Compute, LoadOptions};
+    let cpu_kernels = if portable { Kernels::off() } else { Kernels::default() };
+    LoadOptions { compute: Compute::default().with_cpu_kernels(cpu_kernels), ..LoadOptions::default() }
+}
+
 /// Prints `skipped: <reason>`; in CI (`CI=true`) fails instead, since there nothing may be
 /// skipped.
 pub fn skip(reason: &str) {

@@ -10,14 +10,6 @@ use prompt_r1_model::{
     completion_logprobs, generate, load_pretrained, Decoder, DecoderLimits, DecoderStats, LoadOptions, Padding,
     Qwen3ForCausalLM, Sampling, SamplingConfig, TokenBatch,
 };
-use prompt_r1_model::{cpu_kernels::Kernels, Compute};
-
-/// How the including test file's models compute: the CPU kernels off on the portable path, else
-/// as the environment says (CI's capped reruns).
-fn load_options() -> LoadOptions {
-    let cpu_kernels = if PORTABLE { Kernels::off() } else { Kernels::default() };
-    LoadOptions { compute: Compute::default().with_cpu_kernels(cpu_kernels), ..LoadOptions::default() }
-}
 
 /// The fixture; `None` (the test skipped) when the fixtures or the backend are missing here.
 fn fixture(name: &str) -> Option<Fixture> {
@@ -38,7 +30,7 @@ fn has_bf16() -> bool {
 }
 
 fn load(dir: &std::path::Path) -> Qwen3ForCausalLM<B> {
-    load_pretrained::<B>(dir, &Default::default(), load_options()).expect("fixture loads")
+    load_pretrained::<B>(dir, &Default::default(), common::load_options(PORTABLE)).expect("fixture loads")
 }
 
 /// The fixture with a context of 512 positions in place of its 128 (the decoder refuses
@@ -273,7 +265,7 @@ fn bf16_compute_stays_close_to_the_reference() {
     let model = load_pretrained::<B>(
         &fx.dir.join("bf16"),
         &Default::default(),
-        LoadOptions { dtype: DType::BF16, ..load_options() },
+        LoadOptions { dtype: DType::BF16, ..common::load_options(PORTABLE) },
     )
     .unwrap();
     let vocab = model.config.vocab_size;

@@ -14,9 +14,7 @@ pub(crate) const CHUNK: usize = 64 * 1024;
 /// updates them in place on the host, whatever CPU kernels the model runs (the loops belong to
 /// the optimiser, not to the model's computation; the memory plan counts no temporaries for
 /// the update on either CPU path).
-pub(crate) fn is_flex<B: Backend>() -> bool {
-    std::any::TypeId::of::<B::FloatTensorPrimitive>() == std::any::TypeId::of::<FlexTensor>()
-}
+pub(crate) use model::cpu_kernels::is_plain_flex as is_flex;
 
 /// The burn-flex tensor behind `t`, or `t` back when `B` is another backend or `t` is quantized.
 pub(crate) fn into_flex<B: Backend, const D: usize>(

@@ -9,23 +9,19 @@
 //! different points; the tiny fixture measured pure bf16 at 0.20 from f32 compute; measured here:
 //! 0.000 with the CPU kernels, 0.08 through the portable ops).
 //!
-//! Run with the CPU kernels and through burn's portable ops (the GPU backends' path); one test
-//! in a binary of its own, since that switch is process-wide. The reference is made by
-//! `tests/fixtures/lora/make_lora_fixture.py`.
-
-mod common;
+//! Run with the CPU kernels and through burn's portable ops (the GPU backends' path), each the
+//! model's own `Compute`. The reference is made by `tests/fixtures/lora/make_lora_fixture.py`.
 
 use std::path::PathBuf;
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::{DType, Tensor, TensorData};
-use common::*;
+use crate::common::*;
 use prompt_r1_model::checkpoint::Checkpoint;
-use prompt_r1_model::cpu_kernels::Kernels;
 use prompt_r1_model::lora::{load_adapter, peft_key, LoraTarget};
 use prompt_r1_model::weights::{to_hf_layout, ParamKind};
-use prompt_r1_model::{load_pretrained, token_logprobs, Compute, LoadOptions, LoraModel, Padding, TokenBatch};
+use prompt_r1_model::{load_pretrained, token_logprobs, LoadOptions, LoraModel, Padding, TokenBatch};
 use serde_json::Value;
 
 type B = Autodiff<Flex>;
@@ -51,8 +47,7 @@ fn check_against_peft(fx: &Fixture, portable: bool) {
     let spec: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
     let reference = Checkpoint::open_file(&dir.join("reference.safetensors")).unwrap();
     let device = Default::default();
-    let cpu_kernels = if portable { Kernels::off() } else { Kernels::default() };
-    let options = LoadOptions { compute: Compute::default().with_cpu_kernels(cpu_kernels), ..LoadOptions::default() };
+    let options = load_options(portable);
     let base = load_pretrained::<B>(&fx.dir, &device, options).unwrap().no_grad();
     let (adapters, config) = load_adapter::<B>(&dir.join("adapter"), &base.config, &device).unwrap();
     assert_eq!((config.lora.rank, config.lora.scaling()), (4, 2.0));
@@ -124,7 +119,7 @@ fn check_against_peft(fx: &Fixture, portable: bool) {
     assert_eq!(checked, 2 * 7 * base.config.num_hidden_layers);
 
     // A bf16 base with the f32 adapters, against PEFT's bf16 base (its adapters cast to f32).
-    let base16 = load_pretrained::<Flex>(&fx.dir, &Default::default(), LoadOptions { dtype: DType::BF16, ..Default::default() }).unwrap();
+    let base16 = load_pretrained::<Flex>(&fx.dir, &Default::default(), LoadOptions { dtype: DType::BF16, ..options }).unwrap();
     let adapters = adapters.valid();
     let batch = TokenBatch::<Flex>::new(&sequences, Padding::Right, 0, &Default::default()).unwrap();
     let logits = base16.forward_with_adapters(

@@ -5,12 +5,8 @@
 //! can run (at the AVX-512 BF16 level with each of its two bf16 product kernels), with f32 and
 //! with bf16 products, training every weight and training LoRA adapters
 //! (dropout 0) beside the frozen base.
-//!
-//! One test in a binary of its own: it runs many short trainings.
 
-mod common;
-
-use common::{setup, train, with_lora};
+use crate::common::{setup, train, with_lora};
 use model::cpu_kernels::{Bf16Products, Isa, Kernels};
 use model::MatmulPrecision;
 
