@@ -56,6 +56,27 @@ fn init_model_then_generate_text_and_json() {
     assert!(differs, "different seeds give different samples");
 }
 
+/// A write of a model directory killed between its renames (its journal written, its new
+/// weights not yet moved in) is finished by the next command that loads the directory: it
+/// answers as the new model, with nothing of the write left behind.
+#[test]
+fn a_model_write_killed_midway_is_finished_by_the_next_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let newer = tmp.path().join("newer");
+    ok_stdout(&["init-model", "--preset", "tiny", "--out", newer.to_str().unwrap(), "--seed", "4"]);
+    let score = |dir: &str| json(&["score", "--model", dir, "--prompt-ids", "10,20,30", "--completion-ids", "40,50,60", "--json"])["token_logprobs"].clone();
+    let (before, expected) = (score(&model), score(newer.to_str().unwrap()));
+    assert_ne!(before, expected, "the two seeds' models score differently");
+
+    let staging = Path::new(&model).join(".staging-1");
+    std::fs::create_dir(&staging).unwrap();
+    std::fs::copy(newer.join("model.safetensors"), staging.join("model.safetensors")).unwrap();
+    std::fs::write(staging.join(".journal"), "move config.json\nmove model.safetensors\n").unwrap();
+    assert_eq!(score(&model), expected);
+    assert!(!staging.exists(), "the finished write's staging folder is removed");
+}
+
 #[test]
 fn refusing_to_overwrite_and_bad_presets() {
     let tmp = tempfile::tempdir().unwrap();

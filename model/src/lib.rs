@@ -29,6 +29,7 @@ mod kernels;
 pub mod logprobs;
 pub mod lora;
 pub mod probe;
+pub mod publish;
 pub mod qwen3;
 pub mod tiny_tokenizer;
 pub mod tokenizer;

@@ -92,15 +92,25 @@ pub fn parameter_specs(config: &Qwen3Config) -> Vec<ParamSpec> {
     specs
 }
 
-/// Loads `dir/config.json` and the weights next to it onto `device`.
+/// Loads `dir/config.json` and the weights next to it onto `device`, after finishing a write of
+/// the directory that was killed between its renames ([`crate::publish`]).
 pub fn load_pretrained<B: Backend>(
     dir: &Path,
     device: &B::Device,
     options: LoadOptions,
 ) -> Result<Qwen3ForCausalLM<B>, ModelError> {
+    finish_interrupted_write(dir)?;
     let config = Qwen3Config::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
     from_checkpoint(config, &checkpoint, device, options)
+}
+
+/// [`crate::publish::finish_interrupted`], its failure naming the directory.
+pub(crate) fn finish_interrupted_write(dir: &Path) -> Result<(), ModelError> {
+    match crate::publish::finish_interrupted(dir) {
+        Ok(_) => Ok(()),
+        Err(source) => Err(ModelError::Io { path: dir.to_path_buf(), source: std::io::Error::new(source.kind(), format!("finishing an interrupted write of this model directory: {source}")) }),
+    }
 }
 
 /// Builds the model from an opened checkpoint, checking every tensor's presence and shape.

@@ -1,14 +1,13 @@
 //! Writing a model directory as a whole (`export`, `init-model`): the new files are staged in a
-//! hidden folder inside it and replace the directory's model files only once all are written, so
-//! that a failed write leaves the directory as it was, and no file of an earlier model (a shard,
-//! its index, an adapter's config) stays behind to be loaded in place of the new one.
+//! hidden folder inside it and replace the directory's model files only once all are written
+//! ([`model::publish`]), so that a failed write leaves the directory as it was, no file of an
+//! earlier model (a shard, its index, an adapter's config) stays behind to be loaded in place
+//! of the new one, and a write killed between its renames is finished by the next load.
 
 use std::path::Path;
 
 use anyhow::{Context, Result};
-
-/// What a staging folder's name starts with.
-const STAGING_PREFIX: &str = ".staging-";
+use model::publish::STAGING_PREFIX;
 
 /// Whether `name` is a model's or adapter's own file, what a loader reads as the model: its
 /// config, weights in safetensors or PyTorch's format, shards and their index, an adapter's
@@ -50,11 +49,13 @@ pub fn existing_model(dir: &Path) -> Option<String> {
 
 /// Makes `out` (and its parents) and has `write` fill a staging folder inside it; then moves the
 /// staged files in (each rename replaces its namesake at once) and removes `out`'s other model
-/// files ([`is_model_file`]). Other files of `out` stay. A failed `write` removes the staging
-/// folder and leaves `out`'s files as they were; a staging folder a killed write left is
-/// removed first.
+/// files ([`is_model_file`]), as the staging folder's journal says ([`model::publish::commit`]).
+/// Other files of `out` stay. A failed `write` removes the staging folder and leaves `out`'s
+/// files as they were. A write killed earlier is finished first where it had written its
+/// journal, and its staging folder removed where it had not.
 pub fn write_model_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     super::create_dir(out)?;
+    model::publish::finish_interrupted(out).with_context(|| format!("finishing an interrupted write of {}", out.display()))?;
     remove_staging_leftovers(out)?;
     let staging = out.join(format!("{STAGING_PREFIX}{}", std::process::id()));
     std::fs::create_dir(&staging).with_context(|| format!("cannot write in {}", out.display()))?;
@@ -63,15 +64,8 @@ pub fn write_model_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
         return Err(error);
     }
     let staged = file_names(&staging)?;
-    for name in &staged {
-        let (from, to) = (staging.join(name), out.join(name));
-        std::fs::rename(&from, &to).with_context(|| format!("moving {} into place", to.display()))?;
-    }
-    for name in file_names(out)?.into_iter().filter(|n| is_model_file(n) && !staged.contains(n)) {
-        let stale = out.join(&name);
-        std::fs::remove_file(&stale).with_context(|| format!("removing the earlier {}", stale.display()))?;
-    }
-    std::fs::remove_dir_all(&staging).with_context(|| format!("removing {}", staging.display()))
+    let stale: Vec<String> = file_names(out)?.into_iter().filter(|n| is_model_file(n) && !staged.contains(n)).collect();
+    model::publish::commit(out, &staging, &staged, &stale).with_context(|| format!("moving the new files into {}", out.display()))
 }
 
 /// The names of the files (not folders) directly in `dir`.
@@ -86,13 +80,10 @@ fn file_names(dir: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
-/// Removes the staging folders of killed writes in `out`.
+/// Removes the staging folders of writes killed before their journal in `out`.
 fn remove_staging_leftovers(out: &Path) -> Result<()> {
-    for entry in std::fs::read_dir(out).with_context(|| format!("reading {}", out.display()))? {
-        let path = entry.with_context(|| format!("reading {}", out.display()))?.path();
-        if path.is_dir() && path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(STAGING_PREFIX)) {
-            std::fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
-        }
+    for path in model::publish::staging_folders(out).with_context(|| format!("reading {}", out.display()))? {
+        std::fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
     }
     Ok(())
 }
@@ -137,6 +128,20 @@ mod tests {
         assert_eq!(names(&out), ["config.json", "model.safetensors", "notes.txt"]);
         assert_eq!(std::fs::read_to_string(out.join("config.json")).unwrap(), "new");
         assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "old");
+
+        // A write killed between its renames (its journal written) is finished before the next
+        // one starts, even one that fails.
+        let killed = out.join(format!("{STAGING_PREFIX}2"));
+        std::fs::create_dir(&killed).unwrap();
+        std::fs::write(killed.join("config.json"), "killed's").unwrap();
+        model::publish::commit(&out, &killed, &["config.json".into()], &["model.safetensors".into()]).unwrap();
+        std::fs::create_dir(&killed).unwrap();
+        std::fs::write(killed.join("config.json"), "newest").unwrap();
+        std::fs::write(killed.join(".journal"), "move config.json\n").unwrap();
+        let failed = write_model_dir(&out, |_| anyhow::bail!("no room"));
+        assert!(failed.is_err());
+        assert_eq!(names(&out), ["config.json", "notes.txt"]);
+        assert_eq!(std::fs::read_to_string(out.join("config.json")).unwrap(), "newest");
     }
 
     /// Every file a new model would replace, other than tokenizer files, makes the directory one

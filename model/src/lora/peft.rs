@@ -168,12 +168,14 @@ fn parse_key(name: &str) -> Option<(usize, LoraTarget, char)> {
 
 /// Loads a PEFT adapter directory for a base model of `model`: every layer must carry both
 /// weights of every adapted projection, in the shapes `r` and the model give; the weights
-/// become f32 whatever their stored dtype.
+/// become f32 whatever their stored dtype. A write of the directory killed between its renames
+/// is finished first ([`crate::publish`]).
 pub fn load_adapter<B: Backend>(
     dir: &Path,
     model: &Qwen3Config,
     device: &B::Device,
 ) -> Result<(LoraAdapters<B>, AdapterConfig), ModelError> {
+    crate::weights::finish_interrupted_write(dir)?;
     let config = read_adapter_config(dir)?;
     let weights = dir.join(ADAPTER_WEIGHTS);
     let checkpoint = Checkpoint::open_file(&weights)?;
