@@ -106,11 +106,13 @@ pub fn resolve_agent(dir: &Path) -> Result<AgentDir> {
 }
 
 /// A checkpoint directory as given (a model or a LoRA adapter), or the newest checkpoint of a
-/// run directory.
+/// run directory. A write of the directory killed between its renames is finished first
+/// ([`model::publish`]), so that it is taken for the model it was becoming.
 pub fn checkpoint_dir(path: &Path) -> Result<PathBuf> {
     if !path.exists() {
         bail!("{} does not exist: name a checkpoint or a run directory", path.display());
     }
+    model::publish::finish_interrupted(path)?;
     if path.join("config.json").is_file() || is_adapter_dir(path) {
         return Ok(path.to_path_buf());
     }

@@ -1,86 +1,180 @@
-//! Replacing a model directory's files as a whole. A writer stages the new files in a hidden
-//! folder inside the directory and, once all are written, writes that folder's journal: the
-//! files to move in and the earlier model's files to remove ([`commit`]). A write killed before
-//! its journal leaves the directory as it was; one killed after it (between two renames, with a
-//! mix of two models' files in place) is finished by the next loader ([`finish_interrupted`],
-//! called by [`crate::load_pretrained`] and [`crate::lora::load_adapter`]) or writer, so that no
-//! model is ever loaded from a mix.
+//! Replacing a model directory's files as a whole. A writer holds the directory's write lock
+//! ([`WriteLock`]), stages the new files in a hidden folder inside the directory and, once all
+//! are written, writes that folder's journal: the files to move in and the earlier model's files
+//! to remove ([`WriteLock::commit`]). A write killed before its journal leaves the directory as
+//! it was; one killed after it (between two renames, with a mix of two models' files in place)
+//! is finished by the next loader ([`finish_interrupted`], called by [`crate::load_pretrained`],
+//! [`crate::lora::load_adapter`] and [`crate::lora::read_adapter_config`]) or writer, so that a
+//! killed write is never loaded as a mix of two models.
 
-use std::io;
-use std::path::{Path, PathBuf};
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{self, Write};
+use std::path::{Component, Path, PathBuf};
+
+use crate::error::ModelError;
 
 /// What a staging folder's name starts with.
 pub const STAGING_PREFIX: &str = ".staging-";
 
 /// The journal inside a staging folder: a line `move NAME` for each staged file, `remove NAME`
-/// for each file of the earlier model that the new one does not replace.
+/// for each file of the earlier model that the new one does not replace. Every name is a file
+/// directly in the directory.
 const JOURNAL: &str = ".journal";
 
-/// Records in `staging` (a folder inside `dir`) that its files `staged` replace those of `dir`
-/// and that `stale` (files of `dir`) go, then carries it out. The journal is written whole (a
-/// temporary name, then a rename) before any file moves.
-pub fn commit(dir: &Path, staging: &Path, staged: &[String], stale: &[String]) -> io::Result<()> {
-    let mut journal = String::new();
-    for name in staged {
-        journal.push_str(&format!("move {name}\n"));
-    }
-    for name in stale {
-        journal.push_str(&format!("remove {name}\n"));
-    }
-    let temporary = staging.join(format!("{JOURNAL}.tmp"));
-    std::fs::write(&temporary, journal)?;
-    std::fs::rename(&temporary, staging.join(JOURNAL))?;
-    carry_out(dir, staging)
+/// The file whose lock a writer holds (and a loader, while it finishes a killed write).
+const LOCK_FILE: &str = ".prompt-r1-write.lock";
+
+/// A model directory's write lock, held while the value lives (the lock goes with the process).
+/// On a file system that takes no locks (some network mounts) it holds nothing.
+#[derive(Debug)]
+pub struct WriteLock {
+    dir: PathBuf,
+    _file: File,
 }
 
-/// Finishes every write into `dir` that was killed after its journal ([`commit`]); staging
-/// folders without one (a write killed earlier, or one still being written) are left alone.
-/// Returns whether there was one.
-pub fn finish_interrupted(dir: &Path) -> io::Result<bool> {
+impl WriteLock {
+    /// Locks `dir` for writing; refused, naming the lock file, while another process writes it.
+    pub fn try_acquire(dir: &Path) -> Result<WriteLock, ModelError> {
+        let (path, file) = open_lock_file(dir)?;
+        match file.try_lock() {
+            Ok(()) | Err(TryLockError::Error(_)) => Ok(WriteLock { dir: dir.to_path_buf(), _file: file }),
+            Err(TryLockError::WouldBlock) => Err(ModelError::Io {
+                path,
+                source: io::Error::new(io::ErrorKind::WouldBlock, "another process is writing this model directory (it holds this file locked): wait for it to end"),
+            }),
+        }
+    }
+
+    /// Locks `dir` for writing, waiting for a writer that holds it.
+    fn acquire(dir: &Path) -> Result<WriteLock, ModelError> {
+        let (path, file) = open_lock_file(dir)?;
+        match file.lock() {
+            Err(source) if source.kind() != io::ErrorKind::Unsupported => Err(ModelError::Io { path, source }),
+            _ => Ok(WriteLock { dir: dir.to_path_buf(), _file: file }),
+        }
+    }
+
+    /// Finishes the writes into the directory that were killed after their journal, and removes
+    /// the staging folders of those killed before it (no other writer runs while the lock is
+    /// held). Returns whether a write was finished.
+    pub fn clear_interrupted(&self) -> Result<bool, ModelError> {
+        let mut finished = false;
+        for staging in staging_folders(&self.dir)? {
+            if staging.join(JOURNAL).is_file() {
+                finished |= carry_out(&self.dir, &staging, false)?;
+            } else {
+                std::fs::remove_dir_all(&staging).map_err(|source| ModelError::Io { path: staging.clone(), source })?;
+            }
+        }
+        Ok(finished)
+    }
+
+    /// Records in `staging` (a folder inside the directory) that its files `staged` replace the
+    /// directory's and that `stale` (files of the directory) go, then carries it out. The
+    /// journal is written whole and synced (a temporary name, then a rename) before any file
+    /// moves.
+    pub fn commit(&self, staging: &Path, staged: &[String], stale: &[String]) -> Result<(), ModelError> {
+        let mut journal = String::new();
+        for (step, names) in [("move", staged), ("remove", stale)] {
+            for name in names {
+                check_name(name).map_err(|source| ModelError::Io { path: staging.join(name), source })?;
+                journal.push_str(&format!("{step} {name}\n"));
+            }
+        }
+        let temporary = staging.join(format!("{JOURNAL}.tmp"));
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| ModelError::Io { path, source }
+        };
+        let mut file = File::create(&temporary).map_err(io(&temporary))?;
+        file.write_all(journal.as_bytes()).and_then(|()| file.sync_all()).map_err(io(&temporary))?;
+        std::fs::rename(&temporary, staging.join(JOURNAL)).map_err(io(&temporary))?;
+        carry_out(&self.dir, staging, true).map(drop)
+    }
+}
+
+/// Finishes every write into `dir` that was killed after its journal (waiting for a writer
+/// still at work), so that the directory holds one model's files. Staging folders without a
+/// journal are left alone. Returns whether there was one to finish.
+pub fn finish_interrupted(dir: &Path) -> Result<bool, ModelError> {
+    let journaled = staging_folders(dir)?.iter().any(|s| s.join(JOURNAL).is_file());
+    if !journaled {
+        return Ok(false);
+    }
+    let lock = WriteLock::acquire(dir)?;
     let mut finished = false;
     for staging in staging_folders(dir)? {
         if staging.join(JOURNAL).is_file() {
-            carry_out(dir, &staging)?;
-            finished = true;
+            finished |= carry_out(&lock.dir, &staging, false)?;
         }
     }
     Ok(finished)
 }
 
 /// The staging folders in `dir` (none where `dir` cannot be listed: it holds no model either).
-pub fn staging_folders(dir: &Path) -> io::Result<Vec<PathBuf>> {
+fn staging_folders(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(Vec::new());
     };
     let mut folders = Vec::new();
     for entry in entries {
-        let path = entry?.path();
-        if path.is_dir() && path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(STAGING_PREFIX)) {
-            folders.push(path);
+        let entry = entry.map_err(|source| ModelError::Io { path: dir.to_path_buf(), source })?;
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir && entry.file_name().to_string_lossy().starts_with(STAGING_PREFIX) {
+            folders.push(entry.path());
         }
     }
     Ok(folders)
 }
 
-/// Does what `staging`'s journal says. Each step may have been done already (by the write that
-/// was killed, or by another reader at the same time): a file already moved or removed is
-/// passed over.
-fn carry_out(dir: &Path, staging: &Path) -> io::Result<()> {
-    let journal = std::fs::read_to_string(staging.join(JOURNAL))?;
+fn open_lock_file(dir: &Path) -> Result<(PathBuf, File), ModelError> {
+    let path = dir.join(LOCK_FILE);
+    match OpenOptions::new().create(true).truncate(false).write(true).open(&path) {
+        Ok(file) => Ok((path, file)),
+        Err(source) => Err(ModelError::Io { path, source }),
+    }
+}
+
+/// A journal's name must be a file directly in the directory: one plain component.
+fn check_name(name: &str) -> io::Result<()> {
+    let mut components = Path::new(name).components();
+    match (components.next(), components.next()) {
+        (Some(Component::Normal(_)), None) => Ok(()),
+        _ => Err(io::Error::new(io::ErrorKind::InvalidData, format!("\"{name}\" is not a file name of the model directory"))),
+    }
+}
+
+/// Does what `staging`'s journal says, under the directory's write lock. A step of another's
+/// journal may have been done already (by the write that was killed): a file already moved or
+/// removed is passed over; the writer's `own` files must all be there to move. Returns whether
+/// the journal was there (a loader may find it gone, finished by a writer it waited for).
+fn carry_out(dir: &Path, staging: &Path, own: bool) -> Result<bool, ModelError> {
+    let journal_path = staging.join(JOURNAL);
+    let journal = match std::fs::read_to_string(&journal_path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound && !own => return Ok(false),
+        read => read.map_err(|source| ModelError::Io { path: journal_path.clone(), source })?,
+    };
     for line in journal.lines() {
-        let step = match line.split_once(' ') {
-            Some(("move", name)) => std::fs::rename(staging.join(name), dir.join(name)),
-            Some(("remove", name)) => std::fs::remove_file(dir.join(name)),
-            _ => return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{}: unreadable line \"{line}\"", staging.join(JOURNAL).display()))),
+        let unreadable = || ModelError::Io {
+            path: journal_path.clone(),
+            source: io::Error::new(io::ErrorKind::InvalidData, format!("unreadable line \"{line}\"")),
         };
-        match step {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-            _ => {}
+        let (step, name) = line.split_once(' ').ok_or_else(unreadable)?;
+        check_name(name).map_err(|source| ModelError::Io { path: journal_path.clone(), source })?;
+        let (target, done) = match step {
+            "move" => (dir.join(name), std::fs::rename(staging.join(name), dir.join(name))),
+            "remove" => (dir.join(name), std::fs::remove_file(dir.join(name))),
+            _ => return Err(unreadable()),
+        };
+        match done {
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !(own && step == "move") => {}
+            Err(source) => return Err(ModelError::Io { path: target, source }),
+            Ok(()) => {}
         }
     }
     match std::fs::remove_dir_all(staging) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(ModelError::Io { path: staging.to_path_buf(), source: e }),
+        _ => Ok(true),
     }
 }
 
@@ -90,6 +184,7 @@ mod tests {
 
     fn names(dir: &Path) -> Vec<String> {
         let mut names: Vec<String> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.retain(|n| n != LOCK_FILE);
         names.sort();
         names
     }
@@ -123,14 +218,41 @@ mod tests {
         assert!(!finish_interrupted(out).unwrap(), "nothing left to finish");
     }
 
-    /// A journal that names no step is an error naming it, not a skip.
+    /// A journal line that names no step, or a name outside the directory (a path, `..`), is an
+    /// error naming the journal, and nothing outside the directory is touched.
     #[test]
-    fn an_unreadable_journal_is_named() {
+    fn a_journal_touches_only_files_of_its_directory() {
         let dir = tempfile::tempdir().unwrap();
-        let staging = dir.path().join(format!("{STAGING_PREFIX}1"));
+        let outside = dir.path().join("precious.txt");
+        std::fs::write(&outside, "keep").unwrap();
+        let model = dir.path().join("model");
+        std::fs::create_dir(&model).unwrap();
+        let staging = model.join(format!("{STAGING_PREFIX}1"));
         std::fs::create_dir(&staging).unwrap();
-        std::fs::write(staging.join(JOURNAL), "copy config.json\n").unwrap();
-        let error = finish_interrupted(dir.path()).unwrap_err().to_string();
-        assert!(error.contains(".journal") && error.contains("copy config.json"), "{error}");
+        for line in ["copy config.json", "remove ../precious.txt", &format!("remove {}", outside.display()), "move sub/config.json"] {
+            std::fs::write(staging.join(JOURNAL), format!("{line}\n")).unwrap();
+            let error = finish_interrupted(&model).unwrap_err().to_string();
+            assert!(error.contains(".journal"), "{line}: {error}");
+        }
+        assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+        let lock = WriteLock::try_acquire(&model).unwrap();
+        assert!(lock.commit(&staging, &["../precious.txt".into()], &[]).is_err());
+        assert_eq!(std::fs::read_to_string(&outside).unwrap(), "keep");
+    }
+
+    /// One writer at a time: a second is refused while the first holds the lock, and may write
+    /// once it is released; under the lock, a staging folder without a journal is a killed
+    /// write's and is removed.
+    #[test]
+    fn one_writer_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = WriteLock::try_acquire(dir.path()).unwrap();
+        let refused = WriteLock::try_acquire(dir.path()).unwrap_err().to_string();
+        assert!(refused.contains(LOCK_FILE) && refused.contains("another process is writing"), "{refused}");
+        drop(first);
+        let second = WriteLock::try_acquire(dir.path()).unwrap();
+        std::fs::create_dir(dir.path().join(format!("{STAGING_PREFIX}3"))).unwrap();
+        assert!(!second.clear_interrupted().unwrap());
+        assert!(names(dir.path()).is_empty());
     }
 }

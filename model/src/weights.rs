@@ -99,18 +99,10 @@ pub fn load_pretrained<B: Backend>(
     device: &B::Device,
     options: LoadOptions,
 ) -> Result<Qwen3ForCausalLM<B>, ModelError> {
-    finish_interrupted_write(dir)?;
+    crate::publish::finish_interrupted(dir)?;
     let config = Qwen3Config::from_file(&dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(dir)?;
     from_checkpoint(config, &checkpoint, device, options)
-}
-
-/// [`crate::publish::finish_interrupted`], its failure naming the directory.
-pub(crate) fn finish_interrupted_write(dir: &Path) -> Result<(), ModelError> {
-    match crate::publish::finish_interrupted(dir) {
-        Ok(_) => Ok(()),
-        Err(source) => Err(ModelError::Io { path: dir.to_path_buf(), source: std::io::Error::new(source.kind(), format!("finishing an interrupted write of this model directory: {source}")) }),
-    }
 }
 
 /// Builds the model from an opened checkpoint, checking every tensor's presence and shape.

@@ -47,16 +47,17 @@ pub fn existing_model(dir: &Path) -> Option<String> {
     names.into_iter().next()
 }
 
-/// Makes `out` (and its parents) and has `write` fill a staging folder inside it; then moves the
-/// staged files in (each rename replaces its namesake at once) and removes `out`'s other model
-/// files ([`is_model_file`]), as the staging folder's journal says ([`model::publish::commit`]).
-/// Other files of `out` stay. A failed `write` removes the staging folder and leaves `out`'s
-/// files as they were. A write killed earlier is finished first where it had written its
-/// journal, and its staging folder removed where it had not.
+/// Makes `out` (and its parents), locks it for writing ([`model::publish::WriteLock`]) and has
+/// `write` fill a staging folder inside it; then moves the staged files in (each rename replaces
+/// its namesake at once) and removes `out`'s other model files ([`is_model_file`]), as the
+/// staging folder's journal says ([`model::publish::WriteLock::commit`]). Other files of `out`
+/// stay. A failed `write` removes the staging folder and leaves `out`'s files as they were. A
+/// write killed earlier is finished first where it had written its journal, and its staging
+/// folder removed where it had not.
 pub fn write_model_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     super::create_dir(out)?;
-    model::publish::finish_interrupted(out).with_context(|| format!("finishing an interrupted write of {}", out.display()))?;
-    remove_staging_leftovers(out)?;
+    let lock = model::publish::WriteLock::try_acquire(out)?;
+    lock.clear_interrupted().with_context(|| format!("finishing an interrupted write of {}", out.display()))?;
     let staging = out.join(format!("{STAGING_PREFIX}{}", std::process::id()));
     std::fs::create_dir(&staging).with_context(|| format!("cannot write in {}", out.display()))?;
     if let Err(error) = write(&staging) {
@@ -65,7 +66,7 @@ pub fn write_model_dir(out: &Path, write: impl FnOnce(&Path) -> Result<()>) -> R
     }
     let staged = file_names(&staging)?;
     let stale: Vec<String> = file_names(out)?.into_iter().filter(|n| is_model_file(n) && !staged.contains(n)).collect();
-    model::publish::commit(out, &staging, &staged, &stale).with_context(|| format!("moving the new files into {}", out.display()))
+    lock.commit(&staging, &staged, &stale).with_context(|| format!("moving the new files into {}", out.display()))
 }
 
 /// The names of the files (not folders) directly in `dir`.
@@ -80,14 +81,6 @@ fn file_names(dir: &Path) -> Result<Vec<String>> {
     Ok(names)
 }
 
-/// Removes the staging folders of writes killed before their journal in `out`.
-fn remove_staging_leftovers(out: &Path) -> Result<()> {
-    for path in model::publish::staging_folders(out).with_context(|| format!("reading {}", out.display()))? {
-        std::fs::remove_dir_all(&path).with_context(|| format!("removing {}", path.display()))?;
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,6 +88,7 @@ mod tests {
     fn names(dir: &Path) -> Vec<String> {
         let mut names: Vec<String> =
             std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        names.retain(|n| !n.ends_with(".lock"));
         names.sort();
         names
     }
@@ -134,7 +128,7 @@ mod tests {
         let killed = out.join(format!("{STAGING_PREFIX}2"));
         std::fs::create_dir(&killed).unwrap();
         std::fs::write(killed.join("config.json"), "killed's").unwrap();
-        model::publish::commit(&out, &killed, &["config.json".into()], &["model.safetensors".into()]).unwrap();
+        model::publish::WriteLock::try_acquire(&out).unwrap().commit(&killed, &["config.json".into()], &["model.safetensors".into()]).unwrap();
         std::fs::create_dir(&killed).unwrap();
         std::fs::write(killed.join("config.json"), "newest").unwrap();
         std::fs::write(killed.join(".journal"), "move config.json\n").unwrap();

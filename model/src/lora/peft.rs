@@ -73,7 +73,9 @@ struct ConfigFile {
 /// Reads `dir/adapter_config.json`, and the adapted projections from the tensor names of
 /// `dir/adapter_model.safetensors`. Features this loader does not implement (DoRA, rsLoRA,
 /// per-module ranks, trained biases, extra saved modules, `fan_in_fan_out`) are refused by name.
+/// A write of the directory killed between its renames is finished first ([`crate::publish`]).
 pub fn read_adapter_config(dir: &Path) -> Result<AdapterConfig, ModelError> {
+    crate::publish::finish_interrupted(dir)?;
     let path = dir.join(ADAPTER_CONFIG);
     let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
         path: path.clone(),
@@ -169,13 +171,12 @@ fn parse_key(name: &str) -> Option<(usize, LoraTarget, char)> {
 /// Loads a PEFT adapter directory for a base model of `model`: every layer must carry both
 /// weights of every adapted projection, in the shapes `r` and the model give; the weights
 /// become f32 whatever their stored dtype. A write of the directory killed between its renames
-/// is finished first ([`crate::publish`]).
+/// is finished first ([`crate::publish`], by [`read_adapter_config`]).
 pub fn load_adapter<B: Backend>(
     dir: &Path,
     model: &Qwen3Config,
     device: &B::Device,
 ) -> Result<(LoraAdapters<B>, AdapterConfig), ModelError> {
-    crate::weights::finish_interrupted_write(dir)?;
     let config = read_adapter_config(dir)?;
     let weights = dir.join(ADAPTER_WEIGHTS);
     let checkpoint = Checkpoint::open_file(&weights)?;
