@@ -6,8 +6,8 @@ use std::sync::OnceLock;
 
 use burn::tensor::backend::Backend;
 
-use crate::bf16_products::{bf16_products_from_env, Bf16Products, UnknownBf16Products, BF16_PRODUCTS_ENV};
-use crate::isa::{isa_cap_from_env, Isa, UnknownIsa, ISA_ENV, PORTABLE_OPS_ENV};
+use crate::bf16_products::{Bf16Products, UnknownBf16Products, BF16_PRODUCTS_ENV};
+use crate::isa::{Isa, UnknownIsa, ISA_ENV, PORTABLE_OPS_ENV};
 
 /// The CPU kernels a computation uses on burn-flex: none (every op through burn's portable tensor
 /// ops, the path the GPU backends take), or the kernels at an instruction-set level no higher
@@ -65,24 +65,24 @@ impl Kernels {
 
     fn first_error(honour_portable_ops: bool) -> Result<Kernels, KernelsEnvError> {
         let mut error = None;
-        let kernels = Kernels::read_env(honour_portable_ops, |e| {
+        let kernels = Kernels::read_env(&environment, honour_portable_ops, |e| {
             error.get_or_insert(e);
         });
         error.map_or(Ok(kernels), Err)
     }
 
-    /// The environment's choice, each variable that names nothing handed to `bad` and left at
-    /// the host's choice.
-    fn read_env(honour_portable_ops: bool, mut bad: impl FnMut(KernelsEnvError)) -> Kernels {
-        let products = bf16_products_from_env().unwrap_or_else(|e| {
+    /// The choice the variables make as `lookup` reads them, each variable that names nothing
+    /// handed to `bad` and left at the host's choice.
+    fn read_env(lookup: &dyn Fn(&str) -> Option<String>, honour_portable_ops: bool, mut bad: impl FnMut(KernelsEnvError)) -> Kernels {
+        let products = setting::<Bf16Products>(lookup, BF16_PRODUCTS_ENV).unwrap_or_else(|e| {
             bad(e.into());
             None
         });
-        let cap = isa_cap_from_env().unwrap_or_else(|e| {
+        let cap = setting::<Isa>(lookup, ISA_ENV).unwrap_or_else(|e| {
             bad(e.into());
             None
         });
-        let off = honour_portable_ops && std::env::var_os(PORTABLE_OPS_ENV).is_some_and(|v| v == "1");
+        let off = honour_portable_ops && lookup(PORTABLE_OPS_ENV).is_some_and(|v| v == "1");
         let kernels = Kernels::host().with_bf16_products(products.unwrap_or_else(Bf16Products::for_host));
         match (off, cap) {
             (true, _) => Kernels { level: None, ..kernels },
@@ -134,7 +134,7 @@ impl Kernels {
 impl Default for Kernels {
     fn default() -> Kernels {
         static FROM_ENV: OnceLock<Kernels> = OnceLock::new();
-        *FROM_ENV.get_or_init(|| Kernels::read_env(true, |e| eprintln!("warning: {e}; the host's choice stands for it")))
+        *FROM_ENV.get_or_init(|| Kernels::read_env(&environment, true, |e| eprintln!("warning: {e}; the host's choice stands for it")))
     }
 }
 
@@ -144,6 +144,19 @@ impl fmt::Display for Kernels {
             None => f.write_str("off (burn's portable ops)"),
             Some(level) => write!(f, "{level}"),
         }
+    }
+}
+
+/// The process environment's value of variable `name` (none where unset or not UTF-8).
+fn environment(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// Variable `name` parsed, as `lookup` reads it; `None` where it is unset or blank.
+fn setting<T: std::str::FromStr>(lookup: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<T>, T::Err> {
+    match lookup(name) {
+        Some(value) if !value.trim().is_empty() => value.parse().map(Some),
+        _ => Ok(None),
     }
 }
 
@@ -197,6 +210,35 @@ mod tests {
                 });
             }
         });
+    }
+
+    /// The variables as a map would hold them: a cap and a product kernel are kept, portable ops
+    /// switch the kernels off (but not for [`Kernels::from_env_on`]'s reference), and a variable
+    /// that names nothing is reported while the others stand.
+    #[test]
+    fn the_variables_choose_the_kernels_each_on_its_own() {
+        let read = |vars: &[(&str, &str)], honour_portable_ops: bool| {
+            let vars: std::collections::HashMap<String, String> = vars.iter().map(|&(k, v)| (k.to_owned(), v.to_owned())).collect();
+            let mut errors = Vec::new();
+            let kernels = Kernels::read_env(&|name| vars.get(name).cloned(), honour_portable_ops, |e| errors.push(e.to_string()));
+            (kernels, errors)
+        };
+        let (kernels, errors) = read(&[], true);
+        assert_eq!((kernels, errors.len()), (Kernels::host(), 0));
+        let chosen = [(ISA_ENV, " Portable "), (BF16_PRODUCTS_ENV, "widened")];
+        let (kernels, _) = read(&chosen, true);
+        assert_eq!(kernels, Kernels::at(Isa::Portable).with_bf16_products(Bf16Products::Widened));
+        let off = [chosen[0], chosen[1], (PORTABLE_OPS_ENV, "1")];
+        let (kernels, _) = read(&off, true);
+        assert!(!kernels.is_on() && kernels.bf16_products() == Bf16Products::Widened);
+        let (reference, _) = read(&off, false);
+        assert_eq!(reference, Kernels::at(Isa::Portable).with_bf16_products(Bf16Products::Widened), "the reference keeps the cap");
+        let (kernels, errors) = read(&[(ISA_ENV, "avx9"), (BF16_PRODUCTS_ENV, "widened"), (PORTABLE_OPS_ENV, "1")], true);
+        assert!(!kernels.is_on() && kernels.bf16_products() == Bf16Products::Widened, "the valid variables stand");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains(ISA_ENV) && errors[0].contains("avx9"), "{errors:?}");
+        let (_, errors) = read(&[(BF16_PRODUCTS_ENV, "  ")], true);
+        assert!(errors.is_empty(), "a blank variable is unset");
     }
 
     /// A typo in the variables CI sets must fail a test rather than let the kernels silently run

@@ -11,7 +11,6 @@ use common::*;
 use prompt_r1_model::weights::{named_parameters, to_hf_layout, NamedParam, ParamKind};
 use prompt_r1_model::{load_pretrained, token_logprobs, MatmulPrecision, Padding, Qwen3ForCausalLM, TokenBatch};
 
-
 type B = Autodiff<Inner>;
 
 /// The fixture; `None` (the test skipped) when the fixtures or the backend are missing here.
