@@ -81,10 +81,7 @@ impl FromStr for Bf16Products {
 
 /// The kernel forced by `PROMPT_R1_BF16_PRODUCTS`: `Ok(None)` when unset or empty.
 pub fn bf16_products_from_env() -> Result<Option<Bf16Products>, UnknownBf16Products> {
-    match std::env::var(BF16_PRODUCTS_ENV) {
-        Ok(value) if !value.trim().is_empty() => value.parse().map(Some),
-        _ => Ok(None),
-    }
+    crate::kernels::setting(&crate::kernels::environment, BF16_PRODUCTS_ENV)
 }
 
 /// The CPU's vendor string from CPUID (`AuthenticAMD`, `GenuineIntel`, ...); empty off x86_64.

@@ -113,10 +113,7 @@ fn detect() -> Isa {
 
 /// The cap from `PROMPT_R1_CPU_ISA`: `Ok(None)` when unset or empty.
 pub fn isa_cap_from_env() -> Result<Option<Isa>, UnknownIsa> {
-    match std::env::var(ISA_ENV) {
-        Ok(value) if !value.trim().is_empty() => value.parse().map(Some),
-        _ => Ok(None),
-    }
+    crate::kernels::setting(&crate::kernels::environment, ISA_ENV)
 }
 
 #[cfg(test)]

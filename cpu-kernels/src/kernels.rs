@@ -148,12 +148,12 @@ impl fmt::Display for Kernels {
 }
 
 /// The process environment's value of variable `name` (none where unset or not UTF-8).
-fn environment(name: &str) -> Option<String> {
+pub(crate) fn environment(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
 /// Variable `name` parsed, as `lookup` reads it; `None` where it is unset or blank.
-fn setting<T: std::str::FromStr>(lookup: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<T>, T::Err> {
+pub(crate) fn setting<T: std::str::FromStr>(lookup: &dyn Fn(&str) -> Option<String>, name: &str) -> Result<Option<T>, T::Err> {
     match lookup(name) {
         Some(value) if !value.trim().is_empty() => value.parse().map(Some),
         _ => Ok(None),

@@ -8,7 +8,7 @@
 //! killed write is never loaded as a mix of two models.
 
 use std::fs::{File, OpenOptions, TryLockError};
-use std::io::{self, Write};
+use std::io;
 use std::path::{Component, Path, PathBuf};
 
 use crate::error::ModelError;
@@ -58,11 +58,18 @@ impl WriteLock {
     /// the staging folders of those killed before it (no other writer runs while the lock is
     /// held). Returns whether a write was finished.
     pub fn clear_interrupted(&self) -> Result<bool, ModelError> {
+        self.finish_journals(true)
+    }
+
+    /// Carries out every staging folder's journal; removes the folders without one where
+    /// `remove_unjournaled` (only a writer may: a loader could meet a live writer's). Returns
+    /// whether a journal was carried out.
+    fn finish_journals(&self, remove_unjournaled: bool) -> Result<bool, ModelError> {
         let mut finished = false;
         for staging in staging_folders(&self.dir)? {
             if staging.join(JOURNAL).is_file() {
                 finished |= carry_out(&self.dir, &staging, false)?;
-            } else {
+            } else if remove_unjournaled {
                 std::fs::remove_dir_all(&staging).map_err(|source| ModelError::Io { path: staging.clone(), source })?;
             }
         }
@@ -81,14 +88,7 @@ impl WriteLock {
                 journal.push_str(&format!("{step} {name}\n"));
             }
         }
-        let temporary = staging.join(format!("{JOURNAL}.tmp"));
-        let io = |path: &Path| {
-            let path = path.to_path_buf();
-            move |source| ModelError::Io { path, source }
-        };
-        let mut file = File::create(&temporary).map_err(io(&temporary))?;
-        file.write_all(journal.as_bytes()).and_then(|()| file.sync_all()).map_err(io(&temporary))?;
-        std::fs::rename(&temporary, staging.join(JOURNAL)).map_err(io(&temporary))?;
+        crate::checkpoint::write_atomic(&staging.join(JOURNAL), journal.as_bytes())?;
         carry_out(&self.dir, staging, true).map(drop)
     }
 }
@@ -101,14 +101,7 @@ pub fn finish_interrupted(dir: &Path) -> Result<bool, ModelError> {
     if !journaled {
         return Ok(false);
     }
-    let lock = WriteLock::acquire(dir)?;
-    let mut finished = false;
-    for staging in staging_folders(dir)? {
-        if staging.join(JOURNAL).is_file() {
-            finished |= carry_out(&lock.dir, &staging, false)?;
-        }
-    }
-    Ok(finished)
+    WriteLock::acquire(dir)?.finish_journals(false)
 }
 
 /// The staging folders in `dir` (none where `dir` cannot be listed: it holds no model either).
