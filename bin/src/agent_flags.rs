@@ -122,7 +122,7 @@ impl AgentFlags {
                 self.device,
                 LocalRun {
                     dir,
-                    options: LoadOptions { dtype: self.dtype, compute: self.attention.compute(MatmulPrecision::F32) },
+                    options: LoadOptions { dtype: self.dtype, compute: self.attention.compute(MatmulPrecision::F32, self.device) },
                     sampling,
                     work,
                     output: PhantomData,

@@ -15,7 +15,8 @@ mod serve;
 use clap::{Parser, Subcommand};
 #[cfg(target_os = "linux")]
 use model::cpu_kernels::large_alloc;
-use device::{DecodingKernelChoice, KernelChoice};
+use device::KernelChoice;
+use model::device_kernels::DecodingKernel;
 
 /// Prompt-R1 in Rust: a small Qwen3 agent trained with GRPO to prompt a large LLM.
 #[derive(Parser)]
@@ -59,7 +60,7 @@ struct Cli {
     /// also takes prefill chunks, as before the thirtieth session; for comparisons).
     #[arg(long, global = true, value_name = "own|general", env = "PROMPT_R1_DECODING_KERNEL", default_value = "own",
           value_parser = decoding_kernel)]
-    decoding_kernel: DecodingKernelChoice,
+    decoding_kernel: DecodingKernel,
     /// Folder of the GPU backends' persistent kernel and autotune caches (default:
     /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
     #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
@@ -72,10 +73,10 @@ struct Cli {
     kernel_log: Option<std::path::PathBuf>,
 }
 
-fn decoding_kernel(value: &str) -> Result<DecodingKernelChoice, String> {
+fn decoding_kernel(value: &str) -> Result<DecodingKernel, String> {
     match value.trim().to_ascii_lowercase().as_str() {
-        "own" => Ok(DecodingKernelChoice::Own),
-        "general" => Ok(DecodingKernelChoice::General),
+        "own" => Ok(DecodingKernel::Own),
+        "general" => Ok(DecodingKernel::General),
         _ => Err("own or general is expected (--decoding-kernel or PROMPT_R1_DECODING_KERNEL)".to_string()),
     }
 }
@@ -303,12 +304,12 @@ mod tests {
     /// of giving it.
     #[test]
     fn decoding_kernel_is_its_own_unless_asked() {
-        for (value, kernel) in [("own", DecodingKernelChoice::Own), (" General ", DecodingKernelChoice::General)] {
+        for (value, kernel) in [("own", DecodingKernel::Own), (" General ", DecodingKernel::General)] {
             let cli = Cli::try_parse_from(["prompt-r1", "--decoding-kernel", value, "demo"]).expect("parses");
             assert_eq!(cli.decoding_kernel, kernel, "{value}");
         }
         if std::env::var_os("PROMPT_R1_DECODING_KERNEL").is_none() {
-            assert_eq!(Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").decoding_kernel, DecodingKernelChoice::Own);
+            assert_eq!(Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").decoding_kernel, DecodingKernel::Own);
         }
         let err = decoding_kernel("flash").unwrap_err();
         assert!(err.contains("--decoding-kernel") && err.contains("PROMPT_R1_DECODING_KERNEL"), "{err}");

@@ -15,8 +15,9 @@
 //! where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a custom
 //! operation in the fusion stream) or not.
 //!
-//! A binary calls [`register`] for each backend it runs on. [`definitions`] gives every kernel
-//! as CubeCL defines it for a compiler, so that CUDA's compile is checked without a GPU
+//! A binary calls [`register`] for each backend it runs on; a model's
+//! [`model::DeviceKernelChoice`] says which of the kernels it runs. [`definitions`] gives every
+//! kernel as CubeCL defines it for a compiler, so that CUDA's compile is checked without a GPU
 //! (`scripts/nvrtc_check.sh`); a new kernel adds its definition there.
 
 pub mod definitions;
@@ -34,8 +35,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 pub use model::device_kernels::KernelPasses;
 pub use paged_attention::{DecodingKernel, RowLens, Spans};
 use model::device_kernels::{
-    register_fresh_attention, register_norms, register_paged_attention, register_silu_mul, register_token_choice, FreshAttention, FreshAttentionFn, NormKernels,
-    PagedAttention,
+    register_fresh_attention, register_norms, register_paged_attention, register_silu_mul, register_token_choice, FreshAttention, NormKernels, PagedAttention,
 };
 pub use rms_norm::{QkNormRopeWrite, Qkv};
 pub use swiglu::GateUp;
@@ -158,31 +158,14 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
     }
 }
 
-/// Whether a decoding step's columns are split into spans where its cubes would leave the GPU's
-/// multiprocessors idle ([`paged_attention::splits_for`]; FlashDecoding).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodingSplit {
-    /// As [`paged_attention::splits_for`] says for the device (CUDA reports its multiprocessors;
-    /// wgpu does not, and is never split).
-    Auto,
-    /// Never: one cube walks all of a row's columns (for comparisons, or to rule it out).
-    Off,
-}
-
-/// Lends the model this crate's kernels on backend `B`: the paged attention for `passes`, its
-/// decoding steps split as `split` says and computed by the `decoding` kernel (with
-/// [`KernelPasses::All`] also the attention of passes without a cache, scoring's and a training
-/// step's forward: [`paged_attention::fresh_attention`]), the RMS norms, SwiGLU's
-/// `silu(gate) · up` and the token choice, for the whole process (a later call replaces them).
-pub fn register<B: DeviceKernels>(passes: KernelPasses, split: DecodingSplit, decoding: DecodingKernel) {
-    let attention: model::device_kernels::PagedAttentionFn<B> = match (split, decoding) {
-        (DecodingSplit::Auto, DecodingKernel::Own) => run_paged_attention::<B, true, true>,
-        (DecodingSplit::Off, DecodingKernel::Own) => run_paged_attention::<B, false, true>,
-        (DecodingSplit::Auto, DecodingKernel::General) => run_paged_attention::<B, true, false>,
-        (DecodingSplit::Off, DecodingKernel::General) => run_paged_attention::<B, false, false>,
-    };
-    register_paged_attention::<B>(attention, passes);
-    register_fresh_attention::<B>((passes == KernelPasses::All).then_some(run_fresh_attention::<B> as FreshAttentionFn<B>));
+/// Lends the model this crate's kernels on backend `B` (a later call replaces them): the paged
+/// attention, the attention of passes without a cache ([`paged_attention::fresh_attention`]:
+/// scoring's and a training step's forward), the RMS norms, SwiGLU's `silu(gate) · up` and the
+/// token choice. Which of them a model runs, and how its decoding steps are cut and computed, is
+/// its [`model::DeviceKernelChoice`].
+pub fn register<B: DeviceKernels>() {
+    register_paged_attention::<B>(run_paged_attention::<B>);
+    register_fresh_attention::<B>(run_fresh_attention::<B>);
     register_token_choice::<B>(run_choose_tokens::<B>);
     register_silu_mul::<B>(run_silu_mul::<B>);
     register_norms::<B>(NormKernels {
@@ -241,14 +224,13 @@ fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tenso
     tensor(B::choose_tokens(float(logits), float(temperatures), float(uniforms)))
 }
 
-/// [`PagedAttention`] with decoding steps split where the device would sit idle (`SPLIT`, else
-/// whole) and rows of one query through [`paged_decode`]'s kernel (`OWN`, else the general one).
-fn run_paged_attention<B: DeviceKernels, const SPLIT: bool, const OWN: bool>(pass: PagedAttention<B>) -> Tensor<B, 2> {
-    let spans = if SPLIT { Spans::Auto } else { Spans::WHOLE };
-    let decoding = if OWN { DecodingKernel::Own } else { DecodingKernel::General };
-    let PagedAttention { query, shape, keys, values, read, valid, scale, ragged } = pass;
+/// [`PagedAttention`] with decoding steps split where the device would sit idle (or whole) and
+/// rows of one query through the kernel the pass's [`model::device_kernels::Decoding`] names.
+fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 2> {
+    let PagedAttention { query, shape, keys, values, read, valid, scale, ragged, decoding } = pass;
+    let spans = if decoding.split { Spans::Auto } else { Spans::WHOLE };
     let ragged = ragged.map(|rows| (rows.starts.into_primitive(), rows.lens));
-    tensor(B::paged_attention(float(query), shape, float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding))
+    tensor(B::paged_attention(float(query), shape, float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding.kernel))
 }
 
 /// [`FreshAttention`] through [`paged_attention::fresh_attention`]: the keys and values as their

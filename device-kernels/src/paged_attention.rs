@@ -566,14 +566,8 @@ pub struct Ragged<R: CubeRuntime> {
 }
 
 /// Which kernel takes a pass's rows of one query (a decoding step's, or a ragged pass's
-/// decoding rows).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodingKernel {
-    /// [`crate::paged_decode`]'s, made for them, where its cut fits (else the general kernel).
-    Own,
-    /// The general kernel, as before that one: for comparisons.
-    General,
-}
+/// decoding rows): `Own` is [`crate::paged_decode`]'s, where its cut fits.
+pub use model::device_kernels::DecodingKernel;
 
 /// How a pass's columns are cut among cubes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

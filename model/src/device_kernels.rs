@@ -1,9 +1,12 @@
 //! Kernels a GPU backend lends the model, found by the backend's type (as the autodiff
 //! attention nodes are): the model stays generic over its backend and never names a GPU crate.
 //! A binary registers what its backends offer ([`register_paged_attention`],
-//! [`register_norms`], [`register_silu_mul`], [`register_token_choice`]; the
-//! `prompt-r1-device-kernels` crate has them for CubeCL's backends, fused or not); where nothing
-//! is registered, or a pass is not one a kernel takes, the model computes with burn's ops.
+//! [`register_fresh_attention`], [`register_norms`], [`register_silu_mul`],
+//! [`register_token_choice`]; the `prompt-r1-device-kernels` crate has them for CubeCL's
+//! backends, fused or not), with no settings: which of them a model runs, and how, is its
+//! [`DeviceKernelChoice`] (part of [`crate::Compute`], chosen at load as the attention
+//! implementation is), through whose methods every lookup goes. Where nothing is registered, or
+//! the choice leaves a pass to burn's ops, the model computes with burn's ops.
 
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
@@ -40,6 +43,8 @@ pub struct PagedAttention<B: Backend> {
     pub scale: f32,
     /// Where each row's queries lie in a ragged pass; `None` when every row has `queries`.
     pub ragged: Option<RaggedRows<B>>,
+    /// How rows of one query (a decoding step's) are computed.
+    pub decoding: Decoding,
 }
 
 /// The rows of a ragged pass, whose queries are the pass's tokens one row after another
@@ -130,6 +135,92 @@ impl KernelPasses {
     }
 }
 
+/// Which of the kernels a GPU backend lends a model runs, and how: part of the model's
+/// [`crate::Compute`], chosen at load (the binary fills it from `--device-kernels`,
+/// `--split-decoding` and `--decoding-kernel` for the device it runs on). The default takes
+/// the kernels for decoding steps, split where the device would sit idle, through the kernel
+/// made for them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceKernelChoice {
+    /// The passes over a KV cache the paged attention takes (with [`KernelPasses::All`] also the
+    /// passes without a cache, through the [`FreshAttention`] kernel); the norm, SwiGLU and
+    /// token-choice kernels run in every pass over a KV cache. `None`: none of the lent kernels
+    /// runs, burn's ops compute everything.
+    pub passes: Option<KernelPasses>,
+    /// How rows of one query are computed.
+    pub decoding: Decoding,
+}
+
+/// How the paged attention computes rows of one query (a decoding step's, or a ragged pass's
+/// decoding rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decoding {
+    /// Whether a decoding step's columns are split into spans where its blocks of threads
+    /// alone would leave the GPU's multiprocessors idle (FlashDecoding); off, one block walks
+    /// all of a row's columns.
+    pub split: bool,
+    /// The kernel that takes them.
+    pub kernel: DecodingKernel,
+}
+
+/// The kernel that takes rows of one query.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodingKernel {
+    /// One made for them, where its cut fits (else the general one).
+    Own,
+    /// The general paged-attention kernel, which takes prefill chunks too (for comparisons).
+    General,
+}
+
+impl Default for Decoding {
+    fn default() -> Self {
+        Self { split: true, kernel: DecodingKernel::Own }
+    }
+}
+
+impl Default for DeviceKernelChoice {
+    fn default() -> Self {
+        Self { passes: Some(KernelPasses::Decode), decoding: Decoding::default() }
+    }
+}
+
+impl DeviceKernelChoice {
+    /// None of the lent kernels: burn's ops compute everything.
+    pub const OFF: DeviceKernelChoice = DeviceKernelChoice { passes: None, decoding: Decoding { split: true, kernel: DecodingKernel::Own } };
+
+    /// The default's decoding with these passes.
+    pub fn with_passes(passes: Option<KernelPasses>) -> Self {
+        Self { passes, ..Self::default() }
+    }
+
+    /// The [`PagedAttention`] kernel registered for backend `B` where this choice hands it passes
+    /// of `queries` queries a row.
+    pub fn paged_attention<B: Backend>(self, queries: usize) -> Option<PagedAttentionFn<B>> {
+        self.passes.filter(|passes| passes.take(queries)).and(registered::<B, PagedAttentionFn<B>>("paged_attention"))
+    }
+
+    /// The [`FreshAttention`] kernel registered for backend `B` where this choice hands it the
+    /// passes without a cache ([`KernelPasses::All`]).
+    pub fn fresh_attention<B: Backend>(self) -> Option<FreshAttentionFn<B>> {
+        (self.passes == Some(KernelPasses::All)).then(|| registered::<B, FreshAttentionFn<B>>("fresh_attention")).flatten()
+    }
+
+    /// The norm kernels registered for backend `B`, where this choice runs any kernel.
+    pub fn norms<B: Backend>(self) -> Option<NormKernels<B>> {
+        self.passes.and(registered::<B, NormKernels<B>>("norms"))
+    }
+
+    /// The SwiGLU kernel registered for backend `B`, where this choice runs any kernel.
+    pub fn silu_mul<B: Backend>(self) -> Option<SiluMulFn<B>> {
+        self.passes.and(registered::<B, SiluMulFn<B>>("silu_mul"))
+    }
+
+    /// The token-choice kernel registered for backend `B`, where this choice runs any kernel.
+    pub fn token_choice<B: Backend>(self) -> Option<ChooseTokensFn<B>> {
+        self.passes.and(registered::<B, ChooseTokensFn<B>>("choose_tokens"))
+    }
+}
+
 /// A kernel computing `Qwen3RMSNorm` over the last axis of `x` (`[rows, hidden]`) with
 /// `weight` (`[hidden]`, `x`'s dtype) and `eps`: `weight · cast(x / sqrt(mean(x²) + eps))`,
 /// the statistics in f32, as HF computes it; `[rows, hidden]` in `x`'s dtype.
@@ -201,29 +292,19 @@ pub type QkNormRopeWriteFn<B> = fn(QkNormRopeWrite<B>) -> (Tensor<B, 2>, Tensor<
 /// `uniforms` are `[rows]` f32.
 pub type ChooseTokensFn<B> = fn(logits: Tensor<B, 2>, temperatures: Tensor<B, 1>, uniforms: Tensor<B, 1>) -> Tensor<B, 2>;
 
-/// Lets `kernel` choose tokens on backend `B` from now on, for the whole process.
+/// Lends backend `B` `kernel` to choose tokens with (replacing an earlier one).
 pub fn register_token_choice<B: Backend>(kernel: ChooseTokensFn<B>) {
     register::<B, _>("choose_tokens", kernel);
-}
-
-/// The token-choice kernel registered for backend `B`.
-pub fn token_choice<B: Backend>() -> Option<ChooseTokensFn<B>> {
-    registered::<B, ChooseTokensFn<B>>("choose_tokens")
 }
 
 /// A kernel computing SwiGLU's `silu(gate) · up` (`[rows, width]`) from operands of one dtype, as
 /// HF does in a dtype of 16 bits: `silu` in f32 rounded to the dtype, then the product.
 pub type SiluMulFn<B> = fn(GateUp<B>) -> Tensor<B, 2>;
 
-/// Lets `kernel` compute SwiGLU's element-wise step on backend `B` from now on, for the whole
-/// process (taken by the passes over a KV cache, as the norm kernels are).
+/// Lends backend `B` `kernel` for SwiGLU's element-wise step (taken by the passes over a KV
+/// cache, as the norm kernels are).
 pub fn register_silu_mul<B: Backend>(kernel: SiluMulFn<B>) {
     register::<B, _>("silu_mul", kernel);
-}
-
-/// The SwiGLU kernel registered for backend `B`.
-pub fn silu_mul<B: Backend>() -> Option<SiluMulFn<B>> {
-    registered::<B, SiluMulFn<B>>("silu_mul")
 }
 
 /// The norm kernels a backend lends, taken by the passes over a KV cache (see
@@ -243,37 +324,28 @@ impl<B: Backend> Clone for NormKernels<B> {
 
 impl<B: Backend> Copy for NormKernels<B> {}
 
-/// Lets `kernel` compute [`PagedAttention`] for `passes` on backend `B` from now on, for the
-/// whole process (replacing an earlier one).
-pub fn register_paged_attention<B: Backend>(kernel: PagedAttentionFn<B>, passes: KernelPasses) {
-    register::<B, _>("paged_attention", (kernel, passes));
+/// Lends backend `B` `kernel` for [`PagedAttention`] (replacing an earlier one); a model's
+/// [`DeviceKernelChoice`] says which passes it takes.
+pub fn register_paged_attention<B: Backend>(kernel: PagedAttentionFn<B>) {
+    register::<B, _>("paged_attention", kernel);
 }
 
-/// The [`PagedAttention`] kernel registered for backend `B`, and the passes it takes.
-pub fn registered_paged_attention<B: Backend>() -> Option<(PagedAttentionFn<B>, KernelPasses)> {
-    registered::<B, (PagedAttentionFn<B>, KernelPasses)>("paged_attention")
-}
-
-/// Lets `kernel` compute [`FreshAttention`] on backend `B` from now on, for the whole process
-/// (`None`: burn's ops again). Scoring and a training step's forward both take it, so that
-/// their log-probs stay equal (the first PPO ratio of a step exactly 1).
-pub fn register_fresh_attention<B: Backend>(kernel: Option<FreshAttentionFn<B>>) {
+/// Lends backend `B` `kernel` for [`FreshAttention`], which scoring and a training step's
+/// forward both take where a model's choice is [`KernelPasses::All`], so that their log-probs
+/// stay equal (the first PPO ratio of a step exactly 1).
+pub fn register_fresh_attention<B: Backend>(kernel: FreshAttentionFn<B>) {
     register::<B, _>("fresh_attention", kernel);
 }
 
-/// The [`FreshAttention`] kernel registered for backend `B`.
-pub fn fresh_attention<B: Backend>() -> Option<FreshAttentionFn<B>> {
-    registered::<B, Option<FreshAttentionFn<B>>>("fresh_attention").flatten()
-}
-
-/// Lets `kernels` compute the RMS norms on backend `B` from now on, for the whole process.
+/// Lends backend `B` `kernels` for the RMS norms.
 pub fn register_norms<B: Backend>(kernels: NormKernels<B>) {
     register::<B, _>("norms", kernels);
 }
 
-/// The norm kernels registered for backend `B`.
-pub fn norms<B: Backend>() -> Option<NormKernels<B>> {
-    registered::<B, NormKernels<B>>("norms")
+/// Whether backend `B` was lent any kernel.
+pub fn lends<B: Backend>() -> bool {
+    let key = TypeId::of::<B>();
+    registry().read().expect("registry lock").keys().any(|(backend, _)| *backend == key)
 }
 
 fn register<B: Backend, K: Any + Send + Sync>(name: &'static str, kernel: K) {
@@ -288,15 +360,9 @@ fn registered<B: Backend, K: Any + Copy>(name: &'static str) -> Option<K> {
         .and_then(|entry| entry.downcast_ref::<K>().copied())
 }
 
-/// The [`PagedAttention`] kernel registered for backend `B` if it takes passes of `queries`
-/// queries a row.
-pub fn paged_attention<B: Backend>(queries: usize) -> Option<PagedAttentionFn<B>> {
-    registered_paged_attention::<B>().and_then(|(kernel, passes)| passes.take(queries).then_some(kernel))
-}
-
-/// Kernels by the backend's type and the kernel's name: a `PagedAttentionFn` of that backend
-/// with its [`KernelPasses`], a [`FreshAttentionFn`] or none, [`NormKernels`], a [`SiluMulFn`]
-/// or a [`ChooseTokensFn`].
+/// Kernels by the backend's type and the kernel's name: a [`PagedAttentionFn`], a
+/// [`FreshAttentionFn`], [`NormKernels`], a [`SiluMulFn`] or a [`ChooseTokensFn`] of that
+/// backend.
 type Registry = HashMap<(TypeId, &'static str), Box<dyn Any + Send + Sync>>;
 
 fn registry() -> &'static RwLock<Registry> {
@@ -308,6 +374,7 @@ fn registry() -> &'static RwLock<Registry> {
 mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     /// Settings name the passes, and the old on/off spellings still say decode or off.
     #[test]
@@ -323,20 +390,69 @@ mod tests {
     }
 
     /// A kernel is found by the backend it was registered for, and only by that one, for the
-    /// passes it was registered for. (A backend no other test computes on: the registry is the
-    /// process's.)
+    /// passes a model's choice hands it. (A backend no other test computes on: the registry is
+    /// the process's.)
     #[test]
-    fn kernels_are_found_by_the_backend_type() {
+    fn kernels_are_found_by_the_backend_type_and_taken_as_the_choice_says() {
         type Other = Autodiff<Autodiff<Flex>>;
-        assert!(paged_attention::<Other>(1).is_none());
-        register_paged_attention::<Other>(zeros::<Other>, KernelPasses::Decode);
-        assert!(paged_attention::<Other>(1).is_some());
-        assert!(paged_attention::<Other>(7).is_none(), "a decoding kernel takes no prefill");
-        register_paged_attention::<Other>(zeros::<Other>, KernelPasses::All);
-        assert!(paged_attention::<Other>(7).is_some());
-        assert!(paged_attention::<Flex>(1).is_none());
-        assert!(norms::<Other>().is_none(), "kernels are found by their name too");
+        let (decode, all, off) = (DeviceKernelChoice::default(), DeviceKernelChoice::with_passes(Some(KernelPasses::All)), DeviceKernelChoice::OFF);
+        assert!(!lends::<Other>());
+        assert!(all.paged_attention::<Other>(1).is_none());
+        register_paged_attention::<Other>(zeros::<Other>);
+        assert!(lends::<Other>());
+        assert!(decode.paged_attention::<Other>(1).is_some());
+        assert!(decode.paged_attention::<Other>(7).is_none(), "decoding steps only: no prefill");
+        assert!(all.paged_attention::<Other>(7).is_some());
+        assert!(off.paged_attention::<Other>(1).is_none(), "off runs no kernel");
+        assert!(all.paged_attention::<Flex>(1).is_none(), "only the backend it was lent to");
+        assert!(all.norms::<Other>().is_none(), "kernels are found by their name too");
         register_norms::<Other>(NormKernels { rms_norm: |x, _, _| x, add_rms_norm: |r, d, _, _| (r, d), qk_norm_rope_write: |p| (p.q_weight.unsqueeze(), p.keys, p.values) });
-        assert!(norms::<Other>().is_some() && paged_attention::<Other>(7).is_some());
+        assert!(decode.norms::<Other>().is_some() && off.norms::<Other>().is_none());
+        register_fresh_attention::<Other>(|pass| (pass.query, pass.valid.unsqueeze()));
+        assert!(all.fresh_attention::<Other>().is_some());
+        assert!(decode.fresh_attention::<Other>().is_none(), "passes without a cache only with all");
+    }
+
+    /// The passes of one kind a counting kernel took (see [`counting`]).
+    static DECODING_CALLS: AtomicUsize = AtomicUsize::new(0);
+    static PREFILL_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+    /// A paged-attention "kernel" that counts the passes it takes (rows of one query, or
+    /// prefills) and returns zeros.
+    fn counting(pass: PagedAttention<Counted>) -> Tensor<Counted, 2> {
+        let decoding = pass.ragged.as_ref().map_or(pass.shape[1] == 1, |rows| rows.lens.longest == 1);
+        if decoding { &DECODING_CALLS } else { &PREFILL_CALLS }.fetch_add(1, Ordering::Relaxed);
+        pass.query.zeros_like()
+    }
+
+    /// The trainer's checkpointing backend, on which no other test of this crate decodes.
+    type Counted = Autodiff<Flex, burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing>;
+
+    /// Models of one process take the kernel lent to their backend in the passes each one's
+    /// [`DeviceKernelChoice`] names: none, decoding steps, or every pass (the prefill then one
+    /// ragged pass), a call a layer.
+    #[test]
+    fn each_model_runs_the_kernels_its_choice_names() {
+        use crate::checkpoint::StorageDtype;
+        use crate::{load_pretrained, Compute, Decoder, DecoderLimits, LoadOptions, Preset};
+        register_paged_attention::<Counted>(counting);
+        let config = Preset::Tiny.config(64, vec![2]);
+        let dir = tempfile::tempdir().unwrap();
+        crate::init::write_random_checkpoint(&config, dir.path(), 5, StorageDtype::F32).unwrap();
+        let layers = config.num_hidden_layers;
+        let steps = 3;
+        for (passes, want) in [(None, [0, 0]), (Some(KernelPasses::Decode), [0, layers * (steps - 1)]), (Some(KernelPasses::All), [layers, layers * (steps - 1)])] {
+            let compute = Compute::default().with_cpu_kernels(cpu_kernels::Kernels::off()).with_device_kernels(DeviceKernelChoice::with_passes(passes));
+            let model = load_pretrained::<Counted>(dir.path(), &Default::default(), LoadOptions { compute, ..LoadOptions::default() }).unwrap();
+            let before = [PREFILL_CALLS.load(Ordering::Relaxed), DECODING_CALLS.load(Ordering::Relaxed)];
+            let mut decoder = Decoder::new(DecoderLimits::default());
+            decoder.add(&model, 0, (1..9).collect()).unwrap();
+            for _ in 0..steps {
+                let out = decoder.step(&model).unwrap().expect("a running row");
+                decoder.accept(out.ids[0], 7).unwrap();
+            }
+            let calls = [PREFILL_CALLS.load(Ordering::Relaxed) - before[0], DECODING_CALLS.load(Ordering::Relaxed) - before[1]];
+            assert_eq!(calls, want, "{passes:?}: [prefill, decoding] passes through the kernel");
+        }
     }
 }

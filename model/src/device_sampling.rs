@@ -14,11 +14,13 @@
 //! sort of the row.
 //!
 //! A GPU backend may lend one kernel for all of it
-//! ([`crate::device_kernels::ChooseTokensFn`]), which sums in an order of its own: the same
+//! ([`crate::device_kernels::ChooseTokensFn`], taken where the model's
+//! [`DeviceKernelChoice`] runs the lent kernels), which sums in an order of its own: the same
 //! tokens but within f32 rounding of a boundary, as between this path and the host's.
 
 use burn::tensor::{backend::Backend, Bool, DType, Int, Tensor, TensorData};
 
+use crate::device_kernels::DeviceKernelChoice;
 use crate::error::ModelError;
 use chat::Sampling;
 
@@ -38,13 +40,15 @@ pub fn supported(config: &Sampling) -> bool {
 /// `temperatures[row]` is 0, otherwise the token whose cumulative weight first exceeds
 /// `uniforms[row]` (in `[0, 1)`) of the row's total. Returns each token with its
 /// log-probability under `log_softmax(logits / temperature)` (temperature 1 when greedy).
-/// `uniforms` may be empty when every row is greedy.
+/// `uniforms` may be empty when every row is greedy. By the kernel a GPU backend lends where
+/// `kernels` runs it, else by burn's ops ([`choose_tokens_with_ops`]).
 pub fn choose_tokens<B: Backend>(
+    kernels: DeviceKernelChoice,
     logits: Tensor<B, 2>,
     temperatures: &[f32],
     uniforms: &[f64],
 ) -> Result<Vec<(u32, f32)>, ModelError> {
-    let Some(kernel) = crate::device_kernels::token_choice::<B>() else {
+    let Some(kernel) = kernels.token_choice::<B>() else {
         return choose_tokens_with_ops(logits, temperatures, uniforms);
     };
     check_operands(&logits, temperatures, uniforms)?;
@@ -210,7 +214,7 @@ mod tests {
                     choose_token(row, &config(temperature), &mut StdRng::seed_from_u64(seed))
                 })
                 .collect();
-            let device = choose_tokens(logits, &vec![temperature; rows], &uniforms).unwrap();
+            let device = choose_tokens(DeviceKernelChoice::OFF, logits, &vec![temperature; rows], &uniforms).unwrap();
             for (r, (h, d)) in host.iter().zip(&device).enumerate() {
                 let row = &values[r * vocab..(r + 1) * vocab];
                 if h.0 != d.0 {
@@ -260,9 +264,9 @@ mod tests {
 
     #[test]
     fn a_wrong_number_of_uniforms_or_temperatures_is_an_error() {
-        let err = choose_tokens(logits(3, 40, 0).0, &[1.0; 3], &[0.5]).unwrap_err();
+        let err = choose_tokens(DeviceKernelChoice::OFF, logits(3, 40, 0).0, &[1.0; 3], &[0.5]).unwrap_err();
         assert!(err.to_string().contains("1 uniforms for 3 rows"), "{err}");
-        let err = choose_tokens(logits(3, 40, 0).0, &[1.0; 2], &[0.5; 3]).unwrap_err();
+        let err = choose_tokens(DeviceKernelChoice::OFF, logits(3, 40, 0).0, &[1.0; 2], &[0.5; 3]).unwrap_err();
         assert!(err.to_string().contains("2 temperatures for 3 rows"), "{err}");
     }
 
@@ -273,10 +277,10 @@ mod tests {
         let (all, values) = logits(rows, vocab, 5);
         let temperatures = [0.0, 0.7, 1.3, 0.0];
         let uniforms = [0.0, 0.25, 0.6, 0.0];
-        let mixed = choose_tokens(all, &temperatures, &uniforms).unwrap();
+        let mixed = choose_tokens(DeviceKernelChoice::OFF, all, &temperatures, &uniforms).unwrap();
         for (r, &t) in temperatures.iter().enumerate() {
             let row = Tensor::<Flex, 2>::from_data(TensorData::new(values[r * vocab..(r + 1) * vocab].to_vec(), [1, vocab]), &Default::default());
-            let alone = choose_tokens(row, &[t], &uniforms[r..=r]).unwrap();
+            let alone = choose_tokens(DeviceKernelChoice::OFF, row, &[t], &uniforms[r..=r]).unwrap();
             assert_eq!(mixed[r].0, alone[0].0, "row {r}");
             assert!((mixed[r].1 - alone[0].1).abs() < 1e-5, "row {r}: {} vs {}", mixed[r].1, alone[0].1);
         }

@@ -14,7 +14,7 @@ use crate::device_sampling;
 use crate::error::ModelError;
 use crate::lora::CausalLm;
 use chat::Sampling;
-use cpu_kernels::Kernels;
+use crate::qwen3::Compute;
 
 /// What [`generate`] does: how tokens are chosen ([`Sampling`]), how many, and where a
 /// sequence stops.
@@ -139,7 +139,7 @@ fn run<B: Backend>(
             .filter(|(i, _)| step.ids.binary_search(&(*i as SequenceId)).is_ok())
             .map(|(_, rng)| RowSampling { sampling: &config.sampling, rng })
             .collect();
-        let choices = choose_row_tokens(model.base().compute().cpu_kernels, step.logits, &mut rows)?;
+        let choices = choose_row_tokens(model.base().compute(), step.logits, &mut rows)?;
         for (&id, (token, logprob)) in step.ids.iter().zip(choices) {
             let out = &mut outputs[id as usize];
             out.tokens.push(token);
@@ -166,17 +166,18 @@ pub struct RowSampling<'a> {
 }
 
 /// The next token of every row of `logits` (`[rows, vocab]`, one [`RowSampling`] per row), with
-/// its log-probability (see [`GeneratedSequence::logprobs`]). Where `cpu_kernels` do not run on
-/// `B` (a GPU, or the kernels off), when no row needs top-k or top-p, the tokens are chosen on the
-/// device from one draw per sampled row ([`device_sampling`]), so only a token and a log-prob per
-/// row come back; otherwise each row is chosen on the host ([`choose_token`]). Both draw the
-/// same numbers from each row's generator.
-pub fn choose_row_tokens<B: Backend>(cpu_kernels: Kernels, logits: Tensor<B, 2>, rows: &mut [RowSampling<'_>]) -> Result<Vec<(u32, f32)>, ModelError> {
+/// its log-probability (see [`GeneratedSequence::logprobs`]), for a model computing as `compute`
+/// says. Where its CPU kernels do not run on `B` (a GPU, or the kernels off), when no row needs
+/// top-k or top-p, the tokens are chosen on the device from one draw per sampled row
+/// ([`device_sampling`], by a GPU backend's kernel where `compute` runs it), so only a token and
+/// a log-prob per row come back; otherwise each row is chosen on the host ([`choose_token`]).
+/// Both draw the same numbers from each row's generator.
+pub fn choose_row_tokens<B: Backend>(compute: &Compute, logits: Tensor<B, 2>, rows: &mut [RowSampling<'_>]) -> Result<Vec<(u32, f32)>, ModelError> {
     let [n, vocab] = logits.dims();
     if n != rows.len() {
         return Err(ModelError::Input(format!("{} samplers for {n} rows of logits", rows.len())));
     }
-    if !cpu_kernels.run_on::<B>() && rows.iter().all(|r| device_sampling::supported(r.sampling)) {
+    if !compute.cpu_kernels.run_on::<B>() && rows.iter().all(|r| device_sampling::supported(r.sampling)) {
         let temperatures: Vec<f32> = rows.iter().map(|r| if r.sampling.is_greedy() { 0.0 } else { r.sampling.temperature }).collect();
         let uniforms: Vec<f64> = if temperatures.iter().all(|&t| t == 0.0) {
             Vec::new()
@@ -185,7 +186,7 @@ pub fn choose_row_tokens<B: Backend>(cpu_kernels: Kernels, logits: Tensor<B, 2>,
                 .map(|r| if r.sampling.is_greedy() { 0.0 } else { r.rng.random::<f64>() })
                 .collect()
         };
-        return device_sampling::choose_tokens(logits, &temperatures, &uniforms);
+        return device_sampling::choose_tokens(compute.device_kernels, logits, &temperatures, &uniforms);
     }
     let values: Vec<f32> = logits
         .into_data()

@@ -38,6 +38,7 @@ pub mod weights;
 pub use config::{Preset, Qwen3Config};
 pub use error::ModelError;
 pub use qwen3::{AttnImplementation, Compute, KvCache, MatmulPrecision, Qwen3ForCausalLM};
+pub use device_kernels::DeviceKernelChoice;
 pub use batch::{Padding, TokenBatch};
 pub use cpu_kernels;
 pub use chat::Sampling;

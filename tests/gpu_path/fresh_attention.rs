@@ -12,6 +12,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use device_kernels::DeviceKernels;
 use prompt_r1_model::qwen3::attention::memory_efficient::{self, Blocks, Operands};
+use prompt_r1_model::device_kernels::{DeviceKernelChoice, KernelPasses};
 use prompt_r1_model::qwen3::AttentionMask;
 
 use crate::common;
@@ -91,7 +92,7 @@ fn differences<B: DeviceKernels>(case: Case, dtype: DType) -> (f32, f32) {
     let rounded = |t: &Tensor<Cpu, 4>| t.clone().cast(dtype).swap_dims(1, 2);
     let x = Operands { query: rounded(&query), key: rounded(&key), value: rounded(&value) };
     let mask = AttentionMask::new(Some(&key_mask), ROWS, case.past, queries, &cpu);
-    let want = memory_efficient::forward(&x, &mask, Blocks { queries, keys: width, scale });
+    let want = memory_efficient::forward(&x, &mask, Blocks { queries, keys: width, scale, device_kernels: DeviceKernelChoice::OFF });
     let want_out = want.output.cast(DType::F32).swap_dims(1, 2).reshape([ROWS, queries, heads * d]);
     let want_lse = want.lse[0].clone().reshape([ROWS, heads, queries]).swap_dims(1, 2);
 
@@ -147,19 +148,18 @@ fn fresh_attention_matches_the_memory_efficient_forward_in_f16() {
     check::<Fused>(DType::F16, 2e-3, 2e-3);
 }
 
-/// With the kernel lent (`PROMPT_R1_DEVICE_KERNELS=all`, CUDA's default), scoring (the plain
-/// backend) and a training step's forward (the attention's autodiff node) attend through it
-/// alike: the same output bit for bit, so that a step's first PPO ratios stay exactly 1.
+/// With the kernel taking passes without a cache (`--device-kernels all`, CUDA's default),
+/// scoring (the plain backend) and a training step's forward (the attention's autodiff node)
+/// attend through it alike: the same output bit for bit, so that a step's first PPO ratios stay
+/// exactly 1.
 #[test]
 fn scoring_and_the_training_forward_attend_alike() {
     if !common::backend_ready::<Fused>() {
         return;
     }
-    if common::kernel_passes() != device_kernels::KernelPasses::All {
-        eprintln!("skipped: the kernel takes passes without a cache only with PROMPT_R1_DEVICE_KERNELS=all (CI's rerun of these tests)");
-        return;
-    }
-    assert!(prompt_r1_model::device_kernels::fresh_attention::<Fused>().is_some(), "the kernel is lent for passes without a cache");
+    let all = DeviceKernelChoice::with_passes(Some(KernelPasses::All));
+    assert!(all.fresh_attention::<Fused>().is_some(), "the kernel is lent for passes without a cache");
+    assert!(DeviceKernelChoice::default().fresh_attention::<Fused>().is_none(), "only where the choice hands it those passes");
     type Trained = burn::backend::Autodiff<Fused>;
     prompt_r1_model::qwen3::register_autodiff_attention::<Trained>();
     let device = Default::default();
@@ -171,10 +171,10 @@ fn scoring_and_the_training_forward_attend_alike() {
     let scale = 1.0 / (d as f32).sqrt();
     let [query, key, value] = operands.clone();
     let mask = AttentionMask::new(Some(&key_mask), ROWS, 0, queries, &device);
-    let scored = prompt_r1_model::qwen3::attention::memory_efficient_attention(Operands { query, key, value }, &mask, 8, scale);
+    let scored = prompt_r1_model::qwen3::attention::memory_efficient_attention(Operands { query, key, value }, &mask, 8, scale, all);
     let [query, key, value] = operands.map(|t| Tensor::<Trained, 4>::from_inner(t).require_grad());
     let mask = AttentionMask::new(Some(&Tensor::from_inner(key_mask)), ROWS, 0, queries, &device);
-    let trained = prompt_r1_model::qwen3::attention::memory_efficient_attention(Operands { query, key, value }, &mask, 8, scale);
+    let trained = prompt_r1_model::qwen3::attention::memory_efficient_attention(Operands { query, key, value }, &mask, 8, scale, all);
     let bits = |t: Tensor<Fused, 4>| t.into_data().to_vec::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
     assert_eq!(bits(scored), bits(trained.inner()), "scoring and the training forward attend alike");
 }

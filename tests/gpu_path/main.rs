@@ -38,6 +38,7 @@ mod decoder_memory;
 mod device_threads;
 mod fresh_attention;
 mod gradients;
+mod kernel_choice;
 mod paged_attention;
 mod parity;
 mod rms_norm;
@@ -62,21 +63,11 @@ mod common {
             return false;
         }
         configure_cubecl();
-        // As the binary does on a GPU: decoding steps on wgpu read the paged KV cache in place,
-        // and prefill chunks too under `PROMPT_R1_DEVICE_KERNELS=all` (CI runs the parity cases
-        // both ways).
-        device_kernels::register::<burn_wgpu::Vulkan>(kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
+        // As the binary does on a GPU; the models run them as their `Compute` says
+        // (`common::load_options`: decoding steps, or every pass under
+        // `PROMPT_R1_DEVICE_KERNELS=all`; CI runs the parity cases both ways).
+        device_kernels::register::<burn_wgpu::Vulkan>();
         crate::model_common::backend_ready::<B>()
-    }
-
-    /// The passes the paged-attention kernel takes in this process: as `PROMPT_R1_DEVICE_KERNELS`
-    /// says (read as the binary reads it), else decoding steps (the binary's default; also for
-    /// `off`, since the kernel's own tests need it registered).
-    pub fn kernel_passes() -> device_kernels::KernelPasses {
-        std::env::var("PROMPT_R1_DEVICE_KERNELS")
-            .ok()
-            .and_then(|value| device_kernels::KernelPasses::parse_setting(&value).flatten())
-            .unwrap_or(device_kernels::KernelPasses::Decode)
     }
 
     /// Keeps CubeCL's autotune results and compiled kernels in the workspace's `target/cubecl`

@@ -11,7 +11,7 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::{activation::softmax, Bool, DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use device_kernels::DeviceKernels;
-use prompt_r1_model::device_kernels::{PagedAttention, RaggedRows, RowLens};
+use prompt_r1_model::device_kernels::{Decoding, DeviceKernelChoice, KernelPasses, PagedAttention, RaggedRows, RowLens};
 
 use crate::common;
 
@@ -108,11 +108,10 @@ fn worst_difference<B: DeviceKernels>(heads: usize, kv_heads: usize, d: usize, q
     worst_ragged_difference::<B>(heads, kv_heads, d, &[queries; ROWS], WIDTH, false, dtype, &registered::<B>)
 }
 
-/// The kernel as the model finds it: registered as the other tests of this binary register it
-/// (the registry is the process's).
+/// The kernel as a model finds it that hands it every pass.
 fn registered<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 2> {
-    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
-    let (kernel, _) = prompt_r1_model::device_kernels::registered_paged_attention::<B>().expect("registered just now");
+    device_kernels::register::<B>();
+    let kernel = DeviceKernelChoice::with_passes(Some(KernelPasses::All)).paged_attention::<B>(2).expect("registered just now");
     kernel(pass)
 }
 
@@ -126,7 +125,7 @@ fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfus
 /// [`split_into`], rows of one query through the `decoding` kernel.
 fn through(splits: usize, decoding: device_kernels::DecodingKernel) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 2> {
     move |pass| {
-        let PagedAttention { query, shape, keys, values, read, valid, scale, ragged } = pass;
+        let PagedAttention { query, shape, keys, values, read, valid, scale, ragged, decoding: _ } = pass;
         let [rows, queries, heads, d] = shape;
         let float = |t: Tensor<Unfused, 4>| t.into_primitive().tensor();
         let pool = |t: Tensor<Unfused, 3>| t.into_primitive().tensor();
@@ -189,7 +188,7 @@ fn worst_ragged_difference<B: DeviceKernels>(
     let shape = query.dims();
     let [batch, tokens, heads, d] = shape;
     let query = query.reshape([batch * tokens, heads * d]);
-    let output = attend(PagedAttention { query, shape, keys, values, read, valid, scale, ragged: rows }).reshape(shape);
+    let output = attend(PagedAttention { query, shape, keys, values, read, valid, scale, ragged: rows, decoding: Decoding::default() }).reshape(shape);
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     // Relative to the output where it exceeds 1: f16 rounds each output to its own step.
     ((to_cpu(output) - expected.clone()).abs() / expected.abs().clamp_min(1.0)).max().into_scalar()

@@ -57,8 +57,8 @@ fn worst<B: Backend, const D: usize>(output: Tensor<B, D>, expected: Tensor<B, D
 }
 
 fn kernels<B: DeviceKernels>() -> NormKernels<B> {
-    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
-    prompt_r1_model::device_kernels::norms::<B>().expect("registered just now")
+    device_kernels::register::<B>();
+    prompt_r1_model::DeviceKernelChoice::default().norms::<B>().expect("registered just now")
 }
 
 fn report<B: Backend>(kernel: &str, dtype: DType, shape: &str, worst: f32, tolerance: f32) {

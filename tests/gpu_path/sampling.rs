@@ -39,8 +39,9 @@ fn boundary_tolerance(vocab: usize) -> f64 {
 /// how many sampled tokens of each path differ at a boundary (panicking on any other
 /// difference).
 fn boundary_differences<B: DeviceKernels>(vocab: usize, dtype: DType) -> [usize; 2] {
-    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
-    assert!(prompt_r1_model::device_kernels::token_choice::<B>().is_some(), "registered just now");
+    device_kernels::register::<B>();
+    let kernels = prompt_r1_model::DeviceKernelChoice::default();
+    assert!(kernels.token_choice::<B>().is_some(), "registered just now");
     let rows = 32;
     let temperatures: Vec<f32> = (0..rows).map(|r| [0.0, 0.7, 1.0, 1.6][r % 4]).collect();
     let mut rng = StdRng::seed_from_u64(vocab as u64);
@@ -64,7 +65,7 @@ fn boundary_differences<B: DeviceKernels>(vocab: usize, dtype: DType) -> [usize;
         .collect();
     let mut differences = [0; 2];
     // The kernel, and burn's ops on the same backend.
-    let by_kernel = choose_tokens(logits.clone(), &temperatures, &uniforms).expect("tokens");
+    let by_kernel = choose_tokens(kernels, logits.clone(), &temperatures, &uniforms).expect("tokens");
     let by_ops = choose_tokens_with_ops(logits, &temperatures, &uniforms).expect("tokens");
     for (p, (path, chosen)) in [("kernel", by_kernel), ("burn's ops", by_ops)].into_iter().enumerate() {
         for (r, (h, d)) in host.iter().zip(&chosen).enumerate() {

@@ -17,8 +17,8 @@ type Unfused = burn_wgpu::CubeBackend<burn_wgpu::WgpuRuntime, f32, i32, u8>;
 
 /// Each element within `atol + rtol · |burn's ops|` of burn's ops, over each shape.
 fn check<B: DeviceKernels>(dtype: DType, atol: f32, rtol: f32) {
-    device_kernels::register::<B>(common::kernel_passes(), device_kernels::DecodingSplit::Auto, device_kernels::DecodingKernel::Own);
-    let kernel = prompt_r1_model::device_kernels::silu_mul::<B>().expect("registered just now");
+    device_kernels::register::<B>();
+    let kernel = prompt_r1_model::DeviceKernelChoice::default().silu_mul::<B>().expect("registered just now");
     let device = Default::default();
     for [rows, width] in [[1, 3072], [7, 130], [33, 1000], [9000, 1024]] {
         let gate = Tensor::<B, 2>::random([rows, width], Distribution::Uniform(-12.0, 12.0), &device).cast(dtype);

@@ -15,7 +15,7 @@ use clap::Args as ClapArgs;
 use model::checkpoint::StorageDtype;
 use model::init::write_random_checkpoint;
 use model::{
-    completion_logprobs, generate, load_pretrained, CausalLm, LoadOptions, LoraAdapters, LoraConfig, LoraModel, MatmulPrecision,
+    completion_logprobs, generate, DeviceKernelChoice, load_pretrained, CausalLm, LoadOptions, LoraAdapters, LoraConfig, LoraModel, MatmulPrecision,
     Preset, Qwen3Config, Sampling, SamplingConfig,
 };
 use serde::Serialize;
@@ -360,7 +360,8 @@ impl OnBackend for Args {
             self.rollout_figures::<B>(&dir, &device, &mut figures)?;
         } else if self.attention {
             let config = Qwen3Config::from_file(&dir.join("config.json"))?;
-            figures.extend(attention_figures::<B>(&device, &config, &self.attention_lens, self.compute.attention.attention_block_size)?);
+            let (block_size, kernels) = (self.compute.attention.attention_block_size, crate::device::device_kernels(self.compute.device));
+            figures.extend(attention_figures::<B>(&device, &config, &self.attention_lens, block_size, kernels)?);
         } else if !self.train_step_only {
             self.inference_figures::<B>(&dir, &device, &mut figures)?;
         }
@@ -377,6 +378,7 @@ impl OnBackend for Args {
                 dtype: self.compute.dtype,
                 matmul: self.matmul,
                 attention: self.compute.attention.clone(),
+                device: self.compute.device,
             };
             let pool = crate::device::memory_probe(self.compute.device);
             let (seconds, peak, reserved) = step.measure::<B>(&dir, &device, pool.as_ref())?;
@@ -388,7 +390,7 @@ impl OnBackend for Args {
             };
             let workload = format!("train step {} x {}{mode}", self.batch, seq_len);
             figures.push(Figure::tokens(workload, seconds, Some((self.batch * seq_len) as f64), peak));
-            if let Some(plan) = step.plan(&dir, self.compute.device)? {
+            if let Some(plan) = step.plan(&dir)? {
                 // On a GPU the device's pool is what the plan predicts (the CUDA context aside),
                 // not the host's RSS.
                 let (predicted, measured, what) = match reserved {
@@ -427,7 +429,7 @@ impl OnBackend for Args {
 impl Args {
     /// `--rollout`: at each batch, pure decode and the rollout (see [`rollout`]).
     fn rollout_figures<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, figures: &mut Vec<Figure>) -> Result<()> {
-        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype, compute: self.compute.attention.compute(MatmulPrecision::F32) })?
+        let model = load_pretrained::<B>(dir, device, self.compute.load_options())?
             .with_matmul_precision(self.matmul)
             .for_inference();
         let tokenizer = rollout::tokenizer(dir)?;
@@ -486,7 +488,7 @@ impl Args {
     fn inference_figures<B: Backend>(&self, dir: &std::path::Path, device: &B::Device, figures: &mut Vec<Figure>) -> Result<()> {
         reset_peak_rss();
         let start = Instant::now();
-        let model = load_pretrained::<B>(dir, device, LoadOptions { dtype: self.compute.dtype, compute: self.compute.attention.compute(MatmulPrecision::F32) })?
+        let model = load_pretrained::<B>(dir, device, self.compute.load_options())?
             .with_matmul_precision(self.matmul)
             .for_inference();
         B::sync(device)?;
@@ -586,7 +588,7 @@ impl Args {
         drop(adapters);
         drop(model);
         if self.products {
-            figures.extend(product_figures::<B>(device, 2 * self.prompt_len, &shapes, &self.compute.attention)?);
+            figures.extend(product_figures::<B>(device, 2 * self.prompt_len, &shapes, &self.compute)?);
         }
         Ok(())
     }
@@ -603,6 +605,7 @@ struct TrainStep {
     dtype: DType,
     matmul: MatmulPrecision,
     attention: AttentionArgs,
+    device: DeviceChoice,
 }
 
 impl TrainStep {
@@ -628,7 +631,7 @@ impl TrainStep {
         use burn::module::Module;
         use trainer::grpo::{learn_step, learn_step_lora, PolicyBatch, PolicySequence};
 
-        let options = LoadOptions { dtype: self.dtype, compute: self.attention.compute(self.matmul) };
+        let options = LoadOptions { dtype: self.dtype, compute: self.attention.compute(self.matmul, self.device) };
         let model = load_pretrained::<Autodiff<B>>(dir, device, options)?;
         let config = self.config();
         let vocab = model.config.vocab_size as u32;
@@ -683,7 +686,8 @@ impl TrainStep {
 
     /// The memory plan of this step (`None` for bf16 weights under full fine-tuning, which the
     /// trainer does not do).
-    fn plan(&self, dir: &std::path::Path, device: DeviceChoice) -> Result<Option<MemoryPlan>> {
+    fn plan(&self, dir: &std::path::Path) -> Result<Option<MemoryPlan>> {
+        let device = self.device;
         if self.dtype != DType::F32 && self.lora.is_none() {
             return Ok(None);
         }
@@ -720,14 +724,14 @@ impl TrainStep {
 /// `--products`: `x[rows, k] · w[k, n]` for each `(k, n)`, f32 operands at both precisions,
 /// through the projections' own path ([`model::qwen3::product`]); the median of
 /// [`TIMED_PRODUCTS`] after a warm-up.
-fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize, usize)], attention: &AttentionArgs) -> Result<Vec<Figure>> {
+fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize, usize)], compute_args: &ComputeArgs) -> Result<Vec<Figure>> {
     use burn::tensor::{Distribution, Tensor};
     let mut figures = Vec::new();
     for &(k, n) in shapes {
         let x = Tensor::<B, 2>::random([rows, k], Distribution::Uniform(-1.0, 1.0), device);
         let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.05, 0.05), device);
         for (matmul, name) in [(MatmulPrecision::F32, "f32"), (MatmulPrecision::Bf16, "bf16")] {
-            let compute = attention.compute(matmul);
+            let compute = compute_args.attention.compute(matmul, compute_args.device);
             let run = || -> Result<f64> {
                 let start = Instant::now();
                 let y = model::qwen3::product(x.clone(), w.clone(), &compute);
@@ -756,7 +760,7 @@ fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize
 /// gradients of q, k and v of `Σ output`); the median of [`TIMED_ATTENTION`] runs after a
 /// warm-up, and the peak RSS of the timed runs. The eager formula's bias
 /// is built outside the timed part (the model builds it once per pass for every layer).
-fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens: &[usize], block_size: usize) -> Result<Vec<Figure>> {
+fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens: &[usize], block_size: usize, device_kernels: DeviceKernelChoice) -> Result<Vec<Figure>> {
     use burn::backend::Autodiff;
     use burn::tensor::{Distribution, Tensor};
     use model::qwen3::attention::eager::{eager_attention_forward, grouped_bias};
@@ -765,10 +769,19 @@ fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens:
     use model::qwen3::AttentionMask;
     use model::AttnImplementation;
 
-    fn attend<A: Backend>(implementation: AttnImplementation, x: Operands<A>, mask: &AttentionMask<A>, bias: &Tensor<A, 4>, block_size: usize, scale: f32) -> Tensor<A, 4> {
+    #[allow(clippy::too_many_arguments)]
+    fn attend<A: Backend>(
+        implementation: AttnImplementation,
+        x: Operands<A>,
+        mask: &AttentionMask<A>,
+        bias: &Tensor<A, 4>,
+        block_size: usize,
+        scale: f32,
+        device_kernels: DeviceKernelChoice,
+    ) -> Tensor<A, 4> {
         match implementation {
             AttnImplementation::Eager => eager_attention_forward(x.query, x.key, x.value, bias, scale as f64),
-            AttnImplementation::MemoryEfficient => memory_efficient_attention(x, mask, block_size, scale),
+            AttnImplementation::MemoryEfficient => memory_efficient_attention(x, mask, block_size, scale, device_kernels),
         }
     }
 
@@ -790,7 +803,7 @@ fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens:
             let forward = || -> Result<f64> {
                 let start = Instant::now();
                 let x = Operands { query: q.clone(), key: k.clone(), value: v.clone() };
-                let out = attend(implementation, x, &mask, &bias, block_size, scale);
+                let out = attend(implementation, x, &mask, &bias, block_size, scale, device_kernels);
                 B::sync(device)?;
                 drop(out);
                 Ok(start.elapsed().as_secs_f64())
@@ -805,7 +818,7 @@ fn attention_figures<B: Backend>(device: &B::Device, config: &Qwen3Config, lens:
             let backward = || -> Result<f64> {
                 let start = Instant::now();
                 let x = Operands { query: tracked(&q), key: tracked(&k), value: tracked(&v) };
-                let grads = attend(implementation, x, &mask_ad, &bias_ad, block_size, scale).sum().backward();
+                let grads = attend(implementation, x, &mask_ad, &bias_ad, block_size, scale, device_kernels).sum().backward();
                 B::sync(device)?;
                 drop(grads);
                 Ok(start.elapsed().as_secs_f64())

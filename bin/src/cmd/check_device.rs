@@ -123,6 +123,8 @@ struct Probe {
     long_prompt: Vec<u32>,
     /// The CPU kernels of every model the probe loads (burn-flex only).
     cpu_kernels: Kernels,
+    /// The GPU kernels they run (on a GPU backend).
+    device_kernels: model::DeviceKernelChoice,
 }
 
 /// Tokens of the long prompt: its decoding steps walk 18 tiles of the tiny model's
@@ -201,16 +203,16 @@ impl<'a> OnBackend for &'a Probe {
             grad_norm,
             ratio_drift,
             cast_errors: if bf16 { Some(cast_errors::<B>(&device)?) } else { None },
-            paged_attention_kernel: model::device_kernels::registered_paged_attention::<B>().map(|(_, passes)| passes),
-            rms_norm_kernel: model::device_kernels::norms::<B>().is_some(),
+            paged_attention_kernel: self.device_kernels.passes.filter(|_| self.device_kernels.paged_attention::<B>(1).is_some()),
+            rms_norm_kernel: self.device_kernels.norms::<B>().is_some(),
         })
     }
 }
 
 impl Probe {
-    /// How the probe's models load: weights of `dtype`, the probe's CPU kernels.
+    /// How the probe's models load: weights of `dtype`, the probe's CPU and GPU kernels.
     fn options(&self, dtype: DType) -> LoadOptions {
-        LoadOptions { dtype, compute: model::Compute::default().with_cpu_kernels(self.cpu_kernels) }
+        LoadOptions { dtype, compute: model::Compute::default().with_cpu_kernels(self.cpu_kernels).with_device_kernels(self.device_kernels) }
     }
 
     /// One learn step whose old log-probs are the policy's own, scored on the plain backend as
@@ -354,7 +356,15 @@ pub fn run(args: Args) -> Result<()> {
     // The reference runs the CPU kernels (at the environment's cap and with its product kernel)
     // even where the environment switches them off; `main` has refused a variable naming nothing.
     let kernels = Kernels::from_env_on().unwrap_or_else(|_| Kernels::host());
-    let probe = Probe { dir, dtype: args.dtype, vocab, prompts: vec![prompt(24, 13), prompt(17, 101)], long_prompt: prompt(LONG_PROMPT, 7), cpu_kernels: kernels };
+    let probe = Probe {
+        dir,
+        dtype: args.dtype,
+        vocab,
+        prompts: vec![prompt(24, 13), prompt(17, 101)],
+        long_prompt: prompt(LONG_PROMPT, 7),
+        cpu_kernels: kernels,
+        device_kernels: crate::device::device_kernels(DeviceChoice::Cpu),
+    };
 
     eprintln!("reference: CPU, fused kernels");
     let reference = run_on(DeviceChoice::Cpu, &probe)?;
@@ -365,7 +375,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         device => {
             eprintln!("checked: {device}");
-            run_on(device, &probe)
+            run_on(device, &Probe { device_kernels: crate::device::device_kernels(device), ..probe.clone() })
         }
     }?;
     match target.paged_attention_kernel {

@@ -236,6 +236,7 @@ pub fn run(args: Args) -> Result<()> {
     stage("5/7 GRPO: the agent against the served LLM, the Prompt-R1 reward");
     let mut config = train_config;
     config.model = cold_start;
+    config.device_kernels = crate::device::device_kernels(args.device);
     let training = super::train::Training {
         config,
         resume: Resume::Fresh,
@@ -367,7 +368,8 @@ keep_checkpoints = 1
 }
 
 /// Runs an SFT configuration; returns its final checkpoint.
-fn fine_tune(config: SftConfig, device: DeviceChoice) -> Result<PathBuf> {
+fn fine_tune(mut config: SftConfig, device: DeviceChoice) -> Result<PathBuf> {
+    config.device_kernels = crate::device::device_kernels(device);
     let out = config.run.out_dir.clone();
     let fine_tuning = super::sft::FineTuning { config, resume: Resume::Fresh, memory: crate::device::memory_probe(device) };
     let records = run_on(device, fine_tuning)?;

@@ -187,7 +187,7 @@ pub fn plan_device(device: DeviceChoice, cpu_kernels: Kernels) -> PlanDevice {
     match device {
         DeviceChoice::Cpu if !cpu_kernels.is_on() => PlanDevice::CpuPortable,
         DeviceChoice::Cpu => PlanDevice::CpuKernels,
-        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::gpu_options().device_kernels.passes_on(device) == Some(KernelPasses::All) => {
+        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::device_kernels(device).passes == Some(KernelPasses::All) => {
             PlanDevice::GpuPagedPrefill
         }
         DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::Gpu,

@@ -99,6 +99,7 @@ impl Args {
         if let Some(attn) = self.attn_implementation {
             config.attn_implementation = attn;
         }
+        config.device_kernels = crate::device::device_kernels(self.device);
         config
             .validate()
             .map_err(anyhow::Error::msg)

@@ -97,6 +97,7 @@ impl Args {
         if let Some(attn) = self.attn_implementation {
             config.attn_implementation = attn;
         }
+        config.device_kernels = crate::device::device_kernels(self.device);
         if let Some(url) = &self.env_url {
             config.environment.base_url = url.clone();
         }

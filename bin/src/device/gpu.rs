@@ -2,8 +2,9 @@
 //! (kernels compiled to SPIR-V). Before the first use this sets CubeCL's persistent caches, probes
 //! the device (a missing runtime becomes an error naming its cause), and runs the task with
 //! burn's kernel fusion on, or off with `--fusion off` (`PROMPT_R1_FUSION=0`), and prompt-r1's own
-//! CubeCL kernels (`prompt-r1-device-kernels`) lent to the model, or not with
-//! `--device-kernels off` (`PROMPT_R1_DEVICE_KERNELS=0`). A panic inside the
+//! CubeCL kernels (`prompt-r1-device-kernels`) lent to the backend; the models a command loads
+//! run them as their `Compute` says (`--device-kernels`, see [`super::device_kernels`]). A panic
+//! inside the
 //! backend becomes an error that says how to try without fusion; one on CubeCL's own device
 //! threads (which CubeCL would swallow, computing on with a tensor never written, e.g. after an
 //! allocation the device refused) stops the process with its cause.
@@ -19,7 +20,6 @@ use burn::cubecl::config::profiling::ProfilingLogLevel;
 use burn::cubecl::config::{CubeClRuntimeConfig, RuntimeConfig};
 use burn::tensor::backend::Backend;
 use device_kernels::DeviceKernels;
-use model::device_kernels::KernelPasses;
 use model::probe::probe_device;
 
 use super::OnBackend;
@@ -133,25 +133,16 @@ fn device_thread_failed(text: &str) {
 }
 
 /// Runs `task` on backend `B` (fused) or `U` (the same runtime unfused), as `--fusion` says,
-/// with prompt-r1's CubeCL kernels lent to the model for `passes` (`None`: not lent).
-fn run_fused_or_not<B, U, T>(device: B::Device, unfused: U::Device, passes: Option<KernelPasses>, what: &str, help: &str, task: T) -> Result<T::Output>
+/// with prompt-r1's CubeCL kernels lent to both (the models the task loads run those their
+/// [`model::DeviceKernelChoice`] names, see [`super::device_kernels`]).
+fn run_fused_or_not<B, U, T>(device: B::Device, unfused: U::Device, what: &str, help: &str, task: T) -> Result<T::Output>
 where
     B: DeviceKernels,
     U: DeviceKernels,
     T: OnBackend,
 {
-    if let Some(passes) = passes {
-        let split = match super::gpu_options().split_decoding {
-            true => device_kernels::DecodingSplit::Auto,
-            false => device_kernels::DecodingSplit::Off,
-        };
-        let decoding = match super::gpu_options().decoding_kernel {
-            super::DecodingKernelChoice::Own => device_kernels::DecodingKernel::Own,
-            super::DecodingKernelChoice::General => device_kernels::DecodingKernel::General,
-        };
-        device_kernels::register::<B>(passes, split, decoding);
-        device_kernels::register::<U>(passes, split, decoding);
-    }
+    device_kernels::register::<B>();
+    device_kernels::register::<U>();
     // Training records the memory-efficient attention as one autodiff node on these backends.
     if fusion_enabled() {
         ready::<B>(&device, what, help)?;
@@ -177,8 +168,7 @@ type CudaUnfused = burn_cubecl::CubeBackend<burn::cubecl::cuda::CudaRuntime, f32
 #[cfg(feature = "cuda")]
 pub(super) fn run_on_cuda<T: OnBackend>(index: usize, task: T) -> Result<T::Output> {
     let device = burn_cuda::CudaDevice::new(index);
-    let passes = super::gpu_options().device_kernels.passes_on(super::DeviceChoice::Cuda(index));
-    run_fused_or_not::<burn_cuda::Cuda, CudaUnfused, T>(device.clone(), device, passes, "CUDA", CUDA_HELP, task)
+    run_fused_or_not::<burn_cuda::Cuda, CudaUnfused, T>(device.clone(), device, "CUDA", CUDA_HELP, task)
 }
 
 #[cfg(feature = "cuda")]
@@ -219,7 +209,6 @@ pub(super) fn run_on_wgpu<T: OnBackend>(task: T) -> Result<T::Output> {
     run_fused_or_not::<burn_wgpu::Vulkan, WgpuUnfused, T>(
         WgpuDevice::DefaultDevice,
         WgpuDevice::DefaultDevice,
-        super::gpu_options().device_kernels.passes_on(super::DeviceChoice::Wgpu),
         "wgpu (Vulkan)",
         WGPU_HELP,
         task,

@@ -29,9 +29,10 @@ pub struct ComputeArgs {
 }
 
 impl ComputeArgs {
-    /// How the model is loaded: `--dtype`, the attention flags, f32 products.
+    /// How the model is loaded: `--dtype`, the attention flags, f32 products, the GPU kernels
+    /// for `--device`.
     pub fn load_options(&self) -> model::LoadOptions {
-        model::LoadOptions { dtype: self.dtype, compute: self.attention.compute(model::MatmulPrecision::F32) }
+        model::LoadOptions { dtype: self.dtype, compute: self.attention.compute(model::MatmulPrecision::F32, self.device) }
     }
 }
 
@@ -62,13 +63,14 @@ fn parse_block_size(s: &str) -> Result<usize, String> {
 }
 
 impl AttentionArgs {
-    /// The model's [`model::Compute`] with products at `matmul`.
-    pub fn compute(&self, matmul: model::MatmulPrecision) -> model::Compute {
+    /// The model's [`model::Compute`] on `device` with products at `matmul`.
+    pub fn compute(&self, matmul: model::MatmulPrecision, device: DeviceChoice) -> model::Compute {
         model::Compute {
             attn_implementation: self.attn_implementation,
             attention_block_size: self.attention_block_size,
             matmul,
             cpu_kernels: self.cpu_kernels,
+            device_kernels: device_kernels(device),
         }
     }
 }
@@ -128,7 +130,7 @@ pub struct GpuOptions {
     /// GPU would otherwise sit idle (`--split-decoding`, `PROMPT_R1_SPLIT_DECODING`).
     pub split_decoding: bool,
     /// The kernel of rows of one query (`--decoding-kernel`, `PROMPT_R1_DECODING_KERNEL`).
-    pub decoding_kernel: DecodingKernelChoice,
+    pub decoding_kernel: model::device_kernels::DecodingKernel,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
     /// Where CubeCL's compilation log goes, without its profiler (`--kernel-log`,
@@ -149,20 +151,28 @@ pub(crate) fn gpu_options() -> GpuOptions {
         fusion: true,
         device_kernels: KernelChoice::Auto,
         split_decoding: true,
-        decoding_kernel: DecodingKernelChoice::Own,
+        decoding_kernel: model::device_kernels::DecodingKernel::Own,
         kernel_cache: None,
         kernel_log: None,
     })
 }
 
-/// `--decoding-kernel`: the kernel that computes the attention of rows of one query on the GPU
-/// backends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DecodingKernelChoice {
-    /// The kernel made for them (`device-kernels/src/paged_decode.rs`).
-    Own,
-    /// The general paged-attention kernel, which takes prefill chunks too (for comparisons).
-    General,
+/// The GPU kernels a model loaded for `device` runs (part of its [`model::Compute`]), as the
+/// GPU options say ([`GpuOptions::device_kernels`]).
+pub fn device_kernels(device: DeviceChoice) -> model::DeviceKernelChoice {
+    gpu_options().device_kernels(device)
+}
+
+impl GpuOptions {
+    /// The GPU kernels a model loaded for `device` runs: the passes `--device-kernels` gives them
+    /// there, decoding steps cut and computed as `--split-decoding` and `--decoding-kernel` say;
+    /// none on the CPU.
+    pub fn device_kernels(&self, device: DeviceChoice) -> model::DeviceKernelChoice {
+        model::DeviceKernelChoice {
+            passes: self.device_kernels.passes_on(device),
+            decoding: model::device_kernels::Decoding { split: self.split_decoding, kernel: self.decoding_kernel },
+        }
+    }
 }
 
 /// `--device-kernels`: the passes prompt-r1's CubeCL kernels take on the GPU backends.
@@ -316,5 +326,34 @@ mod tests {
         for device in [DeviceChoice::Cpu, DeviceChoice::Cuda(0), DeviceChoice::Cuda(3), DeviceChoice::Wgpu] {
             assert_eq!(device.to_string().parse::<DeviceChoice>(), Ok(device), "shown as --device takes it");
         }
+    }
+
+    #[test]
+    fn a_model_is_loaded_with_the_kernels_its_device_and_the_flags_give() {
+        use model::device_kernels::{Decoding, DecodingKernel, KernelPasses};
+        let defaults = GpuOptions {
+            fusion: true,
+            device_kernels: KernelChoice::Auto,
+            split_decoding: true,
+            decoding_kernel: DecodingKernel::Own,
+            kernel_cache: None,
+            kernel_log: None,
+        };
+        let passes = |options: &GpuOptions, device| options.device_kernels(device).passes;
+        assert_eq!(passes(&defaults, DeviceChoice::Cpu), None, "no GPU kernel on the CPU");
+        assert_eq!(passes(&defaults, DeviceChoice::Cuda(1)), Some(KernelPasses::All));
+        assert_eq!(passes(&defaults, DeviceChoice::Wgpu), Some(KernelPasses::Decode));
+        assert_eq!(defaults.device_kernels(DeviceChoice::Cuda(0)).decoding, Decoding { split: true, kernel: DecodingKernel::Own });
+        let chosen = GpuOptions {
+            device_kernels: KernelChoice::Passes(Some(KernelPasses::Decode)),
+            split_decoding: false,
+            decoding_kernel: DecodingKernel::General,
+            ..defaults.clone()
+        };
+        assert_eq!(passes(&chosen, DeviceChoice::Cuda(0)), Some(KernelPasses::Decode));
+        assert_eq!(passes(&chosen, DeviceChoice::Cpu), None, "not even when asked for");
+        assert_eq!(chosen.device_kernels(DeviceChoice::Wgpu).decoding, Decoding { split: false, kernel: DecodingKernel::General });
+        let off = GpuOptions { device_kernels: KernelChoice::Passes(None), ..defaults };
+        assert_eq!(passes(&off, DeviceChoice::Cuda(0)), None);
     }
 }

@@ -475,7 +475,7 @@ impl<B: Backend> Engine<'_, B> {
                     Ok(RowSampling { sampling, rng })
                 })
                 .collect::<Result<Vec<_>, String>>()?;
-            choose_row_tokens(model.base.compute().cpu_kernels, step.logits, &mut samplers).map_err(|err| err.to_string())?
+            choose_row_tokens(model.base.compute(), step.logits, &mut samplers).map_err(|err| err.to_string())?
         };
         self.metrics.update(|m| m.generation_tokens += step.ids.len() as u64);
         for (&id, (token, logprob)) in step.ids.iter().zip(tokens) {

@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 use burn::tensor::{backend::Backend, DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::mask::AttentionMask;
-use crate::device_kernels::{self, PagedAttention, RaggedRows, RowLens};
+use crate::device_kernels::{DeviceKernelChoice, PagedAttention, RaggedRows, RowLens};
 use crate::kernels;
 use cpu_kernels::Kernels;
 
@@ -201,17 +201,17 @@ impl<B: Backend> CachedKv<B> {
     /// The pass's attention (`query` a token a row, `[b · q, heads · d]`, of `shape`
     /// `[b, q, heads, d]`: a decoding step's one query a row or a prefill chunk's `q`, its rows'
     /// last columns) under `mask`, read straight from the pools by the device kernel registered
-    /// for `B` ([`device_kernels::paged_attention`]), a token a row, `[b · q, heads · d]`; the
-    /// query back where none is registered for such passes.
+    /// for `B` where `choice` hands it such passes ([`DeviceKernelChoice::paged_attention`]), a
+    /// token a row, `[b · q, heads · d]`; the query back where it does not.
     ///
     /// A ragged pass ([`KvCache::set_ragged_slots`]; `shape` `[1, tokens, heads, d]`) takes
     /// its rows' lengths and padding from its slots, not from `mask`.
-    pub fn paged_attention(&self, query: Tensor<B, 2>, shape: [usize; 4], mask: &AttentionMask<B>, scale: f32) -> Result<Tensor<B, 2>, Tensor<B, 2>> {
+    pub fn paged_attention(&self, choice: DeviceKernelChoice, query: Tensor<B, 2>, shape: [usize; 4], mask: &AttentionMask<B>, scale: f32) -> Result<Tensor<B, 2>, Tensor<B, 2>> {
         let [b, q_len, heads, d] = shape;
         assert_eq!(query.dims(), [b * q_len, heads * d], "a query of {shape:?} a token a row");
         let width = self.pass.read.len() / self.pass.rows;
         // A ragged pass has prefill rows: only a kernel that takes prefills computes it.
-        let Some(kernel) = device_kernels::paged_attention::<B>(if self.is_ragged() { usize::MAX } else { q_len }) else {
+        let Some(kernel) = choice.paged_attention::<B>(if self.is_ragged() { usize::MAX } else { q_len }) else {
             return Err(query);
         };
         let (valid, ragged) = match &self.pass.ragged {
@@ -232,14 +232,15 @@ impl<B: Backend> CachedKv<B> {
             valid,
             scale,
             ragged,
+            decoding: choice.decoding,
         };
         Ok(kernel(pass))
     }
 
     /// Whether a device kernel registered for `B` computes this pass's attention
-    /// ([`Self::paged_attention`]) with `queries` queries a row.
-    pub fn takes_paged_attention(&self, queries: usize) -> bool {
-        device_kernels::paged_attention::<B>(if self.is_ragged() { usize::MAX } else { queries }).is_some()
+    /// ([`Self::paged_attention`]) with `queries` queries a row, as `choice` says.
+    pub fn takes_paged_attention(&self, choice: DeviceKernelChoice, queries: usize) -> bool {
+        choice.paged_attention::<B>(if self.is_ragged() { usize::MAX } else { queries }).is_some()
     }
 
     /// Whether this is a ragged pass's ([`KvCache::set_ragged_slots`]): only a paged-attention

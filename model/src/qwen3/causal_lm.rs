@@ -173,7 +173,7 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
     /// ([`KvCache::set_ragged_slots`]): on a backend whose paged-attention kernel takes
     /// prefills, with the memory-efficient attention and no CPU kernels.
     pub fn takes_ragged_passes(&self) -> bool {
-        crate::device_kernels::paged_attention::<B>(2).is_some()
+        self.model.compute.device_kernels.paged_attention::<B>(2).is_some()
             && self.model.compute.attn_implementation == super::compute::AttnImplementation::MemoryEfficient
             && !self.model.compute.cpu_kernels.run_on::<B>()
     }

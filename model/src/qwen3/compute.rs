@@ -1,6 +1,7 @@
 //! How the model computes, one value chosen at load (as transformers' `attn_implementation`):
 //! the attention implementation, its block size, the precision of products with f32 weights,
-//! and the CPU kernels that stand in for burn's ops on burn-flex ([`cpu_kernels::Kernels`]).
+//! the CPU kernels that stand in for burn's ops on burn-flex ([`cpu_kernels::Kernels`]), and
+//! which kernels a GPU backend lends it runs ([`DeviceKernelChoice`]).
 //! The model keeps it ([`super::Qwen3Model::compute`]) and every layer reads it from
 //! there; the trainer's activation checkpointing recomputes with it, and the memory plan counts
 //! what it holds.
@@ -16,8 +17,9 @@
 //! floats per query row and is faster on the CPU than either formula in burn's ops; it takes the
 //! mask as a `[b, 1, q, k]` bias. With `memory_efficient`, a decoding step over the paged KV
 //! cache (one query per row) runs instead through the kernel a GPU backend registered
-//! ([`crate::device_kernels`]; the binary's CUDA and wgpu backends lend CubeCL's unless
-//! `--device-kernels off`), which reads the cache in place.
+//! ([`crate::device_kernels`]; the binary's CUDA and wgpu backends lend CubeCL's), which reads
+//! the cache in place, and prefill chunks and the passes without a cache too where
+//! [`Compute::device_kernels`] says so (`--device-kernels`).
 
 use std::fmt;
 use std::str::FromStr;
@@ -26,6 +28,7 @@ use cpu_kernels::Kernels;
 use serde::{Deserialize, Serialize};
 
 use super::linear::MatmulPrecision;
+use crate::device_kernels::DeviceKernelChoice;
 
 /// Attention's implementation (HF's `attn_implementation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -88,6 +91,10 @@ pub struct Compute {
     /// ([`Kernels::from_env`]), and the binary's commands choose it from their flags.
     #[serde(skip)]
     pub cpu_kernels: Kernels,
+    /// Which of the kernels a GPU backend lends run, and how. Not part of a config file: the
+    /// binary chooses it from its flags for the device it runs on.
+    #[serde(skip)]
+    pub device_kernels: DeviceKernelChoice,
 }
 
 /// The kernels that may stand in for burn's ops in one forward pass (see [`Compute::pass`]).
@@ -95,8 +102,9 @@ pub struct Compute {
 pub struct PassKernels {
     /// The CPU kernels (burn-flex only).
     pub cpu: Kernels,
-    /// Whether the kernels a GPU backend registered ([`crate::device_kernels`]) may run.
-    pub device: bool,
+    /// The kernels a GPU backend lent ([`crate::device_kernels`]) this pass may run: the
+    /// model's choice in a pass over a KV cache, none elsewhere.
+    pub device: DeviceKernelChoice,
 }
 
 /// The default [`Compute::attention_block_size`]: a 256-token pass is one block (no more work
@@ -116,6 +124,7 @@ impl Default for Compute {
             attention_block_size: DEFAULT_ATTENTION_BLOCK_SIZE,
             matmul: MatmulPrecision::default(),
             cpu_kernels: Kernels::default(),
+            device_kernels: DeviceKernelChoice::default(),
         }
     }
 }
@@ -126,12 +135,18 @@ impl Compute {
         Compute { cpu_kernels, ..self }
     }
 
+    /// The same with `device_kernels`.
+    pub fn with_device_kernels(self, device_kernels: DeviceKernelChoice) -> Compute {
+        Compute { device_kernels, ..self }
+    }
+
     /// The kernels one pass may use: the CPU kernels, and a GPU backend's only in a pass
     /// `over_cache` (generation's prefill and decoding steps over a KV cache). Passes without a
-    /// cache (scoring, the update) keep burn's ops there, so that old log-probs and the update's
-    /// forward agree to the last bit.
+    /// cache (scoring, the update) keep burn's ops there for the norms and SwiGLU, so that old
+    /// log-probs and the update's forward agree to the last bit (their attention takes the
+    /// fresh-attention kernel, both of them, where [`Self::device_kernels`] says so).
     pub fn pass(&self, over_cache: bool) -> PassKernels {
-        PassKernels { cpu: self.cpu_kernels, device: over_cache }
+        PassKernels { cpu: self.cpu_kernels, device: if over_cache { self.device_kernels } else { DeviceKernelChoice::OFF } }
     }
 
     /// Checks the settings: a block holds at least one query.

@@ -9,7 +9,7 @@ use super::linear::{lora_linear, product};
 use super::stacked::split_columns;
 use super::rms_norm::rows;
 use crate::lora::LoraLayer;
-use crate::device_kernels::{self, GateUp};
+use crate::device_kernels::GateUp;
 use crate::kernels;
 
 /// The gated feed-forward block of a decoder layer.
@@ -49,7 +49,7 @@ impl<B: Backend> Qwen3MLP<B> {
         let (rows, dims) = rows(&x);
         let x = x.reshape(rows);
         let stacked = self.gate_up_proj.as_ref().filter(|_| gate_adapter.is_none() && up_adapter.is_none());
-        let kernel = pass.device.then(device_kernels::silu_mul::<B>).flatten();
+        let kernel = pass.device.silu_mul::<B>();
         let hidden = match (stacked, kernel) {
             (Some(gate_up_proj), Some(kernel)) => kernel(GateUp::Stacked(product(x, gate_up_proj.clone(), compute))),
             (Some(gate_up_proj), None) => {

@@ -71,10 +71,10 @@ impl<B: Backend> Qwen3RMSNorm<B> {
 /// the weight's dtype. `None` where none are registered (autodiff backends included), in a pass
 /// that allows none, or with dtypes that differ.
 pub(crate) fn lent<B: Backend, const D: usize>(pass: PassKernels, operands: &[&Tensor<B, D>], weight: &Tensor<B, 1>) -> Option<device_kernels::NormKernels<B>> {
-    if !pass.device || operands.iter().any(|x| x.dtype() != weight.dtype()) {
+    if operands.iter().any(|x| x.dtype() != weight.dtype()) {
         return None;
     }
-    device_kernels::norms::<B>()
+    pass.device.norms::<B>()
 }
 
 /// `x`'s leading axes as one: `[rows, hidden]`, and `x`'s dims to restore.

@@ -39,11 +39,12 @@ impl<B: Backend> Qwen3ForCausalLM<B> {
     }
 
     /// The model prepared for inference on its backend: [`Self::with_stacked_projections`]
-    /// where the backend lends the GPU kernels that read a stacked product's columns in place
-    /// (the norms' and SwiGLU's, see [`crate::device_kernels`]), the model as it is elsewhere
-    /// (the CPU, whose kernels take the projections one by one).
+    /// where the backend lends, and the model's choice runs, the GPU kernels that read a stacked
+    /// product's columns in place (the norms' and SwiGLU's, see [`crate::device_kernels`]), the
+    /// model as it is elsewhere (the CPU, whose kernels take the projections one by one).
     pub fn for_inference(self) -> Self {
-        let lent = crate::device_kernels::norms::<B>().is_some() && crate::device_kernels::silu_mul::<B>().is_some();
+        let kernels = self.model.compute.device_kernels;
+        let lent = kernels.norms::<B>().is_some() && kernels.silu_mul::<B>().is_some();
         if lent {
             self.with_stacked_projections()
         } else {

@@ -95,7 +95,7 @@ fn run(case: Case, memory_efficient: bool, dtype: DType, operands: &[Tensor<Inne
     let scale = 1.0 / (case.head_dim as f32).sqrt();
     let output = if memory_efficient {
         let x = Operands { query: q.clone(), key: k.clone(), value: v.clone() };
-        memory_efficient_attention(x, &mask, case.block, scale)
+        memory_efficient_attention(x, &mask, case.block, scale, device_kernel_choice())
     } else {
         let bias = grouped_bias(&mask.bias(dtype), case.heads, case.kv_heads);
         eager_attention_forward(q.clone(), k.clone(), v.clone(), &bias, scale as f64)

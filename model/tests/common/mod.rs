@@ -10,11 +10,21 @@ use burn::tensor::backend::Backend;
 use serde_json::Value;
 
 /// How a test's models compute: through burn's portable ops (the CPU kernels off) where
-/// `portable`, else with the kernels the environment picks (CI's capped reruns).
+/// `portable`, else with the kernels the environment picks (CI's capped reruns); on a GPU
+/// backend with the lent kernels of [`device_kernel_choice`].
 pub fn load_options(portable: bool) -> prompt_r1_model::LoadOptions {
     use prompt_r1_model::{cpu_kernels::Kernels, Compute, LoadOptions};
     let cpu_kernels = if portable { Kernels::off() } else { Kernels::default() };
-    LoadOptions { compute: Compute::default().with_cpu_kernels(cpu_kernels), ..LoadOptions::default() }
+    LoadOptions { compute: Compute::default().with_cpu_kernels(cpu_kernels).with_device_kernels(device_kernel_choice()), ..LoadOptions::default() }
+}
+
+/// The GPU kernels a test's models run: the passes `PROMPT_R1_DEVICE_KERNELS` names, as the
+/// binary reads it (CI runs the GPU path's parity cases again with `all`), else the default's
+/// (decoding steps, the binary's `auto` on wgpu).
+pub fn device_kernel_choice() -> prompt_r1_model::DeviceKernelChoice {
+    use prompt_r1_model::device_kernels::{DeviceKernelChoice, KernelPasses};
+    let passes = std::env::var("PROMPT_R1_DEVICE_KERNELS").ok().and_then(|value| KernelPasses::parse_setting(&value));
+    passes.map_or_else(DeviceKernelChoice::default, DeviceKernelChoice::with_passes)
 }
 
 /// Prints `skipped: <reason>`; in CI (`CI=true`) fails instead, since there nothing may be

@@ -215,7 +215,7 @@ impl<'m, B: Backend> LocalAgent<'m, B> {
         }
         let choices = {
             let mut samplers: Vec<RowSampling<'_>> = rows.iter_mut().map(|(_, _, row)| RowSampling { sampling: &self.sampling, rng: &mut row.rng }).collect();
-            choose_row_tokens(self.model.base().compute().cpu_kernels, step.logits, &mut samplers)?
+            choose_row_tokens(self.model.base().compute(), step.logits, &mut samplers)?
         };
         let t = &mut self.step_times;
         if self.decoder.stats().prefill_tokens > prefilled {

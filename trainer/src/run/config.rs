@@ -39,6 +39,10 @@ pub struct TrainConfig {
     /// the environment says; commands and tests choose another in code).
     #[serde(skip)]
     pub cpu_kernels: model::cpu_kernels::Kernels,
+    /// The kernels a GPU backend lends that the run's models run: not a config key (the binary
+    /// chooses them from its flags for the device).
+    #[serde(skip)]
+    pub device_kernels: model::DeviceKernelChoice,
     /// LoRA: train low-rank adapters beside the frozen model instead of every weight (absent:
     /// full fine-tuning). The KL reference is then the model with the adapters off.
     #[serde(default)]
@@ -94,13 +98,15 @@ impl TrainConfig {
         notes
     }
 
-    /// How the run's models compute: the attention settings, `grpo.matmul` and the CPU kernels.
+    /// How the run's models compute: the attention settings, `grpo.matmul`, the CPU kernels and
+    /// the GPU kernels.
     pub fn compute(&self) -> Compute {
         Compute {
             attn_implementation: self.attn_implementation,
             attention_block_size: self.attention_block_size,
             matmul: self.grpo.matmul,
             cpu_kernels: self.cpu_kernels,
+            device_kernels: self.device_kernels,
         }
     }
 }

@@ -31,6 +31,10 @@ pub struct SftConfig {
     /// the environment says; commands and tests choose another in code).
     #[serde(skip)]
     pub cpu_kernels: model::cpu_kernels::Kernels,
+    /// The kernels a GPU backend lends that the run's models run: not a config key (the binary
+    /// chooses them from its flags for the device).
+    #[serde(skip)]
+    pub device_kernels: model::DeviceKernelChoice,
     /// LoRA: train adapters beside the frozen model instead of every weight (absent: full
     /// fine-tuning); the keys of `train`'s `[lora]`.
     #[serde(default)]
@@ -139,13 +143,15 @@ impl Default for SftRunSection {
 }
 
 impl SftConfig {
-    /// How the run's model computes: the attention settings, `train.matmul` and the CPU kernels.
+    /// How the run's model computes: the attention settings, `train.matmul`, the CPU kernels and
+    /// the GPU kernels.
     pub fn compute(&self) -> Compute {
         Compute {
             attn_implementation: self.attn_implementation,
             attention_block_size: self.attention_block_size,
             matmul: self.train.matmul,
             cpu_kernels: self.cpu_kernels,
+            device_kernels: self.device_kernels,
         }
     }
 

@@ -35,7 +35,7 @@
 
 use burn::tensor::{backend::Backend, DType, Tensor};
 
-use crate::device_kernels;
+use crate::device_kernels::{self, DeviceKernelChoice};
 use crate::qwen3::compute::SCORE_BLOCK_ELEMENTS;
 use crate::qwen3::mask::AttentionMask;
 
@@ -58,15 +58,18 @@ pub struct Blocks {
     pub keys: usize,
     /// The scores' factor, `1 / sqrt(head_dim)`.
     pub scale: f32,
+    /// Whether the forward runs on the [`device_kernels::FreshAttention`] kernel a GPU backend
+    /// lends, where it lends one ([`DeviceKernelChoice::fresh_attention`]).
+    pub device_kernels: DeviceKernelChoice,
 }
 
 impl Blocks {
     /// Blocks of `size` queries, and keys in multiples of `size` while a block pair's scores stay
     /// within [`SCORE_BLOCK_ELEMENTS`], for operands `x`.
-    pub fn new<B: Backend>(x: &Operands<B>, size: usize, scale: f32) -> Self {
+    pub fn new<B: Backend>(x: &Operands<B>, size: usize, scale: f32, device_kernels: DeviceKernelChoice) -> Self {
         let s = Shape::of(x);
         let (queries, keys) = block_sizes(s.batch, s.kv_heads * s.groups, s.queries, s.keys, size);
-        Self { queries, keys, scale }
+        Self { queries, keys, scale, device_kernels }
     }
 }
 
@@ -242,7 +245,7 @@ pub fn forward_for_backward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>
 }
 
 fn run_forward<B: Backend>(x: &Operands<B>, mask: &AttentionMask<B>, blocks: Blocks, keep_probs: bool) -> Forward<B> {
-    if let Some(kernel) = device_kernels::fresh_attention::<B>() {
+    if let Some(kernel) = blocks.device_kernels.fresh_attention::<B>() {
         return kernel_forward(kernel, x, mask, blocks);
     }
     let s = Shape::of(x);
@@ -431,7 +434,7 @@ mod tests {
         let key_mask = Tensor::<Flex, 2, Int>::from_data(TensorData::new(valid, [batch, queries]), &device);
         let mask = AttentionMask::new(Some(&key_mask), batch, 0, queries, &device);
         let grad = random([batch, heads, queries, dim]);
-        let one_pair = Blocks { queries: 16, keys: 64, scale: 0.35 };
+        let one_pair = Blocks { queries: 16, keys: 64, scale: 0.35, device_kernels: DeviceKernelChoice::OFF };
         let kept = forward_for_backward(&x, &mask, one_pair);
         let recomputed = forward(&x, &mask, one_pair);
         assert!(kept.probs.is_some() && recomputed.probs.is_none());
@@ -468,8 +471,8 @@ mod tests {
             let g = backward(&x, &mask, blocks, &f, grad.clone());
             [f.output, g.query, g.key, g.value].map(|t| t.into_data().to_vec::<f32>().unwrap())
         };
-        let narrow = run(Blocks { queries: 4, keys: 4, scale });
-        let wide = run(Blocks { queries: 4, keys: 64, scale });
+        let narrow = run(Blocks { queries: 4, keys: 4, scale, device_kernels: DeviceKernelChoice::OFF });
+        let wide = run(Blocks { queries: 4, keys: 64, scale, device_kernels: DeviceKernelChoice::OFF });
         for (name, (a, b)) in ["output", "dq", "dk", "dv"].iter().zip(narrow.iter().zip(&wide)) {
             let largest = b.iter().fold(0f32, |m, v| m.max(v.abs()));
             let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));

@@ -16,13 +16,13 @@ use burn::nn::Linear;
 use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use super::cache::{CachedKv, KvWrite, LayerKvCache, PoolLike};
-use super::compute::{AttnImplementation, Compute};
+use super::compute::{AttnImplementation, Compute, PassKernels};
 use super::linear::{lora_linear, product};
 use super::stacked::split_columns;
 use super::mask::AttentionMask;
 use super::rms_norm::Qwen3RMSNorm;
 use super::rotary::{Qwen3RotaryEmbedding, RotaryTables};
-use crate::device_kernels::{self, QkNormRopeWrite, Qkv};
+use crate::device_kernels::{DeviceKernelChoice, QkNormRopeWrite, Qkv};
 use crate::kernels;
 use crate::lora::{LoraLayer, LoraLinear};
 use memory_efficient::{Blocks, Operands};
@@ -162,7 +162,7 @@ impl<B: Backend> Qwen3Attention<B> {
         // apply_rotary_pos_emb(q_norm(q), k_norm(k)), and the keys and values to the cache:
         // one kernel where a GPU backend lends it.
         let written = match cache {
-            Some(cache) => match self.norm_rope_and_write(projections, inputs, cache) {
+            Some(cache) => match self.norm_rope_and_write(projections, inputs, cache, pass) {
                 Ok(written) => Ok(written),
                 Err(projections) => Err((projections, Some(cache))),
             },
@@ -201,7 +201,7 @@ impl<B: Backend> Qwen3Attention<B> {
                     }
                     AttnImplementation::MemoryEfficient => {
                         let x = Operands { query: query_states, key: key_states, value: value_states };
-                        memory_efficient_attention(x, &inputs.mask, compute.attention_block_size, scaling as f32)
+                        memory_efficient_attention(x, &inputs.mask, compute.attention_block_size, scaling as f32, compute.device_kernels)
                     }
                 };
                 heads_last(output).reshape([b * q_len, h * d])
@@ -221,7 +221,7 @@ impl<B: Backend> Qwen3Attention<B> {
         let by_token = |o: Tensor<B, 3>| o.reshape([b * q_len, h * d]);
         match (attended, &inputs.bias) {
             (Attended::Cached(cached), _) if cached.is_ragged() => Ok(cached
-                .paged_attention(query.rows(), shape, &inputs.mask, scaling as f32)
+                .paged_attention(compute.device_kernels, query.rows(), shape, &inputs.mask, scaling as f32)
                 .unwrap_or_else(|_| panic!("a ragged pass runs only where a paged-attention kernel takes prefills (Qwen3ForCausalLM::takes_ragged_passes)"))),
             (Attended::Cached(cached), Some(bias)) => {
                 let query = query.heads(shape);
@@ -234,8 +234,10 @@ impl<B: Backend> Qwen3Attention<B> {
             // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
             // too, in the passes it was lent for; the eager formula stays burn's ops, the
             // reference.
-            (Attended::Cached(cached), None) if compute.attn_implementation == AttnImplementation::MemoryEfficient && cached.takes_paged_attention(q_len) => {
-                cached.paged_attention(query.rows(), shape, &inputs.mask, scaling as f32).map_err(Query::Rows)
+            (Attended::Cached(cached), None)
+                if compute.attn_implementation == AttnImplementation::MemoryEfficient && cached.takes_paged_attention(compute.device_kernels, q_len) =>
+            {
+                cached.paged_attention(compute.device_kernels, query.rows(), shape, &inputs.mask, scaling as f32).map_err(Query::Rows)
             }
             _ => Err(query),
         }
@@ -253,6 +255,7 @@ impl<B: Backend> Qwen3Attention<B> {
         projections: Qkv<B>,
         inputs: &AttentionInputs<B>,
         cache: &mut LayerKvCache<B>,
+        pass: PassKernels,
     ) -> Result<(Tensor<B, 2>, CachedKv<B>), Qkv<B>> {
         let d = self.head_dim;
         let (q_weight, k_weight) = (self.q_norm.weight.val(), self.k_norm.weight.val());
@@ -263,7 +266,7 @@ impl<B: Backend> Qwen3Attention<B> {
             cos.dims() == [projections.tokens(), d] && dtypes.into_iter().all(|t| t == dtype)
         });
         let same_eps = self.q_norm.variance_epsilon == self.k_norm.variance_epsilon;
-        let (Some([cos, signed_sin]), Some(kernels)) = (tables.filter(|_| same_eps).cloned(), device_kernels::norms::<B>()) else {
+        let (Some([cos, signed_sin]), Some(kernels)) = (tables.filter(|_| same_eps).cloned(), pass.device.norms::<B>()) else {
             return Err(projections);
         };
         let (eps, heads) = (self.q_norm.variance_epsilon, self.num_heads);
@@ -355,10 +358,11 @@ fn heads_last<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
 }
 
 /// The memory-efficient attention of `x` (`query` `[b, heads, q, d]`, `key` and `value`
-/// `[b, kv_heads, k, d]`) under `mask`, in blocks of `block_size` queries: `[b, heads, q, d]`. On
-/// an autodiff backend it is one node (see [`autodiff`]).
-pub fn memory_efficient_attention<B: Backend>(x: Operands<B>, mask: &AttentionMask<B>, block_size: usize, scale: f32) -> Tensor<B, 4> {
-    let blocks = Blocks::new(&x, block_size, scale);
+/// `[b, kv_heads, k, d]`) under `mask`, in blocks of `block_size` queries: `[b, heads, q, d]`,
+/// by the fresh-attention kernel a GPU backend lends where `device_kernels` hands it these
+/// passes. On an autodiff backend it is one node (see [`autodiff`]).
+pub fn memory_efficient_attention<B: Backend>(x: Operands<B>, mask: &AttentionMask<B>, block_size: usize, scale: f32, device_kernels: DeviceKernelChoice) -> Tensor<B, 4> {
+    let blocks = Blocks::new(&x, block_size, scale, device_kernels);
     match autodiff::attention(x.clone(), mask, blocks) {
         Some(output) => output,
         None => memory_efficient::forward(&x, mask, blocks).output,
