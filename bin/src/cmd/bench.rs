@@ -711,7 +711,7 @@ impl TrainStep {
             matmul: self.matmul,
             attention: self.attention.attn_implementation,
             attention_block: self.attention.attention_block_size,
-            device: crate::cmd::plan::plan_device(device, self.attention.cpu_kernels),
+            device: crate::cmd::plan::plan_device(device, &self.attention.compute(self.matmul, device)),
             cuda_memory: match device {
                 DeviceChoice::Cuda(_) => crate::device::total_memory(device).map(|(bytes, _)| bytes),
                 _ => None,

@@ -7,9 +7,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args as ClapArgs;
 use model::tiny_tokenizer::TINY_VOCAB_SIZE;
-use model::cpu_kernels::Kernels;
 use model::device_kernels::KernelPasses;
-use model::{Preset, Qwen3Config};
+use model::{Compute, Preset, Qwen3Config};
 use trainer::plan::{auto_kv_budget, format_size, kv_position_bytes, parse_device_memory, MemoryPlan, PlanDevice, PlanSettings, Verdict, AUTO_KV_BUDGET, PROMPT_ALLOWANCE};
 use trainer::run::TrainConfig;
 
@@ -55,6 +54,7 @@ pub fn run(args: Args) -> Result<()> {
     if let Some(size) = &args.device_memory {
         config.run.device_memory = Some(size.clone());
     }
+    config.device_kernels = crate::device::device_kernels(args.device);
     let shape = match args.preset {
         Some(preset) => preset.config(TINY_VOCAB_SIZE, Vec::new()),
         None => model_shape(&config)?,
@@ -181,13 +181,14 @@ fn model_shape(config: &TrainConfig) -> Result<Qwen3Config> {
     Qwen3Config::from_file(&path).with_context(|| format!("the model's shape ({})", path.display()))
 }
 
-/// What the plan assumes of a device: the CPU with or without the kernels the run computes
-/// with, or a GPU whose prefill passes gather the KV cache or not (`--device-kernels all`).
-pub fn plan_device(device: DeviceChoice, cpu_kernels: Kernels) -> PlanDevice {
+/// What the plan assumes of a device, from the `compute` the model is loaded with: the CPU with
+/// or without its CPU kernels, or a GPU whose prefill passes gather the KV cache or not (its
+/// device kernels' choice, every pass under `--device-kernels all`).
+pub fn plan_device(device: DeviceChoice, compute: &Compute) -> PlanDevice {
     match device {
-        DeviceChoice::Cpu if !cpu_kernels.is_on() => PlanDevice::CpuPortable,
+        DeviceChoice::Cpu if !compute.cpu_kernels.is_on() => PlanDevice::CpuPortable,
         DeviceChoice::Cpu => PlanDevice::CpuKernels,
-        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if crate::device::device_kernels(device).passes == Some(KernelPasses::All) => {
+        DeviceChoice::Cuda(_) | DeviceChoice::Wgpu if compute.device_kernels.passes == Some(KernelPasses::All) => {
             PlanDevice::GpuPagedPrefill
         }
         DeviceChoice::Cuda(_) | DeviceChoice::Wgpu => PlanDevice::Gpu,
@@ -197,7 +198,7 @@ pub fn plan_device(device: DeviceChoice, cpu_kernels: Kernels) -> PlanDevice {
 /// The plan's settings of `config` on `device`: on CUDA with its memory known, the phases count
 /// the whole pages of CubeCL's pool there.
 fn settings_for(config: &TrainConfig, shape: Qwen3Config, device: DeviceChoice, context: Option<usize>, memory: Option<&(u64, String)>) -> PlanSettings {
-    let mut settings = PlanSettings::from_config(config, shape, plan_device(device, config.cpu_kernels), context);
+    let mut settings = PlanSettings::from_config(config, shape, plan_device(device, &config.compute()), context);
     settings.cuda_memory = memory.and_then(|(bytes, _)| cuda_pages_memory(device, *bytes));
     settings
 }
@@ -417,12 +418,21 @@ pub fn check_before_training(config: &mut TrainConfig, device: DeviceChoice) -> 
 mod tests {
     use super::*;
     use burn::tensor::DType;
+    use model::cpu_kernels::Kernels;
+    use model::device_kernels::DeviceKernelChoice;
 
-    /// The CPU plan follows the kernels the command computes with, not the environment's.
+    /// The plan follows the kernels the model is loaded with, not the environment's: the CPU
+    /// kernels on the CPU, the device kernels' passes on a GPU.
     #[test]
-    fn the_cpu_plan_follows_the_commands_kernels() {
-        assert_eq!(plan_device(DeviceChoice::Cpu, Kernels::off()), PlanDevice::CpuPortable);
-        assert_eq!(plan_device(DeviceChoice::Cpu, Kernels::at(model::cpu_kernels::Isa::Portable)), PlanDevice::CpuKernels);
+    fn the_plan_follows_the_models_kernels() {
+        let cpu = |kernels| Compute::default().with_cpu_kernels(kernels);
+        assert_eq!(plan_device(DeviceChoice::Cpu, &cpu(Kernels::off())), PlanDevice::CpuPortable);
+        assert_eq!(plan_device(DeviceChoice::Cpu, &cpu(Kernels::at(model::cpu_kernels::Isa::Portable))), PlanDevice::CpuKernels);
+        let gpu = |passes| Compute::default().with_device_kernels(DeviceKernelChoice::with_passes(passes));
+        assert_eq!(plan_device(DeviceChoice::Wgpu, &gpu(Some(KernelPasses::All))), PlanDevice::GpuPagedPrefill);
+        assert_eq!(plan_device(DeviceChoice::Cuda(0), &gpu(Some(KernelPasses::All))), PlanDevice::GpuPagedPrefill);
+        assert_eq!(plan_device(DeviceChoice::Wgpu, &gpu(Some(KernelPasses::Decode))), PlanDevice::Gpu);
+        assert_eq!(plan_device(DeviceChoice::Cuda(0), &gpu(None)), PlanDevice::Gpu);
     }
 
     #[test]

@@ -256,7 +256,7 @@ impl Args {
             merged_adapters: if self.merge_lora { self.max_loras as usize } else { 0 },
             attention: options.compute.attn_implementation,
             attention_block: options.compute.attention_block_size,
-            device: crate::cmd::plan::plan_device(device, options.compute.cpu_kernels),
+            device: crate::cmd::plan::plan_device(device, &options.compute),
             cuda_memory: crate::cmd::plan::cuda_pages_memory(device, memory),
         };
         let budget = auto_serving_kv_budget(&settings, memory).map_err(anyhow::Error::msg)?;
