@@ -106,8 +106,8 @@ pub struct FreshAttention<B: Backend> {
 /// scores (`[rows, queries, heads]`, f32).
 pub type FreshAttentionFn<B> = fn(FreshAttention<B>) -> (Tensor<B, 4>, Tensor<B, 3>);
 
-/// The passes over the KV cache a registered [`PagedAttention`] kernel takes; burn's ops
-/// (over the gathered cache) take the others.
+/// The passes over the KV cache a model's [`DeviceKernelChoice`] hands a registered
+/// [`PagedAttention`] kernel; burn's ops (over the gathered cache) take the others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KernelPasses {
     /// Decoding steps: one query a row.
@@ -342,12 +342,6 @@ pub fn register_norms<B: Backend>(kernels: NormKernels<B>) {
     register::<B, _>("norms", kernels);
 }
 
-/// Whether backend `B` was lent any kernel.
-pub fn lends<B: Backend>() -> bool {
-    let key = TypeId::of::<B>();
-    registry().read().expect("registry lock").keys().any(|(backend, _)| *backend == key)
-}
-
 fn register<B: Backend, K: Any + Send + Sync>(name: &'static str, kernel: K) {
     registry().write().expect("registry lock").insert((TypeId::of::<B>(), name), Box::new(kernel));
 }
@@ -375,6 +369,13 @@ mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
     use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    /// Whether backend `B` was lent any kernel.
+    fn lends<B: Backend>() -> bool {
+        let key = TypeId::of::<B>();
+        registry().read().expect("registry lock").keys().any(|(backend, _)| *backend == key)
+    }
 
     /// Settings name the passes, and the old on/off spellings still say decode or off.
     #[test]
@@ -416,12 +417,15 @@ mod tests {
     /// The passes of one kind a counting kernel took (see [`counting`]).
     static DECODING_CALLS: AtomicUsize = AtomicUsize::new(0);
     static PREFILL_CALLS: AtomicUsize = AtomicUsize::new(0);
+    /// How each pass the counting kernel took was to compute its rows of one query.
+    static DECODINGS: Mutex<Vec<Decoding>> = Mutex::new(Vec::new());
 
     /// A paged-attention "kernel" that counts the passes it takes (rows of one query, or
     /// prefills) and returns zeros.
     fn counting(pass: PagedAttention<Counted>) -> Tensor<Counted, 2> {
         let decoding = pass.ragged.as_ref().map_or(pass.shape[1] == 1, |rows| rows.lens.longest == 1);
         if decoding { &DECODING_CALLS } else { &PREFILL_CALLS }.fetch_add(1, Ordering::Relaxed);
+        DECODINGS.lock().unwrap().push(pass.decoding);
         pass.query.zeros_like()
     }
 
@@ -430,7 +434,7 @@ mod tests {
 
     /// Models of one process take the kernel lent to their backend in the passes each one's
     /// [`DeviceKernelChoice`] names: none, decoding steps, or every pass (the prefill then one
-    /// ragged pass), a call a layer.
+    /// ragged pass), a call a layer; and each pass hands the kernel its choice's [`Decoding`].
     #[test]
     fn each_model_runs_the_kernels_its_choice_names() {
         use crate::checkpoint::StorageDtype;
@@ -441,8 +445,17 @@ mod tests {
         crate::init::write_random_checkpoint(&config, dir.path(), 5, StorageDtype::F32).unwrap();
         let layers = config.num_hidden_layers;
         let steps = 3;
-        for (passes, want) in [(None, [0, 0]), (Some(KernelPasses::Decode), [0, layers * (steps - 1)]), (Some(KernelPasses::All), [layers, layers * (steps - 1)])] {
-            let compute = Compute::default().with_cpu_kernels(cpu_kernels::Kernels::off()).with_device_kernels(DeviceKernelChoice::with_passes(passes));
+        let whole = Decoding { split: false, kernel: DecodingKernel::General };
+        let cases = [
+            (None, Decoding::default(), [0, 0]),
+            (Some(KernelPasses::Decode), Decoding::default(), [0, layers * (steps - 1)]),
+            (Some(KernelPasses::Decode), whole, [0, layers * (steps - 1)]),
+            (Some(KernelPasses::All), whole, [layers, layers * (steps - 1)]),
+        ];
+        for (passes, decoding, want) in cases {
+            let choice = DeviceKernelChoice { passes, decoding };
+            let compute = Compute::default().with_cpu_kernels(cpu_kernels::Kernels::off()).with_device_kernels(choice);
+            DECODINGS.lock().unwrap().clear();
             let model = load_pretrained::<Counted>(dir.path(), &Default::default(), LoadOptions { compute, ..LoadOptions::default() }).unwrap();
             let before = [PREFILL_CALLS.load(Ordering::Relaxed), DECODING_CALLS.load(Ordering::Relaxed)];
             let mut decoder = Decoder::new(DecoderLimits::default());
@@ -453,6 +466,9 @@ mod tests {
             }
             let calls = [PREFILL_CALLS.load(Ordering::Relaxed) - before[0], DECODING_CALLS.load(Ordering::Relaxed) - before[1]];
             assert_eq!(calls, want, "{passes:?}: [prefill, decoding] passes through the kernel");
+            let seen = DECODINGS.lock().unwrap();
+            assert_eq!(seen.len(), calls[0] + calls[1]);
+            assert!(seen.iter().all(|&seen| seen == decoding), "{choice:?}: the kernel was handed another decoding: {seen:?}");
         }
     }
 }

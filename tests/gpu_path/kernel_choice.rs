@@ -1,5 +1,5 @@
 //! Which of the kernels a GPU backend lends a model runs is the model's own
-//! (`model::DeviceKernelChoice` in its `Compute`, chosen at load), not the process's: three
+//! (`model::DeviceKernelChoice` in its `Compute`, chosen at load), not the process's: five
 //! models of one process on wgpu, their decoding steps interleaved, each with another choice,
 //! agree on their logits. That each runs the kernels its choice names (and no other model's) is
 //! counted by the model crate's unit test `each_model_runs_the_kernels_its_choice_names`, with a
@@ -9,7 +9,7 @@ use burn::tensor::DType;
 use burn_wgpu::{Vulkan, WgpuDevice};
 use model::checkpoint::StorageDtype;
 use model::cpu_kernels::Kernels;
-use model::device_kernels::{DeviceKernelChoice, KernelPasses};
+use model::device_kernels::{Decoding, DecodingKernel, DeviceKernelChoice, KernelPasses};
 use model::init::write_random_checkpoint;
 use model::{load_pretrained, Compute, Decoder, DecoderLimits, LoadOptions, Preset, Qwen3ForCausalLM};
 
@@ -20,7 +20,9 @@ const PROMPT: u32 = 40;
 const STEPS: usize = 4;
 
 /// Off: every pass attends through burn's ops. Decoding steps: only those through the
-/// paged-attention kernel. Every pass: the prefill too. All are fed off's greedy token at each
+/// paged-attention kernel (split where the device would idle, through the kernel made for them;
+/// and whole, through the general kernel, as `--split-decoding off --decoding-kernel general`
+/// choose). Every pass: the prefill too, both ways. All are fed off's greedy token at each
 /// step; the logits of every step agree within 1e-3 (kernels and burn's ops sum in different orders, in
 /// f32).
 #[test]
@@ -31,12 +33,19 @@ fn models_with_other_kernel_choices_agree_side_by_side() {
     let dir = tempfile::tempdir().unwrap();
     write_random_checkpoint(&Preset::Tiny.config(VOCAB, vec![2]), dir.path(), 11, StorageDtype::F32).unwrap();
     let device = WgpuDevice::DefaultDevice;
-    let load = |passes: Option<KernelPasses>| {
-        let compute = Compute::default().with_cpu_kernels(Kernels::off()).with_device_kernels(DeviceKernelChoice::with_passes(passes));
+    let load = |choice: DeviceKernelChoice| {
+        let compute = Compute::default().with_cpu_kernels(Kernels::off()).with_device_kernels(choice);
         load_pretrained::<Vulkan>(dir.path(), &device, LoadOptions { dtype: DType::F32, compute }).unwrap().for_inference()
     };
-    let choices = [None, Some(KernelPasses::Decode), Some(KernelPasses::All)];
-    let models: Vec<Qwen3ForCausalLM<Vulkan>> = choices.iter().map(|&passes| load(passes)).collect();
+    let whole = Decoding { split: false, kernel: DecodingKernel::General };
+    let choices = [
+        DeviceKernelChoice::OFF,
+        DeviceKernelChoice::with_passes(Some(KernelPasses::Decode)),
+        DeviceKernelChoice { passes: Some(KernelPasses::Decode), decoding: whole },
+        DeviceKernelChoice::with_passes(Some(KernelPasses::All)),
+        DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: whole },
+    ];
+    let models: Vec<Qwen3ForCausalLM<Vulkan>> = choices.iter().map(|&choice| load(choice)).collect();
     let mut decoders: Vec<Decoder<Vulkan>> = models.iter().map(|_| Decoder::new(DecoderLimits::default())).collect();
     for (decoder, model) in decoders.iter_mut().zip(&models) {
         decoder.add(model, 0, synthetic_prompt(VOCAB as u32, 3, PROMPT)).unwrap();
