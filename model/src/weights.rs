@@ -25,8 +25,8 @@ pub struct LoadOptions {
     /// The dtype the weights (and so the activations) use on the device. f32 by default; bf16
     /// halves memory and, on GPUs, doubles matmul speed.
     pub dtype: DType,
-    /// How the model computes (attention implementation, precision of products, CPU kernels),
-    /// kept in the model; see [`Compute`].
+    /// How the model computes (attention implementation, precision of products, CPU and GPU
+    /// kernels), kept in the model; see [`Compute`].
     pub compute: Compute,
 }
 

@@ -27,7 +27,8 @@ pub struct Qwen3Model<B: Backend> {
     #[module(skip)]
     pub rotary_emb: Qwen3RotaryEmbedding,
     /// How the model computes: the attention implementation, the precision of every
-    /// projection's f32 products (the head's included) and the CPU kernels.
+    /// projection's f32 products (the head's included), the CPU kernels and the GPU kernels
+    /// it runs.
     #[module(skip)]
     pub compute: Compute,
 }

@@ -232,8 +232,8 @@ impl<B: Backend> Qwen3Attention<B> {
                 kernels::grouped_attention(compute.cpu_kernels, &query, k, v, bias, scaling as f32).map(by_token).ok_or(Query::Heads(query))
             }
             // A backend that lent a paged-attention kernel (a GPU's) reads the pools in place
-            // too, in the passes it was lent for; the eager formula stays burn's ops, the
-            // reference.
+            // too, in the passes the model's device kernel choice hands it; the eager formula
+            // stays burn's ops, the reference.
             (Attended::Cached(cached), None)
                 if compute.attn_implementation == AttnImplementation::MemoryEfficient && cached.takes_paged_attention(compute.device_kernels, q_len) =>
             {
