@@ -193,6 +193,12 @@ impl DeviceKernelChoice {
         Self { passes, ..Self::default() }
     }
 
+    /// Whether backend `B` was lent the kernels (the paged attention, which every choice but
+    /// none runs), whatever a model chooses of them.
+    pub fn lent_to<B: Backend>() -> bool {
+        registered::<B, PagedAttentionFn<B>>("paged_attention").is_some()
+    }
+
     /// The [`PagedAttention`] kernel registered for backend `B` where this choice hands it passes
     /// of `queries` queries a row.
     pub fn paged_attention<B: Backend>(self, queries: usize) -> Option<PagedAttentionFn<B>> {
@@ -397,10 +403,16 @@ mod tests {
     fn kernels_are_found_by_the_backend_type_and_taken_as_the_choice_says() {
         type Other = Autodiff<Autodiff<Flex>>;
         let (decode, all, off) = (DeviceKernelChoice::default(), DeviceKernelChoice::with_passes(Some(KernelPasses::All)), DeviceKernelChoice::OFF);
-        assert!(!lends::<Other>());
+        let in_use = |choice| crate::Compute::default().with_device_kernels(choice).kernels_on::<Other>();
+        assert!(!lends::<Other>() && !DeviceKernelChoice::lent_to::<Other>());
         assert!(all.paged_attention::<Other>(1).is_none());
+        assert_eq!(in_use(decode).gpu, None, "no kernel lent, none recorded");
         register_paged_attention::<Other>(zeros::<Other>);
-        assert!(lends::<Other>());
+        assert!(lends::<Other>() && DeviceKernelChoice::lent_to::<Other>());
+        assert_eq!(in_use(decode), crate::qwen3::KernelsInUse { cpu: None, gpu: Some(crate::qwen3::GpuKernelsInUse { passes: "decode", split_decoding: Some(true), decoding_kernel: Some("own") }) });
+        let whole = DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: Decoding { split: false, kernel: DecodingKernel::General } };
+        assert_eq!(in_use(whole).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "all", split_decoding: Some(false), decoding_kernel: Some("general") }));
+        assert_eq!(in_use(off).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "off", split_decoding: None, decoding_kernel: None }));
         assert!(decode.paged_attention::<Other>(1).is_some());
         assert!(decode.paged_attention::<Other>(7).is_none(), "decoding steps only: no prefill");
         assert!(all.paged_attention::<Other>(7).is_some());

@@ -28,7 +28,7 @@ use cpu_kernels::Kernels;
 use serde::{Deserialize, Serialize};
 
 use super::linear::MatmulPrecision;
-use crate::device_kernels::DeviceKernelChoice;
+use crate::device_kernels::{DecodingKernel, DeviceKernelChoice, KernelPasses};
 
 /// Attention's implementation (HF's `attn_implementation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -107,6 +107,41 @@ pub struct PassKernels {
     pub device: DeviceKernelChoice,
 }
 
+/// The kernels a model runs on its backend ([`Compute::kernels_on`]), named as the binary's
+/// flags name them: what a run records beside its settings, since neither is a config key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct KernelsInUse {
+    /// On burn-flex, the CPU kernels; `None` on other backends, which never run them.
+    pub cpu: Option<CpuKernelsInUse>,
+    /// On a backend that lends GPU kernels, which of them run (`--device-kernels`,
+    /// `--split-decoding`, `--decoding-kernel`); `None` where none is lent.
+    pub gpu: Option<GpuKernelsInUse>,
+}
+
+/// The CPU kernels of a model on burn-flex.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CpuKernelsInUse {
+    /// Their instruction-set level (`PROMPT_R1_CPU_ISA`), or `off` where burn's portable ops
+    /// compute everything (`--portable-ops`).
+    pub level: &'static str,
+    /// How the packed bf16 products multiply (`PROMPT_R1_BF16_PRODUCTS`), where the kernels run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bf16_products: Option<&'static str>,
+}
+
+/// The GPU kernels a model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct GpuKernelsInUse {
+    /// The passes they take: `off`, `decode` or `all`.
+    pub passes: &'static str,
+    /// Whether decoding steps are split across the GPU, where any pass runs them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub split_decoding: Option<bool>,
+    /// The kernel of decoding steps (`own` or `general`), where any pass runs them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decoding_kernel: Option<&'static str>,
+}
+
 /// The default [`Compute::attention_block_size`]: a 256-token pass is one block (no more work
 /// than the eager formula), and at 8k tokens a micro-batch of 8 Qwen3-4B sequences (32 query
 /// heads) keeps 512 MiB of f32 scores per block pair instead of 64 GiB.
@@ -149,11 +184,58 @@ impl Compute {
         PassKernels { cpu: self.cpu_kernels, device: if over_cache { self.device_kernels } else { DeviceKernelChoice::OFF } }
     }
 
+    /// The kernels a model with this value runs on backend `B`, as a run's settings file records
+    /// them: the CPU kernels on burn-flex, the GPU kernels on a backend that lends them.
+    pub fn kernels_on<B: burn::tensor::backend::Backend>(&self) -> KernelsInUse {
+        let cpu = cpu_kernels::is_flex_backend::<B>().then(|| CpuKernelsInUse {
+            level: self.cpu_kernels.level().map_or("off", |level| level.name()),
+            bf16_products: self.cpu_kernels.level().map(|_| self.cpu_kernels.bf16_products().name()),
+        });
+        let choice = self.device_kernels;
+        let gpu = DeviceKernelChoice::lent_to::<B>().then(|| GpuKernelsInUse {
+            passes: match choice.passes {
+                None => "off",
+                Some(KernelPasses::Decode) => "decode",
+                Some(KernelPasses::All) => "all",
+            },
+            split_decoding: choice.passes.map(|_| choice.decoding.split),
+            decoding_kernel: choice.passes.map(|_| match choice.decoding.kernel {
+                DecodingKernel::Own => "own",
+                DecodingKernel::General => "general",
+            }),
+        });
+        KernelsInUse { cpu, gpu }
+    }
+
     /// Checks the settings: a block holds at least one query.
     pub fn validate(&self) -> Result<(), String> {
         if self.attention_block_size == 0 {
             return Err("attention_block_size must be at least 1 (the queries per block of the memory-efficient attention)".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::{Autodiff, Flex};
+    use cpu_kernels::{Isa, Kernels};
+
+    use super::*;
+
+    /// On burn-flex, plain or under autodiff, the record names the CPU kernels (their product
+    /// kernel only where they run) and no GPU kernel, none being lent to it.
+    #[test]
+    fn the_cpu_kernels_are_recorded_on_burn_flex() {
+        let off = Compute::default().with_cpu_kernels(Kernels::off());
+        let want = KernelsInUse { cpu: Some(CpuKernelsInUse { level: "off", bf16_products: None }), gpu: None };
+        assert_eq!(off.kernels_on::<Flex>(), want);
+        assert_eq!(off.kernels_on::<Autodiff<Flex>>(), want);
+        let portable = Compute::default().with_cpu_kernels(Kernels::at(Isa::Portable)).kernels_on::<Flex>();
+        let cpu = portable.cpu.expect("burn-flex runs the CPU kernels");
+        assert_eq!(cpu.level, "portable");
+        assert_eq!(cpu.bf16_products, Some(Kernels::host().bf16_products().name()));
+        let json = serde_json::to_value(off.kernels_on::<Flex>()).unwrap();
+        assert_eq!(json, serde_json::json!({"cpu": {"level": "off"}, "gpu": null}));
     }
 }

@@ -22,7 +22,7 @@ pub use attention::autodiff::register_autodiff_attention;
 pub use attention::{AttentionInputs, Qwen3Attention};
 pub use cache::{grown_capacity, CachedKv, KvCache, LayerKvCache, PoolLike, BLOCK_SIZE, GROWTH_STEP, SCRATCH_SLOT};
 pub use causal_lm::{ModelOutput, Qwen3ForCausalLM, Qwen3Model};
-pub use compute::{AttnImplementation, Compute};
+pub use compute::{AttnImplementation, Compute, CpuKernelsInUse, GpuKernelsInUse, KernelsInUse};
 pub use decoder_layer::{Qwen3DecoderLayer, ResidualStream};
 pub use mask::{attention_bias, AttentionMask, MASK_VALUE};
 pub use linear::{lora_linear, product, MatmulPrecision};

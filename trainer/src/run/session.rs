@@ -405,6 +405,16 @@ impl RunSession {
     }
 }
 
+/// A run's settings as its settings file holds them (`run_config.json`, `sft_config.json`): the
+/// config's keys, and beside them the kernels the run's models run, which the binary chooses from
+/// its flags and the environment rather than from a config key.
+#[derive(Serialize)]
+pub(crate) struct SettingsRecord<'a, C: Serialize> {
+    #[serde(flatten)]
+    pub settings: &'a C,
+    pub kernels: model::qwen3::KernelsInUse,
+}
+
 /// Renames the settings file `path` aside ([`keep_aside`], as `NAME.LABEL.json`) when it differs
 /// from `next`, the settings the run goes on with, so that the settings of the steps already
 /// made (`up-to-step-N`, N the run's newest) or of an earlier start (`earlier-start`) are not

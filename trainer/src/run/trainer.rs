@@ -22,7 +22,7 @@ use super::learner::{Learner, LearnerSettings, Update};
 use super::memory::{end_device_phase, gib, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe};
 use super::metrics_log::StepRecord;
 use super::reward::{EpisodeScore, EpisodeScorer};
-use super::session::{Resume, RunSession, SessionSettings, SteppedRun};
+use super::session::{Resume, RunSession, SessionSettings, SettingsRecord, SteppedRun};
 use super::validation::ValidationReport;
 use crate::grpo::{
     group_advantages, learn, sequence_logprobs, LearnConfig, PolicyBatch, PolicySequence, StepStats, Trainable,
@@ -125,7 +125,8 @@ impl<B: AutodiffBackend> Trainer<B> {
         let sampler = session.sampler(train.len(), config.rollout.batch_size, "rollout.batch_size", "run.seed")?;
         let step = session.start_step();
         let engine = engine_for::<Inner<B>>(&config)?;
-        session.begin("run_config.json", &config, config.run.steps)?;
+        let record = SettingsRecord { settings: &config, kernels: config.compute().kernels_on::<Inner<B>>() };
+        session.begin("run_config.json", &record, config.run.steps)?;
         Ok(Self {
             config,
             session,

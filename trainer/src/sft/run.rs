@@ -23,7 +23,7 @@ use crate::grpo::Trainable;
 use crate::optim::{AdamWOptimizer, StepOutcome};
 use crate::run::learner::{Learner, LearnerSettings, Update};
 use crate::run::metrics_log::{null_as_nan, read_lines};
-use crate::run::session::SessionSettings;
+use crate::run::session::{SessionSettings, SettingsRecord};
 use crate::run::{
     end_device_phase, gib, peak_rss_mb, reset_peak_rss, DeviceMemoryProbe, Resume, RunSession, SteppedRun, TrainError, METRICS_FILE,
 };
@@ -164,7 +164,8 @@ impl<B: AutodiffBackend> SftRun<B> {
         let learner = session.load(|checkpoint| Learner::start(&settings, &device, checkpoint))?;
         let sampler = session.sampler(train.len(), config.train.batch_size, "train.batch_size", "train.seed")?;
         let step = session.start_step();
-        session.begin(SFT_CONFIG_FILE, &config, total_steps)?;
+        let record = SettingsRecord { settings: &config, kernels: config.compute().kernels_on::<B::InnerBackend>() };
+        session.begin(SFT_CONFIG_FILE, &record, total_steps)?;
         Ok(Self {
             config,
             session,

@@ -47,6 +47,25 @@ fn each_phase_reads_the_device_memory_pool_as_it_ends() {
     assert_eq!(phases(&records[0]), (None, None, None));
 }
 
+/// `run_config.json` holds the config's keys and, beside them, the kernels the run's models run
+/// (chosen by flags, not config keys); a start with other kernels keeps the earlier file.
+#[test]
+fn the_settings_file_records_the_kernels() {
+    use model::cpu_kernels::{Isa, Kernels};
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = setup(dir.path());
+    config.cpu_kernels = Kernels::off();
+    let read = |name: &str| -> serde_json::Value { serde_json::from_slice(&std::fs::read(config.run.out_dir.join(name)).unwrap()).unwrap() };
+    drop(Trainer::<B>::start(config.clone(), Default::default(), false).unwrap());
+    let settings = read("run_config.json");
+    assert_eq!(settings["kernels"], serde_json::json!({"cpu": {"level": "off"}, "gpu": null}), "{settings}");
+    assert_eq!(settings["model"], serde_json::json!(config.model), "the config's keys stay at the top");
+    config.cpu_kernels = Kernels::at(Isa::Portable);
+    drop(Trainer::<B>::start(config.clone(), Default::default(), false).unwrap());
+    assert_eq!(read("run_config.json")["kernels"]["cpu"]["level"], "portable");
+    assert_eq!(read("run_config.earlier-start.json")["kernels"]["cpu"]["level"], "off");
+}
+
 /// The mean reward of the last 5 of 40 steps exceeds the first 5 by more than 0.15: a random
 /// policy sits near 0.5 with a per-step standard error of about 0.04 (12 episodes × 8 tokens),
 /// so 0.15 is several standard errors and about a third of the room to the optimum.

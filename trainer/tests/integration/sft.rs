@@ -14,7 +14,7 @@ use model::tokenizer::Qwen3Tokenizer;
 use model::{load_pretrained, LoadOptions, Qwen3ForCausalLM};
 use prompt_r1_trainer::run::{latest_checkpoint, list_checkpoints, run_to_end, Resume};
 use prompt_r1_trainer::sft::{
-    read_sft_metrics, sft_step, RowEncoder, SftConfig, SftRecord, SftRun, SftSequence,
+    read_sft_metrics, sft_step, RowEncoder, SftConfig, SftRecord, SftRun, SftSequence, SFT_CONFIG_FILE,
 };
 
 type B = Autodiff<Flex>;
@@ -159,6 +159,8 @@ fn the_loss_falls_on_a_tiny_fixture() {
         .iter()
         .all(|r| r.skipped_steps == 0 && r.grad_norm.is_some_and(f32::is_finite)));
     assert_eq!(read_sft_metrics(&config.run.out_dir).unwrap(), records);
+    let settings: serde_json::Value = serde_json::from_slice(&std::fs::read(config.run.out_dir.join(SFT_CONFIG_FILE)).unwrap()).unwrap();
+    assert!(settings["kernels"]["cpu"]["level"].is_string() && settings["kernels"]["gpu"].is_null(), "the kernels beside the settings: {settings}");
     // Without a checkpoint there is nothing to resume: a new start drops the old lines.
     drop(run);
     SftRun::<B>::start(config.clone(), Default::default(), false).unwrap();
