@@ -74,11 +74,11 @@ struct Cli {
 }
 
 fn decoding_kernel(value: &str) -> Result<DecodingKernel, String> {
-    match value.trim().to_ascii_lowercase().as_str() {
-        "own" => Ok(DecodingKernel::Own),
-        "general" => Ok(DecodingKernel::General),
-        _ => Err("own or general is expected (--decoding-kernel or PROMPT_R1_DECODING_KERNEL)".to_string()),
-    }
+    let wanted = value.trim().to_ascii_lowercase();
+    DecodingKernel::ALL
+        .into_iter()
+        .find(|kernel| kernel.name() == wanted)
+        .ok_or_else(|| "own or general is expected (--decoding-kernel or PROMPT_R1_DECODING_KERNEL)".to_string())
 }
 
 fn kernel_passes(value: &str) -> Result<KernelChoice, String> {

@@ -129,6 +129,14 @@ impl KernelPasses {
         }
     }
 
+    /// The setting that names these passes.
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPasses::Decode => "decode",
+            KernelPasses::All => "all",
+        }
+    }
+
     /// Whether a pass of `queries` queries a row is one of these.
     pub fn take(self, queries: usize) -> bool {
         self == KernelPasses::All || queries == 1
@@ -170,6 +178,19 @@ pub enum DecodingKernel {
     Own,
     /// The general paged-attention kernel, which takes prefill chunks too (for comparisons).
     General,
+}
+
+impl DecodingKernel {
+    /// Both, the default first.
+    pub const ALL: [DecodingKernel; 2] = [DecodingKernel::Own, DecodingKernel::General];
+
+    /// The setting that names it (`--decoding-kernel`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DecodingKernel::Own => "own",
+            DecodingKernel::General => "general",
+        }
+    }
 }
 
 impl Default for Decoding {
@@ -390,6 +411,9 @@ mod tests {
             assert_eq!(KernelPasses::parse_setting(value), Some(passes), "{value}");
         }
         assert_eq!(KernelPasses::parse_setting("prefill"), None);
+        for passes in [KernelPasses::Decode, KernelPasses::All] {
+            assert_eq!(KernelPasses::parse_setting(passes.name()), Some(Some(passes)), "a name is a setting");
+        }
     }
 
     fn zeros<B: Backend>(pass: PagedAttention<B>) -> Tensor<B, 2> {

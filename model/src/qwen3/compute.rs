@@ -28,7 +28,7 @@ use cpu_kernels::Kernels;
 use serde::{Deserialize, Serialize};
 
 use super::linear::MatmulPrecision;
-use crate::device_kernels::{DecodingKernel, DeviceKernelChoice, KernelPasses};
+use crate::device_kernels::{DeviceKernelChoice, KernelPasses};
 
 /// Attention's implementation (HF's `attn_implementation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -187,22 +187,16 @@ impl Compute {
     /// The kernels a model with this value runs on backend `B`, as a run's settings file records
     /// them: the CPU kernels on burn-flex, the GPU kernels on a backend that lends them.
     pub fn kernels_on<B: burn::tensor::backend::Backend>(&self) -> KernelsInUse {
+        let level = self.cpu_kernels.level();
         let cpu = cpu_kernels::is_flex_backend::<B>().then(|| CpuKernelsInUse {
-            level: self.cpu_kernels.level().map_or("off", |level| level.name()),
-            bf16_products: self.cpu_kernels.level().map(|_| self.cpu_kernels.bf16_products().name()),
+            level: level.map_or("off", |level| level.name()),
+            bf16_products: level.map(|_| self.cpu_kernels.bf16_products().name()),
         });
         let choice = self.device_kernels;
         let gpu = DeviceKernelChoice::lent_to::<B>().then(|| GpuKernelsInUse {
-            passes: match choice.passes {
-                None => "off",
-                Some(KernelPasses::Decode) => "decode",
-                Some(KernelPasses::All) => "all",
-            },
+            passes: choice.passes.map_or("off", KernelPasses::name),
             split_decoding: choice.passes.map(|_| choice.decoding.split),
-            decoding_kernel: choice.passes.map(|_| match choice.decoding.kernel {
-                DecodingKernel::Own => "own",
-                DecodingKernel::General => "general",
-            }),
+            decoding_kernel: choice.passes.map(|_| choice.decoding.kernel.name()),
         });
         KernelsInUse { cpu, gpu }
     }
