@@ -2,6 +2,7 @@
 //! and the parsed reply.
 
 pub use ::chat::{ChatMessage, Role};
+use ::chat::SamplingError;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -33,15 +34,15 @@ impl SamplingParams {
     /// Checks the values against the ranges OpenAI's API accepts (temperature 0 to 2, top_p
     /// above 0 up to 1, at least one token), so that a bad value is named before a run starts
     /// rather than refused by the server on every call.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SamplingError> {
         if let Some(t) = self.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
-            return Err(format!("temperature {t} is out of range (0 to 2)"));
+            return Err(SamplingError(format!("temperature {t} is out of range (0 to 2)")));
         }
         if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
-            return Err(format!("top_p {p} is out of range (above 0, up to 1)"));
+            return Err(SamplingError(format!("top_p {p} is out of range (above 0, up to 1)")));
         }
         if self.max_tokens == Some(0) {
-            return Err("max_tokens must be at least 1 (or unset: the server's default)".into());
+            return Err(SamplingError("max_tokens must be at least 1 (or unset: the server's default)".into()));
         }
         Ok(())
     }

@@ -7,7 +7,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::error::ModelError;
+use crate::error::{ModelError, SettingError};
 
 /// The architecture hyper-parameters of a Qwen3 decoder, with HF's field names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -38,18 +38,18 @@ impl Qwen3Config {
             path: path.to_path_buf(),
             source,
         })?;
-        Self::from_json_str(&text).map_err(|reason| ModelError::Config {
+        Self::from_json_str(&text).map_err(|SettingError(reason)| ModelError::Config {
             path: path.to_path_buf(),
             reason,
         })
     }
 
     /// Parses the JSON text of a `config.json`; the error is a sentence naming the bad key.
-    pub fn from_json_str(text: &str) -> Result<Self, String> {
+    pub fn from_json_str(text: &str) -> Result<Self, SettingError> {
         let raw: HfConfig = serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(text))
             .map_err(describe_json_error)?;
         if let Some(model_type) = raw.model_type.as_deref().filter(|t| *t != "qwen3") {
-            return Err(format!("model_type is \"{model_type}\", only \"qwen3\" is supported"));
+            return Err(format!("model_type is \"{model_type}\", only \"qwen3\" is supported").into());
         }
         let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
         let head_dim = match raw.head_dim {
@@ -64,7 +64,7 @@ impl Qwen3Config {
                 Some(other) => {
                     return Err(format!(
                         "rope_parameters.rope_type \"{other}\" is not supported (only \"default\")"
-                    ))
+                    ).into())
                 }
             },
             None => None,
@@ -72,11 +72,11 @@ impl Qwen3Config {
         if let Some(scaling) = raw.rope_scaling {
             let kind = scaling.rope_type.or(scaling.kind).unwrap_or_else(|| "unknown".into());
             if kind != "default" {
-                return Err(format!("rope_scaling of type \"{kind}\" is not supported"));
+                return Err(format!("rope_scaling of type \"{kind}\" is not supported").into());
             }
         }
         if let Some(act) = raw.hidden_act.as_deref().filter(|&act| act != "silu") {
-            return Err(format!("hidden_act \"{act}\" is not supported: Qwen3's MLP is SwiGLU (\"silu\")"));
+            return Err(format!("hidden_act \"{act}\" is not supported: Qwen3's MLP is SwiGLU (\"silu\")").into());
         }
         let rope_theta = nested_theta
             .or(raw.rope_theta)
@@ -107,7 +107,7 @@ impl Qwen3Config {
     }
 
     /// Checks the relations between fields that the model's shapes rely on.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), SettingError> {
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -119,23 +119,23 @@ impl Qwen3Config {
         ];
         for (key, value) in positive {
             if value == 0 {
-                return Err(format!("\"{key}\" must be positive"));
+                return Err(format!("\"{key}\" must be positive").into());
             }
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
             return Err(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
-            ));
+            ).into());
         }
         if self.head_dim % 2 != 0 {
-            return Err(format!("head_dim ({}) must be even for RoPE", self.head_dim));
+            return Err(format!("head_dim ({}) must be even for RoPE", self.head_dim).into());
         }
         if !(self.rope_theta > 0.0) {
-            return Err(format!("rope_theta must be positive, got {}", self.rope_theta));
+            return Err(format!("rope_theta must be positive, got {}", self.rope_theta).into());
         }
         if !(self.rms_norm_eps > 0.0 && self.rms_norm_eps.is_finite()) {
-            return Err(format!("rms_norm_eps must be positive, got {}", self.rms_norm_eps));
+            return Err(format!("rms_norm_eps must be positive, got {}", self.rms_norm_eps).into());
         }
         if self.max_position_embeddings == 0 {
             return Err("\"max_position_embeddings\" must be positive".into());
@@ -143,7 +143,7 @@ impl Qwen3Config {
         let ids = self.eos_token_ids.iter().map(|&id| ("eos_token_id", id)).chain(self.bos_token_id.map(|id| ("bos_token_id", id))).chain(self.pad_token_id.map(|id| ("pad_token_id", id)));
         for (key, id) in ids {
             if id as usize >= self.vocab_size {
-                return Err(format!("{key} {id} is outside the vocabulary of {} tokens", self.vocab_size));
+                return Err(format!("{key} {id} is outside the vocabulary of {} tokens", self.vocab_size).into());
             }
         }
         Ok(())
@@ -398,10 +398,10 @@ mod tests {
     #[test]
     fn missing_key_is_named() {
         let text = V4_STYLE.replace("\"intermediate_size\":16,", "");
-        let err = Qwen3Config::from_json_str(&text).unwrap_err();
+        let err = Qwen3Config::from_json_str(&text).unwrap_err().0;
         assert!(err.contains("intermediate_size"), "{err}");
         let text = V4_STYLE.replace("\"rope_theta\":1000000.0,", "");
-        let err = Qwen3Config::from_json_str(&text).unwrap_err();
+        let err = Qwen3Config::from_json_str(&text).unwrap_err().0;
         assert!(err.contains("rope_theta"), "{err}");
     }
 
@@ -410,14 +410,17 @@ mod tests {
         let text = V4_STYLE.replace("\"num_key_value_heads\":1", "\"num_key_value_heads\":3");
         assert!(Qwen3Config::from_json_str(&text)
             .unwrap_err()
+            .0
             .contains("multiple"));
         let text = V4_STYLE.replace("\"hidden_size\":8", "\"hidden_size\":\"eight\"");
         assert!(Qwen3Config::from_json_str(&text)
             .unwrap_err()
+            .0
             .contains("hidden_size"));
         let text = V4_STYLE.replace("\"qwen3\"", "\"llama\"");
         assert!(Qwen3Config::from_json_str(&text)
             .unwrap_err()
+            .0
             .contains("llama"));
     }
 
@@ -431,7 +434,7 @@ mod tests {
             ("[3,4]", "[3,10]", "eos_token_id"),
             ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"pad_token_id\":99", "pad_token_id"),
         ] {
-            let err = Qwen3Config::from_json_str(&V4_STYLE.replace(from, to)).unwrap_err();
+            let err = Qwen3Config::from_json_str(&V4_STYLE.replace(from, to)).unwrap_err().0;
             assert!(err.contains(key), "{to}: {err}");
         }
         let silu = V4_STYLE.replace("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"hidden_act\":\"silu\"");
@@ -441,12 +444,12 @@ mod tests {
     #[test]
     fn a_bad_value_names_its_key_path() {
         let text = V4_STYLE.replace("\"rope_theta\":1000000.0", "\"rope_parameters\":{\"rope_theta\":\"big\"}");
-        let err = Qwen3Config::from_json_str(&text).unwrap_err();
+        let err = Qwen3Config::from_json_str(&text).unwrap_err().0;
         assert!(err.contains("\"rope_parameters.rope_theta\""), "{err}");
         let text = V4_STYLE.replace("[3,4]", "[3,\"four\"]");
-        let err = Qwen3Config::from_json_str(&text).unwrap_err();
+        let err = Qwen3Config::from_json_str(&text).unwrap_err().0;
         assert!(err.contains("\"eos_token_id\""), "{err}");
-        let err = Qwen3Config::from_json_str("{\"vocab_size\": 3,").unwrap_err();
+        let err = Qwen3Config::from_json_str("{\"vocab_size\": 3,").unwrap_err().0;
         assert!(err.starts_with("invalid JSON"), "{err}");
     }
 

@@ -65,3 +65,21 @@ pub enum ModelError {
     #[error("the device failed: {0}")]
     Device(String),
 }
+
+/// A setting out of range or not supported (a key of `config.json`, of `[lora]`, of a model's
+/// [`crate::Compute`], or of a run's configuration); the message names the key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SettingError(pub String);
+
+impl From<&str> for SettingError {
+    fn from(message: &str) -> Self {
+        Self(message.to_owned())
+    }
+}
+
+impl From<String> for SettingError {
+    fn from(message: String) -> Self {
+        Self(message)
+    }
+}

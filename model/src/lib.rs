@@ -36,7 +36,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use config::{Preset, Qwen3Config};
-pub use error::ModelError;
+pub use error::{ModelError, SettingError};
 pub use qwen3::{AttnImplementation, Compute, KvCache, MatmulPrecision, Qwen3ForCausalLM};
 pub use device_kernels::DeviceKernelChoice;
 pub use batch::{Padding, TokenBatch};

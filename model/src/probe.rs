@@ -14,9 +14,14 @@ use burn::tensor::{backend::Backend, ElementConversion, Tensor};
 /// Serialises probes: each one swaps the process's panic hook and must restore it.
 static PROBING: Mutex<()> = Mutex::new(());
 
-/// Adds 1 and 2 on `device`; `Err` holds why the device cannot run work (the first panic
-/// message seen while probing, with the wrong sum when one came back).
-pub fn probe_device<B: Backend>(device: &B::Device) -> Result<(), String> {
+/// Why a device cannot run work: the first panic message seen while probing it, with the wrong
+/// sum when one came back.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct DeviceUnusable(pub String);
+
+/// Adds 1 and 2 on `device`; `Err` says why the device cannot run work.
+pub fn probe_device<B: Backend>(device: &B::Device) -> Result<(), DeviceUnusable> {
     let _serial = PROBING.lock().unwrap_or_else(PoisonError::into_inner);
     let first_panic: Arc<Mutex<Option<String>>> = Arc::default();
     let record = Arc::clone(&first_panic);
@@ -79,12 +84,12 @@ fn first_line(text: &str) -> &str {
 
 /// The probe's outcome from its sum (`None` when it panicked) and the first panic message seen
 /// on any thread: a wrong sum reports that message too, since it is the likelier cause.
-fn verdict(sum: Option<f32>, cause: Option<String>) -> Result<(), String> {
+fn verdict(sum: Option<f32>, cause: Option<String>) -> Result<(), DeviceUnusable> {
     match (sum, cause) {
         (Some(sum), _) if sum == 3.0 => Ok(()),
-        (Some(sum), None) => Err(format!("the device answered 1 + 2 = {sum}")),
-        (Some(sum), Some(cause)) => Err(format!("{cause} (and the device answered 1 + 2 = {sum})")),
-        (None, cause) => Err(cause.unwrap_or_else(|| "unknown error".into())),
+        (Some(sum), None) => Err(DeviceUnusable(format!("the device answered 1 + 2 = {sum}"))),
+        (Some(sum), Some(cause)) => Err(DeviceUnusable(format!("{cause} (and the device answered 1 + 2 = {sum})"))),
+        (None, cause) => Err(DeviceUnusable(cause.unwrap_or_else(|| "unknown error".into()))),
     }
 }
 
@@ -110,9 +115,9 @@ mod tests {
     fn a_wrong_sum_reports_the_panic_behind_it() {
         let nvrtc = || Some("Unable to find libnvrtc".to_string());
         assert_eq!(verdict(Some(3.0), nvrtc()), Ok(()));
-        assert_eq!(verdict(Some(0.0), nvrtc()), Err("Unable to find libnvrtc (and the device answered 1 + 2 = 0)".into()));
-        assert_eq!(verdict(Some(0.0), None), Err("the device answered 1 + 2 = 0".into()));
-        assert_eq!(verdict(None, nvrtc()), Err("Unable to find libnvrtc".into()));
-        assert_eq!(verdict(None, None), Err("unknown error".into()));
+        assert_eq!(verdict(Some(0.0), nvrtc()), Err(DeviceUnusable("Unable to find libnvrtc (and the device answered 1 + 2 = 0)".into())));
+        assert_eq!(verdict(Some(0.0), None), Err(DeviceUnusable("the device answered 1 + 2 = 0".into())));
+        assert_eq!(verdict(None, nvrtc()), Err(DeviceUnusable("Unable to find libnvrtc".into())));
+        assert_eq!(verdict(None, None), Err(DeviceUnusable("unknown error".into())));
     }
 }

@@ -869,6 +869,6 @@ const TIMED_PRODUCTS: usize = 5;
 const TIMED_STEPS: usize = 3;
 
 /// `--kv-budget`: a size such as `160MiB` or `2GB`.
-fn parse_kv_budget(text: &str) -> Result<u64, String> {
+fn parse_kv_budget(text: &str) -> Result<u64, model::SettingError> {
     trainer::plan::parse_size(text)
 }

@@ -363,7 +363,7 @@ keep_checkpoints = 1
 "#
     );
     let config: SftConfig = toml::from_str(&text).context("the demo's SFT configuration")?;
-    config.validate().map_err(anyhow::Error::msg)?;
+    config.validate()?;
     Ok(config)
 }
 
@@ -472,7 +472,7 @@ seed = {seed}
         run = layout.path("train"),
     );
     let config: TrainConfig = toml::from_str(&text).context("the demo's GRPO configuration")?;
-    config.validate().map_err(anyhow::Error::msg)?;
+    config.validate()?;
     Ok(config)
 }
 

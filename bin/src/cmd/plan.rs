@@ -150,7 +150,7 @@ fn settle_auto_kv_budget(
 ) -> Result<String> {
     let (bytes, source) = memory;
     let mut settings = settings_for(config, shape.clone(), device, context, Some(memory));
-    let budget = auto_kv_budget(&settings, *bytes).map_err(anyhow::Error::msg)?;
+    let budget = auto_kv_budget(&settings, *bytes)?;
     config.rollout.kv_budget = budget.map(|b| b.to_string());
     settings.rollout.kv_budget = budget;
     let auto = format!("rollout.kv_budget = \"{AUTO_KV_BUDGET}\"");
@@ -211,7 +211,7 @@ pub fn cuda_pages_memory(device: DeviceChoice, memory: u64) -> Option<u64> {
 
 /// A device's memory as written (checked as [`parse_device_memory`] does), kept as text so that
 /// `run.device_memory` holds what the user wrote.
-pub fn device_memory_text(text: &str) -> Result<String, String> {
+pub fn device_memory_text(text: &str) -> Result<String, model::SettingError> {
     parse_device_memory(text).map(|_| text.trim().to_owned())
 }
 
@@ -219,9 +219,7 @@ pub fn device_memory_text(text: &str) -> Result<String, String> {
 /// device reports; `None` when neither is known.
 pub fn device_memory(config: &TrainConfig, device: DeviceChoice) -> Result<Option<(u64, String)>> {
     if let Some(size) = &config.run.device_memory {
-        let bytes = parse_device_memory(size)
-            .map_err(anyhow::Error::msg)
-            .context("run.device_memory")?;
+        let bytes = parse_device_memory(size).context("run.device_memory")?;
         return Ok(Some((bytes, "as given".into())));
     }
     Ok(total_memory(device))

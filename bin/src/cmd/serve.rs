@@ -141,7 +141,7 @@ fn kv_cache_memory(text: &str) -> Result<KvCacheMemory, String> {
 }
 
 /// A memory size in bytes (`trainer::plan::parse_size`), or 0.
-fn memory_size(text: &str) -> Result<u64, String> {
+fn memory_size(text: &str) -> Result<u64, model::SettingError> {
     let number = text.trim().trim_end_matches(|c: char| c.is_ascii_alphabetic()).trim();
     if number.parse::<f64>() == Ok(0.0) {
         return Ok(0);
@@ -259,7 +259,7 @@ impl Args {
             device: crate::cmd::plan::plan_device(device, &options.compute),
             cuda_memory: crate::cmd::plan::cuda_pages_memory(device, memory),
         };
-        let budget = auto_serving_kv_budget(&settings, memory).map_err(anyhow::Error::msg)?;
+        let budget = auto_serving_kv_budget(&settings, memory)?;
         eprintln!(
             "note: --kv-cache-memory auto: {} ({} KV positions), what the {} ({source}) leaves the cache after a {:.0}% \
              margin, the weights and a decoder step",

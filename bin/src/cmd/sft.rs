@@ -100,10 +100,7 @@ impl Args {
             config.attn_implementation = attn;
         }
         config.device_kernels = crate::device::device_kernels(self.device);
-        config
-            .validate()
-            .map_err(anyhow::Error::msg)
-            .context("invalid configuration")?;
+        config.validate().context("invalid configuration")?;
         Ok(config)
     }
 }

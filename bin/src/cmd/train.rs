@@ -107,7 +107,7 @@ impl Args {
         if let Some(size) = &self.device_memory {
             config.run.device_memory = Some(size.clone());
         }
-        config.validate().map_err(anyhow::Error::msg).context("invalid configuration")?;
+        config.validate().context("invalid configuration")?;
         if config.environment.base_url.is_empty() || config.environment.model.is_empty() {
             bail!("set environment.base_url and environment.model in the config (or --env-url/--env-model)");
         }

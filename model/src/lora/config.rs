@@ -109,15 +109,15 @@ impl LoraConfig {
 
     /// Rank at least 1, alpha positive and finite, dropout in `[0, 1)`, at least one target
     /// and none twice; the message names the key.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::SettingError> {
         if self.rank == 0 {
             return Err("lora.rank must be at least 1".into());
         }
         if !(self.alpha.is_finite() && self.alpha > 0.0) {
-            return Err(format!("lora.alpha = {} must be a positive number", self.alpha));
+            return Err(format!("lora.alpha = {} must be a positive number", self.alpha).into());
         }
         if !(0.0..1.0).contains(&self.dropout) {
-            return Err(format!("lora.dropout = {} must be in [0, 1)", self.dropout));
+            return Err(format!("lora.dropout = {} must be in [0, 1)", self.dropout).into());
         }
         if self.target_modules.is_empty() {
             return Err("lora.target_modules names no module".into());
@@ -125,7 +125,7 @@ impl LoraConfig {
         let mut seen = self.target_modules.clone();
         seen.sort();
         if let Some(twice) = seen.windows(2).find(|w| w[0] == w[1]) {
-            return Err(format!("lora.target_modules names {} twice", twice[0].name()));
+            return Err(format!("lora.target_modules names {} twice", twice[0].name()).into());
         }
         Ok(())
     }
@@ -234,7 +234,7 @@ mod tests {
             ),
         ];
         for (config, key) in bad {
-            let err = config.validate().unwrap_err();
+            let err = config.validate().unwrap_err().0;
             assert!(err.contains(key), "{err}");
         }
     }

@@ -145,7 +145,7 @@ pub fn read_adapter_config(dir: &Path) -> Result<AdapterConfig, ModelError> {
         dropout: file.lora_dropout,
         target_modules: targets.into_iter().collect(),
     };
-    lora.validate().map_err(bad)?;
+    lora.validate().map_err(|e| bad(e.0))?;
     Ok(AdapterConfig {
         lora,
         base_model_name_or_path: file.base_model_name_or_path,

@@ -202,7 +202,7 @@ impl Compute {
     }
 
     /// Checks the settings: a block holds at least one query.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::SettingError> {
         if self.attention_block_size == 0 {
             return Err("attention_block_size must be at least 1 (the queries per block of the memory-efficient attention)".into());
         }

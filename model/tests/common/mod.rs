@@ -44,7 +44,7 @@ pub fn backend_ready<B: Backend>() -> bool {
     if prompt_r1_model::cpu_kernels::is_flex_backend::<B>() {
         return true;
     }
-    static READY: OnceLock<Result<(), String>> = OnceLock::new();
+    static READY: OnceLock<Result<(), prompt_r1_model::probe::DeviceUnusable>> = OnceLock::new();
     match READY.get_or_init(|| prompt_r1_model::probe::probe_device::<B>(&Default::default())) {
         Ok(()) => true,
         Err(cause) => {

@@ -149,7 +149,7 @@ pub const AUTO_KV_BUDGET: &str = "auto";
 /// episode in flight keeps its full context within that room (no budget needed), or where the
 /// rollouts run on workers. The error says what is short where not even one episode at the
 /// full context fits. The other phases are [`MemoryPlan::check`]'s business.
-pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Option<u64>, String> {
+pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Option<u64>, model::SettingError> {
     if settings.rollout.workers.is_some() {
         return Ok(None);
     }
@@ -173,7 +173,7 @@ pub fn auto_kv_budget(settings: &PlanSettings, device_memory: u64) -> Result<Opt
             format_size(least),
             format_size(usable),
             format_size(device_memory)
-        ));
+        ).into());
     }
     let per_position = kv_position_bytes(&settings.model, settings.rollout_cache_dtype());
     let every = unbounded.rollout_kv_positions().0 as u64 * per_position;

@@ -638,7 +638,7 @@ mod tests {
         assert_eq!(auto_kv_budget(&s, 400 << 30), Ok(None));
         // Too little room for one episode: the error names the key and what is short.
         let err = auto_kv_budget(&s, 20 << 30).unwrap_err();
-        assert!(err.contains("rollout.kv_budget = \"auto\"") && err.contains("one episode"), "{err}");
+        assert!(err.0.contains("rollout.kv_budget = \"auto\"") && err.0.contains("one episode"), "{err}");
         // A budget already set is not the starting point: auto sizes from the device alone.
         let set = PlanSettings { rollout: RolloutLimits { kv_budget: Some(1 << 30), ..s.rollout }, ..s.clone() };
         assert_eq!(auto_kv_budget(&set, device), Ok(Some(budget)));

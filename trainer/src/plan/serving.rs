@@ -102,7 +102,7 @@ impl ServingSettings {
 /// `--gpu-memory-utilization`). The cache grows with the requests running within it, so a large
 /// budget costs nothing until used. The error says what is short where the weights and a decoder
 /// step leave no room for a cache of one block a request.
-pub fn auto_serving_kv_budget(s: &ServingSettings, device_memory: u64) -> Result<u64, String> {
+pub fn auto_serving_kv_budget(s: &ServingSettings, device_memory: u64) -> Result<u64, model::SettingError> {
     let usable = s.device.usable(device_memory);
     let per_position = kv_position_bytes(&s.model, s.dtype).max(1);
     // A block a request and the pool's scratch block.
@@ -117,7 +117,7 @@ pub fn auto_serving_kv_budget(s: &ServingSettings, device_memory: u64) -> Result
             format_size(usable),
             format_size(device_memory),
             s.device.margin() * 100.0
-        ));
+        ).into());
     }
     // The whole usable memory as a budget cannot fit beside the weights: the search's top.
     Ok(largest_fitting(least, usable.max(least + 1), |budget| s.peak(budget) <= usable))
@@ -177,6 +177,6 @@ mod tests {
         assert!((budget - merged_budget).abs_diff(copies) < 2 << 20);
         // The weights alone outgrow a 1 GiB device.
         let err = auto_serving_kv_budget(&s, 1 << 30).unwrap_err();
-        assert!(err.contains("--kv-cache-memory auto") && err.contains("--max-num-batched-tokens"), "{err}");
+        assert!(err.0.contains("--kv-cache-memory auto") && err.0.contains("--max-num-batched-tokens"), "{err}");
     }
 }

@@ -3,12 +3,12 @@
 /// Parses a size: a number (decimals allowed) and an optional unit, `B`, `KB`/`MB`/`GB`/`TB`
 /// (powers of 1000) or `KiB`/`MiB`/`GiB`/`TiB` (powers of 1024), in any case; no unit means
 /// bytes. The error says what was expected.
-pub fn parse_size(text: &str) -> Result<u64, String> {
+pub fn parse_size(text: &str) -> Result<u64, model::SettingError> {
     parse_with_unit(text).map(|(bytes, _)| bytes)
 }
 
 /// [`parse_size`], and whether the size was written with a unit.
-fn parse_with_unit(text: &str) -> Result<(u64, bool), String> {
+fn parse_with_unit(text: &str) -> Result<(u64, bool), model::SettingError> {
     let trimmed = text.trim();
     let split = trimmed
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -26,14 +26,14 @@ fn parse_with_unit(text: &str) -> Result<(u64, bool), String> {
         "mib" => 1024.0 * 1024.0,
         "gib" => 1024.0 * 1024.0 * 1024.0,
         "tib" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(bad()),
+        _ => return Err(bad().into()),
     };
     let bytes = value * scale;
     if !bytes.is_finite() || bytes < 1.0 {
-        return Err(bad());
+        return Err(bad().into());
     }
     if bytes >= u64::MAX as f64 {
-        return Err(format!("\"{text}\" is more bytes than any memory holds (at most 16 EiB)"));
+        return Err(format!("\"{text}\" is more bytes than any memory holds (at most 16 EiB)").into());
     }
     Ok((bytes.round() as u64, !unit.trim().is_empty()))
 }
@@ -43,12 +43,12 @@ const LEAST_DEVICE_MEMORY: u64 = 64 << 20;
 
 /// Parses a device's memory as [`parse_size`] does, refusing a number without its unit below
 /// 64 MiB: that is a size whose unit was left out (`80` is 80 bytes), not a device.
-pub fn parse_device_memory(text: &str) -> Result<u64, String> {
+pub fn parse_device_memory(text: &str) -> Result<u64, model::SettingError> {
     let (bytes, with_unit) = parse_with_unit(text)?;
     if !with_unit && bytes < LEAST_DEVICE_MEMORY {
         return Err(format!(
             "\"{text}\" is {bytes} bytes, too little for a device's memory: write its unit (e.g. 80GiB, 80GB or 24576MiB)"
-        ));
+        ).into());
     }
     Ok(bytes)
 }
@@ -83,10 +83,10 @@ mod tests {
         assert_eq!(parse_size("4096"), Ok(4096));
         for bad in ["", "GiB", "80 GiBs", "-1GB", "0", "1e3GB"] {
             let err = parse_size(bad).unwrap_err();
-            assert!(err.contains("80GiB"), "{bad}: {err}");
+            assert!(err.0.contains("80GiB"), "{bad}: {err}");
         }
         let err = parse_size("99999999999999999999GiB").unwrap_err();
-        assert!(err.contains("more bytes than any memory"), "{err}");
+        assert!(err.0.contains("more bytes than any memory"), "{err}");
     }
 
     /// A device's memory written without its unit is refused, not planned as a few bytes.
@@ -95,8 +95,8 @@ mod tests {
         assert_eq!(parse_device_memory("80GiB"), Ok(80 << 30));
         assert_eq!(parse_device_memory("85899345920"), Ok(80 << 30));
         let err = parse_device_memory("80").unwrap_err();
-        assert!(err.contains("80 bytes") && err.contains("80GiB"), "{err}");
-        assert!(parse_device_memory("0").unwrap_err().contains("80GiB"));
+        assert!(err.0.contains("80 bytes") && err.0.contains("80GiB"), "{err}");
+        assert!(parse_device_memory("0").unwrap_err().0.contains("80GiB"));
         assert_eq!(parse_device_memory("1MiB"), Ok(1 << 20), "a small memory written with its unit is meant");
     }
 

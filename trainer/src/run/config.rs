@@ -312,7 +312,7 @@ impl RolloutSection {
     /// `kv_budget` in KV positions (bytes / (2 · layers · kv_heads · head_dim · dtype size),
     /// rounded down). An error names the key.
     pub fn decoder_limits(&self, model: &Qwen3Config, cache_dtype: DType) -> Result<DecoderLimits, TrainError> {
-        self.validate_limits().map_err(TrainError::Invalid)?;
+        self.validate_limits()?;
         let kv_budget = match &self.kv_budget {
             None => None,
             Some(_) if self.kv_budget_is_auto() => {
@@ -350,7 +350,7 @@ impl RolloutSection {
     }
 
     /// Checks `engine` against `[rollout.servers]`; the message names the key.
-    fn validate_engine(&self) -> Result<(), String> {
+    fn validate_engine(&self) -> Result<(), model::SettingError> {
         match (self.engine, &self.servers) {
             (RolloutEngineKind::Servers, None) => Err(
                 "rollout.engine = \"servers\" needs a [rollout.servers] table with `urls`".into(),
@@ -361,7 +361,7 @@ impl RolloutSection {
     }
 
     /// Checks `max_num_seqs`, `max_num_batched_tokens` and `kv_budget`; the message names the key.
-    fn validate_limits(&self) -> Result<(), String> {
+    fn validate_limits(&self) -> Result<(), model::SettingError> {
         if self.max_num_seqs == Some(0) {
             return Err("rollout.max_num_seqs must be at least 1".into());
         }
@@ -374,7 +374,7 @@ impl RolloutSection {
                 "rollout.max_num_batched_tokens ({}) must be at least rollout.max_num_seqs ({rows}): each decoding \
                  episode runs a token a step",
                 self.max_num_batched_tokens
-            ));
+            ).into());
         }
         if let Some(size) = self.kv_budget.as_deref().filter(|_| !self.kv_budget_is_auto()) {
             crate::plan::parse_size(size).map_err(|e| format!("rollout.kv_budget: {e} or \"{}\"", crate::plan::AUTO_KV_BUDGET))?;
@@ -459,7 +459,7 @@ impl Default for RunSection {
 /// file's folder and validates it. Every error names the file.
 pub(crate) fn read_toml_config<T: serde::de::DeserializeOwned>(
     path: &Path,
-    prepare: impl FnOnce(&mut T, &Path) -> Result<(), String>,
+    prepare: impl FnOnce(&mut T, &Path) -> Result<(), model::SettingError>,
 ) -> Result<T, TrainError> {
     let config_error = |reason: String| TrainError::Config { path: path.to_path_buf(), reason };
     let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
@@ -468,7 +468,7 @@ pub(crate) fn read_toml_config<T: serde::de::DeserializeOwned>(
     // folder, gives the same settings (a resume compares them).
     let folder = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let base = std::path::absolute(folder).unwrap_or_else(|_| folder.to_path_buf());
-    prepare(&mut config, &base).map_err(config_error)?;
+    prepare(&mut config, &base).map_err(|e| config_error(e.0))?;
     Ok(config)
 }
 
@@ -504,7 +504,7 @@ impl TrainConfig {
     }
 
     /// Checks the settings that a run relies on; the message names the key.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), model::SettingError> {
         if self.data.train.is_empty() {
             return Err("data.train names no file".into());
         }
@@ -521,7 +521,7 @@ impl TrainConfig {
             return Err("data.validation_limit = 0 would validate on nothing: leave data.validation empty to validate never".into());
         }
         if !matches!(self.data.on_bad_row.as_str(), "fail" | "skip") {
-            return Err(format!("data.on_bad_row must be \"fail\" or \"skip\", not \"{}\"", self.data.on_bad_row));
+            return Err(format!("data.on_bad_row must be \"fail\" or \"skip\", not \"{}\"", self.data.on_bad_row).into());
         }
         let episode = &self.episode;
         for (key, value) in [
@@ -532,7 +532,7 @@ impl TrainConfig {
             ("env_concurrency", episode.env_concurrency),
         ] {
             if value == 0 {
-                return Err(format!("episode.{key} must be at least 1"));
+                return Err(format!("episode.{key} must be at least 1").into());
             }
         }
         self.reward.validate().map_err(|e| format!("[reward] {e}"))?;
@@ -602,7 +602,7 @@ mod tests {
         let compute = config.compute();
         assert_eq!((compute.attn_implementation, compute.attention_block_size), (AttnImplementation::Eager, 128));
         let zero: TrainConfig = toml::from_str(&format!("attention_block_size = 0\n{base}")).unwrap();
-        assert!(zero.validate().unwrap_err().contains("attention_block_size"));
+        assert!(zero.validate().unwrap_err().0.contains("attention_block_size"));
         let err = toml::from_str::<TrainConfig>(&format!("attn_implementation = \"flash\"\n{base}")).unwrap_err().to_string();
         assert!(err.contains("flash") && err.contains("memory_efficient"), "{err}");
     }
@@ -630,19 +630,19 @@ mod tests {
         };
         for key in ["max_turns", "max_turn_tokens", "max_response_tokens", "reply_chars", "env_concurrency"] {
             let err = parse(&format!("[episode]\n{key} = 0")).unwrap_err();
-            assert!(err.contains(&format!("episode.{key}")), "{err}");
+            assert!(err.0.contains(&format!("episode.{key}")), "{err}");
         }
         let err = parse("[run]\nsteps = 0").unwrap_err();
-        assert!(err.contains("run.steps"), "{err}");
+        assert!(err.0.contains("run.steps"), "{err}");
         let limit = toml::from_str::<TrainConfig>("model = \"m\"\n[data]\ntrain = [\"t\"]\nvalidation_limit = 0\n").unwrap();
         let err = limit.validate().unwrap_err();
-        assert!(err.contains("data.validation_limit = 0"), "{err}");
+        assert!(err.0.contains("data.validation_limit = 0"), "{err}");
         let err = parse("[environment.sampling]\ntemperature = -3.0").unwrap_err();
-        assert!(err.starts_with("[environment] sampling: temperature -3"), "{err}");
+        assert!(err.0.starts_with("[environment] sampling: temperature -3"), "{err}");
         let err = parse("[environment]\nread_timeout_secs = 0.0").unwrap_err();
-        assert!(err.starts_with("[environment] read timeout of 0 s"), "{err}");
+        assert!(err.0.starts_with("[environment] read timeout of 0 s"), "{err}");
         let err = parse("[reward]\ngate = 5.0").unwrap_err();
-        assert!(err.starts_with("[reward] reward config") && err.contains("gate"), "{err}");
+        assert!(err.0.starts_with("[reward] reward config") && err.0.contains("gate"), "{err}");
         assert!(parse("[episode]\nmax_turns = 1").is_ok());
     }
 
@@ -688,9 +688,9 @@ mod tests {
         assert_eq!(parse("80GiB").run.device_memory.as_deref(), Some("80GiB"));
         assert!(parse("80GiB").validate().is_ok());
         let err = parse("eighty").validate().unwrap_err();
-        assert!(err.contains("run.device_memory") && err.contains("eighty"), "{err}");
+        assert!(err.0.contains("run.device_memory") && err.0.contains("eighty"), "{err}");
         let err = parse("80").validate().unwrap_err();
-        assert!(err.contains("run.device_memory") && err.contains("80 bytes"), "{err}");
+        assert!(err.0.contains("run.device_memory") && err.0.contains("80 bytes"), "{err}");
     }
 
     fn parse_rollout(keys: &str) -> TrainConfig {
@@ -756,7 +756,7 @@ mod tests {
         ] {
             let config = parse_rollout(keys);
             let err = config.validate().unwrap_err();
-            assert!(err.contains(key), "{keys}: {err}");
+            assert!(err.0.contains(key), "{keys}: {err}");
             let model = model::Preset::Tiny.config(64, vec![]);
             let err = config.rollout.decoder_limits(&model, DType::F32).unwrap_err().to_string();
             assert!(err.contains(key), "{keys}: {err}");
@@ -779,11 +779,11 @@ mod tests {
         assert_eq!(resolved.rollout.servers.unwrap().policy_dir.unwrap(), Path::new("/runs/shared/policy"));
         // Errors name the key.
         let err = parse_rollout("engine = \"servers\"").validate().unwrap_err();
-        assert!(err.contains("rollout.engine") && err.contains("[rollout.servers]"), "{err}");
+        assert!(err.0.contains("rollout.engine") && err.0.contains("[rollout.servers]"), "{err}");
         let err = parse_rollout("engine = \"servers\"\n[rollout.servers]\nurls = []").validate().unwrap_err();
-        assert!(err.contains("rollout.servers.urls"), "{err}");
+        assert!(err.0.contains("rollout.servers.urls"), "{err}");
         let err = parse_rollout("engine = \"servers\"\n[rollout.servers]\nurls = [\"w1:8000\"]").validate().unwrap_err();
-        assert!(err.contains("rollout.servers.urls") && err.contains("w1:8000"), "{err}");
+        assert!(err.0.contains("rollout.servers.urls") && err.0.contains("w1:8000"), "{err}");
         let bad = |keys: &str| toml::from_str::<TrainConfig>(&format!("model = \"m\"\n[data]\ntrain = [\"t\"]\n[rollout]\n{keys}\n")).unwrap_err().to_string();
         assert!(bad("engine = \"vllm\"").contains("vllm"));
         let err = bad("engine = \"servers\"\n[rollout.servers]\nurls = [\"http://a\"]\nurl = \"http://b\"");
@@ -803,11 +803,11 @@ mod tests {
         assert_eq!(lora.model_dtype.dtype(), DType::BF16);
         assert!(lora.validate().is_ok());
         let err = parse("model_dtype = \"bf16\"").unwrap().validate().unwrap_err();
-        assert!(err.contains("model_dtype") && err.contains("[lora]"), "{err}");
+        assert!(err.0.contains("model_dtype") && err.0.contains("[lora]"), "{err}");
         let err = parse("[lora]\ndropout = 0.1\n[grpo]\nactivation_checkpointing = true").unwrap().validate().unwrap_err();
-        assert!(err.contains("lora.dropout") && err.contains("activation_checkpointing"), "{err}");
+        assert!(err.0.contains("lora.dropout") && err.0.contains("activation_checkpointing"), "{err}");
         let err = parse("[lora]\nrank = 0").unwrap().validate().unwrap_err();
-        assert!(err.contains("lora.rank"), "{err}");
+        assert!(err.0.contains("lora.rank"), "{err}");
         assert!(parse("[lora]\nranks = 4").unwrap_err().to_string().contains("ranks"));
         assert!(parse("model_dtype = \"f16\"").is_err());
     }

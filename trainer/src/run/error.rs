@@ -9,6 +9,9 @@ pub enum TrainError {
     Config { path: PathBuf, reason: String },
     #[error("{0}")]
     Invalid(String),
+    /// A setting out of range; the message names the key.
+    #[error(transparent)]
+    Setting(#[from] model::SettingError),
     #[error(transparent)]
     Model(#[from] model::ModelError),
     #[error(transparent)]

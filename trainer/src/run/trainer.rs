@@ -76,7 +76,7 @@ impl<B: AutodiffBackend> Trainer<B> {
         device: B::Device,
         resume: impl Into<Resume>,
     ) -> Result<Self, TrainError> {
-        config.validate().map_err(TrainError::Invalid)?;
+        config.validate()?;
         let mut session = RunSession::open(
             SessionSettings {
                 out_dir: &config.run.out_dir,

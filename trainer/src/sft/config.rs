@@ -177,7 +177,7 @@ impl SftConfig {
     }
 
     /// Checks the settings a run relies on; the message names the key.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), model::SettingError> {
         if self.data.train.is_empty() {
             return Err("data.train names no file".into());
         }
@@ -204,7 +204,7 @@ impl SftConfig {
             }
             None => {}
         }
-        self.optimizer.validate().map_err(|e| format!("optimizer: {e}"))
+        self.optimizer.validate().map_err(|e| format!("optimizer: {e}").into())
     }
 
     /// The run's optimiser steps for a training set of `rows` sequences.
@@ -255,9 +255,9 @@ mod tests {
         let err = parse("[train]\nschedule = \"linear\"\n").unwrap_err().to_string();
         assert!(err.contains("linear") && err.contains("cosine"), "{err}");
         let zero = parse("[train]\nbatch_size = 0\n").unwrap();
-        assert!(zero.validate().unwrap_err().contains("train.batch_size"));
+        assert!(zero.validate().unwrap_err().0.contains("train.batch_size"));
         let no_steps = parse("[train]\nsteps = 0\n").unwrap();
-        assert_eq!(no_steps.validate().unwrap_err(), "train.steps must be at least 1");
+        assert_eq!(no_steps.validate().unwrap_err().0, "train.steps must be at least 1");
     }
 
     #[test]

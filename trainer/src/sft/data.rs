@@ -21,7 +21,7 @@ use model::tokenizer::Qwen3Tokenizer;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::episode::episode_sequence;
+use super::episode::{episode_sequence, SequenceError};
 use crate::run::TrainError;
 
 /// One training sequence: token ids and, aligned with them, the loss mask.
@@ -162,7 +162,7 @@ impl RowEncoder<'_> {
         if fields.contains_key("messages") {
             let chat: ChatRow = serde_json::from_value(row).map_err(|e| format!("messages: {e}"))?;
             summary.chats += 1;
-            return self.chat_sequence(&chat.messages).map(Some);
+            return self.chat_sequence(&chat.messages).map(Some).map_err(|SequenceError(e)| e);
         }
         let episode = if let Some(trajectory) = fields.get("trajectory") {
             if let Some(mode) = fields
@@ -188,11 +188,11 @@ impl RowEncoder<'_> {
             return Ok(None);
         }
         summary.episodes += 1;
-        episode_sequence(&trajectory, self.tokenizer).map(Some)
+        episode_sequence(&trajectory, self.tokenizer).map(Some).map_err(|SequenceError(e)| e)
     }
 
     /// A chat transcript rendered with the template; mask 1 on the assistant spans.
-    pub fn chat_sequence(&self, messages: &[ChatMessage]) -> Result<SftSequence, String> {
+    pub fn chat_sequence(&self, messages: &[ChatMessage]) -> Result<SftSequence, SequenceError> {
         if !messages.iter().any(|m| m.role == Role::Assistant) {
             return Err("messages hold no assistant message to train on".into());
         }

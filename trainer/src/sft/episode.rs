@@ -20,8 +20,26 @@ fn next_turn_opening() -> String {
     format!("<|im_start|>assistant\n{NEXT_TURN_PREFIX}")
 }
 
+/// An episode or a chat transcript that cannot be made a training sequence; the message says
+/// what in it is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SequenceError(pub String);
+
+impl From<&str> for SequenceError {
+    fn from(message: &str) -> Self {
+        Self(message.to_owned())
+    }
+}
+
+impl From<String> for SequenceError {
+    fn from(message: String) -> Self {
+        Self(message)
+    }
+}
+
 /// The training sequence of a (not failed) episode.
-pub fn episode_sequence(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequence, String> {
+pub fn episode_sequence(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequence, SequenceError> {
     let sequence = if episode.token_ids.is_empty() {
         from_text(episode, tokenizer)?
     } else {
@@ -34,19 +52,19 @@ pub fn episode_sequence(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Res
 }
 
 /// A local agent's episode: its own tokens and mask.
-fn from_tokens(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequence, String> {
+fn from_tokens(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequence, SequenceError> {
     let (ids, mask) = (&episode.token_ids, &episode.loss_mask);
     if mask.len() != ids.len() {
-        return Err(format!("{} token_ids but {} loss_mask entries", ids.len(), mask.len()));
+        return Err(format!("{} token_ids but {} loss_mask entries", ids.len(), mask.len()).into());
     }
     if let Some(bad) = mask.iter().find(|&&m| m > 1) {
-        return Err(format!("loss_mask holds {bad}; only 0 and 1 are allowed"));
+        return Err(format!("loss_mask holds {bad}; only 0 and 1 are allowed").into());
     }
     let vocab = tokenizer.vocab_size();
     if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
         return Err(format!(
             "token id {bad} is outside this tokenizer's vocabulary of {vocab}"
-        ));
+        ).into());
     }
     let prompt = ids.get(..episode.prompt_len).ok_or_else(|| {
         format!(
@@ -69,7 +87,7 @@ fn from_tokens(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSe
 }
 
 /// A chat-API agent's episode: its text, split into prompt, turns and environment texts.
-fn from_text(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequence, String> {
+fn from_text(episode: &Trajectory, tokenizer: &Qwen3Tokenizer) -> Result<SftSequence, SequenceError> {
     let mut sequence = SftSequence {
         tokens: Vec::new(),
         loss_mask: Vec::new(),
@@ -250,21 +268,21 @@ mod tests {
         let mut chat = episode(&TURNS, None, 5);
         chat.response_text = chat.response_text.replace("Capital", "Kapital");
         let err = episode_sequence(&chat, &tokenizer).unwrap_err();
-        assert!(err.contains("turn 1"), "{err}");
+        assert!(err.0.contains("turn 1"), "{err}");
 
         let local = episode(&TURNS, Some(&tokenizer), 5);
         let mut short_mask = local.clone();
         short_mask.loss_mask.pop();
         assert!(episode_sequence(&short_mask, &tokenizer)
             .unwrap_err()
-            .contains("loss_mask"));
+            .0.contains("loss_mask"));
         let mut other_tokenizer = local.clone();
         other_tokenizer.prompt_text = other_tokenizer.prompt_text.replace("Ask", "Tell");
         assert!(episode_sequence(&other_tokenizer, &tokenizer)
             .unwrap_err()
-            .contains("not this tokenizer's"));
+            .0.contains("not this tokenizer's"));
         let mut outside = local;
         outside.token_ids[3] = 100_000;
-        assert!(episode_sequence(&outside, &tokenizer).unwrap_err().contains("100000"));
+        assert!(episode_sequence(&outside, &tokenizer).unwrap_err().0.contains("100000"));
     }
 }

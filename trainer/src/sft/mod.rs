@@ -21,7 +21,7 @@ pub mod step;
 
 pub use config::{LrSchedule, SftConfig, SftData, SftRunSection, SftTrain};
 pub use data::{DataSummary, RowEncoder, SftSequence};
-pub use episode::episode_sequence;
+pub use episode::{episode_sequence, SequenceError};
 pub use loss::nll_loss;
 pub use run::{is_sft_run, read_sft_metrics, SftRecord, SftRun, SFT_CONFIG_FILE};
 pub use step::{sft_step, validation_loss, SftStepStats};

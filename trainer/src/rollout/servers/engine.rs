@@ -40,7 +40,7 @@ impl ServerEngine {
             .servers
             .as_ref()
             .ok_or_else(|| TrainError::Invalid("rollout.engine = \"servers\" needs a [rollout.servers] table".into()))?;
-        let pool = ServerPool::new(settings, config.lora.is_some()).map_err(TrainError::Invalid)?;
+        let pool = ServerPool::new(settings, config.lora.is_some())?;
         let policy_root = settings.policy_dir.clone().unwrap_or_else(|| config.run.out_dir.join("policy"));
         let storage = match config.rollout.dtype {
             InferenceDtype::F32 => StorageDtype::F32,

@@ -13,12 +13,12 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The workers' API key, in the environment variable `var`: an error when the variable is
 /// unset, empty or not UTF-8 (a run that names a key variable means to send a key).
-pub(crate) fn api_key_from_env(var: &str) -> Result<ApiKey, String> {
+pub(crate) fn api_key_from_env(var: &str) -> Result<ApiKey, model::SettingError> {
     let unset = || format!("rollout.servers.api_key_env names ${var}, which is unset or empty");
     match std::env::var(var) {
-        Ok(key) => ApiKey::new(key).ok_or_else(unset),
-        Err(std::env::VarError::NotPresent) => Err(unset()),
-        Err(std::env::VarError::NotUnicode(_)) => Err(format!("${var} (rollout.servers.api_key_env) is not valid UTF-8")),
+        Ok(key) => ApiKey::new(key).ok_or_else(|| unset().into()),
+        Err(std::env::VarError::NotPresent) => Err(unset().into()),
+        Err(std::env::VarError::NotUnicode(_)) => Err(format!("${var} (rollout.servers.api_key_env) is not valid UTF-8").into()),
     }
 }
 

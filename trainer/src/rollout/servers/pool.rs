@@ -45,7 +45,7 @@ pub struct ServerPool {
 impl ServerPool {
     /// The workers of `settings` (validated here), for a LoRA run when `lora`. Reads the API key
     /// from `api_key_env`, if named. Contacts no worker.
-    pub fn new(settings: &ServerSettings, lora: bool) -> Result<Self, String> {
+    pub fn new(settings: &ServerSettings, lora: bool) -> Result<Self, model::SettingError> {
         settings.validate()?;
         let key = settings.api_key_env.as_deref().map(api_key_from_env).transpose()?.map(Arc::new);
         let kind = if lora { PolicyKind::Adapter(settings.adapter_name.clone()) } else { PolicyKind::Full };

@@ -43,7 +43,7 @@ impl Default for ServerSettings {
 
 impl ServerSettings {
     /// Checks every key; the message names it (`rollout.servers.<key>`).
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), model::SettingError> {
         self.base_urls()?;
         if self.request_timeout_secs == 0 {
             return Err("rollout.servers.request_timeout_secs must be at least 1".into());
@@ -53,7 +53,7 @@ impl ServerSettings {
         }
         if let Some(var) = &self.api_key_env {
             if var.is_empty() || var.contains(['=', '\0']) {
-                return Err(format!("rollout.servers.api_key_env: {var:?} is not an environment variable name"));
+                return Err(format!("rollout.servers.api_key_env: {var:?} is not an environment variable name").into());
             }
         }
         if self.adapter_name.trim().is_empty() {
@@ -67,7 +67,7 @@ impl ServerSettings {
 
     /// The workers' URLs without a final `/` or `/v1`, checked: at least one, each `http://` or
     /// `https://` with a host, none twice.
-    pub fn base_urls(&self) -> Result<Vec<String>, String> {
+    pub fn base_urls(&self) -> Result<Vec<String>, model::SettingError> {
         if self.urls.is_empty() {
             return Err("rollout.servers.urls names no worker".into());
         }
@@ -75,7 +75,7 @@ impl ServerSettings {
         for url in &self.urls {
             let base = normalise_url(url).map_err(|reason| format!("rollout.servers.urls: {url:?} {reason}"))?;
             if out.contains(&base) {
-                return Err(format!("rollout.servers.urls names {base} twice"));
+                return Err(format!("rollout.servers.urls names {base} twice").into());
             }
             out.push(base);
         }
@@ -120,11 +120,11 @@ mod tests {
             (&["http://a/v1", "http://a"][..], "twice"),
         ] {
             let err = settings(urls).validate().unwrap_err();
-            assert!(err.contains("rollout.servers.urls") && err.contains(needle), "{urls:?}: {err}");
+            assert!(err.0.contains("rollout.servers.urls") && err.0.contains(needle), "{urls:?}: {err}");
         }
         let zero = ServerSettings { request_timeout_secs: 0, ..settings(&["http://a"]) };
-        assert!(zero.validate().unwrap_err().contains("rollout.servers.request_timeout_secs"));
+        assert!(zero.validate().unwrap_err().0.contains("rollout.servers.request_timeout_secs"));
         let key = ServerSettings { api_key_env: Some("A=B".into()), ..settings(&["http://a"]) };
-        assert!(key.validate().unwrap_err().contains("rollout.servers.api_key_env"));
+        assert!(key.validate().unwrap_err().0.contains("rollout.servers.api_key_env"));
     }
 }

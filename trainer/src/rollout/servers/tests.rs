@@ -544,7 +544,7 @@ fn the_api_key_is_sent_as_a_bearer_token() {
     assert!(worker.received().iter().all(|r| r.authorization.as_deref() == Some("Bearer sk-rollout")));
     let unset = ServerSettings { api_key_env: Some("PROMPT_R1_TEST_SURELY_UNSET_VARIABLE".into()), ..settings };
     let err = ServerPool::new(&unset, false).unwrap_err();
-    assert!(err.contains("rollout.servers.api_key_env") && err.contains("PROMPT_R1_TEST_SURELY_UNSET_VARIABLE"), "{err}");
+    assert!(err.0.contains("rollout.servers.api_key_env") && err.0.contains("PROMPT_R1_TEST_SURELY_UNSET_VARIABLE"), "{err}");
 }
 
 /// A worker that samples with the model as `prompt-r1 serve` does: the request's row seeded
