@@ -32,7 +32,6 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-pub use model::device_kernels::KernelPasses;
 pub use paged_attention::{DecodingKernel, RowLens, Spans};
 use model::device_kernels::{
     register_fresh_attention, register_norms, register_paged_attention, register_silu_mul, register_token_choice, FreshAttention, NormKernels, PagedAttention,

@@ -23,7 +23,7 @@ pub struct DecoderStats {
     pub peak_kv_positions_in_use: usize,
     /// Key columns the passes' rows spanned, summed over passes: rows × the longest row's
     /// positions, padding included. burn's ops gather that many keys and values per layer in a
-    /// pass no paged-attention kernel is registered for (the CPU kernels and a GPU's kernel read
+    /// pass the model's kernel choice hands no paged-attention kernel (the CPU kernels and a GPU's kernel read
     /// only each row's own positions where they lie).
     pub attention_columns: u64,
     /// Forward passes run: a step's decoding pass and prefill pass, or its ragged pass (more

@@ -15,11 +15,11 @@
 //!
 //! The CPU kernel (`cpu_kernels::ops::grouped_attention`) is one parallel pass that keeps two
 //! floats per query row and is faster on the CPU than either formula in burn's ops; it takes the
-//! mask as a `[b, 1, q, k]` bias. With `memory_efficient`, a decoding step over the paged KV
-//! cache (one query per row) runs instead through the kernel a GPU backend registered
-//! ([`crate::device_kernels`]; the binary's CUDA and wgpu backends lend CubeCL's), which reads
-//! the cache in place, and prefill chunks and the passes without a cache too where
-//! [`Compute::device_kernels`] says so (`--device-kernels`).
+//! mask as a `[b, 1, q, k]` bias. With `memory_efficient`, where [`Compute::device_kernels`]
+//! says so (`--device-kernels`), a decoding step over the paged KV cache (one query per row)
+//! runs instead through the kernel a GPU backend is lent ([`crate::device_kernels`]; the
+//! binary's CUDA and wgpu backends lend CubeCL's), which reads the cache in place, and so do
+//! prefill chunks and the passes without a cache where the choice takes every pass.
 
 use std::fmt;
 use std::str::FromStr;
@@ -122,7 +122,7 @@ pub struct KernelsInUse {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct CpuKernelsInUse {
     /// Their instruction-set level (`PROMPT_R1_CPU_ISA`), or `off` where burn's portable ops
-    /// compute everything (`--portable-ops`).
+    /// compute everything (`PROMPT_R1_PORTABLE_OPS=1`, `bench --portable-ops`).
     pub level: &'static str,
     /// How the packed bf16 products multiply (`PROMPT_R1_BF16_PRODUCTS`), where the kernels run.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -64,6 +64,10 @@ fn the_settings_file_records_the_kernels() {
     drop(Trainer::<B>::start(config.clone(), Default::default(), false).unwrap());
     assert_eq!(read("run_config.json")["kernels"]["cpu"]["level"], "portable");
     assert_eq!(read("run_config.earlier-start.json")["kernels"]["cpu"]["level"], "off");
+    // The same kernels again write the same file: nothing more is set aside.
+    drop(Trainer::<B>::start(config.clone(), Default::default(), false).unwrap());
+    assert_eq!(read("run_config.json")["kernels"]["cpu"]["level"], "portable");
+    assert!(!config.run.out_dir.join("run_config.earlier-start-2.json").exists(), "same settings, nothing set aside");
 }
 
 /// The mean reward of the last 5 of 40 steps exceeds the first 5 by more than 0.15: a random

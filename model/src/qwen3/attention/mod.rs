@@ -3,9 +3,10 @@
 //! ([`AttnImplementation`], chosen at load in the model's [`Compute`]): HF's eager formula
 //! ([`eager`]) and FlashAttention-2's blocks ([`memory_efficient`], one autodiff node through
 //! [`autodiff`]). On burn-flex with the CPU kernels on, the fused CPU kernel stands in for both;
-//! a pass over the paged KV cache takes a GPU backend's kernel where one is registered
-//! ([`crate::device_kernels`]), and so does the memory-efficient forward of a pass without one
-//! (scoring, a training step's forward) where the backend lends a kernel for it.
+//! a pass over the paged KV cache takes the kernel a GPU backend is lent
+//! ([`crate::device_kernels`]) where the model's [`crate::DeviceKernelChoice`] hands it that
+//! pass, and so does the memory-efficient forward of a pass without one (scoring, a training
+//! step's forward) where the choice takes every pass.
 
 pub mod autodiff;
 pub mod eager;
