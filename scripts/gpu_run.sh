@@ -96,9 +96,18 @@ if [ "$stage" = build ]; then
   # for backtraces), gzipped: about 20 MiB where the stripped binary is 54. Stages unpack it.
   rm -f "$dir/prompt-r1"
   gzip -6 -c target/release/prompt-r1 > "$dir/prompt-r1.gz"
-  size=$(du -m "$dir/prompt-r1.gz" | cut -f1)
-  tree=$(git ls-files -z | du -cm --files0-from=- | tail -1 | cut -f1)
-  echo "built $dir/prompt-r1.gz (--features $features, ${size} MiB with symbols, gzipped); tracked files ${tree} MiB; carry $dir (limit 64 MiB in all)"
+  # The real Qwen3 tokenizer (about 2 MiB gzipped) for the `memory` stage's `serve` on the 0.6B
+  # shape: `init-model` writes none for the real shapes, and `serve` needs one.
+  tokenizer=../shared/tokenizer/qwen3/tokenizer.json
+  if [ -f "$tokenizer" ]; then
+    gzip -6 -c "$tokenizer" > "$dir/qwen3-tokenizer.json.gz"
+  else
+    echo "note: no $tokenizer here: the memory stage's serve steps will run the small shape instead" >&2
+  fi
+  size=$(du -cm "$dir"/*.gz | tail -1 | cut -f1)
+  # What the device tool carries: the tracked files and the untracked ones git does not ignore.
+  tree=$(git ls-files -z -co --exclude-standard | du -cm --files0-from=- | tail -1 | cut -f1)
+  echo "built $dir/prompt-r1.gz (--features $features; with the tokenizer ${size} MiB, gzipped, the binary with its symbols); the working tree ${tree} MiB; carry $dir (limit 64 MiB in all)"
   [ $((size + tree)) -le 60 ] || { echo "error: over the device tool's 64 MiB" >&2; exit 1; }
   exit 0
 fi
@@ -393,8 +402,16 @@ compile_probe() {
 # `serve` on the device with bursts of concurrent requests (scripts/serve_burst.py), without a
 # KV budget and within one: its /metrics after each burst, and its lines on CubeCL's pool.
 serve_bursts() {
-  local model="$work/qwen3-0.6b-serve"
-  step init-model-serve "$bin" init-model --preset qwen3-0.6b --out "$model"
+  local model="$work/qwen3-0.6b-serve" tokenizer="$work/qwen3-tokenizer.json"
+  # The 0.6B shape with the real tokenizer, which `build` carries beside the binary; without it
+  # the small shape, which brings its own.
+  if [ -f "$(dirname "$bin")/qwen3-tokenizer.json.gz" ]; then
+    gzip -dc "$(dirname "$bin")/qwen3-tokenizer.json.gz" > "$tokenizer"
+    step init-model-serve "$bin" init-model --preset qwen3-0.6b --tokenizer "$tokenizer" --out "$model"
+  else
+    say "no $(dirname "$bin")/qwen3-tokenizer.json.gz: serve runs the small shape (bf16)"
+    step init-model-serve "$bin" init-model --preset small --dtype bf16 --out "$model"
+  fi
   # Last the budget `auto` gives on this GPU (the plan's arithmetic against its total), under
   # the same bursts: the note it prints beside what the pool then reserved.
   for budget in "" 1GiB auto; do

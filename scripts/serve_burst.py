@@ -16,6 +16,7 @@ import argparse
 import json
 import random
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -64,6 +65,9 @@ def main():
 
     command = [args.bin, "serve", "--model", args.model, "--port", "0", "--max-batch", str(args.requests)] + serve_flags
     print("$ " + " ".join(command), flush=True)
+    # A `timeout` that ends this script (SIGTERM) ends the server too, through the `finally`
+    # below, instead of leaving it holding the GPU's memory for the steps after.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("serve_burst.py: terminated"))
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         line = server.stdout.readline()
