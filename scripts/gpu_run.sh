@@ -153,8 +153,13 @@ step() {
     say "   ok in $((SECONDS - start)) s"
   fi
   if [ -z "${KERNEL_LOG:-}" ]; then
-    # `--kernel-log` logs "[Compiling kernel] NAME" a kernel (CubeCL's basic level).
+    # `--kernel-log` logs "[Compiling kernel] NAME" a kernel (CubeCL's basic level). Where the
+    # step set CUBECL_DEBUG_LOG (the profiles), CubeCL's `full` log goes there instead, a
+    # START_KERNEL_COMPILATION block a kernel, and the kernel log stays empty.
     kernels=$(grep -c '^\[Compiling kernel\]' "$klog" 2> /dev/null)
+    if [ "${kernels:-0}" = 0 ] && [ -n "${CUBECL_DEBUG_LOG:-}" ]; then
+      kernels=$(grep -c START_KERNEL_COMPILATION "$CUBECL_DEBUG_LOG" 2> /dev/null)
+    fi
     say "   kernels compiled: ${kernels:-0}"
     grep '^\[Compiling kernel\]' "$klog" 2> /dev/null | sed -e 's/^\[Compiling kernel\] //' -e 's/.*:://' | sort | uniq -c | sort -rn \
       | head -6 | sed 's/^/     /' | tee -a "$log"
