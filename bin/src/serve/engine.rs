@@ -67,6 +67,9 @@ pub struct GenParams {
     pub stop_token_ids: Vec<u32>,
     /// Whether special tokens are left out of the text (vLLM's default: true).
     pub skip_special_tokens: bool,
+    /// Whether the server's EOS ids are sampled as any other token instead of ending the row
+    /// (vLLM's `ignore_eos`); `stop_token_ids` and the stop strings still end it.
+    pub ignore_eos: bool,
 }
 
 /// A request waiting for the worker.
@@ -518,6 +521,7 @@ struct Row {
     max_tokens: usize,
     stop: StopStrings,
     stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
     /// Every sampled token, with its log-prob.
     sampled: Vec<u32>,
     logprobs: Vec<f32>,
@@ -539,6 +543,7 @@ impl Row {
             max_tokens: p.max_tokens.max(1),
             stop: p.stop,
             stop_token_ids: p.stop_token_ids,
+            ignore_eos: p.ignore_eos,
             sampled: Vec::new(),
             logprobs: Vec::new(),
             detokenizer: Detokenizer::new(p.skip_special_tokens),
@@ -577,11 +582,12 @@ impl Row {
         (!self.send_text(safe)).then_some(Ending::ClientGone)
     }
 
-    /// Whether `token` ends the row, and its stop reason: the model's EOS (none), or one of the
-    /// request's `stop_token_ids`. An ending token's text is not part of the reply, as in vLLM,
-    /// which leaves it out (EOS or stop token, special or not) unless `include_stop_str_in_output`.
+    /// Whether `token` ends the row, and its stop reason: the model's EOS (none; not under
+    /// `ignore_eos`), or one of the request's `stop_token_ids`. An ending token's text is not
+    /// part of the reply, as in vLLM, which leaves it out (EOS or stop token, special or not)
+    /// unless `include_stop_str_in_output`.
     fn ending(&self, token: u32, stop_ids: &[u32]) -> Option<Option<StopReason>> {
-        if stop_ids.contains(&token) {
+        if !self.ignore_eos && stop_ids.contains(&token) {
             Some(None)
         } else if self.stop_token_ids.contains(&token) {
             Some(Some(StopReason::Token(token)))
@@ -652,6 +658,7 @@ mod tests {
             stop: StopStrings::new(Vec::new()),
             stop_token_ids: Vec::new(),
             skip_special_tokens: true,
+            ignore_eos: false,
         };
         let job = Job {
             prompt,
@@ -823,7 +830,26 @@ mod tests {
         assert_eq!((cut.finish, cut.stop_reason), (Finish::Stop, Some(StopReason::Token(stop))));
         plain.stop_ids = vec![stop];
         let eos = greedy(&mut plain, vec![stop]);
-        assert_eq!((eos.token_ids, eos.finish, eos.stop_reason), (cut.token_ids, Finish::Stop, None));
+        assert_eq!((&eos.token_ids, eos.finish, eos.stop_reason), (&cut.token_ids, Finish::Stop, None));
+        // `ignore_eos`: the EOS id is sampled as any other token, to `max_tokens`; a stop token
+        // of the request's own still ends the row.
+        let past_eos = |engine: &mut Engine<'_, B>, stop_token_ids: Vec<u32>| {
+            let (work, queue) = mpsc::channel();
+            let (mut job, events) = job(vec![5, 9, 12, 30], 12);
+            job.params.ignore_eos = true;
+            job.params.stop_token_ids = stop_token_ids;
+            work.send(Work::Job(job)).unwrap();
+            drop(work);
+            engine.run(&queue);
+            match last(&events) {
+                Event::Done(done) => done,
+                other => panic!("{other:?}"),
+            }
+        };
+        let ignored = past_eos(&mut plain, Vec::new());
+        assert_eq!((&ignored.token_ids, &ignored.logprobs, ignored.finish), (&full.token_ids, &full.logprobs, Finish::Length));
+        let own = past_eos(&mut plain, vec![stop]);
+        assert_eq!((own.token_ids, own.finish, own.stop_reason), (cut.token_ids, Finish::Stop, Some(StopReason::Token(stop))));
     }
 
     /// A row that ends at a stop token sends the text it held back for a stop string that

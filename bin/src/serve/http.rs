@@ -272,6 +272,7 @@ pub(super) fn job_for_ids(
         stop: StopStrings::new(req.stop),
         stop_token_ids: req.stop_token_ids,
         skip_special_tokens: req.skip_special_tokens.unwrap_or(true),
+        ignore_eos: req.ignore_eos,
     };
     let (sender, events) = mpsc::channel();
     let accepted = Accepted {

@@ -36,6 +36,9 @@ pub struct CompletionRequest {
     pub skip_special_tokens: Option<bool>,
     /// Extension (vLLM): token ids that end the completion besides the model's EOS ids.
     pub stop_token_ids: Vec<u32>,
+    /// Extension (vLLM): the model's EOS ids do not end the completion (`stop_token_ids` and
+    /// `stop` still do), so that it runs to `max_tokens`, as benchmarks ask.
+    pub ignore_eos: bool,
 }
 
 /// The request body as sent: the fields this server reads, typed but not yet checked.
@@ -58,6 +61,7 @@ struct Body {
     tools: Option<Value>,
     skip_special_tokens: Option<bool>,
     stop_token_ids: Option<Vec<Number>>,
+    ignore_eos: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -153,6 +157,7 @@ pub fn parse(body: &[u8]) -> Result<CompletionRequest, ApiError> {
         enable_thinking: body.chat_template_kwargs.and_then(|k| k.enable_thinking),
         skip_special_tokens: body.skip_special_tokens,
         stop_token_ids: stop_token_ids(body.stop_token_ids)?,
+        ignore_eos: body.ignore_eos.unwrap_or(false),
     })
 }
 
@@ -353,7 +358,7 @@ mod tests {
               "temperature": 0, "top_p": 0.5, "top_k": 3, "max_tokens": 7, "seed": -1,
               "stop": "x", "stream": true, "stream_options": {"include_usage": true},
               "chat_template_kwargs": {"enable_thinking": false}, "n": 1, "user": "ignored",
-              "skip_special_tokens": false, "stop_token_ids": [7, 4294967295]}"#,
+              "skip_special_tokens": false, "stop_token_ids": [7, 4294967295], "ignore_eos": true}"#,
         )
         .unwrap();
         assert_eq!(r.model.as_deref(), Some("m"));
@@ -370,6 +375,8 @@ mod tests {
         assert_eq!(r.enable_thinking, Some(false));
         assert_eq!(r.skip_special_tokens, Some(false));
         assert_eq!(r.stop_token_ids, vec![7, u32::MAX]);
+        assert!(r.ignore_eos);
+        assert!(!parse_str(r#"{"messages": [{"role": "user", "content": "a"}]}"#).unwrap().ignore_eos, "off unless asked");
     }
 
     #[test]
@@ -454,6 +461,7 @@ mod tests {
             ("stop_token_ids", "[4294967296]"),
             ("stop_token_ids", "3"),
             ("skip_special_tokens", "1"),
+            ("ignore_eos", "\"yes\""),
         ] {
             let body = format!("{{{user}, \"{field}\": {value}}}");
             assert_eq!(param_of(&body).as_deref(), Some(field), "{body}");
