@@ -801,16 +801,17 @@ mod tests {
     }
 
     /// A row ends at a stop token of its own with that token as its last id and its stop
-    /// reason, and at one of the server's EOS ids with no stop reason.
+    /// reason, and at one of the server's EOS ids with no stop reason, unless `ignore_eos`.
     #[test]
     fn stop_tokens_are_the_last_ids() {
         let dir = tempfile::tempdir().unwrap();
         let (_, tokenizer) = tiny(dir.path(), 0);
         let models = Mutex::default();
-        let greedy = |engine: &mut Engine<'_, B>, stop_token_ids: Vec<u32>| {
+        let greedy = |engine: &mut Engine<'_, B>, stop_token_ids: Vec<u32>, ignore_eos: bool| {
             let (work, queue) = mpsc::channel();
             let (mut job, events) = job(vec![5, 9, 12, 30], 12);
             job.params.stop_token_ids = stop_token_ids;
+            job.params.ignore_eos = ignore_eos;
             work.send(Work::Job(job)).unwrap();
             drop(work);
             engine.run(&queue);
@@ -820,35 +821,22 @@ mod tests {
             }
         };
         let mut plain = engine(dir.path(), &tokenizer, &models);
-        let full = greedy(&mut plain, Vec::new());
+        let full = greedy(&mut plain, Vec::new(), false);
         assert_eq!(full.token_ids.len(), 12);
         let stop = full.token_ids[3];
         let at = full.token_ids.iter().position(|&t| t == stop).unwrap();
-        let cut = greedy(&mut plain, vec![stop]);
+        let cut = greedy(&mut plain, vec![stop], false);
         assert_eq!(cut.token_ids, full.token_ids[..=at]);
         assert_eq!(cut.logprobs, full.logprobs[..=at]);
         assert_eq!((cut.finish, cut.stop_reason), (Finish::Stop, Some(StopReason::Token(stop))));
         plain.stop_ids = vec![stop];
-        let eos = greedy(&mut plain, vec![stop]);
+        let eos = greedy(&mut plain, vec![stop], false);
         assert_eq!((&eos.token_ids, eos.finish, eos.stop_reason), (&cut.token_ids, Finish::Stop, None));
         // `ignore_eos`: the EOS id is sampled as any other token, to `max_tokens`; a stop token
         // of the request's own still ends the row.
-        let past_eos = |engine: &mut Engine<'_, B>, stop_token_ids: Vec<u32>| {
-            let (work, queue) = mpsc::channel();
-            let (mut job, events) = job(vec![5, 9, 12, 30], 12);
-            job.params.ignore_eos = true;
-            job.params.stop_token_ids = stop_token_ids;
-            work.send(Work::Job(job)).unwrap();
-            drop(work);
-            engine.run(&queue);
-            match last(&events) {
-                Event::Done(done) => done,
-                other => panic!("{other:?}"),
-            }
-        };
-        let ignored = past_eos(&mut plain, Vec::new());
+        let ignored = greedy(&mut plain, Vec::new(), true);
         assert_eq!((&ignored.token_ids, &ignored.logprobs, ignored.finish), (&full.token_ids, &full.logprobs, Finish::Length));
-        let own = past_eos(&mut plain, vec![stop]);
+        let own = greedy(&mut plain, vec![stop], true);
         assert_eq!((own.token_ids, own.finish, own.stop_reason), (cut.token_ids, Finish::Stop, Some(StopReason::Token(stop))));
     }
 
