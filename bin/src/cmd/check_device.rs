@@ -56,8 +56,8 @@ pub struct Args {
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Architecture of the random model.
-    #[arg(long, default_value = "tiny", conflicts_with = "model")]
-    pub preset: String,
+    #[arg(long, default_value = "tiny", conflicts_with = "model", value_parser = crate::model_dir::preset_parser())]
+    pub preset: Preset,
     /// Largest |difference| allowed for logits and log-probs, relative to the largest |value| of
     /// the reference (f32 weights on both sides; TF32 products on tensor cores need about 1e-3).
     #[arg(long, default_value_t = 1e-2, value_parser = parse_rtol)]
@@ -345,7 +345,7 @@ pub fn run(args: Args) -> Result<()> {
     let dir = match &args.model {
         Some(dir) => dir.clone(),
         None => {
-            let preset = Preset::from_name(&args.preset).with_context(|| format!("unknown preset \"{}\"", args.preset))?;
+            let preset = args.preset;
             temp = crate::scratch::ScratchDir::new()?;
             write_random_checkpoint(&preset.config(512, vec![2]), temp.path(), 7, StorageDtype::F32)?;
             temp.path().to_path_buf()

@@ -839,5 +839,105 @@ mod example_file {
         assert_eq!(config.grpo, defaults.grpo);
         assert_eq!(config.environment.retry, defaults.environment.retry);
         assert_eq!(config.run.steps, defaults.run.steps);
+        assert_eq!((config.attn_implementation, config.attention_block_size), (defaults.attn_implementation, defaults.attention_block_size));
+    }
+
+    /// The example shows every key a run's settings hold (the optional sections filled in), and
+    /// every key it shows commented out exists.
+    #[test]
+    fn the_example_config_names_every_key() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/run.example.toml");
+        let example = std::fs::read_to_string(&path).unwrap();
+        let mut settings: TrainConfig = toml::from_str("model = \"m\"\n[data]\ntrain = [\"t\"]\n").unwrap();
+        settings.lora = Some(model::LoraConfig::default());
+        settings.rollout.servers = Some(crate::rollout::ServerSettings::default());
+        let missing = super::example_keys::undocumented(&serde_json::to_value(&settings).unwrap(), &example);
+        assert!(missing.is_empty(), "keys that {} does not show: {missing:?}", path.display());
+        let all_set: TrainConfig = toml::from_str(&super::example_keys::uncommented(&example)).unwrap();
+        assert!(all_set.lora.is_some() && all_set.rollout.servers.is_some() && all_set.environment.sampling.top_p.is_some());
+    }
+}
+
+/// Checks that an example configuration file documents every key a configuration holds.
+#[cfg(test)]
+pub(crate) mod example_keys {
+    use std::collections::BTreeSet;
+
+    /// A line's setting, whether set or commented out: `Some(("section", None))` for a
+    /// `[section]` header, `Some(("", Some("key")))` for `key = ...`; `None` for prose.
+    fn setting(line: &str) -> Option<(&str, Option<&str>)> {
+        let line = line.trim_start().trim_start_matches('#').trim_start();
+        let before_comment = line.split('#').next().unwrap_or("").trim();
+        if let Some(section) = before_comment.strip_prefix('[').and_then(|rest| rest.strip_suffix(']')) {
+            return Some((section, None));
+        }
+        let (key, _) = line.split_once('=')?;
+        let key = key.trim();
+        let is_key = !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        is_key.then_some(("", Some(key)))
+    }
+
+    /// The dotted paths (`rollout.sampling.top_k`) of every setting and section the example
+    /// shows, set or commented out.
+    fn documented(example: &str) -> BTreeSet<String> {
+        let mut paths = BTreeSet::new();
+        let mut section = String::new();
+        for line in example.lines() {
+            match setting(line) {
+                Some((name, None)) => {
+                    section = name.to_string();
+                    paths.insert(section.clone());
+                }
+                Some((_, Some(key))) if section.is_empty() => {
+                    paths.insert(key.to_string());
+                }
+                Some((_, Some(key))) => {
+                    paths.insert(format!("{section}.{key}"));
+                }
+                None => {}
+            }
+        }
+        paths
+    }
+
+    /// The paths of the keys in `settings` (a configuration as serialised) that the example does
+    /// not show.
+    pub(crate) fn undocumented(settings: &serde_json::Value, example: &str) -> Vec<String> {
+        fn walk(value: &serde_json::Value, prefix: &str, documented: &BTreeSet<String>, missing: &mut Vec<String>) {
+            let serde_json::Value::Object(map) = value else { return };
+            for (key, value) in map {
+                let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
+                if !documented.contains(&path) {
+                    missing.push(path.clone());
+                }
+                walk(value, &path, documented, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(settings, "", &documented(example), &mut missing);
+        missing
+    }
+
+    /// The example with every commented-out setting and section set, so that parsing it checks
+    /// that the keys it only mentions exist too.
+    pub(crate) fn uncommented(example: &str) -> String {
+        example
+            .lines()
+            .map(|line| match (line.trim_start().starts_with('#'), setting(line)) {
+                (true, Some(_)) => line.trim_start().trim_start_matches('#').trim_start(),
+                _ => line,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn sections_keys_and_prose_are_told_apart() {
+        let example = "model = \"m\"\n# A comment, with = in it.\n[data]\n# [lora]   # off\n# rank = 8   # r\n[rollout.sampling]\ntop_k = 5\n";
+        let paths: Vec<_> = documented(example).into_iter().collect();
+        assert_eq!(paths, ["data", "lora", "lora.rank", "model", "rollout.sampling", "rollout.sampling.top_k"]);
+        let settings = serde_json::json!({"model": "m", "lora": {"rank": 8, "alpha": 16.0}, "data": {}});
+        assert_eq!(undocumented(&settings, example), ["lora.alpha"]);
+        assert_eq!(uncommented("# [lora]   # off\n# A comment.\n  # rank = 8"), "[lora]   # off\n# A comment.\nrank = 8");
     }
 }

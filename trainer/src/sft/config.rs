@@ -308,6 +308,24 @@ mod tests {
             },
             defaults.run
         );
+        assert_eq!((config.attn_implementation, config.attention_block_size), (defaults.attn_implementation, defaults.attention_block_size));
+    }
+
+    /// The example shows every key an SFT run's settings hold (`[lora]` filled in), and every key
+    /// it shows commented out exists.
+    #[test]
+    fn the_example_config_names_every_key() {
+        use crate::run::config::example_keys::{uncommented, undocumented};
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/sft.example.toml");
+        let example = std::fs::read_to_string(&path).unwrap();
+        let mut settings = parse("").unwrap();
+        settings.lora = Some(LoraConfig::default());
+        settings.data.max_length = Some(4096);
+        settings.train.steps = Some(1000);
+        let missing = undocumented(&serde_json::to_value(&settings).unwrap(), &example);
+        assert!(missing.is_empty(), "keys that {} does not show: {missing:?}", path.display());
+        let all_set: SftConfig = toml::from_str(&uncommented(&example)).unwrap();
+        assert!(all_set.lora.is_some() && all_set.train.steps.is_some());
     }
 
     #[test]
