@@ -399,6 +399,22 @@ fn bench_refuses_a_decode_with_no_step_to_time() {
     assert!(!out.status.success() && stderr.contains("--decode-tokens must be at least 2"), "{stderr}");
 }
 
+/// A training step the memory plan puts past the machine's memory is refused before it runs,
+/// with the flags to lower, instead of ending in a failed allocation.
+#[test]
+fn bench_refuses_a_training_step_past_the_machines_memory() {
+    if trainer::run::total_ram_bytes().is_none() {
+        println!("skipped: this machine's RAM cannot be read (/proc/meminfo), so bench has nothing to check against");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let out = prompt_r1(&["bench", "--model", &model, "--train-step", "--train-step-only", "--seq-len", "100000", "--batch", "100000"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("--batch 100000 x --seq-len 100000 needs about") && stderr.contains("this machine's RAM"), "{stderr}");
+}
+
 /// `--portable-ops` runs every workload with the fused CPU kernels off, and says so.
 #[test]
 fn bench_runs_through_the_portable_ops() {
@@ -413,6 +429,21 @@ fn bench_runs_through_the_portable_ops() {
     assert_eq!(figures.as_array().unwrap().len(), 5, "{figures}");
     let fused = prompt_r1(&args);
     assert!(!String::from_utf8_lossy(&fused.stderr).contains("fused CPU kernels off"));
+    // PROMPT_R1_PORTABLE_OPS means the same to bench as to every other command: 1 (as the
+    // READMEs write it) and yes are off, 0 is on, anything else is refused, naming the variable.
+    let with_variable = |value: &str, command: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_prompt-r1")).args(command).env("PROMPT_R1_PORTABLE_OPS", value).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    for (value, off) in [("1", true), ("yes", true), ("0", false)] {
+        let (ok, stderr) = with_variable(value, &args);
+        assert!(ok && stderr.contains("fused CPU kernels off") == off, "{value}: {stderr}");
+    }
+    let score = ["score", "--model", model.as_str(), "--prompt-ids", "1,2", "--completion-ids", "3"];
+    for command in [&args[..], &score[..]] {
+        let (ok, stderr) = with_variable("maybe", command);
+        assert!(!ok && stderr.contains("PROMPT_R1_PORTABLE_OPS") && stderr.contains("maybe"), "{stderr}");
+    }
 }
 
 /// `--lora` runs prefill, decode and scoring through adapters and `--lora --merge-lora` through
@@ -560,6 +591,30 @@ fn plan_says_whether_a_run_fits_and_train_refuses_one_that_does_not() {
     let out = prompt_r1(&["train", "--config", absurd, "--device-memory", "80GiB"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("100,000,000 episodes"), "{stderr}");
+}
+
+/// `train` sends the large LLM one request before it loads anything and stops at once, naming
+/// the endpoint, when no retry would mend it (here nothing listens): otherwise every episode
+/// that calls it would be dropped and the policy would learn from those that never call.
+#[test]
+fn train_refuses_an_unreachable_environment_before_loading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny_model(tmp.path());
+    let config = tmp.path().join("run.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "model = \"{model}\"\n[data]\ntrain = [\"absent.csv\"]\n[environment]\nbase_url = \"http://127.0.0.1:9/v1\"\n\
+             model = \"m\"\n[environment.retry]\nmax_attempts = 6\n[run]\nout_dir = \"run\"\n"
+        ),
+    )
+    .unwrap();
+    let out = prompt_r1(&["train", "--config", config.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("http://127.0.0.1:9/v1") && stderr.contains("cannot be used, so nothing was run"), "{stderr}");
+    assert!(!stderr.contains("absent.csv"), "the data is not read before the probe: {stderr}");
+    assert!(!tmp.path().join("run").exists(), "nothing was written");
 }
 
 /// `plan --device cuda` counts the whole pages of CubeCL's pool on CUDA around each phase's

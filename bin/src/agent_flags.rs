@@ -252,26 +252,32 @@ pub struct EnvFlags {
     pub env_rpm: Option<u32>,
 }
 
+/// Sends the large LLM of `config` one short request, without retries, and refuses what no
+/// retry would mend (no connection, a refused key, an unknown model or route), so that a long
+/// run fails in seconds instead of dropping every episode that calls it; a slow, busy or erring
+/// server is left to the run's retries.
+pub fn probe_environment(config: ClientConfig) -> Result<()> {
+    let config = ClientConfig { retry: RetryPolicy::none(), max_concurrency: 1, ..config };
+    let client = OpenAiClient::new(config).map_err(|err| anyhow!("environment client: {err}"))?;
+    let probe = [env::ChatMessage::user(crate::cmd::env_check::PROBE)];
+    match client.chat(&probe, &SamplingParams { max_tokens: Some(8), ..SamplingParams::default() }) {
+        Err(err) if matches!(err.kind(), FailureKind::Connection | FailureKind::Unauthorized | FailureKind::NotFound | FailureKind::Config) => {
+            bail!("the large LLM ({}) cannot be used, so nothing was run: {err} (`prompt-r1 env-check` tells more)", client.endpoint())
+        }
+        _ => Ok(()),
+    }
+}
+
 impl EnvFlags {
     /// The client; `what` names the command or mode for the error when the flags are missing.
     pub fn client(&self, what: &str) -> Result<OpenAiClient> {
         OpenAiClient::new(self.client_config(what)?).map_err(|err| anyhow!("environment client: {err}"))
     }
 
-    /// Sends the large LLM one short request, without retries, and refuses what no retry
-    /// would mend (no connection, a refused key, an unknown model or route), so that a long
-    /// run fails in seconds instead of retrying every question; a slow, busy or erring server
-    /// is left to the run's retries.
+    /// [`probe_environment`] on the flags' large LLM; `what` names the command or mode for the
+    /// error when the flags are missing.
     pub fn probe(&self, what: &str) -> Result<()> {
-        let config = ClientConfig { retry: RetryPolicy::none(), max_concurrency: 1, ..self.client_config(what)? };
-        let client = OpenAiClient::new(config).map_err(|err| anyhow!("environment client: {err}"))?;
-        let probe = [env::ChatMessage::user(crate::cmd::env_check::PROBE)];
-        match client.chat(&probe, &SamplingParams { max_tokens: Some(8), ..SamplingParams::default() }) {
-            Err(err) if matches!(err.kind(), FailureKind::Connection | FailureKind::Unauthorized | FailureKind::NotFound | FailureKind::Config) => {
-                bail!("the large LLM ({}) cannot be used, so nothing was run: {err} (`prompt-r1 env-check` tells more)", client.endpoint())
-            }
-            _ => Ok(()),
-        }
+        probe_environment(self.client_config(what)?)
     }
 
     fn client_config(&self, what: &str) -> Result<ClientConfig> {

@@ -15,7 +15,8 @@ use std::sync::OnceLock;
 /// The environment variable that caps the instruction-set level (see [`Isa`]).
 pub const ISA_ENV: &str = "PROMPT_R1_CPU_ISA";
 
-/// The environment variable that switches the kernels off (`1`), see [`crate::Kernels::off`].
+/// The environment variable that switches the kernels off (`1`, or `true`, `yes`, `on`; `0`,
+/// `false`, `no` or `off` leave them on), see [`crate::Kernels::off`].
 pub const PORTABLE_OPS_ENV: &str = "PROMPT_R1_PORTABLE_OPS";
 
 /// An instruction-set level of the kernels' code paths, lowest first.

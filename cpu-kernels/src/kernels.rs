@@ -82,7 +82,11 @@ impl Kernels {
             bad(e.into());
             None
         });
-        let off = honour_portable_ops && lookup(PORTABLE_OPS_ENV).is_some_and(|v| v == "1");
+        let portable_ops = setting::<PortableOps>(lookup, PORTABLE_OPS_ENV).unwrap_or_else(|e| {
+            bad(e.into());
+            None
+        });
+        let off = honour_portable_ops && portable_ops.is_some_and(|PortableOps(on)| on);
         let kernels = Kernels::host().with_bf16_products(products.unwrap_or_else(Bf16Products::for_host));
         match (off, cap) {
             (true, _) => Kernels { level: None, ..kernels },
@@ -160,6 +164,28 @@ pub(crate) fn setting<T: std::str::FromStr>(lookup: &dyn Fn(&str) -> Option<Stri
     }
 }
 
+/// `PROMPT_R1_PORTABLE_OPS`: whether the kernels are off, in the words clap's boolish flags
+/// take (`bench --portable-ops` reads the same variable), so that one value means the same to
+/// every command.
+struct PortableOps(bool);
+
+impl std::str::FromStr for PortableOps {
+    type Err = UnknownPortableOps;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "yes" | "y" | "t" | "on" => Ok(PortableOps(true)),
+            "0" | "false" | "no" | "n" | "f" | "off" => Ok(PortableOps(false)),
+            _ => Err(UnknownPortableOps(text.to_owned())),
+        }
+    }
+}
+
+/// A `PROMPT_R1_PORTABLE_OPS` value that is neither on nor off.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("\"{0}\" is neither 1 (the kernels off) nor 0 (on); true/false, yes/no and on/off are taken too")]
+pub struct UnknownPortableOps(String);
+
 /// An environment variable that names no kernel choice.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KernelsEnvError {
@@ -167,6 +193,8 @@ pub enum KernelsEnvError {
     Isa(#[from] UnknownIsa),
     #[error("{BF16_PRODUCTS_ENV}: {0}")]
     Bf16Products(#[from] UnknownBf16Products),
+    #[error("{PORTABLE_OPS_ENV}: {0}")]
+    PortableOps(#[from] UnknownPortableOps),
 }
 
 #[cfg(test)]
@@ -239,6 +267,12 @@ mod tests {
         assert!(errors[0].contains(ISA_ENV) && errors[0].contains("avx9"), "{errors:?}");
         let (_, errors) = read(&[(BF16_PRODUCTS_ENV, "  ")], true);
         assert!(errors.is_empty(), "a blank variable is unset");
+        for (value, on) in [("true", false), ("Yes", false), ("0", true), ("off", true)] {
+            let (kernels, errors) = read(&[(PORTABLE_OPS_ENV, value)], true);
+            assert_eq!((kernels.is_on(), errors.len()), (on, 0), "{PORTABLE_OPS_ENV}={value}");
+        }
+        let (kernels, errors) = read(&[(PORTABLE_OPS_ENV, "2")], true);
+        assert!(kernels.is_on() && errors.len() == 1 && errors[0].contains(PORTABLE_OPS_ENV), "{errors:?}");
     }
 
     /// A typo in the variables CI sets must fail a test rather than let the kernels silently run

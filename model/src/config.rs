@@ -78,9 +78,30 @@ impl Qwen3Config {
         if let Some(act) = raw.hidden_act.as_deref().filter(|&act| act != "silu") {
             return Err(format!("hidden_act \"{act}\" is not supported: Qwen3's MLP is SwiGLU (\"silu\")").into());
         }
+        if let (Some(nested), Some(top)) = (nested_theta, raw.rope_theta) {
+            if nested != top {
+                return Err(format!("rope_theta ({top}) and rope_parameters.rope_theta ({nested}) differ: keep one").into());
+            }
+        }
         let rope_theta = nested_theta
             .or(raw.rope_theta)
             .ok_or("missing key \"rope_theta\" (or \"rope_parameters.rope_theta\")")?;
+        if raw.attention_bias == Some(true) {
+            return Err("attention_bias is true: not supported (Qwen3's attention projections have no bias)".into());
+        }
+        if let Some(kind) = raw.layer_types.iter().flatten().find(|kind| *kind != "full_attention") {
+            return Err(format!("layer_types holds \"{kind}\": only \"full_attention\" is supported").into());
+        }
+        // transformers' Qwen3Config: with use_sliding_window, layers from max_window_layers on
+        // attend over the last sliding_window tokens only.
+        if let (Some(true), Some(window)) = (raw.use_sliding_window, raw.sliding_window) {
+            if raw.max_window_layers.unwrap_or(28) < raw.num_hidden_layers {
+                return Err(format!(
+                    "use_sliding_window is true (a window of {window} tokens from layer max_window_layers on): \
+                     sliding-window attention is not supported"
+                ).into());
+            }
+        }
         let config = Self {
             vocab_size: raw.vocab_size,
             hidden_size: raw.hidden_size,
@@ -120,6 +141,23 @@ impl Qwen3Config {
         for (key, value) in positive {
             if value == 0 {
                 return Err(format!("\"{key}\" must be positive").into());
+            }
+        }
+        // Far beyond any Qwen3, and small enough that the sizes computed from them (parameters,
+        // bytes, the memory plan's terms) cannot overflow.
+        let most = [
+            ("vocab_size", self.vocab_size, 1 << 22),
+            ("hidden_size", self.hidden_size, 1 << 16),
+            ("intermediate_size", self.intermediate_size, 1 << 18),
+            ("num_hidden_layers", self.num_hidden_layers, 1 << 10),
+            ("num_attention_heads", self.num_attention_heads, 1 << 10),
+            ("num_key_value_heads", self.num_key_value_heads, 1 << 10),
+            ("head_dim", self.head_dim, 1 << 10),
+            ("max_position_embeddings", self.max_position_embeddings, 1 << 24),
+        ];
+        for (key, value, most) in most {
+            if value > most {
+                return Err(format!("\"{key}\" is {value}, beyond any Qwen3 (at most {most} here)").into());
             }
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
@@ -228,6 +266,11 @@ struct HfConfig {
     pad_token_id: Option<u32>,
     dtype: Option<String>,
     torch_dtype: Option<String>,
+    attention_bias: Option<bool>,
+    use_sliding_window: Option<bool>,
+    sliding_window: Option<usize>,
+    max_window_layers: Option<usize>,
+    layer_types: Option<Vec<String>>,
 }
 
 /// transformers 5's `rope_parameters`.
@@ -433,12 +476,26 @@ mod tests {
             ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"max_position_embeddings\":0", "max_position_embeddings"),
             ("[3,4]", "[3,10]", "eos_token_id"),
             ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"pad_token_id\":99", "pad_token_id"),
+            ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"attention_bias\":true", "attention_bias"),
+            ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"use_sliding_window\":true,\"sliding_window\":4,\"max_window_layers\":0", "use_sliding_window"),
+            ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"layer_types\":[\"sliding_attention\"]", "layer_types"),
+            ("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"rope_parameters\":{\"rope_theta\":5000.0}", "rope_parameters.rope_theta"),
+            ("\"num_hidden_layers\":1", "\"num_hidden_layers\":1000000000", "num_hidden_layers"),
+            ("\"hidden_size\":8", "\"hidden_size\":4611686018427387904", "hidden_size"),
+            ("\"vocab_size\":10", "\"vocab_size\":4611686018427387904", "vocab_size"),
         ] {
             let err = Qwen3Config::from_json_str(&V4_STYLE.replace(from, to)).unwrap_err().0;
             assert!(err.contains(key), "{to}: {err}");
         }
         let silu = V4_STYLE.replace("\"rms_norm_eps\":1e-6", "\"rms_norm_eps\":1e-6,\"hidden_act\":\"silu\"");
         assert!(Qwen3Config::from_json_str(&silu).is_ok());
+        // What Qwen3's own config.json files say of these keys loads.
+        let qwen3 = V4_STYLE.replace(
+            "\"rms_norm_eps\":1e-6",
+            "\"rms_norm_eps\":1e-6,\"attention_bias\":false,\"use_sliding_window\":false,\"sliding_window\":null,\
+             \"max_window_layers\":28,\"layer_types\":[\"full_attention\"],\"rope_parameters\":{\"rope_theta\":1000000.0}",
+        );
+        Qwen3Config::from_json_str(&qwen3).unwrap();
     }
 
     #[test]

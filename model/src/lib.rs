@@ -24,6 +24,7 @@ pub mod device_memory;
 pub mod device_sampling;
 pub mod error;
 pub mod generation;
+pub mod host_memory;
 pub mod init;
 mod kernels;
 pub mod logprobs;

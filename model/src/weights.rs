@@ -117,11 +117,33 @@ pub fn from_checkpoint<B: Backend>(
     if !B::supports_dtype(device, dtype) {
         return Err(ModelError::Input(format!("the {} backend cannot hold {dtype:?} weights: use f32", B::name(device))));
     }
+    if cpu_kernels::is_flex_backend::<B>() {
+        check_weights_fit(&config, dtype, crate::host_memory::total_ram_bytes())?;
+    }
     check_every_tensor_is_used(&config, checkpoint)?;
     assemble(config, device, options, |spec| {
         checkpoint.with_raw(&spec.name, &spec.shape, |raw| device_data(raw, spec.kind, dtype))
     })
 }
+
+/// Refuses weights that alone take more than the `ram` of the machine they would be loaded into
+/// as `dtype` (the CPU backend's), which would otherwise end in a failed allocation part of the
+/// way through; unknown RAM lets them through.
+fn check_weights_fit(config: &Qwen3Config, dtype: DType, ram: Option<u64>) -> Result<(), ModelError> {
+    let needed = config.num_parameters() as u64 * dtype.size() as u64;
+    match ram {
+        Some(ram) if needed > ram => Err(ModelError::Input(format!(
+            "its {} parameters take {:.1} GiB as {dtype:?}, more than this machine's {:.1} GiB of memory{}",
+            config.num_parameters(),
+            needed as f64 / GIB,
+            ram as f64 / GIB,
+            if dtype == DType::F32 { " (bf16 takes half)" } else { "" }
+        ))),
+        _ => Ok(()),
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// Refuses a checkpoint that holds tensors `config` does not use (a `config.json` that does not
 /// match its weights, such as fewer layers than they have), which loading would otherwise leave
@@ -532,6 +554,17 @@ mod tests {
             x as u32
         });
         special.into_iter().chain(random).take(n).collect()
+    }
+
+    /// Weights larger than the machine's memory are refused with their size and the machine's,
+    /// before any is read; those that fit, or where the memory is unknown, pass.
+    #[test]
+    fn weights_larger_than_the_machine_are_refused() {
+        let qwen3_8b = crate::Preset::Qwen3_8B.config(0, vec![]);
+        let err = check_weights_fit(&qwen3_8b, DType::F32, Some(16 << 30)).unwrap_err().to_string();
+        assert!(err.contains("30.5 GiB as F32") && err.contains("16.0 GiB") && err.contains("bf16 takes half"), "{err}");
+        check_weights_fit(&qwen3_8b, DType::BF16, Some(32 << 30)).unwrap();
+        check_weights_fit(&qwen3_8b, DType::F32, None).unwrap();
     }
 
     #[test]

@@ -133,8 +133,8 @@ pub struct Args {
     pub attention_lens: Vec<usize>,
     /// Switch the fused CPU kernels off: every op runs through burn's portable tensor ops, the
     /// path the CUDA backend takes (measures what the kernels gain; the environment variable
-    /// does the same for any command).
-    #[arg(long, env = "PROMPT_R1_PORTABLE_OPS")]
+    /// does the same for any command, with 1/0, true/false, yes/no or on/off).
+    #[arg(long, env = "PROMPT_R1_PORTABLE_OPS", value_parser = clap::builder::BoolishValueParser::new())]
     pub portable_ops: bool,
     /// Cap the instruction set the CPU kernels use: portable, avx2, avx512 or avx512bf16 (a
     /// level above this CPU's runs at the CPU's; the environment variable does the same for any
@@ -380,6 +380,19 @@ impl OnBackend for Args {
                 attention: self.compute.attention.clone(),
                 device: self.compute.device,
             };
+            let plan = step.plan(&dir)?;
+            if let (Some(plan), Some((memory, source))) = (&plan, crate::device::total_memory(self.compute.device)) {
+                let needed = if self.compute.device == DeviceChoice::Cpu { plan.update_peak() } else { plan.update_pool_peak() };
+                if needed > memory {
+                    anyhow::bail!(
+                        "the training step of --batch {} x --seq-len {seq_len} needs about {} by the memory plan, more than {} ({source}): \
+                         lower --batch or --seq-len, or add --activation-checkpointing",
+                        self.batch,
+                        trainer::plan::format_size(needed),
+                        trainer::plan::format_size(memory)
+                    );
+                }
+            }
             let pool = crate::device::memory_probe(self.compute.device);
             let (seconds, peak, reserved) = step.measure::<B>(&dir, &device, pool.as_ref())?;
             let mode = match (&step.lora, step.checkpointing) {
@@ -390,7 +403,7 @@ impl OnBackend for Args {
             };
             let workload = format!("train step {} x {}{mode}", self.batch, seq_len);
             figures.push(Figure::tokens(workload, seconds, Some((self.batch * seq_len) as f64), peak));
-            if let Some(plan) = step.plan(&dir)? {
+            if let Some(plan) = plan {
                 // On a GPU the device's pool is what the plan predicts (the CUDA context aside),
                 // not the host's RSS.
                 let (predicted, measured, what) = match reserved {

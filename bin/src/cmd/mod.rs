@@ -52,6 +52,19 @@ pub fn create_parent(file: &std::path::Path) -> anyhow::Result<()> {
     }
 }
 
+/// What to say of the settings file `earlier` that a start after `step` steps set aside: it
+/// differed from the settings now in force, or it was not JSON at all (damaged), which is not
+/// the same news.
+fn earlier_settings_note(step: u64, earlier: &std::path::Path) -> String {
+    let whose = if step == 0 { "the earlier start's" } else { "the run's until now" };
+    let readable = std::fs::read(earlier).is_ok_and(|bytes| serde_json::from_slice::<serde_json::Value>(&bytes).is_ok());
+    if readable {
+        format!("the settings differ from {whose}; the earlier ones are kept in {}", earlier.display())
+    } else {
+        format!("{whose} settings file was not readable JSON (damaged?); it is kept as it was in {}, and the settings in force now are written anew", earlier.display())
+    }
+}
+
 /// Notes how a run (`step` steps done, in `session`) resumed: that `--resume` found no
 /// checkpoint, so that a new run starts (a mistyped out_dir would otherwise go unnoticed), or
 /// which later checkpoints a resume from an earlier one set aside, and where.
@@ -68,8 +81,7 @@ pub fn note_resume(resume: trainer::run::Resume, step: u64, session: &trainer::r
         );
     }
     if let Some(earlier) = session.earlier_config() {
-        let whose = if step == 0 { "the earlier start's" } else { "the run's until now" };
-        eprintln!("note: the settings differ from {whose}; the earlier ones are kept in {}", earlier.display());
+        eprintln!("note: {}", earlier_settings_note(step, earlier));
     }
     if let Some(earlier) = session.earlier_metrics() {
         eprintln!(
@@ -105,7 +117,7 @@ pub fn print_lora_share(trained: usize, base: usize, dtype: trainer::run::ModelD
 }
 
 #[cfg(test)]
-mod dir_tests {
+mod tests {
     use super::*;
 
     #[test]
@@ -123,5 +135,18 @@ mod dir_tests {
         create_parent(&nested).unwrap();
         assert!(tmp.path().join("a/b").is_dir());
         create_parent(std::path::Path::new("m.json")).unwrap();
+    }
+
+    /// A settings file set aside is said to differ when it was JSON, and to be damaged when not.
+    #[test]
+    fn a_damaged_settings_file_is_not_said_to_differ() {
+        let dir = tempfile::tempdir().unwrap();
+        let earlier = dir.path().join("run_config.up-to-step-1.json");
+        std::fs::write(&earlier, "{\"lr\": 1}").unwrap();
+        let note = earlier_settings_note(1, &earlier);
+        assert!(note.starts_with("the settings differ from the run's until now"), "{note}");
+        std::fs::write(&earlier, "{").unwrap();
+        let note = earlier_settings_note(1, &earlier);
+        assert!(note.contains("not readable JSON") && note.contains("run_config.up-to-step-1.json"), "{note}");
     }
 }

@@ -281,7 +281,9 @@ pub(crate) fn dir_name(dir: &Path) -> String {
         .unwrap_or_else(|| "prompt-r1".to_string())
 }
 
-/// `temperature`, `top_p` and `top_k` of generation_config.json, as vLLM uses them.
+/// `temperature`, `top_p` and `top_k` of generation_config.json, as vLLM uses them (`top_p` 1
+/// and `top_k` 0 or -1 are no truncation); a value of another type or out of range is an error
+/// naming the file and the key, as the same value in a request is.
 fn sampling_defaults(dir: &Path) -> Result<Sampling> {
     let path = dir.join("generation_config.json");
     let mut defaults = Sampling::default();
@@ -292,21 +294,26 @@ fn sampling_defaults(dir: &Path) -> Result<Sampling> {
         .with_context(|| format!("cannot read {}", path.display()))?;
     let config: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
-    let number = |key: &str| config.get(key).and_then(serde_json::Value::as_f64);
-    if config.get("do_sample").and_then(serde_json::Value::as_bool) == Some(false) {
-        defaults.temperature = 0.0;
-    } else if let Some(t) = number("temperature") {
+    let bad = |key: &str, what: &str| anyhow!("{}: \"{key}\" must be {what}, got {}", path.display(), config[key]);
+    let value = |key: &str| config.get(key).filter(|v| !v.is_null());
+    let number = |key: &str| value(key).map(|v| v.as_f64().ok_or_else(|| bad(key, "a number"))).transpose();
+    let do_sample = value("do_sample").map(|v| v.as_bool().ok_or_else(|| bad("do_sample", "true or false"))).transpose()?;
+    if let Some(t) = number("temperature")? {
         defaults.temperature = t as f32;
     }
-    if let Some(p) = number("top_p").filter(|p| *p > 0.0 && *p < 1.0) {
-        defaults.top_p = Some(p as f32);
+    if do_sample == Some(false) {
+        defaults.temperature = 0.0;
     }
-    if let Some(k) = config
-        .get("top_k")
-        .and_then(serde_json::Value::as_u64)
-        .filter(|k| *k > 0)
-    {
-        defaults.top_k = Some(k as usize);
+    match number("top_p")? {
+        Some(p) if p > 0.0 && p < 1.0 => defaults.top_p = Some(p as f32),
+        Some(p) if p == 1.0 => {}
+        Some(_) => return Err(bad("top_p", "above 0 and at most 1")),
+        None => {}
+    }
+    match value("top_k").map(|v| v.as_i64().ok_or_else(|| bad("top_k", "an integer"))).transpose()? {
+        Some(k) if k > 0 => defaults.top_k = Some(k as usize),
+        Some(0 | -1) | None => {}
+        Some(_) => return Err(bad("top_k", "positive, or 0 or -1 for none")),
     }
     defaults.validate().map_err(|e| anyhow!("{}: {e}", path.display()))?;
     Ok(defaults)
@@ -375,5 +382,27 @@ mod tests {
         )
         .unwrap();
         assert_eq!(sampling_defaults(dir.path()).unwrap().temperature, 0.0);
+        std::fs::write(dir.path().join("generation_config.json"), r#"{"temperature": null, "top_p": 1.0, "top_k": -1}"#).unwrap();
+        assert_eq!(sampling_defaults(dir.path()).unwrap(), Sampling::default());
+    }
+
+    /// A value serve could not use is refused, naming the file and the key, not served as if
+    /// absent.
+    #[test]
+    fn refuses_bad_generation_config_values() {
+        let dir = tempfile::tempdir().unwrap();
+        for (text, key) in [
+            (r#"{"temperature": "hot"}"#, "\"temperature\""),
+            (r#"{"temperature": -2}"#, "temperature"),
+            (r#"{"top_p": 5}"#, "\"top_p\""),
+            (r#"{"top_p": 0}"#, "\"top_p\""),
+            (r#"{"top_k": -3}"#, "\"top_k\""),
+            (r#"{"top_k": 2.5}"#, "\"top_k\""),
+            (r#"{"do_sample": "no"}"#, "\"do_sample\""),
+        ] {
+            std::fs::write(dir.path().join("generation_config.json"), text).unwrap();
+            let err = sampling_defaults(dir.path()).unwrap_err().to_string();
+            assert!(err.contains("generation_config.json") && err.contains(key), "{text}: {err}");
+        }
     }
 }

@@ -169,6 +169,7 @@ pub fn run(args: Args) -> Result<()> {
         eprintln!("note: {note}");
     }
     let plan = super::plan::check_before_training(&mut config, args.device).context("memory plan")?;
+    crate::agent_flags::probe_environment(config.environment.clone())?;
     if config.grpo.matmul == MatmulPrecision::Bf16 && args.device == DeviceChoice::Cpu {
         if let Some(note) = bf16_products_note(config.cpu_kernels) {
             eprintln!("note: {note}");

@@ -53,13 +53,7 @@ pub fn peak_rss_mb() -> Option<f64> {
     Some(kb / 1024.0)
 }
 
-/// The machine's physical memory in bytes (Linux `/proc/meminfo`; `None` elsewhere).
-pub fn total_ram_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
+pub use model::host_memory::total_ram_bytes;
 
 /// Resets the kernel's peak-RSS counter of this process, so the next [`peak_rss_mb`] covers
 /// only what follows (Linux; a no-op elsewhere).
