@@ -87,6 +87,15 @@ pub enum DataError {
     /// The CSV file itself could not be parsed.
     #[error("{}: CSV error: {source}", path.display())]
     Csv { path: PathBuf, source: csv::Error },
+    /// The parquet file's columns are compressed with a codec this build does not read (zstd,
+    /// brotli, LZO: their Rust crates wrap C libraries).
+    #[error(
+        "{}: its columns are compressed with {codec}, which this build does not read: write it again with snappy \
+         (pyarrow's and pandas' default), gzip, lz4 or none, e.g. pandas `df.to_parquet(path, compression=\"snappy\")` \
+         or polars `df.write_parquet(path, compression=\"snappy\")`",
+        path.display()
+    )]
+    UnsupportedCompression { path: PathBuf, codec: String },
     /// The parquet file itself could not be read.
     #[error("{}: parquet error: {source}", path.display())]
     Parquet {

@@ -29,6 +29,7 @@ pub(crate) fn read(path: &Path, sink: &mut RowSink) -> Result<(), DataError> {
         source,
     })?;
     let reader = SerializedFileReader::new(file).map_err(parquet_error)?;
+    check_compression(path, &reader)?;
     let schema = reader.metadata().file_metadata().schema();
     for column in REQUIRED_COLUMNS {
         if !schema.get_fields().iter().any(|f| f.name() == column) {
@@ -46,6 +47,27 @@ pub(crate) fn read(path: &Path, sink: &mut RowSink) -> Result<(), DataError> {
         let row = row.map_err(parquet_error)?;
         let example = parse_row(&row, sink.default_id(index));
         sink.push(index + 1, None, example)?;
+    }
+    Ok(())
+}
+
+/// Refuses a file whose columns use a codec this build leaves out, naming it, before any row is
+/// read (parquet's own error only says "Disabled feature at compile time").
+fn check_compression(path: &Path, reader: &SerializedFileReader<File>) -> Result<(), DataError> {
+    use parquet::basic::Compression;
+    let codecs = reader.metadata().row_groups().iter().flat_map(|group| group.columns().iter().map(|column| column.compression()));
+    for codec in codecs {
+        match codec {
+            Compression::UNCOMPRESSED | Compression::SNAPPY | Compression::GZIP(_) | Compression::LZ4 | Compression::LZ4_RAW => {}
+            other => {
+                let name = match other {
+                    Compression::ZSTD(_) => "zstd".to_owned(),
+                    Compression::BROTLI(_) => "brotli".to_owned(),
+                    other => format!("{other:?}"),
+                };
+                return Err(DataError::UnsupportedCompression { path: path.to_path_buf(), codec: name });
+            }
+        }
     }
     Ok(())
 }
@@ -75,8 +97,10 @@ fn column<'a>(row: &'a Row, name: &str) -> Option<&'a Field> {
 
 /// The content of the single user message of `prompt`.
 fn prompt_content(row: &Row) -> Result<&str, RowProblem> {
-    let Some(Field::ListInternal(messages)) = column(row, "prompt") else {
-        return Err(RowProblem::MissingField("prompt"));
+    let messages = match column(row, "prompt") {
+        Some(Field::ListInternal(messages)) => messages,
+        None | Some(Field::Null) => return Err(RowProblem::MissingField("prompt")),
+        Some(_) => return Err(RowProblem::WrongType { field: "prompt", expected: "a list of messages" }),
     };
     let [Field::Group(message)] = messages.elements() else {
         return Err(RowProblem::PromptShape);
@@ -99,11 +123,15 @@ fn raw_question(content: &str) -> Result<&str, RowProblem> {
 
 fn ground_truth(row: &Row) -> Result<Vec<String>, RowProblem> {
     const FIELD: &str = "reward_model.ground_truth";
-    let Some(Field::Group(reward_model)) = column(row, "reward_model") else {
-        return Err(RowProblem::MissingField(FIELD));
+    let reward_model = match column(row, "reward_model") {
+        Some(Field::Group(reward_model)) => reward_model,
+        None | Some(Field::Null) => return Err(RowProblem::MissingField(FIELD)),
+        Some(_) => return Err(RowProblem::WrongType { field: "reward_model", expected: "a struct holding ground_truth" }),
     };
-    let Some(Field::ListInternal(answers)) = column(reward_model, "ground_truth") else {
-        return Err(RowProblem::MissingField(FIELD));
+    let answers = match column(reward_model, "ground_truth") {
+        Some(Field::ListInternal(answers)) => answers,
+        None | Some(Field::Null) => return Err(RowProblem::MissingField(FIELD)),
+        Some(_) => return Err(RowProblem::WrongType { field: FIELD, expected: "a list of strings" }),
     };
     answers
         .elements()

@@ -5,6 +5,7 @@ use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 
+use parquet::basic::{Compression, GzipLevel};
 use parquet::data_type::{ByteArray, ByteArrayType};
 use parquet::file::properties::WriterProperties;
 use parquet::file::writer::SerializedFileWriter;
@@ -36,8 +37,13 @@ message schema {
 
 /// Writes one row per `(prompt content, answer)`, each with one user message and one answer.
 fn write_verl(path: &Path, rows: &[(&str, &str)], schema: &str) {
+    write_verl_compressed(path, rows, schema, Compression::UNCOMPRESSED);
+}
+
+/// [`write_verl`] with the columns compressed by `compression`.
+fn write_verl_compressed(path: &Path, rows: &[(&str, &str)], schema: &str, compression: Compression) {
     let schema = Arc::new(parse_message_type(schema).unwrap());
-    let props = Arc::new(WriterProperties::builder().build());
+    let props = Arc::new(WriterProperties::builder().set_compression(compression).build());
     let mut writer = SerializedFileWriter::new(File::create(path).unwrap(), schema, props).unwrap();
     let mut group = writer.next_row_group().unwrap();
     let n = rows.len();
@@ -126,4 +132,48 @@ fn a_file_without_the_verl_columns_is_refused() {
         ),
         "{err}"
     );
+}
+
+/// The codecs of pure-Rust crates (snappy, gzip, lz4) are read; a zstd file (polars' default;
+/// its crate wraps the C library) is refused by name, with how to write it again, before any
+/// row is read.
+#[test]
+fn compressed_files_are_read_or_refused_by_codec() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = format!("Question: Who wrote it?\n{INSTRUCTION}");
+    for (name, compression) in [("snappy", Compression::SNAPPY), ("gzip", Compression::GZIP(GzipLevel::default())), ("lz4", Compression::LZ4_RAW)] {
+        let path = dir.path().join(format!("{name}.parquet"));
+        write_verl_compressed(&path, &[(&good, "Me")], VERL_SCHEMA, compression);
+        let dataset = load(&path, OnBadRow::Fail).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(dataset.examples()[0].question(), "Who wrote it?", "{name}");
+    }
+    let zstd = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/parquet/verl-zstd.parquet");
+    let err = load(&zstd, OnBadRow::Skip).unwrap_err();
+    assert!(matches!(&err, DataError::UnsupportedCompression { codec, .. } if codec == "zstd"), "{err}");
+    assert!(err.to_string().contains("verl-zstd.parquet") && err.to_string().contains("compression=\"snappy\""), "{err}");
+}
+
+/// A column of the wrong type is named as such, not reported missing.
+#[test]
+fn a_column_of_the_wrong_type_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("flat.parquet");
+    let schema = "message schema {
+      optional binary data_source (STRING);
+      optional binary prompt (STRING);
+      optional group reward_model { optional binary ground_truth (STRING); }
+    }";
+    let schema = Arc::new(parse_message_type(schema).unwrap());
+    let props = Arc::new(WriterProperties::builder().build());
+    let mut writer = SerializedFileWriter::new(File::create(&path).unwrap(), schema, props).unwrap();
+    let mut group = writer.next_row_group().unwrap();
+    for max_def in [1i16, 1, 2] {
+        let mut column = group.next_column().unwrap().unwrap();
+        column.typed::<ByteArrayType>().write_batch(&[ByteArray::from("x")], Some(&[max_def]), None).unwrap();
+        column.close().unwrap();
+    }
+    group.close().unwrap();
+    writer.close().unwrap();
+    let dataset = load(&path, OnBadRow::Skip).unwrap();
+    assert_eq!(dataset.skipped()[0].problem, RowProblem::WrongType { field: "prompt", expected: "a list of messages" });
 }
