@@ -397,6 +397,9 @@ fn bench_refuses_a_decode_with_no_step_to_time() {
     let out = prompt_r1(&["bench", "--model", &model, "--prompt-len", "8", "--decode-tokens", "1"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("--decode-tokens must be at least 2"), "{stderr}");
+    let out = prompt_r1(&["bench", "--model", &model, "--prompt-len", "8", "--decode-batch", "2,0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--decode-batch must be at least 1"), "{stderr}");
 }
 
 /// A training step the memory plan puts past the machine's memory is refused before it runs,

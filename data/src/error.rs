@@ -75,6 +75,9 @@ pub enum DataError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A line of a text file is not valid UTF-8 (the first such line).
+    #[error("{}: line {line} is not valid UTF-8", path.display())]
+    NotUtf8 { path: PathBuf, line: usize },
     /// The extension is not one of the supported formats.
     #[error("{}: unsupported dataset format (expected .csv, .jsonl or .parquet)", path.display())]
     UnknownFormat { path: PathBuf },

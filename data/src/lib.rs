@@ -18,9 +18,11 @@ mod load;
 mod parquet_file;
 mod sampler;
 mod shuffle;
+mod text;
 
 pub use error::{BadRow, DataError, RowProblem};
 pub use example::Example;
 pub use latest::{prediction_key, superseded_rows};
 pub use load::{load, Dataset, OnBadRow};
 pub use sampler::{Batch, BatchSampler, Cursor, SamplerConfig, SamplerError};
+pub use text::read_text;

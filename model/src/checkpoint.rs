@@ -307,7 +307,7 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
     let (header_len, metadata) =
         safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| ModelError::Safetensors {
             path: path.to_path_buf(),
-            reason: describe_safetensors_error(&e),
+            reason: describe_safetensors_error(&e, &mmap),
         })?;
     Ok(Shard {
         path: path.to_path_buf(),
@@ -317,14 +317,33 @@ fn open_shard(path: &Path) -> Result<Shard, ModelError> {
     })
 }
 
-fn describe_safetensors_error(e: &safetensors::SafeTensorError) -> String {
+fn describe_safetensors_error(e: &safetensors::SafeTensorError, file: &[u8]) -> String {
     use safetensors::SafeTensorError as E;
     match e {
         E::MetadataIncompleteBuffer | E::InvalidHeaderLength | E::HeaderTooSmall => {
             format!("the file is truncated or its header length is wrong ({e})")
         }
+        E::TensorInvalidInfo => inconsistent_tensor(file).unwrap_or_else(|| e.to_string()),
         other => other.to_string(),
     }
+}
+
+/// Which tensor of the header of `file` has `data_offsets` that do not span the bytes of its
+/// shape and dtype, said as safetensors' `TensorInvalidInfo` (which names none) means it.
+fn inconsistent_tensor(file: &[u8]) -> Option<String> {
+    let len = usize::try_from(u64::from_le_bytes(file.get(..8)?.try_into().ok()?)).ok()?;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(file.get(8..8usize.checked_add(len)?)?).ok()?;
+    header.iter().filter(|(name, _)| *name != "__metadata__").find_map(|(name, info)| {
+        let dtype: Dtype = serde_json::from_value(info.get("dtype")?.clone()).ok()?;
+        let shape: Vec<usize> = serde_json::from_value(info.get("shape")?.clone()).ok()?;
+        let [start, end]: [usize; 2] = serde_json::from_value(info.get("data_offsets")?.clone()).ok()?;
+        let bytes = shape.iter().try_fold(dtype.bitsize(), |bits, &d| bits.checked_mul(d)).map(|bits| bits / 8);
+        let spanned = end.checked_sub(start);
+        (bytes != spanned).then(|| {
+            let bytes = bytes.map_or("more than can be counted".to_owned(), |b| format!("{b} bytes"));
+            format!("tensor `{name}`: shape {shape:?} of {dtype:?} takes {bytes}, but its data_offsets [{start}, {end}] do not span that")
+        })
+    })
 }
 
 /// The distinct shard files named by an index, in first-seen order of their file names.
@@ -615,6 +634,20 @@ mod tests {
             assert_eq!(ckpt.read("a", &[2, 3]).unwrap().values, vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
             assert_eq!(ckpt.read("b", &[2]).unwrap().values, vec![1.0, -2.0]);
         }
+    }
+
+    /// A header whose offsets do not span a tensor's shape names that tensor (safetensors' own
+    /// error names none).
+    #[test]
+    fn a_tensor_whose_offsets_do_not_fit_its_shape_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let header = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[3],"data_offsets":[8,16]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header.as_bytes());
+        file.extend_from_slice(&[0; 16]);
+        std::fs::write(dir.path().join("model.safetensors"), file).unwrap();
+        let err = Checkpoint::open(dir.path()).err().expect("refused").to_string();
+        assert!(err.contains("tensor `b`: shape [3] of F32 takes 12 bytes") && err.contains("[8, 16]"), "{err}");
     }
 
     #[test]

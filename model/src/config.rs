@@ -302,6 +302,8 @@ fn describe_json_error(e: serde_path_to_error::Error<serde_json::Error>) -> Stri
     let inner = e.into_inner();
     if inner.is_syntax() || inner.is_eof() {
         format!("invalid JSON: {inner}")
+    } else if path == "eos_token_id" {
+        format!("key \"{path}\" must be a token id or a list of token ids")
     } else if path == "." {
         inner.to_string()
     } else {
@@ -505,7 +507,7 @@ mod tests {
         assert!(err.contains("\"rope_parameters.rope_theta\""), "{err}");
         let text = V4_STYLE.replace("[3,4]", "[3,\"four\"]");
         let err = Qwen3Config::from_json_str(&text).unwrap_err().0;
-        assert!(err.contains("\"eos_token_id\""), "{err}");
+        assert!(err.contains("\"eos_token_id\" must be a token id or a list of token ids"), "{err}");
         let err = Qwen3Config::from_json_str("{\"vocab_size\": 3,").unwrap_err().0;
         assert!(err.starts_with("invalid JSON"), "{err}");
     }

@@ -333,6 +333,9 @@ impl OnBackend for Args {
         if self.decode_context == 0 {
             anyhow::bail!("--decode-context must be at least 1");
         }
+        if self.decode_batch.contains(&0) {
+            anyhow::bail!("--decode-batch must be at least 1 each");
+        }
         if self.decode_tokens < 2 {
             anyhow::bail!("--decode-tokens must be at least 2: the decoding steps timed are those after the first token (got {})", self.decode_tokens);
         }

@@ -97,7 +97,7 @@ fn prediction(row: &PredictionRow) -> &str {
 /// unfinished last one (no newline after it: an interrupted eval's), dropped with a note as
 /// `eval` drops it.
 fn read_predictions(path: &Path) -> Result<Vec<PredictionRow>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = data::read_text(path)?;
     let unfinished = (!text.ends_with('\n')).then(|| text.lines().count());
     let mut rows = Vec::new();
     for (index, line) in text.lines().enumerate() {

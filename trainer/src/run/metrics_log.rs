@@ -242,14 +242,17 @@ pub(crate) fn read_lines<R: DeserializeOwned>(run_dir: &Path, required: &[&str])
                     return Err(malformed(number, format!("step {step} has no `{missing}`: not a line of this kind of run's metrics")));
                 }
             }
-            serde_json::from_value(serde_json::Value::Object(fields)).map_err(|e| malformed(number, e.to_string()))
+            serde_path_to_error::deserialize(serde_json::Value::Object(fields)).map_err(|e| {
+                let key = e.path().to_string();
+                malformed(number, format!("`{key}`: {}", e.into_inner()))
+            })
         })
         .collect()
 }
 
 /// The text of `path` without an incomplete last line (with a note when there was one).
 fn complete_text(path: &Path) -> Result<String, TrainError> {
-    let mut text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
+    let mut text = data::read_text(path)?;
     let complete = text.rfind('\n').map_or(0, |i| i + 1);
     if !text[complete..].trim().is_empty() {
         eprintln!(
@@ -370,6 +373,10 @@ mod tests {
             let err = read_metrics(dir.path()).unwrap_err().to_string();
             assert!(err.contains(expected), "{err}");
         }
+        // A value of the wrong type names its key.
+        std::fs::write(&path, format!("{first}\n{}\n", first.replacen("\"critic/score/mean\":", "\"critic/score/mean\":\"high\",\"x\":", 1))).unwrap();
+        let err = read_metrics(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("line 2: `critic/score/mean`: ") && err.contains("\"high\""), "{err}");
         std::fs::write(&path, format!("{}\n{first}\n", r#"{"training/global_step":0,"val/reward/mean":0.5}"#)).unwrap();
         assert_eq!(read_metrics(dir.path()).unwrap().len(), 2, "the validation before training has no reward");
     }

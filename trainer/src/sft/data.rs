@@ -114,7 +114,7 @@ impl RowEncoder<'_> {
     }
 
     fn load_file(&self, path: &Path, out: &mut Vec<SftSequence>, summary: &mut DataSummary) -> Result<(), TrainError> {
-        let text = std::fs::read_to_string(path).map_err(TrainError::io(path))?;
+        let text = data::read_text(path)?;
         // A byte-order mark, as some Windows editors write, is no part of the first row.
         let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
         let superseded = superseded_eval_rows(text);
