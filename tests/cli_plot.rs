@@ -153,6 +153,11 @@ fn plot_honours_out_and_size() {
     assert_eq!((w, h), (640, 420));
     assert!(distinct_colours(&buf, bpp) >= 5);
     assert!(!dir.path().join("curves.png").exists());
+    // PNG bytes are not written under another format's name.
+    let jpg = dir.path().join("small.jpg");
+    let output = plot(&[dir.path().to_str().unwrap(), "--out", jpg.to_str().unwrap()]);
+    assert!(!output.status.success() && text(&output.stderr).contains("ending in .png"), "{}", text(&output.stderr));
+    assert!(!jpg.exists());
 }
 
 #[test]

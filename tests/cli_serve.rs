@@ -788,6 +788,24 @@ fn serve_refuses_fewer_step_tokens_than_rows() {
     assert!(!out.status.success() && stderr.contains("--max-num-batched-tokens (4) must be at least --max-batch (8)"), "{stderr}");
 }
 
+/// A KV cache larger than the machine's memory is refused before the model loads, not
+/// accepted and run out of memory later.
+#[test]
+fn serve_refuses_a_kv_cache_larger_than_the_machine() {
+    if trainer::run::total_ram_bytes().is_none() {
+        println!("skipped: this machine's RAM cannot be read (/proc/meminfo)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = harness::tiny_model(dir.path());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_prompt-r1"))
+        .args(["serve", "--model", model.to_str().unwrap(), "--kv-cache-memory", "1000TiB"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("--kv-cache-memory 1024000.0 GiB is more than the") && stderr.contains("this machine's RAM"), "{stderr}");
+}
+
 #[test]
 fn serve_refuses_a_model_directory_it_cannot_use() {
     let dir = tempfile::tempdir().unwrap();

@@ -21,6 +21,11 @@ struct Columns {
 impl Columns {
     fn find(header: &StringRecord, path: &Path) -> Result<Self, DataError> {
         let position = |name: &str| header.iter().position(|h| h.trim() == name);
+        for column in ["id", "data_source", "question", "answers"] {
+            if header.iter().filter(|h| h.trim() == column).count() > 1 {
+                return Err(DataError::DuplicateColumn { path: path.to_path_buf(), column });
+            }
+        }
         let required = |column: &'static str| {
             position(column).ok_or_else(|| DataError::MissingColumn {
                 path: path.to_path_buf(),

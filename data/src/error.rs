@@ -84,6 +84,9 @@ pub enum DataError {
     /// The header or schema lacks a required column.
     #[error("{}: missing column `{column}`", path.display())]
     MissingColumn { path: PathBuf, column: &'static str },
+    /// The header names a column the loader reads more than once (which would be read is a guess).
+    #[error("{}: the header has more than one `{column}` column", path.display())]
+    DuplicateColumn { path: PathBuf, column: &'static str },
     /// A malformed row, with [`OnBadRow::Fail`](crate::OnBadRow::Fail).
     #[error(transparent)]
     BadRow(#[from] BadRow),

@@ -91,6 +91,16 @@ fn csv_without_a_required_column_fails_whatever_the_policy() {
         .contains("noanswers.csv: missing column `answers`"));
 }
 
+/// A header naming a column twice is refused, naming it, rather than read from its first copy.
+#[test]
+fn csv_with_a_column_named_twice_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "twice.csv", "question,answers,question\nq,\"[\"\"a\"\"]\",r\n");
+    let err = load(&path, OnBadRow::Skip).unwrap_err();
+    assert!(matches!(err, DataError::DuplicateColumn { column: "question", .. }), "{err}");
+    assert!(err.to_string().contains("twice.csv: the header has more than one `question` column"), "{err}");
+}
+
 #[test]
 fn csv_optional_columns_default_from_the_file_name() {
     let dir = tempfile::tempdir().unwrap();

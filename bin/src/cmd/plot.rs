@@ -21,8 +21,8 @@ use crate::plot::{Band, Figure, Panel, Series, Style};
 pub struct Args {
     /// Run directory holding metrics.jsonl.
     pub run_dir: PathBuf,
-    /// PNG file to write (atomically); default RUN_DIR/curves.png.
-    #[arg(long)]
+    /// PNG file to write (atomically; its name ends in .png); default RUN_DIR/curves.png.
+    #[arg(long, value_parser = png_path)]
     pub out: Option<PathBuf>,
     /// Image width in pixels (300 to 8000).
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(300..=8000))]
@@ -30,6 +30,16 @@ pub struct Args {
     /// Image height in pixels (200 to 8000).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(200..=8000))]
     pub height: u32,
+}
+
+/// A path for the PNG `plot` writes: one named otherwise (`.jpg`, `.svg`) would hold PNG bytes
+/// under another format's name.
+fn png_path(text: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(text);
+    match path.extension().and_then(|e| e.to_str()) {
+        Some(ext) if ext.eq_ignore_ascii_case("png") => Ok(path),
+        _ => Err("plot writes PNG images: give a file name ending in .png".into()),
+    }
 }
 
 pub fn run(args: Args) -> Result<()> {

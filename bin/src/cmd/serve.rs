@@ -187,6 +187,15 @@ impl OnBackend for Args {
                 self.max_batch
             );
         }
+        if let (Some(KvCacheMemory::Size(bytes)), Some((memory, source))) = (self.kv_cache_memory, crate::device::total_memory(self.compute.device)) {
+            if bytes > memory {
+                anyhow::bail!(
+                    "--kv-cache-memory {} is more than the {} of {source}: give less, or auto (what the device leaves the cache)",
+                    format_size(bytes),
+                    format_size(memory)
+                );
+            }
+        }
         let load_options = self.compute.load_options();
         let loaded = LoadedModel::<B>::open(&self.model, &device, load_options)?;
         loaded.require_tokenizer(&self.model, "serve")?;
