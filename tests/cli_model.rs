@@ -603,19 +603,23 @@ fn plan_says_whether_a_run_fits_and_train_refuses_one_that_does_not() {
 fn train_refuses_an_unreachable_environment_before_loading() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tiny_model(tmp.path());
+    // A port that was free a moment ago: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let url = format!("http://127.0.0.1:{port}/v1");
     let config = tmp.path().join("run.toml");
     std::fs::write(
         &config,
         format!(
-            "model = \"{model}\"\n[data]\ntrain = [\"absent.csv\"]\n[environment]\nbase_url = \"http://127.0.0.1:9/v1\"\n\
-             model = \"m\"\n[environment.retry]\nmax_attempts = 6\n[run]\nout_dir = \"run\"\n"
+            "model = \"{model}\"\n[data]\ntrain = [\"absent.csv\"]\n[environment]\nbase_url = \"{url}\"\n\
+             model = \"m\"\nread_timeout_secs = 10.0\n[environment.retry]\nmax_attempts = 6\n[run]\nout_dir = \"run\"\n\
+             device_memory = \"80GiB\"\n"
         ),
     )
     .unwrap();
     let out = prompt_r1(&["train", "--config", config.to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
-    assert!(stderr.contains("http://127.0.0.1:9/v1") && stderr.contains("cannot be used, so nothing was run"), "{stderr}");
+    assert!(stderr.contains(&url) && stderr.contains("cannot be used, so nothing was run"), "{stderr}");
     assert!(!stderr.contains("absent.csv"), "the data is not read before the probe: {stderr}");
     assert!(!tmp.path().join("run").exists(), "nothing was written");
 }

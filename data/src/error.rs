@@ -93,8 +93,8 @@ pub enum DataError {
     /// The CSV file itself could not be parsed.
     #[error("{}: CSV error: {source}", path.display())]
     Csv { path: PathBuf, source: csv::Error },
-    /// The parquet file's columns are compressed with a codec this build does not read (zstd,
-    /// brotli, LZO: their Rust crates wrap C libraries).
+    /// The parquet file's columns are compressed with a codec this build does not read: zstd
+    /// (its crate wraps the C library), brotli (a large crate for a rare codec) or LZO.
     #[error(
         "{}: its columns are compressed with {codec}, which this build does not read: write it again with snappy \
          (pyarrow's and pandas' default), gzip, lz4 or none, e.g. pandas `df.to_parquet(path, compression=\"snappy\")` \

@@ -134,14 +134,13 @@ fn a_file_without_the_verl_columns_is_refused() {
     );
 }
 
-/// The codecs of pure-Rust crates (snappy, gzip, lz4) are read; a zstd file (polars' default;
-/// its crate wraps the C library) is refused by name, with how to write it again, before any
-/// row is read.
+/// Snappy, gzip and LZ4 (pure-Rust crates) are read; a zstd file (polars' default; its crate
+/// wraps the C library) is refused by name, with how to write it again, before any row is read.
 #[test]
 fn compressed_files_are_read_or_refused_by_codec() {
     let dir = tempfile::tempdir().unwrap();
     let good = format!("Question: Who wrote it?\n{INSTRUCTION}");
-    for (name, compression) in [("snappy", Compression::SNAPPY), ("gzip", Compression::GZIP(GzipLevel::default())), ("lz4", Compression::LZ4_RAW)] {
+    for (name, compression) in [("snappy", Compression::SNAPPY), ("gzip", Compression::GZIP(GzipLevel::default())), ("lz4", Compression::LZ4), ("lz4 raw", Compression::LZ4_RAW)] {
         let path = dir.path().join(format!("{name}.parquet"));
         write_verl_compressed(&path, &[(&good, "Me")], VERL_SCHEMA, compression);
         let dataset = load(&path, OnBadRow::Fail).unwrap_or_else(|e| panic!("{name}: {e}"));

@@ -93,8 +93,8 @@ impl Qwen3Config {
             return Err(format!("layer_types holds \"{kind}\": only \"full_attention\" is supported").into());
         }
         // transformers' Qwen3Config: with use_sliding_window, layers from max_window_layers on
-        // attend over the last sliding_window tokens only.
-        if let (Some(true), Some(window)) = (raw.use_sliding_window, raw.sliding_window) {
+        // attend over the last sliding_window tokens only, unless layer_types says each layer's.
+        if let (Some(true), Some(window), None) = (raw.use_sliding_window, raw.sliding_window, &raw.layer_types) {
             if raw.max_window_layers.unwrap_or(28) < raw.num_hidden_layers {
                 return Err(format!(
                     "use_sliding_window is true (a window of {window} tokens from layer max_window_layers on): \
@@ -498,6 +498,12 @@ mod tests {
              \"max_window_layers\":28,\"layer_types\":[\"full_attention\"],\"rope_parameters\":{\"rope_theta\":1000000.0}",
         );
         Qwen3Config::from_json_str(&qwen3).unwrap();
+        // layer_types, where given, says which layers slide, whatever max_window_layers says.
+        let listed = V4_STYLE.replace(
+            "\"rms_norm_eps\":1e-6",
+            "\"rms_norm_eps\":1e-6,\"use_sliding_window\":true,\"sliding_window\":4,\"max_window_layers\":0,\"layer_types\":[\"full_attention\"]",
+        );
+        Qwen3Config::from_json_str(&listed).unwrap();
     }
 
     #[test]

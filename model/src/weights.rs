@@ -132,13 +132,9 @@ pub fn from_checkpoint<B: Backend>(
 fn check_weights_fit(config: &Qwen3Config, dtype: DType, ram: Option<u64>) -> Result<(), ModelError> {
     let needed = config.num_parameters() as u64 * dtype.size() as u64;
     match ram {
-        Some(ram) if needed > ram => Err(ModelError::Input(format!(
-            "its {} parameters take {:.1} GiB as {dtype:?}, more than this machine's {:.1} GiB of memory{}",
-            config.num_parameters(),
-            needed as f64 / GIB,
-            ram as f64 / GIB,
-            if dtype == DType::F32 { " (bf16 takes half)" } else { "" }
-        ))),
+        Some(ram) if needed > ram => {
+            Err(ModelError::TooLarge { needed_gib: needed as f64 / GIB, dtype: format!("{dtype:?}"), ram_gib: ram as f64 / GIB })
+        }
         _ => Ok(()),
     }
 }
@@ -562,7 +558,7 @@ mod tests {
     fn weights_larger_than_the_machine_are_refused() {
         let qwen3_8b = crate::Preset::Qwen3_8B.config(0, vec![]);
         let err = check_weights_fit(&qwen3_8b, DType::F32, Some(16 << 30)).unwrap_err().to_string();
-        assert!(err.contains("30.5 GiB as F32") && err.contains("16.0 GiB") && err.contains("bf16 takes half"), "{err}");
+        assert!(err.contains("the weights take 30.5 GiB as F32") && err.contains("16.0 GiB") && err.contains("bf16 takes half"), "{err}");
         check_weights_fit(&qwen3_8b, DType::BF16, Some(32 << 30)).unwrap();
         check_weights_fit(&qwen3_8b, DType::F32, None).unwrap();
     }

@@ -3,16 +3,20 @@
 Usage: test_export_peft.py PROMPT_R1_BIN WORK_DIR
 
 Trains LoRA adapters on a tiny random model for two steps (`prompt-r1 train` with `[lora]`; the
-environment is never reached: a random agent makes no well-formed call, and one that did would
-only be dropped; every episode then scores -1, so the entropy bonus is what moves the adapters), exports the checkpoint as a PEFT adapter directory and with `--merge`, then:
+environment is the base model under `prompt-r1 serve`, which `train` probes once at its start:
+a random agent makes no well-formed call, so every episode scores -1 and the entropy bonus is
+what moves the adapters), exports the checkpoint as a PEFT adapter directory and with `--merge`, then:
 the adapter directory loads with `peft.PeftModel.from_pretrained` on the base and gives the
 log-probabilities of `prompt-r1 score --adapter`; the merged directory loads with
 `AutoModelForCausalLM` and gives them too; the files hold what PEFT and vLLM read.
 """
 
 import json
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -35,8 +39,8 @@ model = "base"
 rank = 4
 alpha = 8
 [environment]
-base_url = "http://127.0.0.1:9/v1"
-model = "none"
+base_url = "http://127.0.0.1:{port}/v1"
+model = "base"
 [environment.retry]
 max_attempts = 1
 [data]
@@ -80,6 +84,25 @@ def run(*args, cwd=None):
     return done.stdout
 
 
+def serving(binary, model_dir):
+    """Starts `prompt-r1 serve` on a free port; gives the process and the port once it answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([str(binary), "serve", "--model", str(model_dir), "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return server, port
+        except OSError:
+            if server.poll() is not None:
+                sys.exit(f"prompt-r1 serve --model {model_dir} exited with {server.returncode}")
+            time.sleep(0.1)
+    server.kill()
+    sys.exit(f"prompt-r1 serve --model {model_dir} did not answer on port {port}")
+
+
 def ours(binary, model_dir, adapter=None):
     extra = ["--adapter", adapter] if adapter else []
     out = run(
@@ -107,8 +130,13 @@ def main():
         for i, q in enumerate(["Paris?", "Rome?", "Oslo?", "Lima?"])
     )
     (work / "train.jsonl").write_text(rows)
-    (work / "run.toml").write_text(RUN_TOML)
-    run(binary, "train", "--config", work / "run.toml", cwd=work)
+    server, port = serving(binary, work / "base")
+    try:
+        (work / "run.toml").write_text(RUN_TOML.format(port=port))
+        run(binary, "train", "--config", work / "run.toml", cwd=work)
+    finally:
+        server.kill()
+        server.wait()
 
     adapter, merged = work / "adapter", work / "merged"
     run(binary, "export", work / "run", "--out", adapter)

@@ -387,9 +387,11 @@ impl OnBackend for Args {
             if let (Some(plan), Some((memory, source))) = (&plan, crate::device::total_memory(self.compute.device)) {
                 let needed = if self.compute.device == DeviceChoice::Cpu { plan.update_peak() } else { plan.update_pool_peak() };
                 if needed > memory {
+                    let length = if self.seq_len.is_some() { "--seq-len" } else { "--prompt-len" };
+                    let checkpointing = if self.activation_checkpointing { "" } else { ", or add --activation-checkpointing" };
                     anyhow::bail!(
-                        "the training step of --batch {} x --seq-len {seq_len} needs about {} by the memory plan, more than {} ({source}): \
-                         lower --batch or --seq-len, or add --activation-checkpointing",
+                        "the training step of --batch {} x {length} {seq_len} needs about {} by the memory plan, more than {} ({source}): \
+                         lower --batch or {length}{checkpointing}",
                         self.batch,
                         trainer::plan::format_size(needed),
                         trainer::plan::format_size(memory)

@@ -291,8 +291,9 @@ pub(crate) fn dir_name(dir: &Path) -> String {
 }
 
 /// `temperature`, `top_p` and `top_k` of generation_config.json, as vLLM uses them (`top_p` 1
-/// and `top_k` 0 or -1 are no truncation); a value of another type or out of range is an error
-/// naming the file and the key, as the same value in a request is.
+/// and `top_k` 0 or -1 are no truncation); a value of another type or out of transformers'
+/// range (a negative temperature, `top_p` outside (0, 1], a `top_k` below -1) is an error
+/// naming the file and the key rather than served as if absent.
 fn sampling_defaults(dir: &Path) -> Result<Sampling> {
     let path = dir.join("generation_config.json");
     let mut defaults = Sampling::default();
@@ -319,7 +320,8 @@ fn sampling_defaults(dir: &Path) -> Result<Sampling> {
         Some(_) => return Err(bad("top_p", "above 0 and at most 1")),
         None => {}
     }
-    match value("top_k").map(|v| v.as_i64().ok_or_else(|| bad("top_k", "an integer"))).transpose()? {
+    let whole = |v: &serde_json::Value| v.as_i64().or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 1e15).map(|f| f as i64));
+    match value("top_k").map(|v| whole(v).ok_or_else(|| bad("top_k", "an integer"))).transpose()? {
         Some(k) if k > 0 => defaults.top_k = Some(k as usize),
         Some(0 | -1) | None => {}
         Some(_) => return Err(bad("top_k", "positive, or 0 or -1 for none")),
@@ -393,6 +395,8 @@ mod tests {
         assert_eq!(sampling_defaults(dir.path()).unwrap().temperature, 0.0);
         std::fs::write(dir.path().join("generation_config.json"), r#"{"temperature": null, "top_p": 1.0, "top_k": -1}"#).unwrap();
         assert_eq!(sampling_defaults(dir.path()).unwrap(), Sampling::default());
+        std::fs::write(dir.path().join("generation_config.json"), r#"{"top_k": 20.0}"#).unwrap();
+        assert_eq!(sampling_defaults(dir.path()).unwrap().top_k, Some(20));
     }
 
     /// A value serve could not use is refused, naming the file and the key, not served as if

@@ -243,8 +243,12 @@ pub(crate) fn read_lines<R: DeserializeOwned>(run_dir: &Path, required: &[&str])
                 }
             }
             serde_path_to_error::deserialize(serde_json::Value::Object(fields)).map_err(|e| {
+                // Keys read through a flattened struct have no path of their own ("." or "?").
                 let key = e.path().to_string();
-                malformed(number, format!("`{key}`: {}", e.into_inner()))
+                match key.as_str() {
+                    "." | "?" => malformed(number, e.into_inner().to_string()),
+                    _ => malformed(number, format!("`{key}`: {}", e.into_inner())),
+                }
             })
         })
         .collect()
