@@ -71,9 +71,11 @@ fn parse_row(
     sink: &RowSink,
 ) -> Result<Example, RowProblem> {
     if record.len() != columns.count {
-        return Err(RowProblem::FieldCount {
-            expected: columns.count,
-            found: record.len(),
+        let (expected, found) = (columns.count, record.len());
+        return Err(if record.iter().any(|field| field.contains(&b'\n')) {
+            RowProblem::FieldCountOverLines { expected, found }
+        } else {
+            RowProblem::FieldCount { expected, found }
         });
     }
     let field = |i: usize| std::str::from_utf8(&record[i]).map_err(|_| RowProblem::NotUtf8);

@@ -32,6 +32,10 @@ pub enum RowProblem {
     /// A CSV row has a different number of fields than the header.
     #[error("{found} fields where the header has {expected}")]
     FieldCount { expected: usize, found: usize },
+    /// A CSV row has a different number of fields than the header, one of them over several
+    /// lines: most often a quote left open, which runs on to the next quote in the file.
+    #[error("{found} fields where the header has {expected}, one of them running over several lines: is a quote left open?")]
+    FieldCountOverLines { expected: usize, found: usize },
     /// A CSV row is not valid UTF-8.
     #[error("not valid UTF-8")]
     NotUtf8,

@@ -62,6 +62,12 @@ fn csv_short_row_and_empty_question() {
         }
     );
 
+    // A quote left open runs the row on over the next lines.
+    let open = write(dir.path(), "open.csv", "id,data_source,question,answers\na,s,\"open question,[1]\nb,s,q2,[2]\n");
+    let (row, _, problem, message) = bad_row(load(&open, OnBadRow::Fail));
+    assert_eq!((row, problem), (1, RowProblem::FieldCountOverLines { expected: 4, found: 3 }));
+    assert!(message.contains("is a quote left open?"), "{message}");
+
     let empty = write(
         dir.path(),
         "empty.csv",
