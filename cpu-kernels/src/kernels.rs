@@ -74,18 +74,9 @@ impl Kernels {
     /// The choice the variables make as `lookup` reads them, each variable that names nothing
     /// handed to `bad` and left at the host's choice.
     fn read_env(lookup: &dyn Fn(&str) -> Option<String>, honour_portable_ops: bool, mut bad: impl FnMut(KernelsEnvError)) -> Kernels {
-        let products = setting::<Bf16Products>(lookup, BF16_PRODUCTS_ENV).unwrap_or_else(|e| {
-            bad(e.into());
-            None
-        });
-        let cap = setting::<Isa>(lookup, ISA_ENV).unwrap_or_else(|e| {
-            bad(e.into());
-            None
-        });
-        let portable_ops = setting::<PortableOps>(lookup, PORTABLE_OPS_ENV).unwrap_or_else(|e| {
-            bad(e.into());
-            None
-        });
+        let products = setting_or_reported::<Bf16Products>(lookup, BF16_PRODUCTS_ENV, &mut bad);
+        let cap = setting_or_reported::<Isa>(lookup, ISA_ENV, &mut bad);
+        let portable_ops = setting_or_reported::<PortableOps>(lookup, PORTABLE_OPS_ENV, &mut bad);
         let off = honour_portable_ops && portable_ops.is_some_and(|PortableOps(on)| on);
         let kernels = Kernels::host().with_bf16_products(products.unwrap_or_else(Bf16Products::for_host));
         match (off, cap) {
@@ -162,6 +153,18 @@ pub(crate) fn setting<T: std::str::FromStr>(lookup: &dyn Fn(&str) -> Option<Stri
         Some(value) if !value.trim().is_empty() => value.parse().map(Some),
         _ => Ok(None),
     }
+}
+
+/// [`setting`], a value that names nothing handed to `bad` and read as unset.
+fn setting_or_reported<T>(lookup: &dyn Fn(&str) -> Option<String>, name: &str, bad: &mut impl FnMut(KernelsEnvError)) -> Option<T>
+where
+    T: std::str::FromStr,
+    KernelsEnvError: From<T::Err>,
+{
+    setting::<T>(lookup, name).unwrap_or_else(|e| {
+        bad(e.into());
+        None
+    })
 }
 
 /// `PROMPT_R1_PORTABLE_OPS`: whether the kernels are off, in the words clap's boolish flags

@@ -20,24 +20,24 @@ struct Columns {
 
 impl Columns {
     fn find(header: &StringRecord, path: &Path) -> Result<Self, DataError> {
-        let position = |name: &str| header.iter().position(|h| h.trim() == name);
-        for column in ["id", "data_source", "question", "answers"] {
-            if header.iter().filter(|h| h.trim() == column).count() > 1 {
-                return Err(DataError::DuplicateColumn { path: path.to_path_buf(), column });
+        // Where `column` is, if anywhere; a header naming it twice is an error (which copy to
+        // read would be a guess).
+        let position = |column: &'static str| {
+            let mut at = header.iter().enumerate().filter(|(_, h)| h.trim() == column).map(|(i, _)| i);
+            let first = at.next();
+            match at.next() {
+                None => Ok(first),
+                Some(_) => Err(DataError::DuplicateColumn { path: path.to_path_buf(), column }),
             }
-        }
-        let required = |column: &'static str| {
-            position(column).ok_or_else(|| DataError::MissingColumn {
-                path: path.to_path_buf(),
-                column,
-            })
         };
+        let (id, data_source, question, answers) = (position("id")?, position("data_source")?, position("question")?, position("answers")?);
+        let required = |at: Option<usize>, column: &'static str| at.ok_or_else(|| DataError::MissingColumn { path: path.to_path_buf(), column });
         Ok(Self {
             count: header.len(),
-            id: position("id"),
-            data_source: position("data_source"),
-            question: required("question")?,
-            answers: required("answers")?,
+            id,
+            data_source,
+            question: required(question, "question")?,
+            answers: required(answers, "answers")?,
         })
     }
 }

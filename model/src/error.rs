@@ -64,10 +64,10 @@ pub enum ModelError {
     Input(String),
     /// The weights alone take more memory than the machine they would be loaded into has.
     #[error(
-        "the weights take {needed_gib:.1} GiB as {dtype}, more than this machine's {ram_gib:.1} GiB of memory{}",
-        if dtype == "F32" { " (bf16 takes half)" } else { "" }
+        "the weights take {needed_gib:.1} GiB as {dtype:?}, more than this machine's {ram_gib:.1} GiB of memory{}",
+        if *dtype == burn::tensor::DType::F32 { " (bf16 takes half)" } else { "" }
     )]
-    TooLarge { needed_gib: f64, dtype: String, ram_gib: f64 },
+    TooLarge { needed_gib: f64, dtype: burn::tensor::DType, ram_gib: f64 },
     #[error("the device failed: {0}")]
     Device(String),
 }

@@ -133,7 +133,7 @@ fn check_weights_fit(config: &Qwen3Config, dtype: DType, ram: Option<u64>) -> Re
     let needed = config.num_parameters() as u64 * dtype.size() as u64;
     match ram {
         Some(ram) if needed > ram => {
-            Err(ModelError::TooLarge { needed_gib: needed as f64 / GIB, dtype: format!("{dtype:?}"), ram_gib: ram as f64 / GIB })
+            Err(ModelError::TooLarge { needed_gib: needed as f64 / GIB, dtype, ram_gib: ram as f64 / GIB })
         }
         _ => Ok(()),
     }

@@ -863,18 +863,25 @@ mod example_file {
 pub(crate) mod example_keys {
     use std::collections::BTreeSet;
 
-    /// A line's setting, whether set or commented out: `Some(("section", None))` for a
-    /// `[section]` header, `Some(("", Some("key")))` for `key = ...`; `None` for prose.
-    fn setting(line: &str) -> Option<(&str, Option<&str>)> {
+    /// What a line of an example sets, whether set or commented out.
+    enum Setting<'a> {
+        /// A `[section]` header.
+        Section(&'a str),
+        /// A `key = ...` line.
+        Key(&'a str),
+    }
+
+    /// The line's setting; `None` for prose.
+    fn setting(line: &str) -> Option<Setting<'_>> {
         let line = line.trim_start().trim_start_matches('#').trim_start();
         let before_comment = line.split('#').next().unwrap_or("").trim();
         if let Some(section) = before_comment.strip_prefix('[').and_then(|rest| rest.strip_suffix(']')) {
-            return Some((section, None));
+            return Some(Setting::Section(section));
         }
         let (key, _) = line.split_once('=')?;
         let key = key.trim();
         let is_key = !key.is_empty() && key.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        is_key.then_some(("", Some(key)))
+        is_key.then_some(Setting::Key(key))
     }
 
     /// The dotted paths (`rollout.sampling.top_k`) of every setting and section the example
@@ -884,14 +891,14 @@ pub(crate) mod example_keys {
         let mut section = String::new();
         for line in example.lines() {
             match setting(line) {
-                Some((name, None)) => {
+                Some(Setting::Section(name)) => {
                     section = name.to_string();
                     paths.insert(section.clone());
                 }
-                Some((_, Some(key))) if section.is_empty() => {
+                Some(Setting::Key(key)) if section.is_empty() => {
                     paths.insert(key.to_string());
                 }
-                Some((_, Some(key))) => {
+                Some(Setting::Key(key)) => {
                     paths.insert(format!("{section}.{key}"));
                 }
                 None => {}
