@@ -23,6 +23,15 @@
 #              CubeCL's profiler (a 2,048-token prefill, a decoding step of 8 rows over 2,048
 #              positions, scoring 2 x 2,048 tokens: kernels and GPU time by name, beside the
 #              wall time); steps the time does not reach say NOT RUN
+#   lease      for a 15-minute lease, in one command of about 9 minutes: what the open issue needs
+#              first. check-device on the tiny model (f32, bf16: every kernel since the last lease
+#              against the CPU), issue 32's rollout workload on the small shape (batch 8 and 64)
+#              and the 0.6B shape (as in `rollout`), ours and PyTorch on the 0.6B shape (bf16:
+#              prefill, decode at batch 1 and 64, scoring), the long-context decode with the
+#              decoding steps' own kernel against the general one, then `demo --device cuda`
+#   lease-more what `lease` leaves for a second command on the warm machine: the long-context
+#              decode with every decoding step whole, LoRA decoding apart and merged, continuous
+#              admission of 64 episodes of 1 to 5 turns (each as in `rollout`)
 #   host       where a decode step's time goes (the H100 ran the 0.6B shape at 0.2x PyTorch,
 #              host-bound): first a decode at batch 1 with every thread's stack sampled by
 #              cuda-gdb about once a second (scripts/stack_profile.py sums them up: the functions
@@ -77,7 +86,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -458,6 +467,33 @@ case "$stage" in
     bench_0_6b bf16
     profiles_0_6b
     ;;
+  lease)
+    check_tiny
+    bench rollout-small --preset small --rollout --rollout-batch 8,64
+    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
+      --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+    rollout_figures rollout-small.txt rollout-0.6b-bf16.txt
+    model="$work/qwen3-0.6b"
+    step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
+    bench ours-bf16 --model "$model" --dtype bf16 --decode-batch 1,64 --workloads prefill,decode,score,chained
+    step pytorch-bf16 python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype bf16 --decode-batch 1,64
+    rm -rf "$model"
+    decode_figures ours-bf16.txt pytorch-bf16.txt
+    bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
+    bench decode-kernel-general --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --decoding-kernel general
+    decode_figures decode-kernel-all.txt decode-kernel-general.txt
+    train_demo 2
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
+  lease-more)
+    bench decode-kernel-whole --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --split-decoding off
+    bench decode-lora-apart --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora
+    bench decode-lora-merged --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora --merge-lora
+    decode_figures decode-kernel-whole.txt decode-lora-apart.txt decode-lora-merged.txt
+    bench rollout-admission --preset small --rollout --rollout-batch 32 --rollout-episodes 64 --rollout-varied-turns
+    rollout_figures rollout-admission.txt
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
   host)
     # Where a decode step's time goes on the host: ours with fusion on and off (each with its
     # threads' CPU use), then one short decode of each with every kernel timed on the GPU.
@@ -566,7 +602,7 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
-    say "unknown stage $stage: use build, compile, first, host, autotune, check, check-0.6b, train, bench, bench-f32, memory or rollout"
+    say "unknown stage $stage: use build, compile, lease, lease-more, first, host, autotune, check, check-0.6b, train, bench, bench-f32, memory or rollout"
     failed=1
     ;;
 esac
