@@ -33,6 +33,10 @@
 #   lease-more what `lease` leaves for a second command on the warm machine: the long-context
 #              decode with every decoding step whole, LoRA decoding apart and merged, continuous
 #              admission of 64 episodes of 1 to 5 turns (each as in `rollout`)
+#   compare    two builds' kernels in one run (BIN, and BIN_B: another build's binary, e.g. a
+#              branch's, built with GPU_DIR=.gpu-b and carried beside .gpu): check-device with
+#              BIN_B, then each one's 2,048-token prefill and scoring and 0.6B rollout at 64,
+#              alternating, twice
 #   host       where a decode step's time goes (the H100 ran the 0.6B shape at 0.2x PyTorch,
 #              host-bound): first a decode at batch 1 with every thread's stack sampled by
 #              cuda-gdb about once a second (scripts/stack_profile.py sums them up: the functions
@@ -87,7 +91,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -498,6 +502,24 @@ case "$stage" in
     rollout_figures rollout-admission.txt
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
+  compare)
+    bin_b=${BIN_B:?compare needs BIN_B: the binary of the other build, made with GPU_DIR=.gpu-b}
+    if [ ! -x "$bin_b" ] && [ -f "$bin_b.gz" ]; then
+      gzip -dc "$bin_b.gz" > "$bin_b" && chmod +x "$bin_b"
+    fi
+    step check-b "$bin_b" check-device --device cuda --dtype bf16 --rtol 5e-2
+    for round in 1 2; do
+      for which in a b; do
+        [ "$which" = a ] && b_or_a=$bin || b_or_a=$bin_b
+        bin=$b_or_a bench "long-$which-$round" --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score
+        bin=$b_or_a bench "rollout-$which-$round" --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 64 \
+          --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+      done
+    done
+    decode_figures long-a-1.txt long-b-1.txt long-a-2.txt long-b-2.txt
+    rollout_figures rollout-a-1.txt rollout-b-1.txt rollout-a-2.txt rollout-b-2.txt
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
   host)
     # Where a decode step's time goes on the host: ours with fusion on and off (each with its
     # threads' CPU use), then one short decode of each with every kernel timed on the GPU.
@@ -606,7 +628,7 @@ case "$stage" in
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   *)
-    say "unknown stage $stage: use build, compile, lease, lease-more, first, host, autotune, check, check-0.6b, train, bench, bench-f32, memory or rollout"
+    say "unknown stage $stage: use build, compile, lease, lease-more, compare, first, host, autotune, check, check-0.6b, train, bench, bench-f32, memory or rollout"
     failed=1
     ;;
 esac
