@@ -350,6 +350,53 @@ train_demo() {
   rm -rf "$work/demo/agent" "$work/demo/environment-llm" "$work/demo"/*/checkpoints 2> /dev/null
 }
 
+# Ours and PyTorch on the 0.6B-shaped checkpoint $1 with weights of dtype $2: prefill, decode at
+# batch 1 and 64 and scoring; ours also greedy steps read back and chained (see bench_0_6b).
+ours_and_pytorch() {
+  local model=$1 dtype=$2
+  bench "ours-$dtype" --model "$model" --dtype "$dtype" --decode-batch 1,64 --workloads prefill,decode,score,chained
+  step "pytorch-$dtype" python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype "$dtype" --decode-batch 1,64
+}
+
+# Issue 32's rollout workload (`bench --rollout`), named $1, at the generation batches $2: the
+# small shape (f32, 5 turns of 128 tokens, 300-token replies after 200 ms), or the 0.6B shape in
+# bf16 with shorter episodes (3 turns of 32 tokens, 100-token replies) in groups of 5 episodes a
+# question, as GRPO's rollout.n, whose first prompts are shared; further arguments are bench's.
+rollout_small() {
+  local name=$1 batches=$2
+  shift 2
+  bench "$name" --preset small --rollout --rollout-batch "$batches" "$@"
+}
+rollout_0_6b() {
+  local name=$1 batches=$2
+  shift 2
+  bench "$name" --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch "$batches" \
+    --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5 "$@"
+}
+
+# The 0.6B shape's long-context decode (bf16), named $1: a 2,048-token prefill, then 32 tokens
+# decoded at the batches $2 over 2,048 positions, and scoring; further arguments are bench's.
+long_decode() {
+  local name=$1 batches=$2
+  shift 2
+  bench "$name" --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch "$batches" \
+    --decode-tokens 32 "$@"
+}
+
+# LoRA decoding (rank 8 on every projection of the 0.6B shape's bf16 base), named $1, after
+# 256-token prompts at batch 1 and 64; further arguments are bench's (--merge-lora).
+lora_decode() {
+  local name=$1
+  shift
+  bench "$name" --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora "$@"
+}
+
+# Continuous admission against batches: 64 episodes of 1 to 5 turns of the small shape, 32 in
+# flight.
+admission() {
+  rollout_small rollout-admission 32 --rollout-episodes 64 --rollout-varied-turns
+}
+
 # Ours and PyTorch on one 0.6B-shaped random checkpoint with weights of dtype $1: prefill and
 # decode at batch 1 and 64; with `train`, also a training step with bf16 products each. Ours
 # also times greedy steps with their tokens read back at every step (as the decoder does) and
@@ -358,8 +405,7 @@ train_demo() {
 bench_0_6b() {
   local dtype=$1 model="$work/qwen3-0.6b"
   step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
-  bench "ours-$dtype" --model "$model" --dtype "$dtype" --decode-batch 1,64 --workloads prefill,decode,score,chained
-  step "pytorch-$dtype" python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype "$dtype" --decode-batch 1,64
+  ours_and_pytorch "$model" "$dtype"
   # The same decode under CubeCL's profiler, as every timed step of the third to fifth leases ran
   # (CUBECL_DEBUG_LOG, which also times each kernel with a wait for the GPU before and after it):
   # what that cost their figures, beside "ours-$dtype".
@@ -474,31 +520,29 @@ case "$stage" in
     ;;
   lease)
     check_tiny
-    bench rollout-small --preset small --rollout --rollout-batch 8,64
-    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
-      --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+    rollout_small rollout-small 8,64
+    rollout_0_6b rollout-0.6b-bf16 8,64
     # The sixth lease found the small rollout at 64 faster with separate passes than ragged ones
     # (1.12x, two commands apart): the same run's comparison.
-    bench rollout-small-separate --preset small --rollout --rollout-batch 64 --ragged-passes off
+    rollout_small rollout-small-separate 64 --ragged-passes off
     rollout_figures rollout-small.txt rollout-0.6b-bf16.txt rollout-small-separate.txt
     model="$work/qwen3-0.6b"
     step init-model "$bin" init-model --preset qwen3-0.6b --out "$model"
-    bench ours-bf16 --model "$model" --dtype bf16 --decode-batch 1,64 --workloads prefill,decode,score,chained
-    step pytorch-bf16 python3 scripts/bench_pytorch.py --device cuda --model "$model" --dtype bf16 --decode-batch 1,64
+    ours_and_pytorch "$model" bf16
     rm -rf "$model"
     decode_figures ours-bf16.txt pytorch-bf16.txt
-    bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
-    bench decode-kernel-general --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --decoding-kernel general
+    long_decode decode-kernel-all 8,64
+    long_decode decode-kernel-general 8,64 --decoding-kernel general
     decode_figures decode-kernel-all.txt decode-kernel-general.txt
     train_demo 2
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   lease-more)
-    bench decode-kernel-whole --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --split-decoding off
-    bench decode-lora-apart --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora
-    bench decode-lora-merged --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora --merge-lora
+    long_decode decode-kernel-whole 8,64 --split-decoding off
+    lora_decode decode-lora-apart
+    lora_decode decode-lora-merged --merge-lora
     decode_figures decode-kernel-whole.txt decode-lora-apart.txt decode-lora-merged.txt
-    bench rollout-admission --preset small --rollout --rollout-batch 32 --rollout-episodes 64 --rollout-varied-turns
+    admission
     rollout_figures rollout-admission.txt
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
@@ -512,8 +556,7 @@ case "$stage" in
       for which in a b; do
         [ "$which" = a ] && b_or_a=$bin || b_or_a=$bin_b
         bin=$b_or_a bench "long-$which-$round" --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score
-        bin=$b_or_a bench "rollout-$which-$round" --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 64 \
-          --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+        bin=$b_or_a rollout_0_6b "rollout-$which-$round" 64
       done
     done
     decode_figures long-a-1.txt long-b-1.txt long-a-2.txt long-b-2.txt
@@ -540,7 +583,7 @@ case "$stage" in
     # compiles for check-device, its decode speed on the 0.6B shape and the small rollout at 8.
     step check-tiny-f32 "$bin" check-device --device cuda
     bench autotune-bf16 --preset qwen3-0.6b --dtype bf16 --decode-batch 1,64
-    bench autotune-rollout-small --preset small --rollout --rollout-batch 8
+    rollout_small autotune-rollout-small 8
     grep -h '"rollout_over_decode"\|"speedup_over_reprefill"' "$work"/*rollout*.txt 2> /dev/null | tee -a "$log"
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
@@ -574,12 +617,10 @@ case "$stage" in
     # First issue 32's figures, the rollout against pure decode (a lease rarely has time for
     # every step: the most telling come first). One run each: on the H100 three runs of the
     # small shape at 8 and 64 took 296 s.
-    bench rollout-small --preset small --rollout --rollout-batch 8,64
-    # The 0.6B shape with shorter episodes (3 turns of 32 tokens, 100-token replies), so that the
-    # passes (pure decode twice, re-prefilled, kept) finish within the stage; groups of 5
-    # episodes per question, as GRPO's rollout.n, whose first prompts are shared.
-    bench rollout-0.6b-bf16 --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 8,64 \
-      --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+    rollout_small rollout-small 8,64
+    # The 0.6B shape with shorter episodes, so that the passes (pure decode twice, re-prefilled,
+    # kept) finish within the stage.
+    rollout_0_6b rollout-0.6b-bf16 8,64
     rollout_figures rollout-small.txt rollout-0.6b-bf16.txt
     # Then the paged-attention kernel (prompt-r1-device-kernels: a pass's attention read in
     # place from the paged KV cache) against burn's ops over the gathered keys and values: a
@@ -593,9 +634,9 @@ case "$stage" in
     # where by default they are cut into spans of cubes of their own (16 at 8 rows, 3 at 64).
     # Each with the decoding steps' own kernel (paged_decode, the default) and then with the
     # general kernel it replaced for them (--decoding-kernel general): the same run's baseline.
-    bench decode-kernel-all --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32
-    bench decode-kernel-general --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --decoding-kernel general
-    bench decode-kernel-whole --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 8,64 --decode-tokens 32 --split-decoding off
+    long_decode decode-kernel-all 8,64
+    long_decode decode-kernel-general 8,64 --decoding-kernel general
+    long_decode decode-kernel-whole 8,64 --split-decoding off
     # The same run's prefill and scoring (2 x 2,048 tokens) through burn's ops
     # (--device-kernels decode), against decode-kernel-all's through the kernel: scoring has
     # taken it since the thirty-fourth session (the fifth lease's scoring was burn's ops).
@@ -604,14 +645,14 @@ case "$stage" in
     # LoRA rollouts (the paper's run: rank 8 on every projection of a bf16 base) with the
     # adapters beside the base and merged into it (rollout.merge_lora, the default): on lavapipe
     # a decoding step launched 244 kernels a token apart and 155 merged (the base's count).
-    bench decode-lora-apart --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora
-    bench decode-lora-merged --preset qwen3-0.6b --dtype bf16 --prompt-len 256 --decode-batch 1,64 --decode-tokens 32 --lora --merge-lora
+    lora_decode decode-lora-apart
+    lora_decode decode-lora-merged --merge-lora
     decode_figures decode-lora-apart.txt decode-lora-merged.txt
     # Then what continuous admission gains where a decode step costs about the same at any
     # number of rows: 64 episodes of 1 to 5 turns, 32 in flight, in batches and continuously
     # (on 2 CPU cores with the paged KV cache: 0.65x the decoder steps, 0.80x the speed, 1.44x
     # the peak KV; the padded buffer before it took 1.7x).
-    bench rollout-admission --preset small --rollout --rollout-batch 32 --rollout-episodes 64 --rollout-varied-turns
+    admission
     # Last the comparisons the fifth lease measured, for what changed since: the small rollout
     # with the kernel in decoding steps only (`all`, CUDA's default, puts the replies' prefill
     # passes through it too: on the fifth lease's H200 the rollout ran 21% faster so), and with
@@ -619,10 +660,10 @@ case "$stage" in
     # decoding rows in one ragged pass a step (vLLM's mixed batches; the H200 ran them 2% faster
     # apart, when a ragged pass's decoding rows still went through the general kernel: since the
     # thirty-first session they go through paged_decode); then the long-context decode with the kernel in decoding steps only and nowhere.
-    bench rollout-small-decode --preset small --rollout --rollout-batch 64 --device-kernels decode
-    bench rollout-small-separate --preset small --rollout --rollout-batch 64 --ragged-passes off
-    bench decode-kernel-decode --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels decode
-    bench decode-kernel-off --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --decode-context 2048 --decode-batch 64 --decode-tokens 32 --device-kernels off
+    rollout_small rollout-small-decode 64 --device-kernels decode
+    rollout_small rollout-small-separate 64 --ragged-passes off
+    long_decode decode-kernel-decode 64 --device-kernels decode
+    long_decode decode-kernel-off 64 --device-kernels off
     rollout_figures rollout-admission.txt rollout-small-decode.txt rollout-small-separate.txt
     decode_figures decode-kernel-decode.txt decode-kernel-off.txt
     cat "$work/peak-memory.txt" | tee -a "$log"
