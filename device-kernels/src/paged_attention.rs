@@ -19,6 +19,15 @@
 //! 5. the units copy the tile's values into the same shared memory (coalesced) and each adds
 //!    them to the output elements it owns.
 //!
+//! A cube of one query a head (a decoding step's) gives each unit one score, then one output
+//! element, at a time, its outputs in shared memory. A cube of a block of several queries a head
+//! (a prefill chunk's, a scoring pass's) gives each unit a small tile of each ([`Tiling`]: two
+//! entries' scores over up to 4 columns, then up to 4 entries' outputs over a share of the
+//! head's elements), its outputs in registers from the first tile to the last, so that each
+//! element it reads from shared memory serves several products: a score took two shared loads
+//! and an output element's product two, which bounded the kernel by shared memory's bandwidth
+//! (the sixth lease's H200: 2.9 ms a layer of a prefill step, half the 0.6B rollout's GPU time).
+//!
 //! Each key and value is read from the pools once per (cube's heads, block of queries), where it
 //! lies; scores, probabilities and sums are f32 whatever the pools' dtype.
 //!
@@ -55,11 +64,59 @@ const SHARED_BYTES: usize = 28 * 1024;
 /// serves that many of them.
 const MOST_QUERIES: usize = 16;
 
-/// f32 words of shared memory a cube of `entries` (head, query) pairs and tiles of `tile`
-/// columns takes: the queries and their outputs, a tile of keys (then values) in rows of
-/// `head_dim + 1`, the tile's scores, three statistics an entry and two words a column.
-const fn shared_words(head_dim: usize, entries: usize, tile: usize) -> usize {
-    2 * entries * head_dim + tile * (head_dim + 1) + entries * tile + 3 * entries + 2 * tile
+/// f32 words of shared memory a cube of `entries` (head, query) pairs, `block` queries a head,
+/// and tiles of `tile` columns takes: the queries, a tile of keys (then values) in rows of
+/// `head_dim + 1`, the tile's scores, three statistics an entry and two words a column; with
+/// one query a head the outputs too, which a block of several keeps in registers (its queries
+/// and scores in rows padded by one word: see [`Tiling`]).
+const fn shared_words(head_dim: usize, entries: usize, block: usize, tile: usize) -> usize {
+    let stats = tile * (head_dim + 1) + 3 * entries + 2 * tile;
+    match block {
+        1 => 2 * entries * head_dim + entries * tile + stats,
+        _ => entries * (head_dim + 1) + 1 + entries * (tile + 1) + stats,
+    }
+}
+
+/// Columns of a tile one unit scores for a pair of entries, at most: each query element it reads
+/// from shared memory serves this many products, each key element two.
+const MOST_SCORED_COLUMNS: usize = 4;
+
+/// How a cube of a block of several queries a head shares its work among its [`UNITS`] units
+/// (a decoding step's cube, one query a head, gives each unit one score or output element at a
+/// time instead). Each unit keeps a small tile of products in registers, so that every element it
+/// reads from shared memory serves several of them: where one score took two shared loads, a
+/// unit's `2 × columns` scores take `2 + columns` loads an element, and its `entries × dims`
+/// output elements `entries + dims` loads a column of values. Shared memory's bandwidth, not
+/// arithmetic, bounded the kernel (the sixth lease's H200: 2.9 ms a layer of a prefill step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Tiling {
+    /// Columns a unit scores for each of its two entries, `tile / columns` apart.
+    columns: u32,
+    /// Entries whose output elements a unit owns.
+    entries: u32,
+    /// Units a group of `entries` entries shares out its elements of the head among,
+    /// `head_dim / lanes` (rounded up) each.
+    lanes: u32,
+}
+
+impl Tiling {
+    /// The tiling of a cube of `entries` (head, query) pairs, an even number, over tiles of
+    /// `tile` columns: the most columns a unit, up to [`MOST_SCORED_COLUMNS`], that still give
+    /// each of the [`UNITS`] units its pair of entries' columns; four entries a unit's outputs
+    /// where they divide the cube's, else two.
+    const fn new(entries: u32, tile: u32) -> Tiling {
+        let mut columns = MOST_SCORED_COLUMNS as u32;
+        while columns > 1 && (columns > tile || entries / 2 * (tile / columns) < UNITS) {
+            columns /= 2;
+        }
+        let owned = if entries % 4 == 0 { 4 } else { 2 };
+        Tiling { columns, entries: owned, lanes: UNITS / (entries / owned) }
+    }
+
+    /// Output elements (f32 registers) each unit keeps, for heads of `head_dim`.
+    const fn owned(self, head_dim: u32) -> u32 {
+        self.entries * head_dim.div_ceil(self.lanes)
+    }
 }
 
 /// How a pass is cut into cubes and tiles ([`blocks_for`]).
@@ -79,17 +136,17 @@ pub struct Blocks {
 /// `MOST_QUERIES` (head, query) pairs in all (fewer where tiles of 16 columns would not fit),
 /// and the most columns a tile, a power of two up to [`UNITS`], that fit `SHARED_BYTES`.
 /// Qwen3-4B's heads of 128, 4 to a group: a decoding step takes cubes of 4 heads and tiles of
-/// 32 columns, a prefill 4 heads × 4 queries and tiles of 16.
+/// 32 columns, a prefill 4 heads × 4 queries and tiles of 32.
 pub fn blocks_for(head_dim: usize, groups: usize, queries: usize) -> Blocks {
-    let fits = |entries: usize, tile: usize| 4 * shared_words(head_dim, entries, tile) <= SHARED_BYTES;
-    let heads = (1..=groups.clamp(1, MOST_QUERIES)).rev().find(|&h| groups % h == 0 && fits(h, 16)).unwrap_or(1);
+    let fits = |heads: usize, block: usize, tile: usize| 4 * shared_words(head_dim, heads * block, block, tile) <= SHARED_BYTES;
+    let heads = (1..=groups.clamp(1, MOST_QUERIES)).rev().find(|&h| groups % h == 0 && fits(h, 1, 16)).unwrap_or(1);
     let most = 1 << (MOST_QUERIES / heads).max(1).ilog2();
     let mut block = queries.max(1).next_power_of_two().min(most);
-    while block > 1 && !fits(heads * block, 16) {
+    while block > 1 && !fits(heads, block, 16) {
         block /= 2;
     }
     let mut tile = 1;
-    while tile * 2 <= UNITS as usize && fits(heads * block, tile * 2) {
+    while tile * 2 <= UNITS as usize && fits(heads, block, tile * 2) {
         tile *= 2;
     }
     Blocks { heads: heads as u32, queries: block as u32, tile: tile as u32 }
@@ -134,8 +191,22 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     let first_head = CUBE_POS_X as usize * cube_heads as usize;
     let tile_len = tile as usize;
     // Keys and values sit in shared memory in rows of d + 1: units reading element e of
-    // different keys touch distinct banks.
+    // different keys touch distinct banks. A block of several queries a head (`tiled`) keeps
+    // its queries in such rows too, its scores in rows of tile + 1, and its outputs in the
+    // units' registers (see `Tiling`).
     let kv_stride = d + 1;
+    let tiled = comptime!(block > 1);
+    let q_stride = comptime!(if block > 1 { head_dim + 1 } else { head_dim }) as usize;
+    let score_stride = comptime!(if block > 1 { tile + 1 } else { tile }) as usize;
+    let tiling = comptime!(Tiling::new(if block > 1 { cube_heads * block } else { 2 }, tile));
+    let owned = comptime!(if block > 1 { tiling.owned(head_dim) } else { 1 }) as usize;
+    // A unit of such a block owns entries `(unit / lanes) · owned_entries ..` and their elements
+    // `unit % lanes + k · lanes` (the first `owners` units do).
+    let owned_entries = comptime!(tiling.entries as usize);
+    let lanes = comptime!(tiling.lanes as usize);
+    let dims = comptime!(head_dim.div_ceil(tiling.lanes) as usize);
+    let whole_dims = comptime!(head_dim % tiling.lanes == 0);
+    let owners = comptime!((cube_heads * block).div_ceil(tiling.entries) * tiling.lanes) as usize;
     let in_flight = comptime!(if block == 1 { LOADS_IN_FLIGHT } else { 1 });
 
     let heads = query.shape(2);
@@ -191,10 +262,15 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
 
     // A masked column's score: below any real score, finite (as the model's mask value).
     let masked = f32::new(-1.0e30);
-    let mut q = SharedMemory::<f32>::new(entries * d);
-    let mut acc = SharedMemory::<f32>::new(entries * d);
+    let mut q = SharedMemory::<f32>::new(entries * q_stride);
+    let mut acc = SharedMemory::<f32>::new(comptime!(if block > 1 { 1 } else { (cube_heads * block * head_dim) as usize }));
+    let mut owned_acc = Array::<f32>::new(owned);
+    #[unroll]
+    for k in 0..owned {
+        owned_acc[k] = 0.0;
+    }
     let mut kv_tile = SharedMemory::<f32>::new(tile_len * kv_stride);
-    let mut scores = SharedMemory::<f32>::new(entries * tile_len);
+    let mut scores = SharedMemory::<f32>::new(entries * score_stride);
     let mut running_max = SharedMemory::<f32>::new(entries);
     let mut total = SharedMemory::<f32>::new(entries);
     let mut rescale = SharedMemory::<f32>::new(entries);
@@ -212,8 +288,10 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
                 x *= scale;
             }
         }
-        q[i] = x;
-        acc[i] = 0.0;
+        q[b * q_stride + i % d] = x;
+        if !tiled {
+            acc[i] = 0.0;
+        }
         i += units;
     }
     if unit < entries {
@@ -235,35 +313,39 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         sync_cube();
 
         // 3. Scores: a column is seen by the queries at or after its position.
-        let mut p = unit;
-        while p < entries * tile_len {
-            let b = p / tile_len;
-            let qi = b % block_len;
-            let j = p % tile_len;
-            let mut score = masked;
-            if is_key[j] == 1 && qi < count && start + j <= past + first + qi {
-                let q_base = b * d;
-                let k_base = j * kv_stride;
-                let mut dot = 0.0f32;
-                for e in 0..d {
-                    dot += q[q_base + e] * kv_tile[k_base + e];
+        if tiled {
+            score_tile::<F>(&q, &kv_tile, &is_key, &mut scores, start, past + first, count, scale, head_dim, block, tile, cube_heads * block, tiling.columns, fresh);
+        } else {
+            let mut p = unit;
+            while p < entries * tile_len {
+                let b = p / tile_len;
+                let qi = b % block_len;
+                let j = p % tile_len;
+                let mut score = masked;
+                if is_key[j] == 1 && qi < count && start + j <= past + first + qi {
+                    let q_base = b * q_stride;
+                    let k_base = j * kv_stride;
+                    let mut dot = 0.0f32;
+                    for e in 0..d {
+                        dot += q[q_base + e] * kv_tile[k_base + e];
+                    }
+                    score = dot;
+                    if fresh {
+                        // Rounded to the operands' dtype before the scale, as burn's product in
+                        // that dtype is (`memory_efficient`'s scores), so that the backward's
+                        // recomputed probabilities agree with this log-sum-exp.
+                        score = f32::cast_from(F::cast_from(dot)) * scale;
+                    }
                 }
-                score = dot;
-                if fresh {
-                    // Rounded to the operands' dtype before the scale, as burn's product in
-                    // that dtype is (`memory_efficient`'s scores), so that the backward's
-                    // recomputed probabilities agree with this log-sum-exp.
-                    score = f32::cast_from(F::cast_from(dot)) * scale;
-                }
+                scores[p] = score;
+                p += units;
             }
-            scores[p] = score;
-            p += units;
         }
         sync_cube();
 
         // 4. The online softmax, one unit an entry.
         if unit < entries {
-            let base = unit * tile_len;
+            let base = unit * score_stride;
             let old_max = running_max[unit];
             let mut new_max = old_max;
             for j in 0..tile_len {
@@ -293,17 +375,21 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         stage_tile::<F>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
         sync_cube();
 
-        let mut i = unit;
-        while i < entries * d {
-            let b = i / d;
-            let e = i % d;
-            let base = b * tile_len;
-            let mut sum = acc[i] * rescale[b];
-            for j in 0..tile_len {
-                sum += scores[base + j] * kv_tile[j * kv_stride + e];
+        if tiled {
+            add_values(&mut owned_acc, &scores, &kv_tile, &rescale, head_dim, tile, cube_heads * block, tiling.entries, tiling.lanes);
+        } else {
+            let mut i = unit;
+            while i < entries * d {
+                let b = i / d;
+                let e = i % d;
+                let base = b * tile_len;
+                let mut sum = acc[i] * rescale[b];
+                for j in 0..tile_len {
+                    sum += scores[base + j] * kv_tile[j * kv_stride + e];
+                }
+                acc[i] = sum;
+                i += units;
             }
-            acc[i] = sum;
-            i += units;
         }
         sync_cube();
         start += tile_len;
@@ -315,15 +401,34 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         // cube's last column ran no tile, so none since the statistics were first set.
         sync_cube();
         let tokens = query.shape(0) * query.shape(1);
-        let mut i = unit;
-        while i < entries * d {
-            let b = i / d;
-            let qi = b % block_len;
-            if qi < count {
-                let base = (part * tokens * heads + pair_index(b, token0 + first, first_head, heads, block)) * (d + 2);
-                partial[base + i % d] = acc[i];
+        if tiled {
+            if unit < owners {
+                #[unroll]
+                for r in 0..owned_entries {
+                    let b = (unit / lanes) * owned_entries + r;
+                    if b % block_len < count {
+                        let base = (part * tokens * heads + pair_index(b, token0 + first, first_head, heads, block)) * (d + 2);
+                        #[unroll]
+                        for k in 0..dims {
+                            let e = unit % lanes + k * lanes;
+                            if whole_dims || e < d {
+                                partial[base + e] = owned_acc[r * dims + k];
+                            }
+                        }
+                    }
+                }
             }
-            i += units;
+        } else {
+            let mut i = unit;
+            while i < entries * d {
+                let b = i / d;
+                let qi = b % block_len;
+                if qi < count {
+                    let base = (part * tokens * heads + pair_index(b, token0 + first, first_head, heads, block)) * (d + 2);
+                    partial[base + i % d] = acc[i];
+                }
+                i += units;
+            }
         }
         if unit < entries && unit % block_len < count {
             let base = (part * tokens * heads + pair_index(unit, token0 + first, first_head, heads, block)) * (d + 2);
@@ -344,18 +449,175 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
             partial[pair_index(unit, token0 + first, first_head, heads, block)] = lse;
         }
     }
-    let mut i = unit;
-    while i < entries * d {
-        let b = i / d;
-        let qi = b % block_len;
-        if qi < count {
-            let mut out = 0.0f32;
-            if total[b] > 0.0 {
-                out = acc[i] / total[b];
+    if tiled {
+        if unit < owners {
+            #[unroll]
+            for r in 0..owned_entries {
+                let b = (unit / lanes) * owned_entries + r;
+                if b % block_len < count {
+                    let base = pair_index(b, token0 + first, first_head, heads, block) * d;
+                    let sum = total[b];
+                    #[unroll]
+                    for k in 0..dims {
+                        let e = unit % lanes + k * lanes;
+                        if whole_dims || e < d {
+                            let mut out = 0.0f32;
+                            if sum > 0.0 {
+                                out = owned_acc[r * dims + k] / sum;
+                            }
+                            output[base + e] = F::cast_from(out);
+                        }
+                    }
+                }
             }
-            output[pair_index(b, token0 + first, first_head, heads, block) * d + i % d] = F::cast_from(out);
         }
-        i += units;
+    } else {
+        let mut i = unit;
+        while i < entries * d {
+            let b = i / d;
+            let qi = b % block_len;
+            if qi < count {
+                let mut out = 0.0f32;
+                if total[b] > 0.0 {
+                    out = acc[i] / total[b];
+                }
+                output[pair_index(b, token0 + first, first_head, heads, block) * d + i % d] = F::cast_from(out);
+            }
+            i += units;
+        }
+    }
+}
+
+/// Scores of a tile (step 3 of the kernel) in a cube of a block of several queries a head: each
+/// unit takes two entries (consecutive queries of one head) and `columns` columns `tile /
+/// columns` apart, their `2 × columns` dot products in registers, reading each query element
+/// once for `columns` products and each key element once for two (rows of `head_dim + 1` in
+/// `q` and `kv_tile`: units reading element e of different rows touch distinct banks). A
+/// column is seen by the queries at or after its position (the cube's first query at `seen`,
+/// `count` of them); a masked one, or padding, scores below any real score. Scores go to rows
+/// of `tile + 1` (one unit an entry reads them next).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn score_tile<F: Float>(
+    q: &SharedMemory<f32>,
+    kv_tile: &SharedMemory<f32>,
+    is_key: &SharedMemory<u32>,
+    scores: &mut SharedMemory<f32>,
+    start: usize,
+    seen: usize,
+    count: usize,
+    scale: f32,
+    #[comptime] head_dim: u32,
+    #[comptime] block: u32,
+    #[comptime] tile: u32,
+    #[comptime] entries: u32,
+    #[comptime] columns: u32,
+    #[comptime] fresh: bool,
+) {
+    let d = head_dim as usize;
+    let stride = d + 1;
+    let columns_apart = comptime!(tile / columns) as usize;
+    let cols = comptime!(columns as usize);
+    let groups = comptime!((entries / 2 * (tile / columns)) as usize);
+    let mut g = UNIT_POS_X as usize;
+    while g < groups {
+        let b0 = (g / columns_apart) * 2;
+        let j0 = g % columns_apart;
+        let mut dots = Array::<f32>::new(comptime!(2 * columns as usize));
+        #[unroll]
+        for c in 0..2 * cols {
+            dots[c] = 0.0;
+        }
+        let q0 = b0 * stride;
+        for e in 0..d {
+            let x0 = q[q0 + e];
+            let x1 = q[q0 + stride + e];
+            #[unroll]
+            for c in 0..cols {
+                let k = kv_tile[(j0 + c * columns_apart) * stride + e];
+                dots[c] += x0 * k;
+                dots[cols + c] += x1 * k;
+            }
+        }
+        #[unroll]
+        for r in 0..2usize {
+            let b = b0 + r;
+            let qi = b % block as usize;
+            #[unroll]
+            for c in 0..cols {
+                let j = j0 + c * columns_apart;
+                let mut score = f32::new(-1.0e30);
+                if is_key[j] == 1 && qi < count && start + j <= seen + qi {
+                    let dot = dots[r * cols + c];
+                    score = dot;
+                    if fresh {
+                        // Rounded to the operands' dtype before the scale, as in the kernel's
+                        // other scoring.
+                        score = f32::cast_from(F::cast_from(dot)) * scale;
+                    }
+                }
+                scores[b * comptime!(tile as usize + 1) + j] = score;
+            }
+        }
+        g += CUBE_DIM_X as usize;
+    }
+}
+
+/// Adds a tile's values, weighed by its probabilities (`scores`, rows of `tile + 1`), to the
+/// output elements a unit of a block of several queries a head keeps in `owned` (step 5 of the
+/// kernel), after rescaling them by `rescale` (the online softmax's change of maximum): unit u
+/// owns entries `(u / lanes) · owned_entries ..` and their elements `u % lanes + k · lanes`, so
+/// that each probability it reads serves its elements and each value element its entries (see
+/// [`Tiling`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_values(
+    owned: &mut Array<f32>,
+    scores: &SharedMemory<f32>,
+    kv_tile: &SharedMemory<f32>,
+    rescale: &SharedMemory<f32>,
+    #[comptime] head_dim: u32,
+    #[comptime] tile: u32,
+    #[comptime] entries: u32,
+    #[comptime] owned_entries: u32,
+    #[comptime] lanes: u32,
+) {
+    let d = head_dim as usize;
+    let unit = UNIT_POS_X as usize;
+    let lanes_n = comptime!(lanes as usize);
+    let rows = comptime!(owned_entries as usize);
+    let dims = comptime!(head_dim.div_ceil(lanes) as usize);
+    let whole_dims = comptime!(head_dim % lanes == 0);
+    let score_stride = comptime!(tile as usize + 1);
+    if unit < comptime!((entries / owned_entries * lanes) as usize) {
+        let b0 = (unit / lanes_n) * rows;
+        let lane = unit % lanes_n;
+        #[unroll]
+        for r in 0..rows {
+            let factor = rescale[b0 + r];
+            #[unroll]
+            for k in 0..dims {
+                owned[r * dims + k] *= factor;
+            }
+        }
+        let mut p = Array::<f32>::new(rows);
+        for j in 0..tile as usize {
+            #[unroll]
+            for r in 0..rows {
+                p[r] = scores[(b0 + r) * score_stride + j];
+            }
+            let v_base = j * (d + 1) + lane;
+            #[unroll]
+            for k in 0..dims {
+                if whole_dims || lane + k * lanes_n < d {
+                    let v = kv_tile[v_base + k * lanes_n];
+                    #[unroll]
+                    for r in 0..rows {
+                        owned[r * dims + k] += p[r] * v;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -904,6 +1166,21 @@ mod tests {
         }
     }
 
+    /// A block of Qwen3's prefill (16 entries, tiles of 32) gives each unit two entries' scores
+    /// over 4 columns and 4 entries' outputs over 8 elements of the head; smaller blocks fewer
+    /// columns, so that every unit has scores to take.
+    #[test]
+    fn tilings_give_every_unit_its_share() {
+        let tiling = |columns, entries, lanes| Tiling { columns, entries, lanes };
+        assert_eq!(Tiling::new(16, 32), tiling(4, 4, 16));
+        assert_eq!(Tiling::new(16, 32).owned(128), 32);
+        assert_eq!(Tiling::new(8, 32), tiling(2, 4, 32));
+        assert_eq!(Tiling::new(4, 32), tiling(1, 4, 64));
+        assert_eq!(Tiling::new(6, 64), tiling(2, 2, 21));
+        assert_eq!(Tiling::new(6, 64).owned(72), 8);
+        assert_eq!(Tiling::new(2, 2), tiling(1, 2, 64));
+    }
+
     /// Every choice fits the shared memory and takes whole groups' worth of heads where they
     /// fit; Qwen3's heads of 128 keep tiles of 32 in a decoding step, and a prefill takes 16
     /// (head, query) pairs a cube.
@@ -912,18 +1189,23 @@ mod tests {
         let blocks = |heads, queries, tile| Blocks { heads, queries, tile };
         assert_eq!(blocks_for(128, 1, 1), blocks(1, 1, 32));
         assert_eq!(blocks_for(128, 4, 1), blocks(4, 1, 32));
-        assert_eq!(blocks_for(128, 2, 300), blocks(2, 8, 16));
-        assert_eq!(blocks_for(128, 4, 300), blocks(4, 4, 16));
+        assert_eq!(blocks_for(128, 2, 300), blocks(2, 8, 32));
+        assert_eq!(blocks_for(128, 4, 300), blocks(4, 4, 32));
         assert_eq!(blocks_for(128, 1, 3), blocks(1, 4, 32));
-        assert_eq!(blocks_for(72, 3, 40), blocks(3, 4, 32));
+        assert_eq!(blocks_for(72, 3, 40), blocks(3, 4, 64));
         for d in [8, 24, 64, 72, 128, 256, 512] {
             for groups in [1, 2, 3, 4, 5, 8, 20, 64] {
                 for queries in [1, 2, 5, 16, 17, 1000] {
                     let b = blocks_for(d, groups, queries);
                     let entries = (b.heads * b.queries) as usize;
-                    assert!(4 * shared_words(d, entries, b.tile as usize) <= SHARED_BYTES, "head_dim {d}, {groups} groups, {queries} queries");
+                    assert!(4 * shared_words(d, entries, b.queries as usize, b.tile as usize) <= SHARED_BYTES, "head_dim {d}, {groups} groups, {queries} queries");
                     assert!(groups % b.heads as usize == 0 && entries <= MOST_QUERIES && b.tile >= 1, "{b:?}");
                     assert!(b.queries as usize <= queries.next_power_of_two(), "{b:?}");
+                    if b.queries > 1 {
+                        let t = Tiling::new(b.heads * b.queries, b.tile);
+                        assert!(b.tile % t.columns == 0 && (b.heads * b.queries) % t.entries == 0, "{b:?}: {t:?}");
+                        assert!((b.heads * b.queries) / t.entries * t.lanes <= UNITS && t.owned(d as u32) <= 128, "{b:?}: {t:?}");
+                    }
                 }
             }
         }

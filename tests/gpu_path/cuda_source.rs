@@ -6,7 +6,8 @@
 //! of a V100, a T4, an A100, an H100 and a B200, with the options `cubecl-cuda` passes, printing
 //! the registers a thread NVRTC's ptxas gives each (the driver compiles the PTX again at load and
 //! may differ); no kernel may spill registers to local memory but `paged_decode`, within
-//! [`DECODE_SPILL_BYTES`]. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
+//! [`DECODE_SPILL_BYTES`], and the attention's blocks of several queries, within
+//! [`BLOCK_SPILL_BYTES`]. `scripts/nvrtc_check.sh` fetches both from PyPI's NVIDIA wheels
 //! and runs this (CI does); without them NVRTC's part prints `skipped`. Lavapipe's client
 //! defines the kernels: a definition reads the device's and runtime's properties, which none of
 //! these kernels' code depends on. Without a Vulkan adapter the test prints `skipped` (and fails
@@ -101,7 +102,11 @@ fn every_kernel_compiles_for_cuda() {
         match report.map(|log| Resources::from_log(&log)) {
             Ok(Some(used)) => {
                 println!("{name}, sm_{arch}: {} registers, {} bytes spilled", used.registers, used.spilled);
-                let allowed = if name.starts_with("paged_decode") { DECODE_SPILL_BYTES } else { 0 };
+                let allowed = match name {
+                    _ if name.starts_with("paged_decode") => DECODE_SPILL_BYTES,
+                    _ if name.starts_with("paged_attention") && !name.ends_with(" queries 1") => BLOCK_SPILL_BYTES,
+                    _ => 0,
+                };
                 if used.spilled > allowed {
                     spills.push(format!("{name} for sm_{arch}: {} bytes of registers spilled to local memory", used.spilled));
                 }
@@ -124,6 +129,15 @@ fn every_kernel_compiles_for_cuda() {
 /// `scripts/sass.sh paged_decode_bf16_split_groups_2 100`), where more registers a unit would
 /// leave an SM fewer cubes.
 const DECODE_SPILL_BYTES: u32 = 32;
+
+/// Bytes the general attention kernel's blocks of several queries a head may spill: with
+/// `-lineinfo` (as `cubecl-cuda` compiles) ptxas keeps some at 40 to 64 registers a unit, the
+/// outputs' 8 to 32 among them, and spills 4 to 8 bytes of values that it sets before the loop
+/// over tiles and reads after it, or once a tile (`STL` in the prologue, `LDL` after the last
+/// barrier or once between two, against a tile's thousands of products: the SASS of the f32,
+/// f16 and bf16 variants for sm_75, sm_80 and sm_100); none on sm_90, none without
+/// `-lineinfo`. The driver compiles the PTX again at load and may choose otherwise.
+const BLOCK_SPILL_BYTES: u32 = 8;
 
 /// The kernels `device-kernels/src` declares (`#[cube(launch...)]`).
 fn launched_kernels() -> usize {
