@@ -67,8 +67,8 @@ const MOST_QUERIES: usize = 16;
 /// f32 words of shared memory a cube of `entries` (head, query) pairs, `block` queries a head,
 /// and tiles of `tile` columns takes: the queries, a tile of keys (then values) in rows of
 /// `head_dim + 1`, the tile's scores, three statistics an entry and two words a column; with
-/// one query a head the outputs too, which a block of several keeps in registers (its queries
-/// and scores in rows padded by one word: see [`Tiling`]).
+/// one query a head the outputs too, which a block of several keeps in registers (one word
+/// standing in; its queries and scores in rows padded by one word: see [`Tiling`]).
 const fn shared_words(head_dim: usize, entries: usize, block: usize, tile: usize) -> usize {
     let stats = tile * (head_dim + 1) + 3 * entries + 2 * tile;
     match block {
@@ -206,7 +206,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     let lanes = comptime!(tiling.lanes as usize);
     let dims = comptime!(head_dim.div_ceil(tiling.lanes) as usize);
     let whole_dims = comptime!(head_dim % tiling.lanes == 0);
-    let owners = comptime!((cube_heads * block).div_ceil(tiling.entries) * tiling.lanes) as usize;
+    let owners = comptime!((cube_heads * block) / tiling.entries * tiling.lanes) as usize;
     let in_flight = comptime!(if block == 1 { LOADS_IN_FLIGHT } else { 1 });
 
     let heads = query.shape(2);
