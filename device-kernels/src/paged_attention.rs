@@ -88,7 +88,7 @@ const MOST_SCORED_COLUMNS: usize = 4;
 /// unit's `2 × columns` scores take `2 + columns` loads an element, and its `entries × dims`
 /// output elements `entries + dims` loads a column of values. Shared memory's bandwidth, not
 /// arithmetic, bounded the kernel (the sixth lease's H200: 2.9 ms a layer of a prefill step).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Tiling {
     /// Columns a unit scores for each of its two entries, `tile / columns` apart.
     columns: u32,
@@ -109,13 +109,30 @@ impl Tiling {
         while columns > 1 && (columns > tile || entries / 2 * (tile / columns) < UNITS) {
             columns /= 2;
         }
-        let owned = if entries % 4 == 0 { 4 } else { 2 };
+        let owned = if entries.is_multiple_of(4) { 4 } else { 2 };
         Tiling { columns, entries: owned, lanes: UNITS / (entries / owned) }
+    }
+
+    /// Elements of each of its entries a unit owns, for heads of `head_dim` (the last lanes
+    /// may own one fewer: see [`Tiling::whole`]).
+    const fn dims(self, head_dim: u32) -> u32 {
+        head_dim.div_ceil(self.lanes)
+    }
+
+    /// Whether every lane owns [`Tiling::dims`] elements of a head of `head_dim`.
+    const fn whole(self, head_dim: u32) -> bool {
+        head_dim.is_multiple_of(self.lanes)
     }
 
     /// Output elements (f32 registers) each unit keeps, for heads of `head_dim`.
     const fn owned(self, head_dim: u32) -> u32 {
-        self.entries * head_dim.div_ceil(self.lanes)
+        self.entries * self.dims(head_dim)
+    }
+
+    /// Units that own output elements in a cube of `entries` (head, query) pairs: the first
+    /// ones, `lanes` a group of [`Tiling::entries`] entries.
+    const fn owners(self, entries: u32) -> u32 {
+        entries / self.entries * self.lanes
     }
 }
 
@@ -204,9 +221,9 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     // `unit % lanes + k · lanes` (the first `owners` units do).
     let owned_entries = comptime!(tiling.entries as usize);
     let lanes = comptime!(tiling.lanes as usize);
-    let dims = comptime!(head_dim.div_ceil(tiling.lanes) as usize);
-    let whole_dims = comptime!(head_dim % tiling.lanes == 0);
-    let owners = comptime!((cube_heads * block) / tiling.entries * tiling.lanes) as usize;
+    let dims = comptime!(tiling.dims(head_dim) as usize);
+    let whole_dims = comptime!(tiling.whole(head_dim));
+    let owners = comptime!(tiling.owners(cube_heads * block) as usize);
     let in_flight = comptime!(if block == 1 { LOADS_IN_FLIGHT } else { 1 });
 
     let heads = query.shape(2);
@@ -376,7 +393,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         sync_cube();
 
         if tiled {
-            add_values(&mut owned_acc, &scores, &kv_tile, &rescale, head_dim, tile, cube_heads * block, tiling.entries, tiling.lanes);
+            add_values(&mut owned_acc, &scores, &kv_tile, &rescale, head_dim, tile, cube_heads * block, tiling);
         } else {
             let mut i = unit;
             while i < entries * d {
@@ -565,10 +582,10 @@ fn score_tile<F: Float>(
 
 /// Adds a tile's values, weighed by its probabilities (`scores`, rows of `tile + 1`), to the
 /// output elements a unit of a block of several queries a head keeps in `owned` (step 5 of the
-/// kernel), after rescaling them by `rescale` (the online softmax's change of maximum): unit u
-/// owns entries `(u / lanes) · owned_entries ..` and their elements `u % lanes + k · lanes`, so
-/// that each probability it reads serves its elements and each value element its entries (see
-/// [`Tiling`]).
+/// kernel), after rescaling them by `rescale` (the online softmax's change of maximum): of a
+/// cube of `entries`, unit u owns the tiling's `entries` from `(u / lanes) · entries` and their
+/// elements `u % lanes + k · lanes`, so that each probability it reads serves its elements and
+/// each value element its entries (see [`Tiling`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn add_values(
@@ -579,17 +596,16 @@ fn add_values(
     #[comptime] head_dim: u32,
     #[comptime] tile: u32,
     #[comptime] entries: u32,
-    #[comptime] owned_entries: u32,
-    #[comptime] lanes: u32,
+    #[comptime] tiling: Tiling,
 ) {
     let d = head_dim as usize;
     let unit = UNIT_POS_X as usize;
-    let lanes_n = comptime!(lanes as usize);
-    let rows = comptime!(owned_entries as usize);
-    let dims = comptime!(head_dim.div_ceil(lanes) as usize);
-    let whole_dims = comptime!(head_dim % lanes == 0);
+    let lanes_n = comptime!(tiling.lanes as usize);
+    let rows = comptime!(tiling.entries as usize);
+    let dims = comptime!(tiling.dims(head_dim) as usize);
+    let whole_dims = comptime!(tiling.whole(head_dim));
     let score_stride = comptime!(tile as usize + 1);
-    if unit < comptime!((entries / owned_entries * lanes) as usize) {
+    if unit < comptime!(tiling.owners(entries) as usize) {
         let b0 = (unit / lanes_n) * rows;
         let lane = unit % lanes_n;
         #[unroll]
@@ -1204,7 +1220,7 @@ mod tests {
                     if b.queries > 1 {
                         let t = Tiling::new(b.heads * b.queries, b.tile);
                         assert!(b.tile % t.columns == 0 && (b.heads * b.queries) % t.entries == 0, "{b:?}: {t:?}");
-                        assert!((b.heads * b.queries) / t.entries * t.lanes <= UNITS && t.owned(d as u32) <= 128, "{b:?}: {t:?}");
+                        assert!(t.owners(b.heads * b.queries) <= UNITS && t.owned(d as u32) <= 128, "{b:?}: {t:?}");
                     }
                 }
             }
