@@ -131,13 +131,17 @@ fn every_kernel_compiles_for_cuda() {
 const DECODE_SPILL_BYTES: u32 = 32;
 
 /// Bytes the general attention kernel's blocks of several queries a head may spill: with
-/// `-lineinfo` (as `cubecl-cuda` compiles) ptxas keeps some at 40 to 64 registers a unit, the
-/// outputs' 8 to 32 among them, and spills 4 to 8 bytes of values that it sets before the loop
-/// over tiles and reads after it, or once a tile (`STL` in the prologue, `LDL` after the last
-/// barrier or once between two, against a tile's thousands of products: the SASS of the f32,
-/// f16 and bf16 variants for sm_75, sm_80 and sm_100); none on sm_90, none without
-/// `-lineinfo`. The driver compiles the PTX again at load and may choose otherwise.
-const BLOCK_SPILL_BYTES: u32 = 8;
+/// `-lineinfo` (as `cubecl-cuda` compiles) ptxas keeps some at 32 to 64 registers a unit, the
+/// outputs' 8 to 32 among them, and spills values that it sets before the loop over tiles and
+/// reads after it, or once a tile (`STL` in the prologue, `LDL` after the last barrier or once
+/// between two, against a tile's thousands of products: the SASS of the f32, f16 and bf16
+/// variants for sm_75, sm_80 and sm_100); none without `-lineinfo`. How many bytes varies from
+/// run to run, not only by architecture: CubeCL's code generator declares a kernel's variables
+/// in an order that changes between processes (two runs of this test here: 0 to 8 bytes; CI
+/// once saw 16 in one variant for sm_100), so the allowance is `paged_decode`'s. The H200's
+/// profile of the bf16 prefill variant counted no local-memory request (BENCHMARKS.md, seventh
+/// lease). The driver compiles the PTX again at load and may choose otherwise.
+const BLOCK_SPILL_BYTES: u32 = DECODE_SPILL_BYTES;
 
 /// The kernels `device-kernels/src` declares (`#[cube(launch...)]`).
 fn launched_kernels() -> usize {
