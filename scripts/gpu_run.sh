@@ -37,6 +37,12 @@
 #              branch's, built with GPU_DIR=.gpu-b and carried beside .gpu): check-device with
 #              BIN_B, then each one's 2,048-token prefill and scoring and 0.6B rollout at 64,
 #              alternating, twice
+#   lease-compare  a lease after a kernel change (BIN_B as for compare): check-device, one round
+#              of compare, issue 32's rollouts with BIN (small at 8 and 64, 0.6B at 8), then
+#              compare's second round
+#   profile-compare  two builds (BIN_B as for compare) under CubeCL's profiler: the 0.6B prefill
+#              and scoring of 2,048 tokens, then the small rollout at 64 with ragged and separate
+#              passes alternating, then the 0.6B rollout at 64 of each build
 #   host       where a decode step's time goes (the H100 ran the 0.6B shape at 0.2x PyTorch,
 #              host-bound): first a decode at batch 1 with every thread's stack sampled by
 #              cuda-gdb about once a second (scripts/stack_profile.py sums them up: the functions
@@ -91,7 +97,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|lease-compare|profile-compare|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -562,6 +568,55 @@ case "$stage" in
     decode_figures long-a-1.txt long-b-1.txt long-a-2.txt long-b-2.txt
     rollout_figures rollout-a-1.txt rollout-b-1.txt rollout-a-2.txt rollout-b-2.txt
     cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
+  lease-compare)
+    # For a lease after a kernel change: check-device with the new kernels, then the change's
+    # before and after in one run (as `compare`, one round), issue 32's rollout ratios with the
+    # new build, and the second round of the comparison last.
+    bin_b=${BIN_B:?lease-compare needs BIN_B: the binary of the build before, made with GPU_DIR=.gpu-b}
+    if [ ! -x "$bin_b" ] && [ -f "$bin_b.gz" ]; then
+      gzip -dc "$bin_b.gz" > "$bin_b" && chmod +x "$bin_b"
+    fi
+    check_tiny
+    compare_round() {
+      for which in a b; do
+        [ "$which" = a ] && b_or_a=$bin || b_or_a=$bin_b
+        bin=$b_or_a bench "long-$which-$1" --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score
+        bin=$b_or_a rollout_0_6b "rollout-$which-$1" 64
+      done
+    }
+    compare_round 1
+    rollout_small rollout-small 8,64
+    rollout_0_6b rollout-0.6b-bf16 8
+    compare_round 2
+    decode_figures long-a-1.txt long-b-1.txt long-a-2.txt long-b-2.txt
+    rollout_figures rollout-a-1.txt rollout-b-1.txt rollout-small.txt rollout-0.6b-bf16.txt rollout-a-2.txt rollout-b-2.txt
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
+  profile-compare)
+    # Two builds' kernels under CubeCL's profiler (GPU time by name, BIN against BIN_B): the
+    # 0.6B shape's 2,048-token prefill and 2 x 2,048 scoring, then the small rollout at 64 with
+    # ragged and separate passes alternating (unprofiled, BIN), then the 0.6B rollout at 64 of
+    # each build profiled.
+    bin_b=${BIN_B:?profile-compare needs BIN_B: the binary of the build before, made with GPU_DIR=.gpu-b}
+    if [ ! -x "$bin_b" ] && [ -f "$bin_b.gz" ]; then
+      gzip -dc "$bin_b.gz" > "$bin_b" && chmod +x "$bin_b"
+    fi
+    for which in a b; do
+      [ "$which" = a ] && b_or_a=$bin || b_or_a=$bin_b
+      bin=$b_or_a kernel_profile "profile-long-$which" --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score
+    done
+    for round in 1 2; do
+      rollout_small "rollout-small-ragged-$round" 64
+      rollout_small "rollout-small-separate-$round" 64 --ragged-passes off
+    done
+    rollout_figures rollout-small-ragged-1.txt rollout-small-separate-1.txt rollout-small-ragged-2.txt rollout-small-separate-2.txt
+    for which in a b; do
+      [ "$which" = a ] && b_or_a=$bin || b_or_a=$bin_b
+      bin=$b_or_a kernel_profile "profile-rollout-$which" --preset qwen3-0.6b --dtype bf16 --rollout --rollout-batch 64 \
+        --rollout-turns 3 --rollout-turn-tokens 32 --env-reply-tokens 100 --rollout-group-size 5
+    done
+    cat "$work/peak-memory.txt" 2> /dev/null | tee -a "$log"
     ;;
   host)
     # Where a decode step's time goes on the host: ours with fusion on and off (each with its
