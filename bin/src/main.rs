@@ -61,6 +61,16 @@ struct Cli {
     #[arg(long, global = true, value_name = "own|general", env = "PROMPT_R1_DECODING_KERNEL", default_value = "own",
           value_parser = decoding_kernel)]
     decoding_kernel: DecodingKernel,
+    /// The projections of decoding steps (passes of at most 64 rows over the KV cache) on the GPU
+    /// backends through prompt-r1's skinny-matmul kernel (on), or burn's matmul (off, for
+    /// comparisons); auto: on for CUDA, off for wgpu (lavapipe ran a 64-row decoding step 1.9x
+    /// slower through the kernel; no real GPU measured through wgpu). burn's matmul without
+    /// autotune gives such a product a cube per 64 x 64 outputs, which leaves most of a GPU idle:
+    /// 16 cubes for Qwen3-0.6B's down_proj at 64 rows, 205 us on an H200, where the kernel cuts
+    /// the weight's rows across the GPU. Taken wherever --device-kernels runs any kernel.
+    #[arg(long, global = true, value_name = "auto|on|off", env = "PROMPT_R1_SKINNY_MATMUL", default_value = "auto",
+          value_parser = auto_on_off)]
+    skinny_matmul: AutoOnOff,
     /// Folder of the GPU backends' persistent kernel and autotune caches (default:
     /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
     #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
@@ -93,6 +103,18 @@ pub(crate) fn on_off(value: &str) -> Result<bool, String> {
         "on" | "true" | "t" | "yes" | "y" | "1" => Ok(true),
         "off" | "false" | "f" | "no" | "n" | "0" => Ok(false),
         _ => Err("on or off is expected".to_string()),
+    }
+}
+
+/// A setting that is `auto` (`None`: each backend's default), on or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AutoOnOff(Option<bool>);
+
+/// `auto`, or on or off as [`on_off`] reads them.
+fn auto_on_off(value: &str) -> Result<AutoOnOff, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "auto" => Ok(AutoOnOff(None)),
+        other => on_off(other).map(|on| AutoOnOff(Some(on))).map_err(|_| "auto, on or off is expected".to_string()),
     }
 }
 
@@ -167,6 +189,7 @@ fn main() {
         device_kernels: cli.device_kernels,
         split_decoding: cli.split_decoding,
         decoding_kernel: cli.decoding_kernel,
+        skinny_matmul: cli.skinny_matmul.0,
         kernel_cache: cli.kernel_cache,
         kernel_log: cli.kernel_log,
     });
@@ -298,6 +321,19 @@ mod tests {
             assert!(Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").split_decoding);
         }
         assert!(Cli::try_parse_from(["prompt-r1", "--split-decoding", "sometimes", "demo"]).is_err());
+    }
+
+    /// `--skinny-matmul` is auto (each backend's default) unless turned on or off.
+    #[test]
+    fn skinny_matmul_is_auto_unless_asked() {
+        for (value, on) in [("off", Some(false)), ("no", Some(false)), ("on", Some(true)), ("1", Some(true)), (" Auto ", None)] {
+            let cli = Cli::try_parse_from(["prompt-r1", "--skinny-matmul", value, "demo"]).expect("parses");
+            assert_eq!(cli.skinny_matmul.0, on, "{value}");
+        }
+        if std::env::var_os("PROMPT_R1_SKINNY_MATMUL").is_none() {
+            assert_eq!(Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").skinny_matmul.0, None);
+        }
+        assert!(Cli::try_parse_from(["prompt-r1", "--skinny-matmul", "maybe", "demo"]).is_err());
     }
 
     /// `--decoding-kernel` is `own` unless `general` is asked for; anything else names both ways

@@ -90,5 +90,15 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
         }
     }
     out.push((format!("combine_splits {dtype} head_dim {HEAD_DIM}"), crate::paged_attention::combine_definition(client, dtype, HEAD_DIM as usize)));
+    // The products of few rows: each tile of rows a product may take, with CUDA's widest
+    // vectors, whole and split; then the sum of the spans.
+    for tile_rows in [1, 2, 4, crate::skinny_matmul::TILE_ROWS] {
+        for split in [false, true] {
+            let spans = if split { " split" } else { "" };
+            let definition = crate::skinny_matmul::definition(client, dtype, most_vector, tile_rows, split);
+            out.push((format!("skinny_matmul {dtype} rows {tile_rows}{spans}"), definition));
+        }
+    }
+    out.push((format!("sum_spans {dtype}"), crate::skinny_matmul::sum_definition(client, dtype)));
     out
 }

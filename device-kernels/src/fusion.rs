@@ -133,6 +133,20 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         client.register(streams, OperationIr::Custom(desc), op).output()
     }
 
+    fn skinny_matmul(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        let client = x.client.clone();
+        let streams = OperationStreams::with_inputs([&x, &weight]);
+        let (rows, columns) = (x.shape.dims::<2>()[0], weight.shape.dims::<2>()[1]);
+        let output = TensorIr::uninit(client.create_empty_handle(), Shape::new([rows, columns]), x.dtype);
+        let desc = CustomOpIr::new("skinny_matmul", &[x.into_ir(), weight.into_ir()], &[output]);
+        let op = KernelOp::<B>::new(&desc, |desc, handles| {
+            let ([x, weight], [output]) = desc.as_fixed();
+            let result = B::skinny_matmul(handles.get_float_tensor::<B>(x), handles.get_float_tensor::<B>(weight));
+            handles.register_float_tensor::<B>(&output.id, result);
+        });
+        client.register(streams, OperationIr::Custom(desc), op).output()
+    }
+
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
         let client = input.client.clone();
         let streams = OperationStreams::with_inputs([&input, &weight]);

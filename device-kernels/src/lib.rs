@@ -9,7 +9,8 @@
 //! and `k_norm` with RoPE and the keys and values written to the cache's pools as one kernel a
 //! layer ([`rms_norm::qk_norm_rope_write`]); SwiGLU's `silu(gate) · up` ([`swiglu`]); and the
 //! choice of each row's token from its logits
-//! ([`sampling`]) where burn's ops take about 17. The norm-with-RoPE and SwiGLU kernels take
+//! ([`sampling`]) where burn's ops take about 17; and the projections of a decoding step's few
+//! rows ([`skinny_matmul`]), where burn's matmul leaves most of a GPU idle. The norm-with-RoPE and SwiGLU kernels take
 //! their projections one by one or as one stacked product (`qkv_proj`'s and `gate_up_proj`'s
 //! output, as vLLM's do), read where it lies. They run on any CubeCL runtime (CUDA; wgpu,
 //! where the tests check them against burn's ops), fused (`Fusion<CubeBackend>`, a custom
@@ -26,6 +27,7 @@ pub mod paged_attention;
 pub mod paged_decode;
 pub mod rms_norm;
 pub mod sampling;
+pub mod skinny_matmul;
 pub mod swiglu;
 
 use burn::tensor::backend::Backend;
@@ -34,7 +36,8 @@ use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 pub use paged_attention::{DecodingKernel, RowLens, Spans};
 use model::device_kernels::{
-    register_fresh_attention, register_norms, register_paged_attention, register_silu_mul, register_token_choice, FreshAttention, NormKernels, PagedAttention,
+    register_fresh_attention, register_norms, register_paged_attention, register_silu_mul, register_skinny_matmul, register_token_choice, FreshAttention, NormKernels,
+    PagedAttention,
 };
 pub use rms_norm::{QkNormRopeWrite, Qkv};
 pub use swiglu::GateUp;
@@ -96,6 +99,10 @@ pub trait DeviceKernels: Backend {
     /// [`model::device_kernels::QkNormRopeWriteFn`] on primitives (see
     /// [`rms_norm::qk_norm_rope_write`]): `(rotated query, keys, values)`.
     fn qk_norm_rope_write(pass: QkNormRopeWrite<FloatTensor<Self>, IntTensor<Self>>) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// [`model::device_kernels::SkinnyMatmulFn`] on primitives (see
+    /// [`skinny_matmul::skinny_matmul`]): `x` `[rows, k]`, `weight` `[k, columns]`.
+    fn skinny_matmul(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKernels for CubeBackend<R, F, I, BT> {
@@ -155,18 +162,23 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
     fn silu_mul(operands: GateUp<FloatTensor<Self>>) -> FloatTensor<Self> {
         swiglu::silu_mul(operands)
     }
+
+    fn skinny_matmul(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        skinny_matmul::skinny_matmul(x, weight, None)
+    }
 }
 
 /// Lends the model this crate's kernels on backend `B` (a later call replaces them): the paged
 /// attention, the attention of passes without a cache ([`paged_attention::fresh_attention`]:
-/// scoring's and a training step's forward), the RMS norms, SwiGLU's `silu(gate) · up` and the
-/// token choice. Which of them a model runs, and how its decoding steps are cut and computed, is
+/// scoring's and a training step's forward), the RMS norms, SwiGLU's `silu(gate) · up`, the
+/// products of few rows ([`skinny_matmul`]) and the token choice. Which of them a model runs, and how its decoding steps are cut and computed, is
 /// its [`model::DeviceKernelChoice`].
 pub fn register<B: DeviceKernels>() {
     register_paged_attention::<B>(run_paged_attention::<B>);
     register_fresh_attention::<B>(run_fresh_attention::<B>);
     register_token_choice::<B>(run_choose_tokens::<B>);
     register_silu_mul::<B>(run_silu_mul::<B>);
+    register_skinny_matmul::<B>(run_skinny_matmul::<B>);
     register_norms::<B>(NormKernels {
         rms_norm: run_rms_norm::<B>,
         add_rms_norm: run_add_rms_norm::<B>,
@@ -217,6 +229,10 @@ fn run_silu_mul<B: DeviceKernels>(operands: model::device_kernels::GateUp<B>) ->
         model::device_kernels::GateUp::Stacked(gate_up) => GateUp::Stacked(float(gate_up)),
         model::device_kernels::GateUp::Separate(gate, up) => GateUp::Separate(float(gate), float(up)),
     }))
+}
+
+fn run_skinny_matmul<B: DeviceKernels>(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2> {
+    tensor(B::skinny_matmul(float(x), float(weight)))
 }
 
 fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tensor<B, 1>, uniforms: Tensor<B, 1>) -> Tensor<B, 2> {

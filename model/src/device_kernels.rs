@@ -1,7 +1,7 @@
 //! Kernels a GPU backend lends the model, found by the backend's type (as the autodiff
 //! attention nodes are): the model stays generic over its backend and never names a GPU crate.
 //! A binary registers what its backends offer ([`register_paged_attention`],
-//! [`register_fresh_attention`], [`register_norms`], [`register_silu_mul`],
+//! [`register_fresh_attention`], [`register_norms`], [`register_silu_mul`], [`register_skinny_matmul`],
 //! [`register_token_choice`]; the `prompt-r1-device-kernels` crate has them for CubeCL's
 //! backends, fused or not), with no settings: which of them a model runs, and how, is its
 //! [`DeviceKernelChoice`] (part of [`crate::Compute`], chosen at load as the attention
@@ -157,6 +157,25 @@ pub struct DeviceKernelChoice {
     pub passes: Option<KernelPasses>,
     /// How rows of one query are computed.
     pub decoding: Decoding,
+    /// Whether the projections of passes over a KV cache with at most [`SKINNY_MATMUL_ROWS`]
+    /// rows (decoding steps) run through the [`SkinnyMatmulFn`] kernel rather than burn's
+    /// matmul, where any kernel runs.
+    pub skinny_matmul: bool,
+}
+
+/// The most rows of a product that a [`SkinnyMatmulFn`] kernel takes: decoding steps up to the
+/// paper's generation batch of 64. Longer passes give burn's tiled matmul cubes enough.
+pub const SKINNY_MATMUL_ROWS: usize = 64;
+
+/// A kernel computing a bias-free projection of few rows, `x · weight` (`[rows, k] · [k,
+/// columns]`, one float dtype, the weight's columns possibly a view of a stacked weight's),
+/// its sums in f32 rounded once to the dtype: `[rows, columns]`.
+pub type SkinnyMatmulFn<B> = fn(x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2>;
+
+/// Lends backend `B` `kernel` for the projections of decoding steps (passes over a KV cache of at
+/// most [`SKINNY_MATMUL_ROWS`] rows).
+pub fn register_skinny_matmul<B: Backend>(kernel: SkinnyMatmulFn<B>) {
+    register::<B, _>("skinny_matmul", kernel);
 }
 
 /// How the paged attention computes rows of one query (a decoding step's, or a ragged pass's
@@ -201,13 +220,13 @@ impl Default for Decoding {
 
 impl Default for DeviceKernelChoice {
     fn default() -> Self {
-        Self { passes: Some(KernelPasses::Decode), decoding: Decoding::default() }
+        Self { passes: Some(KernelPasses::Decode), decoding: Decoding::default(), skinny_matmul: true }
     }
 }
 
 impl DeviceKernelChoice {
     /// None of the lent kernels: burn's ops compute everything.
-    pub const OFF: DeviceKernelChoice = DeviceKernelChoice { passes: None, decoding: Decoding { split: true, kernel: DecodingKernel::Own } };
+    pub const OFF: DeviceKernelChoice = DeviceKernelChoice { passes: None, decoding: Decoding { split: true, kernel: DecodingKernel::Own }, skinny_matmul: true };
 
     /// The default's decoding with these passes.
     pub fn with_passes(passes: Option<KernelPasses>) -> Self {
@@ -240,6 +259,13 @@ impl DeviceKernelChoice {
     /// The SwiGLU kernel registered for backend `B`, where this choice runs any kernel.
     pub fn silu_mul<B: Backend>(self) -> Option<SiluMulFn<B>> {
         self.passes.and(registered::<B, SiluMulFn<B>>("silu_mul"))
+    }
+
+    /// The skinny-matmul kernel registered for backend `B` for a product of `rows` rows, where
+    /// this choice runs any kernel and that one, and `rows` is at most [`SKINNY_MATMUL_ROWS`].
+    pub fn skinny_matmul<B: Backend>(self, rows: usize) -> Option<SkinnyMatmulFn<B>> {
+        let wanted = self.passes.is_some() && self.skinny_matmul && (1..=SKINNY_MATMUL_ROWS).contains(&rows);
+        wanted.then(|| registered::<B, SkinnyMatmulFn<B>>("skinny_matmul")).flatten()
     }
 
     /// The token-choice kernel registered for backend `B`, where this choice runs any kernel.
@@ -382,8 +408,8 @@ fn registered<B: Backend, K: Any + Copy>(name: &'static str) -> Option<K> {
 }
 
 /// Kernels by the backend's type and the kernel's name: a [`PagedAttentionFn`], a
-/// [`FreshAttentionFn`], [`NormKernels`], a [`SiluMulFn`] or a [`ChooseTokensFn`] of that
-/// backend.
+/// [`FreshAttentionFn`], [`NormKernels`], a [`SiluMulFn`], a [`SkinnyMatmulFn`] or a
+/// [`ChooseTokensFn`] of that backend.
 type Registry = HashMap<(TypeId, &'static str), Box<dyn Any + Send + Sync>>;
 
 fn registry() -> &'static RwLock<Registry> {
@@ -433,10 +459,10 @@ mod tests {
         assert_eq!(in_use(decode).gpu, None, "no kernel lent, none recorded");
         register_paged_attention::<Other>(zeros::<Other>);
         assert!(lends::<Other>() && DeviceKernelChoice::lent_to::<Other>());
-        assert_eq!(in_use(decode), crate::qwen3::KernelsInUse { cpu: None, gpu: Some(crate::qwen3::GpuKernelsInUse { passes: "decode", split_decoding: Some(true), decoding_kernel: Some("own") }) });
-        let whole = DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: Decoding { split: false, kernel: DecodingKernel::General } };
-        assert_eq!(in_use(whole).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "all", split_decoding: Some(false), decoding_kernel: Some("general") }));
-        assert_eq!(in_use(off).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "off", split_decoding: None, decoding_kernel: None }));
+        assert_eq!(in_use(decode), crate::qwen3::KernelsInUse { cpu: None, gpu: Some(crate::qwen3::GpuKernelsInUse { passes: "decode", split_decoding: Some(true), decoding_kernel: Some("own"), skinny_matmul: Some(true) }) });
+        let whole = DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: Decoding { split: false, kernel: DecodingKernel::General }, skinny_matmul: true };
+        assert_eq!(in_use(whole).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "all", split_decoding: Some(false), decoding_kernel: Some("general"), skinny_matmul: Some(true) }));
+        assert_eq!(in_use(off).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "off", split_decoding: None, decoding_kernel: None, skinny_matmul: None }));
         assert!(decode.paged_attention::<Other>(1).is_some());
         assert!(decode.paged_attention::<Other>(7).is_none(), "decoding steps only: no prefill");
         assert!(all.paged_attention::<Other>(7).is_some());
@@ -448,6 +474,12 @@ mod tests {
         register_fresh_attention::<Other>(|pass| (pass.query, pass.valid.unsqueeze()));
         assert!(all.fresh_attention::<Other>().is_some());
         assert!(decode.fresh_attention::<Other>().is_none(), "passes without a cache only with all");
+        assert!(decode.skinny_matmul::<Other>(1).is_none(), "not lent yet");
+        register_skinny_matmul::<Other>(|x, _| x);
+        assert!(decode.skinny_matmul::<Other>(1).is_some() && all.skinny_matmul::<Other>(SKINNY_MATMUL_ROWS).is_some());
+        assert!(decode.skinny_matmul::<Other>(SKINNY_MATMUL_ROWS + 1).is_none(), "longer passes keep burn's matmul");
+        assert!(decode.skinny_matmul::<Other>(0).is_none() && off.skinny_matmul::<Other>(1).is_none());
+        assert!(DeviceKernelChoice { skinny_matmul: false, ..decode }.skinny_matmul::<Other>(1).is_none(), "switched off");
     }
 
     /// The passes of one kind a counting kernel took (see [`counting`]).
@@ -489,7 +521,7 @@ mod tests {
             (Some(KernelPasses::All), whole, [layers, layers * (steps - 1)]),
         ];
         for (passes, decoding, want) in cases {
-            let choice = DeviceKernelChoice { passes, decoding };
+            let choice = DeviceKernelChoice { passes, decoding, skinny_matmul: true };
             let compute = Compute::default().with_cpu_kernels(cpu_kernels::Kernels::off()).with_device_kernels(choice);
             DECODINGS.lock().unwrap().clear();
             let model = load_pretrained::<Counted>(dir.path(), &Default::default(), LoadOptions { compute, ..LoadOptions::default() }).unwrap();

@@ -1,5 +1,5 @@
 //! Which of the kernels a GPU backend lends a model runs is the model's own
-//! (`model::DeviceKernelChoice` in its `Compute`, chosen at load), not the process's: five
+//! (`model::DeviceKernelChoice` in its `Compute`, chosen at load), not the process's: six
 //! models of one process on wgpu, their decoding steps interleaved, each with another choice,
 //! agree on their logits. That each runs the kernels its choice names (and no other model's) is
 //! counted by the model crate's unit test `each_model_runs_the_kernels_its_choice_names`, with a
@@ -22,7 +22,8 @@ const STEPS: usize = 4;
 /// Off: every pass attends through burn's ops. Decoding steps: only those through the
 /// paged-attention kernel (split where the device would idle, through the kernel made for them;
 /// and whole, through the general kernel, as `--split-decoding off --decoding-kernel general`
-/// choose). Every pass: the prefill too, both ways. All are fed off's greedy token at each
+/// choose); and decoding steps with the projections through burn's matmul rather than the
+/// skinny-matmul kernel (`--skinny-matmul off`). Every pass: the prefill too, both ways. All are fed off's greedy token at each
 /// step; the logits of every step agree within 1e-3 (kernels and burn's ops sum in different orders, in
 /// f32).
 #[test]
@@ -41,9 +42,10 @@ fn models_with_other_kernel_choices_agree_side_by_side() {
     let choices = [
         DeviceKernelChoice::OFF,
         DeviceKernelChoice::with_passes(Some(KernelPasses::Decode)),
-        DeviceKernelChoice { passes: Some(KernelPasses::Decode), decoding: whole },
+        DeviceKernelChoice { passes: Some(KernelPasses::Decode), decoding: whole, skinny_matmul: true },
+        DeviceKernelChoice { skinny_matmul: false, ..DeviceKernelChoice::with_passes(Some(KernelPasses::Decode)) },
         DeviceKernelChoice::with_passes(Some(KernelPasses::All)),
-        DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: whole },
+        DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: whole, skinny_matmul: true },
     ];
     let models: Vec<Qwen3ForCausalLM<Vulkan>> = choices.iter().map(|&choice| load(choice)).collect();
     let mut decoders: Vec<Decoder<Vulkan>> = models.iter().map(|_| Decoder::new(DecoderLimits::default())).collect();

@@ -43,6 +43,7 @@ mod paged_attention;
 mod parity;
 mod rms_norm;
 mod sampling;
+mod skinny_matmul;
 mod swiglu;
 mod training;
 

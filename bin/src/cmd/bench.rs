@@ -119,7 +119,8 @@ pub struct Args {
     pub merge_lora: bool,
     /// Also time the projections' matrix products alone, f32 operands at f32 and at bf16
     /// precision, on the training step's 2 × prompt-len rows and the model's projection shapes
-    /// (GFLOP/s; the median of 5 after a warm-up).
+    /// (GFLOP/s; the median of 5 after a warm-up); on a GPU that lends the skinny-matmul kernel,
+    /// also at each --decode-batch's rows, burn's matmul against the decoding passes' kernel.
     #[arg(long)]
     pub products: bool,
     /// Time attention alone instead of the model's workloads: each implementation (eager,
@@ -607,9 +608,59 @@ impl Args {
         drop(model);
         if self.products {
             figures.extend(product_figures::<B>(device, 2 * self.prompt_len, &shapes, &self.compute)?);
+            for &rows in &self.decode_batch {
+                figures.extend(decoding_product_figures::<B>(device, rows, &shapes, &self.compute)?);
+            }
         }
         Ok(())
     }
+}
+
+/// `--products` at a decoding step's `rows` (each `--decode-batch`), where the device lends the
+/// skinny-matmul kernel for them: `x[rows, k] · w[k, n]` with f32 and with bf16 operands (f16
+/// where the device has no bf16), by
+/// burn's matmul and by the decoding passes' path (the kernel); the median of
+/// [`TIMED_PRODUCTS`] after a warm-up. Nothing where the kernel is not lent (the CPU) or is
+/// switched off.
+fn decoding_product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize, usize)], compute_args: &ComputeArgs) -> Result<Vec<Figure>> {
+    use burn::tensor::{DType, Distribution, Tensor};
+    let compute = compute_args.attention.compute(MatmulPrecision::F32, compute_args.device);
+    if compute.device_kernels.skinny_matmul::<B>(rows).is_none() {
+        return Ok(Vec::new());
+    }
+    // The 16-bit float the device computes with: bf16 on CUDA, f16 where bf16 is missing
+    // (lavapipe).
+    let half = if B::supports_dtype(device, DType::BF16) { (DType::BF16, "bf16") } else { (DType::F16, "f16") };
+    let mut figures = Vec::new();
+    for &(k, n) in shapes {
+        for (dtype, name) in [(DType::F32, "f32"), half] {
+            let x = Tensor::<B, 2>::random([rows, k], Distribution::Uniform(-1.0, 1.0), device).cast(dtype);
+            let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.05, 0.05), device).cast(dtype);
+            for (path, skinny) in [("burn's matmul", false), ("decoding pass", true)] {
+                let run = || -> Result<f64> {
+                    let start = Instant::now();
+                    let y = match skinny {
+                        true => model::qwen3::decoding_product(x.clone(), w.clone(), &compute),
+                        false => model::qwen3::product(x.clone(), w.clone(), &compute),
+                    };
+                    B::sync(device)?;
+                    drop(y);
+                    Ok(start.elapsed().as_secs_f64())
+                };
+                run()?;
+                let seconds = median_seconds(TIMED_PRODUCTS, run)?;
+                figures.push(Figure {
+                    workload: format!("product {rows} x {k} x {n} {name}, {path}"),
+                    seconds,
+                    tokens_per_second: None,
+                    gflop_per_second: Some(2.0 * (rows * k * n) as f64 / 1e9 / seconds),
+                    peak_rss_mb: None,
+                    rollout: None,
+                });
+            }
+        }
+    }
+    Ok(figures)
 }
 
 /// The `--train-step` workload.

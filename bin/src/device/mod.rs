@@ -131,6 +131,9 @@ pub struct GpuOptions {
     pub split_decoding: bool,
     /// The kernel of rows of one query (`--decoding-kernel`, `PROMPT_R1_DECODING_KERNEL`).
     pub decoding_kernel: model::device_kernels::DecodingKernel,
+    /// Whether decoding steps' projections run through the skinny-matmul kernel
+    /// (`--skinny-matmul`, `PROMPT_R1_SKINNY_MATMUL`); `None`: on CUDA, not on wgpu.
+    pub skinny_matmul: Option<bool>,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
     /// Where CubeCL's compilation log goes, without its profiler (`--kernel-log`,
@@ -152,6 +155,7 @@ pub(crate) fn gpu_options() -> GpuOptions {
         device_kernels: KernelChoice::Auto,
         split_decoding: true,
         decoding_kernel: model::device_kernels::DecodingKernel::Own,
+        skinny_matmul: None,
         kernel_cache: None,
         kernel_log: None,
     })
@@ -165,12 +169,14 @@ pub fn device_kernels(device: DeviceChoice) -> model::DeviceKernelChoice {
 
 impl GpuOptions {
     /// The GPU kernels a model loaded for `device` runs: the passes `--device-kernels` gives them
-    /// there, decoding steps cut and computed as `--split-decoding` and `--decoding-kernel` say;
-    /// none on the CPU.
+    /// there, decoding steps cut and computed as `--split-decoding` and `--decoding-kernel` say,
+    /// their projections as `--skinny-matmul` says (auto: the kernel on CUDA only); none on the
+    /// CPU.
     pub fn device_kernels(&self, device: DeviceChoice) -> model::DeviceKernelChoice {
         model::DeviceKernelChoice {
             passes: self.device_kernels.passes_on(device),
             decoding: model::device_kernels::Decoding { split: self.split_decoding, kernel: self.decoding_kernel },
+            skinny_matmul: self.skinny_matmul.unwrap_or(matches!(device, DeviceChoice::Cuda(_))),
         }
     }
 }
@@ -336,6 +342,7 @@ mod tests {
             device_kernels: KernelChoice::Auto,
             split_decoding: true,
             decoding_kernel: DecodingKernel::Own,
+            skinny_matmul: None,
             kernel_cache: None,
             kernel_log: None,
         };
@@ -353,6 +360,12 @@ mod tests {
         assert_eq!(passes(&chosen, DeviceChoice::Cuda(0)), Some(KernelPasses::Decode));
         assert_eq!(passes(&chosen, DeviceChoice::Cpu), None, "not even when asked for");
         assert_eq!(chosen.device_kernels(DeviceChoice::Wgpu).decoding, Decoding { split: false, kernel: DecodingKernel::General });
+        assert!(defaults.device_kernels(DeviceChoice::Cuda(0)).skinny_matmul, "the skinny matmul by default on CUDA");
+        assert!(!defaults.device_kernels(DeviceChoice::Wgpu).skinny_matmul, "not on wgpu");
+        let plain = GpuOptions { skinny_matmul: Some(false), ..defaults.clone() };
+        assert!(!plain.device_kernels(DeviceChoice::Cuda(0)).skinny_matmul);
+        let asked = GpuOptions { skinny_matmul: Some(true), ..defaults.clone() };
+        assert!(asked.device_kernels(DeviceChoice::Wgpu).skinny_matmul);
         let off = GpuOptions { device_kernels: KernelChoice::Passes(None), ..defaults };
         assert_eq!(passes(&off, DeviceChoice::Cuda(0)), None);
     }

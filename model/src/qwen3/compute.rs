@@ -140,6 +140,10 @@ pub struct GpuKernelsInUse {
     /// The kernel of decoding steps (`own` or `general`), where any pass runs them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub decoding_kernel: Option<&'static str>,
+    /// Whether decoding steps' projections run through the skinny-matmul kernel, where any pass
+    /// runs the kernels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skinny_matmul: Option<bool>,
 }
 
 /// The default [`Compute::attention_block_size`]: a 256-token pass is one block (no more work
@@ -197,6 +201,7 @@ impl Compute {
             passes: choice.passes.map_or("off", KernelPasses::name),
             split_decoding: choice.passes.map(|_| choice.decoding.split),
             decoding_kernel: choice.passes.map(|_| choice.decoding.kernel.name()),
+            skinny_matmul: choice.passes.map(|_| choice.skinny_matmul),
         });
         KernelsInUse { cpu, gpu }
     }

@@ -4,7 +4,7 @@ use burn::nn::Linear;
 use burn::tensor::{backend::Backend, module, DType, Tensor};
 use serde::{Deserialize, Serialize};
 
-use super::compute::Compute;
+use super::compute::{Compute, PassKernels};
 use crate::kernels::{self, WeightLayout};
 use crate::lora::LoraLinear;
 
@@ -42,22 +42,48 @@ pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>, co
     }
 }
 
+/// `x · w` for a `[in, out]` weight in one forward `pass`: through the skinny-matmul kernel a GPU
+/// backend lends ([`crate::device_kernels::SkinnyMatmulFn`]) where the pass runs it and `x` has
+/// few rows (a decoding step's), else as [`product`]. Products that `compute`'s
+/// [`MatmulPrecision::Bf16`] rounds to bf16 keep that path.
+pub(crate) fn pass_product<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, compute: &Compute, pass: PassKernels) -> Tensor<B, D> {
+    let mut dims = x.dims();
+    let rows: usize = dims[..D - 1].iter().product();
+    let dtype = x.dtype();
+    let rounded = compute.matmul == MatmulPrecision::Bf16 && rows > F32_ROWS && dtype == DType::F32;
+    let fits = dtype == w.dtype() && matches!(dtype, DType::F32 | DType::F16 | DType::BF16) && !rounded;
+    match pass.device.skinny_matmul::<B>(rows).filter(|_| fits) {
+        Some(kernel) => {
+            let y = kernel(x.reshape([rows, dims[D - 1]]), w);
+            dims[D - 1] = y.dims()[1];
+            y.reshape(dims)
+        }
+        None => project(x, w, WeightLayout::InOut, compute),
+    }
+}
+
 /// `layer.forward(x)` as `compute` says plus, when the projection has an adapter, PEFT's
 /// LoRA term: `result + lora_B(lora_A(lora_dropout(x))) · scaling`. As in PEFT's
 /// `lora.Linear.forward`, the adapter path runs in the adapter's dtype (f32; `x` is cast to it)
 /// and the sum is cast back to the base result's dtype, so a bf16 base keeps bf16 activations.
-/// The base product takes the same path (and kernels) as without an adapter.
+/// The base product takes the same path (and kernels) as without an adapter: in a `pass` that
+/// runs a GPU backend's skinny-matmul kernel, that one for few rows (see [`pass_product`]).
 #[allow(non_snake_case)]
 pub fn lora_linear<B: Backend, const D: usize>(
     layer: &Linear<B>,
     lora: Option<&LoraLinear<B>>,
     x: Tensor<B, D>,
     compute: &Compute,
+    pass: PassKernels,
 ) -> Tensor<B, D> {
-    let Some(lora) = lora else {
-        return linear(layer, x, compute);
+    let base = |x: Tensor<B, D>| match layer.bias {
+        None => pass_product(x, layer.weight.val(), compute, pass),
+        Some(_) => linear(layer, x, compute),
     };
-    let result = linear(layer, x.clone(), compute);
+    let Some(lora) = lora else {
+        return base(x);
+    };
+    let result = base(x.clone());
     let torch_result_dtype = result.dtype();
     let lora_A = lora.lora_A.val();
     let cpu = compute.cpu_kernels;
@@ -75,6 +101,12 @@ pub fn lora_linear<B: Backend, const D: usize>(
 /// (for benchmarks and callers outside the model).
 pub fn product<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, compute: &Compute) -> Tensor<B, D> {
     project(x, w, WeightLayout::InOut, compute)
+}
+
+/// `x · w` for a `[in, out]` weight as a decoding step's projections compute it (a pass over a
+/// KV cache: see [`pass_product`]), for benchmarks.
+pub fn decoding_product<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tensor<B, 2>, compute: &Compute) -> Tensor<B, D> {
+    pass_product(x, w, compute, compute.pass(true))
 }
 
 /// `x · w` for a bias-free projection whose weight is stored as `layout` says, at `compute`'s

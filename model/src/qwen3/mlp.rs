@@ -5,7 +5,7 @@ use burn::nn::Linear;
 use burn::tensor::{activation::silu, backend::Backend, Tensor};
 
 use super::compute::{Compute, PassKernels};
-use super::linear::{lora_linear, product};
+use super::linear::{lora_linear, pass_product};
 use super::stacked::split_columns;
 use super::rms_norm::rows;
 use crate::lora::LoraLayer;
@@ -51,22 +51,22 @@ impl<B: Backend> Qwen3MLP<B> {
         let stacked = self.gate_up_proj.as_ref().filter(|_| gate_adapter.is_none() && up_adapter.is_none());
         let kernel = pass.device.silu_mul::<B>();
         let hidden = match (stacked, kernel) {
-            (Some(gate_up_proj), Some(kernel)) => kernel(GateUp::Stacked(product(x, gate_up_proj.clone(), compute))),
+            (Some(gate_up_proj), Some(kernel)) => kernel(GateUp::Stacked(pass_product(x, gate_up_proj.clone(), compute, pass))),
             (Some(gate_up_proj), None) => {
                 let width = gate_up_proj.dims()[1] / 2;
-                let [gate, up] = split_columns(product(x, gate_up_proj.clone(), compute), [width, width]);
+                let [gate, up] = split_columns(pass_product(x, gate_up_proj.clone(), compute, pass), [width, width]);
                 silu_mul(pass, gate, up)
             }
             (None, kernel) => {
-                let gate = lora_linear(&self.gate_proj, gate_adapter, x.clone(), compute);
-                let up = lora_linear(&self.up_proj, up_adapter, x, compute);
+                let gate = lora_linear(&self.gate_proj, gate_adapter, x.clone(), compute, pass);
+                let up = lora_linear(&self.up_proj, up_adapter, x, compute, pass);
                 match kernel.filter(|_| gate.dtype() == up.dtype()) {
                     Some(kernel) => kernel(GateUp::Separate(gate, up)),
                     None => silu_mul(pass, gate, up),
                 }
             }
         };
-        let output = lora_linear(&self.down_proj, adapters.and_then(|a| a.down_proj.as_ref()), hidden, compute);
+        let output = lora_linear(&self.down_proj, adapters.and_then(|a| a.down_proj.as_ref()), hidden, compute, pass);
         let mut dims = dims;
         dims[D - 1] = output.dims()[1];
         output.reshape(dims)

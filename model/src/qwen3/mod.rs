@@ -25,7 +25,7 @@ pub use causal_lm::{ModelOutput, Qwen3ForCausalLM, Qwen3Model};
 pub use compute::{AttnImplementation, Compute, CpuKernelsInUse, GpuKernelsInUse, KernelsInUse};
 pub use decoder_layer::{Qwen3DecoderLayer, ResidualStream};
 pub use mask::{attention_bias, AttentionMask, MASK_VALUE};
-pub use linear::{lora_linear, product, MatmulPrecision};
+pub use linear::{decoding_product, lora_linear, product, MatmulPrecision};
 pub use mlp::Qwen3MLP;
 pub use rms_norm::Qwen3RMSNorm;
 pub use rotary::{apply_rotary_pos_emb, swap_halves, Qwen3RotaryEmbedding, RotaryTables};

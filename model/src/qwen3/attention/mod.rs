@@ -18,7 +18,7 @@ use burn::tensor::{backend::Backend, DType, Int, Tensor};
 
 use super::cache::{CachedKv, KvWrite, LayerKvCache, PoolLike};
 use super::compute::{AttnImplementation, Compute, PassKernels};
-use super::linear::{lora_linear, product};
+use super::linear::{lora_linear, pass_product};
 use super::stacked::split_columns;
 use super::mask::AttentionMask;
 use super::rms_norm::Qwen3RMSNorm;
@@ -151,15 +151,15 @@ impl<B: Backend> Qwen3Attention<B> {
         // decoding step of the small shape instead of 205, scripts/kernel_census.sh).
         let adapter = |pick: fn(&LoraLayer<B>) -> Option<&LoraLinear<B>>| adapters.and_then(pick);
         let unadapted = adapter(|a| a.q_proj.as_ref()).is_none() && adapter(|a| a.k_proj.as_ref()).is_none() && adapter(|a| a.v_proj.as_ref()).is_none();
+        let pass = compute.pass(cache.is_some());
         let projections = match self.qkv_proj.as_ref().filter(|_| unadapted) {
-            Some(qkv_proj) => Qkv::Stacked(product(x, qkv_proj.clone(), compute)),
+            Some(qkv_proj) => Qkv::Stacked(pass_product(x, qkv_proj.clone(), compute, pass)),
             None => Qkv::Separate([
-                lora_linear(&self.q_proj, adapter(|a| a.q_proj.as_ref()), x.clone(), compute),
-                lora_linear(&self.k_proj, adapter(|a| a.k_proj.as_ref()), x.clone(), compute),
-                lora_linear(&self.v_proj, adapter(|a| a.v_proj.as_ref()), x, compute),
+                lora_linear(&self.q_proj, adapter(|a| a.q_proj.as_ref()), x.clone(), compute, pass),
+                lora_linear(&self.k_proj, adapter(|a| a.k_proj.as_ref()), x.clone(), compute, pass),
+                lora_linear(&self.v_proj, adapter(|a| a.v_proj.as_ref()), x, compute, pass),
             ]),
         };
-        let pass = compute.pass(cache.is_some());
         // apply_rotary_pos_emb(q_norm(q), k_norm(k)), and the keys and values to the cache:
         // one kernel where a GPU backend lends it.
         let written = match cache {
@@ -208,7 +208,7 @@ impl<B: Backend> Qwen3Attention<B> {
                 heads_last(output).reshape([b * q_len, h * d])
             }
         };
-        lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, compute)
+        lora_linear(&self.o_proj, adapters.and_then(|a| a.o_proj.as_ref()), attn_output, compute, pass)
     }
 }
 
