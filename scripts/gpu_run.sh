@@ -40,6 +40,10 @@
 #   lease-compare  a lease after a kernel change (BIN_B as for compare): check-device, one round
 #              of compare, issue 32's rollouts with BIN (small at 8 and 64, 0.6B at 8), then
 #              compare's second round
+#   skinny     the skinny-matmul kernel of decoding steps' projections: check-device, its
+#              products against burn's matmul (bench --products at 1 and 64 rows), the 0.6B
+#              decode and rollout at 64 with --skinny-matmul on and off, the small rollouts and
+#              the 0.6B rollout at 8 with it, a decoding step's kernels under CubeCL's profiler
 #   profile-compare  two builds (BIN_B as for compare) under CubeCL's profiler: the 0.6B prefill
 #              and scoring of 2,048 tokens, then the small rollout at 64 with ragged and separate
 #              passes alternating, then the 0.6B rollout at 64 of each build
@@ -97,7 +101,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|lease-compare|profile-compare|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|lease-compare|profile-compare|skinny|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -591,6 +595,29 @@ case "$stage" in
     compare_round 2
     decode_figures long-a-1.txt long-b-1.txt long-a-2.txt long-b-2.txt
     rollout_figures rollout-a-1.txt rollout-b-1.txt rollout-small.txt rollout-0.6b-bf16.txt rollout-a-2.txt rollout-b-2.txt
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
+  skinny)
+    # The skinny-matmul kernel of decoding steps' projections (after the seventh lease): check-device
+    # with it, its products against burn's matmul at 1 and 64 rows, the 0.6B decode and rollout
+    # with it on and off alternating, the small rollouts with it, then a decoding step's kernels
+    # under CubeCL's profiler with it.
+    check_tiny
+    bench products-0.6b --preset qwen3-0.6b --dtype bf16 --workloads decode --decode-batch 1,64 --products
+    for round in 1 2; do
+      for on in on off; do
+        bench "decode-skinny-$on-$round" --preset qwen3-0.6b --dtype bf16 --workloads decode --decode-batch 1,64 --skinny-matmul "$on"
+      done
+    done
+    decode_figures products-0.6b.txt decode-skinny-on-1.txt decode-skinny-off-1.txt decode-skinny-on-2.txt decode-skinny-off-2.txt
+    grep -h -A3 '"product' "$work/products-0.6b.txt" 2> /dev/null | tee -a "$log"
+    for on in on off; do
+      rollout_0_6b "rollout-skinny-$on" 64 --skinny-matmul "$on"
+    done
+    rollout_small rollout-small 8,64
+    rollout_0_6b rollout-0.6b-bf16 8
+    rollout_figures rollout-skinny-on.txt rollout-skinny-off.txt rollout-small.txt rollout-0.6b-bf16.txt
+    kernel_profile_steps profile-decode-64 8 24 --preset qwen3-0.6b --dtype bf16 --decode-batch 64 --workloads decode
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   profile-compare)
