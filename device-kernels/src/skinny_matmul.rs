@@ -34,10 +34,6 @@ const PARTS: usize = UNITS as usize / LANES;
 /// Rows a cube takes at most (its sums: this many vectors a unit, in registers).
 pub const TILE_ROWS: usize = 8;
 
-/// The most rows a product may have for this kernel: more, and burn's tiled matmul has cubes
-/// enough (each weight is read once a tile of rows here).
-pub const MOST_ROWS: usize = 64;
-
 /// Cubes a multiprocessor holds at once here (256 units, about 100 registers each).
 const RESIDENT_CUBES_PER_SM: usize = 2;
 

@@ -33,13 +33,20 @@ pub enum MatmulPrecision {
 /// Row counts up to which [`MatmulPrecision::Bf16`] leaves a product in f32.
 const F32_ROWS: usize = 16;
 
-/// `layer.forward(x)` as `compute` says (its precision and CPU kernels).
-pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>, compute: &Compute) -> Tensor<B, D> {
+/// `layer.forward(x)` as `compute` says (its precision and CPU kernels) in one forward `pass`
+/// (a bias-free projection through [`pass_product`]).
+pub fn linear<B: Backend, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>, compute: &Compute, pass: PassKernels) -> Tensor<B, D> {
     let weight = layer.weight.val();
     match layer.bias {
-        None => project(x, weight, WeightLayout::InOut, compute),
+        None => pass_product(x, weight, compute, pass),
         Some(ref bias) => linear_rows(x, weight, Some(bias.val())),
     }
+}
+
+/// Whether `compute`'s [`MatmulPrecision::Bf16`] rounds a product of `rows` rows with operands
+/// of these dtypes to bf16 (f32 operands past [`F32_ROWS`] rows).
+fn rounds_to_bf16(compute: &Compute, rows: usize, x: DType, w: DType) -> bool {
+    compute.matmul == MatmulPrecision::Bf16 && rows > F32_ROWS && x == DType::F32 && w == DType::F32
 }
 
 /// `x · w` for a `[in, out]` weight in one forward `pass`: through the skinny-matmul kernel a GPU
@@ -50,8 +57,7 @@ pub(crate) fn pass_product<B: Backend, const D: usize>(x: Tensor<B, D>, w: Tenso
     let mut dims = x.dims();
     let rows: usize = dims[..D - 1].iter().product();
     let dtype = x.dtype();
-    let rounded = compute.matmul == MatmulPrecision::Bf16 && rows > F32_ROWS && dtype == DType::F32;
-    let fits = dtype == w.dtype() && matches!(dtype, DType::F32 | DType::F16 | DType::BF16) && !rounded;
+    let fits = dtype == w.dtype() && matches!(dtype, DType::F32 | DType::F16 | DType::BF16) && !rounds_to_bf16(compute, rows, dtype, w.dtype());
     match pass.device.skinny_matmul::<B>(rows).filter(|_| fits) {
         Some(kernel) => {
             let y = kernel(x.reshape([rows, dims[D - 1]]), w);
@@ -76,14 +82,10 @@ pub fn lora_linear<B: Backend, const D: usize>(
     compute: &Compute,
     pass: PassKernels,
 ) -> Tensor<B, D> {
-    let base = |x: Tensor<B, D>| match layer.bias {
-        None => pass_product(x, layer.weight.val(), compute, pass),
-        Some(_) => linear(layer, x, compute),
-    };
     let Some(lora) = lora else {
-        return base(x);
+        return linear(layer, x, compute, pass);
     };
-    let result = base(x.clone());
+    let result = linear(layer, x.clone(), compute, pass);
     let torch_result_dtype = result.dtype();
     let lora_A = lora.lora_A.val();
     let cpu = compute.cpu_kernels;
@@ -118,9 +120,8 @@ pub(crate) fn project<B: Backend, const D: usize>(
     compute: &Compute,
 ) -> Tensor<B, D> {
     let rows: usize = x.dims()[..D - 1].iter().product();
-    let f32_operands = x.dtype() == DType::F32 && w.dtype() == DType::F32;
     let cpu = compute.cpu_kernels;
-    if compute.matmul == MatmulPrecision::Bf16 && rows > F32_ROWS && f32_operands {
+    if rounds_to_bf16(compute, rows, x.dtype(), w.dtype()) {
         return kernels::linear_bf16(cpu, &x, &w, layout).unwrap_or_else(|| {
             plain_product(x.cast(DType::BF16), w.cast(DType::BF16), layout).cast(DType::F32)
         });
