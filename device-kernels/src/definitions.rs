@@ -41,8 +41,11 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
     let mask = StorageType::Scalar(ElemType::Float(FloatKind::F32));
     let mut out = vec![
         (format!("silu_mul {dtype}"), crate::swiglu::definition(client, dtype)),
-        (format!("choose_tokens {dtype}"), crate::sampling::definition(client, dtype)),
     ];
+    // Token choice with vectors of CUDA's widest load (16 bytes), as for Qwen3's vocabulary.
+    let [segments, draw] = crate::sampling::definitions(client, dtype, 16 / dtype.size());
+    out.push((format!("segment_maxima {dtype}"), segments));
+    out.push((format!("draw_token {dtype}"), draw));
     for hidden in HIDDEN {
         let [rms_norm, add_rms_norm] = crate::rms_norm::definitions(client, dtype, hidden);
         out.push((format!("rms_norm {dtype} hidden {hidden}"), rms_norm));

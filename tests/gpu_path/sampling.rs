@@ -94,7 +94,7 @@ fn the_token_choice_kernel_matches_the_host_sampler() {
         return;
     }
     let mut kernel = 0;
-    for (vocab, dtype) in [(5, DType::F32), (1000, DType::F32), (151_936, DType::F32), (1000, DType::F16)] {
+    for (vocab, dtype) in [(5, DType::F32), (1000, DType::F32), (5_003, DType::F32), (151_936, DType::F32), (1000, DType::F16), (151_936, DType::F16)] {
         let fused = boundary_differences::<Fused>(vocab, dtype);
         kernel += fused[0];
         if dtype == DType::F32 {
@@ -106,5 +106,27 @@ fn the_token_choice_kernel_matches_the_host_sampler() {
             assert!(fused[1] <= 1, "burn's ops: {} of 32 rows differ at a boundary", fused[1]);
         }
     }
-    assert!(kernel <= 2, "the kernel: {kernel} of 224 choices differ at a boundary");
+    assert!(kernel <= 2, "the kernel: {kernel} of 320 choices differ at a boundary");
+}
+
+/// Logits that start inside their buffer (rows sliced off a larger batch) give the kernel the
+/// tokens that the same values in a buffer of their own give it.
+#[test]
+fn the_token_choice_kernel_reads_a_slice_of_rows() {
+    if !common::backend_ready::<Fused>() {
+        return;
+    }
+    device_kernels::register::<Fused>();
+    let kernels = prompt_r1_model::DeviceKernelChoice::default();
+    let (rows, vocab) = (6, 20_000);
+    let mut rng = StdRng::seed_from_u64(5);
+    let values: Vec<f32> = (0..(rows + 1) * vocab).map(|_| rng.random_range(-4.0..4.0f32)).collect();
+    let device = Default::default();
+    let whole = Tensor::<Fused, 2>::from_data(TensorData::new(values.clone(), [rows + 1, vocab]), &device);
+    let alone = Tensor::<Fused, 2>::from_data(TensorData::new(values[vocab..].to_vec(), [rows, vocab]), &device);
+    let temperatures = [0.0, 1.0, 0.7, 1.0, 0.0, 1.3];
+    let uniforms = [0.1, 0.5, 0.9, 0.999, 0.3, 0.0];
+    let sliced = choose_tokens(kernels, whole.slice([1..rows + 1, 0..vocab]), &temperatures, &uniforms).expect("tokens");
+    let fresh = choose_tokens(kernels, alone, &temperatures, &uniforms).expect("tokens");
+    assert_eq!(sliced, fresh);
 }

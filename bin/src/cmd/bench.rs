@@ -120,7 +120,9 @@ pub struct Args {
     /// Also time the projections' matrix products alone, f32 operands at f32 and at bf16
     /// precision, on the training step's 2 × prompt-len rows and the model's projection shapes
     /// (GFLOP/s; the median of 5 after a warm-up); on a GPU that lends the skinny-matmul kernel,
-    /// also at each --decode-batch's rows, burn's matmul against the decoding passes' kernel.
+    /// also at each --decode-batch's rows, burn's matmul against the decoding passes' kernel;
+    /// on a GPU that lends the token-choice kernel, each --decode-batch's rows of tokens drawn
+    /// from the model's vocabulary by burn's ops and by the kernel.
     #[arg(long)]
     pub products: bool,
     /// Time attention alone instead of the model's workloads: each implementation (eager,
@@ -604,12 +606,14 @@ impl Args {
             (c.hidden_size, c.intermediate_size),
             (c.intermediate_size, c.hidden_size),
         ];
+        let vocab = c.vocab_size;
         drop(adapters);
         drop(model);
         if self.products {
             figures.extend(product_figures::<B>(device, 2 * self.prompt_len, &shapes, &self.compute)?);
             for &rows in &self.decode_batch {
                 figures.extend(decoding_product_figures::<B>(device, rows, &shapes, &self.compute)?);
+                figures.extend(token_choice_figures::<B>(device, rows, vocab, &self.compute)?);
             }
         }
         Ok(())
@@ -658,6 +662,48 @@ fn decoding_product_figures<B: Backend>(device: &B::Device, rows: usize, shapes:
                     rollout: None,
                 });
             }
+        }
+    }
+    Ok(figures)
+}
+
+/// `--products` at a decoding step's `rows` (each `--decode-batch`), where the device lends the
+/// token-choice kernel: each row's token drawn from `[rows, vocab]` logits (temperature 1), f32
+/// and bf16 (f16 where the device has no bf16), by burn's ops and by the kernel, each with the
+/// read of the `[rows, 2]` result a decoding step makes; the median of [`TIMED_PRODUCTS`] after a
+/// warm-up. Nothing where the kernel is not lent (the CPU) or is switched off.
+fn token_choice_figures<B: Backend>(device: &B::Device, rows: usize, vocab: usize, compute_args: &ComputeArgs) -> Result<Vec<Figure>> {
+    use burn::tensor::{DType, Distribution, Tensor};
+    use model::device_sampling::{choose_tokens, choose_tokens_with_ops};
+    let kernels = compute_args.attention.compute(MatmulPrecision::F32, compute_args.device).device_kernels;
+    if kernels.token_choice::<B>().is_none() {
+        return Ok(Vec::new());
+    }
+    let half = if B::supports_dtype(device, DType::BF16) { (DType::BF16, "bf16") } else { (DType::F16, "f16") };
+    let temperatures = vec![1.0; rows];
+    let uniforms: Vec<f64> = (0..rows).map(|r| (r as f64 + 0.5) / rows as f64).collect();
+    let mut figures = Vec::new();
+    for (dtype, name) in [(DType::F32, "f32"), half] {
+        let logits = Tensor::<B, 2>::random([rows, vocab], Distribution::Uniform(-8.0, 8.0), device).cast(dtype);
+        for (path, by_kernel) in [("burn's ops", false), ("kernel", true)] {
+            let run = || -> Result<f64> {
+                let start = Instant::now();
+                match by_kernel {
+                    true => choose_tokens(kernels, logits.clone(), &temperatures, &uniforms)?,
+                    false => choose_tokens_with_ops(logits.clone(), &temperatures, &uniforms)?,
+                };
+                Ok(start.elapsed().as_secs_f64())
+            };
+            run()?;
+            let seconds = median_seconds(TIMED_PRODUCTS, run)?;
+            figures.push(Figure {
+                workload: format!("token choice {rows} x {vocab} {name}, {path}"),
+                seconds,
+                tokens_per_second: Some(rows as f64 / seconds),
+                gflop_per_second: None,
+                peak_rss_mb: None,
+                rollout: None,
+            });
         }
     }
     Ok(figures)
@@ -790,16 +836,20 @@ impl TrainStep {
     }
 }
 
-/// `--products`: `x[rows, k] · w[k, n]` for each `(k, n)`, f32 operands at both precisions,
-/// through the projections' own path ([`model::qwen3::product`]); the median of
-/// [`TIMED_PRODUCTS`] after a warm-up.
+/// `--products`: `x[rows, k] · w[k, n]` for each `(k, n)`, f32 operands at both precisions
+/// (bf16 only where the device has bf16 products: not lavapipe), through the projections' own
+/// path ([`model::qwen3::product`]); the median of [`TIMED_PRODUCTS`] after a warm-up.
 fn product_figures<B: Backend>(device: &B::Device, rows: usize, shapes: &[(usize, usize)], compute_args: &ComputeArgs) -> Result<Vec<Figure>> {
-    use burn::tensor::{Distribution, Tensor};
+    use burn::tensor::{DType, Distribution, Tensor};
+    let mut precisions = vec![(MatmulPrecision::F32, "f32")];
+    if B::supports_dtype(device, DType::BF16) {
+        precisions.push((MatmulPrecision::Bf16, "bf16"));
+    }
     let mut figures = Vec::new();
     for &(k, n) in shapes {
         let x = Tensor::<B, 2>::random([rows, k], Distribution::Uniform(-1.0, 1.0), device);
         let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.05, 0.05), device);
-        for (matmul, name) in [(MatmulPrecision::F32, "f32"), (MatmulPrecision::Bf16, "bf16")] {
+        for &(matmul, name) in &precisions {
             let compute = compute_args.attention.compute(matmul, compute_args.device);
             let run = || -> Result<f64> {
                 let start = Instant::now();
