@@ -53,8 +53,11 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
     }
     let qk_norm_rope_write = crate::rms_norm::qk_norm_rope_write_definition(client, [dtype, index], HEAD_DIM);
     out.push((format!("qk_norm_rope_write {dtype} head_dim {HEAD_DIM}"), qk_norm_rope_write));
+    // CUDA's widest load (16 bytes; the client defining them may load less).
+    let most_vector = 16 / dtype.size();
     // The attention as each pass takes it (a decoding step, prefill chunks, ragged passes; whole
-    // or split into spans of columns), once for each block of queries it may pick.
+    // or split into spans of columns), once for each block of queries it may pick, its keys and
+    // values read in vectors of CUDA's widest load.
     for groups in GROUPS {
         let mut seen = Vec::new();
         for queries in QUERIES {
@@ -67,7 +70,7 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
                 // Only a decoding step is split (`paged_attention::Spans::Auto`).
                 let splits: &[bool] = if queries == 1 && !ragged { &[false, true] } else { &[false] };
                 for &split in splits {
-                    let definition = crate::paged_attention::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, queries, ragged, split, false);
+                    let definition = crate::paged_attention::definition(client, [dtype, index, mask], most_vector, HEAD_DIM as usize, groups, queries, ragged, split, false);
                     let pass = if ragged { "ragged" } else { "uniform" };
                     let spans = if split { " split" } else { "" };
                     out.push((format!("paged_attention {dtype} {pass}{spans} groups {groups} queries {}", blocks.queries), definition));
@@ -75,14 +78,13 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
             }
             // A pass without a cache (`paged_attention::fresh_attention`): its read table in the
             // mask's dtype.
-            let definition = crate::paged_attention::definition(client, [dtype, mask, mask], HEAD_DIM as usize, groups, queries, false, false, true);
+            let definition = crate::paged_attention::definition(client, [dtype, mask, mask], most_vector, HEAD_DIM as usize, groups, queries, false, false, true);
             out.push((format!("paged_attention {dtype} fresh groups {groups} queries {}", blocks.queries), definition));
         }
     }
     // A decoding step's own kernel, whole and split, and over a ragged pass's rows of one query
     // (whole: `Spans::Auto` splits no ragged pass), with vectors of CUDA's widest load (16
     // bytes; the client defining them may load less).
-    let most_vector = 16 / dtype.size();
     for groups in GROUPS {
         for (ragged, split) in [(false, false), (false, true), (true, false)] {
             if let Some(definition) = crate::paged_decode::definition(client, [dtype, index, mask], HEAD_DIM as usize, groups, most_vector, ragged, split) {

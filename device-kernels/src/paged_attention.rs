@@ -8,9 +8,11 @@
 //! row's columns a tile at a time ([`blocks_for`]), up to the last one its queries may see
 //! (causal):
 //! 1. the first units look up their column's slot and whether it is a key;
-//! 2. all units copy the tile's keys into shared memory, consecutive units reading consecutive
-//!    elements of one key (coalesced; a masked column's key is not read; in a pass of one query a row
-//!    each unit has `LOADS_IN_FLIGHT` loads in flight at once);
+//! 2. all units copy the tile's keys into shared memory in vectors of up to 16 bytes,
+//!    consecutive units reading consecutive vectors of one key (coalesced; a masked column gets
+//!    zeros), each unit's loads of a round issued before any is stored (`LOADS_IN_FLIGHT`
+//!    elements in a pass of one query a row, `BLOCK_LOADS_IN_FLIGHT` vectors in a block of
+//!    several);
 //! 3. the units score the cube's ((head, query), column) pairs from shared memory (key rows
 //!    padded by one element, so that units reading one element of different keys touch
 //!    distinct banks); a column after the query's own position, or padding, is masked;
@@ -175,10 +177,10 @@ pub fn blocks_for(head_dim: usize, groups: usize, queries: usize) -> Blocks {
 pub(crate) const REVISION: u32 = crate::source_revision(include_bytes!("paged_attention.rs"));
 
 #[cube(launch)]
-fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
+fn paged_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
     query: &Tensor<F>,
-    keys: &Tensor<F>,
-    values: &Tensor<F>,
+    keys: &Tensor<Vector<F, N>>,
+    values: &Tensor<Vector<F, N>>,
     read: &Tensor<I>,
     valid: &Tensor<V>,
     row_starts: &Tensor<I>,
@@ -224,7 +226,8 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
     let dims = comptime!(tiling.dims(head_dim) as usize);
     let whole_dims = comptime!(tiling.whole(head_dim));
     let owners = comptime!(tiling.owners(cube_heads * block) as usize);
-    let in_flight = comptime!(if block == 1 { LOADS_IN_FLIGHT } else { 1 });
+    let n = N::value();
+    let in_flight = comptime!(if block == 1 { (LOADS_IN_FLIGHT / n as u32).max(1) } else { BLOCK_LOADS_IN_FLIGHT });
 
     let heads = query.shape(2);
     // Pools `[kv_heads, slots, d]`, or a fresh pass's keys and values `[tokens, kv_heads, d]`
@@ -326,7 +329,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         sync_cube();
 
         // 2. The tile's keys.
-        stage_tile::<F>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
+        stage_tile::<F, N>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
         sync_cube();
 
         // 3. Scores: a column is seen by the queries at or after its position.
@@ -389,7 +392,7 @@ fn paged_attention_kernel<F: Float, I: Numeric, V: Float>(
         }
 
         // 5. The tile's values, into the keys' place, and the outputs.
-        stage_tile::<F>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
+        stage_tile::<F, N>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
         sync_cube();
 
         if tiled {
@@ -673,22 +676,32 @@ fn pair_index(b: usize, first_token: usize, first_head: usize, heads: usize, #[c
 }
 
 /// Elements of a tile a unit of a decoding step's cube loads before it stores any of them into
-/// shared memory: the loads are independent, so all of them are in flight at once. One after
-/// the other, each waiting for the last, a tile of 32 keys of 128 elements took 64 round trips to
-/// memory a unit: about 50 µs a tile on an H200, most of a long context's decoding step
-/// (BENCHMARKS.md, fifth GPU lease). More would not fit the registers that ptxas gives a unit
-/// of a cube of [`UNITS`] (32 on sm_80 and later: 8 spilled to local memory); a prefill
-/// block's cube, whose (head, query) pairs take more registers, loads one at a time.
+/// shared memory (in one vector or several: at least one): the loads are independent, so all of
+/// them are in flight at once. One after the other, each waiting for the last, a tile of 32 keys
+/// of 128 elements took 64 round trips to memory a unit: about 50 µs a tile on an H200, most of
+/// a long context's decoding step (BENCHMARKS.md, fifth GPU lease). More would not fit the
+/// registers ptxas gives such a unit (f32 vectors of 4, four in flight, spilled 28 bytes on
+/// sm_100).
 const LOADS_IN_FLIGHT: u32 = 4;
 
-/// Copies a tile's keys or values (`pool`'s rows of `head_dim` from `pool_base`, at the slots
-/// `slot_of` names: `head_dim` elements apart in the pools, a token's row apart in a `fresh`
-/// pass's keys and values) into `staged` in rows of `head_dim + 1`, consecutive units reading
-/// consecutive elements of one row (coalesced), `in_flight` loads a unit at a time; a column that
-/// is not a key is not read and gets zeros. The cube has [`UNITS`] units.
+/// Vectors of a tile a unit of a cube of a block of several queries a head has in flight. Its
+/// tiles were staged an element at a time, each load waiting for the last: 64 round trips a
+/// unit a tile of keys and 64 of values, and 45% of the prefill variant's stalls waited on them
+/// (NVIDIA's profiler, seventh lease's H200). In 16-byte vectors, two at a time, a tile of 32
+/// bf16 keys of 128 takes four (f32, eight).
+const BLOCK_LOADS_IN_FLIGHT: u32 = 1;
+
+/// Copies a tile's keys or values (`pool`'s rows of `head_dim` from element `pool_base`, at the
+/// slots `slot_of` names: `head_dim` elements apart in the pools, a token's row apart in a
+/// `fresh` pass's keys and values) into `staged` in rows of `head_dim + 1`, in vectors of `N`
+/// elements, consecutive units reading consecutive vectors of a row (coalesced), `in_flight`
+/// loads a unit before any is stored; a column that is not a key gets zeros (its load reads the
+/// first row instead, so that every load is issued unconditionally). The cube has [`UNITS`]
+/// units.
 #[cube]
-fn stage_tile<F: Float>(
-    pool: &Tensor<F>,
+#[allow(clippy::too_many_arguments)]
+fn stage_tile<F: Float, N: Size>(
+    pool: &Tensor<Vector<F, N>>,
     pool_base: usize,
     slot_of: &SharedMemory<u32>,
     is_key: &SharedMemory<u32>,
@@ -699,66 +712,50 @@ fn stage_tile<F: Float>(
     #[comptime] fresh: bool,
 ) {
     let d = head_dim as usize;
+    let n = N::value();
     let unit = UNIT_POS_X as usize;
-    if comptime!(in_flight == 1) {
-        let mut i = unit;
-        while i < tile as usize * d {
-            staged[(i / d) * (d + 1) + i % d] = tile_element(pool, pool_base, slot_of, is_key, i, head_dim, fresh);
-            i += CUBE_DIM_X as usize;
-        }
-    } else {
-        let elements = comptime!((tile * head_dim) as usize);
-        let stride = comptime!((UNITS * in_flight) as usize);
-        let rounds = comptime!(((tile * head_dim).div_ceil(UNITS * in_flight)) as usize);
-        // Whether every round's elements lie in the tile (no test needed).
-        let whole = comptime!((tile * head_dim) % (UNITS * in_flight) == 0);
-        let in_flight = comptime!(in_flight as usize);
-        let mut loaded = Array::<f32>::new(in_flight);
-        for round in 0..rounds {
-            let first = round * stride + unit;
-            #[unroll]
-            for k in 0..in_flight {
-                let i = first + k * comptime!(UNITS as usize);
-                let mut x = 0.0f32;
-                if whole || i < elements {
-                    x = tile_element(pool, pool_base, slot_of, is_key, i, head_dim, fresh);
-                }
-                loaded[k] = x;
+    let row_vectors = comptime!(head_dim as usize / n);
+    let vectors = comptime!(tile as usize * head_dim as usize / n);
+    let stride = comptime!((UNITS * in_flight) as usize);
+    let rounds = comptime!((tile as usize * head_dim as usize / n).div_ceil((UNITS * in_flight) as usize));
+    // Whether every round's vectors lie in the tile (no test needed).
+    let whole = comptime!((tile as usize * head_dim as usize / n).is_multiple_of((UNITS * in_flight) as usize));
+    let in_flight = comptime!(in_flight as usize);
+    let base = pool_base / n;
+    let mut loaded = Array::<Vector<F, N>>::new(in_flight);
+    for round in 0..rounds {
+        let first = round * stride + unit;
+        #[unroll]
+        for k in 0..in_flight {
+            let mut i = first + k * comptime!(UNITS as usize);
+            if !whole && i >= vectors {
+                i = 0;
             }
-            #[unroll]
-            for k in 0..in_flight {
-                let i = first + k * comptime!(UNITS as usize);
-                if whole || i < elements {
-                    staged[(i / d) * (d + 1) + i % d] = loaded[k];
+            let j = i / row_vectors;
+            // A row of the pools is `head_dim` elements after the last, of a fresh pass's keys
+            // and values a token's.
+            let at = if fresh { base + slot_of[j] as usize * (pool.stride(0) / n) + i % row_vectors } else { base + slot_of[j] as usize * row_vectors + i % row_vectors };
+            loaded[k] = pool[at];
+        }
+        #[unroll]
+        for k in 0..in_flight {
+            let i = first + k * comptime!(UNITS as usize);
+            if whole || i < vectors {
+                let j = i / row_vectors;
+                let at = j * (d + 1) + (i % row_vectors) * n;
+                let x = Vector::<f32, N>::cast_from(loaded[k]);
+                let key = is_key[j] == 1;
+                #[unroll]
+                for e in 0..n {
+                    let mut value = 0.0f32;
+                    if key {
+                        value = x[e];
+                    }
+                    staged[at + e] = value;
                 }
             }
         }
     }
-}
-
-/// Element `i` of a tile (its row `i / head_dim`, column `i % head_dim`) for [`stage_tile`]:
-/// read from `pool` where that row is a key, else zero.
-#[cube]
-fn tile_element<F: Float>(
-    pool: &Tensor<F>,
-    pool_base: usize,
-    slot_of: &SharedMemory<u32>,
-    is_key: &SharedMemory<u32>,
-    i: usize,
-    #[comptime] head_dim: u32,
-    #[comptime] fresh: bool,
-) -> f32 {
-    let d = head_dim as usize;
-    let j = i / d;
-    let mut x = 0.0f32;
-    if is_key[j] == 1 {
-        if fresh {
-            x = f32::cast_from(pool[pool_base + slot_of[j] as usize * pool.stride(0) + i % d]);
-        } else {
-            x = f32::cast_from(pool[pool_base + slot_of[j] as usize * d + i % d]);
-        }
-    }
-    x
 }
 
 /// Joins a split pass's spans (see [`splits_for`]): each output element of `output`
@@ -979,10 +976,12 @@ pub fn paged_attention<R: CubeRuntime>(
         // In a ragged pass whose rows of one query the decoding kernel took, the general
         // kernel's cubes of such rows return at once.
         let fewest = if decode_cut.is_some() { 2 } else { 1 };
+        let vector = vector_for(head_dim, &[&keys, &values], most_vector);
         paged_attention_kernel::launch::<R>(
             &client,
             CubeCount::Static(cubes[0] as u32, cubes[1] as u32, (cubes[2] * splits) as u32),
             CubeDim::new_1d(UNITS),
+            vector,
             query.into_tensor_arg(),
             keys.into_tensor_arg(),
             values.into_tensor_arg(),
@@ -1052,10 +1051,13 @@ pub fn fresh_attention<R: CubeRuntime>(
     // The read table and the row starts are never read in a fresh pass: the mask takes their
     // places (and the read table's dtype).
     let dtypes = [query.dtype.into(), valid.dtype.into(), valid.dtype.into()];
+    let most_vector = client.io_optimized_vector_sizes(query.dtype.size()).max().unwrap_or(1);
+    let vector = vector_for(head_dim, &[&keys, &values], most_vector);
     paged_attention_kernel::launch::<R>(
         &client,
         CubeCount::Static(cubes[0] as u32, cubes[1] as u32, cubes[2] as u32),
         CubeDim::new_1d(UNITS),
+        vector,
         query.into_tensor_arg(),
         keys.into_tensor_arg(),
         values.into_tensor_arg(),
@@ -1079,6 +1081,19 @@ pub fn fresh_attention<R: CubeRuntime>(
         dtypes,
     );
     (output, lse)
+}
+
+/// Elements a vector of the kernel's loads of keys and values: the widest of 8, 4, 2 and 1, at
+/// most `most_vector`, that divides `head_dim` and each of `pools`' strides and offsets (packed
+/// pools, or a fresh pass's keys and values, whose rows may start inside their buffer).
+fn vector_for<R: CubeRuntime>(head_dim: usize, pools: &[&CubeTensor<R>], most_vector: usize) -> usize {
+    let fits = |v: usize| {
+        pools.iter().all(|pool| {
+            let offset = pool.handle.offset_start.unwrap_or(0) as usize / pool.dtype.size();
+            offset.is_multiple_of(v) && pool.meta.strides().iter().all(|&stride| stride == 1 || stride.is_multiple_of(v))
+        })
+    };
+    [8, 4, 2, 1].into_iter().find(|&v| v <= most_vector.max(1) && head_dim.is_multiple_of(v) && fits(v)).unwrap_or(1)
 }
 
 /// Columns a tile of a decoding step's cube in [`splits_for`]'s reckoning (Qwen3's heads of 128
@@ -1106,11 +1121,13 @@ fn combine_splits<R: CubeRuntime>(partial: CubeTensor<R>, output: CubeTensor<R>,
 /// [`paged_attention_kernel`] over `dtypes` (the query's and pools', the read table's, the mask's)
 /// as CubeCL defines it for compilation, for heads of `head_dim` in groups of `groups` and passes
 /// of `queries` a row (`ragged`: a ragged pass's; `split`: cut into spans of columns; `fresh`:
-/// [`fresh_attention`]'s, whose read table is the mask's dtype).
+/// [`fresh_attention`]'s, whose read table is the mask's dtype), keys and values read in vectors
+/// of `vector`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn definition<R: Runtime>(
     client: &ComputeClient<R>,
     dtypes: [StorageType; 3],
+    vector: usize,
     head_dim: usize,
     groups: usize,
     queries: usize,
@@ -1135,6 +1152,7 @@ pub(crate) fn definition<R: Runtime>(
         (),
         (),
         (),
+        vector,
         ragged,
         split,
         fresh,

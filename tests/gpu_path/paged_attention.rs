@@ -5,8 +5,9 @@
 //! Shapes that exercise the kernel's edges: grouped query heads, a head size above and below its
 //! 64 units, a width that is not a whole number of tiles, a first tile wholly masked, rows with
 //! one key, one query a row (a decoding step) and prefill chunks of 5 and 37 queries (blocks of
-//! queries cut short, queries that see no key at all). f32 and f16 (the dtype the GPU's bf16
-//! takes the same code for); the kernel sums in f32 either way.
+//! queries cut short, queries that see no key at all), heads whose size takes keys and values
+//! in vectors of 4, 2 and 1 elements. f32 and f16 (the dtype the GPU's bf16 takes the same code
+//! for); the kernel sums in f32 either way.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{activation::softmax, Bool, DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
@@ -196,7 +197,7 @@ fn worst_ragged_difference<B: DeviceKernels>(
 
 /// Each shape on backend `B` within `tolerance`.
 fn check_shapes<B: DeviceKernels>(dtype: DType, tolerance: f32) {
-    for (heads, kv_heads, d) in [(4, 2, 24), (4, 4, 128), (6, 2, 72)] {
+    for (heads, kv_heads, d) in [(4, 2, 24), (4, 4, 128), (6, 2, 72), (2, 1, 10), (2, 2, 5)] {
         for queries in QUERIES {
             let worst = worst_difference::<B>(heads, kv_heads, d, queries, dtype);
             println!("{} {dtype:?}, {heads} heads over {kv_heads}, head_dim {d}, {queries} queries a row: worst |Δ| {worst:.2e}", std::any::type_name::<B>());
