@@ -41,7 +41,8 @@
 #              of compare, issue 32's rollouts with BIN (small at 8 and 64, 0.6B at 8), then
 #              compare's second round
 #   skinny     the skinny-matmul kernel of decoding steps' projections: check-device, its
-#              products against burn's matmul (bench --products at 1 and 64 rows), the 0.6B
+#              products against burn's matmul and the token-choice kernel against burn's ops
+#              (bench --products at 1 and 64 rows), the 0.6B
 #              decode and rollout at 64 with --skinny-matmul on and off, the small rollouts and
 #              the 0.6B rollout at 8 with it, a decoding step's kernels under CubeCL's profiler
 #   profile-compare  two builds (BIN_B as for compare) under CubeCL's profiler: the 0.6B prefill
@@ -610,7 +611,7 @@ case "$stage" in
       done
     done
     decode_figures products-0.6b.txt decode-skinny-on-1.txt decode-skinny-off-1.txt decode-skinny-on-2.txt decode-skinny-off-2.txt
-    grep -h -A3 '"product' "$work/products-0.6b.txt" 2> /dev/null | tee -a "$log"
+    grep -h -A3 -E '"(product|token choice)' "$work/products-0.6b.txt" 2> /dev/null | tee -a "$log"
     for on in on off; do
       rollout_0_6b "rollout-skinny-$on" 64 --skinny-matmul "$on"
     done
