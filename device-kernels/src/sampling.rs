@@ -103,6 +103,30 @@ fn fold_maxima(maxima: &mut SharedMemory<f32>, sums: &mut SharedMemory<f32>, col
     columns[first] = column;
 }
 
+/// The entry of `weights[first..first + count]` where the draw's `left` falls, walking them in
+/// order and taking each passed entry's weight off `left`: the first entry that weighs more
+/// than what is left, or, where subtracting one by one rounds below their sum, the last entry
+/// with weight (a neighbour of the boundary).
+#[cube]
+fn walk(weights: &SharedMemory<f32>, first: usize, count: usize, left: &mut f32) -> usize {
+    let mut found = first;
+    let mut searching = true;
+    for i in first..first + count {
+        if searching {
+            let w = weights[i];
+            if w > 0.0 {
+                found = i;
+            }
+            if *left < w {
+                searching = false;
+            } else {
+                *left -= w;
+            }
+        }
+    }
+    found
+}
+
 /// Cube `(segment, row)`: `partials[(row · segments + segment) · 3 ..]` gets the segment's
 /// maximum of `logits / temperature`, its sum of `exp(s − maximum)` and its first column of the
 /// maximum (`vocab` where it has no column above [`NO_MAX`]), in f32.
@@ -300,40 +324,11 @@ fn draw_kernel<F: Float, N: Size>(
             }
             sync_cube();
             if unit == 0 {
-                // 4. The group, the run, then the column. Subtracting weights one by one may
-                // round below their sum: then each level's last entry with weight (a neighbour
-                // of the boundary).
-                let mut g = 0usize;
+                // 4. The group, the run, then the column (where subtracting weights one by one
+                // rounds below their sum, each level's last entry with weight).
+                let g = walk(&maxima, 0, groups, &mut left);
+                let r = walk(&sums, g * GROUP, GROUP, &mut left);
                 let mut searching = true;
-                for i in 0..groups {
-                    if searching {
-                        let w = maxima[i];
-                        if w > 0.0 {
-                            g = i;
-                        }
-                        if left < w {
-                            searching = false;
-                        } else {
-                            left -= w;
-                        }
-                    }
-                }
-                let mut r = g * GROUP;
-                searching = true;
-                for i in g * GROUP..(g + 1) * GROUP {
-                    if searching {
-                        let w = sums[i];
-                        if w > 0.0 {
-                            r = i;
-                        }
-                        if left < w {
-                            searching = false;
-                        } else {
-                            left -= w;
-                        }
-                    }
-                }
-                searching = true;
                 let first_vector = chosen * SEGMENT_VECTORS + r * RUN;
                 for j in 0..RUN {
                     let v = first_vector + j;
