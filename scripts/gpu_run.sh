@@ -121,6 +121,8 @@ if [ "$stage" = build ]; then
   # for backtraces), gzipped: about 20 MiB where the stripped binary is 54. Stages unpack it.
   rm -f "$dir/prompt-r1"
   gzip -6 -c target/release/prompt-r1 > "$dir/prompt-r1.gz"
+  # Which sources the binary is from, for a session that finds it built by an earlier one.
+  echo "$(git describe --always --dirty) built $(date -u +%Y-%m-%dT%H:%MZ) --features $features" > "$dir/BUILT_FROM"
   # The real Qwen3 tokenizer (about 2 MiB gzipped) for the `memory` stage's `serve` on the 0.6B
   # shape: `init-model` writes none for the real shapes, and `serve` needs one.
   tokenizer=../shared/tokenizer/qwen3/tokenizer.json
