@@ -77,6 +77,23 @@ fn reduce_maxima(maxima: &mut SharedMemory<f32>, sums: &mut SharedMemory<f32>, c
     sync_cube();
 }
 
+/// Merges a part's `(maximum, sum of exp(s − maximum), first column of it)` into `best`,
+/// `sum` and `column` (FlashAttention's online softmax joining two parts): the sum rescaled to
+/// the larger maximum, ties for it going to the smaller column.
+#[cube]
+fn merge(best: &mut f32, sum: &mut f32, column: &mut u32, m: f32, s: f32, c: u32) {
+    if m > *best {
+        *sum = *sum * (*best - m).exp() + s;
+        *best = m;
+        *column = c;
+    } else {
+        *sum += s * (m - *best).exp();
+        if m == *best && c < *column {
+            *column = c;
+        }
+    }
+}
+
 /// Folds the [`GROUP`] entries `first`, `first + step`, ... into entry `first`.
 #[cube]
 fn fold_maxima(maxima: &mut SharedMemory<f32>, sums: &mut SharedMemory<f32>, columns: &mut SharedMemory<u32>, first: usize, step: usize) {
@@ -85,18 +102,7 @@ fn fold_maxima(maxima: &mut SharedMemory<f32>, sums: &mut SharedMemory<f32>, col
     let mut column = columns[first];
     for i in 1..GROUP {
         let at = first + i * step;
-        let m = maxima[at];
-        let c = columns[at];
-        if m > best {
-            sum = sum * (best - m).exp() + sums[at];
-            best = m;
-            column = c;
-        } else {
-            sum += sums[at] * (m - best).exp();
-            if m == best && c < column {
-                column = c;
-            }
-        }
+        merge(&mut best, &mut sum, &mut column, maxima[at], sums[at], columns[at]);
     }
     maxima[first] = best;
     sums[first] = sum;
@@ -244,14 +250,7 @@ fn draw_kernel<F: Float, N: Size>(
     let mut k = unit;
     while k < segments {
         let at = (row * segments + k) * 3;
-        let m = partials[at];
-        if m > best {
-            sum = sum * (best - m).exp() + partials[at + 1];
-            best = m;
-            best_column = u32::cast_from(partials[at + 2]);
-        } else {
-            sum += partials[at + 1] * (m - best).exp();
-        }
+        merge(&mut best, &mut sum, &mut best_column, partials[at], partials[at + 1], u32::cast_from(partials[at + 2]));
         k += comptime!(UNITS as usize);
     }
     let mut maxima = SharedMemory::<f32>::new(UNITS as usize);

@@ -632,12 +632,9 @@ fn decoding_product_figures<B: Backend>(device: &B::Device, rows: usize, shapes:
     if compute.device_kernels.skinny_matmul::<B>(rows).is_none() {
         return Ok(Vec::new());
     }
-    // The 16-bit float the device computes with: bf16 on CUDA, f16 where bf16 is missing
-    // (lavapipe).
-    let half = if B::supports_dtype(device, DType::BF16) { (DType::BF16, "bf16") } else { (DType::F16, "f16") };
     let mut figures = Vec::new();
     for &(k, n) in shapes {
-        for (dtype, name) in [(DType::F32, "f32"), half] {
+        for (dtype, name) in [(DType::F32, "f32"), half_dtype::<B>(device)] {
             let x = Tensor::<B, 2>::random([rows, k], Distribution::Uniform(-1.0, 1.0), device).cast(dtype);
             let w = Tensor::<B, 2>::random([k, n], Distribution::Uniform(-0.05, 0.05), device).cast(dtype);
             for (path, skinny) in [("burn's matmul", false), ("decoding pass", true)] {
@@ -667,6 +664,13 @@ fn decoding_product_figures<B: Backend>(device: &B::Device, rows: usize, shapes:
     Ok(figures)
 }
 
+/// The 16-bit float the device computes with, and its name: bf16 on CUDA, f16 where bf16 is
+/// missing (lavapipe).
+fn half_dtype<B: Backend>(device: &B::Device) -> (burn::tensor::DType, &'static str) {
+    use burn::tensor::DType;
+    if B::supports_dtype(device, DType::BF16) { (DType::BF16, "bf16") } else { (DType::F16, "f16") }
+}
+
 /// `--products` at a decoding step's `rows` (each `--decode-batch`), where the device lends the
 /// token-choice kernel: each row's token drawn from `[rows, vocab]` logits (temperature 1), f32
 /// and bf16 (f16 where the device has no bf16), by burn's ops and by the kernel, each with the
@@ -679,11 +683,10 @@ fn token_choice_figures<B: Backend>(device: &B::Device, rows: usize, vocab: usiz
     if kernels.token_choice::<B>().is_none() {
         return Ok(Vec::new());
     }
-    let half = if B::supports_dtype(device, DType::BF16) { (DType::BF16, "bf16") } else { (DType::F16, "f16") };
     let temperatures = vec![1.0; rows];
     let uniforms: Vec<f64> = (0..rows).map(|r| (r as f64 + 0.5) / rows as f64).collect();
     let mut figures = Vec::new();
-    for (dtype, name) in [(DType::F32, "f32"), half] {
+    for (dtype, name) in [(DType::F32, "f32"), half_dtype::<B>(device)] {
         let logits = Tensor::<B, 2>::random([rows, vocab], Distribution::Uniform(-8.0, 8.0), device).cast(dtype);
         for (path, by_kernel) in [("burn's ops", false), ("kernel", true)] {
             let run = || -> Result<f64> {
