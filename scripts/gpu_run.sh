@@ -45,6 +45,11 @@
 #              (bench --products at 1 and 64 rows), the 0.6B
 #              decode and rollout at 64 with --skinny-matmul on and off, the small rollouts and
 #              the 0.6B rollout at 8 with it, a decoding step's kernels under CubeCL's profiler
+#   tensor-cores  the attention's blocks of queries on the tensor cores (--tensor-core-attention,
+#              never yet run on a GPU): check-device with it on (tiny and 0.6B shapes, bf16),
+#              then the 0.6B prefill and scoring of 2,048 tokens and the 0.6B rollout at 64 with
+#              it on and off alternating, twice, then the prefill and scoring under CubeCL's
+#              profiler with it on (the attention kernels' GPU time by name)
 #   profile-compare  two builds (BIN_B as for compare) under CubeCL's profiler: the 0.6B prefill
 #              and scoring of 2,048 tokens, then the small rollout at 64 with ragged and separate
 #              passes alternating, then the 0.6B rollout at 64 of each build
@@ -102,7 +107,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|lease-compare|profile-compare|skinny|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|lease-compare|profile-compare|skinny|tensor-cores|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -621,6 +626,23 @@ case "$stage" in
     rollout_0_6b rollout-0.6b-bf16 8
     rollout_figures rollout-skinny-on.txt rollout-skinny-off.txt rollout-small.txt rollout-0.6b-bf16.txt
     kernel_profile_steps profile-decode-64 8 24 --preset qwen3-0.6b --dtype bf16 --decode-batch 64 --workloads decode
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
+  tensor-cores)
+    # The tensor-core attention (the fifty-first session's, unrun on a GPU before this stage):
+    # check-device with it first (bf16: its products are 16-bit; the tiny shape's heads of 16,
+    # then the 0.6B shape's of 128), then its speed against the CUDA cores' kernel, alternating.
+    step check-tc-tiny "$bin" --tensor-core-attention on check-device --device cuda --dtype bf16 --rtol 5e-2
+    step check-tc-0.6b "$bin" --tensor-core-attention on check-device --device cuda --preset qwen3-0.6b --dtype bf16 --rtol 5e-2
+    for round in 1 2; do
+      for on in on off; do
+        bench "long-tc-$on-$round" --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score --tensor-core-attention "$on"
+        rollout_0_6b "rollout-tc-$on-$round" 64 --tensor-core-attention "$on"
+      done
+    done
+    decode_figures long-tc-on-1.txt long-tc-off-1.txt long-tc-on-2.txt long-tc-off-2.txt
+    rollout_figures rollout-tc-on-1.txt rollout-tc-off-1.txt rollout-tc-on-2.txt rollout-tc-off-2.txt
+    kernel_profile profile-long-tc --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score --tensor-core-attention on
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   profile-compare)

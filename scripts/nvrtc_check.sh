@@ -4,9 +4,9 @@
 # runtime compiler, NVRTC, for sm_70, sm_75, sm_80, sm_90a and sm_100a
 # (tests/gpu_path/cuda_source.rs).
 #
-# NVRTC and the CUDA headers come from PyPI's NVIDIA wheels (nvidia-cuda-nvrtc-cu12 and
-# nvidia-cuda-runtime-cu12, about 95 MB), installed once into a virtual environment under the
-# target directory. Needs a Vulkan adapter (lavapipe will do) for the kernels' definitions.
+# NVRTC and the CUDA headers come from PyPI's NVIDIA wheels (nvidia-cuda-nvrtc-cu12,
+# nvidia-cuda-runtime-cu12 and, for `crt/mma.h`, nvidia-cuda-nvcc-cu12; about 135 MB), installed
+# once into a virtual environment under the target directory. Needs a Vulkan adapter (lavapipe will do) for the kernels' definitions.
 # PROMPT_R1_CUDA_SOURCES=DIR also writes each source to DIR. Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,10 +15,12 @@ source tests/python/venvs.sh
 make_venv "${VENV_NVRTC[@]}"
 nvrtc="$(find "$venv" -path '*/nvidia/cuda_nvrtc/lib/libnvrtc.so.12' | head -n 1)"
 include="$(find "$venv" -path '*/nvidia/cuda_runtime/include' -type d | head -n 1)"
-if [ -z "$nvrtc" ] || [ -z "$include" ]; then
-    echo "error: the NVIDIA wheels in $venv hold no libnvrtc.so.12 or CUDA headers" >&2
+crt="$(find "$venv" -path '*/nvidia/cuda_nvcc/include' -type d | head -n 1)"
+if [ -z "$nvrtc" ] || [ -z "$include" ] || [ -z "$crt" ]; then
+    echo "error: the NVIDIA wheels in $venv hold no libnvrtc.so.12, CUDA runtime headers or nvcc's crt headers" >&2
     exit 1
 fi
+include="$include:$crt"
 # The whole workspace, so that features unify as in `cargo test --release --workspace` and its
 # build is reused. An instruction-set cap would make the GPU-path tests skip.
 unset PROMPT_R1_CPU_ISA

@@ -37,11 +37,12 @@ import ctypes, glob, os, sys
 source, cubin, arch = sys.argv[1:]
 nvidia = os.path.join(sys.prefix, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}", "site-packages", "nvidia")
 nvrtc = ctypes.CDLL(glob.glob(os.path.join(nvidia, "cuda_nvrtc", "lib", "libnvrtc.so.*"))[0])
-include = os.path.join(nvidia, "cuda_runtime", "include")
+# The runtime's headers, and nvcc's `crt/` (the tensor cores' `mma.h`).
+includes = [os.path.join(nvidia, "cuda_runtime", "include"), os.path.join(nvidia, "cuda_nvcc", "include")]
 program = ctypes.c_void_p()
 if nvrtc.nvrtcCreateProgram(ctypes.byref(program), open(source, "rb").read(), b"kernel.cu", 0, None, None):
     sys.exit("nvrtcCreateProgram failed")
-options = [f"--gpu-architecture={arch}".encode(), f"--include-path={include}".encode(), b"--ptxas-options=-v"]
+options = [f"--gpu-architecture={arch}".encode(), b"--ptxas-options=-v"] + [f"--include-path={include}".encode() for include in includes]
 status = nvrtc.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
 size = ctypes.c_size_t()
 nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))

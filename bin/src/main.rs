@@ -71,6 +71,16 @@ struct Cli {
     #[arg(long, global = true, value_name = "auto|on|off", env = "PROMPT_R1_SKINNY_MATMUL", default_value = "auto",
           value_parser = auto_on_off)]
     skinny_matmul: AutoOnOff,
+    /// The attention of prefill chunks, scoring and a training step's forward on the GPU's
+    /// tensor cores (on): 16 x 16 x 16 products of bf16 or f16 operands summed in f32, 64 (head,
+    /// query) pairs a block of threads, walking the keys twice (the maxima and sums, then the
+    /// outputs). Off (the default): the attention kernel's products on the CUDA cores. Taken
+    /// where the GPU has tensor cores for the model's dtype (CUDA; bf16 from an A100 on) and
+    /// --device-kernels gives the kernel such passes; f32 models and other GPUs keep the CUDA
+    /// cores. Off by default until a GPU has checked and timed it (`prompt-r1 check-device`).
+    #[arg(long, global = true, value_name = "on|off", env = "PROMPT_R1_TENSOR_CORE_ATTENTION", default_value = "off",
+          action = clap::ArgAction::Set, value_parser = crate::on_off)]
+    tensor_core_attention: bool,
     /// Folder of the GPU backends' persistent kernel and autotune caches (default:
     /// $XDG_CACHE_HOME/prompt-r1/cubecl, else ~/.cache/prompt-r1/cubecl).
     #[arg(long, global = true, value_name = "DIR", env = "PROMPT_R1_KERNEL_CACHE")]
@@ -190,6 +200,7 @@ fn main() {
         split_decoding: cli.split_decoding,
         decoding_kernel: cli.decoding_kernel,
         skinny_matmul: cli.skinny_matmul.0,
+        tensor_core_attention: cli.tensor_core_attention,
         kernel_cache: cli.kernel_cache,
         kernel_log: cli.kernel_log,
     });
@@ -334,6 +345,19 @@ mod tests {
             assert_eq!(Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").skinny_matmul.0, None);
         }
         assert!(Cli::try_parse_from(["prompt-r1", "--skinny-matmul", "maybe", "demo"]).is_err());
+    }
+
+    /// `--tensor-core-attention` is off unless turned on.
+    #[test]
+    fn tensor_core_attention_is_off_unless_asked() {
+        for (value, on) in [("off", false), ("on", true), (" yes ", true)] {
+            let cli = Cli::try_parse_from(["prompt-r1", "--tensor-core-attention", value, "demo"]).expect("parses");
+            assert_eq!(cli.tensor_core_attention, on, "{value}");
+        }
+        if std::env::var_os("PROMPT_R1_TENSOR_CORE_ATTENTION").is_none() {
+            assert!(!Cli::try_parse_from(["prompt-r1", "demo"]).expect("parses").tensor_core_attention);
+        }
+        assert!(Cli::try_parse_from(["prompt-r1", "--tensor-core-attention", "auto", "demo"]).is_err());
     }
 
     /// `--decoding-kernel` is `own` unless `general` is asked for; anything else names both ways

@@ -95,6 +95,17 @@ pub fn definitions<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) ->
         }
     }
     out.push((format!("combine_splits {dtype} head_dim {HEAD_DIM}"), crate::paged_attention::combine_definition(client, dtype, HEAD_DIM as usize)));
+    // The attention's blocks of queries on the tensor cores, which take 16-bit floats only:
+    // passes over the cache (uniform and ragged) and without one, for each of Qwen3's groups.
+    if matches!(dtype, StorageType::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16))) {
+        for groups in GROUPS {
+            for (pass, ragged, fresh) in [("uniform", false, false), ("ragged", true, false), ("fresh", false, true)] {
+                let dtypes = if fresh { [dtype, mask, mask] } else { [dtype, index, mask] };
+                let definition = crate::tensor_core_attention::definition(client, dtypes, most_vector, HEAD_DIM as usize, groups, ragged, fresh);
+                out.push((format!("tensor_core_attention {dtype} {pass} groups {groups}"), definition));
+            }
+        }
+    }
     // The products of few rows: each tile of rows a product may take, with CUDA's widest
     // vectors, whole and split; then the sum of the spans.
     for tile_rows in [1, 2, 4, crate::skinny_matmul::TILE_ROWS] {

@@ -23,6 +23,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         scale: f32,
         spans: crate::Spans,
         decoding: crate::DecodingKernel,
+        products: crate::Products,
     ) -> FloatTensor<Self> {
         let client = query.client.clone();
         let (starts, lens) = ragged.map_or((None, None), |(starts, lens)| (Some(starts), Some(lens)));
@@ -48,6 +49,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
                 scale,
                 spans,
                 decoding,
+                products,
             );
             handles.register_float_tensor::<B>(&desc.outputs[0].id, result);
         });
@@ -60,6 +62,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
         values: FloatTensor<Self>,
         valid: FloatTensor<Self>,
         scale: f32,
+        products: crate::Products,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let client = query.client.clone();
         let streams = OperationStreams::with_inputs([&query, &keys, &values, &valid]);
@@ -75,6 +78,7 @@ impl<B: FusionBackend + DeviceKernels> DeviceKernels for Fusion<B> {
                 handles.get_float_tensor::<B>(values),
                 handles.get_float_tensor::<B>(valid),
                 scale,
+                products,
             );
             handles.register_float_tensor::<B>(&output.id, output_result);
             handles.register_float_tensor::<B>(&lse.id, lse_result);

@@ -4,7 +4,8 @@
 //! ([`paged_attention`]), so that burn's ops need not gather each layer's
 //! `[rows, kv_heads, width, head_dim]` keys and values first, and by the same kernel the
 //! attention of a pass without a cache, with its log-sum-exp for the backward
-//! ([`paged_attention::fresh_attention`]: scoring, a training step's forward); the RMS norm as one kernel
+//! ([`paged_attention::fresh_attention`]: scoring, a training step's forward), their blocks of
+//! several queries on the tensor cores where a model asks ([`tensor_core_attention`]); the RMS norm as one kernel
 //! ([`rms_norm`]) where burn's ops take three, alone or after the residual addition; `q_norm`
 //! and `k_norm` with RoPE and the keys and values written to the cache's pools as one kernel a
 //! layer ([`rms_norm::qk_norm_rope_write`]); SwiGLU's `silu(gate) · up` ([`swiglu`]); and the
@@ -29,12 +30,13 @@ pub mod rms_norm;
 pub mod sampling;
 pub mod skinny_matmul;
 pub mod swiglu;
+pub mod tensor_core_attention;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-pub use paged_attention::{DecodingKernel, RowLens, Spans};
+pub use paged_attention::{DecodingKernel, Products, RowLens, Spans};
 use model::device_kernels::{
     register_fresh_attention, register_norms, register_paged_attention, register_silu_mul, register_skinny_matmul, register_token_choice, FreshAttention, NormKernels,
     PagedAttention,
@@ -50,7 +52,8 @@ pub trait DeviceKernels: Backend {
     /// `[rows · width]`, `valid` `[rows, width]`; the output a token a row as the query. A
     /// ragged pass's `shape` is `[1, tokens, heads, d]`, with its rows' starts `[rows + 1]` and
     /// their lengths as the host counts them. Each row's columns are cut into `spans`; rows of
-    /// one query go to the kernel `decoding` says.
+    /// one query go to the kernel `decoding` says; blocks of several queries are multiplied as
+    /// `products` says.
     #[allow(clippy::too_many_arguments)]
     fn paged_attention(
         query: FloatTensor<Self>,
@@ -63,18 +66,21 @@ pub trait DeviceKernels: Backend {
         scale: f32,
         spans: Spans,
         decoding: DecodingKernel,
+        products: Products,
     ) -> FloatTensor<Self>;
 
     /// [`model::device_kernels::FreshAttention`] on primitives (see
     /// [`paged_attention::fresh_attention`]): `query` `[rows, queries, heads, d]`, `keys` and
     /// `values` `[rows · width, kv_heads, d]`, `valid` `[rows, width]`; the output
-    /// `[rows, queries, heads, d]` and the log-sum-exp `[rows · queries, heads]` f32.
+    /// `[rows, queries, heads, d]` and the log-sum-exp `[rows · queries, heads]` f32; the products
+    /// as `products` says.
     fn fresh_attention(
         query: FloatTensor<Self>,
         keys: FloatTensor<Self>,
         values: FloatTensor<Self>,
         valid: FloatTensor<Self>,
         scale: f32,
+        products: Products,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
     /// [`model::device_kernels::RmsNormFn`] on primitives: `input` `[rows, hidden]`, `weight`
@@ -117,6 +123,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         scale: f32,
         spans: Spans,
         decoding: DecodingKernel,
+        products: Products,
     ) -> FloatTensor<Self> {
         let ragged = ragged.map(|(starts, lens)| paged_attention::Ragged { starts, lens });
         let [rows, queries, heads, d] = shape;
@@ -124,7 +131,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         // A packed query (the norm kernel's) and the kernel's packed output reshape without a
         // copy: only their metadata changes.
         let query = burn_cubecl::ops::reshape(query, Shape::new(shape));
-        let output = paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans, decoding);
+        let output = paged_attention::paged_attention(query, keys, values, read, valid, ragged, scale, spans, decoding, products);
         burn_cubecl::ops::reshape(output, Shape::new([rows * queries, heads * d]))
     }
 
@@ -134,8 +141,9 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> DeviceKern
         values: FloatTensor<Self>,
         valid: FloatTensor<Self>,
         scale: f32,
+        products: Products,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        paged_attention::fresh_attention(query, keys, values, valid, scale)
+        paged_attention::fresh_attention(query, keys, values, valid, scale, products)
     }
 
     fn rms_norm(input: FloatTensor<Self>, weight: FloatTensor<Self>, eps: f64) -> FloatTensor<Self> {
@@ -242,20 +250,20 @@ fn run_choose_tokens<B: DeviceKernels>(logits: Tensor<B, 2>, temperatures: Tenso
 /// [`PagedAttention`] with decoding steps split where the device would sit idle (or whole) and
 /// rows of one query through the kernel the pass's [`model::device_kernels::Decoding`] names.
 fn run_paged_attention<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 2> {
-    let PagedAttention { query, shape, keys, values, read, valid, scale, ragged, decoding } = pass;
+    let PagedAttention { query, shape, keys, values, read, valid, scale, ragged, decoding, tensor_cores } = pass;
     let spans = if decoding.split { Spans::Auto } else { Spans::WHOLE };
     let ragged = ragged.map(|rows| (rows.starts.into_primitive(), rows.lens));
-    tensor(B::paged_attention(float(query), shape, float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding.kernel))
+    tensor(B::paged_attention(float(query), shape, float(keys), float(values), read.into_primitive(), float(valid), ragged, scale, spans, decoding.kernel, products(tensor_cores)))
 }
 
 /// [`FreshAttention`] through [`paged_attention::fresh_attention`]: the keys and values as their
 /// tokens' rows (a reshape, free where they are laid out as the projections left them).
 fn run_fresh_attention<B: DeviceKernels>(pass: FreshAttention<B>) -> (Tensor<B, 4>, Tensor<B, 3>) {
-    let FreshAttention { query, key, value, valid, scale } = pass;
+    let FreshAttention { query, key, value, valid, scale, tensor_cores } = pass;
     let [rows, queries, heads, _] = query.dims();
     let [_, width, kv_heads, head_dim] = key.dims();
     let tokens = |t: Tensor<B, 4>| float(t.reshape([rows * width, kv_heads, head_dim]));
-    let (output, lse) = B::fresh_attention(float(query), tokens(key), tokens(value), float(valid), scale);
+    let (output, lse) = B::fresh_attention(float(query), tokens(key), tokens(value), float(valid), scale, products(tensor_cores));
     (tensor(output), tensor::<B, 2>(lse).reshape([rows, queries, heads]))
 }
 
@@ -269,4 +277,13 @@ const fn source_revision(source: &[u8]) -> u32 {
         i += 1;
     }
     (hash ^ (hash >> 32)) as u32
+}
+
+/// The products a model's choice of the tensor cores asks of the attention kernels.
+fn products(tensor_cores: bool) -> Products {
+    if tensor_cores {
+        Products::TensorCores
+    } else {
+        Products::Units
+    }
 }

@@ -329,7 +329,7 @@ fn paged_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
         sync_cube();
 
         // 2. The tile's keys.
-        stage_tile::<F, N>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
+        stage_tile::<F, N, f32>(keys, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, head_dim + 1, UNITS, in_flight, fresh);
         sync_cube();
 
         // 3. Scores: a column is seen by the queries at or after its position.
@@ -392,7 +392,7 @@ fn paged_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
         }
 
         // 5. The tile's values, into the keys' place, and the outputs.
-        stage_tile::<F, N>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, in_flight, fresh);
+        stage_tile::<F, N, f32>(values, pool_base, &slot_of, &is_key, &mut kv_tile, head_dim, tile, head_dim + 1, UNITS, in_flight, fresh);
         sync_cube();
 
         if tiled {
@@ -657,7 +657,7 @@ pub(crate) fn key_slot<I: Numeric, V: Float>(read: &Tensor<I>, valid: &Tensor<V>
 /// tokens (`row · width + column`, `width` the mask's columns): 1 + that token, or 0 where it is
 /// padding or not before `stop`.
 #[cube]
-fn fresh_key_slot<V: Float>(valid: &Tensor<V>, row: usize, column: usize, stop: usize) -> u32 {
+pub(crate) fn fresh_key_slot<V: Float>(valid: &Tensor<V>, row: usize, column: usize, stop: usize) -> u32 {
     let mut found = 0u32;
     if column < stop {
         if f32::cast_from(valid[row * valid.stride(0) + column * valid.stride(1)]) > 0.5 {
@@ -671,7 +671,7 @@ fn fresh_key_slot<V: Float>(valid: &Tensor<V>, row: usize, column: usize, stop: 
 /// query `b % block` of the cube's block, which begins at token `first_token`, of head
 /// `first_head + b / block`.
 #[cube]
-fn pair_index(b: usize, first_token: usize, first_head: usize, heads: usize, #[comptime] block: u32) -> usize {
+pub(crate) fn pair_index(b: usize, first_token: usize, first_head: usize, heads: usize, #[comptime] block: u32) -> usize {
     (first_token + b % block as usize) * heads + first_head + b / block as usize
 }
 
@@ -693,41 +693,42 @@ const BLOCK_LOADS_IN_FLIGHT: u32 = 1;
 
 /// Copies a tile's keys or values (`pool`'s rows of `head_dim` from element `pool_base`, at the
 /// slots `slot_of` names: `head_dim` elements apart in the pools, a token's row apart in a
-/// `fresh` pass's keys and values) into `staged` in rows of `head_dim + 1`, in vectors of `N`
-/// elements, consecutive units reading consecutive vectors of a row (coalesced), `in_flight`
-/// loads a unit before any is stored; a column that is not a key gets zeros (its load reads the
-/// first row instead, so that every load is issued unconditionally). The cube has [`UNITS`]
-/// units.
+/// `fresh` pass's keys and values) into `staged` (of dtype `S`) in rows of `stride` elements, in
+/// vectors of `N` elements, consecutive units of the cube's `units` reading consecutive vectors
+/// of a row (coalesced), `in_flight` loads a unit before any is stored; a column that is not a
+/// key gets zeros (its load reads the first row instead, so that every load is issued
+/// unconditionally).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_tile<F: Float, N: Size>(
+pub(crate) fn stage_tile<F: Float, N: Size, S: Float>(
     pool: &Tensor<Vector<F, N>>,
     pool_base: usize,
     slot_of: &SharedMemory<u32>,
     is_key: &SharedMemory<u32>,
-    staged: &mut SharedMemory<f32>,
+    staged: &mut SharedMemory<S>,
     #[comptime] head_dim: u32,
     #[comptime] tile: u32,
+    #[comptime] stride: u32,
+    #[comptime] units: u32,
     #[comptime] in_flight: u32,
     #[comptime] fresh: bool,
 ) {
-    let d = head_dim as usize;
     let n = N::value();
     let unit = UNIT_POS_X as usize;
     let row_vectors = comptime!(head_dim as usize / n);
     let vectors = comptime!(tile as usize * head_dim as usize / n);
-    let stride = comptime!((UNITS * in_flight) as usize);
-    let rounds = comptime!((tile as usize * head_dim as usize / n).div_ceil((UNITS * in_flight) as usize));
+    let round_vectors = comptime!((units * in_flight) as usize);
+    let rounds = comptime!((tile as usize * head_dim as usize / n).div_ceil((units * in_flight) as usize));
     // Whether every round's vectors lie in the tile (no test needed).
-    let whole = comptime!((tile as usize * head_dim as usize / n).is_multiple_of((UNITS * in_flight) as usize));
+    let whole = comptime!((tile as usize * head_dim as usize / n).is_multiple_of((units * in_flight) as usize));
     let in_flight = comptime!(in_flight as usize);
     let base = pool_base / n;
     let mut loaded = Array::<Vector<F, N>>::new(in_flight);
     for round in 0..rounds {
-        let first = round * stride + unit;
+        let first = round * round_vectors + unit;
         #[unroll]
         for k in 0..in_flight {
-            let mut i = first + k * comptime!(UNITS as usize);
+            let mut i = first + k * comptime!(units as usize);
             if !whole && i >= vectors {
                 i = 0;
             }
@@ -739,15 +740,15 @@ fn stage_tile<F: Float, N: Size>(
         }
         #[unroll]
         for k in 0..in_flight {
-            let i = first + k * comptime!(UNITS as usize);
+            let i = first + k * comptime!(units as usize);
             if whole || i < vectors {
                 let j = i / row_vectors;
-                let at = j * (d + 1) + (i % row_vectors) * n;
-                let x = Vector::<f32, N>::cast_from(loaded[k]);
+                let at = j * comptime!(stride as usize) + (i % row_vectors) * n;
+                let x = Vector::<S, N>::cast_from(loaded[k]);
                 let key = is_key[j] == 1;
                 #[unroll]
                 for e in 0..n {
-                    let mut value = 0.0f32;
+                    let mut value = S::new(0.0);
                     if key {
                         value = x[e];
                     }
@@ -871,6 +872,34 @@ impl Spans {
     }
 }
 
+/// How a pass's blocks of several queries a head (prefill chunks, scoring, a training step's
+/// forward) are multiplied by their keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Products {
+    /// On the CUDA cores, a few products a unit: this module's kernel.
+    Units,
+    /// On the tensor cores ([`crate::tensor_core_attention`]), where the device has them for the
+    /// pass's dtype and that kernel takes its heads; else as `Units`.
+    TensorCores,
+    /// [`crate::tensor_core_attention`]'s kernel with its products a unit at a time, where it
+    /// takes the pass's dtype and heads (else as `Units`): its layout, walks and masks on a
+    /// device without tensor cores, for the tests.
+    TensorCoreLayout,
+}
+
+impl Products {
+    /// Whether a pass of `dtype` with heads of `head_dim` goes to the tensor-core kernel on
+    /// `client`'s device, and if so with its products on the tensor cores.
+    fn tensor_cores<R: Runtime>(self, client: &ComputeClient<R>, dtype: DType, head_dim: usize) -> Option<bool> {
+        let takes = crate::tensor_core_attention::takes(dtype, head_dim);
+        match self {
+            Products::Units => None,
+            Products::TensorCores => (takes && crate::tensor_core_attention::has_tensor_cores(client, dtype.into())).then_some(true),
+            Products::TensorCoreLayout => takes.then_some(false),
+        }
+    }
+}
+
 /// Launches the kernel on CubeCL runtime `R`; see [`model::device_kernels::PagedAttention`].
 /// `query` is `[rows, queries, heads, head_dim]`, or `[1, tokens, heads, head_dim]` in a
 /// `ragged` pass. Each row's columns are cut into `spans`, joined by `combine_splits_kernel`
@@ -888,6 +917,7 @@ pub fn paged_attention<R: CubeRuntime>(
     scale: f32,
     spans: Spans,
     decoding: DecodingKernel,
+    products: Products,
 ) -> CubeTensor<R> {
     let [batch, tokens, heads, head_dim] = query.shape().dims::<4>();
     let [kv_heads, slots, pool_dim] = keys.shape().dims::<3>();
@@ -971,12 +1001,16 @@ pub fn paged_attention<R: CubeRuntime>(
         let pass = crate::paged_decode::Pass { cut, splits, span: columns, ragged: ragged.is_some() };
         crate::paged_decode::launch(query.clone(), keys.clone(), values.clone(), read.clone(), valid.clone(), starts.clone(), output.clone(), partial.clone(), scale, pass);
     }
-    if general_rows > 0 {
+    // In a ragged pass whose rows of one query the decoding kernel took, the other kernel's
+    // cubes of such rows return at once.
+    let fewest = if decode_cut.is_some() { 2 } else { 1 };
+    let vector = vector_for(head_dim, &[&keys, &values], most_vector);
+    let tensor_cores = products.tensor_cores(&client, query.dtype, head_dim).filter(|_| splits == 1 && queries > 1);
+    if let (true, Some(tensor_cores)) = (general_rows > 0, tensor_cores) {
+        let operands = [query, keys, values, read, valid, starts, output.clone(), partial.clone()].map(|t| t.into_tensor_arg());
+        crate::tensor_core_attention::launch(&client, operands, dtypes, vector, [rows, queries, heads, head_dim, heads / kv_heads], scale, fewest, [ragged.is_some(), false, tensor_cores]);
+    } else if general_rows > 0 {
         let span = tiles.div_ceil(splits) * blocks.tile as usize;
-        // In a ragged pass whose rows of one query the decoding kernel took, the general
-        // kernel's cubes of such rows return at once.
-        let fewest = if decode_cut.is_some() { 2 } else { 1 };
-        let vector = vector_for(head_dim, &[&keys, &values], most_vector);
         paged_attention_kernel::launch::<R>(
             &client,
             CubeCount::Static(cubes[0] as u32, cubes[1] as u32, (cubes[2] * splits) as u32),
@@ -1030,6 +1064,7 @@ pub fn fresh_attention<R: CubeRuntime>(
     values: CubeTensor<R>,
     valid: CubeTensor<R>,
     scale: f32,
+    products: Products,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let [rows, queries, heads, head_dim] = query.shape().dims::<4>();
     let [tokens, kv_heads, key_dim] = keys.shape().dims::<3>();
@@ -1053,6 +1088,11 @@ pub fn fresh_attention<R: CubeRuntime>(
     let dtypes = [query.dtype.into(), valid.dtype.into(), valid.dtype.into()];
     let most_vector = client.io_optimized_vector_sizes(query.dtype.size()).max().unwrap_or(1);
     let vector = vector_for(head_dim, &[&keys, &values], most_vector);
+    if let Some(tensor_cores) = products.tensor_cores(&client, query.dtype, head_dim).filter(|_| queries > 1) {
+        let operands = [query, keys, values, valid.clone(), valid.clone(), valid, output.clone(), lse.clone()].map(|t| t.into_tensor_arg());
+        crate::tensor_core_attention::launch(&client, operands, dtypes, vector, [rows, queries, heads, head_dim, heads / kv_heads], scale, 1, [false, true, tensor_cores]);
+        return (output, lse);
+    }
     paged_attention_kernel::launch::<R>(
         &client,
         CubeCount::Static(cubes[0] as u32, cubes[1] as u32, cubes[2] as u32),

@@ -45,6 +45,9 @@ pub struct PagedAttention<B: Backend> {
     pub ragged: Option<RaggedRows<B>>,
     /// How rows of one query (a decoding step's) are computed.
     pub decoding: Decoding,
+    /// Whether blocks of several queries a row (prefill chunks) multiply on the tensor cores
+    /// (see [`DeviceKernelChoice::tensor_cores`]).
+    pub tensor_cores: bool,
 }
 
 /// The rows of a ragged pass, whose queries are the pass's tokens one row after another
@@ -97,6 +100,8 @@ pub struct FreshAttention<B: Backend> {
     pub valid: Tensor<B, 2>,
     /// The factor on `q · k` (`head_dim^-0.5`).
     pub scale: f32,
+    /// Whether its products run on the tensor cores (see [`DeviceKernelChoice::tensor_cores`]).
+    pub tensor_cores: bool,
 }
 
 /// A kernel computing [`FreshAttention`]: `softmax(q · kᵀ · scale) v` over each query's keys,
@@ -161,6 +166,12 @@ pub struct DeviceKernelChoice {
     /// rows (decoding steps) run through the [`SkinnyMatmulFn`] kernel rather than burn's
     /// matmul, where any kernel runs.
     pub skinny_matmul: bool,
+    /// Whether the attention kernels multiply blocks of several queries a row (prefill chunks,
+    /// scoring, a training step's forward) by their keys and values on the GPU's tensor cores
+    /// (16 × 16 × 16 products of 16-bit operands summed in f32), where the device has them for
+    /// the dtype and the kernel takes the heads (16-bit floats, heads of 16 to 128 in steps of
+    /// 16); else, and when off, on the CUDA cores.
+    pub tensor_cores: bool,
 }
 
 /// The most rows of a product that a [`SkinnyMatmulFn`] kernel takes: decoding steps up to the
@@ -220,13 +231,13 @@ impl Default for Decoding {
 
 impl Default for DeviceKernelChoice {
     fn default() -> Self {
-        Self { passes: Some(KernelPasses::Decode), decoding: Decoding::default(), skinny_matmul: true }
+        Self { passes: Some(KernelPasses::Decode), decoding: Decoding::default(), skinny_matmul: true, tensor_cores: false }
     }
 }
 
 impl DeviceKernelChoice {
     /// None of the lent kernels: burn's ops compute everything.
-    pub const OFF: DeviceKernelChoice = DeviceKernelChoice { passes: None, decoding: Decoding { split: true, kernel: DecodingKernel::Own }, skinny_matmul: true };
+    pub const OFF: DeviceKernelChoice = DeviceKernelChoice { passes: None, decoding: Decoding { split: true, kernel: DecodingKernel::Own }, skinny_matmul: true, tensor_cores: false };
 
     /// The default's decoding with these passes.
     pub fn with_passes(passes: Option<KernelPasses>) -> Self {
@@ -459,10 +470,10 @@ mod tests {
         assert_eq!(in_use(decode).gpu, None, "no kernel lent, none recorded");
         register_paged_attention::<Other>(zeros::<Other>);
         assert!(lends::<Other>() && DeviceKernelChoice::lent_to::<Other>());
-        assert_eq!(in_use(decode), crate::qwen3::KernelsInUse { cpu: None, gpu: Some(crate::qwen3::GpuKernelsInUse { passes: "decode", split_decoding: Some(true), decoding_kernel: Some("own"), skinny_matmul: Some(true) }) });
-        let whole = DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: Decoding { split: false, kernel: DecodingKernel::General }, skinny_matmul: true };
-        assert_eq!(in_use(whole).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "all", split_decoding: Some(false), decoding_kernel: Some("general"), skinny_matmul: Some(true) }));
-        assert_eq!(in_use(off).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "off", split_decoding: None, decoding_kernel: None, skinny_matmul: None }));
+        assert_eq!(in_use(decode), crate::qwen3::KernelsInUse { cpu: None, gpu: Some(crate::qwen3::GpuKernelsInUse { passes: "decode", split_decoding: Some(true), decoding_kernel: Some("own"), skinny_matmul: Some(true), tensor_core_attention: Some(false) }) });
+        let whole = DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: Decoding { split: false, kernel: DecodingKernel::General }, skinny_matmul: true, tensor_cores: true };
+        assert_eq!(in_use(whole).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "all", split_decoding: Some(false), decoding_kernel: Some("general"), skinny_matmul: Some(true), tensor_core_attention: Some(true) }));
+        assert_eq!(in_use(off).gpu, Some(crate::qwen3::GpuKernelsInUse { passes: "off", split_decoding: None, decoding_kernel: None, skinny_matmul: None, tensor_core_attention: None }));
         assert!(decode.paged_attention::<Other>(1).is_some());
         assert!(decode.paged_attention::<Other>(7).is_none(), "decoding steps only: no prefill");
         assert!(all.paged_attention::<Other>(7).is_some());
@@ -521,7 +532,7 @@ mod tests {
             (Some(KernelPasses::All), whole, [layers, layers * (steps - 1)]),
         ];
         for (passes, decoding, want) in cases {
-            let choice = DeviceKernelChoice { passes, decoding, skinny_matmul: true };
+            let choice = DeviceKernelChoice { passes, decoding, skinny_matmul: true, tensor_cores: false };
             let compute = Compute::default().with_cpu_kernels(cpu_kernels::Kernels::off()).with_device_kernels(choice);
             DECODINGS.lock().unwrap().clear();
             let model = load_pretrained::<Counted>(dir.path(), &Default::default(), LoadOptions { compute, ..LoadOptions::default() }).unwrap();

@@ -10,7 +10,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
-use device_kernels::DeviceKernels;
+use device_kernels::{DeviceKernels, Products};
 use prompt_r1_model::qwen3::attention::memory_efficient::{self, Blocks, Operands};
 use prompt_r1_model::device_kernels::{DeviceKernelChoice, KernelPasses};
 use prompt_r1_model::qwen3::AttentionMask;
@@ -73,9 +73,9 @@ fn worst(got: Tensor<Cpu, 3>, want: Tensor<Cpu, 3>, keep: &Tensor<Cpu, 3>) -> f3
     diff / scale
 }
 
-/// The kernel's output and log-sum-exp against the CPU's on backend `B` in `dtype`: the worst
-/// differences of each.
-fn differences<B: DeviceKernels>(case: Case, dtype: DType) -> (f32, f32) {
+/// The kernel's output and log-sum-exp against the CPU's on backend `B` in `dtype`, its products
+/// as `products` says: the worst differences of each.
+fn differences<B: DeviceKernels>(case: Case, dtype: DType, products: Products) -> (f32, f32) {
     let device = B::Device::default();
     let cpu = Default::default();
     let Case { heads, kv_heads, head_dim: d, queries, .. } = case;
@@ -99,7 +99,7 @@ fn differences<B: DeviceKernels>(case: Case, dtype: DType) -> (f32, f32) {
     let on_device = |t: &Tensor<Cpu, 4>| Tensor::<B, 4>::from_data(t.clone().into_data(), (&device, dtype));
     let tokens = |t: &Tensor<Cpu, 4>| on_device(t).reshape([ROWS * width, kv_heads, d]).into_primitive().tensor();
     let valid = Tensor::<B, 2>::from_data(key_mask.clone().float().into_data(), (&device, DType::F32));
-    let (out, lse) = B::fresh_attention(on_device(&query).into_primitive().tensor(), tokens(&key), tokens(&value), valid.into_primitive().tensor(), scale);
+    let (out, lse) = B::fresh_attention(on_device(&query).into_primitive().tensor(), tokens(&key), tokens(&value), valid.into_primitive().tensor(), scale, products);
     let got_out = to_cpu(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out))).reshape([ROWS, queries, heads * d]);
     let got_lse = to_cpu(Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse))).reshape([ROWS, queries, heads]);
 
@@ -121,7 +121,7 @@ fn differences<B: DeviceKernels>(case: Case, dtype: DType) -> (f32, f32) {
 
 fn check<B: DeviceKernels>(dtype: DType, out_tolerance: f32, lse_tolerance: f32) {
     for case in cases() {
-        let (out, lse) = differences::<B>(case, dtype);
+        let (out, lse) = differences::<B>(case, dtype, Products::Units);
         println!("{case:?} {dtype:?}: output {out:.2e}, log-sum-exp {lse:.2e}");
         assert!(out <= out_tolerance, "{case:?}: the output {out} from the CPU's (tolerance {out_tolerance})");
         assert!(lse <= lse_tolerance, "{case:?}: the log-sum-exp {lse} from the CPU's (tolerance {lse_tolerance})");
@@ -146,6 +146,27 @@ fn fresh_attention_matches_the_memory_efficient_forward_in_f16() {
         return;
     }
     check::<Fused>(DType::F16, 2e-3, 2e-3);
+}
+
+/// The tensor-core kernel's layout (`Products::TensorCoreLayout`, its products a unit at a time
+/// on lavapipe) in f16, on the cases whose heads it takes (whole fragments of 16) with several
+/// queries a row: right and left padding, blind queries, blocks of 8 to 32 queries of 1, 2 and 4
+/// heads, cached keys before the queries; within the general kernel's f16 tolerances.
+#[test]
+fn the_tensor_core_layout_matches_the_memory_efficient_forward() {
+    if !common::backend_ready::<Fused>() {
+        return;
+    }
+    let mut cases = cases();
+    cases.push(Case { heads: 8, kv_heads: 2, head_dim: 32, queries: 40, past: 7, left_pad: 11, right_pad: 3 });
+    cases.push(Case { heads: 3, kv_heads: 1, head_dim: 16, queries: 19, past: 0, left_pad: 0, right_pad: 0 });
+    let taken: Vec<Case> = cases.into_iter().filter(|c| c.queries > 1 && device_kernels::tensor_core_attention::takes(DType::F16, c.head_dim)).collect();
+    assert!(taken.len() >= 4, "cases the layout takes: {taken:?}");
+    for case in taken {
+        let (out, lse) = differences::<Unfused>(case, DType::F16, Products::TensorCoreLayout);
+        println!("tensor-core layout, {case:?}: output {out:.2e}, log-sum-exp {lse:.2e}");
+        assert!(out <= 2e-3 && lse <= 2e-3, "{case:?}: output {out}, log-sum-exp {lse} (tolerance 2e-3)");
+    }
 }
 
 /// With the kernel taking passes without a cache (`--device-kernels all`, CUDA's default),

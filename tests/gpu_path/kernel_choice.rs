@@ -42,10 +42,10 @@ fn models_with_other_kernel_choices_agree_side_by_side() {
     let choices = [
         DeviceKernelChoice::OFF,
         DeviceKernelChoice::with_passes(Some(KernelPasses::Decode)),
-        DeviceKernelChoice { passes: Some(KernelPasses::Decode), decoding: whole, skinny_matmul: true },
+        DeviceKernelChoice { passes: Some(KernelPasses::Decode), decoding: whole, skinny_matmul: true, tensor_cores: false },
         DeviceKernelChoice { skinny_matmul: false, ..DeviceKernelChoice::with_passes(Some(KernelPasses::Decode)) },
         DeviceKernelChoice::with_passes(Some(KernelPasses::All)),
-        DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: whole, skinny_matmul: true },
+        DeviceKernelChoice { passes: Some(KernelPasses::All), decoding: whole, skinny_matmul: true, tensor_cores: false },
     ];
     let models: Vec<Qwen3ForCausalLM<Vulkan>> = choices.iter().map(|&choice| load(choice)).collect();
     let mut decoders: Vec<Decoder<Vulkan>> = models.iter().map(|_| Decoder::new(DecoderLimits::default())).collect();

@@ -11,7 +11,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{activation::softmax, Bool, DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
-use device_kernels::DeviceKernels;
+use device_kernels::{DeviceKernels, Products};
 use prompt_r1_model::device_kernels::{Decoding, DeviceKernelChoice, KernelPasses, PagedAttention, RaggedRows, RowLens};
 
 use crate::common;
@@ -120,13 +120,14 @@ fn registered<B: DeviceKernels>(pass: PagedAttention<B>) -> Tensor<B, 2> {
 /// `splits_for` cuts them on a GPU with few cubes a pass; lavapipe gives no count of
 /// multiprocessors, so it never splits on its own).
 fn split_into(splits: usize) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 2> {
-    through(splits, device_kernels::DecodingKernel::Own)
+    through(splits, device_kernels::DecodingKernel::Own, Products::Units)
 }
 
-/// [`split_into`], rows of one query through the `decoding` kernel.
-fn through(splits: usize, decoding: device_kernels::DecodingKernel) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 2> {
+/// [`split_into`], rows of one query through the `decoding` kernel, blocks of several queries
+/// multiplied as `products` says.
+fn through(splits: usize, decoding: device_kernels::DecodingKernel, products: Products) -> impl Fn(PagedAttention<Unfused>) -> Tensor<Unfused, 2> {
     move |pass| {
-        let PagedAttention { query, shape, keys, values, read, valid, scale, ragged, decoding: _ } = pass;
+        let PagedAttention { query, shape, keys, values, read, valid, scale, ragged, decoding: _, tensor_cores: _ } = pass;
         let [rows, queries, heads, d] = shape;
         let float = |t: Tensor<Unfused, 4>| t.into_primitive().tensor();
         let pool = |t: Tensor<Unfused, 3>| t.into_primitive().tensor();
@@ -141,6 +142,7 @@ fn through(splits: usize, decoding: device_kernels::DecodingKernel) -> impl Fn(P
             scale,
             device_kernels::paged_attention::Spans::Exactly(splits.try_into().expect("spans")),
             decoding,
+            products,
         );
         Tensor::<Unfused, 4>::from_primitive(TensorPrimitive::Float(output)).reshape([rows * queries, heads * d])
     }
@@ -189,7 +191,7 @@ fn worst_ragged_difference<B: DeviceKernels>(
     let shape = query.dims();
     let [batch, tokens, heads, d] = shape;
     let query = query.reshape([batch * tokens, heads * d]);
-    let output = attend(PagedAttention { query, shape, keys, values, read, valid, scale, ragged: rows, decoding: Decoding::default() }).reshape(shape);
+    let output = attend(PagedAttention { query, shape, keys, values, read, valid, scale, ragged: rows, decoding: Decoding::default(), tensor_cores: false }).reshape(shape);
     assert_eq!(output.dtype(), dtype, "the output keeps the query's dtype");
     // Relative to the output where it exceeds 1: f16 rounds each output to its own step.
     ((to_cpu(output) - expected.clone()).abs() / expected.abs().clamp_min(1.0)).max().into_scalar()
@@ -316,10 +318,38 @@ fn a_decoding_step_over_a_long_context_matches_burns_ops() {
         let general = device_kernels::DecodingKernel::General;
         for (lens, ragged) in [([1; ROWS], false), ([1, 37, 1, 5], true)] {
             for splits in [1, 3] {
-                let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, LONG_WIDTH, ragged, DType::F32, &through(splits, general));
+                let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, LONG_WIDTH, ragged, DType::F32, &through(splits, general, Products::Units));
                 println!("the general kernel alone, rows of {lens:?} queries, {splits} spans: worst |Δ| {worst:.2e}");
                 assert!(worst <= 1e-5, "the general kernel, {heads} heads over {kv_heads}, head_dim {d}, {lens:?}, {splits} spans: |Δ| {worst} > 1e-5");
             }
+        }
+    }
+}
+
+/// The tensor-core kernel's layout (`Products::TensorCoreLayout`: its two walks over the columns,
+/// 16 entries a warp, tiles of 16 columns staged in 16-bit, the probabilities rounded to 16 bits
+/// before they weigh the values, the outputs a warp's; its products a unit at a time, as lavapipe
+/// has no tensor cores) against burn's ops in f16: grouped heads taking 1, 2 and 4 heads a cube,
+/// heads of 16, 32, 64 and 128, prefill chunks of 5 and 37 queries (blocks cut short, queries
+/// that see no key), ragged passes beside decoding rows (which the decoding kernel takes), and a
+/// first tile wholly masked. Within the general kernel's f16 tolerance (2e-3), though the layout
+/// also rounds the probabilities (2⁻¹¹ relative each; the worst here was 1.2e-3).
+#[test]
+fn the_tensor_core_layout_matches_burns_ops() {
+    if !common::backend_ready::<Fused>() {
+        return;
+    }
+    let layout = through(1, device_kernels::DecodingKernel::Own, Products::TensorCoreLayout);
+    for (heads, kv_heads, d) in [(4, 2, 32), (4, 4, 128), (6, 2, 16), (8, 1, 64)] {
+        for queries in [5, 37] {
+            let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &[queries; ROWS], WIDTH, false, DType::F16, &layout);
+            println!("tensor-core layout, {heads} heads over {kv_heads}, head_dim {d}, {queries} queries a row: worst |Δ| {worst:.2e}");
+            assert!(worst <= 2e-3, "{heads} heads over {kv_heads}, head_dim {d}, {queries} queries: |Δ| {worst} > 2e-3");
+        }
+        for lens in [[1, 37, 1, 5], [37, 1, 5, 1], [5, 5, 5, 5]] {
+            let worst = worst_ragged_difference::<Unfused>(heads, kv_heads, d, &lens, WIDTH, true, DType::F16, &layout);
+            println!("tensor-core layout, {heads} heads over {kv_heads}, head_dim {d}, ragged rows of {lens:?} queries: worst |Δ| {worst:.2e}");
+            assert!(worst <= 2e-3, "{heads} heads over {kv_heads}, head_dim {d}, ragged {lens:?}: |Δ| {worst} > 2e-3");
         }
     }
 }

@@ -6,10 +6,11 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 target="${CARGO_TARGET_DIR:-$root/target}"
 
 # The package lists of the scripts beside this one and of scripts/nvrtc_check.sh (NVRTC and the
-# CUDA headers); prepare.sh makes them all.
+# CUDA headers: the runtime's, and nvcc's `crt/` for the tensor cores' `mma.h`); prepare.sh makes
+# them all.
 VENV_OPENAI=(openai)
 VENV_TRANSFORMERS=(torch transformers safetensors peft)
-VENV_NVRTC=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79)
+VENV_NVRTC=(nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 nvidia-cuda-nvcc-cu12==12.9.86)
 
 # Sets `venv` to a virtual environment holding the named PyPI packages. One environment per
 # package list is kept under the target directory, so the scripts that name the same packages

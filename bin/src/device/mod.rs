@@ -134,6 +134,9 @@ pub struct GpuOptions {
     /// Whether decoding steps' projections run through the skinny-matmul kernel
     /// (`--skinny-matmul`, `PROMPT_R1_SKINNY_MATMUL`); `None`: on CUDA, not on wgpu.
     pub skinny_matmul: Option<bool>,
+    /// Whether the attention's blocks of several queries multiply on the tensor cores, where the
+    /// GPU has them (`--tensor-core-attention`, `PROMPT_R1_TENSOR_CORE_ATTENTION`).
+    pub tensor_core_attention: bool,
     /// The folder of CubeCL's persistent caches (`--kernel-cache`, `PROMPT_R1_KERNEL_CACHE`).
     pub kernel_cache: Option<std::path::PathBuf>,
     /// Where CubeCL's compilation log goes, without its profiler (`--kernel-log`,
@@ -156,6 +159,7 @@ pub(crate) fn gpu_options() -> GpuOptions {
         split_decoding: true,
         decoding_kernel: model::device_kernels::DecodingKernel::Own,
         skinny_matmul: None,
+        tensor_core_attention: false,
         kernel_cache: None,
         kernel_log: None,
     })
@@ -170,13 +174,15 @@ pub fn device_kernels(device: DeviceChoice) -> model::DeviceKernelChoice {
 impl GpuOptions {
     /// The GPU kernels a model loaded for `device` runs: the passes `--device-kernels` gives them
     /// there, decoding steps cut and computed as `--split-decoding` and `--decoding-kernel` say,
-    /// their projections as `--skinny-matmul` says (auto: the kernel on CUDA only); none on the
-    /// CPU.
+    /// their projections as `--skinny-matmul` says (auto: the kernel on CUDA only), the
+    /// attention's blocks of queries on the tensor cores as `--tensor-core-attention` says; none
+    /// on the CPU.
     pub fn device_kernels(&self, device: DeviceChoice) -> model::DeviceKernelChoice {
         model::DeviceKernelChoice {
             passes: self.device_kernels.passes_on(device),
             decoding: model::device_kernels::Decoding { split: self.split_decoding, kernel: self.decoding_kernel },
             skinny_matmul: self.skinny_matmul.unwrap_or(matches!(device, DeviceChoice::Cuda(_))),
+            tensor_cores: self.tensor_core_attention,
         }
     }
 }
@@ -343,6 +349,7 @@ mod tests {
             split_decoding: true,
             decoding_kernel: DecodingKernel::Own,
             skinny_matmul: None,
+            tensor_core_attention: false,
             kernel_cache: None,
             kernel_log: None,
         };
@@ -366,6 +373,9 @@ mod tests {
         assert!(!plain.device_kernels(DeviceChoice::Cuda(0)).skinny_matmul);
         let asked = GpuOptions { skinny_matmul: Some(true), ..defaults.clone() };
         assert!(asked.device_kernels(DeviceChoice::Wgpu).skinny_matmul);
+        assert!(!defaults.device_kernels(DeviceChoice::Cuda(0)).tensor_cores, "the tensor cores only when asked for");
+        let tensor_cores = GpuOptions { tensor_core_attention: true, ..defaults.clone() };
+        assert!(tensor_cores.device_kernels(DeviceChoice::Cuda(0)).tensor_cores && tensor_cores.device_kernels(DeviceChoice::Wgpu).tensor_cores);
         let off = GpuOptions { device_kernels: KernelChoice::Passes(None), ..defaults };
         assert_eq!(passes(&off, DeviceChoice::Cuda(0)), None);
     }

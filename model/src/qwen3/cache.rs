@@ -233,6 +233,7 @@ impl<B: Backend> CachedKv<B> {
             scale,
             ragged,
             decoding: choice.decoding,
+            tensor_cores: choice.tensor_cores,
         };
         Ok(kernel(pass))
     }

@@ -144,6 +144,10 @@ pub struct GpuKernelsInUse {
     /// runs the kernels.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skinny_matmul: Option<bool>,
+    /// Whether the attention's blocks of several queries multiply on the tensor cores (where the
+    /// device has them), where any pass runs the kernels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tensor_core_attention: Option<bool>,
 }
 
 /// The default [`Compute::attention_block_size`]: a 256-token pass is one block (no more work
@@ -202,6 +206,7 @@ impl Compute {
             split_decoding: choice.passes.map(|_| choice.decoding.split),
             decoding_kernel: choice.passes.map(|_| choice.decoding.kernel.name()),
             skinny_matmul: choice.passes.map(|_| choice.skinny_matmul),
+            tensor_core_attention: choice.passes.map(|_| choice.tensor_cores),
         });
         KernelsInUse { cpu, gpu }
     }

@@ -303,6 +303,7 @@ fn kernel_forward<B: Backend>(kernel: device_kernels::FreshAttentionFn<B>, x: &O
         value: super::heads_last(x.value.clone()),
         valid: mask.valid_keys(),
         scale: blocks.scale,
+        tensor_cores: blocks.device_kernels.tensor_cores,
     });
     // `[b, q, heads]` as `[b, kv_heads, groups, q]`: for one query a reshape alone (its swapped
     // view, reshaped, came out wrong on wgpu: the gradients of `attention::wgpu`'s one-query case).
