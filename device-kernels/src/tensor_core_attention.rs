@@ -96,11 +96,14 @@ pub fn takes(dtype: DType, head_dim: usize) -> bool {
 }
 
 /// Whether `client`'s device multiplies 16 × 16 × 16 products of `dtype` into f32 on its tensor
-/// cores (CubeCL's `cmma`: CUDA from compute capability 7.0 for f16, 8.0 for bf16).
+/// cores (CubeCL's `cmma`: CUDA from compute capability 7.0 for f16, 8.0 for bf16) in warps of
+/// 32 units, as the kernel lays out its cubes.
 pub fn has_tensor_cores<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
     let f32 = StorageType::Scalar(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F32));
     let size = FRAGMENT as u32;
-    client.properties().features.matmul.cmma.contains(&cubecl::features::MmaConfig { a_type: dtype, b_type: dtype, cd_type: f32, m: size, n: size, k: size })
+    let properties = client.properties();
+    let warps_of_32 = properties.hardware.plane_size_min == WARP && properties.hardware.plane_size_max == WARP;
+    warps_of_32 && properties.features.matmul.cmma.contains(&cubecl::features::MmaConfig { a_type: dtype, b_type: dtype, cd_type: f32, m: size, n: size, k: size })
 }
 
 /// A hash of this file, one of the kernel's compile-time arguments (see
