@@ -12,10 +12,10 @@
 //! 1. its first walk stages each tile's keys in shared memory (16-bit, rows padded by 8
 //!    elements), scores the warp's entries against them (one product a warp per 16 elements of
 //!    the head) and keeps each entry's largest score and its sum of `exp(score − largest)`;
-//! 2. its second walk stages the keys and values, scores again, turns the scores into
-//!    probabilities with the final maximum and sum (rounded to 16 bits, as FlashAttention
-//!    rounds them), and adds `P · V` to the warp's outputs, which stay in its accumulators from
-//!    the first tile to the last.
+//! 2. its second walk stages the keys and values, scores again, weighs each column by
+//!    `exp(score − largest)` (rounded to 16 bits, as FlashAttention rounds them), and adds those
+//!    weights times the values to the warp's outputs, which stay in its accumulators from the
+//!    first tile to the last, then divides them by the sum (in f32) as it writes them.
 //!
 //! Scoring twice costs a third more products than FlashAttention-2's one walk, which rescales
 //! the outputs at each tile instead; CubeCL's accumulators cannot be rescaled a row at a time
@@ -97,13 +97,18 @@ pub fn takes(dtype: DType, head_dim: usize) -> bool {
 
 /// Whether `client`'s device multiplies 16 × 16 × 16 products of `dtype` into f32 on its tensor
 /// cores (CubeCL's `cmma`: CUDA from compute capability 7.0 for f16, 8.0 for bf16) in warps of
-/// 32 units, as the kernel lays out its cubes.
+/// 32 units, as the kernel lays out its cubes. CubeCL 0.10's CUDA runtime lists bf16's `cmma`
+/// from 7.0, but CUDA's `mma.h` declares bf16 fragments from 8.0 only: bf16 also asks for the
+/// 16 × 8 × 16 bf16 `mma` that CubeCL lists from 8.0.
 pub fn has_tensor_cores<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
-    let f32 = StorageType::Scalar(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F32));
-    let size = FRAGMENT as u32;
+    use cubecl::ir::{ElemType, FloatKind};
+    let f32 = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    let config = |m: usize, n: usize, k: usize| cubecl::features::MmaConfig { a_type: dtype, b_type: dtype, cd_type: f32, m: m as u32, n: n as u32, k: k as u32 };
     let properties = client.properties();
     let warps_of_32 = properties.hardware.plane_size_min == WARP && properties.hardware.plane_size_max == WARP;
-    warps_of_32 && properties.features.matmul.cmma.contains(&cubecl::features::MmaConfig { a_type: dtype, b_type: dtype, cd_type: f32, m: size, n: size, k: size })
+    let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
+    let cmma = properties.features.matmul.cmma.contains(&config(FRAGMENT, FRAGMENT, FRAGMENT));
+    warps_of_32 && cmma && (!bf16 || properties.features.matmul.mma.contains(&config(16, 8, 16)))
 }
 
 /// A hash of this file, one of the kernel's compile-time arguments (see
@@ -269,9 +274,12 @@ fn tensor_core_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
         while p < entries * tile {
             let b = p / tile;
             let j = p % tile;
+            // exp(s − largest), in (0, 1]: rounded to 16 bits before its division by the sum
+            // (at the output, in f32), as FlashAttention rounds it, so that f16 keeps a long
+            // context's small weights normal.
             let mut prob = 0.0f32;
-            if is_key[j] == 1 && b % block < count && start + j <= past + first + b % block && sums[b] > 0.0 {
-                prob = (scaled::<F>(scores[b * s_stride + j], scale, fresh) - largest[b]).exp() / sums[b];
+            if is_key[j] == 1 && b % block < count && start + j <= past + first + b % block {
+                prob = (scaled::<F>(scores[b * s_stride + j], scale, fresh) - largest[b]).exp();
             }
             probs[b * p_stride + j] = F::cast_from(prob);
             p += units;
@@ -314,7 +322,7 @@ fn tensor_core_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
                 let b = warp * FRAGMENT + at / FRAGMENT;
                 if b % block < count {
                     let out = pair_index(b, token0 + first, first_head, heads, block as u32) * d + f * FRAGMENT + at % FRAGMENT;
-                    output[out] = F::cast_from(scores[(warp * FRAGMENT + at / FRAGMENT) * s_stride + at % FRAGMENT]);
+                    output[out] = F::cast_from(normalised(scores[b * s_stride + at % FRAGMENT], sums[b]));
                 }
             }
         }
@@ -324,7 +332,7 @@ fn tensor_core_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
             let base = pair_index(b, token0 + first, first_head, heads, block as u32) * d + (unit % 2) * halves;
             #[unroll]
             for k in 0..halves {
-                output[base + k] = F::cast_from(owned[k]);
+                output[base + k] = F::cast_from(normalised(owned[k], sums[b]));
             }
         }
     }
@@ -358,11 +366,22 @@ fn find_slots<I: Numeric, V: Float>(read: &Tensor<I>, valid: &Tensor<V>, slot_of
 /// the operands' dtype (as burn's product in that dtype, which the backward recomputes).
 #[cube]
 fn scaled<F: Float>(dot: f32, scale: f32, #[comptime] fresh: bool) -> f32 {
-    let mut score = dot * scale;
-    if fresh {
-        score = f32::cast_from(F::cast_from(dot)) * scale;
+    if comptime!(fresh) {
+        f32::cast_from(F::cast_from(dot)) * scale
+    } else {
+        dot * scale
     }
-    score
+}
+
+/// An output element from its sum of values weighed by `exp(s − largest)`: divided by the
+/// weights' `total`, or zero for a query that sees no key (a total of 0).
+#[cube]
+fn normalised(weighed: f32, total: f32) -> f32 {
+    let mut out = 0.0f32;
+    if total > 0.0 {
+        out = weighed / total;
+    }
+    out
 }
 
 /// The cube's entries' `q · k` against a staged tile (rows of `head_dim + PAD`) into `scores`

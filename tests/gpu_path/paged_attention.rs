@@ -327,13 +327,13 @@ fn a_decoding_step_over_a_long_context_matches_burns_ops() {
 }
 
 /// The tensor-core kernel's layout (`Products::TensorCoreLayout`: its two walks over the columns,
-/// 16 entries a warp, tiles of 16 columns staged in 16-bit, the probabilities rounded to 16 bits
-/// before they weigh the values, the outputs a warp's; its products a unit at a time, as lavapipe
+/// 16 entries a warp, tiles of 16 columns staged in 16-bit, the weights `exp(s − max)` rounded to
+/// 16 bits before they weigh the values, the outputs a warp's; its products a unit at a time, as lavapipe
 /// has no tensor cores) against burn's ops in f16: grouped heads taking 1, 2 and 4 heads a cube,
 /// heads of 16, 32, 64 and 128, prefill chunks of 5 and 37 queries (blocks cut short, queries
 /// that see no key), ragged passes beside decoding rows (which the decoding kernel takes), and a
 /// first tile wholly masked. Within the general kernel's f16 tolerance (2e-3), though the layout
-/// also rounds the probabilities (2⁻¹¹ relative each; the worst here was 1.2e-3).
+/// also rounds the weights `exp(s − max)` (2⁻¹¹ relative each; the worst here was 9.1e-4).
 #[test]
 fn the_tensor_core_layout_matches_burns_ops() {
     if !common::backend_ready::<Fused>() {
