@@ -342,7 +342,7 @@ fn paged_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
                 let qi = b % block_len;
                 let j = p % tile_len;
                 let mut score = masked;
-                if is_key[j] == 1 && qi < count && start + j <= past + first + qi {
+                if sees(&is_key, j, start, past + first, qi, count) {
                     let q_base = b * q_stride;
                     let k_base = j * kv_stride;
                     let mut dot = 0.0f32;
@@ -567,7 +567,7 @@ fn score_tile<F: Float>(
             for c in 0..cols {
                 let j = j0 + c * columns_apart;
                 let mut score = f32::new(-1.0e30);
-                if is_key[j] == 1 && qi < count && start + j <= seen + qi {
+                if sees(is_key, j, start, seen, qi, count) {
                     let dot = dots[r * cols + c];
                     score = dot;
                     if fresh {
@@ -638,6 +638,14 @@ fn add_values(
             }
         }
     }
+}
+
+/// Whether query `qi` of a block of `count` (its first at column `seen`) sees column `j` of the
+/// tile from column `start`: a key (`is_key`), at or before the query's own position (causal),
+/// of a query the block has.
+#[cube]
+pub(crate) fn sees(is_key: &SharedMemory<u32>, j: usize, start: usize, seen: usize, qi: usize, count: usize) -> bool {
+    is_key[j] == 1 && qi < count && start + j <= seen + qi
 }
 
 /// Column `column` of `row` in the read table `read` (`[rows, width]`) and the mask `valid`: 1 +

@@ -35,7 +35,7 @@
 use burn::tensor::DType;
 use cubecl::prelude::*;
 
-use crate::paged_attention::{fresh_key_slot, key_slot, pair_index, stage_tile};
+use crate::paged_attention::{fresh_key_slot, key_slot, pair_index, sees, stage_tile};
 
 /// Entries a warp (the rows of a 16 × 16 × 16 product), columns a product of scores, and
 /// elements of the head a step of one.
@@ -218,11 +218,10 @@ fn tensor_core_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
         score_tile::<F>(&q, &staged_keys, &mut scores, head_dim, warps, tensor_cores);
         sync_cube();
         if unit < entries {
-            let seen = past + first + unit % block;
             let base = unit * s_stride;
             let mut tile_most = most;
             for j in 0..tile {
-                if is_key[j] == 1 && unit % block < count && start + j <= seen {
+                if sees(&is_key, j, start, past + first, unit % block, count) {
                     let s = scaled::<F>(scores[base + j], scale, fresh);
                     if s > tile_most {
                         tile_most = s;
@@ -231,7 +230,7 @@ fn tensor_core_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
             }
             let mut tile_sum = 0.0f32;
             for j in 0..tile {
-                if is_key[j] == 1 && unit % block < count && start + j <= seen {
+                if sees(&is_key, j, start, past + first, unit % block, count) {
                     tile_sum += (scaled::<F>(scores[base + j], scale, fresh) - tile_most).exp();
                 }
             }
@@ -278,7 +277,7 @@ fn tensor_core_attention_kernel<F: Float, N: Size, I: Numeric, V: Float>(
             // (at the output, in f32), as FlashAttention rounds it, so that f16 keeps a long
             // context's small weights normal.
             let mut prob = 0.0f32;
-            if is_key[j] == 1 && b % block < count && start + j <= past + first + b % block {
+            if sees(&is_key, j, start, past + first, b % block, count) {
                 prob = (scaled::<F>(scores[b * s_stride + j], scale, fresh) - largest[b]).exp();
             }
             probs[b * p_stride + j] = F::cast_from(prob);
