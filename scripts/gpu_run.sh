@@ -50,6 +50,12 @@
 #              then the 0.6B prefill and scoring of 2,048 tokens and the 0.6B rollout at 64 with
 #              it on and off alternating, twice, then the prefill and scoring under CubeCL's
 #              profiler with it on (the attention kernels' GPU time by name)
+#   pending    for a lease of one command: the two kernels no GPU has run (skinny matmul, on by
+#              default on CUDA; the tensor-core attention, opt-in): check-device with them (tiny
+#              bf16 with the tensor cores, tiny f32, the 0.6B shape in bf16 with the tensor
+#              cores), each on and off once (prefill and scoring; decode at 1 and 64 rows; their
+#              products against burn's), the 0.6B rollout at 64 with both against neither, the
+#              small rollouts, the on/off pairs again, the prefill under CubeCL's profiler
 #   profile-compare  two builds (BIN_B as for compare) under CubeCL's profiler: the 0.6B prefill
 #              and scoring of 2,048 tokens, then the small rollout at 64 with ragged and separate
 #              passes alternating, then the 0.6B rollout at 64 of each build
@@ -107,7 +113,7 @@
 # stage only the first process compiles each kernel (PROMPT_R1_KERNEL_CACHE moves it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|lease-compare|profile-compare|skinny|tensor-cores|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
+stage=${1:?usage: scripts/gpu_run.sh build|compile|lease|lease-more|compare|lease-compare|profile-compare|skinny|tensor-cores|pending|first|host|autotune|check|check-0.6b|train|bench|bench-f32|memory|rollout}
 
 if [ "$stage" = build ]; then
   # cudarc's CUDA API version is fixed at build time: 13.0 matches the hosts' driver 580.
@@ -642,6 +648,38 @@ case "$stage" in
     done
     decode_figures long-tc-on-1.txt long-tc-off-1.txt long-tc-on-2.txt long-tc-off-2.txt
     rollout_figures rollout-tc-on-1.txt rollout-tc-off-1.txt rollout-tc-on-2.txt rollout-tc-off-2.txt
+    kernel_profile profile-long-tc --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score --tensor-core-attention on
+    cat "$work/peak-memory.txt" | tee -a "$log"
+    ;;
+  pending)
+    # Both kernels no GPU has run yet, in one command, for a lease that holds only one: the
+    # skinny-matmul kernel (on by default on CUDA since the fiftieth session) and the tensor-core
+    # attention (off until this stage passes). Correctness first (check-device: tiny model in bf16
+    # with the tensor cores, in f32 with the skinny kernel's f32 path, the 0.6B shape in bf16 with
+    # the tensor cores), then each kernel on and off once (prefill and scoring; decode at 1 and
+    # 64 rows; their products against burn's), the 0.6B rollout at 64 with both against neither,
+    # the small rollouts, a second round of the on/off pairs, and the prefill profiled last.
+    step check-tc-tiny "$bin" --tensor-core-attention on check-device --device cuda --dtype bf16 --rtol 5e-2
+    step check-tiny-f32 "$bin" check-device --device cuda
+    step check-tc-0.6b "$bin" --tensor-core-attention on check-device --device cuda --preset qwen3-0.6b --dtype bf16 --rtol 5e-2
+    pairs() {
+      for on in on off; do
+        bench "long-tc-$on-$1" --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score --tensor-core-attention "$on"
+      done
+      for on in on off; do
+        bench "decode-skinny-$on-$1" --preset qwen3-0.6b --dtype bf16 --workloads decode --decode-batch 1,64 --skinny-matmul "$on"
+      done
+    }
+    pairs 1
+    bench products-0.6b --preset qwen3-0.6b --dtype bf16 --workloads decode --decode-batch 1,64 --products
+    rollout_0_6b rollout-both-on 64 --tensor-core-attention on --skinny-matmul on
+    rollout_0_6b rollout-both-off 64 --tensor-core-attention off --skinny-matmul off
+    rollout_small rollout-small 8,64 --tensor-core-attention on
+    pairs 2
+    decode_figures long-tc-on-1.txt long-tc-off-1.txt decode-skinny-on-1.txt decode-skinny-off-1.txt products-0.6b.txt \
+      long-tc-on-2.txt long-tc-off-2.txt decode-skinny-on-2.txt decode-skinny-off-2.txt
+    grep -h -A3 -E '"(product|token choice)' "$work/products-0.6b.txt" 2> /dev/null | tee -a "$log"
+    rollout_figures rollout-both-on.txt rollout-both-off.txt rollout-small.txt
     kernel_profile profile-long-tc --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score --tensor-core-attention on
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
