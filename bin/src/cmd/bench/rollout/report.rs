@@ -104,6 +104,8 @@ pub struct RolloutStats {
     /// the agent outside steps, and the rest (no step running: every episode in flight waiting
     /// on the environment, and the episode loop). They add up to 1.
     pub time_shares: TimeShares,
+    /// `rollout_over_decode` as the product of three factors: where the gap to pure decode lies.
+    pub ratio_factors: RatioFactors,
     /// Milliseconds per step of the pure decode (all rows, sampling included).
     pub pure_decode_step_ms: f64,
     /// The rollout's decoder steps that only decoded, and their mean milliseconds (sampling
@@ -171,6 +173,43 @@ impl TimeShares {
         let agent = (agent_seconds / wall).min(1.0);
         let outside = (agent - decode - prefill).max(0.0);
         Self { decode_steps: decode, prefill_steps: prefill, agent_outside_steps: outside, waiting: (1.0 - decode - prefill - outside).max(0.0) }
+    }
+}
+
+/// The rollout's speed over pure decode's at the same rows, as the product of three factors
+/// (exactly, where every decoded token is an agent token):
+/// `rows × step_speed × stepping = decoded tokens × pure step / (rows of pure decode × wall)`.
+/// On a GPU, whose step costs about the same at any number of rows, `rows` is what the
+/// workload's environment waits leave to decode, and `step_speed × stepping` is the engine's.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct RatioFactors {
+    /// Rows decoded per step over the rows of pure decode: the others wait on the environment,
+    /// for a row (`max_num_seqs`), or are prefilled in a pass of their own.
+    pub rows: f64,
+    /// Pure decode's step time over the rollout's mean step (decoding-only and prefill steps
+    /// together): what prefills, longer contexts and the cache's bookkeeping cost a step.
+    pub step_speed: f64,
+    /// The share of the wall time with a decoder step running (the rest: every episode in
+    /// flight on the environment, the episode loop, the agent outside steps).
+    pub stepping: f64,
+}
+
+impl RatioFactors {
+    /// The factors of a rollout of `seconds` whose `steps` decoded `rows_per_step` rows each on
+    /// average, against a pure decode of `decode_rows` rows at `pure_step_ms` a step.
+    pub(super) fn of(rows_per_step: f64, decode_rows: usize, pure_step_ms: f64, steps: &StepTimes, seconds: f64) -> Self {
+        let step_seconds = (steps.decode_time + steps.prefill_time).as_secs_f64();
+        let mean_step_ms = 1e3 * step_seconds / (steps.decode_steps + steps.prefill_steps).max(1) as f64;
+        Self {
+            rows: rows_per_step / decode_rows.max(1) as f64,
+            step_speed: if mean_step_ms > 0.0 { pure_step_ms / mean_step_ms } else { 0.0 },
+            stepping: (step_seconds / seconds.max(1e-9)).min(1.0),
+        }
+    }
+
+    /// Their product: the rollout's speed over pure decode's, counted in decoded tokens.
+    pub fn product(&self) -> f64 {
+        self.rows * self.step_speed * self.stepping
     }
 }
 
@@ -263,6 +302,15 @@ pub fn print(stats: &RolloutStats) {
         100.0 * t.agent_outside_steps,
         100.0 * t.waiting
     );
+    let f = &s.ratio_factors;
+    println!(
+        "  rollout / decode = {:.3} = {:.2} (rows decoded a step over {}: the others on the environment or waiting for a row) x {:.2} (pure decode's step over the rollout's mean step: prefills, longer contexts) x {:.2} (share of the wall time with a step running)",
+        f.product(),
+        f.rows,
+        s.decode_rows,
+        f.step_speed,
+        f.stepping
+    );
     let shared = if s.share_prefixes { format!(" ({:.0} more taken from prefixes other episodes computed)", s.shared_prefix_tokens_per_episode) } else { " (no prefix shared)".to_string() };
     println!(
         "  per episode: {:.0} prefill tokens{shared} for {:.0} context tokens, {:.0} of them not the agent's; peak KV {} positions ({:.0} MiB){}",
@@ -337,5 +385,31 @@ pub fn print(stats: &RolloutStats) {
             "  {} episodes did not end with their forced answer",
             s.unexpected_endings
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn the_ratio_factors_multiply_to_decoded_tokens_over_pure_decode() {
+        // 300 decoding-only steps of 2 ms and 20 prefill steps of 10 ms in a 1.6 s rollout that
+        // decoded 1,920 tokens, against pure decode of 8 rows at 1.5 ms a step.
+        let steps = StepTimes { decode_steps: 300, decode_time: Duration::from_millis(600), prefill_steps: 20, prefill_time: Duration::from_millis(200) };
+        let (decoded, seconds, rows, pure_step_ms) = (1920.0, 1.6, 8, 1.5);
+        let f = RatioFactors::of(decoded / 320.0, rows, pure_step_ms, &steps, seconds);
+        assert!((f.rows - 0.75).abs() < 1e-12, "{f:?}");
+        assert!((f.step_speed - 1.5 / 2.5).abs() < 1e-12, "{f:?}");
+        assert!((f.stepping - 0.5).abs() < 1e-12, "{f:?}");
+        let ratio = (decoded / seconds) / (rows as f64 / (pure_step_ms / 1e3));
+        assert!((f.product() - ratio).abs() < 1e-12, "{} against {ratio}", f.product());
+    }
+
+    #[test]
+    fn a_rollout_without_steps_has_factors_of_zero_not_nan() {
+        let f = RatioFactors::of(0.0, 8, 1.5, &StepTimes::default(), 0.0);
+        assert_eq!((f.rows, f.step_speed, f.stepping), (0.0, 0.0, 0.0));
     }
 }
