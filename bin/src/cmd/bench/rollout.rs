@@ -31,7 +31,7 @@ mod report;
 use environment::ScriptedEnvironment;
 use forced_calls::{ForcedCalls, RolloutCounts};
 pub use report::{print, RolloutStats};
-use report::{ContinuousAdmission, RatioFactors, RolloutMemory, TimeShares, Unshared, WorkerRollout};
+use report::{environment_bound, ContinuousAdmission, RatioFactors, RolloutMemory, TimeShares, Unshared, WorkerRollout};
 
 /// The shape of the rollout workload.
 #[derive(Clone, Debug)]
@@ -381,6 +381,9 @@ pub fn measure<B: Backend>(
         context_decode_tokens_per_second: context_decode_rate,
         rollout_over_context_decode: rate / context_decode_rate,
         time_shares: TimeShares::of(seconds, agent_seconds, &steps),
+        environment_bound: settings.max_num_seqs.filter(|&rows| rows < batch).is_none().then(|| {
+            environment_bound(counts.agent_tokens, env_calls, episodes, batch.min(episodes), settings.env_concurrency, decode_seconds / (new_tokens - 1) as f64, settings.latency.as_secs_f64())
+        }),
         ratio_factors: RatioFactors::of(steps.rows_per_step(decoder.decoded), decode_rows, 1e3 * decode_seconds / (new_tokens - 1) as f64, &steps, seconds),
         pure_decode_step_ms: 1e3 * decode_seconds / (new_tokens - 1) as f64,
         decode_steps: steps.decode_steps,

@@ -106,6 +106,10 @@ pub struct RolloutStats {
     pub time_shares: TimeShares,
     /// `rollout_over_decode` as the product of three factors: where the gap to pure decode lies.
     pub ratio_factors: RatioFactors,
+    /// An estimate of the most `rollout_over_decode` can reach at this batch whatever the
+    /// engine, set by the environment alone (see [`environment_bound`]); `None` with
+    /// `max_num_seqs` below the batch, where waiting episodes do not hold rows.
+    pub environment_bound: Option<f64>,
     /// Milliseconds per step of the pure decode (all rows, sampling included).
     pub pure_decode_step_ms: f64,
     /// The rollout's decoder steps that only decoded, and their mean milliseconds (sampling
@@ -213,6 +217,20 @@ impl RatioFactors {
     }
 }
 
+/// The most a rollout's speed over pure decode's can be when every episode holds a row while
+/// its environment call runs, estimated from its episodes: each one's `agent_tokens /
+/// episodes` decoded at pure decode's `pure_step_seconds` a token (prefills free), against its
+/// `env_calls / episodes` waits of `latency_seconds`, calls queued in waves of
+/// `env_concurrency` when `in_flight` episodes call at once (a call waits half the waves
+/// before it on average). Episodes alike in length and in step make it exact; others, a guide.
+pub fn environment_bound(agent_tokens: usize, env_calls: usize, episodes: usize, in_flight: usize, env_concurrency: usize, pure_step_seconds: f64, latency_seconds: f64) -> f64 {
+    let episodes = episodes.max(1) as f64;
+    let decoding = agent_tokens as f64 / episodes * pure_step_seconds;
+    let waves = in_flight.max(1).div_ceil(env_concurrency.max(1)) as f64;
+    let waiting = env_calls as f64 / episodes * latency_seconds * (waves + 1.0) / 2.0;
+    if decoding + waiting > 0.0 { decoding / (decoding + waiting) } else { 1.0 }
+}
+
 /// The episodes run with at most `batch` in flight, the next beginning as soon as one ends
 /// (`[rollout] admission = "continuous"`), where the rollout above runs them `batch` at a time
 /// (the default, each batch waiting for its longest episode): the same episodes, sampled from
@@ -304,12 +322,13 @@ pub fn print(stats: &RolloutStats) {
     );
     let f = &s.ratio_factors;
     println!(
-        "  rollout / decode = {:.3} = {:.2} (rows decoded a step over {}: the others on the environment or waiting for a row) x {:.2} (pure decode's step over the rollout's mean step: prefills, longer contexts) x {:.2} (share of the wall time with a step running)",
+        "  rollout / decode = {:.3} = {:.2} (rows decoded a step over {}: the others on the environment or waiting for a row) x {:.2} (pure decode's step over the rollout's mean step: prefills, longer contexts) x {:.2} (share of the wall time with a step running){}",
         f.product(),
         f.rows,
         s.decode_rows,
         f.step_speed,
-        f.stepping
+        f.stepping,
+        s.environment_bound.map_or(String::new(), |b| format!("; the environment's {} ms calls alone cap it at about {b:.2} at this batch (every step at pure decode's, prefills free)", s.latency_ms))
     );
     let shared = if s.share_prefixes { format!(" ({:.0} more taken from prefixes other episodes computed)", s.shared_prefix_tokens_per_episode) } else { " (no prefix shared)".to_string() };
     println!(
@@ -405,6 +424,20 @@ mod tests {
         assert!((f.stepping - 0.5).abs() < 1e-12, "{f:?}");
         let ratio = (decoded / seconds) / (rows as f64 / (pure_step_ms / 1e3));
         assert!((f.product() - ratio).abs() < 1e-12, "{} against {ratio}", f.product());
+    }
+
+    #[test]
+    fn the_environment_bound_weighs_decoding_against_waits() {
+        // 8 episodes of 640 tokens at 2 ms a step (1.28 s each) and 4 calls of 200 ms (0.8 s).
+        let bound = environment_bound(8 * 640, 8 * 4, 8, 8, 32, 2e-3, 0.2);
+        assert!((bound - 1.28 / 2.08).abs() < 1e-12, "{bound}");
+        // 64 in flight with 32 calls at once: two waves, a call waits 1.5 latencies on average.
+        let waves = environment_bound(64 * 640, 64 * 4, 64, 64, 32, 2e-3, 0.2);
+        assert!((waves - 1.28 / (1.28 + 1.2)).abs() < 1e-12, "{waves}");
+        // Faster steps leave the same waits a larger share: the bound falls.
+        assert!(environment_bound(8 * 640, 8 * 4, 8, 8, 32, 1e-3, 0.2) < bound);
+        assert_eq!(environment_bound(640, 0, 1, 1, 32, 2e-3, 0.2), 1.0, "no call, no wait");
+        assert_eq!(environment_bound(0, 0, 0, 0, 0, 0.0, 0.0), 1.0, "nothing to weigh");
     }
 
     #[test]
