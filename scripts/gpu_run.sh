@@ -518,7 +518,7 @@ serve_bursts() {
 # The rollout benches' figures (issue 32's) and the decode benches' (prefill and decode lines)
 # of the steps named in the arguments, from their JSON reports into the log.
 rollout_figures() {
-  grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"\|"step_speed"\|"stepping"\|"rows"' "${@/#/$work/}" 2> /dev/null | tee -a "$log"
+  grep -h '"ragged_passes"\|"passes_per_step"\|"rollout_over_decode"\|"rollout_over_context_decode"\|"shared_prefix_tokens_per_episode"\|"prefill_tokens_per_episode"\|"waiting"\|"speedup_over_reprefill"\|"peak_kv_\|_step_ms"\|"prefill_steps"\|"decode_steps"\|_mib"\|"rows_per_step"\|"over_batches"\|"agent_tokens_per_second"\|"attention_columns_per_token"\|"step_speed"\|"stepping"\|"rows"\|"environment_bound"' "${@/#/$work/}" 2> /dev/null | tee -a "$log"
 }
 decode_figures() {
   grep -h -A2 '"decode batch\|"prefill\|"score' "${@/#/$work/}" 2> /dev/null | tee -a "$log"
