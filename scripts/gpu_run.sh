@@ -55,7 +55,8 @@
 #              bf16 with the tensor cores, tiny f32, the 0.6B shape in bf16 with the tensor
 #              cores), each on and off once (prefill and scoring; decode at 1 and 64 rows; their
 #              products against burn's), the 0.6B rollout at 64 with both against neither, the
-#              small rollouts, the on/off pairs again, the prefill under CubeCL's profiler
+#              small rollouts, the on/off pairs again, the prefill under CubeCL's profiler,
+#              then (where time is left) the 0.6B rollout of 80 episodes on 64 rows
 #   profile-compare  two builds (BIN_B as for compare) under CubeCL's profiler: the 0.6B prefill
 #              and scoring of 2,048 tokens, then the small rollout at 64 with ragged and separate
 #              passes alternating, then the 0.6B rollout at 64 of each build
@@ -681,6 +682,10 @@ case "$stage" in
     grep -h -A3 -E '"(product|token choice)' "$work/products-0.6b.txt" 2> /dev/null | tee -a "$log"
     rollout_figures rollout-both-on.txt rollout-both-off.txt rollout-small.txt
     kernel_profile profile-long-tc --preset qwen3-0.6b --dtype bf16 --prompt-len 2048 --workloads prefill,score --tensor-core-attention on
+    # Last, where time is left: more episodes in flight than rows, so that episodes waiting on
+    # the environment do not leave rows empty (the environment's bound does not apply there).
+    rollout_0_6b rollout-oversubscribed 80 --max-num-seqs 64 --tensor-core-attention on
+    rollout_figures rollout-oversubscribed.txt
     cat "$work/peak-memory.txt" | tee -a "$log"
     ;;
   profile-compare)
