@@ -337,6 +337,9 @@ pub fn measure<B: Backend>(
     let context_decode_rate = (decode_rows * (new_tokens - 1)) as f64 / context_decode_seconds;
     let context: usize = trajectories.iter().map(|t| t.token_ids.len()).sum();
     let per_episode = |n: usize| n as f64 / episodes as f64;
+    let max_num_seqs = settings.max_num_seqs.filter(|&rows| rows < batch);
+    let pure_step_seconds = decode_seconds / (new_tokens - 1) as f64;
+    let rows_per_step = steps.rows_per_step(decoder.decoded);
     Ok(RolloutStats {
         batch,
         episodes,
@@ -347,7 +350,7 @@ pub fn measure<B: Backend>(
         reply_tokens: settings.reply_tokens,
         latency_ms: settings.latency.as_millis() as u64,
         max_num_batched_tokens: settings.max_batched_tokens,
-        max_num_seqs: settings.max_num_seqs.filter(|&rows| rows < batch),
+        max_num_seqs,
         decode_rows,
         kv_budget_positions: kv_budget,
         preemptions: decoder.preemptions,
@@ -368,7 +371,7 @@ pub fn measure<B: Backend>(
         ragged_passes: settings.ragged_passes && model.takes_ragged_passes(),
         passes_per_step: decoder.passes as f64 / (steps.decode_steps + steps.prefill_steps).max(1) as f64,
         attention_columns_per_token: decoder.attention_columns as f64 / (decoder.decoded + prefill_tokens as u64).max(1) as f64,
-        rows_per_step: steps.rows_per_step(decoder.decoded),
+        rows_per_step,
         context_tokens_per_episode: per_episode(context),
         non_agent_context_tokens_per_episode: per_episode(context - agent_tokens_in_context),
         turns_stopped_early: counts.stopped_early,
@@ -381,11 +384,11 @@ pub fn measure<B: Backend>(
         context_decode_tokens_per_second: context_decode_rate,
         rollout_over_context_decode: rate / context_decode_rate,
         time_shares: TimeShares::of(seconds, agent_seconds, &steps),
-        environment_bound: settings.max_num_seqs.filter(|&rows| rows < batch).is_none().then(|| {
-            environment_bound(counts.agent_tokens, env_calls, episodes, batch.min(episodes), settings.env_concurrency, decode_seconds / (new_tokens - 1) as f64, settings.latency.as_secs_f64())
+        environment_bound: max_num_seqs.is_none().then(|| {
+            environment_bound(counts.agent_tokens, env_calls, episodes, batch.min(episodes), settings.env_concurrency, pure_step_seconds, settings.latency.as_secs_f64())
         }),
-        ratio_factors: RatioFactors::of(steps.rows_per_step(decoder.decoded), decode_rows, 1e3 * decode_seconds / (new_tokens - 1) as f64, &steps, seconds),
-        pure_decode_step_ms: 1e3 * decode_seconds / (new_tokens - 1) as f64,
+        ratio_factors: RatioFactors::of(rows_per_step, decode_rows, 1e3 * pure_step_seconds, &steps, seconds),
+        pure_decode_step_ms: 1e3 * pure_step_seconds,
         decode_steps: steps.decode_steps,
         decode_step_ms: steps.decode_step_ms(),
         prefill_steps: steps.prefill_steps,
